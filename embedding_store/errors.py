@@ -1,0 +1,106 @@
+"""The one error hierarchy of recserve.
+
+Every error a user can see derives from :class:`RecserveError`. Each class carries the HTTP
+status and the gRPC status code it maps to, so front ends translate errors in exactly one place
+(:func:`http_status_of`, :func:`grpc_code_name_of`) and never invent their own mapping.
+Messages are written for the person who sent the bad input: they name the field, the file or
+the peer at fault. Tracebacks go to logs only.
+"""
+
+from __future__ import annotations
+
+
+class RecserveError(Exception):
+    """Base of all recserve errors. Unexpected failures map to 500 / INTERNAL."""
+
+    http_status: int = 500
+    grpc_code: str = "INTERNAL"  # a grpc.StatusCode member name
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgumentError(RecserveError):
+    """The caller sent something malformed: bad request, bad batch, bad bytes."""
+
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class BatchValidationError(InvalidArgumentError):
+    """A batch violates the data model (dtype, shape, names, batch size)."""
+
+
+class DecodeError(InvalidArgumentError):
+    """Bytes could not be decoded (truncated, oversized, corrupt, wrong version)."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A configuration file or value is invalid; the message names file, key path and value."""
+
+
+class NotFoundError(RecserveError):
+    """A named thing (model, version, feature, checkpoint) does not exist."""
+
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
+
+class CheckpointError(RecserveError):
+    """A checkpoint is incomplete, corrupt, or does not match the running configuration."""
+
+    http_status = 409
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class FailedPreconditionError(RecserveError):
+    """The operation is not allowed in the current state (e.g. writes to a read-only store)."""
+
+    http_status = 409
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class AlreadyExistsError(RecserveError):
+    """Refusing to overwrite something that exists (e.g. a checkpoint directory)."""
+
+    http_status = 409
+    grpc_code = "ALREADY_EXISTS"
+
+
+class CapacityError(RecserveError):
+    """A request needs more resources than configured (rows, batch size, body size)."""
+
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class UnavailableError(RecserveError):
+    """A peer or the server itself cannot answer now (not ready, overloaded, shard down)."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+
+class DeadlineExceededError(RecserveError):
+    """The operation did not finish within its deadline."""
+
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+def http_status_of(error: BaseException) -> int:
+    """HTTP status for any exception: recserve errors map by class, everything else is 500."""
+    return error.http_status if isinstance(error, RecserveError) else 500
+
+
+def grpc_code_name_of(error: BaseException) -> str:
+    """gRPC status code name (a ``grpc.StatusCode`` member) for any exception."""
+    return error.grpc_code if isinstance(error, RecserveError) else "INTERNAL"
+
+
+def public_message_of(error: BaseException) -> str:
+    """The message a client may see: recserve errors verbatim, anything else a generic line."""
+    if isinstance(error, RecserveError):
+        return error.message
+    return "internal error (details are in the server log)"

@@ -1,0 +1,1 @@
+"""recserve serving package."""
