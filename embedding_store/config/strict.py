@@ -1,0 +1,407 @@
+"""Strict, typed configuration loading: frozen dataclasses from YAML mappings and back.
+
+:func:`from_mapping` builds a (frozen) dataclass recursively from the output of a YAML load,
+driven by the dataclass field type hints. Nothing is coerced silently: a string is never an
+integer, a ``1`` is never a boolean, unknown keys are rejected (with a did-you-mean) and missing
+required keys are reported. Every failure is a :class:`~embedding_store.errors.ConfigError`
+whose message reads ``<file>: <key.path>: <what was expected>, got <value>``.
+
+Supported field types: ``int``, ``float`` (ints are accepted and widened, booleans are not),
+``bool`` (real YAML booleans only), ``str``, ``Optional[X]`` / ``X | None`` (and unions tried
+in order), ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` (insertion order
+kept), nested dataclasses, ``Enum`` subclasses (by value), ``Literal[...]`` and ``Any``.
+
+Range and cross-field checks live in each dataclass's ``__post_init__`` and raise
+:class:`ConfigFieldError` with a key path *relative to that dataclass*. The loader catches it
+and re-raises a :class:`ConfigError` carrying the file name and the full key path, so a check
+written once reads well both from a file and from direct construction in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import os
+import types
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from embedding_store.errors import ConfigError
+
+__all__ = [
+    "ConfigFieldError",
+    "describe_value",
+    "from_mapping",
+    "join_path",
+    "load_yaml",
+    "read_yaml_mapping",
+    "require_int_in_range",
+    "require_non_empty_str",
+    "require_non_negative_int",
+    "require_positive_int",
+    "to_mapping",
+]
+
+T = TypeVar("T")
+
+_MAX_REPR = 80
+_TYPE_NAMES: dict[type, str] = {
+    bool: "boolean",
+    int: "integer",
+    float: "float",
+    str: "string",
+    list: "list",
+    tuple: "list",
+    dict: "mapping",
+    type(None): "null",
+}
+
+
+class ConfigFieldError(ConfigError):
+    """A config dataclass's own check failed; ``key`` is relative to that dataclass.
+
+    Raised from ``__post_init__``. When the dataclass is built by :func:`from_mapping` the
+    loader turns it into a :class:`ConfigError` naming the file and the full key path.
+    """
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(f"{key}: {detail}" if key else detail)
+        self.key = key
+        self.detail = detail
+
+
+# ----------------------------------------------------------------------------------------------
+# Message helpers
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+def describe_value(value: Any) -> str:
+    """``repr`` of ``value`` (shortened) followed by its YAML-ish type name in parentheses."""
+    type_name = _TYPE_NAMES.get(type(value), type(value).__name__)
+    return f"{_short_repr(value)} ({type_name})"
+
+
+def join_path(prefix: str, key: str) -> str:
+    """Append ``key`` (a name, or an index like ``[3]``) to the dotted key path ``prefix``."""
+    if not prefix:
+        return key
+    if not key:
+        return prefix
+    if key.startswith("["):
+        return prefix + key
+    return f"{prefix}.{key}"
+
+
+def _error(source: str, path: str, detail: str) -> ConfigError:
+    return ConfigError(f"{source}: {path}: {detail}" if path else f"{source}: {detail}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _got(value: Any, type_ok: bool) -> str:
+    # A value of the right type is shown bare ("got -3"); a wrong type also names its type.
+    return _short_repr(value) if type_ok else describe_value(value)
+
+
+def require_positive_int(key: str, value: Any) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) > 0."""
+    if not (_is_int(value) and value > 0):
+        raise ConfigFieldError(
+            key, f"expected a positive integer, got {_got(value, _is_int(value))}"
+        )
+
+
+def require_non_negative_int(key: str, value: Any) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) >= 0."""
+    if not (_is_int(value) and value >= 0):
+        raise ConfigFieldError(
+            key, f"expected a non-negative integer, got {_got(value, _is_int(value))}"
+        )
+
+
+def require_int_in_range(key: str, value: Any, low: int, high: int) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) in ``[low, high]``."""
+    if not (_is_int(value) and low <= value <= high):
+        raise ConfigFieldError(
+            key, f"expected an integer in [{low}, {high}], got {_got(value, _is_int(value))}"
+        )
+
+
+def require_non_empty_str(key: str, value: Any) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is a string with non-blank content."""
+    if not (isinstance(value, str) and value.strip()):
+        raise ConfigFieldError(
+            key, f"expected a non-empty string, got {_got(value, isinstance(value, str))}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Mapping -> dataclass
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if f.init)
+
+
+def from_mapping(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data`` (a ``yaml.safe_load`` result), strictly.
+
+    ``source`` names the file (or other origin) in error messages; ``path`` is the key path of
+    ``data`` inside that source ("" for the top level). Raises :class:`ConfigError`.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"from_mapping needs a dataclass type, got {cls!r}")
+    return _build_dataclass(cls, data, source, path)
+
+
+def _build_dataclass(cls: type[T], value: Any, source: str, path: str) -> T:
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        where = "" if path else " at the top level"
+        raise _error(source, path, f"expected a mapping{where}, got {describe_value(value)}")
+    hints = _type_hints(cls)
+    fields = _init_fields(cls)
+    names = [f.name for f in fields]
+    for key in value:
+        if isinstance(key, str) and key in names:
+            continue
+        if isinstance(key, str):
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise _error(
+                source,
+                join_path(path, key),
+                f"unknown key{hint} (allowed keys: {', '.join(names)})",
+            )
+        raise _error(
+            source,
+            path,
+            f"unknown key {describe_value(key)} (allowed keys: {', '.join(names)})",
+        )
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        sub = join_path(path, f.name)
+        if f.name in value:
+            kwargs[f.name] = _convert(hints[f.name], value[f.name], source, sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _error(source, sub, "required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigFieldError as err:
+        raise _error(source, join_path(path, err.key), err.detail) from None
+
+
+def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
+    if tp is Any:
+        return value
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if origin is Union or origin is types.UnionType:
+        return _convert_union(args, value, source, path)
+    if origin is Literal:
+        for choice in args:
+            if type(choice) is type(value) and choice == value:
+                return choice
+        allowed = ", ".join(repr(a) for a in args)
+        raise _error(source, path, f"expected one of {allowed}, got {describe_value(value)}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        return _convert_sequence(tp, origin or tp, args, value, source, path)
+    if origin is dict or tp is dict:
+        return _convert_dict(args, value, source, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _error(source, path, f"expected a boolean (true/false), got {describe_value(value)}")
+    if tp is int:
+        if _is_int(value):
+            return value
+        raise _error(source, path, f"expected an integer, got {describe_value(value)}")
+    if tp is float:
+        if isinstance(value, float) or _is_int(value):
+            return float(value)
+        raise _error(source, path, f"expected a number, got {describe_value(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _error(source, path, f"expected a string, got {describe_value(value)}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        for member in tp:
+            if type(member.value) is type(value) and member.value == value:
+                return member
+        allowed = ", ".join(repr(m.value) for m in tp)
+        raise _error(source, path, f"expected one of {allowed}, got {describe_value(value)}")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, source, path)
+    raise TypeError(f"unsupported config field type {tp!r} at {path!r}")
+
+
+def _convert_union(args: tuple[Any, ...], value: Any, source: str, path: str) -> Any:
+    none_type = type(None)
+    if value is None and none_type in args:
+        return None
+    arms = [a for a in args if a is not none_type]
+    if len(arms) == 1:
+        if value is None:
+            raise _error(source, path, "expected a value, got null")
+        return _convert(arms[0], value, source, path)
+    for arm in arms:
+        try:
+            return _convert(arm, value, source, path)
+        except ConfigError:
+            continue
+    names = " or ".join(getattr(a, "__name__", repr(a)) for a in arms)
+    if none_type in args:
+        names += " or null"
+    raise _error(source, path, f"expected {names}, got {describe_value(value)}")
+
+
+def _convert_sequence(
+    tp: Any, container: type, args: tuple[Any, ...], value: Any, source: str, path: str
+) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise _error(source, path, f"expected a list, got {describe_value(value)}")
+    if container is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            raise _error(
+                source,
+                path,
+                f"expected a list of exactly {len(args)} items, got {describe_value(value)}",
+            )
+        return tuple(
+            _convert(a, v, source, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))
+        )
+    item_type = args[0] if args else Any
+    items = [_convert(item_type, v, source, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if container is tuple else items
+
+
+def _convert_dict(args: tuple[Any, ...], value: Any, source: str, path: str) -> dict[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise _error(source, path, f"expected a mapping, got {describe_value(value)}")
+    key_type, value_type = args if args else (Any, Any)
+    out: dict[Any, Any] = {}
+    for key, item in value.items():
+        if key_type is str and not isinstance(key, str):
+            raise _error(source, path, f"keys must be strings, got key {describe_value(key)}")
+        sub = join_path(path, str(key))
+        out[_convert(key_type, key, source, sub)] = _convert(value_type, item, source, sub)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# dataclass -> mapping
+
+
+def to_mapping(obj: Any) -> dict[str, Any]:
+    """Inverse of :func:`from_mapping`: plain dicts, lists, str, int, float, bool and None.
+
+    Enums become their values and tuples become lists, so the result is safe for
+    ``yaml.safe_dump`` and JSON, and ``from_mapping(type(obj), to_mapping(obj)) == obj``.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"to_mapping needs a dataclass instance, got {type(obj).__name__}")
+    return _to_plain(obj)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in _init_fields(type(value))}
+    if isinstance(value, enum.Enum):
+        return _to_plain(value.value)
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``SafeLoader`` that rejects duplicate keys in a mapping (YAML would keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable: the base class reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r}",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML file whose top level is a mapping (an empty file reads as ``{}``).
+
+    Missing or unreadable files, syntax errors (with line and column), duplicate keys and a
+    non-mapping top level are :class:`ConfigError` naming the file.
+    """
+    source = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, expected a YAML config file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source}: not valid UTF-8 text ({err.reason})") from None
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot read config file: {err.strerror or err}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        problem = err.problem or err.context or "invalid YAML"
+        if mark is None:
+            raise ConfigError(f"{source}: YAML syntax error: {problem}") from None
+        raise ConfigError(
+            f"{source}: YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: "
+            f"{problem}"
+        ) from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: invalid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {describe_value(data)}"
+        )
+    return data
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
+    """Read the YAML file at ``path`` and build dataclass ``cls`` from it strictly."""
+    return from_mapping(cls, read_yaml_mapping(path), source=os.fspath(path))
