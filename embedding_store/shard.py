@@ -1,0 +1,601 @@
+"""One embedding parameter-server shard, in process: rows, optimizer state, LRU eviction.
+
+Layout. Rows of different widths live in separate per-dim tables; each table has one
+:class:`~embedding_store.hashmap.IdIndex` (uint64 ID -> row), contiguous ``ids`` uint64 [rows],
+``weights`` float32 [rows, dim], optimizer ``state`` float32 [rows, w] and a last-access
+``stamps`` int64 [rows]. Arrays grow geometrically (doubling, capped by the shard capacity) and are
+never reallocated per batch. IDs never collide across dims: the worker prefixes IDs per feature
+group, so one ID lives in at most one table.
+
+Capacity and LRU. ``capacity`` bounds the rows of the whole shard, all dims together. A shard-
+wide clock advances by ``n`` per train lookup of ``n`` IDs; position ``i`` of the batch stamps
+its row with ``clock + i`` (the last position wins for a repeated ID), so stamps are unique and
+the least-recently-used order is exact and deterministic. When a train lookup (or
+:meth:`EmbeddingShard.import_rows`) needs more rows than fit, the shard first stamps the IDs of
+the current batch it already holds, then evicts IN BULK the least-recently-used rows across all
+dim tables: ``max(ceil(capacity / 10), rows needed)``, never a row of the current batch. It
+compacts the surviving rows (order kept) and rebuilds the indexes. The LRU is global to the
+shard: PERSIA's ``num_hashmap_internal_shards`` is accepted for compatibility and ignored. A
+batch whose distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError`.
+Only train lookups and imports refresh stamps; eval lookups and updates do not.
+
+Training vs inference. A train lookup admits unknown IDs with probability ``admit_probability``
+(deterministic per ID and seed; rejected IDs read as zeros and are not stored) and initializes
+admitted ones with :func:`~embedding_store.initializer.initial_vectors` and the optimizer's
+initial state. An eval/infer lookup (``train=False``) never inserts: unknown IDs read as zeros
+and count as misses. A ``read_only`` shard refuses train lookups, updates and clear, and accepts
+:meth:`~EmbeddingShard.import_rows` (that is how an inference shard loads a checkpoint).
+
+Threads. Every public method holds one ``threading.Lock``; the numba kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
+from embedding_store.hashmap import IdIndex
+from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
+from embedding_store.optimizers import SGD, Adagrad, Adam
+
+EVICTION_FRACTION = 0.1
+_MIN_ALLOC = 1024
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """Counters since the shard was created (``clear`` does not reset them).
+
+    ``misses``: unknown IDs of eval/infer lookups. ``inserts``: rows created (train lookups and
+    imports). ``rejected_admissions``: unknown IDs of train lookups not admitted (per
+    occurrence). ``skipped_updates``: IDs of ``update`` calls the shard no longer holds.
+    """
+
+    rows: int
+    capacity: int
+    lookups: int
+    ids_looked_up: int
+    misses: int
+    inserts: int
+    evictions: int
+    rejected_admissions: int
+    updates: int
+    skipped_updates: int
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Rows of one dim: ids uint64 [n], weights float32 [n, dim], optimizer state float32 [n, w].
+
+    ``state=None`` (import only) means "no saved state": the shard initializes it.
+    """
+
+    ids: np.ndarray
+    weights: np.ndarray
+    state: np.ndarray | None
+
+    @property
+    def dim(self) -> int:
+        return int(self.weights.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def _gather_kernel(weights, rows, out):
+    dim = out.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            for c in range(dim):
+                out[i, c] = 0.0
+        else:
+            for c in range(dim):
+                out[i, c] = weights[r, c]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _check_ids(ids: object, name: str = "ids") -> np.ndarray:
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be a uint64 [n] array, got {_describe(ids)}")
+    return np.ascontiguousarray(ids)
+
+
+def _check_dim(dim: object) -> int:
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        raise InvalidArgumentError(f"dim must be a positive integer, got {dim!r}")
+    return int(dim)
+
+
+def _check_optimizer(optimizer: object) -> None:
+    if not isinstance(optimizer, (SGD, Adagrad, Adam)):
+        raise InvalidArgumentError(
+            f"optimizer must be an SGD, Adagrad or Adam instance, got {type(optimizer).__name__}"
+        )
+
+
+class _DimTable:
+    """Rows of one width: index + contiguous arrays, ``size`` of them in use."""
+
+    def __init__(self, dim: int, width: int, alloc: int) -> None:
+        self.dim = dim
+        self.index = IdIndex(2 * alloc)
+        self.ids = np.zeros(alloc, dtype=np.uint64)
+        self.weights = np.zeros((alloc, dim), dtype=np.float32)
+        self.state = np.zeros((alloc, width), dtype=np.float32)
+        self.stamps = np.zeros(alloc, dtype=np.int64)
+        self.size = 0
+
+    @property
+    def alloc(self) -> int:
+        return self.ids.shape[0]
+
+    def reserve(self, need: int, limit: int) -> None:
+        """Room for ``need`` rows; doubling, but never past ``limit`` (>= need) rows."""
+        if need <= self.alloc:
+            return
+        new = min(max(need, 2 * self.alloc, _MIN_ALLOC), max(limit, need))
+        n = self.size
+        for name in ("ids", "weights", "state", "stamps"):
+            old = getattr(self, name)
+            arr = np.zeros((new, *old.shape[1:]), dtype=old.dtype)
+            arr[:n] = old[:n]
+            setattr(self, name, arr)
+
+    def compact(self, keep: np.ndarray) -> None:
+        """Keep rows where ``keep`` (bool [size]) is true, in order, and rebuild the index."""
+        n = int(np.count_nonzero(keep))
+        for name in ("ids", "weights", "state", "stamps"):
+            arr = getattr(self, name)
+            arr[:n] = arr[: self.size][keep]
+        self.size = n
+        self.index.rebuild(self.ids[:n])
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
+        _gather_kernel(self.weights, rows, out)
+        return out
+
+
+class EmbeddingShard:
+    """One shard of the embedding table (see the module docstring for the semantics)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        optimizer: SGD | Adagrad | Adam | None = None,
+        initialization: InitializationConfig | None = None,
+        read_only: bool = False,
+        replica_index: int = 0,
+        replica_size: int = 1,
+        num_hashmap_internal_shards: int = 1,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise InvalidArgumentError(f"capacity must be an integer, got {capacity!r}")
+        if capacity < 1:
+            raise InvalidArgumentError(f"capacity must be >= 1, got {capacity}")
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+        initialization = InitializationConfig() if initialization is None else initialization
+        if not isinstance(initialization, InitializationConfig):
+            raise InvalidArgumentError(
+                "initialization must be an InitializationConfig, "
+                f"got {type(initialization).__name__}"
+            )
+        if not (isinstance(replica_size, (int, np.integer)) and replica_size >= 1):
+            raise InvalidArgumentError(f"replica_size must be >= 1, got {replica_size!r}")
+        if not (isinstance(replica_index, (int, np.integer)) and 0 <= replica_index < replica_size):
+            raise InvalidArgumentError(
+                f"replica_index must be in [0, {replica_size}), got {replica_index!r}"
+            )
+        if not (
+            isinstance(num_hashmap_internal_shards, (int, np.integer))
+            and num_hashmap_internal_shards >= 1
+        ):
+            raise InvalidArgumentError(
+                f"num_hashmap_internal_shards must be >= 1, got {num_hashmap_internal_shards!r}"
+            )
+        self._capacity = int(capacity)
+        self._optimizer = optimizer
+        self._initialization = initialization
+        self._read_only = bool(read_only)
+        self.replica_index = int(replica_index)
+        self.replica_size = int(replica_size)
+        self.num_hashmap_internal_shards = int(num_hashmap_internal_shards)
+        self._min_evict = max(1, -(-self._capacity // 10))
+        self._lock = threading.Lock()
+        self._tables: dict[int, _DimTable] = {}
+        self._rows = 0
+        self._clock = 0
+        self._lookups = 0
+        self._ids_looked_up = 0
+        self._misses = 0
+        self._inserts = 0
+        self._evictions = 0
+        self._rejected = 0
+        self._updates = 0
+        self._skipped = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @property
+    def optimizer(self) -> SGD | Adagrad | Adam | None:
+        return self._optimizer
+
+    @property
+    def initialization(self) -> InitializationConfig:
+        return self._initialization
+
+    def size(self) -> int:
+        """Rows held, all dims together."""
+        return self._rows
+
+    def dims(self) -> list[int]:
+        """Row widths that have a table (sorted)."""
+        with self._lock:
+            return sorted(self._tables)
+
+    def stats(self) -> ShardStats:
+        with self._lock:
+            return ShardStats(
+                rows=self._rows,
+                capacity=self._capacity,
+                lookups=self._lookups,
+                ids_looked_up=self._ids_looked_up,
+                misses=self._misses,
+                inserts=self._inserts,
+                evictions=self._evictions,
+                rejected_admissions=self._rejected,
+                updates=self._updates,
+                skipped_updates=self._skipped,
+            )
+
+    # ------------------------------------------------------------------ configuration
+
+    def configure(
+        self,
+        *,
+        optimizer: SGD | Adagrad | Adam | None = None,
+        initialization: InitializationConfig | None = None,
+    ) -> None:
+        """Set the optimizer and/or initialization (``None`` leaves one unchanged).
+
+        A different optimizer type (or state width) re-initializes the state of every row;
+        new hyperparameters for the same type keep the state.
+        """
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+        if initialization is not None and not isinstance(initialization, InitializationConfig):
+            raise InvalidArgumentError(
+                "initialization must be an InitializationConfig, "
+                f"got {type(initialization).__name__}"
+            )
+        with self._lock:
+            if optimizer is not None:
+                old = self._optimizer
+                for table in self._tables.values():
+                    width = optimizer.state_width(table.dim)
+                    if (
+                        old is None
+                        or type(old) is not type(optimizer)
+                        or old.state_width(table.dim) != width
+                    ):
+                        state = np.zeros((table.alloc, width), dtype=np.float32)
+                        state[: table.size] = optimizer.initial_state(table.size, table.dim)
+                        table.state = state
+                self._optimizer = optimizer
+            if initialization is not None:
+                self._initialization = initialization
+
+    # ------------------------------------------------------------------ internals
+
+    def _width(self, dim: int) -> int:
+        return 0 if self._optimizer is None else self._optimizer.state_width(dim)
+
+    def _table(self, dim: int, need: int) -> _DimTable:
+        table = self._tables.get(dim)
+        if table is None:
+            alloc = min(self._capacity, max(_MIN_ALLOC, need))
+            table = _DimTable(dim, self._width(dim), alloc)
+            self._tables[dim] = table
+        return table
+
+    def _evict(self, needed: int, protect_from: int) -> None:
+        """Evict ``max(min_evict, needed)`` LRU rows with stamps below ``protect_from``."""
+        tables = [t for t in self._tables.values() if t.size]
+        stamps = np.concatenate([t.stamps[: t.size] for t in tables])
+        evictable_mask = stamps < protect_from
+        evictable = int(np.count_nonzero(evictable_mask))
+        k = min(max(self._min_evict, needed), evictable)
+        if k <= 0:
+            return
+        if k == evictable:
+            victims = evictable_mask
+        else:
+            victims = np.zeros(stamps.shape[0], dtype=bool)
+            victims[np.argpartition(stamps, k - 1)[:k]] = True
+        offset = 0
+        for table in tables:
+            mine = victims[offset : offset + table.size]
+            offset += table.size
+            if mine.any():
+                table.compact(~mine)
+        self._rows -= k
+        self._evictions += k
+
+    def _make_room(self, table: _DimTable, new_ids: np.ndarray, base: int, what: str) -> None:
+        """Evict so that the distinct ``new_ids`` fit; the batch's held rows are protected."""
+        if self._rows + new_ids.shape[0] <= self._capacity:
+            return
+        n_new = int(np.unique(new_ids).shape[0])
+        if self._rows + n_new <= self._capacity:
+            return
+        held = int(np.count_nonzero(table.stamps[: table.size] >= base))
+        if held + n_new > self._capacity:
+            raise CapacityError(
+                f"{what} needs {held + n_new} distinct rows ({n_new} new + {held} held) "
+                f"but the shard's capacity is {self._capacity} rows"
+            )
+        self._evict(self._rows + n_new - self._capacity, base)
+
+    def _insert(
+        self, table: _DimTable, new_ids: np.ndarray, stamps: np.ndarray, fill: bool
+    ) -> np.ndarray:
+        """Insert ``new_ids`` (none held; duplicates allowed) -> their rows.
+
+        With ``fill``, new rows get initial vectors and optimizer state (else the caller writes).
+        """
+        limit = table.size + (self._capacity - self._rows)
+        table.reserve(min(table.size + new_ids.shape[0], limit), limit)
+        start = table.size
+        rows, k = table.index.get_or_insert(new_ids, start)
+        table.ids[rows] = new_ids
+        table.stamps[rows] = stamps
+        if fill and k:
+            table.weights[start : start + k] = initial_vectors(
+                table.ids[start : start + k], table.dim, self._initialization
+            )
+            if self._optimizer is not None:
+                table.state[start : start + k] = self._optimizer.initial_state(k, table.dim)
+        table.size += k
+        self._rows += k
+        self._inserts += k
+        return rows
+
+    # ------------------------------------------------------------------ data path
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        """Rows of ``ids`` (uint64 [n], duplicates allowed) -> float32 [n, dim].
+
+        ``train=True`` admits and inserts unknown IDs (evicting LRU rows when full);
+        ``train=False`` never inserts: unknown IDs read as zeros and count as misses.
+        """
+        ids = _check_ids(ids)
+        dim = _check_dim(dim)
+        if train and self._read_only:
+            raise FailedPreconditionError("this shard is read-only: train lookups are refused")
+        n = ids.shape[0]
+        with self._lock:
+            self._lookups += 1
+            self._ids_looked_up += n
+            if not train:
+                table = self._tables.get(dim)
+                if table is None:
+                    self._misses += n
+                    return np.zeros((n, dim), dtype=np.float32)
+                rows = table.index.lookup(ids)
+                self._misses += int(np.count_nonzero(rows < 0))
+                return table.gather(rows)
+            table = self._table(dim, n)
+            base = self._clock
+            self._clock += n
+            rows = table.index.lookup_stamp(ids, table.stamps, base)
+            miss = np.flatnonzero(rows < 0)
+            if miss.shape[0] == 0:
+                return table.gather(rows)
+            miss_ids = ids[miss]
+            if self._initialization.admit_probability < 1.0:
+                ok = admitted(miss_ids, self._initialization)
+                rejected = miss.shape[0] - int(np.count_nonzero(ok))
+                if rejected:
+                    self._rejected += rejected
+                    miss, miss_ids = miss[ok], miss_ids[ok]
+                    if miss.shape[0] == 0:
+                        return table.gather(rows)
+            size_before = self._rows
+            self._make_room(table, miss_ids, base, f"a train lookup of {n} IDs (dim {dim})")
+            if self._rows != size_before:  # evicted: held rows moved
+                rows = table.index.lookup(ids)
+            rows[miss] = self._insert(table, miss_ids, base + miss, fill=True)
+            return table.gather(rows)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """Apply the optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32 [n, dim].
+
+        Returns the number of rows updated; IDs no longer held are skipped and counted.
+        """
+        if self._read_only:
+            raise FailedPreconditionError("this shard is read-only: updates are refused")
+        ids = _check_ids(ids)
+        if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2:
+            raise InvalidArgumentError(
+                f"grads must be a float32 [n, dim] array, got {_describe(grads)}"
+            )
+        if grads.shape[0] != ids.shape[0] or grads.shape[1] < 1:
+            raise InvalidArgumentError(
+                f"grads must have shape [{ids.shape[0]}, dim >= 1] to match ids, "
+                f"got {list(grads.shape)}"
+            )
+        grads = np.ascontiguousarray(grads)
+        with self._lock:
+            optimizer = self._optimizer
+            if optimizer is None:
+                raise FailedPreconditionError(
+                    "no optimizer configured; call configure(optimizer=...)"
+                )
+            n = ids.shape[0]
+            table = self._tables.get(grads.shape[1])
+            if table is None or n == 0:
+                self._skipped += n
+                return 0
+            rows = table.index.lookup(ids)
+            optimizer.apply(
+                table.weights, table.state, rows, grads, self._initialization.weight_bound
+            )
+            updated = int(np.count_nonzero(rows >= 0))
+            self._updates += updated
+            self._skipped += n - updated
+            return updated
+
+    def clear(self) -> None:
+        """Drop every row (counters are kept)."""
+        if self._read_only:
+            raise FailedPreconditionError("this shard is read-only: clear is refused")
+        with self._lock:
+            self._tables = {}
+            self._rows = 0
+
+    # ------------------------------------------------------------------ bulk transfer
+
+    def export_rows(self, dim: int) -> RowBlock:
+        """Copies of all rows of width ``dim`` (compacted, in row order)."""
+        dim = _check_dim(dim)
+        with self._lock:
+            table = self._tables.get(dim)
+            if table is None:
+                return RowBlock(
+                    ids=np.zeros(0, dtype=np.uint64),
+                    weights=np.zeros((0, dim), dtype=np.float32),
+                    state=np.zeros((0, self._width(dim)), dtype=np.float32),
+                )
+            n = table.size
+            return RowBlock(
+                ids=table.ids[:n].copy(),
+                weights=table.weights[:n].copy(),
+                state=table.state[:n].copy(),
+            )
+
+    def import_rows(self, block: RowBlock) -> None:
+        """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.
+
+        Allowed on read-only shards. ``block.state`` must have the optimizer's width for the
+        block's dim; a block with ``state=None`` (or width 0) gets fresh optimizer state, and
+        state is dropped when no optimizer is configured. Imported rows become the most
+        recently used. On an error the shard is unchanged.
+        """
+        ids, weights, state, dim = _check_block(block)
+        if ids.shape[0] == 0:
+            return
+        with self._lock:
+            new_state = self._state_for_import(state, ids.shape[0], dim)
+            self._import_locked(ids, weights, new_state, dim)
+
+    def replace_rows(self, blocks: list[RowBlock]) -> None:
+        """Replace every row of the shard by ``blocks`` (one per dim, as from a checkpoint).
+
+        All-or-nothing: blocks are validated first (shapes, state widths, total rows against
+        ``capacity``) and any error leaves the shard unchanged. Allowed on read-only shards.
+        """
+        checked = [_check_block(b) for b in blocks]
+        dims = [c[3] for c in checked]
+        if len(set(dims)) != len(dims):
+            raise InvalidArgumentError(f"replace_rows needs one block per dim, got dims {dims}")
+        total = sum(c[0].shape[0] for c in checked)
+        if total > self._capacity:
+            total = sum(int(np.unique(c[0]).shape[0]) for c in checked)
+            if total > self._capacity:
+                raise CapacityError(
+                    f"replacing the shard's rows needs {total} rows but its capacity is "
+                    f"{self._capacity} rows"
+                )
+        with self._lock:
+            states = [self._state_for_import(st, ids.shape[0], d) for ids, _, st, d in checked]
+            saved = (self._tables, self._rows, self._inserts)
+            self._tables, self._rows = {}, 0
+            try:
+                for (ids, weights, _, dim), state in zip(checked, states):
+                    if ids.shape[0]:
+                        self._import_locked(ids, weights, state, dim)
+            except BaseException:
+                self._tables, self._rows, self._inserts = saved
+                raise
+
+    def _state_for_import(self, state: np.ndarray | None, n: int, dim: int) -> np.ndarray | None:
+        """The state to write for imported rows (None: no state columns)."""
+        width = self._width(dim)
+        if state is not None and state.shape[1] == width:
+            return state if width else None
+        if state is None or state.shape[1] == 0 or self._optimizer is None:
+            return None if width == 0 else self._optimizer.initial_state(n, dim)
+        raise InvalidArgumentError(
+            f"block.state has {state.shape[1]} columns but the shard's optimizer "
+            f"({self._optimizer.name}) keeps {width} per row of dim {dim}"
+        )
+
+    def _import_locked(
+        self, ids: np.ndarray, weights: np.ndarray, state: np.ndarray | None, dim: int
+    ) -> None:
+        n = ids.shape[0]
+        table = self._table(dim, n)
+        base = self._clock
+        self._clock += n
+        rows = table.index.lookup_stamp(ids, table.stamps, base)
+        miss = np.flatnonzero(rows < 0)
+        if miss.shape[0]:
+            miss_ids = ids[miss]
+            size_before = self._rows
+            self._make_room(table, miss_ids, base, f"importing {n} rows (dim {dim})")
+            if self._rows != size_before:
+                rows = table.index.lookup(ids)
+            rows[miss] = self._insert(table, miss_ids, base + miss, fill=False)
+        table.weights[rows] = weights
+        if state is not None:
+            table.state[rows] = state
+
+
+def _check_block(block: object) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Validated ``(ids, weights, state or None, dim)`` of a RowBlock."""
+    if not isinstance(block, RowBlock):
+        raise InvalidArgumentError(f"block must be a RowBlock, got {type(block).__name__}")
+    ids = _check_ids(block.ids, "block.ids")
+    weights, state = block.weights, block.state
+    n = ids.shape[0]
+    if (
+        not isinstance(weights, np.ndarray)
+        or weights.dtype != np.float32
+        or weights.ndim != 2
+        or weights.shape[0] != n
+        or weights.shape[1] < 1
+    ):
+        raise InvalidArgumentError(
+            f"block.weights must be a float32 [{n}, dim] array, got {_describe(weights)}"
+        )
+    if state is not None and (
+        not isinstance(state, np.ndarray)
+        or state.dtype != np.float32
+        or state.ndim != 2
+        or state.shape[0] != n
+    ):
+        raise InvalidArgumentError(
+            f"block.state must be None or a float32 [{n}, w] array, got {_describe(state)}"
+        )
+    return ids, weights, state, int(weights.shape[1])

@@ -1,0 +1,222 @@
+"""Sparse optimizer kernels against torch.optim (dense) and a numpy reference of the formulas."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_store.errors import ConfigError, InvalidArgumentError
+from embedding_store.optimizers import SGD, Adagrad, Adam, optimizer_from_dict
+
+R, DIM, STEPS = 40, 8, 5
+ROWS = np.array([31, 3, 17, 0, 39, 8, 22], dtype=np.int64)  # a scattered subset of the table
+
+
+def _setup(optimizer, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(-0.5, 0.5, (R, DIM)).astype(np.float32)
+    state = optimizer.initial_state(R, DIM)
+    grads = [rng.standard_normal((len(ROWS), DIM)).astype(np.float32) for _ in range(STEPS)]
+    return weights, state, grads
+
+
+def _run_ours(optimizer, weight_bound=None):
+    weights, state, grads = _setup(optimizer)
+    before = weights.copy()
+    for g in grads:
+        optimizer.apply(weights, state, ROWS, g, weight_bound)
+    untouched = np.setdiff1d(np.arange(R), ROWS)
+    np.testing.assert_array_equal(weights[untouched], before[untouched])
+    return weights, state, grads, before
+
+
+def _run_torch(make_optimizer, before, grads):
+    param = torch.nn.Parameter(torch.from_numpy(before[ROWS].copy()))
+    opt = make_optimizer([param])
+    for g in grads:
+        opt.zero_grad()
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+    return param.detach().numpy()
+
+
+def test_sgd_matches_torch() -> None:
+    ours = SGD(lr=0.05, weight_decay=0.1)
+    weights, _, grads, before = _run_ours(ours)
+    expected = _run_torch(lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=0.1), before, grads)
+    assert np.abs(weights[ROWS] - expected).max() <= 1e-6
+
+
+def test_adagrad_matches_torch() -> None:
+    ours = Adagrad(lr=0.05, initial_accumulator_value=0.1, eps=1e-6, weight_decay=0.05)
+    weights, state, grads, before = _run_ours(ours)
+    expected = _run_torch(
+        lambda p: torch.optim.Adagrad(
+            p, lr=0.05, lr_decay=0, weight_decay=0.05, initial_accumulator_value=0.1, eps=1e-6
+        ),
+        before,
+        grads,
+    )
+    assert np.abs(weights[ROWS] - expected).max() <= 1e-6
+    untouched = np.setdiff1d(np.arange(R), ROWS)
+    assert np.all(state[untouched] == np.float32(0.1))
+
+
+def test_adam_matches_torch() -> None:
+    ours = Adam(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+    weights, state, grads, before = _run_ours(ours)
+    expected = _run_torch(
+        lambda p: torch.optim.Adam(
+            p, lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01, amsgrad=False
+        ),
+        before,
+        grads,
+    )
+    assert np.abs(weights[ROWS] - expected).max() <= 1e-6
+    assert np.all(state[ROWS, 2 * DIM] == STEPS)  # per-row step count
+    assert np.all(state[np.setdiff1d(np.arange(R), ROWS)] == 0)
+
+
+def test_adam_bias_correction_is_per_row() -> None:
+    """A row updated for the first time is corrected with t=1, whatever other rows did."""
+    opt = Adam(lr=0.1)
+    weights = np.zeros((2, 2), dtype=np.float32)
+    state = opt.initial_state(2, 2)
+    g = np.ones((1, 2), dtype=np.float32)
+    for _ in range(3):
+        opt.apply(weights, state, np.array([0]), g)
+    opt.apply(weights, state, np.array([1]), g)
+    # first Adam step moves by lr * m_hat / (sqrt(v_hat) + eps) = lr * 1 / (1 + eps)
+    np.testing.assert_allclose(weights[1], [-0.1, -0.1], rtol=1e-6)
+    assert state[0, 4] == 3 and state[1, 4] == 1
+
+
+def _numpy_adagrad(weights, state, grads, lr, m, eps, wd, shared):
+    w = weights.astype(np.float64)
+    acc = state.astype(np.float64)
+    for g in grads:
+        for i, r in enumerate(ROWS):
+            gi = g[i].astype(np.float64) + wd * w[r]
+            if shared:
+                acc[r, 0] = m * acc[r, 0] + np.mean(gi * gi)
+                w[r] -= lr * gi / (math.sqrt(acc[r, 0]) + eps)
+            else:
+                acc[r] = m * acc[r] + gi * gi
+                w[r] -= lr * gi / (np.sqrt(acc[r]) + eps)
+    return w, acc
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_adagrad_momentum_and_vectorwise_shared_match_formula(shared: bool) -> None:
+    ours = Adagrad(
+        lr=0.03,
+        initial_accumulator_value=0.2,
+        g_square_momentum=0.9,
+        eps=1e-4,
+        weight_decay=0.02,
+        vectorwise_shared=shared,
+    )
+    assert ours.state_width(DIM) == (1 if shared else DIM)
+    weights, state, grads = _setup(ours)
+    expected_w, expected_acc = _numpy_adagrad(weights, state, grads, 0.03, 0.9, 1e-4, 0.02, shared)
+    for g in grads:
+        ours.apply(weights, state, ROWS, g)
+    assert np.abs(weights - expected_w).max() <= 1e-6
+    assert np.abs(state - expected_acc).max() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "optimizer", [SGD(lr=1.0), Adagrad(lr=1.0), Adam(lr=1.0)], ids=["sgd", "adagrad", "adam"]
+)
+def test_weight_bound_clamps(optimizer) -> None:
+    weights = np.full((4, 3), 0.05, dtype=np.float32)
+    state = optimizer.initial_state(4, 3)
+    grads = np.array([[100.0, -100.0, 0.0], [-100.0, 100.0, 0.0]], dtype=np.float32)
+    optimizer.apply(weights, state, np.array([1, 2]), grads, 0.1)
+    assert np.abs(weights).max() <= np.float32(0.1)
+    assert weights[1, 0] == np.float32(-0.1) and weights[1, 1] == np.float32(0.1)
+    assert weights[2, 0] == np.float32(0.1) and weights[2, 1] == np.float32(-0.1)
+    assert weights[1, 2] == np.float32(0.05)  # zero gradient, inside the bound
+    assert np.all(weights[[0, 3]] == np.float32(0.05))
+
+
+def test_rows_of_minus_one_are_skipped() -> None:
+    opt = SGD(lr=1.0)
+    weights = np.zeros((2, 2), dtype=np.float32)
+    opt.apply(weights, opt.initial_state(2, 2), np.array([-1, 1]), np.ones((2, 2), np.float32))
+    assert weights.tolist() == [[0, 0], [-1, -1]]
+
+
+def test_state_widths_and_initial_state() -> None:
+    assert SGD().state_width(16) == 0
+    assert Adagrad().state_width(16) == 16
+    assert Adagrad(vectorwise_shared=True).state_width(16) == 1
+    assert Adam().state_width(16) == 33
+    assert SGD().initial_state(3, 16).shape == (3, 0)
+    init = Adagrad(initial_accumulator_value=0.5).initial_state(3, 4)
+    assert init.dtype == np.float32 and init.shape == (3, 4) and np.all(init == 0.5)
+    assert np.all(Adam().initial_state(2, 4) == 0)
+    assert [o.name for o in (SGD(), Adagrad(), Adam())] == ["sgd", "adagrad", "adam"]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        SGD(lr=0.5, weight_decay=0.1),
+        Adagrad(g_square_momentum=0.5, vectorwise_shared=True, eps=1e-3),
+        Adam(betas=(0.5, 0.75), eps=1e-5),
+    ],
+)
+def test_dict_round_trip(optimizer) -> None:
+    d = optimizer.to_dict()
+    assert d["name"] == optimizer.name
+    assert optimizer_from_dict(d) == optimizer
+    legacy = {("type" if k == "name" else k): v for k, v in d.items()}
+    assert optimizer_from_dict(legacy) == optimizer
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: SGD(lr=-1), "sgd.lr"),
+        (lambda: SGD(weight_decay=float("nan")), "sgd.weight_decay"),
+        (lambda: Adagrad(g_square_momentum=0), "adagrad.g_square_momentum"),
+        (lambda: Adagrad(g_square_momentum=1.5), "adagrad.g_square_momentum"),
+        (lambda: Adagrad(initial_accumulator_value=-0.1), "adagrad.initial_accumulator_value"),
+        (lambda: Adagrad(eps=-1), "adagrad.eps"),
+        (lambda: Adagrad(vectorwise_shared="yes"), "adagrad.vectorwise_shared"),
+        (lambda: Adam(betas=(1.0, 0.9)), r"adam.betas\[0\]"),
+        (lambda: Adam(betas=(0.9, -0.1)), r"adam.betas\[1\]"),
+        (lambda: Adam(betas=(0.9,)), "adam.betas"),
+        (lambda: Adam(lr="fast"), "adam.lr"),
+    ],
+)
+def test_invalid_parameters_name_the_field(make, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+def test_optimizer_from_dict_errors() -> None:
+    with pytest.raises(ConfigError, match=r"optimizer\.name must be one of"):
+        optimizer_from_dict({"name": "rmsprop"})
+    with pytest.raises(ConfigError, match="unknown keys"):
+        optimizer_from_dict({"name": "sgd", "momentum": 0.9})
+
+
+def test_apply_rejects_bad_arrays() -> None:
+    opt = Adagrad()
+    weights = np.zeros((4, 2), dtype=np.float32)
+    state = opt.initial_state(4, 2)
+    with pytest.raises(InvalidArgumentError, match="grads must be float32"):
+        opt.apply(weights, state, np.array([0]), np.zeros((1, 2), dtype=np.float64))
+    with pytest.raises(InvalidArgumentError, match=r"grads must have shape \[1, 2\]"):
+        opt.apply(weights, state, np.array([0]), np.zeros((1, 3), dtype=np.float32))
+    with pytest.raises(InvalidArgumentError, match=r"state must be a float32 \[4, 2\]"):
+        opt.apply(
+            weights, np.zeros((4, 1), np.float32), np.array([0]), np.zeros((1, 2), np.float32)
+        )
+    with pytest.raises(InvalidArgumentError, match="rows must be < 4"):
+        opt.apply(weights, state, np.array([4]), np.zeros((1, 2), dtype=np.float32))

@@ -1,0 +1,406 @@
+"""EmbeddingShard: initialization, admission, LRU eviction, updates, export/import, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
+from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
+from embedding_store.interfaces import ParameterServer
+from embedding_store.optimizers import SGD, Adagrad, Adam
+from embedding_store.shard import EmbeddingShard, RowBlock
+
+
+def u64(*values) -> np.ndarray:
+    if len(values) == 1 and not np.isscalar(values[0]):
+        return np.asarray(values[0], dtype=np.uint64)
+    return np.array(values, dtype=np.uint64)
+
+
+def held(shard: EmbeddingShard, dim: int) -> set[int]:
+    return set(shard.export_rows(dim).ids.tolist())
+
+
+def test_satisfies_the_parameter_server_protocol() -> None:
+    assert isinstance(EmbeddingShard(10), ParameterServer)
+
+
+def test_same_id_same_initial_vector_whatever_replica_and_batch() -> None:
+    ids = u64(np.arange(200, dtype=np.uint64) * np.uint64(7919) + np.uint64(2**63))
+    a = EmbeddingShard(1000)
+    rows_a = a.lookup(ids, 8, train=True)
+    np.testing.assert_array_equal(rows_a, initial_vectors(ids, 8, InitializationConfig()))
+
+    b = EmbeddingShard(1000, replica_index=3, replica_size=4)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(ids))
+    got = {}
+    for chunk in np.array_split(order, 7):
+        batch = np.concatenate([ids[chunk], ids[chunk[:3]], u64(1, 2, 3)])  # dups + strangers
+        out = b.lookup(batch, 8, train=True)
+        got.update({int(k): out[i] for i, k in enumerate(batch.tolist())})
+    for i, k in enumerate(ids.tolist()):
+        np.testing.assert_array_equal(got[k], rows_a[i])
+    # columns do not depend on the row width; the seed changes everything
+    np.testing.assert_array_equal(initial_vectors(ids, 16)[:, :8], rows_a)
+    other = initial_vectors(ids, 8, InitializationConfig(seed=1))
+    assert not np.any(other == rows_a)
+    assert rows_a.min() >= -0.01 and rows_a.max() < 0.01
+
+
+def test_initialization_range_and_bound() -> None:
+    ids = u64(np.arange(5000))
+    v = initial_vectors(ids, 4, InitializationConfig(low=1.0, high=3.0))
+    assert v.dtype == np.float32 and v.min() >= 1.0 and v.max() < 3.0
+    assert abs(float(v.mean()) - 2.0) < 0.02
+    clamped = initial_vectors(ids, 4, InitializationConfig(low=-1, high=1, weight_bound=0.25))
+    assert np.abs(clamped).max() == np.float32(0.25)
+
+
+def test_eval_never_inserts_and_counts_misses() -> None:
+    shard = EmbeddingShard(100, optimizer=SGD())
+    out = shard.lookup(u64(1, 2, 2), 4, train=False)
+    assert out.shape == (3, 4) and out.dtype == np.float32 and not out.any()
+    assert shard.size() == 0 and shard.dims() == []
+
+    known = shard.lookup(u64(5, 6), 4, train=True)
+    out = shard.lookup(u64(6, 7, 5, 7), 4, train=False)
+    np.testing.assert_array_equal(out[[0, 2]], known[[1, 0]])
+    assert not out[[1, 3]].any()
+    assert shard.size() == 2
+    s = shard.stats()
+    assert (s.misses, s.lookups, s.ids_looked_up, s.inserts) == (5, 3, 9, 2)
+    # other dims have their own tables: the same IDs are unknown at dim 8
+    assert not shard.lookup(u64(5, 6), 8, train=False).any()
+    assert shard.stats().misses == 7
+
+
+def test_admission_is_deterministic_and_near_p() -> None:
+    config = InitializationConfig(admit_probability=0.25, seed=3)
+    shard = EmbeddingShard(200_000, initialization=config)
+    ids = u64(np.arange(100_000) + 10**12)
+    out = shard.lookup(ids, 2, train=True)
+    expected = admitted(ids, config)
+    assert 0.24 < expected.mean() < 0.26
+    assert shard.size() == int(expected.sum())
+    assert not out[~expected].any()
+    np.testing.assert_array_equal(out[expected], initial_vectors(ids[expected], 2, config))
+    assert shard.stats().rejected_admissions == 100_000 - shard.size()
+    # the same IDs are rejected again (per occurrence); admitted ones are now held
+    again = shard.lookup(ids, 2, train=True)
+    np.testing.assert_array_equal(again, out)
+    assert shard.stats().rejected_admissions == 2 * (100_000 - shard.size())
+    assert shard.stats().inserts == shard.size()
+
+
+def test_lru_evicts_exactly_the_least_recently_used_in_bulk() -> None:
+    shard = EmbeddingShard(20)  # evicts at least ceil(20 / 10) = 2 rows at a time
+    first = shard.lookup(u64(range(10)), 4, train=True)
+    shard.lookup(u64(range(10, 20)), 4, train=True)
+    assert shard.size() == 20 and shard.stats().evictions == 0
+
+    out = shard.lookup(u64(3, 15, 100), 4, train=True)  # 1 new: evicts 2 (0 and 1)
+    np.testing.assert_array_equal(out[0], first[3])
+    assert held(shard, 4) == set(range(2, 20)) | {100}
+    assert shard.stats().evictions == 2
+
+    shard.lookup(u64(200, 201, 2), 4, train=True)  # 2 is touched first: evicts 4 and 5
+    assert held(shard, 4) == {2, 3, *range(6, 20), 100, 200, 201}
+    assert shard.stats().evictions == 4
+
+    shard.lookup(u64(range(300, 308)), 4, train=True)  # 8 new: evicts what is needed (7)
+    assert held(shard, 4) == {2, 3, *range(13, 20), 100, 200, 201, *range(300, 308)}
+    assert shard.size() == 20
+    s = shard.stats()
+    assert (s.evictions, s.inserts, s.rows) == (11, 31, 20)
+    # survivors kept their rows; evicted IDs are unknown again
+    np.testing.assert_array_equal(shard.lookup(u64(3), 4, train=False)[0], first[3])
+    assert not shard.lookup(u64(0, 4, 12), 4, train=False).any()
+
+
+def test_lru_last_occurrence_in_a_batch_wins() -> None:
+    shard = EmbeddingShard(4)  # evicts 1 row at a time
+    shard.lookup(u64(1, 2, 3, 4), 2, train=True)
+    shard.lookup(u64(1, 2, 1), 2, train=True)  # order now 3, 4, 2, 1
+    for new, gone in ((5, 3), (6, 4), (7, 2)):
+        shard.lookup(u64(new, new), 2, train=True)  # a repeated new ID takes one row
+        assert gone not in held(shard, 2)
+        assert shard.size() == 4
+    assert held(shard, 2) == {1, 5, 6, 7}
+
+
+def test_lru_is_global_across_dims() -> None:
+    shard = EmbeddingShard(10)
+    shard.lookup(u64(1, 2, 3), 4, train=True)
+    shard.lookup(u64(11, 12, 13), 8, train=True)
+    shard.lookup(u64(4, 5, 6), 4, train=True)
+    shard.lookup(u64(14), 8, train=True)
+    assert shard.size() == 10 and shard.dims() == [4, 8]
+    shard.lookup(u64(12, 20, 21), 8, train=True)  # evicts 1 and 2 from the dim-4 table
+    assert held(shard, 4) == {3, 4, 5, 6}
+    assert held(shard, 8) == {11, 12, 13, 14, 20, 21}
+    shard.lookup(u64(30), 4, train=True)  # evicts 3
+    shard.lookup(u64(31), 4, train=True)  # evicts 11 from the dim-8 table
+    assert held(shard, 4) == {4, 5, 6, 30, 31}
+    assert held(shard, 8) == {12, 13, 14, 20, 21}
+    assert shard.stats().evictions == 4
+
+
+def test_capacity_error_names_the_numbers() -> None:
+    shard = EmbeddingShard(10)
+    with pytest.raises(CapacityError, match=r"11 distinct rows .*capacity is 10"):
+        shard.lookup(u64(range(11)), 4, train=True)
+    assert shard.size() == 0
+    shard.lookup(u64(range(6)), 4, train=True)
+    with pytest.raises(CapacityError, match=r"12 distinct rows \(6 new \+ 6 held\)"):
+        shard.lookup(u64(*range(6), *range(100, 106)), 4, train=True)
+    assert held(shard, 4) == set(range(6))
+    # duplicates of new IDs count once
+    shard.lookup(u64([50] * 30 + [51]), 4, train=True)
+    assert shard.size() == 8
+
+
+def _trained_shard(optimizer) -> EmbeddingShard:
+    shard = EmbeddingShard(1000, optimizer=optimizer)
+    rng = np.random.default_rng(5)
+    for dim in (4, 8):
+        ids = u64(rng.integers(0, 2**64, 50, dtype=np.uint64))
+        for _ in range(3):
+            shard.lookup(ids, dim, train=True)
+            shard.update(ids[::2].copy(), rng.standard_normal((25, dim)).astype(np.float32))
+    return shard
+
+
+@pytest.mark.parametrize(
+    "optimizer", [SGD(), Adagrad(vectorwise_shared=True), Adam()], ids=["sgd", "adagrad", "adam"]
+)
+def test_export_import_round_trip_is_bit_exact(optimizer) -> None:
+    source = _trained_shard(optimizer)
+    target = EmbeddingShard(1000, optimizer=optimizer)
+    for dim in source.dims():
+        target.import_rows(source.export_rows(dim))
+    assert target.dims() == source.dims() and target.size() == source.size()
+    for dim in source.dims():
+        a, b = source.export_rows(dim), target.export_rows(dim)
+        assert a.state.shape[1] == optimizer.state_width(dim)
+        for name in ("ids", "weights", "state"):
+            assert getattr(a, name).tobytes() == getattr(b, name).tobytes()
+        # optimizer state travelled: the same update gives the same rows
+        grads = np.full((len(a), dim), 0.5, dtype=np.float32)
+        assert source.update(a.ids, grads) == target.update(a.ids, grads) == len(a)
+        np.testing.assert_array_equal(
+            source.lookup(a.ids, dim, train=False), target.lookup(a.ids, dim, train=False)
+        )
+
+
+def test_export_is_a_copy_and_empty_dims_export_empty() -> None:
+    shard = EmbeddingShard(10, optimizer=Adam())
+    block = shard.export_rows(4)
+    assert block.ids.shape == (0,) and block.weights.shape == (0, 4) and block.state.shape == (0, 9)
+    shard.lookup(u64(1), 4, train=True)
+    block = shard.export_rows(4)
+    block.weights[:] = 7
+    assert shard.lookup(u64(1), 4, train=False).max() < 1
+
+
+def test_import_overwrites_evicts_and_adapts_state() -> None:
+    shard = EmbeddingShard(10, optimizer=Adagrad(initial_accumulator_value=0.3))
+    shard.lookup(u64(range(8)), 2, train=True)
+    block = RowBlock(
+        ids=u64(7, 100, 101, 102, 103),
+        weights=np.arange(10, dtype=np.float32).reshape(5, 2),
+        state=np.full((5, 2), 9.0, dtype=np.float32),
+    )
+    shard.import_rows(block)  # 4 new on 8 held of 10: evicts 2 LRU rows (0 and 1)
+    assert held(shard, 2) == {2, 3, 4, 5, 6, 7, 100, 101, 102, 103}
+    assert shard.stats().evictions == 2
+    np.testing.assert_array_equal(shard.lookup(u64(7, 103), 2, train=False), [[0, 1], [8, 9]])
+    # a block without state gets fresh optimizer state
+    shard.import_rows(RowBlock(u64(5), np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32)))
+    exported = shard.export_rows(2)
+    row = int(np.flatnonzero(exported.ids == 5)[0])
+    assert exported.state[row].tolist() == pytest.approx([0.3, 0.3])
+    assert exported.state[exported.ids == 7].tolist() == [[9.0, 9.0]]
+    with pytest.raises(InvalidArgumentError, match=r"block.state has 3 columns .*adagrad.* 2"):
+        shard.import_rows(
+            RowBlock(u64(1), np.ones((1, 2), np.float32), np.ones((1, 3), np.float32))
+        )
+    with pytest.raises(InvalidArgumentError, match=r"block.weights must be a float32 \[1, dim\]"):
+        shard.import_rows(RowBlock(u64(1), np.ones((1, 2)), np.ones((1, 2), np.float32)))
+
+
+def test_replace_rows_is_all_or_nothing() -> None:
+    source = _trained_shard(Adam())
+    blocks = [source.export_rows(d) for d in source.dims()]
+    shard = EmbeddingShard(1000, optimizer=Adam(), read_only=True)
+    shard.import_rows(RowBlock(u64(1, 2), np.ones((2, 16), np.float32), None))
+    assert shard.export_rows(16).state.shape == (2, 33)  # state=None: fresh state
+    shard.replace_rows(blocks)
+    assert shard.dims() == [4, 8] and shard.size() == source.size()
+    for d in (4, 8):
+        a, b = source.export_rows(d), shard.export_rows(d)
+        assert a.weights.tobytes() == b.weights.tobytes()
+        assert a.state.tobytes() == b.state.tobytes()
+    bad = RowBlock(u64(9), np.ones((1, 4), np.float32), np.ones((1, 3), np.float32))
+    with pytest.raises(InvalidArgumentError, match=r"block\.state has 3 columns"):
+        shard.replace_rows([blocks[1], bad])
+    with pytest.raises(CapacityError, match="needs 100 rows but its capacity is 60"):
+        EmbeddingShard(60, optimizer=Adam()).replace_rows(blocks)
+    assert shard.size() == source.size()  # unchanged
+    shard.replace_rows([])
+    assert shard.size() == 0
+
+
+def test_read_only_shard_loads_by_import_and_refuses_writes() -> None:
+    source = _trained_shard(Adam())
+    infer = EmbeddingShard(1000, read_only=True)  # no optimizer: state is dropped on import
+    for dim in source.dims():
+        infer.import_rows(source.export_rows(dim))
+    block = source.export_rows(8)
+    np.testing.assert_array_equal(infer.lookup(block.ids, 8, train=False), block.weights)
+    assert infer.export_rows(8).state.shape == (len(block), 0)
+    assert infer.read_only
+    with pytest.raises(FailedPreconditionError, match="read-only"):
+        infer.lookup(block.ids, 8, train=True)
+    with pytest.raises(FailedPreconditionError, match="read-only"):
+        infer.update(block.ids, block.weights)
+    with pytest.raises(FailedPreconditionError, match="read-only"):
+        infer.clear()
+    assert infer.size() == source.size()
+
+
+def test_update_through_shard_equals_direct_kernel() -> None:
+    opt = Adagrad(lr=0.1, initial_accumulator_value=0.2, weight_decay=0.01)
+    config = InitializationConfig(low=-0.5, high=0.5, weight_bound=0.45)
+    shard = EmbeddingShard(100, optimizer=opt, initialization=config)
+    ids = u64(10, 20, 30, 40)
+    shard.lookup(ids, 3, train=True)
+    rng = np.random.default_rng(1)
+    weights = initial_vectors(ids, 3, config)
+    state = opt.initial_state(4, 3)
+    for _ in range(4):
+        grads = rng.standard_normal((5, 3)).astype(np.float32) * 3
+        upd_ids = u64(30, 10, 999, 40, 20)  # 999 is not held: skipped and counted
+        assert shard.update(upd_ids, grads) == 4
+        opt.apply(weights, state, np.array([2, 0, -1, 3, 1]), grads, 0.45)
+    np.testing.assert_array_equal(shard.lookup(ids, 3, train=False), weights)
+    np.testing.assert_array_equal(shard.export_rows(3).state, state)
+    assert np.abs(weights).max() <= np.float32(0.45)
+    s = shard.stats()
+    assert (s.updates, s.skipped_updates) == (16, 4)
+    # an unknown dim skips everything
+    assert shard.update(ids, np.zeros((4, 5), np.float32)) == 0
+    assert shard.stats().skipped_updates == 8
+
+
+def test_update_without_optimizer_fails() -> None:
+    shard = EmbeddingShard(10)
+    shard.lookup(u64(1), 2, train=True)
+    with pytest.raises(
+        FailedPreconditionError,
+        match=r"no optimizer configured; call configure\(optimizer=\.\.\.\)",
+    ):
+        shard.update(u64(1), np.zeros((1, 2), np.float32))
+
+
+def test_configure_reinitializes_state_only_on_type_or_width_change() -> None:
+    shard = EmbeddingShard(10, optimizer=SGD())
+    shard.lookup(u64(1, 2), 4, train=True)
+    assert shard.export_rows(4).state.shape == (2, 0)
+    shard.configure(optimizer=Adagrad(initial_accumulator_value=0.7))
+    assert np.all(shard.export_rows(4).state == np.float32(0.7))
+    shard.update(u64(1), np.ones((1, 4), np.float32))
+    before = shard.export_rows(4).state
+    shard.configure(optimizer=Adagrad(lr=0.5, initial_accumulator_value=0.1))  # same type
+    np.testing.assert_array_equal(shard.export_rows(4).state, before)
+    shard.configure(optimizer=Adagrad(vectorwise_shared=True))  # width 4 -> 1
+    assert np.all(shard.export_rows(4).state == np.full((2, 1), 0.01, np.float32))
+    shard.configure(optimizer=Adam())
+    assert shard.export_rows(4).state.shape == (2, 9) and not shard.export_rows(4).state.any()
+    new_init = InitializationConfig(low=0.5, high=0.6)
+    shard.configure(initialization=new_init)
+    assert shard.initialization == new_init and isinstance(shard.optimizer, Adam)
+    assert shard.lookup(u64(3), 4, train=True).min() >= 0.5
+    # rows inserted after configure get the new optimizer's initial state
+    assert shard.export_rows(4).state.shape == (3, 9)
+
+
+def test_clear_keeps_counters_and_vectors_come_back_identical() -> None:
+    shard = EmbeddingShard(10, optimizer=SGD())
+    first = shard.lookup(u64(1, 2), 4, train=True)
+    shard.clear()
+    assert shard.size() == 0 and shard.dims() == []
+    assert shard.stats().inserts == 2
+    np.testing.assert_array_equal(shard.lookup(u64(1, 2), 4, train=True), first)
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (
+            lambda s: s.lookup(np.array([1, 2]), 4, train=True),
+            r"ids must be a uint64 \[n\] .*int64",
+        ),
+        (lambda s: s.lookup(u64([[1, 2]]), 4, train=False), r"ids must be .*uint64\[1, 2\]"),
+        (lambda s: s.lookup([1, 2], 4, train=False), r"ids must be .*got list"),
+        (lambda s: s.lookup(u64(1), 0, train=True), r"dim must be a positive integer, got 0"),
+        (lambda s: s.update(u64(1), np.zeros((1, 4))), r"grads must be a float32 .*float64"),
+        (
+            lambda s: s.update(u64(1, 2), np.zeros((3, 4), np.float32)),
+            r"grads must have shape \[2, dim >= 1\] .*got \[3, 4\]",
+        ),
+        (lambda s: s.import_rows("rows"), r"block must be a RowBlock, got str"),
+    ],
+)
+def test_bad_arguments_are_named(call, pattern: str) -> None:
+    shard = EmbeddingShard(10, optimizer=SGD())
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        call(shard)
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(InvalidArgumentError, match="capacity must be >= 1"):
+        EmbeddingShard(0)
+    with pytest.raises(InvalidArgumentError, match=r"replica_index must be in \[0, 2\)"):
+        EmbeddingShard(10, replica_index=2, replica_size=2)
+    with pytest.raises(InvalidArgumentError, match="optimizer must be"):
+        EmbeddingShard(10, optimizer="adam")
+
+
+def test_empty_batches() -> None:
+    shard = EmbeddingShard(10, optimizer=SGD())
+    assert shard.lookup(u64([]), 4, train=True).shape == (0, 4)
+    assert shard.lookup(u64([]), 4, train=False).shape == (0, 4)
+    assert shard.update(u64([]), np.zeros((0, 4), np.float32)) == 0
+
+
+def test_concurrent_lookups_and_updates_stay_consistent() -> None:
+    shard = EmbeddingShard(3000, optimizer=Adagrad())
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                ids = np.unique(rng.integers(0, 20_000, 500).astype(np.uint64))
+                dim = int(rng.choice([4, 8]))
+                out = shard.lookup(ids, dim, train=True)
+                assert out.shape == (len(ids), dim)
+                shard.update(ids, np.ones((len(ids), dim), np.float32))
+                shard.lookup(ids, dim, train=False)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = shard.stats()
+    assert s.rows <= 3000 and s.evictions > 0
+    assert s.rows == sum(len(shard.export_rows(d)) for d in shard.dims())
+    assert s.inserts - s.evictions == s.rows
