@@ -1,0 +1,433 @@
+"""Embedding checkpoint format: safetensors per shard and dim, a JSON manifest, a done-marker.
+
+Layout of an embedding checkpoint directory::
+
+    embedding_manifest.json       format version, embedding config, shard count, optimizer,
+                                  per-file row counts, byte sizes and SHA-256 checksums
+    shard_00000/dim_16.safetensors   tensors ``ids`` (U64 [n]), ``weights`` (F32 [n, 16]),
+                                     ``state`` (F32 [n, w]: the optimizer state of each row)
+    shard_00001/...
+    DONE                          written last: a directory without it is incomplete
+
+Every file is written under a temporary name and renamed into place; a whole checkpoint made
+in one process is assembled in a temporary directory and renamed as a unit, so a reader sees
+either nothing or a complete checkpoint. Loading verifies the done-marker, the manifest, every
+checksum and the config (slot dims and ID prefixes) *before* touching the running store, and
+re-shards rows by :func:`embedding_store.hashing.shard_of` when the shard count differs.
+No pickle anywhere: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from embedding_store.config import (
+    EmbeddingConfig,
+    embedding_config_from_mapping,
+    embedding_config_to_mapping,
+)
+from embedding_store.errors import AlreadyExistsError, CheckpointError, RecserveError
+from embedding_store.hashing import shard_of
+from embedding_store.optimizers import optimizer_from_dict
+from embedding_store.shard import EmbeddingShard, RowBlock
+
+FORMAT_NAME = "recserve-embedding-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "embedding_manifest.json"
+DONE_MARKER = "DONE"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One safetensors file of a checkpoint: which shard and dim it holds, and its checksum."""
+
+    shard: int
+    dim: int
+    path: str  # relative to the checkpoint directory
+    rows: int
+    state_width: int
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class EmbeddingManifest:
+    """The parsed ``embedding_manifest.json`` of a checkpoint."""
+
+    directory: Path
+    format_version: int
+    created_unix: float
+    num_shards: int
+    embedding_config: EmbeddingConfig
+    optimizer: dict[str, Any] | None
+    files: tuple[FileEntry, ...]
+
+    @property
+    def total_rows(self) -> int:
+        return sum(entry.rows for entry in self.files)
+
+    def rows_per_shard(self) -> list[int]:
+        counts = [0] * self.num_shards
+        for entry in self.files:
+            counts[entry.shard] += entry.rows
+        return counts
+
+
+# --------------------------------------------------------------------------- writing
+def _write_atomic(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` via a temporary name, fsync, rename."""
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    with open(temporary, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def write_shard_part(
+    shard: EmbeddingShard, directory: str | os.PathLike, shard_index: int
+) -> list[FileEntry]:
+    """Write one shard's rows into ``directory/shard_{index:05d}/``; returns the file entries.
+
+    Used by :func:`dump_embeddings`, and by each parameter-server process when a dump spans
+    processes (the caller then writes the manifest with :func:`finalize_checkpoint`).
+    """
+    root = Path(directory)
+    part = root / f"shard_{shard_index:05d}"
+    part.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for dim in sorted(shard.dims()):
+        block = shard.export_rows(dim)
+        payload = safetensors.numpy.save(
+            {
+                "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),
+                "weights": np.ascontiguousarray(block.weights, dtype=np.float32),
+                "state": np.ascontiguousarray(block.state, dtype=np.float32),
+            },
+            metadata={"format": FORMAT_NAME, "shard": str(shard_index), "dim": str(dim)},
+        )
+        relative = f"{part.name}/dim_{dim}.safetensors"
+        _write_atomic(root / relative, payload)
+        entries.append(
+            FileEntry(
+                shard=shard_index,
+                dim=dim,
+                path=relative,
+                rows=len(block.ids),
+                state_width=int(block.state.shape[1]),
+                bytes=len(payload),
+                sha256=hashlib.sha256(payload).hexdigest(),
+            )
+        )
+    return entries
+
+
+def finalize_checkpoint(
+    directory: str | os.PathLike,
+    embedding_config: EmbeddingConfig,
+    num_shards: int,
+    entries: Sequence[FileEntry],
+    optimizer: dict[str, Any] | None,
+) -> None:
+    """Write the manifest, then the done-marker (last, so its presence means complete)."""
+    root = Path(directory)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "created_unix": time.time(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "num_shards": num_shards,
+        "embedding_config": embedding_config_to_mapping(embedding_config),
+        "optimizer": optimizer,
+        "files": [entry.to_dict() for entry in sorted(entries, key=lambda e: (e.shard, e.dim))],
+    }
+    _write_atomic(root / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+    _write_atomic(root / DONE_MARKER, b"")
+
+
+def publish_directory(staging: Path, target: Path, *, overwrite: bool) -> None:
+    """Move a fully written ``staging`` directory to ``target`` by rename.
+
+    An existing ``target`` is refused unless ``overwrite``; then it is renamed away first and
+    removed only after the new one is in place.
+    """
+    if target.exists():
+        if not overwrite:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise AlreadyExistsError(
+                f"checkpoint directory {target} already exists; refusing to overwrite it"
+            )
+        retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+        os.replace(target, retired)
+        os.replace(staging, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def staging_directory_for(target: Path) -> Path:
+    """A fresh temporary directory next to ``target`` (same filesystem, so rename is atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    staging.mkdir()
+    return staging
+
+
+def dump_embeddings(
+    shards: Sequence[EmbeddingShard],
+    directory: str | os.PathLike,
+    embedding_config: EmbeddingConfig,
+    *,
+    overwrite: bool = False,
+) -> EmbeddingManifest:
+    """Dump in-process shards (``shards[i]`` is replica i) as one checkpoint, atomically."""
+    target = Path(directory)
+    staging = staging_directory_for(target)
+    try:
+        entries: list[FileEntry] = []
+        for index, shard in enumerate(shards):
+            entries.extend(write_shard_part(shard, staging, index))
+        optimizer = shards[0].optimizer.to_dict() if shards[0].optimizer else None
+        finalize_checkpoint(staging, embedding_config, len(shards), entries, optimizer)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_directory(staging, target, overwrite=overwrite)
+    return read_manifest(target)
+
+
+# --------------------------------------------------------------------------- reading
+def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
+    """Parse and sanity-check a checkpoint's manifest (no checksums: see :func:`verify`)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"embedding checkpoint {root} does not exist or is not a directory")
+    if not (root / DONE_MARKER).exists():
+        raise CheckpointError(
+            f"embedding checkpoint {root} is incomplete: no {DONE_MARKER} marker "
+            "(the dump did not finish)"
+        )
+    try:
+        raw = json.loads((root / MANIFEST_NAME).read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"embedding checkpoint {root} has no {MANIFEST_NAME}") from error
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from error
+    try:
+        if raw.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{root / MANIFEST_NAME} is not a {FORMAT_NAME} manifest")
+        version = raw["format_version"]
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{root} has checkpoint format version {version}; "
+                f"this build reads version {FORMAT_VERSION}"
+            )
+        num_shards = int(raw["num_shards"])
+        files = tuple(FileEntry(**entry) for entry in raw["files"])
+        config = embedding_config_from_mapping(
+            raw["embedding_config"], source=str(root / MANIFEST_NAME)
+        )
+        manifest = EmbeddingManifest(
+            directory=root,
+            format_version=version,
+            created_unix=float(raw["created_unix"]),
+            num_shards=num_shards,
+            embedding_config=config,
+            optimizer=raw.get("optimizer"),
+            files=files,
+        )
+    except RecserveError:
+        raise
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from error
+    for entry in files:
+        if not 0 <= entry.shard < num_shards:
+            raise CheckpointError(
+                f"{root / MANIFEST_NAME}: file {entry.path} names shard {entry.shard} "
+                f"of {num_shards}"
+            )
+        if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
+            raise CheckpointError(f"{root / MANIFEST_NAME}: file path {entry.path!r} escapes it")
+    return manifest
+
+
+def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, np.ndarray]:
+    """Read one file once, check size and SHA-256, decode it, and check its tensors."""
+    path = manifest.directory / entry.path
+    try:
+        payload = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {error}") from error
+    if len(payload) != entry.bytes:
+        raise CheckpointError(
+            f"checkpoint file {path} has {len(payload)} bytes; the manifest says {entry.bytes} "
+            "(truncated or replaced)"
+        )
+    if hashlib.sha256(payload).hexdigest() != entry.sha256:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: SHA-256 mismatch")
+    try:
+        tensors = safetensors.numpy.load(payload)
+    except Exception as error:  # safetensors raises its own error types
+        raise CheckpointError(
+            f"checkpoint file {path} is not valid safetensors: {error}"
+        ) from error
+    ids, weights, state = (tensors.get(k) for k in ("ids", "weights", "state"))
+    if (
+        ids is None
+        or weights is None
+        or state is None
+        or ids.dtype != np.uint64
+        or weights.shape != (entry.rows, entry.dim)
+        or state.shape != (entry.rows, entry.state_width)
+        or len(ids) != entry.rows
+    ):
+        raise CheckpointError(
+            f"checkpoint file {path} does not hold ids/weights/state of "
+            f"{entry.rows} rows x dim {entry.dim} as its manifest says"
+        )
+    return tensors
+
+
+def verify(directory: str | os.PathLike) -> EmbeddingManifest:
+    """Check completeness and every checksum; raises CheckpointError naming the problem."""
+    manifest = read_manifest(directory)
+    for entry in manifest.files:
+        _read_verified(manifest, entry)
+    return manifest
+
+
+def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> None:
+    """Refuse a checkpoint whose slots would be read with other dims or other ID prefixes."""
+    saved = manifest.embedding_config
+    problems = []
+    for name in config.slot_names:
+        if name not in saved.slots_config:
+            continue  # a new slot starts empty
+        if saved.slots_config[name].dim != config.slots_config[name].dim:
+            problems.append(
+                f"slot {name!r} has dim {saved.slots_config[name].dim} in the checkpoint "
+                f"but {config.slots_config[name].dim} in the config"
+            )
+        elif saved.index_prefix(name) != config.index_prefix(name):
+            problems.append(
+                f"slot {name!r} has another ID prefix in the checkpoint (feature groups or "
+                "feature_index_prefix_bit changed)"
+            )
+    if problems:
+        raise CheckpointError(
+            f"embedding checkpoint {manifest.directory} does not match the embedding config: "
+            + "; ".join(problems)
+        )
+
+
+def read_rows_for_replica(
+    manifest: EmbeddingManifest,
+    replica_index: int,
+    replica_size: int,
+    *,
+    keep_state_of: str | None,
+) -> list[RowBlock]:
+    """Verified rows that replica ``replica_index`` of ``replica_size`` owns, per dim.
+
+    ``keep_state_of``: the optimizer name of the receiving shard; the saved optimizer state is
+    kept only when the checkpoint was written with the same optimizer, else it is dropped
+    (None rows state) and the shard initializes it.
+    """
+    saved_name = manifest.optimizer.get("name") if manifest.optimizer else None
+    keep_state = keep_state_of is not None and keep_state_of == saved_name
+    by_dim: dict[int, list[RowBlock]] = {}
+    for entry in manifest.files:
+        tensors = _read_verified(manifest, entry)
+        ids = tensors["ids"]
+        if manifest.num_shards == replica_size and entry.shard == replica_index:
+            picked = slice(None)
+        elif manifest.num_shards == replica_size:
+            continue  # same layout: only this replica's own files
+        else:
+            picked = np.flatnonzero(shard_of(ids, replica_size) == replica_index)
+        state = tensors["state"][picked] if keep_state else None
+        by_dim.setdefault(entry.dim, []).append(
+            RowBlock(ids=ids[picked], weights=tensors["weights"][picked], state=state)
+        )
+    blocks = []
+    for _dim, parts in sorted(by_dim.items()):
+        states = [p.state for p in parts]
+        blocks.append(
+            RowBlock(
+                ids=np.concatenate([p.ids for p in parts]),
+                weights=np.concatenate([p.weights for p in parts]),
+                state=None if any(s is None for s in states) else np.concatenate(states),
+            )
+        )
+    return blocks
+
+
+def load_into_shard(
+    directory: str | os.PathLike,
+    shard: EmbeddingShard,
+    embedding_config: EmbeddingConfig,
+    *,
+    replica_index: int,
+    replica_size: int,
+) -> EmbeddingManifest:
+    """Replace ``shard``'s rows with its part of a checkpoint; on any error it is unchanged."""
+    manifest = read_manifest(directory)
+    check_compatible(manifest, embedding_config)
+    optimizer_name = shard.optimizer.name if shard.optimizer else None
+    blocks = read_rows_for_replica(
+        manifest, replica_index, replica_size, keep_state_of=optimizer_name
+    )
+    _check_capacity(manifest, shard, blocks)
+    shard.replace_rows(blocks)
+    return manifest
+
+
+def load_embeddings(
+    directory: str | os.PathLike,
+    shards: Sequence[EmbeddingShard],
+    embedding_config: EmbeddingConfig,
+) -> EmbeddingManifest:
+    """Load a checkpoint into in-process shards (``shards[i]`` is replica i of len(shards)).
+
+    Every shard's rows are read and verified before any shard changes.
+    """
+    manifest = read_manifest(directory)
+    check_compatible(manifest, embedding_config)
+    staged = []
+    for index, shard in enumerate(shards):
+        optimizer_name = shard.optimizer.name if shard.optimizer else None
+        blocks = read_rows_for_replica(manifest, index, len(shards), keep_state_of=optimizer_name)
+        _check_capacity(manifest, shard, blocks)
+        staged.append(blocks)
+    for shard, blocks in zip(shards, staged):
+        shard.replace_rows(blocks)
+    return manifest
+
+
+def _check_capacity(manifest: EmbeddingManifest, shard: EmbeddingShard, blocks) -> None:
+    rows = sum(len(b.ids) for b in blocks)
+    if rows > shard.capacity:
+        raise CheckpointError(
+            f"embedding checkpoint {manifest.directory} gives this shard {rows} rows, "
+            f"more than its capacity {shard.capacity}; raise capacity or add shards"
+        )
+
+
+def optimizer_of(manifest: EmbeddingManifest):
+    """The optimizer the checkpoint was trained with, or None."""
+    return optimizer_from_dict(manifest.optimizer) if manifest.optimizer else None

@@ -1,0 +1,196 @@
+"""Embedding checkpoints: atomic dumps, verified loads, re-sharding, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_store import checkpoint
+from embedding_store.batch import Batch, IDTypeFeature
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import AlreadyExistsError, CheckpointError
+from embedding_store.optimizers import SGD, Adagrad
+from embedding_store.shard import EmbeddingShard
+from embedding_store.worker import EmbeddingWorker
+
+CONFIG = embedding_config_from_mapping(
+    {"slots_config": {"a": {"dim": 8}, "b": {"dim": 8}, "c": {"dim": 3}}}
+)
+
+
+def make_shards(n: int, optimizer=None) -> list[EmbeddingShard]:
+    return [
+        EmbeddingShard(
+            100_000, optimizer=optimizer or Adagrad(lr=0.1), replica_index=i, replica_size=n
+        )
+        for i in range(n)
+    ]
+
+
+def random_batch(seed: int, batch_size: int = 64) -> Batch:
+    rng = np.random.default_rng(seed)
+
+    def lists():
+        return [rng.integers(0, 5000, size=rng.integers(0, 5)).tolist() for _ in range(batch_size)]
+
+    return Batch(
+        [IDTypeFeature.from_lists(name, lists()) for name in ("a", "b", "c")],
+        requires_grad=False,
+    )
+
+
+def trained_worker(num_shards: int) -> tuple[EmbeddingWorker, list[EmbeddingShard]]:
+    shards = make_shards(num_shards)
+    worker = EmbeddingWorker(CONFIG, shards)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        result = worker.lookup(random_batch(step), train=True)
+        grads = {s.name: torch.randn(s.embeddings.shape, generator=generator) for s in result.slots}
+        worker.backward(result.ref, grads)
+    return worker, shards
+
+
+def all_rows(shards, dim):
+    ids, weights, state = [], [], []
+    for shard in shards:
+        block = shard.export_rows(dim)
+        ids.append(block.ids)
+        weights.append(block.weights)
+        state.append(block.state)
+    ids = np.concatenate(ids)
+    order = np.argsort(ids)
+    return ids[order], np.concatenate(weights)[order], np.concatenate(state)[order]
+
+
+def test_dump_from_two_load_into_three_is_bit_exact(tmp_path):
+    worker, shards = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    assert manifest.num_shards == 2
+    assert manifest.total_rows == sum(s.size() for s in shards)
+    assert (tmp_path / "ckpt" / "DONE").exists()
+
+    target = make_shards(3)
+    checkpoint.load_embeddings(tmp_path / "ckpt", target, CONFIG)
+    for dim in (8, 3):
+        before, after = all_rows(shards, dim), all_rows(target, dim)
+        for x, y in zip(before, after):
+            assert np.array_equal(x, y)  # ids, weights and optimizer state, bit for bit
+    # Each row sits on the shard that owns it under the new count.
+    reloaded = EmbeddingWorker(CONFIG, target)
+    for seed in range(8):
+        batch = random_batch(100 + seed)
+        expected = worker.lookup(batch, train=False)
+        got = reloaded.lookup(batch, train=False)
+        for e, g in zip(expected.slots, got.slots):
+            assert torch.equal(e.embeddings, g.embeddings)
+
+
+def test_optimizer_state_kept_so_training_continues_identically(tmp_path):
+    _, shards = trained_worker(2)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    restored = make_shards(1)
+    checkpoint.load_embeddings(tmp_path / "ckpt", restored, CONFIG)
+    original = EmbeddingWorker(CONFIG, shards)
+    resumed = EmbeddingWorker(CONFIG, restored)
+    batch = random_batch(7)
+    for worker in (original, resumed):
+        result = worker.lookup(batch, train=True)
+        worker.backward(result.ref, {s.name: torch.ones(s.embeddings.shape) for s in result.slots})
+    a, b = original.lookup(batch, train=False), resumed.lookup(batch, train=False)
+    for x, y in zip(a.slots, b.slots):
+        assert torch.equal(x.embeddings, y.embeddings)
+
+
+def test_refuses_to_overwrite_and_overwrites_when_asked(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    with pytest.raises(AlreadyExistsError, match="already exists"):
+        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary leftovers
+
+
+def _loaded_store_is_unchanged(tmp_path, broken_dir, match):
+    _, shards = trained_worker(1)
+    before = all_rows(shards, 8)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load_embeddings(broken_dir, shards, CONFIG)
+    after = all_rows(shards, 8)
+    for x, y in zip(before, after):
+        assert np.array_equal(x, y)
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    _, shards = trained_worker(2)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    (tmp_path / "ckpt" / "DONE").unlink()
+    _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "incomplete: no DONE marker")
+
+
+def test_corrupt_file_is_refused(tmp_path):
+    _, shards = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    victim = tmp_path / "ckpt" / manifest.files[-1].path
+    payload = bytearray(victim.read_bytes())
+    payload[-5] ^= 0xFF
+    victim.write_bytes(bytes(payload))
+    _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "corrupt: SHA-256 mismatch")
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        checkpoint.verify(tmp_path / "ckpt")
+
+
+def test_truncated_file_is_refused(tmp_path):
+    _, shards = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    victim = tmp_path / "ckpt" / manifest.files[0].path
+    victim.write_bytes(victim.read_bytes()[:100])
+    _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "truncated or replaced")
+
+
+def test_mismatched_dims_are_refused(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    other = embedding_config_from_mapping(
+        {"slots_config": {"a": {"dim": 16}, "b": {"dim": 8}, "c": {"dim": 3}}}
+    )
+    with pytest.raises(CheckpointError, match="slot 'a' has dim 8 in the checkpoint but 16"):
+        checkpoint.load_embeddings(tmp_path / "ckpt", make_shards(1), other)
+
+
+def test_manifest_problems_are_named(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest_path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    raw = json.loads(manifest_path.read_text())
+    raw["format_version"] = 99
+    manifest_path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        checkpoint.read_manifest(tmp_path / "ckpt")
+    manifest_path.write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        checkpoint.read_manifest(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.read_manifest(tmp_path / "missing")
+
+
+def test_other_optimizer_drops_state_but_keeps_weights(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    sgd_shards = make_shards(1, optimizer=SGD(lr=0.1))
+    checkpoint.load_embeddings(tmp_path / "ckpt", sgd_shards, CONFIG)
+    ids, weights, _ = all_rows(shards, 8)
+    ids2, weights2, state2 = all_rows(sgd_shards, 8)
+    assert np.array_equal(ids, ids2) and np.array_equal(weights, weights2)
+    assert state2.shape == (len(ids2), 0)
+
+
+def test_capacity_too_small_is_refused_before_loading(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    small = [EmbeddingShard(10, optimizer=Adagrad(lr=0.1))]
+    with pytest.raises(CheckpointError, match="more than its capacity 10"):
+        checkpoint.load_embeddings(tmp_path / "ckpt", small, CONFIG)
+    assert small[0].size() == 0

@@ -1,0 +1,276 @@
+"""The worker core pools and scatters exactly like torch.nn.EmbeddingBag / autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, Label
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import BatchValidationError, InvalidArgumentError, NotFoundError
+from embedding_store.hashing import shard_of
+from embedding_store.optimizers import SGD
+from embedding_store.shard import EmbeddingShard
+from embedding_store.worker import EmbeddingWorker, hash_stack
+
+DIM = 4
+
+
+def make_config(**slot_overrides):
+    slots = {
+        "user": {"dim": DIM},
+        "items": {"dim": DIM, "sqrt_scaling": True},
+        "history": {"dim": DIM, "embedding_summation": False, "sample_fixed_size": 3},
+        "city": {"dim": 2},
+    }
+    for name, extra in slot_overrides.items():
+        slots[name].update(extra)
+    return embedding_config_from_mapping(
+        {"slots_config": slots, "feature_groups": {"people": ["user", "items"]}}
+    )
+
+
+def make_batch() -> Batch:
+    return Batch(
+        [
+            IDTypeFeature.from_lists("user", [[1], [2, 2], [], [7]]),
+            IDTypeFeature.from_lists("items", [[10, 11, 12], [], [10], [1, 10]]),
+            IDTypeFeature.from_lists("history", [[5, 6, 7, 8], [5], [], [9, 9]]),
+            IDTypeFeatureWithSingleID.from_ids("city", [3, 3, 4, 5]),
+        ],
+        labels=[Label(np.zeros((4, 1), np.float32))],
+    )
+
+
+def make_worker(
+    config, num_shards: int, deduplicate: bool | None = None
+) -> tuple[EmbeddingWorker, list[EmbeddingShard]]:
+    shards = [
+        EmbeddingShard(10_000, optimizer=SGD(lr=1.0), replica_index=i, replica_size=num_shards)
+        for i in range(num_shards)
+    ]
+    return EmbeddingWorker(config, shards, deduplicate=deduplicate), shards
+
+
+def table_ids(config, slot: str, raw: np.ndarray) -> np.ndarray:
+    prefix = np.uint64(config.index_prefix(slot))
+    return (raw.astype(np.uint64) & np.uint64(config.id_mask)) | prefix
+
+
+def reference_rows(shards, ids: np.ndarray, dim: int) -> np.ndarray:
+    """Rows as stored on their owning shards (eval lookups never insert)."""
+    owner = shard_of(ids, len(shards))
+    out = np.zeros((len(ids), dim), np.float32)
+    for s, shard in enumerate(shards):
+        picked = np.flatnonzero(owner == s)
+        out[picked] = shard.lookup(ids[picked], dim, train=False)
+    return out
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+@pytest.mark.parametrize("deduplicate", [False, True])
+def test_pooling_matches_embedding_bag(num_shards, deduplicate):
+    config = make_config()
+    worker, shards = make_worker(config, num_shards, deduplicate)
+    batch = make_batch()
+    result = worker.lookup(batch, train=True)
+    assert [s.name for s in result.slots] == ["user", "items", "history", "city"]
+
+    for name, mode_weights in [("user", False), ("items", True)]:
+        feature = batch.id_feature(name)
+        ids = table_ids(config, name, feature.values)
+        rows = torch.from_numpy(reference_rows(shards, ids, DIM))
+        bag = torch.nn.EmbeddingBag.from_pretrained(rows, mode="sum")
+        weights = None
+        if mode_weights:
+            lengths = np.maximum(feature.lengths, 1).astype(np.float32)
+            weights = torch.from_numpy(np.repeat(1 / np.sqrt(lengths), feature.lengths))
+        expected = bag(
+            torch.arange(len(ids)),
+            torch.from_numpy(feature.offsets[:-1].copy()),
+            per_sample_weights=weights,
+        )
+        torch.testing.assert_close(result.slot(name).embeddings, expected, rtol=0, atol=1e-7)
+    # Empty sample pools to zeros.
+    assert torch.equal(result.slot("user").embeddings[2], torch.zeros(DIM))
+
+    history = result.slot("history")
+    assert history.embeddings.shape == (4, 3, DIM)
+    assert history.mask.tolist() == [
+        [True, True, True],
+        [True, False, False],
+        [False, False, False],
+        [True, True, False],
+    ]
+    first = reference_rows(shards, table_ids(config, "history", np.array([5, 6, 7])), DIM)
+    np.testing.assert_array_equal(history.embeddings[0].numpy(), first)
+    assert torch.equal(history.embeddings[2], torch.zeros(3, DIM))
+    city = result.slot("city")
+    assert city.embeddings.shape == (4, 2)
+    torch.testing.assert_close(city.embeddings[0], city.embeddings[1], rtol=0, atol=0)
+
+
+def test_feature_group_shares_id_space():
+    config = make_config()
+    worker, shards = make_worker(config, 1)
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("user", [[42]]),
+            IDTypeFeature.from_lists("items", [[42]]),
+            IDTypeFeature.from_lists("history", [[42]]),
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=True)
+    user = result.slot("user").embeddings[0]
+    # user and items are one group: ID 42 is the same row; history is its own ID space.
+    torch.testing.assert_close(result.slot("items").embeddings[0], user, rtol=0, atol=0)
+    assert not torch.equal(result.slot("history").embeddings[0, 0], user)
+    assert shards[0].size() == 2
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+@pytest.mark.parametrize("deduplicate", [False, True])
+def test_backward_matches_autograd(num_shards, deduplicate):
+    config = make_config()
+    worker, shards = make_worker(config, num_shards, deduplicate)
+    batch = make_batch()
+    result = worker.lookup(batch, train=True)
+
+    # Dense reference: one EmbeddingBag per slot over the rows the worker used, autograd grads.
+    generator = torch.Generator().manual_seed(0)
+    grads = {s.name: torch.randn(s.embeddings.shape, generator=generator) for s in result.slots}
+    expected_after: dict[bytes, np.ndarray] = {}
+    before: dict[bytes, np.ndarray] = {}
+    accumulated: dict[bytes, np.ndarray] = {}
+    for name in ["user", "items", "history", "city"]:
+        feature = batch.id_feature(name)
+        slot_cfg = config.slots_config[name]
+        ids = table_ids(config, name, feature.values)
+        rows = torch.from_numpy(reference_rows(shards, ids, slot_cfg.dim)).requires_grad_()
+        if slot_cfg.embedding_summation:
+            weights = None
+            if slot_cfg.sqrt_scaling:
+                lengths = np.maximum(feature.lengths, 1).astype(np.float32)
+                weights = torch.from_numpy(np.repeat(1 / np.sqrt(lengths), feature.lengths))
+            out = torch.nn.functional.embedding_bag(
+                torch.arange(len(ids)),
+                rows,
+                torch.from_numpy(feature.offsets[:-1].copy()),
+                mode="sum",
+                per_sample_weights=weights,
+            )
+        else:
+            fixed = slot_cfg.sample_fixed_size
+            out = torch.zeros(feature.batch_size, fixed, slot_cfg.dim)
+            for b, (start, stop) in enumerate(zip(feature.offsets[:-1], feature.offsets[1:])):
+                take = min(stop - start, fixed)
+                out[b, :take] = rows[start : start + take]
+        (out * grads[name]).sum().backward()
+        used = np.ones(len(ids), bool)
+        if not slot_cfg.embedding_summation:  # IDs past sample_fixed_size are truncated
+            position = np.arange(len(ids)) - np.repeat(feature.offsets[:-1], feature.lengths)
+            used = position < slot_cfg.sample_fixed_size
+        for i, key in enumerate(ids):
+            if not used[i]:
+                continue
+            k = int(key).to_bytes(8, "little")
+            before[k] = rows.detach()[i].numpy().copy()
+            accumulated[k] = accumulated.get(k, 0) + rows.grad[i].numpy()
+    for k, g in accumulated.items():
+        expected_after[k] = before[k] - g  # SGD with lr = 1
+
+    stats = worker.backward(result.ref, grads)
+    assert stats.rows_pushed == len(expected_after)
+    assert stats.nonfinite_rows_skipped == 0
+    for k, expected in expected_after.items():
+        key = np.array([int.from_bytes(k, "little")], dtype=np.uint64)
+        got = reference_rows(shards, key, len(expected))[0]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_nonfinite_gradients_are_skipped_and_counted():
+    config = make_config()
+    worker, _ = make_worker(config, 2)
+    batch = make_batch()
+    result = worker.lookup(batch, train=True)
+    grads = {s.name: torch.zeros(s.embeddings.shape) for s in result.slots}
+    grads["city"][0, 0] = float("nan")  # city ID 3 appears in samples 0 and 1
+    grads["city"][2, 1] = float("inf")  # city ID 4
+    snapshot = worker.lookup(batch, train=False)
+    stats = worker.backward(result.ref, grads)
+    assert stats.nonfinite_rows_skipped == 2
+    assert worker.nonfinite_rows_skipped == 2
+    after = worker.lookup(batch, train=False)
+    for a, b in zip(snapshot.slots, after.slots):
+        assert torch.equal(a.embeddings, b.embeddings)  # zero grads elsewhere: nothing moved
+
+
+def test_backward_errors_name_the_problem():
+    config = make_config()
+    worker, _ = make_worker(config, 1)
+    result = worker.lookup(make_batch(), train=True)
+    with pytest.raises(InvalidArgumentError, match=r"slot 'user'.*shape"):
+        worker.backward(result.ref, {"user": torch.zeros(3, DIM)})
+    with pytest.raises(NotFoundError, match="no forward context"):
+        worker.backward(10_000, {})
+
+
+def test_forward_buffer_is_bounded():
+    config = make_config()
+    shards = [EmbeddingShard(1000, optimizer=SGD(lr=0.1))]
+    worker = EmbeddingWorker(config, shards, forward_buffer_size=2)
+    refs = [worker.lookup(make_batch(), train=True).ref for _ in range(3)]
+    assert worker.pending_backward == 2
+    assert worker.expired_forward_contexts == 1
+    with pytest.raises(NotFoundError, match="forward_buffer_size=2"):
+        worker.backward(refs[0], {})
+    worker.backward(refs[2], {})
+    assert worker.pending_backward == 1
+
+
+def test_unknown_slot_is_rejected():
+    worker, _ = make_worker(make_config(), 1)
+    batch = Batch([IDTypeFeature.from_lists("nope", [[1]])], requires_grad=False)
+    with pytest.raises(BatchValidationError, match="'nope' is not a slot"):
+        worker.lookup(batch, train=False)
+
+
+def test_eval_lookup_never_inserts():
+    worker, shards = make_worker(make_config(), 2)
+    result = worker.lookup(make_batch(), train=False)
+    assert sum(s.size() for s in shards) == 0
+    assert all(torch.count_nonzero(s.embeddings) == 0 for s in result.slots)
+    assert result.ref is None
+
+
+def test_hash_stack_expands_into_disjoint_ranges():
+    ids = np.array([1, 2, 2**63 + 5], dtype=np.uint64)
+    stacked = hash_stack(ids, rounds=3, embedding_size=100).reshape(3, 3)
+    for r in range(3):
+        assert np.all((stacked[:, r] >= 100 * r) & (stacked[:, r] < 100 * (r + 1)))
+    assert np.array_equal(stacked[1], hash_stack(ids[1:2], 3, 100))
+
+
+def test_hash_stacked_slot_sums_its_rounds():
+    stack = {"hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 50}}
+    config = make_config(user=stack, items=stack, history=stack)
+    worker, shards = make_worker(config, 2)
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("user", [[123456789, 987654321]]),
+            IDTypeFeature.from_lists("history", [[123456789]]),
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=True)
+    stacked = hash_stack(np.array([123456789, 987654321], np.uint64), 2, 50)
+    rows = reference_rows(shards, table_ids(config, "user", stacked), DIM)
+    np.testing.assert_allclose(result.slot("user").embeddings[0].numpy(), rows.sum(0), atol=1e-7)
+    stacked = hash_stack(np.array([123456789], np.uint64), 2, 50)
+    rows = reference_rows(shards, table_ids(config, "history", stacked), DIM)
+    np.testing.assert_allclose(
+        result.slot("history").embeddings[0, 0].numpy(), rows.sum(0), atol=1e-7
+    )
+    assert sum(s.size() for s in shards) == 6  # 3 IDs x 2 rounds, user/history separate
