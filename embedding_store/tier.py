@@ -1,0 +1,178 @@
+"""The embedding tier as seen by training and serving: one interface, two implementations.
+
+:class:`EmbeddingTier` is everything a TrainCtx or InferCtx needs from the embedding tier.
+:class:`InProcessEmbeddingTier` (this module) runs shards and the worker core inside the
+calling process: the embedded default, no services. ``RemoteEmbeddingWorker``
+(:mod:`embedding_store.worker_client`) talks to an ``embedding-worker`` service over gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from embedding_store import checkpoint
+from embedding_store.batch import Batch
+from embedding_store.config import EmbeddingConfig
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import Optimizer
+from embedding_store.shard import EmbeddingShard
+from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
+
+#: Called with (stage, done, total) while a dump or load makes progress.
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """A summary of the tier: rows held per shard, and work waiting."""
+
+    rows_per_shard: tuple[int, ...]
+    capacity_per_shard: tuple[int, ...]
+    pending_backward: int
+    pending_gradient_batches: int
+    nonfinite_rows_skipped: int
+
+
+@runtime_checkable
+class EmbeddingTier(Protocol):
+    """Lookups, gradients and checkpoints of the embedding tier."""
+
+    embedding_config: EmbeddingConfig
+
+    def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult: ...
+
+    def backward(
+        self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]
+    ) -> BackwardStats: ...
+
+    def flush(self) -> None:
+        """Block until every gradient handed to :meth:`backward` has reached its shard."""
+        ...
+
+    def configure(
+        self,
+        *,
+        optimizer: Optimizer | None = None,
+        initialization: InitializationConfig | None = None,
+    ) -> None: ...
+
+    def dump(
+        self,
+        directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> checkpoint.EmbeddingManifest: ...
+
+    def load(
+        self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
+    ) -> checkpoint.EmbeddingManifest: ...
+
+    def clear(self) -> None: ...
+
+    def status(self) -> TierStatus: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessEmbeddingTier:
+    """Shards and worker core in this process (the embedded default).
+
+    ``num_shards`` > 1 is useful to test sharding without services; rows and results are the
+    same whatever the count.
+    """
+
+    def __init__(
+        self,
+        embedding_config: EmbeddingConfig,
+        *,
+        capacity: int = 1_000_000,
+        num_shards: int = 1,
+        optimizer: Optimizer | None = None,
+        initialization: InitializationConfig | None = None,
+        read_only: bool = False,
+        forward_buffer_size: int = 1000,
+    ) -> None:
+        self.embedding_config = embedding_config
+        self.shards = [
+            EmbeddingShard(
+                capacity,
+                optimizer=optimizer,
+                initialization=initialization or InitializationConfig(),
+                read_only=read_only,
+                replica_index=i,
+                replica_size=num_shards,
+            )
+            for i in range(num_shards)
+        ]
+        self.worker = EmbeddingWorker(
+            embedding_config, self.shards, forward_buffer_size=forward_buffer_size
+        )
+
+    def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
+        return self.worker.lookup(batch, train=train)
+
+    def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
+        return self.worker.backward(ref, grads)
+
+    def flush(self) -> None:
+        """Nothing to wait for: in-process gradients are applied inside :meth:`backward`."""
+
+    def configure(
+        self,
+        *,
+        optimizer: Optimizer | None = None,
+        initialization: InitializationConfig | None = None,
+    ) -> None:
+        for shard in self.shards:
+            shard.configure(optimizer=optimizer, initialization=initialization)
+
+    def dump(
+        self,
+        directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> checkpoint.EmbeddingManifest:
+        manifest = checkpoint.dump_embeddings(
+            self.shards, directory, self.embedding_config, overwrite=overwrite
+        )
+        if progress:
+            progress("dump", len(self.shards), len(self.shards))
+        return manifest
+
+    def load(
+        self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
+    ) -> checkpoint.EmbeddingManifest:
+        manifest = checkpoint.load_embeddings(directory, self.shards, self.embedding_config)
+        if progress:
+            progress("load", len(self.shards), len(self.shards))
+        return manifest
+
+    def clear(self) -> None:
+        for shard in self.shards:
+            shard.clear()
+
+    def status(self) -> TierStatus:
+        return TierStatus(
+            rows_per_shard=tuple(s.size() for s in self.shards),
+            capacity_per_shard=tuple(s.capacity for s in self.shards),
+            pending_backward=self.worker.pending_backward,
+            pending_gradient_batches=0,
+            nonfinite_rows_skipped=self.worker.nonfinite_rows_skipped,
+        )
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> InProcessEmbeddingTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""Client of the ``embedding-worker`` service: the gRPC implementation of EmbeddingTier."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedding_store import checkpoint
+from embedding_store.batch import Batch
+from embedding_store.config import EmbeddingConfig
+from embedding_store.errors import UnavailableError
+from embedding_store.grpc_common import call, channel_options, error_from_rpc
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizer_wire import settings_to_configure_request
+from embedding_store.optimizers import Optimizer
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.tier import ProgressCallback, TierStatus
+from embedding_store.worker import BackwardStats, IdFeature, LookupResult
+from embedding_store.worker_service import SERVICE_NAME
+from embedding_store.worker_wire import grads_to_proto, slot_from_proto
+
+
+class RemoteEmbeddingWorker:
+    """An embedding worker reached over gRPC; same interface as InProcessEmbeddingTier.
+
+    Every call has a deadline (``timeout`` seconds; dumps and loads ``admin_timeout``), and
+    failures raise recserve errors naming the worker's address.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        embedding_config: EmbeddingConfig,
+        *,
+        timeout: float = 30.0,
+        admin_timeout: float = 600.0,
+    ) -> None:
+        self.address = address
+        self.embedding_config = embedding_config
+        self.timeout = timeout
+        self.admin_timeout = admin_timeout
+        self._peer = f"embedding worker {address}"
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = pb_grpc.EmbeddingWorkerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def wait_for_serving(self, timeout: float = 60.0) -> None:
+        """Block until the worker reports SERVING (its shards answer); else UnavailableError."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                answer = self._health.Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0
+                )
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+            except grpc.RpcError as error:
+                last = error.details() or str(error.code())
+            time.sleep(0.1)
+        raise UnavailableError(f"{self._peer} is not serving after {timeout:.0f} s ({last})")
+
+    def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
+        if not isinstance(batch, Batch):
+            batch = Batch(list(batch), requires_grad=False)
+        elif batch.requires_grad or batch.non_id_type_features or batch.labels:
+            # Only ID features travel to the embedding tier.
+            batch = Batch(list(batch.id_type_features), requires_grad=False)
+        request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
+        response = call(self._peer, self._stub.Lookup, request, timeout=self.timeout)
+        slots = tuple(slot_from_proto(s) for s in response.slots)
+        return LookupResult(slots=slots, ref=response.ref if train else None)
+
+    def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
+        request = pb.BackwardRequest(ref=ref, grads=grads_to_proto(dict(grads)))
+        response = call(self._peer, self._stub.Backward, request, timeout=self.timeout)
+        return BackwardStats(
+            rows_pushed=response.rows_queued,
+            nonfinite_rows_skipped=response.nonfinite_rows_skipped,
+        )
+
+    def flush(self) -> None:
+        call(self._peer, self._stub.Flush, pb.FlushRequest(), timeout=self.admin_timeout)
+
+    def configure(
+        self,
+        *,
+        optimizer: Optimizer | None = None,
+        initialization: InitializationConfig | None = None,
+    ) -> None:
+        request = settings_to_configure_request(optimizer, initialization)
+        call(self._peer, self._stub.Configure, request, timeout=self.timeout)
+
+    def _stream(self, method, request, progress: ProgressCallback | None) -> None:
+        try:
+            for update in method(request, timeout=self.admin_timeout):
+                if progress and update.stage != "done":
+                    progress(update.stage, update.done, update.total)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self._peer) from None
+
+    def dump(
+        self,
+        directory: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> checkpoint.EmbeddingManifest:
+        path = os.path.abspath(directory)
+        request = pb.WorkerDumpRequest(directory=path, overwrite=overwrite)
+        self._stream(self._stub.Dump, request, progress)
+        return checkpoint.read_manifest(path)
+
+    def load(
+        self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
+    ) -> checkpoint.EmbeddingManifest:
+        path = os.path.abspath(directory)
+        self._stream(self._stub.Load, pb.WorkerLoadRequest(directory=path), progress)
+        return checkpoint.read_manifest(path)
+
+    def clear(self) -> None:
+        call(self._peer, self._stub.Clear, pb.ClearRequest(), timeout=self.admin_timeout)
+
+    def status(self) -> TierStatus:
+        response = call(
+            self._peer, self._stub.Status, pb.WorkerStatusRequest(), timeout=self.timeout
+        )
+        return TierStatus(
+            rows_per_shard=tuple(s.rows for s in response.shard_status),
+            capacity_per_shard=tuple(s.capacity for s in response.shard_status),
+            pending_backward=response.pending_backward,
+            pending_gradient_batches=response.pending_gradient_batches,
+            nonfinite_rows_skipped=response.nonfinite_rows_skipped,
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RemoteEmbeddingWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

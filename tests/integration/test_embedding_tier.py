@@ -1,0 +1,306 @@
+"""The networked embedding tier: 2 (or 3) parameter-server processes + 1 worker on loopback.
+
+Everything here is real: subprocesses started through the ``recserve`` CLI, gRPC on 127.0.0.1,
+checkpoints on disk. Results are compared bit for bit with the in-process tier.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.config import load_embedding_config
+from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.launcher import LocalCluster, ManagedProcess, recserve_command
+from embedding_store.optimizers import Adagrad
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.worker_client import RemoteEmbeddingWorker
+
+EMBEDDING_CONFIG = {
+    "slots_config": {
+        "user": {"dim": 8},
+        "items": {"dim": 8, "sqrt_scaling": True},
+        "history": {"dim": 4, "embedding_summation": False, "sample_fixed_size": 3},
+    },
+    "feature_groups": {"people": ["user", "items"]},
+}
+WORKER_SERVICE = "recserve.embedding.v1.EmbeddingWorker"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+OPTIMIZER = Adagrad(lr=0.05, initial_accumulator_value=0.1)
+
+
+def batch_of(seed: int, batch_size: int = 32) -> Batch:
+    rng = np.random.default_rng(seed)
+
+    def lists(high: int, most: int):
+        return [
+            rng.integers(0, high, rng.integers(0, most + 1)).tolist() for _ in range(batch_size)
+        ]
+
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID("user", rng.integers(0, 500, batch_size).astype(np.uint64)),
+            IDTypeFeature.from_lists("items", lists(2000, 4)),
+            IDTypeFeature.from_lists("history", lists(300, 5)),
+        ],
+        requires_grad=False,
+    )
+
+
+def gradients(result, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.embeddings.shape, generator=generator) for s in result.slots}
+
+
+@pytest.fixture(scope="module")
+def config_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    embedding = root / "embedding_config.yml"
+    embedding.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
+    global_config = root / "global_config.yml"
+    global_config.write_text(
+        yaml.safe_dump({"embedding_parameter_server_config": {"capacity": 100_000}})
+    )
+    return embedding, global_config
+
+
+@pytest.fixture(scope="module")
+def cluster(config_files, tmp_path_factory):
+    embedding, global_config = config_files
+    with LocalCluster(
+        embedding,
+        global_config,
+        num_shards=2,
+        num_workers=1,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        shard_timeout=3.0,
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def remote(cluster, config_files):
+    config = load_embedding_config(config_files[0])
+    with RemoteEmbeddingWorker(cluster.worker_addresses[0], config, timeout=10) as client:
+        client.configure(optimizer=OPTIMIZER)
+        client.clear()
+        yield client
+
+
+def local_tier(config_files, num_shards: int = 2) -> InProcessEmbeddingTier:
+    config = load_embedding_config(config_files[0])
+    return InProcessEmbeddingTier(
+        config, capacity=100_000, num_shards=num_shards, optimizer=OPTIMIZER
+    )
+
+
+def assert_same_lookup(a, b):
+    assert [s.name for s in a.slots] == [s.name for s in b.slots]
+    for x, y in zip(a.slots, b.slots):
+        assert torch.equal(x.embeddings, y.embeddings), x.name
+        if x.mask is not None:
+            assert torch.equal(x.mask, y.mask)
+
+
+def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files):
+    local = local_tier(config_files)
+    for step in range(4):
+        batch = batch_of(step)
+        got = remote.lookup(batch, train=True)
+        expected = local.lookup(batch, train=True)
+        assert_same_lookup(got, expected)
+        remote.backward(got.ref, gradients(got, step))
+        local.backward(expected.ref, gradients(expected, step))
+    remote.flush()
+    for seed in range(4):
+        assert_same_lookup(
+            remote.lookup(batch_of(seed), train=False), local.lookup(batch_of(seed), train=False)
+        )
+    status = remote.status()
+    assert sum(status.rows_per_shard) == sum(local.status().rows_per_shard)
+    assert all(rows > 0 for rows in status.rows_per_shard)
+
+
+def test_dump_from_two_shards_load_into_three(remote, cluster, config_files, tmp_path):
+    for step in range(3):
+        result = remote.lookup(batch_of(step), train=True)
+        remote.backward(result.ref, gradients(result, step))
+    expected = [remote.lookup(batch_of(s), train=False) for s in range(3)]
+    progress = []
+    manifest = remote.dump(tmp_path / "ckpt", progress=lambda *p: progress.append(p))
+    assert manifest.num_shards == 2
+    assert progress[-1] == ("dump", 2, 2)
+    assert (tmp_path / "ckpt" / "DONE").exists()
+
+    embedding, global_config = config_files
+    with LocalCluster(embedding, global_config, num_shards=3, log_dir=tmp_path / "logs3") as three:
+        config = load_embedding_config(embedding)
+        with RemoteEmbeddingWorker(three.worker_addresses[0], config) as other:
+            other.configure(optimizer=OPTIMIZER)
+            other.load(tmp_path / "ckpt")
+            assert sum(other.status().rows_per_shard) == manifest.total_rows
+            for seed in range(3):
+                assert_same_lookup(other.lookup(batch_of(seed), train=False), expected[seed])
+
+
+def test_dead_shard_gives_a_clear_error_and_recovers_after_restart(
+    remote, cluster, config_files, tmp_path
+):
+    result = remote.lookup(batch_of(0), train=True)
+    remote.backward(result.ref, gradients(result, 0))
+    remote.flush()
+    remote.dump(tmp_path / "ckpt")
+    expected = remote.lookup(batch_of(0), train=False)
+
+    cluster.kill_shard(1)
+    started = time.monotonic()
+    with pytest.raises((UnavailableError, DeadlineExceededError)) as failure:
+        remote.lookup(batch_of(0), train=False)
+    assert time.monotonic() - started < 8  # the shard deadline, not a hang
+    assert cluster.ps_addresses[1] in failure.value.message
+    assert "shard 1" in failure.value.message
+
+    cluster.restart_shard(1)
+    deadline = time.monotonic() + 20
+    while True:  # the worker's channel reconnects on its own
+        try:
+            remote.configure(optimizer=OPTIMIZER)
+            break
+        except UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    remote.load(tmp_path / "ckpt")
+    assert_same_lookup(remote.lookup(batch_of(0), train=False), expected)
+
+
+def test_malformed_requests_are_invalid_argument_naming_the_field(cluster):
+    with grpc.insecure_channel(cluster.worker_addresses[0]) as channel:
+        stub = pb_grpc.EmbeddingWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as bad_batch:
+            stub.Lookup(pb.WorkerLookupRequest(batch=b"not a batch", train=False), timeout=5)
+        assert bad_batch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch" in bad_batch.value.details()
+
+        good = batch_of(1).to_bytes()
+        ref = stub.Lookup(pb.WorkerLookupRequest(batch=good, train=True), timeout=5).ref
+        with pytest.raises(grpc.RpcError) as bad_grad:
+            stub.Backward(
+                pb.BackwardRequest(
+                    ref=ref, grads=[pb.SlotTensor(name="user", shape=[32, 8], data=b"\0" * 5)]
+                ),
+                timeout=5,
+            )
+        assert bad_grad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grads['user'].data" in bad_grad.value.details()
+
+        with pytest.raises(grpc.RpcError) as unknown_slot:
+            stub.Lookup(
+                pb.WorkerLookupRequest(
+                    batch=Batch(
+                        [IDTypeFeature.from_lists("nope", [[1]])], requires_grad=False
+                    ).to_bytes()
+                ),
+                timeout=5,
+            )
+        assert unknown_slot.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'nope'" in unknown_slot.value.details()
+
+        with pytest.raises(grpc.RpcError) as empty_dir:
+            list(stub.Dump(pb.WorkerDumpRequest(directory=""), timeout=5))
+        assert empty_dir.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_worker_health_waits_for_its_shards(config_files, tmp_path):
+    embedding, global_config = config_files
+    ps_port = free_port()
+    worker = ManagedProcess(
+        "worker",
+        recserve_command(
+            "embedding-worker",
+            "--embedding-config",
+            str(embedding),
+            "--ps",
+            f"127.0.0.1:{ps_port}",
+            "--port",
+            "0",
+        ),
+        tmp_path / "worker.log",
+    )
+    shard = ManagedProcess(
+        "shard",
+        recserve_command(
+            "embedding-parameter-server",
+            "--embedding-config",
+            str(embedding),
+            "--global-config",
+            str(global_config),
+            "--replica-index",
+            "0",
+            "--replica-size",
+            "1",
+            "--port",
+            str(ps_port),
+        ),
+        tmp_path / "ps.log",
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        worker.start(env)
+        address = worker.wait_for_address(30)
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="recserve.embedding.v1.EmbeddingWorker")
+            assert (
+                health.Check(request, timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            shard.start(env)
+            shard.wait_for_address(30)
+            deadline = time.monotonic() + 30
+            while health.Check(request, timeout=5).status != SERVING:
+                assert time.monotonic() < deadline, "worker never became SERVING"
+                time.sleep(0.1)
+        assert worker.stop() == 0  # SIGTERM: drained and exited cleanly
+    finally:
+        worker.stop(kill=True)
+        shard.stop()
+
+
+def test_wrong_replica_order_is_refused(config_files, tmp_path):
+    embedding, global_config = config_files
+    with LocalCluster(
+        embedding, global_config, num_shards=2, num_workers=0, log_dir=tmp_path
+    ) as shards:
+        swapped = ",".join(reversed(shards.ps_addresses))
+        worker = ManagedProcess(
+            "worker",
+            recserve_command(
+                "embedding-worker", "--embedding-config", str(embedding), "--ps", swapped
+            ),
+            tmp_path / "worker.log",
+        )
+        worker.start(dict(os.environ))
+        try:
+            assert worker.process.wait(timeout=30) == 1
+        finally:
+            worker.stop(kill=True)
+        assert "answers as replica 1 of 2" in (tmp_path / "worker.log").read_text()
