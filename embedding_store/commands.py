@@ -1,0 +1,154 @@
+"""``recserve`` subcommands of the embedding tier (registered via ``recserve.commands``).
+
+Each subcommand has its own ``_register_*`` function; :func:`register` calls them all.
+Server modules are imported inside the handlers, so ``recserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from embedding_store.config import (
+    EMBEDDING_CONFIG_ENV,
+    EMBEDDING_CONFIG_FLAG,
+    GLOBAL_CONFIG_ENV,
+    GLOBAL_CONFIG_FLAG,
+)
+
+
+def _int_in(low: int, high: int | None, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        EMBEDDING_CONFIG_FLAG,
+        dest="embedding_config",
+        metavar="FILE",
+        help=f"embedding_config.yml (default: ${EMBEDDING_CONFIG_ENV})",
+    )
+    parser.add_argument(
+        GLOBAL_CONFIG_FLAG,
+        dest="global_config",
+        metavar="FILE",
+        help=f"global_config.yml (default: ${GLOBAL_CONFIG_ENV}, else all defaults)",
+    )
+
+
+# --------------------------------------------------------------------------- parameter server
+def _register_parameter_server(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "embedding-parameter-server",
+        help="run one embedding parameter-server shard (gRPC)",
+        description=(
+            "Serve one shard of the embedding table over gRPC. Prints "
+            "'parameter server replica I/N listening on HOST:PORT' once bound."
+        ),
+    )
+    _add_config_flags(parser)
+    parser.add_argument(
+        "--replica-index",
+        type=_int_in(0, None, "--replica-index"),
+        required=True,
+        metavar="I",
+        help="this shard's index, 0 <= I < N",
+    )
+    parser.add_argument(
+        "--replica-size",
+        type=_int_in(1, None, "--replica-size"),
+        required=True,
+        metavar="N",
+        help="number of parameter-server shards",
+    )
+    parser.add_argument(
+        "--port",
+        type=_int_in(0, 65535, "--port"),
+        required=True,
+        metavar="P",
+        help="gRPC port (0: pick a free one and print it)",
+    )
+    parser.add_argument(
+        "--host",
+        type=_non_empty,
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_int_in(0, 65535, "--metrics-port"),
+        metavar="M",
+        help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port)",
+    )
+    parser.add_argument(
+        "--dump-on-exit",
+        metavar="DIR",
+        type=_non_empty,
+        help="on SIGTERM/SIGINT write this shard's rows into DIR/shard_{I:05d}/ "
+        "(with N = 1 also the manifest, so DIR is a complete checkpoint)",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=_non_negative_float,
+        default=5.0,
+        metavar="S",
+        help="on shutdown, time in-flight RPCs get to finish (default 5)",
+    )
+    parser.set_defaults(handler=lambda args: _run_parameter_server(parser, args))
+
+
+def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.replica_index >= args.replica_size:
+        parser.error(
+            f"--replica-index must be < --replica-size: got --replica-index {args.replica_index} "
+            f"with --replica-size {args.replica_size}"
+        )
+    if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
+        parser.error(f"--metrics-port must differ from --port, both are {args.port}")
+
+    from embedding_store.config import load_embedding_config, load_global_config
+    from embedding_store.ps_service import ParameterServerOptions, serve_parameter_server
+
+    embedding_config = load_embedding_config(args.embedding_config)
+    global_config = load_global_config(args.global_config)
+    options = ParameterServerOptions(
+        replica_index=args.replica_index,
+        replica_size=args.replica_size,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        dump_on_exit=args.dump_on_exit,
+        grace_seconds=args.grace_seconds,
+    )
+    return serve_parameter_server(embedding_config, global_config, options)
+
+
+# --------------------------------------------------------------------------- registry
+def register(subparsers) -> None:
+    """Add the embedding tier's subcommands to ``recserve``."""
+    _register_parameter_server(subparsers)

@@ -1,0 +1,341 @@
+"""gRPC client of one remote parameter-server shard.
+
+:class:`RemoteParameterServer` implements :class:`embedding_store.interfaces.ParameterServer`
+(``lookup``/``update``) like an in-process :class:`~embedding_store.shard.EmbeddingShard`, plus
+the control calls (configure, dump, load, row export/import, clear, status, health). It keeps
+one long-lived channel; every call has a deadline, and every failure is raised as the
+:mod:`embedding_store.errors` class of its status code with a message naming the peer, e.g.
+``"parameter server 127.0.0.1:7001 (shard 1) is unavailable: ..."``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedding_store.checkpoint import FileEntry
+from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.grpc_common import (
+    call,
+    channel_options,
+    error_from_rpc,
+    pack_f32,
+    pack_u64,
+    unpack_f32,
+)
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import SGD, Adagrad, Adam
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.ps_service import (
+    SERVICE_NAME,
+    configure_request,
+    row_block_from_chunk,
+    row_chunks,
+)
+from embedding_store.shard import RowBlock
+
+#: Default deadline of dump, load, export and import calls (seconds).
+DEFAULT_CHECKPOINT_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """What a parameter server reports about its shard (mirrors ShardStatusResponse)."""
+
+    replica_index: int
+    replica_size: int
+    rows: int
+    capacity: int
+    read_only: bool
+    job_type: str
+    optimizer: dict[str, Any] | None  # None when no optimizer is configured
+    serving: bool
+    lookups: int
+    ids_looked_up: int
+    misses: int
+    evictions: int
+    task: str  # "", "loading" or "dumping"
+    task_progress: float
+
+    @classmethod
+    def from_proto(cls, message: pb.ShardStatusResponse) -> ShardStatus:
+        return cls(
+            replica_index=message.replica_index,
+            replica_size=message.replica_size,
+            rows=message.rows,
+            capacity=message.capacity,
+            read_only=message.read_only,
+            job_type=message.job_type,
+            optimizer=json.loads(message.optimizer_json) if message.optimizer_json else None,
+            serving=message.serving,
+            lookups=message.lookups,
+            ids_looked_up=message.ids_looked_up,
+            misses=message.misses,
+            evictions=message.evictions,
+            task=message.task,
+            task_progress=message.task_progress,
+        )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _check_ids(ids: object) -> np.ndarray:
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.uint64 or ids.ndim != 1:
+        raise InvalidArgumentError(f"ids must be a uint64 [n] array, got {_describe(ids)}")
+    return ids
+
+
+def _check_dim(dim: object) -> int:
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        raise InvalidArgumentError(f"dim must be a positive integer, got {dim!r}")
+    if dim >= 2**32:
+        raise InvalidArgumentError(f"dim must be < 2**32, got {dim!r}")
+    return int(dim)
+
+
+class RemoteParameterServer:
+    """One remote parameter-server shard at ``address`` (``host:port``).
+
+    ``replica_index`` only names the shard in error messages. ``timeout`` is the deadline of
+    the data-path and control calls; ``checkpoint_timeout`` that of dump, load, export and
+    import (each also takes its own ``timeout=``). Thread-safe: gRPC channels are.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        replica_index: int | None = None,
+        timeout: float = 10.0,
+        checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
+    ) -> None:
+        if not isinstance(address, str) or not address:
+            raise InvalidArgumentError(f"address must be a non-empty 'host:port', got {address!r}")
+        if not timeout > 0 or not checkpoint_timeout > 0:
+            raise InvalidArgumentError(
+                f"timeouts must be > 0, got timeout={timeout!r}, "
+                f"checkpoint_timeout={checkpoint_timeout!r}"
+            )
+        self.address = address
+        self.replica_index = replica_index
+        self.timeout = float(timeout)
+        self.checkpoint_timeout = float(checkpoint_timeout)
+        self.peer = f"parameter server {address}" + (
+            f" (shard {replica_index})" if replica_index is not None else ""
+        )
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._local = threading.local()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteParameterServer({self.address!r}, replica_index={self.replica_index!r})"
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._channel.close()
+
+    def __enter__(self) -> RemoteParameterServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _call(self, method, request, timeout: float | None = None):
+        return call(self.peer, method, request, timeout=self.timeout if timeout is None else timeout)
+
+    # ------------------------------------------------------------------ data path
+    @property
+    def last_misses(self) -> int:
+        """IDs answered with zeros by this thread's last lookup (unknown IDs of an eval lookup,
+        or IDs refused admission by a train lookup)."""
+        return getattr(self._local, "misses", 0)
+
+    def lookup_with_misses(
+        self, ids: np.ndarray, dim: int, *, train: bool
+    ) -> tuple[np.ndarray, int]:
+        """Rows of ``ids`` (uint64 [n]) -> (float32 [n, dim], IDs answered with zeros)."""
+        ids = _check_ids(ids)
+        dim = _check_dim(dim)
+        response = self._call(
+            self._stub.Lookup, pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train))
+        )
+        try:
+            rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")
+        except InvalidArgumentError as error:
+            raise RecserveError(f"{self.peer} sent a malformed answer: {error.message}") from None
+        rows = rows.copy()  # writable, like an in-process shard's answer
+        self._local.misses = int(response.misses)
+        return rows, int(response.misses)
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        """Rows of ``ids`` (uint64 [n]) -> float32 [n, dim] (see :meth:`last_misses`)."""
+        return self.lookup_with_misses(ids, dim, train=train)[0]
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """Apply the shard's optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32
+        [n, dim]; returns the rows updated."""
+        ids = _check_ids(ids)
+        if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2:
+            raise InvalidArgumentError(
+                f"grads must be a float32 [n, dim] array, got {_describe(grads)}"
+            )
+        if grads.shape[0] != ids.shape[0] or grads.shape[1] < 1:
+            raise InvalidArgumentError(
+                f"grads must have shape [{ids.shape[0]}, dim >= 1] to match ids, "
+                f"got {list(grads.shape)}"
+            )
+        request = pb.UpdateRequest(
+            ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
+        )
+        return int(self._call(self._stub.Update, request).rows_updated)
+
+    # ------------------------------------------------------------------ control
+    def configure(
+        self,
+        optimizer: SGD | Adagrad | Adam | None = None,
+        initialization: InitializationConfig | None = None,
+    ) -> None:
+        """Set the shard's optimizer and/or initialization (None leaves one unchanged)."""
+        self._call(self._stub.Configure, configure_request(optimizer, initialization))
+
+    def dump(
+        self, directory: str, *, timeout: float | None = None
+    ) -> tuple[list[FileEntry], dict[str, Any] | None]:
+        """Have the shard write ``directory/shard_{index:05d}/`` (a path the server sees);
+        returns its file entries and its optimizer settings (for the manifest)."""
+        response = self._call(
+            self._stub.Dump,
+            pb.ShardDumpRequest(directory=str(directory)),
+            timeout or self.checkpoint_timeout,
+        )
+        entries = [
+            FileEntry(
+                shard=f.shard,
+                dim=f.dim,
+                path=f.path,
+                rows=f.rows,
+                state_width=f.state_width,
+                bytes=f.bytes,
+                sha256=f.sha256,
+            )
+            for f in response.files
+        ]
+        optimizer = json.loads(response.optimizer_json) if response.optimizer_json else None
+        return entries, optimizer
+
+    def load(self, directory: str, *, timeout: float | None = None) -> int:
+        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded."""
+        response = self._call(
+            self._stub.Load,
+            pb.ShardLoadRequest(directory=str(directory)),
+            timeout or self.checkpoint_timeout,
+        )
+        return int(response.rows_loaded)
+
+    def export_rows(
+        self, max_rows_per_chunk: int = 65536, *, timeout: float | None = None
+    ) -> Iterator[RowBlock]:
+        """Every row of the shard, as blocks of at most ``max_rows_per_chunk`` rows of one dim
+        (with optimizer state). The stream's deadline covers the whole iteration."""
+        if not isinstance(max_rows_per_chunk, int) or max_rows_per_chunk < 1:
+            raise InvalidArgumentError(
+                f"max_rows_per_chunk must be a positive integer, got {max_rows_per_chunk!r}"
+            )
+        stream = self._stub.ExportRows(
+            pb.ExportRowsRequest(max_rows_per_chunk=max_rows_per_chunk),
+            timeout=timeout or self.checkpoint_timeout,
+        )
+        return self._blocks_of(stream)
+
+    def _blocks_of(self, stream) -> Iterator[RowBlock]:
+        index = 0
+        try:
+            for chunk in stream:
+                try:
+                    block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
+                except InvalidArgumentError as error:
+                    raise RecserveError(
+                        f"{self.peer} sent a malformed row chunk: {error.message}"
+                    ) from None
+                index += 1
+                yield block
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self.peer) from None
+        finally:
+            stream.cancel()  # no-op when complete; frees the call when the caller stops early
+
+    def import_rows(self, blocks: Iterable[RowBlock], *, timeout: float | None = None) -> int:
+        """Stream ``blocks`` into the shard (insert or overwrite); returns the rows imported.
+
+        Blocks are imported one by one as they arrive: on an error, earlier ones stay.
+        """
+        failure: list[BaseException] = []
+
+        def chunks() -> Iterator[pb.RowChunk]:
+            try:
+                for block in blocks:
+                    if not isinstance(block, RowBlock):
+                        raise InvalidArgumentError(
+                            f"import_rows needs RowBlock items, got {type(block).__name__}"
+                        )
+                    yield from row_chunks(block, 0)
+            except BaseException as error:
+                failure.append(error)
+                raise
+
+        try:
+            response = self._stub.ImportRows(chunks(), timeout=timeout or self.checkpoint_timeout)
+        except grpc.RpcError as error:
+            if failure:  # the blocks failed on this side; gRPC only saw a cancelled call
+                raise failure[0] from None
+            raise error_from_rpc(error, self.peer) from None
+        return int(response.rows_imported)
+
+    def clear(self) -> None:
+        """Drop every row of the shard."""
+        self._call(self._stub.Clear, pb.ClearRequest())
+
+    def status(self) -> ShardStatus:
+        return ShardStatus.from_proto(self._call(self._stub.Status, pb.ShardStatusRequest()))
+
+    def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
+        """The health status name (``"SERVING"``, ``"NOT_SERVING"``, ...) of ``service``."""
+        response = self._call(
+            self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_for_serving(self, timeout: float) -> None:
+        """Poll the health service until the shard is SERVING; UnavailableError on timeout."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise UnavailableError(
+                    f"{self.peer} did not become SERVING within {timeout:g} s (last: {last})"
+                )
+            try:
+                last = self.health(timeout=max(0.05, min(remaining, 1.0)))
+                if last == "SERVING":
+                    return
+            except RecserveError as error:
+                last = error.message
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,860 @@
+"""The parameter-server process: one :class:`EmbeddingShard` behind the ``ParameterServer`` gRPC
+service, with health checking, server reflection, Prometheus metrics and graceful shutdown.
+
+The servicer is thin: it decodes a request (packed arrays, checked against the field sizes),
+calls the one shard, and encodes the answer. Errors are raised as :mod:`embedding_store.errors`
+classes and become status codes in :func:`embedding_store.grpc_common.rpc_errors`; messages
+name the request field at fault (``"LookupRequest.dim must be > 0, got 0"``).
+
+Serving state. The health service (overall ``""`` and ``recserve.embedding.v1.ParameterServer``)
+reports ``NOT_SERVING`` until the shard can answer: a training shard once an optimizer is
+configured, an inference shard (``job_type: Infer``, read-only) once its checkpoint is loaded.
+While an inference shard has no rows loaded, its lookups are answered ``UNAVAILABLE`` rather
+than with zeros. On SIGTERM/SIGINT the health service turns ``NOT_SERVING``, in-flight RPCs
+get ``grace`` seconds to finish, the shard part is optionally dumped, and the process exits 0.
+
+The wire conversions (optimizer and initialization messages, row chunks) live here too and are
+shared with :mod:`embedding_store.ps_client`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from embedding_store import checkpoint
+from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
+from embedding_store.errors import (
+    CapacityError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
+from embedding_store.grpc_common import (
+    MAX_MESSAGE_BYTES,
+    pack_f32,
+    pack_u64,
+    rpc_errors,
+    rpc_stream_errors,
+    server_options,
+    unpack_f32,
+    unpack_u64,
+)
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import SGD, Adagrad, Adam
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.shard import EmbeddingShard, RowBlock
+
+log = logging.getLogger(__name__)
+
+#: Full name of the gRPC service (health checks and reflection use it).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+#: Rows per ExportRows chunk when the request says 0.
+DEFAULT_ROWS_PER_CHUNK = 65_536
+#: Room left in a message for everything but the packed arrays.
+_MESSAGE_SLACK = 64 * 1024
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    120.0,
+)
+
+
+# --------------------------------------------------------------------------- wire conversions
+def _positive_dim(value: int, field: str) -> int:
+    if value < 1:
+        raise InvalidArgumentError(f"{field} must be > 0, got {value}")
+    return int(value)
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """A writable copy of an array decoded from message bytes (those are read-only views)."""
+    return array if array.flags.writeable else array.copy()
+
+
+def decode_ids(payload: bytes, field: str) -> np.ndarray:
+    """Packed uint64 IDs -> a writable uint64 [n] array; errors name ``field``."""
+    return _writable(unpack_u64(payload, field))
+
+
+def decode_rows(payload: bytes, n: int, width: int, field: str) -> np.ndarray:
+    """Packed float32 [n, width] -> a writable array; errors name ``field``."""
+    return _writable(unpack_f32(payload, (n, width), field))
+
+
+def check_message_size(n: int, width: int, what: str) -> None:
+    """Refuse answers that would not fit in one gRPC message (before computing them)."""
+    size = 4 * n * width
+    if size > MAX_MESSAGE_BYTES - _MESSAGE_SLACK:
+        raise CapacityError(
+            f"{what}: {n} rows x dim {width} is {size} bytes of float32, more than one message "
+            f"may carry ({MAX_MESSAGE_BYTES} bytes); split the request"
+        )
+
+
+def optimizer_to_proto(optimizer: SGD | Adagrad | Adam, request: pb.ConfigureRequest) -> None:
+    """Set ``request``'s optimizer oneof from an optimizer object."""
+    if isinstance(optimizer, SGD):
+        request.sgd.CopyFrom(pb.Sgd(lr=optimizer.lr, weight_decay=optimizer.weight_decay))
+    elif isinstance(optimizer, Adagrad):
+        request.adagrad.CopyFrom(
+            pb.Adagrad(
+                lr=optimizer.lr,
+                initial_accumulator_value=optimizer.initial_accumulator_value,
+                g_square_momentum=optimizer.g_square_momentum,
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+                vectorwise_shared=optimizer.vectorwise_shared,
+            )
+        )
+    elif isinstance(optimizer, Adam):
+        request.adam.CopyFrom(
+            pb.Adam(
+                lr=optimizer.lr,
+                beta1=optimizer.betas[0],
+                beta2=optimizer.betas[1],
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+            )
+        )
+    else:
+        raise InvalidArgumentError(
+            f"optimizer must be an SGD, Adagrad or Adam instance, got {type(optimizer).__name__}"
+        )
+
+
+def initialization_to_proto(config: InitializationConfig) -> pb.Initialization:
+    if not isinstance(config, InitializationConfig):
+        raise InvalidArgumentError(
+            f"initialization must be an InitializationConfig, got {type(config).__name__}"
+        )
+    return pb.Initialization(
+        low=config.low,
+        high=config.high,
+        admit_probability=config.admit_probability,
+        has_weight_bound=config.weight_bound is not None,
+        weight_bound=0.0 if config.weight_bound is None else config.weight_bound,
+        seed=config.seed,
+    )
+
+
+def configure_request(
+    optimizer: SGD | Adagrad | Adam | None = None,
+    initialization: InitializationConfig | None = None,
+) -> pb.ConfigureRequest:
+    """The ConfigureRequest for ``optimizer`` and/or ``initialization`` (None: unchanged)."""
+    request = pb.ConfigureRequest()
+    if optimizer is not None:
+        optimizer_to_proto(optimizer, request)
+    if initialization is not None:
+        request.initialization.CopyFrom(initialization_to_proto(initialization))
+    return request
+
+
+def configuration_from_proto(
+    request: pb.ConfigureRequest,
+) -> tuple[SGD | Adagrad | Adam | None, InitializationConfig | None]:
+    """Decode a ConfigureRequest; invalid values raise InvalidArgumentError naming the field."""
+    try:
+        kind = request.WhichOneof("optimizer")
+        optimizer: SGD | Adagrad | Adam | None = None
+        if kind == "sgd":
+            optimizer = SGD(lr=request.sgd.lr, weight_decay=request.sgd.weight_decay)
+        elif kind == "adagrad":
+            a = request.adagrad
+            optimizer = Adagrad(
+                lr=a.lr,
+                initial_accumulator_value=a.initial_accumulator_value,
+                g_square_momentum=a.g_square_momentum,
+                eps=a.eps,
+                weight_decay=a.weight_decay,
+                vectorwise_shared=a.vectorwise_shared,
+            )
+        elif kind == "adam":
+            a = request.adam
+            optimizer = Adam(
+                lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, weight_decay=a.weight_decay
+            )
+        initialization = None
+        if request.HasField("initialization"):
+            i = request.initialization
+            initialization = InitializationConfig(
+                low=i.low,
+                high=i.high,
+                admit_probability=i.admit_probability,
+                weight_bound=i.weight_bound if i.has_weight_bound else None,
+                seed=i.seed,
+            )
+    except ConfigError as error:
+        # the optimizer/initializer messages start with "adagrad.lr", "initialization.low", ...
+        raise InvalidArgumentError(f"ConfigureRequest.{error.message}") from None
+    return optimizer, initialization
+
+
+def rows_per_chunk(dim: int, state_width: int, requested: int) -> int:
+    """Rows per RowChunk: the requested number (0: default), capped to fit one message."""
+    per_row = 8 + 4 * dim + 4 * state_width
+    fit = max(1, (MAX_MESSAGE_BYTES - _MESSAGE_SLACK) // per_row)
+    return min(requested or DEFAULT_ROWS_PER_CHUNK, fit)
+
+
+def row_chunks(block: RowBlock, max_rows: int) -> Iterator[pb.RowChunk]:
+    """Split one dim's rows into RowChunks of at most ``max_rows`` rows (requested; capped)."""
+    dim = block.dim
+    width = 0 if block.state is None else int(block.state.shape[1])
+    step = rows_per_chunk(dim, width, max_rows)
+    for start in range(0, len(block), step):
+        stop = start + step
+        yield pb.RowChunk(
+            dim=dim,
+            ids=pack_u64(block.ids[start:stop]),
+            weights=pack_f32(block.weights[start:stop]),
+            state=b"" if block.state is None else pack_f32(block.state[start:stop]),
+            state_width=width,
+            has_state=block.state is not None,
+        )
+
+
+def row_block_from_chunk(chunk: pb.RowChunk, field: str = "RowChunk") -> RowBlock:
+    """Decode and check one RowChunk; errors name ``field`` (e.g. ``"RowChunk[3]"``)."""
+    dim = _positive_dim(chunk.dim, f"{field}.dim")
+    ids = decode_ids(chunk.ids, f"{field}.ids")
+    n = ids.shape[0]
+    weights = decode_rows(chunk.weights, n, dim, f"{field}.weights")
+    if chunk.has_state:
+        state = decode_rows(chunk.state, n, chunk.state_width, f"{field}.state")
+    else:
+        if chunk.state or chunk.state_width:
+            raise InvalidArgumentError(
+                f"{field}.state must be empty and {field}.state_width 0 when has_state is false, "
+                f"got {len(chunk.state)} bytes and state_width {chunk.state_width}"
+            )
+        state = None
+    return RowBlock(ids=ids, weights=weights, state=state)
+
+
+# --------------------------------------------------------------------------- metrics
+class _ShardCollector(Collector):
+    """Shard counters read from :meth:`EmbeddingShard.stats` at scrape time (exact, no drift)."""
+
+    def __init__(self, shard: EmbeddingShard, serving: Callable[[], bool], labels: dict) -> None:
+        self._shard = shard
+        self._serving = serving
+        self._labels = labels
+
+    def collect(self):
+        stats = self._shard.stats()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"recserve_ps_{name}", doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"recserve_ps_{name}", doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        yield counter("lookups", "Lookup calls (train and eval).", stats.lookups)
+        yield counter("ids_looked_up", "IDs looked up (train and eval).", stats.ids_looked_up)
+        yield counter(
+            "misses",
+            "Unknown IDs of eval/infer lookups, answered with zeros "
+            "(miss ratio: misses_total / eval IDs).",
+            stats.misses,
+        )
+        yield counter("inserts", "Rows created by train lookups and imports.", stats.inserts)
+        yield counter("evictions", "Rows evicted by the LRU policy.", stats.evictions)
+        yield counter(
+            "rejected_admissions",
+            "Unknown IDs of train lookups not admitted (answered with zeros).",
+            stats.rejected_admissions,
+        )
+        yield counter("rows_updated", "Rows updated by the optimizer.", stats.updates)
+        yield counter(
+            "skipped_updates", "Update IDs the shard no longer held.", stats.skipped_updates
+        )
+        yield gauge("rows", "Rows held, all dims together.", stats.rows)
+        yield gauge("capacity", "Row capacity of the shard.", stats.capacity)
+        yield gauge("serving", "1 when the shard is loaded/configured and serving.", self._serving())
+
+
+class ParameterServerMetrics:
+    """The Prometheus metrics of one parameter server, in their own registry."""
+
+    def __init__(self, replica_index: int, replica_size: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"replica": str(replica_index), "replicas": str(replica_size)}
+        self.latency = Histogram(
+            "recserve_ps_rpc_latency_seconds",
+            "Latency of ParameterServer RPCs by method (server side).",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "recserve_ps_rpc_errors",
+            "Failed ParameterServer RPCs by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
+
+    def watch_shard(self, shard: EmbeddingShard, serving: Callable[[], bool]) -> None:
+        self.registry.register(_ShardCollector(shard, serving, self.labels))
+
+
+def _observed(method):
+    """Record latency and failures of a unary (or client-streaming) RPC method."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        start = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except BaseException as error:
+            self._count_error(name, error)
+            raise
+        finally:
+            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+def _observed_stream(method):
+    """Like :func:`_observed` for server-streaming methods (the whole stream is timed)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        start = time.perf_counter()
+        try:
+            yield from method(self, request, context)
+        except BaseException as error:
+            self._count_error(name, error)
+            raise
+        finally:
+            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- servicer
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    """The ``ParameterServer`` service over one :class:`EmbeddingShard`.
+
+    ``health`` (optional) is kept in step with :attr:`serving`. Dump and Load run one at a time;
+    a second one while one runs is refused with UNAVAILABLE (retry later).
+    """
+
+    def __init__(
+        self,
+        shard: EmbeddingShard,
+        embedding_config: EmbeddingConfig,
+        *,
+        job_type: JobType = JobType.TRAIN,
+        metrics: ParameterServerMetrics | None = None,
+        health_servicer: health.HealthServicer | None = None,
+    ) -> None:
+        self.shard = shard
+        self.embedding_config = embedding_config
+        self.job_type = job_type
+        self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
+        self.metrics.watch_shard(shard, lambda: self.serving)
+        self._health = health_servicer
+        # Only lookups change the shard's miss/rejection counters: serializing lookups around
+        # two stats() reads makes the per-call delta exact (the shard's own lock serializes
+        # lookups anyway).
+        self._lookup_lock = threading.Lock()
+        self._task_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._task = ""
+        self._task_progress = 0.0
+        self._loaded = False
+        self._shutting_down = False
+        self._refresh_health()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def needs_checkpoint(self) -> bool:
+        """Inference shards serve only once a checkpoint is loaded."""
+        return self.shard.read_only
+
+    @property
+    def serving(self) -> bool:
+        if self._shutting_down:
+            return False
+        if self.needs_checkpoint:
+            return self._loaded
+        return self.shard.optimizer is not None
+
+    def _refresh_health(self) -> None:
+        if self._health is None or self._shutting_down:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self._health.set("", status)
+        self._health.set(SERVICE_NAME, status)
+
+    def begin_shutdown(self) -> None:
+        """Health NOT_SERVING from now on (in-flight and new RPCs are still answered)."""
+        self._shutting_down = True
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+
+    def _count_error(self, method: str, error: BaseException) -> None:
+        code = error.grpc_code if isinstance(error, RecserveError) else "INTERNAL"
+        self.metrics.errors.labels(method, code).inc()
+
+    def _begin_task(self, task: str) -> None:
+        if not self._task_lock.acquire(blocking=False):
+            raise UnavailableError(
+                f"the parameter server is busy {self._task} a checkpoint; retry when it is done"
+            )
+        with self._state_lock:
+            self._task, self._task_progress = task, 0.0
+
+    def _end_task(self) -> None:
+        with self._state_lock:
+            self._task, self._task_progress = "", 0.0
+        self._task_lock.release()
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded."""
+        self._begin_task("loading")
+        try:
+            checkpoint.load_into_shard(
+                directory,
+                self.shard,
+                self.embedding_config,
+                replica_index=self.shard.replica_index,
+                replica_size=self.shard.replica_size,
+            )
+            self._loaded = True
+        finally:
+            self._end_task()
+        self._refresh_health()
+        rows = self.shard.size()
+        log.info("loaded %d rows from embedding checkpoint %s", rows, directory)
+        return rows
+
+    def dump_part(self, directory: str) -> list[checkpoint.FileEntry]:
+        """Write this shard's part of a checkpoint into ``directory/shard_{index:05d}/``."""
+        self._begin_task("dumping")
+        try:
+            entries = checkpoint.write_shard_part(self.shard, directory, self.shard.replica_index)
+        finally:
+            self._end_task()
+        log.info(
+            "dumped %d rows in %d files into %s",
+            sum(e.rows for e in entries),
+            len(entries),
+            directory,
+        )
+        return entries
+
+    def _optimizer_json(self) -> str:
+        optimizer = self.shard.optimizer
+        return "" if optimizer is None else json.dumps(optimizer.to_dict(), sort_keys=True)
+
+    # ------------------------------------------------------------------ RPCs
+    @rpc_errors
+    @_observed
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        dim = _positive_dim(request.dim, "LookupRequest.dim")
+        ids = decode_ids(request.ids, "LookupRequest.ids")
+        check_message_size(ids.shape[0], dim, "LookupRequest")
+        if self.needs_checkpoint and not self._loaded:
+            raise UnavailableError(
+                "this inference parameter server has not loaded its embedding checkpoint yet"
+            )
+        with self._lookup_lock:
+            before = self.shard.stats()
+            rows = self.shard.lookup(ids, dim, train=request.train)
+            after = self.shard.stats()
+        misses = (after.misses - before.misses) + (
+            after.rejected_admissions - before.rejected_admissions
+        )
+        return pb.LookupResponse(rows=pack_f32(rows), misses=misses)
+
+    @rpc_errors
+    @_observed
+    def Update(self, request: pb.UpdateRequest, context) -> pb.UpdateResponse:
+        dim = _positive_dim(request.dim, "UpdateRequest.dim")
+        ids = decode_ids(request.ids, "UpdateRequest.ids")
+        grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
+        return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))
+
+    @rpc_errors
+    @_observed
+    def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
+        optimizer, initialization = configuration_from_proto(request)
+        self.shard.configure(optimizer=optimizer, initialization=initialization)
+        if optimizer is not None:
+            log.info("optimizer configured: %s", self._optimizer_json())
+        if initialization is not None:
+            log.info("initialization configured: %s", initialization.to_dict())
+        self._refresh_health()
+        return pb.ConfigureResponse()
+
+    @rpc_errors
+    @_observed
+    def Dump(self, request: pb.ShardDumpRequest, context) -> pb.ShardDumpResponse:
+        if not request.directory:
+            raise InvalidArgumentError("ShardDumpRequest.directory must be a non-empty path")
+        entries = self.dump_part(request.directory)
+        return pb.ShardDumpResponse(
+            files=[pb.CheckpointFile(**entry.to_dict()) for entry in entries],
+            optimizer_json=self._optimizer_json(),
+        )
+
+    @rpc_errors
+    @_observed
+    def Load(self, request: pb.ShardLoadRequest, context) -> pb.ShardLoadResponse:
+        if not request.directory:
+            raise InvalidArgumentError("ShardLoadRequest.directory must be a non-empty path")
+        return pb.ShardLoadResponse(rows_loaded=self.load_checkpoint(request.directory))
+
+    @rpc_stream_errors
+    @_observed_stream
+    def ExportRows(self, request: pb.ExportRowsRequest, context) -> Iterator[pb.RowChunk]:
+        for dim in self.shard.dims():
+            block = self.shard.export_rows(dim)
+            if len(block) and context.is_active():
+                yield from row_chunks(block, request.max_rows_per_chunk)
+
+    @rpc_errors
+    @_observed
+    def ImportRows(self, request_iterator: Iterable[pb.RowChunk], context):
+        imported = 0
+        for index, chunk in enumerate(request_iterator):
+            block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
+            self.shard.import_rows(block)
+            imported += len(block)
+        if imported and self.needs_checkpoint:
+            self._loaded = True
+            self._refresh_health()
+        return pb.ImportRowsResponse(rows_imported=imported)
+
+    @rpc_errors
+    @_observed
+    def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
+        self.shard.clear()
+        return pb.ClearResponse()
+
+    @rpc_errors
+    @_observed
+    def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusResponse:
+        stats = self.shard.stats()
+        with self._state_lock:
+            task, progress = self._task, self._task_progress
+        return pb.ShardStatusResponse(
+            replica_index=self.shard.replica_index,
+            replica_size=self.shard.replica_size,
+            rows=stats.rows,
+            capacity=stats.capacity,
+            read_only=self.shard.read_only,
+            job_type=self.job_type.value,
+            optimizer_json=self._optimizer_json(),
+            serving=self.serving,
+            lookups=stats.lookups,
+            ids_looked_up=stats.ids_looked_up,
+            misses=stats.misses,
+            evictions=stats.evictions,
+            task=task,
+            task_progress=progress,
+        )
+
+
+# --------------------------------------------------------------------------- process
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts in brackets."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class ParameterServerOptions:
+    """How to run one parameter-server replica (the CLI flags)."""
+
+    replica_index: int = 0
+    replica_size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None
+    dump_on_exit: str | None = None
+    grace_seconds: float = 5.0
+    max_workers: int = 16
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.replica_size, int) and self.replica_size >= 1):
+            raise InvalidArgumentError(f"replica_size must be >= 1, got {self.replica_size!r}")
+        if not (isinstance(self.replica_index, int) and 0 <= self.replica_index < self.replica_size):
+            raise InvalidArgumentError(
+                f"replica_index must be in [0, {self.replica_size}), got {self.replica_index!r}"
+            )
+        if not self.host:
+            raise InvalidArgumentError("host must be non-empty")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
+                raise InvalidArgumentError(f"{name} must be in 0..65535, got {value!r}")
+        if not (math.isfinite(self.grace_seconds) and self.grace_seconds >= 0):
+            raise InvalidArgumentError(f"grace_seconds must be >= 0, got {self.grace_seconds!r}")
+        if self.max_workers < 1:
+            raise InvalidArgumentError(f"max_workers must be >= 1, got {self.max_workers!r}")
+
+
+def build_shard(global_config: GlobalConfig, options: ParameterServerOptions) -> EmbeddingShard:
+    """The shard of a replica: capacity from the global config, read-only for Infer jobs, no
+    optimizer until Configure."""
+    ps_config = global_config.embedding_parameter_server_config
+    return EmbeddingShard(
+        ps_config.capacity,
+        read_only=global_config.common_config.job_type is JobType.INFER,
+        replica_index=options.replica_index,
+        replica_size=options.replica_size,
+        num_hashmap_internal_shards=ps_config.num_hashmap_internal_shards,
+    )
+
+
+class ParameterServerProcess:
+    """One parameter-server replica in this process: gRPC server, health, reflection, metrics.
+
+    :meth:`start` binds and returns at once (an inference checkpoint loads in the background;
+    its failure is kept in :attr:`fatal_error` and requests shutdown). :meth:`stop` shuts down
+    gracefully. Use :func:`serve_parameter_server` to run one until SIGTERM/SIGINT.
+    """
+
+    def __init__(
+        self,
+        embedding_config: EmbeddingConfig,
+        global_config: GlobalConfig,
+        options: ParameterServerOptions | None = None,
+    ) -> None:
+        self.embedding_config = embedding_config
+        self.global_config = global_config
+        self.options = options or ParameterServerOptions()
+        self.job_type = global_config.common_config.job_type
+        self.shard = build_shard(global_config, self.options)
+        self.metrics = ParameterServerMetrics(self.options.replica_index, self.options.replica_size)
+        self.health = health.HealthServicer()
+        self.servicer = ParameterServerServicer(
+            self.shard,
+            embedding_config,
+            job_type=self.job_type,
+            metrics=self.metrics,
+            health_servicer=self.health,
+        )
+        self.server: grpc.Server | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.fatal_error: BaseException | None = None
+        self.stop_requested = False  # set by signal handlers and fatal errors; no locks there
+        self._metrics_httpd = None
+        self._stopped = False
+
+    @property
+    def name(self) -> str:
+        return f"replica {self.options.replica_index}/{self.options.replica_size}"
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise FailedPreconditionError("the parameter server is not started")
+        return format_address(self.options.host, self.port)
+
+    def start(self) -> None:
+        opts = self.options
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=opts.max_workers, thread_name_prefix="ps-rpc"
+            ),
+            options=server_options(),
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        requested = format_address(opts.host, opts.port)
+        try:
+            port = server.add_insecure_port(requested)
+        except RuntimeError as error:
+            raise UnavailableError(f"cannot listen on {requested}: {error}") from None
+        if not port:
+            raise UnavailableError(f"cannot listen on {requested} (address in use?)")
+        self.port = port
+        self._start_metrics()
+        server.start()
+        self.server = server
+        log.info(
+            "parameter server %s (%s, capacity %d rows) serving gRPC on %s",
+            self.name,
+            self.job_type.value,
+            self.shard.capacity,
+            self.address,
+        )
+        if self.job_type is JobType.INFER:
+            self._start_infer_load()
+
+    def _start_metrics(self) -> None:
+        opts = self.options
+        if opts.metrics_port is None:
+            return
+        if not self.global_config.common_config.metrics_config.enable_metrics:
+            log.warning(
+                "--metrics-port %d ignored: metrics_config.enable_metrics is false",
+                opts.metrics_port,
+            )
+            return
+        host = opts.host.strip("[]")
+        try:
+            httpd, _thread = start_http_server(
+                opts.metrics_port, addr=host, registry=self.metrics.registry
+            )
+        except OSError as error:
+            raise UnavailableError(
+                f"cannot serve metrics on {format_address(opts.host, opts.metrics_port)}: {error}"
+            ) from None
+        self._metrics_httpd = httpd
+        self.metrics_port = int(httpd.server_port)
+        log.info(
+            "metrics on http://%s/metrics", format_address(opts.host, self.metrics_port)
+        )
+
+    def _start_infer_load(self) -> None:
+        directory = self.global_config.common_config.infer_config.embedding_checkpoint
+        if directory is None:
+            log.warning(
+                "job_type Infer without infer_config.embedding_checkpoint: NOT_SERVING until a "
+                "Load or ImportRows RPC provides rows"
+            )
+            return
+
+        def load() -> None:
+            try:
+                self.servicer.load_checkpoint(directory)
+            except BaseException as error:
+                log.error("loading embedding checkpoint %s failed: %s", directory, error)
+                self.fatal_error = error
+                self.stop_requested = True
+
+        threading.Thread(target=load, name="ps-infer-load", daemon=True).start()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, let in-flight RPCs finish (``grace`` s), dump if asked, close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.options.grace_seconds if grace is None else grace
+        self.servicer.begin_shutdown()
+        if self.server is not None:
+            self.server.stop(grace).wait()
+        try:
+            if self.options.dump_on_exit:
+                self._dump_on_exit(self.options.dump_on_exit)
+        finally:
+            if self._metrics_httpd is not None:
+                self._metrics_httpd.shutdown()
+                self._metrics_httpd.server_close()
+            log.info("parameter server %s stopped", self.name)
+
+    def _dump_on_exit(self, directory: str) -> None:
+        """Write this shard's part; a single replica's part is the whole checkpoint, so it also
+        gets the manifest and done-marker and can be loaded as is."""
+        entries = self.servicer.dump_part(directory)
+        if self.options.replica_size == 1:
+            optimizer = self.shard.optimizer.to_dict() if self.shard.optimizer else None
+            checkpoint.finalize_checkpoint(
+                Path(directory), self.embedding_config, 1, entries, optimizer
+            )
+
+
+def serve_parameter_server(
+    embedding_config: EmbeddingConfig,
+    global_config: GlobalConfig,
+    options: ParameterServerOptions | None = None,
+    *,
+    install_signal_handlers: bool = True,
+    on_started: Callable[[ParameterServerProcess], Any] | None = None,
+) -> int:
+    """Run one replica until SIGTERM/SIGINT (or a fatal startup error); returns the exit code.
+
+    Prints ``parameter server replica I/N listening on HOST:PORT`` (flushed) once bound.
+    A failed inference checkpoint load is re-raised after shutdown (the CLI exits 1).
+    """
+    process = ParameterServerProcess(embedding_config, global_config, options)
+
+    def request_stop(signum, _frame) -> None:
+        if process.stop_requested:
+            return
+        process.stop_requested = True
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+
+    if install_signal_handlers:
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+    process.start()
+    try:
+        if process.metrics_port is not None:
+            print(
+                f"parameter server {process.name} metrics on "
+                f"http://{format_address(process.options.host, process.metrics_port)}/metrics",
+                flush=True,
+            )
+        print(f"parameter server {process.name} listening on {process.address}", flush=True)
+        if on_started is not None:
+            on_started(process)
+        while not process.stop_requested:
+            time.sleep(0.1)
+    finally:
+        process.stop()
+    if process.fatal_error is not None:
+        raise process.fatal_error
+    return 0
+

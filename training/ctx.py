@@ -1,0 +1,429 @@
+"""PERSIA-style contexts: EmbeddingCtx (lookups only), TrainCtx (hybrid training), eval_ctx.
+
+A batch's ID features go to the embedding tier; the dense model gets
+``forward(non_id_tensors: List[Tensor], embedding_tensors: List[Tensor])``. In TrainCtx the
+dense parameters are updated synchronously every step (DDP allreduce when WORLD_SIZE > 1) while
+the embedding gradients go back to the embedding tier asynchronously: at most
+``embedding_staleness`` batches may have been looked up without their gradients applied.
+``embedding_staleness=1`` is fully synchronous (and with ``reproducible`` data, exactly
+repeatable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding_store.batch import Batch
+from embedding_store.config import (
+    EmbeddingConfig,
+    GlobalConfig,
+    load_embedding_config,
+    load_global_config,
+)
+from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import Optimizer
+from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
+from training import distributed
+from training.distributed import DDPOption
+
+log = logging.getLogger(__name__)
+
+#: Environment variable listing embedding-worker addresses (comma-separated).
+EMBEDDING_WORKERS_ENV = "RECSERVE_EMBEDDING_WORKERS"
+
+
+class PreprocessMode(Enum):
+    """What lookups are for: TRAIN inserts and keeps gradients, EVAL/INFERENCE never insert."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    INFERENCE = "inference"
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array (possibly read-only) as a tensor on ``device``; float64 becomes float32."""
+    tensor = torch.from_numpy(np.array(array, copy=True))
+    if tensor.dtype == torch.float64:
+        tensor = tensor.float()
+    return tensor.to(device, non_blocking=True)
+
+
+def make_embedding_tier(
+    embedding_config: EmbeddingConfig,
+    global_config: GlobalConfig,
+    embedding_workers: Sequence[str] | None,
+    *,
+    read_only: bool = False,
+) -> EmbeddingTier:
+    """The embedding tier: remote when worker addresses are given (or in the environment),
+    else in-process (the embedded default)."""
+    if embedding_workers is None:
+        from_env = os.environ.get(EMBEDDING_WORKERS_ENV, "")
+        embedding_workers = [a for a in from_env.split(",") if a.strip()]
+    if embedding_workers:
+        from embedding_store.worker_client import RemoteEmbeddingWorker
+
+        # Each NN worker talks to one embedding worker, spread by rank.
+        address = embedding_workers[distributed.rank() % len(embedding_workers)]
+        client = RemoteEmbeddingWorker(address.strip(), embedding_config)
+        client.wait_for_serving(timeout=120)
+        return client
+    ps = global_config.embedding_parameter_server_config
+    return InProcessEmbeddingTier(
+        embedding_config,
+        capacity=ps.capacity,
+        read_only=read_only,
+        forward_buffer_size=global_config.embedding_worker_config.forward_buffer_size,
+    )
+
+
+class EmbeddingCtx:
+    """Looks embeddings up for batches and runs the dense model on them.
+
+    ``model`` takes ``(non_id_tensors: List[Tensor], embedding_tensors: List[Tensor])``.
+    With no ``embedding_tier`` and no worker addresses, the tier runs in-process.
+    """
+
+    def __init__(
+        self,
+        preprocess_mode: PreprocessMode = PreprocessMode.EVAL,
+        model: torch.nn.Module | None = None,
+        *,
+        embedding_config: EmbeddingConfig | str | os.PathLike | None = None,
+        global_config: GlobalConfig | str | os.PathLike | None = None,
+        embedding_workers: Sequence[str] | None = None,
+        embedding_tier: EmbeddingTier | None = None,
+        device_id: int | None = None,
+    ) -> None:
+        self.preprocess_mode = preprocess_mode
+        self.model = model
+        self.embedding_config = (
+            embedding_config
+            if isinstance(embedding_config, EmbeddingConfig)
+            else load_embedding_config(embedding_config)
+        )
+        self.global_config = (
+            global_config
+            if isinstance(global_config, GlobalConfig)
+            else load_global_config(global_config)
+        )
+        self._embedding_workers = embedding_workers
+        self._tier = embedding_tier
+        self._owns_tier = embedding_tier is None
+        self.device = torch.device(f"cuda:{device_id}" if device_id is not None else "cpu")
+        if device_id is not None and not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device_id={device_id} given but CUDA is not available")
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self):
+        if self._tier is None:
+            self._tier = make_embedding_tier(
+                self.embedding_config,
+                self.global_config,
+                self._embedding_workers,
+                read_only=self.preprocess_mode is PreprocessMode.INFERENCE,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._owns_tier and self._tier is not None:
+            self._tier.close()
+            self._tier = None
+
+    @property
+    def embedding_tier(self) -> EmbeddingTier:
+        if self._tier is None:
+            raise FailedPreconditionError(
+                f"{type(self).__name__} is not entered; use it as a context manager"
+            )
+        return self._tier
+
+    # ------------------------------------------------------------------ features
+    def prepare_features(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(non-ID tensors, embedding tensors, label tensors) of ``batch`` on this device.
+
+        Embedding tensors are float32 [batch, dim] (summation slots) or [batch,
+        sample_fixed_size, dim] (raw slots), in the batch's ID-feature order.
+        """
+        train = self.preprocess_mode is PreprocessMode.TRAIN
+        result = self.embedding_tier.lookup(batch, train=train)
+        self._last_lookup = result
+        embeddings = [slot.embeddings.to(self.device) for slot in result.slots]
+        non_ids = [_tensor(f.data, self.device) for f in batch.non_id_type_features]
+        labels = [_tensor(label.data, self.device) for label in batch.labels]
+        return non_ids, embeddings, labels
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Model output for ``batch`` and its labels (no gradients outside TrainCtx)."""
+        if self.model is None:
+            raise FailedPreconditionError(f"{type(self).__name__} was created without a model")
+        non_ids, embeddings, labels = self.prepare_features(batch)
+        with torch.no_grad():
+            output = self.model(non_ids, embeddings)
+        return output, labels
+
+
+def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> EmbeddingCtx:
+    """An EVAL context sharing ``ctx``'s embedding tier and model.
+
+    It never re-configures the tier: entering evaluation in the middle of training keeps the
+    embedding optimizer and its hyperparameters (a PERSIA bug reset them).
+    """
+    shared = EmbeddingCtx(
+        PreprocessMode.EVAL,
+        model if model is not None else _unwrap(ctx.model),
+        embedding_config=ctx.embedding_config,
+        global_config=ctx.global_config,
+        embedding_tier=ctx.embedding_tier,
+    )
+    shared.device = ctx.device
+    return shared
+
+
+def _unwrap(model: torch.nn.Module | None) -> torch.nn.Module | None:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class TrainCtx(EmbeddingCtx):
+    """Hybrid training: synchronous dense updates, asynchronous embedding updates.
+
+    ``embedding_optimizer`` (SGD/Adagrad/Adam from ``embedding_store.optimizers``) is applied
+    on the parameter servers; ``dense_optimizer`` is a torch optimizer over ``model``'s
+    parameters. ``mixed_precision`` uses torch.amp with a GradScaler on CUDA (checking the
+    embedding gradients for Inf/NaN every ``finite_check_every`` steps and backing the scale
+    off when they are not finite) and is ignored on CPU, which trains in fp32.
+    """
+
+    def __init__(
+        self,
+        embedding_optimizer: Optimizer,
+        dense_optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        *,
+        device_id: int | None = None,
+        mixed_precision: bool = True,
+        embedding_staleness: int = 10,
+        backward_buffer_size: int = 10,
+        backward_workers_size: int = 1,
+        distributed_option: DDPOption | None = None,
+        embedding_workers: Sequence[str] | None = None,
+        embedding_tier: EmbeddingTier | None = None,
+        embedding_config: EmbeddingConfig | str | os.PathLike | None = None,
+        global_config: GlobalConfig | str | os.PathLike | None = None,
+        initialization: InitializationConfig | None = None,
+        finite_check_every: int = 1,
+    ) -> None:
+        super().__init__(
+            PreprocessMode.TRAIN,
+            model,
+            embedding_config=embedding_config,
+            global_config=global_config,
+            embedding_workers=embedding_workers,
+            embedding_tier=embedding_tier,
+            device_id=device_id,
+        )
+        if embedding_staleness < 1:
+            raise InvalidArgumentError(
+                f"embedding_staleness must be >= 1, got {embedding_staleness}"
+            )
+        if backward_buffer_size < 1 or backward_workers_size < 1:
+            raise InvalidArgumentError(
+                "backward_buffer_size and backward_workers_size must be >= 1"
+            )
+        self.embedding_optimizer = embedding_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.initialization = initialization
+        self.embedding_staleness = embedding_staleness
+        self.distributed_option = distributed_option or DDPOption(
+            backend="nccl" if device_id is not None else "gloo"
+        )
+        self.mixed_precision = mixed_precision and self.device.type == "cuda"
+        self.finite_check_every = max(1, finite_check_every)
+        self.grad_scaler = torch.amp.GradScaler("cuda", enabled=self.mixed_precision)
+        self._in_flight = threading.BoundedSemaphore(embedding_staleness)
+        self._backward_queue: queue.Queue = queue.Queue(maxsize=backward_buffer_size)
+        self._backward_workers: list[threading.Thread] = []
+        self._backward_workers_size = backward_workers_size
+        self._backward_error: BaseException | None = None
+        self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
+        self.step = 0
+        self.nonfinite_embedding_steps = 0
+        self.distributed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> TrainCtx:
+        self.distributed = distributed.init_distributed(self.distributed_option)
+        self.model.to(self.device)
+        if self.distributed:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=self.distributed_option.find_unused_parameters,
+            )
+        super().__enter__()
+        self.embedding_tier.configure(
+            optimizer=self.embedding_optimizer, initialization=self.initialization
+        )
+        for index in range(self._backward_workers_size):
+            thread = threading.Thread(
+                target=self._backward_loop, name=f"embedding-backward-{index}", daemon=True
+            )
+            thread.start()
+            self._backward_workers.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.wait_for_embedding_updates()
+        finally:
+            for _ in self._backward_workers:
+                self._backward_queue.put(None)
+            for thread in self._backward_workers:
+                thread.join(timeout=30)
+            self._backward_workers.clear()
+            super().__exit__(*exc)
+
+    @property
+    def dense_model(self) -> torch.nn.Module:
+        """The model without its DDP wrapper."""
+        return _unwrap(self.model)
+
+    # ------------------------------------------------------------------ training step
+    def prepare_features(self, batch: Batch):
+        if not batch.requires_grad:
+            raise InvalidArgumentError(
+                "TrainCtx needs batches with labels and requires_grad=True; "
+                "use eval_ctx(ctx) to score unlabeled batches"
+            )
+        self._raise_backward_error()
+        self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
+        try:
+            non_ids, embeddings, labels = super().prepare_features(batch)
+        except BaseException:
+            self._in_flight.release()
+            raise
+        leaves = [e.detach().requires_grad_(True) for e in embeddings]
+        names = [slot.name for slot in self._last_lookup.slots]
+        if self._pending is not None:  # a forward without backward: give its slot back
+            self._in_flight.release()
+        self._pending = (self._last_lookup.ref, names, leaves)
+        return non_ids, leaves, labels
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Model output (with autograd) and labels for one training batch."""
+        self.model.train()
+        non_ids, embeddings, labels = self.prepare_features(batch)
+        with torch.autocast(
+            device_type=self.device.type, dtype=torch.float16, enabled=self.mixed_precision
+        ):
+            output = self.model(non_ids, embeddings)
+        return output, labels
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP) and queue
+        the embedding gradients for the embedding tier. Returns the (scaled) loss."""
+        if self._pending is None:
+            raise FailedPreconditionError("backward() called without a forward() before it")
+        ref, names, leaves = self._pending
+        self._pending = None
+        scaled = self.grad_scaler.scale(loss)
+        try:
+            scaled.backward()
+            scale = self.grad_scaler.get_scale() if self.mixed_precision else 1.0
+            grads = {}
+            finite = True
+            check = self.step % self.finite_check_every == 0
+            for name, leaf in zip(names, leaves):
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                grad = (grad.float() / scale).cpu()
+                if check and not bool(torch.isfinite(grad).all()):
+                    finite = False
+                grads[name] = grad
+            self.grad_scaler.step(self.dense_optimizer)
+            self.grad_scaler.update()
+            self.dense_optimizer.zero_grad(set_to_none=True)
+        except BaseException:
+            self._in_flight.release()
+            raise
+        self.step += 1
+        if not finite:
+            # Skip this batch's embedding update; the GradScaler already backed off its scale.
+            self.nonfinite_embedding_steps += 1
+            self._backward_queue.put((ref, {}))
+        else:
+            self._backward_queue.put((ref, grads))
+        if self.embedding_staleness == 1:
+            self.wait_for_embedding_updates()
+        return scaled
+
+    def _backward_loop(self) -> None:
+        while True:
+            item = self._backward_queue.get()
+            try:
+                if item is None:
+                    return
+                ref, grads = item
+                self.embedding_tier.backward(ref, grads)
+                if self.embedding_staleness == 1:
+                    self.embedding_tier.flush()
+            except BaseException as error:
+                self._backward_error = error
+                log.error("embedding update failed: %s", error)
+            finally:
+                if item is not None:
+                    self._in_flight.release()
+                self._backward_queue.task_done()
+
+    def _raise_backward_error(self) -> None:
+        if self._backward_error is not None:
+            error, self._backward_error = self._backward_error, None
+            raise error
+
+    def wait_for_embedding_updates(self) -> None:
+        """Block until every queued embedding gradient has been applied on the tier."""
+        self._backward_queue.join()
+        if self._tier is not None:
+            self._tier.flush()
+        self._raise_backward_error()
+
+    # ------------------------------------------------------------------ checkpoints
+    def dump_checkpoint(
+        self, directory: str | os.PathLike, *, with_jit_model: bool = True, overwrite: bool = False
+    ):
+        """Write embeddings, dense.pt, jit_dense.pt, opt.pt and a manifest (see
+        :mod:`training.checkpoint`). Every rank must call it; rank 0 writes."""
+        from training.checkpoint import dump_checkpoint
+
+        self.wait_for_embedding_updates()
+        return dump_checkpoint(
+            Path(directory),
+            self.dense_model,
+            self.dense_optimizer,
+            self.embedding_tier,
+            embedding_optimizer=self.embedding_optimizer,
+            step=self.step,
+            with_jit_model=with_jit_model,
+            overwrite=overwrite,
+        )
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Resume from a checkpoint: dense weights, dense optimizer state, embeddings."""
+        from training.checkpoint import load_checkpoint
+
+        self.wait_for_embedding_updates()
+        manifest = load_checkpoint(
+            Path(directory), self.dense_model, self.dense_optimizer, self.embedding_tier
+        )
+        self.step = manifest.step

@@ -1,0 +1,76 @@
+"""torch.distributed set-up for NN workers: DDP over gloo (CPU) or nccl (GPU).
+
+recserve never manages a cluster itself: ranks, world size and the rendezvous come from the
+environment that ``torchrun`` (or a Kubernetes Job running torchrun) sets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from embedding_store.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DDPOption:
+    """How dense parameters are synchronized across NN workers.
+
+    ``backend``: "gloo" (CPU) or "nccl" (CUDA). ``init_method``: torch's rendezvous URL;
+    the default "env://" reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE as torchrun sets them.
+    """
+
+    backend: str = "gloo"
+    init_method: str = "env://"
+    find_unused_parameters: bool = False
+    timeout_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"DDPOption.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("DDPOption.backend 'nccl' needs CUDA; use 'gloo' on CPU")
+
+
+def world_size() -> int:
+    """WORLD_SIZE from the environment (1 when not launched by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank (0 when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(option: DDPOption) -> bool:
+    """Join the process group when WORLD_SIZE > 1; returns whether it is distributed."""
+    if world_size() <= 1:
+        return False
+    if not dist.is_initialized():
+        from datetime import timedelta
+
+        dist.init_process_group(
+            backend=option.backend,
+            init_method=option.init_method,
+            timeout=timedelta(seconds=option.timeout_seconds),
+        )
+    return True
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
