@@ -32,15 +32,11 @@ from embedding_store.grpc_common import (
     unpack_f32,
 )
 from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_service import (
-    SERVICE_NAME,
-    configure_request,
-    row_block_from_chunk,
-    row_chunks,
-)
+from embedding_store.ps_service import SERVICE_NAME, row_block_from_chunk, row_chunks
 from embedding_store.shard import RowBlock
 
 #: Default deadline of dump, load, export and import calls (seconds).
@@ -57,7 +53,7 @@ class ShardStatus:
     capacity: int
     read_only: bool
     job_type: str
-    optimizer: dict[str, Any] | None  # None when no optimizer is configured
+    optimizer_json: str  # the optimizer's settings as JSON; "" when none is configured
     serving: bool
     lookups: int
     ids_looked_up: int
@@ -75,7 +71,7 @@ class ShardStatus:
             capacity=message.capacity,
             read_only=message.read_only,
             job_type=message.job_type,
-            optimizer=json.loads(message.optimizer_json) if message.optimizer_json else None,
+            optimizer_json=message.optimizer_json,
             serving=message.serving,
             lookups=message.lookups,
             ids_looked_up=message.ids_looked_up,
@@ -84,6 +80,11 @@ class ShardStatus:
             task=message.task,
             task_progress=message.task_progress,
         )
+
+    @property
+    def optimizer(self) -> dict[str, Any] | None:
+        """The optimizer's settings (``optimizer_from_dict`` reads them), or None."""
+        return json.loads(self.optimizer_json) if self.optimizer_json else None
 
 
 def _describe(value: object) -> str:
@@ -158,7 +159,9 @@ class RemoteParameterServer:
         self.close()
 
     def _call(self, method, request, timeout: float | None = None):
-        return call(self.peer, method, request, timeout=self.timeout if timeout is None else timeout)
+        return call(
+            self.peer, method, request, timeout=self.timeout if timeout is None else timeout
+        )
 
     # ------------------------------------------------------------------ data path
     @property
@@ -213,7 +216,7 @@ class RemoteParameterServer:
         initialization: InitializationConfig | None = None,
     ) -> None:
         """Set the shard's optimizer and/or initialization (None leaves one unchanged)."""
-        self._call(self._stub.Configure, configure_request(optimizer, initialization))
+        self._call(self._stub.Configure, settings_to_configure_request(optimizer, initialization))
 
     def dump(
         self, directory: str, *, timeout: float | None = None

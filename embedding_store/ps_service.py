@@ -13,8 +13,8 @@ While an inference shard has no rows loaded, its lookups are answered ``UNAVAILA
 than with zeros. On SIGTERM/SIGINT the health service turns ``NOT_SERVING``, in-flight RPCs
 get ``grace`` seconds to finish, the shard part is optionally dumped, and the process exits 0.
 
-The wire conversions (optimizer and initialization messages, row chunks) live here too and are
-shared with :mod:`embedding_store.ps_client`.
+The row-chunk conversions live here too and are shared with :mod:`embedding_store.ps_client`;
+optimizer settings travel via :mod:`embedding_store.optimizer_wire`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from embedding_store import checkpoint
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     CapacityError,
-    ConfigError,
     FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
@@ -60,8 +59,7 @@ from embedding_store.grpc_common import (
     unpack_f32,
     unpack_u64,
 )
-from embedding_store.initializer import InitializationConfig
-from embedding_store.optimizers import SGD, Adagrad, Adam
+from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.shard import EmbeddingShard, RowBlock
@@ -124,105 +122,6 @@ def check_message_size(n: int, width: int, what: str) -> None:
             f"{what}: {n} rows x dim {width} is {size} bytes of float32, more than one message "
             f"may carry ({MAX_MESSAGE_BYTES} bytes); split the request"
         )
-
-
-def optimizer_to_proto(optimizer: SGD | Adagrad | Adam, request: pb.ConfigureRequest) -> None:
-    """Set ``request``'s optimizer oneof from an optimizer object."""
-    if isinstance(optimizer, SGD):
-        request.sgd.CopyFrom(pb.Sgd(lr=optimizer.lr, weight_decay=optimizer.weight_decay))
-    elif isinstance(optimizer, Adagrad):
-        request.adagrad.CopyFrom(
-            pb.Adagrad(
-                lr=optimizer.lr,
-                initial_accumulator_value=optimizer.initial_accumulator_value,
-                g_square_momentum=optimizer.g_square_momentum,
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-                vectorwise_shared=optimizer.vectorwise_shared,
-            )
-        )
-    elif isinstance(optimizer, Adam):
-        request.adam.CopyFrom(
-            pb.Adam(
-                lr=optimizer.lr,
-                beta1=optimizer.betas[0],
-                beta2=optimizer.betas[1],
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-            )
-        )
-    else:
-        raise InvalidArgumentError(
-            f"optimizer must be an SGD, Adagrad or Adam instance, got {type(optimizer).__name__}"
-        )
-
-
-def initialization_to_proto(config: InitializationConfig) -> pb.Initialization:
-    if not isinstance(config, InitializationConfig):
-        raise InvalidArgumentError(
-            f"initialization must be an InitializationConfig, got {type(config).__name__}"
-        )
-    return pb.Initialization(
-        low=config.low,
-        high=config.high,
-        admit_probability=config.admit_probability,
-        has_weight_bound=config.weight_bound is not None,
-        weight_bound=0.0 if config.weight_bound is None else config.weight_bound,
-        seed=config.seed,
-    )
-
-
-def configure_request(
-    optimizer: SGD | Adagrad | Adam | None = None,
-    initialization: InitializationConfig | None = None,
-) -> pb.ConfigureRequest:
-    """The ConfigureRequest for ``optimizer`` and/or ``initialization`` (None: unchanged)."""
-    request = pb.ConfigureRequest()
-    if optimizer is not None:
-        optimizer_to_proto(optimizer, request)
-    if initialization is not None:
-        request.initialization.CopyFrom(initialization_to_proto(initialization))
-    return request
-
-
-def configuration_from_proto(
-    request: pb.ConfigureRequest,
-) -> tuple[SGD | Adagrad | Adam | None, InitializationConfig | None]:
-    """Decode a ConfigureRequest; invalid values raise InvalidArgumentError naming the field."""
-    try:
-        kind = request.WhichOneof("optimizer")
-        optimizer: SGD | Adagrad | Adam | None = None
-        if kind == "sgd":
-            optimizer = SGD(lr=request.sgd.lr, weight_decay=request.sgd.weight_decay)
-        elif kind == "adagrad":
-            a = request.adagrad
-            optimizer = Adagrad(
-                lr=a.lr,
-                initial_accumulator_value=a.initial_accumulator_value,
-                g_square_momentum=a.g_square_momentum,
-                eps=a.eps,
-                weight_decay=a.weight_decay,
-                vectorwise_shared=a.vectorwise_shared,
-            )
-        elif kind == "adam":
-            a = request.adam
-            optimizer = Adam(
-                lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, weight_decay=a.weight_decay
-            )
-        initialization = None
-        if request.HasField("initialization"):
-            i = request.initialization
-            initialization = InitializationConfig(
-                low=i.low,
-                high=i.high,
-                admit_probability=i.admit_probability,
-                weight_bound=i.weight_bound if i.has_weight_bound else None,
-                seed=i.seed,
-            )
-    except ConfigError as error:
-        # the optimizer/initializer messages start with "adagrad.lr", "initialization.low", ...
-        raise InvalidArgumentError(f"ConfigureRequest.{error.message}") from None
-    return optimizer, initialization
 
 
 def rows_per_chunk(dim: int, state_width: int, requested: int) -> int:
@@ -311,7 +210,9 @@ class _ShardCollector(Collector):
         )
         yield gauge("rows", "Rows held, all dims together.", stats.rows)
         yield gauge("capacity", "Row capacity of the shard.", stats.capacity)
-        yield gauge("serving", "1 when the shard is loaded/configured and serving.", self._serving())
+        yield gauge(
+            "serving", "1 when the shard is loaded/configured and serving.", self._serving()
+        )
 
 
 class ParameterServerMetrics:
@@ -347,7 +248,7 @@ def _observed(method):
         start = time.perf_counter()
         try:
             return method(self, request, context)
-        except BaseException as error:
+        except Exception as error:
             self._count_error(name, error)
             raise
         finally:
@@ -365,7 +266,7 @@ def _observed_stream(method):
         start = time.perf_counter()
         try:
             yield from method(self, request, context)
-        except BaseException as error:
+        except Exception as error:
             self._count_error(name, error)
             raise
         finally:
@@ -395,7 +296,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.embedding_config = embedding_config
         self.job_type = job_type
         self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
-        self.metrics.watch_shard(shard, lambda: self.serving)
         self._health = health_servicer
         # Only lookups change the shard's miss/rejection counters: serializing lookups around
         # two stats() reads makes the per-call delta exact (the shard's own lock serializes
@@ -407,6 +307,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._task_progress = 0.0
         self._loaded = False
         self._shutting_down = False
+        self.metrics.watch_shard(shard, lambda: self.serving)
         self._refresh_health()
 
     # ------------------------------------------------------------------ state
@@ -526,7 +427,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @rpc_errors
     @_observed
     def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
-        optimizer, initialization = configuration_from_proto(request)
+        optimizer, initialization = configure_request_to_settings(request)
         self.shard.configure(optimizer=optimizer, initialization=initialization)
         if optimizer is not None:
             log.info("optimizer configured: %s", self._optimizer_json())
@@ -628,7 +529,9 @@ class ParameterServerOptions:
     def __post_init__(self) -> None:
         if not (isinstance(self.replica_size, int) and self.replica_size >= 1):
             raise InvalidArgumentError(f"replica_size must be >= 1, got {self.replica_size!r}")
-        if not (isinstance(self.replica_index, int) and 0 <= self.replica_index < self.replica_size):
+        if not (
+            isinstance(self.replica_index, int) and 0 <= self.replica_index < self.replica_size
+        ):
             raise InvalidArgumentError(
                 f"replica_index must be in [0, {self.replica_size}), got {self.replica_index!r}"
             )
@@ -706,9 +609,7 @@ class ParameterServerProcess:
     def start(self) -> None:
         opts = self.options
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=opts.max_workers, thread_name_prefix="ps-rpc"
-            ),
+            futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
         )
         pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
@@ -763,9 +664,7 @@ class ParameterServerProcess:
             ) from None
         self._metrics_httpd = httpd
         self.metrics_port = int(httpd.server_port)
-        log.info(
-            "metrics on http://%s/metrics", format_address(opts.host, self.metrics_port)
-        )
+        log.info("metrics on http://%s/metrics", format_address(opts.host, self.metrics_port))
 
     def _start_infer_load(self) -> None:
         directory = self.global_config.common_config.infer_config.embedding_checkpoint
@@ -857,4 +756,3 @@ def serve_parameter_server(
     if process.fatal_error is not None:
         raise process.fatal_error
     return 0
-

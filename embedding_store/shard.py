@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit
 
 from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
-from embedding_store.hashmap import IdIndex
+from embedding_store.hashmap import PREFETCH, IdIndex, prefetch_row
 from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
 from embedding_store.optimizers import SGD, Adagrad, Adam
 
@@ -88,8 +88,15 @@ class RowBlock:
 
 @njit(cache=True, nogil=True)
 def _gather_kernel(weights, rows, out):
+    """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``; prefetches rows ahead."""
+    n = rows.shape[0]
     dim = out.shape[1]
-    for i in range(rows.shape[0]):
+    for i in range(min(PREFETCH, n)):
+        if rows[i] >= 0:
+            prefetch_row(weights, rows[i])
+    for i in range(n):
+        if i + PREFETCH < n and rows[i + PREFETCH] >= 0:
+            prefetch_row(weights, rows[i + PREFETCH])
         r = rows[i]
         if r < 0:
             for c in range(dim):
@@ -427,6 +434,43 @@ class EmbeddingShard:
                 rows = table.index.lookup(ids)
             rows[miss] = self._insert(table, miss_ids, base + miss, fill=True)
             return table.gather(rows)
+
+    def lookup_pooled(
+        self,
+        ids: np.ndarray,
+        dim: int,
+        bag_offsets: np.ndarray,
+        weights: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Eval/infer lookup fused with sum pooling: float32 [num_bags, dim].
+
+        Equals ``embedding_bag(lookup(ids, dim, train=False), bag_offsets, mode="sum",
+        per_sample_weights=weights)`` without materializing the rows: bag ``b`` sums
+        ``ids[bag_offsets[b]:bag_offsets[b + 1]]`` (the last bag runs to the end) in order,
+        each row times ``weights[i]`` (float32 [n]) when given. ``bag_offsets`` is int64
+        [num_bags], non-decreasing from 0. Like an eval lookup it never inserts, refreshes no
+        LRU stamp and works on read-only shards; unknown IDs add zeros and count as misses.
+        """
+        ids = _check_ids(ids)
+        dim = _check_dim(dim)
+        n = ids.shape[0]
+        with self._lock:
+            self._lookups += 1
+            self._ids_looked_up += n
+            table = self._tables.get(dim)
+            if table is not None:
+                pooled, misses = table.index.pool(
+                    ids, table.weights, bag_offsets, weights
+                )  # validates offsets and weights
+                self._misses += misses
+                return pooled
+        # No row of this width: all misses (validate the arguments the same way).
+        pooled, misses = IdIndex().pool(
+            ids, np.zeros((0, dim), dtype=np.float32), bag_offsets, weights
+        )
+        with self._lock:
+            self._misses += misses
+        return pooled
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply the optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32 [n, dim].

@@ -23,7 +23,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +37,10 @@ from embedding_store.interfaces import ParameterServer
 from embedding_store.shard import EmbeddingShard
 
 IdFeature = IDTypeFeature | IDTypeFeatureWithSingleID
+
+# Bounds of the plan caches: slot-name tuples per worker, batch shapes per dim group.
+_SPEC_CACHE_SIZE = 64
+_LAYOUT_CACHE_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -78,16 +83,37 @@ class BackwardStats:
     nonfinite_rows_skipped: int
 
 
-@dataclass(frozen=True)
-class _SlotLayout:
-    """Where one slot's bags sit inside its dim group's bag list."""
+class _SlotLayout(NamedTuple):
+    """Where one slot's bags sit inside its dim group's bag list.
+
+    ``lengths`` (int64 [batch], IDs per sample before truncation) is kept for raw slots only
+    (their output mask); summation slots have None.
+    """
 
     name: str
     config: SlotConfig
     batch_size: int
     first_bag: int
     num_bags: int
-    lengths: np.ndarray  # int64 [batch]: IDs per sample before truncation
+    lengths: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _GroupSpec:
+    """The part of a dim group's plan that depends only on the batch's slot names.
+
+    ``plain``: positions (in the batch's feature order) of summation slots without hash
+    stack, pooled together with whole-array calls; ``special``: raw or hash-stacked slots.
+    ``layouts`` caches, per tuple of (batch size, ID count) of the plain slots, their layouts and
+    the per-ID prefix array (a few recent shapes; a batch never mutates them).
+    """
+
+    dim: int
+    plain: tuple[int, ...]
+    plain_configs: tuple[SlotConfig, ...]
+    plain_prefixes: np.ndarray  # uint64 [len(plain)]
+    special: tuple[int, ...]
+    layouts: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,13 @@ class EmbeddingWorker:
         if deduplicate is None:
             deduplicate = not all(isinstance(shard, EmbeddingShard) for shard in self.shards)
         self.deduplicate = deduplicate
+        # Eval/infer lookups against one in-process shard pool inside the shard, in one kernel
+        # (no row copies, no embedding_bag): see EmbeddingShard.lookup_pooled.
+        self._specs: dict[tuple[str, ...], tuple[_GroupSpec, ...]] = {}
+        only = self.shards[0]
+        self._pooling_shard = (
+            only if len(self.shards) == 1 and isinstance(only, EmbeddingShard) else None
+        )
 
     # ------------------------------------------------------------------ forward
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
@@ -178,23 +211,33 @@ class EmbeddingWorker:
         plans = self._plan(features)
         outputs: dict[str, SlotOutput] = {}
         for plan in plans:
-            if self.deduplicate:
-                unique, inverse = _unique(plan.ids)
-                rows = self._gather(unique, plan.dim, train=train)
-            else:
-                rows = self._gather(plan.ids, plan.dim, train=train)
-                inverse = torch.arange(len(plan.ids))
-            pooled = torch.nn.functional.embedding_bag(
-                inverse,
-                rows,
-                plan.bag_offsets,
-                mode="sum",
-                per_sample_weights=plan.id_weights,
-            )
-            for layout in plan.slots:
-                outputs[layout.name] = _slot_output(layout, pooled, plan.dim)
+            _slot_outputs(plan, self._pool(plan, train=train), outputs)
         ref = self._remember(plans) if train else None
         return LookupResult(slots=tuple(outputs[f.name] for f in features), ref=ref)
+
+    def _pool(self, plan: _GroupPlan, *, train: bool) -> torch.Tensor:
+        """Pooled rows of one dim group: float32 [num_bags, dim]."""
+        if not train and self._pooling_shard is not None:
+            # One kernel in the shard: probe + weighted sum, no row copies, no embedding_bag.
+            weights = None if plan.id_weights is None else plan.id_weights.numpy()
+            return torch.from_numpy(
+                self._pooling_shard.lookup_pooled(
+                    plan.ids, plan.dim, plan.bag_offsets.numpy(), weights
+                )
+            )
+        if self.deduplicate:
+            unique, inverse = _unique(plan.ids)
+            rows = self._gather(unique, plan.dim, train=train)
+        else:
+            rows = self._gather(plan.ids, plan.dim, train=train)
+            inverse = torch.arange(len(plan.ids))
+        return torch.nn.functional.embedding_bag(
+            inverse,
+            rows,
+            plan.bag_offsets,
+            mode="sum",
+            per_sample_weights=plan.id_weights,
+        )
 
     def _gather(self, ids: np.ndarray, dim: int, *, train: bool) -> torch.Tensor:
         """Rows of ``ids`` (uint64 [n]) from their owning shards: float32 [n, dim]."""
@@ -293,11 +336,39 @@ class EmbeddingWorker:
         """Group slots by dim and build the bag layout of each group (vectorized per slot)."""
         if not features:
             raise BatchValidationError("the batch has no ID-type features to look up")
-        by_dim: dict[int, list[tuple[IdFeature, SlotConfig]]] = {}
-        for feature in features:
+        names = tuple(f.name for f in features)
+        specs = self._specs.get(names)
+        if specs is None:
+            specs = self._group_specs(features)
+            if len(self._specs) >= _SPEC_CACHE_SIZE:
+                self._specs.clear()
+            self._specs[names] = specs
+        return tuple(self._plan_group(spec, features) for spec in specs)
+
+    def _group_specs(self, features: Sequence[IdFeature]) -> tuple[_GroupSpec, ...]:
+        """Split the batch's slots into dim groups, and each group into plain and special."""
+        by_dim: dict[int, tuple[list[int], list[SlotConfig], list[int]]] = {}
+        for position, feature in enumerate(features):
             config = self._slot_config(feature.name)
-            by_dim.setdefault(config.dim, []).append((feature, config))
-        return tuple(self._plan_group(dim, members) for dim, members in by_dim.items())
+            plain, plain_configs, special = by_dim.setdefault(config.dim, ([], [], []))
+            if config.embedding_summation and config.hash_stack_config.hash_stack_rounds == 0:
+                plain.append(position)
+                plain_configs.append(config)
+            else:
+                special.append(position)
+        return tuple(
+            _GroupSpec(
+                dim=dim,
+                plain=tuple(plain),
+                plain_configs=tuple(plain_configs),
+                plain_prefixes=np.array(
+                    [self.embedding_config.index_prefix(features[i].name) for i in plain],
+                    dtype=np.uint64,
+                ),
+                special=tuple(special),
+            )
+            for dim, (plain, plain_configs, special) in by_dim.items()
+        )
 
     def _slot_config(self, name: str) -> SlotConfig:
         if name not in self.embedding_config.slots_config:
@@ -307,45 +378,30 @@ class EmbeddingWorker:
             )
         return self.embedding_config.slots_config[name]
 
-    def _plan_group(self, dim: int, members: list[tuple[IdFeature, SlotConfig]]) -> _GroupPlan:
+    def _plan_group(self, spec: _GroupSpec, features: Sequence[IdFeature]) -> _GroupPlan:
         """Concatenate one dim group's slots into one bag list.
 
         Plain summation slots (the common case) are handled together with whole-array numpy
         calls; raw and hash-stacked slots take a per-slot path.
         """
-        plain = [
-            (f, c)
-            for f, c in members
-            if c.embedding_summation and c.hash_stack_config.hash_stack_rounds == 0
-        ]
-        special = [
-            (f, c)
-            for f, c in members
-            if not (c.embedding_summation and c.hash_stack_config.hash_stack_rounds == 0)
-        ]
         ids_parts: list[np.ndarray] = []
         length_parts: list[np.ndarray] = []
         weight_parts: list[np.ndarray | None] = []
         layouts: list[_SlotLayout] = []
         first_bag = 0
-        if plain:
-            ids, lengths, weights = self._plain_bags(plain)
+        all_single = not spec.special
+        if spec.plain:
+            plain = [features[i] for i in spec.plain]
+            ids, lengths, weights, plain_layouts = self._plain_bags(spec, plain)
+            all_single = all_single and lengths is None
             ids_parts.append(ids)
-            length_parts.append(lengths)
+            length_parts.append(np.ones(len(ids), np.int64) if lengths is None else lengths)
             weight_parts.append(weights)
-            for feature, config in plain:
-                layouts.append(
-                    _SlotLayout(
-                        feature.name,
-                        config,
-                        feature.batch_size,
-                        first_bag,
-                        feature.batch_size,
-                        feature.lengths,
-                    )
-                )
-                first_bag += feature.batch_size
-        for feature, config in special:
+            layouts.extend(plain_layouts)
+            first_bag = len(length_parts[0])
+        for position in spec.special:
+            feature = features[position]
+            config = self._slot_config(feature.name)
             ids, lengths, weights = self._special_bags(feature, config)
             ids_parts.append(ids)
             length_parts.append(lengths)
@@ -357,15 +413,18 @@ class EmbeddingWorker:
                     feature.batch_size,
                     first_bag,
                     len(lengths),
-                    feature.lengths,
+                    None if config.embedding_summation else feature.lengths,
                 )
             )
             first_bag += len(lengths)
         all_ids = _concat(ids_parts)
         bag_lengths = _concat(length_parts)
-        offsets = np.zeros(first_bag, dtype=np.int64)
-        if first_bag > 1:
-            np.cumsum(bag_lengths[:-1], out=offsets[1:])
+        if all_single:  # one ID per bag: offsets are 0, 1, 2, ...
+            offsets = np.arange(first_bag, dtype=np.int64)
+        else:
+            offsets = np.zeros(first_bag, dtype=np.int64)
+            if first_bag > 1:
+                np.cumsum(bag_lengths[:-1], out=offsets[1:])
         id_weights = None
         if any(w is not None for w in weight_parts):
             id_weights = torch.from_numpy(
@@ -377,7 +436,7 @@ class EmbeddingWorker:
                 )
             )
         return _GroupPlan(
-            dim=dim,
+            dim=spec.dim,
             slots=tuple(layouts),
             ids=all_ids,
             bag_lengths=bag_lengths,
@@ -387,35 +446,48 @@ class EmbeddingWorker:
         )
 
     def _plain_bags(
-        self, members: list[tuple[IdFeature, SlotConfig]]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        self, spec: _GroupSpec, members: list[IdFeature]
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, tuple[_SlotLayout, ...]]:
         """Summation slots without hash stack, all at once: one bag per sample.
 
-        Returns (ids uint64 [n], bag lengths int64 [sum of batch sizes], weights float32 [n]
-        or None).
+        Returns (ids uint64 [n], bag lengths int64 [sum of batch sizes] or None when every
+        slot has exactly one ID per sample, weights float32 [n] or None, layouts).
         """
-        values = _concat([f.values for f, _ in members])
-        lengths = _concat([f.lengths for f, _ in members])
-        if self.embedding_config.feature_index_prefix_bit:
-            prefixes = np.array(
-                [self.embedding_config.index_prefix(f.name) for f, _ in members], dtype=np.uint64
-            )
-            per_id_prefix = np.repeat(prefixes, [len(f.values) for f, _ in members])
-            ids = (values & self._id_mask) | per_id_prefix
+        sizes = tuple(f.batch_size for f in members)
+        single = all(isinstance(f, IDTypeFeatureWithSingleID) for f in members)
+        counts = sizes if single else tuple(len(f.values) for f in members)
+        cached = spec.layouts.get(counts if single else (sizes, counts))
+        if cached is None:
+            layouts = []
+            first_bag = 0
+            for feature, config, size in zip(members, spec.plain_configs, sizes):
+                layouts.append(_SlotLayout(feature.name, config, size, first_bag, size, None))
+                first_bag += size
+            per_id_prefix = None
+            if self.embedding_config.feature_index_prefix_bit:
+                per_id_prefix = np.repeat(spec.plain_prefixes, counts)
+            cached = (tuple(layouts), per_id_prefix)
+            if len(spec.layouts) >= _LAYOUT_CACHE_SIZE:
+                spec.layouts.clear()
+            spec.layouts[counts if single else (sizes, counts)] = cached
+        layouts, per_id_prefix = cached
+        values = _concat([f.values for f in members])
+        if per_id_prefix is not None:
+            ids = np.bitwise_and(values, self._id_mask)
+            ids |= per_id_prefix
         else:
             ids = np.ascontiguousarray(values, dtype=np.uint64)
+        lengths = None if single else _concat([f.lengths for f in members])
         weights = None
-        if any(c.sqrt_scaling for _, c in members):
+        if any(c.sqrt_scaling for c in spec.plain_configs):
             bag_weights = _concat(
                 [
-                    _sqrt_weights(f.lengths)
-                    if c.sqrt_scaling
-                    else np.ones(f.batch_size, np.float32)
-                    for f, c in members
+                    _sqrt_weights(f.lengths) if c.sqrt_scaling else np.ones(size, np.float32)
+                    for f, c, size in zip(members, spec.plain_configs, sizes)
                 ]
             )
-            weights = np.repeat(bag_weights, lengths)
-        return ids, lengths, weights
+            weights = bag_weights if single else np.repeat(bag_weights, lengths)
+        return ids, lengths, weights, layouts
 
     def _special_bags(
         self, feature: IdFeature, config: SlotConfig
@@ -490,15 +562,18 @@ def _as_rows(rows: np.ndarray, count: int, dim: int) -> np.ndarray:
     return rows
 
 
-def _slot_output(layout: _SlotLayout, pooled: torch.Tensor, dim: int) -> SlotOutput:
-    bags = pooled[layout.first_bag : layout.first_bag + layout.num_bags]
-    if layout.config.embedding_summation:
-        return SlotOutput(layout.name, bags)
-    fixed = layout.config.sample_fixed_size
-    embeddings = bags.reshape(layout.batch_size, fixed, dim)
-    positions = torch.arange(fixed).unsqueeze(0)
-    mask = positions < torch.tensor(layout.lengths).unsqueeze(1)
-    return SlotOutput(layout.name, embeddings, mask=mask)
+def _slot_outputs(plan: _GroupPlan, pooled: torch.Tensor, outputs: dict[str, SlotOutput]) -> None:
+    """Slice one dim group's pooled bags into its slots' outputs (one ``split`` call)."""
+    pieces = pooled.split([layout.num_bags for layout in plan.slots])
+    for layout, bags in zip(plan.slots, pieces):
+        if layout.lengths is None:  # summation slot
+            outputs[layout.name] = SlotOutput(layout.name, bags)
+            continue
+        fixed = layout.config.sample_fixed_size
+        embeddings = bags.reshape(layout.batch_size, fixed, plan.dim)
+        positions = torch.arange(fixed).unsqueeze(0)
+        mask = positions < torch.tensor(layout.lengths).unsqueeze(1)
+        outputs[layout.name] = SlotOutput(layout.name, embeddings, mask=mask)
 
 
 def _bag_gradient(layout: _SlotLayout, grad: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:

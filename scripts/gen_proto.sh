@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
-for proto in embedding_store/proto/*.proto serving/proto/*.proto; do
+for proto in embedding_store/proto/*.proto training/proto/*.proto serving/proto/*.proto; do
   [ -f "$proto" ] || continue
   "$PY" -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. "$proto"
 done

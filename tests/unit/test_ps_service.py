@@ -1,0 +1,232 @@
+"""ParameterServerServicer in process (no network): validation, misses, serving state, chunks,
+options and the CLI's argument checks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from embedding_store.cli import main as cli_main
+from embedding_store.config import (
+    EmbeddingConfig,
+    GlobalConfig,
+    JobType,
+    SlotConfig,
+    global_config_from_mapping,
+)
+from embedding_store.errors import CapacityError, CheckpointError, InvalidArgumentError
+from embedding_store.grpc_common import MAX_MESSAGE_BYTES, pack_f32, pack_u64
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import SGD, Adam
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.ps_client import RemoteParameterServer
+from embedding_store.ps_service import (
+    ParameterServerOptions,
+    ParameterServerProcess,
+    ParameterServerServicer,
+    check_message_size,
+    row_block_from_chunk,
+    row_chunks,
+    rows_per_chunk,
+)
+from embedding_store.shard import EmbeddingShard, RowBlock
+
+CONFIG = EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)})
+
+
+class AbortedError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class FakeContext:
+    def abort(self, code, details):
+        raise AbortedError(code, details)
+
+    def is_active(self) -> bool:
+        return True
+
+
+def servicer(read_only: bool = False, **kwargs) -> ParameterServerServicer:
+    shard = EmbeddingShard(100, read_only=read_only, **kwargs)
+    job = JobType.INFER if read_only else JobType.TRAIN
+    return ParameterServerServicer(shard, CONFIG, job_type=job)
+
+
+def aborted(method, request) -> AbortedError:
+    with pytest.raises(AbortedError) as failure:
+        method(request, FakeContext())
+    return failure.value
+
+
+def test_requests_are_validated_naming_the_field():
+    s = servicer(optimizer=SGD())
+    cases = [
+        (s.Lookup, pb.LookupRequest(ids=b"\0" * 7, dim=4), "LookupRequest.ids: 7 bytes is not"),
+        (s.Lookup, pb.LookupRequest(dim=0), "LookupRequest.dim must be > 0, got 0"),
+        (s.Update, pb.UpdateRequest(ids=b"\0" * 8, dim=0), "UpdateRequest.dim must be > 0"),
+        (
+            s.Update,
+            pb.UpdateRequest(ids=b"\0" * 16, grads=b"\0" * 16, dim=4),
+            "UpdateRequest.grads: got 16 bytes, expected 32 for float32 [2, 4]",
+        ),
+        (
+            s.Configure,
+            pb.ConfigureRequest(adam=pb.Adam(lr=0.1, beta1=1.5)),
+            "ConfigureRequest: adam.betas",
+        ),
+        (
+            s.Configure,
+            pb.ConfigureRequest(initialization=pb.Initialization(low=1, high=0)),
+            "initialization.low",
+        ),
+        (s.Load, pb.ShardLoadRequest(), "ShardLoadRequest.directory"),
+    ]
+    for method, request, expected in cases:
+        error = aborted(method, request)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert expected in error.details
+    huge = pb.LookupRequest(ids=pack_u64(np.zeros(2, np.uint64)), dim=MAX_MESSAGE_BYTES // 4)
+    assert aborted(s.Lookup, huge).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(CapacityError, match="split the request"):
+        check_message_size(1 << 20, 1 << 10, "LookupRequest")
+
+
+def test_lookup_reports_misses_and_admission_rejections():
+    s = servicer(optimizer=SGD(), initialization=InitializationConfig(admit_probability=0.5))
+    ids = np.arange(200, dtype=np.uint64)
+    trained = s.Lookup(pb.LookupRequest(ids=pack_u64(ids), dim=4, train=True), FakeContext())
+    held = s.shard.size()
+    assert 0 < held < 200 and trained.misses == 200 - held
+    answer = s.Lookup(pb.LookupRequest(ids=pack_u64(ids), dim=4), FakeContext())
+    assert answer.misses == 200 - held
+    assert len(answer.rows) == 200 * 4 * 4
+
+
+def test_configure_update_and_serving_state():
+    s = servicer()
+    assert not s.serving
+    request = pb.ConfigureRequest(sgd=pb.Sgd(lr=0.5))
+    s.Configure(request, FakeContext())
+    assert s.serving and s.shard.optimizer == SGD(lr=0.5)
+    ids = pack_u64(np.array([3], np.uint64))
+    s.Lookup(pb.LookupRequest(ids=ids, dim=4, train=True), FakeContext())
+    before = s.shard.export_rows(4).weights.copy()
+    grads = pack_f32(np.ones((1, 4), np.float32))
+    assert s.Update(pb.UpdateRequest(ids=ids, grads=grads, dim=4), FakeContext()).rows_updated == 1
+    np.testing.assert_allclose(s.shard.export_rows(4).weights, before - 0.5)
+    status = s.Status(pb.ShardStatusRequest(), FakeContext())
+    assert status.serving and status.rows == 1 and status.job_type == "Train"
+    assert '"name": "sgd"' in status.optimizer_json
+    s.begin_shutdown()
+    assert not s.serving
+
+
+def test_inference_shard_serves_only_once_it_has_rows():
+    s = servicer(read_only=True)
+    assert not s.serving
+    lookup = pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4)
+    assert aborted(s.Lookup, lookup).code == grpc.StatusCode.UNAVAILABLE
+    block = RowBlock(
+        ids=np.arange(2, dtype=np.uint64), weights=np.ones((2, 4), np.float32), state=None
+    )
+    s.ImportRows(iter(row_chunks(block, 0)), FakeContext())
+    assert s.serving
+    answer = s.Lookup(lookup, FakeContext())
+    assert answer.misses == 1
+    train = pb.LookupRequest(ids=lookup.ids, dim=4, train=True)
+    assert aborted(s.Lookup, train).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert aborted(s.Clear, pb.ClearRequest()).code == grpc.StatusCode.FAILED_PRECONDITION
+    missing = pb.ShardLoadRequest(directory="/nonexistent/checkpoint")
+    assert aborted(s.Load, missing).code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_row_chunks_round_trip_and_are_capped():
+    rng = np.random.default_rng(0)
+    block = RowBlock(
+        ids=np.arange(10, dtype=np.uint64),
+        weights=rng.standard_normal((10, 3)).astype(np.float32),
+        state=rng.standard_normal((10, 7)).astype(np.float32),
+    )
+    chunks = list(row_chunks(block, 4))
+    assert [len(row_block_from_chunk(c).ids) for c in chunks] == [4, 4, 2]
+    back = [row_block_from_chunk(c) for c in chunks]
+    np.testing.assert_array_equal(np.concatenate([b.weights for b in back]), block.weights)
+    np.testing.assert_array_equal(np.concatenate([b.state for b in back]), block.state)
+    assert all(b.weights.flags.writeable and b.ids.flags.writeable for b in back)
+    assert rows_per_chunk(1 << 20, 0, 0) < 65_536  # 4 MiB rows: capped to fit one message
+    assert rows_per_chunk(8, 0, 0) == 65_536
+    no_state = RowBlock(ids=block.ids, weights=block.weights, state=None)
+    assert all(row_block_from_chunk(c).state is None for c in row_chunks(no_state, 0))
+    bad = pb.RowChunk(dim=3, ids=pack_u64(block.ids[:1]), weights=b"\0" * 12, state=b"\0" * 4)
+    with pytest.raises(InvalidArgumentError, match=r"RowChunk\[2\]\.state must be empty"):
+        row_block_from_chunk(bad, "RowChunk[2]")
+
+
+def test_options_are_validated():
+    with pytest.raises(InvalidArgumentError, match="replica_index must be in"):
+        ParameterServerOptions(replica_index=2, replica_size=2)
+    with pytest.raises(InvalidArgumentError, match="port must be in"):
+        ParameterServerOptions(port=70000)
+    with pytest.raises(InvalidArgumentError, match="grace_seconds"):
+        ParameterServerOptions(grace_seconds=-1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--replica-index", "2", "--replica-size", "2", "--port", "0"],
+            "must be < --replica-size",
+        ),
+        (["--replica-index", "0", "--replica-size", "0", "--port", "0"], "--replica-size"),
+        (["--replica-index", "0", "--replica-size", "1", "--port", "99999"], "in 0..65535"),
+        (["--replica-index", "0", "--replica-size", "1"], "--port"),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--grace-seconds", "x"],
+            "number of seconds",
+        ),
+    ],
+)
+def test_cli_rejects_bad_flags(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["embedding-parameter-server", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_process_in_process_with_adam_and_failed_infer_load(tmp_path):
+    process = ParameterServerProcess(CONFIG, GlobalConfig(), ParameterServerOptions(port=0))
+    process.start()
+    try:
+        with RemoteParameterServer(process.address, timeout=5) as client:
+            client.configure(Adam(), InitializationConfig(seed=3))
+            client.wait_for_serving(5)
+            rows = client.lookup(np.arange(5, dtype=np.uint64), 4, train=True)
+            assert rows.shape == (5, 4)
+            assert client.status().optimizer["name"] == "adam"
+    finally:
+        process.stop(grace=0)
+
+    infer = global_config_from_mapping(
+        {
+            "common_config": {
+                "job_type": "Infer",
+                "infer_config": {"embedding_checkpoint": str(tmp_path / "missing")},
+            }
+        }
+    )
+    failing = ParameterServerProcess(CONFIG, infer, ParameterServerOptions(port=0))
+    failing.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not failing.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(failing.fatal_error, CheckpointError)
+        assert not failing.servicer.serving
+    finally:
+        failing.stop(grace=0)

@@ -1,0 +1,115 @@
+"""``recserve train`` and ``recserve data-loader``: run user scripts with the right environment.
+
+``train`` runs the training script under torchrun (so DDP ranks, world size and rendezvous come
+from torch.distributed, never from a home-made cluster manager); ``data-loader`` runs a data
+loader script as replica I of N. Both replace this process with the script (exec), so signals
+and exit codes belong to the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from training.ctx import EMBEDDING_WORKERS_ENV
+from training.data import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--entry", required=True, help="the Python script to run")
+    parser.add_argument("--embedding-config", help="embedding_config.yml (for the script)")
+    parser.add_argument("--global-config", help="global_config.yml (for the script)")
+    parser.add_argument(
+        "--nn-worker-addresses",
+        help="comma-separated HOST:PORT of the NN workers' data receivers, rank order",
+    )
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments after --")
+
+
+def register(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="run a training script under torchrun",
+        description="Run a training script (which uses training.TrainCtx) under torchrun.",
+    )
+    _common(train)
+    train.add_argument("--nproc-per-node", type=int, default=1, help="NN workers on this node")
+    train.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    train.add_argument("--node-rank", type=int, default=0)
+    train.add_argument("--master-addr", default="127.0.0.1")
+    train.add_argument("--master-port", type=int, default=None)
+    train.add_argument(
+        "--embedding-workers",
+        help="comma-separated embedding-worker addresses (default: embedded, in-process)",
+    )
+    train.add_argument(
+        "--num-data-loaders", type=int, default=None, help="data loaders streaming batches"
+    )
+    train.set_defaults(handler=_train)
+
+    loader = subparsers.add_parser(
+        "data-loader",
+        help="run a data-loader script as replica I of N",
+        description="Run a data-loader script (which uses training.DataCtx) as one replica.",
+    )
+    _common(loader)
+    loader.add_argument("--replica-index", type=int, required=True)
+    loader.add_argument("--replica-size", type=int, required=True)
+    loader.set_defaults(handler=_data_loader)
+
+
+def _environment(args: argparse.Namespace) -> dict[str, str]:
+    entry = Path(args.entry)
+    if not entry.is_file():
+        raise SystemExit(f"recserve {args.command}: error: --entry {entry} is not a file")
+    env = dict(os.environ)
+    if args.embedding_config:
+        env["RECSERVE_EMBEDDING_CONFIG"] = str(Path(args.embedding_config).absolute())
+    if args.global_config:
+        env["RECSERVE_GLOBAL_CONFIG"] = str(Path(args.global_config).absolute())
+    if args.nn_worker_addresses:
+        env[NN_WORKERS_ENV] = args.nn_worker_addresses
+    return env
+
+
+def _script_args(args: argparse.Namespace) -> list[str]:
+    rest = list(args.script_args)
+    return rest[1:] if rest[:1] == ["--"] else rest
+
+
+def _train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise SystemExit("recserve train: error: --nproc-per-node and --nnodes must be >= 1")
+    env = _environment(args)
+    if args.embedding_workers:
+        env[EMBEDDING_WORKERS_ENV] = args.embedding_workers
+    if args.num_data_loaders is not None:
+        env[NUM_LOADERS_ENV] = str(args.num_data_loaders)
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    if args.nnodes == 1 and args.master_port is None:
+        command += ["--standalone"]
+    else:
+        command += [
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            f"--master-addr={args.master_addr}",
+            f"--master-port={args.master_port or 29500}",
+        ]
+    command += [f"--nproc-per-node={args.nproc_per_node}", args.entry, *_script_args(args)]
+    os.execve(sys.executable, command, env)
+    return 0  # not reached
+
+
+def _data_loader(args: argparse.Namespace) -> int:
+    if not 0 <= args.replica_index < args.replica_size:
+        raise SystemExit(
+            f"recserve data-loader: error: --replica-index {args.replica_index} must be in "
+            f"[0, --replica-size {args.replica_size})"
+        )
+    env = _environment(args)
+    env[REPLICA_INDEX_ENV] = str(args.replica_index)
+    env[REPLICA_SIZE_ENV] = str(args.replica_size)
+    os.execve(sys.executable, [sys.executable, args.entry, *_script_args(args)], env)
+    return 0  # not reached

@@ -1,0 +1,324 @@
+"""Getting batches to NN workers: streamed from data-loader processes, or read locally.
+
+* :class:`DataCtx` (data-loader process) sends batches straight to the NN workers over gRPC.
+  Global batch number ``g = sequence * replica_size + replica_index`` goes to NN worker
+  ``g % world_size``: routing is deterministic, and a blocked send is the backpressure.
+* :class:`StreamingDataset` (NN worker) receives them into a bounded buffer and ends cleanly
+  when every data loader has said it is done.
+* :class:`IterableDataset` wraps local batches (tests, evaluation, the embedded default).
+* :class:`DataLoader` iterates a dataset with a bounded prefetch thread.
+
+Peers are given by address (``RECSERVE_NN_WORKER_ADDRESSES``): there is no broker.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from embedding_store.batch import Batch
+from embedding_store.errors import InvalidArgumentError, UnavailableError
+from embedding_store.grpc_common import (
+    call,
+    channel_options,
+    rpc_errors,
+    server_options,
+)
+from training import distributed
+from training.proto import data_stream_pb2 as pb
+from training.proto import data_stream_pb2_grpc as pb_grpc
+
+NN_WORKERS_ENV = "RECSERVE_NN_WORKER_ADDRESSES"
+REPLICA_INDEX_ENV = "RECSERVE_REPLICA_INDEX"
+REPLICA_SIZE_ENV = "RECSERVE_REPLICA_SIZE"
+NUM_LOADERS_ENV = "RECSERVE_NUM_DATA_LOADERS"
+
+
+def _addresses_from_env() -> list[str]:
+    return [a.strip() for a in os.environ.get(NN_WORKERS_ENV, "").split(",") if a.strip()]
+
+
+class DataCtx:
+    """Data-loader side: ``with DataCtx() as ctx: ctx.send_data(batch)``.
+
+    ``nn_worker_addresses`` default to ``RECSERVE_NN_WORKER_ADDRESSES`` (rank order);
+    ``replica_index`` / ``replica_size`` to ``RECSERVE_REPLICA_INDEX`` / ``..._SIZE``.
+    Sends wait up to ``timeout`` seconds for an NN worker to come up or to make room.
+    """
+
+    def __init__(
+        self,
+        nn_worker_addresses: Sequence[str] | None = None,
+        *,
+        replica_index: int | None = None,
+        replica_size: int | None = None,
+        timeout: float = 600.0,
+    ) -> None:
+        self.addresses = list(nn_worker_addresses or _addresses_from_env())
+        if not self.addresses:
+            raise InvalidArgumentError(
+                f"no NN worker addresses: pass nn_worker_addresses or set {NN_WORKERS_ENV}"
+            )
+        self.replica_index = int(
+            os.environ.get(REPLICA_INDEX_ENV, "0") if replica_index is None else replica_index
+        )
+        self.replica_size = int(
+            os.environ.get(REPLICA_SIZE_ENV, "1") if replica_size is None else replica_size
+        )
+        if not 0 <= self.replica_index < self.replica_size:
+            raise InvalidArgumentError(
+                f"replica index {self.replica_index} is not within replica size {self.replica_size}"
+            )
+        self.timeout = timeout
+        self._channels = [
+            grpc.insecure_channel(a, options=channel_options()) for a in self.addresses
+        ]
+        self._stubs = [pb_grpc.DataReceiverStub(c) for c in self._channels]
+        self._sequence = 0
+        self._sent = [0] * len(self.addresses)
+
+    def target_of(self, sequence: int) -> int:
+        """NN worker that receives this loader's batch number ``sequence``."""
+        return (sequence * self.replica_size + self.replica_index) % len(self.addresses)
+
+    def send_data(self, batch: Batch) -> None:
+        """Send one batch to its NN worker; blocks while that worker's buffer is full."""
+        target = self.target_of(self._sequence)
+        request = pb.SendBatchRequest(
+            loader_index=self.replica_index, sequence=self._sequence, batch=batch.to_bytes()
+        )
+        try:
+            self._stubs[target].SendBatch(request, timeout=self.timeout, wait_for_ready=True)
+        except grpc.RpcError as error:
+            from embedding_store.grpc_common import error_from_rpc
+
+            raise error_from_rpc(error, f"NN worker {self.addresses[target]}") from None
+        self._sequence += 1
+        self._sent[target] += 1
+
+    def finish(self) -> None:
+        """Tell every NN worker that this loader is done (called on context exit)."""
+        for index, stub in enumerate(self._stubs):
+            request = pb.EndOfStreamRequest(
+                loader_index=self.replica_index, batches_sent=self._sent[index]
+            )
+            call(f"NN worker {self.addresses[index]}", stub.EndOfStream, request, timeout=60)
+
+    def __enter__(self) -> DataCtx:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self.finish()
+        finally:
+            for channel in self._channels:
+                channel.close()
+
+
+_END = object()
+
+
+class _Receiver(pb_grpc.DataReceiverServicer):
+    """Puts received batches into the dataset's bounded buffer (blocking = backpressure)."""
+
+    def __init__(self, dataset: StreamingDataset) -> None:
+        self.dataset = dataset
+
+    @rpc_errors
+    def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
+        batch = Batch.from_bytes(request.batch)
+        self.dataset._accept(request.loader_index, request.sequence, batch, context)
+        return pb.SendBatchResponse()
+
+    @rpc_errors
+    def EndOfStream(self, request: pb.EndOfStreamRequest, context) -> pb.EndOfStreamResponse:
+        self.dataset._end(request.loader_index, request.batches_sent)
+        return pb.EndOfStreamResponse()
+
+
+class StreamingDataset:
+    """NN-worker side of the stream: an iterable of batches sent by data-loader processes.
+
+    Listens on the port of this rank's entry in ``RECSERVE_NN_WORKER_ADDRESSES`` (or
+    ``port``). Ends after all ``num_loaders`` loaders (``RECSERVE_NUM_DATA_LOADERS``, default
+    1) sent EndOfStream. ``reproducible=True`` yields batches in global order whatever the
+    arrival order (loaders then advance in lock step).
+    """
+
+    def __init__(
+        self,
+        buffer_size: int = 10,
+        *,
+        port: int | None = None,
+        host: str | None = None,
+        num_loaders: int | None = None,
+        reproducible: bool = False,
+    ) -> None:
+        if buffer_size < 1:
+            raise InvalidArgumentError(f"buffer_size must be >= 1, got {buffer_size}")
+        addresses = _addresses_from_env()
+        rank, world = distributed.rank(), max(distributed.world_size(), 1)
+        if port is None:
+            if not addresses:
+                raise InvalidArgumentError(
+                    f"StreamingDataset needs a port: pass port= or set {NN_WORKERS_ENV}"
+                )
+            own_host, _, own_port = addresses[rank % len(addresses)].rpartition(":")
+            port = int(own_port)
+            host = host or (own_host if own_host.startswith("127.") else "0.0.0.0")
+            world = len(addresses)
+        self.host = host or "127.0.0.1"
+        self.port = port
+        self.num_loaders = int(
+            os.environ.get(NUM_LOADERS_ENV, "1") if num_loaders is None else num_loaders
+        )
+        self.reproducible = reproducible
+        self._rank, self._world = rank % world, world
+        self._buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self._ended: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        self._lock = threading.Condition()
+        self._next_global = self._rank  # reproducible mode: the next global batch number
+        self._server: grpc.Server | None = None
+
+    def start(self) -> StreamingDataset:
+        """Start listening (iteration starts it too); returns self."""
+        if self._server is None:
+            server = grpc.server(
+                ThreadPoolExecutor(max_workers=self.num_loaders + 4), options=server_options()
+            )
+            pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
+            bound = server.add_insecure_port(f"{self.host}:{self.port}")
+            if bound == 0:
+                raise UnavailableError(f"StreamingDataset cannot listen on {self.host}:{self.port}")
+            self.port = bound
+            server.start()
+            self._server = server
+        return self
+
+    def _accept(self, loader: int, sequence: int, batch: Batch, context) -> None:
+        if not 0 <= loader < self.num_loaders:
+            raise InvalidArgumentError(
+                f"SendBatchRequest.loader_index {loader} is not below num_loaders "
+                f"{self.num_loaders}"
+            )
+        if self.reproducible:
+            number = sequence * self.num_loaders + loader
+            with self._lock:
+                while number != self._next_global:
+                    if not context.is_active():
+                        return
+                    self._lock.wait(timeout=1.0)
+                self._next_global += self._world
+                self._buffer.put(batch)
+                self._received[loader] = self._received.get(loader, 0) + 1
+                self._lock.notify_all()
+            return
+        self._buffer.put(batch)
+        with self._lock:
+            self._received[loader] = self._received.get(loader, 0) + 1
+
+    def _end(self, loader: int, batches_sent: int) -> None:
+        with self._lock:
+            if self._received.get(loader, 0) != batches_sent:
+                raise InvalidArgumentError(
+                    f"data loader {loader} says it sent {batches_sent} batches, "
+                    f"{self._received.get(loader, 0)} arrived"
+                )
+            self._ended[loader] = batches_sent
+            if self.reproducible:
+                # Other loaders' later batches no longer wait for this one's.
+                self._skip_ended_loaders()
+                self._lock.notify_all()
+        self._buffer.put(_END)
+
+    def _skip_ended_loaders(self) -> None:
+        while (self._next_global % self.num_loaders) in self._ended and len(
+            self._ended
+        ) < self.num_loaders:
+            self._next_global += self._world
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.start()
+        ended = 0
+        try:
+            while ended < self.num_loaders:
+                item = self._buffer.get()
+                if item is _END:
+                    ended += 1
+                    continue
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0)
+            self._server = None
+
+
+class IterableDataset:
+    """Local batches: an iterable, or a zero-argument callable returning a fresh iterator
+    (so the dataset can be iterated once per epoch)."""
+
+    def __init__(self, source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> None:
+        self.source = source
+
+    def __iter__(self) -> Iterator[Batch]:
+        source = self.source() if callable(self.source) else self.source
+        return iter(source)
+
+
+class DataLoader:
+    """Iterates a dataset with a bounded background prefetch (order is preserved)."""
+
+    def __init__(self, dataset: Iterable[Batch], *, prefetch: int = 4) -> None:
+        if prefetch < 0:
+            raise InvalidArgumentError(f"prefetch must be >= 0, got {prefetch}")
+        self.dataset = dataset
+        self.prefetch = prefetch
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.prefetch == 0:
+            yield from self.dataset
+            return
+        buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                for batch in self.dataset:
+                    while not stop.is_set():
+                        try:
+                            buffer.put(batch, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as error:
+                failure.append(error)
+            finally:
+                buffer.put(_END)
+
+        thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
+        thread.start()
+        try:
+            while (item := buffer.get()) is not _END:
+                yield item
+            if failure:
+                raise failure[0]
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    buffer.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=0.05)
