@@ -23,6 +23,7 @@ import json
 import shutil
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,14 @@ class CheckpointManifest:
         return self.directory / EMBEDDINGS_DIR
 
 
+def _quiet_jit(function, *args, **kwargs):
+    """Call a torch.jit function without its deprecation warning: TorchScript is the format
+    this checkpoint promises (``jit_dense.pt``), for runtimes without the model's Python."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return function(*args, **kwargs)
+
+
 def _save_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -76,7 +85,7 @@ def _save_bytes(obj: Any) -> bytes:
 def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
     """TorchScript the dense model, or explain what its forward must look like."""
     try:
-        return torch.jit.script(model)
+        return _quiet_jit(torch.jit.script, model)
     except Exception as error:
         raise InvalidArgumentError(
             f"cannot TorchScript {type(model).__name__}: {error}. The dense model's forward must "
@@ -121,7 +130,7 @@ def _dump(directory, model, dense_optimizer, tier, step, with_jit_model, overwri
         scripted = script_model(model)
         was_training = model.training
         scripted.eval()
-        torch.jit.save(scripted, buffer)
+        _quiet_jit(torch.jit.save, scripted, buffer)
         model.train(was_training)
         payloads[JIT_FILE] = buffer.getvalue()
     staging = embedding_checkpoint.staging_directory_for(target)
@@ -228,7 +237,7 @@ def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
     """The TorchScript dense model of a checkpoint, verified first."""
     payload = read_verified_file(manifest, JIT_FILE)
     try:
-        return torch.jit.load(io.BytesIO(payload), map_location="cpu")
+        return _quiet_jit(torch.jit.load, io.BytesIO(payload), map_location="cpu")
     except Exception as error:
         raise CheckpointError(
             f"{manifest.directory / JIT_FILE} cannot be loaded: {error}"

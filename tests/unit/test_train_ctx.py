@@ -1,0 +1,174 @@
+"""TrainCtx: hybrid updates, bounded staleness, eval_ctx, checkpoints (embedded tier)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_store.batch import Batch, IDTypeFeature, Label, NonIDTypeFeature
+from embedding_store.config import embedding_config_from_mapping, global_config_from_mapping
+from embedding_store.errors import CheckpointError, FailedPreconditionError, InvalidArgumentError
+from embedding_store.optimizers import SGD
+from training import checkpoint as training_checkpoint
+from training.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, eval_ctx
+
+CONFIG = embedding_config_from_mapping(
+    {"slots_config": {"user": {"dim": 4}, "item": {"dim": 4, "sqrt_scaling": True}}}
+)
+GLOBAL = global_config_from_mapping({"embedding_parameter_server_config": {"capacity": 10_000}})
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4 + 4 + 2, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def make_batch(seed: int, batch_size: int = 16, labels: bool = True) -> Batch:
+    rng = np.random.default_rng(seed)
+    user = rng.integers(0, 50, batch_size)
+    items = [rng.integers(0, 100, rng.integers(1, 4)).tolist() for _ in range(batch_size)]
+    dense = rng.normal(size=(batch_size, 2)).astype(np.float32)
+    target = ((user % 2) == 0).astype(np.float32).reshape(-1, 1)
+    return Batch(
+        [
+            IDTypeFeature.from_lists("user", [[int(u)] for u in user]),
+            IDTypeFeature.from_lists("item", items),
+        ],
+        [NonIDTypeFeature(dense, name="dense")],
+        [Label(target)] if labels else [],
+        requires_grad=labels,
+    )
+
+
+def train_steps(ctx: TrainCtx, steps: int, offset: int = 0) -> list[float]:
+    losses = []
+    for step in range(steps):
+        output, labels = ctx.forward(make_batch(offset + step))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+        ctx.backward(loss)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def new_ctx(staleness: int = 1, embedding_lr: float = 0.5) -> TrainCtx:
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=embedding_lr),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=staleness,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
+def test_training_lowers_the_loss_and_updates_both_sides():
+    with new_ctx() as ctx:
+        before = ctx.dense_model.linear.weight.detach().clone()
+        first = ctx.embedding_tier.lookup(make_batch(0), train=False)
+        losses = train_steps(ctx, 60)
+        assert np.mean(losses[-10:]) < np.mean(losses[:10])
+        assert not torch.equal(before, ctx.dense_model.linear.weight)
+        after = ctx.embedding_tier.lookup(make_batch(0), train=False)
+        assert not torch.equal(first.slots[0].embeddings, after.slots[0].embeddings)
+
+
+def test_embedding_update_equals_manual_sgd_step():
+    """Synchronous (staleness 1): rows move by exactly -lr * dLoss/dEmbedding."""
+    with new_ctx(staleness=1, embedding_lr=0.5) as ctx:
+        batch = make_batch(3, batch_size=1)
+        output, labels = ctx.forward(batch)
+        leaves = ctx._pending[2]
+        before = [leaf.detach().clone() for leaf in leaves]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+        ctx.backward(loss)
+        grads = [leaf.grad.clone() for leaf in leaves]
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        # user: one ID, so its row is the pooled value.
+        torch.testing.assert_close(
+            after.slot("user").embeddings, before[0] - 0.5 * grads[0], rtol=0, atol=1e-6
+        )
+
+
+def test_staleness_bounds_updates_in_flight():
+    with new_ctx(staleness=3) as ctx:
+        train_steps(ctx, 5)
+        ctx.wait_for_embedding_updates()
+        assert ctx._in_flight._value == 3  # every slot returned once updates are applied
+    with pytest.raises(InvalidArgumentError, match="embedding_staleness must be >= 1"):
+        new_ctx(staleness=0)
+
+
+def test_eval_ctx_keeps_embedding_hyperparameters():
+    with new_ctx() as ctx:
+        train_steps(ctx, 3)
+        optimizer = ctx.embedding_tier.shards[0].optimizer
+        with eval_ctx(ctx) as evaluator:
+            output, _ = evaluator.forward(make_batch(100, labels=True))
+            assert output.shape == (16, 1) and not output.requires_grad
+            rows = ctx.embedding_tier.status().rows_per_shard
+            evaluator.forward(make_batch(999, labels=False))  # unseen IDs: not inserted
+            assert ctx.embedding_tier.status().rows_per_shard == rows
+        assert ctx.embedding_tier.shards[0].optimizer == optimizer
+        train_steps(ctx, 2, offset=10)  # training continues with the same tier
+
+
+def test_backward_without_forward_and_unlabeled_batches_are_refused():
+    with new_ctx() as ctx:
+        with pytest.raises(FailedPreconditionError, match="without a forward"):
+            ctx.backward(torch.tensor(0.0, requires_grad=True))
+        with pytest.raises(InvalidArgumentError, match="requires_grad=True"):
+            ctx.forward(make_batch(0, labels=False))
+
+
+def test_checkpoint_round_trip_resumes_identically(tmp_path):
+    with new_ctx(staleness=1) as ctx:
+        train_steps(ctx, 10)
+        manifest = ctx.dump_checkpoint(tmp_path / "ckpt")
+        assert manifest.step == 10
+        for name in ("dense.pt", "jit_dense.pt", "opt.pt", "manifest.json", "DONE"):
+            assert (tmp_path / "ckpt" / name).exists()
+        continued = train_steps(ctx, 5, offset=10)
+        scripted = training_checkpoint.load_jit_model(manifest)
+    with new_ctx(staleness=1) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert resumed.step == 10
+        assert train_steps(resumed, 5, offset=10) == continued
+        batch = make_batch(50)
+        with eval_ctx(resumed) as evaluator:
+            non_ids, embeddings, _ = evaluator.prepare_features(batch)
+        # The TorchScript file holds the dense weights of step 10, before the last 5 steps.
+        fresh = new_ctx(staleness=1)
+        with fresh:
+            fresh.load_checkpoint(tmp_path / "ckpt")
+            expected = fresh.dense_model.eval()(non_ids, embeddings)
+        torch.testing.assert_close(scripted(non_ids, embeddings), expected, rtol=0, atol=0)
+
+
+def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "dense.pt"
+    path.write_bytes(path.read_bytes()[:-3] + b"xyz")
+    with new_ctx() as other:
+        weight = other.dense_model.linear.weight.detach().clone()
+        with pytest.raises(CheckpointError, match=r"dense\.pt is corrupt"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(weight, other.dense_model.linear.weight)
+        assert sum(other.embedding_tier.status().rows_per_shard) == 0
+
+
+def test_embedding_ctx_inference_mode_is_read_only():
+    with EmbeddingCtx(
+        PreprocessMode.INFERENCE, TinyModel(), embedding_config=CONFIG, global_config=GLOBAL
+    ) as ctx:
+        output, _ = ctx.forward(make_batch(1, labels=False))
+        assert output.shape == (16, 1)
+        assert sum(ctx.embedding_tier.status().rows_per_shard) == 0
