@@ -13,8 +13,13 @@ import os
 import sys
 from pathlib import Path
 
-from training.ctx import EMBEDDING_WORKERS_ENV
-from training.data import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
+from training.env import (
+    EMBEDDING_WORKERS_ENV,
+    NN_WORKERS_ENV,
+    NUM_LOADERS_ENV,
+    REPLICA_INDEX_ENV,
+    REPLICA_SIZE_ENV,
+)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

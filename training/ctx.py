@@ -35,11 +35,9 @@ from embedding_store.optimizers import Optimizer
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from training import distributed
 from training.distributed import DDPOption
+from training.env import EMBEDDING_WORKERS_ENV
 
 log = logging.getLogger(__name__)
-
-#: Environment variable listing embedding-worker addresses (comma-separated).
-EMBEDDING_WORKERS_ENV = "RECSERVE_EMBEDDING_WORKERS"
 
 
 class PreprocessMode(Enum):

@@ -30,13 +30,9 @@ from embedding_store.grpc_common import (
     server_options,
 )
 from training import distributed
+from training.env import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
 from training.proto import data_stream_pb2 as pb
 from training.proto import data_stream_pb2_grpc as pb_grpc
-
-NN_WORKERS_ENV = "RECSERVE_NN_WORKER_ADDRESSES"
-REPLICA_INDEX_ENV = "RECSERVE_REPLICA_INDEX"
-REPLICA_SIZE_ENV = "RECSERVE_REPLICA_SIZE"
-NUM_LOADERS_ENV = "RECSERVE_NUM_DATA_LOADERS"
 
 
 def _addresses_from_env() -> list[str]:
