@@ -33,6 +33,7 @@ import torch
 from embedding_store import checkpoint as embedding_checkpoint
 from embedding_store.errors import CheckpointError, InvalidArgumentError
 from embedding_store.optimizers import Optimizer
+from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier
 from training import distributed
 
@@ -58,6 +59,7 @@ class CheckpointManifest:
     embedding_rows: int
     embedding_shards: int
     model_class: str
+    signature: FeatureSignature | None = None
 
     @property
     def has_jit_model(self) -> bool:
@@ -102,6 +104,7 @@ def dump_checkpoint(
     *,
     embedding_optimizer: Optimizer | None = None,
     step: int = 0,
+    signature: FeatureSignature | None = None,
     with_jit_model: bool = True,
     overwrite: bool = False,
 ) -> CheckpointManifest | None:
@@ -110,12 +113,14 @@ def dump_checkpoint(
         distributed.barrier()
         return None
     try:
-        return _dump(directory, model, dense_optimizer, tier, step, with_jit_model, overwrite)
+        return _dump(
+            directory, model, dense_optimizer, tier, step, signature, with_jit_model, overwrite
+        )
     finally:
         distributed.barrier()
 
 
-def _dump(directory, model, dense_optimizer, tier, step, with_jit_model, overwrite):
+def _dump(directory, model, dense_optimizer, tier, step, signature, with_jit_model, overwrite):
     target = Path(directory).absolute()
     if target.exists() and not overwrite:
         raise embedding_checkpoint.AlreadyExistsError(
@@ -150,6 +155,7 @@ def _dump(directory, model, dense_optimizer, tier, step, with_jit_model, overwri
                 name: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()}
                 for name, p in payloads.items()
             },
+            "signature": signature.to_dict() if signature is not None else None,
             "embeddings": {
                 "directory": EMBEDDINGS_DIR,
                 "rows": embedding_manifest.total_rows,
@@ -197,6 +203,11 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             embedding_rows=int(raw["embeddings"]["rows"]),
             embedding_shards=int(raw["embeddings"]["shards"]),
             model_class=str(raw.get("model_class", "")),
+            signature=(
+                FeatureSignature.from_dict(raw["signature"], str(root / MANIFEST_NAME))
+                if raw.get("signature")
+                else None
+            ),
         )
     except CheckpointError:
         raise

@@ -32,6 +32,7 @@ from embedding_store.config import (
 from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import Optimizer
+from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from training import distributed
 from training.distributed import DDPOption
@@ -257,6 +258,7 @@ class TrainCtx(EmbeddingCtx):
         self._backward_error: BaseException | None = None
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
         self.step = 0
+        self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
         self.distributed = False
 
@@ -306,6 +308,10 @@ class TrainCtx(EmbeddingCtx):
                 "use eval_ctx(ctx) to score unlabeled batches"
             )
         self._raise_backward_error()
+        if self.signature is None:
+            self.signature = FeatureSignature.from_batch(batch)
+        else:
+            self.signature.check(batch)
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
             non_ids, embeddings, labels = super().prepare_features(batch)
@@ -412,6 +418,7 @@ class TrainCtx(EmbeddingCtx):
             self.embedding_tier,
             embedding_optimizer=self.embedding_optimizer,
             step=self.step,
+            signature=self.signature,
             with_jit_model=with_jit_model,
             overwrite=overwrite,
         )
@@ -425,3 +432,4 @@ class TrainCtx(EmbeddingCtx):
             Path(directory), self.dense_model, self.dense_optimizer, self.embedding_tier
         )
         self.step = manifest.step
+        self.signature = manifest.signature or self.signature

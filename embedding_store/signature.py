@@ -1,0 +1,110 @@
+"""The feature signature of a model: which features a batch carries, in which order and shape.
+
+Training records it from the batches it sees and stores it in the checkpoint; serving uses it
+to validate requests and to name the model's inputs (KServe v2 metadata). ID features keep
+their order because the dense model receives its embedding tensors in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.errors import BatchValidationError, CheckpointError
+
+
+@dataclass(frozen=True)
+class IdFeatureSpec:
+    """An ID feature: jagged (``single_id`` False) or exactly one ID per sample."""
+
+    name: str
+    single_id: bool
+
+
+@dataclass(frozen=True)
+class NonIdFeatureSpec:
+    """A non-ID feature: numpy dtype name and the shape of one sample (without the batch)."""
+
+    name: str
+    dtype: str
+    sample_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FeatureSignature:
+    """Every input of a model, in the order the dense model consumes them."""
+
+    id_features: tuple[IdFeatureSpec, ...]
+    non_id_features: tuple[NonIdFeatureSpec, ...]
+    label_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_batch(cls, batch: Batch) -> FeatureSignature:
+        return cls(
+            id_features=tuple(
+                IdFeatureSpec(f.name, isinstance(f, IDTypeFeatureWithSingleID))
+                for f in batch.id_type_features
+            ),
+            non_id_features=tuple(
+                NonIdFeatureSpec(f.name, str(f.data.dtype), tuple(int(d) for d in f.data.shape[1:]))
+                for f in batch.non_id_type_features
+            ),
+            label_names=tuple(label.name for label in batch.labels),
+        )
+
+    def check(self, batch: Batch) -> None:
+        """Raise BatchValidationError naming the first feature that does not match."""
+        names = [f.name for f in batch.id_type_features]
+        expected = [f.name for f in self.id_features]
+        if names != expected:
+            raise BatchValidationError(
+                f"ID features {names} do not match the model's {expected} (names and order)"
+            )
+        by_name = {f.name: f for f in batch.non_id_type_features}
+        for spec in self.non_id_features:
+            feature = by_name.get(spec.name)
+            if feature is None:
+                raise BatchValidationError(f"non-ID feature {spec.name!r} is missing")
+            shape = tuple(feature.data.shape[1:])
+            if shape != spec.sample_shape:
+                raise BatchValidationError(
+                    f"non-ID feature {spec.name!r} has sample shape {list(shape)}; the model "
+                    f"expects {list(spec.sample_shape)}"
+                )
+        extra = set(by_name) - {s.name for s in self.non_id_features}
+        if extra:
+            raise BatchValidationError(f"unknown non-ID feature(s): {sorted(extra)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id_features": [{"name": f.name, "single_id": f.single_id} for f in self.id_features],
+            "non_id_features": [
+                {"name": f.name, "dtype": f.dtype, "sample_shape": list(f.sample_shape)}
+                for f in self.non_id_features
+            ],
+            "label_names": list(self.label_names),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "signature") -> FeatureSignature:
+        try:
+            signature = cls(
+                id_features=tuple(
+                    IdFeatureSpec(str(f["name"]), bool(f["single_id"])) for f in data["id_features"]
+                ),
+                non_id_features=tuple(
+                    NonIdFeatureSpec(
+                        str(f["name"]), str(f["dtype"]), tuple(int(d) for d in f["sample_shape"])
+                    )
+                    for f in data["non_id_features"]
+                ),
+                label_names=tuple(str(n) for n in data.get("label_names", ())),
+            )
+            for spec in signature.non_id_features:
+                np.dtype(spec.dtype)
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{source}: malformed feature signature: {error!r}") from None
+        return signature
