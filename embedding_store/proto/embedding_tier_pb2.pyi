@@ -28,7 +28,7 @@ class Adagrad(_message.Message):
     eps: float
     weight_decay: float
     vectorwise_shared: bool
-    def __init__(self, lr: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., g_square_momentum: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., vectorwise_shared: _Optional[bool] = ...) -> None: ...
+    def __init__(self, lr: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., g_square_momentum: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., vectorwise_shared: bool = ...) -> None: ...
 
 class Adam(_message.Message):
     __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -58,7 +58,7 @@ class Initialization(_message.Message):
     has_weight_bound: bool
     weight_bound: float
     seed: int
-    def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., admit_probability: _Optional[float] = ..., has_weight_bound: _Optional[bool] = ..., weight_bound: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, low: _Optional[float] = ..., high: _Optional[float] = ..., admit_probability: _Optional[float] = ..., has_weight_bound: bool = ..., weight_bound: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("sgd", "adagrad", "adam", "initialization")
@@ -110,7 +110,7 @@ class LookupRequest(_message.Message):
     ids: bytes
     dim: int
     train: bool
-    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows", "misses")
@@ -176,7 +176,7 @@ class RowChunk(_message.Message):
     state: bytes
     state_width: int
     has_state: bool
-    def __init__(self, dim: _Optional[int] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., state_width: _Optional[int] = ..., has_state: _Optional[bool] = ...) -> None: ...
+    def __init__(self, dim: _Optional[int] = ..., ids: _Optional[bytes] = ..., weights: _Optional[bytes] = ..., state: _Optional[bytes] = ..., state_width: _Optional[int] = ..., has_state: bool = ...) -> None: ...
 
 class ExportRowsRequest(_message.Message):
     __slots__ = ("max_rows_per_chunk",)
@@ -224,7 +224,7 @@ class ShardStatusResponse(_message.Message):
     evictions: int
     task: str
     task_progress: float
-    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: _Optional[bool] = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: _Optional[bool] = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
+    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
 
 class SlotTensor(_message.Message):
     __slots__ = ("name", "shape", "data", "mask")
@@ -244,7 +244,7 @@ class WorkerLookupRequest(_message.Message):
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     train: bool
-    def __init__(self, batch: _Optional[bytes] = ..., train: _Optional[bool] = ...) -> None: ...
+    def __init__(self, batch: _Optional[bytes] = ..., train: bool = ...) -> None: ...
 
 class WorkerLookupResponse(_message.Message):
     __slots__ = ("slots", "ref", "unknown_ids")
@@ -278,7 +278,7 @@ class WorkerDumpRequest(_message.Message):
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     directory: str
     overwrite: bool
-    def __init__(self, directory: _Optional[str] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    def __init__(self, directory: _Optional[str] = ..., overwrite: bool = ...) -> None: ...
 
 class WorkerLoadRequest(_message.Message):
     __slots__ = ("directory",)

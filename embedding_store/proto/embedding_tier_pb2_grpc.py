@@ -5,7 +5,7 @@ import warnings
 
 from embedding_store.proto import embedding_tier_pb2 as embedding__store_dot_proto_dot_embedding__tier__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class ParameterServerStub:
+class ParameterServerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -81,7 +81,7 @@ class ParameterServerStub:
                 _registered_method=True)
 
 
-class ParameterServerServicer:
+class ParameterServerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
@@ -194,7 +194,7 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ParameterServer:
+class ParameterServer(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -441,7 +441,7 @@ class ParameterServer:
             _registered_method=True)
 
 
-class EmbeddingWorkerStub:
+class EmbeddingWorkerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -492,7 +492,7 @@ class EmbeddingWorkerStub:
                 _registered_method=True)
 
 
-class EmbeddingWorkerServicer:
+class EmbeddingWorkerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
@@ -595,7 +595,7 @@ def add_EmbeddingWorkerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class EmbeddingWorker:
+class EmbeddingWorker(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

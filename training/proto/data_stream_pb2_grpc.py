@@ -5,7 +5,7 @@ import warnings
 
 from training.proto import data_stream_pb2 as training_dot_proto_dot_data__stream__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class DataReceiverStub:
+class DataReceiverStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -46,7 +46,7 @@ class DataReceiverStub:
                 _registered_method=True)
 
 
-class DataReceiverServicer:
+class DataReceiverServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def SendBatch(self, request, context):
@@ -83,7 +83,7 @@ def add_DataReceiverServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class DataReceiver:
+class DataReceiver(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
