@@ -416,7 +416,6 @@ class TrainCtx(EmbeddingCtx):
             self.dense_model,
             self.dense_optimizer,
             self.embedding_tier,
-            embedding_optimizer=self.embedding_optimizer,
             step=self.step,
             signature=self.signature,
             with_jit_model=with_jit_model,

@@ -1,0 +1,284 @@
+"""Model checkpoints: embeddings + dense model + optimizer state, tied by one manifest.
+
+Written by training (``training.checkpoint`` adds the rank handling), read by serving and the
+checkpoint tools; it lives here so that neither depends on the other.
+
+Layout::
+
+    manifest.json   format, version id, step, created time, SHA-256 of every dense file,
+                    embedding snapshot summary (rows, shards, manifest checksum)
+    dense.pt        the dense model's state_dict (loaded with weights_only=True)
+    jit_dense.pt    torch.jit.script of the dense model (for serving without Python classes)
+    opt.pt          the dense optimizer's state_dict
+    embeddings/     the embedding tier's checkpoint (embedding_store.checkpoint format)
+    DONE            written last
+
+The whole directory is written under a temporary name and renamed into place, so a reader
+never sees half a checkpoint; the ``version`` id names the pair (dense weights, embedding
+snapshot) that serving reports with every prediction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from embedding_store import checkpoint as embedding_checkpoint
+from embedding_store.errors import CheckpointError, InvalidArgumentError
+from embedding_store.signature import FeatureSignature
+from embedding_store.tier import EmbeddingTier
+
+FORMAT_NAME = "recserve-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DONE_MARKER = "DONE"
+EMBEDDINGS_DIR = "embeddings"
+DENSE_FILE = "dense.pt"
+JIT_FILE = "jit_dense.pt"
+OPTIMIZER_FILE = "opt.pt"
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """The parsed manifest of a training checkpoint."""
+
+    directory: Path
+    version: str
+    step: int
+    created_unix: float
+    files: dict[str, dict[str, Any]]  # name -> {"bytes": int, "sha256": str}
+    embedding_rows: int
+    embedding_shards: int
+    model_class: str
+    signature: FeatureSignature | None = None
+
+    @property
+    def has_jit_model(self) -> bool:
+        return JIT_FILE in self.files
+
+    @property
+    def embeddings_directory(self) -> Path:
+        return self.directory / EMBEDDINGS_DIR
+
+
+def _quiet_jit(function, *args, **kwargs):
+    """Call a torch.jit function without its deprecation warning: TorchScript is the format
+    this checkpoint promises (``jit_dense.pt``), for runtimes without the model's Python."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return function(*args, **kwargs)
+
+
+def _save_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
+    """TorchScript the dense model, or explain what its forward must look like."""
+    try:
+        return _quiet_jit(torch.jit.script, model)
+    except Exception as error:
+        raise InvalidArgumentError(
+            f"cannot TorchScript {type(model).__name__}: {error}. The dense model's forward must "
+            "be `forward(self, non_id_tensors: List[Tensor], embedding_tensors: List[Tensor])` "
+            "and scriptable; or dump with with_jit_model=False"
+        ) from None
+
+
+def write_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    dense_optimizer: torch.optim.Optimizer | None,
+    tier: EmbeddingTier,
+    *,
+    step: int = 0,
+    signature: FeatureSignature | None = None,
+    with_jit_model: bool = True,
+    overwrite: bool = False,
+) -> CheckpointManifest:
+    """Write a complete checkpoint atomically (staging directory, then one rename)."""
+    target = Path(directory).absolute()
+    if target.exists() and not overwrite:
+        raise embedding_checkpoint.AlreadyExistsError(
+            f"checkpoint directory {target} already exists; refusing to overwrite it"
+        )
+    model = model.module if hasattr(model, "module") else model
+    payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
+    if dense_optimizer is not None:
+        payloads[OPTIMIZER_FILE] = _save_bytes(dense_optimizer.state_dict())
+    if with_jit_model:
+        buffer = io.BytesIO()
+        scripted = script_model(model)
+        was_training = model.training
+        scripted.eval()
+        _quiet_jit(torch.jit.save, scripted, buffer)
+        model.train(was_training)
+        payloads[JIT_FILE] = buffer.getvalue()
+    staging = embedding_checkpoint.staging_directory_for(target)
+    try:
+        embedding_manifest = tier.dump(staging / EMBEDDINGS_DIR)
+        for name, payload in payloads.items():
+            embedding_checkpoint._write_atomic(staging / name, payload)
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "version": f"{step:08d}-{uuid.uuid4().hex[:8]}",
+            "step": step,
+            "created_unix": time.time(),
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "files": {
+                name: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()}
+                for name, p in payloads.items()
+            },
+            "signature": signature.to_dict() if signature is not None else None,
+            "embeddings": {
+                "directory": EMBEDDINGS_DIR,
+                "rows": embedding_manifest.total_rows,
+                "shards": embedding_manifest.num_shards,
+            },
+        }
+        embedding_checkpoint._write_atomic(
+            staging / MANIFEST_NAME, json.dumps(manifest, indent=2).encode()
+        )
+        embedding_checkpoint._write_atomic(staging / DONE_MARKER, b"")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    embedding_checkpoint.publish_directory(staging, target, overwrite=overwrite)
+    return read_manifest(target)
+
+
+def read_manifest(directory: str | Path) -> CheckpointManifest:
+    """Parse a checkpoint's manifest; CheckpointError names what is missing or wrong."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory")
+    if not (root / DONE_MARKER).exists():
+        raise CheckpointError(f"checkpoint {root} is incomplete: no {DONE_MARKER} marker")
+    try:
+        raw = json.loads((root / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {root} has no {MANIFEST_NAME}") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from None
+    try:
+        if raw.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{root / MANIFEST_NAME} is not a {FORMAT_NAME} manifest")
+        if raw["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{root} has checkpoint format version {raw['format_version']}; this build "
+                f"reads version {FORMAT_VERSION}"
+            )
+        return CheckpointManifest(
+            directory=root,
+            version=str(raw["version"]),
+            step=int(raw["step"]),
+            created_unix=float(raw["created_unix"]),
+            files=dict(raw["files"]),
+            embedding_rows=int(raw["embeddings"]["rows"]),
+            embedding_shards=int(raw["embeddings"]["shards"]),
+            model_class=str(raw.get("model_class", "")),
+            signature=(
+                FeatureSignature.from_dict(raw["signature"], str(root / MANIFEST_NAME))
+                if raw.get("signature")
+                else None
+            ),
+        )
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from None
+
+
+def read_verified_file(manifest: CheckpointManifest, name: str) -> bytes:
+    """The bytes of a dense file, checked against the manifest's size and SHA-256."""
+    if name not in manifest.files:
+        raise CheckpointError(f"checkpoint {manifest.directory} has no {name}")
+    path = manifest.directory / name
+    try:
+        payload = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"cannot read {path}: {error}") from None
+    expected = manifest.files[name]
+    if len(payload) != expected["bytes"]:
+        raise CheckpointError(
+            f"{path} has {len(payload)} bytes; the manifest says {expected['bytes']} "
+            "(truncated or replaced)"
+        )
+    if hashlib.sha256(payload).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{path} is corrupt: SHA-256 mismatch")
+    return payload
+
+
+def load_state(manifest: CheckpointManifest, name: str) -> Any:
+    """A dense file's contents via ``torch.load(weights_only=True)`` (no arbitrary pickle)."""
+    payload = read_verified_file(manifest, name)
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{manifest.directory / name} cannot be loaded: {error}") from None
+
+
+def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
+    """The TorchScript dense model of a checkpoint, verified first."""
+    payload = read_verified_file(manifest, JIT_FILE)
+    try:
+        return _quiet_jit(torch.jit.load, io.BytesIO(payload), map_location="cpu")
+    except Exception as error:
+        raise CheckpointError(
+            f"{manifest.directory / JIT_FILE} cannot be loaded: {error}"
+        ) from None
+
+
+def verify(directory: str | Path) -> CheckpointManifest:
+    """Check every dense file and every embedding file against the manifests."""
+    manifest = read_manifest(directory)
+    for name in manifest.files:
+        read_verified_file(manifest, name)
+    embedding_checkpoint.verify(manifest.embeddings_directory)
+    return manifest
+
+
+def load_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    dense_optimizer: torch.optim.Optimizer | None,
+    tier: EmbeddingTier,
+) -> CheckpointManifest:
+    """Restore dense weights, optimizer state and embeddings; verified before anything moves."""
+    manifest = read_manifest(directory)
+    state = load_state(manifest, DENSE_FILE)
+    optimizer_state = (
+        load_state(manifest, OPTIMIZER_FILE)
+        if dense_optimizer is not None and OPTIMIZER_FILE in manifest.files
+        else None
+    )
+    model = model.module if hasattr(model, "module") else model
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"{manifest.directory / DENSE_FILE} does not fit {type(model).__name__}: {error}"
+        ) from None
+    if optimizer_state is not None:
+        try:
+            dense_optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError) as error:
+            raise CheckpointError(
+                f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
+            ) from None
+    tier.load(manifest.embeddings_directory)
+    return manifest
