@@ -1,0 +1,231 @@
+"""A loaded model version: TorchScript dense model + embedding tier + feature signature.
+
+A :class:`LoadedModel` is immutable once warmed: hot reload builds a new one next to the old
+and swaps the reference, so in-flight requests finish on the version they started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding_store import checkpoint as embedding_checkpoint
+from embedding_store import model_checkpoint
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.config import EmbeddingConfig
+from embedding_store.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+from embedding_store.signature import FeatureSignature
+from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
+from embedding_store.worker import LookupResult, SlotOutput
+
+log = logging.getLogger(__name__)
+
+OUTPUT_TRANSFORMS = ("identity", "sigmoid")
+FALLBACK_POLICIES = ("fail", "default")
+
+
+@dataclass(frozen=True)
+class InferenceOutput:
+    """Predictions float32 [batch, 1] and how the embeddings were obtained."""
+
+    predictions: np.ndarray
+    unknown_ids: int
+    fallback_ids: int
+    lookup_seconds: float
+    compute_seconds: float
+
+
+class LoadedModel:
+    """One servable version. ``version`` names the (dense, embedding snapshot) pair."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        manifest: model_checkpoint.CheckpointManifest,
+        signature: FeatureSignature,
+        embedding_config: EmbeddingConfig,
+        dense: torch.jit.ScriptModule,
+        tier: EmbeddingTier,
+        owns_tier: bool,
+        output_transform: str = "identity",
+        fallback_policy: str = "fail",
+    ) -> None:
+        if output_transform not in OUTPUT_TRANSFORMS:
+            raise InvalidArgumentError(
+                f"output transform must be one of {OUTPUT_TRANSFORMS}, got {output_transform!r}"
+            )
+        if fallback_policy not in FALLBACK_POLICIES:
+            raise InvalidArgumentError(
+                f"fallback policy must be one of {FALLBACK_POLICIES}, got {fallback_policy!r}"
+            )
+        self.name = name
+        self.manifest = manifest
+        self.version = manifest.version
+        self.created_unix = manifest.created_unix
+        self.signature = signature
+        self.embedding_config = embedding_config
+        self.dense = dense
+        self.tier = tier
+        self.owns_tier = owns_tier
+        self.output_transform = output_transform
+        self.fallback_policy = fallback_policy
+
+    # ------------------------------------------------------------------ inference
+    def lookup(self, batch: Batch) -> tuple[LookupResult, int]:
+        """Embeddings for ``batch`` (read-only) and how many IDs fell back to defaults."""
+        try:
+            return self.tier.lookup(batch, train=False), 0
+        except (DeadlineExceededError, UnavailableError):
+            if self.fallback_policy != "default":
+                raise
+            log.warning("embedding lookup failed; answering with default (zero) vectors")
+            return self.default_lookup(batch), sum(len(f.values) for f in batch.id_type_features)
+
+    def default_lookup(self, batch: Batch) -> LookupResult:
+        """Zero vectors for every slot (the fallback when the tier cannot answer in time)."""
+        slots = []
+        for feature in batch.id_type_features:
+            config = self.embedding_config.slots_config[feature.name]
+            if config.embedding_summation:
+                slots.append(SlotOutput(feature.name, torch.zeros(feature.batch_size, config.dim)))
+            else:
+                shape = (feature.batch_size, config.sample_fixed_size)
+                slots.append(
+                    SlotOutput(
+                        feature.name,
+                        torch.zeros(*shape, config.dim),
+                        torch.zeros(shape, dtype=torch.bool),
+                    )
+                )
+        return LookupResult(slots=tuple(slots))
+
+    def forward(self, batch: Batch, lookup: LookupResult) -> np.ndarray:
+        """Dense model on looked-up embeddings: float32 [batch, 1] after the output transform."""
+        non_ids = [
+            torch.from_numpy(np.array(f.data, dtype=np.float32, copy=True))
+            for f in batch.non_id_type_features
+        ]
+        embeddings = [slot.embeddings for slot in lookup.slots]
+        with torch.inference_mode():
+            output = self.dense(non_ids, embeddings)
+            if self.output_transform == "sigmoid":
+                output = torch.sigmoid(output)
+        return output.detach().to(torch.float32).reshape(batch.batch_size, -1).numpy()
+
+    def infer(self, batch: Batch) -> InferenceOutput:
+        started = time.perf_counter()
+        lookup, fallback_ids = self.lookup(batch)
+        looked_up = time.perf_counter()
+        predictions = self.forward(batch, lookup)
+        return InferenceOutput(
+            predictions=predictions,
+            unknown_ids=lookup.unknown_ids if hasattr(lookup, "unknown_ids") else 0,
+            fallback_ids=fallback_ids,
+            lookup_seconds=looked_up - started,
+            compute_seconds=time.perf_counter() - looked_up,
+        )
+
+    def example_batch(self, batch_size: int = 2) -> Batch:
+        """A syntactically valid batch (IDs 0..n, zeros) for warm-up and checks."""
+        id_features = []
+        for feature in self.signature.id_features:
+            ids = np.arange(batch_size, dtype=np.uint64)
+            if feature.single_id:
+                id_features.append(IDTypeFeatureWithSingleID(feature.name, ids))
+            else:
+                id_features.append(
+                    IDTypeFeature(feature.name, ids, np.ones(batch_size, dtype=np.int64))
+                )
+        non_ids = [
+            NonIDTypeFeature(np.zeros((batch_size, *spec.sample_shape), np.float32), spec.name)
+            for spec in self.signature.non_id_features
+        ]
+        return Batch(id_features, non_ids, requires_grad=False)
+
+    def warm_up(self, rounds: int = 3) -> None:
+        """Run the full path a few times (TorchScript optimizes on the first calls) and check
+        the output shape, so a broken checkpoint fails here and not on the first request."""
+        for batch_size in (1, 2, 8)[:rounds]:
+            output = self.infer(self.example_batch(batch_size)).predictions
+            if output.shape != (batch_size, 1):
+                raise CheckpointError(
+                    f"model {self.name} version {self.version}: the dense model returns shape "
+                    f"{list(output.shape)} for a batch of {batch_size}; expected "
+                    f"[{batch_size}, 1]"
+                )
+
+    def close(self) -> None:
+        if self.owns_tier:
+            self.tier.close()
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    *,
+    name: str,
+    embedding_workers: Sequence[str] | None = None,
+    capacity: int | None = None,
+    output_transform: str = "identity",
+    fallback_policy: str = "fail",
+    lookup_timeout: float = 5.0,
+    warm_up: bool = True,
+) -> LoadedModel:
+    """Load and verify a checkpoint: dense TorchScript + embeddings (in-process, or already
+    served by remote read-only workers when ``embedding_workers`` are given)."""
+    manifest = model_checkpoint.read_manifest(checkpoint_dir)
+    if manifest.signature is None:
+        raise CheckpointError(
+            f"checkpoint {manifest.directory} has no feature signature (written by an older "
+            "recserve?); serving needs it to name the model's inputs"
+        )
+    if not manifest.has_jit_model:
+        raise CheckpointError(
+            f"checkpoint {manifest.directory} has no jit_dense.pt; dump it with with_jit_model=True"
+        )
+    dense = model_checkpoint.load_jit_model(manifest)
+    dense.eval()
+    embedding_manifest = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+    embedding_config = embedding_manifest.embedding_config
+    if embedding_workers:
+        from embedding_store.worker_client import RemoteEmbeddingWorker
+
+        tier: EmbeddingTier = RemoteEmbeddingWorker(
+            embedding_workers[0], embedding_config, timeout=lookup_timeout
+        )
+        tier.wait_for_serving(timeout=60)
+    else:
+        rows = embedding_manifest.total_rows
+        tier = InProcessEmbeddingTier(
+            embedding_config, capacity=capacity or max(rows, 1), read_only=True
+        )
+        tier.load(manifest.embeddings_directory)
+    model = LoadedModel(
+        name=name,
+        manifest=manifest,
+        signature=manifest.signature,
+        embedding_config=embedding_config,
+        dense=dense,
+        tier=tier,
+        owns_tier=True,
+        output_transform=output_transform,
+        fallback_policy=fallback_policy,
+    )
+    try:
+        if warm_up:
+            model.warm_up()
+    except BaseException:
+        model.close()
+        raise
+    return model

@@ -1,0 +1,228 @@
+"""The prediction service: the one core object behind the HTTP and gRPC front ends.
+
+It validates requests against the served model's signature, merges concurrent requests
+(:class:`DynamicBatcher`), answers with the version that computed them, keeps readiness honest
+(model loaded and warmed, embedding tier answering, not shutting down), records metrics, and
+swaps in new checkpoint versions atomically (:meth:`reload`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from embedding_store import __version__
+from embedding_store.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    RecserveError,
+    UnavailableError,
+)
+from serving import tensors
+from serving.batcher import BatchOutcome, DynamicBatcher
+from serving.core import ModelMetadata, Prediction, ServerMetadata
+from serving.metrics import ServingMetrics
+from serving.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class PredictionService:
+    """Implements :class:`serving.core.PredictionCore` for one model name."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        loader: Callable[[str | None], LoadedModel] | None = None,
+        max_batch_size: int = 256,
+        max_request_batch_size: int = 4096,
+        max_queue_delay: float = 0.002,
+        max_queue_size: int = 1024,
+        default_timeout: float = 10.0,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
+        self.name = model.name
+        self._model = model
+        self._loader = loader
+        self.max_request_batch_size = max_request_batch_size
+        self.default_timeout = default_timeout
+        self.metrics = metrics or ServingMetrics()
+        self._accepting = True
+        self._reload_lock = threading.Lock()
+        self.last_reload_error: str | None = None
+        self._batcher = DynamicBatcher(
+            self._run,
+            max_batch_size=max_batch_size,
+            max_queue_delay=max_queue_delay,
+            max_queue_size=max_queue_size,
+            on_batch=lambda size, _: self.metrics.batch_size.observe(size),
+        )
+        self.metrics.track_pending(lambda: self._batcher.pending)
+        self.metrics.track_checkpoint(lambda: self._model.created_unix)
+        self.metrics.set_model(self.name, model.version)
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def model(self) -> LoadedModel:
+        return self._model
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self._accepting and self._model is not None
+
+    def stop_accepting(self) -> None:
+        """Readiness goes false (load balancers stop sending); queued work still finishes."""
+        self._accepting = False
+
+    def drain(self, grace: float) -> bool:
+        """Wait up to ``grace`` seconds for queued and running requests."""
+        self.stop_accepting()
+        return self._batcher.drain(grace)
+
+    def close(self) -> None:
+        self._batcher.close()
+        self._model.close()
+
+    # ------------------------------------------------------------------ metadata
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata(name="recserve", version=__version__, extensions=())
+
+    def _check_name(self, name: str, version: str | None) -> LoadedModel:
+        model = self._model
+        if name != self.name:
+            raise NotFoundError(f"unknown model {name!r}; this server serves {self.name!r}")
+        if version not in (None, "", model.version):
+            raise NotFoundError(
+                f"model {name!r} has no version {version!r}; the served version is "
+                f"{model.version!r}"
+            )
+        return model
+
+    def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        model = self._check_name(name, version)
+        return ModelMetadata(
+            name=self.name,
+            versions=(model.version,),
+            platform="recserve_torchscript",
+            inputs=tensors.input_specs(model.signature),
+            outputs=tensors.output_specs(),
+            max_batch_size=self.max_request_batch_size,
+        )
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        self._check_name(name, version)
+        return self.ready()
+
+    # ------------------------------------------------------------------ prediction
+    def _run(self, merged) -> tuple[np.ndarray, Any]:
+        """Dispatcher thread: one lookup + one model call for a merged batch."""
+        model = self._model  # the version that answers this whole merged batch
+        output = model.infer(merged)
+        self.metrics.lookup_latency.observe(output.lookup_seconds)
+        self.metrics.compute_latency.observe(output.compute_seconds)
+        self.metrics.ids.inc(sum(len(f.values) for f in merged.id_type_features))
+        self.metrics.unknown_ids.inc(output.unknown_ids)
+        self.metrics.fallback_ids.inc(output.fallback_ids)
+        return output.predictions, (model.version, output.fallback_ids)
+
+    def predict(
+        self,
+        name: str,
+        version: str | None,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        protocol: str,
+        timeout: float | None = None,
+    ) -> Prediction:
+        started = time.perf_counter()
+        outcome = "error"
+        served_version = self._model.version
+        try:
+            if not self._accepting:
+                raise UnavailableError("the server is not ready (shutting down)")
+            model = self._check_name(name, version)
+            batch = tensors.tensors_to_batch(
+                model.signature, inputs, max_batch_size=self.max_request_batch_size
+            )
+            wait = timeout if timeout is not None else self.default_timeout
+            future = self._batcher.submit(batch, deadline=time.monotonic() + wait)
+            try:
+                result: BatchOutcome = future.result(timeout=wait)
+            except TimeoutError:
+                future.cancel()
+                raise DeadlineExceededError(
+                    f"no answer within the request deadline of {wait:.3f} s"
+                ) from None
+            served_version, merged_fallback = result.context
+            self.metrics.queue_latency.observe(result.queue_seconds)
+            fallback = 0
+            if merged_fallback:  # every ID of the merged batch fell back, so all of ours did
+                fallback = sum(len(f.values) for f in batch.id_type_features)
+            outcome = "ok"
+            return Prediction(
+                outputs={tensors.OUTPUT_NAME: result.predictions},
+                model_name=self.name,
+                model_version=served_version,
+                fallback_ids=fallback,
+                unknown_ids=0,
+            )
+        except RecserveError as error:
+            outcome = type(error).__name__
+            raise
+        finally:
+            self.metrics.requests.labels(protocol, name, served_version, outcome).inc()
+            self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
+
+    def predict_instances(
+        self,
+        name: str,
+        instances: Sequence[Mapping[str, Any]],
+        *,
+        protocol: str,
+        timeout: float | None = None,
+    ) -> Prediction:
+        model = self._check_name(name, None)
+        inputs = tensors.instances_to_inputs(model.signature, instances)
+        return self.predict(name, None, inputs, protocol=protocol, timeout=timeout)
+
+    # ------------------------------------------------------------------ hot reload
+    def reload(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint next to the served one, check and warm it, then swap.
+
+        In-flight requests finish on the old version; a failed load keeps the old version
+        serving, is counted, and raised to the caller (who reports it).
+        """
+        if self._loader is None:
+            raise UnavailableError("this server was started without a checkpoint loader")
+        with self._reload_lock:
+            old = self._model
+            try:
+                new = self._loader(checkpoint_dir)
+                if new.signature != old.signature:
+                    new.close()
+                    raise RecserveError(
+                        "the new checkpoint's feature signature differs from the served one; "
+                        "restart the server to change the model's inputs"
+                    )
+            except RecserveError as error:
+                self.metrics.reloads.labels("failed").inc()
+                self.last_reload_error = error.message
+                log.error("reload failed, still serving %s: %s", old.version, error.message)
+                raise
+            self._model = new
+            self.metrics.set_model(self.name, new.version)
+            self.metrics.reloads.labels("ok").inc()
+            self.last_reload_error = None
+            log.info("now serving %s version %s (was %s)", self.name, new.version, old.version)
+        # Requests merged before the swap still hold ``old``; close it once they are done.
+        threading.Timer(30.0, old.close).start()
+        return {"model": self.name, "version": new.version, "previous_version": old.version}
