@@ -1,0 +1,97 @@
+"""``recserve serve``: answer predictions for a checkpoint over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP and gRPC (KServe v2)",
+        description="Load a checkpoint (dense TorchScript + embeddings) and answer predictions "
+        "over HTTP (KServe v2 REST + a friendly JSON route) and gRPC (KServe v2).",
+    )
+    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument("--model-name", default="model", help="name clients use (default model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free)")
+    parser.add_argument(
+        "--embedding-workers",
+        default="",
+        help="comma-separated embedding-worker addresses (default: embedded, in-process)",
+    )
+    parser.add_argument("--max-batch-size", type=_positive(int), default=256)
+    parser.add_argument("--max-request-batch-size", type=_positive(int), default=4096)
+    parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
+    parser.add_argument("--max-queue-size", type=_positive(int), default=1024)
+    parser.add_argument("--request-timeout", type=_positive(float), default=10.0)
+    parser.add_argument("--lookup-timeout", type=_positive(float), default=5.0)
+    parser.add_argument(
+        "--fallback-policy",
+        choices=["fail", "default"],
+        default="fail",
+        help="when embedding lookups time out: fail the request, or use default vectors",
+    )
+    parser.add_argument(
+        "--output-transform",
+        choices=["identity", "sigmoid"],
+        default="identity",
+        help="applied to the dense model's output (sigmoid turns logits into probabilities)",
+    )
+    parser.add_argument("--max-body-bytes", type=_positive(int), default=64 * 1024 * 1024)
+    parser.add_argument(
+        "--watch-seconds",
+        type=float,
+        default=0.0,
+        help="poll the checkpoint for a new version every N seconds (0: off)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token for POST /admin/reload from non-loopback clients",
+    )
+    parser.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    parser.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serving.server import ServeOptions, serve
+
+    workers = tuple(a.strip() for a in args.embedding_workers.split(",") if a.strip())
+    return serve(
+        ServeOptions(
+            checkpoint=args.checkpoint,
+            model_name=args.model_name,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            embedding_workers=workers,
+            max_batch_size=args.max_batch_size,
+            max_request_batch_size=args.max_request_batch_size,
+            max_queue_delay_ms=args.max_queue_delay_ms,
+            max_queue_size=args.max_queue_size,
+            request_timeout=args.request_timeout,
+            lookup_timeout=args.lookup_timeout,
+            fallback_policy=args.fallback_policy,
+            output_transform=args.output_transform,
+            max_body_bytes=args.max_body_bytes,
+            watch_seconds=args.watch_seconds,
+            admin_token=args.admin_token,
+            grace_seconds=args.grace_seconds,
+            threads=args.threads,
+        )
+    )

@@ -1,0 +1,199 @@
+"""The ``recserve serve`` process: HTTP (FastAPI/uvicorn) and gRPC front ends over one core.
+
+Lifecycle: load + warm the checkpoint (readiness false until then), start both front ends,
+optionally watch the checkpoint for new versions, and on SIGTERM/SIGINT flip readiness off,
+drain in-flight requests within the grace period, stop both servers and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from embedding_store import model_checkpoint
+from embedding_store.errors import RecserveError
+from serving.metrics import CONTENT_TYPE
+from serving.model import load_model
+from serving.service import PredictionService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``recserve serve`` takes (see its --help)."""
+
+    checkpoint: Path
+    model_name: str = "model"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    embedding_workers: tuple[str, ...] = ()
+    max_batch_size: int = 256
+    max_request_batch_size: int = 4096
+    max_queue_delay_ms: float = 2.0
+    max_queue_size: int = 1024
+    request_timeout: float = 10.0
+    lookup_timeout: float = 5.0
+    fallback_policy: str = "fail"
+    output_transform: str = "identity"
+    max_body_bytes: int = 64 * 1024 * 1024
+    watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
+    admin_token: str | None = None
+    grace_seconds: float = 10.0
+    threads: int = 1
+
+
+class PredictionServer:
+    """Both front ends around one :class:`PredictionService`; start(), then stop()."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.service: PredictionService | None = None
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self._grpc = None
+        self._health = None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def _load(self, checkpoint: str | None):
+        o = self.options
+        return load_model(
+            checkpoint or o.checkpoint,
+            name=o.model_name,
+            embedding_workers=list(o.embedding_workers) or None,
+            output_transform=o.output_transform,
+            fallback_policy=o.fallback_policy,
+            lookup_timeout=o.lookup_timeout,
+        )
+
+    def start(self) -> PredictionServer:
+        import torch
+
+        from serving.grpc_frontend import build_grpc_server
+        from serving.http_app import AdminHooks, create_app
+
+        torch.set_num_threads(self.options.threads)
+        o = self.options
+        model = self._load(None)
+        self.service = PredictionService(
+            model,
+            loader=self._load,
+            max_batch_size=o.max_batch_size,
+            max_request_batch_size=o.max_request_batch_size,
+            max_queue_delay=o.max_queue_delay_ms / 1000.0,
+            max_queue_size=o.max_queue_size,
+            default_timeout=o.request_timeout,
+        )
+        app = create_app(
+            self.service,
+            max_body_bytes=o.max_body_bytes,
+            admin=AdminHooks(reload=self.service.reload, token=o.admin_token),
+        )
+        self._mount_metrics(app)
+        http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        http_socket.bind((o.host, o.http_port))
+        self.http_port = http_socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        self._http_thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [http_socket]}, daemon=True
+        )
+        self._http_thread.start()
+        self._grpc, self.grpc_port, self._health = build_grpc_server(
+            self.service, host=o.host, port=o.grpc_port
+        )
+        self._grpc.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._health.set_serving(True)
+        if o.watch_seconds > 0:
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
+            self._watcher.start()
+        print(
+            f"recserve serving model {o.model_name!r} version {model.version}: "
+            f"HTTP listening on {o.host}:{self.http_port}, "
+            f"gRPC listening on {o.host}:{self.grpc_port}",
+            flush=True,
+        )
+        return self
+
+    def _mount_metrics(self, app) -> None:
+        from fastapi import Response
+
+        metrics = self.service.metrics
+
+        @app.get("/metrics", include_in_schema=False)
+        def prometheus_metrics() -> Response:
+            return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    def _watch(self) -> None:
+        """Poll the checkpoint directory; load a new complete version when one appears."""
+        seen_failed: str | None = None
+        while not self._stop.wait(self.options.watch_seconds):
+            try:
+                version = model_checkpoint.read_manifest(self.options.checkpoint).version
+            except RecserveError:
+                continue  # being replaced right now, or incomplete: look again later
+            if version in (self.service.model.version, seen_failed):
+                continue
+            try:
+                self.service.reload(None)
+                seen_failed = None
+            except RecserveError:
+                seen_failed = version  # reported and counted; keep serving the old one
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def stop(self) -> bool:
+        """Readiness off, drain within the grace period, stop both servers."""
+        self._stop.set()
+        drained = True
+        if self.service is not None:
+            self.service.stop_accepting()
+            if self._health is not None:
+                self._health.set_serving(False)
+            drained = self.service.drain(self.options.grace_seconds)
+        if self._grpc is not None:
+            self._grpc.stop(grace=1.0).wait()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._http_thread is not None:
+                self._http_thread.join(timeout=self.options.grace_seconds)
+        if self.service is not None:
+            self.service.close()
+        return drained
+
+
+def serve(options: ServeOptions) -> int:
+    """Run until SIGTERM/SIGINT; exit code 0 when drained cleanly."""
+    server = PredictionServer(options)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, server.request_stop)
+    try:
+        server.start()
+    except BaseException:
+        server.stop()
+        raise
+    server.wait()
+    log.info("stopping: readiness off, draining for up to %.1f s", options.grace_seconds)
+    drained = server.stop()
+    if not drained:
+        log.warning("grace period ended with requests still in flight")
+    return 0
