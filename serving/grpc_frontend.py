@@ -1,0 +1,202 @@
+"""gRPC front end: the KServe v2 / Open Inference Protocol ``inference.GRPCInferenceService``.
+
+:class:`InferenceServicer` is thin: it decodes a request with :mod:`serving.tensor_codec`, calls
+ONE :class:`~serving.core.PredictionCore` method and encodes the answer. Errors abort the call
+with the status code of :func:`grpc_code_name_of` and the public message only (bad input ->
+INVALID_ARGUMENT, unknown model -> NOT_FOUND, not ready / overloaded -> UNAVAILABLE, anything
+unexpected -> INTERNAL with its traceback in the log).
+
+Messages come from :data:`serving.proto.V2` (a private descriptor pool), so this server can share
+a process with ``tritonclient.grpc``. :func:`build_grpc_server` also registers the standard
+health service (overall ``""`` and ``inference.GRPCInferenceService``) and server reflection.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from embedding_store.grpc_common import rpc_errors, server_options
+from serving import tensor_codec as codec
+from serving.core import PredictionCore
+from serving.proto import SERVICE_NAME, V2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: (method, request class, response class) of the service, in spec order.
+_METHODS = (
+    ("ServerLive", V2.ServerLiveRequest, V2.ServerLiveResponse),
+    ("ServerReady", V2.ServerReadyRequest, V2.ServerReadyResponse),
+    ("ModelReady", V2.ModelReadyRequest, V2.ModelReadyResponse),
+    ("ServerMetadata", V2.ServerMetadataRequest, V2.ServerMetadataResponse),
+    ("ModelMetadata", V2.ModelMetadataRequest, V2.ModelMetadataResponse),
+    ("ModelInfer", V2.ModelInferRequest, V2.ModelInferResponse),
+)
+
+
+def _min_timeout(*timeouts: float | None) -> float | None:
+    present = [t for t in timeouts if t is not None]
+    return min(present) if present else None
+
+
+class InferenceServicer:
+    """``inference.GRPCInferenceService`` over a :class:`PredictionCore` (thread-safe)."""
+
+    def __init__(self, core: PredictionCore) -> None:
+        self._core = core
+
+    @rpc_errors
+    def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return V2.ServerLiveResponse(live=bool(self._core.live()))
+
+    @rpc_errors
+    def ServerReady(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return V2.ServerReadyResponse(ready=bool(self._core.ready()))
+
+    @rpc_errors
+    def ModelReady(self, request: Any, context: grpc.ServicerContext) -> Any:
+        ready = self._core.model_ready(request.name, request.version or None)
+        return V2.ModelReadyResponse(ready=bool(ready))
+
+    @rpc_errors
+    def ServerMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return codec.server_metadata_message(self._core.server_metadata())
+
+    @rpc_errors
+    def ModelMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
+        metadata = self._core.model_metadata(request.name, request.version or None)
+        return codec.model_metadata_message(metadata)
+
+    @rpc_errors
+    def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
+        decoded = codec.decode_grpc_request(request)
+        timeout = _min_timeout(context.time_remaining(), decoded.timeout)
+        prediction = self._core.predict(
+            request.model_name,
+            request.model_version or None,
+            decoded.inputs,
+            protocol="grpc",
+            timeout=timeout,
+        )
+        return codec.encode_grpc_response(prediction, decoded)
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The unary handlers of the service, keyed by method name."""
+        return {
+            name: grpc.unary_unary_rpc_method_handler(
+                getattr(self, name),
+                request_deserializer=request_class.FromString,
+                response_serializer=response_class.SerializeToString,
+            )
+            for name, request_class, response_class in _METHODS
+        }
+
+
+def add_inference_servicer(servicer: InferenceServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` on ``server`` (what a generated ``add_*_to_server`` does)."""
+    handlers = servicer.method_handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class InferenceStub:
+    """A minimal client of the service over our own messages (tests, tools). Each attribute is
+    a unary callable: ``stub.ModelInfer(V2.ModelInferRequest(...), timeout=1.0)``."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        for name, request_class, response_class in _METHODS:
+            setattr(
+                self,
+                name,
+                channel.unary_unary(
+                    f"/{SERVICE_NAME}/{name}",
+                    request_serializer=request_class.SerializeToString,
+                    response_deserializer=response_class.FromString,
+                    _registered_method=True,
+                ),
+            )
+
+
+class GrpcHealth:
+    """The standard health service, with one switch for the overall ``""`` status and the
+    inference service's status."""
+
+    SERVICES = ("", SERVICE_NAME)
+
+    def __init__(self, servicer: health.HealthServicer | None = None) -> None:
+        self.servicer = servicer or health.HealthServicer()
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in self.SERVICES:
+            self.servicer.set(service, status)
+
+    def refresh(self, core: PredictionCore) -> bool:
+        """Set the status from ``core.ready()`` (NOT_SERVING if it raises); returns it."""
+        try:
+            serving = bool(core.ready())
+        except Exception:
+            log.exception("readiness check failed")
+            serving = False
+        self.set_serving(serving)
+        return serving
+
+    def shutdown(self) -> None:
+        """Mark every service NOT_SERVING for good (call before stopping the server)."""
+        self.servicer.enter_graceful_shutdown()
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """A pool holding exactly the services this server exposes, for server reflection."""
+    pool = descriptor_pool.DescriptorPool()
+    for file in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR, V2.file):
+        pool.AddSerializedFile(file.serialized_pb)
+    return pool
+
+
+def build_grpc_server(
+    core: PredictionCore,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    max_workers: int = 8,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    maximum_concurrent_rpcs: int | None = None,
+) -> tuple[grpc.Server, int, GrpcHealth]:
+    """A (not yet started) gRPC server with the inference, health and reflection services.
+
+    Returns ``(server, bound_port, health)``; ``port=0`` picks a free port. Health starts from
+    ``core.ready()``; keep it current with ``health.set_serving(...)`` / ``health.refresh(core)``.
+    Call ``server.start()``, and ``health.shutdown(); server.stop(grace)`` to stop.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-infer"),
+        options=server_options(max_message_bytes),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
+    add_inference_servicer(InferenceServicer(core), server)
+    grpc_health = GrpcHealth()
+    health_pb2_grpc.add_HealthServicer_to_server(grpc_health.servicer, server)
+    grpc_health.refresh(core)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        server,
+        pool=_reflection_pool(),
+    )
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if not bound:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    return server, bound, grpc_health

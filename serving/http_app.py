@@ -1,0 +1,479 @@
+"""HTTP front end: KServe v2 / Open Inference Protocol REST, plus a friendly JSON route.
+
+Thin by design: a route reads the raw body (size-capped), and one worker-thread call decodes it
+with :mod:`serving.tensor_codec` (orjson + numpy, no per-element pydantic models), calls ONE
+:class:`~serving.core.PredictionCore` method and encodes the answer, so neither parsing nor the
+model ever runs on the event loop. Routes:
+
+* ``GET /v2``, ``GET /v2/health/live``, ``GET /v2/health/ready`` (200 / 503);
+* ``GET /v2/models/{name}[/versions/{version}]`` (metadata) and ``.../ready`` (200 / 503);
+* ``POST /v2/models/{name}[/versions/{version}]/infer``: JSON tensors or the binary tensor
+  extension, as the KServe v2 REST spec and tritonclient.http speak them;
+* ``POST /v1/models/{name}:predict``: ``{"instances": [{"<feature>": value or list}, ...]}``;
+* ``POST /admin/reload`` when :class:`AdminHooks` are given.
+
+Every error is ``{"error": "<message>"}`` with the status of :func:`http_status_of`; unexpected
+exceptions are logged with their traceback and answered 500 with a generic message.
+``/metrics`` is not served here: pass ``extra_routes`` or ``app.mount`` it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import ipaddress
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+
+from embedding_store.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+    http_status_of,
+    public_message_of,
+)
+from serving import tensor_codec as codec
+from serving.core import KSERVE_DTYPES, PredictionCore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class AdminHooks:
+    """Admin callbacks. ``reload(checkpoint)`` gets the body's ``"checkpoint"`` (or None) and
+    returns a JSON-able dict. Allowed with ``Authorization: Bearer <token>`` (when ``token`` is
+    set), or from a loopback client that sends no Authorization header; 403 otherwise."""
+
+    reload: Callable[[str | None], dict]
+    token: str | None = None
+
+
+# --------------------------------------------------------------------------- responses
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type=JSON)
+
+
+def error_response(error: BaseException) -> Response:
+    """``{"error": message}`` with the error's HTTP status; tracebacks only go to the log."""
+    status = http_status_of(error)
+    if not isinstance(error, RecserveError):
+        log.error("request failed", exc_info=error)
+    return json_response({"error": public_message_of(error)}, status)
+
+
+def _error(status: int, message: str) -> Response:
+    return json_response({"error": message}, status)
+
+
+# --------------------------------------------------------------------------- OpenAPI
+_PARAMETERS_SCHEMA = {"type": "object", "additionalProperties": True}
+_TENSOR_SCHEMA = {
+    "type": "object",
+    "required": ["name", "shape", "datatype"],
+    "properties": {
+        "name": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "datatype": {"type": "string", "enum": list(KSERVE_DTYPES)},
+        "parameters": _PARAMETERS_SCHEMA,
+        "data": {"type": "array", "description": "flat or nested, row-major"},
+    },
+}
+_INFER_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": _PARAMETERS_SCHEMA,
+        "inputs": {"type": "array", "items": _TENSOR_SCHEMA, "minItems": 1},
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}, "parameters": _PARAMETERS_SCHEMA},
+            },
+        },
+    },
+}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+_METADATA_TENSOR = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+
+
+def _content(schema: dict[str, Any], media: str = JSON) -> dict[str, Any]:
+    return {"content": {media: {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"description": "error", **_content(_ERROR_SCHEMA)}
+        for status in sorted({*statuses, 500})
+    }
+
+
+_INFER_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON: {"schema": _INFER_REQUEST_SCHEMA},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": f"binary tensor extension: JSON header of {codec.HEADER_LENGTH} "
+                "bytes, then the binary_data_size bytes of each binary input in order",
+            },
+        },
+    }
+}
+_INFER_RESPONSES = {
+    200: {
+        "description": "inference result (binary outputs follow the JSON header when asked)",
+        **_content(
+            {
+                "type": "object",
+                "properties": {
+                    "model_name": {"type": "string"},
+                    "model_version": {"type": "string"},
+                    "id": {"type": "string"},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            codec.FALLBACK_IDS: {"type": "integer"},
+                            codec.UNKNOWN_IDS: {"type": "integer"},
+                        },
+                    },
+                    "outputs": {"type": "array", "items": _TENSOR_SCHEMA},
+                },
+            }
+        ),
+    },
+    **_errors(400, 404, 413, 503, 504),
+}
+_PREDICT_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        **_content(
+            {
+                "type": "object",
+                "required": ["instances"],
+                "properties": {
+                    "instances": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": {
+                                "oneOf": [
+                                    {"type": "number"},
+                                    {"type": "array", "items": {"type": "number"}},
+                                ]
+                            },
+                        },
+                    }
+                },
+            }
+        ),
+    }
+}
+_PREDICT_RESPONSES = {
+    200: {
+        "description": "one prediction per instance",
+        **_content(
+            {
+                "type": "object",
+                "properties": {
+                    "predictions": {
+                        "type": "array",
+                        "items": {"type": "array", "items": {"type": "number"}},
+                    },
+                    "model_name": {"type": "string"},
+                    "model_version": {"type": "string"},
+                    codec.FALLBACK_IDS: {"type": "integer"},
+                    codec.UNKNOWN_IDS: {"type": "integer"},
+                },
+            }
+        ),
+    },
+    **_errors(400, 404, 413, 503, 504),
+}
+_METADATA_RESPONSES = {
+    200: {
+        "description": "model metadata",
+        **_content(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "versions": {"type": "array", "items": {"type": "string"}},
+                    "platform": {"type": "string"},
+                    "inputs": {"type": "array", "items": _METADATA_TENSOR},
+                    "outputs": {"type": "array", "items": _METADATA_TENSOR},
+                },
+            }
+        ),
+    },
+    **_errors(404),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, at most ``max_bytes`` (CapacityError -> 413), content-decoded."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise CapacityError(f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise CapacityError(f"request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    return codec.decode_body(body, request.headers.get("content-encoding"), max_bytes)
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def admin_allowed(request: Request, token: str | None) -> bool:
+    """Bearer token when one is sent (it must match), else only loopback clients."""
+    authorization = request.headers.get("authorization")
+    if authorization is not None:
+        scheme, _, credential = authorization.partition(" ")
+        return (
+            token is not None
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(credential.strip().encode(), token.encode())
+        )
+    return _is_loopback(request.client.host if request.client else None)
+
+
+def _version(version: str | None) -> str | None:
+    return version or None
+
+
+# --------------------------------------------------------------------------- the app
+def create_app(
+    core: PredictionCore,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    admin: AdminHooks | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
+    title: str = "recserve",
+) -> FastAPI:
+    """The FastAPI app of the serving front end over ``core``."""
+    app = FastAPI(
+        title=title,
+        summary="KServe v2 / Open Inference Protocol front end of recserve",
+        default_response_class=Response,
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, error: StarletteHTTPException) -> Response:
+        return _error(error.status_code, str(error.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, error: RequestValidationError) -> Response:
+        return _error(400, f"invalid request: {error.errors()}")
+
+    async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs))
+
+    # ---------------------------------------------------------------- health and metadata
+    @app.get("/v2", summary="Server metadata", responses=_errors())
+    async def server_metadata() -> Response:
+        try:
+            metadata = await in_thread(core.server_metadata)
+            return json_response(codec.server_metadata_json(metadata))
+        except Exception as error:
+            return error_response(error)
+
+    @app.get("/v2/health/live", summary="Liveness", responses=_errors(503))
+    async def live() -> Response:
+        try:
+            if core.live():
+                return json_response({"live": True})
+            return _error(503, "server is not live")
+        except Exception as error:
+            return error_response(error)
+
+    @app.get("/v2/health/ready", summary="Readiness", responses=_errors(503))
+    async def ready() -> Response:
+        try:
+            if await in_thread(core.ready):
+                return json_response({"ready": True})
+            return _error(503, "server is not ready")
+        except Exception as error:
+            return error_response(error)
+
+    async def model_metadata(name: str, version: str | None) -> Response:
+        try:
+            metadata = await in_thread(core.model_metadata, name, _version(version))
+            return json_response(codec.model_metadata_json(metadata))
+        except Exception as error:
+            return error_response(error)
+
+    async def model_ready(name: str, version: str | None) -> Response:
+        try:
+            if await in_thread(core.model_ready, name, _version(version)):
+                return json_response({"name": name, "ready": True})
+            raise UnavailableError(f"model {name!r} is not ready")
+        except Exception as error:
+            return error_response(error)
+
+    @app.get("/v2/models/{name}", summary="Model metadata", responses=_METADATA_RESPONSES)
+    async def get_model(name: str) -> Response:
+        return await model_metadata(name, None)
+
+    @app.get(
+        "/v2/models/{name}/versions/{version}",
+        summary="Model version metadata",
+        responses=_METADATA_RESPONSES,
+    )
+    async def get_model_version(name: str, version: str) -> Response:
+        return await model_metadata(name, version)
+
+    @app.get("/v2/models/{name}/ready", summary="Model readiness", responses=_errors(404, 503))
+    async def get_model_ready(name: str) -> Response:
+        return await model_ready(name, None)
+
+    @app.get(
+        "/v2/models/{name}/versions/{version}/ready",
+        summary="Model version readiness",
+        responses=_errors(404, 503),
+    )
+    async def get_model_version_ready(name: str, version: str) -> Response:
+        return await model_ready(name, version)
+
+    # ---------------------------------------------------------------- inference
+    def infer_sync(
+        name: str, version: str | None, body: bytes, header_length: str | None
+    ) -> Response:
+        request = codec.decode_http_request(body, header_length)
+        prediction = core.predict(
+            name, version, request.inputs, protocol="http", timeout=request.timeout
+        )
+        payload, json_size = codec.encode_http_response(prediction, request)
+        if json_size is None:
+            return Response(payload, media_type=JSON)
+        return Response(
+            payload,
+            media_type="application/octet-stream",
+            headers={codec.HEADER_LENGTH: str(json_size)},
+        )
+
+    async def infer(request: Request, name: str, version: str | None) -> Response:
+        try:
+            body = await read_body(request, max_body_bytes)
+            header_length = request.headers.get(codec.HEADER_LENGTH)
+            return await in_thread(infer_sync, name, _version(version), body, header_length)
+        except Exception as error:
+            return error_response(error)
+
+    @app.post(
+        "/v2/models/{name}/infer",
+        summary="Inference (KServe v2)",
+        openapi_extra=_INFER_OPENAPI,
+        responses=_INFER_RESPONSES,
+    )
+    async def post_infer(request: Request, name: str) -> Response:
+        return await infer(request, name, None)
+
+    @app.post(
+        "/v2/models/{name}/versions/{version}/infer",
+        summary="Inference on a model version (KServe v2)",
+        openapi_extra=_INFER_OPENAPI,
+        responses=_INFER_RESPONSES,
+    )
+    async def post_infer_version(request: Request, name: str, version: str) -> Response:
+        return await infer(request, name, version)
+
+    def predict_sync(name: str, body: bytes) -> Response:
+        instances = codec.decode_instances(body)
+        prediction = core.predict_instances(name, instances, protocol="http")
+        return Response(codec.encode_instances_response(prediction), media_type=JSON)
+
+    @app.post(
+        "/v1/models/{name}:predict",
+        summary="Friendly JSON prediction",
+        openapi_extra=_PREDICT_OPENAPI,
+        responses=_PREDICT_RESPONSES,
+    )
+    async def post_predict(request: Request, name: str) -> Response:
+        try:
+            body = await read_body(request, max_body_bytes)
+            return await in_thread(predict_sync, name, body)
+        except Exception as error:
+            return error_response(error)
+
+    # ---------------------------------------------------------------- admin
+    if admin is not None:
+
+        @app.post(
+            "/admin/reload",
+            summary="Reload the model (loopback clients or bearer token)",
+            openapi_extra={
+                "requestBody": {
+                    "required": False,
+                    **_content(
+                        {
+                            "type": "object",
+                            "properties": {"checkpoint": {"type": ["string", "null"]}},
+                        }
+                    ),
+                }
+            },
+            responses={200: {"description": "reload result"}, **_errors(400, 403, 409)},
+        )
+        async def reload(request: Request) -> Response:
+            try:
+                if not admin_allowed(request, admin.token):
+                    return _error(403, "admin routes need a loopback client or a valid token")
+                body = await read_body(request, 1024 * 1024)
+                checkpoint = None
+                if body.strip():
+                    document = codec.parse_json(body)
+                    if not isinstance(document, dict):
+                        raise InvalidArgumentError('body must be {"checkpoint": "<path>"}')
+                    checkpoint = document.get("checkpoint")
+                    if checkpoint is not None and not isinstance(checkpoint, str):
+                        raise InvalidArgumentError("'checkpoint' must be a string or null")
+                result = await in_thread(admin.reload, checkpoint)
+                return json_response(result)
+            except Exception as error:
+                return error_response(error)
+
+    app.router.routes.extend(extra_routes)
+    return app

@@ -1,0 +1,260 @@
+"""gRPC front end on 127.0.0.1, driven by the real tritonclient.grpc client and raw stubs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tritonclient.grpc import service_pb2 as triton_service_pb2
+from tritonclient.utils import InferenceServerException
+
+from serving.grpc_frontend import InferenceStub, build_grpc_server
+from serving.proto import SERVICE_NAME, V2
+from tests.unit.fake_core import FakeCore, expected_predictions
+
+USERS = [[1, 2], [3000], [2**63 + 5, 4, 9]]
+AGES = [0.5, 1.0, -2.0]
+
+
+@pytest.fixture(scope="module")
+def core() -> FakeCore:
+    return FakeCore()
+
+
+@pytest.fixture(scope="module")
+def served(core) -> Iterator[tuple[int, object]]:
+    server, port, health = build_grpc_server(core, host="127.0.0.1", port=0, max_workers=4)
+    server.start()
+    try:
+        yield port, health
+    finally:
+        health.shutdown()
+        server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def channel(served) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{served[0]}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(channel) -> InferenceStub:
+    return InferenceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def triton(served) -> Iterator[triton_grpc.InferenceServerClient]:
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{served[0]}")
+    yield client
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(core):
+    core.is_ready, core.fail_with, core.fallback_ids = True, None, 0
+    core.calls.clear()
+    yield
+
+
+def _typed_request(users=USERS, ages=AGES, model="tiny") -> V2.ModelInferRequest:
+    request = V2.ModelInferRequest(model_name=model, id="typed-1")
+    ids = [i for row in users for i in row]
+    request.inputs.add(
+        name="user", datatype="UINT64", shape=[len(ids)]
+    ).contents.uint64_contents.extend(ids)
+    request.inputs.add(
+        name="user.lengths", datatype="INT32", shape=[len(users)]
+    ).contents.int_contents.extend([len(r) for r in users])
+    request.inputs.add(
+        name="age", datatype="FP32", shape=[len(ages), 1]
+    ).contents.fp32_contents.extend(ages)
+    return request
+
+
+def _triton_inputs() -> list:
+    ids = np.array([i for row in USERS for i in row], np.uint64)
+    inputs = [
+        triton_grpc.InferInput("user", [ids.size], "UINT64"),
+        triton_grpc.InferInput("user.lengths", [3], "INT64"),
+        triton_grpc.InferInput("age", [3, 1], "FP32"),
+    ]
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(np.array([2, 1, 3], np.int64))
+    inputs[2].set_data_from_numpy(np.array(AGES, np.float32).reshape(-1, 1))
+    return inputs
+
+
+def test_proto_matches_the_spec_messages_tritonclient_uses():
+    ours, theirs = descriptor_pb2.FileDescriptorProto(), descriptor_pb2.FileDescriptorProto()
+    V2.file.CopyToProto(ours)
+    triton_service_pb2.DESCRIPTOR.CopyToProto(theirs)
+    assert ours.package == theirs.package == "inference"
+    reference = {message.name: message for message in theirs.message_type}
+    for message in ours.message_type:
+        assert message == reference[message.name], message.name
+    (service,) = ours.service
+    methods = {m.name: m for m in theirs.service[0].method}
+    assert service.name == "GRPCInferenceService"
+    for method in service.method:
+        assert method == methods[method.name]
+
+
+def test_tritonclient_grpc_health_and_metadata(triton, core):
+    assert triton.is_server_live() and triton.is_server_ready()
+    assert triton.is_model_ready("tiny") and triton.is_model_ready("tiny", "1")
+    metadata = triton.get_server_metadata()
+    assert metadata.name == "recserve-fake" and list(metadata.extensions) == ["binary_tensor_data"]
+    model = triton.get_model_metadata("tiny")
+    assert model.name == "tiny" and list(model.versions) == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [
+        ("user", "UINT64", [-1]),
+        ("user.lengths", "INT32", [-1]),
+        ("age", "FP32", [-1, 1]),
+    ]
+    assert [t.name for t in model.outputs] == ["prediction"]
+    core.is_ready = False
+    assert not triton.is_server_ready() and not triton.is_model_ready("tiny")
+    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+        triton.get_model_metadata("nope")
+
+
+def test_tritonclient_grpc_infer_raw(triton, core):
+    core.fallback_ids = 3
+    result = triton.infer("tiny", _triton_inputs(), request_id="r-1", model_version="1")
+    np.testing.assert_allclose(
+        result.as_numpy("prediction"), expected_predictions(USERS, AGES), rtol=1e-6
+    )
+    response = result.get_response()
+    assert (response.model_name, response.model_version, response.id) == ("tiny", "1", "r-1")
+    assert response.parameters["fallback_ids"].int64_param == 3
+    assert response.parameters["unknown_ids"].int64_param == 2
+    assert len(response.raw_output_contents) == 1  # raw in, raw out
+    (call,) = core.calls
+    assert call["protocol"] == "grpc" and call["version"] == "1"
+
+
+def test_client_deadline_reaches_the_core(triton, core):
+    triton.infer("tiny", _triton_inputs(), client_timeout=5.0)
+    assert 0 < core.calls[0]["timeout"] <= 5.1  # gRPC rounds deadlines up a little
+
+
+def test_typed_contents_in_typed_contents_out(stub):
+    response = stub.ModelInfer(_typed_request(), timeout=5)
+    assert response.id == "typed-1" and not response.raw_output_contents
+    (output,) = response.outputs
+    assert (output.datatype, list(output.shape)) == ("FP32", [3, 1])
+    np.testing.assert_allclose(
+        np.asarray(output.contents.fp32_contents).reshape(3, 1),
+        expected_predictions(USERS, AGES),
+        rtol=1e-6,
+    )
+    assert response.parameters["unknown_ids"].int64_param == 2
+
+
+def _code_and_details(call, *args):
+    with pytest.raises(grpc.RpcError) as error:
+        call(*args, timeout=5)
+    return error.value.code(), error.value.details()
+
+
+def test_errors_map_to_status_codes(stub, core):
+    request = _typed_request()
+    del request.inputs[1].contents.int_contents[-1]
+    code, details = _code_and_details(stub.ModelInfer, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        details == "input 'user.lengths': shape [3] has 3 elements but contents.int_contents has 2"
+    )
+
+    request = _typed_request()
+    request.inputs[0].name = "users"
+    code, details = _code_and_details(stub.ModelInfer, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown input 'users'" in details
+
+    request = _typed_request()
+    request.raw_input_contents.append(b"\0" * 8)
+    code, _ = _code_and_details(stub.ModelInfer, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+    code, details = _code_and_details(stub.ModelInfer, _typed_request(model="other"))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown model 'other'" in details
+    code, _ = _code_and_details(
+        stub.ModelMetadata, V2.ModelMetadataRequest(name="tiny", version="2")
+    )
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = _code_and_details(stub.ModelReady, V2.ModelReadyRequest(name="x"))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+    core.is_ready = False
+    code, details = _code_and_details(stub.ModelInfer, _typed_request())
+    assert code == grpc.StatusCode.UNAVAILABLE and details == "model 'tiny' is not ready"
+
+    core.is_ready = True
+    core.fail_with = RuntimeError("secret internals")
+    code, details = _code_and_details(stub.ModelInfer, _typed_request())
+    assert code == grpc.StatusCode.INTERNAL and "secret" not in details
+
+
+def test_tritonclient_sees_invalid_argument(triton):
+    inputs = _triton_inputs()[:2]
+    with pytest.raises(InferenceServerException, match="input 'age' is missing") as error:
+        triton.infer("tiny", inputs)
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_health_service(served, channel, core):
+    _, health = served
+    checker = health_pb2_grpc.HealthStub(channel)
+    for service in ("", SERVICE_NAME):
+        response = checker.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    health.set_serving(False)
+    response = checker.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+    assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health.refresh(core) is True
+    response = checker.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_and_describes_the_service(channel):
+    reflector = reflection_pb2_grpc.ServerReflectionStub(channel)
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.health.v1.Health"),
+    ]
+    listed, described, health = list(reflector.ServerReflectionInfo(iter(requests), timeout=5))
+    names = {service.name for service in listed.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+    file = descriptor_pb2.FileDescriptorProto.FromString(
+        described.file_descriptor_response.file_descriptor_proto[0]
+    )
+    assert file.package == "inference"
+    assert [m.name for m in file.service[0].method][:6] == [
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+    ]
+    assert health.file_descriptor_response.file_descriptor_proto
+
+
+def test_message_size_limit(core):
+    server, port, _ = build_grpc_server(core, host="127.0.0.1", max_message_bytes=1024)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = _typed_request(users=[[2**63] * 200], ages=[1.0])
+            code, _ = _code_and_details(InferenceStub(channel).ModelInfer, request)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(None)

@@ -1,0 +1,498 @@
+"""HTTP front end, served for real by uvicorn on 127.0.0.1, driven by http.client and the real
+tritonclient.http client."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as triton_http
+import uvicorn
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tritonclient.utils import InferenceServerException
+
+from serving.http_app import AdminHooks, create_app
+from tests.unit.fake_core import FakeCore, expected_predictions
+
+MAX_BODY = 256 * 1024
+TOKEN = "s3cret-token"
+
+
+class LiveServer:
+    """uvicorn running ``app`` in a thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            connection.close()
+
+    def json(self, method: str, path: str, document=None, headers: dict | None = None):
+        body = None if document is None else orjson.dumps(document)
+        status, _, payload = self.request(method, path, body, headers)
+        return status, orjson.loads(payload) if payload else None
+
+
+@pytest.fixture(scope="module")
+def core() -> FakeCore:
+    return FakeCore()
+
+
+@pytest.fixture(scope="module")
+def server(core) -> Iterator[LiveServer]:
+    reloads: list[str | None] = []
+
+    def reload(checkpoint: str | None) -> dict:
+        reloads.append(checkpoint)
+        return {"reloaded": checkpoint, "count": len(reloads)}
+
+    app = create_app(core, max_body_bytes=MAX_BODY, admin=AdminHooks(reload, TOKEN))
+    with LiveServer(app) as live:
+        live.reloads = reloads
+        yield live
+
+
+@pytest.fixture(autouse=True)
+def _reset(core):
+    core.is_ready, core.fail_with, core.fallback_ids = True, None, 0
+    core.calls.clear()
+    yield
+
+
+def _tensors(users, ages, *, lengths_name="user.lengths"):
+    ids = [i for row in users for i in row]
+    return [
+        {"name": "user", "shape": [len(ids)], "datatype": "UINT64", "data": ids},
+        {
+            "name": lengths_name,
+            "shape": [len(users)],
+            "datatype": "INT32",
+            "data": [len(r) for r in users],
+        },
+        {"name": "age", "shape": [len(ages), 1], "datatype": "FP32", "data": [[a] for a in ages]},
+    ]
+
+
+USERS = [[1, 2], [3000], [2**63 + 5, 4, 9]]
+AGES = [0.5, 1.0, -2.0]
+
+
+# --------------------------------------------------------------------------- health, metadata
+def test_health_and_server_metadata(server, core):
+    assert server.json("GET", "/v2") == (
+        200,
+        {"name": "recserve-fake", "version": "0.1.0", "extensions": ["binary_tensor_data"]},
+    )
+    assert server.json("GET", "/v2/health/live") == (200, {"live": True})
+    assert server.json("GET", "/v2/health/ready") == (200, {"ready": True})
+    core.is_ready = False
+    assert server.json("GET", "/v2/health/ready") == (503, {"error": "server is not ready"})
+    status, body = server.json("GET", "/v2/models/tiny/ready")
+    assert status == 503 and "not ready" in body["error"]
+
+
+def test_model_metadata_and_ready_routes(server):
+    status, body = server.json("GET", "/v2/models/tiny")
+    assert status == 200
+    assert body["name"] == "tiny" and body["versions"] == ["1"]
+    assert body["inputs"][0] == {"name": "user", "datatype": "UINT64", "shape": [-1]}
+    assert body["outputs"] == [{"name": "prediction", "datatype": "FP32", "shape": [-1, 1]}]
+    assert server.json("GET", "/v2/models/tiny/versions/1")[1] == body
+    assert server.json("GET", "/v2/models/tiny/ready") == (200, {"name": "tiny", "ready": True})
+    assert server.json("GET", "/v2/models/tiny/versions/1/ready")[0] == 200
+    for path in ("/v2/models/nope", "/v2/models/tiny/versions/9", "/v2/models/nope/ready"):
+        status, body = server.json("GET", path)
+        assert status == 404 and set(body) == {"error"}, path
+
+
+def test_unknown_route_and_method_are_json_errors(server):
+    assert server.json("GET", "/v3/nothing") == (404, {"error": "Not Found"})
+    assert server.json("GET", "/v2/models/tiny/infer") == (405, {"error": "Method Not Allowed"})
+
+
+# --------------------------------------------------------------------------- v2 infer
+def test_infer_json_round_trip(server, core):
+    request = {"id": "req-7", "inputs": _tensors(USERS, AGES), "parameters": {"timeout": 2_000_000}}
+    status, body = server.json("POST", "/v2/models/tiny/infer", request)
+    assert status == 200, body
+    assert body["model_name"] == "tiny" and body["model_version"] == "1" and body["id"] == "req-7"
+    assert body["parameters"] == {"fallback_ids": 0, "unknown_ids": 2}
+    (output,) = body["outputs"]
+    assert output["name"] == "prediction" and output["datatype"] == "FP32"
+    assert output["shape"] == [3, 1]
+    np.testing.assert_allclose(
+        np.asarray(output["data"]).reshape(3, 1), expected_predictions(USERS, AGES), rtol=1e-6
+    )
+    (call,) = core.calls
+    assert call["protocol"] == "http" and call["timeout"] == pytest.approx(2.0)
+    assert call["inputs"]["user"].dtype == np.uint64
+    # The model ran in a worker thread, not on the event loop's thread.
+    assert call["thread"] != server.thread.ident
+
+
+def test_infer_version_route_output_selection_and_fallback_ids(server, core):
+    core.fallback_ids = 4
+    request = {"inputs": _tensors(USERS, AGES), "outputs": [{"name": "prediction"}]}
+    status, body = server.json("POST", "/v2/models/tiny/versions/1/infer", request)
+    assert status == 200 and "id" not in body
+    assert body["parameters"]["fallback_ids"] == 4
+    assert core.calls[0]["version"] == "1"
+    request["outputs"] = [{"name": "nope"}]
+    status, body = server.json("POST", "/v2/models/tiny/infer", request)
+    assert status == 400 and "unknown output 'nope'" in body["error"]
+
+
+def test_infer_binary_extension_round_trip(server):
+    ids = np.array([i for row in USERS for i in row], np.uint64)
+    age = np.array(AGES, np.float32).reshape(-1, 1)
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "user",
+                    "shape": [ids.size],
+                    "datatype": "UINT64",
+                    "parameters": {"binary_data_size": ids.nbytes},
+                },
+                {"name": "user.lengths", "shape": [3], "datatype": "INT64", "data": [2, 1, 3]},
+                {
+                    "name": "age",
+                    "shape": [3, 1],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": age.nbytes},
+                },
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    )
+    status, headers, body = server.request(
+        "POST",
+        "/v2/models/tiny/infer",
+        header + ids.tobytes() + age.tobytes(),
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 200, body
+    size = int(headers["inference-header-content-length"])
+    document = orjson.loads(body[:size])
+    assert document["outputs"][0]["parameters"] == {"binary_data_size": 12}
+    predictions = np.frombuffer(body[size:], "<f4").reshape(3, 1)
+    np.testing.assert_allclose(predictions, expected_predictions(USERS, AGES), rtol=1e-6)
+
+
+def test_gzip_request_body(server):
+    body = gzip.compress(orjson.dumps({"inputs": _tensors(USERS, AGES)}))
+    status, _, payload = server.request(
+        "POST", "/v2/models/tiny/infer", body, {"Content-Encoding": "gzip"}
+    )
+    assert status == 200, payload
+
+
+@pytest.mark.parametrize(
+    ("document", "status", "message"),
+    [
+        (b"{nope", 400, "request body is not valid JSON"),
+        (
+            {"inputs": _tensors([[1], [2]], [1.0, 2.0])[:1] + _tensors([[1]], [1.0])[1:]},
+            400,
+            "input 'user.lengths'",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "user.lengths", "shape": [3], "datatype": "INT32", "data": [1, 2]}
+                ]
+            },
+            400,
+            "input 'user.lengths': shape [3] has 3 elements but data has 2",
+        ),
+        (
+            {"inputs": [{"name": "user", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+            400,
+            "BYTES is not supported",
+        ),
+        ({"inputs": _tensors([[1]], [1.0], lengths_name="len")}, 400, "unknown input 'len'"),
+    ],
+)
+def test_infer_bad_input_is_400(server, document, status, message):
+    body = document if isinstance(document, bytes) else orjson.dumps(document)
+    got, _, payload = server.request("POST", "/v2/models/tiny/infer", body)
+    assert got == status
+    assert message in orjson.loads(payload)["error"]
+
+
+def test_infer_errors_map_to_statuses(server, core):
+    body = {"inputs": _tensors(USERS, AGES)}
+    status, payload = server.json("POST", "/v2/models/other/infer", body)
+    assert status == 404 and "unknown model 'other'" in payload["error"]
+    core.is_ready = False
+    assert server.json("POST", "/v2/models/tiny/infer", body) == (
+        503,
+        {"error": "model 'tiny' is not ready"},
+    )
+    core.is_ready = True
+    core.fail_with = RuntimeError("secret internals")
+    status, payload = server.json("POST", "/v2/models/tiny/infer", body)
+    assert status == 500 and "secret" not in payload["error"]
+    assert payload == {"error": "internal error (details are in the server log)"}
+
+
+def test_body_too_large_is_413(server):
+    big = b'{"inputs": [' + b" " * MAX_BODY + b"]}"
+    status, _, payload = server.request("POST", "/v2/models/tiny/infer", big)
+    assert status == 413 and "exceeds" in orjson.loads(payload)["error"]
+
+    # Without a Content-Length (chunked), the limit is enforced while streaming.
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        chunks = (b" " * 65536 for _ in range(MAX_BODY // 65536 + 2))
+        connection.request("POST", "/v1/models/tiny:predict", body=chunks, encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 413
+        assert "error" in orjson.loads(response.read())
+    finally:
+        connection.close()
+    status, _, _ = server.request(
+        "POST",
+        "/v2/models/tiny/infer",
+        gzip.compress(b" " * (MAX_BODY + 1)),
+        {"Content-Encoding": "gzip"},
+    )
+    assert status == 413
+
+
+# --------------------------------------------------------------------------- v1 friendly route
+def test_v1_predict(server, core):
+    instances = [{"user": row, "age": [age]} for row, age in zip(USERS, AGES)]
+    instances[1]["user"] = 3000  # a scalar works as well as a list
+    status, body = server.json("POST", "/v1/models/tiny:predict", {"instances": instances})
+    assert status == 200, body
+    np.testing.assert_allclose(body["predictions"], expected_predictions(USERS, AGES), rtol=1e-6)
+    assert body["model_version"] == "1" and body["unknown_ids"] == 2 and body["fallback_ids"] == 0
+    assert core.calls[0]["protocol"] == "http"
+    status, body = server.json("POST", "/v1/models/tiny:predict", {"instances": [{"zip": 1}]})
+    assert status == 400 and "unknown feature 'zip'" in body["error"]
+    status, body = server.json("POST", "/v1/models/tiny:predict", {"rows": []})
+    assert status == 400 and "instances" in body["error"]
+    assert server.json("POST", "/v1/models/x:predict", {"instances": [{"age": 1}]})[0] == 404
+
+
+# --------------------------------------------------------------------------- admin
+def test_admin_reload_from_loopback_or_with_token(server):
+    assert server.json("POST", "/admin/reload", {"checkpoint": "/ckpt/7"}) == (
+        200,
+        {"reloaded": "/ckpt/7", "count": 1},
+    )
+    assert server.json("POST", "/admin/reload")[0] == 200
+    assert server.reloads == ["/ckpt/7", None]
+    wrong = {"Authorization": "Bearer wrong"}
+    assert server.json("POST", "/admin/reload", {}, wrong)[0] == 403
+    # A remote client (uvicorn trusts X-Forwarded-For from loopback proxies) needs the token.
+    remote = {"X-Forwarded-For": "203.0.113.9"}
+    status, body = server.json("POST", "/admin/reload", {}, remote)
+    assert status == 403 and "error" in body
+    good = {**remote, "Authorization": f"Bearer {TOKEN}"}
+    assert server.json("POST", "/admin/reload", {"checkpoint": "c"}, good)[0] == 200
+    assert server.json("POST", "/admin/reload", {"checkpoint": 5})[0] == 400
+    assert len(server.reloads) == 3
+
+
+def test_without_admin_hooks_there_is_no_admin_route(core):
+    with LiveServer(create_app(core)) as live:
+        assert live.json("POST", "/admin/reload")[0] == 404
+        assert live.json("GET", "/v2/health/live")[0] == 200
+
+
+# --------------------------------------------------------------------------- OpenAPI
+def test_openapi_describes_the_routes(server):
+    status, spec = server.json("GET", "/openapi.json")
+    assert status == 200
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
+    schema = infer["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["required"] == ["inputs"]
+    assert "application/octet-stream" in infer["requestBody"]["content"]
+    assert "400" in infer["responses"] and "413" in infer["responses"]
+    predict = spec["paths"]["/v1/models/{name}:predict"]["post"]
+    assert (
+        "instances" in predict["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    )
+    assert {"/v2", "/v2/health/live", "/v2/health/ready", "/admin/reload"} <= set(spec["paths"])
+    status, _, page = server.request("GET", "/docs")
+    assert status == 200 and b"swagger" in page.lower()
+
+
+# --------------------------------------------------------------------------- tritonclient.http
+def _triton_inputs(binary: bool) -> list:
+    ids = np.array([i for row in USERS for i in row], np.uint64)
+    inputs = [
+        triton_http.InferInput("user", [ids.size], "UINT64"),
+        triton_http.InferInput("user.lengths", [3], "INT32"),
+        triton_http.InferInput("age", [3, 1], "FP32"),
+    ]
+    inputs[0].set_data_from_numpy(ids, binary_data=binary)
+    inputs[1].set_data_from_numpy(np.array([2, 1, 3], np.int32), binary_data=binary)
+    inputs[2].set_data_from_numpy(np.array(AGES, np.float32).reshape(-1, 1), binary_data=binary)
+    return inputs
+
+
+def test_tritonclient_http(server, core):
+    client = triton_http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("tiny")
+        assert client.get_server_metadata()["name"] == "recserve-fake"
+        metadata = client.get_model_metadata("tiny")
+        assert [i["name"] for i in metadata["inputs"]] == ["user", "user.lengths", "age"]
+        expected = expected_predictions(USERS, AGES)
+        for binary in (False, True):
+            outputs = [triton_http.InferRequestedOutput("prediction", binary_data=binary)]
+            result = client.infer("tiny", _triton_inputs(binary), request_id="t1", outputs=outputs)
+            np.testing.assert_allclose(result.as_numpy("prediction"), expected, rtol=1e-6)
+            response = result.get_response()
+            assert response["id"] == "t1" and response["parameters"]["unknown_ids"] == 2
+        # No outputs named: tritonclient asks for binary outputs (binary_data_output).
+        result = client.infer("tiny", _triton_inputs(True), model_version="1")
+        np.testing.assert_allclose(result.as_numpy("prediction"), expected, rtol=1e-6)
+        with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+            client.get_model_metadata("nope")
+        core.is_ready = False
+        assert not client.is_server_ready()
+        with pytest.raises(InferenceServerException, match="not ready"):
+            client.infer("tiny", _triton_inputs(True))
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------- fuzz
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**65), 2**65),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+)
+_json = st.recursive(
+    _scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+_tensor = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["user", "user.lengths", "age", "x"]) | _scalars,
+        "datatype": st.sampled_from(
+            ["UINT64", "INT64", "INT32", "FP32", "BOOL", "FP16", "BYTES", "?"]
+        ),
+        "shape": st.lists(st.integers(-2, 4), max_size=3)
+        | st.lists(st.sampled_from([0, 1, 2**40, 2**62, 2**64]), max_size=5)
+        | _json,
+    },
+    optional={
+        "data": st.lists(st.integers(-3, 2**64) | st.floats(-5, 5) | st.booleans(), max_size=8)
+        | st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=3)
+        | _json,
+        "parameters": st.fixed_dictionaries(
+            {}, optional={"binary_data_size": st.integers(-1, 40) | _scalars}
+        ),
+    },
+)
+_v2_body = st.fixed_dictionaries(
+    {"inputs": st.lists(_tensor, max_size=4) | _json},
+    optional={
+        "id": _scalars,
+        "outputs": st.lists(
+            st.fixed_dictionaries({"name": st.sampled_from(["prediction", "z"]) | _scalars}),
+            max_size=2,
+        )
+        | _json,
+        "parameters": st.fixed_dictionaries(
+            {}, optional={"binary_data_output": _scalars, "timeout": _scalars}
+        ),
+    },
+)
+
+
+@st.composite
+def _near_valid_body(draw):
+    """A valid request, sometimes with one field of one tensor replaced by junk."""
+    users = draw(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=3), max_size=4))
+    ages = draw(st.lists(st.floats(-10, 10, width=32), min_size=len(users), max_size=len(users)))
+    tensors = _tensors(users, ages)
+    tensors[0]["datatype"] = draw(st.sampled_from(["UINT64", "INT64"]))
+    tensors[1]["datatype"] = draw(st.sampled_from(["INT32", "INT64"]))
+    if draw(st.booleans()):
+        tensor = draw(st.sampled_from(tensors))
+        tensor[draw(st.sampled_from(["name", "shape", "datatype", "data"]))] = draw(_json)
+    return {"inputs": tensors}
+
+
+_v1_body = st.fixed_dictionaries(
+    {
+        "instances": st.lists(
+            st.dictionaries(st.sampled_from(["user", "age", "q"]), _json, max_size=3), max_size=3
+        )
+        | _json
+    }
+)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    route=st.sampled_from(
+        ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer", "/v1/models/tiny:predict"]
+    ),
+    document=st.one_of(_near_valid_body(), _v2_body, _v1_body, _json),
+    raw=st.none() | st.binary(max_size=64),
+    tail=st.binary(max_size=48),
+    header_length=st.none() | st.integers(-2, 400) | st.just("x"),
+)
+def test_fuzzed_bodies_never_cause_a_500(server, route, document, raw, tail, header_length):
+    body = raw if raw is not None else json.dumps(document).encode() + tail
+    headers = (
+        {} if header_length is None else {"Inference-Header-Content-Length": str(header_length)}
+    )
+    status, _, payload = server.request("POST", route, body, headers)
+    event(f"HTTP {status}")
+    assert status in (200, 400, 404, 413), (status, payload)
+    if status != 200:
+        assert set(orjson.loads(payload)) == {"error"}

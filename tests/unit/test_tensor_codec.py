@@ -1,0 +1,426 @@
+"""KServe v2 tensor codec: JSON, HTTP binary extension, gRPC typed and raw contents."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from embedding_store.errors import CapacityError, InvalidArgumentError
+from serving import tensor_codec as codec
+from serving.core import KSERVE_DTYPES, Prediction
+from serving.proto import V2
+
+
+def _prediction(**outputs: np.ndarray) -> Prediction:
+    return Prediction(
+        outputs=outputs or {"prediction": np.array([[0.25], [0.75]], np.float32)},
+        model_name="tiny",
+        model_version="7",
+        fallback_ids=2,
+        unknown_ids=3,
+    )
+
+
+def _binary_body(header: dict, *blobs: bytes) -> tuple[bytes, int]:
+    head = orjson.dumps(header)
+    return head + b"".join(blobs), len(head)
+
+
+# --------------------------------------------------------------------------- JSON tensors
+def test_json_flat_and_nested_data_decode_to_the_declared_shape():
+    flat = codec.array_from_json("age", "FP32", [2, 2], [1, 2.5, 3, 4])
+    nested = codec.array_from_json("age", "FP32", [2, 2], [[1, 2.5], [3, 4]])
+    assert flat.dtype == np.float32 and flat.shape == (2, 2)
+    np.testing.assert_array_equal(flat, nested)
+    ids = codec.array_from_json("user", "UINT64", [2], [2**64 - 1, 0])
+    assert ids.dtype == np.uint64 and ids[0] == 2**64 - 1
+    assert codec.array_from_json("b", "BOOL", [2], [True, False]).tolist() == [True, False]
+    empty = codec.array_from_json("user", "INT64", [0], [])
+    assert empty.dtype == np.int64 and empty.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "data", "message"),
+    [
+        (
+            "INT32",
+            [3],
+            [1, 2],
+            "input 'age.lengths': shape [3] has 3 elements but data has 2",
+        ),
+        ("INT64", [2], [[1, 2], [3]], "ragged"),
+        ("INT64", [2], [1.5, 2], "INT64 data must be integers"),
+        ("INT64", [2], ["1", "2"], "INT64 data must be integers"),
+        ("INT8", [2], [1, 300], "value 300 is out of range for INT8"),
+        ("UINT64", [2], [-1, 2], "value -1 is out of range for UINT64"),
+        ("UINT64", [2], [2**63, 1.5], "UINT64 data must be integers"),
+        ("UINT64", [2], [2**63, -1], "UINT64 data must be integers"),
+        ("FP32", [1], ["x"], "FP32 data must be numbers"),
+        ("BOOL", [1], [1], "BOOL data must be true/false"),
+        ("BYTES", [1], ["abc"], "BYTES is not supported"),
+        ("FP8", [1], [1], "unknown datatype 'FP8'"),
+        (7, [1], [1], "'datatype' must be a string"),
+        ("INT32", [-1], [1], "non-negative integers"),
+        ("INT32", [True], [1], "non-negative integers"),
+        ("INT32", [0, *[2**20] * 3], [], "shape [0, 1048576, 1048576, 1048576] is too large"),
+        ("INT32", "3", [1], "'shape' must be a list"),
+        ("INT32", [1], 5, "'data' must be a (flat or nested) list"),
+    ],
+)
+def test_json_tensor_errors_name_the_input(datatype, shape, data, message):
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        codec.array_from_json("age.lengths", datatype, shape, data)
+    with pytest.raises(InvalidArgumentError, match=r"input 'age\.lengths'"):
+        codec.array_from_json("age.lengths", datatype, shape, data)
+
+
+def test_http_json_request_decodes_options():
+    body = orjson.dumps(
+        {
+            "id": "r1",
+            "parameters": {"timeout": 250_000, "binary_data_output": True},
+            "inputs": [
+                {"name": "user", "shape": [2], "datatype": "UINT64", "data": [5, 6]},
+                {"name": "age", "shape": [2, 1], "datatype": "FP32", "data": [[1], [2]]},
+            ],
+            "outputs": [{"name": "prediction", "parameters": {"binary_data": False}}],
+        }
+    )
+    request = codec.decode_http_request(body)
+    assert request.id == "r1" and request.timeout == pytest.approx(0.25)
+    assert request.binary_output is True
+    assert request.outputs == (codec.RequestedOutput("prediction", False),)
+    assert request.inputs["user"].tolist() == [5, 6]
+    assert request.inputs["age"].shape == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "request body is not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"inputs": []}', "'inputs' must be a non-empty list"),
+        (b'{"inputs": [{"shape": [1]}]}', r"inputs\[0\] must be an object with a 'name'"),
+        (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64"}]}', "neither 'data'"),
+        (
+            b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]},'
+            b' {"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]}',
+            "given twice",
+        ),
+        (
+            b'{"id": 5, "inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]}',
+            "'id' must be a string",
+        ),
+        (
+            b'{"parameters": {"timeout": "soon"}, "inputs": [{"name": "a", "shape": [1], '
+            b'"datatype": "INT64", "data": [1]}]}',
+            "'timeout' must be a non-negative integer",
+        ),
+        (
+            b'{"outputs": [{"name": "p", "parameters": {"binary_data": 1}}], "inputs": '
+            b'[{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]}',
+            "'binary_data' must be true or false",
+        ),
+        (
+            b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", '
+            b'"parameters": {"binary_data_size": 8}}]}',
+            "no Inference-Header-Content-Length",
+        ),
+    ],
+)
+def test_http_request_errors(body, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        codec.decode_http_request(body)
+
+
+def test_binary_extension_inputs_are_split_by_header_length():
+    ids = np.array([1, 2, 3], np.uint64)
+    age = np.array([[0.5], [1.5]], np.float32)
+    body, size = _binary_body(
+        {
+            "inputs": [
+                {
+                    "name": "user",
+                    "shape": [3],
+                    "datatype": "UINT64",
+                    "parameters": {"binary_data_size": 24},
+                },
+                {"name": "user.lengths", "shape": [2], "datatype": "INT32", "data": [2, 1]},
+                {
+                    "name": "age",
+                    "shape": [2, 1],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 8},
+                },
+            ]
+        },
+        ids.tobytes(),
+        age.tobytes(),
+    )
+    request = codec.decode_http_request(body, str(size))
+    np.testing.assert_array_equal(request.inputs["user"], ids)
+    np.testing.assert_array_equal(request.inputs["age"], age)
+    assert request.inputs["user.lengths"].dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    ("declared", "blob", "header_length", "message"),
+    [
+        (24, b"\0" * 16, None, "runs past the end"),
+        (16, b"\0" * 16, None, "needs 24 bytes but binary_data_size has 16"),
+        (24, b"\0" * 32, None, "8 bytes of binary tensor data are not claimed"),
+        (24, b"\0" * 24, "abc", "must be an integer"),
+        (24, b"\0" * 24, "999999", "but the request body has"),
+    ],
+)
+def test_binary_extension_errors(declared, blob, header_length, message):
+    body, size = _binary_body(
+        {
+            "inputs": [
+                {
+                    "name": "user",
+                    "shape": [3],
+                    "datatype": "UINT64",
+                    "parameters": {"binary_data_size": declared},
+                }
+            ]
+        },
+        blob,
+    )
+    with pytest.raises(InvalidArgumentError, match=message):
+        codec.decode_http_request(body, header_length or size)
+
+
+def test_http_response_json_and_binary_outputs():
+    prediction = _prediction(
+        prediction=np.array([[0.25], [0.75]], np.float32), scores=np.array([1, 2], np.int64)
+    )
+    request = codec.InferRequest(inputs={}, id="q")
+    body, size = codec.encode_http_response(prediction, request)
+    assert size is None
+    document = orjson.loads(body)
+    assert document["id"] == "q" and document["model_version"] == "7"
+    assert document["parameters"] == {"fallback_ids": 2, "unknown_ids": 3}
+    assert document["outputs"][0] == {
+        "name": "prediction",
+        "datatype": "FP32",
+        "shape": [2, 1],
+        "data": [0.25, 0.75],
+    }
+
+    request = codec.InferRequest(
+        inputs={},
+        outputs=(codec.RequestedOutput("scores"), codec.RequestedOutput("prediction", False)),
+        binary_output=True,
+    )
+    body, size = codec.encode_http_response(prediction, request)
+    header = orjson.loads(body[:size])
+    assert "id" not in header
+    assert [o["name"] for o in header["outputs"]] == ["scores", "prediction"]
+    assert header["outputs"][0]["parameters"] == {"binary_data_size": 16}
+    assert np.frombuffer(body[size:], "<i8").tolist() == [1, 2]
+    assert header["outputs"][1]["data"] == [0.25, 0.75]
+
+    with pytest.raises(InvalidArgumentError, match="unknown output 'nope'"):
+        codec.encode_http_response(
+            prediction, codec.InferRequest(inputs={}, outputs=(codec.RequestedOutput("nope"),))
+        )
+
+
+def test_content_encoding():
+    plain = b'{"a": 1}' * 10
+    assert codec.decode_body(gzip.compress(plain), "gzip", 1000) == plain
+    assert codec.decode_body(zlib.compress(plain), "deflate", 1000) == plain
+    assert codec.decode_body(plain, None, 1000) == plain
+    with pytest.raises(CapacityError):
+        codec.decode_body(gzip.compress(b"0" * 5000), "gzip", 1000)
+    with pytest.raises(InvalidArgumentError, match="unsupported Content-Encoding"):
+        codec.decode_body(plain, "br", 1000)
+    with pytest.raises(InvalidArgumentError, match="not valid gzip"):
+        codec.decode_body(plain, "gzip", 1000)
+    with pytest.raises(InvalidArgumentError, match="truncated"):
+        codec.decode_body(gzip.compress(plain)[:-12], "gzip", 1000)
+
+
+def test_instances():
+    assert codec.decode_instances(b'{"instances": [{"user": [1]}]}') == [{"user": [1]}]
+    for body in (b'{"instances": []}', b"[]", b'{"instances": [1]}'):
+        with pytest.raises(InvalidArgumentError):
+            codec.decode_instances(body)
+    document = orjson.loads(codec.encode_instances_response(_prediction()))
+    assert document["predictions"] == [[0.25], [0.75]]
+    assert document["fallback_ids"] == 2 and document["unknown_ids"] == 3
+
+
+# --------------------------------------------------------------------------- gRPC
+def _grpc_request(raw: bool) -> V2.ModelInferRequest:
+    request = V2.ModelInferRequest(model_name="tiny", id="g1")
+    request.parameters["timeout"].int64_param = 100_000
+    ids = request.inputs.add(name="user", datatype="UINT64", shape=[3])
+    age = request.inputs.add(name="age", datatype="FP32", shape=[3, 1])
+    small = request.inputs.add(name="small", datatype="INT8", shape=[2])
+    if raw:
+        request.raw_input_contents.extend(
+            [
+                np.array([1, 2, 2**63], "<u8").tobytes(),
+                np.array([1, 2, 3], "<f4").tobytes(),
+                np.array([-5, 7], "i1").tobytes(),
+            ]
+        )
+    else:
+        ids.contents.uint64_contents.extend([1, 2, 2**63])
+        age.contents.fp32_contents.extend([1, 2, 3])
+        small.contents.int_contents.extend([-5, 7])
+    return request
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_grpc_request_typed_and_raw(raw):
+    request = codec.decode_grpc_request(_grpc_request(raw))
+    assert request.raw is raw and request.id == "g1"
+    assert request.timeout == pytest.approx(0.1)
+    assert request.inputs["user"].dtype == np.uint64
+    assert request.inputs["user"].tolist() == [1, 2, 2**63]
+    assert request.inputs["age"].shape == (3, 1) and request.inputs["age"].dtype == np.float32
+    assert request.inputs["small"].dtype == np.int8
+    assert request.inputs["small"].tolist() == [-5, 7]
+
+
+def test_grpc_request_errors():
+    request = _grpc_request(False)
+    del request.inputs[0].contents.uint64_contents[-1]
+    with pytest.raises(InvalidArgumentError, match=r"input 'user': shape \[3\] has 3 elements"):
+        codec.decode_grpc_request(request)
+
+    request = _grpc_request(False)
+    request.inputs[1].contents.Clear()
+    request.inputs[1].contents.int64_contents.extend([1, 2, 3])
+    with pytest.raises(InvalidArgumentError, match=r"takes contents\.fp32_contents"):
+        codec.decode_grpc_request(request)
+
+    request = _grpc_request(False)
+    request.inputs[2].contents.int_contents[0] = 1000
+    with pytest.raises(InvalidArgumentError, match="value 1000 is out of range for INT8"):
+        codec.decode_grpc_request(request)
+
+    request = _grpc_request(True)
+    request.raw_input_contents[1] = b"\0" * 8
+    with pytest.raises(InvalidArgumentError, match=r"raw_input_contents\[1\] has 8"):
+        codec.decode_grpc_request(request)
+
+    request = _grpc_request(True)
+    del request.raw_input_contents[-1]
+    with pytest.raises(InvalidArgumentError, match="raw_input_contents has 2 entries"):
+        codec.decode_grpc_request(request)
+
+    request = _grpc_request(True)
+    request.inputs[0].contents.uint64_contents.append(1)
+    with pytest.raises(InvalidArgumentError, match="contents must be empty"):
+        codec.decode_grpc_request(request)
+
+    request = V2.ModelInferRequest(model_name="tiny")
+    request.inputs.add(name="h", datatype="FP16", shape=[1])
+    with pytest.raises(InvalidArgumentError, match="must be sent in raw_input_contents"):
+        codec.decode_grpc_request(request)
+    request.inputs[0].datatype = "BYTES"
+    with pytest.raises(InvalidArgumentError, match="BYTES is not supported"):
+        codec.decode_grpc_request(request)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_grpc_response_raw_iff_request_raw(raw):
+    prediction = _prediction()
+    response = codec.encode_grpc_response(
+        prediction, codec.InferRequest(inputs={}, id="z", raw=raw)
+    )
+    assert (response.model_name, response.model_version, response.id) == ("tiny", "7", "z")
+    assert response.parameters["fallback_ids"].int64_param == 2
+    assert response.parameters["unknown_ids"].int64_param == 3
+    (output,) = response.outputs
+    assert (output.name, output.datatype, list(output.shape)) == ("prediction", "FP32", [2, 1])
+    if raw:
+        assert np.frombuffer(response.raw_output_contents[0], "<f4").tolist() == [0.25, 0.75]
+        assert not output.HasField("contents")
+    else:
+        assert list(output.contents.fp32_contents) == [0.25, 0.75]
+        assert not response.raw_output_contents
+
+
+def test_parameters_round_trip():
+    parameter = V2.InferParameter()
+    for value in (True, -3, 2**64 - 1, 0.5, "text"):
+        codec.set_parameter(parameter, value)
+        assert codec.parameter_value(parameter) == value
+    assert codec.parameter_value(V2.InferParameter()) is None
+
+
+# --------------------------------------------------------------------------- property
+_DTYPES = [n for n in KSERVE_DTYPES if n != "BOOL"]
+
+
+@st.composite
+def _tensors(draw):
+    datatype = draw(st.sampled_from([*_DTYPES, "BOOL"]))
+    shape = draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4))
+    elements = None
+    if KSERVE_DTYPES[datatype].kind == "f":
+        elements = st.floats(-1e4, 1e4, width=KSERVE_DTYPES[datatype].itemsize * 8)
+    array = draw(hnp.arrays(KSERVE_DTYPES[datatype], shape, elements=elements))
+    return datatype, array
+
+
+@settings(max_examples=60, deadline=None)
+@given(_tensors())
+def test_every_encoding_round_trips(tensor):
+    datatype, array = tensor
+    shape = list(array.shape)
+    # JSON, flat.
+    decoded = codec.array_from_json("t", datatype, shape, array.reshape(-1).tolist())
+    np.testing.assert_array_equal(decoded, array)
+    # HTTP binary extension.
+    body, size = _binary_body(
+        {
+            "inputs": [
+                {
+                    "name": "t",
+                    "shape": shape,
+                    "datatype": datatype,
+                    "parameters": {"binary_data_size": array.nbytes},
+                }
+            ]
+        },
+        array.astype(array.dtype.newbyteorder("<")).tobytes(),
+    )
+    np.testing.assert_array_equal(codec.decode_http_request(body, size).inputs["t"], array)
+    # gRPC raw, and typed where the protocol has a field for the datatype.
+    request = V2.ModelInferRequest()
+    request.inputs.add(name="t", datatype=datatype, shape=shape)
+    raw = request.__deepcopy__()
+    raw.raw_input_contents.append(array.astype(array.dtype.newbyteorder("<")).tobytes())
+    np.testing.assert_array_equal(codec.decode_grpc_request(raw).inputs["t"], array)
+    if datatype != "FP16":
+        field = codec._CONTENTS[datatype][0]
+        getattr(request.inputs[0].contents, field).extend(array.reshape(-1).tolist())
+        got = codec.decode_grpc_request(request).inputs["t"]
+        assert got.dtype == array.dtype
+        np.testing.assert_array_equal(got, array)
+    # And back out, both ways.
+    prediction = Prediction(outputs={"t": array}, model_name="m", model_version="1")
+    for raw_out in (False, True):
+        response = codec.encode_grpc_response(
+            prediction, codec.InferRequest(inputs={}, raw=raw_out)
+        )
+        assert response.outputs[0].datatype == datatype
+    body, size = codec.encode_http_response(
+        prediction, codec.InferRequest(inputs={}, binary_output=True)
+    )
+    out = np.frombuffer(body[size:], KSERVE_DTYPES[datatype].newbyteorder("<")).reshape(shape)
+    np.testing.assert_array_equal(out, array)
