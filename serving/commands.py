@@ -65,6 +65,12 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
+    parser.add_argument(
+        "--preprocessor",
+        default=None,
+        help="MODULE:FUNCTION turning friendly JSON instances (raw rows) into a Batch, e.g. "
+        "examples.adult_income.features:instances_to_batch",
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -93,5 +99,6 @@ def _serve(args: argparse.Namespace) -> int:
             admin_token=args.admin_token,
             grace_seconds=args.grace_seconds,
             threads=args.threads,
+            preprocessor=args.preprocessor,
         )
     )

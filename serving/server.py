@@ -18,7 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from embedding_store import model_checkpoint
-from embedding_store.errors import RecserveError
+from embedding_store.errors import InvalidArgumentError, RecserveError
 from serving.metrics import CONTENT_TYPE
 from serving.model import load_model
 from serving.service import PredictionService
@@ -49,6 +49,24 @@ class ServeOptions:
     admin_token: str | None = None
     grace_seconds: float = 10.0
     threads: int = 1
+    preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
+
+
+def load_preprocessor(spec: str):
+    """Import ``module:function`` (e.g. ``examples.adult_income.features:instances_to_batch``)."""
+    import importlib
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # like uvicorn's --app-dir: modules of the current folder
+        sys.path.insert(0, os.getcwd())
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise InvalidArgumentError(f"--preprocessor must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise InvalidArgumentError(f"cannot import preprocessor {spec!r}: {error}") from None
 
 
 class PredictionServer:
@@ -94,6 +112,7 @@ class PredictionServer:
             max_queue_delay=o.max_queue_delay_ms / 1000.0,
             max_queue_size=o.max_queue_size,
             default_timeout=o.request_timeout,
+            preprocessor=load_preprocessor(o.preprocessor) if o.preprocessor else None,
         )
         app = create_app(
             self.service,

@@ -17,8 +17,11 @@ from typing import Any
 import numpy as np
 
 from embedding_store import __version__
+from embedding_store.batch import Batch
 from embedding_store.errors import (
+    CapacityError,
     DeadlineExceededError,
+    InvalidArgumentError,
     NotFoundError,
     RecserveError,
     UnavailableError,
@@ -46,8 +49,10 @@ class PredictionService:
         max_queue_size: int = 1024,
         default_timeout: float = 10.0,
         metrics: ServingMetrics | None = None,
+        preprocessor: Callable[[list[Mapping[str, Any]]], Batch] | None = None,
     ) -> None:
         self.name = model.name
+        self._preprocessor = preprocessor
         self._model = model
         self._loader = loader
         self.max_request_batch_size = max_request_batch_size
@@ -143,6 +148,54 @@ class PredictionService:
         protocol: str,
         timeout: float | None = None,
     ) -> Prediction:
+        def build(model: LoadedModel) -> Batch:
+            return tensors.tensors_to_batch(
+                model.signature, inputs, max_batch_size=self.max_request_batch_size
+            )
+
+        return self._predict(name, version, build, protocol=protocol, timeout=timeout)
+
+    def predict_instances(
+        self,
+        name: str,
+        instances: Sequence[Mapping[str, Any]],
+        *,
+        protocol: str,
+        timeout: float | None = None,
+    ) -> Prediction:
+        def build(model: LoadedModel) -> Batch:
+            if self._preprocessor is None:
+                inputs = tensors.instances_to_inputs(model.signature, instances)
+                return tensors.tensors_to_batch(
+                    model.signature, inputs, max_batch_size=self.max_request_batch_size
+                )
+            try:
+                batch = self._preprocessor(list(instances))
+            except RecserveError:
+                raise
+            except (KeyError, TypeError, ValueError) as error:
+                raise InvalidArgumentError(
+                    f"instances could not be preprocessed: {error}"
+                ) from None
+            if batch.batch_size > self.max_request_batch_size:
+                raise CapacityError(
+                    f"batch size {batch.batch_size} exceeds this server's max batch size "
+                    f"{self.max_request_batch_size}"
+                )
+            model.signature.check(batch)
+            return batch
+
+        return self._predict(name, None, build, protocol=protocol, timeout=timeout)
+
+    def _predict(
+        self,
+        name: str,
+        version: str | None,
+        build: Callable[[LoadedModel], Batch],
+        *,
+        protocol: str,
+        timeout: float | None,
+    ) -> Prediction:
         started = time.perf_counter()
         outcome = "error"
         served_version = self._model.version
@@ -150,9 +203,7 @@ class PredictionService:
             if not self._accepting:
                 raise UnavailableError("the server is not ready (shutting down)")
             model = self._check_name(name, version)
-            batch = tensors.tensors_to_batch(
-                model.signature, inputs, max_batch_size=self.max_request_batch_size
-            )
+            batch = build(model)
             wait = timeout if timeout is not None else self.default_timeout
             future = self._batcher.submit(batch, deadline=time.monotonic() + wait)
             try:
@@ -181,18 +232,6 @@ class PredictionService:
         finally:
             self.metrics.requests.labels(protocol, name, served_version, outcome).inc()
             self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
-
-    def predict_instances(
-        self,
-        name: str,
-        instances: Sequence[Mapping[str, Any]],
-        *,
-        protocol: str,
-        timeout: float | None = None,
-    ) -> Prediction:
-        model = self._check_name(name, None)
-        inputs = tensors.instances_to_inputs(model.signature, instances)
-        return self.predict(name, None, inputs, protocol=protocol, timeout=timeout)
 
     # ------------------------------------------------------------------ hot reload
     def reload(self, checkpoint_dir: str | None = None) -> dict[str, Any]:

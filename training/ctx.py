@@ -77,6 +77,11 @@ def make_embedding_tier(
         client = RemoteEmbeddingWorker(address.strip(), embedding_config)
         client.wait_for_serving(timeout=120)
         return client
+    if distributed.world_size() > 1:
+        raise FailedPreconditionError(
+            "WORLD_SIZE > 1 needs one shared embedding tier: pass embedding_workers or set "
+            f"{EMBEDDING_WORKERS_ENV} (the embedded tier is per process)"
+        )
     ps = global_config.embedding_parameter_server_config
     return InProcessEmbeddingTier(
         embedding_config,

@@ -1,0 +1,160 @@
+"""Train the UCI Adult example with recserve's TrainCtx, report test AUC, dump a checkpoint.
+
+Embedded (no services, one process)::
+
+    python examples/adult_income/train.py --checkpoint-dir runs/adult
+
+Under torchrun with the embedding tier as services (2 DDP ranks, gloo)::
+
+    recserve train --nproc-per-node 2 --embedding-workers 127.0.0.1:7201 \\
+        --entry examples/adult_income/train.py -- --checkpoint-dir runs/adult
+
+With data loaders streaming batches (``recserve data-loader --entry
+examples/adult_income/data_loader.py ...``) pass ``--streaming``. Prints ``test AUC: 0.9xxx``
+and writes ``--metrics-out`` JSON on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# Run as a script: make the repository root importable (examples.adult_income.*).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+import torch
+
+from embedding_store.config import embedding_config_from_mapping
+from examples.adult_income import features
+from examples.adult_income.hparams import AdultHParams
+from examples.adult_income.metrics import roc_auc
+from examples.adult_income.model import AdultDNN
+from training import distributed
+from training.ctx import TrainCtx, eval_ctx
+from training.data import DataLoader, IterableDataset, StreamingDataset
+
+EVAL_BATCH_SIZE = 8192
+
+
+def evaluate(ctx: TrainCtx, test: features.EncodedRows) -> float:
+    """Test AUC with read-only lookups (nothing is inserted, hyperparameters untouched)."""
+    scores, labels = [], []
+    with eval_ctx(ctx) as evaluator:
+        evaluator.model.eval()
+        for batch in features.iter_batches(test, EVAL_BATCH_SIZE, requires_grad=True):
+            output, batch_labels = evaluator.forward(batch)
+            scores.append(output.float().reshape(-1).cpu().numpy())
+            labels.append(batch_labels[0].reshape(-1).cpu().numpy())
+        evaluator.model.train()
+    return roc_auc(np.concatenate(labels), np.concatenate(scores))
+
+
+def local_batches(hp: AdultHParams, train: features.EncodedRows, epoch: int):
+    """This rank's share of one epoch: batch b goes to rank b % world (equal counts)."""
+    rank, world = distributed.rank(), max(distributed.world_size(), 1)
+    batches = list(
+        range(0, len(train), hp.batch_size)
+    )  # batch start offsets, in the shuffled order below
+    usable = len(batches) // world * world  # every rank runs the same number of steps (DDP)
+    order = np.random.default_rng(hp.seed * 1000 + epoch).permutation(len(train))
+    for b in range(rank, usable, world):
+        start = batches[b]
+        yield train.take(order[start : start + hp.batch_size]).to_batch(requires_grad=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = AdultHParams()
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--embedding-staleness", type=int, default=4)
+    parser.add_argument(
+        "--reproducible", action="store_true", help="staleness 1 and a fixed data order"
+    )
+    parser.add_argument("--streaming", action="store_true", help="batches from data loaders")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--overwrite", action="store_true", help="replace an old checkpoint")
+    parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
+    parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
+    parser.add_argument("--metrics-out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    hp = AdultHParams(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
+    torch.manual_seed(hp.seed)
+    torch.set_num_threads(1 if distributed.world_size() > 1 else 2)
+    config = embedding_config_from_mapping(features.embedding_config_mapping(), source="adult")
+    dims = [config.slot(name).dim for name in features.SLOT_NAMES]
+    model = AdultDNN(dims, features.NUM_NON_ID_FEATURES, hidden=hp.hidden)
+    dense_optimizer = torch.optim.Adam(model.parameters(), lr=hp.dense_lr)
+    staleness = 1 if args.reproducible else args.embedding_staleness
+    test = features.read_encoded(features.TEST_PATH)
+
+    started = time.perf_counter()
+    with TrainCtx(
+        hp.make_embedding_optimizer(),
+        dense_optimizer,
+        model,
+        embedding_config=config,
+        embedding_staleness=staleness,
+        initialization=hp.make_initialization(),
+    ) as ctx:
+        if args.resume_from is not None:
+            ctx.load_checkpoint(args.resume_from)
+        steps = 0
+        if not args.eval_only:
+            if args.streaming:
+                dataset = StreamingDataset(buffer_size=16, reproducible=args.reproducible)
+                for batch in DataLoader(dataset):
+                    output, labels = ctx.forward(batch)
+                    loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+                    ctx.backward(loss)
+                    steps += 1
+            else:
+                train = features.read_encoded(features.TRAIN_PATH)
+                for epoch in range(hp.epochs):
+                    source = IterableDataset(lambda e=epoch: local_batches(hp, train, e))
+                    for batch in DataLoader(source, prefetch=2):
+                        output, labels = ctx.forward(batch)
+                        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                            output, labels[0]
+                        )
+                        ctx.backward(loss)
+                        steps += 1
+        ctx.wait_for_embedding_updates()
+        train_seconds = time.perf_counter() - started
+        auc = evaluate(ctx, test)
+        manifest = None
+        if args.checkpoint_dir is not None:
+            manifest = ctx.dump_checkpoint(args.checkpoint_dir, overwrite=args.overwrite)
+        if distributed.rank() == 0:
+            print(f"test AUC: {auc:.4f}  ({steps} steps on rank 0, {train_seconds:.1f} s)")
+            if manifest is not None:
+                print(f"checkpoint: {args.checkpoint_dir} (version {manifest.version})")
+            if args.metrics_out is not None:
+                args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+                args.metrics_out.write_text(
+                    json.dumps(
+                        {
+                            "test_auc": auc,
+                            "steps": steps,
+                            "train_seconds": train_seconds,
+                            "world_size": distributed.world_size(),
+                            "embedding_staleness": staleness,
+                            "checkpoint_version": manifest.version if manifest else None,
+                            "dense_weight_checksum": float(
+                                sum(p.detach().double().sum() for p in ctx.dense_model.parameters())
+                            ),
+                        }
+                    )
+                )
+    distributed.shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
