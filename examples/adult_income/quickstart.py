@@ -1,0 +1,198 @@
+"""The quickstart: train the Adult example (embedded), serve it, answer predictions.
+
+    python -m examples.adult_income.quickstart [--workdir runs/quickstart] [--exit]
+
+Steps: train briefly in-process and dump a checkpoint; start ``recserve serve`` on loopback;
+send one prediction over HTTP (friendly JSON and KServe v2) and one over gRPC (KServe v2);
+print the commands a user can run next. The server keeps running until Ctrl-C (or stops at
+once with ``--exit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from examples.adult_income import features
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SAMPLE_ROW = {
+    "age": 52,
+    "workclass": "Self-emp-inc",
+    "fnlwgt": 287927,
+    "education": "HS-grad",
+    "educational-num": 9,
+    "marital-status": "Married-civ-spouse",
+    "occupation": "Exec-managerial",
+    "relationship": "Wife",
+    "race": "White",
+    "gender": "Female",
+    "capital-gain": 15024,
+    "capital-loss": 0,
+    "hours-per-week": 40,
+    "native-country": "United-States",
+}
+
+
+def post_json(url: str, payload: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_for_listening(process: subprocess.Popen, log_path: Path, timeout: float) -> tuple:
+    deadline = time.monotonic() + timeout
+    pattern = re.compile(r"HTTP listening on (\S+):(\d+), gRPC listening on (\S+):(\d+)")
+    while time.monotonic() < deadline:
+        match = pattern.search(log_path.read_text(errors="replace"))
+        if match:
+            return f"{match.group(1)}:{match.group(2)}", f"{match.group(3)}:{match.group(4)}"
+        if process.poll() is not None:
+            raise SystemExit(f"recserve serve exited early:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    raise SystemExit(f"recserve serve did not start within {timeout:.0f} s")
+
+
+def grpc_predict(address: str, batch) -> tuple[float, str]:
+    """One KServe v2 ModelInfer call with raw little-endian tensors."""
+    from serving.grpc_frontend import InferenceStub
+    from serving.proto import V2
+
+    request = V2.ModelInferRequest(model_name="adult", id="quickstart")
+    raw = []
+    for feature in batch.id_type_features:
+        request.inputs.add(name=feature.name, datatype="UINT64", shape=[batch.batch_size])
+        raw.append(feature.values.astype("<u8").tobytes())
+    for feature in batch.non_id_type_features:
+        request.inputs.add(name=feature.name, datatype="FP32", shape=list(feature.data.shape))
+        raw.append(np.ascontiguousarray(feature.data, dtype="<f4").tobytes())
+    request.raw_input_contents.extend(raw)
+    with grpc.insecure_channel(address) as channel:
+        response = InferenceStub(channel).ModelInfer(request, timeout=30)
+    value = np.frombuffer(response.raw_output_contents[0], dtype="<f4")[0]
+    return float(value), response.model_version
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--exit", action="store_true", help="stop the server after the demo")
+    args = parser.parse_args()
+    checkpoint = args.workdir / "checkpoint"
+
+    print(f"== 1/3 training the Adult example (embedded, {args.epochs} epochs)", flush=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "train.py"),
+            "--epochs",
+            str(args.epochs),
+            "--checkpoint-dir",
+            str(checkpoint),
+            "--overwrite",
+        ],
+        check=True,
+    )
+
+    print("== 2/3 starting recserve serve", flush=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    log_path = args.workdir / "serve.log"
+    serve_command = [
+        "recserve",
+        "serve",
+        "--checkpoint",
+        str(checkpoint),
+        "--model-name",
+        "adult",
+        "--http-port",
+        str(args.http_port),
+        "--grpc-port",
+        str(args.grpc_port),
+        "--output-transform",
+        "sigmoid",
+        "--preprocessor",
+        "examples.adult_income.preprocess:instances_to_batch",
+    ]
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "embedding_store.cli", *serve_command[1:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    try:
+        http_address, grpc_address = wait_for_listening(server, log_path, timeout=120)
+        print(f"   {' '.join(serve_command)}")
+        print(f"   HTTP on {http_address}, gRPC on {grpc_address} (log: {log_path})")
+
+        print("== 3/3 predictions for one person (probability of income > 50K)", flush=True)
+        friendly = post_json(
+            f"http://{http_address}/v1/models/adult:predict", {"instances": [SAMPLE_ROW]}
+        )
+        print(
+            f"   HTTP friendly JSON: {friendly['predictions'][0][0]:.4f} "
+            f"(version {friendly['model_version']})"
+        )
+        batch = features.rows_to_batch([SAMPLE_ROW], with_labels=False)
+        v2_inputs = [
+            {"name": f.name, "datatype": "UINT64", "shape": [1], "data": f.values.tolist()}
+            for f in batch.id_type_features
+        ] + [
+            {
+                "name": f.name,
+                "datatype": "FP32",
+                "shape": list(f.data.shape),
+                "data": f.data.reshape(-1).tolist(),
+            }
+            for f in batch.non_id_type_features
+        ]
+        v2 = post_json(f"http://{http_address}/v2/models/adult/infer", {"inputs": v2_inputs})
+        print(f"   HTTP KServe v2:     {v2['outputs'][0]['data'][0]:.4f}")
+        value, version = grpc_predict(grpc_address, batch)
+        print(f"   gRPC KServe v2:     {value:.4f} (version {version})")
+
+        row = json.dumps({"instances": [SAMPLE_ROW]})
+        print("\nTry it yourself:")
+        print(f"  curl -s http://{http_address}/v2/health/ready")
+        print(f"  curl -s http://{http_address}/v2/models/adult")
+        print(f"  curl -s -X POST http://{http_address}/v1/models/adult:predict -d '{row}'")
+        print(f"  curl -s http://{http_address}/metrics | grep recserve_requests")
+        print(f"  open http://{http_address}/docs   (OpenAPI)")
+        print(
+            '  python -c "import tritonclient.grpc as g; '
+            f"print(g.InferenceServerClient('{grpc_address}').get_model_metadata('adult'))\""
+        )
+        if args.exit:
+            return 0
+        print("\nServing until Ctrl-C.", flush=True)
+        signal.signal(signal.SIGINT, lambda *_: server.terminate())
+        server.wait()
+        return 0
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
