@@ -1,0 +1,1 @@
+"""The UCI Adult (census income) example: data pipeline, model and hyperparameters."""
