@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from embedding_store.config import load_embedding_config, load_global_config
 
@@ -46,6 +47,7 @@ def register(subparsers) -> None:
         "--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM (s)"
     )
     parser.set_defaults(handler=_run)
+    register_admin(subparsers)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,3 +71,72 @@ def _run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         grace_seconds=args.grace_seconds,
     )
+
+
+# --------------------------------------------------------------------------- tier administration
+def register_admin(subparsers) -> None:
+    """``recserve embedding-tier dump|load|status|clear --worker ADDR``."""
+    parser = subparsers.add_parser(
+        "embedding-tier",
+        help="dump, load, inspect or clear a running embedding tier (through its worker)",
+        description="Administer a running embedding tier through one of its embedding workers.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, help_text in (
+        ("dump", "every shard writes its part; the worker writes the manifest (atomic)"),
+        ("load", "load a checkpoint, re-sharding when the shard count differs"),
+        ("status", "rows and capacity per shard, pending work"),
+        ("clear", "drop every row"),
+    ):
+        action = actions.add_parser(name, help=help_text)
+        action.add_argument("--worker", required=True, help="HOST:PORT of an embedding worker")
+        action.add_argument("--embedding-config", default=None, help="embedding_config.yml")
+        action.add_argument("--timeout", type=float, default=600.0, help="deadline (s)")
+        if name in ("dump", "load"):
+            action.add_argument("directory", help="checkpoint directory")
+        if name == "dump":
+            action.add_argument("--overwrite", action="store_true")
+        action.set_defaults(handler=_admin)
+
+
+def _progress_bar(stage: str, done: int, total: int) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r{stage:>5} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    config = load_embedding_config(args.embedding_config)
+    with RemoteEmbeddingWorker(args.worker, config, admin_timeout=args.timeout) as worker:
+        if args.action == "dump":
+            manifest = worker.dump(args.directory, overwrite=args.overwrite, progress=_progress_bar)
+            print(
+                f"dumped {manifest.total_rows} rows from {manifest.num_shards} shards "
+                f"to {manifest.directory}"
+            )
+        elif args.action == "load":
+            manifest = worker.load(args.directory, progress=_progress_bar)
+            print(
+                f"loaded {manifest.total_rows} rows ({manifest.num_shards} shards in the "
+                f"checkpoint) from {manifest.directory}"
+            )
+        elif args.action == "clear":
+            worker.clear()
+            print("cleared every shard")
+        else:
+            status = worker.status()
+            for index, (rows, capacity) in enumerate(
+                zip(status.rows_per_shard, status.capacity_per_shard)
+            ):
+                print(f"shard {index}: {rows} rows of {capacity}")
+            print(
+                f"pending backward: {status.pending_backward}, pending gradient batches: "
+                f"{status.pending_gradient_batches}, non-finite rows skipped: "
+                f"{status.nonfinite_rows_skipped}"
+            )
+    return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -304,3 +306,40 @@ def test_wrong_replica_order_is_refused(config_files, tmp_path):
         finally:
             worker.stop(kill=True)
         assert "answers as replica 1 of 2" in (tmp_path / "worker.log").read_text()
+
+
+def test_tier_admin_cli_dumps_with_progress_and_reports_status(
+    remote, cluster, config_files, tmp_path
+):
+    result = remote.lookup(batch_of(5), train=True)
+    remote.backward(result.ref, gradients(result, 5))
+    remote.flush()
+    embedding = str(config_files[0])
+    worker = cluster.worker_addresses[0]
+    cli = [sys.executable, "-m", "embedding_store.cli", "embedding-tier"]
+    dump = subprocess.run(
+        [*cli, "dump", "--worker", worker, "--embedding-config", embedding, str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dump.returncode == 0, dump.stderr
+    assert "dump [##############################] 2/2" in dump.stderr
+    assert (tmp_path / "c" / "DONE").exists()
+    again = subprocess.run(
+        [*cli, "dump", "--worker", worker, "--embedding-config", embedding, str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 1 and "already exists" in again.stderr
+    status = subprocess.run(
+        [*cli, "status", "--worker", worker, "--embedding-config", embedding],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0
+    rows = remote.status().rows_per_shard
+    assert f"shard 0: {rows[0]} rows of 100000" in status.stdout
+    assert f"shard 1: {rows[1]} rows of 100000" in status.stdout
