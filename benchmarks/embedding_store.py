@@ -1,17 +1,24 @@
 """Embedding store core vs plain torch.nn.EmbeddingBag, measured in the same run.
 
 Workload (Criteo-like): 26 ID slots with one ID per sample each, dim 16, 1M distinct IDs in all
-(26 vocabularies of ~38.5k), Zipf-distributed (s = 1.05), batch 64 and 1024.
+(26 vocabularies of ~38.5k), Zipf-distributed (s = 1.05), batch 64 and 1024. 32 different
+batches are cycled, so the caches see a realistic spread of IDs.
 
 Measured, each in IDs/s:
 - baseline: one fused ``torch.nn.EmbeddingBag`` over all slots (per-slot offsets into one
   [1M, 16] table, direct row indices), forward only; and forward + sparse-SGD step for updates.
 - ``infer``: pooled lookup through the worker core with ``train=False`` (one in-process shard
   holding all 1M rows).
-- ``train``: pooled lookup with ``train=True`` (get-or-insert, LRU stamps).
-- ``update``: worker backward (scatter to unique IDs, push to the shard, Adagrad applied).
+- ``train``: pooled lookup with ``train=True`` (get-or-insert, LRU stamps, forward context kept;
+  contexts beyond ``forward_buffer_size`` expire, no backward).
+- ``update``: train lookup + worker backward (scatter to unique IDs, push to the shard, Adagrad
+  applied), against the baseline's forward + backward + sparse SGD step.
 
-Run: ``python benchmarks/embedding_store.py [--seconds 2] [--shards 1]``.
+Timing: each measurement runs in ``--rounds`` slices that interleave all five functions, so a
+noisy neighbour hits baseline and store alike. Rates are the median over rounds; a ratio is the
+median of the per-round ratios (store / baseline measured in the same round).
+
+Run: ``python benchmarks/embedding_store.py [--seconds 2] [--rounds 5] [--shards 1]``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 
@@ -61,7 +70,6 @@ def make_batches(rng, batch_size: int, count: int) -> list[np.ndarray]:
 
 def rate(fn: Callable[[int], None], items: int, seconds: float, num_inputs: int) -> float:
     """Items per second of ``fn(i)`` over a bounded number of calls (time and count)."""
-    fn(0)  # warm-up (JIT, allocations)
     calls = 0
     start = time.perf_counter()
     deadline = start + seconds
@@ -71,9 +79,27 @@ def rate(fn: Callable[[int], None], items: int, seconds: float, num_inputs: int)
     return items * calls / (time.perf_counter() - start)
 
 
+def interleaved_rates(
+    fns: dict[str, Callable[[int], None]], items: int, seconds: float, rounds: int, num_inputs: int
+) -> dict[str, list[float]]:
+    """Per-round rates of every function; each round runs each function ``seconds / rounds``."""
+    for fn in fns.values():
+        fn(0)  # warm-up (JIT, allocations)
+    rates: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            rates[name].append(rate(fn, items, seconds / rounds, num_inputs))
+    return rates
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per measurement")
     parser.add_argument("--shards", type=int, default=1, help="in-process shards")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
@@ -136,8 +162,7 @@ def main() -> None:
             worker.lookup(batches[i], train=False)
 
         def train(i: int) -> None:
-            result = worker.lookup(batches[i], train=True)
-            worker.backward(result.ref, {})  # release the context; no gradient pushed
+            worker.lookup(batches[i], train=True)  # its forward context expires later
 
         grads = {n: torch.full((batch_size, DIM), 1e-3) for n in slot_names}
 
@@ -145,28 +170,40 @@ def main() -> None:
             result = worker.lookup(batches[i], train=True)
             worker.backward(result.ref, grads)
 
-        base_fwd = rate(baseline_forward, ids_per_batch, args.seconds, len(rows))
-        base_upd = rate(baseline_update, ids_per_batch, args.seconds, len(rows))
-        infer_rate = rate(infer, ids_per_batch, args.seconds, len(batches))
-        train_rate = rate(train, ids_per_batch, args.seconds, len(batches))
-        update_rate = rate(update, ids_per_batch, args.seconds, len(batches))
+        r = interleaved_rates(
+            {
+                "base_fwd": baseline_forward,
+                "infer": infer,
+                "train": train,
+                "base_upd": baseline_update,
+                "update": update,
+            },
+            ids_per_batch,
+            args.seconds,
+            args.rounds,
+            len(batches),
+        )
+        med = {name: statistics.median(values) for name, values in r.items()}
         results.append(
             {
                 "batch_size": batch_size,
-                "baseline_forward_ids_per_s": base_fwd,
-                "baseline_forward_backward_sgd_ids_per_s": base_upd,
-                "infer_ids_per_s": infer_rate,
-                "train_lookup_ids_per_s": train_rate,
-                "train_lookup_and_update_ids_per_s": update_rate,
-                "infer_ratio": infer_rate / base_fwd,
-                "train_ratio": train_rate / base_fwd,
-                "update_ratio": update_rate / base_upd,
+                "baseline_forward_ids_per_s": med["base_fwd"],
+                "baseline_forward_backward_sgd_ids_per_s": med["base_upd"],
+                "infer_ids_per_s": med["infer"],
+                "train_lookup_ids_per_s": med["train"],
+                "train_lookup_and_update_ids_per_s": med["update"],
+                "infer_ratio": median_ratio(r["infer"], r["base_fwd"]),
+                "train_ratio": median_ratio(r["train"], r["base_fwd"]),
+                "update_ratio": median_ratio(r["update"], r["base_upd"]),
+                "infer_us_per_batch": ids_per_batch / med["infer"] * 1e6,
+                "baseline_forward_us_per_batch": ids_per_batch / med["base_fwd"] * 1e6,
             }
         )
 
     print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), "
-        f"shards: {args.shards}, torch {torch.__version__}"
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch "
+        f"thread(s), shards: {args.shards}, torch {torch.__version__}, "
+        f"{args.rounds} rounds x {args.seconds / args.rounds:.2f} s per measurement"
     )
     header = (
         f"{'batch':>6} {'baseline fwd':>14} {'infer':>12} {'ratio':>6} {'train':>12} "

@@ -15,7 +15,10 @@ Memory-level parallelism. On a table larger than the caches every probe is a cac
 plain loop waits for them one after another. The read kernels therefore first compute every
 ID's home slot, then probe ID ``i`` while prefetching the home slot of ID ``i + PREFETCH``
 (:func:`prefetch_row`, LLVM's ``llvm.prefetch``), so about ``PREFETCH`` misses are in flight.
-:func:`pool_kernel` does the same for the weight rows it sums.
+The row kernels (:func:`gather_rows_kernel`, :func:`pool_rows_kernel`) do the same for the
+weight rows they read; :func:`pool_kernel` (behind :meth:`IdIndex.pool`) is lookup + pooling
+straight from the weight array, with no row copies. They live here, next to the probe code,
+because numba's on-disk cache does not notice changes in *another* module's jitted functions.
 
 All kernels are ``@njit(cache=True, nogil=True)`` loops over whole arrays; :class:`IdIndex` is
 not thread-safe by itself (the shard serializes access with its lock).
@@ -33,8 +36,9 @@ from embedding_store.errors import InvalidArgumentError
 
 EMPTY = -1
 MIN_CAPACITY = 16
-#: How many IDs ahead the read kernels prefetch (measured: 16-32 is best here, 64 is worse).
-PREFETCH = 24
+#: How many IDs ahead the read kernels prefetch (measured here: 8-16 leave time on the table,
+#: 32-64 are alike at batch 1024).
+PREFETCH = 32
 
 _FREE = np.uint64(0xFFFFFFFFFFFFFFFF)  # column 1 of an empty slot (EMPTY as uint64)
 _SALT = np.uint64(0x5BD1E9955BD1E995)
@@ -48,11 +52,12 @@ _S31 = np.uint64(31)
 
 @intrinsic
 def prefetch_row(typingctx, array, row):
-    """Hint the CPU to load the cache line of ``array[row, 0]`` (a 2-D C array); no effect else.
+    """Hint the CPU to load the cache line of ``array[row]`` (its first element for a 2-D C array).
 
-    Compiles to ``llvm.prefetch`` (read, high locality, data cache). ``row`` must be in bounds.
+    Compiles to ``llvm.prefetch`` (read, high locality, data cache): no effect on results.
+    ``row`` must be in bounds.
     """
-    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
+    if not (isinstance(array, types.Array) and isinstance(row, types.Integer)):
         return None
     sig = types.void(array, row)
 
@@ -68,7 +73,7 @@ def prefetch_row(typingctx, array, row):
             shape=cgutils.unpack_tuple(builder, ary.shape),
             strides=cgutils.unpack_tuple(builder, ary.strides),
             layout=array_type.layout,
-            inds=[index, zero],
+            inds=[index] + [zero] * (array_type.ndim - 1),
             wraparound=False,
             boundscheck=False,
         )
@@ -122,35 +127,53 @@ def lookup_kernel(table, ids, out):
 
 @njit(cache=True, nogil=True)
 def lookup_stamp_kernel(table, ids, out, stamps, base):
-    """Like :func:`lookup_kernel`, and sets ``stamps[row] = base + i`` for every hit ``i``."""
-    lookup_kernel(table, ids, out)
-    for i in range(ids.shape[0]):  # in order: the last position of a repeated ID wins
-        r = out[i]
+    """Like :func:`lookup_kernel`, and sets ``stamps[row] = base + i`` for every hit ``i``.
+
+    IDs are stamped in order, so where an ID repeats its last position wins.
+    """
+    mask = table.shape[0] - 1
+    n = ids.shape[0]
+    for i in range(n):
+        out[i] = _home_slot(ids[i], mask)
+    for i in range(min(PREFETCH, n)):
+        prefetch_row(table, out[i])
+    for i in range(n):
+        if i + PREFETCH < n:
+            prefetch_row(table, out[i + PREFETCH])
+        r = _probe(table, ids[i], out[i], mask)
+        out[i] = r
         if r >= 0:
             stamps[r] = base + i
 
 
 @njit(cache=True, nogil=True)
-def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
-    """Pooled rows of ``ids`` straight from ``weights`` (float32 [rows, dim]).
+def valid_bag_offsets(offsets, n):
+    """True if ``offsets`` (int64 [num_bags]) are non-decreasing from 0 to at most ``n``.
 
-    Bag ``b`` holds ``ids[offsets[b]:offsets[b + 1]]`` (the last bag runs to the end), like
-    ``embedding_bag(mode="sum")``: ``out[b] = sum of id_weights[i] * weights[row(ids[i])]`` in
-    ID order, with ``id_weights`` float32 [n] or an empty array for weight 1. Unknown IDs add
-    nothing; an empty bag is zeros. ``rows`` (int64 [n]) receives the rows (-1 where unknown).
-    Returns the number of unknown IDs, or -1 if ``offsets`` are not non-decreasing from 0 to at
-    most ``n`` (``out`` is then undefined).
+    With no bags there must be no IDs (``n == 0``).
     """
-    n = ids.shape[0]
     num_bags = offsets.shape[0]
     if num_bags == 0:
-        return 0 if n == 0 else -1
+        return n == 0
     if offsets[0] != 0 or offsets[num_bags - 1] > n:
-        return -1
-    for b in range(1, num_bags):
+        return False
+    for b in range(1, num_bags):  # noqa: SIM110 (a plain loop compiles best in numba)
         if offsets[b] < offsets[b - 1]:
-            return -1
-    lookup_kernel(table, ids, rows)
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def pool_rows_kernel(weights, rows, offsets, id_weights, out):
+    """Sum-pool ``weights[rows]`` into bags (offsets already checked); returns #rows < 0.
+
+    Bag ``b`` holds ``rows[offsets[b]:offsets[b + 1]]`` (the last bag runs to the end), like
+    ``embedding_bag(mode="sum")``: ``out[b] = sum of id_weights[i] * weights[rows[i]]`` in order,
+    with ``id_weights`` float32 [n] or an empty array for weight 1. Rows < 0 (unknown IDs) add
+    nothing; an empty bag is zeros. Weight rows are prefetched ``PREFETCH`` IDs ahead.
+    """
+    n = rows.shape[0]
+    num_bags = offsets.shape[0]
     dim = out.shape[1]
     weighted = id_weights.shape[0] > 0
     for i in range(min(PREFETCH, n)):
@@ -158,15 +181,26 @@ def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
             prefetch_row(weights, rows[i])
     misses = 0
     for b in range(num_bags):
+        start = offsets[b]
         end = offsets[b + 1] if b + 1 < num_bags else n
-        for c in range(dim):
-            out[b, c] = 0.0
-        for i in range(offsets[b], end):
+        # The bag's first known row is written, later ones added: the same sums as adding to
+        # zeros (up to the sign of a zero), without a read-modify-write of zeros first.
+        first = True
+        for i in range(start, end):
             if i + PREFETCH < n and rows[i + PREFETCH] >= 0:
                 prefetch_row(weights, rows[i + PREFETCH])
             r = rows[i]
             if r < 0:
                 misses += 1
+            elif first:
+                first = False
+                if weighted:
+                    w = id_weights[i]
+                    for c in range(dim):
+                        out[b, c] = w * weights[r, c]
+                else:
+                    for c in range(dim):
+                        out[b, c] = weights[r, c]
             elif weighted:
                 w = id_weights[i]
                 for c in range(dim):
@@ -174,7 +208,43 @@ def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
             else:
                 for c in range(dim):
                     out[b, c] += weights[r, c]
+        if first:  # empty bag, or only unknown IDs
+            for c in range(dim):
+                out[b, c] = 0.0
     return misses
+
+
+@njit(cache=True, nogil=True)
+def gather_rows_kernel(weights, rows, out):
+    """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``; prefetches rows ahead."""
+    n = rows.shape[0]
+    dim = out.shape[1]
+    for i in range(min(PREFETCH, n)):
+        if rows[i] >= 0:
+            prefetch_row(weights, rows[i])
+    for i in range(n):
+        if i + PREFETCH < n and rows[i + PREFETCH] >= 0:
+            prefetch_row(weights, rows[i + PREFETCH])
+        r = rows[i]
+        if r < 0:
+            for c in range(dim):
+                out[i, c] = 0.0
+        else:
+            for c in range(dim):
+                out[i, c] = weights[r, c]
+
+
+@njit(cache=True, nogil=True)
+def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
+    """:func:`lookup_kernel` into ``rows`` then :func:`pool_rows_kernel` into ``out``.
+
+    Returns the number of unknown IDs, or -1 if the offsets are invalid
+    (:func:`valid_bag_offsets`; nothing is written then).
+    """
+    if not valid_bag_offsets(offsets, ids.shape[0]):
+        return -1
+    lookup_kernel(table, ids, rows)
+    return pool_rows_kernel(weights, rows, offsets, id_weights, out)
 
 
 @njit(cache=True, nogil=True)
@@ -276,6 +346,54 @@ def _as_ids(ids: np.ndarray, name: str = "ids") -> np.ndarray:
 
 
 _NO_WEIGHTS = np.zeros(0, dtype=np.float32)
+_BAD_OFFSETS = (
+    "bag_offsets must be non-decreasing, start at 0 and stay <= {n} (the number of ids); "
+    "with no bags there must be no ids"
+)
+
+
+def pooling_args(
+    n: int,
+    bag_offsets: object,
+    id_weights: object,
+    *,
+    check_values: bool = True,
+    weights_name: str = "weights",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Checked ``(offsets int64 [num_bags], id_weights float32 [n] or empty)`` for pooling ``n``
+    IDs (the pooling kernels take an empty weight array for "no weights").
+
+    ``check_values`` also checks the offsets themselves (:func:`valid_bag_offsets`).
+    """
+    if (
+        not isinstance(bag_offsets, np.ndarray)
+        or bag_offsets.ndim != 1
+        or bag_offsets.dtype.kind not in "iu"
+    ):
+        raise InvalidArgumentError(
+            f"bag_offsets must be an int64 [num_bags] array, got {_describe(bag_offsets)}"
+        )
+    offsets = np.ascontiguousarray(bag_offsets, dtype=np.int64)
+    if check_values and not valid_bag_offsets(offsets, n):
+        raise InvalidArgumentError(_BAD_OFFSETS.format(n=n))
+    if id_weights is None:
+        return offsets, _NO_WEIGHTS
+    if (
+        not isinstance(id_weights, np.ndarray)
+        or id_weights.dtype != np.float32
+        or id_weights.shape != (n,)
+    ):
+        raise InvalidArgumentError(
+            f"{weights_name} must be None or a float32 [{n}] array (one per id), "
+            f"got {_describe(id_weights)}"
+        )
+    return offsets, np.ascontiguousarray(id_weights)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
 
 
 class IdIndex:
@@ -338,8 +456,9 @@ class IdIndex:
         ``weights`` float32 [rows, dim] (the rows this index points into); ``bag_offsets``
         int64 [num_bags], non-decreasing from 0 (bag b is ``ids[offsets[b]:offsets[b+1]]``, the
         last bag runs to the end); ``id_weights`` float32 [n] or None. Unknown IDs add nothing.
-        Returns ``(float32 [num_bags, dim], number of unknown IDs)``, the same sums, in the same
-        order, as ``embedding_bag(rows, mode="sum", per_sample_weights=id_weights)``.
+        Returns ``(float32 [num_bags, dim], number of unknown IDs)``: the sums of
+        ``embedding_bag(rows, offsets, mode="sum", per_sample_weights=id_weights)``, in the
+        same order.
         """
         ids = _as_ids(ids)
         n = ids.shape[0]
@@ -350,27 +469,14 @@ class IdIndex:
             and weights.flags.c_contiguous
         ):
             raise InvalidArgumentError("weights must be a C-contiguous float32 [rows, dim] array")
-        if not isinstance(bag_offsets, np.ndarray) or bag_offsets.ndim != 1:
-            raise InvalidArgumentError("bag_offsets must be an int64 [num_bags] array")
-        offsets = np.ascontiguousarray(bag_offsets, dtype=np.int64)
-        if id_weights is None:
-            id_weights = _NO_WEIGHTS
-        else:
-            if (
-                not isinstance(id_weights, np.ndarray)
-                or id_weights.dtype != np.float32
-                or id_weights.shape != (n,)
-            ):
-                raise InvalidArgumentError(f"id_weights must be None or a float32 [{n}] array")
-            id_weights = np.ascontiguousarray(id_weights)
+        offsets, id_weights = pooling_args(
+            n, bag_offsets, id_weights, check_values=False, weights_name="id_weights"
+        )
         rows = np.empty(n, dtype=np.int64)
         out = np.empty((offsets.shape[0], weights.shape[1]), dtype=np.float32)
         misses = pool_kernel(self._table, weights, ids, offsets, id_weights, rows, out)
         if misses < 0:
-            raise InvalidArgumentError(
-                f"bag_offsets must be non-decreasing, start at 0 and stay <= {n} (the number "
-                "of ids); with no bags there must be no ids"
-            )
+            raise InvalidArgumentError(_BAD_OFFSETS.format(n=n))
         return out, int(misses)
 
     def get_or_insert(self, ids: np.ndarray, next_free_row: int) -> tuple[np.ndarray, int]:

@@ -23,7 +23,9 @@ Training vs inference. A train lookup admits unknown IDs with probability ``admi
 (deterministic per ID and seed; rejected IDs read as zeros and are not stored) and initializes
 admitted ones with :func:`~embedding_store.initializer.initial_vectors` and the optimizer's
 initial state. An eval/infer lookup (``train=False``) never inserts: unknown IDs read as zeros
-and count as misses. A ``read_only`` shard refuses train lookups, updates and clear, and accepts
+and count as misses. :meth:`EmbeddingShard.lookup_pooled` is either lookup fused with sum
+pooling (the rows are summed straight from the weight array, never copied out). A
+``read_only`` shard refuses train lookups, updates and clear, and accepts
 :meth:`~EmbeddingShard.import_rows` (that is how an inference shard loads a checkpoint).
 
 Threads. Every public method holds one ``threading.Lock``; the numba kernels release the GIL.
@@ -35,10 +37,9 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
-from embedding_store.hashmap import PREFETCH, IdIndex, prefetch_row
+from embedding_store.hashmap import IdIndex, gather_rows_kernel, pool_rows_kernel, pooling_args
 from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
 from embedding_store.optimizers import SGD, Adagrad, Adam
 
@@ -86,24 +87,20 @@ class RowBlock:
         return int(self.ids.shape[0])
 
 
-@njit(cache=True, nogil=True)
-def _gather_kernel(weights, rows, out):
-    """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``; prefetches rows ahead."""
-    n = rows.shape[0]
-    dim = out.shape[1]
-    for i in range(min(PREFETCH, n)):
-        if rows[i] >= 0:
-            prefetch_row(weights, rows[i])
-    for i in range(n):
-        if i + PREFETCH < n and rows[i + PREFETCH] >= 0:
-            prefetch_row(weights, rows[i + PREFETCH])
-        r = rows[i]
-        if r < 0:
-            for c in range(dim):
-                out[i, c] = 0.0
-        else:
-            for c in range(dim):
-                out[i, c] = weights[r, c]
+CACHE_LINE = 64
+
+
+def zeros_aligned(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+    """``np.zeros(shape, dtype)`` whose data starts on a 64-byte cache-line boundary.
+
+    numpy's own large allocations start 16 bytes into a page, so every 64-byte row (dim 16
+    float32) would straddle two cache lines: two memory accesses per random row instead of one.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = np.zeros(nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -buffer.ctypes.data % CACHE_LINE
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _describe(value: object) -> str:
@@ -138,8 +135,8 @@ class _DimTable:
         self.dim = dim
         self.index = IdIndex(2 * alloc)
         self.ids = np.zeros(alloc, dtype=np.uint64)
-        self.weights = np.zeros((alloc, dim), dtype=np.float32)
-        self.state = np.zeros((alloc, width), dtype=np.float32)
+        self.weights = zeros_aligned((alloc, dim), np.float32)
+        self.state = zeros_aligned((alloc, width), np.float32)
         self.stamps = np.zeros(alloc, dtype=np.int64)
         self.size = 0
 
@@ -155,7 +152,7 @@ class _DimTable:
         n = self.size
         for name in ("ids", "weights", "state", "stamps"):
             old = getattr(self, name)
-            arr = np.zeros((new, *old.shape[1:]), dtype=old.dtype)
+            arr = zeros_aligned((new, *old.shape[1:]), old.dtype)
             arr[:n] = old[:n]
             setattr(self, name, arr)
 
@@ -170,7 +167,7 @@ class _DimTable:
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
         out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
-        _gather_kernel(self.weights, rows, out)
+        gather_rows_kernel(self.weights, rows, out)
         return out
 
 
@@ -306,7 +303,7 @@ class EmbeddingShard:
                         or type(old) is not type(optimizer)
                         or old.state_width(table.dim) != width
                     ):
-                        state = np.zeros((table.alloc, width), dtype=np.float32)
+                        state = zeros_aligned((table.alloc, width), np.float32)
                         state[: table.size] = optimizer.initial_state(table.size, table.dim)
                         table.state = state
                 self._optimizer = optimizer
@@ -400,39 +397,10 @@ class EmbeddingShard:
         dim = _check_dim(dim)
         if train and self._read_only:
             raise FailedPreconditionError("this shard is read-only: train lookups are refused")
-        n = ids.shape[0]
         with self._lock:
-            self._lookups += 1
-            self._ids_looked_up += n
-            if not train:
-                table = self._tables.get(dim)
-                if table is None:
-                    self._misses += n
-                    return np.zeros((n, dim), dtype=np.float32)
-                rows = table.index.lookup(ids)
-                self._misses += int(np.count_nonzero(rows < 0))
-                return table.gather(rows)
-            table = self._table(dim, n)
-            base = self._clock
-            self._clock += n
-            rows = table.index.lookup_stamp(ids, table.stamps, base)
-            miss = np.flatnonzero(rows < 0)
-            if miss.shape[0] == 0:
-                return table.gather(rows)
-            miss_ids = ids[miss]
-            if self._initialization.admit_probability < 1.0:
-                ok = admitted(miss_ids, self._initialization)
-                rejected = miss.shape[0] - int(np.count_nonzero(ok))
-                if rejected:
-                    self._rejected += rejected
-                    miss, miss_ids = miss[ok], miss_ids[ok]
-                    if miss.shape[0] == 0:
-                        return table.gather(rows)
-            size_before = self._rows
-            self._make_room(table, miss_ids, base, f"a train lookup of {n} IDs (dim {dim})")
-            if self._rows != size_before:  # evicted: held rows moved
-                rows = table.index.lookup(ids)
-            rows[miss] = self._insert(table, miss_ids, base + miss, fill=True)
+            table, rows = self._rows_locked(ids, dim, train)
+            if table is None:
+                return np.zeros((ids.shape[0], dim), dtype=np.float32)
             return table.gather(rows)
 
     def lookup_pooled(
@@ -441,36 +409,83 @@ class EmbeddingShard:
         dim: int,
         bag_offsets: np.ndarray,
         weights: np.ndarray | None = None,
+        *,
+        train: bool = False,
     ) -> np.ndarray:
-        """Eval/infer lookup fused with sum pooling: float32 [num_bags, dim].
+        """:meth:`lookup` fused with sum pooling: float32 [num_bags, dim].
 
-        Equals ``embedding_bag(lookup(ids, dim, train=False), bag_offsets, mode="sum",
-        per_sample_weights=weights)`` without materializing the rows: bag ``b`` sums
-        ``ids[bag_offsets[b]:bag_offsets[b + 1]]`` (the last bag runs to the end) in order,
-        each row times ``weights[i]`` (float32 [n]) when given. ``bag_offsets`` is int64
-        [num_bags], non-decreasing from 0. Like an eval lookup it never inserts, refreshes no
-        LRU stamp and works on read-only shards; unknown IDs add zeros and count as misses.
+        Equals ``embedding_bag(lookup(ids, dim, train=train), bag_offsets, mode="sum",
+        per_sample_weights=weights)`` (same sums, same order) without materializing the rows:
+        bag ``b`` sums ``ids[bag_offsets[b]:bag_offsets[b + 1]]`` (the last bag runs to the
+        end), each row times ``weights[i]`` (float32 [n]) when given; an empty bag is zeros.
+        ``bag_offsets`` is int64 [num_bags], non-decreasing from 0. Everything else is
+        :meth:`lookup`'s: a train lookup inserts, stamps and evicts exactly as there; an eval
+        lookup never inserts, and its unknown IDs add zeros and count as misses.
         """
         ids = _check_ids(ids)
         dim = _check_dim(dim)
         n = ids.shape[0]
+        if train and self._read_only:
+            raise FailedPreconditionError("this shard is read-only: train lookups are refused")
         with self._lock:
-            self._lookups += 1
-            self._ids_looked_up += n
             table = self._tables.get(dim)
-            if table is not None:
-                pooled, misses = table.index.pool(
-                    ids, table.weights, bag_offsets, weights
-                )  # validates offsets and weights
+            if not train and table is not None:  # the hot infer path: one kernel
+                pooled, misses = table.index.pool(ids, table.weights, bag_offsets, weights)
+                self._lookups += 1
+                self._ids_looked_up += n
                 self._misses += misses
                 return pooled
-        # No row of this width: all misses (validate the arguments the same way).
-        pooled, misses = IdIndex().pool(
-            ids, np.zeros((0, dim), dtype=np.float32), bag_offsets, weights
-        )
-        with self._lock:
-            self._misses += misses
-        return pooled
+            # Check everything before a train lookup changes the shard.
+            offsets, id_weights = pooling_args(n, bag_offsets, weights)
+            table, rows = self._rows_locked(ids, dim, train)
+            out = np.empty((offsets.shape[0], dim), dtype=np.float32)
+            if table is None:
+                out[:] = 0.0
+            else:
+                pool_rows_kernel(table.weights, rows, offsets, id_weights, out)
+            return out
+
+    def _rows_locked(
+        self, ids: np.ndarray, dim: int, train: bool
+    ) -> tuple[_DimTable | None, np.ndarray | None]:
+        """The rows of ``ids`` in the ``dim`` table (-1: not held), doing a lookup's work.
+
+        Counts the lookup; eval: counts misses; train: stamps, admits, evicts and inserts.
+        Returns ``(None, None)`` for an eval lookup of a dim without rows. Holds the lock.
+        """
+        n = ids.shape[0]
+        self._lookups += 1
+        self._ids_looked_up += n
+        if not train:
+            table = self._tables.get(dim)
+            if table is None:
+                self._misses += n
+                return None, None
+            rows = table.index.lookup(ids)
+            self._misses += int(np.count_nonzero(rows < 0))
+            return table, rows
+        table = self._table(dim, n)
+        base = self._clock
+        self._clock += n
+        rows = table.index.lookup_stamp(ids, table.stamps, base)
+        miss = np.flatnonzero(rows < 0)
+        if miss.shape[0] == 0:
+            return table, rows
+        miss_ids = ids[miss]
+        if self._initialization.admit_probability < 1.0:
+            ok = admitted(miss_ids, self._initialization)
+            rejected = miss.shape[0] - int(np.count_nonzero(ok))
+            if rejected:
+                self._rejected += rejected
+                miss, miss_ids = miss[ok], miss_ids[ok]
+                if miss.shape[0] == 0:
+                    return table, rows
+        size_before = self._rows
+        self._make_room(table, miss_ids, base, f"a train lookup of {n} IDs (dim {dim})")
+        if self._rows != size_before:  # evicted: held rows moved
+            rows = table.index.lookup(ids)
+        rows[miss] = self._insert(table, miss_ids, base + miss, fill=True)
+        return table, rows
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply the optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32 [n, dim].

@@ -3,22 +3,30 @@
 For every forward pass the worker
 
 1. expands each slot's IDs by its hash stack and adds the slot's feature-group prefix,
-2. concatenates all slots that share an embedding dim into one *dim group*,
-3. deduplicates the group's IDs once (``torch.unique``), routes the unique IDs to their owning
-   shards by a stable hash and gathers the rows,
+2. concatenates all slots that share an embedding dim into one *dim group* (the grouping and
+   the layout of plain summation slots are cached per tuple of slot names and batch shape),
+3. with ``deduplicate`` (the default for remote shards), deduplicates the group's IDs once
+   (``torch.unique``); routes the IDs to their owning shards by a stable hash and gathers the
+   rows,
 4. pools every slot with one fused ``embedding_bag`` over the whole group: a *bag* is a sample
    (summation slots, optionally weighted by ``1/sqrt(n)``) or one position of a sample's padded
    sequence (raw slots, ``embedding_summation: false``; a hash-stacked ID's rounds are summed).
 
-Backward reverses step 4 with one ``index_add_`` per dim group: pooled gradients are scattered
-to the unique IDs (with the same ``1/sqrt(n)`` weights), rows with NaN/Inf are skipped and
-counted, and each shard receives the summed gradient of the rows it owns. There is no per-ID
-Python loop anywhere; Python loops run over slots and shards only.
+With exactly one in-process :class:`EmbeddingShard` (and no deduplication) steps 3 and 4 are
+one call, :meth:`EmbeddingShard.lookup_pooled`: the shard probes its index and sums the rows
+straight from its weight array in one kernel, with no row copies (same sums, same order).
+
+Backward reverses step 4 with one numba kernel per dim group: pooled gradients are scattered
+to the unique IDs (with the same ``1/sqrt(n)`` weights, summed in occurrence order exactly like
+``index_add_``), rows with NaN/Inf are skipped and counted, and each shard receives the summed
+gradient of the rows it owns. There is no per-ID Python loop anywhere; Python loops run over
+slots and shards only.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -28,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from numba import njit
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import EmbeddingConfig, SlotConfig
@@ -133,10 +142,6 @@ class _GroupPlan:
     id_weights: torch.Tensor | None
     num_bags: int
 
-    def bag_of_id(self) -> torch.Tensor:
-        """Bag index of every ID occurrence: int64 [n]."""
-        return torch.repeat_interleave(torch.arange(self.num_bags), torch.tensor(self.bag_lengths))
-
 
 def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     """Expand each ID into ``rounds`` hashed IDs: uint64 [n] -> uint64 [n * rounds].
@@ -192,9 +197,10 @@ class EmbeddingWorker:
         if deduplicate is None:
             deduplicate = not all(isinstance(shard, EmbeddingShard) for shard in self.shards)
         self.deduplicate = deduplicate
-        # Eval/infer lookups against one in-process shard pool inside the shard, in one kernel
-        # (no row copies, no embedding_bag): see EmbeddingShard.lookup_pooled.
         self._specs: dict[tuple[str, ...], tuple[_GroupSpec, ...]] = {}
+        # With one in-process shard (and no deduplication, which would change what the shard
+        # sees) the shard pools itself: no row copies, no embedding_bag. See
+        # EmbeddingShard.lookup_pooled.
         only = self.shards[0]
         self._pooling_shard = (
             only if len(self.shards) == 1 and isinstance(only, EmbeddingShard) else None
@@ -217,12 +223,11 @@ class EmbeddingWorker:
 
     def _pool(self, plan: _GroupPlan, *, train: bool) -> torch.Tensor:
         """Pooled rows of one dim group: float32 [num_bags, dim]."""
-        if not train and self._pooling_shard is not None:
-            # One kernel in the shard: probe + weighted sum, no row copies, no embedding_bag.
+        if self._pooling_shard is not None and not self.deduplicate:
             weights = None if plan.id_weights is None else plan.id_weights.numpy()
             return torch.from_numpy(
                 self._pooling_shard.lookup_pooled(
-                    plan.ids, plan.dim, plan.bag_offsets.numpy(), weights
+                    plan.ids, plan.dim, plan.bag_offsets.numpy(), weights, train=train
                 )
             )
         if self.deduplicate:
@@ -288,15 +293,9 @@ class EmbeddingWorker:
                     bag_grads[layout.first_bag : layout.first_bag + layout.num_bags] = (
                         _bag_gradient(layout, grads[layout.name], plan.dim)
                     )
-            per_id = bag_grads.index_select(0, plan.bag_of_id())
-            if plan.id_weights is not None:
-                per_id = per_id * plan.id_weights.unsqueeze(1)
-            unique, inverse = _unique(plan.ids)
-            unique_grads = torch.zeros(len(unique), plan.dim, dtype=torch.float32)
-            unique_grads.index_add_(0, inverse, per_id)
-            finite = torch.isfinite(unique_grads).all(dim=1).numpy()
-            skipped += int((~finite).sum())
-            pushed += self._push(unique[finite], unique_grads.numpy()[finite])
+            unique, unique_grads, finite = _scatter_to_unique(plan, bag_grads.numpy())
+            skipped += len(finite) - int(np.count_nonzero(finite))
+            pushed += self._push(unique[finite], unique_grads[finite])
         self.nonfinite_rows_skipped += skipped
         return BackwardStats(rows_pushed=pushed, nonfinite_rows_skipped=skipped)
 
@@ -550,6 +549,93 @@ def _unique(ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         torch.from_numpy(ids.view(np.int64)), sorted=False, return_inverse=True
     )
     return unique.numpy().view(np.uint64), inverse
+
+
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+
+
+@njit(cache=True, nogil=True)
+def _scatter_kernel(ids, offsets, bag_grads, id_weights, slots, unique, unique_grads, finite):
+    """Sum each ID occurrence's gradient into its unique ID's row, in occurrence order.
+
+    Occurrence ``i`` of bag ``b`` (``offsets`` as for ``embedding_bag``) adds
+    ``bag_grads[b] * id_weights[i]`` (or ``bag_grads[b]`` when ``id_weights`` is empty) to the
+    row of ``ids[i]``: exactly ``zeros.index_add_(0, inverse, bag_grads[bag_of_id] * weights)``.
+    Unique IDs are numbered by first occurrence through a hash set (``slots``, int64 [power
+    of two >= 2n], all -1). Fills ``unique`` uint64, ``unique_grads`` float32 [U, dim] and
+    ``finite`` (bool [U], rows without NaN/Inf); returns U.
+    """
+    n = ids.shape[0]
+    num_bags = offsets.shape[0]
+    dim = bag_grads.shape[1]
+    mask = np.uint64(slots.shape[0] - 1)
+    weighted = id_weights.shape[0] > 0
+    count = 0
+    for b in range(num_bags):
+        end = offsets[b + 1] if b + 1 < num_bags else n
+        for i in range(offsets[b], end):
+            k = ids[i]
+            z = k + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> _S30)) * _MIX1
+            z = (z ^ (z >> _S27)) * _MIX2
+            s = np.int64((z ^ (z >> _S31)) & mask)
+            while True:
+                u = slots[s]
+                if u < 0:
+                    u = count
+                    count += 1
+                    slots[s] = u
+                    unique[u] = k
+                    for c in range(dim):
+                        unique_grads[u, c] = 0.0
+                    break
+                if unique[u] == k:
+                    break
+                s = np.int64((np.uint64(s) + np.uint64(1)) & mask)
+            if weighted:
+                w = id_weights[i]
+                for c in range(dim):
+                    unique_grads[u, c] += bag_grads[b, c] * w
+            else:
+                for c in range(dim):
+                    unique_grads[u, c] += bag_grads[b, c]
+    for u in range(count):
+        ok = True
+        for c in range(dim):
+            if not math.isfinite(unique_grads[u, c]):
+                ok = False
+        finite[u] = ok
+    return count
+
+
+def _scatter_to_unique(
+    plan: _GroupPlan, bag_grads: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique IDs uint64 [U], their summed gradients float32 [U, dim], finite bool [U])."""
+    n = len(plan.ids)
+    slots = np.full(max(16, 1 << (2 * n - 1).bit_length()), -1, dtype=np.int64)
+    unique = np.empty(n, dtype=np.uint64)
+    unique_grads = np.empty((n, plan.dim), dtype=np.float32)
+    finite = np.empty(n, dtype=np.bool_)
+    weights = _NO_WEIGHTS if plan.id_weights is None else plan.id_weights.numpy()
+    count = _scatter_kernel(
+        plan.ids,
+        plan.bag_offsets.numpy(),
+        np.ascontiguousarray(bag_grads),
+        weights,
+        slots,
+        unique,
+        unique_grads,
+        finite,
+    )
+    return unique[:count], unique_grads[:count], finite[:count]
+
+
+_NO_WEIGHTS = np.zeros(0, dtype=np.float32)
 
 
 def _as_rows(rows: np.ndarray, count: int, dim: int) -> np.ndarray:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.hashing import splitmix64
-from embedding_store.hashmap import MIN_CAPACITY, IdIndex, capacity_for
+from embedding_store.hashmap import MIN_CAPACITY, PREFETCH, IdIndex, capacity_for
 
 U64_MAX = 2**64 - 1
 
@@ -134,3 +135,117 @@ def test_rejects_non_uint64_ids() -> None:
         index.lookup(np.array([1, 2], dtype=np.int64))
     with pytest.raises(InvalidArgumentError, match="ids"):
         index.get_or_insert(np.zeros((2, 2), dtype=np.uint64), 0)
+
+
+def test_lookup_and_stamp_across_the_prefetch_window() -> None:
+    """Batches shorter and longer than the prefetch distance give the dict's answers."""
+    rng = np.random.default_rng(3)
+    index, ref = IdIndex(), {}
+    keys = rng.integers(0, 2**64, 3000, dtype=np.uint64)
+    _reference_insert(ref, keys, 0)
+    index.get_or_insert(keys, 0)
+    for n in (0, 1, PREFETCH - 1, PREFETCH, PREFETCH + 1, 2 * PREFETCH + 3, 5000):
+        probe = np.concatenate([keys, rng.integers(0, 2**64, 3000, dtype=np.uint64)])
+        probe = rng.choice(probe, n)  # repeats, hits and misses
+        _check_against(index, ref, probe)
+        stamps = np.full(len(ref), -7, dtype=np.int64)
+        rows = index.lookup_stamp(probe, stamps, 1000)
+        expected = np.full(len(ref), -7, dtype=np.int64)
+        for i, k in enumerate(probe.tolist()):
+            if k in ref:
+                expected[ref[k]] = 1000 + i  # the last position wins
+        np.testing.assert_array_equal(stamps, expected)
+        np.testing.assert_array_equal(rows, index.lookup(probe))
+
+
+def _reference_pool(rows, weights, offsets, id_weights, n):
+    """embedding_bag(mode="sum") by hand: float32, in order, unknown rows (-1) add nothing."""
+    out = np.zeros((len(offsets), weights.shape[1]), dtype=np.float32)
+    for b, start in enumerate(offsets.tolist()):
+        end = offsets[b + 1] if b + 1 < len(offsets) else n
+        for i in range(start, end):
+            if rows[i] >= 0:
+                w = np.float32(1) if id_weights is None else id_weights[i]
+                out[b] = out[b] + w * weights[rows[i]]  # float32 product, then float32 sum
+    return out
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pool_equals_lookup_then_embedding_bag(weighted: bool) -> None:
+    rng = np.random.default_rng(11)
+    index = IdIndex()
+    keys = rng.integers(0, 2**64, 2000, dtype=np.uint64)
+    keys[:2] = [0, U64_MAX]
+    index.get_or_insert(keys, 0)
+    weights = rng.standard_normal((2000, 5)).astype(np.float32)
+    unknown = rng.integers(0, 2**64, 300, dtype=np.uint64)
+    # bags of 0..6 IDs and one of 100: empty bags first, in the middle and last
+    lengths = np.concatenate([[0, 0], rng.integers(0, 7, 400), [100, 0]])
+    ids = rng.choice(np.concatenate([keys, unknown]), int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    id_weights = rng.random(len(ids)).astype(np.float32) if weighted else None
+
+    pooled, misses = index.pool(ids, weights, offsets, id_weights)
+
+    rows = index.lookup(ids)
+    assert misses == int(np.count_nonzero(rows < 0)) > 0
+    expected = _reference_pool(rows, weights, offsets, id_weights, len(ids))
+    np.testing.assert_array_equal(pooled, expected)
+    assert not pooled[[0, 1, len(offsets) - 1]].any()  # empty bags are zeros
+    gathered = np.where((rows >= 0)[:, None], weights[np.maximum(rows, 0)], 0).astype(np.float32)
+    torch_pooled = torch.nn.functional.embedding_bag(
+        torch.arange(len(ids)),
+        torch.from_numpy(gathered),
+        torch.from_numpy(offsets),
+        mode="sum",
+        per_sample_weights=None if id_weights is None else torch.from_numpy(id_weights),
+    )
+    if weighted:  # torch may fuse multiply-add: equal up to the last bit
+        torch.testing.assert_close(torch.from_numpy(pooled), torch_pooled, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(pooled, torch_pooled.numpy())
+
+
+def test_pool_edge_cases() -> None:
+    index = IdIndex()
+    index.get_or_insert(np.array([10, 20], dtype=np.uint64), 0)
+    weights = np.array([[1, 2], [30, 40]], dtype=np.float32)
+    none = np.zeros(0, dtype=np.uint64)
+    out, misses = index.pool(none, weights, np.zeros(0, dtype=np.int64))
+    assert out.shape == (0, 2) and misses == 0
+    out, misses = index.pool(none, weights, np.zeros(3, dtype=np.int64))
+    assert out.tolist() == [[0, 0]] * 3 and misses == 0
+    ids = np.array([20, 10, 99, 20], dtype=np.uint64)
+    out, misses = index.pool(ids, weights, np.array([0, 1, 3], dtype=np.int32))
+    assert out.tolist() == [[30, 40], [1, 2], [30, 40]] and misses == 1
+    out, _ = index.pool(ids, weights, np.array([0]), np.array([1, 2, 3, 0.5], np.float32))
+    assert out.tolist() == [[30 + 2 + 15, 40 + 4 + 20]]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "id_weights", "pattern"),
+    [
+        (np.array([1, 2]), None, "bag_offsets must be non-decreasing, start at 0"),
+        (np.array([0, 3, 2]), None, "non-decreasing"),
+        (np.array([0, 5]), None, r"stay <= 4"),
+        (np.zeros(0, dtype=np.int64), None, "no bags there must be no ids"),
+        (np.array([0.0, 1.0]), None, r"bag_offsets must be an int64 \[num_bags\] array"),
+        (np.zeros((1, 1), dtype=np.int64), None, "bag_offsets must be"),
+        ([0, 1], None, "bag_offsets must be"),
+        (np.array([0]), np.ones(3, np.float32), r"id_weights must be None or a float32 \[4\]"),
+        (np.array([0]), np.ones(4, np.float64), "id_weights must be"),
+    ],
+)
+def test_pool_rejects_bad_arguments(offsets, id_weights, pattern: str) -> None:
+    index = IdIndex()
+    weights = np.ones((4, 2), dtype=np.float32)
+    ids = np.arange(4, dtype=np.uint64)
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        index.pool(ids, weights, offsets, id_weights)
+
+
+def test_pool_rejects_bad_weights() -> None:
+    ids = np.arange(4, dtype=np.uint64)
+    for weights in (np.ones((4, 2)), np.ones(4, np.float32), np.ones((2, 4), np.float32).T):
+        with pytest.raises(InvalidArgumentError, match="weights must be a C-contiguous float32"):
+            IdIndex().pool(ids, weights, np.array([0]))

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
 from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
 from embedding_store.interfaces import ParameterServer
 from embedding_store.optimizers import SGD, Adagrad, Adam
-from embedding_store.shard import EmbeddingShard, RowBlock
+from embedding_store.shard import EmbeddingShard, RowBlock, zeros_aligned
 
 
 def u64(*values) -> np.ndarray:
@@ -404,3 +406,168 @@ def test_concurrent_lookups_and_updates_stay_consistent() -> None:
     assert s.rows <= 3000 and s.evictions > 0
     assert s.rows == sum(len(shard.export_rows(d)) for d in shard.dims())
     assert s.inserts - s.evictions == s.rows
+
+
+def _bag(rows: np.ndarray, offsets: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """torch.nn.EmbeddingBag(mode="sum") over already gathered rows."""
+    return torch.nn.functional.embedding_bag(
+        torch.arange(len(rows)),
+        torch.from_numpy(rows),
+        torch.from_numpy(offsets),
+        mode="sum",
+        per_sample_weights=None if weights is None else torch.from_numpy(weights),
+    ).numpy()
+
+
+def _pooling_case(seed: int, n_bags: int, pool: int):
+    """IDs in bags of 0..4 (empty bags included), their offsets and sqrt weights."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[0], rng.integers(0, 5, n_bags - 2), [0]])
+    ids = u64(rng.integers(0, pool, int(lengths.sum())))
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    sqrt = np.repeat((1 / np.sqrt(np.maximum(lengths, 1))).astype(np.float32), lengths)
+    return ids, offsets, sqrt
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_pooled_eval_equals_lookup_then_embedding_bag(weighted: bool) -> None:
+    shard = EmbeddingShard(10_000, optimizer=SGD())
+    shard.lookup(u64(np.arange(0, 400, 2)), 8, train=True)  # even IDs known, odd unknown
+    ids, offsets, sqrt = _pooling_case(1, 300, 400)
+    weights = sqrt if weighted else None
+    before = shard.stats()
+
+    pooled = shard.lookup_pooled(ids, 8, offsets, weights)
+
+    middle = shard.stats()
+    expected = _bag(shard.lookup(ids, 8, train=False), offsets, weights)
+    after = shard.stats()
+    assert pooled.dtype == np.float32 and pooled.shape == (300, 8)
+    if weighted:  # torch may fuse multiply-add: equal up to the last bit
+        np.testing.assert_allclose(pooled, expected, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(pooled, expected)
+    assert not pooled[0].any() and not pooled[-1].any()
+    unknown = int(np.count_nonzero(ids % np.uint64(2)))
+    assert unknown > 0
+    # counted exactly like an eval lookup; nothing inserted, no stamp refreshed
+    assert middle.misses - before.misses == after.misses - middle.misses == unknown
+    assert middle.lookups - before.lookups == 1
+    assert middle.ids_looked_up - before.ids_looked_up == len(ids)
+    assert shard.size() == 200
+
+
+def test_lookup_pooled_exact_values() -> None:
+    shard = EmbeddingShard(100)
+    shard.import_rows(RowBlock(u64(7, 8), np.array([[1, 2], [10, 20]], np.float32), state=None))
+    offsets = np.array([0, 0, 2, 3], dtype=np.int64)  # bags: [], [7, 99], [8], [8, 7]
+    ids = u64(7, 99, 8, 8, 7)
+    assert shard.lookup_pooled(ids, 2, offsets).tolist() == [[0, 0], [1, 2], [10, 20], [11, 22]]
+    w = np.array([2, 5, 0.5, 1, 3], np.float32)
+    assert shard.lookup_pooled(ids, 2, offsets, w).tolist() == [[0, 0], [2, 4], [5, 10], [13, 26]]
+    # a dim without rows: zeros, all misses
+    assert shard.lookup_pooled(ids, 3, offsets).tolist() == [[0, 0, 0]] * 4
+    assert shard.stats().misses == 1 + 1 + 5
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_pooled_train_matches_train_lookup(weighted: bool) -> None:
+    """Same rows admitted, stamped, evicted and initialized as lookup(train=True)."""
+    config = InitializationConfig(admit_probability=0.7, seed=5)
+    a = EmbeddingShard(150, optimizer=Adagrad(), initialization=config)
+    b = EmbeddingShard(150, optimizer=Adagrad(), initialization=config)
+    for seed in range(12):
+        ids, offsets, sqrt = _pooling_case(seed, 60, 400)
+        weights = sqrt if weighted else None
+        pooled = b.lookup_pooled(ids, 4, offsets, weights, train=True)
+        expected = _bag(a.lookup(ids, 4, train=True), offsets, weights)
+        if weighted:
+            np.testing.assert_allclose(pooled, expected, rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(pooled, expected)
+    assert a.stats() == b.stats()
+    assert a.stats().evictions > 0 and a.stats().rejected_admissions > 0
+    ra, rb = a.export_rows(4), b.export_rows(4)
+    np.testing.assert_array_equal(ra.ids, rb.ids)
+    np.testing.assert_array_equal(ra.weights, rb.weights)
+    np.testing.assert_array_equal(ra.state, rb.state)
+
+
+def test_lookup_pooled_checks_arguments_before_changing_anything() -> None:
+    shard = EmbeddingShard(100, optimizer=SGD())
+    ids = u64(1, 2, 3)
+    for train in (False, True):
+        with pytest.raises(InvalidArgumentError, match="bag_offsets must be non-decreasing"):
+            shard.lookup_pooled(ids, 4, np.array([0, 2, 1]), train=train)
+        with pytest.raises(InvalidArgumentError, match=r"weights must be None or a float32 \[3\]"):
+            shard.lookup_pooled(ids, 4, np.array([0]), np.ones(2, np.float32), train=train)
+        with pytest.raises(InvalidArgumentError, match="ids must be a uint64"):
+            shard.lookup_pooled(ids.astype(np.int64), 4, np.array([0]), train=train)
+        with pytest.raises(InvalidArgumentError, match="dim must be a positive integer"):
+            shard.lookup_pooled(ids, 0, np.array([0]), train=train)
+    assert shard.size() == 0 and shard.stats().lookups == 0
+    shard.lookup(ids, 4, train=True)
+    with pytest.raises(InvalidArgumentError, match="stay <= 3"):
+        shard.lookup_pooled(ids, 4, np.array([0, 4]))
+    assert shard.stats().lookups == 1 and shard.stats().misses == 0
+
+
+def test_lookup_pooled_on_a_read_only_shard() -> None:
+    source = EmbeddingShard(100)
+    source.lookup(u64(1, 2), 4, train=True)
+    shard = EmbeddingShard(100, read_only=True)
+    shard.import_rows(source.export_rows(4))
+    pooled = shard.lookup_pooled(u64(1, 2, 3), 4, np.array([0, 1]))
+    np.testing.assert_array_equal(pooled[0], source.lookup(u64(1), 4, train=False)[0])
+    with pytest.raises(FailedPreconditionError, match="read-only"):
+        shard.lookup_pooled(u64(1), 4, np.array([0]), train=True)
+
+
+def test_lookup_pooled_is_safe_against_concurrent_evictions() -> None:
+    """Eval pooling runs under the shard lock: a row is its vector or zeros, never torn."""
+    shard = EmbeddingShard(2000)
+    probe = u64(np.arange(3000))
+    vectors = initial_vectors(probe, 8, InitializationConfig())
+    offsets = np.arange(len(probe), dtype=np.int64)  # one ID per bag
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        rng = np.random.default_rng(0)
+        try:
+            while not stop.is_set():  # keeps inserting, evicting and compacting
+                shard.lookup(u64(rng.integers(0, 3000, 700)), 8, train=True)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    checked = 0
+    deadline = time.monotonic() + 30
+    try:
+        # until several bulk evictions happened in between (the trainer needs the GIL too)
+        while (checked < 30 or shard.stats().evictions < 5 * 200) and time.monotonic() < deadline:
+            pooled = shard.lookup_pooled(probe, 8, offsets)
+            known = pooled.any(axis=1)
+            np.testing.assert_array_equal(pooled[known], vectors[known])
+            checked += 1
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    assert shard.stats().evictions >= 5 * 200
+
+
+def test_rows_start_on_cache_lines() -> None:
+    """A dim-16 float32 row is one 64-byte line only if the array starts on a line."""
+    for shape, dtype in [((1000, 16), np.float32), ((3, 0), np.float32), ((0, 4), np.float64)]:
+        a = zeros_aligned(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and not a.any()
+        assert a.flags.c_contiguous and a.flags.writeable
+        assert a.size == 0 or a.ctypes.data % 64 == 0
+    shard = EmbeddingShard(100_000, optimizer=Adagrad())
+    for n in (10, 5000, 60_000):  # growth reallocates
+        shard.lookup(u64(np.arange(n)), 16, train=True)
+        table = shard._tables[16]
+        assert table.weights.ctypes.data % 64 == 0 and table.state.ctypes.data % 64 == 0

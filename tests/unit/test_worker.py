@@ -12,7 +12,7 @@ from embedding_store.errors import BatchValidationError, InvalidArgumentError, N
 from embedding_store.hashing import shard_of
 from embedding_store.optimizers import SGD
 from embedding_store.shard import EmbeddingShard
-from embedding_store.worker import EmbeddingWorker, hash_stack
+from embedding_store.worker import EmbeddingWorker, _scatter_to_unique, hash_stack
 
 DIM = 4
 
@@ -274,3 +274,129 @@ def test_hash_stacked_slot_sums_its_rounds():
         result.slot("history").embeddings[0, 0].numpy(), rows.sum(0), atol=1e-7
     )
     assert sum(s.size() for s in shards) == 6  # 3 IDs x 2 rounds, user/history separate
+
+
+def _expected_slot(config, shards, feature, weights_by_length: bool) -> torch.Tensor:
+    """One summation slot pooled by hand: eval rows of its table IDs + embedding_bag."""
+    ids = table_ids(config, feature.name, feature.values)
+    dim = config.slots_config[feature.name].dim
+    rows = torch.from_numpy(reference_rows(shards, ids, dim))
+    weights = None
+    if weights_by_length:
+        lengths = np.maximum(feature.lengths, 1).astype(np.float32)
+        weights = torch.from_numpy(np.repeat(1 / np.sqrt(lengths), feature.lengths))
+    return torch.nn.functional.embedding_bag(
+        torch.arange(len(ids)),
+        rows,
+        torch.from_numpy(feature.offsets[:-1].copy()),
+        mode="sum",
+        per_sample_weights=weights,
+    )
+
+
+def test_one_in_process_shard_pools_inside_the_shard():
+    config = make_config()
+    worker, shards = make_worker(config, 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the worker should call lookup_pooled, not lookup")
+
+    shards[0].lookup = refuse  # instance attribute: the fused path must not need it
+    batch = make_batch()
+    train = worker.lookup(batch, train=True)
+    infer = worker.lookup(batch, train=False)
+    del shards[0].lookup
+    for a, b in zip(train.slots, infer.slots):
+        assert torch.equal(a.embeddings, b.embeddings)
+    assert torch.equal(
+        infer.slot("user").embeddings,
+        _expected_slot(config, shards, batch.id_feature("user"), False),
+    )
+    torch.testing.assert_close(
+        infer.slot("items").embeddings,
+        _expected_slot(config, shards, batch.id_feature("items"), True),
+        rtol=0,
+        atol=1e-7,
+    )
+    # dedup (or several shards) takes the gather + embedding_bag path: same embeddings
+    dedup = EmbeddingWorker(config, shards, deduplicate=True).lookup(batch, train=False)
+    for a, b in zip(infer.slots, dedup.slots):
+        torch.testing.assert_close(a.embeddings, b.embeddings, rtol=0, atol=1e-7)
+
+
+def test_plans_are_right_whatever_the_order_sizes_and_feature_types():
+    """The per-slot-names plan cache must not leak layouts between different batches."""
+    config = make_config()
+    worker, shards = make_worker(config, 1)
+    rng = np.random.default_rng(5)
+    worker.lookup(
+        Batch(
+            [
+                IDTypeFeature.from_lists("user", [list(range(40))]),
+                IDTypeFeature.from_lists("items", [list(range(40))]),
+                IDTypeFeature.from_lists("city", [list(range(40))]),
+            ],
+            requires_grad=False,
+        ),
+        train=True,
+    )
+    for step in range(12):
+        size = int(rng.integers(1, 6))
+        single = step % 2 == 0
+        features = []
+        for name in ("user", "items", "city"):
+            if single:
+                features.append(
+                    IDTypeFeatureWithSingleID.from_ids(name, rng.integers(0, 50, size).tolist())
+                )
+            else:
+                lists = [rng.integers(0, 50, rng.integers(0, 4)).tolist() for _ in range(size)]
+                features.append(IDTypeFeature.from_lists(name, lists))
+        if step % 3 == 0:
+            features.reverse()
+        batch = Batch(features, requires_grad=False)
+        result = worker.lookup(batch, train=False)
+        assert [s.name for s in result.slots] == [f.name for f in features]
+        for feature in features:
+            expected = _expected_slot(config, shards, feature, feature.name == "items")
+            torch.testing.assert_close(
+                result.slot(feature.name).embeddings, expected, rtol=0, atol=1e-7
+            )
+
+
+def test_gradient_scatter_equals_index_add_bit_for_bit():
+    """The scatter kernel sums like zeros.index_add_(0, inverse, bag_grads[bag] * weights)."""
+    config = make_config()
+    worker, _ = make_worker(config, 1)
+    rng = np.random.default_rng(2)
+    lists = [rng.integers(0, 30, rng.integers(0, 6)).tolist() for _ in range(200)]
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("user", lists),
+            IDTypeFeature.from_lists("items", lists[::-1]),  # sqrt-weighted, same ID space
+            IDTypeFeature.from_lists("history", lists),  # raw, truncated to 3
+        ],
+        requires_grad=False,
+    )
+    (plan,) = worker._plan(batch.id_type_features)
+    bag_grads = torch.randn(plan.num_bags, DIM, generator=torch.Generator().manual_seed(0))
+    bag_grads[5, 1] = float("nan")
+
+    unique, unique_grads, finite = _scatter_to_unique(plan, bag_grads.numpy())
+
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(plan.num_bags), torch.from_numpy(plan.bag_lengths)
+    )
+    per_id = bag_grads.index_select(0, bag_of_id) * plan.id_weights.unsqueeze(1)
+    ref_unique, inverse = torch.unique(
+        torch.from_numpy(plan.ids.view(np.int64)), return_inverse=True
+    )
+    expected = torch.zeros(len(ref_unique), DIM).index_add_(0, inverse, per_id)
+    order = np.argsort(unique.view(np.int64))
+    np.testing.assert_array_equal(unique.view(np.int64)[order], ref_unique.numpy())
+    np.testing.assert_array_equal(unique_grads[order], expected.numpy())  # NaN == NaN here
+    np.testing.assert_array_equal(finite[order], torch.isfinite(expected).all(dim=1).numpy())
+    assert 0 < np.count_nonzero(~finite) < len(finite)
+    # first occurrence order
+    first = np.unique(plan.ids, return_index=True)[1]
+    np.testing.assert_array_equal(unique, plan.ids[np.sort(first)])
