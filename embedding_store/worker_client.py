@@ -24,7 +24,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, IdFeature, LookupResult
 from embedding_store.worker_service import SERVICE_NAME
-from embedding_store.worker_wire import grads_to_proto, slot_from_proto
+from embedding_store.worker_wire import add_grads, slot_from_proto
 
 
 class RemoteEmbeddingWorker:
@@ -80,7 +80,8 @@ class RemoteEmbeddingWorker:
         return LookupResult(slots=slots, ref=response.ref if train else None)
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
-        request = pb.BackwardRequest(ref=ref, grads=grads_to_proto(dict(grads)))
+        request = pb.BackwardRequest(ref=ref)
+        add_grads(request.grads, dict(grads))
         response = call(self._peer, self._stub.Backward, request, timeout=self.timeout)
         return BackwardStats(
             rows_pushed=response.rows_queued,

@@ -39,7 +39,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, EmbeddingWorker, LookupResult
-from embedding_store.worker_wire import grads_from_proto, slot_to_proto
+from embedding_store.worker_wire import add_slots, grads_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     def Lookup(self, request: pb.WorkerLookupRequest, context) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
-        return pb.WorkerLookupResponse(
-            slots=[slot_to_proto(s) for s in result.slots], ref=result.ref or 0
-        )
+        response = pb.WorkerLookupResponse(ref=result.ref or 0)
+        add_slots(response.slots, result.slots)
+        return response
 
     @rpc_errors
     def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:

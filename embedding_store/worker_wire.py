@@ -11,15 +11,33 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.worker import SlotOutput
 
 
-def slot_to_proto(output: SlotOutput) -> pb.SlotTensor:
-    """A slot's embeddings (float32) and optional mask (bool -> uint8) as a SlotTensor."""
+def _slot_fields(output: SlotOutput) -> dict:
     tensor = output.embeddings.detach().to(torch.float32).contiguous()
     mask = b""
     if output.mask is not None:
         mask = output.mask.to(torch.uint8).contiguous().numpy().tobytes()
-    return pb.SlotTensor(
-        name=output.name, shape=list(tensor.shape), data=pack_f32(tensor.numpy()), mask=mask
-    )
+    return {
+        "name": output.name,
+        "shape": list(tensor.shape),
+        "data": pack_f32(tensor.numpy()),
+        "mask": mask,
+    }
+
+
+def slot_to_proto(output: SlotOutput) -> pb.SlotTensor:
+    """A slot's embeddings (float32) and optional mask (bool -> uint8) as a SlotTensor."""
+    return pb.SlotTensor(**_slot_fields(output))
+
+
+def add_slots(messages, outputs) -> None:
+    """Append :func:`slot_to_proto` of each output to a repeated SlotTensor field.
+
+    Filling the field in place is cheaper than assigning a list of built messages, which
+    copies each message, data included, into the parent (~0.35 ms per batch-1024 answer of
+    26 slots x dim 16 here).
+    """
+    for output in outputs:
+        messages.add(**_slot_fields(output))
 
 
 def slot_from_proto(message: pb.SlotTensor, field: str = "slots") -> SlotOutput:
@@ -43,13 +61,21 @@ def slot_from_proto(message: pb.SlotTensor, field: str = "slots") -> SlotOutput:
     return SlotOutput(message.name, torch.from_numpy(data.copy()), mask)
 
 
+def _grad_fields(name: str, grad: torch.Tensor | np.ndarray) -> dict:
+    array = torch.as_tensor(grad).detach().to(torch.float32).contiguous().numpy()
+    return {"name": name, "shape": list(array.shape), "data": pack_f32(array)}
+
+
 def grads_to_proto(grads: dict[str, torch.Tensor | np.ndarray]) -> list[pb.SlotTensor]:
     """Gradients per slot -> SlotTensor messages (no masks)."""
-    messages = []
+    return [pb.SlotTensor(**_grad_fields(name, grad)) for name, grad in grads.items()]
+
+
+def add_grads(messages, grads: dict[str, torch.Tensor | np.ndarray]) -> None:
+    """Append :func:`grads_to_proto` of ``grads`` to a repeated SlotTensor field, in place
+    (see :func:`add_slots`)."""
     for name, grad in grads.items():
-        array = torch.as_tensor(grad).detach().to(torch.float32).contiguous().numpy()
-        messages.append(pb.SlotTensor(name=name, shape=list(array.shape), data=pack_f32(array)))
-    return messages
+        messages.add(**_grad_fields(name, grad))
 
 
 def grads_from_proto(messages) -> dict[str, np.ndarray]:
