@@ -225,6 +225,7 @@ class EmbeddingShard:
         self._lookups = 0
         self._ids_looked_up = 0
         self._misses = 0
+        self._local = threading.local()  # per-thread result of the last lookup
         self._inserts = 0
         self._evictions = 0
         self._rejected = 0
@@ -403,6 +404,12 @@ class EmbeddingShard:
                 return np.zeros((ids.shape[0], dim), dtype=np.float32)
             return table.gather(rows)
 
+    @property
+    def last_misses(self) -> int:
+        """IDs answered with zeros by this thread's last lookup on this shard (unknown IDs of
+        an eval lookup, or IDs refused admission by a train lookup)."""
+        return getattr(self._local, "misses", 0)
+
     def lookup_pooled(
         self,
         ids: np.ndarray,
@@ -434,6 +441,7 @@ class EmbeddingShard:
                 self._lookups += 1
                 self._ids_looked_up += n
                 self._misses += misses
+                self._local.misses = int(misses)
                 return pooled
             # Check everything before a train lookup changes the shard.
             offsets, id_weights = pooling_args(n, bag_offsets, weights)
@@ -456,13 +464,17 @@ class EmbeddingShard:
         n = ids.shape[0]
         self._lookups += 1
         self._ids_looked_up += n
+        self._local.misses = 0
         if not train:
             table = self._tables.get(dim)
             if table is None:
                 self._misses += n
+                self._local.misses = n
                 return None, None
             rows = table.index.lookup(ids)
-            self._misses += int(np.count_nonzero(rows < 0))
+            misses = int(np.count_nonzero(rows < 0))
+            self._misses += misses
+            self._local.misses = misses
             return table, rows
         table = self._table(dim, n)
         base = self._clock
@@ -477,6 +489,7 @@ class EmbeddingShard:
             rejected = miss.shape[0] - int(np.count_nonzero(ok))
             if rejected:
                 self._rejected += rejected
+                self._local.misses = rejected
                 miss, miss_ids = miss[ok], miss_ids[ok]
                 if miss.shape[0] == 0:
                     return table, rows

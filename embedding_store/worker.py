@@ -76,6 +76,10 @@ class LookupResult:
 
     slots: tuple[SlotOutput, ...]
     ref: int | None = None
+    #: IDs answered with the slot default (zeros): unknown to an eval lookup, or refused
+    #: admission by a train lookup. Counted per occurrence, or per distinct ID when the
+    #: worker deduplicates before calling remote shards.
+    unknown_ids: int = 0
 
     def slot(self, name: str) -> SlotOutput:
         for output in self.slots:
@@ -216,25 +220,29 @@ class EmbeddingWorker:
         features = batch.id_type_features if isinstance(batch, Batch) else tuple(batch)
         plans = self._plan(features)
         outputs: dict[str, SlotOutput] = {}
+        misses = [0]
         for plan in plans:
-            _slot_outputs(plan, self._pool(plan, train=train), outputs)
+            _slot_outputs(plan, self._pool(plan, train=train, misses=misses), outputs)
         ref = self._remember(plans) if train else None
-        return LookupResult(slots=tuple(outputs[f.name] for f in features), ref=ref)
+        return LookupResult(
+            slots=tuple(outputs[f.name] for f in features), ref=ref, unknown_ids=misses[0]
+        )
 
-    def _pool(self, plan: _GroupPlan, *, train: bool) -> torch.Tensor:
-        """Pooled rows of one dim group: float32 [num_bags, dim]."""
+    def _pool(self, plan: _GroupPlan, *, train: bool, misses: list[int]) -> torch.Tensor:
+        """Pooled rows of one dim group: float32 [num_bags, dim]; adds the IDs answered with
+        zeros to ``misses[0]``."""
         if self._pooling_shard is not None and not self.deduplicate:
             weights = None if plan.id_weights is None else plan.id_weights.numpy()
-            return torch.from_numpy(
-                self._pooling_shard.lookup_pooled(
-                    plan.ids, plan.dim, plan.bag_offsets.numpy(), weights, train=train
-                )
+            pooled = self._pooling_shard.lookup_pooled(
+                plan.ids, plan.dim, plan.bag_offsets.numpy(), weights, train=train
             )
+            misses[0] += self._pooling_shard.last_misses
+            return torch.from_numpy(pooled)
         if self.deduplicate:
             unique, inverse = _unique(plan.ids)
-            rows = self._gather(unique, plan.dim, train=train)
+            rows = self._gather(unique, plan.dim, train=train, misses=misses)
         else:
-            rows = self._gather(plan.ids, plan.dim, train=train)
+            rows = self._gather(plan.ids, plan.dim, train=train, misses=misses)
             inverse = torch.arange(len(plan.ids))
         return torch.nn.functional.embedding_bag(
             inverse,
@@ -244,19 +252,24 @@ class EmbeddingWorker:
             per_sample_weights=plan.id_weights,
         )
 
-    def _gather(self, ids: np.ndarray, dim: int, *, train: bool) -> torch.Tensor:
+    def _gather(self, ids: np.ndarray, dim: int, *, train: bool, misses: list[int]) -> torch.Tensor:
         """Rows of ``ids`` (uint64 [n]) from their owning shards: float32 [n, dim]."""
         num_shards = len(self.shards)
         if num_shards == 1:
             rows = self.shards[0].lookup(ids, dim, train=train)
+            misses[0] += getattr(self.shards[0], "last_misses", 0)
             return torch.from_numpy(_as_rows(rows, len(ids), dim))
         owner = shard_of(ids, num_shards)
         gathered = np.empty((len(ids), dim), dtype=np.float32)
+        lock = threading.Lock()
 
         def fetch(shard_index: int) -> None:
             picked = np.flatnonzero(owner == shard_index)
             if len(picked):
-                rows = self.shards[shard_index].lookup(ids[picked], dim, train=train)
+                shard = self.shards[shard_index]
+                rows = shard.lookup(ids[picked], dim, train=train)
+                with lock:  # last_misses is per thread: read it in the thread that looked up
+                    misses[0] += getattr(shard, "last_misses", 0)
                 gathered[picked] = _as_rows(rows, len(picked), dim)
 
         self._for_each_shard(fetch)

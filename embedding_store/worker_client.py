@@ -77,7 +77,9 @@ class RemoteEmbeddingWorker:
         request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
         response = call(self._peer, self._stub.Lookup, request, timeout=self.timeout)
         slots = tuple(slot_from_proto(s) for s in response.slots)
-        return LookupResult(slots=slots, ref=response.ref if train else None)
+        return LookupResult(
+            slots=slots, ref=response.ref if train else None, unknown_ids=response.unknown_ids
+        )
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         request = pb.BackwardRequest(ref=ref)

@@ -274,7 +274,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     def Lookup(self, request: pb.WorkerLookupRequest, context) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
-        response = pb.WorkerLookupResponse(ref=result.ref or 0)
+        response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
         add_slots(response.slots, result.slots)
         return response
 

@@ -131,7 +131,7 @@ class LoadedModel:
         predictions = self.forward(batch, lookup)
         return InferenceOutput(
             predictions=predictions,
-            unknown_ids=lookup.unknown_ids if hasattr(lookup, "unknown_ids") else 0,
+            unknown_ids=lookup.unknown_ids,
             fallback_ids=fallback_ids,
             lookup_seconds=looked_up - started,
             compute_seconds=time.perf_counter() - looked_up,

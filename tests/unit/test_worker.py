@@ -400,3 +400,14 @@ def test_gradient_scatter_equals_index_add_bit_for_bit():
     # first occurrence order
     first = np.unique(plan.ids, return_index=True)[1]
     np.testing.assert_array_equal(unique, plan.ids[np.sort(first)])
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_unknown_ids_are_counted_per_lookup(num_shards):
+    config = make_config()
+    worker, _ = make_worker(config, num_shards)
+    known = Batch([IDTypeFeature.from_lists("user", [[1], [2]])], requires_grad=False)
+    assert worker.lookup(known, train=True).unknown_ids == 0
+    mixed = Batch([IDTypeFeature.from_lists("user", [[1, 99], [2, 98, 97]])], requires_grad=False)
+    assert worker.lookup(mixed, train=False).unknown_ids == 3
+    assert worker.lookup(known, train=False).unknown_ids == 0
