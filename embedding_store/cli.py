@@ -33,7 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
-        module = import_module(entry.value)
+        try:
+            module = import_module(entry.value)
+        except ImportError as error:  # a broken optional package hides only its commands
+            print(
+                f"recserve: warning: commands of {entry.value} unavailable: {error}",
+                file=sys.stderr,
+            )
+            continue
         module.register(subparsers)
     return parser
 

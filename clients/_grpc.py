@@ -1,0 +1,167 @@
+"""gRPC backends (sync ``grpc`` and ``grpc.aio``): one attempt per call over one channel.
+
+Messages come from :data:`clients._proto.V2` (a private descriptor pool). A failed call raises
+:class:`~clients.retry.RetryableError` for UNAVAILABLE (which covers refused connections), the
+matching recserve error for any other status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from clients import codec
+from clients._proto import METHODS, SERVICE_NAME, V2
+from clients.retry import RetryableError
+from clients.types import ModelInfo, PredictResult
+from embedding_store.errors import RecserveError
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+#: (method, request, decode) of one call.
+Call = tuple[str, Any, Callable[[Any], Any]]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Explicit message limits, quick reconnects (the client retries, gRPC does not)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+# --------------------------------------------------------------------------- calls
+def live_call() -> Call:
+    return "ServerLive", V2.ServerLiveRequest(), lambda response: bool(response.live)
+
+
+def ready_call() -> Call:
+    return "ServerReady", V2.ServerReadyRequest(), lambda response: bool(response.ready)
+
+
+def model_ready_call(model: str) -> Call:
+    return "ModelReady", V2.ModelReadyRequest(name=model), lambda response: bool(response.ready)
+
+
+def metadata_call(model: str) -> Call:
+    return "ModelMetadata", V2.ModelMetadataRequest(name=model), codec.model_info_from_grpc
+
+
+def infer_call(model: str, tensors: Mapping[str, np.ndarray]) -> Call:
+    return "ModelInfer", codec.encode_grpc_infer(model, tensors), codec.decode_grpc_infer
+
+
+def _failure(server: str, error: grpc.RpcError) -> RecserveError | RetryableError:
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    mapped = codec.grpc_error(server, name, details)
+    return RetryableError(mapped) if name == "UNAVAILABLE" else mapped
+
+
+def _stubs(channel: Any) -> dict[str, Any]:
+    return {
+        name: channel.unary_unary(
+            f"/{SERVICE_NAME}/{name}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
+        for name, request_class, response_class in METHODS
+    }
+
+
+# --------------------------------------------------------------------------- sync
+class GrpcBackend:
+    """Blocking calls on one ``grpc`` channel to ``target`` (``host:port``)."""
+
+    def __init__(
+        self, target: str, server: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
+        self.server = server
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._stubs = _stubs(self._channel)
+
+    def _run(self, call: Call, timeout: float | None) -> Any:
+        method, request, decode = call
+        try:
+            response = self._stubs[method](request, timeout=timeout)
+        except grpc.RpcError as error:
+            raise _failure(self.server, error) from None
+        return decode(response)
+
+    def live(self, timeout: float | None) -> bool:
+        return self._run(live_call(), timeout)
+
+    def ready(self, timeout: float | None) -> bool:
+        return self._run(ready_call(), timeout)
+
+    def model_ready(self, model: str, timeout: float | None) -> bool:
+        return self._run(model_ready_call(model), timeout)
+
+    def metadata(self, model: str, timeout: float | None) -> ModelInfo:
+        return self._run(metadata_call(model), timeout)
+
+    def infer(
+        self, model: str, tensors: Mapping[str, np.ndarray], timeout: float | None
+    ) -> PredictResult:
+        return self._run(infer_call(model, tensors), timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+# --------------------------------------------------------------------------- asyncio
+class AsyncGrpcBackend:
+    """``grpc.aio`` calls on one channel, opened on first use (inside the running loop)."""
+
+    def __init__(
+        self, target: str, server: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
+        self.server = server
+        self._target = target
+        self._max_message_bytes = max_message_bytes
+        self._channel: grpc.aio.Channel | None = None
+        self._stubs: dict[str, Any] = {}
+
+    async def _run(self, call: Call, timeout: float | None) -> Any:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._target, options=channel_options(self._max_message_bytes)
+            )
+            self._stubs = _stubs(self._channel)
+        method, request, decode = call
+        try:
+            response = await self._stubs[method](request, timeout=timeout)
+        except grpc.RpcError as error:
+            raise _failure(self.server, error) from None
+        return decode(response)
+
+    async def live(self, timeout: float | None) -> bool:
+        return await self._run(live_call(), timeout)
+
+    async def ready(self, timeout: float | None) -> bool:
+        return await self._run(ready_call(), timeout)
+
+    async def model_ready(self, model: str, timeout: float | None) -> bool:
+        return await self._run(model_ready_call(model), timeout)
+
+    async def metadata(self, model: str, timeout: float | None) -> ModelInfo:
+        return await self._run(metadata_call(model), timeout)
+
+    async def infer(
+        self, model: str, tensors: Mapping[str, np.ndarray], timeout: float | None
+    ) -> PredictResult:
+        return await self._run(infer_call(model, tensors), timeout)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()

@@ -1,0 +1,167 @@
+"""The asyncio client: :class:`AsyncRecserveClient`, the same interface as
+:class:`~clients.client.RecserveClient` with ``async`` methods.
+
+gRPC uses ``grpc.aio`` (one channel, opened inside the running loop on first use). HTTP runs
+the blocking urllib3 backend in a small thread pool of its own (one attempt per hop to a
+thread), while retries wait with ``asyncio.sleep``, so the event loop never blocks. Use one
+client within one event loop::
+
+    async with AsyncRecserveClient("grpc://127.0.0.1:8001", model_name="adult") as client:
+        result = await client.predict(batch)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from clients import codec
+from clients._grpc import AsyncGrpcBackend
+from clients._http import HttpBackend
+from clients.client import _ClientBase, check_input, rows_need_http
+from clients.retry import RetryableError, exhausted
+from clients.types import ModelInfo, PredictResult
+from embedding_store.batch import Batch
+from embedding_store.errors import DeadlineExceededError, UnavailableError
+
+T = TypeVar("T")
+
+
+class _AsyncHttpBackend:
+    """The blocking HTTP backend, each call on a worker thread."""
+
+    def __init__(self, base_url: str, max_connections: int) -> None:
+        self.sync = HttpBackend(base_url, max_connections=max_connections)
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_connections, thread_name_prefix="recserve-http"
+        )
+
+    async def _run(self, function: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+
+    async def live(self, timeout: float | None) -> bool:
+        return await self._run(self.sync.live, timeout)
+
+    async def ready(self, timeout: float | None) -> bool:
+        return await self._run(self.sync.ready, timeout)
+
+    async def model_ready(self, model: str, timeout: float | None) -> bool:
+        return await self._run(self.sync.model_ready, model, timeout)
+
+    async def metadata(self, model: str, timeout: float | None) -> ModelInfo:
+        return await self._run(self.sync.metadata, model, timeout)
+
+    async def infer(
+        self, model: str, tensors: Mapping[str, np.ndarray], timeout: float | None
+    ) -> PredictResult:
+        return await self._run(self.sync.infer, model, tensors, timeout)
+
+    async def predict_rows(
+        self, model: str, rows: Sequence[Mapping[str, Any]], timeout: float | None
+    ) -> PredictResult:
+        return await self._run(self.sync.predict_rows, model, rows, timeout)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False)
+        self.sync.close()
+
+
+class AsyncRecserveClient(_ClientBase):
+    """Asyncio client of a recserve server; arguments as for
+    :class:`~clients.client.RecserveClient`."""
+
+    _backend: _AsyncHttpBackend | AsyncGrpcBackend
+
+    def _make_backend(self) -> _AsyncHttpBackend | AsyncGrpcBackend:
+        if self.protocol == "http":
+            return _AsyncHttpBackend(self.endpoint.base, self._max_connections)
+        return AsyncGrpcBackend(
+            self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes
+        )
+
+    async def _retrying(self, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        attempt = 0
+        while True:
+            try:
+                return await call(*args)
+            except RetryableError as retry:
+                if attempt >= self.policy.retries:
+                    raise exhausted(retry, attempt + 1) from None
+                await asyncio.sleep(self.policy.delay(attempt))
+                attempt += 1
+
+    async def _health(self, call: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+        try:
+            return bool(await call(*args))
+        except (RetryableError, UnavailableError, DeadlineExceededError):
+            return False
+
+    async def live(self, *, timeout: float | None = None) -> bool:
+        return await self._health(self._backend.live, self._timeout(timeout))
+
+    async def ready(self, *, timeout: float | None = None) -> bool:
+        return await self._health(self._backend.ready, self._timeout(timeout))
+
+    async def model_ready(self, *, timeout: float | None = None) -> bool:
+        return await self._health(
+            self._backend.model_ready, self.model_name, self._timeout(timeout)
+        )
+
+    async def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if await self.ready(timeout=max(min(left, 1.0), 0.01)):
+                return True
+            if time.monotonic() + interval > deadline:
+                return False
+            await asyncio.sleep(interval)
+
+    async def metadata(self, *, timeout: float | None = None) -> ModelInfo:
+        return await self._retrying(self._backend.metadata, self.model_name, self._timeout(timeout))
+
+    async def infer(
+        self, tensors: Mapping[str, np.ndarray], *, timeout: float | None = None
+    ) -> PredictResult:
+        started = time.perf_counter()
+        checked = codec.check_tensors(tensors)
+        result = await self._retrying(
+            self._backend.infer, self.model_name, checked, self._timeout(timeout)
+        )
+        return codec.with_latency(result, time.perf_counter() - started)
+
+    async def predict(
+        self, data: Batch | Sequence[Mapping[str, Any]], *, timeout: float | None = None
+    ) -> PredictResult:
+        check_input(data)
+        started = time.perf_counter()
+        if isinstance(data, Batch):
+            result = await self._retrying(
+                self._backend.infer,
+                self.model_name,
+                codec.batch_to_tensors(data),
+                self._timeout(timeout),
+            )
+        else:
+            if not isinstance(self._backend, _AsyncHttpBackend):
+                raise rows_need_http(self.url)
+            result = await self._retrying(
+                self._backend.predict_rows, self.model_name, list(data), self._timeout(timeout)
+            )
+        return codec.with_latency(result, time.perf_counter() - started)
+
+    async def close(self) -> None:
+        await self._backend.close()
+
+    async def __aenter__(self) -> AsyncRecserveClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

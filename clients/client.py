@@ -1,0 +1,288 @@
+"""The recserve prediction client (HTTP or gRPC, one interface).
+
+::
+
+    from clients import RecserveClient
+
+    with RecserveClient("grpc://127.0.0.1:8001", model_name="adult", timeout=2.0) as client:
+        result = client.predict(batch)          # a Batch -> KServe v2 tensors
+        result.predictions                      # float32 [batch, 1]
+        result.model_version, result.fallback_ids, result.unknown_ids, result.latency_seconds
+
+    with RecserveClient("http://127.0.0.1:8000", model_name="adult") as client:
+        client.predict([{"age": 39, "workclass": "State-gov", ...}])   # friendly rows (HTTP)
+
+The client speaks only the wire protocol (KServe v2 REST with the binary tensor extension, or
+KServe v2 gRPC with raw contents). It reuses connections (one urllib3 pool / one gRPC channel)
+and retries only what the server could not take (HTTP 503, gRPC UNAVAILABLE, refused
+connections) with exponential backoff and jitter. Errors are :mod:`embedding_store.errors`
+classes chosen by status (400 -> InvalidArgumentError, 404 -> NotFoundError, 413 ->
+CapacityError, 503 -> UnavailableError, 504 -> DeadlineExceededError, ...); messages name the
+server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from clients import codec
+from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend
+from clients._http import HttpBackend
+from clients.retry import RetryableError, RetryPolicy, exhausted
+from clients.types import ModelInfo, PredictResult
+from embedding_store.batch import Batch
+from embedding_store.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_BACKOFF = (0.05, 1.0)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed server URL: ``protocol`` "http" or "grpc"; ``base`` the HTTP base URL (with
+    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized."""
+
+    protocol: str
+    base: str
+    url: str
+
+
+def parse_url(url: str) -> Endpoint:
+    """``http://host:port[/prefix]``, ``https://...`` or ``grpc://host:port`` (a bare
+    ``host:port`` means HTTP)."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if not parts.hostname:
+        raise InvalidArgumentError(f"server URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise InvalidArgumentError(f"server URL {url!r} has an invalid port") from None
+    if scheme in ("http", "https"):
+        base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        return Endpoint("http", base, base)
+    if scheme == "grpc":
+        if port is None:
+            raise InvalidArgumentError(f"gRPC server URL {url!r} needs a port")
+        if parts.path.strip("/"):
+            raise InvalidArgumentError(f"gRPC server URL {url!r} cannot have a path")
+        return Endpoint("grpc", parts.netloc, f"grpc://{parts.netloc}")
+    raise InvalidArgumentError(
+        f"server URL {url!r}: scheme must be http, https or grpc, got {parts.scheme!r}"
+    )
+
+
+def is_rows(data: object) -> bool:
+    """True for a list/tuple of dict rows (the friendly input)."""
+    return (
+        isinstance(data, (list, tuple))
+        and len(data) > 0
+        and all(isinstance(row, Mapping) for row in data)
+    )
+
+
+def check_input(data: object) -> None:
+    """TypeError unless ``data`` is a Batch or a non-empty list of dict rows."""
+    if isinstance(data, Batch) or is_rows(data):
+        return
+    if isinstance(data, (list, tuple)) and not data:
+        raise InvalidArgumentError("predict() got no rows")
+    raise TypeError(
+        "predict() takes a Batch or a list of dict rows, got "
+        f"{type(data).__name__}; send named tensors with infer()"
+    )
+
+
+def rows_need_http(url: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"friendly dict rows need an HTTP server URL (they go to /v1/models/{{name}}:predict); "
+        f"{url} is gRPC: send a Batch (or named tensors with infer()) instead"
+    )
+
+
+def _resolve_backoff(backoff: float | tuple[float, float]) -> tuple[float, float]:
+    if isinstance(backoff, (int, float)):
+        return float(backoff), max(float(backoff), DEFAULT_BACKOFF[1])
+    low, high = backoff
+    return float(low), float(high)
+
+
+class _ClientBase:
+    """What the sync and async clients share: configuration and argument checks."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model_name: str = "model",
+        timeout: float | None = DEFAULT_TIMEOUT,
+        retries: int = 3,
+        backoff: float | tuple[float, float] = DEFAULT_BACKOFF,
+        max_connections: int = 8,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.endpoint = parse_url(url)
+        if not isinstance(model_name, str) or not model_name:
+            raise InvalidArgumentError(f"model_name must be a non-empty string, got {model_name!r}")
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        self.model_name = model_name
+        self.timeout = timeout
+        self.policy = RetryPolicy(retries, *_resolve_backoff(backoff))
+        self._max_connections = max_connections
+        self._max_message_bytes = max_message_bytes
+        self._backend = self._make_backend()
+
+    def _make_backend(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def protocol(self) -> str:
+        """ "http" or "grpc"."""
+        return self.endpoint.protocol
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, model_name={self.model_name!r})"
+
+
+class RecserveClient(_ClientBase):
+    """Blocking client of a recserve server over HTTP or gRPC (chosen by the URL scheme).
+
+    Args:
+        url: ``http://host:port`` or ``grpc://host:port``.
+        model_name: the model to call (``recserve serve --model-name``).
+        timeout: seconds per attempt (None: no limit); over HTTP it is also sent as the
+            request's ``timeout`` parameter, over gRPC as the call deadline.
+        retries: extra attempts after HTTP 503 / gRPC UNAVAILABLE / refused connections.
+        backoff: (min, max) seconds of the exponential backoff between attempts (jittered).
+        max_connections: HTTP connections kept per host.
+        max_message_bytes: gRPC message size limit (both directions).
+
+    Thread-safe; use one client per server and close it (or use it as a context manager).
+    """
+
+    _backend: HttpBackend | GrpcBackend
+
+    def _make_backend(self) -> HttpBackend | GrpcBackend:
+        if self.protocol == "http":
+            return HttpBackend(self.endpoint.base, max_connections=self._max_connections)
+        return GrpcBackend(self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes)
+
+    # ------------------------------------------------------------------ plumbing
+    def _retrying(self, call: Callable[..., T], *args: Any) -> T:
+        attempt = 0
+        while True:
+            try:
+                return call(*args)
+            except RetryableError as retry:
+                if attempt >= self.policy.retries:
+                    raise exhausted(retry, attempt + 1) from None
+                time.sleep(self.policy.delay(attempt))
+                attempt += 1
+
+    def _health(self, call: Callable[..., bool], *args: Any) -> bool:
+        try:
+            return bool(call(*args))
+        except (RetryableError, UnavailableError, DeadlineExceededError):
+            return False
+
+    # ------------------------------------------------------------------ API
+    def live(self, *, timeout: float | None = None) -> bool:
+        """Whether the server process answers (False if unreachable)."""
+        return self._health(self._backend.live, self._timeout(timeout))
+
+    def ready(self, *, timeout: float | None = None) -> bool:
+        """Whether the server is ready to predict (False if unreachable or not ready)."""
+        return self._health(self._backend.ready, self._timeout(timeout))
+
+    def model_ready(self, *, timeout: float | None = None) -> bool:
+        """Whether this client's model is ready (NotFoundError for an unknown model)."""
+        return self._health(self._backend.model_ready, self.model_name, self._timeout(timeout))
+
+    def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
+        """Poll :meth:`ready` until it is True (returns True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self.ready(timeout=max(min(left, 1.0), 0.01)):
+                return True
+            if time.monotonic() + interval > deadline:
+                return False
+            time.sleep(interval)
+
+    def metadata(self, *, timeout: float | None = None) -> ModelInfo:
+        """The model's name, versions and input/output tensor specs."""
+        return self._retrying(self._backend.metadata, self.model_name, self._timeout(timeout))
+
+    def infer(
+        self, tensors: Mapping[str, np.ndarray], *, timeout: float | None = None
+    ) -> PredictResult:
+        """Score named KServe v2 tensors (``<slot>``, ``<slot>.lengths``, ``<name>``)."""
+        started = time.perf_counter()
+        checked = codec.check_tensors(tensors)
+        result = self._retrying(
+            self._backend.infer, self.model_name, checked, self._timeout(timeout)
+        )
+        return codec.with_latency(result, time.perf_counter() - started)
+
+    def predict(
+        self, data: Batch | Sequence[Mapping[str, Any]], *, timeout: float | None = None
+    ) -> PredictResult:
+        """Score a :class:`Batch` (any protocol) or a list of friendly dict rows (HTTP only;
+        the server's preprocessor turns them into a batch)."""
+        check_input(data)
+        started = time.perf_counter()
+        if isinstance(data, Batch):
+            tensors = codec.batch_to_tensors(data)
+            result = self._retrying(
+                self._backend.infer, self.model_name, tensors, self._timeout(timeout)
+            )
+        else:
+            if not isinstance(self._backend, HttpBackend):
+                raise rows_need_http(self.url)
+            result = self._retrying(
+                self._backend.predict_rows, self.model_name, list(data), self._timeout(timeout)
+            )
+        return codec.with_latency(result, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self._backend.close()
+
+    def __enter__(self) -> RecserveClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "Endpoint",
+    "RecserveClient",
+    "RecserveError",
+    "parse_url",
+]

@@ -1,0 +1,294 @@
+"""``recserve predict``: score a JSON-lines or CSV file of rows against a running server.
+
+::
+
+    recserve predict --url http://127.0.0.1:8000 --model adult --input rows.jsonl
+    recserve predict --url http://127.0.0.1:8000 --model adult --input rows.csv --output out.jsonl
+
+Rows go to the friendly route (``POST /v1/models/{name}:predict``, HTTP only) in batches of
+``--batch-size``; the server's preprocessor turns them into a batch. JSON lines: one object per
+line (blank lines skipped). CSV: a header row, then one row per line; values that look like
+numbers are sent as numbers, everything else as (stripped) strings. Prints one JSON line per
+input row, in order: ``{"prediction": p, "model_version": v}``.
+
+The whole file is checked before anything is sent: bad lines are reported with their line
+numbers (exit code 1). Server errors name the input lines of the batch that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import io
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from embedding_store.errors import InvalidArgumentError, RecserveError
+
+FORMATS = ("jsonl", "csv")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+_MAX_REPORTED = 20
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
+_INSTANCE = re.compile(r"instances\[(\d+)\]")
+_ROW = re.compile(r"\brow (\d+)\b")
+
+#: (line number, row or None, error message or None)
+Line = tuple[int, "dict[str, Any] | None", "str | None"]
+
+
+# --------------------------------------------------------------------------- reading rows
+def detect_format(path: Path, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    fmt = _EXTENSIONS.get(suffixes[-1]) if suffixes else None
+    if fmt is None:
+        raise InvalidArgumentError(
+            f"{path}: cannot tell the format from the file name; pass --format jsonl or csv"
+        )
+    return fmt
+
+
+def _open(path: Path) -> IO[bytes]:
+    try:
+        if path.suffix.lower() == ".gz":
+            return gzip.open(path, "rb")
+        return open(path, "rb")
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot read --input {path}: {error.strerror}") from None
+
+
+def parse_value(text: str) -> Any:
+    """A CSV field: an int or float when it looks like one, else the stripped string."""
+    value = text.strip()
+    if _INT.fullmatch(value):
+        return int(value)
+    if _FLOAT.fullmatch(value):
+        return float(value)
+    return value
+
+
+def _jsonl_lines(stream: IO[bytes]) -> Iterator[Line]:
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError as error:
+            yield number, None, f"not valid JSON ({error})"
+            continue
+        if not isinstance(value, dict):
+            yield number, None, f"expected a JSON object, got {type(value).__name__}"
+            continue
+        yield number, value, None
+
+
+def _csv_lines(stream: IO[bytes]) -> Iterator[Line]:
+    text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
+    reader = csv.reader(text)
+    try:
+        header = [name.strip() for name in next(reader)]
+    except StopIteration:
+        return
+    except (csv.Error, UnicodeDecodeError) as error:
+        yield 1, None, f"unreadable CSV header ({error})"
+        return
+    if not all(header) or len(set(header)) != len(header):
+        yield 1, None, "the header needs non-empty, distinct column names"
+        return
+    start = reader.line_num + 1
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except (csv.Error, UnicodeDecodeError) as error:
+            yield start, None, f"unreadable CSV ({error})"
+            return
+        number, start = start, reader.line_num + 1
+        if not fields or (len(fields) == 1 and not fields[0].strip()):
+            continue
+        if len(fields) != len(header):
+            yield number, None, f"has {len(fields)} fields, the header has {len(header)}"
+            continue
+        yield number, {name: parse_value(field) for name, field in zip(header, fields)}, None
+
+
+def iter_lines(path: Path, fmt: str) -> Iterator[Line]:
+    """Every row of the file with its line number, or the problem with that line."""
+    with _open(path) as stream:
+        try:
+            if fmt == "jsonl":
+                yield from _jsonl_lines(stream)
+            else:
+                yield from _csv_lines(stream)
+        except (OSError, EOFError) as error:
+            raise InvalidArgumentError(f"cannot read --input {path}: {error}") from None
+
+
+def check_file(path: Path, fmt: str) -> int:
+    """Count the rows; InvalidArgumentError listing the bad lines if there are any."""
+    rows = 0
+    bad: list[str] = []
+    for number, row, problem in iter_lines(path, fmt):
+        if problem is not None:
+            bad.append(f"line {number}: {problem}")
+        elif row is not None:
+            rows += 1
+    if bad:
+        shown = "\n  ".join(bad[:_MAX_REPORTED])
+        more = f"\n  ... and {len(bad) - _MAX_REPORTED} more" if len(bad) > _MAX_REPORTED else ""
+        noun = "line" if len(bad) == 1 else "lines"
+        raise InvalidArgumentError(f"{path}: {len(bad)} bad {noun}:\n  {shown}{more}")
+    if rows == 0:
+        raise InvalidArgumentError(f"{path}: no rows")
+    return rows
+
+
+def iter_batches(
+    path: Path, fmt: str, batch_size: int
+) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
+    numbers: list[int] = []
+    rows: list[dict[str, Any]] = []
+    for number, row, _problem in iter_lines(path, fmt):
+        if row is None:
+            continue
+        numbers.append(number)
+        rows.append(row)
+        if len(rows) == batch_size:
+            yield numbers, rows
+            numbers, rows = [], []
+    if rows:
+        yield numbers, rows
+
+
+def locate(error: RecserveError, path: Path, numbers: list[int]) -> RecserveError:
+    """``error`` of a batch, its row indexes (``instances[i]``, ``row i``) annotated with the
+    input line numbers."""
+
+    def annotate(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        if 0 <= index < len(numbers):
+            return f"{match.group(0)} (line {numbers[index]})"
+        return match.group(0)
+
+    message = _ROW.sub(annotate, _INSTANCE.sub(annotate, error.message))
+    lines = f"line {numbers[0]}" if len(numbers) == 1 else f"lines {numbers[0]}-{numbers[-1]}"
+    return type(error)(f"{path}: rows on {lines}: {message}")
+
+
+# --------------------------------------------------------------------------- the command
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "predict",
+        help="score a JSON-lines or CSV file of rows against a running server (HTTP)",
+        description="Send rows from a JSON-lines or CSV file to a recserve server's friendly "
+        "route in batches and print one JSON line per row: "
+        '{"prediction": p, "model_version": v}.',
+    )
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server URL (default %(default)s)"
+    )
+    parser.add_argument("--model", default="model", help="model name (default %(default)s)")
+    parser.add_argument(
+        "--input", required=True, type=Path, help="rows: .jsonl or .csv (optionally .gz)"
+    )
+    parser.add_argument("--format", choices=FORMATS, default=None, help="override the extension")
+    parser.add_argument("--batch-size", type=_positive_int, default=256, help="rows per request")
+    parser.add_argument("--output", type=Path, default=None, help="write JSON lines here")
+    parser.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds per request")
+    parser.add_argument(
+        "--retries", type=_non_negative_int, default=3, help="retries on 503 / refused"
+    )
+    parser.set_defaults(handler=_predict)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from clients.client import RecserveClient, parse_url, rows_need_http
+
+    endpoint = parse_url(args.url)
+    if endpoint.protocol != "http":
+        raise rows_need_http(endpoint.url)
+    fmt = detect_format(args.input, args.format)
+    check_file(args.input, fmt)
+    try:
+        out = open(args.output, "wb") if args.output else None  # noqa: SIM115 - closed below
+    except OSError as error:
+        raise InvalidArgumentError(f"cannot write --output {args.output}: {error}") from None
+    try:
+        with RecserveClient(
+            args.url, model_name=args.model, timeout=args.timeout, retries=args.retries
+        ) as client:
+            for numbers, rows in iter_batches(args.input, fmt, args.batch_size):
+                try:
+                    result = client.predict(rows)
+                except RecserveError as error:
+                    raise locate(error, args.input, numbers) from None
+                if len(result) != len(rows):
+                    raise RecserveError(
+                        f"server {client.url} answered {len(result)} predictions for "
+                        f"{len(rows)} rows"
+                    )
+                chunk = b"".join(
+                    orjson.dumps(
+                        {
+                            "prediction": _scalar(prediction),
+                            "model_version": result.model_version,
+                        }
+                    )
+                    + b"\n"
+                    for prediction in result.predictions
+                )
+                if out is not None:
+                    out.write(chunk)
+                else:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _scalar(prediction: Any) -> Any:
+    values = prediction.tolist()
+    return values[0] if isinstance(values, list) and len(values) == 1 else values

@@ -1,0 +1,53 @@
+"""Retry policy of the clients: exponential backoff with jitter, on transient failures only.
+
+A call is retried only when the server could not take it: HTTP 503, gRPC UNAVAILABLE, or a
+refused connection. Never on 4xx / INVALID_ARGUMENT and the like (resending cannot help), nor on
+a timeout (the server may still be working on the request).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from embedding_store.errors import RecserveError
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``retries`` extra attempts after the first; the n-th wait (0-based) is drawn uniformly
+    from ``[d / 2, d]`` with ``d = min(backoff_max, backoff_min * 2**n)``."""
+
+    retries: int = 3
+    backoff_min: float = 0.05
+    backoff_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if not 0 <= self.backoff_min <= self.backoff_max:
+            raise ValueError(
+                f"backoff must be (min, max) with 0 <= min <= max, got "
+                f"({self.backoff_min}, {self.backoff_max})"
+            )
+
+    def delay(self, attempt: int) -> float:
+        ceiling = min(self.backoff_max, self.backoff_min * 2.0**attempt)
+        return random.uniform(ceiling / 2, ceiling)
+
+
+class RetryableError(Exception):
+    """Internal signal of a backend: this attempt failed transiently; ``error`` is what the
+    caller gets once the retries are used up. Never escapes a client."""
+
+    def __init__(self, error: RecserveError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def exhausted(retry: RetryableError, attempts: int) -> RecserveError:
+    """The error to raise after ``attempts`` attempts all failed transiently."""
+    error = retry.error
+    if attempts <= 1:
+        return error
+    return type(error)(f"{error.message} (gave up after {attempts} attempts)")

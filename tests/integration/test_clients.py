@@ -1,0 +1,206 @@
+"""clients/ against a real ``recserve serve`` (Adult checkpoint, sigmoid output, the Adult
+preprocessor, model name ``adult``) on loopback: HTTP and gRPC clients, sync and async, agree
+with each other and with friendly rows; ``recserve predict`` scores JSON-lines and CSV files."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import gzip
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from clients import AsyncRecserveClient, ModelInfo, RecserveClient, TensorInfo
+from embedding_store.errors import InvalidArgumentError, NotFoundError
+from examples.adult_income import features
+from tests.integration.conftest import ADULT_PREPROCESSOR, REPO_ROOT, ServeProcess
+
+MODEL = "adult"
+N_ROWS = 48
+ATOL = 1e-6
+
+
+def read_rows(count: int) -> tuple[list[str], list[list[str]]]:
+    """Header and the first ``count`` raw rows of the Adult test split (label included)."""
+    with gzip.open(features.TEST_PATH, "rt", encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = [name.strip() for name in next(reader)]
+        return header, [[v.strip() for v in row] for row in itertools.islice(reader, count)]
+
+
+def friendly(header: list[str], rows: list[list[str]]) -> list[dict[str, Any]]:
+    """Rows as a JSON client sends them: numbers as numbers, no label."""
+    out = []
+    for row in rows:
+        record: dict[str, Any] = dict(zip(header, row))
+        record.pop(features.LABEL_COLUMN)
+        for column in features.NUMERIC_COLUMNS:
+            record[column] = int(record[column])
+        out.append(record)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(adult_checkpoint, serve_process) -> Iterator[ServeProcess]:
+    process = serve_process(
+        adult_checkpoint,
+        "--output-transform",
+        "sigmoid",
+        "--preprocessor",
+        ADULT_PREPROCESSOR,
+        "--model-name",
+        MODEL,
+    )
+    try:
+        yield process
+    finally:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def urls(server) -> dict[str, str]:
+    return {"http": f"http://{server.http_url}", "grpc": f"grpc://{server.grpc_url}"}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, Any]]:
+    return friendly(*read_rows(N_ROWS))
+
+
+@pytest.fixture(scope="module")
+def expected(urls, rows) -> np.ndarray:
+    with RecserveClient(urls["http"], model_name=MODEL) as client:
+        assert client.wait_until_ready(30)
+        return client.predict(rows).predictions
+
+
+def test_http_grpc_and_rows_agree(urls, rows, expected, server):
+    batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+    # read_batches gives the same rows as a labelled training-style batch (labels not sent).
+    file_batch = next(features.read_batches(features.TEST_PATH, N_ROWS, requires_grad=False))
+    assert expected.shape == (N_ROWS, 1) and expected.dtype == np.float32
+    assert np.all((expected > 0) & (expected < 1))  # sigmoid output
+    for protocol, url in urls.items():
+        with RecserveClient(url, model_name=MODEL, timeout=10) as client:
+            for data in (batch, file_batch):
+                result = client.predict(data)
+                np.testing.assert_allclose(
+                    result.predictions, expected, atol=ATOL, err_msg=protocol
+                )
+                assert result.model_version == server.version
+                assert result.model_name == MODEL
+                assert result.fallback_ids == 0 and result.unknown_ids >= 0
+                assert result.latency_seconds > 0
+
+
+def test_metadata_and_health(urls, server):
+    infos = []
+    for url in urls.values():
+        with RecserveClient(url, model_name=MODEL) as client:
+            assert client.live() and client.ready() and client.model_ready()
+            infos.append(client.metadata())
+    http_info, grpc_info = infos
+    assert http_info == grpc_info
+    assert isinstance(http_info, ModelInfo)
+    assert http_info.name == MODEL and http_info.versions == (server.version,)
+    assert http_info.input("numeric") == TensorInfo("numeric", "FP32", (-1, 6))
+    assert {spec.name for spec in http_info.inputs} == {*features.SLOT_NAMES, "numeric"}
+    assert http_info.outputs == (TensorInfo("prediction", "FP32", (-1, 1)),)
+
+
+def test_errors(urls, rows):
+    for url in urls.values():
+        with (
+            RecserveClient(url, model_name="nope", retries=0) as client,
+            pytest.raises(NotFoundError, match="unknown model 'nope'"),
+        ):
+            client.metadata()
+        with RecserveClient(url, model_name=MODEL, retries=0) as client:
+            with pytest.raises(InvalidArgumentError, match="missing input") as caught:
+                client.infer({"numeric": np.zeros((1, 6), dtype=np.float32)})
+            assert url in caught.value.message
+    with (
+        RecserveClient(urls["grpc"], model_name=MODEL) as client,
+        pytest.raises(InvalidArgumentError, match="need an HTTP server URL"),
+    ):
+        client.predict(rows)
+
+
+def test_async_clients(urls, rows, expected):
+    batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+
+    async def main():
+        async with (
+            AsyncRecserveClient(urls["http"], model_name=MODEL) as http,
+            AsyncRecserveClient(urls["grpc"], model_name=MODEL) as grpc_client,
+        ):
+            assert await http.ready() and await grpc_client.ready()
+            assert (await http.metadata()) == (await grpc_client.metadata())
+            return await asyncio.gather(
+                http.predict(batch), grpc_client.predict(batch), http.predict(rows)
+            )
+
+    for result in asyncio.run(main()):
+        np.testing.assert_allclose(result.predictions, expected, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- recserve predict
+def _run_predict(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "embedding_store.cli", "predict", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_predict_command_jsonl_and_csv(tmp_path: Path, urls, rows, expected, server):
+    header, raw = read_rows(N_ROWS)
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    table = tmp_path / "rows.csv"
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(raw)
+    out = tmp_path / "out.jsonl"
+
+    printed = _run_predict(
+        "--url", urls["http"], "--model", MODEL, "--input", str(jsonl), "--batch-size", "20"
+    )
+    assert printed.returncode == 0, printed.stderr
+    written = _run_predict(
+        "--url", urls["http"], "--model", MODEL, "--input", str(table), "--output", str(out)
+    )
+    assert written.returncode == 0, written.stderr
+    for text in (printed.stdout, out.read_text()):
+        lines = [orjson.loads(line) for line in text.splitlines()]
+        assert len(lines) == N_ROWS
+        assert {line["model_version"] for line in lines} == {server.version}
+        predictions = np.array([[line["prediction"]] for line in lines], dtype=np.float32)
+        np.testing.assert_allclose(predictions, expected, atol=ATOL)
+
+
+def test_predict_command_reports_bad_lines(tmp_path: Path, urls, rows):
+    path = tmp_path / "bad.jsonl"
+    lines = [orjson.dumps(row).decode() for row in rows[:4]]
+    lines[2] = lines[2][:-5]  # truncated JSON on line 3
+    path.write_text("\n".join(lines) + "\n")
+    result = _run_predict("--url", urls["http"], "--model", MODEL, "--input", str(path))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "recserve predict: error:" in result.stderr
+    assert "line 3: not valid JSON" in result.stderr

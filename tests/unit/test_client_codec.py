@@ -1,0 +1,318 @@
+"""clients/: wire encoding against the server's own codec, URLs, errors, retry policy, the
+``recserve predict`` file readers, and the rule that clients/ never imports the server."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import descriptor_pb2
+
+from clients import codec
+from clients._proto import V2 as CLIENT_V2
+from clients.client import is_rows, parse_url
+from clients.commands import check_file, detect_format, iter_batches, locate, parse_value
+from clients.retry import RetryableError, RetryPolicy, exhausted
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    RecserveError,
+    UnavailableError,
+)
+from serving import tensor_codec as server_codec
+from serving.core import Prediction
+from serving.proto import V2 as SERVER_V2
+
+CLIENTS = Path(__file__).resolve().parents[2] / "clients"
+#: The client library's modules (other tools living in clients/ have their own rules).
+CLIENT_MODULES = (
+    "__init__",
+    "_grpc",
+    "_http",
+    "_proto",
+    "_v2_descriptor",
+    "aio",
+    "client",
+    "codec",
+    "commands",
+    "retry",
+    "types",
+)
+
+
+def _batch() -> Batch:
+    return Batch(
+        [
+            IDTypeFeature.from_lists("user", [[1, 2], [2**63 + 5], []]),
+            IDTypeFeatureWithSingleID.from_ids("item", [7, 8, 9]),
+        ],
+        [NonIDTypeFeature(np.arange(6, dtype=np.float32).reshape(3, 2), "dense")],
+        requires_grad=False,
+    )
+
+
+def _prediction(batch: int = 3) -> Prediction:
+    return Prediction(
+        outputs={"prediction": np.linspace(0, 1, batch, dtype=np.float32).reshape(batch, 1)},
+        model_name="m",
+        model_version="v7",
+        fallback_ids=2,
+        unknown_ids=5,
+    )
+
+
+# --------------------------------------------------------------------------- isolation
+def test_clients_never_import_serving_or_training():
+    for path in (CLIENTS / f"{module}.py" for module in CLIENT_MODULES):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("serving", "training", "examples"), f"{path.name}: {name}"
+                if top == "embedding_store":
+                    assert name in ("embedding_store.batch", "embedding_store.errors"), name
+
+
+def _without_json_names(
+    file: descriptor_pb2.FileDescriptorProto,
+) -> descriptor_pb2.FileDescriptorProto:
+    copy = descriptor_pb2.FileDescriptorProto()
+    copy.CopyFrom(file)
+    copy.name = ""
+
+    def strip(messages):
+        for message in messages:
+            for field in message.field:
+                field.ClearField("json_name")
+            strip(message.nested_type)
+
+    strip(copy.message_type)
+    return copy
+
+
+def test_client_messages_match_the_server_proto():
+    mine = descriptor_pb2.FileDescriptorProto()
+    CLIENT_V2.file.CopyToProto(mine)
+    theirs = descriptor_pb2.FileDescriptorProto()
+    SERVER_V2.file.CopyToProto(theirs)
+    assert _without_json_names(mine) == _without_json_names(theirs)
+    # Private pools: the classes are distinct from the server's (and from tritonclient's).
+    assert CLIENT_V2.ModelInferRequest is not SERVER_V2.ModelInferRequest
+
+
+def test_client_proto_shares_a_process_with_tritonclient():
+    import tritonclient.grpc  # noqa: F401  (registers inference.* in the default pool)
+
+    request = CLIENT_V2.ModelInferRequest(model_name="m")
+    assert CLIENT_V2.ModelInferRequest.FromString(request.SerializeToString()).model_name == "m"
+
+
+# --------------------------------------------------------------------------- tensors
+def test_batch_to_tensors_follows_kserve_naming():
+    tensors = codec.batch_to_tensors(_batch())
+    assert list(tensors) == ["user", "user.lengths", "item", "dense"]
+    assert tensors["user"].dtype == np.uint64
+    np.testing.assert_array_equal(tensors["user"], np.array([1, 2, 2**63 + 5], dtype=np.uint64))
+    assert tensors["user.lengths"].dtype == np.int64
+    np.testing.assert_array_equal(tensors["user.lengths"], [2, 1, 0])
+    np.testing.assert_array_equal(tensors["item"], np.array([7, 8, 9], dtype=np.uint64))
+    assert tensors["dense"].dtype == np.float32 and tensors["dense"].shape == (3, 2)
+
+
+def test_http_infer_request_decodes_on_the_server():
+    tensors = codec.batch_to_tensors(_batch())
+    body, headers = codec.encode_http_infer(tensors, timeout=1.5)
+    request = server_codec.decode_http_request(body, headers[codec.HEADER_LENGTH])
+    assert request.binary_output is True
+    assert request.timeout == pytest.approx(1.5)
+    assert set(request.inputs) == set(tensors)
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(request.inputs[name], array)
+        assert request.inputs[name].dtype == array.dtype
+
+
+def test_http_infer_response_decodes_binary_and_json():
+    binary = server_codec.InferRequest(inputs={}, binary_output=True)
+    payload, json_size = server_codec.encode_http_response(_prediction(), binary)
+    assert json_size is not None
+    result = codec.decode_http_infer(payload, str(json_size))
+    np.testing.assert_array_equal(result.predictions, _prediction().outputs["prediction"])
+    assert (result.model_version, result.fallback_ids, result.unknown_ids) == ("v7", 2, 5)
+    payload, json_size = server_codec.encode_http_response(
+        _prediction(), server_codec.InferRequest(inputs={})
+    )
+    assert json_size is None
+    result = codec.decode_http_infer(payload, None)
+    assert result.predictions.dtype == np.float32 and result.predictions.shape == (3, 1)
+    np.testing.assert_allclose(result.predictions, _prediction().outputs["prediction"])
+
+
+def test_rows_response_decodes():
+    result = codec.decode_rows_response(server_codec.encode_instances_response(_prediction(2)))
+    assert result.predictions.shape == (2, 1) and result.predictions.dtype == np.float32
+    assert (result.model_name, result.model_version, result.unknown_ids) == ("m", "v7", 5)
+
+
+def test_grpc_round_trip_through_the_server_codec():
+    tensors = codec.batch_to_tensors(_batch())
+    request = codec.encode_grpc_infer("m", tensors)
+    on_server = SERVER_V2.ModelInferRequest.FromString(request.SerializeToString())
+    decoded = server_codec.decode_grpc_request(on_server)
+    assert decoded.raw
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(decoded.inputs[name], array)
+    for raw in (True, False):
+        answer = server_codec.encode_grpc_response(
+            _prediction(), server_codec.InferRequest(inputs={}, raw=raw)
+        )
+        response = CLIENT_V2.ModelInferResponse.FromString(answer.SerializeToString())
+        result = codec.decode_grpc_infer(response)
+        np.testing.assert_array_equal(result.predictions, _prediction().outputs["prediction"])
+        assert (result.model_version, result.fallback_ids, result.unknown_ids) == ("v7", 2, 5)
+
+
+def test_check_tensors_rejects_unsupported_dtypes():
+    with pytest.raises(InvalidArgumentError, match="'names'"):
+        codec.check_tensors({"names": np.array(["a", "b"])})
+    with pytest.raises(InvalidArgumentError):
+        codec.check_tensors({})
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("status", "cls"),
+    [
+        (400, InvalidArgumentError),
+        (404, NotFoundError),
+        (413, CapacityError),
+        (503, UnavailableError),
+        (504, DeadlineExceededError),
+        (500, RecserveError),
+    ],
+)
+def test_http_errors_map_by_status(status, cls):
+    error = codec.http_error("http://h:1", status, b'{"error": "bad input \'x\'"}')
+    assert type(error) is cls
+    assert "http://h:1" in error.message and "bad input 'x'" in error.message
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        ("INVALID_ARGUMENT", InvalidArgumentError),
+        ("NOT_FOUND", NotFoundError),
+        ("RESOURCE_EXHAUSTED", CapacityError),
+        ("UNAVAILABLE", UnavailableError),
+        ("DEADLINE_EXCEEDED", DeadlineExceededError),
+        ("INTERNAL", RecserveError),
+    ],
+)
+def test_grpc_errors_map_by_code(code, cls):
+    error = codec.grpc_error("grpc://h:1", code, "details here")
+    assert type(error) is cls and "grpc://h:1" in error.message and "details here" in error.message
+
+
+def test_non_json_error_body_is_kept():
+    error = codec.http_error("http://h:1", 502, b"Bad Gateway")
+    assert "Bad Gateway" in error.message
+
+
+# --------------------------------------------------------------------------- URLs, inputs
+def test_parse_url():
+    assert parse_url("http://127.0.0.1:8000/").base == "http://127.0.0.1:8000"
+    assert parse_url("127.0.0.1:8000").protocol == "http"
+    grpc_endpoint = parse_url("grpc://localhost:8001")
+    assert (grpc_endpoint.protocol, grpc_endpoint.base) == ("grpc", "localhost:8001")
+    for bad in ("ftp://h:1", "grpc://h", "", "grpc://h:1/path", "http://h:x"):
+        with pytest.raises(InvalidArgumentError):
+            parse_url(bad)
+
+
+def test_is_rows():
+    assert is_rows([{"a": 1}])
+    assert not is_rows([])
+    assert not is_rows({"a": 1})
+    assert not is_rows([{"a": 1}, 3])
+
+
+# --------------------------------------------------------------------------- retry policy
+def test_backoff_grows_exponentially_with_jitter_and_a_cap():
+    policy = RetryPolicy(5, 0.05, 1.0)
+    for attempt in range(8):
+        ceiling = min(1.0, 0.05 * 2**attempt)
+        delays = [policy.delay(attempt) for _ in range(50)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 1
+    with pytest.raises(ValueError):
+        RetryPolicy(-1)
+    with pytest.raises(ValueError):
+        RetryPolicy(1, 2.0, 1.0)
+
+
+def test_exhausted_keeps_the_class_and_counts_attempts():
+    error = exhausted(RetryableError(UnavailableError("server x: busy")), 4)
+    assert type(error) is UnavailableError
+    assert error.message == "server x: busy (gave up after 4 attempts)"
+
+
+# --------------------------------------------------------------------------- predict files
+def test_parse_value():
+    assert parse_value(" 39 ") == 39
+    assert parse_value("-2.5e3") == -2500.0
+    assert parse_value("State-gov") == "State-gov"
+    assert parse_value("") == ""
+    assert parse_value("nan") == "nan"
+
+
+def test_detect_format(tmp_path):
+    assert detect_format(Path("a.jsonl"), None) == "jsonl"
+    assert detect_format(Path("a.csv.gz"), None) == "csv"
+    assert detect_format(Path("a.txt"), "csv") == "csv"
+    with pytest.raises(InvalidArgumentError, match="--format"):
+        detect_format(Path("a.txt"), None)
+
+
+def test_jsonl_bad_lines_are_reported_with_numbers(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2\n[1]\n{"a": 3}\n')
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, "jsonl")
+    message = caught.value.message
+    assert "2 bad lines" in message
+    assert "line 3: not valid JSON" in message
+    assert "line 4: expected a JSON object, got list" in message
+
+
+def test_csv_rows_and_bad_lines(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text('age,workclass,note\n39, State-gov ,"a, b"\n\n50,Private,x\n')
+    assert check_file(path, "csv") == 2
+    batches = list(iter_batches(path, "csv", 1))
+    assert batches == [
+        ([2], [{"age": 39, "workclass": "State-gov", "note": "a, b"}]),
+        ([4], [{"age": 50, "workclass": "Private", "note": "x"}]),
+    ]
+    path.write_text("age,workclass\n39,State-gov\n40\n")
+    with pytest.raises(InvalidArgumentError, match="line 3: has 1 fields, the header has 2"):
+        check_file(path, "csv")
+
+
+def test_locate_names_input_lines():
+    error = InvalidArgumentError("server s answered HTTP 400: instances[1] lacks feature 'age'")
+    located = locate(error, Path("rows.jsonl"), [3, 5, 9])
+    assert type(located) is InvalidArgumentError
+    assert located.message == (
+        "rows.jsonl: rows on lines 3-9: server s answered HTTP 400: instances[1] (line 5) lacks "
+        "feature 'age'"
+    )

@@ -1,0 +1,191 @@
+"""RecserveClient / AsyncRecserveClient against the real HTTP and gRPC front ends (in-process,
+on loopback) over a fake core: multi-ID features with lengths, parameters, errors, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+
+from clients import AsyncRecserveClient, RecserveClient
+from embedding_store.batch import Batch, IDTypeFeature, NonIDTypeFeature
+from embedding_store.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from serving.grpc_frontend import build_grpc_server
+from serving.http_app import create_app
+from tests.unit.fake_core import MODEL, VERSION, FakeCore, expected_predictions
+
+USERS = [[1, 2], [3000], [2**63 + 5, 4, 9], []]
+AGES = [0.5, 1.0, -2.0, 0.25]
+FAST = {"retries": 2, "backoff": (0.001, 0.002), "timeout": 5.0}
+
+
+def _batch() -> Batch:
+    return Batch(
+        [IDTypeFeature.from_lists("user", USERS)],
+        [NonIDTypeFeature(np.asarray(AGES, dtype=np.float32).reshape(-1, 1), "age")],
+        requires_grad=False,
+    )
+
+
+class _Uvicorn:
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def core() -> FakeCore:
+    return FakeCore()
+
+
+@pytest.fixture(autouse=True)
+def _reset(core):
+    core.is_ready = True
+    core.fallback_ids = 0
+    core.fail_with = None
+    core.calls.clear()
+    yield
+
+
+@pytest.fixture(scope="module")
+def urls(core) -> Iterator[dict[str, str]]:
+    http = _Uvicorn(create_app(core))
+    server, port, health = build_grpc_server(core, host="127.0.0.1", port=0, max_workers=4)
+    server.start()
+    try:
+        yield {"http": f"http://127.0.0.1:{http.port}", "grpc": f"grpc://127.0.0.1:{port}"}
+    finally:
+        health.shutdown()
+        server.stop(None)
+        http.stop()
+
+
+@pytest.fixture(params=["http", "grpc"])
+def client(request, urls) -> Iterator[RecserveClient]:
+    with RecserveClient(urls[request.param], model_name=MODEL, **FAST) as client:
+        yield client
+
+
+def test_batch_with_lengths(client, core):
+    core.fallback_ids = 3
+    result = client.predict(_batch())
+    np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
+    assert result.predictions.dtype == np.float32 and result.predictions.shape == (4, 1)
+    assert (result.model_name, result.model_version) == (MODEL, VERSION)
+    assert (result.fallback_ids, result.unknown_ids) == (3, 2)
+    assert result.latency_seconds > 0
+    inputs = core.calls[-1]["inputs"]
+    assert inputs["user"].dtype == np.uint64 and inputs["user.lengths"].dtype == np.int64
+    assert core.calls[-1]["protocol"] == client.protocol
+    # The per-attempt timeout reaches the server (HTTP parameter / gRPC deadline).
+    assert 0 < core.calls[-1]["timeout"] <= 5.0
+
+
+def test_infer_named_tensors(client):
+    result = client.infer(
+        {
+            "user": np.array([5, 6], dtype=np.int64),
+            "user.lengths": np.array([1, 1], dtype=np.int32),
+            "age": np.array([[0.0], [1.0]], dtype=np.float32),
+        }
+    )
+    np.testing.assert_allclose(
+        result.predictions, expected_predictions([[5], [6]], [0.0, 1.0]), atol=1e-6
+    )
+
+
+def test_health_and_metadata(client, core):
+    assert client.live() and client.ready() and client.model_ready()
+    core.is_ready = False
+    assert not client.ready()
+    assert not client.model_ready()
+    info = client.metadata()
+    assert info.name == MODEL and info.versions == (VERSION,)
+    assert [spec.name for spec in info.inputs] == ["user", "user.lengths", "age"]
+    assert info.input("age").shape == (-1, 1) and info.outputs[0].name == "prediction"
+
+
+def test_rows(urls):
+    rows = [{"user": ids, "age": age} for ids, age in zip(USERS, AGES)]
+    with RecserveClient(urls["http"], model_name=MODEL) as client:
+        result = client.predict(rows)
+    np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
+    with (
+        RecserveClient(urls["grpc"], model_name=MODEL) as client,
+        pytest.raises(InvalidArgumentError, match="need an HTTP server URL"),
+    ):
+        client.predict(rows)
+
+
+def test_wrong_input_type(client):
+    with pytest.raises(TypeError, match="Batch or a list of dict rows"):
+        client.predict({"user": [1]})
+
+
+def test_unknown_model_is_not_found(urls):
+    for url in urls.values():
+        with RecserveClient(url, model_name="nope", **FAST) as client:
+            with pytest.raises(NotFoundError, match=r"unknown model 'nope'") as caught:
+                client.predict(_batch())
+            assert url in caught.value.message
+            with pytest.raises(NotFoundError):
+                client.metadata()
+
+
+def test_unavailable_is_retried_then_raised(client, core):
+    core.fail_with = UnavailableError("overloaded")
+    with pytest.raises(UnavailableError, match=r"overloaded.*gave up after 3 attempts"):
+        client.predict(_batch())
+    assert len(core.calls) == 3
+
+
+def test_invalid_argument_is_not_retried(client, core):
+    core.fail_with = InvalidArgumentError("input 'age' is bad")
+    with pytest.raises(InvalidArgumentError, match="input 'age' is bad"):
+        client.predict(_batch())
+    assert len(core.calls) == 1
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_async_client(urls, core, protocol):
+    async def main():
+        async with AsyncRecserveClient(urls[protocol], model_name=MODEL, **FAST) as client:
+            assert await client.ready() and await client.live() and await client.model_ready()
+            results = await asyncio.gather(*(client.predict(_batch()) for _ in range(4)))
+            info = await client.metadata()
+            core.fail_with = UnavailableError("busy")
+            with pytest.raises(UnavailableError, match="busy"):
+                await client.predict(_batch())
+            core.fail_with = None
+            return results, info
+
+    results, info = asyncio.run(main())
+    for result in results:
+        np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
+    assert info.name == MODEL
+    assert len(core.calls) == 4 + 3

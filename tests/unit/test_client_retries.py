@@ -1,0 +1,304 @@
+"""Retries and timeouts of the clients against tiny scripted servers on loopback.
+
+Only what the server could not take is retried (HTTP 503, gRPC UNAVAILABLE, refused
+connections); a 400 goes out once; timeouts are honored (and not retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import numpy as np
+import orjson
+import pytest
+
+from clients import AsyncRecserveClient, RecserveClient
+from clients._proto import METHODS, SERVICE_NAME, V2
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+
+FAST = {"backoff": (0.01, 0.05)}
+ANSWER = {
+    "model_name": "m",
+    "model_version": "v1",
+    "parameters": {"fallback_ids": 0, "unknown_ids": 1},
+    "outputs": [{"name": "prediction", "datatype": "FP32", "shape": [2, 1], "data": [0.25, 0.5]}],
+}
+
+
+def _batch() -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID.from_ids("item", [1, 2])],
+        [NonIDTypeFeature(np.zeros((2, 3), dtype=np.float32), "dense")],
+        requires_grad=False,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- HTTP fake
+class FakeHttp:
+    """Answers each POST with the next scripted (status, delay) (then 200 forever); counts
+    requests."""
+
+    def __init__(self, script: list[tuple[int, float]] | None = None, port: int = 0) -> None:
+        self.script = list(script or [])
+        self.requests = 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, document: dict) -> None:
+                body = orjson.dumps(document)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200, {"ready": True})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with fake.lock:
+                    fake.requests += 1
+                    status, delay = fake.script.pop(0) if fake.script else (200, 0.0)
+                time.sleep(delay)
+                if status == 200:
+                    self._send(200, ANSWER)
+                else:
+                    self._send(status, {"error": f"scripted {status}"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_http() -> Iterator[callable]:
+    started: list[FakeHttp] = []
+
+    def start(script=None, port: int = 0) -> FakeHttp:
+        server = FakeHttp(script, port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def test_http_503_is_retried_until_success(fake_http):
+    server = fake_http([(503, 0.0), (503, 0.0)])
+    with RecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+        result = client.predict(_batch())
+    assert server.requests == 3
+    np.testing.assert_array_equal(result.predictions, [[0.25], [0.5]])
+    assert (result.model_version, result.unknown_ids) == ("v1", 1)
+
+
+def test_http_503_gives_up_after_the_retries(fake_http):
+    server = fake_http([(503, 0.0)] * 10)
+    with (
+        RecserveClient(server.url, model_name="m", retries=2, **FAST) as client,
+        pytest.raises(UnavailableError, match=r"scripted 503.*gave up after 3 attempts"),
+    ):
+        client.predict(_batch())
+    assert server.requests == 3
+
+
+def test_http_400_is_not_retried(fake_http):
+    server = fake_http([(400, 0.0)])
+    with (
+        RecserveClient(server.url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(InvalidArgumentError, match="scripted 400") as caught,
+    ):
+        client.predict(_batch())
+    assert server.url in caught.value.message
+    assert server.requests == 1
+
+
+def test_http_timeout_is_honored_and_not_retried(fake_http):
+    server = fake_http([(200, 1.5)])
+    with RecserveClient(server.url, model_name="m", timeout=0.2, retries=3, **FAST) as client:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match=r"within 0\.2 s"):
+            client.predict(_batch())
+        assert time.monotonic() - started < 1.0
+    assert server.requests == 1
+
+
+def test_http_connection_refused_then_server_starts(fake_http):
+    port = _free_port()
+    with RecserveClient(f"http://127.0.0.1:{port}", model_name="m", retries=0) as client:
+        assert not client.ready()
+        with pytest.raises(UnavailableError, match="refused"):
+            client.predict(_batch())
+    timer = threading.Timer(0.3, lambda: fake_http(port=port))
+    timer.start()
+    try:
+        with RecserveClient(
+            f"http://127.0.0.1:{port}", model_name="m", retries=20, backoff=(0.05, 0.2)
+        ) as client:
+            result = client.predict(_batch())
+    finally:
+        timer.join()
+    assert result.model_version == "v1"
+
+
+def test_async_http_retries(fake_http):
+    server = fake_http([(503, 0.0), (503, 0.0), (400, 0.0)])
+
+    async def main():
+        async with AsyncRecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+            with pytest.raises(InvalidArgumentError):
+                await client.predict(_batch())
+            return await client.predict(_batch())
+
+    result = asyncio.run(main())
+    assert server.requests == 4
+    assert result.model_version == "v1"
+
+
+# --------------------------------------------------------------------------- gRPC fake
+class FakeGrpc:
+    """A KServe v2 gRPC server whose ModelInfer aborts with the scripted codes first."""
+
+    def __init__(self, script: list[grpc.StatusCode] | None = None, port: int = 0, delay=0.0):
+        from concurrent import futures
+
+        self.script = list(script or [])
+        self.delay = delay
+        self.requests = 0
+        self.lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        handlers = {}
+        for name, request_class, response_class in METHODS:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                getattr(self, name, self._unimplemented),
+                request_deserializer=request_class.FromString,
+                response_serializer=response_class.SerializeToString,
+            )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.url = f"grpc://127.0.0.1:{self.port}"
+        self.server.start()
+
+    def _unimplemented(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not here")
+
+    def ServerReady(self, request, context):
+        return V2.ServerReadyResponse(ready=True)
+
+    def ModelInfer(self, request, context):
+        with self.lock:
+            self.requests += 1
+            code = self.script.pop(0) if self.script else None
+        time.sleep(self.delay)
+        if code is not None:
+            context.abort(code, f"scripted {code.name}")
+        response = V2.ModelInferResponse(model_name="m", model_version="v2")
+        response.parameters["unknown_ids"].int64_param = 4
+        response.outputs.add(name="prediction", datatype="FP32", shape=[2, 1])
+        response.raw_output_contents.append(np.array([0.5, 0.75], dtype="<f4").tobytes())
+        return response
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+@pytest.fixture
+def fake_grpc() -> Iterator[callable]:
+    started: list[FakeGrpc] = []
+
+    def start(script=None, port: int = 0, delay: float = 0.0) -> FakeGrpc:
+        server = FakeGrpc(script, port, delay)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def test_grpc_unavailable_is_retried_until_success(fake_grpc):
+    server = fake_grpc([grpc.StatusCode.UNAVAILABLE] * 2)
+    with RecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+        result = client.predict(_batch())
+    assert server.requests == 3
+    np.testing.assert_array_equal(result.predictions, [[0.5], [0.75]])
+    assert (result.model_version, result.unknown_ids) == ("v2", 4)
+
+
+def test_grpc_invalid_argument_is_not_retried(fake_grpc):
+    server = fake_grpc([grpc.StatusCode.INVALID_ARGUMENT])
+    with (
+        RecserveClient(server.url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(InvalidArgumentError, match="scripted INVALID_ARGUMENT"),
+    ):
+        client.predict(_batch())
+    assert server.requests == 1
+
+
+def test_grpc_deadline_is_honored(fake_grpc):
+    server = fake_grpc(delay=1.0)
+    with RecserveClient(server.url, model_name="m", timeout=0.2, retries=3, **FAST) as client:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match="DEADLINE_EXCEEDED"):
+            client.predict(_batch())
+        assert time.monotonic() - started < 0.9
+    assert server.requests == 1
+
+
+def test_grpc_connection_refused_then_server_starts(fake_grpc):
+    port = _free_port()
+    timer = threading.Timer(0.3, lambda: fake_grpc(port=port))
+    timer.start()
+    try:
+        with RecserveClient(
+            f"grpc://127.0.0.1:{port}", model_name="m", retries=20, backoff=(0.05, 0.2)
+        ) as client:
+            assert not client.ready(timeout=0.1)
+            result = client.predict(_batch())
+            assert client.ready()
+    finally:
+        timer.join()
+    assert result.model_version == "v2"
+
+
+def test_async_grpc_retries(fake_grpc):
+    server = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
+
+    async def main():
+        async with AsyncRecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+            return await client.predict(_batch())
+
+    assert asyncio.run(main()).model_version == "v2"
+    assert server.requests == 3
