@@ -20,9 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
-import numpy as np
-
+from clients import RecserveClient
 from examples.adult_income import features
 
 HERE = Path(__file__).resolve().parent
@@ -64,26 +62,6 @@ def wait_for_listening(process: subprocess.Popen, log_path: Path, timeout: float
             raise SystemExit(f"recserve serve exited early:\n{log_path.read_text()}")
         time.sleep(0.1)
     raise SystemExit(f"recserve serve did not start within {timeout:.0f} s")
-
-
-def grpc_predict(address: str, batch) -> tuple[float, str]:
-    """One KServe v2 ModelInfer call with raw little-endian tensors."""
-    from serving.grpc_frontend import InferenceStub
-    from serving.proto import V2
-
-    request = V2.ModelInferRequest(model_name="adult", id="quickstart")
-    raw = []
-    for feature in batch.id_type_features:
-        request.inputs.add(name=feature.name, datatype="UINT64", shape=[batch.batch_size])
-        raw.append(feature.values.astype("<u8").tobytes())
-    for feature in batch.non_id_type_features:
-        request.inputs.add(name=feature.name, datatype="FP32", shape=list(feature.data.shape))
-        raw.append(np.ascontiguousarray(feature.data, dtype="<f4").tobytes())
-    request.raw_input_contents.extend(raw)
-    with grpc.insecure_channel(address) as channel:
-        response = InferenceStub(channel).ModelInfer(request, timeout=30)
-    value = np.frombuffer(response.raw_output_contents[0], dtype="<f4")[0]
-    return float(value), response.model_version
 
 
 def main() -> int:
@@ -150,22 +128,15 @@ def main() -> int:
             f"(version {friendly['model_version']})"
         )
         batch = features.rows_to_batch([SAMPLE_ROW], with_labels=False)
-        v2_inputs = [
-            {"name": f.name, "datatype": "UINT64", "shape": [1], "data": f.values.tolist()}
-            for f in batch.id_type_features
-        ] + [
-            {
-                "name": f.name,
-                "datatype": "FP32",
-                "shape": list(f.data.shape),
-                "data": f.data.reshape(-1).tolist(),
-            }
-            for f in batch.non_id_type_features
-        ]
-        v2 = post_json(f"http://{http_address}/v2/models/adult/infer", {"inputs": v2_inputs})
-        print(f"   HTTP KServe v2:     {v2['outputs'][0]['data'][0]:.4f}")
-        value, version = grpc_predict(grpc_address, batch)
-        print(f"   gRPC KServe v2:     {value:.4f} (version {version})")
+        with RecserveClient(f"http://{http_address}", model_name="adult") as client:
+            v2 = client.predict(batch)  # KServe v2 with binary tensors
+        print(f"   HTTP KServe v2:     {v2.predictions[0, 0]:.4f}")
+        with RecserveClient(f"grpc://{grpc_address}", model_name="adult") as client:
+            answer = client.predict(batch)
+        print(
+            f"   gRPC KServe v2:     {answer.predictions[0, 0]:.4f} "
+            f"(version {answer.model_version})"
+        )
 
         row = json.dumps({"instances": [SAMPLE_ROW]})
         print("\nTry it yourself:")
