@@ -1,0 +1,193 @@
+"""Two DDP NN workers (torchrun, gloo) training against a networked embedding tier.
+
+A :class:`LocalCluster` (2 parameter-server shards + 1 embedding worker, on 127.0.0.1) holds
+the embeddings; ``recserve train --nproc-per-node 2 --embedding-workers ADDR`` runs the
+training script on two ranks that share it. Every subprocess runs in its own session and is
+killed by its process-group ID on teardown; the cluster stops its own processes by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from embedding_store.launcher import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "adult_income" / "train.py"
+EMBEDDING_CONFIG = ROOT / "examples" / "adult_income" / "embedding_config.yml"
+TIMEOUT = 240
+
+# One TrainCtx step on each rank, on a batch that differs per rank; each rank saves its dense
+# state before and after the step (after DDP's initial broadcast, so "before" is shared).
+ONE_STEP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
+    from embedding_store.config import load_embedding_config
+    from embedding_store.optimizers import SGD
+    from training import distributed
+    from training.ctx import TrainCtx
+
+    config_path, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(__import__("os").environ["RANK"])
+    torch.manual_seed(100 + rank)  # different initial weights: DDP must broadcast rank 0's
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8 + 8 + 3, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+
+
+    class Dense(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, non_id_tensors, embedding_tensors):
+            return self.mlp(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+    dense = Dense(model)
+    rng = np.random.default_rng(rank)  # rank-specific batch
+    size = 64
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID("workclass", rng.integers(0, 20, size).astype(np.uint64)),
+            IDTypeFeatureWithSingleID("education", rng.integers(0, 20, size).astype(np.uint64)),
+        ],
+        [NonIDTypeFeature(rng.normal(size=(size, 3)).astype(np.float32))],
+        [Label(rng.integers(0, 2, (size, 1)).astype(np.float32))],
+        requires_grad=True,
+    )
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(dense.parameters(), lr=0.5),
+        dense,
+        embedding_config=load_embedding_config(config_path),
+        embedding_staleness=1,
+    ) as ctx:
+        assert ctx.distributed and distributed.world_size() == 2
+        torch.save(ctx.dense_model.state_dict(), out / f"before-{rank}.pt")
+        output, labels = ctx.forward(batch)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+        ctx.backward(loss)
+        ctx.wait_for_embedding_updates()
+        torch.save(ctx.dense_model.state_dict(), out / f"after-{rank}.pt")
+        (out / f"loss-{rank}.txt").write_text(repr(float(loss)))
+    distributed.shutdown_distributed()
+    """
+)
+
+
+def recserve(*args: str) -> list[str]:
+    """The ``recserve`` console script of this interpreter's environment (or ``-m`` fallback)."""
+    script = shutil.which("recserve", path=str(Path(sys.executable).parent))
+    if script:
+        return [script, *args]
+    return [sys.executable, "-m", "embedding_store.cli", *args]
+
+
+def run_in_session(args: list[str], log: Path, timeout: float = TIMEOUT) -> str:
+    """Run ``args`` in a new session; on timeout or failure, kill its process group."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        code = process.wait(timeout=timeout)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)  # the group this call started (torchrun + ranks)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+    text = log.read_text(errors="replace")
+    assert code == 0, f"{args} exited with {code}:\n{text[-4000:]}"
+    return text
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    with LocalCluster(EMBEDDING_CONFIG, num_shards=2, num_workers=1, log_dir=logs) as started:
+        yield started
+
+
+def test_two_ddp_ranks_with_two_shards_reach_the_example_auc(cluster, tmp_path):
+    checkpoint, metrics = tmp_path / "checkpoint", tmp_path / "metrics.json"
+    run_in_session(
+        recserve(
+            "train",
+            "--nproc-per-node",
+            "2",
+            "--embedding-workers",
+            cluster.worker_addresses[0],
+            "--entry",
+            str(TRAIN),
+            "--",
+            "--checkpoint-dir",
+            str(checkpoint),
+            "--metrics-out",
+            str(metrics),
+        ),
+        tmp_path / "train.log",
+    )
+    result = json.loads(metrics.read_text())
+    assert result["world_size"] == 2
+    assert result["steps"] > 0
+    assert result["test_auc"] >= 0.91, result
+    for name in ("dense.pt", "jit_dense.pt", "opt.pt", "manifest.json", "DONE"):
+        assert (checkpoint / name).exists(), name
+    # The embedding worker wrote the embeddings (both shards' rows) into the same checkpoint.
+    assert (checkpoint / "embeddings" / "DONE").exists()
+    assert all(cluster.shards[i].alive for i in range(2)) and cluster.workers[0].alive
+
+
+def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_path):
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_in_session(
+        recserve(
+            "train",
+            "--nproc-per-node",
+            "2",
+            "--embedding-workers",
+            cluster.worker_addresses[0],
+            "--entry",
+            str(script),
+            "--",
+            str(EMBEDDING_CONFIG),
+            str(out),
+        ),
+        tmp_path / "one_step.log",
+    )
+    before = [torch.load(out / f"before-{r}.pt") for r in range(2)]
+    after = [torch.load(out / f"after-{r}.pt") for r in range(2)]
+    losses = [float((out / f"loss-{r}.txt").read_text()) for r in range(2)]
+    assert losses[0] != losses[1]  # the ranks really saw different batches
+    assert before[0].keys() == after[0].keys() == after[1].keys()
+    for name in after[0]:
+        # DDP broadcast rank 0's initial weights, then allreduced the gradients.
+        assert torch.equal(before[0][name], before[1][name]), name
+        assert torch.equal(after[0][name], after[1][name]), name
+        assert not torch.equal(after[0][name], before[0][name]), name
