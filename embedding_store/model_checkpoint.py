@@ -257,8 +257,11 @@ def load_checkpoint(
     model: torch.nn.Module,
     dense_optimizer: torch.optim.Optimizer | None,
     tier: EmbeddingTier,
+    *,
+    load_embeddings: bool = True,
 ) -> CheckpointManifest:
-    """Restore dense weights, optimizer state and embeddings; verified before anything moves."""
+    """Restore dense weights, optimizer state and (unless ``load_embeddings`` is False, e.g.
+    on DDP ranks other than 0 sharing one tier) embeddings; verified before anything moves."""
     manifest = read_manifest(directory)
     state = load_state(manifest, DENSE_FILE)
     optimizer_state = (
@@ -280,5 +283,6 @@ def load_checkpoint(
             raise CheckpointError(
                 f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
             ) from None
-    tier.load(manifest.embeddings_directory)
+    if load_embeddings:
+        tier.load(manifest.embeddings_directory)
     return manifest

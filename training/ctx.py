@@ -428,12 +428,20 @@ class TrainCtx(EmbeddingCtx):
         )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Resume from a checkpoint: dense weights, dense optimizer state, embeddings."""
+        """Resume from a checkpoint: dense weights and optimizer state on every rank; the
+        embeddings once (rank 0) into the shared tier, the other ranks wait for it."""
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()
-        manifest = load_checkpoint(
-            Path(directory), self.dense_model, self.dense_optimizer, self.embedding_tier
-        )
+        try:
+            manifest = load_checkpoint(
+                Path(directory),
+                self.dense_model,
+                self.dense_optimizer,
+                self.embedding_tier,
+                load_embeddings=distributed.rank() == 0,
+            )
+        finally:
+            distributed.barrier()
         self.step = manifest.step
         self.signature = manifest.signature or self.signature
