@@ -47,6 +47,19 @@ def _min_timeout(*timeouts: float | None) -> float | None:
     return min(present) if present else None
 
 
+#: gRPC reports a call without a deadline as one ~1e10 s away; beyond this there is none.
+_NO_DEADLINE_SECONDS = 365 * 24 * 3600.0
+
+
+def _time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of the client's deadline, or None when it set none (the server default
+    applies then, as over HTTP)."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _NO_DEADLINE_SECONDS:
+        return None
+    return remaining
+
+
 class InferenceServicer:
     """``inference.GRPCInferenceService`` over a :class:`PredictionCore` (thread-safe)."""
 
@@ -78,7 +91,7 @@ class InferenceServicer:
     @rpc_errors
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         decoded = codec.decode_grpc_request(request)
-        timeout = _min_timeout(context.time_remaining(), decoded.timeout)
+        timeout = _min_timeout(_time_remaining(context), decoded.timeout)
         prediction = self._core.predict(
             request.model_name,
             request.model_version or None,

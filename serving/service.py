@@ -34,6 +34,16 @@ from serving.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
+#: The longest a request waits for its answer, whatever deadline it asks for (one day).
+MAX_WAIT_SECONDS = 24 * 3600.0
+
+
+def _share(total: int, part: int, whole: int) -> int:
+    """``total`` apportioned to ``part`` of ``whole`` (exact when part == whole)."""
+    if part >= whole or whole == 0:
+        return total
+    return round(total * part / whole)
+
 
 class PredictionService:
     """Implements :class:`serving.core.PredictionCore` for one model name."""
@@ -137,7 +147,8 @@ class PredictionService:
         self.metrics.ids.inc(sum(len(f.values) for f in merged.id_type_features))
         self.metrics.unknown_ids.inc(output.unknown_ids)
         self.metrics.fallback_ids.inc(output.fallback_ids)
-        return output.predictions, (model.version, output.fallback_ids)
+        ids = sum(len(f.values) for f in merged.id_type_features)
+        return output.predictions, (model.version, output.fallback_ids, output.unknown_ids, ids)
 
     def predict(
         self,
@@ -205,6 +216,9 @@ class PredictionService:
             model = self._check_name(name, version)
             batch = build(model)
             wait = timeout if timeout is not None else self.default_timeout
+            # gRPC reports "no deadline" as ~1e10 s left, and clients may send huge timeouts:
+            # clamp, or Future.result / lock waits overflow (OverflowError -> a 500).
+            wait = min(wait, MAX_WAIT_SECONDS)
             future = self._batcher.submit(batch, deadline=time.monotonic() + wait)
             try:
                 result: BatchOutcome = future.result(timeout=wait)
@@ -213,8 +227,9 @@ class PredictionService:
                 raise DeadlineExceededError(
                     f"no answer within the request deadline of {wait:.3f} s"
                 ) from None
-            served_version, merged_fallback = result.context
+            served_version, merged_fallback, merged_unknown, merged_ids = result.context
             self.metrics.queue_latency.observe(result.queue_seconds)
+            own_ids = sum(len(f.values) for f in batch.id_type_features)
             fallback = 0
             if merged_fallback:  # every ID of the merged batch fell back, so all of ours did
                 fallback = sum(len(f.values) for f in batch.id_type_features)
@@ -224,7 +239,9 @@ class PredictionService:
                 model_name=self.name,
                 model_version=served_version,
                 fallback_ids=fallback,
-                unknown_ids=0,
+                # Exact when the request was computed alone; apportioned by its share of the
+                # merged batch's IDs when dynamic batching merged it with others.
+                unknown_ids=_share(merged_unknown, own_ids, merged_ids),
             )
         except RecserveError as error:
             outcome = type(error).__name__

@@ -1,0 +1,879 @@
+"""``recserve serve`` end to end: real server subprocesses on loopback, real clients.
+
+One small Adult checkpoint (1 epoch) is trained per session (conftest.py). Served predictions
+are compared with the offline :class:`serving.infer_ctx.InferCtx` on every route (friendly JSON
+with the Adult preprocessor, KServe v2 JSON, the HTTP binary tensor extension, gRPC raw
+contents); the unchanged tritonclient API is exercised over HTTP and gRPC; errors, hot reload
+under load, a failed reload, the SIGTERM drain, fuzzed bodies and ``/metrics`` are checked.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import InvalidArgumentError
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from examples.adult_income import features
+from serving import tensors
+from serving.infer_ctx import InferCtx
+
+ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
+MODEL = "model"
+N_ROWS = 64
+ATOL = 1e-6
+
+
+# --------------------------------------------------------------------------- helpers
+def read_rows(count: int) -> list[dict[str, Any]]:
+    """The first ``count`` raw test rows as a JSON client would send them (numbers as numbers,
+    no label)."""
+    rows = []
+    with gzip.open(features.TEST_PATH, "rt", encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            row = {k.strip(): v.strip() for k, v in row.items()}
+            row.pop(features.LABEL_COLUMN, None)
+            for column in features.NUMERIC_COLUMNS:
+                row[column] = int(row[column])
+            rows.append(row)
+            if len(rows) == count:
+                break
+    return rows
+
+
+def batch_arrays(batch: Batch) -> dict[str, np.ndarray]:
+    """KServe v2 inputs of a batch: ``<slot>`` UINT64 [batch] and ``numeric`` FP32 [batch, 6]."""
+    arrays = {
+        f.name: np.ascontiguousarray(f.values, dtype=np.uint64) for f in batch.id_type_features
+    }
+    for feature in batch.non_id_type_features:
+        arrays[feature.name] = np.ascontiguousarray(feature.data, dtype=np.float32)
+    return arrays
+
+
+def _datatype(array: np.ndarray) -> str:
+    return {"uint64": "UINT64", "int64": "INT64", "float32": "FP32", "int32": "INT32"}[
+        array.dtype.name
+    ]
+
+
+def kserve_json(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {
+        "inputs": [
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": _datatype(array),
+                "data": array.reshape(-1).tolist(),
+            }
+            for name, array in arrays.items()
+        ]
+    }
+
+
+def triton_inputs(module: Any, arrays: dict[str, np.ndarray], **kwargs: Any) -> list[Any]:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), _datatype(array))
+        tensor.set_data_from_numpy(array, **kwargs)
+        inputs.append(tensor)
+    return inputs
+
+
+def request(
+    address: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, bytes]:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def post_json(address: str, path: str, document: Any) -> tuple[int, Any]:
+    status, body = request(
+        address, "POST", path, json.dumps(document).encode(), {"Content-Type": "application/json"}
+    )
+    return status, json.loads(body)
+
+
+def json_prediction(document: dict[str, Any]) -> np.ndarray:
+    (output,) = document["outputs"]
+    assert output["name"] == "prediction" and output["datatype"] == "FP32"
+    return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+
+
+def metric_families(address: str) -> dict[str, Any]:
+    status, body = request(address, "GET", "/metrics")
+    assert status == 200
+    return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def manifest_version(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "manifest.json").read_text())["version"]
+
+
+def assert_error(status: int, body: bytes, expected_status: int, *needles: str) -> str:
+    assert status == expected_status, body
+    document = json.loads(body)
+    assert set(document) == {"error"}, document
+    for needle in needles:
+        assert needle in document["error"], document
+    return document["error"]
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def served(serve_process, adult_checkpoint):
+    """The main server: sigmoid outputs, the Adult preprocessor on the friendly route."""
+    return serve_process(
+        adult_checkpoint, "--output-transform", "sigmoid", "--preprocessor", ADULT_PREPROCESSOR
+    )
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict[str, Any]]:
+    return read_rows(N_ROWS)
+
+
+@pytest.fixture(scope="module")
+def batch(rows) -> Batch:
+    return features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+
+
+@pytest.fixture(scope="module")
+def offline(adult_checkpoint):
+    with InferCtx(checkpoint=adult_checkpoint, output_transform="sigmoid") as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def http_client(served):
+    client = httpclient.InferenceServerClient(served.http_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served):
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    yield client
+    client.close()
+
+
+# --------------------------------------------------------------------------- 1. parity
+def test_every_route_matches_offline_inferctx(
+    served, rows, batch, offline, http_client, grpc_client
+):
+    expected = offline.forward(batch)
+    assert expected.shape == (N_ROWS, 1)
+    arrays = batch_arrays(batch)
+
+    # friendly route: raw Adult rows through the --preprocessor
+    status, document = post_json(
+        served.http_url, f"/v1/models/{MODEL}:predict", {"instances": rows}
+    )
+    assert status == 200, document
+    assert document["model_version"] == served.version
+    np.testing.assert_allclose(np.asarray(document["predictions"]), expected, rtol=0, atol=ATOL)
+
+    # KServe v2 JSON tensors
+    status, document = post_json(served.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200, document
+    assert document["model_name"] == MODEL and document["model_version"] == served.version
+    np.testing.assert_allclose(json_prediction(document), expected, rtol=0, atol=ATOL)
+
+    # HTTP binary tensor extension (inputs and outputs binary)
+    result = http_client.infer(
+        MODEL,
+        triton_inputs(httpclient, arrays, binary_data=True),
+        outputs=[httpclient.InferRequestedOutput("prediction", binary_data=True)],
+    )
+    assert result.get_response()["model_version"] == served.version
+    assert result.get_output("prediction")["parameters"]["binary_data_size"] == N_ROWS * 4
+    np.testing.assert_allclose(result.as_numpy("prediction"), expected, rtol=0, atol=ATOL)
+
+    # gRPC ModelInfer with raw_input_contents
+    result = grpc_client.infer(MODEL, triton_inputs(grpcclient, arrays))
+    assert result.get_response().model_version == served.version
+    np.testing.assert_allclose(result.as_numpy("prediction"), expected, rtol=0, atol=ATOL)
+
+    # other IDs -> other predictions (and still the offline ones)
+    rolled = {
+        name: np.roll(array, 7) if name in ("relationship", "marital-status") else array
+        for name, array in arrays.items()
+    }
+    changed_batch = Batch(
+        [
+            IDTypeFeatureWithSingleID(f.name, rolled[f.name].astype(np.uint64))
+            for f in batch.id_type_features
+        ],
+        [NonIDTypeFeature(rolled["numeric"], "numeric")],
+        requires_grad=False,
+    )
+    changed = grpc_client.infer(MODEL, triton_inputs(grpcclient, rolled)).as_numpy("prediction")
+    np.testing.assert_allclose(changed, offline.forward(changed_batch), rtol=0, atol=ATOL)
+    assert np.abs(changed - expected).max() > 1e-3
+
+
+# --------------------------------------------------------------------------- 2. tritonclient
+def _expected_inputs() -> list[tuple[str, str, list[int]]]:
+    return [(slot, "INT64", [-1]) for slot in features.SLOT_NAMES] + [
+        ("numeric", "FP32", [-1, features.NUM_NON_ID_FEATURES])
+    ]
+
+
+def test_tritonclient_http_api(served, http_client):
+    assert http_client.is_server_live()
+    assert http_client.is_server_ready()
+    assert http_client.is_model_ready(MODEL)
+    assert not http_client.is_model_ready("no-such-model")
+    assert http_client.get_server_metadata()["name"] == "recserve"
+    metadata = http_client.get_model_metadata(MODEL)
+    assert metadata["name"] == MODEL and metadata["versions"] == [served.version]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == (
+        _expected_inputs()
+    )
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
+        ("prediction", "FP32", [-1, 1])
+    ]
+    # the client code of the metadata, unchanged: INT64 IDs as listed, JSON (non-binary) data
+    inputs = []
+    for spec in metadata["inputs"]:
+        shape = [3, *spec["shape"][1:]]
+        dtype = np.int64 if spec["datatype"] == "INT64" else np.float32
+        tensor = httpclient.InferInput(spec["name"], shape, spec["datatype"])
+        tensor.set_data_from_numpy(
+            np.arange(np.prod(shape)).reshape(shape).astype(dtype), binary_data=False
+        )
+        inputs.append(tensor)
+    result = http_client.infer(MODEL, inputs)
+    assert result.get_response()["model_version"] == served.version
+    prediction = result.as_numpy("prediction")
+    assert prediction.shape == (3, 1) and np.all((prediction >= 0) & (prediction <= 1))
+
+
+def test_tritonclient_grpc_api(served, grpc_client):
+    assert grpc_client.is_server_live()
+    assert grpc_client.is_server_ready()
+    assert grpc_client.is_model_ready(MODEL)
+    assert grpc_client.get_server_metadata().name == "recserve"
+    metadata = grpc_client.get_model_metadata(MODEL)
+    assert metadata.name == MODEL and list(metadata.versions) == [served.version]
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == _expected_inputs()
+    assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+        ("prediction", "FP32", [-1, 1])
+    ]
+    inputs = []
+    for spec in metadata.inputs:
+        shape = [5, *spec.shape[1:]]
+        dtype = np.int64 if spec.datatype == "INT64" else np.float32
+        tensor = grpcclient.InferInput(spec.name, shape, spec.datatype)
+        tensor.set_data_from_numpy(np.arange(np.prod(shape)).reshape(shape).astype(dtype))
+        inputs.append(tensor)
+    result = grpc_client.infer(MODEL, inputs, client_timeout=30.0)
+    assert result.get_response().model_version == served.version
+    assert result.as_numpy("prediction").shape == (5, 1)
+
+
+# --------------------------------------------------------------------------- 3. errors
+def _bad_inputs(case: str, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
+    """A broken copy of ``arrays`` and the input name the error must mention."""
+    bad = dict(arrays)
+    if case == "unknown input":
+        bad["bogus_feature"] = np.zeros(len(arrays["race"]), np.int64)
+        return bad, "bogus_feature"
+    if case == "wrong dtype":
+        bad["education"] = arrays["education"].astype(np.float32)
+        return bad, "education"
+    if case == "batch size mismatch":
+        bad["race"] = arrays["race"][:-1]
+        return bad, "race"
+    if case == "negative id":
+        ids = (arrays["gender"] % 1000).astype(np.int64)
+        ids[1] = -5
+        bad["gender"] = ids
+        return bad, "gender"
+    raise AssertionError(case)
+
+
+ERROR_CASES = ["unknown input", "wrong dtype", "batch size mismatch", "negative id"]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_bad_inputs_are_rejected_naming_the_input(served, batch, grpc_client, case):
+    arrays = {k: v[:4] for k, v in batch_arrays(batch).items()}
+    bad, name = _bad_inputs(case, arrays)
+    status, body = request(
+        served.http_url,
+        "POST",
+        f"/v2/models/{MODEL}/infer",
+        json.dumps(kserve_json(bad)).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert_error(status, body, 400, name)
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer(MODEL, triton_inputs(grpcclient, bad))
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert name in raised.value.message()
+    # the server is fine afterwards
+    assert grpc_client.infer(MODEL, triton_inputs(grpcclient, arrays)).as_numpy(
+        "prediction"
+    ).shape == (4, 1)
+
+
+def test_unknown_model_is_not_found(served, batch, grpc_client):
+    arrays = {k: v[:2] for k, v in batch_arrays(batch).items()}
+    body = json.dumps(kserve_json(arrays)).encode()
+    assert_error(*request(served.http_url, "POST", "/v2/models/nope/infer", body), 404, "nope")
+    assert_error(*request(served.http_url, "GET", "/v2/models/nope"), 404, "nope")
+    assert_error(*request(served.http_url, "GET", "/v2/models/nope/ready"), 404, "nope")
+    assert_error(
+        *request(served.http_url, "POST", "/v1/models/nope:predict", b'{"instances": [{}]}'),
+        404,
+        "nope",
+    )
+    assert_error(
+        *request(served.http_url, "POST", f"/v2/models/{MODEL}/versions/v0/infer", body),
+        404,
+        "v0",
+    )
+    for call in (
+        lambda: grpc_client.infer("nope", triton_inputs(grpcclient, arrays)),
+        lambda: grpc_client.get_model_metadata("nope"),
+        lambda: grpc_client.is_model_ready("nope"),
+    ):
+        with pytest.raises(InferenceServerException) as raised:
+            call()
+        assert raised.value.status() == "StatusCode.NOT_FOUND"
+        assert "nope" in raised.value.message()
+
+
+def test_friendly_route_rejects_bad_rows(served, rows):
+    broken = [dict(rows[0]), {k: v for k, v in rows[1].items() if k != "occupation"}]
+    status, body = request(
+        served.http_url,
+        "POST",
+        f"/v1/models/{MODEL}:predict",
+        json.dumps({"instances": broken}).encode(),
+    )
+    assert_error(status, body, 400, "occupation")
+
+
+def test_lengths_not_summing_served(http_client):
+    names = [t["name"] for t in http_client.get_model_metadata(MODEL)["inputs"]]
+    if not any(n.endswith(tensors.LENGTHS_SUFFIX) for n in names):
+        pytest.skip(
+            "the Adult model has only single-ID slots (no '<slot>.lengths' input), so a "
+            "lengths/IDs mismatch cannot be sent to it; see test_lengths_not_summing_in_process"
+        )
+
+
+def test_lengths_not_summing_in_process():
+    """The same validation the server runs, on a signature with a jagged slot."""
+    signature = FeatureSignature(
+        id_features=(IdFeatureSpec("history", single_id=False), IdFeatureSpec("user", True)),
+        non_id_features=(NonIdFeatureSpec("dense", "float32", (2,)),),
+    )
+    inputs = {
+        "history": np.array([1, 2, 3], np.uint64),
+        "history.lengths": np.array([1, 1], np.int64),
+        "user": np.array([5, 6], np.uint64),
+        "dense": np.zeros((2, 2), np.float32),
+    }
+    with pytest.raises(InvalidArgumentError, match=r"history\.lengths"):
+        tensors.tensors_to_batch(signature, inputs, max_batch_size=16)
+    inputs["history.lengths"] = np.array([1, 2], np.int64)
+    assert tensors.tensors_to_batch(signature, inputs, max_batch_size=16).batch_size == 2
+
+
+# --------------------------------------------------------------------------- 4. hot reload
+class _Traffic:
+    """Threads sending small requests in a loop (HTTP KServe JSON and gRPC) until stopped."""
+
+    def __init__(self, server, arrays: dict[str, np.ndarray], deadline_s: float = 60.0) -> None:
+        self.server = server
+        self.arrays = arrays
+        self.stop = threading.Event()
+        self.deadline = time.monotonic() + deadline_s
+        self.versions: dict[str, list[str]] = {"http": [], "grpc": []}
+        self.failures: list[str] = []
+        self.last: dict[str, np.ndarray] = {}
+        self._threads = [
+            threading.Thread(target=self._http, daemon=True),
+            threading.Thread(target=self._grpc, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def running(self) -> bool:
+        return not self.stop.is_set() and time.monotonic() < self.deadline
+
+    def _http(self) -> None:
+        host, port = self.server.http_url.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = json.dumps(kserve_json(self.arrays)).encode()
+        while self.running():
+            try:
+                connection.request("POST", f"/v2/models/{MODEL}/infer", body=body)
+                response = connection.getresponse()
+                payload = response.read()
+                if response.status != 200:
+                    self.failures.append(f"http {response.status}: {payload[:200]!r}")
+                    continue
+                document = json.loads(payload)
+                self.versions["http"].append(document["model_version"])
+                self.last["http"] = json_prediction(document)
+            except Exception as error:
+                self.failures.append(f"http {type(error).__name__}: {error}")
+                connection.close()
+        connection.close()
+
+    def _grpc(self) -> None:
+        client = grpcclient.InferenceServerClient(self.server.grpc_url)
+        inputs = triton_inputs(grpcclient, self.arrays)
+        while self.running():
+            try:
+                result = client.infer(MODEL, inputs, client_timeout=30.0)
+                self.versions["grpc"].append(result.get_response().model_version)
+                self.last["grpc"] = result.as_numpy("prediction")
+            except Exception as error:
+                self.failures.append(f"grpc {type(error).__name__}: {error}")
+        client.close()
+
+    def seen(self, version: str) -> bool:
+        return all(version in versions for versions in self.versions.values())
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_reload_under_load_then_failed_reload(
+    serve_process, adult_checkpoint, adult_checkpoint_b, tmp_path, batch
+):
+    served_dir = tmp_path / "served"
+    shutil.copytree(adult_checkpoint, served_dir)
+    old_version, new_version = (
+        manifest_version(adult_checkpoint),
+        manifest_version(adult_checkpoint_b),
+    )
+    assert old_version != new_version
+    server = serve_process(served_dir, "--watch-seconds", "0.5", "--output-transform", "sigmoid")
+    assert server.version == old_version
+    arrays = {k: v[:8] for k, v in batch_arrays(batch).items()}
+
+    traffic = _Traffic(server, arrays)
+    try:
+        _wait_until(lambda: traffic.seen(old_version), 30, "traffic on the old version")
+        # a new version arrives the way a trainer publishes one: staged next to the served
+        # directory, then swapped in with two renames
+        staging = tmp_path / "staging"
+        shutil.copytree(adult_checkpoint_b, staging)
+        os.rename(served_dir, tmp_path / "previous")
+        os.rename(staging, served_dir)
+        _wait_until(lambda: traffic.seen(new_version), 30, "the new version in responses")
+        time.sleep(0.3)
+    finally:
+        traffic.join()
+    assert traffic.failures == [], traffic.failures[:5]
+    for protocol, versions in traffic.versions.items():
+        first_new = versions.index(new_version)
+        assert set(versions[:first_new]) == {old_version}, protocol
+        assert set(versions[first_new:]) == {new_version}, protocol  # no flapping back
+    with InferCtx(checkpoint=adult_checkpoint_b, output_transform="sigmoid") as ctx:
+        expected = ctx.forward(
+            Batch(
+                [IDTypeFeatureWithSingleID(n, arrays[n]) for n in features.SLOT_NAMES],
+                [NonIDTypeFeature(arrays["numeric"], "numeric")],
+                requires_grad=False,
+            )
+        )
+    for prediction in traffic.last.values():
+        np.testing.assert_allclose(prediction, expected, rtol=0, atol=ATOL)
+
+    # failed reloads (POST /admin/reload from loopback): the error names the problem and the
+    # served version stays
+    missing = tmp_path / "missing-checkpoint"
+    status, body = request(
+        server.http_url, "POST", "/admin/reload", json.dumps({"checkpoint": str(missing)}).encode()
+    )
+    assert status >= 400
+    assert str(missing) in json.loads(body)["error"]
+    corrupt = Path(shutil.copytree(adult_checkpoint, tmp_path / "corrupt"))
+    (corrupt / "jit_dense.pt").write_bytes(b"not a torchscript file")
+    status, body = request(
+        server.http_url, "POST", "/admin/reload", json.dumps({"checkpoint": str(corrupt)}).encode()
+    )
+    assert status >= 400
+    assert "jit_dense.pt" in json.loads(body)["error"]
+    assert_serves(server, arrays, new_version, expected)
+    assert reload_counts(server) == {"ok": 1.0, "failed": 2.0}
+    # an explicit reload of the served directory works (and is a no-op version-wise)
+    status, document = post_json(server.http_url, "/admin/reload", {})
+    assert status == 200 and document["version"] == new_version
+
+    # the watcher picks up a new version whose embeddings are corrupt (same size, other
+    # bytes): the reload fails on the checksum and the served version stays
+    bad = Path(shutil.copytree(adult_checkpoint, tmp_path / "bad-embeddings"))
+    for table in (bad / "embeddings").rglob("*.safetensors"):
+        table.write_bytes(bytes(len(table.read_bytes())))
+    os.rename(served_dir, tmp_path / "previous-2")
+    os.rename(bad, served_dir)
+    _wait_until(lambda: reload_counts(server)["failed"] == 3.0, 30, "the watcher's failed reload")
+    assert "SHA-256" in server.log()
+    time.sleep(1.0)  # a few more polls: the failed version is not retried
+    assert reload_counts(server) == {"ok": 2.0, "failed": 3.0}
+    assert_serves(server, arrays, new_version, expected)
+
+
+def reload_counts(server) -> dict[str, float]:
+    return {
+        s.labels["outcome"]: s.value
+        for s in metric_families(server.http_url)["recserve_reloads"].samples
+        if s.name == "recserve_reloads_total"
+    }
+
+
+def assert_serves(server, arrays, version: str, expected: np.ndarray) -> None:
+    status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200 and document["model_version"] == version
+    np.testing.assert_allclose(json_prediction(document), expected, rtol=0, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- 5. SIGTERM drain
+def test_sigterm_drains_in_flight_requests(serve_process, adult_checkpoint, rows):
+    # Slow requests without sleeping in the server: the batcher waits up to 2.5 s to merge
+    # (max batch far above what we send), so every request sits in the server when SIGTERM
+    # arrives.
+    grace = 10.0
+    server = serve_process(
+        adult_checkpoint,
+        "--grace-seconds",
+        str(grace),
+        "--max-queue-delay-ms",
+        "2500",
+        "--max-batch-size",
+        "1000000",
+        "--max-request-batch-size",
+        "8192",
+    )
+    big = features.rows_to_batch(rows * 8, with_labels=False, requires_grad=False)  # 512 rows
+    arrays = batch_arrays(big)
+    body = json.dumps(kserve_json(arrays)).encode()
+    results: dict[str, Any] = {}
+
+    def http_call(key: str) -> None:
+        try:
+            status, payload = request(server.http_url, "POST", f"/v2/models/{MODEL}/infer", body)
+            results[key] = (status, json.loads(payload)) if status == 200 else (status, payload)
+        except Exception as error:
+            results[key] = ("exception", repr(error))
+
+    def grpc_call(key: str) -> None:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            result = client.infer(MODEL, triton_inputs(grpcclient, arrays), client_timeout=30)
+            results[key] = (200, result.as_numpy("prediction"))
+        except Exception as error:
+            results[key] = ("exception", repr(error))
+        finally:
+            client.close()
+
+    threads = [
+        threading.Thread(target=http_call if i % 2 else grpc_call, args=(f"request-{i}",))
+        for i in range(6)
+    ]
+    for thread in threads:
+        thread.start()
+
+    def pending() -> float:
+        family = metric_families(server.http_url)["recserve_pending_requests"]
+        return family.samples[0].value
+
+    _wait_until(lambda: pending() >= len(threads), 10, "all requests queued in the server")
+    sent = time.monotonic()
+    server.terminate()
+    saw_not_ready = False
+    while server.process.poll() is None and time.monotonic() - sent < grace:
+        try:
+            status, _ = request(server.http_url, "GET", "/v2/health/ready", timeout=2)
+        except OSError:
+            break  # the listener is gone: shutdown went past readiness
+        if status == 503:
+            saw_not_ready = True
+            status, body = request(
+                server.http_url, "POST", f"/v2/models/{MODEL}/infer", body, timeout=5
+            )
+            assert status == 503, body  # new work is refused while draining
+            break
+        time.sleep(0.01)
+    for thread in threads:
+        thread.join(grace + 10)
+    assert saw_not_ready, "readiness never reported 503 while draining"
+    assert server.process.wait(grace + 5) == 0, server.log()[-2000:]
+    assert time.monotonic() - sent < grace + 5
+    assert sorted(results) == sorted(f"request-{i}" for i in range(len(threads)))
+    for key, (status, payload) in results.items():
+        assert status == 200, (key, payload)
+        prediction = json_prediction(payload) if isinstance(payload, dict) else payload
+        assert prediction.shape == (big.batch_size, 1)
+
+
+# --------------------------------------------------------------------------- 6. fuzzing
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=16,
+)
+_NAMES = st.sampled_from([*features.SLOT_NAMES, "numeric", "bogus", ""])
+_DATATYPES = st.sampled_from(["UINT64", "INT64", "INT32", "FP32", "FP16", "BOOL", "BYTES", "x"])
+_NUMBER_LISTS = st.lists(
+    st.integers(min_value=-(2**65), max_value=2**65)
+    | st.floats(allow_nan=True, allow_infinity=True),
+    max_size=8,
+)
+_TENSORS = st.fixed_dictionaries(
+    {
+        "name": _NAMES,
+        "datatype": _DATATYPES,
+        "shape": st.lists(st.integers(min_value=-2, max_value=2**40), max_size=3),
+    },
+    optional={
+        "data": _NUMBER_LISTS | _JSON,
+        "parameters": st.fixed_dictionaries(
+            {}, optional={"binary_data_size": st.integers(min_value=-5, max_value=64)}
+        ),
+    },
+)
+_KSERVE = st.fixed_dictionaries(
+    {"inputs": st.lists(_TENSORS, max_size=5)},
+    optional={
+        "id": _SCALARS,
+        "parameters": st.dictionaries(
+            st.sampled_from(["timeout", "binary_data_output", "x"]), _SCALARS, max_size=2
+        ),
+        "outputs": st.lists(
+            st.fixed_dictionaries({"name": st.sampled_from(["prediction", "y"])}), max_size=2
+        ),
+    },
+)
+_ROW_VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=3))
+_INSTANCES = st.fixed_dictionaries(
+    {
+        "instances": st.lists(
+            st.dictionaries(
+                st.sampled_from([*features.NUMERIC_COLUMNS, *features.CATEGORICAL_COLUMNS, "x"]),
+                _ROW_VALUES,
+                max_size=16,
+            ),
+            max_size=3,
+        )
+    }
+)
+_SMALL_NUMBERS = st.lists(
+    st.integers(min_value=-3, max_value=2**64) | st.floats(width=32), min_size=0, max_size=14
+)
+_REAL_INPUTS = [*features.SLOT_NAMES, "numeric"]
+
+
+@st.composite
+def _near_valid_kserve(draw) -> tuple[bytes, str | None]:
+    """Every real input present, with drawn datatypes, shapes and data (JSON or binary)."""
+    binary = draw(st.booleans())
+    tensors_json, blobs = [], []
+    for name in _REAL_INPUTS:
+        datatype = draw(st.sampled_from(["UINT64", "INT64", "INT32", "FP32", "FP64", "BOOL"]))
+        shape = draw(st.sampled_from([[2], [2, 6], [12], [1, 2], [0], [3]]))
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if binary:
+            blob = draw(st.binary(max_size=100))
+            tensor["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            tensor["data"] = draw(_SMALL_NUMBERS)
+        tensors_json.append(tensor)
+    header = json.dumps({"inputs": tensors_json}).encode()
+    if not binary:
+        return header, None
+    return header + b"".join(blobs), str(len(header))
+
+
+_ADULT_ROW = {
+    "age": 39,
+    "workclass": "State-gov",
+    "fnlwgt": 77516,
+    "education": "Bachelors",
+    "educational-num": 13,
+    "marital-status": "Never-married",
+    "occupation": "Adm-clerical",
+    "relationship": "Not-in-family",
+    "race": "White",
+    "gender": "Male",
+    "capital-gain": 2174,
+    "capital-loss": 0,
+    "hours-per-week": 40,
+    "native-country": "United-States",
+}
+
+
+@st.composite
+def _near_valid_instances(draw) -> bytes:
+    """Real Adult rows with a few columns replaced by drawn JSON values."""
+    instances = []
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        row = dict(_ADULT_ROW)
+        for column in draw(st.lists(st.sampled_from(sorted(row)), max_size=3)):
+            row[column] = draw(_ROW_VALUES | _JSON)
+        instances.append(row)
+    return json.dumps({"instances": instances}).encode()
+
+
+_BODIES = st.one_of(
+    st.binary(max_size=256),
+    _JSON.map(lambda doc: json.dumps(doc).encode()),
+    _KSERVE.map(lambda doc: json.dumps(doc).encode()),
+    _INSTANCES.map(lambda doc: json.dumps(doc).encode()),
+)
+FUZZ_EXAMPLES = int(os.environ.get("RECSERVE_FUZZ_EXAMPLES", "60"))
+
+
+_FUZZ_SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES,  # RECSERVE_FUZZ_EXAMPLES=5000 for a longer hunt
+    deadline=None,
+    derandomize=FUZZ_EXAMPLES <= 60,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def _post_fuzzed(server, path: str, body: bytes, headers: dict[str, str], gzip_it: bool) -> None:
+    headers = {"Content-Type": "application/json", **headers}
+    if gzip_it:
+        body = gzip.compress(body)
+        headers["Content-Encoding"] = "gzip"
+    status, answer = request(server.http_url, "POST", path, body, headers)
+    assert status < 500, (status, answer, body[:300])
+    if status != 200:
+        assert set(json.loads(answer)) == {"error"}, answer
+    assert request(server.http_url, "GET", "/v2/health/live")[0] == 200
+
+
+@_FUZZ_SETTINGS
+@given(
+    path=st.sampled_from([f"/v2/models/{MODEL}/infer", f"/v1/models/{MODEL}:predict"]),
+    body=_BODIES,
+    header_length=st.none() | st.integers(min_value=-3, max_value=300).map(str),
+    gzip_it=st.booleans(),
+)
+def test_fuzzed_bodies_never_500(served, path, body, header_length, gzip_it):
+    headers = {} if header_length is None else {"Inference-Header-Content-Length": header_length}
+    _post_fuzzed(served, path, body, headers, gzip_it)
+
+
+@_FUZZ_SETTINGS
+@given(request_body=_near_valid_kserve(), gzip_it=st.booleans())
+def test_fuzzed_near_valid_tensors_never_500(served, request_body, gzip_it):
+    body, header_length = request_body
+    headers = {} if header_length is None else {"Inference-Header-Content-Length": header_length}
+    _post_fuzzed(served, f"/v2/models/{MODEL}/infer", body, headers, gzip_it)
+
+
+@_FUZZ_SETTINGS
+@given(body=_near_valid_instances())
+def test_fuzzed_adult_rows_never_500(served, body):
+    _post_fuzzed(served, f"/v1/models/{MODEL}:predict", body, {}, False)
+
+
+# --------------------------------------------------------------------------- 7. metrics
+def test_metrics_are_valid_prometheus_text(served, batch, grpc_client, tmp_path):
+    arrays = {k: v[:4] for k, v in batch_arrays(batch).items()}
+    assert post_json(served.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))[0] == 200
+    grpc_client.infer(MODEL, triton_inputs(grpcclient, arrays))
+    bad, _ = _bad_inputs("wrong dtype", arrays)
+    assert post_json(served.http_url, f"/v2/models/{MODEL}/infer", kserve_json(bad))[0] == 400
+
+    status, text = request(served.http_url, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+
+    requests_total = {
+        (s.labels["protocol"], s.labels["model"], s.labels["version"], s.labels["outcome"]): s.value
+        for s in families["recserve_requests"].samples
+        if s.name == "recserve_requests_total"
+    }
+    assert families["recserve_requests"].type == "counter"
+    assert requests_total[("http", MODEL, served.version, "ok")] >= 1
+    assert requests_total[("grpc", MODEL, served.version, "ok")] >= 1
+    assert requests_total[("http", MODEL, served.version, "InvalidArgumentError")] >= 1
+
+    latency = families["recserve_request_latency_seconds"]
+    assert latency.type == "histogram"
+    counts = {s.labels["protocol"]: s.value for s in latency.samples if s.name.endswith("_count")}
+    assert counts["http"] >= 2 and counts["grpc"] >= 1
+    assert any(s.labels.get("le") == "+Inf" for s in latency.samples)
+
+    batch_sizes = families["recserve_batch_size"]
+    assert batch_sizes.type == "histogram"
+    (count,) = [s.value for s in batch_sizes.samples if s.name == "recserve_batch_size_count"]
+    assert count >= 2
+
+    (age,) = families["recserve_checkpoint_age_seconds"].samples
+    assert 0 <= age.value < 3600
+    (info,) = families["recserve_model_info"].samples
+    assert info.labels == {"model": MODEL, "version": served.version}
+
+    promtool = shutil.which("promtool")
+    if promtool:
+        path = tmp_path / "metrics.txt"
+        path.write_bytes(text)
+        with open(path, "rb") as stdin:
+            check = subprocess.run(
+                [promtool, "check", "metrics"], stdin=stdin, capture_output=True, timeout=30
+            )
+        assert check.returncode == 0, check.stdout + check.stderr
