@@ -66,6 +66,13 @@ def register(subparsers) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
     parser.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
     parser.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=1,
+        help="server processes sharing the ports (SO_REUSEPORT); each loads the model",
+    )
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--preprocessor",
         default=None,
         help="MODULE:FUNCTION turning friendly JSON instances (raw rows) into a Batch, e.g. "
@@ -100,5 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
             grace_seconds=args.grace_seconds,
             threads=args.threads,
             preprocessor=args.preprocessor,
+            workers=args.workers,
+            reuse_port=args.reuse_port,
         )
     )

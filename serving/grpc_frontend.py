@@ -187,6 +187,7 @@ def build_grpc_server(
     max_workers: int = 8,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     maximum_concurrent_rpcs: int | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.Server, int, GrpcHealth]:
     """A (not yet started) gRPC server with the inference, health and reflection services.
 
@@ -196,7 +197,10 @@ def build_grpc_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-infer"),
-        options=server_options(max_message_bytes),
+        options=[
+            *(o for o in server_options(max_message_bytes) if o[0] != "grpc.so_reuseport"),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),  # several server processes
+        ],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     add_inference_servicer(InferenceServicer(core), server)

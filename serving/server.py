@@ -7,6 +7,7 @@ drain in-flight requests within the grace period, stop both servers and exit 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -50,6 +51,8 @@ class ServeOptions:
     grace_seconds: float = 10.0
     threads: int = 1
     preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
+    workers: int = 1  # server processes sharing the ports (SO_REUSEPORT)
+    reuse_port: bool = False  # set for each process of a multi-process server
 
 
 def load_preprocessor(spec: str):
@@ -122,6 +125,8 @@ class PredictionServer:
         self._mount_metrics(app)
         http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if o.reuse_port:  # the kernel spreads connections over the server processes
+            http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         http_socket.bind((o.host, o.http_port))
         self.http_port = http_socket.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
@@ -131,7 +136,7 @@ class PredictionServer:
         )
         self._http_thread.start()
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.service, host=o.host, port=o.grpc_port
+            self.service, host=o.host, port=o.grpc_port, reuse_port=o.reuse_port
         )
         self._grpc.start()
         deadline = time.monotonic() + 30
@@ -200,8 +205,61 @@ class PredictionServer:
         return drained
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def options_to_argv(options: ServeOptions) -> list[str]:
+    """``recserve serve`` arguments that reproduce ``options`` (for worker processes)."""
+    argv = ["serve"]
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "embedding_workers":
+            if value:
+                argv += [flag, ",".join(value)]
+        elif isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def serve_processes(options: ServeOptions) -> int:
+    """Run ``options.workers`` server processes on the same ports (SO_REUSEPORT): HTTP
+    parsing and model work spread over the cores; each process batches its own requests.
+    SIGTERM/SIGINT are forwarded; returns the worst exit code."""
+    import subprocess
+    import sys
+
+    fixed = dataclasses.replace(
+        options,
+        http_port=options.http_port or _free_port(options.host),
+        grpc_port=options.grpc_port or _free_port(options.host),
+        workers=1,
+        reuse_port=True,
+    )
+    command = [sys.executable, "-m", "embedding_store.cli", *options_to_argv(fixed)]
+    children = [subprocess.Popen(command) for _ in range(options.workers)]
+
+    def forward(signum, _frame) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs)
+
+
 def serve(options: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT; exit code 0 when drained cleanly."""
+    if options.workers > 1:
+        return serve_processes(options)
     server = PredictionServer(options)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, server.request_stop)
