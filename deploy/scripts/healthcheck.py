@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Health check of recserve processes, for container HEALTHCHECKs and start-up ordering.
+
+    python deploy/scripts/healthcheck.py [TARGET ...] [--wait SECONDS]
+
+A TARGET is ``grpc://HOST:PORT`` (standard gRPC health service, overall status ``""``: the
+parameter servers and embedding workers) or ``http://HOST:PORT/PATH`` (``recserve serve``:
+``/v2/health/ready``). Exit 0 when every target is healthy, else 1 (the reason on stderr).
+
+Without TARGETs: ``$RECSERVE_HEALTHCHECK`` (comma-separated targets), else the target is
+derived from this container's main process (PID 1): ``recserve serve`` ->
+``http://127.0.0.1:HTTP_PORT/v2/health/ready``, ``recserve embedding-parameter-server`` and
+``embedding-worker`` -> ``grpc://127.0.0.1:PORT``; any other command (train, data-loader)
+has nothing to check and is healthy. The container images have no curl nor grpc_health_probe:
+this needs only the Python packages recserve already depends on.
+
+``--wait SECONDS`` retries until every target is healthy or the time is up (Procfile
+ordering: start ``recserve serve`` once the shards have loaded their checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SERVE_DEFAULT_HTTP_PORT = 8000
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """Value of ``--name V`` or ``--name=V`` in an argv list (last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def targets_from_argv(argv: list[str]) -> list[str]:
+    """The health target of a ``recserve ...`` command line (empty: nothing to check)."""
+    if "serve" in argv:
+        command = "serve"
+    elif "embedding-parameter-server" in argv:
+        command = "ps"
+    elif "embedding-worker" in argv:
+        command = "worker"
+    else:
+        return []
+    host = _flag(argv, "--host") or "127.0.0.1"
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    if command == "serve":
+        port = _flag(argv, "--http-port") or str(SERVE_DEFAULT_HTTP_PORT)
+        return [f"http://{host}:{port}/v2/health/ready"]
+    port = _flag(argv, "--port")
+    return [f"grpc://{host}:{port}"] if port and port != "0" else []
+
+
+def default_targets() -> list[str]:
+    configured = os.environ.get("RECSERVE_HEALTHCHECK", "").strip()
+    if configured:
+        return [t.strip() for t in configured.split(",") if t.strip()]
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+    return targets_from_argv(argv)
+
+
+def check(target: str, timeout: float) -> str | None:
+    """None when healthy, else why not."""
+    if target.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(target, timeout=timeout) as response:
+                return None if response.status == 200 else f"HTTP {response.status}"
+        except urllib.error.HTTPError as error:
+            return f"HTTP {error.code}"
+        except (OSError, ValueError) as error:
+            return str(getattr(error, "reason", error))
+    if target.startswith("grpc://"):
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        address = target[len("grpc://") :].rstrip("/")
+        with grpc.insecure_channel(address) as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                )
+            except grpc.RpcError as error:
+                return f"{error.code().name}: {error.details()}"
+        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    return "unknown target scheme (expected grpc://HOST:PORT or http://HOST:PORT/PATH)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", metavar="TARGET")
+    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--timeout", type=float, default=3.0, help="per check (s)")
+    args = parser.parse_args(argv)
+    targets = args.targets or default_targets()
+    deadline = time.monotonic() + args.wait
+    while True:
+        problems = {t: p for t in targets if (p := check(t, args.timeout)) is not None}
+        if not problems:
+            return 0
+        if time.monotonic() >= deadline:
+            for target, problem in problems.items():
+                print(f"unhealthy: {target}: {problem}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

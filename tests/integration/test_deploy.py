@@ -1,0 +1,747 @@
+"""The deployment files under ``deploy/``.
+
+Static: every Kubernetes manifest validates (strict, offline) against the Kubernetes JSON
+schemas, the kustomization lists exactly the manifests, the ConfigMap's files load with
+recserve's own config loaders, every recserve command line in the manifests and in
+docker-compose parses with the real ``recserve`` parser, and the names that tie the pieces
+together (DNS names of the shards, services, ports, config and checkpoint paths, Prometheus
+targets) agree. Live: both Procfiles run under honcho on free loopback ports; the serving
+one answers a prediction for a checkpoint trained here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from embedding_store.cli import build_parser
+from embedding_store.config import (
+    JobType,
+    embedding_config_from_mapping,
+    global_config_from_mapping,
+    load_embedding_config,
+    load_global_config,
+)
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = REPO_ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+CONFIGS = DEPLOY / "configs"
+NAMESPACE = "recserve"
+IMAGE = "recserve"
+# The documented minimum (pod-index label, GA gRPC probes) and the newest schemas shipped.
+K8S_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
+ADULT_ROW = {
+    "age": 52,
+    "workclass": "Self-emp-inc",
+    "fnlwgt": 287927,
+    "education": "HS-grad",
+    "educational-num": 9,
+    "marital-status": "Married-civ-spouse",
+    "occupation": "Exec-managerial",
+    "relationship": "Wife",
+    "race": "White",
+    "gender": "Female",
+    "capital-gain": 15024,
+    "capital-loss": 0,
+    "hours-per-week": 40,
+    "native-country": "United-States",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+def k8s_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def k8s_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+@functools.cache
+def core_docs() -> tuple[dict, ...]:
+    """Every document of the files the kustomization applies (parsed once; read only)."""
+    return tuple(d for name in kustomization()["resources"] for d in k8s_docs(K8S / name))
+
+
+def by_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in core_docs() if d["kind"] == kind}
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def recserve_containers(workload: dict) -> list[dict]:
+    """Main containers that run ``recserve ...`` (the image's entrypoint, no command)."""
+    return [
+        c
+        for c in pod_spec(workload)["containers"]
+        if c["image"].split(":")[0] == IMAGE and "command" not in c
+    ]
+
+
+def substituted_args(container: dict) -> list[str]:
+    """Container args with ``$(VAR)`` replaced as the kubelet would (downward-API values
+    replaced by a plausible value: index 0)."""
+    values = {}
+    for env in container.get("env", []):
+        values[env["name"]] = env.get("value", "0")
+
+    def expand(arg: str) -> str:
+        def one(match: re.Match) -> str:
+            assert match[1] in values, f"$({match[1]}) in {arg!r} is not a container env var"
+            return values[match[1]]
+
+        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
+
+    return [expand(a) for a in container.get("args", [])]
+
+
+def parse_recserve(args: list[str]):
+    """Parse with the real ``recserve`` command line (SystemExit on a bad flag)."""
+    return build_parser().parse_args(args)
+
+
+def env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def load_healthcheck_module():
+    path = DEPLOY / "scripts" / "healthcheck.py"
+    spec = importlib.util.spec_from_file_location("recserve_deploy_healthcheck", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- Kubernetes
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", k8s_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_validates_against_kubernetes_schemas(path: Path, version: str) -> None:
+    docs = k8s_docs(path)
+    assert docs, f"{path} holds no document"
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            # Prometheus Operator CRD (optional/): not in the core schemas; checked below.
+            assert path.parent.name == "optional", f"{path}: CRD outside optional/"
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{path} {doc['kind']}/{doc['metadata']['name']}: {error.message}")
+
+
+def test_kustomization_lists_exactly_the_manifests() -> None:
+    k = kustomization()
+    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert k["kind"] == "Kustomization"
+    assert k["namespace"] == NAMESPACE
+    listed = k["resources"]
+    assert len(listed) == len(set(listed)), "a resource is listed twice"
+    present = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(listed) == present
+    assert all(p.parent == K8S / "optional" for p in k8s_files() if p.name not in listed)
+    assert any(label["pairs"] for label in k["labels"]), "no common labels"
+    assert [i["name"] for i in k["images"]] == [IMAGE]
+
+    seen = set()
+    for doc in core_docs():
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in seen, f"{key} defined twice"
+        seen.add(key)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE, key
+    assert ("Namespace", NAMESPACE) in seen
+
+
+def test_configmap_files_load_with_recserve_loaders() -> None:
+    configmaps = by_kind("ConfigMap")
+    assert configmaps, "no ConfigMap"
+    for name, configmap in configmaps.items():
+        for key, text in configmap["data"].items():
+            source = f"ConfigMap {name} {key}"
+            data = yaml.safe_load(text)
+            if key.startswith("embedding_config"):
+                embedding_config_from_mapping(data, source=source)
+            elif key.startswith("global_config"):
+                global_config_from_mapping(data, source=source)
+            else:
+                pytest.fail(f"{source}: neither an embedding nor a global config")
+            # The same files as deploy/configs/ (compose mounts those).
+            assert text == (CONFIGS / key).read_text(), f"{source} differs from deploy/configs"
+    # ... and deploy/configs/embedding_config.yml is the Adult example's.
+    adult = yaml.safe_load((REPO_ROOT / "examples/adult_income/embedding_config.yml").read_text())
+    assert yaml.safe_load((CONFIGS / "embedding_config.yml").read_text()) == adult
+    for path in CONFIGS.glob("global_config*.yml"):
+        load_global_config(path)
+    infer = load_global_config(CONFIGS / "global_config.infer.yml").common_config
+    assert infer.job_type is JobType.INFER and infer.infer_config.embedding_checkpoint
+    train = load_global_config(CONFIGS / "global_config.train.yml").common_config
+    assert train.job_type is JobType.TRAIN
+
+
+def _mounted_config_files(workload: dict, container: dict) -> dict[str, Path]:
+    """``/etc/recserve/<key>`` -> deploy/configs/<key> for the ConfigMap mounted there."""
+    volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    for claim in workload["spec"].get("volumeClaimTemplates", []):
+        volumes[claim["metadata"]["name"]] = {"persistentVolumeClaim": claim}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        assert mount["name"] in volumes, f"volume {mount['name']} is not defined"
+        volume = volumes[mount["name"]]
+        if "configMap" in volume:
+            configmap = by_kind("ConfigMap")[volume["configMap"]["name"]]
+            for key in configmap["data"]:
+                files[f"{mount['mountPath']}/{key}"] = CONFIGS / key
+    return files
+
+
+def _service_port(service: str, port: int) -> bool:
+    spec = by_kind("Service")[service]["spec"]
+    return any(p["port"] == port for p in spec["ports"])
+
+
+def _resolves(address: str) -> bool:
+    """``service:port`` or ``<statefulset>-<i>.<headless>.<ns>.svc.cluster.local:port`` names
+    a Service port (and, for a pod name, an ordinal below the StatefulSet's replicas)."""
+    host, _, port = address.rpartition(":")
+    match = re.fullmatch(rf"(.+)-(\d+)\.([^.]+)\.{NAMESPACE}\.svc\.cluster\.local", host)
+    if match is None:
+        return host in by_kind("Service") and _service_port(host, int(port))
+    statefulset = by_kind("StatefulSet").get(match[1])
+    return (
+        statefulset is not None
+        and statefulset["spec"]["serviceName"] == match[3]
+        and int(match[2]) < statefulset["spec"]["replicas"]
+        and _service_port(match[3], int(port))
+    )
+
+
+def test_k8s_init_containers_wait_for_real_targets() -> None:
+    for kind in WORKLOAD_KINDS:
+        for name, workload in by_kind(kind).items():
+            for container in pod_spec(workload).get("initContainers", []):
+                command = container["command"]
+                if "/app/deploy/scripts/healthcheck.py" not in command:
+                    continue
+                assert (DEPLOY / "scripts" / "healthcheck.py").is_file()
+                targets = [a for a in command if a.startswith("grpc://")]
+                assert targets, f"{kind}/{name}: no target"
+                for target in targets:
+                    assert _resolves(target.removeprefix("grpc://")), f"{kind}/{name}: {target}"
+
+
+def test_k8s_recserve_commands_and_wiring() -> None:
+    workloads = {(kind, name): d for kind in WORKLOAD_KINDS for name, d in by_kind(kind).items()}
+    services = by_kind("Service")
+    parsed = {}
+    for (kind, name), workload in workloads.items():
+        # Selectors match the pod labels; every Service selects some workload.
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        selector = workload["spec"].get("selector", {}).get("matchLabels", {})
+        assert selector.items() <= labels.items(), f"{kind}/{name}: selector misses its pods"
+        containers = recserve_containers(workload)
+        assert containers, f"{kind}/{name} runs no recserve container"
+        for container in containers:
+            for probe in ("readinessProbe", "livenessProbe"):
+                if kind != "Job":
+                    assert probe in container, f"{kind}/{name}: no {probe}"
+            assert container["resources"]["requests"] and container["resources"]["limits"]
+            args = parse_recserve(substituted_args(container))
+            parsed[name] = args
+            files = _mounted_config_files(workload, container)
+            for flag in ("embedding_config", "global_config"):
+                path = getattr(args, flag, None)
+                if path is not None:
+                    assert path in files, f"{kind}/{name}: {path} is not a mounted config file"
+    for name, service in services.items():
+        selector = service["spec"]["selector"]
+        assert any(
+            selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+            for w in workloads.values()
+        ), f"Service {name} selects no pods"
+
+    # Parameter-server StatefulSets: replica index from the pod-index label, size = replicas,
+    # a headless Service that publishes not-ready pods, and workers naming every shard by DNS.
+    for name, statefulset in by_kind("StatefulSet").items():
+        spec = statefulset["spec"]
+        assert spec["podManagementPolicy"] == "Parallel"
+        headless = services[spec["serviceName"]]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
+        (container,) = recserve_containers(statefulset)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["REPLICA_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+        )
+        assert int(env["REPLICA_SIZE"]["value"]) == spec["replicas"]
+        assert "--replica-index=$(REPLICA_INDEX)" in container["args"]
+        args = parsed[name]
+        assert args.command == "embedding-parameter-server" and args.host == "0.0.0.0"
+        assert _service_port(spec["serviceName"], args.port)
+        annotations = spec["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(args.metrics_port)
+        expected = [
+            f"{name}-{i}.{spec['serviceName']}.{NAMESPACE}.svc.cluster.local:{args.port}"
+            for i in range(spec["replicas"])
+        ]
+        workers = [w for w in parsed.values() if w.command == "embedding-worker" and w.ps]
+        assert [w.ps for w in workers].count(expected) == 1, f"no worker names {expected}"
+        assert all(_resolves(address) for address in expected)
+        pdb = by_kind("PodDisruptionBudget")[name]["spec"]
+        assert pdb["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+
+    # The serving shards load the checkpoint the server serves and the trainer writes.
+    (server_name,) = [n for n, a in parsed.items() if a.command == "serve"]
+    server = parsed[server_name]
+    (trainer_name,) = [n for n, a in parsed.items() if a.command == "train"]
+    trainer = parsed[trainer_name]
+    infer = load_global_config(CONFIGS / "global_config.infer.yml").common_config.infer_config
+    assert infer.embedding_checkpoint == f"{server.checkpoint}/embeddings"
+    script_args = [a for a in trainer.script_args if a != "--"]
+    assert f"--checkpoint-dir={server.checkpoint}" in script_args
+    host, _, port = server.embedding_workers.rpartition(":")
+    assert _service_port(host, int(port)) and parsed[host].command == "embedding-worker"
+    host, _, port = trainer.embedding_workers.rpartition(":")
+    assert _service_port(host, int(port)) and parsed[host].command == "embedding-worker"
+
+    # Server: HTTP probes, a Service with both ports, PDB and an autoscaler.
+    deployment = by_kind("Deployment")[server_name]
+    (container,) = recserve_containers(deployment)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert _service_port(server_name, server.http_port)
+    assert _service_port(server_name, server.grpc_port)
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    hpa = by_kind("HorizontalPodAutoscaler")[server_name]["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": server_name,
+    }
+    assert server_name in by_kind("PodDisruptionBudget")
+    # Serving shards and workers report readiness through native gRPC probes.
+    for name in ("ps", "embedding-worker"):
+        workload = workloads.get(("StatefulSet", name)) or workloads[("Deployment", name)]
+        (container,) = recserve_containers(workload)
+        assert container["readinessProbe"]["grpc"]["port"] == parsed[name].port
+
+    # Training Job: indexed, one torchrun node per index, node 0 the rendezvous master.
+    job = by_kind("Job")[trainer_name]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == trainer.nnodes
+    (container,) = recserve_containers(job)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert "--node-rank=$(NODE_RANK)" in container["args"]
+    subdomain = pod_spec(job)["subdomain"]
+    assert services[subdomain]["spec"]["clusterIP"] == "None"
+    assert trainer.master_addr == f"{trainer_name}-0.{subdomain}.{NAMESPACE}.svc.cluster.local"
+    assert (REPO_ROOT / trainer.entry).is_file()
+
+
+def test_optional_servicemonitors_select_services() -> None:
+    services = by_kind("Service")
+    for doc in k8s_docs(K8S / "optional" / "servicemonitor.yaml"):
+        assert doc["kind"] == "ServiceMonitor"
+        selector = doc["spec"]["selector"]["matchLabels"]
+        selected = [
+            s for s in services.values() if selector.items() <= s["metadata"]["labels"].items()
+        ]
+        assert selected, f"ServiceMonitor {doc['metadata']['name']} selects no Service"
+        ports = {p["name"] for s in selected for p in s["spec"]["ports"]}
+        assert {e["port"] for e in doc["spec"]["endpoints"]} <= ports
+
+
+# --------------------------------------------------------------------------- compose
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def test_docker_compose_references_exist() -> None:
+    data = compose()
+    services = data["services"]
+    named_volumes = set(data.get("volumes", {}))
+    host_ports: list[str] = []
+    parsed = {}
+    for name, service in services.items():
+        if "build" in service:
+            context = (DEPLOY / service["build"]["context"]).resolve()
+            assert context.is_dir(), f"{name}: build context {context}"
+            assert (context / service["build"]["dockerfile"]).is_file()
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source.startswith((".", "/")):
+                assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+            else:
+                assert source in named_volumes, f"{name}: volume {source} is not declared"
+        for target, condition in service.get("depends_on", {}).items():
+            assert target in services, f"{name} depends on unknown {target}"
+            assert condition["condition"] in (
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            )
+            if condition["condition"] == "service_healthy":
+                assert not services[target].get("healthcheck", {}).get("disable")
+        for port in service.get("ports", []):
+            host_ports.append(str(port).split(":")[0])
+        if service.get("image", "").split(":")[0] == IMAGE and "entrypoint" not in service:
+            parsed[name] = args = parse_recserve(service["command"])
+            for flag in ("embedding_config", "global_config"):
+                path = getattr(args, flag, None)
+                if path is not None:
+                    assert path.startswith("/etc/recserve/")
+                    assert (CONFIGS / path.removeprefix("/etc/recserve/")).is_file(), path
+            test = service["healthcheck"]["test"]
+            assert test[0] == "CMD" and test[1] == "python"
+            if test[2].startswith("/app/"):
+                assert (REPO_ROOT / test[2].removeprefix("/app/")).is_file()
+        if service.get("restart") != "no":
+            assert service.get("restart") in ("always", "unless-stopped", "on-failure"), name
+    assert len(host_ports) == len(set(host_ports)), f"host ports collide: {host_ports}"
+
+    # Two shards named in order by the worker, the server on the worker, all on one checkpoint.
+    shards = sorted(n for n, a in parsed.items() if a.command == "embedding-parameter-server")
+    assert [parsed[n].replica_index for n in shards] == list(range(len(shards))) == [0, 1]
+    assert {parsed[n].replica_size for n in shards} == {len(shards)}
+    (worker,) = [n for n, a in parsed.items() if a.command == "embedding-worker"]
+    assert parsed[worker].ps == [f"{n}:{parsed[n].port}" for n in shards]
+    (server,) = [n for n, a in parsed.items() if a.command == "serve"]
+    assert parsed[server].embedding_workers == f"{worker}:{parsed[worker].port}"
+    infer = load_global_config(CONFIGS / "global_config.infer.yml").common_config.infer_config
+    assert infer.embedding_checkpoint == f"{parsed[server].checkpoint}/embeddings"
+    trainer = services["trainer"]
+    assert f"--checkpoint-dir {parsed[server].checkpoint} " in " ".join(trainer["command"])
+    for name in [*shards, server]:
+        assert services[name]["depends_on"]["trainer"] == {
+            "condition": "service_completed_successfully"
+        }
+
+
+def test_prometheus_targets_are_compose_services() -> None:
+    services = compose()["services"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert "prometheus" in services
+    mounts = [v.split(":")[0] for v in services["prometheus"]["volumes"]]
+    assert "./prometheus/prometheus.yml" in mounts
+    targets = [
+        t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+    ]
+    assert targets
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        assert host in services, f"target {target} is not a compose service"
+        args = parse_recserve(services[host]["command"])
+        assert int(port) in (getattr(args, "metrics_port", None), getattr(args, "http_port", None))
+
+
+# --------------------------------------------------------------------------- Docker
+def test_dockerfiles() -> None:
+    cpu = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
+    torch_install = cpu.index('pip install "torch==${TORCH_VERSION}"')
+    assert torch_install < cpu.index("pip install /app"), "torch must come first"
+    assert "ARG TORCH_VERSION=2.13.0" in cpu
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
+    assert re.search(r"^USER 10001", cpu, re.M) and "HEALTHCHECK" in cpu
+    assert 'ENTRYPOINT ["recserve"]' in cpu
+    cuda = (DEPLOY / "docker" / "Dockerfile.cuda").read_text()
+    assert "nvidia/cuda:" in cuda and "download.pytorch.org/whl/${CUDA_INDEX}" in cuda
+    assert "NOT BUILT" in cuda
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        ignore = (DEPLOY / "docker" / f"{dockerfile}.dockerignore").read_text().splitlines()
+        kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+        needed = {"pyproject.toml", "README.md", "embedding_store", "training", "serving"}
+        assert needed | {"examples", "deploy/scripts", "deploy/configs"} <= kept
+        for path in kept:
+            assert (REPO_ROOT / path).exists(), f"{dockerfile}.dockerignore keeps {path}"
+
+
+def test_healthcheck_targets_from_command_lines() -> None:
+    health = load_healthcheck_module()
+    assert health.targets_from_argv(["/usr/local/bin/recserve", "serve", "--http-port=9000"]) == [
+        "http://127.0.0.1:9000/v2/health/ready"
+    ]
+    assert health.targets_from_argv(["recserve", "serve", "--host", "0.0.0.0"]) == [
+        "http://127.0.0.1:8000/v2/health/ready"
+    ]
+    assert health.targets_from_argv(
+        ["recserve", "embedding-parameter-server", "--port=7000", "--host=0.0.0.0"]
+    ) == ["grpc://127.0.0.1:7000"]
+    assert health.targets_from_argv(["recserve", "embedding-worker", "--port", "7100"]) == [
+        "grpc://127.0.0.1:7100"
+    ]
+    assert health.targets_from_argv(["recserve", "train", "--entry", "x.py"]) == []
+    assert health.check("grpc://127.0.0.1:1", timeout=0.5) is not None
+    assert health.main(["--wait", "0", "http://127.0.0.1:1/v2/health/ready"]) == 1
+
+
+# --------------------------------------------------------------------------- Procfiles
+@pytest.mark.parametrize(
+    ("procfile", "env"), [("Procfile", ".env"), ("Procfile.serving", ".env.serving")]
+)
+def test_procfile_variables_are_defined(procfile: str, env: str) -> None:
+    defined = set(env_file(DEPLOY / env))
+    text = "\n".join(
+        line for line in (DEPLOY / procfile).read_text().splitlines() if not line.startswith("#")
+    )
+    used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text))
+    assert used, procfile
+    assert used <= defined, f"{procfile} uses {sorted(used - defined)}, undefined in {env}"
+
+
+def _honcho() -> str:
+    candidate = Path(sys.executable).with_name("honcho")
+    found = str(candidate) if candidate.exists() else shutil.which("honcho")
+    if not found:
+        pytest.skip("honcho is not installed (pip install -e '.[dev]')")
+    return found
+
+
+def _process_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def honcho_start(procfile: str, env_path: Path, log_path: Path) -> Iterator[subprocess.Popen]:
+    """``honcho start`` in its own process group; on exit SIGTERM that group (honcho stops
+    its processes), then SIGKILL whatever it started that is still running, by PID."""
+    command = [_honcho(), "-f", str(DEPLOY / procfile), "-e", str(env_path)]
+    command += ["-d", str(REPO_ROOT), "start"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=_process_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        started = re.findall(r"started \(pid=(\d+)\)", log_path.read_text(errors="replace"))
+        for pid in map(int, started):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # honcho runs each process in its own group
+
+
+def _fail(message: str, log_path: Path) -> None:
+    pytest.fail(f"{message}\n--- honcho log ---\n{log_path.read_text(errors='replace')[-6000:]}")
+
+
+def _wait_until(condition, process: subprocess.Popen, log_path: Path, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            _fail(f"honcho exited ({process.returncode}) before {what}", log_path)
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.25)
+    _fail(f"timed out after {timeout:.0f} s waiting for {what}", log_path)
+
+
+def _http_get(url: str) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.read() if response.status == 200 else None
+    except (OSError, urllib.error.HTTPError):
+        return None
+
+
+def _write_env(path: Path, base: Path, **overrides: object) -> dict[str, str]:
+    values = env_file(base)
+    values.update({k: str(v) for k, v in overrides.items()})
+    path.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items()))
+    return values
+
+
+def test_procfile_embedding_tier_comes_up(tmp_path: Path) -> None:
+    """deploy/Procfile: 2 Train-mode shards and a worker; the worker reports SERVING (it
+    reached both shards), the shards serve /metrics, and once configured the tier answers
+    training lookups of Adult rows on both shards."""
+    from embedding_store.optimizers import SGD
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+    from examples.adult_income.preprocess import instances_to_batch
+
+    health = load_healthcheck_module()
+    ps0, ps1, m0, m1, worker = free_ports(5)
+    settings = _write_env(
+        tmp_path / "tier.env",
+        DEPLOY / ".env",
+        PS0_PORT=ps0,
+        PS1_PORT=ps1,
+        PS0_METRICS_PORT=m0,
+        PS1_METRICS_PORT=m1,
+        WORKER_PORT=worker,
+    )
+    log_path = tmp_path / "honcho.log"
+    with honcho_start("Procfile", tmp_path / "tier.env", log_path) as process:
+        target = f"grpc://127.0.0.1:{worker}"
+        _wait_until(
+            lambda: health.check(target, 2.0) is None, process, log_path, 90, "worker SERVING"
+        )
+        for port in (ps0, ps1):
+            # Train shards answer (NOT_SERVING until a trainer configures their optimizer).
+            assert health.check(f"grpc://127.0.0.1:{port}", 2.0) in (None, "NOT_SERVING")
+        for port in (m0, m1):
+            metrics = _wait_until(
+                lambda p=port: _http_get(f"http://127.0.0.1:{p}/metrics"),
+                process,
+                log_path,
+                30,
+                f"metrics on {port}",
+            )
+            assert b"recserve_ps" in metrics
+        config = load_embedding_config(REPO_ROOT / settings["RECSERVE_EMBEDDING_CONFIG"])
+        tier = RemoteEmbeddingWorker(f"127.0.0.1:{worker}", config, timeout=30)
+        try:
+            tier.configure(optimizer=SGD(lr=0.1))
+            rows = [dict(ADULT_ROW, age=age, fnlwgt=age * 1000) for age in range(20, 70)]
+            batch = instances_to_batch(rows)
+            result = tier.lookup(batch, train=True)
+            assert [s.name for s in result.slots] == [f.name for f in batch.id_type_features]
+            assert all(s.embeddings.shape[0] == len(rows) for s in result.slots)
+            rows_per_shard = tier.status().rows_per_shard
+            assert len(rows_per_shard) == 2 and min(rows_per_shard) > 0, rows_per_shard
+        finally:
+            tier.close()
+        for port in (ps0, ps1):  # configured Train shards report SERVING
+            assert health.check(f"grpc://127.0.0.1:{port}", 2.0) is None
+    assert process.poll() is not None
+
+
+def _train_adult(directory: Path) -> Path:
+    log = directory.with_name("train.log")
+    with open(log, "wb") as out:
+        code = subprocess.call(
+            [
+                sys.executable,
+                str(REPO_ROOT / "examples" / "adult_income" / "train.py"),
+                "--epochs",
+                "1",
+                "--checkpoint-dir",
+                str(directory),
+            ],
+            cwd=REPO_ROOT,
+            env=_process_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=240,
+        )
+    assert code == 0 and (directory / "DONE").exists(), log.read_text()[-3000:]
+    return directory
+
+
+def test_procfile_serving_answers_predictions(tmp_path: Path) -> None:
+    """deploy/Procfile.serving on a fresh checkpoint: Infer shards load its embeddings, the
+    server comes up ready and answers a friendly-JSON prediction with a probability."""
+    checkpoint = _train_adult(tmp_path / "adult")
+    ps0, ps1, m0, m1, worker, http, grpc_port = free_ports(7)
+    _write_env(
+        tmp_path / "serving.env",
+        DEPLOY / ".env.serving",
+        CHECKPOINT=checkpoint,
+        RUN_DIR=tmp_path / "run",
+        PS0_PORT=ps0,
+        PS1_PORT=ps1,
+        PS0_METRICS_PORT=m0,
+        PS1_METRICS_PORT=m1,
+        WORKER_PORT=worker,
+        HTTP_PORT=http,
+        GRPC_PORT=grpc_port,
+    )
+    log_path = tmp_path / "honcho.log"
+    base = f"http://127.0.0.1:{http}"
+    with honcho_start("Procfile.serving", tmp_path / "serving.env", log_path) as process:
+        _wait_until(
+            lambda: _http_get(f"{base}/v2/health/ready"), process, log_path, 150, "readiness"
+        )
+        request = urllib.request.Request(
+            f"{base}/v1/models/adult:predict",
+            data=json.dumps({"instances": [ADULT_ROW]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+        (prediction,) = answer["predictions"]
+        assert 0.0 <= prediction[0] <= 1.0, answer
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        assert answer["model_version"] == manifest["version"]
+        # The shards run in Infer mode on the rendered configs, and served the lookups.
+        for name in ("ps0", "ps1"):
+            rendered = load_global_config(tmp_path / "run" / f"{name}.global_config.yml")
+            assert rendered.common_config.job_type is JobType.INFER
+            assert rendered.common_config.infer_config.embedding_checkpoint == str(
+                checkpoint / "embeddings"
+            )
+        for port in (m0, m1):
+            metrics = _http_get(f"http://127.0.0.1:{port}/metrics") or b""
+            assert re.search(rb'method="Lookup"', metrics), metrics[-2000:]
+        assert _http_get(f"{base}/metrics")
+    assert process.poll() is not None
+
+
+def test_deploy_docs_exist() -> None:
+    text = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    for needle in ("Procfile.serving", "docker compose", "kubectl apply -k", "pod-index"):
+        assert needle in text, needle
