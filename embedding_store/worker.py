@@ -676,6 +676,8 @@ def _slot_outputs(plan: _GroupPlan, pooled: torch.Tensor, outputs: dict[str, Slo
 
 
 def _bag_gradient(layout: _SlotLayout, grad: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:
+    if isinstance(grad, np.ndarray) and not grad.flags.writeable:
+        grad = grad.copy()  # decoded from a message: torch wants writable memory
     tensor = torch.as_tensor(grad, dtype=torch.float32)
     if layout.config.embedding_summation:
         expected: tuple[int, ...] = (layout.batch_size, dim)

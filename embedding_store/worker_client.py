@@ -37,7 +37,7 @@ class RemoteEmbeddingWorker:
     def __init__(
         self,
         address: str,
-        embedding_config: EmbeddingConfig,
+        embedding_config: EmbeddingConfig | None,
         *,
         timeout: float = 30.0,
         admin_timeout: float = 600.0,

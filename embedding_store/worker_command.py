@@ -90,7 +90,11 @@ def register_admin(subparsers) -> None:
     ):
         action = actions.add_parser(name, help=help_text)
         action.add_argument("--worker", required=True, help="HOST:PORT of an embedding worker")
-        action.add_argument("--embedding-config", default=None, help="embedding_config.yml")
+        action.add_argument(
+            "--embedding-config",
+            default=None,
+            help="embedding_config.yml (default: the checkpoint's own, or none for status/clear)",
+        )
         action.add_argument("--timeout", type=float, default=600.0, help="deadline (s)")
         if name in ("dump", "load"):
             action.add_argument("directory", help="checkpoint directory")
@@ -111,7 +115,7 @@ def _progress_bar(stage: str, done: int, total: int) -> None:
 def _admin(args: argparse.Namespace) -> int:
     from embedding_store.worker_client import RemoteEmbeddingWorker
 
-    config = load_embedding_config(args.embedding_config)
+    config = load_embedding_config(args.embedding_config) if args.embedding_config else None
     with RemoteEmbeddingWorker(args.worker, config, admin_timeout=args.timeout) as worker:
         if args.action == "dump":
             manifest = worker.dump(args.directory, overwrite=args.overwrite, progress=_progress_bar)

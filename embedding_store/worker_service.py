@@ -217,6 +217,13 @@ class RemoteShardTier:
                 progress("load", total, total)
             return manifest
         statuses = self._each(lambda c: c.status())
+        if any(status.read_only for status in statuses):
+            # Read-only (infer) shards accept only whole replacements: each one reads the
+            # checkpoint and keeps the rows it owns under the new count, atomically.
+            self._each(lambda c: c.load(str(target)))
+            if progress:
+                progress("load", total, total)
+            return manifest
         staged = []
         for index, status in enumerate(statuses):
             keep = _optimizer_name(status.optimizer_json)
