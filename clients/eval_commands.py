@@ -1,0 +1,280 @@
+"""``recserve eval`` and ``recserve checkpoint ...`` (registered via ``recserve.commands``).
+
+Handlers import their modules lazily so that ``recserve --help`` stays fast.
+
+Exit codes: 0 success; 1 an error (bad input, bad rows with ``--bad-rows fail``, a checkpoint
+that fails verification, refusing to overwrite); 2 usage errors (argparse); 3 ``eval --compare``
+found predictions that differ; ``checkpoint diff --exit-code`` returns 1 when the checkpoints
+differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- eval
+def _register_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="score a data set with a checkpoint or a server; predictions, report, parity",
+        description=(
+            "Score CSV/Parquet rows (streamed in chunks) in-process from a checkpoint or "
+            "through a running server, write predictions, and optionally an evaluation report "
+            "(AUC, log loss, calibration, plots). --compare scores both ways and fails (exit 3) "
+            "when predictions differ: the parity check before a rollout."
+        ),
+    )
+    parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="score in-process")
+    parser.add_argument("--url", metavar="URL", help="score through a server (http://HOST:PORT)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="score in-process (--checkpoint) AND through the server (--url); exit 3 when "
+        "any prediction differs by more than --tolerance",
+    )
+    parser.add_argument(
+        "--data", type=Path, nargs="+", required=True, metavar="FILE", help=".csv[.gz] or .parquet"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="predictions file (.csv or .parquet)"
+    )
+    parser.add_argument(
+        "--mapping",
+        type=Path,
+        metavar="YML",
+        help="feature_mapping.yml (default: columns named like the model's features)",
+    )
+    labels = parser.add_mutually_exclusive_group()
+    labels.add_argument("--label", metavar="COL", help="label column (overrides the mapping's)")
+    labels.add_argument(
+        "--no-label", action="store_true", help="ignore the mapping's label: predictions only"
+    )
+    parser.add_argument("--report", type=Path, metavar="DIR", help="write an evaluation report")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=4096, help="rows per chunk/request (4096)"
+    )
+    parser.add_argument(
+        "--bad-rows",
+        choices=["skip", "fail"],
+        default="fail",
+        help="rows that cannot be read or encoded: report and skip, or fail (default)",
+    )
+    parser.add_argument("--model", default="model", help="the server's model name (model)")
+    parser.add_argument(
+        "--output-transform",
+        choices=["identity", "sigmoid"],
+        default="identity",
+        help="applied in-process to the model output, as `recserve serve --output-transform` "
+        "does on the server (use the server's setting with --compare)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=["v2", "friendly"],
+        default="v2",
+        help="v2: rows encoded here, sent as KServe v2 binary tensors (default); friendly: raw "
+        "rows to /v1/models/NAME:predict, encoded by the server's --preprocessor",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=_non_negative_float,
+        default=1e-6,
+        help="max abs difference allowed by --compare (1e-6)",
+    )
+    parser.add_argument(
+        "--calibration-bins", type=_positive_int, default=10, help="reliability bins (10)"
+    )
+    parser.add_argument(
+        "--timeout", type=_non_negative_float, default=60.0, help="per request, seconds (60)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing --out / --report"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from clients.eval import EvalOptions, run_eval
+
+    result = run_eval(
+        EvalOptions(
+            data=tuple(args.data),
+            out=args.out,
+            checkpoint=args.checkpoint,
+            url=args.url,
+            compare=args.compare,
+            mapping=args.mapping,
+            label=args.label,
+            no_label=args.no_label,
+            report=args.report,
+            batch_size=args.batch_size,
+            bad_rows=args.bad_rows,
+            model=args.model,
+            output_transform=args.output_transform,
+            protocol=args.protocol,
+            tolerance=args.tolerance,
+            overwrite=args.overwrite,
+            timeout=args.timeout,
+            calibration_bins=args.calibration_bins,
+            progress=not args.quiet,
+        )
+    )
+    return result.exit_code
+
+
+# --------------------------------------------------------------------------- checkpoint
+def _register_checkpoint(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "checkpoint",
+        help="inspect, verify, reshard, diff or export a checkpoint (offline)",
+        description="Offline tools for model checkpoints (manifest.json + dense files + "
+        "embeddings/) and bare embedding checkpoints. Writers never replace an existing target "
+        "unless --overwrite, and never leave a partial one.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    inspect = actions.add_parser("inspect", help="version, step, slots, shards, signatures")
+    inspect.add_argument("directory", type=Path, metavar="DIR")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(handler=_inspect)
+
+    verify = actions.add_parser("verify", help="check completeness and every checksum")
+    verify.add_argument("directories", type=Path, nargs="+", metavar="DIR")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(handler=_verify)
+
+    reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
+    reshard.add_argument("directory", type=Path, metavar="DIR")
+    reshard.add_argument("--shards", type=_positive_int, required=True, metavar="N")
+    reshard.add_argument("--out", type=Path, required=True, metavar="DIR2")
+    reshard.add_argument("--overwrite", action="store_true", help="replace an existing DIR2")
+    reshard.set_defaults(handler=_reshard)
+
+    diff = actions.add_parser("diff", help="rows added/removed/changed per slot; dense diffs")
+    diff.add_argument("directory_a", type=Path, metavar="DIR1")
+    diff.add_argument("directory_b", type=Path, metavar="DIR2")
+    diff.add_argument(
+        "--tolerance",
+        type=_non_negative_float,
+        default=0.0,
+        help="a common row counts as changed when some weight moved by more (0: any change)",
+    )
+    diff.add_argument("--json", action="store_true", help="machine-readable output")
+    diff.add_argument("--exit-code", action="store_true", help="exit 1 when the checkpoints differ")
+    diff.set_defaults(handler=_diff)
+
+    export = actions.add_parser("export-dense", help="copy the TorchScript dense model out")
+    export.add_argument("directory", type=Path, metavar="DIR")
+    export.add_argument("--out", type=Path, required=True, metavar="FILE")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
+    export.set_defaults(handler=_export)
+
+
+def _print_json(value) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from clients import checkpoint_tool
+
+    info = checkpoint_tool.inspect(args.directory)
+    if args.json:
+        _print_json(info)
+    else:
+        print(checkpoint_tool.format_inspect(info))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from clients import checkpoint_tool
+
+    failed = 0
+    reports = []
+    for directory in args.directories:
+        problems, summary = checkpoint_tool.verify(directory)
+        failed += bool(problems)
+        if args.json:
+            reports.append({**summary, "ok": not problems, "problems": problems})
+        elif problems:
+            print(
+                f"FAILED: checkpoint {directory}: {len(problems)} problem(s):\n"
+                + checkpoint_tool.iter_problems(problems),
+                file=sys.stderr,
+            )
+        else:
+            detail = ", ".join(
+                f"{k} {summary[k]}"
+                for k in ("version", "dense_files", "embedding_files", "rows", "shards")
+                if k in summary
+            )
+            print(f"OK: checkpoint {directory} ({summary['kind']}): {detail}")
+    if args.json:
+        _print_json(reports[0] if len(reports) == 1 else reports)
+    return 1 if failed else 0
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from clients import checkpoint_tool
+
+    result = checkpoint_tool.reshard(
+        args.directory, args.shards, args.out, overwrite=args.overwrite
+    )
+    print(
+        f"resharded {args.directory} ({result['from_shards']} shard(s)) -> {result['path']} "
+        f"({result['shards']} shards, rows per shard "
+        f"{', '.join(str(r) for r in result['rows_per_shard'])}; version {result['version']})"
+    )
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from clients import checkpoint_tool
+
+    result = checkpoint_tool.diff(args.directory_a, args.directory_b, tolerance=args.tolerance)
+    if args.json:
+        _print_json(result)
+    else:
+        print(checkpoint_tool.format_diff(result))
+    return 1 if args.exit_code and not result["identical"] else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from clients import checkpoint_tool
+
+    result = checkpoint_tool.export_dense(args.directory, args.out, overwrite=args.overwrite)
+    print(
+        f"exported {args.directory} (version {result['version']}) dense model -> "
+        f"{result['path']} ({result['bytes']} bytes, sha256 {result['sha256']})\n"
+        f"forward: {result['forward_signature']}"
+    )
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``eval`` and ``checkpoint`` to ``recserve``."""
+    _register_eval(subparsers)
+    _register_checkpoint(subparsers)

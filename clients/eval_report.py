@@ -1,0 +1,371 @@
+"""Metrics, plots and the report directory of ``recserve eval``; atomic output helpers.
+
+Metrics are numpy only and exact: ROC AUC is the rank-based Mann-Whitney U statistic with
+midranks for ties (the same computation as ``examples/adult_income/metrics.py``, so an eval of a
+checkpoint reproduces the AUC its training run printed); log loss and calibration (expected
+calibration error over equal-width bins, plus the reliability bins) need probabilities in
+[0, 1] and are left out, with the reason, otherwise.
+
+A report directory holds ``report.json``, ``roc.png``, ``calibration.png`` (matplotlib, Agg
+backend, imported only here), ``summary.md`` and, when rows were skipped, ``bad_rows.txt``. It is
+written under a temporary name next to the target and renamed into place; so is every file
+:func:`atomic_file` writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from embedding_store.errors import AlreadyExistsError, InvalidArgumentError
+
+__all__ = [
+    "atomic_directory",
+    "atomic_file",
+    "calibration",
+    "log_loss",
+    "metrics",
+    "roc_auc",
+    "roc_curve",
+    "write_report",
+]
+
+LOG_LOSS_EPS = 1e-15
+
+
+# --------------------------------------------------------------------------- metrics
+def _binary(labels: np.ndarray) -> np.ndarray:
+    return np.asarray(labels, dtype=np.float64).reshape(-1) > 0.5
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """P(random positive scores above random negative), ties 1/2. Labels > 0.5 are positive.
+
+    Raises ValueError unless both classes are present, or for NaN scores.
+    """
+    y = _binary(labels)
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if y.shape != s.shape:
+        raise ValueError(f"labels ({y.size}) and scores ({s.size}) differ in length")
+    if np.isnan(s).any():
+        raise ValueError("scores contain NaN")
+    n_pos = int(y.sum())
+    n_neg = y.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC needs both positive and negative labels")
+    order = np.argsort(s, kind="mergesort")
+    sorted_s = s[order]
+    starts = np.flatnonzero(np.r_[True, sorted_s[1:] != sorted_s[:-1]])
+    ends = np.r_[starts[1:], s.size]  # exclusive
+    midrank = (starts + ends + 1) / 2.0  # 1-based mean rank of each run of ties
+    ranks = np.empty(s.size, dtype=np.float64)
+    ranks[order] = np.repeat(midrank, ends - starts)
+    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(false positive rates, true positive rates) at every distinct score, from (0, 0)."""
+    y = _binary(labels)
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    order = np.argsort(-s, kind="mergesort")
+    s, y = s[order], y[order]
+    last_of_run = np.r_[np.flatnonzero(s[1:] != s[:-1]), s.size - 1]
+    tps = np.cumsum(y)[last_of_run]
+    fps = (last_of_run + 1) - tps
+    n_pos, n_neg = max(int(y.sum()), 1), max(int((~y).sum()), 1)
+    return np.r_[0.0, fps / n_neg], np.r_[0.0, tps / n_pos]
+
+
+def log_loss(labels: np.ndarray, probabilities: np.ndarray) -> float:
+    """Mean binary cross-entropy; probabilities clipped to [1e-15, 1 - 1e-15]."""
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    p = np.clip(np.asarray(probabilities, dtype=np.float64).reshape(-1), LOG_LOSS_EPS, 1 - 1e-15)
+    return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
+
+
+def calibration(labels: np.ndarray, probabilities: np.ndarray, bins: int = 10) -> dict[str, Any]:
+    """Expected calibration error and reliability bins (``bins`` equal-width bins of [0, 1]).
+
+    Each bin: bounds, count, mean predicted probability, observed positive rate (labels > 0.5;
+    soft labels are averaged as they are). ECE = sum over bins of count/n * |mean - rate|.
+    """
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    p = np.asarray(probabilities, dtype=np.float64).reshape(-1)
+    index = np.clip((p * bins).astype(np.int64), 0, bins - 1)
+    counts = np.bincount(index, minlength=bins)
+    sum_p = np.bincount(index, weights=p, minlength=bins)
+    sum_y = np.bincount(index, weights=y, minlength=bins)
+    table = []
+    ece = 0.0
+    for b in range(bins):
+        count = int(counts[b])
+        mean_p = float(sum_p[b] / count) if count else None
+        rate = float(sum_y[b] / count) if count else None
+        if count:
+            ece += count / max(y.size, 1) * abs(mean_p - rate)
+        table.append(
+            {
+                "lower": b / bins,
+                "upper": (b + 1) / bins,
+                "count": count,
+                "mean_prediction": mean_p,
+                "positive_rate": rate,
+            }
+        )
+    return {"expected_calibration_error": float(ece), "num_bins": bins, "bins": table}
+
+
+def metrics(
+    labels: np.ndarray | None,
+    predictions: np.ndarray,
+    ranking_scores: np.ndarray | None = None,
+    *,
+    bins: int = 10,
+) -> dict[str, Any]:
+    """The metrics block of ``report.json``.
+
+    ``ranking_scores``: what AUC ranks (the raw model output when known: AUC is invariant
+    to the monotone output transform, but float32 sigmoid can tie distinct logits), else the
+    predictions.
+    """
+    predictions = np.asarray(predictions, dtype=np.float64).reshape(-1)
+    out: dict[str, Any] = {
+        "predictions": {
+            "mean": float(predictions.mean()) if predictions.size else None,
+            "min": float(predictions.min()) if predictions.size else None,
+            "max": float(predictions.max()) if predictions.size else None,
+            "nan": int(np.isnan(predictions).sum()),
+        },
+        "auc": None,
+        "auc_note": None,
+        "log_loss": None,
+        "calibration": None,
+        "probability_note": None,
+    }
+    if labels is None:
+        out["auc_note"] = "no labels"
+        return out
+    scores = predictions if ranking_scores is None else ranking_scores
+    try:
+        out["auc"] = roc_auc(labels, scores)
+        out["auc_note"] = (
+            "rank-based (exact), on the raw model output"
+            if ranking_scores is not None
+            else "rank-based (exact), on the predictions"
+        )
+    except ValueError as error:
+        out["auc_note"] = str(error)
+    finite = np.isfinite(predictions).all()
+    if predictions.size and finite and predictions.min() >= 0.0 and predictions.max() <= 1.0:
+        out["log_loss"] = log_loss(labels, predictions)
+        out["calibration"] = calibration(labels, predictions, bins)
+    else:
+        out["probability_note"] = (
+            "predictions are not probabilities in [0, 1] (logits? pass --output-transform "
+            "sigmoid): log loss and calibration left out"
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- atomic output
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it is renamed to ``path``.
+
+    An existing ``path`` is refused (AlreadyExistsError) unless ``overwrite``. On any error the
+    temporary file is removed and ``path`` is untouched.
+    """
+    target = Path(path)
+    refuse_existing(target, overwrite=overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        yield temporary
+        if not temporary.exists():
+            raise FileNotFoundError(f"{temporary} was not written")
+        os.replace(temporary, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterator[Path]:
+    """Like :func:`atomic_file` for a directory: fill the yielded staging directory."""
+    target = Path(path)
+    refuse_existing(target, overwrite=overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    staging.mkdir()
+    try:
+        yield staging
+        if target.exists():
+            retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+            os.replace(target, retired)
+            os.replace(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> None:
+    """AlreadyExistsError for an existing ``path`` unless ``overwrite``."""
+    if path.exists() and not overwrite:
+        raise AlreadyExistsError(f"{what} {path} already exists; pass --overwrite to replace it")
+
+
+# --------------------------------------------------------------------------- report
+def _plots(directory: Path, report: dict[str, Any], labels, ranking, predictions) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgumentError(
+            "the eval report's plots need matplotlib (pip install 'recserve[eval]')"
+        ) from None
+    written = []
+    auc = report["auc"]
+    figure, axes = plt.subplots(figsize=(5, 5))
+    if auc is not None:
+        fpr, tpr = roc_curve(labels, ranking)
+        axes.plot(fpr, tpr, label=f"model (AUC {auc:.4f})")
+    else:
+        axes.text(0.5, 0.5, report["auc_note"] or "no AUC", ha="center")
+    axes.plot([0, 1], [0, 1], linestyle="--", color="grey", label="chance")
+    axes.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC")
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(directory / "roc.png", dpi=100)
+    plt.close(figure)
+    written.append("roc.png")
+
+    cal = report["calibration"]
+    figure, (top, bottom) = plt.subplots(
+        2, 1, figsize=(5, 6), gridspec_kw={"height_ratios": [3, 1]}, sharex=True
+    )
+    top.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
+    if cal is not None:
+        used = [b for b in cal["bins"] if b["count"]]
+        top.plot(
+            [b["mean_prediction"] for b in used],
+            [b["positive_rate"] for b in used],
+            marker="o",
+            label=f"model (ECE {cal['expected_calibration_error']:.4f})",
+        )
+        bottom.hist(
+            np.asarray(predictions, dtype=np.float64), bins=cal["num_bins"], range=(0.0, 1.0)
+        )
+    else:
+        top.text(0.5, 0.5, "predictions are not probabilities", ha="center")
+    top.set(ylabel="observed positive rate", title="Reliability")
+    top.legend(loc="upper left")
+    bottom.set(xlabel="predicted probability", ylabel="rows")
+    figure.tight_layout()
+    figure.savefig(directory / "calibration.png", dpi=100)
+    plt.close(figure)
+    written.append("calibration.png")
+    return written
+
+
+def _fmt(value: Any, digits: int = 6) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _model_text(model: dict[str, Any]) -> str:
+    parts = []
+    if model.get("checkpoint"):
+        parts.append(f"checkpoint {model['checkpoint']} (version {model['checkpoint_version']})")
+    if model.get("url"):
+        parts.append(
+            f"server {model['url']} model {model['model_name']} (version "
+            f"{model['server_version']}, {model['protocol']} protocol)"
+        )
+    return "; ".join(parts)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    m, c = report, report["counts"]
+    lines = [
+        "# recserve eval report",
+        "",
+        f"- created: {report['created_at']}",
+        f"- model: {_model_text(report['model'])}",
+        f"- data: {', '.join(report['data'])}",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        f"| rows scored | {c['rows']} |",
+        f"| positives | {_fmt(c['positives'])} |",
+        f"| skipped rows | {c['skipped_rows']} |",
+        f"| AUC | {_fmt(m['auc'])} |",
+        f"| log loss | {_fmt(m['log_loss'])} |",
+        "| expected calibration error | "
+        + (_fmt(m["calibration"]["expected_calibration_error"]) if m["calibration"] else "n/a")
+        + " |",
+    ]
+    unknown = report.get("unknown_ids")
+    if unknown:
+        lines.append(f"| unknown-ID ratio | {_fmt(unknown['ratio'])} |")
+    lines.append("")
+    for note in (m.get("auc_note"), m.get("probability_note")):
+        if note:
+            lines.append(f"- {note}")
+    compare = report.get("compare")
+    if compare:
+        verdict = "identical" if compare["identical"] else "DIFFERENT"
+        lines += [
+            "",
+            "## parity (in-process vs server)",
+            "",
+            f"- {verdict}: {compare['differing_rows']} of {compare['rows']} rows differ by more "
+            f"than {compare['tolerance']} (max abs diff {compare['max_abs_diff']})",
+        ]
+    if report["bad_rows"]:
+        lines += ["", "## skipped rows (first ones)", ""]
+        lines += [f"- {row}" for row in report["bad_rows"][:20]]
+    lines += ["", "![ROC](roc.png)", "", "![calibration](calibration.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    report: dict[str, Any],
+    *,
+    labels: np.ndarray | None,
+    predictions: np.ndarray,
+    ranking_scores: np.ndarray,
+    all_bad_rows: list[str],
+    overwrite: bool,
+) -> Path:
+    """Write the report directory atomically; returns its path."""
+    target = Path(path)
+    with atomic_directory(target, overwrite=overwrite) as staging:
+        files = _plots(staging, report, labels, ranking_scores, predictions)
+        (staging / "summary.md").write_text(summary_markdown(report), encoding="utf-8")
+        files.append("summary.md")
+        if all_bad_rows:
+            (staging / "bad_rows.txt").write_text("\n".join(all_bad_rows) + "\n", "utf-8")
+            files.append("bad_rows.txt")
+        report = {**report, "files": ["report.json", *files]}
+        (staging / "report.json").write_bytes(
+            orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+        )
+    return target

@@ -1,0 +1,189 @@
+"""Feature mappings and encoders of ``recserve eval`` (clients/eval.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.eval import (
+    FeatureMapping,
+    GenericEncoder,
+    IdFeatureMapping,
+    LabelMapping,
+    NonIdFeatureMapping,
+    PreprocessorEncoder,
+    default_mapping,
+    load_mapping,
+    signature_from_metadata,
+)
+from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.errors import ConfigError
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from examples.adult_income import features
+from examples.adult_income.preprocess import instances_to_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+ADULT_MAPPING = ROOT / "examples" / "adult_income" / "feature_mapping.yml"
+
+SIGNATURE = FeatureSignature(
+    (IdFeatureSpec("user", True), IdFeatureSpec("tags", False)),
+    (NonIdFeatureSpec("dense", "float32", (2,)),),
+)
+GENERIC = FeatureMapping(
+    id_features={
+        "tags": IdFeatureMapping("tag_list", "int", "|"),
+        "user": IdFeatureMapping("user_name"),
+    },
+    non_id_features={"dense": NonIdFeatureMapping(["x", "y"], mean=[1.0, 0.0], std=[2.0, 1.0])},
+    label=LabelMapping("clicked"),
+)
+
+
+def test_the_adult_mapping_and_its_label():
+    mapping = load_mapping(ADULT_MAPPING)
+    assert mapping.preprocessor == "examples.adult_income.preprocess:instances_to_batch"
+    label = mapping.label
+    assert label.column == "income"
+    assert [label.parse(v) for v in (">50K", " >50K.", "<=50K", "<=50K.")] == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="'maybe' is none of >50K, <=50K"):
+        label.parse("maybe")
+    # Same labels as the training side reads.
+    for value in (">50K", ">50K.", "<=50K"):
+        assert label.parse(value) == features.parse_label(value)
+
+
+def test_numeric_and_open_ended_labels():
+    assert LabelMapping("y").parse("1") == 1.0 and LabelMapping("y").parse(0.25) == 0.25
+    with pytest.raises(ValueError, match="not in"):
+        LabelMapping("y").parse("2")
+    with pytest.raises(ValueError, match="not a number"):
+        LabelMapping("y").parse("yes")
+    assert LabelMapping("y", positive=["yes", "y"]).parse("no") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("preprocesor: a:b\n", r"preprocesor: unknown key; did you mean 'preprocessor'\?"),
+        ("preprocessor: nocolon\n", r"preprocessor: expected MODULE:FUNCTION, got 'nocolon'"),
+        (
+            "preprocessor: a:b\nid_features: {s: {column: c}}\n",
+            "either a preprocessor or id_features",
+        ),
+        ("id_features: {s: {column: c, hash: md5}}\n", r"id_features\.s\.hash: expected one of"),
+        (
+            "non_id_features: {d: {columns: [a, b], mean: [1]}}\n",
+            r"non_id_features\.d\.mean: expected 2 numbers",
+        ),
+        ("label: {column: y}\n", "expected a 'preprocessor' or at least one of"),
+        (
+            "preprocessor: a:b\nlabel: {column: y, negative: n}\n",
+            r"label\.negative: needs 'positive'",
+        ),
+    ],
+)
+def test_mapping_errors_name_file_key_and_value(tmp_path, text, message):
+    path = tmp_path / "feature_mapping.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_mapping(path)
+    assert str(path) in caught.value.message
+
+
+def test_generic_encoder_builds_the_batch_in_signature_order():
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    rows = [
+        {"user_name": " alice ", "tag_list": "3|4", "x": "3", "y": 0.5, "clicked": "1"},
+        {"user_name": "bob", "tag_list": "", "x": 1, "y": "-1", "clicked": "0"},
+        {"user_name": "carol", "tag_list": [7], "x": "1", "y": "2", "clicked": "0"},
+    ]
+    batch, bad = encoder.encode(rows)
+    assert bad == []
+    user, tags = batch.id_type_features
+    assert isinstance(user, IDTypeFeatureWithSingleID) and user.name == "user"
+    assert user.values[0] == features.stable_id("alice")  # stripped, same hash as training
+    assert isinstance(tags, IDTypeFeature) and tags.to_lists() == [[3, 4], [], [7]]
+    dense = batch.non_id_type_features[0]
+    np.testing.assert_allclose(dense.data, [[1.0, 0.5], [0.0, -1.0], [0.0, 2.0]])
+    assert dense.data.dtype == np.float32
+
+
+def test_generic_encoder_reports_each_bad_row():
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    rows = [
+        {"user_name": "a", "tag_list": "1", "x": "nan", "y": "0"},
+        {"user_name": None, "tag_list": "1", "x": "1", "y": "0"},
+        {"user_name": "a", "tag_list": "1|-5", "x": "1", "y": "0"},
+        {"user_name": "a", "tag_list": "1", "x": "one", "y": "0"},
+        {"user_name": "a", "tag_list": "1", "x": "1"},
+        {"user_name": "ok", "tag_list": "2", "x": "1", "y": "0"},
+    ]
+    batch, bad = encoder.encode(rows)
+    assert batch.batch_size == 1
+    assert dict(bad) == {
+        0: "column 'x': 'nan' is not a finite number",
+        1: "column 'user_name' is empty (null)",
+        2: "column 'tag_list': ID -5 is outside [0, 2**64)",
+        3: "column 'x': 'one' is not a number",
+        4: "missing column 'y'",
+    }
+
+
+def test_generic_mapping_must_fit_the_model():
+    wrong = FeatureMapping(
+        id_features={"user": IdFeatureMapping("u", separator=",")},
+        non_id_features={"dense": NonIdFeatureMapping(["x"])},
+    )
+    with pytest.raises(ConfigError) as caught:
+        GenericEncoder(wrong, SIGNATURE, "m.yml")
+    message = caught.value.message
+    assert "m.yml: id_features: missing ['tags']" in message
+    assert "id_features.user.separator: the model takes exactly one ID" in message
+    assert "non_id_features.dense.columns: the model takes 2 values" in message
+
+
+def test_default_mapping_and_metadata_signature():
+    mapping = default_mapping(SIGNATURE)
+    assert mapping.id_features["user"] == IdFeatureMapping("user", "int", None)
+    assert mapping.id_features["tags"].separator == " "
+    assert mapping.non_id_features["dense"].columns == ["dense_0", "dense_1"]
+    metadata = {
+        "inputs": [
+            {"name": "user", "datatype": "INT64", "shape": [-1]},
+            {"name": "tags", "datatype": "INT64", "shape": [-1]},
+            {"name": "tags.lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "dense", "datatype": "FP32", "shape": [-1, 2]},
+        ]
+    }
+    assert signature_from_metadata(metadata) == SIGNATURE
+
+
+def test_preprocessor_encoder_finds_bad_rows_row_by_row():
+    rows = [dict(zip(_ADULT_HEADER, line.split(","))) for line in _ADULT_ROWS]
+    rows[1]["age"] = "forty"
+    del rows[2]["workclass"]
+    batch, bad = PreprocessorEncoder(instances_to_batch).encode(rows)
+    assert batch.batch_size == 2
+    reasons = dict(bad)
+    assert set(reasons) == {1, 2}
+    assert "forty" in reasons[1] and not reasons[1].startswith("row ")
+    assert "workclass" in reasons[2]
+
+
+_ADULT_HEADER = [
+    "age", "workclass", "fnlwgt", "education", "educational-num", "marital-status", "occupation",
+    "relationship", "race", "gender", "capital-gain", "capital-loss", "hours-per-week",
+    "native-country", "income",
+]  # fmt: skip
+_ADULT_ROWS = [
+    "25,Private,226802,11th,7,Never-married,Machine-op-inspct,Own-child,Black,Male,0,0,40,"
+    "United-States,<=50K",
+    "38,Private,89814,HS-grad,9,Married-civ-spouse,Farming-fishing,Husband,White,Male,0,0,50,"
+    "United-States,<=50K",
+    "28,Local-gov,336951,Assoc-acdm,12,Married-civ-spouse,Protective-serv,Husband,White,Male,0,"
+    "0,40,United-States,>50K",
+    "44,Private,160323,Some-college,10,Married-civ-spouse,Machine-op-inspct,Husband,Black,Male,"
+    "7688,0,40,United-States,>50K",
+]

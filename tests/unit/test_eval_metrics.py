@@ -1,0 +1,141 @@
+"""Metrics, report and atomic writers of ``recserve eval`` (clients/eval_report.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from clients import eval_report
+from embedding_store.errors import AlreadyExistsError
+from examples.adult_income.metrics import roc_auc as adult_roc_auc
+
+
+def brute_force_auc(labels, scores) -> float:
+    pos = [s for s, y in zip(scores, labels) if y > 0.5]
+    neg = [s for s, y in zip(scores, labels) if y <= 0.5]
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auc_is_exact_with_ties_and_matches_the_training_side(seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, 300).astype(np.float32)
+    tied = rng.integers(0, 7, 300).astype(np.float32)  # many ties
+    assert eval_report.roc_auc(labels, tied) == pytest.approx(brute_force_auc(labels, tied))
+    scores = rng.normal(size=300).astype(np.float32)
+    assert eval_report.roc_auc(labels, scores) == adult_roc_auc(labels, scores)  # bit-identical
+
+
+def test_auc_needs_both_classes_and_no_nan():
+    with pytest.raises(ValueError, match="both positive and negative"):
+        eval_report.roc_auc(np.ones(3), np.arange(3.0))
+    with pytest.raises(ValueError, match="NaN"):
+        eval_report.roc_auc(np.array([0, 1]), np.array([0.1, np.nan]))
+
+
+def test_roc_curve_area_is_the_auc():
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 2, 500)
+    scores = rng.integers(0, 20, 500).astype(np.float64) + labels
+    fpr, tpr = eval_report.roc_curve(labels, scores)
+    assert (fpr[0], tpr[0]) == (0.0, 0.0) and (fpr[-1], tpr[-1]) == (1.0, 1.0)
+    assert np.all(np.diff(fpr) >= 0) and np.all(np.diff(tpr) >= 0)
+    area = float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
+    assert area == pytest.approx(eval_report.roc_auc(labels, scores))
+
+
+def test_log_loss_and_calibration():
+    labels = np.array([1.0, 0.0, 1.0, 0.0])
+    probabilities = np.array([0.9, 0.2, 0.6, 0.0])
+    expected = -(math.log(0.9) + math.log(0.8) + math.log(0.6) + math.log(1 - 1e-15)) / 4
+    assert eval_report.log_loss(labels, probabilities) == pytest.approx(expected)
+
+    calibration = eval_report.calibration(labels, probabilities, bins=4)
+    counts = [b["count"] for b in calibration["bins"]]
+    assert counts == [2, 0, 1, 1]  # 0.0 and 0.2 | - | 0.6 | 0.9
+    first = calibration["bins"][0]
+    assert first["mean_prediction"] == pytest.approx(0.1) and first["positive_rate"] == 0.0
+    # ECE = 2/4 * |0.1 - 0| + 1/4 * |0.6 - 1| + 1/4 * |0.9 - 1|
+    assert calibration["expected_calibration_error"] == pytest.approx(0.05 + 0.1 + 0.025)
+
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=200_000)
+    y = (rng.uniform(size=p.size) < p).astype(np.float64)  # calibrated by construction
+    assert eval_report.calibration(y, p)["expected_calibration_error"] < 0.01
+
+
+def test_metrics_leave_out_what_does_not_apply():
+    labels = np.array([0.0, 1.0, 1.0])
+    logits = np.array([-2.0, 3.0, 0.5], dtype=np.float32)
+    m = eval_report.metrics(labels, logits)
+    assert (
+        m["auc"] == 1.0 and m["log_loss"] is None and "--output-transform" in m["probability_note"]
+    )
+    m = eval_report.metrics(None, np.array([0.5]))
+    assert m["auc"] is None and m["auc_note"] == "no labels"
+    m = eval_report.metrics(np.ones(2), np.array([0.2, 0.3]))
+    assert m["auc"] is None and "both positive and negative" in m["auc_note"]
+    assert m["log_loss"] is not None
+
+
+def test_atomic_file_refuses_existing_and_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "out.csv"
+    with eval_report.atomic_file(target, overwrite=False) as temporary:
+        temporary.write_text("one")
+    assert target.read_text() == "one"
+    with (
+        pytest.raises(AlreadyExistsError, match="--overwrite"),
+        eval_report.atomic_file(target, overwrite=False),
+    ):
+        pass
+    with pytest.raises(RuntimeError), eval_report.atomic_file(target, overwrite=True) as temporary:
+        temporary.write_text("partial")
+        raise RuntimeError("boom")
+    assert target.read_text() == "one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
+def test_report_directory(tmp_path):
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 2, 1000).astype(np.float64)
+    predictions = np.clip(labels * 0.3 + rng.uniform(size=1000) * 0.7, 0, 1).astype(np.float32)
+    report = {
+        "created_at": "now",
+        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
+        "data": ["a.csv"],
+        "counts": {"rows": 1000, "positives": int(labels.sum()), "skipped_rows": 1},
+        **eval_report.metrics(labels, predictions),
+        "unknown_ids": {"ids": 10, "unknown": 1, "ratio": 0.1},
+        "bad_rows": ["a.csv:7: bad"],
+        "compare": None,
+    }
+    target = tmp_path / "report"
+    eval_report.write_report(
+        target,
+        report,
+        labels=labels,
+        predictions=predictions,
+        ranking_scores=predictions,
+        all_bad_rows=["a.csv:7: bad"],
+        overwrite=False,
+    )
+    names = sorted(p.name for p in target.iterdir())
+    assert names == ["bad_rows.txt", "calibration.png", "report.json", "roc.png", "summary.md"]
+    data = json.loads((target / "report.json").read_text())
+    assert data["auc"] == pytest.approx(eval_report.roc_auc(labels, predictions))
+    assert "checkpoint ck (version v1)" in (target / "summary.md").read_text()
+    with pytest.raises(AlreadyExistsError):
+        eval_report.write_report(
+            target,
+            report,
+            labels=labels,
+            predictions=predictions,
+            ranking_scores=predictions,
+            all_bad_rows=[],
+            overwrite=False,
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]

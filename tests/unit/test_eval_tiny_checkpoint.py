@@ -1,0 +1,260 @@
+"""``recserve eval`` (in-process, generic mapping) and the checkpoint tools on a tiny checkpoint
+built here: two ID slots in one feature group plus an ungrouped one, prefix bits 8."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from clients import checkpoint_tool
+from clients.eval import EvalOptions, run_eval
+from embedding_store import checkpoint as embedding_checkpoint
+from embedding_store import model_checkpoint
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    ConfigError,
+    InvalidArgumentError,
+)
+from embedding_store.shard import RowBlock
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from embedding_store.tier import InProcessEmbeddingTier
+
+CONFIG = embedding_config_from_mapping(
+    {
+        "feature_index_prefix_bit": 8,
+        "slots_config": {"user": {"dim": 4}, "tags": {"dim": 4}, "item": {"dim": 4}},
+        "feature_groups": {"content": ["tags", "item"]},
+    }
+)
+SIGNATURE = FeatureSignature(
+    (IdFeatureSpec("user", True), IdFeatureSpec("tags", False)),
+    (NonIdFeatureSpec("dense", "float32", (2,)),),
+)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4 + 4 + 2, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def make_checkpoint(directory: Path, *, seed: int = 0, users: int = 50) -> Path:
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tier = InProcessEmbeddingTier(CONFIG, capacity=10_000)
+    ids = np.concatenate(
+        [
+            CONFIG.prefix_ids("user", np.arange(users, dtype=np.uint64)),
+            CONFIG.prefix_ids("tags", np.arange(100, 130, dtype=np.uint64)),
+        ]
+    )
+    weights = rng.normal(size=(ids.size, 4)).astype(np.float32)
+    tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    model_checkpoint.write_checkpoint(directory, Tiny(), None, tier, step=7, signature=SIGNATURE)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint")
+
+
+def write_rows(path: Path, n: int = 40) -> None:
+    rng = np.random.default_rng(5)
+    lines = ["user,tags,dense_0,dense_1,clicked"]
+    for i in range(n):
+        user = i * 2  # users >= 50 are unknown to the checkpoint
+        tags = " ".join(str(100 + int(t)) for t in rng.integers(0, 30, i % 3))
+        lines.append(f"{user},{tags},{rng.normal():.4f},{rng.normal():.4f},{i % 2}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------- eval in-process
+def test_eval_in_process_with_the_default_mapping(checkpoint, tmp_path, capsys):
+    data = tmp_path / "rows.csv"
+    write_rows(data)
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "predictions.parquet",
+        checkpoint=checkpoint,
+        label="clicked",
+        report=tmp_path / "report",
+        batch_size=16,
+        output_transform="sigmoid",
+        progress=False,
+    )
+    result = run_eval(options)
+    assert result.rows == 40 and result.exit_code == 0
+    assert "scored 40 rows" in capsys.readouterr().out
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(options.out).to_pydict()
+    assert table["position"] == list(range(2, 42))
+    # The same rows scored by hand through the TorchScript model and the embedding table.
+    manifest = model_checkpoint.read_manifest(checkpoint)
+    dense = model_checkpoint.load_jit_model(manifest)
+    emb = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+    rows = embedding_checkpoint.read_rows_for_replica(emb, 0, 1, keep_state_of=None)[0]
+    table_of = dict(zip(rows.ids.tolist(), rows.weights))
+    zero = np.zeros(4, np.float32)
+    expected = []
+    for line in data.read_text().splitlines()[1:]:
+        user, tags, x, y, _ = line.split(",")
+        u = table_of.get(int(CONFIG.prefix_ids("user", np.array([int(user)], np.uint64))[0]), zero)
+        t = sum(
+            (table_of[int(CONFIG.prefix_ids("tags", np.array([int(v)], np.uint64))[0])]
+             for v in tags.split()),
+            zero,
+        )  # fmt: skip
+        with torch.no_grad():
+            logit = dense(
+                [torch.tensor([[float(x), float(y)]])],
+                [torch.from_numpy(np.stack([u])), torch.from_numpy(np.stack([t]))],
+            )
+        expected.append(float(torch.sigmoid(logit)))
+    np.testing.assert_allclose(table["prediction"], expected, rtol=1e-5, atol=1e-6)
+
+    report = json.loads((options.report / "report.json").read_text())
+    assert report["counts"] == {"rows": 40, "positives": 20, "negatives": 20, "skipped_rows": 0}
+    unknown = report["unknown_ids"]
+    user_ids, tag_ids = 40, sum(i % 3 for i in range(40))
+    assert unknown["ids"] == user_ids + tag_ids
+    assert unknown["unknown"] == 15  # users 50, 52, ..., 78
+    assert report["model"]["checkpoint_version"] == manifest.version
+
+
+def test_eval_option_and_mapping_errors(checkpoint, tmp_path):
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    base = {"data": (data,), "out": tmp_path / "p.csv", "progress": False}
+    with pytest.raises(InvalidArgumentError, match="--compare needs both"):
+        run_eval(EvalOptions(**base, checkpoint=checkpoint, compare=True))
+    with pytest.raises(InvalidArgumentError, match="give --checkpoint DIR"):
+        run_eval(EvalOptions(**base))
+    with pytest.raises(InvalidArgumentError, match="no label column 'income'"):
+        run_eval(EvalOptions(**base, checkpoint=checkpoint, label="income"))
+    mapping = tmp_path / "m.yml"
+    mapping.write_text("id_features: {user: {column: user, hash: int}}\n")
+    with pytest.raises(ConfigError, match=r"m\.yml: id_features: missing \['tags'\]"):
+        run_eval(EvalOptions(**base, checkpoint=checkpoint, mapping=mapping))
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
+    data = tmp_path / "rows.csv"
+    data.write_text("user,tags,dense_0,dense_1\n1,,0.5,1\nx,,0.5,1\n2,100,0.1,oops\n3,101,0,0\n")
+    base = {"data": (data,), "checkpoint": checkpoint, "progress": False}
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "fail.csv"))
+    assert f"{data}:3: column 'user': 'x' is not an integer ID" in caught.value.message
+    assert f"{data}:4: column 'dense_1': 'oops' is not a number" in caught.value.message
+    assert not (tmp_path / "fail.csv").exists()
+    result = run_eval(EvalOptions(**base, out=tmp_path / "skip.csv", bad_rows="skip"))
+    assert (result.rows, result.skipped) == (2, 2)
+    assert result.report["auc"] is None and result.report["auc_note"] == "no labels"
+    assert f"skipped {data}:3: " in capsys.readouterr().err
+    assert (tmp_path / "skip.csv").read_text().count("\n") == 3
+
+
+# --------------------------------------------------------------------------- checkpoint tools
+def test_inspect_text_and_json(checkpoint):
+    info = checkpoint_tool.inspect(checkpoint)
+    assert info["step"] == 7 and info["kind"] == "model"
+    assert info["embeddings"]["rows_per_id_space"] == {"user": 50, "content": 30}
+    slots = {s["name"]: s for s in info["embeddings"]["slots"]}
+    assert slots["tags"]["id_space"] == slots["item"]["id_space"] == "content"
+    assert slots["tags"]["prefix"] == slots["item"]["prefix"] == "0x0100000000000000"
+    text = checkpoint_tool.format_inspect(info)
+    assert "forward(" in text and "tags[]" in text and "rows per shard 80" in text
+
+
+def test_verify_lists_every_problem(checkpoint, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    (broken / "opt.pt").unlink(missing_ok=True)
+    (broken / "jit_dense.pt").write_bytes(b"junk")
+    table = next((broken / "embeddings").rglob("*.safetensors"))
+    table.write_bytes(table.read_bytes()[:-1] + b"\x00")
+    problems, _ = checkpoint_tool.verify(broken)
+    assert len(problems) == 2, problems
+    assert any("jit_dense.pt has 4 bytes" in p for p in problems)
+    assert any("SHA-256 mismatch" in p and "safetensors" in p for p in problems)
+    assert checkpoint_tool.verify(tmp_path / "nowhere")[0] == [
+        f"checkpoint {tmp_path / 'nowhere'} does not exist or is not a directory"
+    ]
+
+
+def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
+    embeddings = checkpoint / "embeddings"
+    three, one = tmp_path / "three", tmp_path / "one"
+    result = checkpoint_tool.reshard(embeddings, 3, three)
+    assert result["kind"] == "embedding" and sum(result["rows_per_shard"]) == 80
+    checkpoint_tool.reshard(three, 1, one)
+    assert checkpoint_tool.diff(embeddings, one)["identical"]
+    manifest = embedding_checkpoint.read_manifest(one)
+    assert manifest.num_shards == 1 and manifest.total_rows == 80
+    # Rows land where the hash routing says (loadable by 3 replicas without moving).
+    three_manifest = embedding_checkpoint.read_manifest(three)
+    from embedding_store.hashing import shard_of
+
+    for entry in three_manifest.files:
+        ids = embedding_checkpoint._read_verified(three_manifest, entry)["ids"]
+        assert set(shard_of(ids, 3).tolist()) == {entry.shard}
+    with pytest.raises(AlreadyExistsError):
+        checkpoint_tool.reshard(embeddings, 2, three)
+    with pytest.raises(InvalidArgumentError, match="must not be"):
+        checkpoint_tool.reshard(checkpoint, 2, checkpoint / "inside")
+    with pytest.raises(InvalidArgumentError, match="model checkpoint but"):
+        checkpoint_tool.diff(checkpoint, one)
+
+
+def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
+    other = make_checkpoint(tmp_path / "other", seed=1, users=60)
+    result = checkpoint_tool.diff(checkpoint, other)
+    spaces = {s["id_space"]: s for s in result["embeddings"]["id_spaces"]}
+    assert spaces["user"]["added"] == 10 and spaces["user"]["removed"] == 0
+    assert spaces["user"]["changed"] == 50 and spaces["user"]["max_abs_diff"] > 0
+    assert spaces["content"]["slots"] == ["tags", "item"]
+    assert not result["identical"]
+    assert result["dense"]["max_abs_diff"] > 0
+    assert {t["status"] for t in result["dense"]["tensors"]} == {"changed"}
+    assert "checkpoints differ" in checkpoint_tool.format_diff(result)
+
+
+def test_export_dense(checkpoint, tmp_path):
+    out = tmp_path / "dense.pt"
+    info = checkpoint_tool.export_dense(checkpoint, out)
+    assert (
+        info["sha256"] == model_checkpoint.read_manifest(checkpoint).files["jit_dense.pt"]["sha256"]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = torch.jit.load(io.BytesIO(out.read_bytes()))
+    output = module([torch.zeros(3, 2)], [torch.zeros(3, 4), torch.zeros(3, 4)])
+    assert tuple(output.shape) == (3, 1)
+    with pytest.raises(AlreadyExistsError):
+        checkpoint_tool.export_dense(checkpoint, out)
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        checkpoint_tool.export_dense(checkpoint, tmp_path, overwrite=True)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint_tool.export_dense(tmp_path / "missing", tmp_path / "x.pt")
