@@ -3,8 +3,10 @@
 :class:`RecserveClient` (blocking) and :class:`AsyncRecserveClient` (asyncio) speak KServe v2
 over HTTP (``http://host:port``) or gRPC (``grpc://host:port``) with one interface; results are
 :class:`PredictResult` / :class:`ModelInfo`, errors :mod:`embedding_store.errors` classes. This
-package never imports ``serving`` or ``training``. ``recserve predict`` (clients/commands.py)
-scores a JSON-lines or CSV file of rows.
+package never imports ``training``, and ``serving`` only in one place: ``recserve eval
+--checkpoint`` scores in-process through ``serving.infer_ctx`` (imported lazily, so that the
+offline numbers come from the very code the server runs). ``recserve predict``
+(clients/commands.py) scores a JSON-lines or CSV file of rows.
 
 Names are imported lazily, so ``recserve --help`` (which imports clients.commands) stays fast.
 """

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 import orjson
 
+from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.errors import InvalidArgumentError, RecserveError
 
 FORMATS = ("jsonl", "csv")
@@ -187,34 +188,6 @@ def locate(error: RecserveError, path: Path, numbers: list[int]) -> RecserveErro
 
 
 # --------------------------------------------------------------------------- the command
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -233,11 +206,11 @@ def register(subparsers) -> None:
         "--input", required=True, type=Path, help="rows: .jsonl or .csv (optionally .gz)"
     )
     parser.add_argument("--format", choices=FORMATS, default=None, help="override the extension")
-    parser.add_argument("--batch-size", type=_positive_int, default=256, help="rows per request")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="rows per request")
     parser.add_argument("--output", type=Path, default=None, help="write JSON lines here")
-    parser.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds per request")
+    parser.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per request")
     parser.add_argument(
-        "--retries", type=_non_negative_int, default=3, help="retries on 503 / refused"
+        "--retries", type=non_negative_int, default=3, help="retries on 503 / refused"
     )
     parser.set_defaults(handler=_predict)
 

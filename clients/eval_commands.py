@@ -15,25 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+from embedding_store.cli_types import non_negative_float, positive_int
 
 
 # --------------------------------------------------------------------------- eval
@@ -75,7 +57,7 @@ def _register_eval(subparsers) -> None:
     )
     parser.add_argument("--report", type=Path, metavar="DIR", help="write an evaluation report")
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=4096, help="rows per chunk/request (4096)"
+        "--batch-size", type=positive_int, default=4096, help="rows per chunk/request (4096)"
     )
     parser.add_argument(
         "--bad-rows",
@@ -100,15 +82,15 @@ def _register_eval(subparsers) -> None:
     )
     parser.add_argument(
         "--tolerance",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=1e-6,
         help="max abs difference allowed by --compare (1e-6)",
     )
     parser.add_argument(
-        "--calibration-bins", type=_positive_int, default=10, help="reliability bins (10)"
+        "--calibration-bins", type=positive_int, default=10, help="reliability bins (10)"
     )
     parser.add_argument(
-        "--timeout", type=_non_negative_float, default=60.0, help="per request, seconds (60)"
+        "--timeout", type=non_negative_float, default=60.0, help="per request, seconds (60)"
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing --out / --report"
@@ -169,7 +151,7 @@ def _register_checkpoint(subparsers) -> None:
 
     reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
     reshard.add_argument("directory", type=Path, metavar="DIR")
-    reshard.add_argument("--shards", type=_positive_int, required=True, metavar="N")
+    reshard.add_argument("--shards", type=positive_int, required=True, metavar="N")
     reshard.add_argument("--out", type=Path, required=True, metavar="DIR2")
     reshard.add_argument("--overwrite", action="store_true", help="replace an existing DIR2")
     reshard.set_defaults(handler=_reshard)
@@ -179,7 +161,7 @@ def _register_checkpoint(subparsers) -> None:
     diff.add_argument("directory_b", type=Path, metavar="DIR2")
     diff.add_argument(
         "--tolerance",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.0,
         help="a common row counts as changed when some weight moved by more (0: any change)",
     )

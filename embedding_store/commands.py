@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from embedding_store.cli_types import non_negative_float
 from embedding_store.config import (
     EMBEDDING_CONFIG_ENV,
     EMBEDDING_CONFIG_FLAG,
@@ -28,16 +29,6 @@ def _int_in(low: int, high: int | None, what: str):
         return value
 
     return parse
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 def _non_empty(text: str) -> str:
@@ -114,7 +105,7 @@ def _register_parameter_server(subparsers) -> None:
     )
     parser.add_argument(
         "--grace-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=5.0,
         metavar="S",
         help="on shutdown, time in-flight RPCs get to finish (default 5)",

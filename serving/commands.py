@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
+from embedding_store.cli_types import positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -33,12 +25,12 @@ def register(subparsers) -> None:
         default="",
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
     )
-    parser.add_argument("--max-batch-size", type=_positive(int), default=256)
-    parser.add_argument("--max-request-batch-size", type=_positive(int), default=4096)
+    parser.add_argument("--max-batch-size", type=positive_int, default=256)
+    parser.add_argument("--max-request-batch-size", type=positive_int, default=4096)
     parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
-    parser.add_argument("--max-queue-size", type=_positive(int), default=1024)
-    parser.add_argument("--request-timeout", type=_positive(float), default=10.0)
-    parser.add_argument("--lookup-timeout", type=_positive(float), default=5.0)
+    parser.add_argument("--max-queue-size", type=positive_int, default=1024)
+    parser.add_argument("--request-timeout", type=positive_float, default=10.0)
+    parser.add_argument("--lookup-timeout", type=positive_float, default=5.0)
     parser.add_argument(
         "--fallback-policy",
         choices=["fail", "default"],
@@ -51,7 +43,7 @@ def register(subparsers) -> None:
         default="identity",
         help="applied to the dense model's output (sigmoid turns logits into probabilities)",
     )
-    parser.add_argument("--max-body-bytes", type=_positive(int), default=64 * 1024 * 1024)
+    parser.add_argument("--max-body-bytes", type=positive_int, default=64 * 1024 * 1024)
     parser.add_argument(
         "--watch-seconds",
         type=float,
@@ -64,10 +56,10 @@ def register(subparsers) -> None:
         help="bearer token for POST /admin/reload from non-loopback clients",
     )
     parser.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
-    parser.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     parser.add_argument(
         "--workers",
-        type=_positive(int),
+        type=positive_int,
         default=1,
         help="server processes sharing the ports (SO_REUSEPORT); each loads the model",
     )

@@ -188,7 +188,7 @@ def test_options_are_validated():
         (["--replica-index", "0", "--replica-size", "1"], "--port"),
         (
             ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--grace-seconds", "x"],
-            "number of seconds",
+            "expected a number",
         ),
     ],
 )
