@@ -42,6 +42,7 @@ from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleI
 from embedding_store.config import EmbeddingConfig, SlotConfig
 from embedding_store.errors import BatchValidationError, InvalidArgumentError, NotFoundError
 from embedding_store.hashing import shard_of, splitmix64
+from embedding_store.hashmap import IdIndex
 from embedding_store.interfaces import ParameterServer
 from embedding_store.shard import EmbeddingShard
 
@@ -557,11 +558,14 @@ def _sqrt_weights(lengths: np.ndarray) -> np.ndarray:
 
 
 def _unique(ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-    """Unique IDs (uint64 [U]) and the position of each input ID among them (int64 [n])."""
-    unique, inverse = torch.unique(
-        torch.from_numpy(ids.view(np.int64)), sorted=False, return_inverse=True
-    )
-    return unique.numpy().view(np.uint64), inverse
+    """Unique IDs (uint64 [U], in first-occurrence order) and the position of each input ID
+    among them (int64 [n]). A throwaway hash index: O(n), ~4x faster here than the sort
+    behind ``torch.unique``."""
+    index = IdIndex(2 * len(ids))  # slots for load <= 0.5: no growth during the insert
+    inverse, count = index.get_or_insert(ids, 0)
+    unique = np.empty(count, dtype=np.uint64)
+    unique[inverse] = ids
+    return unique, torch.from_numpy(inverse)
 
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
