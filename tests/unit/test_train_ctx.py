@@ -172,3 +172,15 @@ def test_embedding_ctx_inference_mode_is_read_only():
         output, _ = ctx.forward(make_batch(1, labels=False))
         assert output.shape == (16, 1)
         assert sum(ctx.embedding_tier.status().rows_per_shard) == 0
+
+
+def test_nonfinite_embedding_gradients_skip_the_update():
+    with new_ctx(staleness=1) as ctx:
+        batch = make_batch(7)
+        before = ctx.embedding_tier.lookup(batch, train=True)
+        output, _ = ctx.forward(batch)
+        ctx.backward((output * float("inf")).sum())
+        assert ctx.nonfinite_embedding_steps == 1
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings)
