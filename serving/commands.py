@@ -25,6 +25,12 @@ def register(subparsers) -> None:
         default="",
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
     )
+    parser.add_argument(
+        "--embedding-ps",
+        default="",
+        help="comma-separated parameter-server addresses in replica order: run the worker "
+        "core in this process against them (one hop fewer than --embedding-workers)",
+    )
     parser.add_argument("--max-batch-size", type=positive_int, default=256)
     parser.add_argument("--max-request-batch-size", type=positive_int, default=4096)
     parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
@@ -85,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             grpc_port=args.grpc_port,
             embedding_workers=workers,
+            embedding_ps=tuple(a.strip() for a in args.embedding_ps.split(",") if a.strip()),
             max_batch_size=args.max_batch_size,
             max_request_batch_size=args.max_request_batch_size,
             max_queue_delay_ms=args.max_queue_delay_ms,

@@ -176,6 +176,7 @@ def load_model(
     *,
     name: str,
     embedding_workers: Sequence[str] | None = None,
+    embedding_ps: Sequence[str] | None = None,
     capacity: int | None = None,
     output_transform: str = "identity",
     fallback_policy: str = "fail",
@@ -183,7 +184,8 @@ def load_model(
     warm_up: bool = True,
 ) -> LoadedModel:
     """Load and verify a checkpoint: dense TorchScript + embeddings (in-process, or already
-    served by remote read-only workers when ``embedding_workers`` are given)."""
+    served by remote read-only workers when ``embedding_workers`` are given, or by remote
+    read-only shards with the worker core in this process when ``embedding_ps`` are given)."""
     manifest = model_checkpoint.read_manifest(checkpoint_dir)
     if manifest.signature is None:
         raise CheckpointError(
@@ -198,7 +200,18 @@ def load_model(
     dense.eval()
     embedding_manifest = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
     embedding_config = embedding_manifest.embedding_config
-    if embedding_workers:
+    if embedding_ps:
+        # The worker core runs in this process against remote (infer-mode) shards: one gRPC
+        # hop fewer than going through an embedding-worker service.
+        from embedding_store.worker_service import RemoteShardTier
+
+        tier = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
+        try:
+            tier.verify_shards()
+        except BaseException:
+            tier.close()
+            raise
+    elif embedding_workers:
         from embedding_store.worker_client import RemoteEmbeddingWorker
 
         tier: EmbeddingTier = RemoteEmbeddingWorker(

@@ -37,6 +37,7 @@ class ServeOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     embedding_workers: tuple[str, ...] = ()
+    embedding_ps: tuple[str, ...] = ()  # shards in replica order; worker core in-process
     max_batch_size: int = 256
     max_request_batch_size: int = 4096
     max_queue_delay_ms: float = 2.0
@@ -93,6 +94,7 @@ class PredictionServer:
             checkpoint or o.checkpoint,
             name=o.model_name,
             embedding_workers=list(o.embedding_workers) or None,
+            embedding_ps=list(o.embedding_ps) or None,
             output_transform=o.output_transform,
             fallback_policy=o.fallback_policy,
             lookup_timeout=o.lookup_timeout,
@@ -217,7 +219,7 @@ def options_to_argv(options: ServeOptions) -> list[str]:
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         flag = "--" + field.name.replace("_", "-")
-        if field.name == "embedding_workers":
+        if field.name in ("embedding_workers", "embedding_ps"):
             if value:
                 argv += [flag, ",".join(value)]
         elif isinstance(value, bool):

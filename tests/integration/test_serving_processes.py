@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -64,3 +65,71 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)  # the group this test started
             parent.wait()
+
+
+def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkpoint, tmp_path):
+    """--embedding-ps: infer-mode shards load the checkpoint's embeddings read-only; the
+    server runs the worker core itself; answers equal the embedded server's."""
+    import yaml
+
+    from embedding_store.launcher import LocalCluster
+    from serving.infer_ctx import InferCtx
+
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text(
+        yaml.safe_dump(
+            {
+                "common_config": {
+                    "job_type": "Infer",
+                    "infer_config": {"embedding_checkpoint": str(adult_checkpoint / "embeddings")},
+                },
+                "embedding_parameter_server_config": {"capacity": 100_000},
+            }
+        )
+    )
+    embedding_config = Path(features.__file__).parent / "embedding_config.yml"
+    batch = next(features.read_batches(features.TEST_PATH, 32, requires_grad=False))
+    with InferCtx(checkpoint=adult_checkpoint) as offline:
+        expected = offline.forward(batch)
+    with LocalCluster(
+        embedding_config, global_config, num_shards=2, num_workers=0, log_dir=tmp_path / "logs"
+    ) as shards:
+        log = tmp_path / "serve.log"
+        with open(log, "wb") as out:
+            server = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "embedding_store.cli",
+                    "serve",
+                    "--checkpoint",
+                    str(adult_checkpoint),
+                    "--embedding-ps",
+                    ",".join(shards.ps_addresses),
+                    "--http-port",
+                    "0",
+                    "--grpc-port",
+                    "0",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        try:
+            deadline = time.monotonic() + 120
+            ports = None
+            while ports is None:
+                assert server.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the server did not start"
+                ports = re.search(r"HTTP listening on \S+:(\d+)", log.read_text())
+                time.sleep(0.2)
+            with RecserveClient(f"http://127.0.0.1:{ports.group(1)}") as client:
+                answer = client.predict(batch)
+            np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
