@@ -1,0 +1,736 @@
+"""recserve against TorchServe on the same models, the same payloads and the same locust profile.
+
+Both servers get the trained Adult model and the synthetic Criteo-like model
+(load_tests/synthetic_model.py). recserve runs ``recserve serve`` (one process per model, flags
+per ``--variant``); TorchServe 0.12 runs from its own venv (``--ts-venv``) with
+benchmarks/peers_handler.py, ``--ts-workers`` workers per model and TorchServe batching
+(``--ts-batch-size`` / ``--ts-max-batch-delay-ms``). Every measurement is a headless locust run
+(load_tests/locustfile.py: ``KServeJsonUser`` against recserve's ``/v2/models/model/infer``,
+``TorchServeJsonUser`` against TorchServe's ``/predictions/<model>``) with ``--users`` users,
+closed loop, for ``--seconds`` seconds, one batch size at a time; both users send
+byte-identical KServe v2 JSON bodies (same pool, same seed). recserve and TorchServe runs
+alternate for every (model, batch size), so a noisy neighbour hits both alike.
+
+    /work/venv/bin/python benchmarks/peers.py --out /tmp/peers
+
+Reports ``peers.md`` / ``peers.csv`` / ``peers.json`` in ``--out``: req/s, samples/s, p50/p99
+and the ratios recserve / TorchServe, the CPU each process group used (server, TorchServe,
+locust; in cores), recserve's merged batch size and per-batch lookup/compute times from its
+``/metrics``, and a prediction cross-check (the same request answered by both).
+
+The load generator shares the machine with the servers; its own CPU use is in the report.
+Every process is started here and ended by PID; every run is bounded by ``--seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np
+
+from load_tests import traffic
+from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, subprocess_env
+
+HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
+TS_VERSION = "import ts; print(ts.__version__)"
+ADULT_TRAIN = REPO_ROOT / "examples" / "adult_income" / "train.py"
+
+
+# --------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_json(url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"} if body else {}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def process_tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its descendants (alive ones)."""
+    import psutil
+
+    total = 0.0
+    for process in process_tree(pid):
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def metric_totals(base_url: str) -> dict[str, float]:
+    """Sums and counts of recserve's batching histograms (``/metrics``)."""
+    wanted = {
+        "recserve_batch_size",
+        "recserve_compute_latency_seconds",
+        "recserve_embedding_lookup_latency_seconds",
+        "recserve_queue_latency_seconds",
+    }
+    totals: dict[str, float] = {}
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            base = name.split("{", 1)[0]
+            for suffix in ("_sum", "_count"):
+                if base.endswith(suffix) and base[: -len(suffix)] in wanted:
+                    totals[base] = totals.get(base, 0.0) + float(value)
+    return totals
+
+
+def machine_description() -> dict[str, str]:
+    model = ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import locust
+    import torch
+
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": model,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "locust": locust.__version__,
+        "loadavg_at_start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+    }
+
+
+# --------------------------------------------------------------------------- checkpoints
+def adult_checkpoint(out: Path, given: Path | None) -> Path:
+    if given is not None:
+        return given.absolute()
+    target = out / "checkpoints" / "adult"
+    if not (target / "DONE").exists():
+        subprocess.run(
+            [sys.executable, str(ADULT_TRAIN), "--checkpoint-dir", str(target), "--overwrite"],
+            cwd=REPO_ROOT,
+            env=subprocess_env(),
+            check=True,
+            timeout=600,
+        )
+    return target
+
+
+def synthetic_checkpoint(out: Path, given: Path | None) -> Path:
+    if given is not None:
+        return given.absolute()
+    from load_tests.synthetic_model import build_synthetic_checkpoint
+
+    target = out / "checkpoints" / "synthetic"
+    if not (target / "DONE").exists():
+        build_synthetic_checkpoint(target, overwrite=True)
+    return target
+
+
+def handler_bundle(checkpoint: Path, model_name: str, output_transform: str) -> dict[str, Any]:
+    """What peers_handler.py needs from the checkpoint's manifests."""
+    from embedding_store import checkpoint as embedding_checkpoint
+    from embedding_store import model_checkpoint
+
+    manifest = model_checkpoint.read_manifest(checkpoint)
+    config = embedding_checkpoint.read_manifest(manifest.embeddings_directory).embedding_config
+    slots = []
+    for feature in manifest.signature.id_features:
+        slot = config.slot(feature.name)
+        if not slot.embedding_summation or slot.hash_stack_config.hash_stack_rounds:
+            raise SystemExit(
+                f"slot {feature.name}: the TorchServe handler supports summed slots without "
+                "hash stacking only"
+            )
+        slots.append(
+            {
+                "name": feature.name,
+                "single_id": feature.single_id,
+                "dim": slot.dim,
+                "prefix": config.index_prefix(feature.name),
+                "mask": config.id_mask,
+                "sqrt_scaling": slot.sqrt_scaling,
+            }
+        )
+    return {
+        "model_name": model_name,
+        "output_transform": output_transform,
+        "embeddings_dir": str(manifest.embeddings_directory.absolute()),
+        "id_slots": slots,
+        "dense_inputs": [
+            {"name": f.name, "sample_shape": list(f.sample_shape)}
+            for f in manifest.signature.non_id_features
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- TorchServe
+@dataclass
+class TorchServe:
+    """TorchServe from its own venv, serving every model with peers_handler.py."""
+
+    venv: Path
+    root: Path
+    workers: int
+    batch_size: int
+    max_batch_delay_ms: int
+    models: dict[str, tuple[Path, dict[str, Any]]] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    inference: str = ""
+    management: str = ""
+    pids: set[int] = field(default_factory=set)
+
+    def archive(self) -> None:
+        store = self.root / "model_store"
+        store.mkdir(parents=True, exist_ok=True)
+        for name, (checkpoint, bundle) in self.models.items():
+            staging = self.root / "build" / name
+            staging.mkdir(parents=True, exist_ok=True)
+            shutil.copy(checkpoint / "jit_dense.pt", staging / "jit_dense.pt")
+            (staging / "recserve_bundle.json").write_text(json.dumps(bundle, indent=2))
+            command = [
+                str(self.venv / "bin" / "torch-model-archiver"),
+                "--model-name",
+                name,
+                "--version",
+                "1.0",
+                "--serialized-file",
+                str(staging / "jit_dense.pt"),
+                "--handler",
+                str(HANDLER),
+                "--extra-files",
+                str(staging / "recserve_bundle.json"),
+                "--export-path",
+                str(store),
+                "--archive-format",
+                "no-archive",
+                "--force",
+            ]
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+
+    def start(self, timeout: float = 300.0) -> TorchServe:
+        self.archive()
+        ports = [free_port() for _ in range(3)]
+        self.inference = f"http://127.0.0.1:{ports[0]}"
+        self.management = f"http://127.0.0.1:{ports[1]}"
+        models = {
+            name: {
+                "1.0": {
+                    "defaultVersion": True,
+                    "marName": name,
+                    "minWorkers": self.workers,
+                    "maxWorkers": self.workers,
+                    "batchSize": self.batch_size,
+                    "maxBatchDelay": self.max_batch_delay_ms,
+                    "responseTimeout": 120,
+                }
+            }
+            for name in self.models
+        }
+        config = self.root / "config.properties"
+        config.write_text(
+            "\n".join(
+                [
+                    f"inference_address={self.inference}",
+                    f"management_address={self.management}",
+                    f"metrics_address=http://127.0.0.1:{ports[2]}",
+                    f"model_store={self.root / 'model_store'}",
+                    f"load_models={','.join(self.models)}",
+                    f"default_workers_per_model={self.workers}",
+                    "disable_token_authorization=true",
+                    "install_py_dep_per_model=false",
+                    "disable_system_metrics=true",
+                    "job_queue_size=1000",
+                    f"models={json.dumps(models)}",
+                    "",
+                ]
+            )
+        )
+        temporary = self.root / "tmp"  # TorchServe keeps its PID file in TMPDIR: ours alone
+        temporary.mkdir(exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            {
+                "TMPDIR": str(temporary),
+                "PATH": f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+                "OMP_NUM_THREADS": "1",
+                "LOG_LOCATION": str(self.root / "logs"),
+                "METRICS_LOCATION": str(self.root / "logs"),
+            }
+        )
+        env.pop("PYTHONPATH", None)
+        command = [
+            str(self.venv / "bin" / "torchserve"),
+            "--start",
+            "--foreground",
+            "--ncs",
+            "--ts-config",
+            str(config),
+            "--model-store",
+            str(self.root / "model_store"),
+            "--disable-token-auth",
+        ]
+        with open(self.root / "torchserve.log", "wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._remember_pids()
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"torchserve exited with {self.process.returncode}:\n"
+                    + (self.root / "torchserve.log").read_text(errors="replace")[-3000:]
+                )
+            if self.ready():
+                return self
+            time.sleep(1.0)
+        raise RuntimeError(
+            f"TorchServe models not ready after {timeout:.0f} s:\n"
+            + (self.root / "torchserve.log").read_text(errors="replace")[-3000:]
+        )
+
+    def ready(self) -> bool:
+        try:
+            for name in self.models:
+                status = http_json(f"{self.management}/models/{name}", timeout=5)
+                workers = status[0].get("workers", [])
+                if sum(w.get("status") == "READY" for w in workers) < self.workers:
+                    return False
+            return True
+        except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError):
+            return False
+
+    def _remember_pids(self) -> None:
+        if self.process is not None:
+            self.pids.update(p.pid for p in process_tree(self.process.pid))
+
+    def stop(self) -> None:
+        """SIGTERM the Java frontend (it stops its workers), then the launcher; SIGKILL what
+        is left of the processes started here, by PID."""
+        import psutil
+
+        if self.process is None:
+            return
+        self._remember_pids()
+        for process in process_tree(self.process.pid)[1:2]:  # the Java frontend
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            stop_process(self.process, grace=10)
+        for pid in sorted(self.pids):
+            try:
+                process = psutil.Process(pid)
+                process.wait(timeout=5)
+            except psutil.TimeoutExpired:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+# --------------------------------------------------------------------------- measuring
+@dataclass
+class Measurement:
+    model: str
+    server: str  # "recserve:<variant>" or "torchserve"
+    batch: int
+    users: int
+    seconds: float
+    requests: int = 0
+    failures: int = 0
+    rps: float = 0.0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    server_cores: float = 0.0
+    locust_cores: float = 0.0
+    mean_merged_batch: float | None = None
+    lookup_ms_per_batch: float | None = None
+    compute_ms_per_batch: float | None = None
+    queue_ms_per_request: float | None = None
+    error: str = ""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.rps * self.batch
+
+
+def measure(
+    *,
+    label: str,
+    model: str,
+    batch: int,
+    host: str,
+    user_class: str,
+    server_pid: int,
+    env: dict[str, str],
+    args: argparse.Namespace,
+    out: Path,
+    metrics_url: str | None = None,
+) -> Measurement:
+    name = f"{model}-{label.replace(':', '-')}-b{batch}"
+    run = LocustRun(
+        users=args.users,
+        spawn_rate=args.users,
+        seconds=args.seconds,
+        classes=[user_class],
+        host=host,
+        csv_prefix=out / "locust" / name,
+        log_path=out / "locust" / f"{name}.log",
+        env={**env, "RECSERVE_LT_BATCHES": str(batch)},
+    )
+    result = Measurement(model, label, batch, args.users, args.seconds)
+    before = metric_totals(metrics_url) if metrics_url else {}
+    server_cpu = cpu_seconds(server_pid)
+    started = time.monotonic()
+    locust = run.start()
+    locust_cpu, pid = 0.0, locust.pid
+    try:
+        while locust.poll() is None and time.monotonic() - started < args.seconds + 60:
+            locust_cpu = max(locust_cpu, cpu_seconds(pid))
+            time.sleep(0.5)
+    finally:
+        stop_process(locust)
+    wall = time.monotonic() - started
+    result.server_cores = round((cpu_seconds(server_pid) - server_cpu) / wall, 2)
+    result.locust_cores = round(locust_cpu / wall, 2)
+    try:
+        total = next(row for row in read_stats(run.csv_prefix) if row["name"] == "Aggregated")
+    except (OSError, StopIteration) as error:
+        result.error = f"no locust stats: {error!r}"
+        return result
+    result.requests, result.failures = total["requests"], total["failures"]
+    result.rps, result.p50_ms, result.p99_ms = total["rps"], total["p50_ms"], total["p99_ms"]
+    if metrics_url:
+        after = metric_totals(metrics_url)
+
+        def delta(key: str) -> float:
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        batches = delta("recserve_batch_size_count")
+        if batches:
+            result.mean_merged_batch = round(delta("recserve_batch_size_sum") / batches, 1)
+            result.lookup_ms_per_batch = round(
+                1000 * delta("recserve_embedding_lookup_latency_seconds_sum") / batches, 3
+            )
+            result.compute_ms_per_batch = round(
+                1000 * delta("recserve_compute_latency_seconds_sum") / batches, 3
+            )
+        queued = delta("recserve_queue_latency_seconds_count")
+        if queued:
+            result.queue_ms_per_request = round(
+                1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
+            )
+    print(
+        f"  {model:9s} b{batch:<3d} {label:24s} {result.rps:9.1f} req/s  p50 {result.p50_ms} ms"
+        f"  p99 {result.p99_ms} ms  failures {result.failures}  server {result.server_cores} "
+        f"cores  locust {result.locust_cores} cores",
+        flush=True,
+    )
+    return result
+
+
+def multi_process(flags: str) -> bool:
+    words = shlex.split(flags)
+    return "--workers" in words and int(words[words.index("--workers") + 1]) > 1
+
+
+def cross_check(
+    recserve_url: str, torchserve_url: str, model: str, payload: bytes
+) -> dict[str, Any]:
+    """The same KServe v2 JSON request to both servers: predictions must agree."""
+    try:
+        ours = http_json(f"{recserve_url}/v2/models/model/infer", payload)
+        theirs = http_json(f"{torchserve_url}/predictions/{model}", payload)
+        a = np.asarray(ours["outputs"][0]["data"], dtype=np.float64)
+        b = np.asarray(theirs["outputs"][0]["data"], dtype=np.float64)
+        return {
+            "samples": len(a),
+            "max_abs_diff": float(np.max(np.abs(a - b))) if len(a) == len(b) else None,
+            "unknown_ids": ours.get("parameters", {}).get("unknown_ids"),
+        }
+    except Exception as error:
+        return {"error": repr(error)}
+
+
+# --------------------------------------------------------------------------- report
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else round(a / b, 2)
+
+
+def report(
+    out: Path,
+    measurements: list[Measurement],
+    variants: dict[str, str],
+    info: dict[str, Any],
+) -> str:
+    with open(out / "peers.csv", "w", newline="") as handle:
+        fields = [*Measurement.__dataclass_fields__, "samples_per_s"]
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for m in measurements:
+            writer.writerow({**m.__dict__, "samples_per_s": round(m.samples_per_s, 1)})
+    by_key = {(m.model, m.server, m.batch): m for m in measurements}
+    lines = [
+        "| model | batch | recserve flags | recserve req/s | TorchServe req/s | "
+        "rps ratio | recserve p99 ms | TorchServe p99 ms | p99 ratio | goal (>= 2x, p99 <=) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    verdicts = []
+    for m in measurements:
+        if not m.server.startswith("recserve:"):
+            continue
+        peer = by_key.get((m.model, "torchserve", m.batch))
+        rps_ratio = ratio(m.rps, peer.rps if peer else None)
+        p99_ratio = ratio(m.p99_ms, peer.p99_ms if peer else None)
+        met = rps_ratio is not None and p99_ratio is not None and rps_ratio >= 2 and p99_ratio <= 1
+        if peer is not None:
+            verdicts.append(met)
+        variant = m.server.split(":", 1)[1]
+        flags = variants.get(variant) or "(defaults)"
+        lines.append(
+            f"| {m.model} | {m.batch} | {variant}: `{flags}` | {m.rps:.0f} | "
+            f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {m.p99_ms} | "
+            f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
+        )
+    lines += [
+        "",
+        "| model | batch | server | req/s | samples/s | p50 ms | p99 ms | failures | "
+        "server cores | locust cores | merged batch | lookup ms/batch | compute ms/batch | "
+        "queue ms/req |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in measurements:
+        lines.append(
+            f"| {m.model} | {m.batch} | {m.server} | {m.rps:.0f} | {m.samples_per_s:.0f} | "
+            f"{m.p50_ms} | {m.p99_ms} | {m.failures} | {m.server_cores} | {m.locust_cores} | "
+            f"{_dash(m.mean_merged_batch)} | {_dash(m.lookup_ms_per_batch)} | "
+            f"{_dash(m.compute_ms_per_batch)} | {_dash(m.queue_ms_per_request)} |"
+        )
+    summary = "\n".join(lines)
+    info["goal_met_everywhere"] = bool(verdicts) and all(verdicts)
+    (out / "peers.json").write_text(
+        json.dumps(
+            {**info, "measurements": [m.__dict__ for m in measurements]}, indent=2, default=str
+        )
+    )
+    (out / "peers.md").write_text(
+        f"# recserve vs TorchServe\n\n```\n{json.dumps(info, indent=2, default=str)}\n```\n\n"
+        f"{summary}\n"
+    )
+    return summary
+
+
+def _dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("peers-out"))
+    parser.add_argument("--models", default="adult,synthetic")
+    parser.add_argument("--adult-checkpoint", type=Path, default=None)
+    parser.add_argument("--synthetic-checkpoint", type=Path, default=None)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help='recserve flag set NAME="FLAGS" (repeatable); default: default=""',
+    )
+    parser.add_argument("--ts-venv", type=Path, default=Path("/work/ts-venv"))
+    parser.add_argument("--ts-workers", type=int, default=2)
+    parser.add_argument("--ts-batch-size", type=int, default=16)
+    parser.add_argument("--ts-max-batch-delay-ms", type=int, default=5)
+    parser.add_argument("--skip-torchserve", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600:
+        parser.error("bounded runs only: 1..512 users, at most 600 s per run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out.absolute()
+    (out / "locust").mkdir(parents=True, exist_ok=True)
+    variants = dict(v.partition("=")[::2] for v in (args.variant or ["default="]))
+    batches = [int(b) for b in args.batches.split(",")]
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    checkpoints = {}
+    for name in names:
+        if name == "adult":
+            checkpoints[name] = adult_checkpoint(out, args.adult_checkpoint)
+        elif name == "synthetic":
+            checkpoints[name] = synthetic_checkpoint(out, args.synthetic_checkpoint)
+        else:
+            raise SystemExit(f"unknown model {name!r}: adult or synthetic")
+    info: dict[str, Any] = {
+        "machine": machine_description(),
+        "users": args.users,
+        "seconds_per_run": args.seconds,
+        "batches": batches,
+        "variants": variants,
+        "torchserve": {
+            "venv": str(args.ts_venv),
+            "workers": args.ts_workers,
+            "batch_size": args.ts_batch_size,
+            "max_batch_delay_ms": args.ts_max_batch_delay_ms,
+        },
+        "checkpoints": {k: str(v) for k, v in checkpoints.items()},
+    }
+    torchserve: TorchServe | None = None
+    measurements: list[Measurement] = []
+    try:
+        if not args.skip_torchserve:
+            torchserve = TorchServe(
+                args.ts_venv,
+                out / "torchserve",
+                args.ts_workers,
+                args.ts_batch_size,
+                args.ts_max_batch_delay_ms,
+                {
+                    name: (path, handler_bundle(path, name, "sigmoid"))
+                    for name, path in checkpoints.items()
+                },
+            )
+            (out / "torchserve").mkdir(parents=True, exist_ok=True)
+            try:
+                version = subprocess.run(
+                    [str(args.ts_venv / "bin" / "python"), "-c", TS_VERSION],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout.strip()
+                info["torchserve"]["version"] = version
+                started = time.monotonic()
+                torchserve.start()
+                info["torchserve"]["startup_s"] = round(time.monotonic() - started, 1)
+            except Exception as error:
+                info["torchserve"]["error"] = f"{type(error).__name__}: {error}"
+                print(f"TorchServe could not start: {error}", file=sys.stderr)
+                torchserve.stop()
+                torchserve = None
+        for name, checkpoint in checkpoints.items():
+            servers: dict[str, ServeProcess] = {}
+            try:
+                for variant, flags in variants.items():
+                    servers[variant] = ServeProcess(
+                        checkpoint,
+                        out / f"serve-{name}-{variant}.log",
+                        extra_args=["--output-transform", "sigmoid", *shlex.split(flags)],
+                    ).start()
+                first = next(iter(servers.values()))
+                metadata = traffic.fetch_metadata(first.http, "model")
+                metadata_file = out / f"{name}-metadata.json"
+                metadata_file.write_text(json.dumps(metadata))
+                vocab = out / f"{name}-vocab.npz"
+                traffic.save_vocab(traffic.vocab_from_checkpoint(checkpoint), vocab)
+                env = {
+                    "RECSERVE_LT_MODEL": "model",
+                    "RECSERVE_LT_TS_MODEL": name,
+                    "RECSERVE_LT_METADATA_FILE": str(metadata_file),
+                    "RECSERVE_LT_VOCAB": str(vocab),
+                    "RECSERVE_LT_SEED": "7",
+                }
+                if torchserve is not None:
+                    inputs = traffic.ModelInputs.from_metadata(metadata)
+                    generator = traffic.TrafficGenerator(
+                        inputs, traffic.TrafficProfile(seed=3), traffic.load_vocab(vocab)
+                    )
+                    check = cross_check(
+                        first.http,
+                        torchserve.inference,
+                        name,
+                        traffic.encode_kserve_json(generator.arrays(64)),
+                    )
+                    info.setdefault("cross_check", {})[name] = check
+                    print(f"{name}: cross-check {check}", flush=True)
+                for batch in batches:
+                    for variant, server in servers.items():
+                        measurements.append(
+                            measure(
+                                label=f"recserve:{variant}",
+                                model=name,
+                                batch=batch,
+                                host=server.http,
+                                user_class="KServeJsonUser",
+                                server_pid=server.pid,
+                                env=env,
+                                args=args,
+                                out=out,
+                                # /metrics of one process only: skip with --workers > 1
+                                metrics_url=None
+                                if multi_process(variants[variant])
+                                else server.http,
+                            )
+                        )
+                    if torchserve is not None:
+                        measurements.append(
+                            measure(
+                                label="torchserve",
+                                model=name,
+                                batch=batch,
+                                host=torchserve.inference,
+                                user_class="TorchServeJsonUser",
+                                server_pid=torchserve.process.pid,
+                                env=env,
+                                args=args,
+                                out=out,
+                            )
+                        )
+            finally:
+                for server in servers.values():
+                    server.stop()
+    finally:
+        if torchserve is not None:
+            torchserve.stop()
+    info["loadavg_at_end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    summary = report(out, measurements, variants, info)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

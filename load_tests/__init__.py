@@ -1,0 +1,1 @@
+"""Load tests of recserve serving (locust): traffic, a synthetic model, a runner."""

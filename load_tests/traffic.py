@@ -1,0 +1,410 @@
+"""Realistic request traffic for load tests, built from a served model's KServe v2 metadata.
+
+What a request looks like (see serving/tensors.py for the tensor naming):
+
+* batch sizes drawn from a weighted mix (default 1 / 8 / 64 with weights 6 / 3 / 1);
+* IDs Zipf-distributed over each slot's vocabulary: the IDs a checkpoint really holds (see
+  :func:`vocab_from_checkpoint`) or, without one, ``0 .. default_vocab - 1``;
+* a share of IDs that no checkpoint holds (``unknown_share``, answered with default vectors);
+* jagged slots (``<slot>`` + ``<slot>.lengths``) with list lengths drawn from 0..max_list_len
+  (geometric-ish, mean ~``mean_list_len``);
+* dense (FP32) inputs standard normal with the sample shape of the metadata.
+
+:class:`TrafficGenerator` turns that into named numpy arrays, and the ``encode_*`` functions
+into request bodies: KServe v2 JSON, the KServe v2 binary tensor extension, the friendly
+``/v1/models/{name}:predict`` JSON, and gRPC ``ModelInferRequest`` messages. Generating a
+request costs load-generator CPU, so :class:`PayloadPool` pre-builds a pool of distinct
+requests per batch size once and the users cycle through it.
+
+No dependency on locust: the same code feeds benchmarks/peers.py and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LENGTHS_SUFFIX = ".lengths"
+ID_DATATYPES = ("INT64", "UINT64")
+OUTPUT_NAME = "prediction"
+#: Unknown IDs are drawn from [2**50, 2**51): far above any vocabulary, below the 56-bit mask
+#: of an 8-bit feature prefix, and valid INT64.
+UNKNOWN_LOW = 1 << 50
+_NUMPY_DTYPES = {"INT64": np.int64, "UINT64": np.uint64, "INT32": np.int32, "FP32": np.float32}
+
+
+# --------------------------------------------------------------------------- model inputs
+@dataclass(frozen=True)
+class IdSlot:
+    name: str
+    datatype: str  # INT64 or UINT64
+    jagged: bool
+    lengths_datatype: str = "INT64"
+
+
+@dataclass(frozen=True)
+class DenseInput:
+    name: str
+    sample_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The inputs of a served model, grouped the way requests are built."""
+
+    name: str
+    id_slots: tuple[IdSlot, ...]
+    dense: tuple[DenseInput, ...]
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> ModelInputs:
+        """From ``GET /v2/models/{name}`` (KServe v2 model metadata JSON)."""
+        inputs = {spec["name"]: spec for spec in metadata["inputs"]}
+        id_slots: list[IdSlot] = []
+        dense: list[DenseInput] = []
+        for name, spec in inputs.items():
+            if name.endswith(LENGTHS_SUFFIX) and name[: -len(LENGTHS_SUFFIX)] in inputs:
+                continue
+            datatype = spec["datatype"]
+            if datatype in ID_DATATYPES:
+                lengths = inputs.get(name + LENGTHS_SUFFIX)
+                id_slots.append(
+                    IdSlot(
+                        name,
+                        datatype,
+                        jagged=lengths is not None,
+                        lengths_datatype=lengths["datatype"] if lengths else "INT64",
+                    )
+                )
+            elif datatype == "FP32":
+                dense.append(DenseInput(name, tuple(int(d) for d in spec["shape"][1:])))
+            else:
+                raise ValueError(f"input {name!r}: unsupported datatype {datatype}")
+        return cls(str(metadata.get("name", "model")), tuple(id_slots), tuple(dense))
+
+
+def fetch_metadata(base_url: str, model: str, timeout: float = 10.0) -> dict[str, Any]:
+    """``GET {base_url}/v2/models/{model}`` with the standard library (no locust needed)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v2/models/{model}", timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+# --------------------------------------------------------------------------- vocabularies
+def vocab_from_checkpoint(checkpoint: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Known raw IDs of every slot of a recserve checkpoint: ``{slot: uint64 [n] sorted}``.
+
+    Reads the embedding rows (``embeddings/shard_*/dim_*.safetensors``, tensor ``ids``) and
+    strips each slot's feature prefix (slots of one feature group share their vocabulary).
+    """
+    import safetensors.numpy
+
+    root = Path(checkpoint)
+    embeddings = root / "embeddings" if (root / "embeddings").is_dir() else root
+    manifest = json.loads((embeddings / "embedding_manifest.json").read_text())
+    config = manifest["embedding_config"]
+    bit = int(config.get("feature_index_prefix_bit", 8))
+    slots = list(config["slots_config"])
+    groups: dict[str, list[str]] = dict(config.get("feature_groups") or {})
+    group_of = {member: group for group, members in groups.items() for member in members}
+    spaces = [*groups, *(s for s in slots if s not in group_of)]
+    ids = np.concatenate(
+        [
+            safetensors.numpy.load_file(str(embeddings / entry["path"]))["ids"]
+            for entry in manifest["files"]
+        ]
+        or [np.zeros(0, np.uint64)]
+    ).astype(np.uint64)
+    if bit == 0:
+        everything = np.unique(ids)
+        return {slot: everything for slot in slots}
+    shift = np.uint64(64 - bit)
+    mask = np.uint64((1 << (64 - bit)) - 1)
+    space_numbers = ids >> shift
+    raw = ids & mask
+    vocab: dict[str, np.ndarray] = {}
+    for index, space in enumerate(spaces, start=1):
+        known = np.unique(raw[space_numbers == np.uint64(index)])
+        for slot in slots:
+            if group_of.get(slot, slot) == space:
+                vocab[slot] = known
+    return vocab
+
+
+def save_vocab(vocab: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
+    np.savez(path, **{name: np.asarray(ids, dtype=np.uint64) for name, ids in vocab.items()})
+
+
+def load_vocab(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
+
+
+# --------------------------------------------------------------------------- the profile
+def parse_batch_mix(text: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``"1:6,8:3,64:1"`` -> ((1, 8, 64), (6, 3, 1)); ``"64"`` -> ((64,), (1,))."""
+    sizes, weights = [], []
+    for part in text.split(","):
+        size, _, weight = part.strip().partition(":")
+        sizes.append(int(size))
+        weights.append(float(weight) if weight else 1.0)
+    if not sizes or min(sizes) < 1 or min(weights) <= 0:
+        raise ValueError(f"bad batch mix {text!r}: use SIZE[:WEIGHT],...")
+    return tuple(sizes), tuple(weights)
+
+
+@dataclass(frozen=True)
+class TrafficProfile:
+    batch_sizes: tuple[int, ...] = (1, 8, 64)
+    batch_weights: tuple[float, ...] = (6.0, 3.0, 1.0)
+    zipf_exponent: float = 1.1
+    unknown_share: float = 0.02
+    max_list_len: int = 8
+    mean_list_len: float = 3.0
+    default_vocab: int = 10_000
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TrafficProfile:
+        """Settings from ``RECSERVE_LT_*`` variables (what load_tests/run.py exports)."""
+        env = os.environ if environ is None else environ
+        sizes, weights = parse_batch_mix(env.get("RECSERVE_LT_BATCHES", "1:6,8:3,64:1"))
+        return cls(
+            batch_sizes=sizes,
+            batch_weights=weights,
+            zipf_exponent=float(env.get("RECSERVE_LT_ZIPF", "1.1")),
+            unknown_share=float(env.get("RECSERVE_LT_UNKNOWN", "0.02")),
+            seed=int(env.get("RECSERVE_LT_SEED", "0")),
+        )
+
+
+class _Zipf:
+    """Bounded Zipf sampler over ranks 0..n-1 (probability ~ 1 / (rank + 1) ** s)."""
+
+    def __init__(self, n: int, exponent: float) -> None:
+        weights = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** exponent
+        self.cdf = np.cumsum(weights / weights.sum())
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        return np.minimum(np.searchsorted(self.cdf, rng.random(count)), len(self.cdf) - 1)
+
+
+@dataclass
+class TrafficGenerator:
+    """Named request tensors for ``inputs``, following ``profile``.
+
+    ``vocab`` maps a slot to the raw IDs it knows; a slot without one uses
+    ``0 .. profile.default_vocab - 1``. Rank r of the Zipf draw is the r-th ID of a fixed
+    random permutation of the vocabulary (so hot IDs are spread over the ID range).
+    """
+
+    inputs: ModelInputs
+    profile: TrafficProfile = field(default_factory=TrafficProfile)
+    vocab: Mapping[str, np.ndarray] | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.profile.seed)
+        self._ids: dict[str, np.ndarray] = {}
+        self._zipf: dict[int, _Zipf] = {}
+        for slot in self.inputs.id_slots:
+            known = None if self.vocab is None else self.vocab.get(slot.name)
+            if known is None or len(known) == 0:
+                known = np.arange(self.profile.default_vocab, dtype=np.uint64)
+            self._ids[slot.name] = self.rng.permutation(np.asarray(known, dtype=np.uint64))
+        weights = np.asarray(self.profile.batch_weights, dtype=np.float64)
+        self._batch_p = weights / weights.sum()
+        lengths = np.arange(self.profile.max_list_len + 1)
+        decay = np.exp(-lengths / max(self.profile.mean_list_len, 1e-3))
+        self._length_p = decay / decay.sum()
+
+    def batch_size(self) -> int:
+        return int(self.rng.choice(self.profile.batch_sizes, p=self._batch_p))
+
+    def _draw_ids(self, slot: IdSlot, count: int) -> np.ndarray:
+        known = self._ids[slot.name]
+        zipf = self._zipf.get(len(known))
+        if zipf is None:
+            zipf = self._zipf[len(known)] = _Zipf(len(known), self.profile.zipf_exponent)
+        ids = known[zipf.sample(self.rng, count)]
+        unknown = self.rng.random(count) < self.profile.unknown_share
+        if unknown.any():
+            ids = ids.copy()
+            ids[unknown] = UNKNOWN_LOW + self.rng.integers(0, UNKNOWN_LOW, int(unknown.sum()))
+        return ids
+
+    def arrays(self, batch_size: int | None = None) -> dict[str, np.ndarray]:
+        """One request: ``{input name: array}`` in metadata order (IDs in their datatype)."""
+        size = batch_size or self.batch_size()
+        out: dict[str, np.ndarray] = {}
+        for slot in self.inputs.id_slots:
+            dtype = _NUMPY_DTYPES[slot.datatype]
+            if slot.jagged:
+                lengths = self.rng.choice(len(self._length_p), size=size, p=self._length_p)
+                out[slot.name] = self._draw_ids(slot, int(lengths.sum())).astype(dtype)
+                out[slot.name + LENGTHS_SUFFIX] = lengths.astype(
+                    _NUMPY_DTYPES[slot.lengths_datatype]
+                )
+            else:
+                out[slot.name] = self._draw_ids(slot, size).astype(dtype)
+        for dense in self.inputs.dense:
+            out[dense.name] = self.rng.standard_normal((size, *dense.sample_shape)).astype(
+                np.float32
+            )
+        return out
+
+
+# --------------------------------------------------------------------------- encodings
+def _datatype(array: np.ndarray) -> str:
+    return {
+        np.dtype(np.int64): "INT64",
+        np.dtype(np.uint64): "UINT64",
+        np.dtype(np.int32): "INT32",
+        np.dtype(np.float32): "FP32",
+    }[array.dtype]
+
+
+def encode_kserve_json(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """KServe v2 JSON infer request (flat ``data``), as bytes."""
+    document = {
+        "inputs": [
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": _datatype(array),
+                "data": array.reshape(-1).tolist(),
+            }
+            for name, array in arrays.items()
+        ]
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def encode_kserve_binary(arrays: Mapping[str, np.ndarray]) -> tuple[bytes, int]:
+    """KServe v2 binary tensor extension: ``(body, json_header_length)``; outputs binary too."""
+    header = {
+        "inputs": [
+            {
+                "name": name,
+                "shape": list(array.shape),
+                "datatype": _datatype(array),
+                "parameters": {"binary_data_size": int(array.nbytes)},
+            }
+            for name, array in arrays.items()
+        ],
+        "outputs": [{"name": OUTPUT_NAME, "parameters": {"binary_data": True}}],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    little = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in arrays.values()]
+    return head + b"".join(a.tobytes() for a in little), len(head)
+
+
+def encode_friendly_json(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``{"instances": [{feature: value or list}, ...]}`` for ``/v1/models/{name}:predict``."""
+    size = _batch_size(inputs, arrays)
+    columns: dict[str, list[Any]] = {}
+    for slot in inputs.id_slots:
+        ids = arrays[slot.name].tolist()
+        if slot.jagged:
+            ends = np.cumsum(arrays[slot.name + LENGTHS_SUFFIX]).tolist()
+            starts = [0, *ends[:-1]]
+            columns[slot.name] = [ids[s:e] for s, e in zip(starts, ends)]
+        else:
+            columns[slot.name] = ids
+    for dense in inputs.dense:
+        values = arrays[dense.name].reshape(size, -1).tolist()
+        columns[dense.name] = [v[0] for v in values] if dense.sample_shape == () else values
+    instances = [{name: column[i] for name, column in columns.items()} for i in range(size)]
+    return json.dumps({"instances": instances}, separators=(",", ":")).encode()
+
+
+def encode_grpc_request(model: str, arrays: Mapping[str, np.ndarray]) -> Any:
+    """A KServe v2 ``ModelInferRequest`` with ``raw_input_contents`` (our private V2 pool)."""
+    from serving.proto import V2
+
+    request = V2.ModelInferRequest(model_name=model)
+    for name, array in arrays.items():
+        tensor = request.inputs.add()
+        tensor.name = name
+        tensor.datatype = _datatype(array)
+        tensor.shape.extend(array.shape)
+        request.raw_input_contents.append(
+            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        )
+    request.outputs.add().name = OUTPUT_NAME
+    return request
+
+
+def _batch_size(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) -> int:
+    for slot in inputs.id_slots:
+        key = slot.name + LENGTHS_SUFFIX if slot.jagged else slot.name
+        return len(arrays[key])
+    return len(arrays[inputs.dense[0].name])
+
+
+# --------------------------------------------------------------------------- payload pools
+@dataclass(frozen=True)
+class Payload:
+    batch_size: int
+    body: bytes
+    header_length: int | None = None  # binary extension only
+    message: Any = None  # gRPC only
+
+
+class PayloadPool:
+    """``per_size`` distinct pre-encoded requests for each batch size of the profile.
+
+    ``kind``: ``"json"`` (KServe v2 JSON), ``"binary"`` (binary extension), ``"friendly"``
+    (``/v1`` instances) or ``"grpc"`` (a ModelInferRequest in ``message``). ``pick()`` draws a
+    batch size from the profile's mix, then a payload of that size.
+    """
+
+    def __init__(
+        self,
+        generator: TrafficGenerator,
+        kind: str,
+        *,
+        per_size: int = 64,
+        model: str = "model",
+    ) -> None:
+        if kind not in ("json", "binary", "friendly", "grpc"):
+            raise ValueError(f"unknown payload kind {kind!r}")
+        self.generator = generator
+        self.kind = kind
+        self.by_size: dict[int, list[Payload]] = {}
+        for size in generator.profile.batch_sizes:
+            self.by_size[size] = [
+                self._encode(size, generator.arrays(size), model) for _ in range(per_size)
+            ]
+        self._rng = np.random.default_rng(generator.profile.seed + 1)
+        self._sizes = np.asarray(generator.profile.batch_sizes)
+        weights = np.asarray(generator.profile.batch_weights, dtype=np.float64)
+        self._cdf = np.cumsum(weights / weights.sum())
+
+    def _encode(self, size: int, arrays: dict[str, np.ndarray], model: str) -> Payload:
+        if self.kind == "json":
+            return Payload(size, encode_kserve_json(arrays))
+        if self.kind == "binary":
+            body, length = encode_kserve_binary(arrays)
+            return Payload(size, body, header_length=length)
+        if self.kind == "friendly":
+            return Payload(size, encode_friendly_json(self.generator.inputs, arrays))
+        return Payload(size, b"", message=encode_grpc_request(model, arrays))
+
+    def pick(self) -> Payload:
+        index = min(int(np.searchsorted(self._cdf, self._rng.random())), len(self._sizes) - 1)
+        payloads = self.by_size[int(self._sizes[index])]
+        return payloads[int(self._rng.integers(len(payloads)))]
+
+
+def describe(inputs: ModelInputs) -> str:
+    """One line about a model's inputs, for logs and reports."""
+    jagged = sum(s.jagged for s in inputs.id_slots)
+    dense: Sequence[str] = [f"{d.name}{list(d.sample_shape)}" for d in inputs.dense]
+    return f"{len(inputs.id_slots)} ID slots ({jagged} jagged), dense inputs {', '.join(dense)}"

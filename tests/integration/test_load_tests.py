@@ -1,0 +1,119 @@
+"""load_tests/: the locustfile imports, traffic follows the metadata, and short bounded runs of
+load_tests/run.py (a load run on the Adult model, a soak with a reload on the synthetic
+Criteo-like model) pass with zero failed requests."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from load_tests import traffic
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN = REPO_ROOT / "load_tests" / "run.py"
+
+METADATA = {
+    "name": "model",
+    "inputs": [
+        {"name": "user", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "UINT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT64", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]},
+    ],
+    "outputs": [{"name": "prediction", "datatype": "FP32", "shape": [-1, 1]}],
+}
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(RUN), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_locustfile_imports_and_lists_its_users():
+    result = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "load_tests/locustfile.py", "--list"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    listing = result.stdout + result.stderr
+    for user in ("KServeBinaryUser", "KServeJsonUser", "FriendlyJsonUser", "GrpcUser"):
+        assert user in listing
+
+
+def test_traffic_follows_the_metadata():
+    inputs = traffic.ModelInputs.from_metadata(METADATA)
+    assert [(s.name, s.jagged) for s in inputs.id_slots] == [("user", False), ("history", True)]
+    profile = traffic.TrafficProfile(unknown_share=0.5, default_vocab=100, seed=1)
+    generator = traffic.TrafficGenerator(inputs, profile, {"user": np.arange(10, 20)})
+    arrays = generator.arrays(64)
+    assert arrays["user"].dtype == np.int64 and arrays["user"].shape == (64,)
+    assert arrays["history"].dtype == np.uint64
+    assert int(arrays["history.lengths"].sum()) == len(arrays["history"])
+    assert arrays["dense"].shape == (64, 3) and arrays["dense"].dtype == np.float32
+    known = (arrays["user"] >= 10) & (arrays["user"] < 20)
+    assert 0 < known.sum() < 64  # a share of unknown IDs, the rest from the vocabulary
+    assert (arrays["user"][~known] >= traffic.UNKNOWN_LOW).all()
+    body, header = traffic.encode_kserve_binary(arrays)
+    head = json.loads(body[:header])
+    assert sum(i["parameters"]["binary_data_size"] for i in head["inputs"]) == len(body) - header
+    friendly = json.loads(traffic.encode_friendly_json(inputs, arrays))["instances"]
+    assert len(friendly) == 64 and len(friendly[0]["dense"]) == 3
+    assert sum(len(row["history"]) for row in friendly) == len(arrays["history"])
+    pool = traffic.PayloadPool(generator, "json", per_size=2)
+    assert {pool.pick().batch_size for _ in range(50)} <= set(profile.batch_sizes)
+
+
+def _summary(out: Path) -> dict:
+    for name in ("summary.csv", "summary.md", "summary.json", "latency.png"):
+        assert (out / name).exists(), name
+    with open(out / "summary.csv", newline="") as handle:
+        rows = {row["name"]: row for row in csv.DictReader(handle)}
+    total = rows["Aggregated"]
+    assert float(total["rps"]) > 0
+    assert int(total["failures"]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_short_embedded_run(adult_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    result = _run(
+        "--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "8", "--out",
+        str(out), timeout=150,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = _summary(out)
+    assert summary["passed"]
+    names = {row["name"] for row in summary["stats"]}
+    for label in ("v2-binary", "v2-json", "v1-predict", "v2-grpc"):
+        assert any(name.startswith(label) for name in names), names
+
+
+@pytest.mark.timeout(240)
+def test_short_soak_with_reload(tmp_path):
+    out = tmp_path / "soak"
+    result = _run(
+        "--synthetic", "--soak", "--minutes", "0.34", "--users", "4", "--user-classes",
+        "binary,grpc", "--out", str(out), timeout=220,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = _summary(out)
+    soak = summary["soak"]
+    assert soak["reload"]["ok"], soak["reload"]
+    assert soak["reload"]["version"] != soak["reload"]["previous_version"]
+    assert soak["memory"]["passed"], soak["memory"]
+    assert (out / "rss.csv").read_text().count("\n") > 10
