@@ -8,10 +8,12 @@ swaps in new checkpoint versions atomically (:meth:`reload`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -198,6 +200,39 @@ class PredictionService:
 
         return self._predict(name, None, build, protocol=protocol, timeout=timeout)
 
+    def _begin(
+        self, name: str, version: str | None, build: Callable[[LoadedModel], Batch], timeout
+    ) -> tuple[Batch, Future, float]:
+        """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s)."""
+        if not self._accepting:
+            raise UnavailableError("the server is not ready (shutting down)")
+        model = self._check_name(name, version)
+        batch = build(model)
+        wait = timeout if timeout is not None else self.default_timeout
+        # gRPC reports "no deadline" as ~1e10 s left, and clients may send huge timeouts:
+        # clamp, or Future.result / lock waits overflow (OverflowError -> a 500).
+        wait = min(wait, MAX_WAIT_SECONDS)
+        return batch, self._batcher.submit(batch, deadline=time.monotonic() + wait), wait
+
+    def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
+        served_version, merged_fallback, merged_unknown, merged_ids = result.context
+        self.metrics.queue_latency.observe(result.queue_seconds)
+        own_ids = sum(len(f.values) for f in batch.id_type_features)
+        return Prediction(
+            outputs={tensors.OUTPUT_NAME: result.predictions},
+            model_name=self.name,
+            model_version=served_version,
+            # Every ID of the merged batch fell back, so all of ours did.
+            fallback_ids=own_ids if merged_fallback else 0,
+            # Exact when the request was computed alone; apportioned by its share of the
+            # merged batch's IDs when dynamic batching merged it with others.
+            unknown_ids=_share(merged_unknown, own_ids, merged_ids),
+        )
+
+    def _record(self, protocol: str, name: str, version: str, outcome: str, started: float):
+        self.metrics.requests.labels(protocol, name, version, outcome).inc()
+        self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
+
     def _predict(
         self,
         name: str,
@@ -209,17 +244,9 @@ class PredictionService:
     ) -> Prediction:
         started = time.perf_counter()
         outcome = "error"
-        served_version = self._model.version
+        prediction = None
         try:
-            if not self._accepting:
-                raise UnavailableError("the server is not ready (shutting down)")
-            model = self._check_name(name, version)
-            batch = build(model)
-            wait = timeout if timeout is not None else self.default_timeout
-            # gRPC reports "no deadline" as ~1e10 s left, and clients may send huge timeouts:
-            # clamp, or Future.result / lock waits overflow (OverflowError -> a 500).
-            wait = min(wait, MAX_WAIT_SECONDS)
-            future = self._batcher.submit(batch, deadline=time.monotonic() + wait)
+            batch, future, wait = self._begin(name, version, build, timeout)
             try:
                 result: BatchOutcome = future.result(timeout=wait)
             except TimeoutError:
@@ -227,28 +254,54 @@ class PredictionService:
                 raise DeadlineExceededError(
                     f"no answer within the request deadline of {wait:.3f} s"
                 ) from None
-            served_version, merged_fallback, merged_unknown, merged_ids = result.context
-            self.metrics.queue_latency.observe(result.queue_seconds)
-            own_ids = sum(len(f.values) for f in batch.id_type_features)
-            fallback = 0
-            if merged_fallback:  # every ID of the merged batch fell back, so all of ours did
-                fallback = sum(len(f.values) for f in batch.id_type_features)
+            prediction = self._answer(batch, result)
             outcome = "ok"
-            return Prediction(
-                outputs={tensors.OUTPUT_NAME: result.predictions},
-                model_name=self.name,
-                model_version=served_version,
-                fallback_ids=fallback,
-                # Exact when the request was computed alone; apportioned by its share of the
-                # merged batch's IDs when dynamic batching merged it with others.
-                unknown_ids=_share(merged_unknown, own_ids, merged_ids),
-            )
+            return prediction
         except RecserveError as error:
             outcome = type(error).__name__
             raise
         finally:
-            self.metrics.requests.labels(protocol, name, served_version, outcome).inc()
-            self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
+            version_label = prediction.model_version if prediction else self._model.version
+            self._record(protocol, name, version_label, outcome, started)
+
+    async def predict_async(
+        self,
+        name: str,
+        version: str | None,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        protocol: str,
+        timeout: float | None = None,
+    ) -> Prediction:
+        """:meth:`predict` for an event loop: validation runs on the caller's loop (cheap for
+        small requests), the wait for the batcher is awaited, so no thread sits blocked per
+        request."""
+
+        def build(model: LoadedModel) -> Batch:
+            return tensors.tensors_to_batch(
+                model.signature, inputs, max_batch_size=self.max_request_batch_size
+            )
+
+        started = time.perf_counter()
+        outcome = "error"
+        prediction = None
+        try:
+            batch, future, wait = self._begin(name, version, build, timeout)
+            try:
+                result = await asyncio.wait_for(asyncio.wrap_future(future), wait)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise DeadlineExceededError(
+                    f"no answer within the request deadline of {wait:.3f} s"
+                ) from None
+            prediction = self._answer(batch, result)
+            outcome = "ok"
+            return prediction
+        except RecserveError as error:
+            outcome = type(error).__name__
+            raise
+        finally:
+            version_label = prediction.model_version if prediction else self._model.version
+            self._record(protocol, name, version_label, outcome, started)
 
     # ------------------------------------------------------------------ hot reload
     def reload(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
