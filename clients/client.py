@@ -152,7 +152,8 @@ class _ClientBase:
         self._backend = self._make_backend()
 
     def _make_backend(self) -> Any:
-        raise NotImplementedError
+        """The transport (HTTP or gRPC, blocking or asyncio): each subclass builds its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define _make_backend")
 
     @property
     def url(self) -> str:

@@ -388,15 +388,6 @@ def test_friendly_route_rejects_bad_rows(served, rows):
     assert_error(status, body, 400, "occupation")
 
 
-def test_lengths_not_summing_served(http_client):
-    names = [t["name"] for t in http_client.get_model_metadata(MODEL)["inputs"]]
-    if not any(n.endswith(tensors.LENGTHS_SUFFIX) for n in names):
-        pytest.skip(
-            "the Adult model has only single-ID slots (no '<slot>.lengths' input), so a "
-            "lengths/IDs mismatch cannot be sent to it; see test_lengths_not_summing_in_process"
-        )
-
-
 def test_lengths_not_summing_in_process():
     """The same validation the server runs, on a signature with a jagged slot."""
     signature = FeatureSignature(
