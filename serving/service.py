@@ -62,6 +62,8 @@ class PredictionService:
         default_timeout: float = 10.0,
         metrics: ServingMetrics | None = None,
         preprocessor: Callable[[list[Mapping[str, Any]]], Batch] | None = None,
+        tier_check_seconds: float = 2.0,
+        on_ready_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.name = model.name
         self._preprocessor = preprocessor
@@ -84,6 +86,30 @@ class PredictionService:
         self.metrics.track_checkpoint(lambda: self._model.created_unix)
         self.metrics.set_model(self.name, model.version)
         self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
+        # Readiness also needs the embedding tier to answer: checked in the background so a
+        # probe never waits on a slow peer.
+        self._tier_ok = True
+        self.last_tier_error: str | None = None
+        self._on_ready_change = on_ready_change
+        self._stop_checks = threading.Event()
+        self._tier_checker = threading.Thread(
+            target=self._check_tier, args=(tier_check_seconds,), name="tier-check", daemon=True
+        )
+        self._tier_checker.start()
+
+    def _check_tier(self, every: float) -> None:
+        while not self._stop_checks.wait(every):
+            was_ready = self.ready()
+            try:
+                self._model.tier.status()
+                self._tier_ok, self.last_tier_error = True, None
+            except RecserveError as error:
+                if self._tier_ok:
+                    log.warning("embedding tier not answering; not ready: %s", error.message)
+                self._tier_ok, self.last_tier_error = False, error.message
+            now_ready = self.ready()
+            if now_ready != was_ready and self._on_ready_change is not None:
+                self._on_ready_change(now_ready)
 
     # ------------------------------------------------------------------ state
     @property
@@ -94,7 +120,9 @@ class PredictionService:
         return True
 
     def ready(self) -> bool:
-        return self._accepting and self._model is not None
+        """Model loaded and warmed (it is, once constructed), embedding tier answering at the
+        last check, and not shutting down."""
+        return self._accepting and self._tier_ok
 
     def stop_accepting(self) -> None:
         """Readiness goes false (load balancers stop sending); queued work still finishes."""
@@ -106,6 +134,7 @@ class PredictionService:
         return self._batcher.drain(grace)
 
     def close(self) -> None:
+        self._stop_checks.set()
         self._batcher.close()
         self._model.close()
 

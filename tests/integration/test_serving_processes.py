@@ -16,6 +16,13 @@ from clients import RecserveClient
 from examples.adult_income import features
 
 
+def wait_until(condition, message: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.2)
+
+
 def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint, tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
@@ -125,7 +132,15 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkp
                 time.sleep(0.2)
             with RecserveClient(f"http://127.0.0.1:{ports.group(1)}") as client:
                 answer = client.predict(batch)
-            np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
+                np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
+                # Readiness follows the embedding tier: a dead shard makes the server unready,
+                # the restarted shard (it reloads its checkpoint) makes it ready again.
+                shards.kill_shard(1)
+                wait_until(lambda: not client.ready(), "the server stayed ready")
+                shards.restart_shard(1)
+                wait_until(client.ready, "the server did not become ready again")
+                answer = client.predict(batch)
+                np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
         finally:
             server.send_signal(signal.SIGTERM)
             try:
