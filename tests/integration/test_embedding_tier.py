@@ -139,6 +139,7 @@ def test_dump_from_two_shards_load_into_three(remote, cluster, config_files, tmp
     for step in range(3):
         result = remote.lookup(batch_of(step), train=True)
         remote.backward(result.ref, gradients(result, step))
+    remote.flush()  # gradients are applied asynchronously: settle them before reading
     expected = [remote.lookup(batch_of(s), train=False) for s in range(3)]
     progress = []
     manifest = remote.dump(tmp_path / "ckpt", progress=lambda *p: progress.append(p))
