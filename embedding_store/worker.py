@@ -262,6 +262,18 @@ class EmbeddingWorker:
             return torch.from_numpy(_as_rows(rows, len(ids), dim))
         owner = shard_of(ids, num_shards)
         gathered = np.empty((len(ids), dim), dtype=np.float32)
+        if all(hasattr(shard, "lookup_begin") for shard in self.shards):
+            # Remote shards: start every call from this thread, then collect (no pool hops).
+            pending = []
+            for shard_index, shard in enumerate(self.shards):
+                picked = np.flatnonzero(owner == shard_index)
+                if len(picked):
+                    pending.append((picked, shard.lookup_begin(ids[picked], dim, train=train)))
+            for picked, finish in pending:
+                rows, shard_misses = finish()
+                gathered[picked] = rows
+                misses[0] += shard_misses
+            return torch.from_numpy(gathered)
         lock = threading.Lock()
 
         def fetch(shard_index: int) -> None:
