@@ -9,10 +9,11 @@ swaps in new checkpoint versions atomically (:meth:`reload`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 #: The longest a request waits for its answer, whatever deadline it asks for (one day).
 MAX_WAIT_SECONDS = 24 * 3600.0
+
+
+def _deadline(wait: float) -> DeadlineExceededError:
+    return DeadlineExceededError(f"no answer within the request deadline of {wait:.3f} s")
 
 
 def _share(total: int, part: int, whole: int) -> int:
@@ -190,12 +195,19 @@ class PredictionService:
         protocol: str,
         timeout: float | None = None,
     ) -> Prediction:
+        return self._predict(
+            name, version, self._tensor_builder(inputs), protocol=protocol, timeout=timeout
+        )
+
+    def _tensor_builder(self, inputs: Mapping[str, np.ndarray]) -> Callable[[LoadedModel], Batch]:
+        """Validates named request tensors against a model's signature into a Batch."""
+
         def build(model: LoadedModel) -> Batch:
             return tensors.tensors_to_batch(
                 model.signature, inputs, max_batch_size=self.max_request_batch_size
             )
 
-        return self._predict(name, version, build, protocol=protocol, timeout=timeout)
+        return build
 
     def predict_instances(
         self,
@@ -262,6 +274,22 @@ class PredictionService:
         self.metrics.requests.labels(protocol, name, version, outcome).inc()
         self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
 
+    @contextlib.contextmanager
+    def _recorded(self, protocol: str, name: str) -> Iterator[list[Prediction]]:
+        """Count and time one request; the body appends its Prediction on success."""
+        started = time.perf_counter()
+        answered: list[Prediction] = []
+        outcome = "error"
+        try:
+            yield answered
+            outcome = "ok"
+        except RecserveError as error:
+            outcome = type(error).__name__
+            raise
+        finally:
+            version = answered[0].model_version if answered else self._model.version
+            self._record(protocol, name, version, outcome, started)
+
     def _predict(
         self,
         name: str,
@@ -271,27 +299,15 @@ class PredictionService:
         protocol: str,
         timeout: float | None,
     ) -> Prediction:
-        started = time.perf_counter()
-        outcome = "error"
-        prediction = None
-        try:
+        with self._recorded(protocol, name) as answered:
             batch, future, wait = self._begin(name, version, build, timeout)
             try:
                 result: BatchOutcome = future.result(timeout=wait)
             except TimeoutError:
                 future.cancel()
-                raise DeadlineExceededError(
-                    f"no answer within the request deadline of {wait:.3f} s"
-                ) from None
-            prediction = self._answer(batch, result)
-            outcome = "ok"
-            return prediction
-        except RecserveError as error:
-            outcome = type(error).__name__
-            raise
-        finally:
-            version_label = prediction.model_version if prediction else self._model.version
-            self._record(protocol, name, version_label, outcome, started)
+                raise _deadline(wait) from None
+            answered.append(self._answer(batch, result))
+        return answered[0]
 
     async def predict_async(
         self,
@@ -305,32 +321,14 @@ class PredictionService:
         """:meth:`predict` for an event loop: validation runs on the caller's loop (cheap for
         small requests), the wait for the batcher is awaited, so no thread sits blocked per
         request."""
-
-        def build(model: LoadedModel) -> Batch:
-            return tensors.tensors_to_batch(
-                model.signature, inputs, max_batch_size=self.max_request_batch_size
-            )
-
-        started = time.perf_counter()
-        outcome = "error"
-        prediction = None
-        try:
-            batch, future, wait = self._begin(name, version, build, timeout)
+        with self._recorded(protocol, name) as answered:
+            batch, future, wait = self._begin(name, version, self._tensor_builder(inputs), timeout)
             try:
                 result = await asyncio.wait_for(asyncio.wrap_future(future), wait)
             except (TimeoutError, asyncio.TimeoutError):
-                raise DeadlineExceededError(
-                    f"no answer within the request deadline of {wait:.3f} s"
-                ) from None
-            prediction = self._answer(batch, result)
-            outcome = "ok"
-            return prediction
-        except RecserveError as error:
-            outcome = type(error).__name__
-            raise
-        finally:
-            version_label = prediction.model_version if prediction else self._model.version
-            self._record(protocol, name, version_label, outcome, started)
+                raise _deadline(wait) from None
+            answered.append(self._answer(batch, result))
+        return answered[0]
 
     # ------------------------------------------------------------------ hot reload
     def reload(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
