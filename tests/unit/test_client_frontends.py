@@ -105,7 +105,7 @@ def test_batch_with_lengths(client, core):
     # The per-attempt timeout reaches the server (HTTP parameter / gRPC deadline). gRPC sends
     # the deadline as a relative grpc-timeout header and the server re-anchors it on its own
     # clock, so it can come back a few milliseconds over the client's 5 s; 0.25 s of slack
-    # still tells "the 5 s attempt timeout arrived" apart from the 30 s default.
+    # still tells "the 5 s attempt timeout arrived" apart from the 10 s default.
     assert 0 < core.calls[-1]["timeout"] <= 5.25
 
 
