@@ -187,32 +187,6 @@ class RemoteParameterServer:
         self._local.misses = int(response.misses)
         return rows, int(response.misses)
 
-    def lookup_begin(self, ids: np.ndarray, dim: int, *, train: bool):
-        """Start a lookup without waiting: returns ``finish() -> (rows, misses)``.
-
-        A worker starts the lookups of all shards from one thread and then collects them,
-        instead of blocking one pool thread per shard. ``rows`` is float32 [n, dim],
-        read-only (the caller copies it into its own buffer)."""
-        ids = _check_ids(ids)
-        dim = _check_dim(dim)
-        request = pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train))
-        future = self._stub.Lookup.future(request, timeout=self.timeout)
-
-        def finish() -> tuple[np.ndarray, int]:
-            try:
-                response = future.result()
-            except grpc.RpcError as error:
-                raise error_from_rpc(error, self.peer) from None
-            try:
-                rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")
-            except InvalidArgumentError as error:
-                raise RecserveError(
-                    f"{self.peer} sent a malformed answer: {error.message}"
-                ) from None
-            return rows, int(response.misses)
-
-        return finish
-
     def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
         """Rows of ``ids`` (uint64 [n]) -> float32 [n, dim] (see :meth:`last_misses`)."""
         return self.lookup_with_misses(ids, dim, train=train)[0]

@@ -262,18 +262,6 @@ class EmbeddingWorker:
             return torch.from_numpy(_as_rows(rows, len(ids), dim))
         owner = shard_of(ids, num_shards)
         gathered = np.empty((len(ids), dim), dtype=np.float32)
-        if all(hasattr(shard, "lookup_begin") for shard in self.shards):
-            # Remote shards: start every call from this thread, then collect (no pool hops).
-            pending = []
-            for shard_index, shard in enumerate(self.shards):
-                picked = np.flatnonzero(owner == shard_index)
-                if len(picked):
-                    pending.append((picked, shard.lookup_begin(ids[picked], dim, train=train)))
-            for picked, finish in pending:
-                rows, shard_misses = finish()
-                gathered[picked] = rows
-                misses[0] += shard_misses
-            return torch.from_numpy(gathered)
         lock = threading.Lock()
 
         def fetch(shard_index: int) -> None:
@@ -289,13 +277,18 @@ class EmbeddingWorker:
         return torch.from_numpy(gathered)
 
     def _for_each_shard(self, task) -> None:
+        """Run ``task(shard_index)`` for every shard: shards 1.. on the executor, shard 0 on
+        the calling thread, which would otherwise only wait (one pool hand-off saved)."""
         if self._executor is None:
             for s in range(len(self.shards)):
                 task(s)
             return
-        futures = [self._executor.submit(task, s) for s in range(len(self.shards))]
-        for future in futures:
-            future.result()  # re-raises the shard's error (it names the shard)
+        futures = [self._executor.submit(task, s) for s in range(1, len(self.shards))]
+        try:
+            task(0)
+        finally:
+            for future in futures:
+                future.result()  # re-raises the shard's error (it names the shard)
 
     # ------------------------------------------------------------------ backward
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
