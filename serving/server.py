@@ -104,7 +104,7 @@ class PredictionServer:
         import torch
 
         from serving.grpc_frontend import build_grpc_server
-        from serving.http_app import AdminHooks, create_app
+        from serving.http_app import AdminHooks, InferFastPath, create_app
 
         torch.set_num_threads(self.options.threads)
         o = self.options
@@ -132,7 +132,9 @@ class PredictionServer:
             http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         http_socket.bind((o.host, o.http_port))
         self.http_port = http_socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            InferFastPath(app), log_level="warning", access_log=False, lifespan="off"
+        )
         self._uvicorn = uvicorn.Server(config)
         self._http_thread = threading.Thread(
             target=self._uvicorn.run, kwargs={"sockets": [http_socket]}, daemon=True

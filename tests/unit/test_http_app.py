@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from serving.http_app import AdminHooks, create_app
+from serving.http_app import AdminHooks, InferFastPath, create_app
 from tests.unit.fake_core import FakeCore, expected_predictions
 
 MAX_BODY = 256 * 1024
@@ -74,8 +74,10 @@ def core() -> FakeCore:
     return FakeCore()
 
 
-@pytest.fixture(scope="module")
-def server(core) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=["fastapi-routes", "infer-fast-path"])
+def server(core, request) -> Iterator[LiveServer]:
+    """The app as built, and behind InferFastPath as `recserve serve` runs it: every test
+    must hold for both."""
     reloads: list[str | None] = []
 
     def reload(checkpoint: str | None) -> dict:
@@ -83,7 +85,7 @@ def server(core) -> Iterator[LiveServer]:
         return {"reloaded": checkpoint, "count": len(reloads)}
 
     app = create_app(core, max_body_bytes=MAX_BODY, admin=AdminHooks(reload, TOKEN))
-    with LiveServer(app) as live:
+    with LiveServer(InferFastPath(app) if request.param == "infer-fast-path" else app) as live:
         live.reloads = reloads
         yield live
 
