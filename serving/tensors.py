@@ -14,6 +14,7 @@ InvalidArgumentError naming the input.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,8 +31,10 @@ LENGTH_DATATYPES = ("INT32", "INT64")
 OUTPUT_NAME = "prediction"
 
 
+@functools.lru_cache(maxsize=64)
 def input_specs(signature: FeatureSignature) -> tuple[TensorSpec, ...]:
-    """The model's inputs as KServe v2 tensor specs, in signature order."""
+    """The model's inputs as KServe v2 tensor specs, in signature order (cached: every
+    request is checked against them)."""
     specs: list[TensorSpec] = []
     for feature in signature.id_features:
         specs.append(TensorSpec(feature.name, "INT64", (-1,), ID_DATATYPES))
@@ -42,6 +45,11 @@ def input_specs(signature: FeatureSignature) -> tuple[TensorSpec, ...]:
     for feature in signature.non_id_features:
         specs.append(TensorSpec(feature.name, "FP32", (-1, *feature.sample_shape), ("FP32",)))
     return tuple(specs)
+
+
+@functools.lru_cache(maxsize=64)
+def _input_names(signature: FeatureSignature) -> frozenset[str]:
+    return frozenset(spec.name for spec in input_specs(signature))
 
 
 def output_specs() -> tuple[TensorSpec, ...]:
@@ -89,7 +97,7 @@ def tensors_to_batch(
     max_batch_size: int,
 ) -> Batch:
     """Validate named request tensors against ``signature`` and build an inference Batch."""
-    expected = {spec.name for spec in input_specs(signature)}
+    expected = _input_names(signature)
     unknown = sorted(set(inputs) - expected)
     if unknown:
         raise InvalidArgumentError(
