@@ -148,6 +148,26 @@ def test_unknown_route_and_method_are_json_errors(server):
     assert server.json("GET", "/v2/models/tiny/infer") == (405, {"error": "Method Not Allowed"})
 
 
+def test_infer_fast_path_needs_an_app_of_create_app():
+    from fastapi import FastAPI
+
+    with pytest.raises(TypeError, match="create_app"):
+        InferFastPath(FastAPI())
+
+
+def test_chunked_infer_body(server, core):
+    """A body sent in several chunks (http.client: Transfer-Encoding: chunked) is joined."""
+    document = orjson.dumps({"inputs": _tensors([[1, 2]], [30.0])})
+    chunks = [document[:7], document[7:40], document[40:]]
+    status, _, payload = server.request("POST", "/v2/models/tiny/infer", iter(chunks))
+    assert status == 200, payload
+    np.testing.assert_allclose(
+        orjson.loads(payload)["outputs"][0]["data"],
+        expected_predictions([[1, 2]], [30.0]).ravel(),
+        atol=1e-6,
+    )
+
+
 # --------------------------------------------------------------------------- v2 infer
 def test_infer_json_round_trip(server, core):
     request = {"id": "req-7", "inputs": _tensors(USERS, AGES), "parameters": {"timeout": 2_000_000}}
