@@ -67,6 +67,7 @@ def _ids(name: str, array: np.ndarray) -> np.ndarray:
                 f"position {position}"
             )
         ids = array.astype(np.uint64)
+        ids.flags.writeable = False  # our own copy: lets the Batch share it instead of copying
     else:
         raise InvalidArgumentError(
             f"input {name!r}: IDs must be INT64 or UINT64, got {array.dtype.name}"
