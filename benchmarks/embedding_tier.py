@@ -1,6 +1,6 @@
 """Embedding tier over gRPC (worker -> 2 parameter-server shards on loopback) vs in-process.
 
-Workload (same as ``benchmarks/embedding_store.py``): 26 ID slots with one ID per sample each,
+Workload (same as ``benchmarks/embedding_core.py``): 26 ID slots with one ID per sample each,
 dim 16, 1M distinct IDs in all (26 vocabularies of ~38.5k), Zipf-distributed (s = 1.05),
 batch 64 and 1024.
 
@@ -32,25 +32,19 @@ it started). Run: ``python benchmarks/embedding_tier.py [--seconds 3] [--threads
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# embedding_store package; drop that entry (python -m benchmarks.embedding_tier also works).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import argparse
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
+from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
@@ -244,26 +238,9 @@ def run_both(tiers: dict, batches: dict[int, list[Batch]], args, pids: dict) -> 
 
 
 def versions() -> dict:
-    import grpc
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-        "torch_threads": torch.get_num_threads(),
-        # Other work on the machine skews the multi-process side most: report it.
-        "load_average_1m": os.getloadavg()[0],
-    }
+    info = describe_machine("torch", "grpcio", "numpy")
+    info["torch_threads"] = torch.get_num_threads()
+    return info
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ import contextlib
 import csv
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -47,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np
+from machine_info import describe_machine
 
 from load_tests import traffic
 from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, subprocess_env
@@ -116,26 +116,8 @@ def metric_totals(base_url: str) -> dict[str, float]:
     return totals
 
 
-def machine_description() -> dict[str, str]:
-    model = ""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import locust
-    import torch
-
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": model,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "locust": locust.__version__,
-        "loadavg_at_start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
-    }
+def machine_description() -> dict:
+    return describe_machine("torch", "numpy", "locust", "torchserve")
 
 
 # --------------------------------------------------------------------------- checkpoints

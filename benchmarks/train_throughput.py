@@ -24,32 +24,25 @@ ratios against ``pytorch`` (measured in the same round). Rounds stop early once
 are not timed. Each trainer also reports its mean training loss over the first and last 10%
 of steps and its log loss and AUC on held-out batches, next to the Bayes log loss.
 
-Run: ``python benchmarks/training.py [--rounds 10] [--steps-per-round 30] [--max-seconds 240]``.
+Run: ``python benchmarks/train_throughput.py [--rounds 10] [--steps-per-round 30]
+[--max-seconds 240]``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path; drop it so that it cannot
-# shadow packages (python -m benchmarks.training also works).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
+from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
 from embedding_store.config import embedding_config_from_mapping
@@ -267,27 +260,9 @@ class RecserveTrainer:
 
 
 def machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in text.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    import grpc
-    import numba
-
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "grpcio": grpc.__version__,
-    }
+    info = describe_machine("torch", "numpy", "numba", "grpcio")
+    info["torch_threads"] = torch.get_num_threads()
+    return info
 
 
 def main() -> None:
@@ -393,7 +368,7 @@ def main() -> None:
 
     info = machine()
     print(
-        f"machine: {info['cpus']} CPUs ({info['cpu_model']}), {info['torch_threads']} torch "
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['torch_threads']} torch "
         f"threads, python {info['python']}, torch {info['torch']}, numpy {info['numpy']}, "
         f"numba {info['numba']}, grpcio {info['grpcio']}"
     )

@@ -15,7 +15,8 @@ Batch sizes 1 and 64 (``--batch-sizes``); 16 different batches of real test rows
 Each slice interleaves every (batch size, mode) pair, ``--rounds`` times; rps is the median over
 rounds, latency percentiles pool every request. Ratios are served / in-process.
 
-Run: ``python benchmarks/serving.py [--checkpoint DIR] [--seconds 3] [--rounds 2] [--clients 8]``.
+Run: ``python benchmarks/serve_throughput.py [--checkpoint DIR] [--seconds 3] [--rounds 2]
+[--clients 8]``.
 Clients and server share the machine's cores (and the client threads one GIL).
 """
 
@@ -24,18 +25,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and could shadow packages; drop
-# it and put the repository root first (python -m benchmarks.serving also works).
+# The repository root, for the example's feature definitions (examples/ is not installed).
 _ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+sys.path.insert(1, str(_ROOT))
 
 import argparse
 import http.client
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -49,6 +46,7 @@ from itertools import islice
 import grpc
 import numpy as np
 import torch
+from machine_info import describe_machine
 
 from embedding_store.batch import Batch
 from examples.adult_income import features
@@ -241,22 +239,8 @@ def start_server(checkpoint: Path, log_path: Path, server_threads: int, queue_de
     raise RuntimeError(f"recserve serve did not start:\n{log_path.read_text()[-3000:]}")
 
 
-def machine() -> dict[str, str]:
-    model = platform.processor()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": model,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-        "numpy": np.__version__,
-    }
+def machine() -> dict:
+    return describe_machine("torch", "grpcio", "numpy")
 
 
 def percentile(values: list[float], q: float) -> float:

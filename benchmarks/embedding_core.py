@@ -18,17 +18,10 @@ Timing: each measurement runs in ``--rounds`` slices that interleave all five fu
 noisy neighbour hits baseline and store alike. Rates are the median over rounds; a ratio is the
 median of the per-round ratios (store / baseline measured in the same round).
 
-Run: ``python benchmarks/embedding_store.py [--seconds 2] [--rounds 5] [--shards 1]``.
+Run: ``python benchmarks/embedding_core.py [--seconds 2] [--rounds 5] [--shards 1]``.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the
-# embedding_store package; drop that entry (python -m benchmarks.embedding_store also works).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json
