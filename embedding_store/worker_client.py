@@ -24,7 +24,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, IdFeature, LookupResult
 from embedding_store.worker_service import SERVICE_NAME
-from embedding_store.worker_wire import add_grads, slot_from_proto
+from embedding_store.worker_wire import pack_grads, unpack_slots
 
 
 class RemoteEmbeddingWorker:
@@ -76,14 +76,14 @@ class RemoteEmbeddingWorker:
             batch = Batch(list(batch.id_type_features), requires_grad=False)
         request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
         response = call(self._peer, self._stub.Lookup, request, timeout=self.timeout)
-        slots = tuple(slot_from_proto(s) for s in response.slots)
+        slots = unpack_slots(response.slots)
         return LookupResult(
             slots=slots, ref=response.ref if train else None, unknown_ids=response.unknown_ids
         )
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         request = pb.BackwardRequest(ref=ref)
-        add_grads(request.grads, dict(grads))
+        pack_grads(request.grads, grads)
         response = call(self._peer, self._stub.Backward, request, timeout=self.timeout)
         return BackwardStats(
             rows_pushed=response.rows_queued,

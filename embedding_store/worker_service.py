@@ -39,7 +39,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, EmbeddingWorker, LookupResult
-from embedding_store.worker_wire import add_slots, grads_from_proto
+from embedding_store.worker_wire import pack_slots, unpack_grads
 
 log = logging.getLogger(__name__)
 
@@ -282,12 +282,12 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
-        add_slots(response.slots, result.slots)
+        pack_slots(response.slots, result.slots)
         return response
 
     @rpc_errors
     def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
-        stats = self.tier.backward(request.ref, grads_from_proto(request.grads))
+        stats = self.tier.backward(request.ref, unpack_grads(request.grads))
         return pb.BackwardResponse(
             rows_queued=stats.rows_pushed, nonfinite_rows_skipped=stats.nonfinite_rows_skipped
         )

@@ -1,89 +1,120 @@
-"""Wire encoding of worker lookups and gradients (SlotTensor messages), both directions."""
+"""Wire encoding of worker lookups and gradients (``PackedSlots`` messages), both directions.
+
+All slots of one answer (or one gradient push) travel in one ``bytes`` field, back to back,
+with a small header per slot: building, serializing, parsing and splitting one 1.7 MB field
+costs ~0.4 CPU ms per batch-1024 answer of 26 slots x dim 16, against ~1.2 ms for 26 messages
+with a field each.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from embedding_store.errors import InvalidArgumentError
-from embedding_store.grpc_common import pack_f32, unpack_f32
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.worker import SlotOutput
 
-
-def _slot_fields(output: SlotOutput) -> dict:
-    tensor = output.embeddings.detach().to(torch.float32).contiguous()
-    mask = b""
-    if output.mask is not None:
-        mask = output.mask.to(torch.uint8).contiguous().numpy().tobytes()
-    return {
-        "name": output.name,
-        "shape": list(tensor.shape),
-        "data": pack_f32(tensor.numpy()),
-        "mask": mask,
-    }
+_F32 = np.dtype("<f4")
 
 
-def slot_to_proto(output: SlotOutput) -> pb.SlotTensor:
-    """A slot's embeddings (float32) and optional mask (bool -> uint8) as a SlotTensor."""
-    return pb.SlotTensor(**_slot_fields(output))
+def _float32_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Any float tensor or array -> C-contiguous little-endian float32 numpy array."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to(torch.float32).contiguous().numpy()
+    return np.ascontiguousarray(values, dtype=_F32)
 
 
-def add_slots(messages, outputs) -> None:
-    """Append :func:`slot_to_proto` of each output to a repeated SlotTensor field.
-
-    Filling the field in place is cheaper than assigning a list of built messages, which
-    copies each message, data included, into the parent (~0.35 ms per batch-1024 answer of
-    26 slots x dim 16 here).
-    """
-    for output in outputs:
-        messages.add(**_slot_fields(output))
+def _pack(message: pb.PackedSlots, items: Sequence[tuple[str, np.ndarray, bytes]]) -> None:
+    """Fill ``message`` in place with ``(name, float32 array, mask bytes)`` per slot."""
+    chunks = []
+    for name, array, mask in items:
+        message.slots.add(name=name, shape=list(array.shape), mask=mask)
+        chunks.append(memoryview(array.reshape(-1)).cast("B"))
+    message.data = b"".join(chunks)
 
 
-def slot_from_proto(message: pb.SlotTensor, field: str = "slots") -> SlotOutput:
-    """Inverse of :func:`slot_to_proto`; sizes are checked and errors name the slot."""
-    shape = tuple(int(d) for d in message.shape)
-    if len(shape) not in (2, 3):
-        raise InvalidArgumentError(
-            f"{field}[{message.name!r}]: shape must have 2 or 3 dims, got {list(shape)}"
-        )
-    data = unpack_f32(message.data, shape, f"{field}[{message.name!r}].data")
-    mask = None
-    if len(shape) == 3:
-        expected = shape[0] * shape[1]
-        if len(message.mask) != expected:
+def _unpack(
+    message: pb.PackedSlots, field: str, *, writable: bool, masked: bool
+) -> list[tuple[str, np.ndarray, bytes]]:
+    """Split ``message`` into ``(name, float32 array view, mask bytes)`` per slot, checking
+    every size against ``data``; errors name ``field`` and the slot. ``writable``: the views
+    share one private copy of ``data``; otherwise they are read-only views of the message.
+    ``masked``: 3-dim slots carry a [batch, sample_fixed_size] mask (lookup answers);
+    otherwise no slot may carry one (gradients)."""
+    names: set[str] = set()
+    shapes: list[tuple[int, ...]] = []
+    for header in message.slots:
+        if header.name in names:
+            raise InvalidArgumentError(f"{field}: slot {header.name!r} appears twice")
+        names.add(header.name)
+        shape = tuple(int(d) for d in header.shape)
+        if len(shape) not in (2, 3):
             raise InvalidArgumentError(
-                f"{field}[{message.name!r}].mask: got {len(message.mask)} bytes, "
-                f"expected {expected}"
+                f"{field}[{header.name!r}].shape must have 2 or 3 dims, got {list(shape)}"
             )
-        mask_array = np.frombuffer(message.mask, dtype=np.uint8).reshape(shape[:2])
-        mask = torch.from_numpy(mask_array.astype(bool))
-    return SlotOutput(message.name, torch.from_numpy(data.copy()), mask)
+        expected_mask = shape[0] * shape[1] if masked and len(shape) == 3 else 0
+        if len(header.mask) != expected_mask:
+            raise InvalidArgumentError(
+                f"{field}[{header.name!r}].mask: got {len(header.mask)} bytes, expected "
+                f"{expected_mask} for shape {list(shape)}"
+            )
+        shapes.append(shape)
+    sizes = [int(np.prod(shape, dtype=object)) for shape in shapes]
+    if 4 * sum(sizes) != len(message.data):
+        raise InvalidArgumentError(
+            f"{field}.data: got {len(message.data)} bytes, expected {4 * sum(sizes)} for "
+            f"float32 slots of shapes {[list(s) for s in shapes]}"
+        )
+    values = np.frombuffer(message.data, dtype=_F32).astype(np.float32, copy=False)
+    if writable:
+        values = values.copy()
+    items = []
+    start = 0
+    for header, shape, size in zip(message.slots, shapes, sizes, strict=True):
+        items.append((header.name, values[start : start + size].reshape(shape), header.mask))
+        start += size
+    return items
 
 
-def _grad_fields(name: str, grad: torch.Tensor | np.ndarray) -> dict:
-    array = torch.as_tensor(grad).detach().to(torch.float32).contiguous().numpy()
-    return {"name": name, "shape": list(array.shape), "data": pack_f32(array)}
+def pack_slots(message: pb.PackedSlots, outputs: Sequence[SlotOutput]) -> None:
+    """Fill ``message`` in place with the outputs' embeddings (float32) and masks
+    (bool -> uint8 0/1)."""
+    _pack(
+        message,
+        [
+            (
+                output.name,
+                _float32_array(output.embeddings),
+                b"" if output.mask is None else output.mask.to(torch.uint8).numpy().tobytes(),
+            )
+            for output in outputs
+        ],
+    )
 
 
-def grads_to_proto(grads: dict[str, torch.Tensor | np.ndarray]) -> list[pb.SlotTensor]:
-    """Gradients per slot -> SlotTensor messages (no masks)."""
-    return [pb.SlotTensor(**_grad_fields(name, grad)) for name, grad in grads.items()]
+def unpack_slots(message: pb.PackedSlots, field: str = "slots") -> tuple[SlotOutput, ...]:
+    """Inverse of :func:`pack_slots`: writable float32 embeddings (views of one copy of the
+    buffer) and bool masks; sizes are checked and errors name the slot."""
+    outputs = []
+    for name, values, mask in _unpack(message, field, writable=True, masked=True):
+        mask_tensor = None
+        if values.ndim == 3:
+            mask_array = np.frombuffer(mask, dtype=np.uint8).reshape(values.shape[:2])
+            mask_tensor = torch.from_numpy(mask_array.astype(bool))
+        outputs.append(SlotOutput(name, torch.from_numpy(values), mask_tensor))
+    return tuple(outputs)
 
 
-def add_grads(messages, grads: dict[str, torch.Tensor | np.ndarray]) -> None:
-    """Append :func:`grads_to_proto` of ``grads`` to a repeated SlotTensor field, in place
-    (see :func:`add_slots`)."""
-    for name, grad in grads.items():
-        messages.add(**_grad_fields(name, grad))
+def pack_grads(message: pb.PackedSlots, grads: Mapping[str, torch.Tensor | np.ndarray]) -> None:
+    """Fill ``message`` in place with gradients per slot (float32, shapes as the slots')."""
+    _pack(message, [(name, _float32_array(grad), b"") for name, grad in grads.items()])
 
 
-def grads_from_proto(messages) -> dict[str, np.ndarray]:
-    """SlotTensor messages -> gradients per slot; duplicate names are rejected."""
-    grads: dict[str, np.ndarray] = {}
-    for message in messages:
-        if message.name in grads:
-            raise InvalidArgumentError(f"grads: slot {message.name!r} appears twice")
-        shape = tuple(int(d) for d in message.shape)
-        grads[message.name] = unpack_f32(message.data, shape, f"grads[{message.name!r}].data")
-    return grads
+def unpack_grads(message: pb.PackedSlots, field: str = "grads") -> dict[str, np.ndarray]:
+    """Gradients per slot as read-only float32 views of the message; duplicate names,
+    masks and size mismatches are rejected naming the slot."""
+    items = _unpack(message, field, writable=False, masked=False)
+    return {name: values for name, values, _ in items}

@@ -226,17 +226,23 @@ class ShardStatusResponse(_message.Message):
     task_progress: float
     def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
 
-class SlotTensor(_message.Message):
-    __slots__ = ("name", "shape", "data", "mask")
+class PackedSlots(_message.Message):
+    __slots__ = ("slots", "data")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotHeader]
+    data: bytes
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotHeader, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SlotHeader(_message.Message):
+    __slots__ = ("name", "shape", "mask")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    data: bytes
     mask: bytes
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., mask: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class WorkerLookupRequest(_message.Message):
     __slots__ = ("batch", "train")
@@ -251,18 +257,18 @@ class WorkerLookupResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_IDS_FIELD_NUMBER: _ClassVar[int]
-    slots: _containers.RepeatedCompositeFieldContainer[SlotTensor]
+    slots: PackedSlots
     ref: int
     unknown_ids: int
-    def __init__(self, slots: _Optional[_Iterable[_Union[SlotTensor, _Mapping]]] = ..., ref: _Optional[int] = ..., unknown_ids: _Optional[int] = ...) -> None: ...
+    def __init__(self, slots: _Optional[_Union[PackedSlots, _Mapping]] = ..., ref: _Optional[int] = ..., unknown_ids: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("ref", "grads")
     REF_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     ref: int
-    grads: _containers.RepeatedCompositeFieldContainer[SlotTensor]
-    def __init__(self, ref: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[SlotTensor, _Mapping]]] = ...) -> None: ...
+    grads: PackedSlots
+    def __init__(self, ref: _Optional[int] = ..., grads: _Optional[_Union[PackedSlots, _Mapping]] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("rows_queued", "nonfinite_rows_skipped")

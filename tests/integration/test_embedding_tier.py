@@ -202,12 +202,15 @@ def test_malformed_requests_are_invalid_argument_naming_the_field(cluster):
         with pytest.raises(grpc.RpcError) as bad_grad:
             stub.Backward(
                 pb.BackwardRequest(
-                    ref=ref, grads=[pb.SlotTensor(name="user", shape=[32, 8], data=b"\0" * 5)]
+                    ref=ref,
+                    grads=pb.PackedSlots(
+                        slots=[pb.SlotHeader(name="user", shape=[32, 8])], data=b"\0" * 5
+                    ),
                 ),
                 timeout=5,
             )
         assert bad_grad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "grads['user'].data" in bad_grad.value.details()
+        assert "grads.data: got 5 bytes, expected 1024" in bad_grad.value.details()
 
         with pytest.raises(grpc.RpcError) as unknown_slot:
             stub.Lookup(
