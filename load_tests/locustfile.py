@@ -34,7 +34,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
 from locust import FastHttpUser, User, constant, task
 
 try:  # gRPC's own threads must cooperate with locust's gevent loop
@@ -159,32 +158,36 @@ class TorchServeJsonUser(_InferUser):
 
 
 class GrpcUser(User):
-    """KServe v2 ``ModelInfer`` over gRPC (raw tensors), reported to locust as ``grpc``."""
+    """KServe v2 ``ModelInfer`` over gRPC through the project's client
+    (:class:`clients.RecserveClient`, raw tensor contents), reported to locust as ``grpc``.
+
+    Retries are off, so every failed call is counted, like the HTTP users' failures."""
 
     wait_time = constant(WAIT)
 
     def on_start(self) -> None:
-        from serving.grpc_frontend import InferenceStub
+        from clients import RecserveClient
 
         target = os.environ.get("RECSERVE_LT_GRPC")
         if not target:
             raise RuntimeError("GrpcUser needs RECSERVE_LT_GRPC=HOST:PORT")
         self.pool = payload_pool("grpc", self.host)
-        self.channel = grpc.insecure_channel(target)
-        self.stub = InferenceStub(self.channel)
+        self.client = RecserveClient(f"grpc://{target}", model_name=MODEL, timeout=10.0, retries=0)
 
     def on_stop(self) -> None:
-        self.channel.close()
+        self.client.close()
 
     @task
     def infer(self) -> None:
+        from embedding_store.errors import RecserveError
+
         payload = self.pool.pick()
         started = time.perf_counter()
         length, exception = 0, None
         try:
-            response = self.stub.ModelInfer(payload.message, timeout=10.0)
-            length = response.ByteSize()
-        except grpc.RpcError as error:
+            result = self.client.infer(payload.arrays)
+            length = result.predictions.nbytes
+        except RecserveError as error:
             exception = error
         self.environment.events.request.fire(
             request_type="grpc",

@@ -324,23 +324,6 @@ def encode_friendly_json(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) 
     return json.dumps({"instances": instances}, separators=(",", ":")).encode()
 
 
-def encode_grpc_request(model: str, arrays: Mapping[str, np.ndarray]) -> Any:
-    """A KServe v2 ``ModelInferRequest`` with ``raw_input_contents`` (our private V2 pool)."""
-    from serving.proto import V2
-
-    request = V2.ModelInferRequest(model_name=model)
-    for name, array in arrays.items():
-        tensor = request.inputs.add()
-        tensor.name = name
-        tensor.datatype = _datatype(array)
-        tensor.shape.extend(array.shape)
-        request.raw_input_contents.append(
-            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-        )
-    request.outputs.add().name = OUTPUT_NAME
-    return request
-
-
 def _batch_size(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) -> int:
     for slot in inputs.id_slots:
         key = slot.name + LENGTHS_SUFFIX if slot.jagged else slot.name
@@ -354,14 +337,15 @@ class Payload:
     batch_size: int
     body: bytes
     header_length: int | None = None  # binary extension only
-    message: Any = None  # gRPC only
+    arrays: Mapping[str, np.ndarray] | None = None  # gRPC only: the KServe v2 tensors
 
 
 class PayloadPool:
     """``per_size`` distinct pre-encoded requests for each batch size of the profile.
 
     ``kind``: ``"json"`` (KServe v2 JSON), ``"binary"`` (binary extension), ``"friendly"``
-    (``/v1`` instances) or ``"grpc"`` (a ModelInferRequest in ``message``). ``pick()`` draws a
+    (``/v1`` instances) or ``"grpc"`` (the named tensors in ``arrays``, which the gRPC client
+    encodes per call). ``pick()`` draws a
     batch size from the profile's mix, then a payload of that size.
     """
 
@@ -395,7 +379,7 @@ class PayloadPool:
             return Payload(size, body, header_length=length)
         if self.kind == "friendly":
             return Payload(size, encode_friendly_json(self.generator.inputs, arrays))
-        return Payload(size, b"", message=encode_grpc_request(model, arrays))
+        return Payload(size, b"", arrays=arrays)
 
     def pick(self) -> Payload:
         index = min(int(np.searchsorted(self._cdf, self._rng.random())), len(self._sizes) - 1)

@@ -1,6 +1,7 @@
 """load_tests/: the locustfile imports, traffic follows the metadata, and short bounded runs of
-load_tests/run.py (a load run on the Adult model, a soak with a reload on the synthetic
-Criteo-like model) pass with zero failed requests."""
+load_tests/run.py (a load run on the Adult model, embedded and through the remote tier of 2
+parameter servers + 1 embedding worker, a soak with a reload on the synthetic Criteo-like
+model) pass with zero failed requests."""
 
 from __future__ import annotations
 
@@ -101,6 +102,25 @@ def test_short_embedded_run(adult_checkpoint, tmp_path):
     names = {row["name"] for row in summary["stats"]}
     for label in ("v2-binary", "v2-json", "v1-predict", "v2-grpc"):
         assert any(name.startswith(label) for name in names), names
+
+
+@pytest.mark.timeout(240)
+def test_short_remote_tier_run(adult_checkpoint, tmp_path):
+    """2 parameter servers (Infer mode, loading the checkpoint's embeddings) + 1 embedding
+    worker + the server looking embeddings up through the worker, under HTTP and gRPC load."""
+    out = tmp_path / "remote"
+    result = _run(
+        "--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4", "--seconds",
+        "6", "--user-classes", "json,grpc", "--out", str(out), timeout=200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = _summary(out)
+    assert summary["passed"] and summary["tier"] == "remote"
+    names = {row["name"] for row in summary["stats"]}
+    for label in ("v2-json", "v2-grpc"):
+        assert any(name.startswith(label) for name in names), names
+    for process in ("ps-0", "ps-1", "worker-0"):
+        assert (out / "cluster" / f"{process}.log").exists(), process
 
 
 @pytest.mark.timeout(240)
