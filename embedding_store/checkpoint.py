@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,9 @@ FORMAT_NAME = "recserve-embedding-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "embedding_manifest.json"
 DONE_MARKER = "DONE"
+
+#: ``progress(rows_done, rows_total)``: called after each file of a dump or load (rows so far).
+ProgressHook = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -100,17 +103,25 @@ def _write_atomic(path: Path, payload: bytes) -> None:
 
 
 def write_shard_part(
-    shard: EmbeddingShard, directory: str | os.PathLike, shard_index: int
+    shard: EmbeddingShard,
+    directory: str | os.PathLike,
+    shard_index: int,
+    *,
+    progress: ProgressHook | None = None,
 ) -> list[FileEntry]:
     """Write one shard's rows into ``directory/shard_{index:05d}/``; returns the file entries.
 
     Used by :func:`dump_embeddings`, and by each parameter-server process when a dump spans
     processes (the caller then writes the manifest with :func:`finalize_checkpoint`).
+    ``progress(rows_written, rows_total)`` is called after each file (one per dim); the total
+    is the shard's size when the dump starts, so rows inserted meanwhile by concurrent train
+    lookups can make ``rows_written`` exceed it.
     """
     root = Path(directory)
     part = root / f"shard_{shard_index:05d}"
     part.mkdir(parents=True, exist_ok=True)
     entries = []
+    rows_total, rows_written = shard.size(), 0
     for dim in sorted(shard.dims()):
         block = shard.export_rows(dim)
         payload = safetensors.numpy.save(
@@ -134,6 +145,9 @@ def write_shard_part(
                 sha256=hashlib.sha256(payload).hexdigest(),
             )
         )
+        rows_written += len(block.ids)
+        if progress is not None:
+            progress(rows_written, rows_total)
     return entries
 
 
@@ -341,29 +355,36 @@ def read_rows_for_replica(
     replica_size: int,
     *,
     keep_state_of: str | None,
+    progress: ProgressHook | None = None,
 ) -> list[RowBlock]:
     """Verified rows that replica ``replica_index`` of ``replica_size`` owns, per dim.
 
     ``keep_state_of``: the optimizer name of the receiving shard; the saved optimizer state is
     kept only when the checkpoint was written with the same optimizer, else it is dropped
-    (None rows state) and the shard initializes it.
+    (None rows state) and the shard initializes it. ``progress(rows_read, rows_total)`` is
+    called after each file read, counting the rows of the files this replica reads: its own
+    files when the shard count is the same, every file when the rows are re-sharded.
     """
     saved_name = manifest.optimizer.get("name") if manifest.optimizer else None
     keep_state = keep_state_of is not None and keep_state_of == saved_name
+    same_layout = manifest.num_shards == replica_size
+    entries = [e for e in manifest.files if not same_layout or e.shard == replica_index]
+    rows_total, rows_read = sum(e.rows for e in entries), 0
     by_dim: dict[int, list[RowBlock]] = {}
-    for entry in manifest.files:
+    for entry in entries:
         tensors = _read_verified(manifest, entry)
         ids = tensors["ids"]
-        if manifest.num_shards == replica_size and entry.shard == replica_index:
-            picked = slice(None)
-        elif manifest.num_shards == replica_size:
-            continue  # same layout: only this replica's own files
+        if same_layout:
+            picked = slice(None)  # only this replica's own files were picked above
         else:
             picked = np.flatnonzero(shard_of(ids, replica_size) == replica_index)
         state = tensors["state"][picked] if keep_state else None
         by_dim.setdefault(entry.dim, []).append(
             RowBlock(ids=ids[picked], weights=tensors["weights"][picked], state=state)
         )
+        rows_read += entry.rows
+        if progress is not None:
+            progress(rows_read, rows_total)
     blocks = []
     for _dim, parts in sorted(by_dim.items()):
         states = [p.state for p in parts]
@@ -384,15 +405,30 @@ def load_into_shard(
     *,
     replica_index: int,
     replica_size: int,
+    adopt_optimizer: bool = False,
+    progress: ProgressHook | None = None,
 ) -> EmbeddingManifest:
-    """Replace ``shard``'s rows with its part of a checkpoint; on any error it is unchanged."""
+    """Replace ``shard``'s rows with its part of a checkpoint; on any error it is unchanged.
+
+    ``adopt_optimizer``: a shard without an optimizer takes the checkpoint's (when it names
+    one) together with the saved optimizer state, as a restarted training shard resumes; it
+    is configured only once every file is read and verified. ``progress``: see
+    :func:`read_rows_for_replica`.
+    """
     manifest = read_manifest(directory)
     check_compatible(manifest, embedding_config)
-    optimizer_name = shard.optimizer.name if shard.optimizer else None
+    adopted = optimizer_of(manifest) if adopt_optimizer and shard.optimizer is None else None
+    receiver = adopted or shard.optimizer
     blocks = read_rows_for_replica(
-        manifest, replica_index, replica_size, keep_state_of=optimizer_name
+        manifest,
+        replica_index,
+        replica_size,
+        keep_state_of=receiver.name if receiver else None,
+        progress=progress,
     )
     _check_capacity(manifest, shard, blocks)
+    if adopted is not None:
+        shard.configure(optimizer=adopted)
     shard.replace_rows(blocks)
     return manifest
 

@@ -42,3 +42,11 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (0: let the system pick a free one)."""
+    value = _number(text, int, "an integer")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value

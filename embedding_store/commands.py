@@ -104,6 +104,15 @@ def _register_parameter_server(subparsers) -> None:
         "(with N = 1 also the manifest, so DIR is a complete checkpoint)",
     )
     parser.add_argument(
+        "--load-checkpoint",
+        metavar="DIR",
+        type=_non_empty,
+        help="job_type Train only: at start, load this shard's part of the embedding "
+        "checkpoint DIR (re-sharded if DIR has another shard count) with its optimizer and "
+        "optimizer state when none is configured yet; NOT_SERVING until loaded, exit 1 if "
+        "the load fails (Infer shards load infer_config.embedding_checkpoint)",
+    )
+    parser.add_argument(
         "--grace-seconds",
         type=non_negative_float,
         default=5.0,
@@ -134,6 +143,7 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
         port=args.port,
         metrics_port=args.metrics_port,
         dump_on_exit=args.dump_on_exit,
+        load_checkpoint=args.load_checkpoint,
         grace_seconds=args.grace_seconds,
     )
     return serve_parameter_server(embedding_config, global_config, options)

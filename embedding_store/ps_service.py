@@ -9,9 +9,14 @@ name the request field at fault (``"LookupRequest.dim must be > 0, got 0"``).
 Serving state. The health service (overall ``""`` and ``recserve.embedding.v1.ParameterServer``)
 reports ``NOT_SERVING`` until the shard can answer: a training shard once an optimizer is
 configured, an inference shard (``job_type: Infer``, read-only) once its checkpoint is loaded.
-While an inference shard has no rows loaded, its lookups are answered ``UNAVAILABLE`` rather
-than with zeros. On SIGTERM/SIGINT the health service turns ``NOT_SERVING``, in-flight RPCs
-get ``grace`` seconds to finish, the shard part is optionally dumped, and the process exits 0.
+A training shard started with ``--load-checkpoint DIR`` loads its replica's part of that tier
+checkpoint in the background, taking the checkpoint's optimizer and saved optimizer state
+when none is configured, and serves only once the load finished. While a shard waits for its
+checkpoint, its lookups are answered ``UNAVAILABLE`` rather than with zeros (a training shard's
+updates too). Status reports a running dump or load and its progress (fraction of rows written
+or read, per file). On SIGTERM/SIGINT the health service turns ``NOT_SERVING``, the server stops
+accepting RPCs (new ones fail ``UNAVAILABLE``), in-flight RPCs get ``grace`` seconds to finish,
+the shard part is optionally dumped, and the process exits 0.
 
 The row-chunk conversions live here too and are shared with :mod:`embedding_store.ps_client`;
 optimizer settings travel via :mod:`embedding_store.optimizer_wire`.
@@ -189,19 +194,37 @@ class _ShardCollector(Collector):
             family.add_metric(values, value)
             return family
 
-        yield counter("lookups", "Lookup calls (train and eval).", stats.lookups)
-        yield counter("ids_looked_up", "IDs looked up (train and eval).", stats.ids_looked_up)
+        def by_mode(name: str, doc: str, train: int, eval_: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"recserve_ps_{name}", doc, labels=[*names, "mode"])
+            family.add_metric([*values, "train"], train)
+            family.add_metric([*values, "eval"], eval_)
+            return family
+
+        yield by_mode(
+            "lookups",
+            "Lookup calls by mode: train (may insert) or eval (eval and inference, never inserts).",
+            stats.lookups - stats.eval_lookups,
+            stats.eval_lookups,
+        )
+        yield by_mode(
+            "ids_looked_up",
+            "IDs looked up (per occurrence) by mode: train or eval (eval and inference).",
+            stats.ids_looked_up - stats.eval_ids_looked_up,
+            stats.eval_ids_looked_up,
+        )
         yield counter(
             "misses",
-            "Unknown IDs of eval/infer lookups, answered with zeros "
-            "(miss ratio: misses_total / eval IDs).",
+            "Unknown IDs of eval/infer lookups, answered with zeros (miss ratio: "
+            'recserve_ps_misses_total / recserve_ps_ids_looked_up_total{mode="eval"}).',
             stats.misses,
         )
         yield counter("inserts", "Rows created by train lookups and imports.", stats.inserts)
         yield counter("evictions", "Rows evicted by the LRU policy.", stats.evictions)
         yield counter(
             "rejected_admissions",
-            "Unknown IDs of train lookups not admitted (answered with zeros).",
+            "Unknown IDs of train lookups not admitted, answered with zeros (rejection ratio: "
+            "recserve_ps_rejected_admissions_total / "
+            'recserve_ps_ids_looked_up_total{mode="train"}).',
             stats.rejected_admissions,
         )
         yield counter("rows_updated", "Rows updated by the optimizer.", stats.updates)
@@ -280,7 +303,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """The ``ParameterServer`` service over one :class:`EmbeddingShard`.
 
     ``health`` (optional) is kept in step with :attr:`serving`. Dump and Load run one at a time;
-    a second one while one runs is refused with UNAVAILABLE (retry later).
+    a second one while one runs is refused with UNAVAILABLE (retry later). While one runs,
+    Status reports its task (``"dumping"`` / ``"loading"``) and its progress: the fraction of
+    the rows written / read so far, advanced after each file.
     """
 
     def __init__(
@@ -306,6 +331,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._task = ""
         self._task_progress = 0.0
         self._loaded = False
+        # Set by expect_checkpoint(): a training shard started with a checkpoint to load serves
+        # (and answers lookups and updates) only once that load finished.
+        self._checkpoint_expected = False
         self._shutting_down = False
         self.metrics.watch_shard(shard, lambda: self.serving)
         self._refresh_health()
@@ -313,16 +341,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     # ------------------------------------------------------------------ state
     @property
     def needs_checkpoint(self) -> bool:
-        """Inference shards serve only once a checkpoint is loaded."""
-        return self.shard.read_only
+        """Inference shards, and training shards started with a checkpoint to load
+        (:meth:`expect_checkpoint`), serve only once a checkpoint is loaded."""
+        return self.shard.read_only or self._checkpoint_expected
 
     @property
     def serving(self) -> bool:
         if self._shutting_down:
             return False
-        if self.needs_checkpoint:
-            return self._loaded
-        return self.shard.optimizer is not None
+        if self.needs_checkpoint and not self._loaded:
+            return False
+        return self.shard.read_only or self.shard.optimizer is not None
+
+    def _require_loaded(self) -> None:
+        if self.needs_checkpoint and not self._loaded:
+            kind = "inference" if self.shard.read_only else "training"
+            raise UnavailableError(
+                f"this {kind} parameter server has not loaded its embedding checkpoint yet"
+            )
 
     def _refresh_health(self) -> None:
         if self._health is None or self._shutting_down:
@@ -358,9 +394,45 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             self._task, self._task_progress = "", 0.0
         self._task_lock.release()
 
-    def load_checkpoint(self, directory: str) -> int:
-        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded."""
+    def _progress(self, hook: checkpoint.ProgressHook | None) -> checkpoint.ProgressHook:
+        """A checkpoint progress hook that stores ``done / total`` (capped to [0, 1]) as the
+        running task's progress for Status, then calls ``hook`` (if any)."""
+
+        def report(done: int, total: int) -> None:
+            fraction = 1.0 if total <= 0 else min(1.0, done / total)
+            with self._state_lock:
+                self._task_progress = fraction
+            if hook is not None:
+                hook(done, total)
+
+        return report
+
+    def expect_checkpoint(self) -> None:
+        """Announce a checkpoint load that :meth:`load_checkpoint` (``expected=True``) will run,
+        typically on another thread, before the server starts: from now until it succeeds the
+        shard is NOT_SERVING, lookups and updates are UNAVAILABLE, Status reports the task
+        ``"loading"``, and Load/Dump RPCs are refused as busy."""
         self._begin_task("loading")
+        self._checkpoint_expected = True
+        self._refresh_health()
+
+    def load_checkpoint(
+        self,
+        directory: str,
+        *,
+        expected: bool = False,
+        adopt_optimizer: bool = False,
+        progress: checkpoint.ProgressHook | None = None,
+    ) -> int:
+        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded.
+
+        ``expected``: the load announced by :meth:`expect_checkpoint` (its task is running).
+        ``adopt_optimizer``: a shard without an optimizer takes the checkpoint's, with the
+        saved optimizer state (a restarted training shard). ``progress(rows_read,
+        rows_total)`` is called after each file, once Status shows the new progress.
+        """
+        if not expected:
+            self._begin_task("loading")
         try:
             checkpoint.load_into_shard(
                 directory,
@@ -368,6 +440,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 self.embedding_config,
                 replica_index=self.shard.replica_index,
                 replica_size=self.shard.replica_size,
+                adopt_optimizer=adopt_optimizer,
+                progress=self._progress(progress),
             )
             self._loaded = True
         finally:
@@ -377,11 +451,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         log.info("loaded %d rows from embedding checkpoint %s", rows, directory)
         return rows
 
-    def dump_part(self, directory: str) -> list[checkpoint.FileEntry]:
-        """Write this shard's part of a checkpoint into ``directory/shard_{index:05d}/``."""
+    def dump_part(
+        self, directory: str, *, progress: checkpoint.ProgressHook | None = None
+    ) -> list[checkpoint.FileEntry]:
+        """Write this shard's part of a checkpoint into ``directory/shard_{index:05d}/``.
+
+        ``progress(rows_written, rows_total)`` is called after each file (one per dim), once
+        Status shows the new progress.
+        """
         self._begin_task("dumping")
         try:
-            entries = checkpoint.write_shard_part(self.shard, directory, self.shard.replica_index)
+            entries = checkpoint.write_shard_part(
+                self.shard,
+                directory,
+                self.shard.replica_index,
+                progress=self._progress(progress),
+            )
         finally:
             self._end_task()
         log.info(
@@ -403,10 +488,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         dim = _positive_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
-        if self.needs_checkpoint and not self._loaded:
-            raise UnavailableError(
-                "this inference parameter server has not loaded its embedding checkpoint yet"
-            )
+        self._require_loaded()
         with self._lookup_lock:
             before = self.shard.stats()
             rows = self.shard.lookup(ids, dim, train=request.train)
@@ -422,6 +504,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         dim = _positive_dim(request.dim, "UpdateRequest.dim")
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
+        if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
+            self._require_loaded()
         return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))
 
     @rpc_errors
@@ -465,6 +549,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @rpc_errors
     @_observed
     def ImportRows(self, request_iterator: Iterable[pb.RowChunk], context):
+        with self._state_lock:
+            loading = self._task == "loading"
+        if loading:  # the load replaces every row: imported ones would be lost
+            raise UnavailableError(
+                "the parameter server is busy loading a checkpoint; retry when it is done"
+            )
         imported = 0
         for index, chunk in enumerate(request_iterator):
             block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
@@ -523,6 +613,8 @@ class ParameterServerOptions:
     port: int = 0
     metrics_port: int | None = None
     dump_on_exit: str | None = None
+    #: Training shards: at start, load this replica's part of this embedding checkpoint.
+    load_checkpoint: str | None = None
     grace_seconds: float = 5.0
     max_workers: int = 16
 
@@ -537,6 +629,12 @@ class ParameterServerOptions:
             )
         if not self.host:
             raise InvalidArgumentError("host must be non-empty")
+        if self.load_checkpoint is not None and not (
+            isinstance(self.load_checkpoint, str) and self.load_checkpoint.strip()
+        ):
+            raise InvalidArgumentError(
+                f"load_checkpoint must be a non-empty path, got {self.load_checkpoint!r}"
+            )
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
@@ -563,8 +661,10 @@ def build_shard(global_config: GlobalConfig, options: ParameterServerOptions) ->
 class ParameterServerProcess:
     """One parameter-server replica in this process: gRPC server, health, reflection, metrics.
 
-    :meth:`start` binds and returns at once (an inference checkpoint loads in the background;
-    its failure is kept in :attr:`fatal_error` and requests shutdown). :meth:`stop` shuts down
+    :meth:`start` binds and returns at once. A checkpoint to load at start (an inference
+    shard's ``infer_config.embedding_checkpoint``, or a training shard's
+    ``options.load_checkpoint``) loads in the background while the shard is NOT_SERVING; a
+    failed load is kept in :attr:`fatal_error` and requests shutdown. :meth:`stop` shuts down
     gracefully. Use :func:`serve_parameter_server` to run one until SIGTERM/SIGINT.
     """
 
@@ -578,6 +678,11 @@ class ParameterServerProcess:
         self.global_config = global_config
         self.options = options or ParameterServerOptions()
         self.job_type = global_config.common_config.job_type
+        if self.options.load_checkpoint is not None and self.job_type is JobType.INFER:
+            raise InvalidArgumentError(
+                f"load_checkpoint ({self.options.load_checkpoint!r}) is for job_type Train; "
+                "a job_type Infer shard loads common_config.infer_config.embedding_checkpoint"
+            )
         self.shard = build_shard(global_config, self.options)
         self.metrics = ParameterServerMetrics(self.options.replica_index, self.options.replica_size)
         self.health = health.HealthServicer()
@@ -631,6 +736,11 @@ class ParameterServerProcess:
             raise UnavailableError(f"cannot listen on {requested} (address in use?)")
         self.port = port
         self._start_metrics()
+        directory, adopt_optimizer = self._checkpoint_at_start()
+        if directory is not None:
+            # Before the server answers anything: from its first RPC on, the shard reports
+            # the load (NOT_SERVING, task "loading") and refuses lookups until it finished.
+            self.servicer.expect_checkpoint()
         server.start()
         self.server = server
         log.info(
@@ -640,8 +750,8 @@ class ParameterServerProcess:
             self.shard.capacity,
             self.address,
         )
-        if self.job_type is JobType.INFER:
-            self._start_infer_load()
+        if directory is not None:
+            self._start_load(directory, adopt_optimizer=adopt_optimizer)
 
     def _start_metrics(self) -> None:
         opts = self.options
@@ -666,24 +776,37 @@ class ParameterServerProcess:
         self.metrics_port = int(httpd.server_port)
         log.info("metrics on http://%s/metrics", format_address(opts.host, self.metrics_port))
 
-    def _start_infer_load(self) -> None:
-        directory = self.global_config.common_config.infer_config.embedding_checkpoint
-        if directory is None:
-            log.warning(
-                "job_type Infer without infer_config.embedding_checkpoint: NOT_SERVING until a "
-                "Load or ImportRows RPC provides rows"
-            )
-            return
+    def _checkpoint_at_start(self) -> tuple[str | None, bool]:
+        """The checkpoint to load at start (None: none) and whether to adopt its optimizer.
+
+        Infer: ``infer_config.embedding_checkpoint`` (read-only rows, no optimizer state).
+        Train: ``options.load_checkpoint``, with the checkpoint's optimizer and its saved state
+        when none is configured yet (a restarted shard resumes where its dump left off).
+        """
+        if self.job_type is JobType.INFER:
+            directory = self.global_config.common_config.infer_config.embedding_checkpoint
+            if directory is None:
+                log.warning(
+                    "job_type Infer without infer_config.embedding_checkpoint: NOT_SERVING "
+                    "until a Load or ImportRows RPC provides rows"
+                )
+            return directory, False
+        return self.options.load_checkpoint, True
+
+    def _start_load(self, directory: str, *, adopt_optimizer: bool) -> None:
+        """Run the load announced by ``expect_checkpoint`` on a thread; failure is fatal."""
 
         def load() -> None:
             try:
-                self.servicer.load_checkpoint(directory)
+                self.servicer.load_checkpoint(
+                    directory, expected=True, adopt_optimizer=adopt_optimizer
+                )
             except BaseException as error:
                 log.error("loading embedding checkpoint %s failed: %s", directory, error)
                 self.fatal_error = error
                 self.stop_requested = True
 
-        threading.Thread(target=load, name="ps-infer-load", daemon=True).start()
+        threading.Thread(target=load, name="ps-checkpoint-load", daemon=True).start()
 
     def stop(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, let in-flight RPCs finish (``grace`` s), dump if asked, close."""

@@ -51,6 +51,9 @@ _MIN_ALLOC = 1024
 class ShardStats:
     """Counters since the shard was created (``clear`` does not reset them).
 
+    ``lookups`` / ``ids_looked_up``: calls and IDs (per occurrence) of all lookups, train and
+    eval; ``eval_lookups`` / ``eval_ids_looked_up``: those of eval/infer lookups
+    (``train=False``) alone, so the miss ratio is ``misses / eval_ids_looked_up``.
     ``misses``: unknown IDs of eval/infer lookups. ``inserts``: rows created (train lookups and
     imports). ``rejected_admissions``: unknown IDs of train lookups not admitted (per
     occurrence). ``skipped_updates``: IDs of ``update`` calls the shard no longer holds.
@@ -66,6 +69,8 @@ class ShardStats:
     rejected_admissions: int
     updates: int
     skipped_updates: int
+    eval_lookups: int
+    eval_ids_looked_up: int
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,8 @@ class EmbeddingShard:
         self._clock = 0
         self._lookups = 0
         self._ids_looked_up = 0
+        self._eval_lookups = 0
+        self._eval_ids_looked_up = 0
         self._misses = 0
         self._local = threading.local()  # per-thread result of the last lookup
         self._inserts = 0
@@ -272,6 +279,8 @@ class EmbeddingShard:
                 rejected_admissions=self._rejected,
                 updates=self._updates,
                 skipped_updates=self._skipped,
+                eval_lookups=self._eval_lookups,
+                eval_ids_looked_up=self._eval_ids_looked_up,
             )
 
     # ------------------------------------------------------------------ configuration
@@ -440,6 +449,8 @@ class EmbeddingShard:
                 pooled, misses = table.index.pool(ids, table.weights, bag_offsets, weights)
                 self._lookups += 1
                 self._ids_looked_up += n
+                self._eval_lookups += 1
+                self._eval_ids_looked_up += n
                 self._misses += misses
                 self._local.misses = int(misses)
                 return pooled
@@ -466,6 +477,8 @@ class EmbeddingShard:
         self._ids_looked_up += n
         self._local.misses = 0
         if not train:
+            self._eval_lookups += 1
+            self._eval_ids_looked_up += n
             table = self._tables.get(dim)
             if table is None:
                 self._misses += n

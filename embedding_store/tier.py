@@ -30,13 +30,23 @@ ProgressCallback = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class TierStatus:
-    """A summary of the tier: rows held per shard, and work waiting."""
+    """A summary of the tier: rows held per shard, work waiting, checkpoint tasks running.
+
+    ``shard_tasks[i]`` is what shard i reports it is busy with (``""``, ``"loading"``,
+    ``"dumping"``) and ``shard_task_progress[i]`` how far it is (0..1); ``task`` and
+    ``task_progress`` are the same for a dump or load run through the tier itself
+    (``""``, ``"dumping"``, ``"loading"``; shards done / shards).
+    """
 
     rows_per_shard: tuple[int, ...]
     capacity_per_shard: tuple[int, ...]
     pending_backward: int
     pending_gradient_batches: int
     nonfinite_rows_skipped: int
+    shard_tasks: tuple[str, ...] = ()
+    shard_task_progress: tuple[float, ...] = ()
+    task: str = ""
+    task_progress: float = 0.0
 
 
 @runtime_checkable
@@ -166,6 +176,9 @@ class InProcessEmbeddingTier:
             pending_backward=self.worker.pending_backward,
             pending_gradient_batches=0,
             nonfinite_rows_skipped=self.worker.nonfinite_rows_skipped,
+            # In-process dumps and loads finish inside the call that starts them.
+            shard_tasks=("",) * len(self.shards),
+            shard_task_progress=(0.0,) * len(self.shards),
         )
 
     def close(self) -> None:

@@ -148,6 +148,10 @@ class _GroupPlan:
     num_bags: int
 
 
+#: What a train lookup keeps for its backward pass: the plan of each dim group (opaque).
+ForwardContext = tuple[_GroupPlan, ...]
+
+
 def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     """Expand each ID into ``rounds`` hashed IDs: uint64 [n] -> uint64 [n * rounds].
 
@@ -297,6 +301,15 @@ class EmbeddingWorker:
         ``grads[slot]`` has the shape of that slot's output: float32 [batch, dim] (summation)
         or [batch, sample_fixed_size, dim] (raw). Slots without a gradient get zeros.
         """
+        return self.apply_gradients(self.take_forward_context(ref), grads)
+
+    def take_forward_context(self, ref: int) -> ForwardContext:
+        """Remove forward context ``ref`` from the buffer and return it (for
+        :meth:`apply_gradients`); NotFoundError if it was already used or expired.
+
+        Callers that apply gradients later (an asynchronous pusher) claim the context first,
+        so later lookups cannot expire it while its gradients wait.
+        """
         with self._pending_lock:
             plans = self._pending.pop(ref, None)
         if plans is None:
@@ -304,8 +317,14 @@ class EmbeddingWorker:
                 f"no forward context {ref}: it was already used or expired "
                 f"(forward_buffer_size={self.forward_buffer_size})"
             )
+        return plans
+
+    def apply_gradients(
+        self, context: ForwardContext, grads: Mapping[str, torch.Tensor | np.ndarray]
+    ) -> BackwardStats:
+        """:meth:`backward` for a context taken with :meth:`take_forward_context`."""
         pushed = skipped = 0
-        for plan in plans:
+        for plan in context:
             bag_grads = torch.zeros(plan.num_bags, plan.dim, dtype=torch.float32)
             for layout in plan.slots:
                 if layout.name in grads:

@@ -142,6 +142,10 @@ class RemoteEmbeddingWorker:
             pending_backward=response.pending_backward,
             pending_gradient_batches=response.pending_gradient_batches,
             nonfinite_rows_skipped=response.nonfinite_rows_skipped,
+            shard_tasks=tuple(s.task for s in response.shard_status),
+            shard_task_progress=tuple(s.task_progress for s in response.shard_status),
+            task=response.task,
+            task_progress=response.task_progress,
         )
 
     def close(self) -> None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from embedding_store.cli_types import port_number
 from embedding_store.config import load_embedding_config, load_global_config
+from embedding_store.tier import TierStatus
+
+log = logging.getLogger(__name__)
 
 
 def _addresses(text: str) -> list[str]:
@@ -35,6 +40,14 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        metavar="M",
+        help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port; "
+        "absent: no metrics)",
+    )
     parser.add_argument("--embedding-config", default=None, help="embedding_config.yml")
     parser.add_argument("--global-config", default=None, help="global_config.yml")
     parser.add_argument(
@@ -53,6 +66,11 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from embedding_store.worker_service import serve_embedding_worker
 
+    if args.metrics_port and args.metrics_port == args.port:
+        raise SystemExit(
+            f"recserve embedding-worker: error: --metrics-port must differ from --port, "
+            f"both are {args.port}"
+        )
     embedding_config = load_embedding_config(args.embedding_config)
     global_config = load_global_config(args.global_config)
     shards = args.ps or list(global_config.common_config.infer_config.servers)
@@ -61,11 +79,18 @@ def _run(args: argparse.Namespace) -> int:
             "recserve embedding-worker: error: no shards: pass --ps HOST:PORT[,HOST:PORT...] "
             "or set common_config.infer_config.servers in the global config"
         )
+    metrics_port = args.metrics_port
+    if metrics_port is not None and not global_config.common_config.metrics_config.enable_metrics:
+        log.warning(
+            "--metrics-port %d ignored: metrics_config.enable_metrics is false", metrics_port
+        )
+        metrics_port = None
     return serve_embedding_worker(
         embedding_config,
         shards,
         host=args.host,
         port=args.port,
+        metrics_port=metrics_port,
         forward_buffer_size=global_config.embedding_worker_config.forward_buffer_size,
         shard_timeout=args.shard_timeout,
         startup_timeout=args.startup_timeout,
@@ -85,7 +110,7 @@ def register_admin(subparsers) -> None:
     for name, help_text in (
         ("dump", "every shard writes its part; the worker writes the manifest (atomic)"),
         ("load", "load a checkpoint, re-sharding when the shard count differs"),
-        ("status", "rows and capacity per shard, pending work"),
+        ("status", "rows, capacity and task per shard, the worker's task, pending work"),
         ("clear", "drop every row"),
     ):
         action = actions.add_parser(name, help=help_text)
@@ -133,14 +158,32 @@ def _admin(args: argparse.Namespace) -> int:
             worker.clear()
             print("cleared every shard")
         else:
-            status = worker.status()
-            for index, (rows, capacity) in enumerate(
-                zip(status.rows_per_shard, status.capacity_per_shard)
-            ):
-                print(f"shard {index}: {rows} rows of {capacity}")
-            print(
-                f"pending backward: {status.pending_backward}, pending gradient batches: "
-                f"{status.pending_gradient_batches}, non-finite rows skipped: "
-                f"{status.nonfinite_rows_skipped}"
-            )
+            print("\n".join(format_status(worker.status())))
     return 0
+
+
+def _task(task: str, progress: float) -> str:
+    return f"{task} {progress:.0%}" if task else "idle"
+
+
+def format_status(status: TierStatus) -> list[str]:
+    """The lines of ``recserve embedding-tier status``: one per shard (rows, capacity, task),
+    the worker's own task, then pending work. A task reads ``idle`` or e.g. ``dumping 50%``."""
+    lines = [
+        f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}"
+        for index, (rows, capacity, task, progress) in enumerate(
+            zip(
+                status.rows_per_shard,
+                status.capacity_per_shard,
+                status.shard_tasks,
+                status.shard_task_progress,
+            )
+        )
+    ]
+    lines.append(f"worker: {_task(status.task, status.task_progress)}")
+    lines.append(
+        f"pending backward: {status.pending_backward}, pending gradient batches: "
+        f"{status.pending_gradient_batches}, non-finite rows skipped: "
+        f"{status.nonfinite_rows_skipped}"
+    )
+    return lines

@@ -3,7 +3,9 @@
 :class:`RemoteShardTier` is the core object: an :class:`EmbeddingWorker` whose shards are
 ``RemoteParameterServer`` clients, an asynchronous gradient pusher with a bounded queue, and
 checkpoint orchestration across shards. :class:`EmbeddingWorkerServicer` only decodes gRPC
-requests, calls it, and encodes answers. :func:`serve_embedding_worker` runs the process.
+requests, calls it, and encodes answers. :func:`serve_embedding_worker` runs the process, with
+health checking, server reflection and (``metrics_port``) Prometheus metrics
+(:class:`EmbeddingWorkerMetrics`, names prefixed ``recserve_worker_``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_all
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -25,34 +29,83 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from embedding_store import checkpoint
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
-from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+    grpc_code_name_of,
+)
 from embedding_store.grpc_common import rpc_errors, rpc_stream_errors, server_options
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_client import RemoteParameterServer
+from embedding_store.ps_client import RemoteParameterServer, ShardStatus
+from embedding_store.ps_service import (
+    _LATENCY_BUCKETS,
+    _observed,
+    _observed_stream,
+    format_address,
+)
 from embedding_store.tier import ProgressCallback, TierStatus
-from embedding_store.worker import BackwardStats, EmbeddingWorker, LookupResult
+from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
 from embedding_store.worker_wire import pack_slots, unpack_grads
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "recserve.embedding.v1.EmbeddingWorker"
 
+#: Builds the client of shard ``index`` at ``address``. The default connects a
+#: :class:`RemoteParameterServer`; tests pass fakes with the same methods.
+ShardClientFactory = Callable[[str, int], RemoteParameterServer]
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Counters of a :class:`RemoteShardTier` since it started, and its queues now.
+
+    ``*_lookups`` count lookup calls answered; ``*_ids`` the ID occurrences of their ID
+    features (before hash stacking and deduplication); "eval" covers every ``train=False``
+    lookup (eval and inference). ``unknown_ids`` are IDs answered with zeros (see
+    :attr:`LookupResult.unknown_ids`). The gradient counters count what the pusher applied:
+    batches, unique rows sent to the shards, rows dropped for NaN/Inf, and batches whose push
+    failed (their gradients are lost; :meth:`RemoteShardTier.flush` reports them).
+    """
+
+    train_lookups: int
+    eval_lookups: int
+    train_ids: int
+    eval_ids: int
+    unknown_ids: int
+    gradient_batches_pushed: int
+    gradient_rows_pushed: int
+    nonfinite_rows_skipped: int
+    failed_gradient_pushes: int
+    pending_gradient_batches: int
+    pending_forward_contexts: int
+
 
 class RemoteShardTier:
     """Worker core + remote shards + asynchronous gradient pushes (bounded staleness).
 
-    ``backward`` enqueues the gradients of a forward pass and returns at once; one pusher
-    thread scatters them and sends them to the shards in order. At most
+    ``backward`` claims the forward context, enqueues the gradients and returns at once; one
+    pusher thread scatters them and sends them to the shards in order. At most
     ``forward_buffer_size`` gradient batches wait; a further ``backward`` blocks until one
-    leaves (backpressure instead of unbounded memory). :meth:`flush` waits for the queue.
+    leaves (backpressure instead of unbounded memory). Every shard call has a deadline
+    (``shard_timeout``), so the queue always drains: a push to a dead shard fails after the
+    deadline, is counted, and is reported by :meth:`flush`.
+
+    One checkpoint task (dump or load) runs at a time; :meth:`status` reports it and its
+    progress, along with what each shard reports. ``connect(address, index)`` builds the
+    shard clients (default: :class:`RemoteParameterServer` with ``shard_timeout``).
     """
 
     def __init__(
@@ -62,17 +115,25 @@ class RemoteShardTier:
         *,
         forward_buffer_size: int = 1000,
         shard_timeout: float = 10.0,
+        connect: ShardClientFactory | None = None,
     ) -> None:
         if not shard_addresses:
             raise InvalidArgumentError("an embedding worker needs at least one --ps address")
+        if connect is None:
+
+            def connect(address: str, index: int) -> RemoteParameterServer:
+                return RemoteParameterServer(address, replica_index=index, timeout=shard_timeout)
+
         self.embedding_config = embedding_config
         self.shard_addresses = tuple(shard_addresses)
-        self.clients = [
-            RemoteParameterServer(address, replica_index=i, timeout=shard_timeout)
-            for i, address in enumerate(shard_addresses)
-        ]
+        self.clients = [connect(address, i) for i, address in enumerate(shard_addresses)]
         self._executor = ThreadPoolExecutor(
             max_workers=max(2, len(self.clients)), thread_name_prefix="shard-call"
+        )
+        # Shard dumps and loads take long: their own threads keep lookups, pushes and status
+        # calls (which use self._executor) answering while one runs.
+        self._checkpoint_executor = ThreadPoolExecutor(
+            max_workers=len(self.clients), thread_name_prefix="shard-checkpoint"
         )
         self.worker = EmbeddingWorker(
             embedding_config,
@@ -82,8 +143,22 @@ class RemoteShardTier:
             deduplicate=True,
         )
         self._gradients: queue.Queue = queue.Queue(maxsize=forward_buffer_size)
-        self._failed_pushes = 0
+        # Counters (WorkerStats): lookups run on many RPC threads, pushes on the pusher.
+        self._stats_lock = threading.Lock()
+        self._lookups = {True: 0, False: 0}
+        self._ids = {True: 0, False: 0}
+        self._unknown_ids = 0
+        self._batches_pushed = 0
+        self._rows_pushed = 0
+        self._nonfinite_rows_skipped = 0
+        self._failed_pushes_total = 0
+        self._failed_pushes = 0  # since the last flush
         self._last_push_error: str | None = None
+        # The checkpoint task run through this tier ("", "dumping", "loading") and its progress.
+        self._task_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._task = ""
+        self._task_progress = 0.0
         self._pusher = threading.Thread(target=self._push_loop, name="gradient-pusher", daemon=True)
         self._pusher.start()
 
@@ -101,11 +176,23 @@ class RemoteShardTier:
                 )
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, batch: Batch, *, train: bool) -> LookupResult:
-        return self.worker.lookup(batch, train=train)
+    def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
+        features = batch.id_type_features if isinstance(batch, Batch) else tuple(batch)
+        result = self.worker.lookup(features, train=train)
+        ids = sum(len(feature.values) for feature in features)  # a loop over slots, not IDs
+        with self._stats_lock:
+            self._lookups[train] += 1
+            self._ids[train] += ids
+            self._unknown_ids += result.unknown_ids
+        return result
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
-        self._gradients.put((ref, grads))
+        """Queue the gradients of forward ``ref`` for the pusher; blocks while
+        ``forward_buffer_size`` batches wait. The forward context is claimed here, so lookups
+        made while the batch waits cannot expire it, and an unknown ``ref`` fails at once
+        (NotFoundError). Rows are counted when pushed (:meth:`stats`), hence zeros here."""
+        context = self.worker.take_forward_context(ref)
+        self._gradients.put((context, grads))
         return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
 
     def _push_loop(self) -> None:
@@ -114,21 +201,30 @@ class RemoteShardTier:
             try:
                 if item is None:
                     return
-                ref, grads = item
-                self.worker.backward(ref, grads)
+                context, grads = item
+                stats = self.worker.apply_gradients(context, grads)
+                with self._stats_lock:
+                    self._batches_pushed += 1
+                    self._rows_pushed += stats.rows_pushed
+                    self._nonfinite_rows_skipped += stats.nonfinite_rows_skipped
             except Exception as error:  # keep pushing later batches; report on flush
-                self._failed_pushes += 1
-                self._last_push_error = getattr(error, "message", repr(error))
-                log.warning("gradient push failed: %s", self._last_push_error)
+                message = getattr(error, "message", repr(error))
+                with self._stats_lock:
+                    self._failed_pushes += 1
+                    self._failed_pushes_total += 1
+                    self._last_push_error = message
+                log.warning("gradient push failed: %s", message)
             finally:
                 self._gradients.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued gradient batch was applied; report failed pushes."""
+        """Wait until every queued gradient batch was applied or failed (each push has the
+        shard deadline); raise UnavailableError if any failed since the last flush."""
         self._gradients.join()
-        if self._failed_pushes:
+        with self._stats_lock:
             failed, last = self._failed_pushes, self._last_push_error
             self._failed_pushes, self._last_push_error = 0, None
+        if failed:
             raise UnavailableError(
                 f"{failed} gradient batch(es) could not be applied since the last flush; "
                 f"last error: {last}"
@@ -136,11 +232,36 @@ class RemoteShardTier:
 
     @property
     def pending_gradient_batches(self) -> int:
+        """Gradient batches queued for the pusher (not counting the one being pushed)."""
         return self._gradients.qsize()
 
+    def stats(self) -> WorkerStats:
+        """Counters and queue lengths; no shard is asked (cheap enough for every scrape)."""
+        with self._stats_lock:
+            return WorkerStats(
+                train_lookups=self._lookups[True],
+                eval_lookups=self._lookups[False],
+                train_ids=self._ids[True],
+                eval_ids=self._ids[False],
+                unknown_ids=self._unknown_ids,
+                gradient_batches_pushed=self._batches_pushed,
+                gradient_rows_pushed=self._rows_pushed,
+                nonfinite_rows_skipped=self._nonfinite_rows_skipped,
+                failed_gradient_pushes=self._failed_pushes_total,
+                pending_gradient_batches=self.pending_gradient_batches,
+                pending_forward_contexts=self.worker.pending_backward,
+            )
+
     # ------------------------------------------------------------------ administration
-    def _each(self, task) -> list:
-        futures = [self._executor.submit(task, client) for client in self.clients]
+    def _each(self, task, executor: ThreadPoolExecutor | None = None) -> list:
+        """``task(client)`` for every shard at once; results in replica order.
+
+        Waits for every call (each has its shard deadline) before raising the first failure
+        in replica order, so no shard is still at work when the caller cleans up after it.
+        """
+        pool = executor or self._executor
+        futures = [pool.submit(task, client) for client in self.clients]
+        wait_for_all(futures)
         return [future.result() for future in futures]
 
     def configure(
@@ -155,6 +276,33 @@ class RemoteShardTier:
         self.flush()
         self._each(lambda c: c.clear())
 
+    def _begin_task(self, task: str) -> None:
+        if not self._task_lock.acquire(blocking=False):
+            with self._state_lock:
+                running = self._task
+            raise UnavailableError(
+                f"the embedding worker is busy {running} a checkpoint; retry when it is done"
+            )
+        with self._state_lock:
+            self._task, self._task_progress = task, 0.0
+
+    def _end_task(self) -> None:
+        with self._state_lock:
+            self._task, self._task_progress = "", 0.0
+        self._task_lock.release()
+
+    def _tracked(self, progress: ProgressCallback | None) -> ProgressCallback:
+        """A progress callback that records the fraction for :meth:`status`, then calls
+        ``progress``: a caller told of a step finds it in the status already."""
+
+        def report(stage: str, done: int, total: int) -> None:
+            with self._state_lock:
+                self._task_progress = done / total if total else 1.0
+            if progress:
+                progress(stage, done, total)
+
+        return report
+
     def dump(
         self,
         directory: str | os.PathLike,
@@ -163,7 +311,18 @@ class RemoteShardTier:
         progress: ProgressCallback | None = None,
     ) -> checkpoint.EmbeddingManifest:
         """Every shard writes its part into a staging directory; the worker then writes the
-        manifest and the done-marker and renames the directory into place."""
+        manifest and the done-marker and renames the directory into place. If a shard fails,
+        nothing is published (no manifest, no done-marker) and the error names the shard.
+        UnavailableError while another dump or load runs."""
+        self._begin_task("dumping")
+        try:
+            return self._dump(directory, overwrite=overwrite, progress=self._tracked(progress))
+        finally:
+            self._end_task()
+
+    def _dump(
+        self, directory: str | os.PathLike, *, overwrite: bool, progress: ProgressCallback
+    ) -> checkpoint.EmbeddingManifest:
         self.flush()
         target = Path(directory).absolute()
         if target.exists() and not overwrite:
@@ -175,19 +334,23 @@ class RemoteShardTier:
         done = 0
         lock = threading.Lock()
         try:
-            if progress:
-                progress("dump", 0, total)
+            progress("dump", 0, total)
 
             def dump_one(client: RemoteParameterServer):
                 nonlocal done
                 result = client.dump(str(staging))
                 with lock:
                     done += 1
-                    if progress:
-                        progress("dump", done, total)
+                    progress("dump", done, total)
                 return result
 
-            results = self._each(dump_one)
+            try:
+                results = self._each(dump_one, self._checkpoint_executor)
+            except RecserveError as error:  # the shard client's message names the shard
+                raise type(error)(
+                    f"checkpoint {target} not written (no manifest, no done-marker): "
+                    f"{error.message}"
+                ) from None
             entries = [entry for files, _ in results for entry in files]
             optimizer = results[0][1]
             checkpoint.finalize_checkpoint(
@@ -203,26 +366,33 @@ class RemoteShardTier:
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
     ) -> checkpoint.EmbeddingManifest:
         """Same shard count: each shard loads its own files. Another count: the worker reads
-        the rows, re-shards them and streams each shard its part."""
+        the rows, re-shards them and streams each shard its part. UnavailableError while
+        another dump or load runs."""
+        self._begin_task("loading")
+        try:
+            return self._load(directory, progress=self._tracked(progress))
+        finally:
+            self._end_task()
+
+    def _load(
+        self, directory: str | os.PathLike, *, progress: ProgressCallback
+    ) -> checkpoint.EmbeddingManifest:
         self.flush()
         target = Path(directory).absolute()
         manifest = checkpoint.read_manifest(target)
         checkpoint.check_compatible(manifest, self.embedding_config)
         total = len(self.clients)
-        if progress:
-            progress("load", 0, total)
+        progress("load", 0, total)
         if manifest.num_shards == total:
-            self._each(lambda c: c.load(str(target)))
-            if progress:
-                progress("load", total, total)
+            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
+            progress("load", total, total)
             return manifest
-        statuses = self._each(lambda c: c.status())
+        statuses = self.shard_statuses()
         if any(status.read_only for status in statuses):
             # Read-only (infer) shards accept only whole replacements: each one reads the
             # checkpoint and keeps the rows it owns under the new count, atomically.
-            self._each(lambda c: c.load(str(target)))
-            if progress:
-                progress("load", total, total)
+            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
+            progress("load", total, total)
             return manifest
         staged = []
         for index, status in enumerate(statuses):
@@ -238,21 +408,27 @@ class RemoteShardTier:
         for index, (client, blocks) in enumerate(zip(self.clients, staged)):
             client.clear()
             client.import_rows(blocks)
-            if progress:
-                progress("load", index + 1, total)
+            progress("load", index + 1, total)
         return manifest
 
     def status(self) -> TierStatus:
-        statuses = self._each(lambda c: c.status())
+        """Rows, capacity and task of every shard (asked now), this tier's queues and task."""
+        statuses = self.shard_statuses()
+        with self._state_lock:
+            task, task_progress = self._task, self._task_progress
         return TierStatus(
             rows_per_shard=tuple(s.rows for s in statuses),
             capacity_per_shard=tuple(s.capacity for s in statuses),
             pending_backward=self.worker.pending_backward,
             pending_gradient_batches=self.pending_gradient_batches,
             nonfinite_rows_skipped=self.worker.nonfinite_rows_skipped,
+            shard_tasks=tuple(s.task for s in statuses),
+            shard_task_progress=tuple(s.task_progress for s in statuses),
+            task=task,
+            task_progress=task_progress,
         )
 
-    def shard_statuses(self) -> list:
+    def shard_statuses(self) -> list[ShardStatus]:
         return self._each(lambda c: c.status())
 
     def close(self) -> None:
@@ -261,6 +437,7 @@ class RemoteShardTier:
         for client in self.clients:
             client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._checkpoint_executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _optimizer_name(optimizer_json: str) -> str | None:
@@ -271,13 +448,117 @@ def _optimizer_name(optimizer_json: str) -> str | None:
     return json.loads(optimizer_json).get("name")
 
 
-class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
-    """gRPC front end of :class:`RemoteShardTier`: decode, call, encode."""
+# --------------------------------------------------------------------------- metrics
+class _WorkerCollector(Collector):
+    """Tier counters read from :meth:`RemoteShardTier.stats` at scrape time (exact, no drift)."""
 
     def __init__(self, tier: RemoteShardTier) -> None:
+        self._tier = tier
+
+    def collect(self):
+        stats = self._tier.stats()
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            return CounterMetricFamily(f"recserve_worker_{name}", doc, value=value)
+
+        def by_mode(name: str, doc: str, train: int, eval_: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"recserve_worker_{name}", doc, labels=["mode"])
+            family.add_metric(["train"], train)
+            family.add_metric(["eval"], eval_)
+            return family
+
+        def gauge(name: str, doc: str, value: int) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"recserve_worker_{name}", doc, value=value)
+
+        yield by_mode(
+            "lookups",
+            "Lookup calls answered, by mode (eval: every train=false lookup, eval and inference).",
+            stats.train_lookups,
+            stats.eval_lookups,
+        )
+        yield by_mode(
+            "ids_looked_up",
+            "ID occurrences of the looked-up batches (before hash stacking and deduplication).",
+            stats.train_ids,
+            stats.eval_ids,
+        )
+        yield counter(
+            "unknown_ids",
+            "IDs answered with zeros: unknown to eval/infer lookups, or not admitted by train "
+            "lookups (per distinct ID of a lookup).",
+            stats.unknown_ids,
+        )
+        yield counter(
+            "gradient_batches_pushed",
+            "Gradient batches applied on the shards.",
+            stats.gradient_batches_pushed,
+        )
+        yield counter(
+            "gradient_rows_pushed",
+            "Unique embedding rows whose gradients were sent to the shards.",
+            stats.gradient_rows_pushed,
+        )
+        yield counter(
+            "nonfinite_gradient_rows_skipped",
+            "Embedding rows whose gradient had NaN/Inf, dropped instead of pushed.",
+            stats.nonfinite_rows_skipped,
+        )
+        yield counter(
+            "failed_gradient_pushes",
+            "Gradient batches whose push failed (lost; reported by the next Flush).",
+            stats.failed_gradient_pushes,
+        )
+        yield gauge(
+            "pending_gradient_batches",
+            "Gradient batches queued for the shards (at most forward_buffer_size).",
+            stats.pending_gradient_batches,
+        )
+        yield gauge(
+            "pending_forward_contexts",
+            "Train lookups whose Backward has not arrived yet.",
+            stats.pending_forward_contexts,
+        )
+
+
+class EmbeddingWorkerMetrics:
+    """The Prometheus metrics of one embedding worker, in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.latency = Histogram(
+            "recserve_worker_rpc_latency_seconds",
+            "Latency of EmbeddingWorker RPCs by method (server side; Dump/Load: whole stream).",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "recserve_worker_rpc_errors",
+            "Failed EmbeddingWorker RPCs by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
+
+    def watch_tier(self, tier: RemoteShardTier) -> None:
+        self.registry.register(_WorkerCollector(tier))
+
+
+# --------------------------------------------------------------------------- servicer
+class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
+    """gRPC front end of :class:`RemoteShardTier`: decode, call, encode (and time it)."""
+
+    def __init__(
+        self, tier: RemoteShardTier, *, metrics: EmbeddingWorkerMetrics | None = None
+    ) -> None:
         self.tier = tier
+        self.metrics = metrics or EmbeddingWorkerMetrics()
+        self.metrics.watch_tier(tier)
+
+    def _count_error(self, method: str, error: BaseException) -> None:
+        self.metrics.errors.labels(method, grpc_code_name_of(error)).inc()
 
     @rpc_errors
+    @_observed
     def Lookup(self, request: pb.WorkerLookupRequest, context) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
@@ -286,6 +567,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         return response
 
     @rpc_errors
+    @_observed
     def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
         stats = self.tier.backward(request.ref, unpack_grads(request.grads))
         return pb.BackwardResponse(
@@ -293,17 +575,20 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_errors
+    @_observed
     def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
         self.tier.flush()
         return pb.FlushResponse()
 
     @rpc_errors
+    @_observed
     def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.tier.configure(optimizer=optimizer, initialization=initialization)
         return pb.ConfigureResponse()
 
     @rpc_stream_errors
+    @_observed_stream
     def Dump(self, request: pb.WorkerDumpRequest, context) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerDumpRequest.directory must not be empty")
@@ -315,6 +600,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_stream_errors
+    @_observed_stream
     def Load(self, request: pb.WorkerLoadRequest, context) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerLoadRequest.directory must not be empty")
@@ -324,11 +610,13 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_errors
+    @_observed
     def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
         self.tier.clear()
         return pb.ClearResponse()
 
     @rpc_errors
+    @_observed
     def Status(self, request: pb.WorkerStatusRequest, context) -> pb.WorkerStatusResponse:
         status = self.tier.status()
         size = len(status.rows_per_shard)
@@ -336,15 +624,27 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             shards=list(self.tier.shard_addresses),
             shard_status=[
                 pb.ShardStatusResponse(
-                    replica_index=i, replica_size=size, rows=rows, capacity=capacity
+                    replica_index=i,
+                    replica_size=size,
+                    rows=rows,
+                    capacity=capacity,
+                    task=task,
+                    task_progress=task_progress,
                 )
-                for i, (rows, capacity) in enumerate(
-                    zip(status.rows_per_shard, status.capacity_per_shard)
+                for i, (rows, capacity, task, task_progress) in enumerate(
+                    zip(
+                        status.rows_per_shard,
+                        status.capacity_per_shard,
+                        status.shard_tasks,
+                        status.shard_task_progress,
+                    )
                 )
             ],
             pending_backward=status.pending_backward,
             pending_gradient_batches=status.pending_gradient_batches,
             nonfinite_rows_skipped=status.nonfinite_rows_skipped,
+            task=status.task,
+            task_progress=status.task_progress,
         )
 
 
@@ -386,23 +686,32 @@ def serve_embedding_worker(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    metrics_port: int | None = None,
     forward_buffer_size: int = 1000,
     shard_timeout: float = 10.0,
     startup_timeout: float = 60.0,
     grace_seconds: float = 5.0,
 ) -> int:
-    """Run the worker service until SIGTERM/SIGINT; returns the exit code (0 when drained)."""
+    """Run the worker service until SIGTERM/SIGINT; returns the exit code (0 when drained).
+
+    Prints ``embedding worker listening on HOST:PORT`` (flushed) once bound, preceded by
+    ``embedding worker metrics on http://HOST:M/metrics`` when ``metrics_port`` is given
+    (0: a free port); None serves no metrics.
+    """
     tier = RemoteShardTier(
         embedding_config,
         shard_addresses,
         forward_buffer_size=forward_buffer_size,
         shard_timeout=shard_timeout,
     )
+    metrics = EmbeddingWorkerMetrics()
     server = grpc.server(
         ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
         options=server_options(),
     )
-    pb_grpc.add_EmbeddingWorkerServicer_to_server(EmbeddingWorkerServicer(tier), server)
+    pb_grpc.add_EmbeddingWorkerServicer_to_server(
+        EmbeddingWorkerServicer(tier, metrics=metrics), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
@@ -415,12 +724,54 @@ def serve_embedding_worker(
         ),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise UnavailableError(f"cannot listen on {host}:{port}")
-    server.start()
-    print(f"embedding worker listening on {host}:{bound}", flush=True)
+    metrics_httpd = None
+    try:
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+            if bound == 0:
+                raise UnavailableError(f"cannot listen on {host}:{port}")
+            if metrics_port is not None:
+                metrics_httpd = _start_metrics_server(metrics, host, metrics_port)
+                print(
+                    f"embedding worker metrics on "
+                    f"http://{format_address(host, metrics_httpd.server_port)}/metrics",
+                    flush=True,
+                )
+            server.start()
+        except BaseException:
+            server.stop(0)
+            tier.close()
+            raise
+        print(f"embedding worker listening on {host}:{bound}", flush=True)
+        return _serve(
+            tier, server, health_servicer, shard_addresses, startup_timeout, grace_seconds
+        )
+    finally:
+        if metrics_httpd is not None:
+            metrics_httpd.shutdown()
+            metrics_httpd.server_close()
 
+
+def _start_metrics_server(metrics: EmbeddingWorkerMetrics, host: str, port: int):
+    """Serve ``metrics.registry`` on http://HOST:PORT/metrics (a thread); returns the server."""
+    try:
+        httpd, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
+    except OSError as error:
+        raise UnavailableError(
+            f"cannot serve metrics on {format_address(host, port)}: {error}"
+        ) from None
+    return httpd
+
+
+def _serve(
+    tier: RemoteShardTier,
+    server: grpc.Server,
+    health_servicer: health.HealthServicer,
+    shard_addresses: Sequence[str],
+    startup_timeout: float,
+    grace_seconds: float,
+) -> int:
+    """Wait for the shards, serve until SIGTERM/SIGINT, drain; returns the exit code."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -461,7 +812,9 @@ def serve_embedding_worker(
 
 __all__ = [
     "SERVICE_NAME",
+    "EmbeddingWorkerMetrics",
     "EmbeddingWorkerServicer",
     "RemoteShardTier",
+    "WorkerStats",
     "serve_embedding_worker",
 ]

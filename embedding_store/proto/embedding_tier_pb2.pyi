@@ -309,18 +309,22 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped")
+    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     PENDING_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     PENDING_GRADIENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_ROWS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_status: _containers.RepeatedCompositeFieldContainer[ShardStatusResponse]
     pending_backward: int
     pending_gradient_batches: int
     nonfinite_rows_skipped: int
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ...) -> None: ...
+    task: str
+    task_progress: float
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ()

@@ -364,6 +364,26 @@ def test_k8s_recserve_commands_and_wiring() -> None:
         "name": server_name,
     }
     assert server_name in by_kind("PodDisruptionBudget")
+    # Shards and workers are scraped (pod annotations) on the port they serve /metrics on,
+    # which their container and Service name "metrics" (the optional ServiceMonitor's port).
+    for (kind, name), workload in workloads.items():
+        if parsed[name].command not in ("embedding-parameter-server", "embedding-worker"):
+            continue
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", f"{kind}/{name}"
+        assert annotations["prometheus.io/port"] == str(parsed[name].metrics_port), name
+        (container,) = recserve_containers(workload)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == parsed[name].metrics_port, f"{kind}/{name}"
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        scraped = [
+            s
+            for s in services.values()
+            if s["spec"]["selector"].items() <= labels.items()
+            and s["metadata"]["labels"].get("recserve.io/metrics") == "true"
+        ]
+        assert any(p["name"] == "metrics" for s in scraped for p in s["spec"]["ports"]), name
+
     # Serving shards and workers report readiness through native gRPC probes.
     for name in ("ps", "embedding-worker"):
         workload = workloads.get(("StatefulSet", name)) or workloads[("Deployment", name)]
@@ -624,7 +644,7 @@ def test_procfile_embedding_tier_comes_up(tmp_path: Path) -> None:
     from examples.adult_income.preprocess import instances_to_batch
 
     health = load_healthcheck_module()
-    ps0, ps1, m0, m1, worker = free_ports(5)
+    ps0, ps1, m0, m1, worker, worker_metrics = free_ports(6)
     settings = _write_env(
         tmp_path / "tier.env",
         DEPLOY / ".env",
@@ -633,6 +653,7 @@ def test_procfile_embedding_tier_comes_up(tmp_path: Path) -> None:
         PS0_METRICS_PORT=m0,
         PS1_METRICS_PORT=m1,
         WORKER_PORT=worker,
+        WORKER_METRICS_PORT=worker_metrics,
     )
     log_path = tmp_path / "honcho.log"
     with honcho_start("Procfile", tmp_path / "tier.env", log_path) as process:
@@ -652,6 +673,8 @@ def test_procfile_embedding_tier_comes_up(tmp_path: Path) -> None:
                 f"metrics on {port}",
             )
             assert b"recserve_ps" in metrics
+        metrics = _http_get(f"http://127.0.0.1:{worker_metrics}/metrics") or b""
+        assert b"recserve_worker_lookups_total" in metrics, metrics[-2000:]
         config = load_embedding_config(REPO_ROOT / settings["RECSERVE_EMBEDDING_CONFIG"])
         tier = RemoteEmbeddingWorker(f"127.0.0.1:{worker}", config, timeout=30)
         try:
@@ -696,7 +719,7 @@ def test_procfile_serving_answers_predictions(tmp_path: Path) -> None:
     """deploy/Procfile.serving on a fresh checkpoint: Infer shards load its embeddings, the
     server comes up ready and answers a friendly-JSON prediction with a probability."""
     checkpoint = _train_adult(tmp_path / "adult")
-    ps0, ps1, m0, m1, worker, http, grpc_port = free_ports(7)
+    ps0, ps1, m0, m1, worker, worker_metrics, http, grpc_port = free_ports(8)
     _write_env(
         tmp_path / "serving.env",
         DEPLOY / ".env.serving",
@@ -707,6 +730,7 @@ def test_procfile_serving_answers_predictions(tmp_path: Path) -> None:
         PS0_METRICS_PORT=m0,
         PS1_METRICS_PORT=m1,
         WORKER_PORT=worker,
+        WORKER_METRICS_PORT=worker_metrics,
         HTTP_PORT=http,
         GRPC_PORT=grpc_port,
     )
@@ -734,7 +758,7 @@ def test_procfile_serving_answers_predictions(tmp_path: Path) -> None:
             assert rendered.common_config.infer_config.embedding_checkpoint == str(
                 checkpoint / "embeddings"
             )
-        for port in (m0, m1):
+        for port in (m0, m1, worker_metrics):  # shards and worker answered the lookups
             metrics = _http_get(f"http://127.0.0.1:{port}/metrics") or b""
             assert re.search(rb'method="Lookup"', metrics), metrics[-2000:]
         assert _http_get(f"{base}/metrics")

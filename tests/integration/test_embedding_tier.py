@@ -7,17 +7,25 @@ checkpoints on disk. Results are compared bit for bit with the in-process tier.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 import torch
 import yaml
+from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
@@ -345,5 +353,134 @@ def test_tier_admin_cli_dumps_with_progress_and_reports_status(
     )
     assert status.returncode == 0
     rows = remote.status().rows_per_shard
-    assert f"shard 0: {rows[0]} rows of 100000" in status.stdout
-    assert f"shard 1: {rows[1]} rows of 100000" in status.stdout
+    assert status.stdout.splitlines()[:3] == [
+        f"shard 0: {rows[0]} rows of 100000, idle",
+        f"shard 1: {rows[1]} rows of 100000, idle",
+        "worker: idle",
+    ]
+
+
+def test_worker_serves_reflection(cluster):
+    with grpc.insecure_channel(cluster.worker_addresses[0]) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert set(database.get_services()) == {
+            WORKER_SERVICE,
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
+        # The descriptors come over the wire too: a client needs no .proto file.
+        status = DescriptorPool(database).FindMessageTypeByName(
+            "recserve.embedding.v1.WorkerStatusResponse"
+        )
+        assert {"shard_status", "task", "task_progress"} <= set(status.fields_by_name)
+
+
+# --------------------------------------------------------------------------- metrics
+METRICS_LINE = re.compile(r"embedding worker metrics on (http://\S+/metrics)")
+
+
+def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """The /metrics text and its samples by (name, sorted labels); parsing checks the format."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return text, samples
+
+
+def test_worker_metrics_count_lookups_ids_and_gradients(cluster, config_files, tmp_path):
+    """A worker started with --metrics-port (0: a free port) over the cluster's shards:
+    exact counters after known lookups and gradients (one row NaN), and RPC histograms."""
+    embedding, global_config = config_files
+    log_path = tmp_path / "worker.log"
+    worker = ManagedProcess(
+        "metrics worker",
+        recserve_command(
+            "embedding-worker",
+            "--embedding-config",
+            str(embedding),
+            "--global-config",
+            str(global_config),
+            "--ps",
+            ",".join(cluster.ps_addresses),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ),
+        log_path,
+    )
+    worker.start(dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        address = worker.wait_for_address(60)
+        url = METRICS_LINE.search(log_path.read_text())[1]  # printed before "listening on"
+        # 3 + 3 + 5 = 11 IDs; unique rows: 6 of dim 8 (user and items share the feature
+        # group's prefix, their IDs differ), 3 of dim 4 (history keeps 3 positions: 5, 6, 7).
+        batch = Batch(
+            [
+                IDTypeFeatureWithSingleID("user", np.array([1, 2, 3], dtype=np.uint64)),
+                IDTypeFeature.from_lists("items", [[10, 11], [12], []]),
+                IDTypeFeature.from_lists("history", [[5, 6, 7, 8], [5], []]),
+            ],
+            requires_grad=False,
+        )
+        config = load_embedding_config(embedding)
+        with RemoteEmbeddingWorker(address, config, timeout=10) as client:
+            client.wait_for_serving(30)
+            client.configure(optimizer=OPTIMIZER)
+            client.clear()
+            assert client.lookup(batch, train=False).unknown_ids == 9
+            first = client.lookup(batch, train=True)
+            second = client.lookup(batch, train=True)
+            grads = {s.name: torch.ones(s.embeddings.shape) for s in first.slots}
+            grads["user"][0, 3] = float("nan")  # user ID 1's row: skipped, not pushed
+            client.backward(first.ref, grads)
+            client.backward(
+                second.ref, {s.name: torch.ones(s.embeddings.shape) for s in second.slots}
+            )
+            client.flush()
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as bad:
+            pb_grpc.EmbeddingWorkerStub(channel).Lookup(
+                pb.WorkerLookupRequest(batch=b"not a batch"), timeout=5
+            )
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        text, samples = scrape(url)
+        expected = {
+            ("recserve_worker_lookups_total", (("mode", "train"),)): 2,
+            ("recserve_worker_lookups_total", (("mode", "eval"),)): 1,
+            ("recserve_worker_ids_looked_up_total", (("mode", "train"),)): 22,
+            ("recserve_worker_ids_looked_up_total", (("mode", "eval"),)): 11,
+            ("recserve_worker_unknown_ids_total", ()): 9,
+            ("recserve_worker_gradient_batches_pushed_total", ()): 2,
+            ("recserve_worker_gradient_rows_pushed_total", ()): 8 + 9,
+            ("recserve_worker_nonfinite_gradient_rows_skipped_total", ()): 1,
+            ("recserve_worker_failed_gradient_pushes_total", ()): 0,
+            ("recserve_worker_pending_gradient_batches", ()): 0,
+            ("recserve_worker_pending_forward_contexts", ()): 0,
+            ("recserve_worker_rpc_latency_seconds_count", (("method", "Lookup"),)): 4,
+            ("recserve_worker_rpc_latency_seconds_count", (("method", "Backward"),)): 2,
+            ("recserve_worker_rpc_latency_seconds_count", (("method", "Flush"),)): 1,
+            (
+                "recserve_worker_rpc_errors_total",
+                (("code", "INVALID_ARGUMENT"), ("method", "Lookup")),
+            ): 1,
+        }
+        assert {key: samples.get(key) for key in expected} == expected
+        for method in ("Lookup", "Backward", "Flush", "Configure", "Clear"):
+            bucket = (
+                "recserve_worker_rpc_latency_seconds_bucket",
+                (("le", "+Inf"), ("method", method)),
+            )
+            assert samples[bucket] >= 1, method
+        if shutil.which("promtool"):
+            check = subprocess.run(
+                ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+            )
+            assert check.returncode == 0, check.stdout + check.stderr
+        assert worker.stop() == 0  # SIGTERM: drained, metrics server closed, exit 0
+    finally:
+        worker.stop(kill=True)

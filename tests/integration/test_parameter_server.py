@@ -7,6 +7,7 @@ prints and end it by PID (SIGTERM, SIGKILL as a fallback) in a ``finally``.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -36,6 +37,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_service import SERVICE_NAME
 from embedding_store.shard import EmbeddingShard
+from tests.integration.blocking_checkpoint import feed, replace_with_fifo
 
 CAPACITY = 64  # small: the lookups below evict, so the LRU must match bit for bit too
 OPTIMIZER = Adagrad(lr=0.05, initial_accumulator_value=0.1)
@@ -339,8 +341,13 @@ def test_health_reflection_metrics_and_malformed_requests(start_server):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     labels = '{replica="0",replicas="1"}'
-    assert values[f"recserve_ps_lookups_total{labels}"] == status.lookups == 2
-    assert values[f"recserve_ps_ids_looked_up_total{labels}"] == 30
+    train, eval_ = (f'{{mode="{mode}",replica="0",replicas="1"}}' for mode in ("train", "eval"))
+    assert values[f"recserve_ps_lookups_total{train}"] == 1
+    assert values[f"recserve_ps_lookups_total{eval_}"] == 1
+    assert status.lookups == 2
+    assert values[f"recserve_ps_ids_looked_up_total{train}"] == 10
+    assert values[f"recserve_ps_ids_looked_up_total{eval_}"] == 20
+    # the miss ratio the help text names: 10 of the 20 eval IDs were unknown
     assert values[f"recserve_ps_misses_total{labels}"] == status.misses == 10
     assert values[f"recserve_ps_evictions_total{labels}"] == 0
     assert values[f"recserve_ps_rows{labels}"] == 10
@@ -379,3 +386,151 @@ def test_killed_server_fails_fast_naming_the_address(start_server):
             remote.lookup(np.arange(4, dtype=np.uint64), 8, train=False)
         assert time.monotonic() - start < 3.5
         assert f"parameter server {server.address} (shard 1)" in failure.value.message
+
+
+def dump_tier(remotes: list[RemoteParameterServer], directory: Path, config_path: Path) -> None:
+    """What a worker does: every shard writes its part, then the manifest and DONE."""
+    entries, optimizer = [], None
+    for remote in remotes:
+        part, optimizer = remote.dump(str(directory))
+        entries += part
+    config = load_embedding_config(config_path)
+    checkpoint.finalize_checkpoint(directory, config, len(remotes), entries, optimizer)
+
+
+def train_rounds(remote: RemoteParameterServer, base: int, rounds: int = 3) -> None:
+    """Train lookups and updates of IDs ``base + [0, 40)`` at dims 8 and 4."""
+    rng = np.random.default_rng(base)
+    for _ in range(rounds):
+        for dim, prefix in ((8, 0), (4, 1 << 60)):
+            ids = (rng.integers(0, 40, size=30) + base + prefix).astype(np.uint64)
+            remote.lookup(ids, dim, train=True)
+            unique = np.unique(ids)
+            grads = rng.standard_normal((len(unique), dim)).astype(np.float32)
+            remote.update(unique, grads)
+
+
+def sorted_rows(remote: RemoteParameterServer) -> dict[int, tuple[np.ndarray, ...]]:
+    """Every row of a shard per dim, by ID: (ids, weight bits, state bits)."""
+    out = {}
+    for dim in (4, 8):
+        blocks = [b for b in remote.export_rows() if b.dim == dim]
+        ids = np.concatenate([b.ids for b in blocks])
+        order = np.argsort(ids)
+        weights = np.concatenate([b.weights for b in blocks])[order]
+        state = np.concatenate([b.state for b in blocks])[order]
+        out[dim] = (ids[order], bits(weights), bits(state))
+    return out
+
+
+def test_restarted_training_shard_reloads_its_part_of_the_tier_checkpoint(start_server, tmp_path):
+    """Two Train shards dump one tier checkpoint; shard 1 is SIGKILLed and restarted on the
+    same port with --load-checkpoint: it is NOT_SERVING while it loads, then serves exactly
+    its own rows and optimizer state again (optimizer adopted from the checkpoint)."""
+    servers = [start_server(name=f"ps{i}", replica=(i, 2)) for i in range(2)]
+    remotes = [
+        RemoteParameterServer(s.address, replica_index=i, timeout=5) for i, s in enumerate(servers)
+    ]
+    try:
+        for i, remote in enumerate(remotes):
+            remote.configure(OPTIMIZER, INITIALIZATION)
+            train_rounds(remote, base=1000 * i)
+        ckpt = tmp_path / "tier"
+        dump_tier(remotes, ckpt, tmp_path / "embedding_config.yml")
+        probe = {
+            dim: np.arange(990, 1050, dtype=np.uint64) + prefix
+            for dim, prefix in ((8, 0), (4, 1 << 60))
+        }
+        want_rows = sorted_rows(remotes[1])
+        want = {dim: bits(remotes[1].lookup(ids, dim, train=False)) for dim, ids in probe.items()}
+        assert want_rows[8][0].size > 0 and want_rows[4][0].size > 0
+    finally:
+        for remote in remotes:
+            remote.close()
+    # Hold the load in flight: shard 1's first file (dim 4) blocks until fed.
+    first = ckpt / "shard_00001" / "dim_4.safetensors"
+    payload = replace_with_fifo(first)
+
+    old = servers[1]
+    os.kill(old.pid, signal.SIGKILL)
+    assert old.process.wait(timeout=10) == -signal.SIGKILL
+    port = old.address.rsplit(":", 1)[1]
+    restarted = start_server(
+        name="ps1-restarted", replica=(1, 2), extra=("--port", port, "--load-checkpoint", str(ckpt))
+    )
+    assert restarted.address == old.address
+    with RemoteParameterServer(restarted.address, replica_index=1, timeout=5) as remote:
+        assert health_of(restarted.address, "") == "NOT_SERVING"
+        status = remote.status()
+        assert (status.task, status.serving, status.rows) == ("loading", False, 0)
+        with pytest.raises(UnavailableError, match="has not loaded its embedding checkpoint"):
+            remote.lookup(probe[8], 8, train=False)
+        feed(first, payload)
+        remote.wait_for_serving(START_TIMEOUT)  # no Configure: the checkpoint's optimizer
+        status = remote.status()
+        assert status.optimizer == OPTIMIZER.to_dict() and status.task == ""
+        assert status.rows == sum(ids.size for ids, _, _ in want_rows.values())
+        got_rows = sorted_rows(remote)
+        for dim in (4, 8):
+            for got, expected in zip(got_rows[dim], want_rows[dim]):
+                np.testing.assert_array_equal(got, expected)
+            np.testing.assert_array_equal(
+                bits(remote.lookup(probe[dim], dim, train=False)), want[dim]
+            )
+        # shard 0's IDs stay unknown here: only replica 1's part was loaded
+        assert remote.lookup_with_misses(probe[8][:10], 8, train=False)[1] == 10
+
+
+def test_sigterm_lets_an_in_flight_rpc_finish_and_refuses_new_ones(start_server, tmp_path):
+    server = start_server(name="drain", extra=("--grace-seconds", "60"))
+    ckpt = tmp_path / "ckpt"
+    with RemoteParameterServer(server.address, timeout=5) as remote:
+        remote.configure(OPTIMIZER, INITIALIZATION)
+        train_rounds(remote, base=0)
+        rows = remote.status().rows
+        dump_tier([remote], ckpt, tmp_path / "embedding_config.yml")
+    blocking = ckpt / checkpoint.read_manifest(ckpt).files[0].path
+    payload = replace_with_fifo(blocking)
+
+    loader = RemoteParameterServer(server.address, timeout=5)
+    outcome: list[object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(loader.load(str(ckpt), timeout=120))
+        except BaseException as error:  # reported by the assertions below
+            outcome.append(error)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        with RemoteParameterServer(server.address, timeout=5) as probe:
+            deadline = time.monotonic() + 30
+            while probe.status().task != "loading":  # the Load RPC is in flight
+                assert time.monotonic() < deadline, "the Load RPC never started"
+                time.sleep(0.02)
+            os.kill(server.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while True:  # until the server has stopped taking RPCs
+                try:
+                    assert probe.status().task == "loading"
+                except UnavailableError:
+                    break
+                assert time.monotonic() < deadline, "new RPCs were still accepted"
+                time.sleep(0.02)
+        with (
+            RemoteParameterServer(server.address, timeout=5) as late,
+            pytest.raises(UnavailableError),
+        ):
+            late.status()  # a new connection is refused too
+        assert thread.is_alive() and not outcome  # still blocked on the checkpoint file
+        assert server.process.poll() is None  # it waits for the RPC, within the grace period
+        fed = time.monotonic()
+        feed(blocking, payload)
+        thread.join(timeout=60)
+        assert outcome == [rows]
+        assert server.process.wait(timeout=30) == 0
+        assert time.monotonic() - fed < 30  # it exited once the RPC was done, not at grace end
+    finally:
+        loader.close()
+    assert "received SIGTERM" in server.log_path.read_text()

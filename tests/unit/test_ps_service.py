@@ -8,7 +8,9 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health, health_pb2
 
+from embedding_store import checkpoint
 from embedding_store.cli import main as cli_main
 from embedding_store.config import (
     EmbeddingConfig,
@@ -17,10 +19,15 @@ from embedding_store.config import (
     SlotConfig,
     global_config_from_mapping,
 )
-from embedding_store.errors import CapacityError, CheckpointError, InvalidArgumentError
+from embedding_store.errors import (
+    CapacityError,
+    CheckpointError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import MAX_MESSAGE_BYTES, pack_f32, pack_u64
 from embedding_store.initializer import InitializationConfig
-from embedding_store.optimizers import SGD, Adam
+from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_service import (
@@ -51,10 +58,12 @@ class FakeContext:
         return True
 
 
-def servicer(read_only: bool = False, **kwargs) -> ParameterServerServicer:
+def servicer(
+    read_only: bool = False, health_servicer: health.HealthServicer | None = None, **kwargs
+) -> ParameterServerServicer:
     shard = EmbeddingShard(100, read_only=read_only, **kwargs)
     job = JobType.INFER if read_only else JobType.TRAIN
-    return ParameterServerServicer(shard, CONFIG, job_type=job)
+    return ParameterServerServicer(shard, CONFIG, job_type=job, health_servicer=health_servicer)
 
 
 def aborted(method, request) -> AbortedError:
@@ -190,6 +199,10 @@ def test_options_are_validated():
             ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--grace-seconds", "x"],
             "expected a number",
         ),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--load-checkpoint", ""],
+            "expected a non-empty value",
+        ),
     ],
 )
 def test_cli_rejects_bad_flags(args, message, capsys):
@@ -227,6 +240,185 @@ def test_process_in_process_with_adam_and_failed_infer_load(tmp_path):
         while not failing.stop_requested and time.monotonic() < deadline:
             time.sleep(0.01)
         assert isinstance(failing.fatal_error, CheckpointError)
+        assert not failing.servicer.serving
+    finally:
+        failing.stop(grace=0)
+
+
+# --------------------------------------------------------------------------- progress
+ADAGRAD = Adagrad(lr=0.1, initial_accumulator_value=0.2)
+
+
+def trained(optimizer=ADAGRAD) -> ParameterServerServicer:
+    """A training servicer with 3 rows of dim 4 and 5 rows of dim 8 (updated once)."""
+    s = servicer(optimizer=optimizer, initialization=InitializationConfig(seed=5))
+    for ids, dim in ((np.arange(3, dtype=np.uint64), 4), (np.arange(100, 105, dtype=np.uint64), 8)):
+        s.shard.lookup(ids, dim, train=True)
+        grads = np.linspace(-1, 1, ids.shape[0] * dim, dtype=np.float32).reshape(-1, dim)
+        assert s.shard.update(ids, grads) == ids.shape[0]
+    return s
+
+
+def task_of(s: ParameterServerServicer) -> tuple[str, float]:
+    status = s.Status(pb.ShardStatusRequest(), FakeContext())
+    return status.task, status.task_progress
+
+
+def test_dump_and_load_report_their_progress_in_status(tmp_path):
+    source = trained()
+    seen = []
+
+    def hook(done: int, total: int) -> None:  # runs inside the task: Status shows it
+        seen.append((done, total, *task_of(source)))
+
+    entries = source.dump_part(str(tmp_path / "ckpt"), progress=hook)
+    # one file per dim, in dim order: 3 of 8 rows after dim 4, all 8 after dim 8
+    assert seen == [(3, 8, "dumping", 0.375), (8, 8, "dumping", 1.0)]
+    assert task_of(source) == ("", 0.0)
+    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+
+    target = servicer(optimizer=ADAGRAD)
+    seen.clear()
+    source = target  # the hook reads the loading shard's Status
+    assert target.load_checkpoint(str(tmp_path / "ckpt"), progress=hook) == 8
+    assert seen == [(3, 8, "loading", 0.375), (8, 8, "loading", 1.0)]
+    assert task_of(target) == ("", 0.0)
+
+
+def test_a_second_task_is_refused_while_one_runs(tmp_path):
+    s = trained()
+    refused = []
+
+    def hook(done: int, total: int) -> None:
+        with pytest.raises(UnavailableError, match="busy dumping") as failure:
+            s.dump_part(str(tmp_path / "other"))
+        refused.append(failure.value)
+
+    s.dump_part(str(tmp_path / "ckpt"), progress=hook)
+    assert len(refused) == 2 and task_of(s) == ("", 0.0)
+
+
+def test_expected_checkpoint_keeps_a_training_shard_not_serving_until_loaded(tmp_path):
+    source = trained()
+    entries = source.dump_part(str(tmp_path / "ckpt"))
+    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+
+    health_servicer = health.HealthServicer()
+    s = servicer(health_servicer=health_servicer)  # no optimizer: a restarted shard
+
+    def health_status() -> str:
+        request = health_pb2.HealthCheckRequest(service="")
+        answer = health_servicer.Check(request, FakeContext())
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+    s.expect_checkpoint()
+    ids = pack_u64(np.arange(3, dtype=np.uint64))
+    grads = pack_f32(np.ones((3, 4), np.float32))
+    for method, request in (
+        (s.Lookup, pb.LookupRequest(ids=ids, dim=4, train=True)),
+        (s.Lookup, pb.LookupRequest(ids=ids, dim=4)),
+        (s.Update, pb.UpdateRequest(ids=ids, grads=grads, dim=4)),
+        (s.Load, pb.ShardLoadRequest(directory=str(tmp_path / "ckpt"))),
+        (s.Dump, pb.ShardDumpRequest(directory=str(tmp_path / "other"))),
+    ):
+        assert aborted(method, request).code == grpc.StatusCode.UNAVAILABLE, method
+    block = RowBlock(
+        ids=np.arange(2, dtype=np.uint64), weights=np.ones((2, 4), np.float32), state=None
+    )
+    assert aborted(s.ImportRows, iter(row_chunks(block, 0))).code == grpc.StatusCode.UNAVAILABLE
+    assert not s.serving and health_status() == "NOT_SERVING"
+    assert task_of(s) == ("loading", 0.0) and s.shard.size() == 0
+
+    assert s.load_checkpoint(str(tmp_path / "ckpt"), expected=True, adopt_optimizer=True) == 8
+    assert s.serving and health_status() == "SERVING" and task_of(s) == ("", 0.0)
+    assert s.shard.optimizer == ADAGRAD  # adopted from the checkpoint, with its saved state
+    for dim in (4, 8):
+        want, got = source.shard.export_rows(dim), s.shard.export_rows(dim)
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.weights.view(np.uint32), want.weights.view(np.uint32))
+        np.testing.assert_array_equal(got.state.view(np.uint32), want.state.view(np.uint32))
+    answer = s.Lookup(pb.LookupRequest(ids=ids, dim=4), FakeContext())
+    np.testing.assert_array_equal(
+        np.frombuffer(answer.rows, np.float32).reshape(3, 4), source.shard.export_rows(4).weights
+    )
+
+
+def test_a_configured_optimizer_is_kept_and_another_ones_state_dropped(tmp_path):
+    source = trained()
+    entries = source.dump_part(str(tmp_path / "ckpt"))
+    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    s = servicer(optimizer=SGD(lr=0.5))
+    s.expect_checkpoint()
+    s.load_checkpoint(str(tmp_path / "ckpt"), expected=True, adopt_optimizer=True)
+    assert s.shard.optimizer == SGD(lr=0.5) and s.serving
+    np.testing.assert_array_equal(
+        s.shard.export_rows(8).weights, source.shard.export_rows(8).weights
+    )
+
+
+# --------------------------------------------------------------------------- metrics
+def test_metrics_split_lookups_by_mode_so_the_miss_ratio_can_be_computed():
+    s = servicer(optimizer=SGD())
+
+    def lookup(ids: list[int], train: bool) -> int:
+        request = pb.LookupRequest(ids=pack_u64(np.array(ids, np.uint64)), dim=4, train=train)
+        return s.Lookup(request, FakeContext()).misses
+
+    assert lookup(list(range(10)), train=True) == 0
+    assert lookup(list(range(5, 15)), train=False) == 5  # 10..14 unknown
+    assert lookup([0, 0, 100], train=False) == 1
+    assert lookup([20, 21, 22], train=True) == 0
+    registry = s.metrics.registry
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"replica": "0", "replicas": "1", **labels})
+
+    assert value("recserve_ps_lookups_total", mode="train") == 2
+    assert value("recserve_ps_lookups_total", mode="eval") == 2
+    assert value("recserve_ps_ids_looked_up_total", mode="train") == 13
+    assert value("recserve_ps_ids_looked_up_total", mode="eval") == 13
+    assert value("recserve_ps_misses_total") == 6
+    assert value("recserve_ps_rows") == 13
+    help_text = {m.name: m.documentation for m in registry.collect()}
+    assert 'recserve_ps_ids_looked_up_total{mode="eval"}' in help_text["recserve_ps_misses"]
+
+
+# --------------------------------------------------------------------------- load at start
+def test_load_checkpoint_option_is_only_for_training_shards():
+    with pytest.raises(InvalidArgumentError, match="load_checkpoint must be a non-empty path"):
+        ParameterServerOptions(load_checkpoint=" ")
+    infer = global_config_from_mapping({"common_config": {"job_type": "Infer"}})
+    with pytest.raises(InvalidArgumentError, match=r"load_checkpoint \('/ckpt'\) is for job_type"):
+        ParameterServerProcess(CONFIG, infer, ParameterServerOptions(load_checkpoint="/ckpt"))
+
+
+def test_training_process_loads_its_checkpoint_at_start(tmp_path):
+    source = trained()
+    entries = source.dump_part(str(tmp_path / "ckpt"))
+    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    options = ParameterServerOptions(port=0, load_checkpoint=str(tmp_path / "ckpt"))
+    process = ParameterServerProcess(CONFIG, GlobalConfig(), options)
+    process.start()
+    try:
+        with RemoteParameterServer(process.address, timeout=5) as client:
+            client.wait_for_serving(10)
+            status = client.status()
+            assert (status.rows, status.optimizer, status.task) == (8, ADAGRAD.to_dict(), "")
+            got = client.lookup(np.arange(100, 105, dtype=np.uint64), 8, train=False)
+            np.testing.assert_array_equal(got, source.shard.export_rows(8).weights)
+    finally:
+        process.stop(grace=0)
+
+    failing = ParameterServerProcess(
+        CONFIG, GlobalConfig(), ParameterServerOptions(port=0, load_checkpoint=str(tmp_path))
+    )
+    failing.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not failing.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(failing.fatal_error, CheckpointError)
+        assert "no DONE marker" in str(failing.fatal_error)
         assert not failing.servicer.serving
     finally:
         failing.stop(grace=0)

@@ -80,6 +80,19 @@ def test_eval_never_inserts_and_counts_misses() -> None:
     assert shard.stats().misses == 7
 
 
+def test_eval_lookups_are_counted_apart_from_train_lookups() -> None:
+    shard = EmbeddingShard(100, optimizer=SGD())
+    shard.lookup(u64(1, 2, 3), 4, train=True)
+    shard.lookup(u64(1, 9), 4, train=False)  # 9 unknown
+    offsets = np.array([0, 2], dtype=np.int64)
+    shard.lookup_pooled(u64(1, 2, 8, 8), 4, offsets)  # held table: the fused kernel; 8 unknown
+    shard.lookup_pooled(u64(1, 2), 6, offsets)  # no dim-6 table: the generic path
+    shard.lookup_pooled(u64(4, 5, 1), 4, offsets, train=True)
+    s = shard.stats()
+    assert (s.lookups, s.ids_looked_up) == (5, 3 + 2 + 4 + 2 + 3)
+    assert (s.eval_lookups, s.eval_ids_looked_up, s.misses) == (3, 2 + 4 + 2, 1 + 2 + 2)
+
+
 def test_admission_is_deterministic_and_near_p() -> None:
     config = InitializationConfig(admit_probability=0.25, seed=3)
     shard = EmbeddingShard(200_000, initialization=config)

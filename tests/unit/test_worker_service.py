@@ -1,0 +1,470 @@
+"""RemoteShardTier and its gRPC servicer over fake shard clients: the bounded gradient queue
+(backpressure, dead shards), checkpoint progress in Status, the dump failure path, metrics.
+
+The fakes stand in for ``RemoteParameterServer``: a real in-process :class:`EmbeddingShard`
+behind the client's methods, plus hooks that run first in ``update``/``dump``/``load`` so a
+test can hold a call (an Event) or fail it. Everything that waits is bounded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from embedding_store import checkpoint
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import NotFoundError, UnavailableError
+from embedding_store.optimizers import SGD
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.ps_client import ShardStatus
+from embedding_store.shard import EmbeddingShard
+from embedding_store.tier import TierStatus
+from embedding_store.worker_command import format_status
+from embedding_store.worker_service import EmbeddingWorkerServicer, RemoteShardTier
+from embedding_store.worker_wire import pack_grads
+
+DIM = 4
+CONFIG = embedding_config_from_mapping(
+    {"slots_config": {"user": {"dim": DIM}, "items": {"dim": DIM}}}
+)
+WAIT = 10.0  # upper bound of every wait on an event; tests pass long before
+
+
+class FakeShardClient:
+    """A ``RemoteParameterServer`` stand-in: a real shard, and hooks run before update, dump
+    and load (to hold or fail them). Like a parameter server, its status reports the task it
+    is busy with."""
+
+    def __init__(self, index: int, size: int) -> None:
+        self.index = index
+        self.address = f"fake-{index}:7000"
+        self.peer = f"parameter server {self.address} (shard {index})"
+        self.shard = EmbeddingShard(
+            1000, optimizer=SGD(lr=1.0), replica_index=index, replica_size=size
+        )
+        self.on_update: Callable[[], None] | None = None
+        self.on_dump: Callable[[], None] | None = None
+        self.on_load: Callable[[], None] | None = None
+        self.updates = 0
+        self.task = ""
+
+    @property
+    def last_misses(self) -> int:
+        return self.shard.last_misses
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        return self.shard.lookup(ids, dim, train=train)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        if self.on_update:
+            self.on_update()
+        self.updates += 1
+        return self.shard.update(ids, grads)
+
+    def configure(self, optimizer=None, initialization=None) -> None:
+        self.shard.configure(optimizer=optimizer, initialization=initialization)
+
+    def dump(self, directory: str):
+        self.task = "dumping"
+        try:
+            if self.on_dump:
+                self.on_dump()
+            entries = checkpoint.write_shard_part(self.shard, directory, self.index)
+        finally:
+            self.task = ""
+        return entries, self.shard.optimizer.to_dict()
+
+    def load(self, directory: str) -> int:
+        self.task = "loading"
+        try:
+            if self.on_load:
+                self.on_load()
+            checkpoint.load_into_shard(
+                directory,
+                self.shard,
+                CONFIG,
+                replica_index=self.shard.replica_index,
+                replica_size=self.shard.replica_size,
+            )
+        finally:
+            self.task = ""
+        return self.shard.size()
+
+    def clear(self) -> None:
+        self.shard.clear()
+
+    def status(self) -> ShardStatus:
+        stats = self.shard.stats()
+        return ShardStatus(
+            replica_index=self.shard.replica_index,
+            replica_size=self.shard.replica_size,
+            rows=stats.rows,
+            capacity=stats.capacity,
+            read_only=False,
+            job_type="Train",
+            optimizer_json="",
+            serving=True,
+            lookups=stats.lookups,
+            ids_looked_up=stats.ids_looked_up,
+            misses=stats.misses,
+            evictions=stats.evictions,
+            task=self.task,
+            task_progress=0.0,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class AbortedRpcError(Exception):
+    """What ``context.abort`` raises here (gRPC raises its own exception type)."""
+
+
+class FakeContext:
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise AbortedRpcError(code, details)
+
+    def is_active(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def make_tier() -> Iterator[Callable[..., tuple[RemoteShardTier, list[FakeShardClient]]]]:
+    """``make_tier(num_shards, forward_buffer_size) -> (tier, fakes)``; closed at teardown."""
+    tiers = []
+
+    def make(num_shards: int = 2, forward_buffer_size: int = 1000):
+        fakes = [FakeShardClient(i, num_shards) for i in range(num_shards)]
+        tier = RemoteShardTier(
+            CONFIG,
+            [fake.address for fake in fakes],
+            forward_buffer_size=forward_buffer_size,
+            connect=lambda address, index: fakes[index],
+        )
+        tiers.append((tier, fakes))
+        return tier, fakes
+
+    yield make
+    for tier, fakes in tiers:
+        for fake in fakes:  # nothing may stay held, or close() would wait for the pusher
+            fake.on_update = fake.on_dump = fake.on_load = None
+        tier.close()
+
+
+def user_batch(ids: list[int]) -> Batch:
+    return Batch([IDTypeFeatureWithSingleID.from_ids("user", ids)], requires_grad=False)
+
+
+def ones(n: int) -> dict[str, torch.Tensor]:
+    return {"user": torch.ones(n, DIM)}
+
+
+def held(entered: threading.Event, release: threading.Event) -> Callable[[], None]:
+    """A hook that signals ``entered`` and then waits (bounded) for ``release``."""
+
+    def hook() -> None:
+        entered.set()
+        if not release.wait(WAIT):
+            raise TimeoutError("the test never released this call")
+
+    return hook
+
+
+# --------------------------------------------------------------------------- gradient queue
+def test_a_full_gradient_buffer_blocks_backward_until_the_pusher_drains_it(make_tier):
+    tier, (shard,) = make_tier(num_shards=1, forward_buffer_size=2)
+    entered, release = threading.Event(), threading.Event()
+    shard.on_update = held(entered, release)
+
+    first = tier.lookup(user_batch([1, 2, 3]), train=True)
+    tier.backward(first.ref, ones(3))
+    assert entered.wait(WAIT)  # the pusher holds batch 1 inside the shard's update
+    for ids in ([4, 5], [6]):
+        result = tier.lookup(user_batch(ids), train=True)
+        tier.backward(result.ref, ones(len(ids)))
+    assert tier.pending_gradient_batches == 2  # the buffer is full
+    assert tier.status().pending_gradient_batches == 2
+    # The queued batches claimed their forward contexts: this lookup expires none of them.
+    last = tier.lookup(user_batch([7, 8]), train=True)
+    assert tier.worker.pending_backward == 1
+    assert tier.worker.expired_forward_contexts == 0
+
+    blocked = threading.Thread(target=tier.backward, args=(last.ref, ones(2)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "backward returned although the gradient buffer was full"
+    assert tier.pending_gradient_batches == 2
+
+    release.set()
+    blocked.join(WAIT)
+    assert not blocked.is_alive()
+    tier.flush()
+    assert tier.pending_gradient_batches == 0
+    stats = tier.stats()
+    assert (stats.gradient_batches_pushed, stats.gradient_rows_pushed) == (4, 8)
+    assert stats.failed_gradient_pushes == 0
+    assert shard.updates == 4
+    assert shard.shard.stats().updates == 8  # every row of the 4 batches reached the shard
+
+
+def test_pushes_to_a_dead_shard_fail_are_counted_and_drain_the_queue(make_tier):
+    tier, (shard,) = make_tier(num_shards=1, forward_buffer_size=2)
+
+    def dead() -> None:  # what RemoteParameterServer raises once the shard deadline passed
+        raise UnavailableError(f"{shard.peer} did not answer within the deadline")
+
+    shard.on_update = dead
+    for ids in ([1, 2], [3], [4, 5, 6], [7]):  # more batches than the buffer holds
+        result = tier.lookup(user_batch(ids), train=True)
+        tier.backward(result.ref, ones(len(ids)))  # failed pushes leave the queue: no hang
+    with pytest.raises(UnavailableError) as failure:
+        tier.flush()
+    assert failure.value.message == (
+        "4 gradient batch(es) could not be applied since the last flush; last error: "
+        "parameter server fake-0:7000 (shard 0) did not answer within the deadline"
+    )
+    assert tier.pending_gradient_batches == 0
+    stats = tier.stats()
+    assert (stats.failed_gradient_pushes, stats.gradient_batches_pushed) == (4, 0)
+    assert stats.gradient_rows_pushed == 0
+    tier.flush()  # failures are reported once
+
+    shard.on_update = None  # the shard is back: pushes go through again
+    result = tier.lookup(user_batch([1, 2]), train=True)
+    tier.backward(result.ref, ones(2))
+    tier.flush()
+    stats = tier.stats()
+    assert (stats.failed_gradient_pushes, stats.gradient_batches_pushed) == (4, 1)
+    assert stats.gradient_rows_pushed == 2
+
+
+def test_backward_of_an_unknown_ref_fails_at_once(make_tier):
+    tier, _ = make_tier(num_shards=1)
+    with pytest.raises(NotFoundError, match="no forward context 12345"):
+        tier.backward(12345, ones(1))
+    assert tier.pending_gradient_batches == 0
+    tier.flush()  # nothing was queued, nothing failed
+
+
+# --------------------------------------------------------------------------- Status progress
+def status_summary(servicer: EmbeddingWorkerServicer) -> tuple:
+    """(worker task, its progress, per-shard tasks) as the Status RPC answers them."""
+    status = servicer.Status(pb.WorkerStatusRequest(), FakeContext())
+    return status.task, status.task_progress, tuple(s.task for s in status.shard_status)
+
+
+def hold_all(fakes: list[FakeShardClient], hook: str) -> tuple[list, list]:
+    """Hold ``hook`` ("on_dump"/"on_load") of every fake: (entered events, release events)."""
+    entered = [threading.Event() for _ in fakes]
+    release = [threading.Event() for _ in fakes]
+    for fake, went_in, go in zip(fakes, entered, release):
+        setattr(fake, hook, held(went_in, go))
+    return entered, release
+
+
+# Status is asked from within the Progress stream: the worker records each step before it
+# sends it, and the fake shards are held where the test says, so every answer is exact.
+def test_status_reports_a_dump_while_it_runs_and_idle_after(make_tier, tmp_path):
+    tier, fakes = make_tier(num_shards=2)
+    servicer = EmbeddingWorkerServicer(tier)
+    tier.lookup(user_batch(list(range(20))), train=True)
+    assert status_summary(servicer) == ("", 0.0, ("", ""))
+    entered, release = hold_all(fakes, "on_dump")
+    seen = []
+    request = pb.WorkerDumpRequest(directory=str(tmp_path / "ckpt"))
+    for update in servicer.Dump(request, FakeContext()):
+        if (update.stage, update.done) == ("dump", 0):
+            assert all(event.wait(WAIT) for event in entered)  # both shards are writing
+            seen.append(status_summary(servicer))
+            release[0].set()  # shard 0 finishes; shard 1 stays busy
+        elif (update.stage, update.done) == ("dump", 1):
+            seen.append(status_summary(servicer))
+            release[1].set()
+        seen.append((update.stage, update.done, update.total))
+    assert seen == [
+        ("dumping", 0.0, ("dumping", "dumping")),
+        ("dump", 0, 2),
+        ("dumping", 0.5, ("", "dumping")),
+        ("dump", 1, 2),
+        ("dump", 2, 2),
+        ("done", 20, 20),
+    ]
+    assert status_summary(servicer) == ("", 0.0, ("", ""))
+
+
+def test_status_reports_a_load_while_it_runs_and_idle_after(make_tier, tmp_path):
+    tier, fakes = make_tier(num_shards=2)
+    servicer = EmbeddingWorkerServicer(tier)
+    tier.lookup(user_batch(list(range(20))), train=True)
+    tier.dump(tmp_path / "ckpt")
+    entered, release = hold_all(fakes, "on_load")
+    seen = []
+    request = pb.WorkerLoadRequest(directory=str(tmp_path / "ckpt"))
+    for update in servicer.Load(request, FakeContext()):
+        if (update.stage, update.done) == ("load", 0):
+            assert all(event.wait(WAIT) for event in entered)  # both shards are loading
+            seen.append(status_summary(servicer))
+            for event in release:
+                event.set()
+        seen.append((update.stage, update.done, update.total))
+    assert seen == [
+        ("loading", 0.0, ("loading", "loading")),
+        ("load", 0, 2),
+        ("load", 2, 2),  # same shard count: each shard loads its own part at once
+        ("done", 20, 20),
+    ]
+    assert status_summary(servicer) == ("", 0.0, ("", ""))
+
+
+def test_a_second_checkpoint_task_is_refused_while_one_runs(make_tier, tmp_path):
+    tier, fakes = make_tier(num_shards=2)
+    entered, release = threading.Event(), threading.Event()
+    fakes[0].on_dump = held(entered, release)
+    first = threading.Thread(target=tier.dump, args=(tmp_path / "a",))
+    first.start()
+    try:
+        assert entered.wait(WAIT)
+        with pytest.raises(UnavailableError, match="busy dumping a checkpoint; retry"):
+            tier.load(tmp_path / "a")
+    finally:
+        release.set()
+        first.join(WAIT)
+    assert (tmp_path / "a" / checkpoint.DONE_MARKER).exists()
+
+
+def test_format_status_shows_tasks_of_shards_and_worker():
+    status = TierStatus(
+        rows_per_shard=(5, 7),
+        capacity_per_shard=(10, 10),
+        pending_backward=0,
+        pending_gradient_batches=1,
+        nonfinite_rows_skipped=2,
+        shard_tasks=("dumping", ""),
+        shard_task_progress=(0.0, 0.0),
+        task="dumping",
+        task_progress=0.5,
+    )
+    assert format_status(status) == [
+        "shard 0: 5 rows of 10, dumping 0%",
+        "shard 1: 7 rows of 10, idle",
+        "worker: dumping 50%",
+        "pending backward: 0, pending gradient batches: 1, non-finite rows skipped: 2",
+    ]
+
+
+# --------------------------------------------------------------------------- dump failure
+def test_a_failed_shard_dump_publishes_nothing_and_names_the_shard(make_tier, tmp_path):
+    tier, fakes = make_tier(num_shards=2)
+    servicer = EmbeddingWorkerServicer(tier)
+    tier.lookup(user_batch(list(range(20))), train=True)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    target = root / "ckpt"
+    failed, release = threading.Event(), threading.Event()
+
+    def refuse() -> None:
+        failed.set()
+        raise UnavailableError(f"{fakes[0].peer} is unavailable: Socket closed")
+
+    fakes[0].on_dump = refuse
+    fakes[1].on_dump = held(threading.Event(), release)  # still writing when shard 0 fails
+    outcome: dict[str, BaseException] = {}
+
+    def dump() -> None:
+        try:
+            list(servicer.Dump(pb.WorkerDumpRequest(directory=str(target)), FakeContext()))
+        except AbortedRpcError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=dump)
+    thread.start()
+    assert failed.wait(WAIT)
+    thread.join(0.3)
+    assert thread.is_alive(), "the dump gave up before shard 1 finished writing"
+    release.set()
+    thread.join(WAIT)
+    code, details = outcome["error"].args
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert details == (
+        f"checkpoint {target} not written (no manifest, no done-marker): "
+        "parameter server fake-0:7000 (shard 0) is unavailable: Socket closed"
+    )
+    # No target, no manifest, no done-marker, and no staging directory left behind (shard 1's
+    # part, written after shard 0 failed, went with it).
+    assert list(root.iterdir()) == []
+    assert status_summary(servicer) == ("", 0.0, ("", ""))
+
+    fakes[0].on_dump = fakes[1].on_dump = None  # the shard is back: the same dump succeeds
+    manifest = tier.dump(target)
+    assert manifest.num_shards == 2 and manifest.total_rows == 20
+    assert (target / checkpoint.DONE_MARKER).exists()
+
+
+# --------------------------------------------------------------------------- metrics
+def test_metrics_count_lookups_ids_pushes_and_rpc_errors(make_tier):
+    tier, _ = make_tier(num_shards=2)
+    servicer = EmbeddingWorkerServicer(tier)
+    context = FakeContext()
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 2, 3]),
+            IDTypeFeature.from_lists("items", [[10, 11], [10], []]),
+        ],
+        requires_grad=False,
+    )
+    request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=False)
+    assert servicer.Lookup(request, context).unknown_ids == 5  # distinct IDs, all unknown
+    refs = [
+        servicer.Lookup(pb.WorkerLookupRequest(batch=batch.to_bytes(), train=True), context).ref
+        for _ in range(2)
+    ]
+    grads = {"user": torch.ones(3, DIM), "items": torch.ones(3, DIM)}
+    grads["user"][0, 1] = float("nan")  # ID 1's row gets a NaN: skipped, not pushed
+    for ref in refs:
+        backward = pb.BackwardRequest(ref=ref)
+        pack_grads(backward.grads, grads)
+        servicer.Backward(backward, context)
+        grads = {"user": torch.ones(3, DIM), "items": torch.ones(3, DIM)}
+    servicer.Flush(pb.FlushRequest(), context)
+    with pytest.raises(AbortedRpcError):
+        servicer.Lookup(pb.WorkerLookupRequest(batch=b"not a batch"), context)
+
+    text = generate_latest(servicer.metrics.registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("recserve_worker_lookups_total", mode="train") == 2
+    assert value("recserve_worker_lookups_total", mode="eval") == 1
+    assert value("recserve_worker_ids_looked_up_total", mode="train") == 12
+    assert value("recserve_worker_ids_looked_up_total", mode="eval") == 6
+    assert value("recserve_worker_unknown_ids_total") == 5
+    assert value("recserve_worker_gradient_batches_pushed_total") == 2
+    assert value("recserve_worker_gradient_rows_pushed_total") == 4 + 5
+    assert value("recserve_worker_nonfinite_gradient_rows_skipped_total") == 1
+    assert value("recserve_worker_failed_gradient_pushes_total") == 0
+    assert value("recserve_worker_pending_gradient_batches") == 0
+    assert value("recserve_worker_pending_forward_contexts") == 0
+    assert value("recserve_worker_rpc_latency_seconds_count", method="Lookup") == 4
+    assert value("recserve_worker_rpc_latency_seconds_count", method="Backward") == 2
+    assert value("recserve_worker_rpc_errors_total", method="Lookup", code="INVALID_ARGUMENT") == 1
+    if shutil.which("promtool"):
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
