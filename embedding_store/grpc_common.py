@@ -33,6 +33,11 @@ from embedding_store.errors import (
 
 log = logging.getLogger(__name__)
 
+#: Health-check service name that reports SERVING for as long as the process serves gRPC at
+#: all: for liveness probes. The overall service ("") is readiness: NOT_SERVING while a shard
+#: loads, waits for its optimizer, or drains on SIGTERM, none of which a restart would fix.
+LIVENESS_SERVICE = "recserve.liveness"
+
 #: Largest message either side accepts or sends; set explicitly on every channel and server.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

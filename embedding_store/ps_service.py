@@ -24,7 +24,6 @@ optimizer settings travel via :mod:`embedding_store.optimizer_wire`.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -51,10 +50,10 @@ from embedding_store.errors import (
     CapacityError,
     FailedPreconditionError,
     InvalidArgumentError,
-    RecserveError,
     UnavailableError,
 )
 from embedding_store.grpc_common import (
+    LIVENESS_SERVICE,
     MAX_MESSAGE_BYTES,
     pack_f32,
     pack_u64,
@@ -67,6 +66,7 @@ from embedding_store.grpc_common import (
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.rpc_metrics import LATENCY_BUCKETS, observed, observed_stream
 from embedding_store.shard import EmbeddingShard, RowBlock
 
 log = logging.getLogger(__name__)
@@ -77,24 +77,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 DEFAULT_ROWS_PER_CHUNK = 65_536
 #: Room left in a message for everything but the packed arrays.
 _MESSAGE_SLACK = 64 * 1024
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    120.0,
-)
 
 
 # --------------------------------------------------------------------------- wire conversions
@@ -248,7 +230,7 @@ class ParameterServerMetrics:
             "recserve_ps_rpc_latency_seconds",
             "Latency of ParameterServer RPCs by method (server side).",
             ["method"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.errors = Counter(
@@ -260,42 +242,6 @@ class ParameterServerMetrics:
 
     def watch_shard(self, shard: EmbeddingShard, serving: Callable[[], bool]) -> None:
         self.registry.register(_ShardCollector(shard, serving, self.labels))
-
-
-def _observed(method):
-    """Record latency and failures of a unary (or client-streaming) RPC method."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        start = time.perf_counter()
-        try:
-            return method(self, request, context)
-        except Exception as error:
-            self._count_error(name, error)
-            raise
-        finally:
-            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
-
-    return wrapper
-
-
-def _observed_stream(method):
-    """Like :func:`_observed` for server-streaming methods (the whole stream is timed)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        start = time.perf_counter()
-        try:
-            yield from method(self, request, context)
-        except Exception as error:
-            self._count_error(name, error)
-            raise
-        finally:
-            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
-
-    return wrapper
 
 
 # --------------------------------------------------------------------------- servicer
@@ -376,10 +322,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._shutting_down = True
         if self._health is not None:
             self._health.enter_graceful_shutdown()
-
-    def _count_error(self, method: str, error: BaseException) -> None:
-        code = error.grpc_code if isinstance(error, RecserveError) else "INTERNAL"
-        self.metrics.errors.labels(method, code).inc()
 
     def _begin_task(self, task: str) -> None:
         if not self._task_lock.acquire(blocking=False):
@@ -483,7 +425,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     # ------------------------------------------------------------------ RPCs
     @rpc_errors
-    @_observed
+    @observed
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         dim = _positive_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
@@ -499,7 +441,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.LookupResponse(rows=pack_f32(rows), misses=misses)
 
     @rpc_errors
-    @_observed
+    @observed
     def Update(self, request: pb.UpdateRequest, context) -> pb.UpdateResponse:
         dim = _positive_dim(request.dim, "UpdateRequest.dim")
         ids = decode_ids(request.ids, "UpdateRequest.ids")
@@ -509,7 +451,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))
 
     @rpc_errors
-    @_observed
+    @observed
     def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.shard.configure(optimizer=optimizer, initialization=initialization)
@@ -521,7 +463,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.ConfigureResponse()
 
     @rpc_errors
-    @_observed
+    @observed
     def Dump(self, request: pb.ShardDumpRequest, context) -> pb.ShardDumpResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardDumpRequest.directory must be a non-empty path")
@@ -532,14 +474,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
 
     @rpc_errors
-    @_observed
+    @observed
     def Load(self, request: pb.ShardLoadRequest, context) -> pb.ShardLoadResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardLoadRequest.directory must be a non-empty path")
         return pb.ShardLoadResponse(rows_loaded=self.load_checkpoint(request.directory))
 
     @rpc_stream_errors
-    @_observed_stream
+    @observed_stream
     def ExportRows(self, request: pb.ExportRowsRequest, context) -> Iterator[pb.RowChunk]:
         for dim in self.shard.dims():
             block = self.shard.export_rows(dim)
@@ -547,7 +489,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 yield from row_chunks(block, request.max_rows_per_chunk)
 
     @rpc_errors
-    @_observed
+    @observed
     def ImportRows(self, request_iterator: Iterable[pb.RowChunk], context):
         with self._state_lock:
             loading = self._task == "loading"
@@ -566,13 +508,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.ImportRowsResponse(rows_imported=imported)
 
     @rpc_errors
-    @_observed
+    @observed
     def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
         self.shard.clear()
         return pb.ClearResponse()
 
     @rpc_errors
-    @_observed
+    @observed
     def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusResponse:
         stats = self.shard.stats()
         with self._state_lock:
@@ -686,6 +628,7 @@ class ParameterServerProcess:
         self.shard = build_shard(global_config, self.options)
         self.metrics = ParameterServerMetrics(self.options.replica_index, self.options.replica_size)
         self.health = health.HealthServicer()
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.servicer = ParameterServerServicer(
             self.shard,
             embedding_config,

@@ -40,21 +40,21 @@ from embedding_store.errors import (
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
-    grpc_code_name_of,
 )
-from embedding_store.grpc_common import rpc_errors, rpc_stream_errors, server_options
+from embedding_store.grpc_common import (
+    LIVENESS_SERVICE,
+    rpc_errors,
+    rpc_stream_errors,
+    server_options,
+)
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
-from embedding_store.ps_service import (
-    _LATENCY_BUCKETS,
-    _observed,
-    _observed_stream,
-    format_address,
-)
+from embedding_store.ps_service import format_address
+from embedding_store.rpc_metrics import LATENCY_BUCKETS, observed, observed_stream
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
 from embedding_store.worker_wire import pack_slots, unpack_grads
@@ -529,7 +529,7 @@ class EmbeddingWorkerMetrics:
             "recserve_worker_rpc_latency_seconds",
             "Latency of EmbeddingWorker RPCs by method (server side; Dump/Load: whole stream).",
             ["method"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.errors = Counter(
@@ -554,11 +554,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         self.metrics = metrics or EmbeddingWorkerMetrics()
         self.metrics.watch_tier(tier)
 
-    def _count_error(self, method: str, error: BaseException) -> None:
-        self.metrics.errors.labels(method, grpc_code_name_of(error)).inc()
-
     @rpc_errors
-    @_observed
+    @observed
     def Lookup(self, request: pb.WorkerLookupRequest, context) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
@@ -567,7 +564,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         return response
 
     @rpc_errors
-    @_observed
+    @observed
     def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
         stats = self.tier.backward(request.ref, unpack_grads(request.grads))
         return pb.BackwardResponse(
@@ -575,20 +572,20 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_errors
-    @_observed
+    @observed
     def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
         self.tier.flush()
         return pb.FlushResponse()
 
     @rpc_errors
-    @_observed
+    @observed
     def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.tier.configure(optimizer=optimizer, initialization=initialization)
         return pb.ConfigureResponse()
 
     @rpc_stream_errors
-    @_observed_stream
+    @observed_stream
     def Dump(self, request: pb.WorkerDumpRequest, context) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerDumpRequest.directory must not be empty")
@@ -600,7 +597,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_stream_errors
-    @_observed_stream
+    @observed_stream
     def Load(self, request: pb.WorkerLoadRequest, context) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerLoadRequest.directory must not be empty")
@@ -610,13 +607,13 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
     @rpc_errors
-    @_observed
+    @observed
     def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
         self.tier.clear()
         return pb.ClearResponse()
 
     @rpc_errors
-    @_observed
+    @observed
     def Status(self, request: pb.WorkerStatusRequest, context) -> pb.WorkerStatusResponse:
         status = self.tier.status()
         size = len(status.rows_per_shard)
@@ -716,6 +713,7 @@ def serve_embedding_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (
             pb.DESCRIPTOR.services_by_name["EmbeddingWorker"].full_name,

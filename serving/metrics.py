@@ -8,21 +8,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
+from embedding_store.rpc_metrics import LATENCY_BUCKETS
+
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -44,25 +31,25 @@ class ServingMetrics:
             "recserve_request_latency_seconds",
             "Time from a request reaching the core to its answer.",
             ["protocol"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_latency = Histogram(
             "recserve_queue_latency_seconds",
             "Time a request waited for the dynamic batcher.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.compute_latency = Histogram(
             "recserve_compute_latency_seconds",
             "Dense model time per merged batch.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.lookup_latency = Histogram(
             "recserve_embedding_lookup_latency_seconds",
             "Embedding lookup time per merged batch.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(

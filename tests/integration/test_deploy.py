@@ -40,6 +40,7 @@ from embedding_store.config import (
     load_embedding_config,
     load_global_config,
 )
+from embedding_store.grpc_common import LIVENESS_SERVICE
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -389,6 +390,13 @@ def test_k8s_recserve_commands_and_wiring() -> None:
         workload = workloads.get(("StatefulSet", name)) or workloads[("Deployment", name)]
         (container,) = recserve_containers(workload)
         assert container["readinessProbe"]["grpc"]["port"] == parsed[name].port
+    # Every shard and worker is alive while its "recserve.liveness" health service answers
+    # (the overall service is readiness: NOT_SERVING while loading or unconfigured).
+    for name in ("ps", "ps-train", "embedding-worker", "embedding-worker-train"):
+        workload = workloads.get(("StatefulSet", name)) or workloads[("Deployment", name)]
+        (container,) = recserve_containers(workload)
+        probe = container["livenessProbe"]["grpc"]
+        assert (probe["port"], probe["service"]) == (parsed[name].port, LIVENESS_SERVICE), name
 
     # Training Job: indexed, one torchrun node per index, node 0 the rendezvous master.
     job = by_kind("Job")[trainer_name]

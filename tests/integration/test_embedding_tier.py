@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.grpc_common import LIVENESS_SERVICE
 from embedding_store.launcher import LocalCluster, ManagedProcess, recserve_command
 from embedding_store.optimizers import Adagrad
 from embedding_store.proto import embedding_tier_pb2 as pb
@@ -287,6 +288,9 @@ def test_worker_health_waits_for_its_shards(config_files, tmp_path):
                 health.Check(request, timeout=5).status
                 == health_pb2.HealthCheckResponse.NOT_SERVING
             )
+            # Waiting for its shard, the worker is not ready, but alive (liveness probes).
+            alive = health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE)
+            assert health.Check(alive, timeout=5).status == SERVING
             shard.start(env)
             shard.wait_for_address(30)
             deadline = time.monotonic() + 30

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from embedding_store import checkpoint
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import FailedPreconditionError, UnavailableError
+from embedding_store.grpc_common import LIVENESS_SERVICE
 from embedding_store.initializer import InitializationConfig
 from embedding_store.launcher import recserve_command
 from embedding_store.optimizers import Adagrad
@@ -285,6 +286,7 @@ def test_health_reflection_metrics_and_malformed_requests(start_server):
     address = server.address
     assert health_of(address, "") == "NOT_SERVING"
     assert health_of(address, SERVICE_NAME) == "NOT_SERVING"
+    assert health_of(address, LIVENESS_SERVICE) == "SERVING"  # alive, just not configured
     with RemoteParameterServer(address, timeout=5) as remote:
         with pytest.raises(UnavailableError, match="did not become SERVING"):
             remote.wait_for_serving(0.3)
