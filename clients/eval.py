@@ -495,7 +495,7 @@ class InProcessScorer:
         if not self._shards:
             return None
         stats = [shard.stats() for shard in self._shards]
-        return sum(s.ids_looked_up for s in stats), sum(s.misses for s in stats)
+        return sum(s.eval_ids_looked_up for s in stats), sum(s.misses for s in stats)
 
     def unknown_ids(self) -> dict[str, Any] | None:
         """IDs looked up and how many the checkpoint did not hold (default vectors)."""
