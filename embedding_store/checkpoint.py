@@ -349,6 +349,18 @@ def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> No
         )
 
 
+def count_rows_per_replica(manifest: EmbeddingManifest, replica_size: int) -> list[int]:
+    """Rows each of ``replica_size`` replicas owns in this checkpoint: int [replica_size].
+
+    Reads and verifies every file once, keeping only its IDs' owner counts, so at most one
+    file is in memory: a re-shard can check every shard's capacity before it changes any."""
+    counts = np.zeros(replica_size, dtype=np.int64)
+    for entry in manifest.files:
+        ids = _read_verified(manifest, entry)["ids"]
+        counts += np.bincount(shard_of(ids, replica_size), minlength=replica_size)
+    return [int(c) for c in counts]
+
+
 def read_rows_for_replica(
     manifest: EmbeddingManifest,
     replica_index: int,

@@ -366,8 +366,8 @@ class RemoteShardTier:
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
     ) -> checkpoint.EmbeddingManifest:
         """Same shard count: each shard loads its own files. Another count: the worker reads
-        the rows, re-shards them and streams each shard its part. UnavailableError while
-        another dump or load runs."""
+        the rows, re-shards them and streams each shard its part, one shard at a time (at most
+        one shard's rows in memory). UnavailableError while another dump or load runs."""
         self._begin_task("loading")
         try:
             return self._load(directory, progress=self._tracked(progress))
@@ -394,20 +394,22 @@ class RemoteShardTier:
             self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
             progress("load", total, total)
             return manifest
-        staged = []
-        for index, status in enumerate(statuses):
-            keep = _optimizer_name(status.optimizer_json)
-            blocks = checkpoint.read_rows_for_replica(manifest, index, total, keep_state_of=keep)
-            rows = sum(len(b.ids) for b in blocks)
+        # Re-shard with at most one shard's part (plus one file) in this process: count every
+        # shard's rows first (a verified pass over the files), refuse before changing any shard
+        # if one would overflow, then read, clear and fill the shards one at a time.
+        counts = checkpoint.count_rows_per_replica(manifest, total)
+        for index, (rows, status) in enumerate(zip(counts, statuses, strict=True)):
             if rows > status.capacity:
                 raise checkpoint.CheckpointError(
                     f"embedding checkpoint {target} gives shard {index} {rows} rows, more than "
                     f"its capacity {status.capacity}"
                 )
-            staged.append(blocks)
-        for index, (client, blocks) in enumerate(zip(self.clients, staged)):
+        for index, (client, status) in enumerate(zip(self.clients, statuses, strict=True)):
+            keep = _optimizer_name(status.optimizer_json)
+            blocks = checkpoint.read_rows_for_replica(manifest, index, total, keep_state_of=keep)
             client.clear()
             client.import_rows(blocks)
+            del blocks
             progress("load", index + 1, total)
         return manifest
 

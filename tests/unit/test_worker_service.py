@@ -56,6 +56,7 @@ class FakeShardClient:
         self.on_dump: Callable[[], None] | None = None
         self.on_load: Callable[[], None] | None = None
         self.updates = 0
+        self.clears = 0
         self.task = ""
 
     @property
@@ -101,7 +102,15 @@ class FakeShardClient:
         return self.shard.size()
 
     def clear(self) -> None:
+        self.clears += 1
         self.shard.clear()
+
+    def import_rows(self, blocks) -> int:
+        rows = 0
+        for block in blocks:
+            self.shard.import_rows(block)
+            rows += len(block.ids)
+        return rows
 
     def status(self) -> ShardStatus:
         stats = self.shard.stats()
@@ -468,3 +477,37 @@ def test_metrics_count_lookups_ids_pushes_and_rpc_errors(make_tier):
             ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
         )
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _trained_checkpoint(make_tier, directory, ids: list[int]) -> np.ndarray:
+    """Train rows for ``ids`` on a 2-shard tier, dump them; returns their eval rows."""
+    tier, _ = make_tier(2)
+    result = tier.lookup(user_batch(ids), train=True)
+    tier.backward(result.ref, ones(len(ids)))
+    tier.flush()
+    tier.dump(directory)
+    return tier.lookup(user_batch(ids), train=False).slots[0].embeddings.numpy()
+
+
+def test_reshard_load_gives_every_shard_its_rows(make_tier, tmp_path):
+    ids = list(range(40))
+    expected = _trained_checkpoint(make_tier, tmp_path / "ckpt", ids)
+    tier, fakes = make_tier(3)
+    manifest = tier.load(tmp_path / "ckpt")
+    assert checkpoint.count_rows_per_replica(manifest, 3) == [f.shard.size() for f in fakes]
+    assert sum(f.shard.size() for f in fakes) == 40
+    got = tier.lookup(user_batch(ids), train=False).slots[0].embeddings.numpy()
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_reshard_load_over_capacity_changes_no_shard(make_tier, tmp_path):
+    _trained_checkpoint(make_tier, tmp_path / "ckpt", list(range(40)))
+    tier, fakes = make_tier(3)
+    tier.lookup(user_batch([7]), train=True)  # rows the failed load must leave alone
+    small = EmbeddingShard(5, optimizer=SGD(lr=1.0), replica_index=2, replica_size=3)
+    fakes[2].shard = small  # too small for its ~13 rows of the checkpoint
+    rows_before = [f.shard.size() for f in fakes]
+    with pytest.raises(checkpoint.CheckpointError, match=r"shard 2 .* more than its capacity 5"):
+        tier.load(tmp_path / "ckpt")
+    assert [f.shard.size() for f in fakes] == rows_before
+    assert [f.clears for f in fakes] == [0, 0, 0]
