@@ -18,6 +18,11 @@ and the ratios recserve / TorchServe, the CPU each process group used (server, T
 locust; in cores), recserve's merged batch size and per-batch lookup/compute times from its
 ``/metrics``, and a prediction cross-check (the same request answered by both).
 
+With ``--ceiling-workers N`` (default 2; 0 skips it) every cell also measures
+benchmarks/ceiling_server.py: uvicorn with N processes answering the same requests with a fixed
+response and no work at all, under the same locust user. Its req/s bounds what any Python
+server on uvicorn can reach here, reported as a ratio to TorchServe next to recserve's.
+
 The load generator shares the machine with the servers; its own CPU use is in the report.
 Every process is started here and ended by PID; every run is bounded by ``--seconds``.
 """
@@ -376,6 +381,46 @@ class Measurement:
         return self.rps * self.batch
 
 
+@dataclass
+class CeilingServer:
+    """benchmarks/ceiling_server.py under uvicorn (``workers`` processes) on a free port."""
+
+    workers: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+    http: str = ""
+
+    def start(self, timeout: float = 60.0) -> CeilingServer:
+        port = free_port()
+        command = [
+            sys.executable, "-m", "uvicorn", "ceiling_server:app", "--app-dir",
+            str(Path(__file__).resolve().parent), "--host", "127.0.0.1", "--port", str(port),
+            "--workers", str(self.workers), "--no-access-log", "--log-level", "warning",
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.http = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ceiling server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                http_json(f"{self.http}/v2/models/model/infer", b"{}", timeout=2.0)
+                return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ceiling server did not answer within {timeout:g} s")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+
 def measure(
     *,
     label: str,
@@ -514,6 +559,25 @@ def report(
             f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {m.p99_ms} | "
             f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
         )
+    ceilings = [m for m in measurements if m.server == "ceiling"]
+    if ceilings:
+        lines += [
+            "",
+            "| model | batch | no-work ceiling req/s | ceiling / TorchServe | best recserve / "
+            "ceiling |",
+            "|---|---:|---:|---:|---:|",
+        ]
+    for c in ceilings:
+        peer = by_key.get((c.model, "torchserve", c.batch))
+        best = max(
+            (m.rps for m in measurements
+             if m.server.startswith("recserve:") and (m.model, m.batch) == (c.model, c.batch)),
+            default=None,
+        )  # fmt: skip
+        lines.append(
+            f"| {c.model} | {c.batch} | {c.rps:.0f} | {ratio(c.rps, peer.rps if peer else None)} "
+            f"| {ratio(best, c.rps)} |"
+        )
     lines += [
         "",
         "| model | batch | server | req/s | samples/s | p50 ms | p99 ms | failures | "
@@ -567,6 +631,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ts-batch-size", type=int, default=16)
     parser.add_argument("--ts-max-batch-delay-ms", type=int, default=5)
     parser.add_argument("--skip-torchserve", action="store_true")
+    parser.add_argument(
+        "--ceiling-workers",
+        type=int,
+        default=2,
+        help="uvicorn processes of the no-work ceiling server (0: skip it)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600:
         parser.error("bounded runs only: 1..512 users, at most 600 s per run")
@@ -600,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.ts_batch_size,
             "max_batch_delay_ms": args.ts_max_batch_delay_ms,
         },
+        "ceiling_workers": args.ceiling_workers,
         "checkpoints": {k: str(v) for k, v in checkpoints.items()},
     }
     torchserve: TorchServe | None = None
@@ -636,7 +707,12 @@ def main(argv: list[str] | None = None) -> int:
                 torchserve = None
         for name, checkpoint in checkpoints.items():
             servers: dict[str, ServeProcess] = {}
+            ceiling: CeilingServer | None = None
             try:
+                if args.ceiling_workers > 0:
+                    ceiling = CeilingServer(
+                        args.ceiling_workers, out / f"ceiling-{name}.log"
+                    ).start()
                 for variant, flags in variants.items():
                     servers[variant] = ServeProcess(
                         checkpoint,
@@ -688,6 +764,20 @@ def main(argv: list[str] | None = None) -> int:
                                 else server.http,
                             )
                         )
+                    if ceiling is not None:
+                        measurements.append(
+                            measure(
+                                label="ceiling",
+                                model=name,
+                                batch=batch,
+                                host=ceiling.http,
+                                user_class="KServeJsonUser",
+                                server_pid=ceiling.pid,
+                                env=env,
+                                args=args,
+                                out=out,
+                            )
+                        )
                     if torchserve is not None:
                         measurements.append(
                             measure(
@@ -705,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for server in servers.values():
                     server.stop()
+                if ceiling is not None:
+                    ceiling.stop()
     finally:
         if torchserve is not None:
             torchserve.stop()
