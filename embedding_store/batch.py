@@ -428,6 +428,17 @@ class IDTypeFeatureWithSingleID:
         self._values = _u64_array(self._name, values, "values")
 
     @classmethod
+    def trusted(cls, name: str, values: np.ndarray) -> IDTypeFeatureWithSingleID:
+        """Build without re-checking, for hot paths whose caller already guarantees what
+        ``__init__`` checks: ``name`` a valid feature name and ``values`` a read-only,
+        C-contiguous, native-order uint64 [batch] array (e.g. serving's request decoding,
+        whose names come from the model's signature)."""
+        feature = cls.__new__(cls)
+        feature._name = name
+        feature._values = values
+        return feature
+
+    @classmethod
     def from_ids(cls, name: str, ids: Sequence[int] | np.ndarray) -> IDTypeFeatureWithSingleID:
         """Build from one ID per sample: Python ints in ``[0, 2**64)`` or a uint64 array."""
         name = _check_name(name)

@@ -41,6 +41,15 @@ class FeatureSignature:
     non_id_features: tuple[NonIdFeatureSpec, ...]
     label_names: tuple[str, ...] = ()
 
+    def __hash__(self) -> int:
+        # Serving keys per-signature caches by the signature on every request; hashing 16-27
+        # nested specs costs ~7 us, so hash once (the fields are immutable).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.id_features, self.non_id_features, self.label_names))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @classmethod
     def from_batch(cls, batch: Batch) -> FeatureSignature:
         return cls(

@@ -45,6 +45,8 @@ UNKNOWN_IDS = "unknown_ids"
 _MAX_DIMS = 16
 _MAX_ELEMENTS = 1 << 40  # bound on the product of the non-zero dimensions
 _LITTLE: dict[str, np.dtype] = {n: d.newbyteorder("<") for n, d in KSERVE_DTYPES.items()}
+#: The native-byte-order twin of each wire dtype (what decoded arrays hold).
+_NATIVE: dict[np.dtype, np.dtype] = {d: d.newbyteorder("=") for d in _LITTLE.values()}
 _NAME_OF_DTYPE: dict[np.dtype, str] = {d: n for n, d in KSERVE_DTYPES.items()}
 _SUPPORTED = ", ".join(KSERVE_DTYPES)
 
@@ -116,15 +118,22 @@ def shape_of(name: str, shape: object) -> tuple[int, ...]:
             f"input {name!r}: 'shape' must be a list of at most {_MAX_DIMS} non-negative integers"
         )
     extent = 1
+    exact = True  # every dim a plain int (JSON's case): the tuple needs no conversion
     for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        if type(dim) is not int:
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise InvalidArgumentError(
+                    f"input {name!r}: shape {_shape_text(shape)} must hold non-negative integers"
+                )
+            exact = False
+        if dim < 0:
             raise InvalidArgumentError(
                 f"input {name!r}: shape {_shape_text(shape)} must hold non-negative integers"
             )
         extent *= max(dim, 1)
         if extent > _MAX_ELEMENTS:
             raise InvalidArgumentError(f"input {name!r}: shape {_shape_text(shape)} is too large")
-    return tuple(int(dim) for dim in shape)
+    return tuple(shape) if exact else tuple(int(dim) for dim in shape)
 
 
 def _shape_text(shape: Sequence[Any]) -> str:
@@ -154,8 +163,9 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
     count = math.prod(dims)
     if values.size != count:
         raise InvalidArgumentError(_count_mismatch(name, dims, values.size, "data"))
+    native = _NATIVE[dtype]
     if count == 0:
-        return np.zeros(dims, dtype=dtype.newbyteorder("="))
+        return np.zeros(dims, dtype=native)
     kind = values.dtype.kind
     if dtype.kind == "b":
         if kind != "b":
@@ -178,7 +188,8 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
                 )
     elif kind not in "iuf":
         raise InvalidArgumentError(f"input {name!r}: {datatype} data must be numbers")
-    return values.astype(dtype.newbyteorder("="), copy=False).reshape(dims)
+    values = values.astype(native, copy=False)
+    return values if values.shape == dims else values.reshape(dims)
 
 
 def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:

@@ -1,0 +1,97 @@
+"""serving.tensors.tensors_to_batch: request tensors -> a validated inference Batch.
+
+Single-ID inputs are converted together in one numpy pass when they agree on dtype and
+length; anything unusual falls back to the per-input checks, whose errors name the input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.errors import InvalidArgumentError
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from serving import tensors
+
+SIGNATURE = FeatureSignature(
+    id_features=(
+        IdFeatureSpec("user", True),
+        IdFeatureSpec("history", False),
+        IdFeatureSpec("item", True),
+        IdFeatureSpec("city", True),
+    ),
+    non_id_features=(NonIdFeatureSpec("dense", "float32", (2,)),),
+)
+
+
+def _inputs(**overrides: np.ndarray) -> dict[str, np.ndarray]:
+    inputs = {
+        "user": np.array([3, 2**40], np.int64),
+        "history": np.array([7, 8, 9], np.int64),
+        "history.lengths": np.array([1, 2], np.int64),
+        "item": np.array([0, 5], np.int64),
+        "city": np.array([11, 12], np.int64),
+        "dense": np.array([[0.5, 1.5], [2.5, 3.5]], np.float32),
+    }
+    inputs.update(overrides)
+    return inputs
+
+
+def _values(batch, name: str) -> list[int]:
+    return batch.id_feature(name).values.tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_single_id_inputs_become_read_only_uint64_features(dtype) -> None:
+    inputs = _inputs(**{n: _inputs()[n].astype(dtype) for n in ("user", "item", "city")})
+    batch = tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+    assert batch.batch_size == 2
+    assert [f.name for f in batch.id_type_features] == ["user", "history", "item", "city"]
+    assert _values(batch, "user") == [3, 2**40]
+    assert _values(batch, "item") == [0, 5]
+    assert _values(batch, "city") == [11, 12]
+    for name in ("user", "item", "city"):
+        feature = batch.id_feature(name)
+        assert isinstance(feature, IDTypeFeatureWithSingleID)
+        assert feature.values.dtype == np.uint64 and not feature.values.flags.writeable
+        assert feature.values.flags.c_contiguous
+    history = batch.id_feature("history")
+    assert isinstance(history, IDTypeFeature)
+    assert history.values.tolist() == [7, 8, 9] and history.lengths.tolist() == [1, 2]
+    inputs["user"][0] = 99  # the caller's arrays are not shared with the batch
+    assert _values(batch, "user")[0] == 3
+
+
+def test_mixed_id_dtypes_take_the_per_input_path() -> None:
+    inputs = _inputs(item=np.array([0, 2**63 + 1], np.uint64))
+    batch = tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+    assert _values(batch, "item") == [0, 2**63 + 1]
+    assert _values(batch, "user") == [3, 2**40]
+
+
+def test_a_negative_id_is_named_with_its_position() -> None:
+    inputs = _inputs(city=np.array([11, -4], np.int64))
+    with pytest.raises(
+        InvalidArgumentError, match=r"input 'city': IDs must be non-negative, got -4"
+    ):
+        tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+
+
+def test_single_id_inputs_of_different_lengths_are_named() -> None:
+    inputs = _inputs(item=np.array([0, 5, 6], np.int64))
+    with pytest.raises(InvalidArgumentError, match=r"input 'item' has batch size 3, but 'user'"):
+        tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+
+
+def test_float_ids_are_refused_naming_the_input() -> None:
+    inputs = _inputs(user=np.array([3.0, 4.0]))
+    with pytest.raises(InvalidArgumentError, match=r"input 'user': IDs must be INT64 or UINT64"):
+        tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+
+
+def test_signature_hash_is_stable_and_equal_for_equal_signatures() -> None:
+    twin = FeatureSignature(SIGNATURE.id_features, SIGNATURE.non_id_features)
+    assert twin == SIGNATURE and hash(twin) == hash(SIGNATURE) == hash(SIGNATURE)
+    other = FeatureSignature(SIGNATURE.id_features[:1], SIGNATURE.non_id_features)
+    assert other != SIGNATURE
