@@ -45,6 +45,42 @@ def _deadline(wait: float) -> DeadlineExceededError:
     return DeadlineExceededError(f"no answer within the request deadline of {wait:.3f} s")
 
 
+async def _awaited(future: Future, wait: float) -> BatchOutcome:
+    """The outcome of a batcher ``future`` awaited on the running loop, at most ``wait``
+    seconds (then DeadlineExceededError, and the future is cancelled).
+
+    A leaner bridge than ``asyncio.wait_for(asyncio.wrap_future(future), wait)``, which
+    costs ~10% of the event loop per batch-1 request: one loop future, one done-callback
+    that hands the outcome to the loop, one timer."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: Future) -> None:  # on the loop, after the batcher thread finished
+        if waiter.done():
+            return
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    def finished(done: Future) -> None:  # in the batcher thread
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, done)
+
+    def expire() -> None:
+        if not waiter.done():
+            waiter.set_exception(_deadline(wait))
+            future.cancel()
+
+    timer = loop.call_later(wait, expire)
+    future.add_done_callback(finished)
+    try:
+        return await waiter
+    finally:
+        timer.cancel()
+
+
 def _share(total: int, part: int, whole: int) -> int:
     """``total`` apportioned to ``part`` of ``whole`` (exact when part == whole)."""
     if part >= whole or whole == 0:
@@ -323,10 +359,7 @@ class PredictionService:
         request."""
         with self._recorded(protocol, name) as answered:
             batch, future, wait = self._begin(name, version, self._tensor_builder(inputs), timeout)
-            try:
-                result = await asyncio.wait_for(asyncio.wrap_future(future), wait)
-            except (TimeoutError, asyncio.TimeoutError):
-                raise _deadline(wait) from None
+            result = await _awaited(future, wait)
             answered.append(self._answer(batch, result))
         return answered[0]
 
