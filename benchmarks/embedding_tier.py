@@ -44,6 +44,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+
+# The workload of benchmarks/embedding_core.py: 26 slots, dim 16, 1M Zipf(1.05) IDs.
+from embedding_core import DIM, DISTINCT_IDS, NUM_SLOTS, VOCAB, zipf_ids
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
@@ -54,10 +57,6 @@ from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from embedding_store.worker_service import RemoteShardTier
 
-NUM_SLOTS = 26
-DIM = 16
-DISTINCT_IDS = 1_000_000
-VOCAB = DISTINCT_IDS // NUM_SLOTS
 NUM_SHARDS = 2
 CAPACITY = 1_000_000  # rows per shard; each holds ~500k
 BATCH_SIZES = (64, 1024)
@@ -66,15 +65,6 @@ PRELOAD_CHUNK = 8192  # samples per preload lookup (26 * 8192 IDs, ~13 MB answer
 MAX_CALLS = 200_000
 OPTIMIZER = Adagrad(lr=0.01)
 SLOT_NAMES = [f"slot_{i:02d}" for i in range(NUM_SLOTS)]
-
-
-def zipf_ids(rng: np.random.Generator, count: int, vocab: int) -> np.ndarray:
-    """Zipf(1.05)-distributed ranks in [0, vocab), scrambled so hot IDs are not adjacent."""
-    ranks = np.arange(1, vocab + 1, dtype=np.float64)
-    probabilities = ranks**-1.05
-    probabilities /= probabilities.sum()
-    permutation = rng.permutation(vocab)
-    return permutation[rng.choice(vocab, size=count, p=probabilities)].astype(np.uint64)
 
 
 def make_batches(rng: np.random.Generator, batch_size: int, count: int) -> list[Batch]:

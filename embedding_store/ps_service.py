@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -66,7 +66,7 @@ from embedding_store.grpc_common import (
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.rpc_metrics import LATENCY_BUCKETS, observed, observed_stream
+from embedding_store.rpc_metrics import observed, observed_stream, rpc_metrics
 from embedding_store.shard import EmbeddingShard, RowBlock
 
 log = logging.getLogger(__name__)
@@ -226,19 +226,7 @@ class ParameterServerMetrics:
     def __init__(self, replica_index: int, replica_size: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"replica": str(replica_index), "replicas": str(replica_size)}
-        self.latency = Histogram(
-            "recserve_ps_rpc_latency_seconds",
-            "Latency of ParameterServer RPCs by method (server side).",
-            ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "recserve_ps_rpc_errors",
-            "Failed ParameterServer RPCs by method and status code.",
-            ["method", "code"],
-            registry=self.registry,
-        )
+        self.latency, self.errors = rpc_metrics(self.registry, "recserve_ps", "ParameterServer")
 
     def watch_shard(self, shard: EmbeddingShard, serving: Callable[[], bool]) -> None:
         self.registry.register(_ShardCollector(shard, serving, self.labels))

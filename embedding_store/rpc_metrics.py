@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from embedding_store.errors import grpc_code_name_of
 
 #: Histogram buckets (seconds) of RPC latencies: sub-millisecond lookups up to long dumps.
@@ -33,6 +35,27 @@ LATENCY_BUCKETS = (
     30.0,
     120.0,
 )
+
+
+def rpc_metrics(
+    registry: CollectorRegistry, prefix: str, service: str, latency_note: str = "server side"
+) -> tuple[Histogram, Counter]:
+    """The two metrics :func:`observed` records: ``{prefix}_rpc_latency_seconds`` (Histogram
+    by method) and ``{prefix}_rpc_errors`` (Counter by method and status code name)."""
+    latency = Histogram(
+        f"{prefix}_rpc_latency_seconds",
+        f"Latency of {service} RPCs by method ({latency_note}).",
+        ["method"],
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+    errors = Counter(
+        f"{prefix}_rpc_errors",
+        f"Failed {service} RPCs by method and status code.",
+        ["method", "code"],
+        registry=registry,
+    )
+    return latency, errors
 
 
 def _count_error(servicer, method: str, error: BaseException) -> None:

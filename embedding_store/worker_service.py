@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -54,7 +54,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
 from embedding_store.ps_service import format_address
-from embedding_store.rpc_metrics import LATENCY_BUCKETS, observed, observed_stream
+from embedding_store.rpc_metrics import observed, observed_stream, rpc_metrics
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
 from embedding_store.worker_wire import pack_slots, unpack_grads
@@ -527,18 +527,11 @@ class EmbeddingWorkerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.latency = Histogram(
-            "recserve_worker_rpc_latency_seconds",
-            "Latency of EmbeddingWorker RPCs by method (server side; Dump/Load: whole stream).",
-            ["method"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "recserve_worker_rpc_errors",
-            "Failed EmbeddingWorker RPCs by method and status code.",
-            ["method", "code"],
-            registry=self.registry,
+        self.latency, self.errors = rpc_metrics(
+            self.registry,
+            "recserve_worker",
+            "EmbeddingWorker",
+            "server side; Dump/Load: whole stream",
         )
 
     def watch_tier(self, tier: RemoteShardTier) -> None:
