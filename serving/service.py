@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +33,7 @@ from embedding_store.errors import (
 from serving import tensors
 from serving.batcher import BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
+from serving.loop_batcher import LoopBatcher
 from serving.metrics import ServingMetrics
 from serving.model import LoadedModel
 
@@ -43,42 +45,6 @@ MAX_WAIT_SECONDS = 24 * 3600.0
 
 def _deadline(wait: float) -> DeadlineExceededError:
     return DeadlineExceededError(f"no answer within the request deadline of {wait:.3f} s")
-
-
-async def _awaited(future: Future, wait: float) -> BatchOutcome:
-    """The outcome of a batcher ``future`` awaited on the running loop, at most ``wait``
-    seconds (then DeadlineExceededError, and the future is cancelled).
-
-    A leaner bridge than ``asyncio.wait_for(asyncio.wrap_future(future), wait)``, which
-    costs ~10% of the event loop per batch-1 request: one loop future, one done-callback
-    that hands the outcome to the loop, one timer."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def settle(done: Future) -> None:  # on the loop, after the batcher thread finished
-        if waiter.done():
-            return
-        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-        if error is not None:
-            waiter.set_exception(error)
-        else:
-            waiter.set_result(done.result())
-
-    def finished(done: Future) -> None:  # in the batcher thread
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, done)
-
-    def expire() -> None:
-        if not waiter.done():
-            waiter.set_exception(_deadline(wait))
-            future.cancel()
-
-    timer = loop.call_later(wait, expire)
-    future.add_done_callback(finished)
-    try:
-        return await waiter
-    finally:
-        timer.cancel()
 
 
 def _share(total: int, part: int, whole: int) -> int:
@@ -116,14 +82,21 @@ class PredictionService:
         self._accepting = True
         self._reload_lock = threading.Lock()
         self.last_reload_error: str | None = None
+        # One model call at a time, whichever batcher (thread or event loop) makes it.
+        self._run_lock = threading.Lock()
         self._batcher = DynamicBatcher(
-            self._run,
+            self._run_locked,
             max_batch_size=max_batch_size,
             max_queue_delay=max_queue_delay,
             max_queue_size=max_queue_size,
-            on_batch=lambda size, _: self.metrics.batch_size.observe(size),
+            on_batch=self._observe_batch,
         )
-        self.metrics.track_pending(lambda: self._batcher.pending)
+        self._batch_limits = (max_batch_size, max_queue_delay, max_queue_size)
+        # Requests decoded on an event loop are batched on that loop (predict_async).
+        self._loop_batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBatcher] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.metrics.track_pending(lambda: self.pending)
         self.metrics.track_checkpoint(lambda: self._model.created_unix)
         self.metrics.set_model(self.name, model.version)
         self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
@@ -169,10 +142,23 @@ class PredictionService:
         """Readiness goes false (load balancers stop sending); queued work still finishes."""
         self._accepting = False
 
+    @property
+    def pending(self) -> int:
+        """Requests queued or being computed, in the thread batcher and on event loops."""
+        on_loops = sum(batcher.pending for batcher in list(self._loop_batchers.values()))
+        return self._batcher.pending + on_loops
+
     def drain(self, grace: float) -> bool:
         """Wait up to ``grace`` seconds for queued and running requests."""
         self.stop_accepting()
-        return self._batcher.drain(grace)
+        deadline = time.monotonic() + grace
+        if not self._batcher.drain(grace):
+            return False
+        while self.pending:  # requests batched on the HTTP loop finish there
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self) -> None:
         self._stop_checks.set()
@@ -210,6 +196,13 @@ class PredictionService:
         return self.ready()
 
     # ------------------------------------------------------------------ prediction
+    def _observe_batch(self, size: int, _started: float) -> None:
+        self.metrics.batch_size.observe(size)
+
+    def _run_locked(self, merged) -> tuple[np.ndarray, Any]:
+        with self._run_lock:
+            return self._run(merged)
+
     def _run(self, merged) -> tuple[np.ndarray, Any]:
         """Dispatcher thread: one lookup + one model call for a merged batch."""
         model = self._model  # the version that answers this whole merged batch
@@ -277,10 +270,10 @@ class PredictionService:
 
         return self._predict(name, None, build, protocol=protocol, timeout=timeout)
 
-    def _begin(
+    def _prepare(
         self, name: str, version: str | None, build: Callable[[LoadedModel], Batch], timeout
-    ) -> tuple[Batch, Future, float]:
-        """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s)."""
+    ) -> tuple[Batch, float]:
+        """Validate and build the batch: (batch, seconds it may wait)."""
         if not self._accepting:
             raise UnavailableError("the server is not ready (shutting down)")
         model = self._check_name(name, version)
@@ -288,8 +281,30 @@ class PredictionService:
         wait = timeout if timeout is not None else self.default_timeout
         # gRPC reports "no deadline" as ~1e10 s left, and clients may send huge timeouts:
         # clamp, or Future.result / lock waits overflow (OverflowError -> a 500).
-        wait = min(wait, MAX_WAIT_SECONDS)
+        return batch, min(wait, MAX_WAIT_SECONDS)
+
+    def _begin(
+        self, name: str, version: str | None, build: Callable[[LoadedModel], Batch], timeout
+    ) -> tuple[Batch, Future, float]:
+        """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s)."""
+        batch, wait = self._prepare(name, version, build, timeout)
         return batch, self._batcher.submit(batch, deadline=time.monotonic() + wait), wait
+
+    def _loop_batcher(self) -> LoopBatcher:
+        loop = asyncio.get_running_loop()
+        batcher = self._loop_batchers.get(loop)
+        if batcher is None:
+            max_batch_size, max_queue_delay, max_queue_size = self._batch_limits
+            batcher = LoopBatcher(
+                self._run,
+                max_batch_size=max_batch_size,
+                max_queue_delay=max_queue_delay,
+                max_queue_size=max_queue_size,
+                run_lock=self._run_lock,
+                on_batch=self._observe_batch,
+            )
+            self._loop_batchers[loop] = batcher
+        return batcher
 
     def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
         served_version, merged_fallback, merged_unknown, merged_ids = result.context
@@ -355,11 +370,13 @@ class PredictionService:
         timeout: float | None = None,
     ) -> Prediction:
         """:meth:`predict` for an event loop: validation runs on the caller's loop (cheap for
-        small requests), the wait for the batcher is awaited, so no thread sits blocked per
-        request."""
+        small requests) and the request is batched with the others of that loop and run
+        there (:class:`LoopBatcher`), with no thread hand-off. The deadline is checked when
+        its merged batch starts, at most ``max_queue_delay`` after it arrived."""
         with self._recorded(protocol, name) as answered:
-            batch, future, wait = self._begin(name, version, self._tensor_builder(inputs), timeout)
-            result = await _awaited(future, wait)
+            batch, wait = self._prepare(name, version, self._tensor_builder(inputs), timeout)
+            future = self._loop_batcher().submit(batch, deadline=time.monotonic() + wait)
+            result = await future
             answered.append(self._answer(batch, result))
         return answered[0]
 
