@@ -50,6 +50,12 @@ class FeatureSignature:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __getstate__(self) -> dict[str, Any]:
+        # str hashes differ between processes (hash randomization): never carry the cache.
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     @classmethod
     def from_batch(cls, batch: Batch) -> FeatureSignature:
         return cls(

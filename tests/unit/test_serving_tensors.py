@@ -6,6 +6,8 @@ length; anything unusual falls back to the per-input checks, whose errors name t
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -95,3 +97,7 @@ def test_signature_hash_is_stable_and_equal_for_equal_signatures() -> None:
     assert twin == SIGNATURE and hash(twin) == hash(SIGNATURE) == hash(SIGNATURE)
     other = FeatureSignature(SIGNATURE.id_features[:1], SIGNATURE.non_id_features)
     assert other != SIGNATURE
+    # The cached hash stays in this process: a copy or another process computes its own.
+    copied = pickle.loads(pickle.dumps(SIGNATURE))
+    assert copied == SIGNATURE and "_hash" not in copied.__dict__
+    assert hash(copied) == hash(SIGNATURE)
