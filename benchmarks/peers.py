@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import json
 import os
 import shlex
@@ -746,18 +747,17 @@ def main(argv: list[str] | None = None) -> int:
                     info.setdefault("cross_check", {})[name] = check
                     print(f"{name}: cross-check {check}", flush=True)
                 for batch in batches:
+                    # Every server of this cell: the same model, batch size, load and output.
+                    cell = functools.partial(
+                        measure, model=name, batch=batch, env=env, args=args, out=out
+                    )
                     for variant, server in servers.items():
                         measurements.append(
-                            measure(
+                            cell(
                                 label=f"recserve:{variant}",
-                                model=name,
-                                batch=batch,
                                 host=server.http,
                                 user_class="KServeJsonUser",
                                 server_pid=server.pid,
-                                env=env,
-                                args=args,
-                                out=out,
                                 # /metrics of one process only: skip with --workers > 1
                                 metrics_url=None
                                 if multi_process(variants[variant])
@@ -766,30 +766,20 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     if ceiling is not None:
                         measurements.append(
-                            measure(
+                            cell(
                                 label="ceiling",
-                                model=name,
-                                batch=batch,
                                 host=ceiling.http,
                                 user_class="KServeJsonUser",
                                 server_pid=ceiling.pid,
-                                env=env,
-                                args=args,
-                                out=out,
                             )
                         )
                     if torchserve is not None:
                         measurements.append(
-                            measure(
+                            cell(
                                 label="torchserve",
-                                model=name,
-                                batch=batch,
                                 host=torchserve.inference,
                                 user_class="TorchServeJsonUser",
                                 server_pid=torchserve.process.pid,
-                                env=env,
-                                args=args,
-                                out=out,
                             )
                         )
             finally:
