@@ -20,6 +20,7 @@ import uvicorn
 
 from embedding_store import model_checkpoint
 from embedding_store.errors import InvalidArgumentError, RecserveError
+from embedding_store.gc_tuning import freeze_long_lived_objects
 from serving.metrics import CONTENT_TYPE
 from serving.model import load_model
 from serving.service import PredictionService
@@ -104,7 +105,8 @@ class PredictionServer:
         import torch
 
         from serving.grpc_frontend import build_grpc_server
-        from serving.http_app import AdminHooks, InferFastPath, create_app
+        from serving.http_app import SMALL_BODY_BYTES, AdminHooks, InferFastPath, create_app
+        from serving.http_protocol import infer_protocol, protocol_is_supported
 
         torch.set_num_threads(self.options.threads)
         o = self.options
@@ -132,8 +134,16 @@ class PredictionServer:
             http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         http_socket.bind((o.host, o.http_port))
         self.http_port = http_socket.getsockname()[1]
+        fast_path = InferFastPath(app)
         config = uvicorn.Config(
-            InferFastPath(app), log_level="warning", access_log=False, lifespan="off"
+            fast_path,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            # Small infer requests skip the ASGI cycle (serving.http_protocol).
+            http=infer_protocol(fast_path.handler, SMALL_BODY_BYTES)
+            if protocol_is_supported()
+            else "auto",
         )
         self._uvicorn = uvicorn.Server(config)
         self._http_thread = threading.Thread(
@@ -147,6 +157,7 @@ class PredictionServer:
         deadline = time.monotonic() + 30
         while not self._uvicorn.started and time.monotonic() < deadline:
             time.sleep(0.01)
+        freeze_long_lived_objects()  # model, torch, apps: out of every later collection
         self._health.set_serving(True)
         if o.watch_seconds > 0:
             self._watcher = threading.Thread(target=self._watch, daemon=True)

@@ -30,6 +30,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
+from embedding_store.gc_tuning import freeze_long_lived_objects
 from serving import tensors
 from serving.batcher import BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
@@ -405,6 +406,9 @@ class PredictionService:
                 log.error("reload failed, still serving %s: %s", old.version, error.message)
                 raise
             self._model = new
+            # The new model lives as long as the old one did: keep it out of collections too
+            # (no collection first: that would stall every request for ~100 ms).
+            freeze_long_lived_objects(collect=False)
             self.metrics.set_model(self.name, new.version)
             self.metrics.reloads.labels("ok").inc()
             self.last_reload_error = None

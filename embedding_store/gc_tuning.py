@@ -1,0 +1,26 @@
+"""Keep Python's cyclic garbage collector off the long-lived objects of a server process.
+
+A serving or embedding process holds ~300k container objects that live as long as it does
+(torch's modules and the model among them). CPython's full collections traverse all of them:
+~100 ms each on the machines measured here, and under load a server's in-flight requests
+keep promoting enough survivors to run one about every second. Each stalls every request of
+the process for its whole length (the p99 of a batch-1 load went from ~9 ms to ~55-130 ms).
+``gc.freeze()`` moves the objects that exist once the process is set up into the permanent
+generation, which collections skip; reference counting still frees them.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_long_lived_objects(*, collect: bool = True) -> int:
+    """Exempt every object alive now from later collections (``gc.freeze``).
+
+    ``collect`` first frees the garbage of start-up (a ~100 ms full collection, so only at
+    start, not while serving). Returns how many objects are frozen now.
+    """
+    if collect:
+        gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -1,0 +1,259 @@
+"""serving.http_protocol on a real uvicorn server on loopback, over raw sockets.
+
+The infer handler answers with what it was given ({"via": "fast", ...}); the ASGI app behind
+it answers {"via": "asgi", ...}. So every test sees which path served a request, and that
+keep-alive, pipelining, HTTP/1.0, ``connection: close`` and disconnects behave as HTTP says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import uvicorn
+from starlette.responses import Response
+
+from serving.http_app import InferHandler
+from serving.http_protocol import infer_protocol
+
+FAST_LIMIT = 1024
+
+
+async def _handle(body: bytes, header_length: str | None, name: str, version: str | None):
+    if body == b"slow":
+        await asyncio.sleep(0.3)
+    if body == b"boom":
+        raise RuntimeError("a bug in the handler")
+    answer = {
+        "via": "fast",
+        "name": name,
+        "version": version,
+        "body": body.decode(),
+        "header_length": header_length,
+    }
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+async def _asgi_app(scope, receive, send) -> None:
+    body = b""
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    answer = orjson.dumps({"via": "asgi", "path": scope["path"], "body_bytes": len(body)})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, int]]:
+    handler = InferHandler(_handle, max_body_bytes=64 * 1024)
+    config = uvicorn.Config(
+        _asgi_app,
+        host="127.0.0.1",
+        port=0,
+        log_level="critical",
+        lifespan="off",
+        http=infer_protocol(handler, FAST_LIMIT),
+    )
+    instance = uvicorn.Server(config)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=instance.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not instance.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert instance.started
+    yield listener.getsockname()
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+def _request(path: str, body: bytes, *, version: str = "1.1", headers: dict | None = None) -> bytes:
+    lines = [f"POST {path} HTTP/{version}", "Host: test", f"Content-Length: {len(body)}"]
+    lines += [f"{key}: {value}" for key, value in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class _Connection:
+    """A raw HTTP/1.x client connection that reads Content-Length framed responses."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.socket = socket.create_connection(address, timeout=5)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.socket.sendall(data)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            self._read()
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in header_lines:
+            key, _, value = line.partition(":")
+            headers[key.strip().lower()] = value.strip()
+        length = int(headers["content-length"])
+        while len(self.buffer) < length:
+            self._read()
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return int(status_line.split()[1]), headers, body
+
+    def closed_by_server(self) -> bool:
+        try:
+            return self.socket.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def _read(self) -> None:
+        chunk = self.socket.recv(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        self.buffer += chunk
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def test_small_infer_requests_take_the_fast_path_on_one_keep_alive_connection(server):
+    connection = _Connection(server)
+    try:
+        for index in range(3):
+            connection.send(_request("/v2/models/adult/infer", b"body-%d" % index))
+            status, headers, body = connection.response()
+            assert status == 200
+            assert headers["content-type"] == "application/json"
+            assert "date" in headers and "connection" not in headers
+            assert json.loads(body) == {
+                "via": "fast",
+                "name": "adult",
+                "version": None,
+                "body": f"body-{index}",
+                "header_length": None,
+            }
+        connection.send(
+            _request(
+                "/v2/models/adult/versions/7/infer",
+                b"x",
+                headers={"Inference-Header-Content-Length": "1"},
+            )
+        )
+        assert json.loads(connection.response()[2]) == {
+            "via": "fast",
+            "name": "adult",
+            "version": "7",
+            "body": "x",
+            "header_length": "1",
+        }
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "expected_path"),
+    [
+        ("/v2/models/adult/infer", b"y" * (FAST_LIMIT + 1), {}, "/v2/models/adult/infer"),
+        ("/v2/models/adult/infer", gzip.compress(b"z"), {"Content-Encoding": "gzip"}, None),
+        ("/v2/models/adult/infer?x=1", b"q", {}, "/v2/models/adult/infer"),
+        ("/v2/models/a%20b/infer", b"q", {}, "/v2/models/a b/infer"),
+        ("/v2/models/adult/ready", b"", {}, "/v2/models/adult/ready"),
+        ("/v1/models/adult:predict", b"{}", {}, "/v1/models/adult:predict"),
+    ],
+    ids=["over-limit", "gzip", "query", "escaped", "other-route", "friendly-route"],
+)
+def test_everything_else_goes_through_the_asgi_app(server, path, body, headers, expected_path):
+    connection = _Connection(server)
+    try:
+        connection.send(_request(path, body, headers=headers))
+        status, _, answer = connection.response()
+        document = json.loads(answer)
+        assert status == 200
+        assert document["via"] == "asgi"
+        assert document["body_bytes"] == len(body)
+        assert document["path"] == (expected_path or path)
+    finally:
+        connection.close()
+
+
+def test_chunked_bodies_go_through_the_asgi_app(server):
+    connection = _Connection(server)
+    try:
+        connection.send(
+            b"POST /v2/models/adult/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3\r\nabc\r\n0\r\n\r\n"
+        )
+        status, _, answer = connection.response()
+        assert status == 200
+        assert json.loads(answer)["via"] == "asgi"
+    finally:
+        connection.close()
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    connection = _Connection(server)
+    try:
+        connection.send(
+            _request("/v2/models/adult/infer", b"slow")  # answered after 0.3 s
+            + _request("/v2/models/adult/infer", b"second")
+            + _request("/v2/health/ready", b"")
+        )
+        answers = [json.loads(connection.response()[2]) for _ in range(3)]
+        assert answers[0]["via"] == "fast" and answers[0]["body"] == "slow"
+        # The pipelined infer request waited behind the first, so the ASGI path took it.
+        assert answers[1] == {"via": "asgi", "path": "/v2/models/adult/infer", "body_bytes": 6}
+        assert answers[2] == {"via": "asgi", "path": "/v2/health/ready", "body_bytes": 0}
+    finally:
+        connection.close()
+
+
+def test_http_1_0_and_connection_close_answer_then_close(server):
+    for version, headers in (("1.0", {}), ("1.1", {"Connection": "close"})):
+        connection = _Connection(server)
+        try:
+            connection.send(
+                _request("/v2/models/adult/infer", b"bye", version=version, headers=headers)
+            )
+            status, response_headers, answer = connection.response()
+            assert status == 200
+            assert response_headers["connection"] == "close"
+            assert json.loads(answer)["via"] == "fast"
+            assert connection.closed_by_server()
+        finally:
+            connection.close()
+
+
+def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server):
+    connection = _Connection(server)
+    try:
+        connection.send(_request("/v2/models/adult/infer", b"boom"))
+        status, _, answer = connection.response()
+        assert status == 500
+        assert json.loads(answer) == {"error": "internal error (details are in the server log)"}
+        connection.send(_request("/v2/models/adult/infer", b"after"))
+        assert json.loads(connection.response()[2])["body"] == "after"
+    finally:
+        connection.close()
+
+
+def test_a_client_gone_mid_request_leaves_the_server_serving(server):
+    gone = _Connection(server)
+    gone.send(_request("/v2/models/adult/infer", b"slow"))
+    gone.close()
+    time.sleep(0.4)  # the slow answer finds its connection closed
+    connection = _Connection(server)
+    try:
+        connection.send(_request("/v2/models/adult/infer", b"still"))
+        assert json.loads(connection.response()[2])["body"] == "still"
+    finally:
+        connection.close()
