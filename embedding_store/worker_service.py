@@ -41,6 +41,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
+from embedding_store.gc_tuning import freeze_long_lived_objects
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     rpc_errors,
@@ -735,6 +736,7 @@ def serve_embedding_worker(
             server.stop(0)
             tier.close()
             raise
+        freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
         print(f"embedding worker listening on {host}:{bound}", flush=True)
         return _serve(
             tier, server, health_servicer, shard_addresses, startup_timeout, grace_seconds
