@@ -5,7 +5,8 @@ request options), call the core once, and turn the :class:`~serving.core.Predict
 the wire format the request used. Everything here is vectorized: JSON bodies are parsed once by
 orjson and each tensor becomes an array in one ``np.asarray`` call; binary tensors (the HTTP
 binary extension, gRPC ``raw_input_contents``) are zero-copy ``np.frombuffer`` views, so decoded
-arrays may be read-only.
+arrays may be read-only. Plain JSON bodies keep their tensors as parsed (:class:`JsonTensors`,
+converted on first touch) so that serving/tensors.py can build the batch from the raw JSON.
 
 Formats handled:
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,7 @@ class InferRequest:
     ``raw`` says a gRPC request used ``raw_input_contents`` (so outputs go back raw too).
     """
 
-    inputs: dict[str, np.ndarray]
+    inputs: Mapping[str, np.ndarray]  # a dict, or JsonTensors for plain JSON HTTP bodies
     id: str = ""
     parameters: dict[str, Any] | None = None
     outputs: tuple[RequestedOutput, ...] | None = None
@@ -205,6 +206,90 @@ def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:
             f"input {name!r}: UINT64 data must be integers within its range"
         ) from None
     return exact
+
+
+class JsonTensors(Mapping[str, np.ndarray]):
+    """The inputs of a plain JSON infer body, converted to arrays only when first touched.
+
+    A read-only mapping {input name: array} that keeps each raw JSON tensor object
+    (``{"name", "datatype", "shape", "data"}`` as orjson parsed it) instead of converting it in
+    :func:`decode_http_request`. Serving's :func:`serving.tensors.tensors_to_batch` reads the
+    raw objects (:attr:`raw_entries`) and builds the batch of 16-27 features in a few numpy
+    calls instead of one conversion per input, never touching the mapping itself.
+
+    Any other use (``[]``, ``get``, ``in``, ``len``, iteration, ``keys``/``items``/``values``,
+    ``==``) first converts every input with :func:`array_from_json` in request order
+    (:meth:`materialize`, once; the arrays are cached) and then behaves exactly like the dict
+    of arrays the eager decoder returned: same order, keys and arrays. A malformed tensor
+    therefore raises the eager decoder's first error, from that first touch instead of from
+    :func:`decode_http_request`.
+    """
+
+    __slots__ = ("_arrays", "_entries")
+
+    def __init__(self, entries: dict[str, dict[str, Any]]) -> None:
+        """``entries``: {name: raw JSON tensor object} in request order, names unique, each
+        object a dict holding ``"data"``. Taken over, not copied: the caller must not modify
+        it (nor the objects)."""
+        self._entries = entries
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    @property
+    def raw_entries(self) -> Mapping[str, dict[str, Any]]:
+        """{name: raw JSON tensor object}, in request order. Read it, never modify it."""
+        return self._entries
+
+    def _converted(self) -> dict[str, np.ndarray]:
+        arrays = self._arrays
+        if arrays is None:
+            # In request order, so the first malformed tensor raises, as in the eager decoder.
+            arrays = {
+                name: array_from_json(
+                    name, tensor.get("datatype"), tensor.get("shape"), tensor["data"]
+                )
+                for name, tensor in self._entries.items()
+            }
+            self._arrays = arrays
+        return arrays
+
+    def materialize(self) -> dict[str, np.ndarray]:
+        """A new dict of every input converted, in request order: what the eager decoder
+        returned (arrays are shared with this mapping's cache). The first malformed tensor
+        (in request order) raises, as in the eager decoder."""
+        return dict(self._converted())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._converted()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._converted())
+
+    def __len__(self) -> int:
+        return len(self._converted())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._converted()
+
+    def __repr__(self) -> str:
+        return f"JsonTensors({list(self._entries)})"
+
+
+def _plain_json_inputs(raw_inputs: list[Any]) -> JsonTensors | None:
+    """The inputs of a body without binary tensors as :class:`JsonTensors`, or None unless
+    every input is a JSON object with a str ``name`` (unique), ``data`` and no ``parameters``
+    (then the eager loop of :func:`decode_http_request` runs and raises what it always did)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for tensor in raw_inputs:
+        # Exact types: orjson builds dict and str; anything else takes the eager loop.
+        if type(tensor) is not dict or "data" not in tensor or "parameters" in tensor:
+            return None
+        name = tensor.get("name")
+        if type(name) is not str:
+            return None
+        entries[name] = tensor
+    if len(entries) != len(raw_inputs):
+        return None  # a name given twice
+    return JsonTensors(entries)
 
 
 def array_from_bytes(
@@ -364,8 +449,13 @@ def decode_http_request(body: bytes, header_length: object = None) -> InferReque
     """A KServe v2 REST infer body (JSON, or JSON + binary tensors) -> :class:`InferRequest`.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header value, if any.
+
+    A plain JSON body (no binary tensors; every input an object with a unique ``name``,
+    ``data`` and no ``parameters``) gets its inputs as a lazy :class:`JsonTensors`: a malformed
+    tensor then raises when it is looked up, not here. Every other body is decoded eagerly
+    into a dict of arrays.
     """
-    json_size = _header_length(header_length, len(body))
+    json_size = None if header_length is None else _header_length(header_length, len(body))
     view = memoryview(body)
     header = parse_json(view[:json_size] if json_size is not None else body)
     if not isinstance(header, dict):
@@ -378,6 +468,25 @@ def decode_http_request(body: bytes, header_length: object = None) -> InferReque
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgumentError("'inputs' must be a non-empty list of tensors")
+    lazy = _plain_json_inputs(raw_inputs) if json_size is None else None
+    if lazy is not None:
+        try:
+            outputs = header.get("outputs")
+            if outputs is not None:
+                outputs = _requested_outputs_json(outputs)
+            timeout = _request_timeout(parameters) if parameters else None
+        except InvalidArgumentError:
+            # The eager decoder converted every input before reading these: its error first.
+            lazy.materialize()
+            raise
+        return InferRequest(
+            inputs=lazy,
+            id=request_id,
+            parameters=parameters,
+            outputs=outputs,
+            binary_output=binary_output,
+            timeout=timeout,
+        )
     offset = json_size if json_size is not None else len(body)
     inputs: dict[str, np.ndarray] = {}
     for position, tensor in enumerate(raw_inputs):
