@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from embedding_store.gc_tuning import freeze_long_lived_objects
+from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
 
 
 class _Node:
@@ -25,5 +25,21 @@ def test_freeze_frees_startup_garbage_then_freezes_what_lives() -> None:
         assert frozen == gc.get_freeze_count() >= len(long_lived)
         later = [[index] for index in range(10)]
         assert freeze_long_lived_objects(collect=False) >= frozen + len(later)
+    finally:
+        gc.unfreeze()
+
+
+def test_released_frozen_cycles_are_freed_by_collect_released_objects() -> None:
+    gc.unfreeze()
+    try:
+        replaced = _Node()  # a replaced model: frozen while it served, then dropped
+        replaced_ref = weakref.ref(replaced)
+        freeze_long_lived_objects()
+        del replaced
+        gc.collect()
+        assert replaced_ref() is not None  # frozen cycles survive ordinary collections
+        assert collect_released_objects() >= 1
+        assert replaced_ref() is None
+        assert gc.get_freeze_count() > 0  # what still lives is frozen again
     finally:
         gc.unfreeze()
