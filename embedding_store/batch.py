@@ -839,6 +839,11 @@ class Batch:
         """Number of samples (>= 1)."""
         return self._batch_size
 
+    @cached_property
+    def num_ids(self) -> int:
+        """IDs over every ID-type feature and sample (what a lookup resolves)."""
+        return sum(feature.num_ids for feature in self._ids)
+
     @property
     def id_type_features(self) -> tuple[IDFeature, ...]:
         """ID-type features in the order given."""

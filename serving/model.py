@@ -110,7 +110,7 @@ class LoadedModel:
             if self.fallback_policy != "default":
                 raise
             log.warning("embedding lookup failed; answering with default (zero) vectors")
-            return self.default_lookup(batch), sum(len(f.values) for f in batch.id_type_features)
+            return self.default_lookup(batch), batch.num_ids
 
     def default_lookup(self, batch: Batch) -> LookupResult:
         """Zero vectors for every slot (the fallback when the tier cannot answer in time)."""

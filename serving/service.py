@@ -80,6 +80,9 @@ class PredictionService:
         self.max_request_batch_size = max_request_batch_size
         self.default_timeout = default_timeout
         self.metrics = metrics or ServingMetrics()
+        # Labelled metric children by label values: labels() costs ~1 us a call, per request.
+        self._request_counters: dict[tuple[str, str, str, str], Any] = {}
+        self._request_latencies: dict[str, Any] = {}
         self._accepting = True
         self._reload_lock = threading.Lock()
         self.last_reload_error: str | None = None
@@ -210,10 +213,10 @@ class PredictionService:
         output = model.infer(merged)
         self.metrics.lookup_latency.observe(output.lookup_seconds)
         self.metrics.compute_latency.observe(output.compute_seconds)
-        self.metrics.ids.inc(sum(len(f.values) for f in merged.id_type_features))
+        ids = merged.num_ids
+        self.metrics.ids.inc(ids)
         self.metrics.unknown_ids.inc(output.unknown_ids)
         self.metrics.fallback_ids.inc(output.fallback_ids)
-        ids = sum(len(f.values) for f in merged.id_type_features)
         return output.predictions, (model.version, output.fallback_ids, output.unknown_ids, ids)
 
     def predict(
@@ -310,7 +313,7 @@ class PredictionService:
     def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
         served_version, merged_fallback, merged_unknown, merged_ids = result.context
         self.metrics.queue_latency.observe(result.queue_seconds)
-        own_ids = sum(len(f.values) for f in batch.id_type_features)
+        own_ids = batch.num_ids
         return Prediction(
             outputs={tensors.OUTPUT_NAME: result.predictions},
             model_name=self.name,
@@ -323,8 +326,17 @@ class PredictionService:
         )
 
     def _record(self, protocol: str, name: str, version: str, outcome: str, started: float):
-        self.metrics.requests.labels(protocol, name, version, outcome).inc()
-        self.metrics.request_latency.labels(protocol).observe(time.perf_counter() - started)
+        key = (protocol, name, version, outcome)
+        counter = self._request_counters.get(key)
+        if counter is None:  # a race only looks the same child up twice
+            counter = self._request_counters[key] = self.metrics.requests.labels(*key)
+        counter.inc()
+        latency = self._request_latencies.get(protocol)
+        if latency is None:
+            latency = self._request_latencies[protocol] = self.metrics.request_latency.labels(
+                protocol
+            )
+        latency.observe(time.perf_counter() - started)
 
     @contextlib.contextmanager
     def _recorded(self, protocol: str, name: str) -> Iterator[list[Prediction]]:
@@ -374,12 +386,22 @@ class PredictionService:
         small requests) and the request is batched with the others of that loop and run
         there (:class:`LoopBatcher`), with no thread hand-off. The deadline is checked when
         its merged batch starts, at most ``max_queue_delay`` after it arrived."""
-        with self._recorded(protocol, name) as answered:
+        # What _recorded does, inline: a generator context manager per request costs ~2 us.
+        started = time.perf_counter()
+        outcome = "error"
+        served: str | None = None
+        try:
             batch, wait = self._prepare(name, version, self._tensor_builder(inputs), timeout)
             future = self._loop_batcher().submit(batch, deadline=time.monotonic() + wait)
-            result = await future
-            answered.append(self._answer(batch, result))
-        return answered[0]
+            prediction = self._answer(batch, await future)
+            served = prediction.model_version
+            outcome = "ok"
+            return prediction
+        except RecserveError as error:
+            outcome = type(error).__name__
+            raise
+        finally:
+            self._record(protocol, name, served or self._model.version, outcome, started)
 
     # ------------------------------------------------------------------ hot reload
     def reload(self, checkpoint_dir: str | None = None) -> dict[str, Any]:
