@@ -125,10 +125,15 @@ class _Connection:
     def close(self) -> None:
         self.socket.close()
 
+    def __enter__(self) -> _Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def test_small_infer_requests_take_the_fast_path_on_one_keep_alive_connection(server):
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         for index in range(3):
             connection.send(_request("/v2/models/adult/infer", b"body-%d" % index))
             status, headers, body = connection.response()
@@ -156,8 +161,6 @@ def test_small_infer_requests_take_the_fast_path_on_one_keep_alive_connection(se
             "body": "x",
             "header_length": "1",
         }
-    finally:
-        connection.close()
 
 
 @pytest.mark.parametrize(
@@ -173,8 +176,7 @@ def test_small_infer_requests_take_the_fast_path_on_one_keep_alive_connection(se
     ids=["over-limit", "gzip", "query", "escaped", "other-route", "friendly-route"],
 )
 def test_everything_else_goes_through_the_asgi_app(server, path, body, headers, expected_path):
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         connection.send(_request(path, body, headers=headers))
         status, _, answer = connection.response()
         document = json.loads(answer)
@@ -182,13 +184,10 @@ def test_everything_else_goes_through_the_asgi_app(server, path, body, headers, 
         assert document["via"] == "asgi"
         assert document["body_bytes"] == len(body)
         assert document["path"] == (expected_path or path)
-    finally:
-        connection.close()
 
 
 def test_chunked_bodies_go_through_the_asgi_app(server):
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         connection.send(
             b"POST /v2/models/adult/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"3\r\nabc\r\n0\r\n\r\n"
@@ -196,13 +195,10 @@ def test_chunked_bodies_go_through_the_asgi_app(server):
         status, _, answer = connection.response()
         assert status == 200
         assert json.loads(answer)["via"] == "asgi"
-    finally:
-        connection.close()
 
 
 def test_pipelined_requests_are_answered_in_order(server):
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         connection.send(
             _request("/v2/models/adult/infer", b"slow")  # answered after 0.3 s
             + _request("/v2/models/adult/infer", b"second")
@@ -213,14 +209,11 @@ def test_pipelined_requests_are_answered_in_order(server):
         # The pipelined infer request waited behind the first, so the ASGI path took it.
         assert answers[1] == {"via": "asgi", "path": "/v2/models/adult/infer", "body_bytes": 6}
         assert answers[2] == {"via": "asgi", "path": "/v2/health/ready", "body_bytes": 0}
-    finally:
-        connection.close()
 
 
 def test_http_1_0_and_connection_close_answer_then_close(server):
     for version, headers in (("1.0", {}), ("1.1", {"Connection": "close"})):
-        connection = _Connection(server)
-        try:
+        with _Connection(server) as connection:
             connection.send(
                 _request("/v2/models/adult/infer", b"bye", version=version, headers=headers)
             )
@@ -229,21 +222,16 @@ def test_http_1_0_and_connection_close_answer_then_close(server):
             assert response_headers["connection"] == "close"
             assert json.loads(answer)["via"] == "fast"
             assert connection.closed_by_server()
-        finally:
-            connection.close()
 
 
 def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server):
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         connection.send(_request("/v2/models/adult/infer", b"boom"))
         status, _, answer = connection.response()
         assert status == 500
         assert json.loads(answer) == {"error": "internal error (details are in the server log)"}
         connection.send(_request("/v2/models/adult/infer", b"after"))
         assert json.loads(connection.response()[2])["body"] == "after"
-    finally:
-        connection.close()
 
 
 def test_a_client_gone_mid_request_leaves_the_server_serving(server):
@@ -251,9 +239,6 @@ def test_a_client_gone_mid_request_leaves_the_server_serving(server):
     gone.send(_request("/v2/models/adult/infer", b"slow"))
     gone.close()
     time.sleep(0.4)  # the slow answer finds its connection closed
-    connection = _Connection(server)
-    try:
+    with _Connection(server) as connection:
         connection.send(_request("/v2/models/adult/infer", b"still"))
         assert json.loads(connection.response()[2])["body"] == "still"
-    finally:
-        connection.close()
