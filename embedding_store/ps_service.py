@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from embedding_store import checkpoint
+from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     CapacityError,
@@ -261,10 +262,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # two stats() reads makes the per-call delta exact (the shard's own lock serializes
         # lookups anyway).
         self._lookup_lock = threading.Lock()
-        self._task_lock = threading.Lock()
-        self._state_lock = threading.Lock()
-        self._task = ""
-        self._task_progress = 0.0
+        self._checkpoint_task = CheckpointTask("parameter server")
         self._loaded = False
         # Set by expect_checkpoint(): a training shard started with a checkpoint to load serves
         # (and answers lookups and updates) only once that load finished.
@@ -312,27 +310,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if self._health is not None:
             self._health.enter_graceful_shutdown()
 
-    def _begin_task(self, task: str) -> None:
-        if not self._task_lock.acquire(blocking=False):
-            raise UnavailableError(
-                f"the parameter server is busy {self._task} a checkpoint; retry when it is done"
-            )
-        with self._state_lock:
-            self._task, self._task_progress = task, 0.0
-
-    def _end_task(self) -> None:
-        with self._state_lock:
-            self._task, self._task_progress = "", 0.0
-        self._task_lock.release()
-
     def _progress(self, hook: checkpoint.ProgressHook | None) -> checkpoint.ProgressHook:
         """A checkpoint progress hook that stores ``done / total`` (capped to [0, 1]) as the
         running task's progress for Status, then calls ``hook`` (if any)."""
 
         def report(done: int, total: int) -> None:
-            fraction = 1.0 if total <= 0 else min(1.0, done / total)
-            with self._state_lock:
-                self._task_progress = fraction
+            self._checkpoint_task.set_progress(done, total)
             if hook is not None:
                 hook(done, total)
 
@@ -343,7 +326,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         typically on another thread, before the server starts: from now until it succeeds the
         shard is NOT_SERVING, lookups and updates are UNAVAILABLE, Status reports the task
         ``"loading"``, and Load/Dump RPCs are refused as busy."""
-        self._begin_task("loading")
+        self._checkpoint_task.begin("loading")
         self._checkpoint_expected = True
         self._refresh_health()
 
@@ -363,7 +346,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         rows_total)`` is called after each file, once Status shows the new progress.
         """
         if not expected:
-            self._begin_task("loading")
+            self._checkpoint_task.begin("loading")
         try:
             checkpoint.load_into_shard(
                 directory,
@@ -376,7 +359,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             )
             self._loaded = True
         finally:
-            self._end_task()
+            self._checkpoint_task.end()
         self._refresh_health()
         rows = self.shard.size()
         log.info("loaded %d rows from embedding checkpoint %s", rows, directory)
@@ -390,7 +373,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ``progress(rows_written, rows_total)`` is called after each file (one per dim), once
         Status shows the new progress.
         """
-        self._begin_task("dumping")
+        self._checkpoint_task.begin("dumping")
         try:
             entries = checkpoint.write_shard_part(
                 self.shard,
@@ -399,7 +382,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 progress=self._progress(progress),
             )
         finally:
-            self._end_task()
+            self._checkpoint_task.end()
         log.info(
             "dumped %d rows in %d files into %s",
             sum(e.rows for e in entries),
@@ -480,8 +463,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @rpc_errors
     @observed
     def ImportRows(self, request_iterator: Iterable[pb.RowChunk], context):
-        with self._state_lock:
-            loading = self._task == "loading"
+        loading = self._checkpoint_task.state()[0] == "loading"
         if loading:  # the load replaces every row: imported ones would be lost
             raise UnavailableError(
                 "the parameter server is busy loading a checkpoint; retry when it is done"
@@ -506,8 +488,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @observed
     def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusResponse:
         stats = self.shard.stats()
-        with self._state_lock:
-            task, progress = self._task, self._task_progress
+        task, progress = self._checkpoint_task.state()
         return pb.ShardStatusResponse(
             replica_index=self.shard.replica_index,
             replica_size=self.shard.replica_size,

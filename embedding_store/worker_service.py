@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from embedding_store import checkpoint
 from embedding_store.batch import Batch
+from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     InvalidArgumentError,
@@ -156,10 +157,7 @@ class RemoteShardTier:
         self._failed_pushes = 0  # since the last flush
         self._last_push_error: str | None = None
         # The checkpoint task run through this tier ("", "dumping", "loading") and its progress.
-        self._task_lock = threading.Lock()
-        self._state_lock = threading.Lock()
-        self._task = ""
-        self._task_progress = 0.0
+        self._checkpoint_task = CheckpointTask("embedding worker")
         self._pusher = threading.Thread(target=self._push_loop, name="gradient-pusher", daemon=True)
         self._pusher.start()
 
@@ -277,28 +275,12 @@ class RemoteShardTier:
         self.flush()
         self._each(lambda c: c.clear())
 
-    def _begin_task(self, task: str) -> None:
-        if not self._task_lock.acquire(blocking=False):
-            with self._state_lock:
-                running = self._task
-            raise UnavailableError(
-                f"the embedding worker is busy {running} a checkpoint; retry when it is done"
-            )
-        with self._state_lock:
-            self._task, self._task_progress = task, 0.0
-
-    def _end_task(self) -> None:
-        with self._state_lock:
-            self._task, self._task_progress = "", 0.0
-        self._task_lock.release()
-
     def _tracked(self, progress: ProgressCallback | None) -> ProgressCallback:
         """A progress callback that records the fraction for :meth:`status`, then calls
         ``progress``: a caller told of a step finds it in the status already."""
 
         def report(stage: str, done: int, total: int) -> None:
-            with self._state_lock:
-                self._task_progress = done / total if total else 1.0
+            self._checkpoint_task.set_progress(done, total)
             if progress:
                 progress(stage, done, total)
 
@@ -315,11 +297,11 @@ class RemoteShardTier:
         manifest and the done-marker and renames the directory into place. If a shard fails,
         nothing is published (no manifest, no done-marker) and the error names the shard.
         UnavailableError while another dump or load runs."""
-        self._begin_task("dumping")
+        self._checkpoint_task.begin("dumping")
         try:
             return self._dump(directory, overwrite=overwrite, progress=self._tracked(progress))
         finally:
-            self._end_task()
+            self._checkpoint_task.end()
 
     def _dump(
         self, directory: str | os.PathLike, *, overwrite: bool, progress: ProgressCallback
@@ -369,11 +351,11 @@ class RemoteShardTier:
         """Same shard count: each shard loads its own files. Another count: the worker reads
         the rows, re-shards them and streams each shard its part, one shard at a time (at most
         one shard's rows in memory). UnavailableError while another dump or load runs."""
-        self._begin_task("loading")
+        self._checkpoint_task.begin("loading")
         try:
             return self._load(directory, progress=self._tracked(progress))
         finally:
-            self._end_task()
+            self._checkpoint_task.end()
 
     def _load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback
@@ -417,8 +399,7 @@ class RemoteShardTier:
     def status(self) -> TierStatus:
         """Rows, capacity and task of every shard (asked now), this tier's queues and task."""
         statuses = self.shard_statuses()
-        with self._state_lock:
-            task, task_progress = self._task, self._task_progress
+        task, task_progress = self._checkpoint_task.state()
         return TierStatus(
             rows_per_shard=tuple(s.rows for s in statuses),
             capacity_per_shard=tuple(s.capacity for s in statuses),

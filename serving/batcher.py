@@ -112,6 +112,31 @@ class BatchOutcome:
     merged_batch_size: int
 
 
+def deliver_outcomes(
+    requests: Sequence[Any],
+    predictions: np.ndarray,
+    context: Any,
+    merged_batch_size: int,
+    started: float,
+) -> None:
+    """Hand each request (``.batch``, ``.future``, ``.enqueued``) its rows of ``predictions``
+    [merged_batch_size, k], in order, as a :class:`BatchOutcome`; a request whose future is
+    already done (cancelled, given up) is skipped but keeps its rows."""
+    offset = 0
+    for request in requests:
+        size = request.batch.batch_size
+        if not request.future.done():
+            request.future.set_result(
+                BatchOutcome(
+                    predictions=predictions[offset : offset + size],
+                    context=context,
+                    queue_seconds=started - request.enqueued,
+                    merged_batch_size=merged_batch_size,
+                )
+            )
+        offset += size
+
+
 class DynamicBatcher:
     """Merges concurrent requests. ``run(merged) -> (predictions [n, k], context)``."""
 
@@ -223,18 +248,7 @@ class DynamicBatcher:
             return
         if self._on_batch:
             self._on_batch(merged.batch_size, now)
-        offset = 0
-        for request in live:
-            size = request.batch.batch_size
-            request.future.set_result(
-                BatchOutcome(
-                    predictions=predictions[offset : offset + size],
-                    context=context,
-                    queue_seconds=now - request.enqueued,
-                    merged_batch_size=merged.batch_size,
-                )
-            )
-            offset += size
+        deliver_outcomes(live, predictions, context, merged.batch_size, now)
         self._finished(len(live))
 
     def drain(self, timeout: float) -> bool:

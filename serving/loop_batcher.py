@@ -30,7 +30,7 @@ import numpy as np
 
 from embedding_store.batch import Batch
 from embedding_store.errors import DeadlineExceededError, UnavailableError
-from serving.batcher import BatchOutcome, merge_batches
+from serving.batcher import deliver_outcomes, merge_batches
 
 
 @dataclass
@@ -136,16 +136,4 @@ class LoopBatcher:
             self._running = 0
         if self._on_batch is not None:
             self._on_batch(merged.batch_size, now)
-        offset = 0
-        for request in live:
-            size = request.batch.batch_size
-            if not request.future.done():
-                request.future.set_result(
-                    BatchOutcome(
-                        predictions=predictions[offset : offset + size],
-                        context=context,
-                        queue_seconds=now - request.enqueued,
-                        merged_batch_size=merged.batch_size,
-                    )
-                )
-            offset += size
+        deliver_outcomes(live, predictions, context, merged.batch_size, now)

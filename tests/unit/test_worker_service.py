@@ -132,7 +132,7 @@ class FakeShardClient:
         )
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the fake holds no shards, threads or channels."""
 
 
 class AbortedRpcError(Exception):
