@@ -9,19 +9,28 @@ benchmarks/peers_handler.py, ``--ts-workers`` workers per model and TorchServe b
 ``TorchServeJsonUser`` against TorchServe's ``/predictions/<model>``) with ``--users`` users,
 closed loop, for ``--seconds`` seconds, one batch size at a time; both users send
 byte-identical KServe v2 JSON bodies (same pool, same seed). recserve and TorchServe runs
-alternate for every (model, batch size), so a noisy neighbour hits both alike.
+alternate for every (model, batch size, encoding), so a noisy neighbour hits both alike.
+
+``--encodings json,binary`` adds the KServe v2 binary tensor extension (default: ``json``
+only): ``KServeBinaryUser`` against recserve and ``TorchServeBinaryUser`` against TorchServe
+send the same binary bodies (``Inference-Header-Content-Length`` header, binary outputs asked
+for), and peers_handler.py answers them in binary too. Every row of the report names its
+encoding, and each ratio pairs recserve and TorchServe of the same model, batch and encoding.
 
     /work/venv/bin/python benchmarks/peers.py --out /tmp/peers
 
 Reports ``peers.md`` / ``peers.csv`` / ``peers.json`` in ``--out``: req/s, samples/s, p50/p99
 and the ratios recserve / TorchServe, the CPU each process group used (server, TorchServe,
 locust; in cores), recserve's merged batch size and per-batch lookup/compute times from its
-``/metrics``, and a prediction cross-check (the same request answered by both).
+``/metrics``, and a prediction cross-check per encoding (the same request answered by both;
+``ok`` when they agree to ``CROSS_CHECK_TOLERANCE``).
 
 With ``--ceiling-workers N`` (default 2; 0 skips it) every cell also measures
 benchmarks/ceiling_server.py: uvicorn with N processes answering the same requests with a fixed
 response and no work at all, under the same locust user. Its req/s bounds what any Python
-server on uvicorn can reach here, reported as a ratio to TorchServe next to recserve's.
+server on uvicorn can reach here, reported as a ratio to TorchServe next to recserve's. It is
+measured for every encoding (it drops binary bodies as it drops JSON ones and always answers
+its fixed JSON response).
 
 The load generator shares the machine with the servers; its own CPU use is in the report.
 Every process is started here and ended by PID; every run is bounded by ``--seconds``.
@@ -60,6 +69,13 @@ from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, su
 HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
 TS_VERSION = "import ts; print(ts.__version__)"
 ADULT_TRAIN = REPO_ROOT / "examples" / "adult_income" / "train.py"
+#: Wire encodings (``--encodings``) -> locust user class against recserve / TorchServe.
+RECSERVE_USERS = {"json": "KServeJsonUser", "binary": "KServeBinaryUser"}
+TORCHSERVE_USERS = {"json": "TorchServeJsonUser", "binary": "TorchServeBinaryUser"}
+ENCODINGS = tuple(RECSERVE_USERS)
+HEADER_LENGTH = "Inference-Header-Content-Length"
+#: Largest |recserve - TorchServe| prediction difference the cross-check accepts.
+CROSS_CHECK_TOLERANCE = 1e-5
 
 
 # --------------------------------------------------------------------------- helpers
@@ -360,8 +376,9 @@ class TorchServe:
 @dataclass
 class Measurement:
     model: str
-    server: str  # "recserve:<variant>" or "torchserve"
+    server: str  # "recserve:<variant>", "ceiling" or "torchserve"
     batch: int
+    encoding: str  # "json" or "binary" (ENCODINGS)
     users: int
     seconds: float
     requests: int = 0
@@ -427,6 +444,7 @@ def measure(
     label: str,
     model: str,
     batch: int,
+    encoding: str,
     host: str,
     user_class: str,
     server_pid: int,
@@ -435,7 +453,7 @@ def measure(
     out: Path,
     metrics_url: str | None = None,
 ) -> Measurement:
-    name = f"{model}-{label.replace(':', '-')}-b{batch}"
+    name = f"{model}-{label.replace(':', '-')}-{encoding}-b{batch}"
     run = LocustRun(
         users=args.users,
         spawn_rate=args.users,
@@ -446,7 +464,7 @@ def measure(
         log_path=out / "locust" / f"{name}.log",
         env={**env, "RECSERVE_LT_BATCHES": str(batch)},
     )
-    result = Measurement(model, label, batch, args.users, args.seconds)
+    result = Measurement(model, label, batch, encoding, args.users, args.seconds)
     before = metric_totals(metrics_url) if metrics_url else {}
     server_cpu = cpu_seconds(server_pid)
     started = time.monotonic()
@@ -489,9 +507,9 @@ def measure(
                 1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
             )
     print(
-        f"  {model:9s} b{batch:<3d} {label:24s} {result.rps:9.1f} req/s  p50 {result.p50_ms} ms"
-        f"  p99 {result.p99_ms} ms  failures {result.failures}  server {result.server_cores} "
-        f"cores  locust {result.locust_cores} cores",
+        f"  {model:9s} b{batch:<3d} {encoding:6s} {label:24s} {result.rps:9.1f} req/s  "
+        f"p50 {result.p50_ms} ms  p99 {result.p99_ms} ms  failures {result.failures}  "
+        f"server {result.server_cores} cores  locust {result.locust_cores} cores",
         flush=True,
     )
     return result
@@ -502,22 +520,68 @@ def multi_process(flags: str) -> bool:
     return "--workers" in words and int(words[words.index("--workers") + 1]) > 1
 
 
+def infer(url: str, arrays: dict[str, np.ndarray], encoding: str) -> tuple[dict, np.ndarray]:
+    """POST one KServe v2 request of ``arrays`` in ``encoding``: (the answer's JSON part, its
+    ``prediction`` values)."""
+    if encoding == "binary":
+        body, length = traffic.encode_kserve_binary(arrays)
+        headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(length)}
+    else:
+        body, headers = traffic.encode_kserve_json(arrays), {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=30.0) as response:
+        answer, header_length = response.read(), response.headers.get(HEADER_LENGTH)
+    if encoding == "binary" and header_length is None:
+        raise ValueError(f"a binary request was answered without {HEADER_LENGTH}")
+    return decode_answer(answer, header_length)
+
+
+def decode_answer(body: bytes, header_length: str | None) -> tuple[dict, np.ndarray]:
+    """A KServe v2 infer answer, JSON or binary extension (``header_length`` given): (its JSON
+    part, the ``prediction`` output as float64); raises ValueError if binary sizes are off."""
+    if header_length is None:
+        document = json.loads(body)
+        output = next(o for o in document["outputs"] if o["name"] == "prediction")
+        return document, np.asarray(output["data"], dtype=np.float64)
+    size = int(header_length)
+    document = json.loads(body[:size])
+    offset, values = size, None
+    for output in document["outputs"]:
+        nbytes = (output.get("parameters") or {}).get("binary_data_size")
+        if nbytes is None:
+            array = np.asarray(output["data"], dtype=np.float64)
+        else:
+            if output["datatype"] != "FP32" or nbytes != 4 * int(np.prod(output["shape"])):
+                raise ValueError(f"output {output['name']!r}: {nbytes} bytes for {output}")
+            array = np.frombuffer(body, "<f4", count=nbytes // 4, offset=offset)
+            offset += nbytes
+        if output["name"] == "prediction":
+            values = array.astype(np.float64)
+    if offset != len(body) or values is None:
+        raise ValueError(f"binary answer of {len(body)} bytes: {offset} claimed, {document}")
+    return document, values
+
+
 def cross_check(
-    recserve_url: str, torchserve_url: str, model: str, payload: bytes
+    recserve_url: str,
+    torchserve_url: str,
+    model: str,
+    arrays: dict[str, np.ndarray],
+    encoding: str = "json",
 ) -> dict[str, Any]:
-    """The same KServe v2 JSON request to both servers: predictions must agree."""
+    """The same KServe v2 request (``encoding``) to both servers: predictions must agree."""
     try:
-        ours = http_json(f"{recserve_url}/v2/models/model/infer", payload)
-        theirs = http_json(f"{torchserve_url}/predictions/{model}", payload)
-        a = np.asarray(ours["outputs"][0]["data"], dtype=np.float64)
-        b = np.asarray(theirs["outputs"][0]["data"], dtype=np.float64)
+        ours, a = infer(f"{recserve_url}/v2/models/model/infer", arrays, encoding)
+        _, b = infer(f"{torchserve_url}/predictions/{model}", arrays, encoding)
+        difference = float(np.max(np.abs(a - b))) if len(a) == len(b) else None
         return {
             "samples": len(a),
-            "max_abs_diff": float(np.max(np.abs(a - b))) if len(a) == len(b) else None,
+            "max_abs_diff": difference,
             "unknown_ids": ours.get("parameters", {}).get("unknown_ids"),
+            "ok": difference is not None and difference <= CROSS_CHECK_TOLERANCE,
         }
     except Exception as error:
-        return {"error": repr(error)}
+        return {"error": repr(error), "ok": False}
 
 
 # --------------------------------------------------------------------------- report
@@ -537,17 +601,17 @@ def report(
         writer.writeheader()
         for m in measurements:
             writer.writerow({**m.__dict__, "samples_per_s": round(m.samples_per_s, 1)})
-    by_key = {(m.model, m.server, m.batch): m for m in measurements}
+    by_key = {(m.model, m.server, m.batch, m.encoding): m for m in measurements}
     lines = [
-        "| model | batch | recserve flags | recserve req/s | TorchServe req/s | "
+        "| model | batch | encoding | recserve flags | recserve req/s | TorchServe req/s | "
         "rps ratio | recserve p99 ms | TorchServe p99 ms | p99 ratio | goal (>= 2x, p99 <=) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     verdicts = []
     for m in measurements:
         if not m.server.startswith("recserve:"):
             continue
-        peer = by_key.get((m.model, "torchserve", m.batch))
+        peer = by_key.get((m.model, "torchserve", m.batch, m.encoding))
         rps_ratio = ratio(m.rps, peer.rps if peer else None)
         p99_ratio = ratio(m.p99_ms, peer.p99_ms if peer else None)
         met = rps_ratio is not None and p99_ratio is not None and rps_ratio >= 2 and p99_ratio <= 1
@@ -556,7 +620,7 @@ def report(
         variant = m.server.split(":", 1)[1]
         flags = variants.get(variant) or "(defaults)"
         lines.append(
-            f"| {m.model} | {m.batch} | {variant}: `{flags}` | {m.rps:.0f} | "
+            f"| {m.model} | {m.batch} | {m.encoding} | {variant}: `{flags}` | {m.rps:.0f} | "
             f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {m.p99_ms} | "
             f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
         )
@@ -564,31 +628,33 @@ def report(
     if ceilings:
         lines += [
             "",
-            "| model | batch | no-work ceiling req/s | ceiling / TorchServe | best recserve / "
-            "ceiling |",
-            "|---|---:|---:|---:|---:|",
+            "| model | batch | encoding | no-work ceiling req/s | ceiling / TorchServe | "
+            "best recserve / ceiling |",
+            "|---|---:|---|---:|---:|---:|",
         ]
     for c in ceilings:
-        peer = by_key.get((c.model, "torchserve", c.batch))
+        peer = by_key.get((c.model, "torchserve", c.batch, c.encoding))
+        cell = (c.model, c.batch, c.encoding)
         best = max(
             (m.rps for m in measurements
-             if m.server.startswith("recserve:") and (m.model, m.batch) == (c.model, c.batch)),
+             if m.server.startswith("recserve:") and (m.model, m.batch, m.encoding) == cell),
             default=None,
         )  # fmt: skip
         lines.append(
-            f"| {c.model} | {c.batch} | {c.rps:.0f} | {ratio(c.rps, peer.rps if peer else None)} "
-            f"| {ratio(best, c.rps)} |"
+            f"| {c.model} | {c.batch} | {c.encoding} | {c.rps:.0f} | "
+            f"{ratio(c.rps, peer.rps if peer else None)} | {ratio(best, c.rps)} |"
         )
     lines += [
         "",
-        "| model | batch | server | req/s | samples/s | p50 ms | p99 ms | failures | "
+        "| model | batch | encoding | server | req/s | samples/s | p50 ms | p99 ms | failures | "
         "server cores | locust cores | merged batch | lookup ms/batch | compute ms/batch | "
         "queue ms/req |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measurements:
         lines.append(
-            f"| {m.model} | {m.batch} | {m.server} | {m.rps:.0f} | {m.samples_per_s:.0f} | "
+            f"| {m.model} | {m.batch} | {m.encoding} | {m.server} | {m.rps:.0f} | "
+            f"{m.samples_per_s:.0f} | "
             f"{m.p50_ms} | {m.p99_ms} | {m.failures} | {m.server_cores} | {m.locust_cores} | "
             f"{_dash(m.mean_merged_batch)} | {_dash(m.lookup_ms_per_batch)} | "
             f"{_dash(m.compute_ms_per_batch)} | {_dash(m.queue_ms_per_request)} |"
@@ -612,6 +678,18 @@ def _dash(value: float | None) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def encodings_argument(text: str) -> list[str]:
+    """``--encodings``: a comma list of ENCODINGS, in order, without repeats."""
+    names = list(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
+    unknown = [e for e in names if e not in ENCODINGS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown encoding(s) {', '.join(unknown) or repr(text)}: use a comma list of "
+            f"{', '.join(ENCODINGS)}"
+        )
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("peers-out"))
@@ -621,6 +699,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument(
+        "--encodings",
+        type=encodings_argument,
+        default="json",
+        help="wire encodings to measure, a comma list of json (KServe v2 JSON) and binary "
+        "(KServe v2 binary tensor extension); default: json",
+    )
     parser.add_argument(
         "--variant",
         action="append",
@@ -664,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": args.users,
         "seconds_per_run": args.seconds,
         "batches": batches,
+        "encodings": args.encodings,
         "variants": variants,
         "torchserve": {
             "venv": str(args.ts_venv),
@@ -738,50 +824,57 @@ def main(argv: list[str] | None = None) -> int:
                     generator = traffic.TrafficGenerator(
                         inputs, traffic.TrafficProfile(seed=3), traffic.load_vocab(vocab)
                     )
-                    check = cross_check(
-                        first.http,
-                        torchserve.inference,
-                        name,
-                        traffic.encode_kserve_json(generator.arrays(64)),
-                    )
-                    info.setdefault("cross_check", {})[name] = check
-                    print(f"{name}: cross-check {check}", flush=True)
+                    arrays = generator.arrays(64)
+                    for encoding in args.encodings:
+                        check = cross_check(
+                            first.http, torchserve.inference, name, arrays, encoding
+                        )
+                        info.setdefault("cross_check", {}).setdefault(name, {})[encoding] = check
+                        print(f"{name}: cross-check {encoding} {check}", flush=True)
                 for batch in batches:
-                    # Every server of this cell: the same model, batch size, load and output.
-                    cell = functools.partial(
-                        measure, model=name, batch=batch, env=env, args=args, out=out
-                    )
-                    for variant, server in servers.items():
-                        measurements.append(
-                            cell(
-                                label=f"recserve:{variant}",
-                                host=server.http,
-                                user_class="KServeJsonUser",
-                                server_pid=server.pid,
-                                # /metrics of one process only: skip with --workers > 1
-                                metrics_url=None
-                                if multi_process(variants[variant])
-                                else server.http,
-                            )
+                    for encoding in args.encodings:
+                        # Every server of this cell: the same model, batch size, encoding, load
+                        # and output.
+                        cell = functools.partial(
+                            measure,
+                            model=name,
+                            batch=batch,
+                            encoding=encoding,
+                            env=env,
+                            args=args,
+                            out=out,
                         )
-                    if ceiling is not None:
-                        measurements.append(
-                            cell(
-                                label="ceiling",
-                                host=ceiling.http,
-                                user_class="KServeJsonUser",
-                                server_pid=ceiling.pid,
+                        for variant, server in servers.items():
+                            measurements.append(
+                                cell(
+                                    label=f"recserve:{variant}",
+                                    host=server.http,
+                                    user_class=RECSERVE_USERS[encoding],
+                                    server_pid=server.pid,
+                                    # /metrics of one process only: skip with --workers > 1
+                                    metrics_url=None
+                                    if multi_process(variants[variant])
+                                    else server.http,
+                                )
                             )
-                        )
-                    if torchserve is not None:
-                        measurements.append(
-                            cell(
-                                label="torchserve",
-                                host=torchserve.inference,
-                                user_class="TorchServeJsonUser",
-                                server_pid=torchserve.process.pid,
+                        if ceiling is not None:
+                            measurements.append(
+                                cell(
+                                    label="ceiling",
+                                    host=ceiling.http,
+                                    user_class=RECSERVE_USERS[encoding],
+                                    server_pid=ceiling.pid,
+                                )
                             )
-                        )
+                        if torchserve is not None:
+                            measurements.append(
+                                cell(
+                                    label="torchserve",
+                                    host=torchserve.inference,
+                                    user_class=TORCHSERVE_USERS[encoding],
+                                    server_pid=torchserve.process.pid,
+                                )
+                            )
             finally:
                 for server in servers.values():
                     server.stop()

@@ -7,12 +7,21 @@ HTTP, batching (``batchSize`` / ``maxBatchDelay``) and worker processes:
   row of ``embeddings/`` (safetensors tensors ``ids`` and ``weights``) into one sorted index
   per embedding dim (``np.searchsorted``; a missing ID gets the zero row, as recserve answers
   IDs it does not hold);
-* decodes KServe v2 JSON request bodies (``{"inputs": [{"name", "shape", "datatype",
-  "data"}]}``, the same tensor layout recserve takes: ``<slot>`` IDs, ``<slot>.lengths`` for
-  jagged slots, FP32 dense inputs) and merges the requests of a TorchServe batch;
+* decodes KServe v2 request bodies, JSON (``{"inputs": [{"name", "shape", "datatype",
+  "data"}]}``) or the binary tensor extension (an ``Inference-Header-Content-Length`` request
+  header splits the body into that JSON header, whose inputs carry ``parameters:
+  {"binary_data_size": n}`` instead of ``data``, and the raw little-endian tensors in input
+  order), with the same tensor layout recserve takes (``<slot>`` IDs, ``<slot>.lengths`` for
+  jagged slots, FP32 dense inputs), and merges the requests of a TorchServe batch;
 * adds each slot's feature prefix to its IDs, sum-pools them per sample (``1/sqrt(n)``
   weights for ``sqrt_scaling`` slots) with ``embedding_bag``, runs the dense model once, applies
-  the output transform and answers each request with a KServe v2 style JSON body.
+  the output transform and answers each request in the format it asked for: a KServe v2 style
+  JSON body, or, when the request asks for binary outputs (``outputs: [{"name": "prediction",
+  "parameters": {"binary_data": true}}]`` or request parameter ``binary_data_output: true``),
+  the binary extension's answer (JSON header with ``binary_data_size``, then the FP32
+  little-endian predictions; response header ``Inference-Header-Content-Length``).
+
+A malformed request raises ValueError naming the problem (TorchServe then fails the batch).
 
 ``recserve_bundle.json`` (an extra file of the archive, written by benchmarks/peers.py) holds
 what the handler needs from the checkpoint's manifests: slot order, prefixes, dims, the dense
@@ -29,7 +38,100 @@ import numpy as np
 import torch
 
 BUNDLE_FILE = "recserve_bundle.json"
-_DTYPES = {"INT64": np.int64, "UINT64": np.uint64, "INT32": np.int32, "FP32": np.float32}
+#: Binary tensor extension: byte length of the JSON part of the body (request and response).
+HEADER_LENGTH = "Inference-Header-Content-Length"
+OUTPUT_NAME = "prediction"
+_DTYPES = {
+    "INT64": np.dtype(np.int64),
+    "UINT64": np.dtype(np.uint64),
+    "INT32": np.dtype(np.int32),
+    "FP32": np.dtype(np.float32),
+}
+
+
+def request_header(context, index: int, name: str) -> str | None:
+    """Request header ``name`` of request ``index``, as sent or lower-cased."""
+    for key in (name, name.lower()):
+        value = context.get_request_header(index, key)
+        if value is not None:
+            return value
+    return None
+
+
+def _json_header_size(value: str, body_size: int) -> int:
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if not 0 <= size <= body_size:
+        raise ValueError(f"{HEADER_LENGTH} is {size} but the request body has {body_size} bytes")
+    return size
+
+
+def wants_binary_output(document: dict) -> bool:
+    """Whether the answer must be binary: the ``prediction`` output's ``binary_data`` if the
+    request sets it, else the request parameter ``binary_data_output`` (default false)."""
+    for output in document.get("outputs") or []:
+        if output.get("name") == OUTPUT_NAME:
+            flag = (output.get("parameters") or {}).get("binary_data")
+            if flag is not None:
+                return bool(flag)
+    return bool((document.get("parameters") or {}).get("binary_data_output", False))
+
+
+def decode_request(body, header_length: str | None) -> tuple[dict[str, np.ndarray], bool]:
+    """One KServe v2 request -> (named arrays, whether it asks for a binary answer).
+
+    ``body``: the request bytes, or the dict TorchServe already parsed from an
+    ``application/json`` body (no binary part then); ``header_length``: the
+    ``Inference-Header-Content-Length`` request header (None: a plain JSON request).
+    """
+    if isinstance(body, str):
+        body = body.encode()
+    if isinstance(body, dict):
+        document, binary = body, memoryview(b"")
+    elif header_length is None:
+        document, binary = json.loads(body), memoryview(b"")
+    else:
+        size = _json_header_size(header_length, len(body))
+        document, binary = json.loads(body[:size]), memoryview(body)[size:]
+    if not isinstance(document, dict) or not isinstance(document.get("inputs"), list):
+        raise ValueError('the body must be a KServe v2 request {"inputs": [...]}')
+    tensors: dict[str, np.ndarray] = {}
+    offset = 0
+    for tensor in document["inputs"]:
+        name, datatype, shape = tensor["name"], tensor["datatype"], tensor["shape"]
+        if datatype not in _DTYPES:
+            raise ValueError(f"input {name!r}: unsupported datatype {datatype!r}")
+        dtype = _DTYPES[datatype]
+        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            tensors[name] = np.asarray(tensor["data"], dtype=dtype).reshape(shape)
+            continue
+        if header_length is None:
+            raise ValueError(
+                f"input {name!r} has parameters.binary_data_size but the request has no "
+                f"{HEADER_LENGTH} header"
+            )
+        expected = int(np.prod(shape)) * dtype.itemsize
+        if size != expected:
+            raise ValueError(
+                f"input {name!r}: binary_data_size is {size} but shape {shape} of {datatype} "
+                f"takes {expected} bytes"
+            )
+        if offset + size > len(binary):
+            raise ValueError(
+                f"input {name!r}: binary_data_size {size} runs past the end of the body "
+                f"({len(binary) - offset} bytes of binary data left)"
+            )
+        little = np.frombuffer(binary[offset : offset + size], dtype=dtype.newbyteorder("<"))
+        tensors[name] = little.astype(dtype).reshape(shape)  # a native, writable copy
+        offset += size
+    if offset != len(binary):
+        raise ValueError(
+            f"{len(binary) - offset} bytes of binary tensor data are not claimed by any input"
+        )
+    return tensors, wants_binary_output(document)
 
 
 class RecserveEquivalentHandler:
@@ -76,25 +178,19 @@ class RecserveEquivalentHandler:
 
     # ------------------------------------------------------------------ requests
     @staticmethod
-    def _document(row) -> dict:
-        body = row.get("body") if row.get("body") is not None else row.get("data")
-        if isinstance(body, (bytes, bytearray)):
-            body = json.loads(body)
-        if not isinstance(body, dict) or "inputs" not in body:
-            raise ValueError('the body must be a KServe v2 JSON request {"inputs": [...]}')
-        return body
+    def _body(row):
+        return row.get("body") if row.get("body") is not None else row.get("data")
 
-    def preprocess(self, data) -> tuple[dict[str, np.ndarray], list[int]]:
-        """Decode every request and concatenate them: (merged tensors, batch size of each)."""
-        decoded = []
-        for row in data:
-            tensors = {}
-            for tensor in self._document(row)["inputs"]:
-                dtype = _DTYPES[tensor["datatype"]]
-                tensors[tensor["name"]] = np.asarray(tensor["data"], dtype=dtype).reshape(
-                    tensor["shape"]
-                )
+    def preprocess(self, data, context) -> tuple[dict[str, np.ndarray], list[int], list[bool]]:
+        """Decode every request and concatenate them: (merged tensors, batch size of each,
+        whether each asks for a binary answer)."""
+        decoded, binary = [], []
+        for index, row in enumerate(data):
+            tensors, as_binary = decode_request(
+                self._body(row), request_header(context, index, HEADER_LENGTH)
+            )
             decoded.append(tensors)
+            binary.append(as_binary)
         sizes = []
         for tensors in decoded:
             slot = self.slots[0] if self.slots else None
@@ -108,7 +204,7 @@ class RecserveEquivalentHandler:
             name: np.concatenate([t[name] for t in decoded]) if len(decoded) > 1 else array
             for name, array in decoded[0].items()
         }
-        return merged, sizes
+        return merged, sizes, binary
 
     def _pool(self, dim: int, members: list[int], tensors: dict, batch: int) -> torch.Tensor:
         """Sum-pooled embeddings of the slots ``members`` (same dim): [len * batch, dim]."""
@@ -170,18 +266,23 @@ class RecserveEquivalentHandler:
                 output = torch.sigmoid(output)
         return output.reshape(batch, -1).numpy()
 
-    def postprocess(self, predictions: np.ndarray, sizes: list[int]) -> list[str]:
+    def postprocess(
+        self, predictions: np.ndarray, sizes: list[int], binary: list[bool], context
+    ) -> list[str | bytes]:
         answers, start = [], 0
-        for size in sizes:
+        for index, (size, as_binary) in enumerate(zip(sizes, binary)):
             part = predictions[start : start + size]
             start += size
+            if as_binary:
+                answers.append(self._binary_answer(part, index, context))
+                continue
             answers.append(
                 json.dumps(
                     {
                         "model_name": self.model_name,
                         "outputs": [
                             {
-                                "name": "prediction",
+                                "name": OUTPUT_NAME,
                                 "datatype": "FP32",
                                 "shape": list(part.shape),
                                 "data": part.reshape(-1).tolist(),
@@ -192,10 +293,30 @@ class RecserveEquivalentHandler:
             )
         return answers
 
+    def _binary_answer(self, part: np.ndarray, index: int, context) -> bytes:
+        """The binary extension's answer to request ``index``: JSON header + FP32 bytes."""
+        payload = np.ascontiguousarray(part, dtype="<f4").tobytes()
+        header = json.dumps(
+            {
+                "model_name": self.model_name,
+                "outputs": [
+                    {
+                        "name": OUTPUT_NAME,
+                        "datatype": "FP32",
+                        "shape": list(part.shape),
+                        "parameters": {"binary_data_size": len(payload)},
+                    }
+                ],
+            }
+        ).encode()
+        context.set_response_header(index, HEADER_LENGTH, str(len(header)))
+        context.set_response_header(index, "content-type", "application/octet-stream")
+        return header + payload
+
     def handle(self, data, context):
-        tensors, sizes = self.preprocess(data)
+        tensors, sizes, binary = self.preprocess(data, context)
         predictions = self.inference(tensors, sum(sizes))
-        return self.postprocess(predictions, sizes)
+        return self.postprocess(predictions, sizes, binary, context)
 
 
 _service = RecserveEquivalentHandler()

@@ -805,6 +805,8 @@ class Batch:
         batch._batch_id = None
         if single_id_rows is not None:
             batch._single_id_rows = single_id_rows
+            if len(single_id_rows) == len(batch._ids):  # every ID feature is a row
+                batch.__dict__["num_ids"] = single_id_rows.size  # the cached property's value
         # _kinds and the three name indexes are left to their cached properties below: built
         # on the first lookup by name (which the serving hot paths never do), ~2 us a batch.
         return batch

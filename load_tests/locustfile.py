@@ -1,5 +1,5 @@
 """Locust users for recserve serving: KServe v2 over HTTP (binary and JSON), the friendly JSON
-route, and KServe v2 over gRPC; plus a TorchServe user for benchmarks/peers.py.
+route, and KServe v2 over gRPC; plus TorchServe users (JSON and binary) for benchmarks/peers.py.
 
 Traffic comes from :mod:`load_tests.traffic`, built against the served model's metadata
 (``GET /v2/models/{name}``), so the same file drives the Adult model and the synthetic
@@ -127,6 +127,14 @@ class KServeJsonUser(_InferUser):
     """``POST /v2/models/{name}/infer`` with KServe v2 JSON tensors."""
 
 
+def binary_headers(content_type: str, payload: traffic.Payload) -> dict[str, str]:
+    """Headers of a binary tensor extension request: the JSON header's length."""
+    return {
+        "Content-Type": content_type,
+        "Inference-Header-Content-Length": str(payload.header_length),
+    }
+
+
 class KServeBinaryUser(_InferUser):
     """``POST /v2/models/{name}/infer`` with the binary tensor extension (binary outputs)."""
 
@@ -135,10 +143,7 @@ class KServeBinaryUser(_InferUser):
     content_type = "application/octet-stream"
 
     def headers(self, payload: traffic.Payload) -> dict[str, str]:
-        return {
-            "Content-Type": self.content_type,
-            "Inference-Header-Content-Length": str(payload.header_length),
-        }
+        return binary_headers(self.content_type, payload)
 
 
 class FriendlyJsonUser(_InferUser):
@@ -155,6 +160,18 @@ class TorchServeJsonUser(_InferUser):
 
     label = "torchserve-json"
     path = f"/predictions/{os.environ.get('RECSERVE_LT_TS_MODEL', MODEL)}"
+
+
+class TorchServeBinaryUser(TorchServeJsonUser):
+    """TorchServe's ``POST /predictions/{name}`` with the same binary tensor extension bodies
+    and headers as :class:`KServeBinaryUser` (binary outputs; peers_handler.py decodes them)."""
+
+    kind = "binary"
+    label = "torchserve-binary"
+    content_type = "application/octet-stream"
+
+    def headers(self, payload: traffic.Payload) -> dict[str, str]:
+        return binary_headers(self.content_type, payload)
 
 
 class GrpcUser(User):
@@ -206,4 +223,5 @@ USER_CLASSES = {
     "friendly": FriendlyJsonUser,
     "grpc": GrpcUser,
     "torchserve": TorchServeJsonUser,
+    "torchserve-binary": TorchServeBinaryUser,
 }

@@ -208,48 +208,29 @@ def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:
     return exact
 
 
-class JsonTensors(Mapping[str, np.ndarray]):
-    """The inputs of a plain JSON infer body, converted to arrays only when first touched.
+class _LazyTensors(Mapping[str, np.ndarray]):
+    """A read-only mapping {input name: array} whose inputs are converted on first touch.
 
-    A read-only mapping {input name: array} that keeps each raw JSON tensor object
-    (``{"name", "datatype", "shape", "data"}`` as orjson parsed it) instead of converting it in
-    :func:`decode_http_request`. Serving's :func:`serving.tensors.tensors_to_batch` reads the
-    raw objects (:attr:`raw_entries`) and builds the batch of 16-27 features in a few numpy
-    calls instead of one conversion per input, never touching the mapping itself.
-
-    Any other use (``[]``, ``get``, ``in``, ``len``, iteration, ``keys``/``items``/``values``,
-    ``==``) first converts every input with :func:`array_from_json` in request order
-    (:meth:`materialize`, once; the arrays are cached) and then behaves exactly like the dict
-    of arrays the eager decoder returned: same order, keys and arrays. A malformed tensor
-    therefore raises the eager decoder's first error, from that first touch instead of from
-    :func:`decode_http_request`.
+    Any use (``[]``, ``get``, ``in``, ``len``, iteration, ``keys``/``items``/``values``,
+    ``==``) first converts every input in request order (:meth:`materialize`, once; the arrays
+    are cached) and then behaves exactly like the dict of arrays the eager decoder returned:
+    same order, keys and arrays. A malformed tensor therefore raises the eager decoder's first
+    error, from that first touch instead of from :func:`decode_http_request`.
     """
 
-    __slots__ = ("_arrays", "_entries")
+    __slots__ = ("_arrays",)
 
-    def __init__(self, entries: dict[str, dict[str, Any]]) -> None:
-        """``entries``: {name: raw JSON tensor object} in request order, names unique, each
-        object a dict holding ``"data"``. Taken over, not copied: the caller must not modify
-        it (nor the objects)."""
-        self._entries = entries
+    def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] | None = None
 
-    @property
-    def raw_entries(self) -> Mapping[str, dict[str, Any]]:
-        """{name: raw JSON tensor object}, in request order. Read it, never modify it."""
-        return self._entries
+    def _convert(self) -> dict[str, np.ndarray]:
+        """Every input converted as the eager decoder converts it, in request order."""
+        raise NotImplementedError
 
     def _converted(self) -> dict[str, np.ndarray]:
         arrays = self._arrays
         if arrays is None:
-            # In request order, so the first malformed tensor raises, as in the eager decoder.
-            arrays = {
-                name: array_from_json(
-                    name, tensor.get("datatype"), tensor.get("shape"), tensor["data"]
-                )
-                for name, tensor in self._entries.items()
-            }
-            self._arrays = arrays
+            arrays = self._arrays = self._convert()
         return arrays
 
     def materialize(self) -> dict[str, np.ndarray]:
@@ -270,8 +251,96 @@ class JsonTensors(Mapping[str, np.ndarray]):
     def __contains__(self, name: object) -> bool:
         return name in self._converted()
 
+
+class JsonTensors(_LazyTensors):
+    """The inputs of a plain JSON infer body, converted to arrays only when first touched.
+
+    It keeps each raw JSON tensor object (``{"name", "datatype", "shape", "data"}`` as orjson
+    parsed it) instead of converting it in :func:`decode_http_request`. Serving's
+    :func:`serving.tensors.tensors_to_batch` reads the raw objects (:attr:`raw_entries`) and
+    builds the batch of 16-27 features in a few numpy calls instead of one conversion per
+    input, never touching the mapping itself. Any other use converts every input with
+    :func:`array_from_json` (see :class:`_LazyTensors`).
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict[str, dict[str, Any]]) -> None:
+        """``entries``: {name: raw JSON tensor object} in request order, names unique, each
+        object a dict holding ``"data"``. Taken over, not copied: the caller must not modify
+        it (nor the objects)."""
+        super().__init__()
+        self._entries = entries
+
+    @property
+    def raw_entries(self) -> Mapping[str, dict[str, Any]]:
+        """{name: raw JSON tensor object}, in request order. Read it, never modify it."""
+        return self._entries
+
+    def _convert(self) -> dict[str, np.ndarray]:
+        return {
+            name: array_from_json(name, tensor.get("datatype"), tensor.get("shape"), tensor["data"])
+            for name, tensor in self._entries.items()
+        }
+
     def __repr__(self) -> str:
         return f"JsonTensors({list(self._entries)})"
+
+
+@dataclass(frozen=True, slots=True)
+class BinaryEntry:
+    """One input of a binary-extension body: its JSON header object and where its bytes lie."""
+
+    tensor: dict[str, Any]  # {"name", "datatype", "shape", "parameters"} as orjson parsed it
+    offset: int  # of its first byte in the body
+    size: int  # parameters.binary_data_size
+
+
+class BinaryTensors(_LazyTensors):
+    """The inputs of a binary-extension body whose inputs are all binary, converted to arrays
+    only when first touched.
+
+    :func:`decode_http_request` has checked the layout (unique names, every input with only
+    ``parameters.binary_data_size``, sizes that tile the body after the JSON header exactly);
+    each input's datatype, shape and size are checked when it is converted
+    (:func:`array_from_bytes`, zero-copy). :func:`serving.tensors.tensors_to_batch` reads
+    :attr:`raw_entries` and :attr:`body` and views all single-ID inputs with one
+    ``np.frombuffer`` when they lie side by side. Any other use converts every input (see
+    :class:`_LazyTensors`).
+    """
+
+    __slots__ = ("_body", "_entries")
+
+    def __init__(self, entries: dict[str, BinaryEntry], body: bytes) -> None:
+        super().__init__()
+        self._entries = entries
+        self._body = body
+
+    @property
+    def raw_entries(self) -> Mapping[str, BinaryEntry]:
+        """{name: BinaryEntry}, in request order. Read it, never modify it."""
+        return self._entries
+
+    @property
+    def body(self) -> bytes:
+        """The whole request body (JSON header, then the tensors' bytes)."""
+        return self._body
+
+    def _convert(self) -> dict[str, np.ndarray]:
+        view = memoryview(self._body)
+        return {
+            name: array_from_bytes(
+                name,
+                entry.tensor.get("datatype"),
+                entry.tensor.get("shape"),
+                view[entry.offset : entry.offset + entry.size],
+                "binary_data_size",
+            )
+            for name, entry in self._entries.items()
+        }
+
+    def __repr__(self) -> str:
+        return f"BinaryTensors({list(self._entries)})"
 
 
 def _plain_json_inputs(raw_inputs: list[Any]) -> JsonTensors | None:
@@ -290,6 +359,32 @@ def _plain_json_inputs(raw_inputs: list[Any]) -> JsonTensors | None:
     if len(entries) != len(raw_inputs):
         return None  # a name given twice
     return JsonTensors(entries)
+
+
+def _binary_inputs(raw_inputs: list[Any], body: bytes, json_size: int) -> BinaryTensors | None:
+    """The inputs of a binary-extension body as :class:`BinaryTensors`, or None unless every
+    input is a JSON object with a str ``name`` (unique), no ``data`` and ``parameters`` holding
+    only an int ``binary_data_size`` >= 0, and the sizes tile the bytes after the JSON header
+    exactly (then the eager loop of :func:`decode_http_request` runs and raises what it always
+    did)."""
+    entries: dict[str, BinaryEntry] = {}
+    offset = json_size
+    for tensor in raw_inputs:
+        # Exact types: orjson builds dict, str and int; anything else takes the eager loop.
+        if type(tensor) is not dict or "data" in tensor:
+            return None
+        name = tensor.get("name")
+        parameters = tensor.get("parameters")
+        if type(name) is not str or type(parameters) is not dict or len(parameters) != 1:
+            return None
+        size = parameters.get("binary_data_size")
+        if type(size) is not int or size < 0:
+            return None
+        entries[name] = BinaryEntry(tensor, offset, size)
+        offset += size
+    if len(entries) != len(raw_inputs) or offset != len(body):
+        return None  # a name given twice, bytes past the tensors, or tensors past the end
+    return BinaryTensors(entries, body)
 
 
 def array_from_bytes(
@@ -468,7 +563,11 @@ def decode_http_request(body: bytes, header_length: object = None) -> InferReque
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgumentError("'inputs' must be a non-empty list of tensors")
-    lazy = _plain_json_inputs(raw_inputs) if json_size is None else None
+    lazy: _LazyTensors | None = (
+        _plain_json_inputs(raw_inputs)
+        if json_size is None
+        else _binary_inputs(raw_inputs, body, json_size)
+    )
     if lazy is not None:
         try:
             outputs = header.get("outputs")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from embedding_store.batch import (
 from embedding_store.errors import CapacityError, InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 from serving.core import TensorSpec
-from serving.tensor_codec import JsonTensors
+from serving.tensor_codec import BinaryEntry, BinaryTensors, JsonTensors
 
 LENGTHS_SUFFIX = ".lengths"
 ID_DATATYPES = ("INT64", "UINT64")
@@ -382,6 +383,105 @@ def _batch_from_json(
     return Batch._trusted_inference(id_features, dense, batch_size, rows if singles else None)
 
 
+#: Wire (little-endian) dtypes of the binary fast path; it runs only where they are native.
+_WIRE_IDS = {"INT64": np.dtype("<i8"), "UINT64": np.dtype("<u8")}
+_WIRE_FP32 = np.dtype("<f4")
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
+
+
+def _batch_from_binary(
+    signature: FeatureSignature, inputs: BinaryTensors, max_batch_size: int
+) -> Batch | None:
+    """The inference Batch of a binary-extension body's inputs (:class:`BinaryTensors`)
+    without converting them one by one, or None if anything is unusual (the caller then runs
+    the general path, whose checks name the problem). Like :func:`_batch_from_json`, it accepts
+    only what the general path accepts and builds the Batch it builds.
+
+    Accepted: exactly the model's inputs, no jagged ID feature; single-ID inputs all INT64 or
+    all UINT64 of shape [B] (INT64 IDs non-negative): viewed as one uint64 [F, B] array, with
+    one ``np.frombuffer`` when they lie side by side in signature order (zero-copy), else one
+    concatenation; dense inputs FP32 of shape [B, *sample_shape] (or [B] for sample shape
+    (1,)), zero-copy; 1 <= B <= ``max_batch_size``; a little-endian host.
+    """
+    plan = _json_plan(signature)
+    entries = inputs.raw_entries
+    if (
+        plan is None
+        or plan.jagged_names
+        or len(entries) != plan.num_inputs
+        or not _LITTLE_ENDIAN_HOST
+    ):
+        return None
+    body = inputs.body
+    try:
+        batch_size = 0
+        rows: np.ndarray | None = None
+        if plan.single_getter is not None:
+            singles: Sequence[BinaryEntry] = plan.single_getter(entries)  # KeyError: missing
+            first = singles[0].tensor
+            datatype = first["datatype"]
+            wire = _WIRE_IDS.get(datatype) if type(datatype) is str else None
+            batch_size = first["shape"][0]
+            if wire is None or type(batch_size) is not int or batch_size < 1:
+                return None
+            shape_wanted = [batch_size]
+            size_wanted = 8 * batch_size
+            side_by_side = True
+            next_offset = singles[0].offset
+            for entry in singles:
+                tensor = entry.tensor
+                shape = tensor["shape"]
+                if (
+                    tensor["datatype"] != datatype
+                    or shape != shape_wanted
+                    or type(shape[0]) is not int  # [true] == [1]; shape_of refuses bools
+                    or entry.size != size_wanted
+                ):
+                    return None
+                side_by_side = side_by_side and entry.offset == next_offset
+                next_offset = entry.offset + size_wanted
+            count = len(singles) * batch_size
+            if side_by_side:
+                ids = np.frombuffer(body, dtype=wire, count=count, offset=singles[0].offset)
+            else:
+                ids = np.concatenate(
+                    [np.frombuffer(body, wire, batch_size, entry.offset) for entry in singles]
+                )
+            if datatype == "INT64" and _min(ids, None) < 0:
+                return None  # the general path names the negative ID
+            rows = ids.view(_UINT64).reshape(len(singles), batch_size)
+            rows.setflags(write=False)
+        dense = []
+        for name, sample_shape, sample_size in plan.dense:
+            entry = entries[name]
+            shape = entry.tensor["shape"]
+            if not batch_size:
+                batch_size = shape[0]
+                if type(batch_size) is not int or batch_size < 1:
+                    return None
+            if entry.tensor["datatype"] != "FP32" or entry.size != 4 * batch_size * sample_size:
+                return None
+            if shape != [batch_size, *sample_shape] and (
+                sample_shape != [1] or shape != [batch_size]  # [B] for [B, 1], as general
+            ):
+                return None
+            for dim in shape:
+                if type(dim) is not int:  # [2, true] == [2, 1]; shape_of refuses bools
+                    return None
+            array = np.frombuffer(
+                body, dtype=_WIRE_FP32, count=batch_size * sample_size, offset=entry.offset
+            ).reshape(batch_size, *sample_shape)
+            dense.append(NonIDTypeFeature.trusted(array, name))
+    except (KeyError, TypeError, IndexError):
+        return None
+    if batch_size > max_batch_size:
+        return None
+    if rows is None:
+        return Batch._trusted_inference([], dense, batch_size)
+    singles_features = IDTypeFeatureWithSingleID.trusted_rows(plan.single_names, rows)
+    return Batch._trusted_inference(singles_features, dense, batch_size, rows)
+
+
 def tensors_to_batch(
     signature: FeatureSignature,
     inputs: Mapping[str, np.ndarray],
@@ -397,6 +497,11 @@ def tensors_to_batch(
     """
     if isinstance(inputs, JsonTensors):
         batch = _batch_from_json(signature, inputs.raw_entries, max_batch_size)
+        if batch is not None:
+            return batch
+        inputs = inputs.materialize()
+    elif isinstance(inputs, BinaryTensors):
+        batch = _batch_from_binary(signature, inputs, max_batch_size)
         if batch is not None:
             return batch
         inputs = inputs.materialize()

@@ -743,7 +743,7 @@ def test_a_malformed_tensor_raises_the_eager_error_on_first_touch(touch):
         lazy.materialize()
 
 
-def test_binary_bodies_and_inputs_with_parameters_stay_eager():
+def test_mixed_binary_bodies_and_json_inputs_with_parameters_stay_eager():
     ids = np.array([1, 2], np.int64)
     header = orjson.dumps(
         {
@@ -754,6 +754,7 @@ def test_binary_bodies_and_inputs_with_parameters_stay_eager():
                     "datatype": "INT64",
                     "parameters": {"binary_data_size": 16},
                 },
+                _tensor("a", "INT64", [1], [1]),
             ]
         }
     )
@@ -802,6 +803,19 @@ def test_trusted_inference_batches_equal_validated_ones():
             batch.non_id_feature("user")
         assert "('user' is a ID-type feature)" in str(error.value)
     assert str(trusted) == str(validated)
+
+
+def test_trusted_batches_of_single_id_rows_count_their_ids():
+    rows = np.arange(12, dtype=np.uint64).reshape(3, 4)
+    rows.setflags(write=False)
+    features = IDTypeFeatureWithSingleID.trusted_rows(["a", "b", "c"], rows)
+    trusted = Batch._trusted_inference(features, [], 4, rows)
+    assert trusted.num_ids == 12 == Batch(features, [], requires_grad=False).num_ids
+    # Rows for only some of the ID features: the jagged ones count too.
+    ids, dense = _features(4, np.random.default_rng(2))
+    single_rows = ids[0].values.reshape(1, 4)
+    mixed = Batch._trusted_inference(ids, dense, 4, single_rows)
+    assert mixed.num_ids == 4 + ids[1].num_ids == Batch(ids, dense, requires_grad=False).num_ids
 
 
 # --------------------------------------------------------------------------- merge_batches

@@ -1,0 +1,222 @@
+"""benchmarks/peers_handler.py without TorchServe: KServe v2 JSON and binary-extension requests
+give the same predictions, binary answers are well formed, malformed binary requests raise a
+ValueError naming the problem; and benchmarks/peers.py's ``--encodings`` argument."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from load_tests import traffic
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import peers  # noqa: E402
+import peers_handler  # noqa: E402
+
+HEADER = peers_handler.HEADER_LENGTH
+#: The served inputs of the tiny checkpoint: C2 is turned into a jagged, sqrt-scaled slot (the
+#: dense model only sees pooled embeddings), and the ID datatypes differ, so the binary
+#: decoding is exercised with INT64, UINT64, INT32 and FP32 tensors.
+METADATA = {
+    "name": "model",
+    "inputs": [
+        {"name": "C1", "datatype": "INT64", "shape": [-1]},
+        {"name": "C2", "datatype": "UINT64", "shape": [-1]},
+        {"name": "C2.lengths", "datatype": "INT32", "shape": [-1]},
+        {"name": "C3", "datatype": "INT64", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 13]},
+    ],
+}
+
+
+class FakeContext:
+    """The part of TorchServe's ``ts.context.Context`` the handler uses."""
+
+    def __init__(self, model_dir: Path, headers: list[dict[str, str]] | None = None) -> None:
+        self.system_properties = {"model_dir": str(model_dir)}
+        self.manifest = {"model": {"serializedFile": "jit_dense.pt"}}
+        self.request_headers = headers or []
+        self.response_headers: dict[int, dict[str, str]] = defaultdict(dict)
+
+    def get_request_header(self, idx: int, key: str) -> str | None:
+        return self.request_headers[idx].get(key)
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.response_headers[idx][key] = value
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(handler, model directory, request generator) for a tiny synthetic checkpoint."""
+    from load_tests.synthetic_model import build_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("peers-handler")
+    checkpoint = build_synthetic_checkpoint(
+        root / "checkpoint", vocab=50, num_slots=3, dim=4, batch_size=32, extra_steps=1
+    )
+    bundle = peers.handler_bundle(checkpoint, "synthetic", "sigmoid")
+    bundle["id_slots"][1].update(single_id=False, sqrt_scaling=True)
+    model_dir = root / "model"
+    model_dir.mkdir()
+    shutil.copy(checkpoint / "jit_dense.pt", model_dir / "jit_dense.pt")
+    (model_dir / peers_handler.BUNDLE_FILE).write_text(json.dumps(bundle))
+    handler = peers_handler.RecserveEquivalentHandler()
+    handler.initialize(FakeContext(model_dir))
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(METADATA),
+        traffic.TrafficProfile(unknown_share=0.2, seed=5),
+        traffic.vocab_from_checkpoint(checkpoint),
+    )
+    return handler, model_dir, generator
+
+
+def _json_row(arrays) -> tuple[dict, dict[str, str]]:
+    # TorchServe hands an application/json body over already parsed
+    return {"body": json.loads(traffic.encode_kserve_json(arrays))}, {}
+
+
+def _binary_row(arrays, header_name: str = HEADER) -> tuple[dict, dict[str, str]]:
+    body, length = traffic.encode_kserve_binary(arrays)
+    return {"body": bytearray(body)}, {header_name: str(length)}
+
+
+def _handle(model, rows):
+    handler, model_dir, _ = model
+    context = FakeContext(model_dir, [headers for _, headers in rows])
+    return handler.handle([row for row, _ in rows], context), context
+
+
+def _json_predictions(answer: str) -> np.ndarray:
+    output = json.loads(answer)["outputs"][0]
+    return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+
+
+def _binary_predictions(answer: bytes, headers: dict[str, str]) -> np.ndarray:
+    length = int(headers[HEADER])
+    header = json.loads(answer[:length])
+    (output,) = header["outputs"]
+    assert output["name"] == "prediction" and output["datatype"] == "FP32"
+    size = output["parameters"]["binary_data_size"]
+    assert size == 4 * int(np.prod(output["shape"])) == len(answer) - length
+    return np.frombuffer(answer[length:], "<f4").reshape(output["shape"])
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+def test_json_and_binary_requests_give_identical_predictions(model, batch):
+    arrays = model[2].arrays(batch)
+    (json_answer,), json_context = _handle(model, [_json_row(arrays)])
+    (binary_answer,), binary_context = _handle(model, [_binary_row(arrays)])
+    assert isinstance(json_answer, str) and not json_context.response_headers
+    assert isinstance(binary_answer, bytes)
+    expected = _json_predictions(json_answer)
+    assert expected.shape == (batch, 1) and np.all((expected > 0) & (expected < 1))
+    np.testing.assert_array_equal(
+        _binary_predictions(binary_answer, binary_context.response_headers[0]), expected
+    )
+
+
+def test_a_mixed_batch_answers_each_request_in_its_format(model):
+    generator = model[2]
+    first, second, third = generator.arrays(3), generator.arrays(5), generator.arrays(1)
+    answers, context = _handle(
+        model,
+        [
+            _binary_row(first, HEADER.lower()),  # header names may arrive lower-cased
+            _json_row(second),
+            _binary_row(third),
+        ],
+    )
+    assert [type(a) for a in answers] == [bytes, str, bytes]
+    assert set(context.response_headers) == {0, 2}
+    for index in (0, 2):
+        headers = context.response_headers[index]
+        assert headers["content-type"] == "application/octet-stream"
+        header = json.loads(answers[index][: int(headers[HEADER])])
+        assert header["model_name"] == "synthetic"
+    merged = [
+        _binary_predictions(answers[0], context.response_headers[0]),
+        _json_predictions(answers[1]),
+        _binary_predictions(answers[2], context.response_headers[2]),
+    ]
+    assert [len(p) for p in merged] == [3, 5, 1]
+    for arrays, predictions in zip((first, second, third), merged):
+        (alone,), _ = _handle(model, [_json_row(arrays)])
+        np.testing.assert_allclose(predictions, _json_predictions(alone), rtol=1e-6, atol=1e-7)
+
+
+def test_the_answer_format_follows_what_the_request_asks_for():
+    wants = peers_handler.wants_binary_output
+    assert not wants({"inputs": []})
+    assert wants({"inputs": [], "parameters": {"binary_data_output": True}})
+    assert wants({"outputs": [{"name": "prediction", "parameters": {"binary_data": True}}]})
+    # an output's own binary_data wins over the request-wide parameter
+    assert not wants(
+        {
+            "parameters": {"binary_data_output": True},
+            "outputs": [{"name": "prediction", "parameters": {"binary_data": False}}],
+        }
+    )
+
+
+def _malformed(arrays) -> dict[str, tuple[bytes, str, str]]:
+    body, length = traffic.encode_kserve_binary(arrays)
+    header = json.loads(body[:length])
+    header["inputs"][0]["parameters"]["binary_data_size"] += 8  # a size the shape denies
+    wrong = json.dumps(header).encode()
+    return {
+        "header longer than the body": (body, str(len(body) + 1), f"{HEADER} is {len(body) + 1}"),
+        "header not a number": (body, "twelve", f"{HEADER} must be an integer"),
+        "size not matching the shape": (
+            wrong + body[length:],
+            str(len(wrong)),
+            "input 'C1': binary_data_size is",
+        ),
+        "truncated binary data": (body[:-4], str(length), "input 'dense': binary_data_size"),
+        "unclaimed binary data": (body + b"\0" * 8, str(length), "8 bytes of binary tensor"),
+        "binary input without the header": (body[:length], None, f"no {HEADER} header"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "header longer than the body",
+        "header not a number",
+        "size not matching the shape",
+        "truncated binary data",
+        "unclaimed binary data",
+        "binary input without the header",
+    ],
+)
+def test_malformed_binary_requests_raise_naming_the_problem(model, case):
+    body, length, message = _malformed(model[2].arrays(4))[case]
+    with pytest.raises(ValueError, match=message):
+        peers_handler.decode_request(body, length)
+    headers = {} if length is None else {HEADER: length}
+    with pytest.raises(ValueError, match=message):  # through TorchServe's entry point too
+        _handle(model, [({"body": bytearray(body)}, headers)])
+
+
+def test_encodings_argument():
+    assert peers.parse_args([]).encodings == ["json"]
+    assert peers.parse_args(["--encodings", "json,binary"]).encodings == ["json", "binary"]
+    assert peers.parse_args(["--encodings", " binary , json,binary"]).encodings == [
+        "binary",
+        "json",
+    ]
+
+
+@pytest.mark.parametrize("value", ["xml", "json,xml", ","])
+def test_encodings_argument_rejects_unknown_encodings(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        peers.parse_args(["--encodings", value])
+    assert exit_info.value.code == 2
+    assert "unknown encoding" in capsys.readouterr().err
