@@ -60,6 +60,7 @@ USER_CLASSES = {
     "friendly": "FriendlyJsonUser",
     "grpc": "GrpcUser",
     "torchserve": "TorchServeJsonUser",
+    "torchserve-binary": "TorchServeBinaryUser",
 }
 _SERVING_LINE = re.compile(
     r"HTTP listening on (?P<http_host>[^\s,]+):(?P<http_port>\d+), "
