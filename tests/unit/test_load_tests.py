@@ -55,4 +55,4 @@ def test_torchserve_binary_user_mirrors_the_json_and_kserve_binary_users():
     # load_tests/run.py names the same users (it does not import locust itself).
     from load_tests import run
 
-    assert run.USER_CLASSES == users["short_names"]
+    assert users["short_names"] == run.USER_CLASSES
