@@ -24,6 +24,7 @@ BYTES tensors are not supported. Malformed tensors raise InvalidArgumentError na
 
 from __future__ import annotations
 
+import abc
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -223,9 +224,9 @@ class _LazyTensors(Mapping[str, np.ndarray]):
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] | None = None
 
+    @abc.abstractmethod
     def _convert(self) -> dict[str, np.ndarray]:
         """Every input converted as the eager decoder converts it, in request order."""
-        raise NotImplementedError
 
     def _converted(self) -> dict[str, np.ndarray]:
         arrays = self._arrays

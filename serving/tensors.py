@@ -223,6 +223,15 @@ _min = np.minimum.reduce  # ndarray.min() minus a Python-level wrapper (~0.1 us 
 _CONVERSION_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
 
+def _dense_shape_accepted(shape: Any, batch_size: int, sample_shape: list[int]) -> bool:
+    """Whether a raw dense tensor's ``shape`` is [B, *sample_shape] (or [B] for sample shape
+    [1], as the general path takes it), every dim an int: ``[2, true] == [2, 1]`` in Python,
+    but shape_of refuses bools."""
+    if shape != [batch_size, *sample_shape] and (sample_shape != [1] or shape != [batch_size]):
+        return False
+    return all(type(dim) is int for dim in shape)
+
+
 class _FallBackError(Exception):
     """Raised inside the fast JSON builder: the request is not the usual kind, fall back."""
 
@@ -352,13 +361,8 @@ def _batch_from_json(
                 or len(data) != batch_size * sample_size
             ):
                 return None
-            if shape != [batch_size, *sample_shape] and (
-                sample_shape != [1] or shape != [batch_size]  # [B] for [B, 1], as general
-            ):
+            if not _dense_shape_accepted(shape, batch_size, sample_shape):
                 return None
-            for dim in shape:
-                if type(dim) is not int:  # [2, true] == [2, 1]; shape_of refuses bools
-                    return None
             try:
                 values = np.array(data)  # what the eager decoder's np.asarray makes of it
             except _CONVERSION_ERRORS:
@@ -461,13 +465,8 @@ def _batch_from_binary(
                     return None
             if entry.tensor["datatype"] != "FP32" or entry.size != 4 * batch_size * sample_size:
                 return None
-            if shape != [batch_size, *sample_shape] and (
-                sample_shape != [1] or shape != [batch_size]  # [B] for [B, 1], as general
-            ):
+            if not _dense_shape_accepted(shape, batch_size, sample_shape):
                 return None
-            for dim in shape:
-                if type(dim) is not int:  # [2, true] == [2, 1]; shape_of refuses bools
-                    return None
             array = np.frombuffer(
                 body, dtype=_WIRE_FP32, count=batch_size * sample_size, offset=entry.offset
             ).reshape(batch_size, *sample_shape)
