@@ -298,6 +298,20 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "input 'C3': INT64 data must be integers within its range",
     ),
     (
+        "float ID after an int",
+        "single",
+        _with(SINGLE, 2, _tensor("C3", "INT64", [2], [4, 2.5])),
+        InvalidArgumentError,
+        "input 'C3': INT64 data must be integers within its range",
+    ),
+    (
+        "string ID after an int",
+        "single",
+        _with(SINGLE, 2, _tensor("C3", "INT64", [2], [4, "5"])),
+        InvalidArgumentError,
+        None,
+    ),
+    (
         "bool ID",
         "single",
         _with(SINGLE, 1, _tensor("C3", "INT64", [1], [True])),
