@@ -421,21 +421,36 @@ def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
 
 
 def read_history(csv_prefix: Path) -> list[dict[str, float]]:
-    """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second)."""
-    rows = []
+    """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
+
+    ``rps`` and ``failures_per_s`` are this interval's own rates, from the growth of locust's
+    cumulative counts since the row before. (locust's ``Requests/s`` column is a trailing
+    10-second average that reads 0 for the first seconds of a run.) The percentiles are locust's
+    current-response-time ones, over its trailing window.
+    """
+    rows: list[dict[str, float]] = []
     path = Path(f"{csv_prefix}_stats_history.csv")
     if not path.exists():
         return rows
+    previous: tuple[float, int, int] | None = None
     with open(path, newline="") as handle:
         for row in csv.DictReader(handle):
             if row["Name"] != "Aggregated":
                 continue
+            unix = float(row["Timestamp"])
+            requests, failures = int(row["Total Request Count"]), int(row["Total Failure Count"])
+            rps = failures_per_s = 0.0
+            if previous is not None and unix > previous[0]:
+                elapsed = unix - previous[0]
+                rps = (requests - previous[1]) / elapsed
+                failures_per_s = (failures - previous[2]) / elapsed
+            previous = (unix, requests, failures)
             rows.append(
                 {
-                    "unix": float(row["Timestamp"]),
+                    "unix": unix,
                     "users": float(row["User Count"]),
-                    "rps": float(row["Requests/s"]),
-                    "failures_per_s": float(row["Failures/s"]),
+                    "rps": rps,
+                    "failures_per_s": failures_per_s,
                     "p50_ms": _number(row["50%"]) or float("nan"),
                     "p95_ms": _number(row["95%"]) or float("nan"),
                     "p99_ms": _number(row["99%"]) or float("nan"),
@@ -557,9 +572,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument(
         "--synthetic", action="store_true", help="build and serve a synthetic Criteo-like model"
     )
-    parser.add_argument("--tier", choices=["embedded", "remote"], default="embedded")
-    parser.add_argument("--out", type=Path, default=Path("load-test-out"))
-    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument(
+        "--tier",
+        choices=["embedded", "remote"],
+        default="embedded",
+        help="embedded: one server process; remote: 2 PS shards + 1 embedding worker + server",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("load-test-out"),
+        help="folder for summary.csv/.md, the latency plot, locust CSVs and server logs",
+    )
+    parser.add_argument("--users", type=int, default=4, help="concurrent locust users")
     parser.add_argument("--spawn-rate", type=float, default=None, help="default: all at once")
     parser.add_argument("--seconds", type=float, default=10.0, help="load duration")
     parser.add_argument(
@@ -568,12 +593,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated, from {', '.join(USER_CLASSES)}",
     )
     parser.add_argument("--batches", default="1:6,8:3,64:1", help="batch mix SIZE:WEIGHT,...")
-    parser.add_argument("--unknown-share", type=float, default=0.02)
-    parser.add_argument("--model-name", default="model")
+    parser.add_argument(
+        "--unknown-share", type=float, default=0.02, help="share of IDs the model never saw"
+    )
+    parser.add_argument("--model-name", default="model", help="served model name")
     parser.add_argument(
         "--serve-args", default="", help='extra `recserve serve` flags, e.g. "--max-batch-size 64"'
     )
-    parser.add_argument("--locust-processes", type=int, default=1)
+    parser.add_argument(
+        "--locust-processes", type=int, default=1, help="locust worker processes (--processes)"
+    )
     parser.add_argument("--soak", action="store_true", help="memory + reload soak")
     parser.add_argument("--minutes", type=float, default=10.0, help="soak duration")
     parser.add_argument("--rss-interval", type=float, default=None, help="seconds (soak)")
