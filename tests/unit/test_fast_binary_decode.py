@@ -19,16 +19,8 @@ from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from serving import tensor_codec as codec
 from serving import tensors
+from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
-MAX_BATCH = 128
-
-SINGLE = FeatureSignature(
-    id_features=tuple(IdFeatureSpec(f"C{i}", True) for i in range(1, 6)),
-    non_id_features=(
-        NonIdFeatureSpec("dense", "float32", (6,)),
-        NonIdFeatureSpec("age", "float32", (1,)),
-    ),
-)
 JAGGED = FeatureSignature(
     id_features=(IdFeatureSpec("user", True), IdFeatureSpec("history", False)),
     non_id_features=(NonIdFeatureSpec("dense", "float32", (2,)),),

@@ -27,17 +27,7 @@ from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeat
 from serving import tensor_codec as codec
 from serving import tensors
 from serving.batcher import merge_batches
-
-MAX_BATCH = 128
-
-#: Single-ID features and dense ones (one of sample shape (1,), which may come as [B]).
-SINGLE = FeatureSignature(
-    id_features=tuple(IdFeatureSpec(f"C{i}", True) for i in range(1, 6)),
-    non_id_features=(
-        NonIdFeatureSpec("dense", "float32", (6,)),
-        NonIdFeatureSpec("age", "float32", (1,)),
-    ),
-)
+from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
 #: Single-ID and jagged features interleaved, and dense ones.
 JAGGED = FeatureSignature(
