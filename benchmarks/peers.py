@@ -11,6 +11,10 @@ closed loop, for ``--seconds`` seconds, one batch size at a time; both users sen
 byte-identical KServe v2 JSON bodies (same pool, same seed). recserve and TorchServe runs
 alternate for every (model, batch size, encoding), so a noisy neighbour hits both alike.
 
+``--mix SIZE:WEIGHT,...`` (repeatable) adds cells whose requests draw their batch size from
+that mix, as load_tests/ does (``--mix 1:6,8:3,64:1`` is the load tests' default profile);
+their samples/s add up each size's own req/s times that size.
+
 ``--encodings json,binary`` adds the KServe v2 binary tensor extension (default: ``json``
 only): ``KServeBinaryUser`` against recserve and ``TorchServeBinaryUser`` against TorchServe
 send the same binary bodies (``Inference-Header-Content-Length`` header, binary outputs asked
@@ -377,7 +381,7 @@ class TorchServe:
 class Measurement:
     model: str
     server: str  # "recserve:<variant>", "ceiling" or "torchserve"
-    batch: int
+    batch: str  # the batch sizes as RECSERVE_LT_BATCHES takes them: "64" or "1:6,8:3,64:1"
     encoding: str  # "json" or "binary" (ENCODINGS)
     users: int
     seconds: float
@@ -392,11 +396,28 @@ class Measurement:
     lookup_ms_per_batch: float | None = None
     compute_ms_per_batch: float | None = None
     queue_ms_per_request: float | None = None
+    samples_per_s: float = 0.0
     error: str = ""
 
     @property
-    def samples_per_s(self) -> float:
-        return self.rps * self.batch
+    def batch_label(self) -> str:
+        return batch_label(self.batch)
+
+
+def batch_label(batch: str) -> str:
+    """How reports name a cell's batch sizes: ``"64"``, or ``"mix 1:6,8:3,64:1"``."""
+    return batch if batch.isdigit() else f"mix {batch}"
+
+
+def samples_per_second(rows: list[dict[str, Any]]) -> float:
+    """Samples/s of one locust run: each request name's req/s times its batch size (names end
+    in `` b<size>``, see load_tests/locustfile.py), summed over the names."""
+    total = 0.0
+    for row in rows:
+        name, _, size = row["name"].rpartition(" b")
+        if row["name"] != "Aggregated" and name and size.isdigit():
+            total += row["rps"] * int(size)
+    return round(total, 1)
 
 
 @dataclass
@@ -443,7 +464,7 @@ def measure(
     *,
     label: str,
     model: str,
-    batch: int,
+    batch: str,
     encoding: str,
     host: str,
     user_class: str,
@@ -453,7 +474,8 @@ def measure(
     out: Path,
     metrics_url: str | None = None,
 ) -> Measurement:
-    name = f"{model}-{label.replace(':', '-')}-{encoding}-b{batch}"
+    sizes = batch.replace(":", "x").replace(",", "-")
+    name = f"{model}-{label.replace(':', '-')}-{encoding}-b{sizes}"
     run = LocustRun(
         users=args.users,
         spawn_rate=args.users,
@@ -462,7 +484,7 @@ def measure(
         host=host,
         csv_prefix=out / "locust" / name,
         log_path=out / "locust" / f"{name}.log",
-        env={**env, "RECSERVE_LT_BATCHES": str(batch)},
+        env={**env, "RECSERVE_LT_BATCHES": batch},
     )
     result = Measurement(model, label, batch, encoding, args.users, args.seconds)
     before = metric_totals(metrics_url) if metrics_url else {}
@@ -480,12 +502,14 @@ def measure(
     result.server_cores = round((cpu_seconds(server_pid) - server_cpu) / wall, 2)
     result.locust_cores = round(locust_cpu / wall, 2)
     try:
-        total = next(row for row in read_stats(run.csv_prefix) if row["name"] == "Aggregated")
+        rows = read_stats(run.csv_prefix)
+        total = next(row for row in rows if row["name"] == "Aggregated")
     except (OSError, StopIteration) as error:
         result.error = f"no locust stats: {error!r}"
         return result
     result.requests, result.failures = total["requests"], total["failures"]
     result.rps, result.p50_ms, result.p99_ms = total["rps"], total["p50_ms"], total["p99_ms"]
+    result.samples_per_s = samples_per_second(rows)
     if metrics_url:
         after = metric_totals(metrics_url)
 
@@ -507,7 +531,7 @@ def measure(
                 1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
             )
     print(
-        f"  {model:9s} b{batch:<3d} {encoding:6s} {label:24s} {result.rps:9.1f} req/s  "
+        f"  {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} {result.rps:9.1f} req/s  "
         f"p50 {result.p50_ms} ms  p99 {result.p99_ms} ms  failures {result.failures}  "
         f"server {result.server_cores} cores  locust {result.locust_cores} cores",
         flush=True,
@@ -596,11 +620,10 @@ def report(
     info: dict[str, Any],
 ) -> str:
     with open(out / "peers.csv", "w", newline="") as handle:
-        fields = [*Measurement.__dataclass_fields__, "samples_per_s"]
-        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer = csv.DictWriter(handle, fieldnames=list(Measurement.__dataclass_fields__))
         writer.writeheader()
         for m in measurements:
-            writer.writerow({**m.__dict__, "samples_per_s": round(m.samples_per_s, 1)})
+            writer.writerow(m.__dict__)
     by_key = {(m.model, m.server, m.batch, m.encoding): m for m in measurements}
     lines = [
         "| model | batch | encoding | recserve flags | recserve req/s | TorchServe req/s | "
@@ -620,7 +643,7 @@ def report(
         variant = m.server.split(":", 1)[1]
         flags = variants.get(variant) or "(defaults)"
         lines.append(
-            f"| {m.model} | {m.batch} | {m.encoding} | {variant}: `{flags}` | {m.rps:.0f} | "
+            f"| {m.model} | {m.batch_label} | {m.encoding} | {variant}: `{flags}` | {m.rps:.0f} | "
             f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {m.p99_ms} | "
             f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
         )
@@ -641,7 +664,7 @@ def report(
             default=None,
         )  # fmt: skip
         lines.append(
-            f"| {c.model} | {c.batch} | {c.encoding} | {c.rps:.0f} | "
+            f"| {c.model} | {c.batch_label} | {c.encoding} | {c.rps:.0f} | "
             f"{ratio(c.rps, peer.rps if peer else None)} | {ratio(best, c.rps)} |"
         )
     lines += [
@@ -653,7 +676,7 @@ def report(
     ]
     for m in measurements:
         lines.append(
-            f"| {m.model} | {m.batch} | {m.encoding} | {m.server} | {m.rps:.0f} | "
+            f"| {m.model} | {m.batch_label} | {m.encoding} | {m.server} | {m.rps:.0f} | "
             f"{m.samples_per_s:.0f} | "
             f"{m.p50_ms} | {m.p99_ms} | {m.failures} | {m.server_cores} | {m.locust_cores} | "
             f"{_dash(m.mean_merged_batch)} | {_dash(m.lookup_ms_per_batch)} | "
@@ -678,6 +701,30 @@ def _dash(value: float | None) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def batches_argument(text: str) -> list[int]:
+    """``--batches``: a comma list of batch sizes >= 1, in order, without repeats."""
+    try:
+        sizes = list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        sizes = [0]
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"bad batch sizes {text!r}: use a comma list of integers >= 1"
+        )
+    return sizes
+
+
+def mix_argument(text: str) -> str:
+    """``--mix``: a batch mix SIZE:WEIGHT,... as load_tests/ reads it, normalized."""
+    try:
+        sizes, weights = traffic.parse_batch_mix(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"bad batch mix {text!r}: use SIZE:WEIGHT,... with sizes >= 1 and weights > 0"
+        ) from None
+    return ",".join(f"{size}:{weight:g}" for size, weight in zip(sizes, weights))
+
+
 def encodings_argument(text: str) -> list[str]:
     """``--encodings``: a comma list of ENCODINGS, in order, without repeats."""
     names = list(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
@@ -696,7 +743,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default="adult,synthetic")
     parser.add_argument("--adult-checkpoint", type=Path, default=None)
     parser.add_argument("--synthetic-checkpoint", type=Path, default=None)
-    parser.add_argument("--batches", default="1,64")
+    parser.add_argument(
+        "--batches",
+        type=batches_argument,
+        default="1,64",
+        help="batch sizes, one cell each: a comma list of sizes (may be empty with --mix); "
+        "default: 1,64",
+    )
+    parser.add_argument(
+        "--mix",
+        action="append",
+        type=mix_argument,
+        default=[],
+        help="a cell whose requests draw their batch size from SIZE:WEIGHT,... (repeatable); "
+        "1:6,8:3,64:1 is the load tests' default profile",
+    )
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument(
@@ -726,6 +787,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600:
         parser.error("bounded runs only: 1..512 users, at most 600 s per run")
+    if not args.batches and not args.mix:
+        parser.error("nothing to measure: give --batches or --mix")
     return args
 
 
@@ -734,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.absolute()
     (out / "locust").mkdir(parents=True, exist_ok=True)
     variants = dict(v.partition("=")[::2] for v in (args.variant or ["default="]))
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [str(size) for size in args.batches] + args.mix
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     checkpoints = {}
     for name in names:

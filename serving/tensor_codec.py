@@ -541,17 +541,84 @@ def _requested_outputs_json(outputs: object) -> tuple[RequestedOutput, ...] | No
     return tuple(requested)
 
 
+@dataclass(frozen=True, slots=True)
+class _BinaryHeader:
+    """What one binary-extension JSON header decoded to (inputs all binary, see
+    :func:`_binary_inputs`): the same header bytes decode the same way, for a body of
+    ``body_size`` bytes. Shared by every request that sends these bytes: read, never modify."""
+
+    body_size: int
+    entries: dict[str, BinaryEntry]
+    id: str
+    parameters: dict[str, Any]
+    outputs: tuple[RequestedOutput, ...] | None
+    binary_output: bool
+    timeout: float | None
+
+    def request(self, body: bytes) -> InferRequest:
+        return InferRequest(
+            inputs=BinaryTensors(self.entries, body),
+            id=self.id,
+            parameters=self.parameters,
+            outputs=self.outputs,
+            binary_output=self.binary_output,
+            timeout=self.timeout,
+        )
+
+
+#: Decoded binary-extension headers by their bytes. A client sends the same header for every
+#: request of one batch size (names, shapes, datatypes, sizes; no per-request ``id``), and
+#: parsing and checking it costs ~20-40 us for 27 inputs against ~2 us for a lookup. Bounded:
+#: cleared when full; headers over BINARY_HEADER_CACHE_MAX_BYTES are not kept.
+_binary_headers: dict[bytes, _BinaryHeader] = {}
+BINARY_HEADER_CACHE_SIZE = 256
+BINARY_HEADER_CACHE_MAX_BYTES = 16 * 1024
+
+
+def _remember_binary_header(key: bytes, request: InferRequest, body_size: int) -> None:
+    if len(_binary_headers) >= BINARY_HEADER_CACHE_SIZE:
+        _binary_headers.clear()  # no LRU bookkeeping per request; refilled by the next ones
+    inputs = request.inputs
+    assert isinstance(inputs, BinaryTensors)
+    _binary_headers[key] = _BinaryHeader(
+        body_size,
+        inputs._entries,
+        request.id,
+        request.parameters or {},
+        request.outputs,
+        request.binary_output,
+        request.timeout,
+    )
+
+
 def decode_http_request(body: bytes, header_length: object = None) -> InferRequest:
     """A KServe v2 REST infer body (JSON, or JSON + binary tensors) -> :class:`InferRequest`.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header value, if any.
 
     A plain JSON body (no binary tensors; every input an object with a unique ``name``,
-    ``data`` and no ``parameters``) gets its inputs as a lazy :class:`JsonTensors`: a malformed
-    tensor then raises when it is looked up, not here. Every other body is decoded eagerly
-    into a dict of arrays.
+    ``data`` and no ``parameters``) gets its inputs as a lazy :class:`JsonTensors`, a body whose
+    inputs are all binary as a lazy :class:`BinaryTensors`: a malformed tensor then raises when
+    it is looked up, not here. Every other body is decoded eagerly into a dict of arrays. A
+    binary header decoded before (the same bytes, the same body size) is not parsed again.
     """
-    json_size = None if header_length is None else _header_length(header_length, len(body))
+    if header_length is None:
+        return _decode_http_request(body, None)
+    json_size = _header_length(header_length, len(body))
+    if json_size > BINARY_HEADER_CACHE_MAX_BYTES:
+        return _decode_http_request(body, json_size)
+    key = bytes(memoryview(body)[:json_size])
+    known = _binary_headers.get(key)
+    if known is not None and known.body_size == len(body):
+        return known.request(body)
+    request = _decode_http_request(body, json_size)
+    if isinstance(request.inputs, BinaryTensors):
+        _remember_binary_header(key, request, len(body))
+    return request
+
+
+def _decode_http_request(body: bytes, json_size: int | None) -> InferRequest:
+    """:func:`decode_http_request` once the header length (``json_size``) is checked."""
     view = memoryview(body)
     header = parse_json(view[:json_size] if json_size is not None else body)
     if not isinstance(header, dict):

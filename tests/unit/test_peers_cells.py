@@ -1,0 +1,91 @@
+"""benchmarks/peers.py cells: ``--batches`` and ``--mix`` arguments, samples/s of a mixed-batch
+locust run, and how the report names and pairs mixed cells."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import peers  # noqa: E402
+
+
+def test_batches_and_mix_arguments():
+    args = peers.parse_args([])
+    assert args.batches == [1, 64] and args.mix == []
+    args = peers.parse_args(["--batches", "64, 1,64", "--mix", "1:6,8:3,64:1", "--mix", "8"])
+    assert args.batches == [64, 1]
+    assert args.mix == ["1:6,8:3,64:1", "8:1"]
+    args = peers.parse_args(["--batches", "", "--mix", " 1:0.5 , 64:2.0"])
+    assert args.batches == [] and args.mix == ["1:0.5,64:2"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--batches", "0"],
+        ["--batches", "1,x"],
+        ["--mix", "1:0"],
+        ["--mix", "0:1"],
+        ["--mix", "a:1"],
+        ["--batches", ""],  # and no --mix: nothing to measure
+    ],
+)
+def test_bad_cells_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "bad batch" in err or "nothing to measure" in err
+
+
+def _row(name: str, rps: float) -> dict:
+    return {"name": name, "rps": rps, "requests": 0, "failures": 0}
+
+
+def test_samples_per_second_adds_each_sizes_own_rate():
+    rows = [
+        _row("v2-json b1", 600.0),
+        _row("v2-json b8", 300.0),
+        _row("v2-json b64", 100.5),
+        _row("Aggregated", 1000.5),
+    ]
+    assert peers.samples_per_second(rows) == 600 + 8 * 300 + 64 * 100.5
+    assert peers.samples_per_second([_row("v2-binary b64", 10.0), _row("Aggregated", 10.0)]) == 640
+    assert peers.samples_per_second([_row("Aggregated", 10.0)]) == 0
+
+
+def _measurement(server: str, batch: str, rps: float, p99: float) -> peers.Measurement:
+    m = peers.Measurement("adult", server, batch, "json", 32, 20.0)
+    m.rps, m.p99_ms, m.p50_ms, m.samples_per_s = rps, p99, p99 / 2, rps * 2
+    return m
+
+
+def test_report_names_and_pairs_mixed_cells(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 40.0),
+        _measurement("recserve:one", "1:6,8:3,64:1", 5000.0, 12.0),
+        _measurement("torchserve", "1:6,8:3,64:1", 2000.0, 24.0),
+    ]
+    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    lines = summary.splitlines()
+    assert (
+        "| adult | 64 | json | one: `(defaults)` | 1500 | 1000 | 1.5 | 30.0 | 40.0 | 0.75 "
+        "| not met |" in lines
+    )
+    assert (
+        "| adult | mix 1:6,8:3,64:1 | json | one: `(defaults)` | 5000 | 2000 | 2.5 | 12.0 | 24.0 "
+        "| 0.5 | met |" in lines
+    )
+    document = json.loads((tmp_path / "peers.json").read_text())
+    assert document["goal_met_everywhere"] is False
+    assert [m["samples_per_s"] for m in document["measurements"]] == [3000, 2000, 10000, 4000]
+    csv_lines = (tmp_path / "peers.csv").read_text().splitlines()
+    assert csv_lines[0].split(",")[:4] == ["model", "server", "batch", "encoding"]
+    assert csv_lines[0].split(",")[-2:] == ["samples_per_s", "error"]
+    assert '"1:6,8:3,64:1"' in csv_lines[3]
