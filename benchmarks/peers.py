@@ -52,6 +52,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -385,6 +386,7 @@ class Measurement:
     encoding: str  # "json" or "binary" (ENCODINGS)
     users: int
     seconds: float
+    round: int = 1  # which of --rounds measured it
     requests: int = 0
     failures: int = 0
     rps: float = 0.0
@@ -402,6 +404,25 @@ class Measurement:
     @property
     def batch_label(self) -> str:
         return batch_label(self.batch)
+
+
+def combine_rounds(rounds: list[Measurement]) -> Measurement:
+    """One server's measurements of one cell, one per round, as one: the median of every rate,
+    latency and per-batch figure, the sum of requests and failures, the first error."""
+    first = rounds[0]
+    combined = Measurement(first.model, first.server, first.batch, first.encoding, first.users,
+                           first.seconds, round=0)  # fmt: skip
+    combined.requests = sum(m.requests for m in rounds)
+    combined.failures = sum(m.failures for m in rounds)
+    for name in (
+        "rps", "p50_ms", "p99_ms", "server_cores", "locust_cores", "mean_merged_batch",
+        "lookup_ms_per_batch", "compute_ms_per_batch", "queue_ms_per_request", "samples_per_s",
+    ):  # fmt: skip
+        values = [getattr(m, name) for m in rounds if getattr(m, name) is not None]
+        if values:
+            setattr(combined, name, statistics.median(values))
+    combined.error = next((m.error for m in rounds if m.error), "")
+    return combined
 
 
 def batch_label(batch: str) -> str:
@@ -473,9 +494,10 @@ def measure(
     args: argparse.Namespace,
     out: Path,
     metrics_url: str | None = None,
+    round_number: int = 1,
 ) -> Measurement:
     sizes = batch.replace(":", "x").replace(",", "-")
-    name = f"{model}-{label.replace(':', '-')}-{encoding}-b{sizes}"
+    name = f"{model}-{label.replace(':', '-')}-{encoding}-b{sizes}-r{round_number}"
     run = LocustRun(
         users=args.users,
         spawn_rate=args.users,
@@ -486,7 +508,7 @@ def measure(
         log_path=out / "locust" / f"{name}.log",
         env={**env, "RECSERVE_LT_BATCHES": batch},
     )
-    result = Measurement(model, label, batch, encoding, args.users, args.seconds)
+    result = Measurement(model, label, batch, encoding, args.users, args.seconds, round_number)
     before = metric_totals(metrics_url) if metrics_url else {}
     server_cpu = cpu_seconds(server_pid)
     started = time.monotonic()
@@ -531,7 +553,8 @@ def measure(
                 1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
             )
     print(
-        f"  {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} {result.rps:9.1f} req/s  "
+        f"  r{round_number} {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} "
+        f"{result.rps:9.1f} req/s  "
         f"p50 {result.p50_ms} ms  p99 {result.p99_ms} ms  failures {result.failures}  "
         f"server {result.server_cores} cores  locust {result.locust_cores} cores",
         flush=True,
@@ -624,17 +647,30 @@ def report(
         writer.writeheader()
         for m in measurements:
             writer.writerow(m.__dict__)
-    by_key = {(m.model, m.server, m.batch, m.encoding): m for m in measurements}
+    # With --rounds, each server of a cell was measured once per round: the tables give the
+    # medians, and the ratio of each round's pair shows how far one run can be trusted.
+    rounds: dict[tuple[str, str, str, str], list[Measurement]] = {}
+    for m in measurements:
+        rounds.setdefault((m.model, m.server, m.batch, m.encoding), []).append(m)
+    by_key = {key: combine_rounds(runs) for key, runs in rounds.items()}
     lines = [
         "| model | batch | encoding | recserve flags | recserve req/s | TorchServe req/s | "
-        "rps ratio | recserve p99 ms | TorchServe p99 ms | p99 ratio | goal (>= 2x, p99 <=) |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "rps ratio | rps ratio per round | recserve p99 ms | TorchServe p99 ms | p99 ratio | "
+        "goal (>= 2x, p99 <=) |",
+        "|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     verdicts = []
-    for m in measurements:
+    for key, m in by_key.items():
         if not m.server.startswith("recserve:"):
             continue
-        peer = by_key.get((m.model, "torchserve", m.batch, m.encoding))
+        peer_key = (m.model, "torchserve", m.batch, m.encoding)
+        peer = by_key.get(peer_key)
+        peer_rounds = {p.round: p for p in rounds.get(peer_key, [])}
+        per_round = " / ".join(
+            str(ratio(r.rps, peer_rounds[r.round].rps))
+            for r in rounds[key]
+            if r.round in peer_rounds
+        )
         rps_ratio = ratio(m.rps, peer.rps if peer else None)
         p99_ratio = ratio(m.p99_ms, peer.p99_ms if peer else None)
         met = rps_ratio is not None and p99_ratio is not None and rps_ratio >= 2 and p99_ratio <= 1
@@ -644,10 +680,11 @@ def report(
         flags = variants.get(variant) or "(defaults)"
         lines.append(
             f"| {m.model} | {m.batch_label} | {m.encoding} | {variant}: `{flags}` | {m.rps:.0f} | "
-            f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {m.p99_ms} | "
+            f"{peer.rps if peer else float('nan'):.0f} | {rps_ratio} | {per_round or '-'} | "
+            f"{m.p99_ms} | "
             f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
         )
-    ceilings = [m for m in measurements if m.server == "ceiling"]
+    ceilings = [m for m in by_key.values() if m.server == "ceiling"]
     if ceilings:
         lines += [
             "",
@@ -659,7 +696,7 @@ def report(
         peer = by_key.get((c.model, "torchserve", c.batch, c.encoding))
         cell = (c.model, c.batch, c.encoding)
         best = max(
-            (m.rps for m in measurements
+            (m.rps for m in by_key.values()
              if m.server.startswith("recserve:") and (m.model, m.batch, m.encoding) == cell),
             default=None,
         )  # fmt: skip
@@ -669,14 +706,15 @@ def report(
         )
     lines += [
         "",
-        "| model | batch | encoding | server | req/s | samples/s | p50 ms | p99 ms | failures | "
-        "server cores | locust cores | merged batch | lookup ms/batch | compute ms/batch | "
-        "queue ms/req |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | batch | encoding | server | round | req/s | samples/s | p50 ms | p99 ms | "
+        "failures | server cores | locust cores | merged batch | lookup ms/batch | "
+        "compute ms/batch | queue ms/req |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measurements:
         lines.append(
-            f"| {m.model} | {m.batch_label} | {m.encoding} | {m.server} | {m.rps:.0f} | "
+            f"| {m.model} | {m.batch_label} | {m.encoding} | {m.server} | {m.round} | "
+            f"{m.rps:.0f} | "
             f"{m.samples_per_s:.0f} | "
             f"{m.p50_ms} | {m.p99_ms} | {m.failures} | {m.server_cores} | {m.locust_cores} | "
             f"{_dash(m.mean_merged_batch)} | {_dash(m.lookup_ms_per_batch)} | "
@@ -761,6 +799,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every server of every cell this many times, alternating their order; "
+        "the tables give medians and each round's ratio (default 1)",
+    )
+    parser.add_argument(
         "--encodings",
         type=encodings_argument,
         default="json",
@@ -785,8 +830,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="uvicorn processes of the no-work ceiling server (0: skip it)",
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600:
-        parser.error("bounded runs only: 1..512 users, at most 600 s per run")
+    if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600 or not 1 <= args.rounds <= 10:
+        parser.error("bounded runs only: 1..512 users, at most 600 s per run, 1..10 rounds")
     if not args.batches and not args.mix:
         parser.error("nothing to measure: give --batches or --mix")
     return args
@@ -811,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(),
         "users": args.users,
         "seconds_per_run": args.seconds,
+        "rounds": args.rounds,
         "batches": batches,
         "encodings": args.encodings,
         "variants": variants,
@@ -907,22 +953,22 @@ def main(argv: list[str] | None = None) -> int:
                             args=args,
                             out=out,
                         )
-                        for variant, server in servers.items():
-                            measurements.append(
-                                cell(
-                                    label=f"recserve:{variant}",
-                                    host=server.http,
-                                    user_class=RECSERVE_USERS[encoding],
-                                    server_pid=server.pid,
-                                    # /metrics of one process only: skip with --workers > 1
-                                    metrics_url=None
-                                    if multi_process(variants[variant])
-                                    else server.http,
-                                )
+                        runs = [
+                            dict(
+                                label=f"recserve:{variant}",
+                                host=server.http,
+                                user_class=RECSERVE_USERS[encoding],
+                                server_pid=server.pid,
+                                # /metrics of one process only: skip with --workers > 1
+                                metrics_url=(
+                                    None if multi_process(variants[variant]) else server.http
+                                ),
                             )
+                            for variant, server in servers.items()
+                        ]
                         if ceiling is not None:
-                            measurements.append(
-                                cell(
+                            runs.append(
+                                dict(
                                     label="ceiling",
                                     host=ceiling.http,
                                     user_class=RECSERVE_USERS[encoding],
@@ -930,14 +976,20 @@ def main(argv: list[str] | None = None) -> int:
                                 )
                             )
                         if torchserve is not None:
-                            measurements.append(
-                                cell(
+                            runs.append(
+                                dict(
                                     label="torchserve",
                                     host=torchserve.inference,
                                     user_class=TORCHSERVE_USERS[encoding],
                                     server_pid=torchserve.process.pid,
                                 )
                             )
+                        for round_number in range(1, args.rounds + 1):
+                            # Odd rounds run the servers in order, even rounds in reverse, so
+                            # a drift in the machine's speed does not favour one of them.
+                            order = runs if round_number % 2 else runs[::-1]
+                            for run in order:
+                                measurements.append(cell(**run, round_number=round_number))
             finally:
                 for server in servers.values():
                     server.stop()

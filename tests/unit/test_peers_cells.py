@@ -59,8 +59,10 @@ def test_samples_per_second_adds_each_sizes_own_rate():
     assert peers.samples_per_second([_row("Aggregated", 10.0)]) == 0
 
 
-def _measurement(server: str, batch: str, rps: float, p99: float) -> peers.Measurement:
-    m = peers.Measurement("adult", server, batch, "json", 32, 20.0)
+def _measurement(
+    server: str, batch: str, rps: float, p99: float, round_number: int = 1
+) -> peers.Measurement:
+    m = peers.Measurement("adult", server, batch, "json", 32, 20.0, round_number)
     m.rps, m.p99_ms, m.p50_ms, m.samples_per_s = rps, p99, p99 / 2, rps * 2
     return m
 
@@ -75,12 +77,12 @@ def test_report_names_and_pairs_mixed_cells(tmp_path):
     summary = peers.report(tmp_path, measurements, {"one": ""}, {})
     lines = summary.splitlines()
     assert (
-        "| adult | 64 | json | one: `(defaults)` | 1500 | 1000 | 1.5 | 30.0 | 40.0 | 0.75 "
+        "| adult | 64 | json | one: `(defaults)` | 1500 | 1000 | 1.5 | 1.5 | 30.0 | 40.0 | 0.75 "
         "| not met |" in lines
     )
     assert (
-        "| adult | mix 1:6,8:3,64:1 | json | one: `(defaults)` | 5000 | 2000 | 2.5 | 12.0 | 24.0 "
-        "| 0.5 | met |" in lines
+        "| adult | mix 1:6,8:3,64:1 | json | one: `(defaults)` | 5000 | 2000 | 2.5 | 2.5 | 12.0 "
+        "| 24.0 | 0.5 | met |" in lines
     )
     document = json.loads((tmp_path / "peers.json").read_text())
     assert document["goal_met_everywhere"] is False
@@ -89,3 +91,38 @@ def test_report_names_and_pairs_mixed_cells(tmp_path):
     assert csv_lines[0].split(",")[:4] == ["model", "server", "batch", "encoding"]
     assert csv_lines[0].split(",")[-2:] == ["samples_per_s", "error"]
     assert '"1:6,8:3,64:1"' in csv_lines[3]
+
+
+def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0, 1),
+        _measurement("torchserve", "64", 1000.0, 40.0, 1),
+        _measurement("torchserve", "64", 600.0, 50.0, 2),  # round 2 runs in reverse order
+        _measurement("recserve:one", "64", 1800.0, 20.0, 2),
+        _measurement("recserve:one", "64", 2100.0, 25.0, 3),
+        _measurement("torchserve", "64", 1000.0, 60.0, 3),
+    ]
+    measurements[1].failures = 2
+    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    lines = summary.splitlines()
+    # Medians: recserve 1800 req/s, p99 25; TorchServe 1000 req/s, p99 50. Rounds: 1500/1000,
+    # 1800/600, 2100/1000.
+    assert (
+        "| adult | 64 | json | one: `(defaults)` | 1800 | 1000 | 1.8 | 1.5 / 3.0 / 2.1 | 25.0 "
+        "| 50.0 | 0.5 | not met |" in lines
+    )
+    detail = [line for line in lines if line.startswith("| adult | 64 | json | torchserve |")]
+    assert [line.split(" | ")[4:6] for line in detail] == [
+        ["1", "1000"],
+        ["2", "600"],
+        ["3", "1000"],
+    ]
+    combined = peers.combine_rounds([m for m in measurements if m.server == "torchserve"])
+    assert (combined.rps, combined.p99_ms, combined.failures) == (1000.0, 50.0, 2)
+    assert combined.round == 0
+
+
+def test_rounds_are_bounded(capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--out", "x", "--batches", "1", "--rounds", "11"])
+    assert "1..10 rounds" in capsys.readouterr().err
