@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import functools
 import json
 import os
 import shlex
@@ -495,27 +494,30 @@ def measure(
     out: Path,
     metrics_url: str | None = None,
     round_number: int = 1,
+    seconds: float | None = None,
 ) -> Measurement:
+    """One headless locust run of ``seconds`` (default ``args.seconds``) against one server."""
+    seconds = args.seconds if seconds is None else seconds
     sizes = batch.replace(":", "x").replace(",", "-")
     name = f"{model}-{label.replace(':', '-')}-{encoding}-b{sizes}-r{round_number}"
     run = LocustRun(
         users=args.users,
         spawn_rate=args.users,
-        seconds=args.seconds,
+        seconds=seconds,
         classes=[user_class],
         host=host,
         csv_prefix=out / "locust" / name,
         log_path=out / "locust" / f"{name}.log",
         env={**env, "RECSERVE_LT_BATCHES": batch},
     )
-    result = Measurement(model, label, batch, encoding, args.users, args.seconds, round_number)
+    result = Measurement(model, label, batch, encoding, args.users, seconds, round_number)
     before = metric_totals(metrics_url) if metrics_url else {}
     server_cpu = cpu_seconds(server_pid)
     started = time.monotonic()
     locust = run.start()
     locust_cpu, pid = 0.0, locust.pid
     try:
-        while locust.poll() is None and time.monotonic() - started < args.seconds + 60:
+        while locust.poll() is None and time.monotonic() - started < seconds + 60:
             locust_cpu = max(locust_cpu, cpu_seconds(pid))
             time.sleep(0.5)
     finally:
@@ -552,8 +554,9 @@ def measure(
             result.queue_ms_per_request = round(
                 1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
             )
+    run_name = f"r{round_number}" if round_number else "warm-up"
     print(
-        f"  r{round_number} {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} "
+        f"  {run_name} {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} "
         f"{result.rps:9.1f} req/s  "
         f"p50 {result.p50_ms} ms  p99 {result.p99_ms} ms  failures {result.failures}  "
         f"server {result.server_cores} cores  locust {result.locust_cores} cores",
@@ -799,6 +802,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=10.0,
+        help="an unrecorded locust run per server and encoding before a model's first cell "
+        "(0: none; default 10)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -832,13 +842,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600 or not 1 <= args.rounds <= 10:
         parser.error("bounded runs only: 1..512 users, at most 600 s per run, 1..10 rounds")
+    if not 0 <= args.warmup_seconds <= 120:
+        parser.error(f"--warmup-seconds must be within 0..120, got {args.warmup_seconds:g}")
     if not args.batches and not args.mix:
         parser.error("nothing to measure: give --batches or --mix")
     return args
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # unwinds: every server started is stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out = args.out.absolute()
     (out / "locust").mkdir(parents=True, exist_ok=True)
     variants = dict(v.partition("=")[::2] for v in (args.variant or ["default="]))
@@ -857,6 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": args.users,
         "seconds_per_run": args.seconds,
         "rounds": args.rounds,
+        "warmup_seconds_per_server_and_encoding": args.warmup_seconds,
         "batches": batches,
         "encodings": args.encodings,
         "variants": variants,
@@ -940,56 +958,73 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         info.setdefault("cross_check", {}).setdefault(name, {})[encoding] = check
                         print(f"{name}: cross-check {encoding} {check}", flush=True)
+
+                def server_runs(encoding: str) -> list[dict[str, Any]]:
+                    """measure() arguments of every server of a cell in ``encoding``."""
+                    runs = [
+                        dict(
+                            label=f"recserve:{variant}",
+                            host=server.http,
+                            user_class=RECSERVE_USERS[encoding],
+                            server_pid=server.pid,
+                            # /metrics of one process only: skip with --workers > 1
+                            metrics_url=(None if multi_process(variants[variant]) else server.http),
+                        )
+                        for variant, server in servers.items()
+                    ]
+                    if ceiling is not None:
+                        runs.append(
+                            dict(
+                                label="ceiling",
+                                host=ceiling.http,
+                                user_class=RECSERVE_USERS[encoding],
+                                server_pid=ceiling.pid,
+                            )
+                        )
+                    if torchserve is not None:
+                        runs.append(
+                            dict(
+                                label="torchserve",
+                                host=torchserve.inference,
+                                user_class=TORCHSERVE_USERS[encoding],
+                                server_pid=torchserve.process.pid,
+                            )
+                        )
+                    return runs
+
+                common = dict(model=name, env=env, args=args, out=out)
+                if args.warmup_seconds > 0:
+                    # TorchServe's JVM and every server's first code paths warm up under load:
+                    # measured cold, TorchServe's first cell ran at ~55% of its later speed.
+                    for encoding in args.encodings:
+                        for run in server_runs(encoding):
+                            measure(
+                                **run,
+                                **common,
+                                batch=batches[0],
+                                encoding=encoding,
+                                round_number=0,
+                                seconds=args.warmup_seconds,
+                            )
                 for batch in batches:
                     for encoding in args.encodings:
                         # Every server of this cell: the same model, batch size, encoding, load
                         # and output.
-                        cell = functools.partial(
-                            measure,
-                            model=name,
-                            batch=batch,
-                            encoding=encoding,
-                            env=env,
-                            args=args,
-                            out=out,
-                        )
-                        runs = [
-                            dict(
-                                label=f"recserve:{variant}",
-                                host=server.http,
-                                user_class=RECSERVE_USERS[encoding],
-                                server_pid=server.pid,
-                                # /metrics of one process only: skip with --workers > 1
-                                metrics_url=(
-                                    None if multi_process(variants[variant]) else server.http
-                                ),
-                            )
-                            for variant, server in servers.items()
-                        ]
-                        if ceiling is not None:
-                            runs.append(
-                                dict(
-                                    label="ceiling",
-                                    host=ceiling.http,
-                                    user_class=RECSERVE_USERS[encoding],
-                                    server_pid=ceiling.pid,
-                                )
-                            )
-                        if torchserve is not None:
-                            runs.append(
-                                dict(
-                                    label="torchserve",
-                                    host=torchserve.inference,
-                                    user_class=TORCHSERVE_USERS[encoding],
-                                    server_pid=torchserve.process.pid,
-                                )
-                            )
+                        runs = server_runs(encoding)
                         for round_number in range(1, args.rounds + 1):
                             # Odd rounds run the servers in order, even rounds in reverse, so
                             # a drift in the machine's speed does not favour one of them.
                             order = runs if round_number % 2 else runs[::-1]
                             for run in order:
-                                measurements.append(cell(**run, round_number=round_number))
+                                measurements.append(
+                                    measure(
+                                        **run,
+                                        **common,
+                                        batch=batch,
+                                        encoding=encoding,
+                                        round_number=round_number,
+                                    )
+                                )
             finally:
                 for server in servers.values():
                     server.stop()
