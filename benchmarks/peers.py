@@ -11,6 +11,11 @@ closed loop, for ``--seconds`` seconds, one batch size at a time; both users sen
 byte-identical KServe v2 JSON bodies (same pool, same seed). recserve and TorchServe runs
 alternate for every (model, batch size, encoding), so a noisy neighbour hits both alike.
 
+Before a model's first cell every server gets an unrecorded run per encoding
+(``--warmup-seconds``): TorchServe's JVM is much slower cold. ``--rounds N`` measures every
+server of a cell N times, in order on odd rounds and reversed on even ones; the report gives
+the medians and each round's ratio. SIGTERM stops every process started here.
+
 ``--mix SIZE:WEIGHT,...`` (repeatable) adds cells whose requests draw their batch size from
 that mix, as load_tests/ does (``--mix 1:6,8:3,64:1`` is the load tests' default profile);
 their samples/s add up each size's own req/s times that size.

@@ -122,7 +122,21 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
     assert combined.round == 0
 
 
-def test_rounds_are_bounded(capsys):
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rounds", "11"], "1..10 rounds"),
+        (["--rounds", "0"], "1..10 rounds"),
+        (["--warmup-seconds", "-1"], "--warmup-seconds must be within 0..120, got -1"),
+        (["--warmup-seconds", "500"], "--warmup-seconds must be within 0..120, got 500"),
+    ],
+)
+def test_rounds_and_warmup_are_bounded(flags, message, capsys):
     with pytest.raises(SystemExit):
-        peers.parse_args(["--out", "x", "--batches", "1", "--rounds", "11"])
-    assert "1..10 rounds" in capsys.readouterr().err
+        peers.parse_args(["--out", "x", "--batches", "1", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_defaults_warm_up_and_measure_once():
+    args = peers.parse_args(["--out", "x", "--batches", "1"])
+    assert (args.rounds, args.warmup_seconds) == (1, 10.0)
