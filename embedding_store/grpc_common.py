@@ -159,6 +159,10 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     if code == grpc.StatusCode.UNAVAILABLE:
         return UnavailableError(f"{peer} is unavailable: {details}")
+    if code == grpc.StatusCode.CANCELLED:
+        # Our clients never cancel a call whose status they read, so the server did: it was
+        # stopping while the call arrived. Retryable, like UNAVAILABLE.
+        return UnavailableError(f"{peer} cancelled the call (shutting down?): {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"{peer} did not answer within the deadline: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint" in details.lower():
