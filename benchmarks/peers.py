@@ -41,6 +41,10 @@ server on uvicorn can reach here, reported as a ratio to TorchServe next to recs
 measured for every encoding (it drops binary bodies as it drops JSON ones and always answers
 its fixed JSON response).
 
+With ``--model-only-workers N`` (default 0: skip it) every cell also measures the same server
+running the model's dense model on each request's rows and nothing else (``model-only``, see
+benchmarks/ceiling_server.py): what a Python server that runs this model can reach here.
+
 The load generator shares the machine with the servers; its own CPU use is in the report.
 Every process is started here and ended by PID; every run is bounded by ``--seconds``.
 """
@@ -76,6 +80,7 @@ from load_tests import traffic
 from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, subprocess_env
 
 HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
+CEILING_CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"  # benchmarks/ceiling_server.py reads it
 TS_VERSION = "import ts; print(ts.__version__)"
 ADULT_TRAIN = REPO_ROOT / "examples" / "adult_income" / "train.py"
 #: Wire encodings (``--encodings``) -> locust user class against recserve / TorchServe.
@@ -385,7 +390,7 @@ class TorchServe:
 @dataclass
 class Measurement:
     model: str
-    server: str  # "recserve:<variant>", "ceiling" or "torchserve"
+    server: str  # "recserve:<variant>", "ceiling", "model-only" or "torchserve"
     batch: str  # the batch sizes as RECSERVE_LT_BATCHES takes them: "64" or "1:6,8:3,64:1"
     encoding: str  # "json" or "binary" (ENCODINGS)
     users: int
@@ -447,10 +452,12 @@ def samples_per_second(rows: list[dict[str, Any]]) -> float:
 
 @dataclass
 class CeilingServer:
-    """benchmarks/ceiling_server.py under uvicorn (``workers`` processes) on a free port."""
+    """benchmarks/ceiling_server.py under uvicorn (``workers`` processes) on a free port; with
+    a ``checkpoint``, the model-only server of that checkpoint."""
 
     workers: int
     log_path: Path
+    checkpoint: Path | None = None
     process: subprocess.Popen | None = None
     http: str = ""
 
@@ -461,15 +468,18 @@ class CeilingServer:
             str(Path(__file__).resolve().parent), "--host", "127.0.0.1", "--port", str(port),
             "--workers", str(self.workers), "--no-access-log", "--log-level", "warning",
         ]  # fmt: skip
+        env = dict(os.environ)
+        if self.checkpoint is not None:
+            env[CEILING_CHECKPOINT_ENV] = str(self.checkpoint)
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.http = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ceiling server exited: {self.log_path.read_text()[-2000:]}")
             try:
-                http_json(f"{self.http}/v2/models/model/infer", b"{}", timeout=2.0)
+                http_json(f"{self.http}/v2/live", None, timeout=2.0)
                 return self
             except OSError:
                 time.sleep(0.2)
@@ -644,6 +654,46 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(a / b, 2)
 
 
+#: The reference servers of benchmarks/ceiling_server.py, as report tables name them.
+REFERENCES = {"ceiling": "no-work ceiling", "model-only": "model-only"}
+
+
+def reference_table(by_key: dict[tuple[str, str, str, str], Measurement]) -> list[str]:
+    """Markdown lines comparing each cell's reference servers (``REFERENCES``) with TorchServe
+    and with the best recserve variant of the cell (median req/s); none if none was measured."""
+    cells = list(dict.fromkeys(
+        (m.model, m.batch, m.encoding) for m in by_key.values() if m.server in REFERENCES
+    ))  # fmt: skip
+    if not cells:
+        return []
+    measured = [label for label in REFERENCES if any(key[1] == label for key in by_key)]
+    header = "| model | batch | encoding |"
+    for label in measured:
+        name = REFERENCES[label]
+        header += f" {name} req/s | {name} / TorchServe | best recserve / {name} |"
+    lines = ["", header, "|---|---:|---|" + "---:|---:|---:|" * len(measured)]
+    for model, batch, encoding in cells:
+        peer = by_key.get((model, "torchserve", batch, encoding))
+        best = max(
+            (m.rps for m in by_key.values()
+             if m.server.startswith("recserve:") and (m.model, m.batch, m.encoding)
+             == (model, batch, encoding)),
+            default=None,
+        )  # fmt: skip
+        line = f"| {model} | {batch_label(batch)} | {encoding} |"
+        for label in measured:
+            reference = by_key.get((model, label, batch, encoding))
+            if reference is None:
+                line += " - | - | - |"
+                continue
+            line += (
+                f" {reference.rps:.0f} | {ratio(reference.rps, peer.rps if peer else None)} | "
+                f"{ratio(best, reference.rps)} |"
+            )
+        lines.append(line)
+    return lines
+
+
 def report(
     out: Path,
     measurements: list[Measurement],
@@ -692,26 +742,7 @@ def report(
             f"{m.p99_ms} | "
             f"{peer.p99_ms if peer else '-'} | {p99_ratio} | {'met' if met else 'not met'} |"
         )
-    ceilings = [m for m in by_key.values() if m.server == "ceiling"]
-    if ceilings:
-        lines += [
-            "",
-            "| model | batch | encoding | no-work ceiling req/s | ceiling / TorchServe | "
-            "best recserve / ceiling |",
-            "|---|---:|---|---:|---:|---:|",
-        ]
-    for c in ceilings:
-        peer = by_key.get((c.model, "torchserve", c.batch, c.encoding))
-        cell = (c.model, c.batch, c.encoding)
-        best = max(
-            (m.rps for m in by_key.values()
-             if m.server.startswith("recserve:") and (m.model, m.batch, m.encoding) == cell),
-            default=None,
-        )  # fmt: skip
-        lines.append(
-            f"| {c.model} | {c.batch_label} | {c.encoding} | {c.rps:.0f} | "
-            f"{ratio(c.rps, peer.rps if peer else None)} | {ratio(best, c.rps)} |"
-        )
+    lines += reference_table(by_key)
     lines += [
         "",
         "| model | batch | encoding | server | round | req/s | samples/s | p50 ms | p99 ms | "
@@ -844,9 +875,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="uvicorn processes of the no-work ceiling server (0: skip it)",
     )
+    parser.add_argument(
+        "--model-only-workers",
+        type=int,
+        default=0,
+        help="uvicorn processes of the model-only server, which runs the dense model per "
+        "request and nothing else (0, the default: skip it)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600 or not 1 <= args.rounds <= 10:
         parser.error("bounded runs only: 1..512 users, at most 600 s per run, 1..10 rounds")
+    for flag, workers in (("--ceiling-workers", args.ceiling_workers),
+                          ("--model-only-workers", args.model_only_workers)):  # fmt: skip
+        if not 0 <= workers <= 8:
+            parser.error(f"{flag} must be within 0..8, got {workers}")
     if not 0 <= args.warmup_seconds <= 120:
         parser.error(f"--warmup-seconds must be within 0..120, got {args.warmup_seconds:g}")
     if not args.batches and not args.mix:
@@ -890,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch_delay_ms": args.ts_max_batch_delay_ms,
         },
         "ceiling_workers": args.ceiling_workers,
+        "model_only_workers": args.model_only_workers,
         "checkpoints": {k: str(v) for k, v in checkpoints.items()},
     }
     torchserve: TorchServe | None = None
@@ -926,11 +969,15 @@ def main(argv: list[str] | None = None) -> int:
                 torchserve = None
         for name, checkpoint in checkpoints.items():
             servers: dict[str, ServeProcess] = {}
-            ceiling: CeilingServer | None = None
+            ceilings: dict[str, CeilingServer] = {}
             try:
                 if args.ceiling_workers > 0:
-                    ceiling = CeilingServer(
+                    ceilings["ceiling"] = CeilingServer(
                         args.ceiling_workers, out / f"ceiling-{name}.log"
+                    ).start()
+                if args.model_only_workers > 0:
+                    ceilings["model-only"] = CeilingServer(
+                        args.model_only_workers, out / f"model-only-{name}.log", checkpoint
                     ).start()
                 for variant, flags in variants.items():
                     servers[variant] = ServeProcess(
@@ -977,15 +1024,15 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         for variant, server in servers.items()
                     ]
-                    if ceiling is not None:
-                        runs.append(
-                            dict(
-                                label="ceiling",
-                                host=ceiling.http,
-                                user_class=RECSERVE_USERS[encoding],
-                                server_pid=ceiling.pid,
-                            )
+                    runs += [
+                        dict(
+                            label=label,
+                            host=ceiling.http,
+                            user_class=RECSERVE_USERS[encoding],
+                            server_pid=ceiling.pid,
                         )
+                        for label, ceiling in ceilings.items()
+                    ]
                     if torchserve is not None:
                         runs.append(
                             dict(
@@ -1033,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for server in servers.values():
                     server.stop()
-                if ceiling is not None:
+                for ceiling in ceilings.values():
                     ceiling.stop()
     finally:
         if torchserve is not None:

@@ -129,6 +129,8 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
         (["--rounds", "0"], "1..10 rounds"),
         (["--warmup-seconds", "-1"], "--warmup-seconds must be within 0..120, got -1"),
         (["--warmup-seconds", "500"], "--warmup-seconds must be within 0..120, got 500"),
+        (["--ceiling-workers", "9"], "--ceiling-workers must be within 0..8, got 9"),
+        (["--model-only-workers", "-1"], "--model-only-workers must be within 0..8, got -1"),
     ],
 )
 def test_rounds_and_warmup_are_bounded(flags, message, capsys):
@@ -140,3 +142,36 @@ def test_rounds_and_warmup_are_bounded(flags, message, capsys):
 def test_defaults_warm_up_and_measure_once():
     args = peers.parse_args(["--out", "x", "--batches", "1"])
     assert (args.rounds, args.warmup_seconds) == (1, 10.0)
+    assert (args.ceiling_workers, args.model_only_workers) == (2, 0)
+
+
+def test_reference_servers_are_compared_with_torchserve_and_the_best_recserve(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0),
+        _measurement("recserve:workers2", "64", 1800.0, 35.0),
+        _measurement("ceiling", "64", 9000.0, 10.0),
+        _measurement("model-only", "64", 2400.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 50.0),
+        _measurement("recserve:one", "1", 6000.0, 10.0),
+        _measurement("model-only", "1", 3000.0, 12.0),
+        _measurement("torchserve", "1", 2000.0, 30.0),
+    ]
+    lines = peers.report(tmp_path, measurements, {"one": "", "workers2": ""}, {}).splitlines()
+    header = lines.index(
+        "| model | batch | encoding | no-work ceiling req/s | no-work ceiling / TorchServe | "
+        "best recserve / no-work ceiling | model-only req/s | model-only / TorchServe | "
+        "best recserve / model-only |"
+    )
+    assert lines[header + 2 : header + 4] == [
+        "| adult | 64 | json | 9000 | 9.0 | 0.2 | 2400 | 2.4 | 0.75 |",
+        "| adult | 1 | json | - | - | - | 3000 | 1.5 | 2.0 |",
+    ]
+
+
+def test_no_reference_table_without_reference_servers(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 50.0),
+    ]
+    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    assert "no-work ceiling" not in summary and "model-only" not in summary
