@@ -7,14 +7,15 @@ response: no JSON decoding, validation, batching, embedding lookup or model. Its
 therefore what uvicorn (uvloop + httptools) alone reaches under this load generator on this
 machine, an upper bound for recserve or any other server written in Python on uvicorn.
 
-With ``RECSERVE_CEILING_CHECKPOINT=DIR`` set it is the *model-only* server instead: every
-request also runs DIR's dense model (TorchScript, one torch thread, sigmoid output as peers.py
-serves it) on as many rows as the request's first ``"shape"`` gives. The embeddings of those
-rows are looked up once, at the first request of that size, so a request costs uvicorn plus
-the dense model's forward and nothing else: no decoding, no validation, no lookup, no merging
-of requests. At batch sizes where a model call per request is as efficient as a merged one
-(64 rows: ~10% dearer than 1024 on this machine's MLP), its req/s is what a Python server that
-runs this model can reach here. peers.py starts it with ``--model-only-workers``.
+With ``RECSERVE_CEILING_CHECKPOINT=DIR`` set it is the *model-only* server instead: it also
+pays for DIR's dense model (TorchScript, one torch thread, sigmoid output as peers.py serves
+it) as a server that merges requests would. It counts each request's rows (the first input's
+``"shape"``) and, for every ``MERGED_ROWS`` rows counted, runs the model once on
+``MERGED_ROWS`` rows (recserve's ``--max-batch-size`` in peers.py) whose embeddings were
+looked up once at start-up. Nothing else: no decoding, no validation, no lookup, no queue.
+Its req/s is thus what a Python server on uvicorn that runs this model on merged batches can
+reach here, at most; its latencies mean nothing (answers never wait for the model).
+peers.py starts it with ``--model-only-workers``.
 
 Run by hand: ``python -m uvicorn ceiling_server:app --app-dir benchmarks --port 8000``.
 """
@@ -33,6 +34,8 @@ from typing import Any
 CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"
 #: The most rows one request may ask the model-only server for.
 MAX_ROWS = 4096
+#: Rows per dense-model call of the model-only server: recserve's --max-batch-size in peers.py.
+MERGED_ROWS = 1024
 #: ``"shape":[N`` of the first input: both KServe v2 encodings start with the JSON header.
 _FIRST_SHAPE = re.compile(rb'"shape"\s*:\s*\[\s*(\d{1,6})')
 
@@ -93,9 +96,9 @@ _ERROR_HEADERS = [
 
 
 class ModelOnly:
-    """A checkpoint's dense model, run on ``rows`` rows whose embeddings were looked up once."""
+    """A checkpoint's dense model, paid for per request as if requests were merged."""
 
-    def __init__(self, checkpoint: str) -> None:
+    def __init__(self, checkpoint: str, merged_rows: int = MERGED_ROWS) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import torch
 
@@ -109,7 +112,11 @@ class ModelOnly:
                 f"model-only server: the first input {first.name!r} is a list of IDs, so its "
                 "shape does not give the batch size"
             )
-        self._inputs: dict[int, tuple[Any, Any]] = {}
+        batch = self.model.example_batch(merged_rows)
+        self._merged = (batch, self.model.lookup(batch)[0])
+        self.merged_rows = merged_rows
+        self.pending_rows = 0  # counted, not yet paid for
+        self.calls = 0
 
     @staticmethod
     def rows_of(body: bytes) -> int | None:
@@ -119,12 +126,13 @@ class ModelOnly:
         return rows if 1 <= rows <= MAX_ROWS else None
 
     def run(self, rows: int) -> None:
-        """One forward of the dense model over ``rows`` rows: float32 [rows, 1], dropped."""
-        inputs = self._inputs.get(rows)
-        if inputs is None:
-            batch = self.model.example_batch(rows)
-            inputs = self._inputs[rows] = (batch, self.model.lookup(batch)[0])
-        self.model.forward(*inputs)
+        """Count ``rows``; for every ``merged_rows`` counted, one forward of the dense model
+        over ``merged_rows`` rows (its float32 [merged_rows, 1] answer is dropped)."""
+        self.pending_rows += rows
+        while self.pending_rows >= self.merged_rows:
+            self.model.forward(*self._merged)
+            self.pending_rows -= self.merged_rows
+            self.calls += 1
 
 
 _model_only = ModelOnly(os.environ[CHECKPOINT_ENV]) if os.environ.get(CHECKPOINT_ENV) else None

@@ -42,8 +42,9 @@ measured for every encoding (it drops binary bodies as it drops JSON ones and al
 its fixed JSON response).
 
 With ``--model-only-workers N`` (default 0: skip it) every cell also measures the same server
-running the model's dense model on each request's rows and nothing else (``model-only``, see
-benchmarks/ceiling_server.py): what a Python server that runs this model can reach here.
+paying for the model's dense model as if requests were merged into calls of 1024 rows, and for
+nothing else (``model-only``, see benchmarks/ceiling_server.py): at most what a Python server
+on uvicorn that runs this model can reach here. Its latencies mean nothing.
 
 The load generator shares the machine with the servers; its own CPU use is in the report.
 Every process is started here and ended by PID; every run is bounded by ``--seconds``.
@@ -879,8 +880,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model-only-workers",
         type=int,
         default=0,
-        help="uvicorn processes of the model-only server, which runs the dense model per "
-        "request and nothing else (0, the default: skip it)",
+        help="uvicorn processes of the model-only server, which pays for the dense model on "
+        "merged batches and for nothing else (0, the default: skip it)",
     )
     args = parser.parse_args(argv)
     if not 1 <= args.users <= 512 or not 0 < args.seconds <= 600 or not 1 <= args.rounds <= 10:

@@ -86,23 +86,25 @@ def _request(rows: int) -> bytes:
     return traffic.encode_kserve_json({"workclass": np.arange(rows, dtype=np.int64)})
 
 
-def test_model_only_runs_the_dense_model_on_each_requests_rows(adult_checkpoint):
-    server = ceiling_server.ModelOnly(str(adult_checkpoint))
-    seen: list[np.ndarray] = []
+def test_model_only_pays_one_model_call_per_merged_batch_of_rows(adult_checkpoint):
+    server = ceiling_server.ModelOnly(str(adult_checkpoint), merged_rows=8)
+    outputs: list[np.ndarray] = []
     forward = server.model.forward
 
     def recording_forward(batch, lookup):
-        seen.append(forward(batch, lookup))
-        return seen[-1]
+        outputs.append(forward(batch, lookup))
+        return outputs[-1]
 
     server.model.forward = recording_forward
     server.run(5)
-    server.run(5)
-    server.run(2)
-    assert [output.shape for output in seen] == [(5, 1), (5, 1), (2, 1)]
-    assert all(((output > 0) & (output < 1)).all() for output in seen)  # sigmoid
-    assert sorted(server._inputs) == [2, 5]  # looked up once per batch size
-    np.testing.assert_array_equal(seen[0], seen[1])
+    assert (outputs, server.pending_rows) == ([], 5)
+    server.run(5)  # 10 rows: one call of 8, 2 rows left
+    assert (len(outputs), server.pending_rows) == (1, 2)
+    server.run(14)  # 16 rows: two calls, none left
+    assert (len(outputs), server.pending_rows, server.calls) == (3, 0, 3)
+    assert all(output.shape == (8, 1) for output in outputs)
+    assert all(((output > 0) & (output < 1)).all() for output in outputs)  # sigmoid
+    np.testing.assert_array_equal(outputs[0], outputs[2])  # the same rows every call
 
 
 def test_model_only_server_answers_and_refuses_a_body_without_a_batch_size(
