@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-#: Set to a checkpoint directory to run its dense model per request (the model-only server).
+#: A checkpoint directory: the server then pays for its dense model (the model-only server).
 CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"
 #: The most rows one request may ask the model-only server for.
 MAX_ROWS = 4096
