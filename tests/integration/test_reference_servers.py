@@ -62,7 +62,8 @@ def _start(checkpoint: Path | None) -> tuple[subprocess.Popen, str]:
                 return process, url
         except OSError:
             time.sleep(0.2)
-    process.kill()
+    process.kill()  # the server this helper started, by its own handle
+    process.wait(timeout=30)
     raise AssertionError("the server did not answer within 90 s")
 
 
