@@ -42,3 +42,18 @@ def test_rows_come_from_the_first_inputs_shape_in_both_encodings():
 )
 def test_a_body_without_a_usable_batch_size_has_none(body):
     assert ceiling_server.ModelOnly.rows_of(body) is None
+
+
+def test_a_model_whose_first_input_is_a_list_of_ids_is_refused_at_start(monkeypatch):
+    from embedding_store.signature import FeatureSignature, IdFeatureSpec
+    from serving import model as serving_model
+
+    class ListFirstModel:
+        signature = FeatureSignature(
+            id_features=(IdFeatureSpec("history", False), IdFeatureSpec("user", True)),
+            non_id_features=(),
+        )
+
+    monkeypatch.setattr(serving_model, "load_model", lambda *args, **kwargs: ListFirstModel())
+    with pytest.raises(ValueError, match="the first input 'history' is a list of IDs"):
+        ceiling_server.ModelOnly("unused")
