@@ -36,6 +36,7 @@ import orjson
 
 from embedding_store.errors import CapacityError, InvalidArgumentError
 from serving.core import KSERVE_DTYPES, ModelMetadata, Prediction, ServerMetadata, TensorSpec
+from serving.json_arrays import LARGE_BODY_BYTES, parse_number_arrays
 from serving.proto import V2
 
 #: Header of the HTTP binary tensor extension: byte length of the JSON part of the body.
@@ -285,7 +286,28 @@ class JsonTensors(_LazyTensors):
         }
 
     def __repr__(self) -> str:
-        return f"JsonTensors({list(self._entries)})"
+        return f"{type(self).__name__}({list(self._entries)})"
+
+
+class ArrayJsonTensors(JsonTensors):
+    """The inputs of a large plain JSON body whose ``data`` simdjson parsed straight into
+    arrays (:func:`serving.json_arrays.parse_number_arrays`): in :attr:`raw_entries` each
+    ``data`` is a flat read-only int64 or float64 array instead of a list.
+
+    :func:`serving.tensors.tensors_to_batch` reads the raw entries. Any other use decodes the
+    body again with orjson, as :func:`decode_http_request` does a body simdjson does not take,
+    and converts every input from that: the same arrays, and the same first error.
+    """
+
+    __slots__ = ("_body",)
+
+    def __init__(self, entries: dict[str, dict[str, Any]], body: bytes) -> None:
+        super().__init__(entries)
+        self._body = body
+
+    def _convert(self) -> dict[str, np.ndarray]:
+        inputs = _decode_json_request(self._body, None).inputs
+        return inputs.materialize() if isinstance(inputs, _LazyTensors) else dict(inputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,6 +641,15 @@ def decode_http_request(body: bytes, header_length: object = None) -> InferReque
 
 def _decode_http_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`decode_http_request` once the header length (``json_size``) is checked."""
+    if json_size is None and len(body) >= LARGE_BODY_BYTES:
+        entries = parse_number_arrays(body)
+        if entries is not None:  # {"inputs": [...]} only: what orjson's route gives it
+            return InferRequest(inputs=ArrayJsonTensors(entries, body), parameters={})
+    return _decode_json_request(body, json_size)
+
+
+def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
+    """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
     header = parse_json(view[:json_size] if json_size is not None else body)
     if not isinstance(header, dict):

@@ -35,7 +35,7 @@ from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFea
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from examples.adult_income import features
-from serving import tensors
+from serving import json_arrays, tensors
 from serving.infer_ctx import InferCtx
 
 ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
@@ -242,6 +242,58 @@ def test_every_route_matches_offline_inferctx(
     changed = grpc_client.infer(MODEL, triton_inputs(grpcclient, rolled)).as_numpy("prediction")
     np.testing.assert_allclose(changed, offline.forward(changed_batch), rtol=0, atol=ATOL)
     assert np.abs(changed - expected).max() > 1e-3
+
+
+def _large_json_request(arrays: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray]]:
+    """A KServe v2 JSON body of ``arrays`` repeated until the body is large enough for the
+    simdjson route (IDs as INT64, as clients send them), and the arrays it holds."""
+    for copies in range(1, 1000):
+        tiled = {
+            name: np.concatenate(
+                [array.astype(np.int64) if array.dtype == np.uint64 else array] * copies
+            )
+            for name, array in arrays.items()
+        }
+        body = json.dumps(kserve_json(tiled)).encode()
+        if len(body) >= json_arrays.LARGE_BODY_BYTES:
+            return body, tiled
+    raise AssertionError("the body never reached LARGE_BODY_BYTES")
+
+
+def test_large_json_bodies_answer_as_the_binary_extension(served, batch, http_client):
+    small_ids = {  # below 2**63: INT64 in JSON
+        name: array % 1000 if array.dtype == np.uint64 else array
+        for name, array in batch_arrays(batch).items()
+    }
+    body, arrays = _large_json_request(small_ids)
+    assert json_arrays.parse_number_arrays(body) is not None  # the route under test
+    status, answer = request(
+        served.http_url,
+        "POST",
+        f"/v2/models/{MODEL}/infer",
+        body,
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200, answer
+    binary = http_client.infer(
+        MODEL,
+        triton_inputs(httpclient, arrays, binary_data=True),
+        outputs=[httpclient.InferRequestedOutput("prediction", binary_data=True)],
+    ).as_numpy("prediction")
+    assert binary.shape == (len(arrays["race"]), 1)
+    np.testing.assert_array_equal(json_prediction(json.loads(answer)), binary)
+
+    # A negative ID in a large body: a 400 naming the input, and the server goes on.
+    document = json.loads(body)
+    document["inputs"][1]["data"][3] = -5
+    status, refused = request(
+        served.http_url, "POST", f"/v2/models/{MODEL}/infer", json.dumps(document).encode()
+    )
+    name = document["inputs"][1]["name"]
+    assert_error(status, refused, 400, f"input {name!r}: IDs must be non-negative, got -5")
+    status, again = request(served.http_url, "POST", f"/v2/models/{MODEL}/infer", body)
+    assert status == 200
+    np.testing.assert_array_equal(json_prediction(json.loads(again)), binary)
 
 
 # --------------------------------------------------------------------------- 2. tritonclient
