@@ -146,13 +146,23 @@ def _assert_same_outcome(
 ) -> Batch | Exception:
     expected = _outcome(lambda: _eager_batch(signature, body, max_batch_size))
     got = _outcome(lambda: _lazy_batch(signature, body, max_batch_size))
+    _assert_outcomes_equal(got, expected)
+    return got
+
+
+def _assert_outcomes_equal(got: Batch | Exception, expected: Batch | Exception) -> None:
+    """Equal batches, or exceptions of the same type and message."""
     if isinstance(expected, Exception):
         assert type(got) is type(expected), (got, expected)
         assert str(got) == str(expected)
     else:
         assert isinstance(got, Batch), got
         _assert_batches_equal(got, expected)
-    return got
+
+
+def _request_options(request: codec.InferRequest) -> tuple[Any, ...]:
+    """Everything a decoded request holds besides its inputs."""
+    return (request.id, request.parameters, request.outputs, request.binary_output, request.timeout)
 
 
 # --------------------------------------------------------------------------- equivalence
@@ -650,13 +660,7 @@ def test_request_options_are_decoded_as_before():
     lazy = codec.decode_http_request(body)
     eager = codec.decode_http_request(body, str(len(body)))
     assert isinstance(lazy.inputs, codec.JsonTensors)
-    assert (lazy.id, lazy.parameters, lazy.outputs, lazy.binary_output, lazy.timeout) == (
-        eager.id,
-        eager.parameters,
-        eager.outputs,
-        eager.binary_output,
-        eager.timeout,
-    )
+    assert _request_options(lazy) == _request_options(eager)
 
 
 # --------------------------------------------------------------------------- JsonTensors
