@@ -40,7 +40,8 @@ except ImportError:  # pragma: no cover - pysimdjson is a dependency; without it
 
 #: Plain JSON bodies from this size on take :func:`parse_number_arrays`. Measured with the
 #: load tests' synthetic model (27 inputs), req/s of one server process under load against
-#: orjson's route: 7.7 KB bodies (16 rows) -7%, 14 KB (32 rows) +4-10%, 26 KB (64 rows) +18%.
+#: orjson's route: 7.7 KB bodies (16 rows) -3 to -11%, 14 KB (32 rows) +4 to +10%, 26 KB
+#: (64 rows) +18%.
 LARGE_BODY_BYTES = 12 * 1024
 
 _INTEGER_DATATYPES = frozenset(("INT64", "UINT64", "INT32"))
