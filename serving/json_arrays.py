@@ -56,6 +56,9 @@ _TENSOR_KEYS = 4  # name, datatype, shape, data
 # (UnicodeDecodeError is a ValueError); RuntimeError if a parser is reused too early.
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, RuntimeError)
 
+_OBJECT = simdjson.Object if simdjson is not None else None
+_ARRAY = simdjson.Array if simdjson is not None else None
+
 _local = threading.local()  # a simdjson.Parser per thread: parsers are not thread-safe
 
 
@@ -91,15 +94,17 @@ def parse_number_arrays(body: bytes) -> dict[str, dict[str, Any]] | None:
 
 def _parse(body: bytes) -> dict[str, dict[str, Any]] | None:
     document = _parser().parse(body)
-    if type(document) is not simdjson.Object or len(document) != 1:
+    if type(document) is not _OBJECT or len(document) != 1:
         return None
     tensors = document["inputs"]  # KeyError: the only key is another one
-    if type(tensors) is not simdjson.Array or not len(tensors):
+    if type(tensors) is not _ARRAY or not len(tensors):
         return None
     entries: dict[str, dict[str, Any]] = {}
+    integer_names: list[str] = []
+    integer_buffers: list[Any] = []
     for tensor in tensors:
         # Four keys, all four found: none is given twice (simdjson keeps duplicates).
-        if type(tensor) is not simdjson.Object or len(tensor) != _TENSOR_KEYS:
+        if type(tensor) is not _OBJECT or len(tensor) != _TENSOR_KEYS:
             return None
         name = tensor["name"]
         datatype = tensor["datatype"]
@@ -107,20 +112,30 @@ def _parse(body: bytes) -> dict[str, dict[str, Any]] | None:
         values = tensor["data"]
         if type(name) is not str or name in entries or type(datatype) is not str:
             return None
-        if type(values) is not simdjson.Array:
+        if type(values) is not _ARRAY or type(shape) is not _ARRAY:
             return None
-        if type(shape) is not simdjson.Array:
-            return None
+        entry = {"name": name, "datatype": datatype, "shape": shape.as_list(), "data": None}
+        entries[name] = entry
         if datatype in _INTEGER_DATATYPES:
-            data = np.frombuffer(values.as_buffer(of_type="i"), dtype=_INT64)
+            integer_names.append(name)
+            integer_buffers.append(values.as_buffer(of_type="i"))
         elif datatype in _FLOAT_DATATYPES:
             data = np.frombuffer(values.as_buffer(of_type="d"), dtype=_FLOAT64)
             if data.size and not (
                 data.max() < _EXACT_FLOAT_LIMIT and data.min() > -_EXACT_FLOAT_LIMIT
             ):
                 return None
+            data.setflags(write=False)
+            entry["data"] = data
         else:
             return None
-        data.setflags(write=False)
-        entries[name] = {"name": name, "datatype": datatype, "shape": shape.as_list(), "data": data}
+    if integer_buffers:
+        # One array for every integer input (a view each): np.frombuffer costs ~0.7 us a
+        # call, a slice ~0.1 us. The bytes object it views is our own, hence read-only.
+        integers = np.frombuffer(b"".join(integer_buffers), dtype=_INT64)
+        start = 0
+        for name, buffer in zip(integer_names, integer_buffers):
+            end = start + memoryview(buffer).nbytes // _INT64.itemsize
+            entries[name]["data"] = integers[start:end]
+            start = end
     return entries
