@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from embedding_store.cli_types import positive_float, positive_int
+from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -48,6 +48,14 @@ def register(subparsers) -> None:
         choices=["identity", "sigmoid"],
         default="identity",
         help="applied to the dense model's output (sigmoid turns logits into probabilities)",
+    )
+    parser.add_argument(
+        "--onednn-min-rows",
+        type=non_negative_int,
+        default=256,
+        help="merged batches of at least N rows run the dense model's linear layers as oneDNN "
+        "kernels (prepacked weights, fused ReLU), once they match the model as loaded; faster "
+        "from ~256 rows, slower for small batches (0: off; default 256)",
     )
     parser.add_argument("--max-body-bytes", type=positive_int, default=64 * 1024 * 1024)
     parser.add_argument(
@@ -100,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             lookup_timeout=args.lookup_timeout,
             fallback_policy=args.fallback_policy,
             output_transform=args.output_transform,
+            onednn_min_rows=args.onednn_min_rows,
             max_body_bytes=args.max_body_bytes,
             watch_seconds=args.watch_seconds,
             admin_token=args.admin_token,

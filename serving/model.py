@@ -100,6 +100,10 @@ class LoadedModel:
         self.owns_tier = owns_tier
         self.output_transform = output_transform
         self.fallback_policy = fallback_policy
+        # The dense model rewritten for oneDNN (serving.onednn_linear), used for merged batches
+        # of at least ``large_batch_rows`` rows; None: every batch runs ``dense``.
+        self.large_batch_dense: torch.jit.ScriptModule | None = None
+        self.large_batch_rows = 0
 
     # ------------------------------------------------------------------ inference
     def lookup(self, batch: Batch) -> tuple[LookupResult, int]:
@@ -138,10 +142,106 @@ class LoadedModel:
         ]
         embeddings = [slot.embeddings for slot in lookup.slots]
         with torch.inference_mode():
-            output = self.dense(non_ids, embeddings)
+            output = self._dense_forward(batch.batch_size, non_ids, embeddings)
             if self.output_transform == "sigmoid":
                 output = torch.sigmoid(output)
         return output.detach().to(torch.float32).reshape(batch.batch_size, -1).numpy()
+
+    def _dense_forward(
+        self, rows: int, non_ids: list[torch.Tensor], embeddings: list[torch.Tensor]
+    ) -> torch.Tensor:
+        large = self.large_batch_dense
+        if large is None or rows < self.large_batch_rows:
+            return self.dense(non_ids, embeddings)
+        try:
+            return large(non_ids, embeddings)
+        except Exception:  # RuntimeError from a kernel, torch.jit.Error from the interpreter
+            # It matched the loaded model at load time, so this is a case the check did not
+            # cover: keep serving on the loaded model, which decides what the answer is.
+            log.exception(
+                "model %s version %s: the oneDNN dense model failed on %d rows; every batch "
+                "runs the model as loaded from now on",
+                self.name,
+                self.version,
+                rows,
+            )
+            self.large_batch_dense = None
+            return self.dense(non_ids, embeddings)
+
+    def use_onednn_for_large_batches(self, min_rows: int) -> bool:
+        """Run merged batches of at least ``min_rows`` rows on the dense model rewritten for
+        oneDNN (:mod:`serving.onednn_linear`), once it gives the loaded model's outputs on random
+        inputs of two sizes. Returns whether it is in use; when it is not, a log line says why
+        and every batch runs the model as loaded."""
+        from serving import onednn_linear
+
+        if min_rows <= 0:
+            return False
+        if not onednn_linear.onednn_available():
+            log.info("model %s: this torch build has no oneDNN linear kernels", self.name)
+            return False
+        try:
+            rewritten, layers = onednn_linear.rewrite_linear_layers(self.dense)
+        except RuntimeError as error:
+            log.warning(
+                "model %s: the dense model cannot be rewritten for oneDNN: %s", self.name, error
+            )
+            return False
+        if layers == 0:
+            log.info("model %s: the dense model has no linear layers to run on oneDNN", self.name)
+            return False
+        for rows in (min_rows, min_rows + 37):  # two sizes: oneDNN picks kernels per shape
+            non_ids, embeddings = self._random_dense_inputs(rows)
+            with torch.inference_mode():
+                try:
+                    loaded = self.dense(non_ids, embeddings)
+                except Exception as error:  # the loaded model's own fault: infer reports it
+                    log.warning(
+                        "model %s: the dense model fails on %d rows: %s", self.name, rows, error
+                    )
+                    return False
+                try:
+                    output = rewritten(non_ids, embeddings)
+                except Exception as error:
+                    log.warning(
+                        "model %s: the oneDNN dense model fails on %d rows; not used: %s",
+                        self.name,
+                        rows,
+                        error,
+                    )
+                    return False
+            if not onednn_linear.outputs_match(output, loaded):
+                log.warning(
+                    "model %s: the oneDNN dense model's outputs differ from the loaded model's "
+                    "on %d rows; not used",
+                    self.name,
+                    rows,
+                )
+                return False
+        self.large_batch_dense = rewritten
+        self.large_batch_rows = min_rows
+        log.info(
+            "model %s: %d linear layers run as oneDNN kernels for batches of >= %d rows",
+            self.name,
+            layers,
+            min_rows,
+        )
+        return True
+
+    def _random_dense_inputs(
+        self, rows: int, seed: int = 0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Inputs of the dense model for ``rows`` rows, shaped as served, drawn from N(0, 1)."""
+        batch = self.example_batch(rows)
+        lookup = self.default_lookup(batch)  # shapes only: no call to the embedding tier
+        generator = torch.Generator().manual_seed(seed)
+        non_ids = [
+            torch.randn(np.shape(f.data), generator=generator) for f in batch.non_id_type_features
+        ]
+        embeddings = [
+            torch.randn(slot.embeddings.shape, generator=generator) for slot in lookup.slots
+        ]
+        return non_ids, embeddings
 
     def infer(self, batch: Batch) -> InferenceOutput:
         adopt_torch_threads()
@@ -202,10 +302,14 @@ def load_model(
     fallback_policy: str = "fail",
     lookup_timeout: float = 5.0,
     warm_up: bool = True,
+    onednn_min_rows: int = 256,
 ) -> LoadedModel:
     """Load and verify a checkpoint: dense TorchScript + embeddings (in-process, or already
     served by remote read-only workers when ``embedding_workers`` are given, or by remote
-    read-only shards with the worker core in this process when ``embedding_ps`` are given)."""
+    read-only shards with the worker core in this process when ``embedding_ps`` are given).
+
+    Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
+    when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off)."""
     manifest = model_checkpoint.read_manifest(checkpoint_dir)
     if manifest.signature is None:
         raise CheckpointError(
@@ -258,6 +362,7 @@ def load_model(
     try:
         if warm_up:
             model.warm_up()
+        model.use_onednn_for_large_batches(onednn_min_rows)
     except BaseException:
         model.close()
         raise

@@ -47,6 +47,7 @@ class ServeOptions:
     lookup_timeout: float = 5.0
     fallback_policy: str = "fail"
     output_transform: str = "identity"
+    onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
     max_body_bytes: int = 64 * 1024 * 1024
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
     admin_token: str | None = None
@@ -99,6 +100,7 @@ class PredictionServer:
             output_transform=o.output_transform,
             fallback_policy=o.fallback_policy,
             lookup_timeout=o.lookup_timeout,
+            onednn_min_rows=o.onednn_min_rows,
         )
 
     def start(self) -> PredictionServer:

@@ -244,6 +244,18 @@ def test_every_route_matches_offline_inferctx(
     assert np.abs(changed - expected).max() > 1e-3
 
 
+def test_large_batches_run_on_onednn_and_answer_as_small_ones(served, batch, offline, grpc_client):
+    """A request of 5 x 64 rows takes the dense model rewritten for oneDNN (batches of 256 rows
+    or more, the default) and answers, row for row, what the model as loaded answers for the
+    64 rows alone."""
+    assert "3 linear layers run as oneDNN kernels for batches of >= 256 rows" in served.log()
+    expected = offline.forward(batch)  # 64 rows: below the threshold, the model as loaded
+    tiled = {name: np.concatenate([array] * 5) for name, array in batch_arrays(batch).items()}
+    result = grpc_client.infer(MODEL, triton_inputs(grpcclient, tiled)).as_numpy("prediction")
+    assert result.shape == (5 * N_ROWS, 1)
+    np.testing.assert_allclose(result, np.concatenate([expected] * 5), rtol=0, atol=ATOL)
+
+
 def _large_json_request(arrays: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray]]:
     """A KServe v2 JSON body of ``arrays`` repeated until the body is large enough for the
     simdjson route (IDs as INT64, as clients send them), and the arrays it holds."""

@@ -1,0 +1,111 @@
+"""The linear layers of a TorchScript dense model as oneDNN kernels, for large merged batches.
+
+Why: torch runs each ``nn.Linear`` on CPU as an MKL GEMM after copying the bias into the output,
+then a separate ReLU pass. oneDNN's linear primitive, with the weight reordered once into its
+own blocked layout and the ReLU fused into it, skips both extra passes. On this project's 2-core
+machine (AMD EPYC, AVX-512) the synthetic DLRM-like model's forward took 10-17% less time at
+256-1024 rows, and more at small batches: 135 against 56 us at 1 row, 465 against 444 us at 64
+(its per-call overhead dominates there). So a server keeps both modules and picks by the merged
+batch's size (:class:`serving.model.LoadedModel`).
+
+The rewrite works on the frozen TorchScript graph, so it needs nothing from the model's Python
+code: every ``aten::linear`` (followed by ``aten::relu`` or not) becomes
+``mkldnn::_linear_pointwise``; a weight that is a constant of the frozen graph is reordered once.
+The caller must check the result against the module as loaded before using it
+(:func:`outputs_match`): only float32 on CPU is meant to take this path.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+#: The batch size oneDNN is told to expect when it reorders a weight (a layout hint only: any
+#: batch size still gives exact results).
+PACKED_FOR_ROWS = 1024
+
+#: How close the rewritten model's float32 outputs must be to the loaded model's. The two sum
+#: the same products in a different order, so they differ by rounding only (~1e-7 measured).
+RTOL = 1e-4
+ATOL = 1e-4
+
+_LINEAR_RELU = """
+graph(%x, %weight, %bias):
+    %y = aten::linear(%x, %weight, %bias)
+    %z = aten::relu(%y)
+    return (%z)"""
+
+_LINEAR = """
+graph(%x, %weight, %bias):
+    %y = aten::linear(%x, %weight, %bias)
+    return (%y)"""
+
+_POINTWISE = """
+graph(%x, %weight, %bias):
+    %attr : str = prim::Constant[value="{attr}"]()
+    %scalars : Scalar?[] = prim::ListConstruct()
+    %algorithm : str? = prim::Constant()
+    %y = mkldnn::_linear_pointwise(%x, %weight, %bias, %attr, %scalars, %algorithm)
+    return (%y)"""
+
+_POINTWISE_OP = "mkldnn::_linear_pointwise"
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and the two operators the rewrite uses."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_linear_pointwise")
+        and hasattr(ops, "_reorder_linear_weight")
+    )
+
+
+def rewrite_linear_layers(
+    module: torch.jit.ScriptModule, packed_for_rows: int = PACKED_FOR_ROWS
+) -> tuple[torch.jit.ScriptModule, int]:
+    """A frozen copy of ``module`` (in eval mode) whose linear layers run as oneDNN kernels,
+    and how many layers were rewritten (0: the copy computes as ``module`` does).
+
+    ``module`` itself is left as it is. Raises ``RuntimeError`` when torch cannot freeze or
+    rewrite it."""
+    with warnings.catch_warnings():  # TorchScript is what checkpoints hold (jit_dense.pt)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        frozen = torch.jit.freeze(module.eval())
+    graph = frozen.graph
+    # Linear + ReLU first, so that the ReLU is fused wherever it directly follows a linear
+    # layer whose output nothing else reads (the rewriter skips matches with outside uses).
+    torch._C._jit_pass_custom_pattern_based_rewrite_graph(
+        _LINEAR_RELU, _POINTWISE.format(attr="relu"), graph
+    )
+    torch._C._jit_pass_custom_pattern_based_rewrite_graph(
+        _LINEAR, _POINTWISE.format(attr="none"), graph
+    )
+    rewritten = 0
+    for node in list(graph.nodes()):
+        if node.kind() != _POINTWISE_OP:
+            continue
+        rewritten += 1
+        weight_node = node.inputsAt(1).node()
+        weight = weight_node.output().toIValue() if weight_node.kind() == "prim::Constant" else None
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue  # computed at run time: oneDNN takes it as it comes
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, packed_for_rows)
+        # Graph.insertConstant refuses oneDNN tensors; a Constant node built by hand holds one.
+        constant = graph.create("prim::Constant")
+        constant.t_("value", packed)
+        constant.output().inferTypeFrom(packed)
+        constant.insertBefore(node)
+        node.replaceInput(1, constant.output())
+    torch._C._jit_pass_dce(graph)
+    return frozen, rewritten
+
+
+def outputs_match(rewritten: torch.Tensor, loaded: torch.Tensor) -> bool:
+    """Whether the rewritten model's output equals the loaded model's up to rounding."""
+    return (
+        rewritten.shape == loaded.shape
+        and rewritten.dtype == loaded.dtype
+        and bool(torch.allclose(rewritten, loaded, rtol=RTOL, atol=ATOL))
+    )

@@ -1,0 +1,275 @@
+"""The dense model's linear layers as oneDNN kernels (serving.onednn_linear) and how a
+:class:`serving.model.LoadedModel` uses them: only for merged batches of at least its row
+threshold, only once they match the model as loaded, and never at the cost of an answer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from embedding_store import model_checkpoint
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.shard import RowBlock
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.worker import LookupResult
+from serving import onednn_linear
+from serving.model import load_model
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear.onednn_available(), reason="this torch build has no oneDNN linear kernels"
+)
+
+DIM = 4
+CONFIG = embedding_config_from_mapping(
+    {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": DIM}, "item": {"dim": DIM}}}
+)
+SIGNATURE = FeatureSignature(
+    (IdFeatureSpec("user", True), IdFeatureSpec("item", True)),
+    (NonIdFeatureSpec("dense", "float32", (3,)),),
+)
+
+
+class Mlp(nn.Module):
+    """Every shape of linear layer the rewrite meets: followed by a ReLU (fused), at the end
+    (not fused), without a bias, and one whose output is also read past its ReLU (a skip
+    connection: the linear layer is rewritten, the ReLU is not fused into it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2 * DIM + 3, 32)
+        self.second = nn.Linear(32, 32, bias=False)
+        self.skip = nn.Linear(32, 32)
+        self.last = nn.Linear(32, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        x = torch.cat(embedding_tensors + non_id_tensors, dim=1)
+        x = torch.relu(self.first(x))
+        x = torch.relu(self.second(x))
+        y = self.skip(x)
+        return self.last(torch.relu(y) + y)
+
+
+class NoLinear(nn.Module):
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return torch.cat(embedding_tensors + non_id_tensors, dim=1).sum(dim=1, keepdim=True)
+
+
+def _inputs(rows: int, seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        [torch.randn(rows, 3, generator=generator)],
+        [torch.randn(rows, DIM, generator=generator) for _ in range(2)],
+    )
+
+
+def _kinds(module: torch.jit.ScriptModule) -> list[str]:
+    return [node.kind() for node in module.graph.nodes()]
+
+
+def _pointwise_attrs(module: torch.jit.ScriptModule) -> list[str]:
+    return [
+        node.inputsAt(3).toIValue()
+        for node in module.graph.nodes()
+        if node.kind() == "mkldnn::_linear_pointwise"
+    ]
+
+
+# ------------------------------------------------------------------------ the rewrite itself
+def test_every_linear_layer_is_rewritten_and_computes_as_before():
+    torch.manual_seed(0)
+    loaded = torch.jit.script(Mlp().eval())
+    rewritten, layers = onednn_linear.rewrite_linear_layers(loaded)
+
+    assert layers == 4
+    assert "aten::linear" not in _kinds(rewritten)
+    # first and second: ReLU fused; skip: its output is read twice, so not; last: none follows
+    assert sorted(_pointwise_attrs(rewritten)) == ["none", "none", "relu", "relu"]
+    assert _kinds(rewritten).count("aten::relu") == 1
+    with torch.inference_mode():
+        for rows in (1, 7, 64, 300):
+            expected = loaded(*_inputs(rows))
+            output = rewritten(*_inputs(rows))
+            assert output.shape == (rows, 1)
+            assert onednn_linear.outputs_match(output, expected)
+            torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loaded_module_is_left_as_it_is():
+    loaded = torch.jit.script(Mlp().eval())
+    before = loaded.code
+    onednn_linear.rewrite_linear_layers(loaded)
+    assert loaded.code == before
+    assert "mkldnn" not in loaded.code
+
+
+def test_a_model_without_linear_layers_is_not_rewritten():
+    rewritten, layers = onednn_linear.rewrite_linear_layers(torch.jit.script(NoLinear()))
+    assert layers == 0
+    assert "mkldnn::_linear_pointwise" not in _kinds(rewritten)
+
+
+def test_outputs_match_is_rounding_only():
+    loaded = torch.tensor([[0.5], [-2.0], [100.0]])
+    assert onednn_linear.outputs_match(loaded + 1e-6, loaded)
+    assert not onednn_linear.outputs_match(loaded + 1e-2, loaded)
+    assert not onednn_linear.outputs_match(loaded.reshape(1, 3), loaded)
+    assert not onednn_linear.outputs_match(loaded.double(), loaded)
+    nan = loaded.clone()
+    nan[1] = float("nan")
+    assert not onednn_linear.outputs_match(nan, loaded)
+
+
+# ------------------------------------------------------------------- a served model using it
+def _checkpoint(directory: Path, module: nn.Module) -> Path:
+    torch.manual_seed(0)
+    tier = InProcessEmbeddingTier(CONFIG, capacity=1000)
+    ids = np.concatenate(
+        [
+            CONFIG.prefix_ids("user", np.arange(50, dtype=np.uint64)),
+            CONFIG.prefix_ids("item", np.arange(50, dtype=np.uint64)),
+        ]
+    )
+    weights = np.random.default_rng(0).normal(size=(ids.size, DIM)).astype(np.float32)
+    tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    model_checkpoint.write_checkpoint(directory, module, None, tier, step=1, signature=SIGNATURE)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return _checkpoint(tmp_path_factory.mktemp("mlp") / "checkpoint", Mlp())
+
+
+def _random_batch(model, rows: int) -> tuple[Batch, LookupResult]:
+    ids = np.arange(rows, dtype=np.uint64) % 50
+    dense = np.random.default_rng(rows).normal(size=(rows, 3)).astype(np.float32)
+    batch = Batch(
+        [IDTypeFeatureWithSingleID("user", ids), IDTypeFeatureWithSingleID("item", ids[::-1])],
+        [NonIDTypeFeature(dense, "dense")],
+        requires_grad=False,
+    )
+    return batch, model.lookup(batch)[0]
+
+
+class Constant(nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return torch.full((non_id_tensors[0].shape[0], 1), self.value)
+
+
+class Failing(nn.Module):
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        raise RuntimeError("oneDNN kernel failed")
+
+
+def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="serving.model"):
+        model = load_model(checkpoint, name="m", onednn_min_rows=16)
+    try:
+        assert model.large_batch_rows == 16
+        assert model.large_batch_dense is not None
+        assert "4 linear layers run as oneDNN kernels for batches of >= 16 rows" in caplog.text
+
+        for rows in (15, 16, 40):  # the real kernels: the loaded model's answers
+            batch, lookup = _random_batch(model, rows)
+            with_onednn = model.forward(batch, lookup)
+            rewritten = model.large_batch_dense
+            model.large_batch_dense = None
+            loaded = model.forward(batch, lookup)
+            model.large_batch_dense = rewritten
+            np.testing.assert_allclose(with_onednn, loaded, rtol=1e-5, atol=1e-5)
+
+        # which module ran: one that answers 7.0 stands in for the rewritten model
+        model.large_batch_dense = torch.jit.script(Constant(7.0))
+        for rows, rewritten_ran in ((1, False), (15, False), (16, True), (40, True)):
+            batch, lookup = _random_batch(model, rows)
+            output = model.forward(batch, lookup)
+            assert output.shape == (rows, 1)
+            assert bool(np.all(output == 7.0)) is rewritten_ran, rows
+    finally:
+        model.close()
+
+
+def test_a_failing_rewritten_model_falls_back_to_the_loaded_one(checkpoint, caplog):
+    model = load_model(checkpoint, name="m", onednn_min_rows=16)
+    try:
+        batch, lookup = _random_batch(model, 20)
+        model.large_batch_dense = None
+        expected = model.forward(batch, lookup)
+
+        model.large_batch_dense = torch.jit.script(Failing())
+        with caplog.at_level(logging.ERROR, logger="serving.model"):
+            output = model.forward(batch, lookup)
+        np.testing.assert_array_equal(output, expected)
+        assert model.large_batch_dense is None  # not tried again
+        assert "the oneDNN dense model failed on 20 rows" in caplog.text
+        np.testing.assert_array_equal(model.forward(batch, lookup), expected)
+    finally:
+        model.close()
+
+
+def test_a_rewrite_that_changes_the_outputs_is_not_used(checkpoint, monkeypatch, caplog):
+    off_by_one = torch.jit.script(Constant(1.0))
+    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", lambda module: (off_by_one, 4))
+    with caplog.at_level(logging.WARNING, logger="serving.model"):
+        model = load_model(checkpoint, name="m", onednn_min_rows=16)
+    try:
+        assert model.large_batch_dense is None
+        assert "outputs differ from the loaded model's on 16 rows; not used" in caplog.text
+    finally:
+        model.close()
+
+
+def test_a_rewrite_that_fails_on_the_check_is_not_used(checkpoint, monkeypatch, caplog):
+    failing = torch.jit.script(Failing())
+    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", lambda module: (failing, 4))
+    with caplog.at_level(logging.WARNING, logger="serving.model"):
+        model = load_model(checkpoint, name="m", onednn_min_rows=16)
+    try:
+        assert model.large_batch_dense is None
+        assert "the oneDNN dense model fails on 16 rows; not used: " in caplog.text
+        assert "oneDNN kernel failed" in caplog.text
+    finally:
+        model.close()
+
+
+def test_zero_rows_turns_it_off_and_a_model_without_linear_layers_keeps_its_own(
+    checkpoint, tmp_path
+):
+    model = load_model(checkpoint, name="m", onednn_min_rows=0)
+    try:
+        assert model.large_batch_dense is None
+    finally:
+        model.close()
+    plain = load_model(_checkpoint(tmp_path / "plain", NoLinear()), name="m", onednn_min_rows=1)
+    try:
+        assert plain.large_batch_dense is None
+    finally:
+        plain.close()
