@@ -70,6 +70,23 @@ class NoLinear(nn.Module):
         return torch.cat(embedding_tensors + non_id_tensors, dim=1).sum(dim=1, keepdim=True)
 
 
+class CrossRow(nn.Module):
+    """Each row's answer depends on the other rows of its batch (centred on the batch mean), so
+    chunks of a batch do not answer as the whole batch does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * DIM + 3, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        y = self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+        return y - y.mean(dim=0, keepdim=True)
+
+
 def _inputs(rows: int, seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return (
@@ -197,7 +214,7 @@ def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplo
         assert model.large_batch_dense is not None
         assert "4 linear layers run as oneDNN kernels for batches of >= 16 rows" in caplog.text
 
-        for rows in (15, 16, 40):  # the real kernels: the loaded model's answers
+        for rows in (15, 16, 40, 48):  # the real kernels: the loaded model's answers
             batch, lookup = _random_batch(model, rows)
             with_onednn = model.forward(batch, lookup)
             rewritten = model.large_batch_dense
@@ -206,13 +223,15 @@ def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplo
             model.large_batch_dense = rewritten
             np.testing.assert_allclose(with_onednn, loaded, rtol=1e-5, atol=1e-5)
 
-        # which module ran: one that answers 7.0 stands in for the rewritten model
+        # which module ran on which rows: one answering 7.0 stands in for the rewritten model;
+        # it takes whole chunks of 16 rows, the loaded model the rest
         model.large_batch_dense = torch.jit.script(Constant(7.0))
-        for rows, rewritten_ran in ((1, False), (15, False), (16, True), (40, True)):
+        for rows, rewritten_rows in ((1, 0), (15, 0), (16, 16), (40, 32), (48, 48)):
             batch, lookup = _random_batch(model, rows)
             output = model.forward(batch, lookup)
             assert output.shape == (rows, 1)
-            assert bool(np.all(output == 7.0)) is rewritten_ran, rows
+            np.testing.assert_array_equal(output[:rewritten_rows], 7.0)
+            assert not np.any(output[rewritten_rows:] == 7.0), rows
     finally:
         model.close()
 
@@ -237,7 +256,9 @@ def test_a_failing_rewritten_model_falls_back_to_the_loaded_one(checkpoint, capl
 
 def test_a_rewrite_that_changes_the_outputs_is_not_used(checkpoint, monkeypatch, caplog):
     off_by_one = torch.jit.script(Constant(1.0))
-    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", lambda module: (off_by_one, 4))
+    monkeypatch.setattr(
+        onednn_linear, "rewrite_linear_layers", lambda module, rows: (off_by_one, 4)
+    )
     with caplog.at_level(logging.WARNING, logger="serving.model"):
         model = load_model(checkpoint, name="m", onednn_min_rows=16)
     try:
@@ -249,7 +270,7 @@ def test_a_rewrite_that_changes_the_outputs_is_not_used(checkpoint, monkeypatch,
 
 def test_a_rewrite_that_fails_on_the_check_is_not_used(checkpoint, monkeypatch, caplog):
     failing = torch.jit.script(Failing())
-    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", lambda module: (failing, 4))
+    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", lambda module, rows: (failing, 4))
     with caplog.at_level(logging.WARNING, logger="serving.model"):
         model = load_model(checkpoint, name="m", onednn_min_rows=16)
     try:
@@ -273,3 +294,13 @@ def test_zero_rows_turns_it_off_and_a_model_without_linear_layers_keeps_its_own(
         assert plain.large_batch_dense is None
     finally:
         plain.close()
+
+
+def test_a_model_whose_rows_depend_on_each_other_is_not_chunked(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="serving.model"):
+        model = load_model(_checkpoint(tmp_path / "cross", CrossRow()), name="m", onednn_min_rows=8)
+    try:
+        assert model.large_batch_dense is None
+        assert "outputs differ from the loaded model's on 53 rows; not used" in caplog.text
+    finally:
+        model.close()
