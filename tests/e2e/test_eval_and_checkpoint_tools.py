@@ -159,7 +159,10 @@ def test_eval_reproduces_training_auc_and_writes_a_report(trained, tmp_path):
     ok(result)
     assert "eval: 16,281 rows" in result.stderr  # the progress line
     data = json.loads((report / "report.json").read_text())
-    assert data["auc"] == pytest.approx(metrics["test_auc"], abs=1e-9)
+    # Batches of 256+ rows run on oneDNN kernels (serving.onednn_linear), which round
+    # differently from the model training evaluated (~1e-7 per prediction): the AUC agrees to
+    # ~1e-8, where another checkpoint would be off by 1e-3 or more.
+    assert data["auc"] == pytest.approx(metrics["test_auc"], abs=1e-6)
     assert data["counts"]["rows"] == TEST_ROWS and data["counts"]["skipped_rows"] == 0
     assert data["counts"]["positives"] + data["counts"]["negatives"] == TEST_ROWS
     assert 0.0 < data["log_loss"] < 0.7
