@@ -23,10 +23,6 @@ from embedding_store.worker import LookupResult
 from serving import onednn_linear
 from serving.model import load_model
 
-pytestmark = pytest.mark.skipif(
-    not onednn_linear.onednn_available(), reason="this torch build has no oneDNN linear kernels"
-)
-
 DIM = 4
 CONFIG = embedding_config_from_mapping(
     {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": DIM}, "item": {"dim": DIM}}}
@@ -302,5 +298,20 @@ def test_a_model_whose_rows_depend_on_each_other_is_not_chunked(tmp_path, caplog
     try:
         assert model.large_batch_dense is None
         assert "outputs differ from the loaded model's on 53 rows; not used" in caplog.text
+    finally:
+        model.close()
+
+
+def test_without_onednn_every_batch_runs_the_loaded_model(checkpoint, monkeypatch, caplog):
+    # The project's pinned torch (2.13.0, CPU) has oneDNN, so every other test here runs the
+    # real kernels and fails, not skips, if it ever lacks them; this one covers other builds.
+    monkeypatch.setattr(onednn_linear, "onednn_available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="serving.model"):
+        model = load_model(checkpoint, name="m", onednn_min_rows=16)
+    try:
+        assert model.large_batch_dense is None
+        assert "this torch build has no oneDNN linear kernels" in caplog.text
+        batch, lookup = _random_batch(model, 40)
+        assert model.forward(batch, lookup).shape == (40, 1)
     finally:
         model.close()
