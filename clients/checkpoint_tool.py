@@ -362,11 +362,11 @@ def _write_resharded_embeddings(
     source: embedding_checkpoint.EmbeddingManifest, target: Path, shards: int
 ) -> embedding_checkpoint.EmbeddingManifest:
     """Write ``source``'s rows as ``shards`` shards into directory ``target`` (which exists)."""
-    optimizer_name = source.optimizer.get("name") if source.optimizer else None
+    saved_optimizer = embedding_checkpoint.optimizer_of(source)  # its state is kept as saved
     entries = []
     for shard in range(shards):
         blocks = embedding_checkpoint.read_rows_for_replica(
-            source, shard, shards, keep_state_of=optimizer_name
+            source, shard, shards, keep_state_of=saved_optimizer
         )
         part = target / f"shard_{shard:05d}"
         part.mkdir(parents=True, exist_ok=True)

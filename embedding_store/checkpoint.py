@@ -40,7 +40,7 @@ from embedding_store.config import (
 )
 from embedding_store.errors import AlreadyExistsError, CheckpointError, RecserveError
 from embedding_store.hashing import shard_of
-from embedding_store.optimizers import optimizer_from_dict
+from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.shard import EmbeddingShard, RowBlock
 
 FORMAT_NAME = "recserve-embedding-checkpoint"
@@ -242,6 +242,10 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
         raise CheckpointError(f"embedding checkpoint {root} has no {MANIFEST_NAME}") from error
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} is malformed: a JSON {type(raw).__name__}, not an object"
+        )
     try:
         if raw.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{root / MANIFEST_NAME} is not a {FORMAT_NAME} manifest")
@@ -326,7 +330,8 @@ def verify(directory: str | os.PathLike) -> EmbeddingManifest:
 
 
 def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> None:
-    """Refuse a checkpoint whose slots would be read with other dims or other ID prefixes."""
+    """Refuse a checkpoint whose slots would be read with other dims, other ID prefixes or
+    other hash stacking."""
     saved = manifest.embedding_config
     problems = []
     for name in config.slot_names:
@@ -342,6 +347,21 @@ def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> No
                 f"slot {name!r} has another ID prefix in the checkpoint (feature groups or "
                 "feature_index_prefix_bit changed)"
             )
+        else:
+            before = saved.slots_config[name].hash_stack_config
+            after = config.slots_config[name].hash_stack_config
+            stacked = before.hash_stack_rounds > 0 or after.hash_stack_rounds > 0
+            if stacked and (before.hash_stack_rounds, before.embedding_size) != (
+                after.hash_stack_rounds,
+                after.embedding_size,
+            ):
+                # Hash stacking maps IDs to rows: other settings would read other rows.
+                problems.append(
+                    f"slot {name!r} has hash_stack_config hash_stack_rounds="
+                    f"{before.hash_stack_rounds}, embedding_size={before.embedding_size} in "
+                    f"the checkpoint but hash_stack_rounds={after.hash_stack_rounds}, "
+                    f"embedding_size={after.embedding_size} in the config"
+                )
     if problems:
         raise CheckpointError(
             f"embedding checkpoint {manifest.directory} does not match the embedding config: "
@@ -366,19 +386,18 @@ def read_rows_for_replica(
     replica_index: int,
     replica_size: int,
     *,
-    keep_state_of: str | None,
+    keep_state_of: Optimizer | None,
     progress: ProgressHook | None = None,
 ) -> list[RowBlock]:
     """Verified rows that replica ``replica_index`` of ``replica_size`` owns, per dim.
 
-    ``keep_state_of``: the optimizer name of the receiving shard; the saved optimizer state is
-    kept only when the checkpoint was written with the same optimizer, else it is dropped
-    (None rows state) and the shard initializes it. ``progress(rows_read, rows_total)`` is
+    ``keep_state_of``: the optimizer of the receiving shard. The saved optimizer state is kept
+    only when it fits that optimizer (see :func:`state_fits`), else it is dropped (None rows
+    state) and the shard initializes it. ``progress(rows_read, rows_total)`` is
     called after each file read, counting the rows of the files this replica reads: its own
     files when the shard count is the same, every file when the rows are re-sharded.
     """
-    saved_name = manifest.optimizer.get("name") if manifest.optimizer else None
-    keep_state = keep_state_of is not None and keep_state_of == saved_name
+    keep_state = state_fits(manifest, keep_state_of)
     same_layout = manifest.num_shards == replica_size
     entries = [e for e in manifest.files if not same_layout or e.shard == replica_index]
     rows_total, rows_read = sum(e.rows for e in entries), 0
@@ -410,6 +429,18 @@ def read_rows_for_replica(
     return blocks
 
 
+def state_fits(manifest: EmbeddingManifest, receiver: Optimizer | None) -> bool:
+    """Whether the checkpoint's optimizer state can be given to ``receiver``: it was written
+    by an optimizer of the same kind, and every file's state has the width ``receiver`` keeps
+    for its dim (Adagrad with and without ``vectorwise_shared`` differ). Hyperparameters such
+    as the learning rate may differ: a resumed run may change them and keep its state."""
+    if receiver is None or not manifest.optimizer:
+        return False
+    if manifest.optimizer.get("name") != receiver.name:
+        return False
+    return all(entry.state_width == receiver.state_width(entry.dim) for entry in manifest.files)
+
+
 def load_into_shard(
     directory: str | os.PathLike,
     shard: EmbeddingShard,
@@ -435,7 +466,7 @@ def load_into_shard(
         manifest,
         replica_index,
         replica_size,
-        keep_state_of=receiver.name if receiver else None,
+        keep_state_of=receiver,
         progress=progress,
     )
     _check_capacity(manifest, shard, blocks)
@@ -458,8 +489,7 @@ def load_embeddings(
     check_compatible(manifest, embedding_config)
     staged = []
     for index, shard in enumerate(shards):
-        optimizer_name = shard.optimizer.name if shard.optimizer else None
-        blocks = read_rows_for_replica(manifest, index, len(shards), keep_state_of=optimizer_name)
+        blocks = read_rows_for_replica(manifest, index, len(shards), keep_state_of=shard.optimizer)
         _check_capacity(manifest, shard, blocks)
         staged.append(blocks)
     for shard, blocks in zip(shards, staged):

@@ -20,6 +20,7 @@ snapshot) that serving reports with every prediction.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -174,6 +175,10 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         raise CheckpointError(f"checkpoint {root} has no {MANIFEST_NAME}") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} is malformed: a JSON {type(raw).__name__}, not an object"
+        )
     try:
         if raw.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{root / MANIFEST_NAME} is not a {FORMAT_NAME} manifest")
@@ -261,7 +266,13 @@ def load_checkpoint(
     load_embeddings: bool = True,
 ) -> CheckpointManifest:
     """Restore dense weights, optimizer state and (unless ``load_embeddings`` is False, e.g.
-    on DDP ranks other than 0 sharing one tier) embeddings; verified before anything moves."""
+    on DDP ranks other than 0 sharing one tier) embeddings.
+
+    The dense files are verified before anything moves; the tier verifies the embeddings
+    before it changes (``EmbeddingTier.load``). Any failure (a corrupt file, a state dict that
+    does not fit the model or the optimizer, a tier that refuses the embeddings) puts the
+    model's weights and the optimizer's state back as they were: all or nothing.
+    """
     manifest = read_manifest(directory)
     state = load_state(manifest, DENSE_FILE)
     optimizer_state = (
@@ -270,19 +281,33 @@ def load_checkpoint(
         else None
     )
     model = model.module if hasattr(model, "module") else model
+    # load_state_dict copies tensor by tensor and reports a mismatch at the end: keep copies.
+    previous_weights = {
+        name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for name, value in model.state_dict().items()
+    }
+    previous_optimizer = (
+        copy.deepcopy(dense_optimizer.state_dict()) if optimizer_state is not None else None
+    )
     try:
-        model.load_state_dict(state)
-    except RuntimeError as error:
-        raise CheckpointError(
-            f"{manifest.directory / DENSE_FILE} does not fit {type(model).__name__}: {error}"
-        ) from None
-    if optimizer_state is not None:
         try:
-            dense_optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError) as error:
+            model.load_state_dict(state)
+        except RuntimeError as error:
             raise CheckpointError(
-                f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
+                f"{manifest.directory / DENSE_FILE} does not fit {type(model).__name__}: {error}"
             ) from None
-    if load_embeddings:
-        tier.load(manifest.embeddings_directory)
+        if optimizer_state is not None:
+            try:
+                dense_optimizer.load_state_dict(optimizer_state)
+            except (ValueError, KeyError) as error:
+                raise CheckpointError(
+                    f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
+                ) from None
+        if load_embeddings:
+            tier.load(manifest.embeddings_directory)
+    except BaseException:
+        model.load_state_dict(previous_weights)
+        if previous_optimizer is not None:
+            dense_optimizer.load_state_dict(previous_optimizer)
+        raise
     return manifest

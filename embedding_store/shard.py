@@ -585,7 +585,8 @@ class EmbeddingShard:
         Allowed on read-only shards. ``block.state`` must have the optimizer's width for the
         block's dim; a block with ``state=None`` (or width 0) gets fresh optimizer state, and
         state is dropped when no optimizer is configured. Imported rows become the most
-        recently used. On an error the shard is unchanged.
+        recently used. On an error the shard's rows and state are unchanged (the rows the
+        block already held may have become the most recently used).
         """
         ids, weights, state, dim = _check_block(block)
         if ids.shape[0] == 0:

@@ -222,7 +222,7 @@ class EmbeddingWorker:
         ``train=True`` inserts unknown IDs on the shards and keeps the forward context for
         :meth:`backward` (at most ``forward_buffer_size`` contexts; older ones expire).
         """
-        features = batch.id_type_features if isinstance(batch, Batch) else tuple(batch)
+        features = batch.id_type_features if isinstance(batch, Batch) else checked_features(batch)
         plans = self._plan(features)
         outputs: dict[str, SlotOutput] = {}
         misses = [0]
@@ -322,7 +322,10 @@ class EmbeddingWorker:
     def apply_gradients(
         self, context: ForwardContext, grads: Mapping[str, torch.Tensor | np.ndarray]
     ) -> BackwardStats:
-        """:meth:`backward` for a context taken with :meth:`take_forward_context`."""
+        """:meth:`backward` for a context taken with :meth:`take_forward_context`.
+
+        The gradients are checked (:func:`check_gradients`) before any row is pushed."""
+        check_gradients(context, grads)
         pushed = skipped = 0
         for plan in context:
             bag_grads = torch.zeros(plan.num_bags, plan.dim, dtype=torch.float32)
@@ -703,16 +706,50 @@ def _slot_outputs(plan: _GroupPlan, pooled: torch.Tensor, outputs: dict[str, Slo
         outputs[layout.name] = SlotOutput(layout.name, embeddings, mask=mask)
 
 
+def checked_features(features: Sequence[IdFeature]) -> tuple[IdFeature, ...]:
+    """``features`` as a tuple, checked as a :class:`Batch` checks them (feature types, unique
+    names, one batch size of at least 1); BatchValidationError naming the problem."""
+    features = tuple(features)
+    if features:
+        Batch(features, requires_grad=False)
+    return features
+
+
+def _expected_gradient_shape(layout: _SlotLayout, dim: int) -> tuple[int, ...]:
+    if layout.config.embedding_summation:
+        return (layout.batch_size, dim)
+    return (layout.batch_size, layout.config.sample_fixed_size, dim)
+
+
+def check_gradients(
+    context: ForwardContext, grads: Mapping[str, torch.Tensor | np.ndarray]
+) -> None:
+    """Refuse gradients that do not fit forward ``context``: a slot it did not look up (a
+    misspelt name would otherwise train nothing, silently) or a gradient whose shape is not
+    that slot's output shape. InvalidArgumentError naming the slot; nothing is applied."""
+    shapes = {
+        layout.name: _expected_gradient_shape(layout, plan.dim)
+        for plan in context
+        for layout in plan.slots
+    }
+    unknown = sorted(set(grads) - set(shapes))
+    if unknown:
+        raise InvalidArgumentError(
+            f"gradients for slots {unknown} that this forward pass did not look up; "
+            f"it looked up {sorted(shapes)}"
+        )
+    for name, grad in grads.items():
+        shape = tuple(getattr(grad, "shape", ()))
+        if shape != shapes[name]:
+            raise InvalidArgumentError(
+                f"gradient of slot {name!r} has shape {shape}; expected {shapes[name]}"
+            )
+
+
 def _bag_gradient(layout: _SlotLayout, grad: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:
+    """One slot's gradient (shape checked by :func:`check_gradients`) as float32
+    [num_bags, dim]."""
     if isinstance(grad, np.ndarray) and not grad.flags.writeable:
         grad = grad.copy()  # decoded from a message: torch wants writable memory
     tensor = torch.as_tensor(grad, dtype=torch.float32)
-    if layout.config.embedding_summation:
-        expected: tuple[int, ...] = (layout.batch_size, dim)
-    else:
-        expected = (layout.batch_size, layout.config.sample_fixed_size, dim)
-    if tuple(tensor.shape) != expected:
-        raise InvalidArgumentError(
-            f"gradient of slot {layout.name!r} has shape {tuple(tensor.shape)}; expected {expected}"
-        )
     return tensor.reshape(layout.num_bags, dim)

@@ -10,6 +10,7 @@ health checking, server reflection and (``metrics_port``) Prometheus metrics
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -51,14 +52,21 @@ from embedding_store.grpc_common import (
 )
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import configure_request_to_settings
-from embedding_store.optimizers import Optimizer
+from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
 from embedding_store.ps_service import format_address
 from embedding_store.rpc_metrics import observed, observed_stream, rpc_metrics
 from embedding_store.tier import ProgressCallback, TierStatus
-from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
+from embedding_store.worker import (
+    BackwardStats,
+    EmbeddingWorker,
+    IdFeature,
+    LookupResult,
+    check_gradients,
+    checked_features,
+)
 from embedding_store.worker_wire import pack_slots, unpack_grads
 
 log = logging.getLogger(__name__)
@@ -176,7 +184,7 @@ class RemoteShardTier:
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
-        features = batch.id_type_features if isinstance(batch, Batch) else tuple(batch)
+        features = batch.id_type_features if isinstance(batch, Batch) else checked_features(batch)
         result = self.worker.lookup(features, train=train)
         ids = sum(len(feature.values) for feature in features)  # a loop over slots, not IDs
         with self._stats_lock:
@@ -191,6 +199,8 @@ class RemoteShardTier:
         made while the batch waits cannot expire it, and an unknown ``ref`` fails at once
         (NotFoundError). Rows are counted when pushed (:meth:`stats`), hence zeros here."""
         context = self.worker.take_forward_context(ref)
+        # Checked now, so a bad gradient fails this call, not the pusher's later push.
+        check_gradients(context, grads)
         self._gradients.put((context, grads))
         return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
 
@@ -366,29 +376,30 @@ class RemoteShardTier:
         checkpoint.check_compatible(manifest, self.embedding_config)
         total = len(self.clients)
         progress("load", 0, total)
-        if manifest.num_shards == total:
-            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
-            progress("load", total, total)
-            return manifest
+        # Check everything before any shard changes: every file's checksum (a verified pass
+        # that keeps only each shard's row count) and every shard's capacity. The shards then
+        # load in parallel, each all-or-nothing; what is left to fail is a shard going away.
         statuses = self.shard_statuses()
-        if any(status.read_only for status in statuses):
-            # Read-only (infer) shards accept only whole replacements: each one reads the
-            # checkpoint and keeps the rows it owns under the new count, atomically.
-            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
-            progress("load", total, total)
-            return manifest
-        # Re-shard with at most one shard's part (plus one file) in this process: count every
-        # shard's rows first (a verified pass over the files), refuse before changing any shard
-        # if one would overflow, then read, clear and fill the shards one at a time.
         counts = checkpoint.count_rows_per_replica(manifest, total)
         for index, (rows, status) in enumerate(zip(counts, statuses, strict=True)):
             if rows > status.capacity:
                 raise checkpoint.CheckpointError(
-                    f"embedding checkpoint {target} gives shard {index} {rows} rows, more than "
-                    f"its capacity {status.capacity}"
+                    f"embedding checkpoint {target} gives shard {index} "
+                    f"({self.clients[index].address}) {rows} rows, more than its capacity "
+                    f"{status.capacity}"
                 )
+        if manifest.num_shards == total or any(status.read_only for status in statuses):
+            # Same count: each shard reads its own files. Read-only (infer) shards accept only
+            # whole replacements: each one reads the checkpoint and keeps the rows it owns
+            # under the new count, atomically.
+            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
+            progress("load", total, total)
+            return manifest
+        # Re-shard with at most one shard's part (plus one file) in this process: read, clear
+        # and fill the shards one at a time. The state kept must fit every shard's optimizer,
+        # else import_rows would refuse it after clear() emptied the shard.
         for index, (client, status) in enumerate(zip(self.clients, statuses, strict=True)):
-            keep = _optimizer_name(status.optimizer_json)
+            keep = _optimizer_of(status.optimizer_json)
             blocks = checkpoint.read_rows_for_replica(manifest, index, total, keep_state_of=keep)
             client.clear()
             client.import_rows(blocks)
@@ -424,12 +435,9 @@ class RemoteShardTier:
         self._checkpoint_executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _optimizer_name(optimizer_json: str) -> str | None:
-    if not optimizer_json:
-        return None
-    import json
-
-    return json.loads(optimizer_json).get("name")
+def _optimizer_of(optimizer_json: str) -> Optimizer | None:
+    """A shard's optimizer from its status (``ShardStatus.optimizer_json``), or None."""
+    return optimizer_from_dict(json.loads(optimizer_json)) if optimizer_json else None
 
 
 # --------------------------------------------------------------------------- metrics

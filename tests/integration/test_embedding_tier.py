@@ -29,7 +29,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
-from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import LIVENESS_SERVICE
 from embedding_store.launcher import LocalCluster, ManagedProcess, recserve_command
 from embedding_store.optimizers import Adagrad
@@ -165,6 +170,70 @@ def test_dump_from_two_shards_load_into_three(remote, cluster, config_files, tmp
             assert sum(other.status().rows_per_shard) == manifest.total_rows
             for seed in range(3):
                 assert_same_lookup(other.lookup(batch_of(seed), train=False), expected[seed])
+
+
+def _corrupt_one_byte(manifest, shard: int) -> None:
+    entry = next(e for e in manifest.files if e.shard == shard)
+    path = manifest.directory / entry.path
+    payload = bytearray(path.read_bytes())
+    payload[-5] ^= 0xFF
+    path.write_bytes(bytes(payload))
+
+
+def test_failed_loads_leave_every_shard_unchanged(remote, config_files, tmp_path):
+    for step in range(3):
+        result = remote.lookup(batch_of(step), train=True)
+        remote.backward(result.ref, gradients(result, step))
+    remote.flush()
+    rows_before = remote.status().rows_per_shard
+    expected = [remote.lookup(batch_of(s), train=False) for s in range(3)]
+    same_count = remote.dump(tmp_path / "two")
+    with local_tier(config_files, num_shards=3) as three:
+        for step in range(5, 9):
+            result = three.lookup(batch_of(step), train=True)
+            three.backward(result.ref, gradients(result, step))
+        other_count = three.dump(tmp_path / "three")
+    # A corrupt file of the second shard: the first shard must not have loaded its own part.
+    # Then a re-shard (3 -> 2 shards) with a corrupt file of the last source shard.
+    _corrupt_one_byte(same_count, shard=1)
+    _corrupt_one_byte(other_count, shard=2)
+    for directory in (tmp_path / "two", tmp_path / "three"):
+        with pytest.raises(CheckpointError, match="corrupt: SHA-256 mismatch"):
+            remote.load(directory)
+        assert remote.status().rows_per_shard == rows_before
+        for seed in range(3):
+            assert_same_lookup(remote.lookup(batch_of(seed), train=False), expected[seed])
+
+
+def test_reshard_into_an_optimizer_with_another_state_width_keeps_every_row(
+    remote, config_files, tmp_path
+):
+    # Saved with per-column Adagrad state, loaded into shards that keep one value per row:
+    # the state is dropped (as for another optimizer), the rows all arrive, none is lost.
+    with local_tier(config_files, num_shards=3) as three:
+        for step in range(4):
+            result = three.lookup(batch_of(step), train=True)
+            three.backward(result.ref, gradients(result, step))
+        manifest = three.dump(tmp_path / "three")
+        expected = [three.lookup(batch_of(s), train=False) for s in range(4)]
+    remote.configure(optimizer=Adagrad(lr=0.05, vectorwise_shared=True))
+    remote.load(tmp_path / "three")
+    assert sum(remote.status().rows_per_shard) == manifest.total_rows
+    for seed in range(4):
+        assert_same_lookup(remote.lookup(batch_of(seed), train=False), expected[seed])
+
+
+def test_bad_gradients_fail_the_backward_call_and_train_nothing(remote):
+    result = remote.lookup(batch_of(0), train=True)  # inserts the rows
+    before = remote.lookup(batch_of(0), train=False)
+    grads = gradients(result, 0)
+    with pytest.raises(InvalidArgumentError, match=r"slot 'user' has shape \(3, 8\)"):
+        remote.backward(result.ref, {**grads, "user": torch.ones(3, 8)})
+    result = remote.lookup(batch_of(0), train=True)
+    with pytest.raises(InvalidArgumentError, match=r"gradients for slots \['usr'\]"):
+        remote.backward(result.ref, {**grads, "usr": torch.ones(32, 8)})
+    remote.flush()  # nothing was queued: no late failure either
+    assert_same_lookup(remote.lookup(batch_of(0), train=False), before)
 
 
 def test_dead_shard_gives_a_clear_error_and_recovers_after_restart(

@@ -194,3 +194,68 @@ def test_capacity_too_small_is_refused_before_loading(tmp_path):
     with pytest.raises(CheckpointError, match="more than its capacity 10"):
         checkpoint.load_embeddings(tmp_path / "ckpt", small, CONFIG)
     assert small[0].size() == 0
+
+
+def test_manifest_that_is_not_an_object_is_named(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest_path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    for payload, kind in (("[]", "list"), ("null", "NoneType"), ("3", "int")):
+        manifest_path.write_text(payload)
+        with pytest.raises(CheckpointError, match=f"is malformed: a JSON {kind}, not an object"):
+            checkpoint.read_manifest(tmp_path / "ckpt")
+
+
+def test_same_optimizer_with_another_state_width_drops_state_but_keeps_weights(tmp_path):
+    # Adagrad keeps dim columns of state per row; vectorwise_shared keeps one. The saved
+    # state cannot be given to the other: it is dropped and the shard initializes it.
+    _, shards = trained_worker(2)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    shared = make_shards(3, optimizer=Adagrad(lr=0.1, vectorwise_shared=True))
+    checkpoint.load_embeddings(tmp_path / "ckpt", shared, CONFIG)
+    ids, weights, _ = all_rows(shards, 8)
+    ids2, weights2, state2 = all_rows(shared, 8)
+    assert np.array_equal(ids, ids2) and np.array_equal(weights, weights2)
+    fresh = Adagrad(lr=0.1, vectorwise_shared=True).initial_state(len(ids2), 8)
+    assert state2.shape == (len(ids2), 1) and np.array_equal(state2, fresh)
+
+
+def test_state_fits_needs_the_same_kind_and_width_not_the_same_learning_rate(tmp_path):
+    _, shards = trained_worker(1)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    assert checkpoint.state_fits(manifest, Adagrad(lr=0.5))  # a resumed run may change lr
+    assert not checkpoint.state_fits(manifest, Adagrad(lr=0.1, vectorwise_shared=True))
+    assert not checkpoint.state_fits(manifest, SGD(lr=0.1))
+    assert not checkpoint.state_fits(manifest, None)
+
+
+def test_other_hash_stacking_is_refused(tmp_path):
+    def stacked(embedding_size: int, rounds: int = 2):
+        return embedding_config_from_mapping(
+            {
+                "slots_config": {
+                    "a": {
+                        "dim": 8,
+                        "hash_stack_config": {
+                            "hash_stack_rounds": rounds,
+                            "embedding_size": embedding_size,
+                        },
+                    },
+                    "b": {"dim": 8},
+                    "c": {"dim": 3},
+                }
+            }
+        )
+
+    saved = stacked(50)
+    shards = make_shards(1)
+    worker = EmbeddingWorker(saved, shards)
+    worker.lookup(random_batch(0), train=True)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", saved)
+    target = make_shards(1)
+    for other in (stacked(60), stacked(50, rounds=3), CONFIG):
+        with pytest.raises(CheckpointError, match="slot 'a' has hash_stack_config"):
+            checkpoint.load_embeddings(tmp_path / "ckpt", target, other)
+        assert target[0].size() == 0
+    checkpoint.load_embeddings(tmp_path / "ckpt", target, stacked(50))
+    assert target[0].size() == shards[0].size()

@@ -165,6 +165,32 @@ def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
         assert sum(other.embedding_tier.status().rows_per_shard) == 0
 
 
+def test_corrupt_embedding_file_is_refused_and_dense_state_is_put_back(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    victim = next((tmp_path / "ckpt").rglob("*.safetensors"))
+    payload = bytearray(victim.read_bytes())
+    payload[-5] ^= 0xFF
+    victim.write_bytes(bytes(payload))
+    with new_ctx() as other:
+        train_steps(other, 2, offset=20)  # optimizer state of its own
+        weights = {k: v.clone() for k, v in other.dense_model.state_dict().items()}
+        optimizer_state = other.dense_optimizer.state_dict()
+        steps = [dict(s) for s in optimizer_state["state"].values()]
+        rows = other.embedding_tier.status().rows_per_shard
+        with pytest.raises(CheckpointError, match="corrupt: SHA-256 mismatch"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        for name, value in other.dense_model.state_dict().items():
+            assert torch.equal(value, weights[name]), name
+        after = other.dense_optimizer.state_dict()["state"].values()
+        for before_state, after_state in zip(steps, after, strict=True):
+            for key, value in before_state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(after_state[key]))
+        assert other.embedding_tier.status().rows_per_shard == rows
+        assert other.step == 2
+
+
 def test_embedding_ctx_inference_mode_is_read_only():
     with EmbeddingCtx(
         PreprocessMode.INFERENCE, TinyModel(), embedding_config=CONFIG, global_config=GLOBAL

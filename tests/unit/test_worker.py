@@ -217,6 +217,39 @@ def test_backward_errors_name_the_problem():
         worker.backward(10_000, {})
 
 
+def test_bad_gradients_are_refused_before_any_row_moves():
+    # "city" (dim 2) and the dim-4 slots are separate groups, pushed one after the other:
+    # a bad gradient in one must not leave the other group's update applied.
+    config = make_config()
+    worker, _ = make_worker(config, 2)
+    batch = make_batch()
+    before = worker.lookup(batch, train=True)
+    good = {s.name: torch.ones(s.embeddings.shape) for s in before.slots}
+    for bad, match in (
+        ({**good, "city": torch.ones(3, 2)}, r"slot 'city' has shape \(3, 2\); expected \(4, 2\)"),
+        ({**good, "usr": torch.ones(4, DIM)}, r"gradients for slots \['usr'\] that this forward"),
+    ):
+        ref = worker.lookup(batch, train=True).ref
+        with pytest.raises(InvalidArgumentError, match=match):
+            worker.backward(ref, bad)
+        after = worker.lookup(batch, train=False)
+        for a, b in zip(before.slots, after.slots):
+            assert torch.equal(a.embeddings, b.embeddings)
+
+
+def test_a_sequence_of_features_is_checked_as_a_batch_is():
+    worker, _ = make_worker(make_config(), 1)
+    user = IDTypeFeature.from_lists("user", [[1], [2]])
+    for features, match in (
+        ([user, IDTypeFeature.from_lists("user", [[3], [4]])], "duplicate feature name 'user'"),
+        ([user, IDTypeFeature.from_lists("items", [[3]])], "has batch size 1 but"),
+        ([IDTypeFeature.from_lists("user", [])], "empty batch"),
+    ):
+        with pytest.raises(BatchValidationError, match=match):
+            worker.lookup(features, train=False)
+    assert worker.lookup([user], train=False).slots[0].embeddings.shape == (2, DIM)
+
+
 def test_forward_buffer_is_bounded():
     config = make_config()
     shards = [EmbeddingShard(1000, optimizer=SGD(lr=0.1))]
