@@ -224,14 +224,20 @@ class DynamicBatcher:
                 return
 
     def _run_batch(self, requests: list[_Request]) -> None:
+        """Run one merged batch and answer its requests. Never raises: whatever fails, the
+        requests get the error and the dispatcher thread goes on with the next batch."""
         now = time.monotonic()
         live = []
         for request in requests:
+            # A caller that gave up has cancelled its future: skip it. Claiming the others
+            # (RUNNING) first means no later cancel() can race with the answers set below.
+            if not request.future.set_running_or_notify_cancel():
+                continue
             if request.deadline is not None and now > request.deadline:
                 request.future.set_exception(
                     DeadlineExceededError("the request's deadline passed while it was queued")
                 )
-            elif request.future.set_running_or_notify_cancel():
+            else:
                 live.append(request)
         expired = len(requests) - len(live)
         if expired:
@@ -241,15 +247,22 @@ class DynamicBatcher:
         try:
             merged = merge_batches([r.batch for r in live])
             predictions, context = self._run(merged)
-        except BaseException as error:
+        except BaseException as error:  # the model's error is each request's answer
             for request in live:
                 request.future.set_exception(error)
             self._finished(len(live))
             return
-        if self._on_batch:
-            self._on_batch(merged.batch_size, now)
-        deliver_outcomes(live, predictions, context, merged.batch_size, now)
-        self._finished(len(live))
+        try:
+            if self._on_batch:
+                self._on_batch(merged.batch_size, now)
+            deliver_outcomes(live, predictions, context, merged.batch_size, now)
+        except BaseException as error:
+            log.exception("dynamic batcher: answering a merged batch failed")
+            for request in live:
+                if not request.future.done():
+                    request.future.set_exception(error)
+        finally:
+            self._finished(len(live))
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests and wait up to ``timeout`` s for queued ones; True if idle."""

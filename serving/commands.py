@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from embedding_store.cli_types import non_negative_int, positive_float, positive_int
+from embedding_store.cli_types import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 
 def register(subparsers) -> None:
@@ -18,8 +24,12 @@ def register(subparsers) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory")
     parser.add_argument("--model-name", default="model", help="name clients use (default model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free)")
-    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: any free)")
+    parser.add_argument(
+        "--http-port", type=port_number, default=8000, help="HTTP port (0: any free)"
+    )
+    parser.add_argument(
+        "--grpc-port", type=port_number, default=8001, help="gRPC port (0: any free)"
+    )
     parser.add_argument(
         "--embedding-workers",
         default="",
@@ -33,7 +43,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--max-batch-size", type=positive_int, default=256)
     parser.add_argument("--max-request-batch-size", type=positive_int, default=4096)
-    parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
+    parser.add_argument("--max-queue-delay-ms", type=non_negative_float, default=2.0)
     parser.add_argument("--max-queue-size", type=positive_int, default=1024)
     parser.add_argument("--request-timeout", type=positive_float, default=10.0)
     parser.add_argument("--lookup-timeout", type=positive_float, default=5.0)
@@ -57,10 +67,16 @@ def register(subparsers) -> None:
         "kernels (prepacked weights, fused ReLU), once they match the model as loaded; faster "
         "from ~256 rows, slower for small batches (0: off; default 256)",
     )
-    parser.add_argument("--max-body-bytes", type=positive_int, default=64 * 1024 * 1024)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=64 * 1024 * 1024,
+        help="largest request: HTTP body (413 above it) or gRPC message (RESOURCE_EXHAUSTED) "
+        "(default 64 MiB)",
+    )
     parser.add_argument(
         "--watch-seconds",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="poll the checkpoint for a new version every N seconds (0: off)",
     )
@@ -69,7 +85,9 @@ def register(subparsers) -> None:
         default=None,
         help="bearer token for POST /admin/reload from non-loopback clients",
     )
-    parser.add_argument("--grace-seconds", type=float, default=10.0, help="drain time on SIGTERM")
+    parser.add_argument(
+        "--grace-seconds", type=non_negative_float, default=10.0, help="drain time on SIGTERM"
+    )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     parser.add_argument(
         "--workers",

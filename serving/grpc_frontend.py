@@ -22,6 +22,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from embedding_store.errors import UnavailableError
 from embedding_store.grpc_common import rpc_errors, server_options
 from serving import tensor_codec as codec
 from serving.core import PredictionCore
@@ -186,19 +187,24 @@ def build_grpc_server(
     port: int = 0,
     max_workers: int = 8,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_request_bytes: int | None = None,
     maximum_concurrent_rpcs: int | None = None,
     reuse_port: bool = False,
 ) -> tuple[grpc.Server, int, GrpcHealth]:
     """A (not yet started) gRPC server with the inference, health and reflection services.
 
+    ``max_request_bytes``: the largest request message (RESOURCE_EXHAUSTED above it; default
+    ``max_message_bytes``), as ``--max-body-bytes`` limits HTTP bodies.
     Returns ``(server, bound_port, health)``; ``port=0`` picks a free port. Health starts from
     ``core.ready()``; keep it current with ``health.set_serving(...)`` / ``health.refresh(core)``.
     Call ``server.start()``, and ``health.shutdown(); server.stop(grace)`` to stop.
     """
+    replaced = ("grpc.so_reuseport", "grpc.max_receive_message_length")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-infer"),
         options=[
-            *(o for o in server_options(max_message_bytes) if o[0] != "grpc.so_reuseport"),
+            *(o for o in server_options(max_message_bytes) if o[0] not in replaced),
+            ("grpc.max_receive_message_length", max_request_bytes or max_message_bytes),
             ("grpc.so_reuseport", 1 if reuse_port else 0),  # several server processes
         ],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
@@ -213,7 +219,13 @@ def build_grpc_server(
         pool=_reflection_pool(),
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises "Failed to bind to address ..."
+        bound = 0
     if not bound:
-        raise OSError(f"could not bind the gRPC server to {address}")
+        raise UnavailableError(
+            f"cannot listen for gRPC on {address} (is another server on that port? "
+            "--grpc-port 0 picks a free one)"
+        )
     return server, bound, grpc_health

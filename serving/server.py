@@ -19,7 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from embedding_store import model_checkpoint
-from embedding_store.errors import InvalidArgumentError, RecserveError
+from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
 from embedding_store.gc_tuning import freeze_long_lived_objects
 from serving.metrics import CONTENT_TYPE
 from serving.model import load_model
@@ -134,7 +134,14 @@ class PredictionServer:
         http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if o.reuse_port:  # the kernel spreads connections over the server processes
             http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        http_socket.bind((o.host, o.http_port))
+        try:
+            http_socket.bind((o.host, o.http_port))
+        except OSError as error:
+            http_socket.close()
+            raise UnavailableError(
+                f"cannot listen for HTTP on {o.host}:{o.http_port}: {error.strerror or error} "
+                "(is another server on that port? --http-port 0 picks a free one)"
+            ) from None
         self.http_port = http_socket.getsockname()[1]
         fast_path = InferFastPath(app)
         config = uvicorn.Config(
@@ -153,7 +160,11 @@ class PredictionServer:
         )
         self._http_thread.start()
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            self.service, host=o.host, port=o.grpc_port, reuse_port=o.reuse_port
+            self.service,
+            host=o.host,
+            port=o.grpc_port,
+            reuse_port=o.reuse_port,
+            max_request_bytes=o.max_body_bytes,
         )
         self._grpc.start()
         deadline = time.monotonic() + 30
@@ -200,6 +211,9 @@ class PredictionServer:
                 seen_failed = None
             except RecserveError:
                 seen_failed = version  # reported and counted; keep serving the old one
+            except Exception:  # a bug must not end the watch: later versions still load
+                log.exception("reloading version %s failed", version)
+                seen_failed = version
 
     def wait(self) -> None:
         self._stop.wait()
@@ -295,4 +309,5 @@ def serve(options: ServeOptions) -> int:
     drained = server.stop()
     if not drained:
         log.warning("grace period ended with requests still in flight")
+        return 1
     return 0

@@ -24,6 +24,7 @@ from embedding_store import __version__
 from embedding_store.batch import Batch
 from embedding_store.errors import (
     CapacityError,
+    CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
@@ -39,6 +40,9 @@ from serving.metrics import ServingMetrics
 from serving.model import LoadedModel
 
 log = logging.getLogger(__name__)
+
+#: The ``model`` label of requests that named a model this server does not serve.
+UNKNOWN_MODEL_LABEL = "unknown"
 
 #: The longest a request waits for its answer, whatever deadline it asks for (one day).
 MAX_WAIT_SECONDS = 24 * 3600.0
@@ -326,7 +330,9 @@ class PredictionService:
         )
 
     def _record(self, protocol: str, name: str, version: str, outcome: str, started: float):
-        key = (protocol, name, version, outcome)
+        # The name comes from the client: only the served one becomes a label value, so
+        # requests to made-up names cannot grow the metrics without bound.
+        key = (protocol, name if name == self.name else UNKNOWN_MODEL_LABEL, version, outcome)
         counter = self._request_counters.get(key)
         if counter is None:  # a race only looks the same child up twice
             counter = self._request_counters[key] = self.metrics.requests.labels(*key)
@@ -415,10 +421,10 @@ class PredictionService:
         with self._reload_lock:
             old = self._model
             try:
-                new = self._loader(checkpoint_dir)
+                new = self._load_for_reload(checkpoint_dir)
                 if new.signature != old.signature:
                     new.close()
-                    raise RecserveError(
+                    raise CheckpointError(
                         "the new checkpoint's feature signature differs from the served one; "
                         "restart the server to change the model's inputs"
                     )
@@ -438,6 +444,25 @@ class PredictionService:
         # Requests merged before the swap still hold ``old``; close it once they are done.
         threading.Timer(30.0, _retire, args=(old,)).start()
         return {"model": self.name, "version": new.version, "previous_version": old.version}
+
+    def _load_for_reload(self, checkpoint_dir: str | None) -> LoadedModel:
+        """The loader's model, or CheckpointError: a checkpoint that passes verification can
+        still fail to load or warm up (a dense model that raises on the example batch), and
+        that is the checkpoint's fault, not the server's."""
+        assert self._loader is not None
+        try:
+            return self._loader(checkpoint_dir)
+        except RecserveError:
+            raise
+        except Exception as error:
+            log.exception("loading the new checkpoint failed")
+            # TorchScript errors carry the script's traceback: the client gets the last line.
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            reason = lines[-1].strip()[:300] if lines else ""
+            kind = f"{type(error).__name__}: "
+            raise CheckpointError(
+                f"the new checkpoint cannot be served: {kind}{reason.removeprefix(kind)}"
+            ) from error
 
 
 def _retire(model: LoadedModel) -> None:

@@ -923,6 +923,13 @@ def decode_grpc_request(request: Any) -> InferRequest:
         names = [output.name for output in request.outputs]
         if len(set(names)) != len(names):
             raise InvalidArgumentError("an output is requested twice")
+        for output in request.outputs:
+            # As over HTTP: a classification client must not get raw scores unannounced.
+            classification = output.parameters.get("classification")
+            if classification is not None and parameter_value(classification):
+                raise InvalidArgumentError(
+                    f"output {output.name!r}: the classification extension is not supported"
+                )
         outputs = tuple(RequestedOutput(name) for name in names)
     return InferRequest(
         inputs=inputs,

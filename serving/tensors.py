@@ -393,7 +393,10 @@ def _batch_from_json(
             if values.ndim != 1 or values.dtype.kind not in "iuf":
                 return None  # nested data, bools only, strings, None, ints beyond 64 bits
             # As the general path: the JSON numbers (float64 or 64-bit ints) -> float32, once.
-            array = values.astype(np.float32).reshape(batch_size, *sample_shape)
+            with np.errstate(over="ignore"):
+                array = values.astype(np.float32).reshape(batch_size, *sample_shape)
+            if not np.isfinite(array).all():
+                return None  # the general path names the input
             array.setflags(write=False)
             dense.append(NonIDTypeFeature.trusted(array, name))
     except (KeyError, TypeError, IndexError, _FallBackError):
@@ -493,6 +496,8 @@ def _batch_from_binary(
             array = np.frombuffer(
                 body, dtype=_WIRE_FP32, count=batch_size * sample_size, offset=entry.offset
             ).reshape(batch_size, *sample_shape)
+            if not np.isfinite(array).all():
+                return None  # the general path names the input
             dense.append(NonIDTypeFeature.trusted(array, name))
     except (KeyError, TypeError, IndexError):
         return None
@@ -587,7 +592,10 @@ def tensors_to_batch(
                 f"[batch, {', '.join(str(d) for d in spec.sample_shape)}]"
             )
         agree(array.shape[0], spec.name)
-        non_id_features.append(NonIDTypeFeature(array.astype(spec.dtype, copy=False), spec.name))
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = array.astype(spec.dtype, copy=False)
+        _require_finite(spec.name, array)
+        non_id_features.append(NonIDTypeFeature(array, spec.name))
     if not batch_size:
         raise InvalidArgumentError("the request has an empty batch (batch size 0)")
     if batch_size > max_batch_size:
@@ -602,6 +610,22 @@ def tensors_to_batch(
         return Batch(id_features, non_id_features, requires_grad=False)
     except RecserveError as error:
         raise InvalidArgumentError(error.message) from None
+
+
+def _require_finite(name: str, array: np.ndarray) -> None:
+    """InvalidArgumentError unless every value of dense input ``name`` (float32 [batch, ...])
+    is finite: NaN or Inf (sent, or a number beyond FP32's range) would come back as a
+    prediction of NaN, or as null in JSON, with no word of the input at fault."""
+    finite = np.isfinite(array)
+    if finite.all():
+        return
+    bad = np.argwhere(~finite)
+    first = bad[0]
+    raise InvalidArgumentError(
+        f"input {name!r} has {len(bad)} non-finite value(s) (NaN, Inf, or beyond FP32's range "
+        f"of +-3.4e38), the first at sample {int(first[0])}"
+        + (f", position {[int(i) for i in first[1:]]}" if len(first) > 1 else "")
+    )
 
 
 def instances_to_inputs(

@@ -9,21 +9,25 @@ under load, a failed reload, the SIGTERM drain, fuzzed bodies and ``/metrics`` a
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import hashlib
 import http.client
 import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, List  # noqa: UP035 (TorchScript reads List)
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from hypothesis import HealthCheck, given, settings
@@ -439,6 +443,97 @@ def test_unknown_model_is_not_found(served, batch, grpc_client):
             call()
         assert raised.value.status() == "StatusCode.NOT_FOUND"
         assert "nope" in raised.value.message()
+    # Client-chosen names never become label values: one "unknown" series, not one per name.
+    requests_total = [
+        sample
+        for sample in metric_families(served.http_url)["recserve_requests"].samples
+        if sample.name == "recserve_requests_total"
+    ]
+    assert {s.labels["model"] for s in requests_total} <= {MODEL, "unknown"}
+    assert any(
+        s.labels["model"] == "unknown" and s.labels["outcome"] == "NotFoundError"
+        for s in requests_total
+    )
+
+
+def test_cli_errors_are_one_line_naming_the_problem(served, adult_checkpoint):
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "embedding_store.cli", "serve"]
+        command += ["--checkpoint", str(adult_checkpoint), "--host", "127.0.0.1", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    taken_http = serve("--http-port", str(served.http_port), "--grpc-port", "0")
+    assert taken_http.returncode == 1
+    assert f"cannot listen for HTTP on 127.0.0.1:{served.http_port}" in taken_http.stderr
+    taken_grpc = serve("--http-port", "0", "--grpc-port", str(served.grpc_port))
+    assert taken_grpc.returncode == 1
+    assert f"cannot listen for gRPC on 127.0.0.1:{served.grpc_port}" in taken_grpc.stderr
+    for result in (taken_http, taken_grpc):
+        assert "Traceback" not in result.stderr
+    negative = serve("--max-queue-delay-ms", "-1")
+    assert negative.returncode == 2
+    assert "--max-queue-delay-ms: expected a number >= 0, got '-1'" in negative.stderr
+
+
+def test_non_finite_dense_values_are_rejected_naming_the_input(
+    served, batch, http_client, grpc_client
+):
+    arrays = {k: v[:3] for k, v in batch_arrays(batch).items()}
+    needles = ("numeric", "non-finite", "sample 1")
+    # JSON has no NaN: a number beyond FP32's range is what turns into Inf there.
+    document = kserve_json(arrays)
+    numeric = next(t for t in document["inputs"] if t["name"] == "numeric")
+    numeric["data"][numeric["shape"][1]] = 1e300  # sample 1, first column
+    status, body = request(
+        served.http_url,
+        "POST",
+        f"/v2/models/{MODEL}/infer",
+        json.dumps(document).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert_error(status, body, 400, *needles)
+    bad = dict(arrays)
+    bad["numeric"] = arrays["numeric"].copy()
+    bad["numeric"][1, 2] = np.nan
+    with pytest.raises(InferenceServerException) as raised:
+        http_client.infer(MODEL, triton_inputs(httpclient, bad, binary_data=True))
+    assert raised.value.status() == "400"
+    assert all(n in raised.value.message() for n in (*needles, "position [2]"))
+    bad["numeric"][1, 2] = np.inf
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.infer(MODEL, triton_inputs(grpcclient, bad))
+    assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert all(n in raised.value.message() for n in needles)
+
+
+def test_classification_is_refused_over_both_protocols(batch, http_client, grpc_client):
+    arrays = {k: v[:2] for k, v in batch_arrays(batch).items()}
+    for client_module, client in ((httpclient, http_client), (grpcclient, grpc_client)):
+        outputs = [client_module.InferRequestedOutput("prediction", class_count=2)]
+        with pytest.raises(InferenceServerException) as raised:
+            client.infer(MODEL, triton_inputs(client_module, arrays), outputs=outputs)
+        assert raised.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        assert "classification extension is not supported" in raised.value.message()
+
+
+def test_callers_that_give_up_do_not_stop_the_server(served, batch, grpc_client):
+    # Requests whose client deadline passes while they wait in the dynamic batcher are
+    # cancelled there; later requests, small and large, must still be answered.
+    arrays = {k: v[:1] for k, v in batch_arrays(batch).items()}
+    inputs = triton_inputs(grpcclient, arrays)
+    with grpcclient.InferenceServerClient(served.grpc_url) as impatient:
+        for _ in range(30):
+            with contextlib.suppress(InferenceServerException):  # most of them time out
+                impatient.infer(MODEL, inputs, client_timeout=0.002)
+    assert grpc_client.infer(MODEL, inputs, client_timeout=30).as_numpy("prediction").shape == (
+        1,
+        1,
+    )
+    large = {k: np.concatenate([v] * 40) for k, v in batch_arrays(batch).items()}  # > 64 KiB
+    body = json.dumps(kserve_json(large)).encode()
+    assert len(body) > 64 * 1024
+    status, answer = request(served.http_url, "POST", f"/v2/models/{MODEL}/infer", body, timeout=30)
+    assert status == 200, answer
 
 
 def test_friendly_route_rejects_bad_rows(served, rows):
@@ -617,6 +712,87 @@ def test_reload_under_load_then_failed_reload(
     time.sleep(1.0)  # a few more polls: the failed version is not retried
     assert reload_counts(server) == {"ok": 2.0, "failed": 3.0}
     assert_serves(server, arrays, new_version, expected)
+
+
+class _WrongWidthModel(torch.nn.Module):
+    """Scripts and loads, but fails on the Adult inputs (its linear layer is too narrow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(7, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006 (TorchScript reads the signature)
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return self.linear(torch.cat(non_id_tensors + embedding_tensors, dim=1))
+
+
+def _rewrite_manifest(checkpoint: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    path = checkpoint / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_unservable_checkpoints_are_refused_and_the_watcher_goes_on(
+    serve_process, adult_checkpoint, adult_checkpoint_b, tmp_path, batch
+):
+    served_dir = Path(shutil.copytree(adult_checkpoint, tmp_path / "served"))
+    server = serve_process(served_dir, "--watch-seconds", "0.3")
+    arrays = {k: v[:4] for k, v in batch_arrays(batch).items()}
+
+    # Another feature signature (an input becomes a list feature): 409, not a server error.
+    other_inputs = Path(shutil.copytree(adult_checkpoint, tmp_path / "other-inputs"))
+    _rewrite_manifest(
+        other_inputs, lambda m: m["signature"]["id_features"][0].update(single_id=False)
+    )
+    status, body = request(
+        server.http_url,
+        "POST",
+        "/admin/reload",
+        json.dumps({"checkpoint": str(other_inputs)}).encode(),
+    )
+    assert_error(status, body, 409, "feature signature differs")
+
+    # A dense model that verifies and loads but fails on the inputs: 409 naming the failure
+    # (no TorchScript traceback for the client), counted, logged.
+    unservable = Path(shutil.copytree(adult_checkpoint, tmp_path / "unservable"))
+    torch.jit.script(_WrongWidthModel()).save(str(unservable / "jit_dense.pt"))
+    payload = (unservable / "jit_dense.pt").read_bytes()
+
+    def rehash(manifest: dict[str, Any]) -> None:
+        manifest["files"]["jit_dense.pt"] = {
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+        manifest["version"] = "99999999-unservable"
+
+    _rewrite_manifest(unservable, rehash)
+    status, body = request(
+        server.http_url,
+        "POST",
+        "/admin/reload",
+        json.dumps({"checkpoint": str(unservable)}).encode(),
+    )
+    error = assert_error(status, body, 409, "cannot be served: RuntimeError", "mat1 and mat2")
+    assert "Traceback" not in error and "\n" not in error
+    assert reload_counts(server) == {"failed": 2.0}
+
+    # The watcher meets the same checkpoint, counts it, and still loads the next good one.
+    os.rename(served_dir, tmp_path / "previous")
+    os.rename(unservable, served_dir)
+    _wait_until(lambda: reload_counts(server)["failed"] == 3.0, 30, "the watcher's failed reload")
+    staging = Path(shutil.copytree(adult_checkpoint_b, tmp_path / "staging"))
+    os.rename(served_dir, tmp_path / "previous-2")
+    os.rename(staging, served_dir)
+    new_version = manifest_version(adult_checkpoint_b)
+    _wait_until(lambda: reload_counts(server).get("ok") == 1.0, 30, "the next good version")
+    status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200 and document["model_version"] == new_version
+    assert "Exception in thread" not in server.log()
 
 
 def reload_counts(server) -> dict[str, float]:

@@ -1,0 +1,139 @@
+"""serving.batcher.DynamicBatcher: the dispatcher thread merges queued requests, answers each
+with its rows, and outlives callers that give up (cancelled futures, passed deadlines) and
+failures of any batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from serving.batcher import DynamicBatcher
+
+WAIT = 5.0  # seconds a test waits for an answer it expects
+
+
+def batch_of(*ids: int) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID("user", np.asarray(ids, dtype=np.uint64))],
+        requires_grad=False,
+    )
+
+
+class SlowModel:
+    """predictions [n, 1] = the IDs; each call waits until ``release`` is set (if given)."""
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        self.release = release
+        self.started = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def __call__(self, merged: Batch):
+        self.started.set()
+        if self.release is not None:
+            assert self.release.wait(WAIT)
+        ids = merged.id_feature("user").values
+        if int(ids[0]) == 666:
+            raise InvalidArgumentError("ID 666 is refused")
+        self.calls.append(ids.tolist())
+        return ids.astype(np.float32).reshape(-1, 1), "v1"
+
+
+def answers(futures) -> list[list[float]]:
+    return [f.result(WAIT).predictions[:, 0].tolist() for f in futures]
+
+
+def test_requests_queued_while_a_batch_runs_are_merged_and_answered_in_order():
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=0.0)
+    try:
+        first = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        queued = [batcher.submit(batch_of(2, 3)), batcher.submit(batch_of(4))]
+        release.set()
+        assert answers([first, *queued]) == [[1.0], [2.0, 3.0], [4.0]]
+        assert model.calls == [[1], [2, 3, 4]]
+        assert queued[0].result().merged_batch_size == 3
+        assert batcher.pending == 0
+    finally:
+        batcher.close()
+
+
+def test_cancelled_and_expired_requests_are_skipped_and_the_dispatcher_goes_on():
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=0.0)
+    try:
+        busy = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        # Both wait behind the running batch; one caller gives up (what a timed-out request
+        # does), the other's deadline passes, and this one was also cancelled after expiry.
+        gave_up = batcher.submit(batch_of(2))
+        expired = batcher.submit(batch_of(3), deadline=time.monotonic() + 0.01)
+        expired_and_cancelled = batcher.submit(batch_of(4), deadline=time.monotonic() + 0.01)
+        assert gave_up.cancel() and expired_and_cancelled.cancel()
+        time.sleep(0.05)
+        release.set()
+        assert answers([busy]) == [[1.0]]
+        with pytest.raises(DeadlineExceededError, match="deadline passed while it was queued"):
+            expired.result(WAIT)
+        assert answers([batcher.submit(batch_of(5))]) == [[5.0]]
+        assert model.calls == [[1], [5]]
+        assert batcher.pending == 0
+    finally:
+        batcher.close()
+
+
+def test_a_failed_batch_fails_its_requests_and_the_next_batch_runs():
+    batcher = DynamicBatcher(SlowModel(), max_batch_size=8, max_queue_delay=0.0)
+    try:
+        with pytest.raises(InvalidArgumentError, match="ID 666 is refused"):
+            batcher.submit(batch_of(666)).result(WAIT)
+        assert answers([batcher.submit(batch_of(7))]) == [[7.0]]
+    finally:
+        batcher.close()
+
+
+def test_a_failure_after_the_model_ran_fails_the_batch_not_the_thread():
+    calls = []
+
+    def broken_on_batch(size: int, started: float) -> None:
+        calls.append(size)
+        if len(calls) == 1:
+            raise RuntimeError("metrics backend broke")
+
+    batcher = DynamicBatcher(
+        SlowModel(), max_batch_size=8, max_queue_delay=0.0, on_batch=broken_on_batch
+    )
+    try:
+        with pytest.raises(RuntimeError, match="metrics backend broke"):
+            batcher.submit(batch_of(1)).result(WAIT)
+        assert answers([batcher.submit(batch_of(2))]) == [[2.0]]
+        assert batcher.pending == 0  # nothing left counted in flight: drain can finish
+        assert batcher.drain(timeout=1.0)
+    finally:
+        batcher.close()
+
+
+def test_a_full_queue_refuses_at_once_and_drain_refuses_new_requests():
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=1, max_queue_delay=0.0, max_queue_size=1)
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        queued = batcher.submit(batch_of(2))
+        with pytest.raises(UnavailableError, match="overloaded: 1 requests are already queued"):
+            batcher.submit(batch_of(3))
+        release.set()
+        assert batcher.drain(timeout=WAIT)
+        assert answers([running, queued]) == [[1.0], [2.0]]
+        with pytest.raises(UnavailableError, match="shutting down"):
+            batcher.submit(batch_of(4))
+    finally:
+        batcher.close()
