@@ -175,7 +175,10 @@ class PredictionService:
 
     # ------------------------------------------------------------------ metadata
     def server_metadata(self) -> ServerMetadata:
-        return ServerMetadata(name="recserve", version=__version__, extensions=())
+        # The binary tensor data extension (HTTP) is the only optional one served.
+        return ServerMetadata(
+            name="recserve", version=__version__, extensions=("binary_tensor_data",)
+        )
 
     def _check_name(self, name: str, version: str | None) -> LoadedModel:
         model = self._model

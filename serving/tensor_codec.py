@@ -651,7 +651,13 @@ def _decode_http_request(body: bytes, json_size: int | None) -> InferRequest:
 def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
-    header = parse_json(view[:json_size] if json_size is not None else body)
+    if json_size is None:
+        header = parse_json(body)
+    else:
+        header = parse_json(
+            view[:json_size],
+            f"the request's JSON header (its first {HEADER_LENGTH}: {json_size} bytes)",
+        )
     if not isinstance(header, dict):
         raise InvalidArgumentError("request body must be a JSON object with 'inputs'")
     request_id = header.get("id", "")

@@ -324,7 +324,9 @@ def test_tritonclient_http_api(served, http_client):
     assert http_client.is_server_ready()
     assert http_client.is_model_ready(MODEL)
     assert not http_client.is_model_ready("no-such-model")
-    assert http_client.get_server_metadata()["name"] == "recserve"
+    metadata = http_client.get_server_metadata()
+    assert metadata["name"] == "recserve"
+    assert metadata["extensions"] == ["binary_tensor_data"]
     metadata = http_client.get_model_metadata(MODEL)
     assert metadata["name"] == MODEL and metadata["versions"] == [served.version]
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == (
@@ -353,7 +355,8 @@ def test_tritonclient_grpc_api(served, grpc_client):
     assert grpc_client.is_server_live()
     assert grpc_client.is_server_ready()
     assert grpc_client.is_model_ready(MODEL)
-    assert grpc_client.get_server_metadata().name == "recserve"
+    metadata = grpc_client.get_server_metadata()
+    assert metadata.name == "recserve" and list(metadata.extensions) == ["binary_tensor_data"]
     metadata = grpc_client.get_model_metadata(MODEL)
     assert metadata.name == MODEL and list(metadata.versions) == [served.version]
     assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == _expected_inputs()

@@ -179,6 +179,13 @@ def test_binary_extension_inputs_are_split_by_header_length():
         (24, b"\0" * 32, None, "8 bytes of binary tensor data are not claimed"),
         (24, b"\0" * 24, "abc", "must be an integer"),
         (24, b"\0" * 24, "999999", "but the request body has"),
+        (
+            24,
+            b"\0" * 24,
+            "7",
+            r"the request's JSON header \(its first Inference-Header-Content-Length: 7 bytes\) "
+            "is not valid JSON",
+        ),
     ],
 )
 def test_binary_extension_errors(declared, blob, header_length, message):
