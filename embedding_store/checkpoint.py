@@ -64,8 +64,29 @@ class FileEntry:
     bytes: int
     sha256: str
 
+    def __post_init__(self) -> None:
+        """Types as a manifest must give them: a damaged manifest is named here, not by a
+        TypeError further on."""
+        for name in ("shard", "dim", "rows", "state_width", "bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(
+                    f"file entry {self.path!r}: {name} must be an integer >= 0, got {value!r}"
+                )
+        if type(self.path) is not str or not self.path:
+            raise ValueError(f"file entry path must be a non-empty string, got {self.path!r}")
+        if not is_sha256_hex(self.sha256):
+            raise ValueError(
+                f"file entry {self.path!r}: sha256 must be 64 hex digits, got {self.sha256!r}"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def is_sha256_hex(value: object) -> bool:
+    """Whether ``value`` is a SHA-256 digest as manifests write it: 64 lowercase hex digits."""
+    return type(value) is str and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True)
@@ -186,12 +207,73 @@ def publish_directory(staging: Path, target: Path, *, overwrite: bool) -> None:
             raise AlreadyExistsError(
                 f"checkpoint directory {target} already exists; refusing to overwrite it"
             )
-        retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
-        os.replace(target, retired)
-        os.replace(staging, target)
-        shutil.rmtree(retired, ignore_errors=True)
+        if _exchange(staging, target):  # one atomic step: target is never missing
+            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+        else:
+            # Two renames: a crash between them leaves the old checkpoint at ``retired``,
+            # which read_manifest's error then names.
+            retired = target.with_name(
+                f"{RETIRED_PREFIX.format(name=target.name)}{uuid.uuid4().hex}"
+            )
+            os.replace(target, retired)
+            os.replace(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, target)
+    _fsync_directory(target.parent)
+
+
+#: Name prefix of a checkpoint renamed away while a new one replaces it.
+RETIRED_PREFIX = ".{name}.old-"
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the system
+    or filesystem cannot, and nothing changed."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(
+        at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), _RENAME_EXCHANGE
+    )
+    return result == 0
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make renames in ``directory`` durable (best effort where directories cannot be opened)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def interrupted_overwrite_hint(root: Path) -> str:
+    """For a checkpoint directory that does not exist: where an interrupted overwrite left the
+    previous checkpoint, as a sentence to add to the error (or "")."""
+    prefix = RETIRED_PREFIX.format(name=root.name)
+    try:
+        left = sorted(p.name for p in root.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return ""
+    if not left:
+        return ""
+    return (
+        f"; an interrupted overwrite left the previous checkpoint at {root.parent / left[-1]}: "
+        f"rename it to {root.name} to use it"
+    )
 
 
 def staging_directory_for(target: Path) -> Path:
@@ -230,7 +312,10 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
     """Parse and sanity-check a checkpoint's manifest (no checksums: see :func:`verify`)."""
     root = Path(directory)
     if not root.is_dir():
-        raise CheckpointError(f"embedding checkpoint {root} does not exist or is not a directory")
+        raise CheckpointError(
+            f"embedding checkpoint {root} does not exist or is not a directory"
+            + interrupted_overwrite_hint(root)
+        )
     if not (root / DONE_MARKER).exists():
         raise CheckpointError(
             f"embedding checkpoint {root} is incomplete: no {DONE_MARKER} marker "

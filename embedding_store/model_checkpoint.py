@@ -62,6 +62,7 @@ class CheckpointManifest:
     embedding_shards: int
     model_class: str
     signature: FeatureSignature | None = None
+    dense_optimizer_class: str = ""  # e.g. "torch.optim.adam.Adam"; "" in older checkpoints
 
     @property
     def has_jit_model(self) -> bool:
@@ -139,7 +140,10 @@ def write_checkpoint(
             "step": step,
             "created_unix": time.time(),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "model_class": _class_name(model),
+            "dense_optimizer_class": (
+                _class_name(dense_optimizer) if dense_optimizer is not None else ""
+            ),
             "files": {
                 name: {"bytes": len(p), "sha256": hashlib.sha256(p).hexdigest()}
                 for name, p in payloads.items()
@@ -166,7 +170,10 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
     """Parse a checkpoint's manifest; CheckpointError names what is missing or wrong."""
     root = Path(directory)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory")
+        raise CheckpointError(
+            f"checkpoint {root} does not exist or is not a directory"
+            + embedding_checkpoint.interrupted_overwrite_hint(root)
+        )
     if not (root / DONE_MARKER).exists():
         raise CheckpointError(f"checkpoint {root} is incomplete: no {DONE_MARKER} marker")
     try:
@@ -192,10 +199,11 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             version=str(raw["version"]),
             step=int(raw["step"]),
             created_unix=float(raw["created_unix"]),
-            files=dict(raw["files"]),
+            files=_file_entries(raw["files"], root / MANIFEST_NAME),
             embedding_rows=int(raw["embeddings"]["rows"]),
             embedding_shards=int(raw["embeddings"]["shards"]),
             model_class=str(raw.get("model_class", "")),
+            dense_optimizer_class=str(raw.get("dense_optimizer_class", "")),
             signature=(
                 FeatureSignature.from_dict(raw["signature"], str(root / MANIFEST_NAME))
                 if raw.get("signature")
@@ -206,6 +214,29 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         raise
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from None
+
+
+def _file_entries(files: Any, where: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files``: {name: {"bytes": int >= 0, "sha256": 64 hex digits}}, each
+    name a plain file name; CheckpointError naming the entry otherwise."""
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{where} is malformed: 'files' must be an object")
+    for name, entry in files.items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{where} is malformed: file name {name!r} is not a plain name")
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where} is malformed: files[{name!r}] must be an object")
+        size = entry.get("bytes")
+        if type(size) is not int or size < 0:
+            raise CheckpointError(
+                f"{where} is malformed: files[{name!r}].bytes must be an integer >= 0, got {size!r}"
+            )
+        if not embedding_checkpoint.is_sha256_hex(entry.get("sha256")):
+            raise CheckpointError(
+                f"{where} is malformed: files[{name!r}].sha256 must be 64 hex digits, "
+                f"got {entry.get('sha256')!r}"
+            )
+    return dict(files)
 
 
 def read_verified_file(manifest: CheckpointManifest, name: str) -> bytes:
@@ -235,6 +266,38 @@ def load_state(manifest: CheckpointManifest, name: str) -> Any:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{manifest.directory / name} cannot be loaded: {error}") from None
+
+
+def _class_name(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _check_optimizer_fits(
+    manifest: CheckpointManifest, optimizer: torch.optim.Optimizer, saved: Any
+) -> None:
+    """Refuse optimizer state written by another kind of optimizer: torch would load it and
+    silently take its hyperparameters (an SGD run resumed from Adam's state gets Adam's
+    learning rate and betas in its param groups)."""
+    where = manifest.directory / OPTIMIZER_FILE
+    current = _class_name(optimizer)
+    if manifest.dense_optimizer_class:
+        if manifest.dense_optimizer_class != current:
+            raise CheckpointError(
+                f"{where} was written by {manifest.dense_optimizer_class}; this run's dense "
+                f"optimizer is {current}. Use the same optimizer to resume"
+            )
+        return
+    # Checkpoints written before the class was recorded: the param groups' keys tell.
+    try:
+        saved_keys = [sorted(group) for group in saved["param_groups"]]
+    except (KeyError, TypeError) as error:
+        raise CheckpointError(f"{where} is not an optimizer state dict: {error!r}") from None
+    current_keys = [sorted(group) for group in optimizer.state_dict()["param_groups"]]
+    if saved_keys != current_keys:
+        raise CheckpointError(
+            f"{where} does not fit {current}: its param groups have the settings "
+            f"{saved_keys[:1]}, this optimizer's {current_keys[:1]}"
+        )
 
 
 def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
@@ -297,6 +360,7 @@ def load_checkpoint(
                 f"{manifest.directory / DENSE_FILE} does not fit {type(model).__name__}: {error}"
             ) from None
         if optimizer_state is not None:
+            _check_optimizer_fits(manifest, dense_optimizer, optimizer_state)
             try:
                 dense_optimizer.load_state_dict(optimizer_state)
             except (ValueError, KeyError) as error:

@@ -100,7 +100,7 @@ def register(subparsers) -> None:
         "--preprocessor",
         default=None,
         help="MODULE:FUNCTION turning friendly JSON instances (raw rows) into a Batch, e.g. "
-        "examples.adult_income.features:instances_to_batch",
+        "examples.adult_income.preprocess:instances_to_batch",
     )
     parser.set_defaults(handler=_serve)
 

@@ -59,7 +59,7 @@ class ServeOptions:
 
 
 def load_preprocessor(spec: str):
-    """Import ``module:function`` (e.g. ``examples.adult_income.features:instances_to_batch``)."""
+    """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
     import importlib
     import os
     import sys

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from embedding_store.errors import CheckpointError
 from embedding_store.model_checkpoint import (
     CheckpointManifest,
     load_checkpoint,
@@ -41,12 +42,19 @@ def dump_checkpoint(
     overwrite: bool = False,
 ) -> CheckpointManifest | None:
     """Write a checkpoint from rank 0 while the other ranks wait; returns its manifest on
-    rank 0 and None elsewhere."""
+    rank 0 and None elsewhere. Every rank calls it once its own embedding updates are
+    applied (``TrainCtx.dump_checkpoint`` flushes first): the barrier here makes rank 0 wait
+    for all of them, so the checkpoint holds every rank's updates. If rank 0 fails to write,
+    every rank raises."""
+    distributed.barrier()
     if distributed.rank() != 0:
-        distributed.barrier()
+        if not distributed.all_agree(True):
+            raise CheckpointError(
+                f"rank 0 failed to write checkpoint {directory}; its log has the error"
+            )
         return None
     try:
-        return write_checkpoint(
+        manifest = write_checkpoint(
             directory,
             model,
             dense_optimizer,
@@ -56,5 +64,8 @@ def dump_checkpoint(
             with_jit_model=with_jit_model,
             overwrite=overwrite,
         )
-    finally:
-        distributed.barrier()
+    except BaseException:
+        distributed.all_agree(False)
+        raise
+    distributed.all_agree(True)
+    return manifest

@@ -6,7 +6,8 @@ dense parameters are updated synchronously every step (DDP allreduce when WORLD_
 the embedding gradients go back to the embedding tier asynchronously: at most
 ``embedding_staleness`` batches may have been looked up without their gradients applied.
 ``embedding_staleness=1`` is fully synchronous (and with ``reproducible`` data, exactly
-repeatable).
+repeatable in one process; DDP ranks sharing a tier interleave their updates in no fixed
+order).
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from embedding_store.config import (
     load_embedding_config,
     load_global_config,
 )
-from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
+from embedding_store.errors import (
+    CheckpointError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import Optimizer
 from embedding_store.signature import FeatureSignature
@@ -385,8 +390,10 @@ class TrainCtx(EmbeddingCtx):
                     return
                 ref, grads = item
                 self.embedding_tier.backward(ref, grads)
-                if self.embedding_staleness == 1:
-                    self.embedding_tier.flush()
+                # A remote tier only queues the gradients in backward(): the batch's slot is
+                # given back once they are applied, or the bound would not hold. (In-process
+                # tiers apply them in backward(); their flush() does nothing.)
+                self.embedding_tier.flush()
             except BaseException as error:
                 self._backward_error = error
                 log.error("embedding update failed: %s", error)
@@ -433,6 +440,8 @@ class TrainCtx(EmbeddingCtx):
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()
+        distributed.barrier()  # no rank's late updates may land on the loaded embeddings
+        failure: BaseException | None = None
         try:
             manifest = load_checkpoint(
                 Path(directory),
@@ -441,7 +450,13 @@ class TrainCtx(EmbeddingCtx):
                 self.embedding_tier,
                 load_embeddings=distributed.rank() == 0,
             )
-        finally:
-            distributed.barrier()
+        except BaseException as error:
+            failure = error
+        if not distributed.all_agree(failure is None):  # every rank resumes, or none does
+            if failure is not None:
+                raise failure
+            raise CheckpointError(
+                f"another rank failed to load checkpoint {directory}; its log has the error"
+            )
         self.step = manifest.step
         self.signature = manifest.signature or self.signature

@@ -13,6 +13,7 @@ Peers are given by address (``RECSERVE_NN_WORKER_ADDRESSES``): there is no broke
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -33,6 +34,8 @@ from training import distributed
 from training.env import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
 from training.proto import data_stream_pb2 as pb
 from training.proto import data_stream_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 def _addresses_from_env() -> list[str]:
@@ -272,15 +275,31 @@ class IterableDataset:
 
 
 class DataLoader:
-    """Iterates a dataset with a bounded background prefetch (order is preserved)."""
+    """Iterates a dataset with a bounded background prefetch (order is preserved).
 
-    def __init__(self, dataset: Iterable[Batch], *, prefetch: int = 4) -> None:
+    ``equal_steps``: end every rank's iteration at the same step, dropping the remainder,
+    so DDP never waits for a rank that ran out of batches (its allreduce would fail). Each
+    step then costs one small all-reduce. Default (None): on for a :class:`StreamingDataset`
+    in a distributed run, whose loaders deal batches round-robin (33 batches over 2 ranks is
+    17 and 16); local datasets split their batches evenly themselves.
+    """
+
+    def __init__(
+        self, dataset: Iterable[Batch], *, prefetch: int = 4, equal_steps: bool | None = None
+    ) -> None:
         if prefetch < 0:
             raise InvalidArgumentError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.prefetch = prefetch
+        if equal_steps is None:
+            equal_steps = isinstance(dataset, StreamingDataset) and distributed.world_size() > 1
+        self.equal_steps = equal_steps
 
     def __iter__(self) -> Iterator[Batch]:
+        batches = self._prefetched()
+        return _equal_steps(batches) if self.equal_steps else batches
+
+    def _prefetched(self) -> Iterator[Batch]:
         if self.prefetch == 0:
             yield from self.dataset
             return
@@ -318,3 +337,22 @@ class DataLoader:
                     buffer.get_nowait()
                 except queue.Empty:
                     thread.join(timeout=0.05)
+
+
+def _equal_steps(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches`` for as long as every rank has one: each step, the ranks agree (one
+    all-reduce) that all of them have a batch; once one has none, all stop. The batches this
+    rank has left are read to the end (so its data loaders finish) and dropped."""
+    for batch in batches:
+        if distributed.all_agree(True):
+            yield batch
+            continue
+        dropped = 1 + sum(1 for _ in batches)
+        log.warning(
+            "rank %d dropped its last %d batch(es): another rank ran out first, and every "
+            "rank must run the same number of steps",
+            distributed.rank(),
+            dropped,
+        )
+        return
+    distributed.all_agree(False)

@@ -71,6 +71,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_agree(ok: bool) -> bool:
+    """Whether every rank passed ``ok=True`` (an all-reduce MIN of one flag; every rank must
+    call it). ``ok`` itself when not distributed. Ranks use it to fail together when one of
+    them failed a step that all depend on (rank 0 writing or loading a checkpoint)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -92,6 +92,78 @@ ONE_STEP_SCRIPT = textwrap.dedent(
 )
 
 
+# Rank 0 has 3 batches, rank 1 has 2 (what round-robin streaming deals from 5): a DataLoader
+# with equal_steps ends both ranks after 2 steps. Then a checkpoint into a directory that
+# exists already: rank 0's write fails, and rank 1 must fail with it, not carry on.
+EQUAL_STEPS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
+    from embedding_store.config import load_embedding_config
+    from embedding_store.errors import RecserveError
+    from embedding_store.optimizers import SGD
+    from training import distributed
+    from training.ctx import TrainCtx
+    from training.data import DataLoader, IterableDataset
+
+    config_path, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(__import__("os").environ["RANK"])
+    torch.set_num_threads(1)
+
+
+    class Dense(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8 + 8 + 3, 1)
+
+        def forward(self, non_id_tensors, embedding_tensors):
+            return self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+    def batch(seed):
+        rng = np.random.default_rng(seed)
+        return Batch(
+            [
+                IDTypeFeatureWithSingleID("workclass", rng.integers(0, 20, 8).astype(np.uint64)),
+                IDTypeFeatureWithSingleID("education", rng.integers(0, 20, 8).astype(np.uint64)),
+            ],
+            [NonIDTypeFeature(rng.normal(size=(8, 3)).astype(np.float32))],
+            [Label(rng.integers(0, 2, (8, 1)).astype(np.float32))],
+            requires_grad=True,
+        )
+
+
+    dense = Dense()
+    mine = [batch(10 * rank + i) for i in range(3 - rank)]
+    steps = 0
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(dense.parameters(), lr=0.5),
+        dense,
+        embedding_config=load_embedding_config(config_path),
+        embedding_staleness=2,
+    ) as ctx:
+        for b in DataLoader(IterableDataset(mine), equal_steps=True):
+            output, labels = ctx.forward(b)
+            ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+            steps += 1
+        (out / "taken").mkdir(exist_ok=True)
+        try:
+            ctx.dump_checkpoint(out / "taken")
+            outcome = "written"
+        except RecserveError as error:
+            outcome = type(error).__name__ + ": " + error.message
+        (out / f"result-{rank}.txt").write_text(f"{steps}\\n{outcome}")
+    distributed.shutdown_distributed()
+    """
+)
+
+
 def recserve(*args: str) -> list[str]:
     """The ``recserve`` console script of this interpreter's environment (or ``-m`` fallback)."""
     script = shutil.which("recserve", path=str(Path(sys.executable).parent))
@@ -191,3 +263,30 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_p
         assert torch.equal(before[0][name], before[1][name]), name
         assert torch.equal(after[0][name], after[1][name]), name
         assert not torch.equal(after[0][name], before[0][name]), name
+
+
+def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(cluster, tmp_path):
+    script = tmp_path / "equal_steps.py"
+    script.write_text(EQUAL_STEPS_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    log = run_in_session(
+        recserve(
+            "train",
+            "--nproc-per-node",
+            "2",
+            "--embedding-workers",
+            cluster.worker_addresses[0],
+            "--entry",
+            str(script),
+            "--",
+            str(EMBEDDING_CONFIG),
+            str(out),
+        ),
+        tmp_path / "equal_steps.log",
+    )
+    results = [(out / f"result-{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    assert [steps for steps, _ in results] == ["2", "2"]
+    assert "rank 0 dropped its last 1 batch(es)" in log
+    assert results[0][1].startswith("AlreadyExistsError")
+    assert results[1][1].startswith("CheckpointError: rank 0 failed to write checkpoint")

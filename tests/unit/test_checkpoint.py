@@ -259,3 +259,31 @@ def test_other_hash_stacking_is_refused(tmp_path):
         assert target[0].size() == 0
     checkpoint.load_embeddings(tmp_path / "ckpt", target, stacked(50))
     assert target[0].size() == shards[0].size()
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False])
+def test_overwrite_replaces_the_checkpoint_and_leaves_nothing_behind(
+    tmp_path, monkeypatch, atomic_exchange
+):
+    if not atomic_exchange:  # a system without renameat2: two renames
+        monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+    _, first = trained_worker(1)
+    checkpoint.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
+    _, second = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
+    assert manifest.num_shards == 2
+    assert checkpoint.verify(tmp_path / "ckpt").num_shards == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_checkpoint_left_by_an_interrupted_overwrite_is_named(tmp_path):
+    _, shards = trained_worker(1)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    # What a crash between the two renames of an overwrite leaves.
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-0123abcd")
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not exist .*interrupted overwrite left the previous checkpoint at "
+        r".*\.ckpt\.old-0123abcd: rename it to ckpt",
+    ):
+        checkpoint.read_manifest(tmp_path / "ckpt")

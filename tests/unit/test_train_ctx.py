@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +15,8 @@ from embedding_store.batch import Batch, IDTypeFeature, Label, NonIDTypeFeature
 from embedding_store.config import embedding_config_from_mapping, global_config_from_mapping
 from embedding_store.errors import CheckpointError, FailedPreconditionError, InvalidArgumentError
 from embedding_store.optimizers import SGD
+from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.worker import BackwardStats
 from training import checkpoint as training_checkpoint
 from training.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, eval_ctx
 
@@ -66,6 +73,58 @@ def new_ctx(staleness: int = 1, embedding_lr: float = 0.5) -> TrainCtx:
         embedding_config=CONFIG,
         global_config=GLOBAL,
     )
+
+
+class QueuingTier(InProcessEmbeddingTier):
+    """A tier that applies gradients only in flush(), as the remote worker does; records how
+    many batches had been looked up without their gradients applied at each train lookup."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+        self.queued: list = []
+        self.unapplied = 0
+        self.seen: list[int] = []
+        self.lock = threading.Lock()
+
+    def lookup(self, batch, *, train):
+        result = super().lookup(batch, train=train)
+        if train:
+            with self.lock:
+                self.unapplied += 1
+                self.seen.append(self.unapplied)
+        return result
+
+    def backward(self, ref, grads):
+        with self.lock:
+            self.queued.append((ref, grads))
+        return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
+
+    def flush(self):
+        time.sleep(0.002)  # a slow network: lookups race ahead if nothing holds them
+        with self.lock:
+            queued, self.queued = self.queued, []
+            for ref, grads in queued:
+                super().backward(ref, grads)
+                self.unapplied -= 1
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 4])
+def test_staleness_bound_holds_when_the_tier_applies_gradients_later(staleness):
+    torch.manual_seed(0)
+    model = TinyModel()
+    tier = QueuingTier()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=staleness,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+        embedding_tier=tier,
+    ) as ctx:
+        train_steps(ctx, 30)
+    assert max(tier.seen) == staleness
+    assert tier.unapplied == 0
 
 
 def test_training_lowers_the_loss_and_updates_both_sides():
@@ -189,6 +248,86 @@ def test_corrupt_embedding_file_is_refused_and_dense_state_is_put_back(tmp_path)
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(after_state[key]))
         assert other.embedding_tier.status().rows_per_shard == rows
         assert other.step == 2
+
+
+def test_another_dense_optimizer_is_refused_on_resume(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    assert training_checkpoint.read_manifest(tmp_path / "ckpt").dense_optimizer_class == (
+        "torch.optim.sgd.SGD"
+    )
+    torch.manual_seed(0)
+    model = TinyModel()
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    with TrainCtx(SGD(lr=0.5), adam, model, embedding_config=CONFIG, global_config=GLOBAL) as other:
+        weight = other.dense_model.linear.weight.detach().clone()
+        with pytest.raises(
+            CheckpointError,
+            match=re.escape(
+                "written by torch.optim.sgd.SGD; this run's dense optimizer is "
+                "torch.optim.adam.Adam"
+            ),
+        ):
+            other.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(weight, other.dense_model.linear.weight)
+        assert adam.param_groups[0]["lr"] == 0.01 and "betas" in adam.param_groups[0]
+    # A checkpoint from before the class was recorded: the param groups' settings tell.
+    manifest_path = tmp_path / "ckpt" / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    del raw["dense_optimizer_class"]
+    manifest_path.write_text(json.dumps(raw))
+    with (
+        TrainCtx(
+            SGD(lr=0.5),
+            torch.optim.Adam(model.parameters()),
+            model,
+            embedding_config=CONFIG,
+            global_config=GLOBAL,
+        ) as other,
+        pytest.raises(CheckpointError, match=r"opt\.pt does not fit torch\.optim\.adam"),
+    ):
+        other.load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda m: m["files"]["opt.pt"].pop("sha256"), r"files\['opt.pt'\]\.sha256 must be"),
+        (lambda m: m["files"].update({"dense.pt": "x"}), r"files\['dense.pt'\] must be an object"),
+        (lambda m: m["files"]["dense.pt"].update(bytes=-1), r"\.bytes must be an integer >= 0"),
+        (lambda m: m["files"].update({"../x": m["files"]["dense.pt"]}), "not a plain name"),
+        (lambda m: m.update(files=[]), "'files' must be an object"),
+    ],
+)
+def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
+    with new_ctx() as ctx:
+        train_steps(ctx, 1)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    manifest_path = tmp_path / "ckpt" / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    damage(raw)
+    manifest_path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message):
+        training_checkpoint.verify(tmp_path / "ckpt")
+
+
+def test_damaged_embedding_manifest_entries_are_named(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 1)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "embeddings" / "embedding_manifest.json"
+    original = json.loads(path.read_text())
+    for key, value, message in (
+        ("rows", "many", "rows must be an integer >= 0, got 'many'"),
+        ("sha256", "xyz", "sha256 must be 64 hex digits, got 'xyz'"),
+        ("dim", None, "dim must be an integer >= 0, got None"),
+    ):
+        raw = json.loads(json.dumps(original))
+        raw["files"][0][key] = value
+        path.write_text(json.dumps(raw))
+        with pytest.raises(CheckpointError, match=f"is malformed: .*{message}"):
+            training_checkpoint.verify(tmp_path / "ckpt")
 
 
 def test_embedding_ctx_inference_mode_is_read_only():
