@@ -651,7 +651,7 @@ def _decode_http_request(body: bytes, json_size: int | None) -> InferRequest:
 def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
-    if json_size is None:
+    if json_size is None or json_size == len(body):
         header = parse_json(body)
     else:
         header = parse_json(

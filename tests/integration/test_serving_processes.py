@@ -7,7 +7,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,8 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkp
                     str(adult_checkpoint),
                     "--embedding-ps",
                     ",".join(shards.ps_addresses),
+                    "--lookup-timeout",
+                    "2",
                     "--http-port",
                     "0",
                     "--grpc-port",
@@ -139,6 +143,34 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkp
                 wait_until(lambda: not client.ready(), "the server stayed ready")
                 shards.restart_shard(1)
                 wait_until(client.ready, "the server did not become ready again")
+                answer = client.predict(batch)
+                np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
+                # A stalled shard (alive, silent) holds a request for the lookup timeout; the
+                # event loop meanwhile answers health probes at once.
+                stalled = shards.shards[1].process.pid
+                os.kill(stalled, signal.SIGSTOP)
+                try:
+                    failures: list[BaseException] = []
+
+                    def predict_on_the_stalled_shard() -> None:
+                        try:
+                            client.predict(batch)
+                        except Exception as error:  # expected: the lookup times out
+                            failures.append(error)
+
+                    waiting = threading.Thread(target=predict_on_the_stalled_shard)
+                    waiting.start()
+                    time.sleep(0.3)  # the request is in the server, its lookup waiting
+                    started = time.monotonic()
+                    live = f"http://127.0.0.1:{ports.group(1)}/v2/health/live"
+                    with urllib.request.urlopen(live, timeout=5) as response:
+                        assert response.status == 200
+                    assert time.monotonic() - started < 1.0
+                    assert waiting.is_alive()  # the prediction is still waiting
+                    waiting.join(timeout=30)
+                    assert len(failures) == 1 and "shard 1" in str(failures[0]), failures
+                finally:
+                    os.kill(stalled, signal.SIGCONT)
                 answer = client.predict(batch)
                 np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
         finally:
