@@ -14,6 +14,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -111,12 +112,13 @@ class EmbeddingConfig:
     """All slots, their feature groups and the ID prefix layout.
 
     Derived lookups (slot order, ID space of each slot, prefixes, mask) are computed once at
-    construction; treat the dict/list fields as read-only.
+    construction. Frozen all the way down: the mappings are read-only views and the groups'
+    members tuples, so nothing can change a config that other objects derived state from.
     """
 
-    slots_config: dict[str, SlotConfig]
+    slots_config: Mapping[str, SlotConfig]
     feature_index_prefix_bit: int = 8
-    feature_groups: dict[str, list[str]] = field(default_factory=dict)
+    feature_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     _slot_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _id_spaces: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -144,6 +146,9 @@ class EmbeddingConfig:
                 "feature_groups", f"expected a mapping, got {type(self.feature_groups).__name__}"
             )
 
+        # Read-only from here on (after the type checks above, which name the bad value).
+        object.__setattr__(self, "slots_config", MappingProxyType(dict(slots)))
+        slots = self.slots_config
         group_of: dict[str, str] = {}
         for group, members in self.feature_groups.items():
             key = f"feature_groups.{group}"
@@ -152,8 +157,9 @@ class EmbeddingConfig:
                     "feature_groups", f"group names must be non-empty, got {group!r}"
                 )
             if not isinstance(members, (list, tuple)) or not members:
+                shown = list(members) if isinstance(members, tuple) else members  # as in YAML
                 raise ConfigFieldError(
-                    key, f"expected a non-empty list of slot names, got {members!r}"
+                    key, f"expected a non-empty list of slot names, got {shown!r}"
                 )
             for i, member in enumerate(members):
                 if member not in slots:
@@ -194,6 +200,11 @@ class EmbeddingConfig:
                     f"they need the same hash_stack_config, got {listing}",
                 )
 
+        object.__setattr__(
+            self,
+            "feature_groups",
+            MappingProxyType({group: tuple(m) for group, m in self.feature_groups.items()}),
+        )
         ungrouped = [name for name in slots if name not in group_of]
         for group in self.feature_groups:
             if group in slots and group not in group_of:

@@ -94,12 +94,13 @@ class CheckpointingConfig:
 class InferConfig:
     """Inference: the embedding servers to query and the checkpoint they serve."""
 
-    servers: list[str] = field(default_factory=list)
+    servers: tuple[str, ...] = ()
     embedding_checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.servers, (list, tuple)):
             raise ConfigFieldError("servers", f"expected a list, got {self.servers!r}")
+        object.__setattr__(self, "servers", tuple(self.servers))
         seen: set[str] = set()
         for i, server in enumerate(self.servers):
             _check_server_address(f"servers[{i}]", server)

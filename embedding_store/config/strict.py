@@ -8,8 +8,9 @@ whose message reads ``<file>: <key.path>: <what was expected>, got <value>``.
 
 Supported field types: ``int``, ``float`` (ints are accepted and widened, booleans are not),
 ``bool`` (real YAML booleans only), ``str``, ``Optional[X]`` / ``X | None`` (and unions tried
-in order), ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` (insertion order
-kept), nested dataclasses, ``Enum`` subclasses (by value), ``Literal[...]`` and ``Any``.
+in order), ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` or
+``Mapping[str, X]`` (insertion order kept), nested dataclasses, ``Enum`` subclasses (by
+value), ``Literal[...]`` and ``Any``.
 
 Range and cross-field checks live in each dataclass's ``__post_init__`` and raise
 :class:`ConfigFieldError` with a key path *relative to that dataclass*. The loader catches it
@@ -222,7 +223,7 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
         raise _error(source, path, f"expected one of {allowed}, got {describe_value(value)}")
     if origin in (list, tuple) or tp in (list, tuple):
         return _convert_sequence(tp, origin or tp, args, value, source, path)
-    if origin is dict or tp is dict:
+    if origin in (dict, Mapping) or tp is dict:
         return _convert_dict(args, value, source, path)
     if tp is bool:
         if isinstance(value, bool):

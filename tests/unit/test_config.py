@@ -75,7 +75,7 @@ def test_example_embedding_config_loads() -> None:
         "recent_queries",
     )
     assert config.feature_index_prefix_bit == 8
-    assert config.feature_groups == {"item_group": ["item_id", "clicked_item_ids"]}
+    assert config.feature_groups == {"item_group": ("item_id", "clicked_item_ids")}
     assert config.slot("user_id").hash_stack_config == HashStackConfig(2, 1_000_000)
     assert config.slot("recent_queries").embedding_summation is False
     assert config.id_space_of("clicked_item_ids") == "item_group"
@@ -523,7 +523,7 @@ def test_global_valid_infer_config(tmp_path: Path) -> None:
     }
     config = load_global_config(write_mapping(tmp_path, data, "global_config.yml"))
     assert config.common_config.job_type is JobType.INFER
-    assert config.common_config.infer_config.servers == ["ps-0:8000", "10.0.0.2:8001", "[::1]:8002"]
+    assert config.common_config.infer_config.servers == ("ps-0:8000", "10.0.0.2:8001", "[::1]:8002")
     assert config.common_config.infer_config.embedding_checkpoint == "/ckpt/v3"
     assert config.embedding_parameter_server_config.enable_incremental_update is True
     # An empty checkpoint string is only an error for Infer jobs.
@@ -761,3 +761,23 @@ def test_generic_loader_path_prefix_and_load_yaml(tmp_path: Path) -> None:
         to_mapping(Inner)
     with pytest.raises(TypeError):
         from_mapping(dict, {}, source="s")  # type: ignore[arg-type]
+
+
+def test_configs_are_frozen_all_the_way_down(tmp_path) -> None:
+    config = load_embedding_config(EXAMPLES / "embedding_config.yml")
+    with pytest.raises(TypeError):
+        config.slots_config["user_id"] = config.slots_config["age"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        config.feature_groups["other"] = ("age",)  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        config.feature_groups["item_group"].append("age")  # type: ignore[attr-defined]
+    infer = global_config_from_mapping(
+        {"common_config": {"infer_config": {"servers": ["ps-0:8000"]}}}
+    ).common_config.infer_config
+    with pytest.raises(AttributeError):
+        infer.servers.append("evil:1")  # type: ignore[attr-defined]
+    # Still plain data on the way out, and equal after a round trip.
+    mapping = embedding_config_to_mapping(config)
+    assert mapping["feature_groups"] == {"item_group": ["item_id", "clicked_item_ids"]}
+    assert embedding_config_from_mapping(mapping) == config
+    yaml.safe_dump(mapping)
