@@ -28,14 +28,10 @@ from clients._proto import V2
 from clients.types import ModelInfo, PredictResult, TensorInfo
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.errors import (
-    AlreadyExistsError,
-    CapacityError,
-    DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
-    NotFoundError,
     RecserveError,
-    UnavailableError,
+    error_for_grpc_code,
+    error_for_http_status,
 )
 
 #: Header of the HTTP binary tensor extension: byte length of the JSON part of the body.
@@ -77,25 +73,6 @@ _CONTENTS: dict[str, str] = {
     "FP64": "fp64_contents",
 }
 
-_HTTP_ERRORS: dict[int, type[RecserveError]] = {
-    400: InvalidArgumentError,
-    404: NotFoundError,
-    409: FailedPreconditionError,
-    413: CapacityError,
-    503: UnavailableError,
-    504: DeadlineExceededError,
-}
-_GRPC_ERRORS: dict[str, type[RecserveError]] = {
-    "INVALID_ARGUMENT": InvalidArgumentError,
-    "OUT_OF_RANGE": InvalidArgumentError,
-    "NOT_FOUND": NotFoundError,
-    "FAILED_PRECONDITION": FailedPreconditionError,
-    "ALREADY_EXISTS": AlreadyExistsError,
-    "RESOURCE_EXHAUSTED": CapacityError,
-    "UNAVAILABLE": UnavailableError,
-    "DEADLINE_EXCEEDED": DeadlineExceededError,
-}
-
 
 # --------------------------------------------------------------------------- errors
 def http_error(server: str, status: int, body: bytes) -> RecserveError:
@@ -109,14 +86,14 @@ def http_error(server: str, status: int, body: bytes) -> RecserveError:
         pass
     if not message:
         message = body[:200].decode("utf-8", errors="replace").strip() or "(no message)"
-    cls = _HTTP_ERRORS.get(status, RecserveError)
-    return cls(f"server {server} answered HTTP {status}: {message}")
+    return error_for_http_status(status, f"server {server} answered HTTP {status}: {message}")
 
 
 def grpc_error(server: str, code_name: str, details: str | None) -> RecserveError:
     """The recserve error for a failed gRPC call (status code name and details)."""
-    cls = _GRPC_ERRORS.get(code_name, RecserveError)
-    return cls(f"server {server} answered gRPC {code_name}: {details or '(no details)'}")
+    return error_for_grpc_code(
+        code_name, f"server {server} answered gRPC {code_name}: {details or '(no details)'}"
+    )
 
 
 # --------------------------------------------------------------------------- tensors

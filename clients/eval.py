@@ -48,11 +48,10 @@ from embedding_store.config.strict import ConfigFieldError, load_yaml, require_n
 from embedding_store.errors import (
     CapacityError,
     ConfigError,
-    DeadlineExceededError,
     InvalidArgumentError,
-    NotFoundError,
     RecserveError,
     UnavailableError,
+    error_for_http_status,
 )
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 
@@ -611,7 +610,7 @@ class ServerScorer:
                     message = orjson.loads(payload).get("error") or payload.decode()
                 except (orjson.JSONDecodeError, AttributeError, UnicodeDecodeError):
                     message = payload[:200].decode("utf-8", "replace")
-                failure = _http_error(error.code, f"server {self.url}{path}: {message}")
+                failure = error_for_http_status(error.code, f"server {self.url}{path}: {message}")
                 if error.code != 503 or attempt == self.retries:
                     raise failure from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
@@ -714,20 +713,6 @@ class ServerScorer:
 
     def close(self) -> None:
         pass
-
-
-def _http_error(status: int, message: str) -> RecserveError:
-    if status == 404:
-        return NotFoundError(message)
-    if status == 413:
-        return CapacityError(message)
-    if status == 503:
-        return UnavailableError(message)
-    if status == 504:
-        return DeadlineExceededError(message)
-    if 400 <= status < 500:
-        return InvalidArgumentError(message)
-    return RecserveError(f"{message} (HTTP {status})")
 
 
 def _slice_batch(batch: Batch, start: int, stop: int) -> Batch:

@@ -47,13 +47,6 @@ class NotFoundError(RecserveError):
     grpc_code = "NOT_FOUND"
 
 
-class CheckpointError(RecserveError):
-    """A checkpoint is incomplete, corrupt, or does not match the running configuration."""
-
-    http_status = 409
-    grpc_code = "FAILED_PRECONDITION"
-
-
 class FailedPreconditionError(RecserveError):
     """The operation is not allowed in the current state (e.g. writes to a read-only store)."""
 
@@ -61,11 +54,22 @@ class FailedPreconditionError(RecserveError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class CheckpointError(FailedPreconditionError):
+    """A checkpoint is incomplete, corrupt, or does not match the running configuration."""
+
+
 class AlreadyExistsError(RecserveError):
     """Refusing to overwrite something that exists (e.g. a checkpoint directory)."""
 
     http_status = 409
     grpc_code = "ALREADY_EXISTS"
+
+
+class PermissionDeniedError(RecserveError):
+    """The caller may not do this (e.g. an admin route from off-host without the token)."""
+
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
 
 
 class CapacityError(RecserveError):
@@ -94,6 +98,34 @@ def http_status_of(error: BaseException) -> int:
     return error.http_status if isinstance(error, RecserveError) else 500
 
 
+def _most_general_by(attribute: str) -> dict[object, type[RecserveError]]:
+    """Status (or code) -> the most general class of this module that maps to it. Classes are
+    met in declaration order, parents before children, so the first one found is it: 409 is
+    FailedPreconditionError (not its CheckpointError), 400 InvalidArgumentError."""
+    found: dict[object, type[RecserveError]] = {}
+    for value in list(globals().values()):
+        if isinstance(value, type) and issubclass(value, RecserveError):
+            found.setdefault(getattr(value, attribute), value)
+    return found
+
+
+def error_for_http_status(status: int, message: str) -> RecserveError:
+    """What a client raises for an HTTP error answer: the error this hierarchy maps to that
+    status (the most general class, since the status cannot tell subclasses apart), or a
+    RecserveError naming a status outside it."""
+    error_class = _CLASS_OF_HTTP_STATUS.get(status)
+    if error_class is None or error_class is RecserveError:
+        return RecserveError(f"{message} (HTTP {status})")
+    return error_class(message)
+
+
+def error_for_grpc_code(code_name: str, message: str) -> RecserveError:
+    """:func:`error_for_http_status` for a gRPC status code name (``"NOT_FOUND"``).
+    OUT_OF_RANGE reads as INVALID_ARGUMENT; codes outside the hierarchy give RecserveError."""
+    error_class = _CLASS_OF_GRPC_CODE.get(_GRPC_ALIASES.get(code_name, code_name), RecserveError)
+    return error_class(message)
+
+
 def grpc_code_name_of(error: BaseException) -> str:
     """gRPC status code name (a ``grpc.StatusCode`` member) for any exception."""
     return error.grpc_code if isinstance(error, RecserveError) else "INTERNAL"
@@ -104,3 +136,8 @@ def public_message_of(error: BaseException) -> str:
     if isinstance(error, RecserveError):
         return error.message
     return "internal error (details are in the server log)"
+
+
+_GRPC_ALIASES = {"OUT_OF_RANGE": "INVALID_ARGUMENT"}
+_CLASS_OF_HTTP_STATUS = _most_general_by("http_status")
+_CLASS_OF_GRPC_CODE = _most_general_by("grpc_code")

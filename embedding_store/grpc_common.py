@@ -18,15 +18,12 @@ import grpc
 import numpy as np
 
 from embedding_store.errors import (
-    AlreadyExistsError,
-    CapacityError,
     CheckpointError,
     DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
-    NotFoundError,
     RecserveError,
     UnavailableError,
+    error_for_grpc_code,
     grpc_code_name_of,
     public_message_of,
 )
@@ -139,17 +136,6 @@ def rpc_stream_errors(method: F) -> F:
 
 
 # --------------------------------------------------------------------------- client side
-_ERROR_OF_CODE: dict[grpc.StatusCode, type[RecserveError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-
-
 def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
     """Turn a failed call into the recserve error of its status, naming ``peer``.
 
@@ -167,8 +153,7 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
         return DeadlineExceededError(f"{peer} did not answer within the deadline: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint" in details.lower():
         return CheckpointError(f"{peer}: {details}")
-    error_class = _ERROR_OF_CODE.get(code, RecserveError)
-    return error_class(f"{peer}: {details}")
+    return error_for_grpc_code(code.name, f"{peer}: {details}")
 
 
 def call(peer: str, method: Callable[..., Any], request: Any, *, timeout: float | None) -> Any:

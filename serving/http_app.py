@@ -43,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from embedding_store.errors import (
     CapacityError,
     InvalidArgumentError,
+    PermissionDeniedError,
     RecserveError,
     UnavailableError,
     http_status_of,
@@ -80,7 +81,9 @@ def error_response(error: BaseException) -> Response:
     return json_response({"error": public_message_of(error)}, status)
 
 
-def _error(status: int, message: str) -> Response:
+def _routing_error(status: int, message: str) -> Response:
+    """An HTTP-level answer of the router (404 no such route, 405 method): no recserve error
+    stands behind it, so the status is the router's."""
     return json_response({"error": message}, status)
 
 
@@ -327,11 +330,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, error: StarletteHTTPException) -> Response:
-        return _error(error.status_code, str(error.detail))
+        return _routing_error(error.status_code, str(error.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, error: RequestValidationError) -> Response:
-        return _error(400, f"invalid request: {error.errors()}")
+        return error_response(InvalidArgumentError(f"invalid request: {error.errors()}"))
 
     async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs))
@@ -350,7 +353,7 @@ def create_app(
         try:
             if core.live():
                 return json_response({"live": True})
-            return _error(503, "server is not live")
+            return error_response(UnavailableError("server is not live"))
         except Exception as error:
             return error_response(error)
 
@@ -359,7 +362,7 @@ def create_app(
         try:
             if await in_thread(core.ready):
                 return json_response({"ready": True})
-            return _error(503, "server is not ready")
+            return error_response(UnavailableError("server is not ready"))
         except Exception as error:
             return error_response(error)
 
@@ -512,7 +515,9 @@ def create_app(
         async def reload(request: Request) -> Response:
             try:
                 if not admin_allowed(request, admin.token):
-                    return _error(403, "admin routes need a loopback client or a valid token")
+                    raise PermissionDeniedError(
+                        "admin routes need a loopback client or a valid token"
+                    )
                 body = await read_body(request, 1024 * 1024)
                 checkpoint = None
                 if body.strip():
