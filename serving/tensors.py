@@ -21,6 +21,7 @@ and every error message are the same either way.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import sys
@@ -628,6 +629,46 @@ def _require_finite(name: str, array: np.ndarray) -> None:
     )
 
 
+_MISSING = object()
+
+
+def _instance_ids(values: list[Any]) -> np.ndarray | None:
+    """The IDs of friendly rows as uint64 [n], converted and checked for the whole batch at
+    once (Python ints in [0, 2**64): no bools, floats or strings); None if any is not, so the
+    caller finds and names it."""
+    if not values:
+        return np.zeros(0, dtype=np.uint64)
+    if set(map(type, values)) != {int}:  # bools, floats, strings, a missing feature
+        return None
+    try:
+        array = np.array(values, dtype=np.int64)
+    except OverflowError:  # some ID is >= 2**63: only uint64 holds it (and no negative one)
+        try:
+            return np.array(values, dtype=np.uint64)
+        except OverflowError:
+            return None
+    if int(array.min()) < 0:
+        return None
+    return array.view(np.uint64)
+
+
+def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> None:
+    """Name the first row whose value of ID feature ``name`` is wrong (the error path only)."""
+    for index, value in enumerate(raw):
+        if value is _MISSING:
+            raise InvalidArgumentError(f"instances[{index}] lacks feature {name!r}")
+        items = value if type(value) is list else [value]
+        if single_id and len(items) != 1:
+            raise InvalidArgumentError(
+                f"instances[{index}].{name}: exactly one ID expected, got {len(items)}"
+            )
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            raise InvalidArgumentError(f"instances[{index}].{name}: IDs must be integers")
+        if any(v < 0 or v >= 2**64 for v in items):
+            raise InvalidArgumentError(f"instances[{index}].{name}: IDs must be in [0, 2**64)")
+    raise InvalidArgumentError(f"feature {name!r}: IDs must be integers in [0, 2**64)")
+
+
 def instances_to_inputs(
     signature: FeatureSignature, instances: Sequence[Mapping[str, Any]]
 ) -> dict[str, np.ndarray]:
@@ -648,30 +689,16 @@ def instances_to_inputs(
                 f"instances[{index}] has unknown feature(s) {unknown}; known: {sorted(names)}"
             )
     for feature in signature.id_features:
-        values: list[int] = []
-        lengths = np.empty(len(instances), dtype=np.int64)
-        for index, instance in enumerate(instances):
-            if feature.name not in instance:
-                raise InvalidArgumentError(f"instances[{index}] lacks feature {feature.name!r}")
-            value = instance[feature.name]
-            items = value if isinstance(value, list) else [value]
-            if feature.single_id and len(items) != 1:
-                raise InvalidArgumentError(
-                    f"instances[{index}].{feature.name}: exactly one ID expected, got {len(items)}"
-                )
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-                raise InvalidArgumentError(
-                    f"instances[{index}].{feature.name}: IDs must be integers"
-                )
-            if any(v < 0 or v >= 2**64 for v in items):
-                raise InvalidArgumentError(
-                    f"instances[{index}].{feature.name}: IDs must be in [0, 2**64)"
-                )
-            values.extend(items)
-            lengths[index] = len(items)
-        inputs[feature.name] = np.array(values, dtype=np.uint64)
+        name = feature.name
+        raw = [instance.get(name, _MISSING) for instance in instances]  # one per sample
+        items = [value if type(value) is list else [value] for value in raw]
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        ids = _instance_ids(list(itertools.chain.from_iterable(items)))
+        if ids is None or (feature.single_id and bool((lengths != 1).any())):
+            _raise_instance_id_error(feature.name, feature.single_id, raw)
+        inputs[name] = ids
         if not feature.single_id:
-            inputs[feature.name + LENGTHS_SUFFIX] = lengths
+            inputs[name + LENGTHS_SUFFIX] = lengths
     for spec in signature.non_id_features:
         rows = []
         for index, instance in enumerate(instances):

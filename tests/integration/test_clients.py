@@ -22,6 +22,7 @@ import pytest
 from clients import AsyncRecserveClient, ModelInfo, RecserveClient, TensorInfo
 from embedding_store.errors import InvalidArgumentError, NotFoundError
 from examples.adult_income import features
+from serving.infer_ctx import InferCtx
 from tests.integration.conftest import ADULT_PREPROCESSOR, REPO_ROOT, ServeProcess
 
 MODEL = "adult"
@@ -73,33 +74,55 @@ def urls(server) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict[str, Any]]:
-    return friendly(*read_rows(N_ROWS))
+    rows = friendly(*read_rows(N_ROWS))
+    # Values the training data never had: their IDs are unknown to the embedding tier.
+    rows[0]["native-country"] = "Atlantis"
+    rows[3]["occupation"] = "Astronaut"
+    rows[3]["workclass"] = "Guild"
+    return rows
 
 
 @pytest.fixture(scope="module")
-def expected(urls, rows) -> np.ndarray:
+def offline(adult_checkpoint, rows) -> tuple[np.ndarray, int]:
+    """What the checkpoint itself answers for ``rows`` (InferCtx in this process, no server):
+    predictions float32 [N_ROWS, 1] and the number of unknown IDs among them."""
+    batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+    with InferCtx(checkpoint=adult_checkpoint, output_transform="sigmoid") as ctx:
+        return ctx.forward(batch), ctx.get_embedding_from_data(batch).unknown_ids
+
+
+@pytest.fixture(scope="module")
+def expected(urls, offline) -> np.ndarray:
     with RecserveClient(urls["http"], model_name=MODEL) as client:
         assert client.wait_until_ready(30)
-        return client.predict(rows).predictions
+    return offline[0]
 
 
-def test_http_grpc_and_rows_agree(urls, rows, expected, server):
+def test_http_grpc_and_rows_agree(urls, rows, expected, offline, server):
     batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
-    # read_batches gives the same rows as a labelled training-style batch (labels not sent).
-    file_batch = next(features.read_batches(features.TEST_PATH, N_ROWS, requires_grad=False))
+    unknown = offline[1]
+    assert unknown >= 3  # the made-up values above, at least
     assert expected.shape == (N_ROWS, 1) and expected.dtype == np.float32
-    assert np.all((expected > 0) & (expected < 1))  # sigmoid output
     for protocol, url in urls.items():
         with RecserveClient(url, model_name=MODEL, timeout=10) as client:
-            for data in (batch, file_batch):
+            # Friendly rows go to the HTTP route only (the server's preprocessor reads them).
+            for data in (rows, batch) if protocol == "http" else (batch,):
                 result = client.predict(data)
                 np.testing.assert_allclose(
-                    result.predictions, expected, atol=ATOL, err_msg=protocol
+                    result.predictions, expected, rtol=0, atol=ATOL, err_msg=protocol
                 )
                 assert result.model_version == server.version
                 assert result.model_name == MODEL
-                assert result.fallback_ids == 0 and result.unknown_ids >= 0
+                assert result.fallback_ids == 0
+                assert result.unknown_ids == unknown, protocol
                 assert result.latency_seconds > 0
+    # The unchanged rows as read from the file (a labelled batch; labels are not sent).
+    file_batch = next(features.read_batches(features.TEST_PATH, N_ROWS, requires_grad=False))
+    changed = [0, 3]
+    kept = np.setdiff1d(np.arange(N_ROWS), changed)
+    with RecserveClient(urls["grpc"], model_name=MODEL, timeout=10) as client:
+        from_file = client.predict(file_batch).predictions
+    np.testing.assert_allclose(from_file[kept], expected[kept], rtol=0, atol=ATOL)
 
 
 def test_metadata_and_health(urls, server):
@@ -186,12 +209,14 @@ def test_predict_command_jsonl_and_csv(tmp_path: Path, urls, rows, expected, ser
         "--url", urls["http"], "--model", MODEL, "--input", str(table), "--output", str(out)
     )
     assert written.returncode == 0, written.stderr
-    for text in (printed.stdout, out.read_text()):
+    # The JSON lines carry the rows with made-up values (rows 0 and 3), the CSV the originals.
+    kept = np.setdiff1d(np.arange(N_ROWS), [0, 3])
+    for text, compared in ((printed.stdout, np.arange(N_ROWS)), (out.read_text(), kept)):
         lines = [orjson.loads(line) for line in text.splitlines()]
         assert len(lines) == N_ROWS
         assert {line["model_version"] for line in lines} == {server.version}
         predictions = np.array([[line["prediction"]] for line in lines], dtype=np.float32)
-        np.testing.assert_allclose(predictions, expected, atol=ATOL)
+        np.testing.assert_allclose(predictions[compared], expected[compared], rtol=0, atol=ATOL)
 
 
 def test_predict_command_reports_bad_lines(tmp_path: Path, urls, rows):

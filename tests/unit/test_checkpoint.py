@@ -42,11 +42,13 @@ def random_batch(seed: int, batch_size: int = 64) -> Batch:
     )
 
 
-def trained_worker(num_shards: int) -> tuple[EmbeddingWorker, list[EmbeddingShard]]:
+def trained_worker(
+    num_shards: int, first_batch: int = 0
+) -> tuple[EmbeddingWorker, list[EmbeddingShard]]:
     shards = make_shards(num_shards)
     worker = EmbeddingWorker(CONFIG, shards)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(5):
+    generator = torch.Generator().manual_seed(1 + first_batch)
+    for step in range(first_batch, first_batch + 5):
         result = worker.lookup(random_batch(step), train=True)
         grads = {s.name: torch.randn(s.embeddings.shape, generator=generator) for s in result.slots}
         worker.backward(result.ref, grads)
@@ -114,13 +116,27 @@ def test_refuses_to_overwrite_and_overwrites_when_asked(tmp_path):
 
 
 def _loaded_store_is_unchanged(tmp_path, broken_dir, match):
-    _, shards = trained_worker(1)
-    before = all_rows(shards, 8)
+    # A store of two shards holding other rows than the checkpoint (other batches): loading
+    # any part of the checkpoint would show, in either shard.
+    _, shards = trained_worker(2, first_batch=100)
+    before = {dim: all_rows(shards, dim) for dim in (8, 3)}
+    saved_ids = np.concatenate([_ids_of(p) for p in sorted(broken_dir.rglob("*.safetensors"))])
+    held_ids = np.concatenate([before[8][0], before[3][0]])
+    assert not np.array_equal(np.sort(saved_ids), np.sort(held_ids))
     with pytest.raises(CheckpointError, match=match):
         checkpoint.load_embeddings(broken_dir, shards, CONFIG)
-    after = all_rows(shards, 8)
-    for x, y in zip(before, after):
-        assert np.array_equal(x, y)
+    for dim in (8, 3):
+        for x, y in zip(before[dim], all_rows(shards, dim)):
+            assert np.array_equal(x, y)
+
+
+def _ids_of(path) -> np.ndarray:
+    import safetensors.numpy
+
+    try:
+        return safetensors.numpy.load_file(str(path))["ids"]
+    except Exception:  # the file this test corrupted or cut
+        return np.zeros(0, dtype=np.uint64)
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

@@ -220,3 +220,45 @@ def test_encodings_argument_rejects_unknown_encodings(value, capsys):
         peers.parse_args(["--encodings", value])
     assert exit_info.value.code == 2
     assert "unknown encoding" in capsys.readouterr().err
+
+
+def test_the_handler_answers_what_recserve_answers(tmp_path):
+    """Equivalence, the point of the handler: for the checkpoint's own inputs it answers what
+    recserve's InferCtx answers for the same arrays, unknown IDs included."""
+    from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+    from load_tests.synthetic_model import build_synthetic_checkpoint
+    from serving.infer_ctx import InferCtx
+
+    checkpoint = build_synthetic_checkpoint(
+        tmp_path / "checkpoint", vocab=50, num_slots=3, dim=4, batch_size=32, extra_steps=1
+    )
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(checkpoint / "jit_dense.pt", model_dir / "jit_dense.pt")
+    bundle = peers.handler_bundle(checkpoint, "synthetic", "sigmoid")
+    (model_dir / peers_handler.BUNDLE_FILE).write_text(json.dumps(bundle))
+    handler = peers_handler.RecserveEquivalentHandler()
+    handler.initialize(FakeContext(model_dir))
+    metadata = {
+        "name": "model",
+        "inputs": [
+            *({"name": f"C{i}", "datatype": "INT64", "shape": [-1]} for i in (1, 2, 3)),
+            {"name": "dense", "datatype": "FP32", "shape": [-1, 13]},
+        ],
+    }
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(metadata),
+        traffic.TrafficProfile(unknown_share=0.2, seed=7),
+        traffic.vocab_from_checkpoint(checkpoint),
+    )
+    arrays = generator.arrays(40)
+    (answer,), _ = _handle((handler, model_dir, generator), [_json_row(arrays)])
+    batch = Batch(
+        [IDTypeFeatureWithSingleID(f"C{i}", arrays[f"C{i}"].astype(np.uint64)) for i in (1, 2, 3)],
+        [NonIDTypeFeature(arrays["dense"].astype(np.float32), "dense")],
+        requires_grad=False,
+    )
+    with InferCtx(checkpoint=checkpoint, output_transform="sigmoid") as ctx:
+        assert ctx.get_embedding_from_data(batch).unknown_ids > 0  # both paths meet some
+        expected = ctx.forward(batch)
+    np.testing.assert_allclose(_json_predictions(answer), expected, rtol=0, atol=1e-6)

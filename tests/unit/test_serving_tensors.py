@@ -101,3 +101,57 @@ def test_signature_hash_is_stable_and_equal_for_equal_signatures() -> None:
     copied = pickle.loads(pickle.dumps(SIGNATURE))
     assert copied == SIGNATURE and "_hash" not in copied.__dict__
     assert hash(copied) == hash(SIGNATURE)
+
+
+# --------------------------------------------------------------------------- friendly rows
+def _row(**overrides):
+    row = {"user": 3, "history": [7, 8], "item": 0, "city": 11, "dense": [0.5, 1.5]}
+    row.update(overrides)
+    return row
+
+
+def test_friendly_rows_become_the_named_tensors():
+    rows = [
+        _row(),
+        _row(user=2**64 - 1, history=[], item=[5], dense=[2.5, 3.5]),
+        _row(history=[9]),
+    ]
+    inputs = tensors.instances_to_inputs(SIGNATURE, rows)
+    assert sorted(inputs) == sorted(["user", "history", "history.lengths", "item", "city", "dense"])
+    np.testing.assert_array_equal(inputs["user"], np.array([3, 2**64 - 1, 3], np.uint64))
+    assert inputs["user"].dtype == np.uint64
+    np.testing.assert_array_equal(inputs["history"], np.array([7, 8, 9], np.uint64))
+    np.testing.assert_array_equal(inputs["history.lengths"], [2, 0, 1])
+    np.testing.assert_array_equal(inputs["item"], np.array([0, 5, 0], np.uint64))
+    np.testing.assert_array_equal(
+        inputs["dense"], np.array([[0.5, 1.5], [2.5, 3.5], [0.5, 1.5]], np.float32)
+    )
+    batch = tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+    assert batch.batch_size == 3
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"user": True}, r"instances\[1\]\.user: IDs must be integers"),
+        ({"user": 2.0}, r"instances\[1\]\.user: IDs must be integers"),
+        ({"user": "7"}, r"instances\[1\]\.user: IDs must be integers"),
+        ({"history": [1, False]}, r"instances\[1\]\.history: IDs must be integers"),
+        ({"user": -1}, r"instances\[1\]\.user: IDs must be in \[0, 2\*\*64\)"),
+        ({"history": [2**64]}, r"instances\[1\]\.history: IDs must be in \[0, 2\*\*64\)"),
+        ({"item": [1, 2]}, r"instances\[1\]\.item: exactly one ID expected, got 2"),
+        ({"item": []}, r"instances\[1\]\.item: exactly one ID expected, got 0"),
+    ],
+)
+def test_a_bad_friendly_row_is_named(row, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        tensors.instances_to_inputs(SIGNATURE, [_row(), _row(**row)])
+
+
+def test_a_missing_or_unknown_friendly_feature_is_named():
+    missing = _row()
+    del missing["city"]
+    with pytest.raises(InvalidArgumentError, match=r"instances\[1\] lacks feature 'city'"):
+        tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
+    with pytest.raises(InvalidArgumentError, match=r"instances\[0\] has unknown feature"):
+        tensors.instances_to_inputs(SIGNATURE, [_row(town=1)])
