@@ -398,7 +398,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     # ------------------------------------------------------------------ RPCs
     @rpc_errors
     @observed
-    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         dim = _positive_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
@@ -414,7 +414,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def Update(self, request: pb.UpdateRequest, context) -> pb.UpdateResponse:
+    def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
         dim = _positive_dim(request.dim, "UpdateRequest.dim")
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
@@ -424,7 +424,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
+    def Configure(
+        self, request: pb.ConfigureRequest, context: grpc.ServicerContext
+    ) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.shard.configure(optimizer=optimizer, initialization=initialization)
         if optimizer is not None:
@@ -436,7 +438,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def Dump(self, request: pb.ShardDumpRequest, context) -> pb.ShardDumpResponse:
+    def Dump(
+        self, request: pb.ShardDumpRequest, context: grpc.ServicerContext
+    ) -> pb.ShardDumpResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardDumpRequest.directory must be a non-empty path")
         entries = self.dump_part(request.directory)
@@ -447,14 +451,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def Load(self, request: pb.ShardLoadRequest, context) -> pb.ShardLoadResponse:
+    def Load(
+        self, request: pb.ShardLoadRequest, context: grpc.ServicerContext
+    ) -> pb.ShardLoadResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardLoadRequest.directory must be a non-empty path")
         return pb.ShardLoadResponse(rows_loaded=self.load_checkpoint(request.directory))
 
     @rpc_stream_errors
     @observed_stream
-    def ExportRows(self, request: pb.ExportRowsRequest, context) -> Iterator[pb.RowChunk]:
+    def ExportRows(
+        self, request: pb.ExportRowsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RowChunk]:
         for dim in self.shard.dims():
             block = self.shard.export_rows(dim)
             if len(block) and context.is_active():
@@ -462,7 +470,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def ImportRows(self, request_iterator: Iterable[pb.RowChunk], context):
+    def ImportRows(
+        self, request_iterator: Iterable[pb.RowChunk], context: grpc.ServicerContext
+    ) -> pb.ImportRowsResponse:
         loading = self._checkpoint_task.state()[0] == "loading"
         if loading:  # the load replaces every row: imported ones would be lost
             raise UnavailableError(
@@ -480,13 +490,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @rpc_errors
     @observed
-    def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearResponse:
         self.shard.clear()
         return pb.ClearResponse()
 
     @rpc_errors
     @observed
-    def Status(self, request: pb.ShardStatusRequest, context) -> pb.ShardStatusResponse:
+    def Status(
+        self, request: pb.ShardStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ShardStatusResponse:
         stats = self.shard.stats()
         task, progress = self._checkpoint_task.state()
         return pb.ShardStatusResponse(

@@ -171,6 +171,8 @@ class _DimTable:
         self.index.rebuild(self.ids[:n])
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
+        """Weights of ``rows`` (int64 [n], row indices of this table; -1 gives zeros):
+        float32 [n, dim], a copy."""
         out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
         gather_rows_kernel(self.weights, rows, out)
         return out

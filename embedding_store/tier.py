@@ -57,9 +57,12 @@ class EmbeddingTier(Protocol):
 
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult: ...
 
-    def backward(
-        self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]
-    ) -> BackwardStats: ...
+    def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
+        """Send the gradients of train lookup ``ref``: ``grads[slot]`` has that slot's output
+        shape, float32 [batch, dim] (pooled) or [batch, sample_fixed_size, dim] (raw); a slot
+        without one gets zeros. Applied now (in-process) or queued until :meth:`flush`
+        (remote); a wrong shape or slot raises before anything is applied."""
+        ...
 
     def flush(self) -> None:
         """Block until every gradient handed to :meth:`backward` has reached its shard."""

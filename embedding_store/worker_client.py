@@ -82,6 +82,8 @@ class RemoteEmbeddingWorker:
         )
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
+        """:meth:`EmbeddingTier.backward` over gRPC: the worker checks the gradients and
+        queues them (``rows_pushed`` counts rows queued); :meth:`flush` waits until applied."""
         request = pb.BackwardRequest(ref=ref)
         pack_grads(request.grads, grads)
         response = call(self._peer, self._stub.Backward, request, timeout=self.timeout)

@@ -211,12 +211,13 @@ class PredictionService:
     def _observe_batch(self, size: int, _started: float) -> None:
         self.metrics.batch_size.observe(size)
 
-    def _run_locked(self, merged) -> tuple[np.ndarray, Any]:
+    def _run_locked(self, merged: Batch) -> tuple[np.ndarray, Any]:
         with self._run_lock:
             return self._run(merged)
 
-    def _run(self, merged) -> tuple[np.ndarray, Any]:
-        """Dispatcher thread: one lookup + one model call for a merged batch."""
+    def _run(self, merged: Batch) -> tuple[np.ndarray, Any]:
+        """One lookup + one model call for a merged batch: (predictions float32 [n, 1], the
+        (version, unknown IDs, fallback IDs) they come with)."""
         model = self._model  # the version that answers this whole merged batch
         output = model.infer(merged)
         self.metrics.lookup_latency.observe(output.lookup_seconds)
@@ -236,6 +237,10 @@ class PredictionService:
         protocol: str,
         timeout: float | None = None,
     ) -> Prediction:
+        """Predictions for named input tensors (IDs int/uint [batch] or jagged with
+        ``<name>.lengths``; dense float32 [batch, ...]) from any thread: validated, merged with
+        concurrent requests by the dispatcher thread, answered as float32 [batch, 1]. Waits
+        ``timeout`` seconds at most (default: the server's)."""
         return self._predict(
             name, version, self._tensor_builder(inputs), protocol=protocol, timeout=timeout
         )

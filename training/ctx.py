@@ -36,6 +36,7 @@ from embedding_store.errors import (
     InvalidArgumentError,
 )
 from embedding_store.initializer import InitializationConfig
+from embedding_store.model_checkpoint import CheckpointManifest
 from embedding_store.optimizers import Optimizer
 from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
@@ -175,7 +176,8 @@ class EmbeddingCtx:
         return non_ids, embeddings, labels
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Model output for ``batch`` and its labels (no gradients outside TrainCtx)."""
+        """Model output for ``batch`` (the dense model's shape, e.g. float32 [batch, 1]) and
+        its label tensors (float32 [batch, ...] each); no gradients outside TrainCtx."""
         if self.model is None:
             raise FailedPreconditionError(f"{type(self).__name__} was created without a model")
         non_ids, embeddings, labels = self.prepare_features(batch)
@@ -311,7 +313,14 @@ class TrainCtx(EmbeddingCtx):
         return _unwrap(self.model)
 
     # ------------------------------------------------------------------ training step
-    def prepare_features(self, batch: Batch):
+    def prepare_features(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(non-ID tensors, embedding leaves, label tensors) of a training batch: as
+        :meth:`EmbeddingCtx.prepare_features`, the embeddings (float32 [batch, dim] or
+        [batch, sample_fixed_size, dim]) detached leaves whose gradients :meth:`backward`
+        sends to the embedding tier. Waits while ``embedding_staleness`` batches are
+        unapplied."""
         if not batch.requires_grad:
             raise InvalidArgumentError(
                 "TrainCtx needs batches with labels and requires_grad=True; "
@@ -336,7 +345,8 @@ class TrainCtx(EmbeddingCtx):
         return non_ids, leaves, labels
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Model output (with autograd) and labels for one training batch."""
+        """Model output (with autograd; the dense model's shape, e.g. float32 [batch, 1]) and
+        the label tensors (float32, one per label, [batch, ...]) of one training batch."""
         self.model.train()
         non_ids, embeddings, labels = self.prepare_features(batch)
         with torch.autocast(
@@ -417,7 +427,7 @@ class TrainCtx(EmbeddingCtx):
     # ------------------------------------------------------------------ checkpoints
     def dump_checkpoint(
         self, directory: str | os.PathLike, *, with_jit_model: bool = True, overwrite: bool = False
-    ):
+    ) -> CheckpointManifest | None:
         """Write embeddings, dense.pt, jit_dense.pt, opt.pt and a manifest (see
         :mod:`training.checkpoint`). Every rank must call it; rank 0 writes."""
         from training.checkpoint import dump_checkpoint

@@ -253,8 +253,8 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_p
         ),
         tmp_path / "one_step.log",
     )
-    before = [torch.load(out / f"before-{r}.pt") for r in range(2)]
-    after = [torch.load(out / f"after-{r}.pt") for r in range(2)]
+    before = [torch.load(out / f"before-{r}.pt", weights_only=True) for r in range(2)]
+    after = [torch.load(out / f"after-{r}.pt", weights_only=True) for r in range(2)]
     losses = [float((out / f"loss-{r}.txt").read_text()) for r in range(2)]
     assert losses[0] != losses[1]  # the ranks really saw different batches
     assert before[0].keys() == after[0].keys() == after[1].keys()

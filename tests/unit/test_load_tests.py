@@ -97,3 +97,23 @@ def test_read_history_of_a_run_without_history_is_empty(tmp_path):
     from load_tests.run import read_history
 
     assert read_history(tmp_path / "missing") == []
+
+
+def test_memory_verdict_compares_the_last_quarter_with_the_first_after_warmup():
+    from load_tests.run import memory_verdict
+
+    times = [float(t) for t in range(20)]
+    # Warm-up (t < 4) climbs from 100 to 400 MB and is left out; then flat at 400-404.
+    rss = [100.0, 200.0, 300.0, 400.0] + [400.0 + (t % 5) for t in range(16)]
+    flat = memory_verdict(times, rss, warmup_s=4.0)
+    assert flat.passed and flat.samples == 16
+    assert flat.first_quarter_median_mb == 401.5 and flat.last_quarter_median_mb == 402.5
+    assert flat.growth_mb == 1.0 and flat.allowed_mb == 60.2  # 15 % of 401.5 > 50 MB
+
+    growing = memory_verdict(times, rss[:4] + [400.0 + 10 * t for t in range(16)], warmup_s=4.0)
+    assert not growing.passed
+    assert growing.first_quarter_median_mb == 415.0 and growing.last_quarter_median_mb == 535.0
+    assert growing.growth_mb == 120.0 and growing.growth_pct == 28.92
+
+    # Missing samples (-1) are skipped; fewer than 4 kept is no verdict at all: not a pass.
+    assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0).passed

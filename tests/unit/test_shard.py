@@ -548,7 +548,9 @@ def test_lookup_pooled_is_safe_against_concurrent_evictions() -> None:
     def trainer() -> None:
         rng = np.random.default_rng(0)
         try:
-            while not stop.is_set():  # keeps inserting, evicting and compacting
+            for _ in range(200_000):  # keeps inserting, evicting and compacting (bounded)
+                if stop.is_set():
+                    break
                 shard.lookup(u64(rng.integers(0, 3000, 700)), 8, train=True)
         except BaseException as e:
             errors.append(e)

@@ -1,0 +1,94 @@
+"""``--fallback-policy``: when the embedding tier cannot answer in time, a served model either
+fails the request (``fail``, the default) or answers with zero embeddings for every ID and
+counts them (``default``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import DeadlineExceededError, NotFoundError, UnavailableError
+from serving.model import load_model
+from tests.unit.test_onednn_linear import Mlp, _checkpoint
+
+
+class _StalledTier:
+    """Stands in for a remote tier whose lookups fail with ``error``."""
+
+    def __init__(self, tier, error: Exception) -> None:
+        self._tier, self._error = tier, error
+
+    def lookup(self, batch, *, train):
+        raise self._error
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    return _checkpoint(tmp_path_factory.mktemp("fallback") / "checkpoint", Mlp())
+
+
+def _batch() -> Batch:
+    ids = np.array([1, 2, 3], dtype=np.uint64)
+    dense = np.arange(9, dtype=np.float32).reshape(3, 3) / 10
+    return Batch(
+        [IDTypeFeatureWithSingleID("user", ids), IDTypeFeatureWithSingleID("item", ids[::-1])],
+        [NonIDTypeFeature(dense, "dense")],
+        requires_grad=False,
+    )
+
+
+@pytest.mark.parametrize("error", [DeadlineExceededError("slow"), UnavailableError("down")])
+def test_default_answers_with_zero_embeddings_and_counts_every_id(checkpoint, error):
+    model = load_model(checkpoint, name="m", fallback_policy="default", onednn_min_rows=0)
+    try:
+        batch = _batch()
+        zeros = [torch.zeros(3, 4), torch.zeros(3, 4)]
+        with torch.inference_mode():
+            expected = model.dense(
+                [torch.from_numpy(batch.non_id_type_features[0].data.copy())], zeros
+            )
+        model.tier = _StalledTier(model.tier, error)
+        output = model.infer(batch)
+        assert output.fallback_ids == 6  # 3 rows x 2 single-ID features
+        np.testing.assert_allclose(output.predictions, expected.numpy(), rtol=0, atol=1e-6)
+    finally:
+        model.tier = getattr(model.tier, "_tier", model.tier)
+        model.close()
+
+
+def test_default_gives_one_zero_vector_per_sample_of_a_list_feature(checkpoint):
+    model = load_model(checkpoint, name="m", fallback_policy="default", onednn_min_rows=0)
+    try:
+        feature = IDTypeFeature.from_lists("user", [[1, 2], [3]])
+        config = model.embedding_config.slots_config["user"]
+        assert config.embedding_summation  # pooled slot: one zero vector per sample
+        lookup = model.default_lookup(Batch([feature], requires_grad=False))
+        assert lookup.slots[0].embeddings.shape == (2, 4)
+        assert not lookup.slots[0].embeddings.any()
+    finally:
+        model.close()
+
+
+def test_fail_raises_the_tier_error_and_other_errors_always_raise(checkpoint):
+    failing = load_model(checkpoint, name="m", onednn_min_rows=0)
+    lenient = load_model(checkpoint, name="m", fallback_policy="default", onednn_min_rows=0)
+    try:
+        failing.tier = _StalledTier(failing.tier, DeadlineExceededError("slow shard"))
+        with pytest.raises(DeadlineExceededError, match="slow shard"):
+            failing.infer(_batch())
+        # Only "cannot answer in time" falls back; a wrong request is still an error.
+        lenient.tier = _StalledTier(lenient.tier, NotFoundError("no such slot"))
+        with pytest.raises(NotFoundError, match="no such slot"):
+            lenient.infer(_batch())
+    finally:
+        for model in (failing, lenient):
+            model.tier = getattr(model.tier, "_tier", model.tier)
+            model.close()
