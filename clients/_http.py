@@ -1,18 +1,22 @@
 """HTTP backend: one attempt per call over a shared urllib3 connection pool.
 
-Raises :class:`~clients.retry.RetryableError` for HTTP 503 and refused connections, recserve errors
-for everything else. The clients add retries, latency and the sync/async surface.
+Raises :class:`~clients.retry.RetryableError` for HTTP 503, refused connections and connections
+dropped before an answer, recserve errors for everything else (a timeout is never retried: the
+server may still be working on the request). A call's ``timeout`` bounds the whole attempt.
+The clients add retries, latency and the sync/async surface.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 import urllib3
-from urllib3.exceptions import HTTPError, NewConnectionError
+from urllib3.exceptions import HTTPError, NewConnectionError, ProtocolError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from clients import codec
@@ -32,6 +36,38 @@ def _refused(error: BaseException) -> bool:
     return "Connection refused" in str(error)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """An HTTP answer read to the end: status, headers, body."""
+
+    status: int
+    headers: Mapping[str, str]
+    data: bytes
+
+
+def _read_before(response: urllib3.BaseHTTPResponse, deadline: float | None) -> bytes:
+    """The whole body of ``response``, each read bounded by the time left until ``deadline``
+    (monotonic seconds; None: no bound). TimeoutError once it has passed."""
+    if deadline is None:
+        return response.read()
+    connection = getattr(response, "connection", None)
+    sock = getattr(connection, "sock", None)
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed while reading the answer")
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(_CHUNK_BYTES)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+_CHUNK_BYTES = 1 << 16
+
+
 class HttpBackend:
     """Calls of the KServe v2 REST protocol on ``base_url`` (``http://host:port[/prefix]``)."""
 
@@ -48,37 +84,52 @@ class HttpBackend:
         timeout: float | None,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-    ) -> urllib3.BaseHTTPResponse:
+    ) -> _Answer:
+        """One attempt, within ``timeout`` seconds in all (connect, headers and body: a server
+        that sends its answer a byte at a time cannot stretch it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self._pool.request(
+            response = self._pool.request(
                 method,
                 self.server + path,
                 body=body,
                 headers=dict(headers or {}),
-                timeout=urllib3.Timeout(connect=timeout, read=timeout),
+                timeout=urllib3.Timeout(total=timeout),
                 retries=False,
                 redirect=False,
+                preload_content=False,
             )
+            try:
+                data = _read_before(response, deadline)
+            finally:
+                response.release_conn()
         except NewConnectionError as error:
             if _refused(error):
                 raise RetryableError(
                     UnavailableError(f"server {self.server} refused the connection")
                 ) from None
             raise UnavailableError(f"cannot connect to server {self.server}: {error}") from None
-        except Urllib3Timeout:
+        except (Urllib3Timeout, TimeoutError):
             raise DeadlineExceededError(
                 f"server {self.server} did not answer {method} {path} within {timeout} s"
+            ) from None
+        except (ProtocolError, ConnectionError) as error:
+            # The connection dropped before an answer (a server restarting, an idle pooled
+            # connection closed): retried like gRPC's UNAVAILABLE; inference is idempotent.
+            raise RetryableError(
+                UnavailableError(f"server {self.server}: {method} {path} failed: {error}")
             ) from None
         except HTTPError as error:
             raise UnavailableError(
                 f"server {self.server}: {method} {path} failed: {error}"
             ) from None
+        return _Answer(response.status, response.headers, data)
 
-    def _error(self, response: urllib3.BaseHTTPResponse) -> RecserveError | RetryableError:
+    def _error(self, response: _Answer) -> RecserveError | RetryableError:
         error = codec.http_error(self.server, response.status, response.data)
         return RetryableError(error) if response.status == 503 else error
 
-    def _ok(self, response: urllib3.BaseHTTPResponse) -> urllib3.BaseHTTPResponse:
+    def _ok(self, response: _Answer) -> _Answer:
         if response.status >= 300:
             raise self._error(response)
         return response

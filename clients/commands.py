@@ -23,7 +23,7 @@ import gzip
 import io
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -216,50 +216,57 @@ def register(subparsers) -> None:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from clients.client import RecserveClient, parse_url, rows_need_http
+    from clients.client import parse_url, rows_need_http
+    from clients.eval_report import atomic_file
 
     endpoint = parse_url(args.url)
     if endpoint.protocol != "http":
         raise rows_need_http(endpoint.url)
     fmt = detect_format(args.input, args.format)
     check_file(args.input, fmt)
+    if not args.output:
+        _score_rows(args, fmt, _to_stdout)
+        return 0
+    # Written next to --output and renamed on success: a failed run leaves the previous
+    # output as it was, never a partial one.
     try:
-        out = open(args.output, "wb") if args.output else None  # noqa: SIM115 - closed below
+        with atomic_file(args.output, overwrite=True) as temporary, open(temporary, "wb") as out:
+            _score_rows(args, fmt, out.write)
     except OSError as error:
         raise InvalidArgumentError(f"cannot write --output {args.output}: {error}") from None
-    try:
-        with RecserveClient(
-            args.url, model_name=args.model, timeout=args.timeout, retries=args.retries
-        ) as client:
-            for numbers, rows in iter_batches(args.input, fmt, args.batch_size):
-                try:
-                    result = client.predict(rows)
-                except RecserveError as error:
-                    raise locate(error, args.input, numbers) from None
-                if len(result) != len(rows):
-                    raise RecserveError(
-                        f"server {client.url} answered {len(result)} predictions for "
-                        f"{len(rows)} rows"
-                    )
-                chunk = b"".join(
+    return 0
+
+
+def _to_stdout(chunk: bytes) -> None:
+    sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+
+
+def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any]) -> None:
+    """Predict every row of ``args.input`` in batches; ``write`` gets one JSON line per row."""
+    from clients.client import RecserveClient
+
+    with RecserveClient(
+        args.url, model_name=args.model, timeout=args.timeout, retries=args.retries
+    ) as client:
+        for numbers, rows in iter_batches(args.input, fmt, args.batch_size):
+            try:
+                result = client.predict(rows)
+            except RecserveError as error:
+                raise locate(error, args.input, numbers) from None
+            if len(result) != len(rows):
+                raise RecserveError(
+                    f"server {client.url} answered {len(result)} predictions for {len(rows)} rows"
+                )
+            write(
+                b"".join(
                     orjson.dumps(
-                        {
-                            "prediction": _scalar(prediction),
-                            "model_version": result.model_version,
-                        }
+                        {"prediction": _scalar(prediction), "model_version": result.model_version}
                     )
                     + b"\n"
                     for prediction in result.predictions
                 )
-                if out is not None:
-                    out.write(chunk)
-                else:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
-    finally:
-        if out is not None:
-            out.close()
-    return 0
+            )
 
 
 def _scalar(prediction: Any) -> Any:

@@ -48,6 +48,7 @@ from embedding_store.config.strict import ConfigFieldError, load_yaml, require_n
 from embedding_store.errors import (
     CapacityError,
     ConfigError,
+    DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
@@ -557,7 +558,7 @@ class ServerScorer:
     ``/v1/models/{model}:predict`` and the server's own ``--preprocessor`` encodes them, so the
     parity check covers the server's preprocessing as well.
     A 413 (request larger than the server's max batch size) is answered by splitting the batch;
-    503 and connection errors are retried a few times.
+    503 and connection errors are retried a few times; a timeout is not (DeadlineExceededError).
     """
 
     kind = "server"
@@ -615,6 +616,11 @@ class ServerScorer:
                     raise failure from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
                 reason = getattr(error, "reason", error)
+                if isinstance(reason, TimeoutError):
+                    # Not retried (as RecserveClient): the server may still be working on it.
+                    raise DeadlineExceededError(
+                        f"server {self.url}{path} did not answer within {self.timeout} s"
+                    ) from None
                 if attempt == self.retries:
                     raise UnavailableError(f"cannot reach {self.url}: {reason}") from None
             time.sleep(delay)

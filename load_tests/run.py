@@ -62,6 +62,15 @@ USER_CLASSES = {
     "torchserve": "TorchServeJsonUser",
     "torchserve-binary": "TorchServeBinaryUser",
 }
+#: The request-name prefix of each user class in locust's stats (load_tests/locustfile.py).
+REQUEST_LABELS = {
+    "KServeBinaryUser": "v2-binary",
+    "KServeJsonUser": "v2-json",
+    "FriendlyJsonUser": "v1-predict",
+    "GrpcUser": "v2-grpc",
+    "TorchServeJsonUser": "torchserve-json",
+    "TorchServeBinaryUser": "torchserve-binary",
+}
 _SERVING_LINE = re.compile(
     r"HTTP listening on (?P<http_host>[^\s,]+):(?P<http_port>\d+), "
     r"gRPC listening on (?P<grpc_host>[^\s,]+):(?P<grpc_port>\d+)"
@@ -611,10 +620,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--users, --seconds and --minutes must be positive")
     if args.users > 1000 or args.seconds > 3600 or args.minutes > 120:
         parser.error("bounded runs only: at most 1000 users, 3600 s, 120 minutes")
-    unknown = set(args.user_classes.split(",")) - set(USER_CLASSES)
+    names = args.user_classes.split(",")
+    unknown = set(names) - set(USER_CLASSES)
     if unknown:
         parser.error(f"unknown user classes {sorted(unknown)}")
+    if args.users < len(set(names)):
+        parser.error(
+            f"--users {args.users} is fewer than the {len(set(names))} user classes "
+            f"({args.user_classes}): locust starts whole users, so some class would send "
+            "nothing"
+        )
     return args
+
+
+def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]:
+    """The user classes of ``classes`` without a single request in locust's ``stats`` rows
+    (request names start with the class's label: ``v2-binary b64``)."""
+    sent = {row["name"].split(" ", 1)[0] for row in stats if row["requests"] > 0}
+    return [name for name in classes if REQUEST_LABELS.get(name, name) not in sent]
+
+
+def task_exceptions(csv_prefix: Path) -> list[str]:
+    """Errors raised inside locust tasks (``<prefix>_exceptions.csv``): they are not request
+    failures, so the stats alone would not show them."""
+    path = Path(f"{csv_prefix}_exceptions.csv")
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return [
+            f"{row.get('Count', '?')} x {row.get('Message', '').strip()[:200]}"
+            for row in csv.DictReader(handle)
+        ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -720,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{total['failures']} failed requests")
         if total["rps"] <= 0:
             problems.append("no throughput")
+        silent = silent_classes(classes, stats)
+        if silent:
+            problems.append(f"user classes {silent} sent no requests")
+        problems.extend(f"locust task error: {line}" for line in task_exceptions(run.csv_prefix))
         if soak is not None:
             samples = sampler.samples
             with open(out / "rss.csv", "w", newline="") as handle:

@@ -229,3 +229,35 @@ def test_predict_command_reports_bad_lines(tmp_path: Path, urls, rows):
     assert result.stdout == ""
     assert "recserve predict: error:" in result.stderr
     assert "line 3: not valid JSON" in result.stderr
+
+
+def test_a_failed_predict_run_leaves_the_previous_output_as_it_was(tmp_path: Path, urls, rows):
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows[:5]))
+    out = tmp_path / "out.jsonl"
+    first = _run_predict(
+        "--url", urls["http"], "--model", MODEL, "--input", str(good), "--output", str(out)
+    )
+    assert first.returncode == 0, first.stderr
+    before = out.read_bytes()
+    assert len(before.splitlines()) == 5
+    bad_rows = [dict(row) for row in rows[:6]]
+    bad_rows[5]["hours-per-week"] = "many"  # the server refuses the third batch of two
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in bad_rows))
+    failed = _run_predict(
+        "--url",
+        urls["http"],
+        "--model",
+        MODEL,
+        "--input",
+        str(bad),
+        "--output",
+        str(out),
+        "--batch-size",
+        "2",
+    )
+    assert failed.returncode == 1
+    assert "line" in failed.stderr
+    assert out.read_bytes() == before  # not truncated, not half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out.jsonl"]

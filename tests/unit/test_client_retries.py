@@ -153,6 +153,76 @@ def test_http_timeout_is_honored_and_not_retried(fake_http):
     assert server.requests == 1
 
 
+class RawServer:
+    """A loopback socket server that runs ``behaviour(connection)`` for each connection
+    (at most ``limit``, then it stops); counts the connections."""
+
+    def __init__(self, behaviour, limit: int = 10) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self.stop = threading.Event()
+
+        def serve() -> None:
+            while not self.stop.is_set() and self.connections < limit:
+                try:
+                    connection, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                self.connections += 1
+                with connection:
+                    behaviour(connection, self.stop)
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.listener.close()
+
+
+def _drip(connection: socket.socket, stop: threading.Event) -> None:
+    connection.recv(65536)
+    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+    for _ in range(100):  # one byte every 0.1 s: 10 s for the body (bounded)
+        if stop.wait(0.1):
+            return
+        try:
+            connection.sendall(b" ")
+        except OSError:
+            return
+
+
+def _hang_up(connection: socket.socket, stop: threading.Event) -> None:
+    connection.recv(65536)  # takes the request, answers nothing, closes
+
+
+def test_http_timeout_bounds_the_whole_answer_not_each_read():
+    server = RawServer(_drip)
+    try:
+        with RecserveClient(server.url, model_name="m", timeout=0.5, retries=3, **FAST) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"within 0\.5 s"):
+                client.metadata()
+            assert time.monotonic() - started < 1.5  # not the 10 s the body takes to drip
+        assert server.connections == 1  # a timeout is not retried
+    finally:
+        server.close()
+
+
+def test_http_connection_dropped_before_an_answer_is_retried_like_grpc_unavailable():
+    server = RawServer(_hang_up)
+    try:
+        client = RecserveClient(server.url, model_name="m", retries=2, **FAST)
+        with client, pytest.raises(UnavailableError, match=r"gave up after 3 attempts"):
+            client.predict(_batch())
+        assert server.connections == 3
+    finally:
+        server.close()
+
+
 def test_http_connection_refused_then_server_starts(fake_http):
     port = _free_port()
     with RecserveClient(f"http://127.0.0.1:{port}", model_name="m", retries=0) as client:
@@ -302,3 +372,22 @@ def test_async_grpc_retries(fake_grpc):
 
     assert asyncio.run(main()).model_version == "v2"
     assert server.requests == 3
+
+
+def _silent(connection: socket.socket, stop: threading.Event) -> None:
+    connection.recv(65536)
+    stop.wait(10)  # takes the request and never answers (bounded: 10 s)
+
+
+def test_eval_does_not_retry_a_timeout_and_calls_it_a_deadline():
+    from clients.eval import ServerScorer
+
+    server = RawServer(_silent)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match=r"did not answer within 0\.3 s"):
+            ServerScorer(server.url, "m", timeout=0.3, retries=3)
+        assert time.monotonic() - started < 2.0
+        assert server.connections == 1
+    finally:
+        server.close()

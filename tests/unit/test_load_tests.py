@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _DESCRIBE = """
 import json
+
+import pytest
 from load_tests import locustfile as lf, traffic
 
 payload = traffic.Payload(8, b"", header_length=123)
@@ -117,3 +121,24 @@ def test_memory_verdict_compares_the_last_quarter_with_the_first_after_warmup():
 
     # Missing samples (-1) are skipped; fewer than 4 kept is no verdict at all: not a pass.
     assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0).passed
+
+
+def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path):
+    from load_tests.run import parse_args, silent_classes, task_exceptions
+
+    stats = [
+        {"name": "v1-predict b1", "requests": 10},
+        {"name": "v2-grpc b64", "requests": 3},
+        {"name": "v2-binary b1", "requests": 0},
+        {"name": "Aggregated", "requests": 13},
+    ]
+    classes = ["KServeBinaryUser", "KServeJsonUser", "FriendlyJsonUser", "GrpcUser"]
+    assert silent_classes(classes, stats) == ["KServeBinaryUser", "KServeJsonUser"]
+    assert silent_classes(["FriendlyJsonUser", "GrpcUser"], stats) == []
+    with pytest.raises(SystemExit):  # 2 users cannot run 4 classes
+        parse_args(["--users", "2", "--out", str(tmp_path)])
+    (tmp_path / "run_exceptions.csv").write_text(
+        "Count,Message,Traceback,Nodes\n3,ValueError('bad batch size'),tb,local\n"
+    )
+    assert task_exceptions(tmp_path / "run") == ["3 x ValueError('bad batch size')"]
+    assert task_exceptions(tmp_path / "absent") == []
