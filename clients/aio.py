@@ -158,7 +158,10 @@ class AsyncRecserveClient(_ClientBase):
         return codec.with_latency(result, time.perf_counter() - started)
 
     async def close(self) -> None:
-        await self._backend.close()
+        """Release the connections; later calls raise FailedPreconditionError. Idempotent."""
+        transport = self._close_transport()
+        if transport is not None:
+            await transport.close()
 
     async def __aenter__(self) -> AsyncRecserveClient:
         return self

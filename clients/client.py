@@ -39,6 +39,7 @@ from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
 from embedding_store.errors import (
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
@@ -149,11 +150,28 @@ class _ClientBase:
         self.policy = RetryPolicy(retries, *_resolve_backoff(backoff))
         self._max_connections = max_connections
         self._max_message_bytes = max_message_bytes
-        self._backend = self._make_backend()
+        self._transport = self._make_backend()
+        self._closed = False
 
     def _make_backend(self) -> Any:
         """The transport (HTTP or gRPC, blocking or asyncio): each subclass builds its own."""
         raise NotImplementedError(f"{type(self).__name__} must define _make_backend")
+
+    @property
+    def _backend(self) -> Any:
+        """The transport, while the client is open: every call after close() raises the
+        same error, whatever the protocol (the transports themselves fail each their own
+        way, or silently reconnect)."""
+        if self._closed:
+            raise FailedPreconditionError(f"{self!r} is closed; create a new client")
+        return self._transport
+
+    def _close_transport(self) -> Any:
+        """Mark the client closed and return the transport to close (None if already)."""
+        if self._closed:
+            return None
+        self._closed = True
+        return self._transport
 
     @property
     def url(self) -> str:
@@ -272,7 +290,10 @@ class RecserveClient(_ClientBase):
         return codec.with_latency(result, time.perf_counter() - started)
 
     def close(self) -> None:
-        self._backend.close()
+        """Release the connections; later calls raise FailedPreconditionError. Idempotent."""
+        transport = self._close_transport()
+        if transport is not None:
+            transport.close()
 
     def __enter__(self) -> RecserveClient:
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from embedding_store.errors import RecserveError
+from embedding_store.errors import InvalidArgumentError, RecserveError
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
+            raise InvalidArgumentError(f"retries must be >= 0, got {self.retries}")
         if not 0 <= self.backoff_min <= self.backoff_max:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"backoff must be (min, max) with 0 <= min <= max, got "
                 f"({self.backoff_min}, {self.backoff_max})"
             )

@@ -258,9 +258,9 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap():
         delays = [policy.delay(attempt) for _ in range(50)]
         assert all(ceiling / 2 <= d <= ceiling for d in delays)
         assert len(set(delays)) > 1
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError, match="retries must be >= 0, got -1"):
         RetryPolicy(-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgumentError, match=r"0 <= min <= max, got \(2\.0, 1\.0\)"):
         RetryPolicy(1, 2.0, 1.0)
 
 

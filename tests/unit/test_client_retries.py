@@ -391,3 +391,26 @@ def test_eval_does_not_retry_a_timeout_and_calls_it_a_deadline():
         assert server.connections == 1
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_calls_after_close_raise_the_same_error_on_every_client(scheme):
+    from embedding_store.errors import FailedPreconditionError
+
+    url = f"{scheme}://127.0.0.1:{_free_port()}"
+    client = RecserveClient(url, model_name="m", retries=0)
+    client.close()
+    client.close()  # idempotent
+    for call in (client.metadata, client.live, lambda: client.predict(_batch())):
+        with pytest.raises(FailedPreconditionError, match="is closed; create a new client"):
+            call()
+
+    async def closed_async() -> None:
+        async_client = AsyncRecserveClient(url, model_name="m", retries=0)
+        await async_client.close()
+        await async_client.close()
+        for call in (async_client.metadata, async_client.ready):
+            with pytest.raises(FailedPreconditionError, match="is closed"):
+                await call()
+
+    asyncio.run(closed_async())
