@@ -55,7 +55,7 @@ def zipf_ids(rng: np.random.Generator, count: int, vocab: int) -> np.ndarray:
     return permutation[rng.choice(vocab, size=count, p=probabilities)].astype(np.uint64)
 
 
-def make_batches(rng, batch_size: int, count: int) -> list[np.ndarray]:
+def make_batches(rng: np.random.Generator, batch_size: int, count: int) -> list[np.ndarray]:
     """``count`` arrays of raw IDs, uint64 [NUM_SLOTS, batch_size]."""
     ids = zipf_ids(rng, count * NUM_SLOTS * batch_size, VOCAB)
     return list(ids.reshape(count, NUM_SLOTS, batch_size))

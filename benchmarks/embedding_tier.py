@@ -53,7 +53,7 @@ from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import Adagrad
-from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from embedding_store.worker_service import RemoteShardTier
 
@@ -175,7 +175,7 @@ def summarize(raw: dict, batch_size: int) -> dict:
     }
 
 
-def preload(tier, rng: np.random.Generator) -> None:
+def preload(tier: EmbeddingTier, rng: np.random.Generator) -> None:
     """Insert every ID of every slot with train lookups in large batches (IDs shuffled)."""
     order = rng.permutation(VOCAB).astype(np.uint64)
     for start in range(0, VOCAB, PRELOAD_CHUNK):
@@ -184,7 +184,9 @@ def preload(tier, rng: np.random.Generator) -> None:
     # The forward contexts of these lookups simply expire (no gradients for the preload).
 
 
-def run_both(tiers: dict, batches: dict[int, list[Batch]], args, pids: dict) -> dict:
+def run_both(
+    tiers: dict, batches: dict[int, list[Batch]], args: argparse.Namespace, pids: dict
+) -> dict:
     """Every measurement on every tier, in ``args.rounds`` interleaved rounds (so drifting
     background load hits all tiers alike): {tier: {batch size: {measurement: summary}}}."""
     results: dict[str, dict[int, dict]] = {name: {} for name in tiers}

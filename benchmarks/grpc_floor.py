@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def _identity(payload: bytes) -> bytes:
     return payload
 
 
-def _handler(answer: bytes):
+def _handler(answer: bytes) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         "bench.Floor",
         {
@@ -71,8 +72,8 @@ def _handler(answer: bytes):
     )
 
 
-def _aio_handler(answer: bytes):
-    async def call(request: bytes, context) -> bytes:
+def _aio_handler(answer: bytes) -> grpc.GenericRpcHandler:
+    async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return answer
 
     return grpc.method_handlers_generic_handler(
@@ -110,7 +111,7 @@ def _relay(port: int, shard_ports: list[int], lifetime_s: float) -> None:
     shard_request = os.urandom(SHARD_REQUEST_BYTES)
     answer = os.urandom(RELAY_ANSWER_BYTES)
 
-    def handle(request: bytes, context) -> bytes:
+    def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
         pending = [fan_out.submit(call, shard_request, timeout=30) for call in shard_calls[1:]]
         shard_calls[0](shard_request, timeout=30)
         for future in pending:
@@ -193,7 +194,7 @@ def measure(kind: str, answer_bytes: int, calls: int) -> dict:
     }
 
 
-def _timed_calls(fn, threads: int, seconds: float) -> tuple[int, float]:
+def _timed_calls(fn: Callable[[], object], threads: int, seconds: float) -> tuple[int, float]:
     """Call ``fn()`` from ``threads`` threads for ``seconds`` (at most MAX_TIMED_CALLS calls
     in all): (calls, elapsed seconds)."""
     count = [0] * threads

@@ -33,9 +33,16 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ts.context import Context  # TorchServe's, in its own venv
+
+    #: One request's ``body`` (or ``data``): the bytes, or the JSON TorchServe parsed.
+    RequestBody = bytes | bytearray | str | dict[str, Any]
 
 BUNDLE_FILE = "recserve_bundle.json"
 #: Binary tensor extension: byte length of the JSON part of the body (request and response).
@@ -49,7 +56,7 @@ _DTYPES = {
 }
 
 
-def request_header(context, index: int, name: str) -> str | None:
+def request_header(context: Context, index: int, name: str) -> str | None:
     """Request header ``name`` of request ``index``, as sent or lower-cased."""
     for key in (name, name.lower()):
         value = context.get_request_header(index, key)
@@ -79,7 +86,9 @@ def wants_binary_output(document: dict) -> bool:
     return bool((document.get("parameters") or {}).get("binary_data_output", False))
 
 
-def decode_request(body, header_length: str | None) -> tuple[dict[str, np.ndarray], bool]:
+def decode_request(
+    body: RequestBody, header_length: str | None
+) -> tuple[dict[str, np.ndarray], bool]:
     """One KServe v2 request -> (named arrays, whether it asks for a binary answer).
 
     ``body``: the request bytes, or the dict TorchServe already parsed from an
@@ -139,7 +148,7 @@ class RecserveEquivalentHandler:
         self.initialized = False
 
     # ------------------------------------------------------------------ loading
-    def initialize(self, context) -> None:
+    def initialize(self, context: Context) -> None:
         import safetensors.numpy
 
         torch.set_num_threads(int(os.environ.get("RECSERVE_PEER_TORCH_THREADS", "1")))
@@ -178,10 +187,12 @@ class RecserveEquivalentHandler:
 
     # ------------------------------------------------------------------ requests
     @staticmethod
-    def _body(row):
+    def _body(row: dict[str, Any]) -> RequestBody | None:
         return row.get("body") if row.get("body") is not None else row.get("data")
 
-    def preprocess(self, data, context) -> tuple[dict[str, np.ndarray], list[int], list[bool]]:
+    def preprocess(
+        self, data: list[dict[str, Any]], context: Context
+    ) -> tuple[dict[str, np.ndarray], list[int], list[bool]]:
         """Decode every request and concatenate them: (merged tensors, batch size of each,
         whether each asks for a binary answer)."""
         decoded, binary = [], []
@@ -267,7 +278,7 @@ class RecserveEquivalentHandler:
         return output.reshape(batch, -1).numpy()
 
     def postprocess(
-        self, predictions: np.ndarray, sizes: list[int], binary: list[bool], context
+        self, predictions: np.ndarray, sizes: list[int], binary: list[bool], context: Context
     ) -> list[str | bytes]:
         answers, start = [], 0
         for index, (size, as_binary) in enumerate(zip(sizes, binary)):
@@ -293,7 +304,7 @@ class RecserveEquivalentHandler:
             )
         return answers
 
-    def _binary_answer(self, part: np.ndarray, index: int, context) -> bytes:
+    def _binary_answer(self, part: np.ndarray, index: int, context: Context) -> bytes:
         """The binary extension's answer to request ``index``: JSON header + FP32 bytes."""
         payload = np.ascontiguousarray(part, dtype="<f4").tobytes()
         header = json.dumps(
@@ -313,7 +324,7 @@ class RecserveEquivalentHandler:
         context.set_response_header(index, "content-type", "application/octet-stream")
         return header + payload
 
-    def handle(self, data, context):
+    def handle(self, data: list[dict[str, Any]], context: Context) -> list[str | bytes]:
         tensors, sizes, binary = self.preprocess(data, context)
         predictions = self.inference(tensors, sum(sizes))
         return self.postprocess(predictions, sizes, binary, context)
@@ -322,7 +333,7 @@ class RecserveEquivalentHandler:
 _service = RecserveEquivalentHandler()
 
 
-def handle(data, context):
+def handle(data: list[dict[str, Any]] | None, context: Context) -> list[str | bytes] | None:
     """TorchServe's module-level entry point (``data`` is None at load time)."""
     if not _service.initialized:
         _service.initialize(context)

@@ -40,18 +40,20 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import Message
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch
 from examples.adult_income import features
 from serving.grpc_frontend import InferenceStub
-from serving.model import load_model
+from serving.model import LoadedModel, load_model
 from serving.proto import V2
 
 MODEL = "model"
@@ -91,7 +93,7 @@ def http_binary_body(batch: Batch) -> tuple[bytes, str]:
     return encoded + b"".join(a.tobytes() for _, _, a in arrays), str(len(encoded))
 
 
-def grpc_request(batch: Batch):
+def grpc_request(batch: Batch) -> Message:
     arrays = _arrays(batch)
     request = V2.ModelInferRequest(model_name=MODEL)
     for name, datatype, array in arrays:
@@ -112,7 +114,13 @@ class Stats:
     rps_per_round: list[float] = field(default_factory=list)
 
 
-def _http_client(address: tuple[str, int], bodies, batch_size: int, stop_at: float, out: Stats):
+def _http_client(
+    address: tuple[str, int],
+    bodies: list[tuple[bytes, str]],
+    batch_size: int,
+    stop_at: float,
+    out: Stats,
+) -> None:
     connection = http.client.HTTPConnection(*address, timeout=30)
     latencies, errors, i = [], 0, 0
     headers = {"Content-Type": "application/octet-stream"}
@@ -133,7 +141,9 @@ def _http_client(address: tuple[str, int], bodies, batch_size: int, stop_at: flo
     out.errors += errors
 
 
-def _grpc_client(target: str, requests, batch_size: int, stop_at: float, out: Stats):
+def _grpc_client(
+    target: str, requests: list[Message], batch_size: int, stop_at: float, out: Stats
+) -> None:
     with grpc.insecure_channel(target) as channel:
         infer = InferenceStub(channel).ModelInfer
         latencies, errors, i = [], 0, 0
@@ -152,7 +162,14 @@ def _grpc_client(target: str, requests, batch_size: int, stop_at: float, out: St
     out.errors += errors
 
 
-def run_clients(target, function, payloads, batch_size: int, clients: int, seconds: float):
+def run_clients(
+    target: tuple[str, int] | str,
+    function: Callable[..., None],
+    payloads: list,
+    batch_size: int,
+    clients: int,
+    seconds: float,
+) -> Stats:
     """``clients`` threads calling back to back for ``seconds``: (requests, errors, latencies)."""
     local = Stats()
     stop_at = time.perf_counter() + seconds
@@ -170,7 +187,7 @@ def run_clients(target, function, payloads, batch_size: int, clients: int, secon
     return local
 
 
-def run_in_process(model, batches: list[Batch], seconds: float) -> Stats:
+def run_in_process(model: LoadedModel, batches: list[Batch], seconds: float) -> Stats:
     local = Stats()
     stop_at = time.perf_counter() + seconds
     i = 0
@@ -204,7 +221,9 @@ def train_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def start_server(checkpoint: Path, log_path: Path, server_threads: int, queue_delay_ms: float):
+def start_server(
+    checkpoint: Path, log_path: Path, server_threads: int, queue_delay_ms: float
+) -> tuple[subprocess.Popen[bytes], tuple[str, int], str]:
     env = dict(os.environ, PYTHONPATH=str(_ROOT))
     args = [
         sys.executable,
@@ -279,7 +298,12 @@ def main() -> None:
         report(args, checkpoint, results)
 
 
-def measure(args, model, http_address, grpc_target) -> dict[tuple[int, str], Stats]:
+def measure(
+    args: argparse.Namespace,
+    model: LoadedModel,
+    http_address: tuple[str, int],
+    grpc_target: str,
+) -> dict[tuple[int, str], Stats]:
     payloads = {}
     for batch_size in args.batch_sizes:
         batches = list(
@@ -326,7 +350,9 @@ def measure(args, model, http_address, grpc_target) -> dict[tuple[int, str], Sta
     return results
 
 
-def report(args, checkpoint: Path, results: dict[tuple[int, str], Stats]) -> None:
+def report(
+    args: argparse.Namespace, checkpoint: Path, results: dict[tuple[int, str], Stats]
+) -> None:
     rows = []
     for (batch_size, mode), stats in results.items():
         rps = statistics.median(stats.rps_per_round)

@@ -45,7 +45,7 @@ import yaml
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
-from embedding_store.config import embedding_config_from_mapping
+from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
 from embedding_store.initializer import InitializationConfig
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import Adagrad
@@ -213,7 +213,7 @@ class RecserveTrainer:
         name: str,
         data: Data,
         initial_mlp: dict,
-        config,
+        config: EmbeddingConfig,
         *,
         staleness: int,
         embedding_workers: list[str] | None = None,
@@ -319,7 +319,7 @@ def main() -> None:
         num_train = len(data.train)
         position = {t.name: 0 for t in trainers}
 
-        def run(trainer, steps: int) -> float:
+        def run(trainer: PlainTrainer | RecserveTrainer, steps: int) -> float:
             begin = time.perf_counter()
             for _ in range(steps):
                 trainer.step(position[trainer.name] % num_train)

@@ -190,7 +190,7 @@ def locate(error: RecserveError, path: Path, numbers: list[int]) -> RecserveErro
 # --------------------------------------------------------------------------- the command
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "predict",
         help="score a JSON-lines or CSV file of rows against a running server (HTTP)",

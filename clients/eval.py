@@ -1002,7 +1002,14 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
                 scorer.close()
 
 
-def _evaluate(o, encoder, label, local, server, out: TextIO) -> EvalResult:
+def _evaluate(
+    o: EvalOptions,
+    encoder: PreprocessorEncoder | GenericEncoder,
+    label: LabelMapping | None,
+    local: InProcessScorer | None,
+    server: ServerScorer | None,
+    out: TextIO,
+) -> EvalResult:
     columns = ["source", "position"]
     if label is not None:
         columns.append("label")
@@ -1144,7 +1151,9 @@ def _evaluate(o, encoder, label, local, server, out: TextIO) -> EvalResult:
     return EvalResult(rows, len(bad_rows), report, exit_code, bad_rows)
 
 
-def _prepare(chunk: RowChunk, label: LabelMapping | None):
+def _prepare(
+    chunk: RowChunk, label: LabelMapping | None
+) -> tuple[list[dict[str, Any]], list[int], list[float], list[tuple[int, str]]]:
     """Rows with a readable label, their positions and labels, and (position, text) of the
     chunk's bad rows so far."""
     bad = [(b.position, str(b)) for b in chunk.bad]
@@ -1173,7 +1182,9 @@ def _count(labels: np.ndarray | None, *, positive: bool) -> int | None:
     return positives if positive else int(labels.size) - positives
 
 
-def _describe_model(o: EvalOptions, local, server) -> dict[str, Any]:
+def _describe_model(
+    o: EvalOptions, local: InProcessScorer | None, server: ServerScorer | None
+) -> dict[str, Any]:
     return {
         "checkpoint": os.fspath(o.checkpoint) if o.checkpoint is not None else None,
         "checkpoint_version": local.version if local is not None else None,

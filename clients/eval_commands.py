@@ -19,7 +19,7 @@ from embedding_store.cli_types import non_negative_float, positive_int
 
 
 # --------------------------------------------------------------------------- eval
-def _register_eval(subparsers) -> None:
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="score a data set with a checkpoint or a server; predictions, report, parity",
@@ -129,7 +129,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- checkpoint
-def _register_checkpoint(subparsers) -> None:
+def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "checkpoint",
         help="inspect, verify, reshard, diff or export a checkpoint (offline)",
@@ -176,7 +176,7 @@ def _register_checkpoint(subparsers) -> None:
     export.set_defaults(handler=_export)
 
 
-def _print_json(value) -> None:
+def _print_json(value: object) -> None:
     print(json.dumps(value, indent=2, default=str))
 
 
@@ -256,7 +256,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``eval`` and ``checkpoint`` to ``recserve``."""
     _register_eval(subparsers)
     _register_checkpoint(subparsers)

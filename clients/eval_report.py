@@ -227,7 +227,13 @@ def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> Non
 
 
 # --------------------------------------------------------------------------- report
-def _plots(directory: Path, report: dict[str, Any], labels, ranking, predictions) -> list[str]:
+def _plots(
+    directory: Path,
+    report: dict[str, Any],
+    labels: np.ndarray | None,
+    ranking: np.ndarray,
+    predictions: np.ndarray,
+) -> list[str]:
     try:
         import matplotlib
 

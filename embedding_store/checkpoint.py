@@ -582,7 +582,9 @@ def load_embeddings(
     return manifest
 
 
-def _check_capacity(manifest: EmbeddingManifest, shard: EmbeddingShard, blocks) -> None:
+def _check_capacity(
+    manifest: EmbeddingManifest, shard: EmbeddingShard, blocks: list[RowBlock]
+) -> None:
     rows = sum(len(b.ids) for b in blocks)
     if rows > shard.capacity:
         raise CheckpointError(
@@ -591,6 +593,6 @@ def _check_capacity(manifest: EmbeddingManifest, shard: EmbeddingShard, blocks) 
         )
 
 
-def optimizer_of(manifest: EmbeddingManifest):
+def optimizer_of(manifest: EmbeddingManifest) -> Optimizer | None:
     """The optimizer the checkpoint was trained with, or None."""
     return optimizer_from_dict(manifest.optimizer) if manifest.optimizer else None

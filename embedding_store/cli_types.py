@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
 
 
-def _number(text: str, kind: type, what: str):
+def _number(text: str, kind: type[T], what: str) -> T:
     try:
         value = kind(text)
     except ValueError:

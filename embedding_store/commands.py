@@ -7,6 +7,7 @@ Server modules are imported inside the handlers, so ``recserve --help`` stays fa
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from embedding_store.cli_types import non_negative_float
 from embedding_store.config import (
@@ -17,7 +18,7 @@ from embedding_store.config import (
 )
 
 
-def _int_in(low: int, high: int | None, what: str):
+def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -53,7 +54,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- parameter server
-def _register_parameter_server(subparsers) -> None:
+def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "embedding-parameter-server",
         help="run one embedding parameter-server shard (gRPC)",
@@ -150,6 +151,6 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 # --------------------------------------------------------------------------- registry
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the embedding tier's subcommands to ``recserve``."""
     _register_parameter_server(subparsers)

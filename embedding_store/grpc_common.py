@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from embedding_store.errors import (
     CheckpointError,
@@ -107,7 +108,7 @@ def rpc_errors(method: F) -> F:
     anything else is logged with its traceback and answered INTERNAL without details."""
 
     @functools.wraps(method)
-    def wrapper(self, request, context: grpc.ServicerContext):
+    def wrapper(self: object, request: Message, context: grpc.ServicerContext) -> Message:
         try:
             return method(self, request, context)
         except RecserveError as error:
@@ -123,7 +124,7 @@ def rpc_stream_errors(method: F) -> F:
     """Like :func:`rpc_errors` for server-streaming methods (generators)."""
 
     @functools.wraps(method)
-    def wrapper(self, request, context: grpc.ServicerContext):
+    def wrapper(self: object, request: Message, context: grpc.ServicerContext) -> Iterator[Message]:
         try:
             yield from method(self, request, context)
         except RecserveError as error:

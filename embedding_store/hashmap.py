@@ -26,6 +26,9 @@ not thread-safe by itself (the shard serializes access with its lock).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -33,6 +36,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from embedding_store.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from numba.core.base import BaseContext
+    from numba.core.typing.context import BaseContext as TypingContext
+    from numba.core.typing.templates import Signature
 
 EMPTY = -1
 MIN_CAPACITY = 16
@@ -51,7 +59,9 @@ _S31 = np.uint64(31)
 
 
 @intrinsic
-def prefetch_row(typingctx, array, row):
+def prefetch_row(
+    typingctx: TypingContext, array: types.Type, row: types.Type
+) -> tuple[Signature, Callable[..., ir.Value]] | None:
     """Hint the CPU to load the cache line of ``array[row]`` (its first element for a 2-D C array).
 
     Compiles to ``llvm.prefetch`` (read, high locality, data cache): no effect on results.
@@ -61,7 +71,12 @@ def prefetch_row(typingctx, array, row):
         return None
     sig = types.void(array, row)
 
-    def codegen(context, builder, signature, args):
+    def codegen(
+        context: BaseContext,
+        builder: ir.IRBuilder,
+        signature: Signature,
+        args: Sequence[ir.Value],
+    ) -> ir.Value:
         array_type, row_type = signature.args
         ary = context.make_array(array_type)(context, builder, args[0])
         index = context.cast(builder, args[1], row_type, types.intp)
@@ -88,7 +103,7 @@ def prefetch_row(typingctx, array, row):
 
 
 @njit(cache=True, nogil=True)
-def _home_slot(key, mask):
+def _home_slot(key: np.uint64, mask: int) -> int:
     """Salted SplitMix64 of ``key`` masked to the table: the first slot to probe."""
     z = (key ^ _SALT) + _GOLDEN
     z = (z ^ (z >> _S30)) * _MIX1
@@ -98,7 +113,7 @@ def _home_slot(key, mask):
 
 
 @njit(cache=True, nogil=True)
-def _probe(table, key, slot, mask):
+def _probe(table: np.ndarray, key: np.uint64, slot: int, mask: int) -> int:
     """Row of ``key`` starting at its home ``slot``, or -1."""
     s = slot
     while True:
@@ -111,7 +126,7 @@ def _probe(table, key, slot, mask):
 
 
 @njit(cache=True, nogil=True)
-def lookup_kernel(table, ids, out):
+def lookup_kernel(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     """``out[i]`` = row of ``ids[i]`` or -1 (prefetching ``PREFETCH`` IDs ahead)."""
     mask = table.shape[0] - 1
     n = ids.shape[0]
@@ -126,7 +141,9 @@ def lookup_kernel(table, ids, out):
 
 
 @njit(cache=True, nogil=True)
-def lookup_stamp_kernel(table, ids, out, stamps, base):
+def lookup_stamp_kernel(
+    table: np.ndarray, ids: np.ndarray, out: np.ndarray, stamps: np.ndarray, base: int
+) -> None:
     """Like :func:`lookup_kernel`, and sets ``stamps[row] = base + i`` for every hit ``i``.
 
     IDs are stamped in order, so where an ID repeats its last position wins.
@@ -147,7 +164,7 @@ def lookup_stamp_kernel(table, ids, out, stamps, base):
 
 
 @njit(cache=True, nogil=True)
-def valid_bag_offsets(offsets, n):
+def valid_bag_offsets(offsets: np.ndarray, n: int) -> bool:
     """True if ``offsets`` (int64 [num_bags]) are non-decreasing from 0 to at most ``n``.
 
     With no bags there must be no IDs (``n == 0``).
@@ -164,7 +181,13 @@ def valid_bag_offsets(offsets, n):
 
 
 @njit(cache=True, nogil=True)
-def pool_rows_kernel(weights, rows, offsets, id_weights, out):
+def pool_rows_kernel(
+    weights: np.ndarray,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    id_weights: np.ndarray,
+    out: np.ndarray,
+) -> int:
     """Sum-pool ``weights[rows]`` into bags (offsets already checked); returns #rows < 0.
 
     Bag ``b`` holds ``rows[offsets[b]:offsets[b + 1]]`` (the last bag runs to the end), like
@@ -215,7 +238,7 @@ def pool_rows_kernel(weights, rows, offsets, id_weights, out):
 
 
 @njit(cache=True, nogil=True)
-def gather_rows_kernel(weights, rows, out):
+def gather_rows_kernel(weights: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``; prefetches rows ahead."""
     n = rows.shape[0]
     dim = out.shape[1]
@@ -235,7 +258,15 @@ def gather_rows_kernel(weights, rows, out):
 
 
 @njit(cache=True, nogil=True)
-def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
+def pool_kernel(
+    table: np.ndarray,
+    weights: np.ndarray,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    id_weights: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+) -> int:
     """:func:`lookup_kernel` into ``rows`` then :func:`pool_rows_kernel` into ``out``.
 
     Returns the number of unknown IDs, or -1 if the offsets are invalid
@@ -248,7 +279,15 @@ def pool_kernel(table, weights, ids, offsets, id_weights, rows, out):
 
 
 @njit(cache=True, nogil=True)
-def get_or_insert_kernel(table, ids, out, start, next_row, size, limit):
+def get_or_insert_kernel(
+    table: np.ndarray,
+    ids: np.ndarray,
+    out: np.ndarray,
+    start: int,
+    next_row: int,
+    size: int,
+    limit: int,
+) -> tuple[int, int, int]:
     """Rows of ``ids[start:]``, inserting unknown keys with rows ``next_row, next_row+1, ...``.
 
     Duplicates inside ``ids`` get the same row. Stops *before* an insert that would take the
@@ -282,7 +321,7 @@ def get_or_insert_kernel(table, ids, out, start, next_row, size, limit):
 
 
 @njit(cache=True, nogil=True)
-def insert_rows_kernel(table, ids, rows, size):
+def insert_rows_kernel(table: np.ndarray, ids: np.ndarray, rows: np.ndarray, size: int) -> int:
     """Upsert ``ids[i] -> rows[i]``; returns the new entry count. The caller ensures room."""
     mask = table.shape[0] - 1
     n = ids.shape[0]
@@ -308,7 +347,7 @@ def insert_rows_kernel(table, ids, rows, size):
 
 
 @njit(cache=True, nogil=True)
-def _reinsert_kernel(old, table):
+def _reinsert_kernel(old: np.ndarray, table: np.ndarray) -> None:
     """Move every occupied slot of the old table into a (larger, empty) new table."""
     mask = table.shape[0] - 1
     for j in range(old.shape[0]):

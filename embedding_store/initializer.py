@@ -32,19 +32,21 @@ _TWO_POW_M53 = 1.0 / 9007199254740992.0  # 2**-53
 
 
 @njit(cache=True, nogil=True)
-def _mix(z):
+def _mix(z: np.uint64) -> np.uint64:
     z = (z ^ (z >> _S30)) * _MIX1
     z = (z ^ (z >> _S27)) * _MIX2
     return z ^ (z >> _S31)
 
 
 @njit(cache=True, nogil=True)
-def _seed_state(seed, salt):
+def _seed_state(seed: np.uint64, salt: np.uint64) -> np.uint64:
     return _mix(seed ^ salt)
 
 
 @njit(cache=True, nogil=True)
-def _init_kernel(ids, seed, low, high, bound, out):
+def _init_kernel(
+    ids: np.ndarray, seed: np.uint64, low: float, high: float, bound: float, out: np.ndarray
+) -> None:
     """``out[i, c]`` = uniform in [low, high) from the hash of (ids[i], c, seed), clamped."""
     seed_state = _seed_state(seed, _INIT_SALT)
     span = high - low
@@ -71,7 +73,7 @@ def _init_kernel(ids, seed, low, high, bound, out):
 
 
 @njit(cache=True, nogil=True)
-def _admit_kernel(ids, seed, p, out):
+def _admit_kernel(ids: np.ndarray, seed: np.uint64, p: float, out: np.ndarray) -> None:
     seed_state = _seed_state(seed, _ADMIT_SALT)
     for i in range(ids.shape[0]):
         h = _mix((ids[i] ^ seed_state) + _GOLDEN)

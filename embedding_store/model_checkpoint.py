@@ -28,9 +28,10 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -73,7 +74,11 @@ class CheckpointManifest:
         return self.directory / EMBEDDINGS_DIR
 
 
-def _quiet_jit(function, *args, **kwargs):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _quiet_jit(function: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
     """Call a torch.jit function without its deprecation warning: TorchScript is the format
     this checkpoint promises (``jit_dense.pt``), for runtimes without the model's Python."""
     with warnings.catch_warnings():

@@ -31,12 +31,12 @@ _BLOCK = 16  # rows per block: the next block's rows are loaded while this one i
 
 
 @njit(cache=True, nogil=True)
-def _clamp(w, bound):
+def _clamp(w: float, bound: float) -> float:
     return min(max(w, -bound), bound)
 
 
 @njit(cache=True, nogil=True)
-def _touch(table, rows, j0, j1):
+def _touch(table: np.ndarray, rows: np.ndarray, j0: int, j1: int) -> float:
     """Load one value per cache line of ``table[rows[j0:j1]]`` and return their sum.
 
     Rows are scattered across hundreds of MB, so each one is a cache (and TLB) miss. Loading the
@@ -58,7 +58,9 @@ def _touch(table, rows, j0, j1):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _sgd_row(w_row, g_row, lr, weight_decay, bound):
+def _sgd_row(
+    w_row: np.ndarray, g_row: np.ndarray, lr: float, weight_decay: float, bound: float
+) -> None:
     # 1-D row views (not 2-D indexing) let LLVM vectorize the loop: ~3x faster
     for c in range(w_row.shape[0]):
         w = np.float64(w_row[c])
@@ -67,7 +69,14 @@ def _sgd_row(w_row, g_row, lr, weight_decay, bound):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def sgd_kernel(weights, rows, grads, lr, weight_decay, bound):
+def sgd_kernel(
+    weights: np.ndarray,
+    rows: np.ndarray,
+    grads: np.ndarray,
+    lr: float,
+    weight_decay: float,
+    bound: float,
+) -> float:
     """g += wd*w; w -= lr*g. Returns a value to ignore."""
     n = rows.shape[0]
     sink = _touch(weights, rows, 0, min(_BLOCK, n))
@@ -80,7 +89,16 @@ def sgd_kernel(weights, rows, grads, lr, weight_decay, bound):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _adagrad_row(w_row, acc_row, g_row, lr, momentum, eps, weight_decay, bound):
+def _adagrad_row(
+    w_row: np.ndarray,
+    acc_row: np.ndarray,
+    g_row: np.ndarray,
+    lr: float,
+    momentum: float,
+    eps: float,
+    weight_decay: float,
+    bound: float,
+) -> None:
     for c in range(w_row.shape[0]):
         w = np.float64(w_row[c])
         g = np.float64(g_row[c]) + weight_decay * w
@@ -90,7 +108,16 @@ def _adagrad_row(w_row, acc_row, g_row, lr, momentum, eps, weight_decay, bound):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _adagrad_shared_row(w_row, acc_row, g_row, lr, momentum, eps, weight_decay, bound):
+def _adagrad_shared_row(
+    w_row: np.ndarray,
+    acc_row: np.ndarray,
+    g_row: np.ndarray,
+    lr: float,
+    momentum: float,
+    eps: float,
+    weight_decay: float,
+    bound: float,
+) -> None:
     dim = w_row.shape[0]
     sq = 0.0
     for c in range(dim):
@@ -106,7 +133,18 @@ def _adagrad_shared_row(w_row, acc_row, g_row, lr, momentum, eps, weight_decay, 
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adagrad_kernel(weights, state, rows, grads, lr, momentum, eps, weight_decay, bound, shared):
+def adagrad_kernel(
+    weights: np.ndarray,
+    state: np.ndarray,
+    rows: np.ndarray,
+    grads: np.ndarray,
+    lr: float,
+    momentum: float,
+    eps: float,
+    weight_decay: float,
+    bound: float,
+    shared: bool,
+) -> float:
     """g += wd*w; acc = m*acc + g*g (shared: + mean(g*g)); w -= lr*g / (sqrt(acc) + eps)."""
     n = rows.shape[0]
     sink = _touch(weights, rows, 0, min(_BLOCK, n)) + _touch(state, rows, 0, min(_BLOCK, n))
@@ -127,7 +165,20 @@ def adagrad_kernel(weights, state, rows, grads, lr, momentum, eps, weight_decay,
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _adam_row(w_row, m_row, v_row, g_row, lr, beta1, beta2, eps, weight_decay, bound, t, logs):
+def _adam_row(
+    w_row: np.ndarray,
+    m_row: np.ndarray,
+    v_row: np.ndarray,
+    g_row: np.ndarray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bound: float,
+    t: float,
+    logs: tuple[float, float],
+) -> None:
     # beta**t as exp(t * log(beta)): 2x cheaper than pow, same value to ~1e-15 relative
     step_size = lr / (1.0 - math.exp(t * logs[0]))
     bc2_sqrt = math.sqrt(1.0 - math.exp(t * logs[1]))
@@ -143,7 +194,18 @@ def _adam_row(w_row, m_row, v_row, g_row, lr, beta1, beta2, eps, weight_decay, b
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adam_kernel(weights, state, rows, grads, lr, beta1, beta2, eps, weight_decay, bound):
+def adam_kernel(
+    weights: np.ndarray,
+    state: np.ndarray,
+    rows: np.ndarray,
+    grads: np.ndarray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bound: float,
+) -> float:
     """torch.optim.Adam (L2 weight decay, no amsgrad) with a per-row step count."""
     n = rows.shape[0]
     dim = weights.shape[1]
@@ -191,7 +253,9 @@ def _number(owner: str, name: str, value: Any, low: float, high: float, *, low_o
     return v
 
 
-def _check_arrays(weights, state, rows, grads, width: int):
+def _check_arrays(
+    weights: np.ndarray, state: np.ndarray, rows: np.ndarray, grads: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 2:
         raise InvalidArgumentError("weights must be a float32 [R, dim] array")
     dim = weights.shape[1]
@@ -253,7 +317,14 @@ class SGD:
     def to_dict(self) -> dict:
         return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay}
 
-    def apply(self, weights, state, rows, grads, weight_bound: float | None = None) -> None:
+    def apply(
+        self,
+        weights: np.ndarray,
+        state: np.ndarray,
+        rows: np.ndarray,
+        grads: np.ndarray,
+        weight_bound: float | None = None,
+    ) -> None:
         """Update ``weights[rows]`` in place with ``grads`` (rows of -1 are skipped)."""
         rows, grads = _check_arrays(weights, state, rows, grads, 0)
         sgd_kernel(weights, rows, grads, self.lr, self.weight_decay, _bound(weight_bound))
@@ -310,7 +381,14 @@ class Adagrad:
             "vectorwise_shared": self.vectorwise_shared,
         }
 
-    def apply(self, weights, state, rows, grads, weight_bound: float | None = None) -> None:
+    def apply(
+        self,
+        weights: np.ndarray,
+        state: np.ndarray,
+        rows: np.ndarray,
+        grads: np.ndarray,
+        weight_bound: float | None = None,
+    ) -> None:
         """Update ``weights[rows]`` and their accumulators in place (rows of -1 skipped)."""
         width = self.state_width(weights.shape[1] if isinstance(weights, np.ndarray) else 0)
         rows, grads = _check_arrays(weights, state, rows, grads, width)
@@ -376,7 +454,14 @@ class Adam:
             "weight_decay": self.weight_decay,
         }
 
-    def apply(self, weights, state, rows, grads, weight_bound: float | None = None) -> None:
+    def apply(
+        self,
+        weights: np.ndarray,
+        state: np.ndarray,
+        rows: np.ndarray,
+        grads: np.ndarray,
+        weight_bound: float | None = None,
+    ) -> None:
         """Update ``weights[rows]`` and their moments/step counts in place (rows of -1 skipped)."""
         width = self.state_width(weights.shape[1] if isinstance(weights, np.ndarray) else 0)
         rows, grads = _check_arrays(weights, state, rows, grads, width)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store.checkpoint import FileEntry
@@ -155,10 +156,12 @@ class RemoteParameterServer:
     def __enter__(self) -> RemoteParameterServer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _call(self, method, request, timeout: float | None = None):
+    def _call(
+        self, method: Callable[..., Any], request: Message, timeout: float | None = None
+    ) -> Any:
         return call(
             self.peer, method, request, timeout=self.timeout if timeout is None else timeout
         )
@@ -267,7 +270,7 @@ class RemoteParameterServer:
         )
         return self._blocks_of(stream)
 
-    def _blocks_of(self, stream) -> Iterator[RowBlock]:
+    def _blocks_of(self, stream: Iterator[pb.RowChunk]) -> Iterator[RowBlock]:
         index = 0
         try:
             for chunk in stream:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -41,7 +42,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from embedding_store import checkpoint
@@ -164,7 +165,7 @@ class _ShardCollector(Collector):
         self._serving = serving
         self._labels = labels
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self._shard.stats()
         names, values = list(self._labels), list(self._labels.values())
 
@@ -777,7 +778,7 @@ def serve_parameter_server(
     """
     process = ParameterServerProcess(embedding_config, global_config, options)
 
-    def request_stop(signum, _frame) -> None:
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
         if process.stop_requested:
             return
         process.stop_requested = True

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from embedding_store.errors import grpc_code_name_of
+
+if TYPE_CHECKING:
+    import grpc
+    from google.protobuf.message import Message
 
 #: Histogram buckets (seconds) of RPC latencies: sub-millisecond lookups up to long dumps.
 LATENCY_BUCKETS = (
@@ -58,16 +64,38 @@ def rpc_metrics(
     return latency, errors
 
 
-def _count_error(servicer, method: str, error: BaseException) -> None:
+class _RpcMetrics(Protocol):
+    """What :func:`observed` records into: the two metrics made by :func:`rpc_metrics`."""
+
+    @property
+    def latency(self) -> Histogram: ...
+
+    @property
+    def errors(self) -> Counter: ...
+
+
+class _ObservedServicer(Protocol):
+    """A servicer whose methods are decorated with :func:`observed` / :func:`observed_stream`."""
+
+    @property
+    def metrics(self) -> _RpcMetrics: ...
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _count_error(servicer: _ObservedServicer, method: str, error: BaseException) -> None:
     servicer.metrics.errors.labels(method, grpc_code_name_of(error)).inc()
 
 
-def observed(method):
+def observed(method: F) -> F:
     """Record latency and failures of a unary (or client-streaming) RPC method."""
     name = method.__name__
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    def wrapper(
+        self: _ObservedServicer, request: Message, context: grpc.ServicerContext
+    ) -> Message:
         start = time.perf_counter()
         try:
             return method(self, request, context)
@@ -77,15 +105,17 @@ def observed(method):
         finally:
             self.metrics.latency.labels(name).observe(time.perf_counter() - start)
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]
 
 
-def observed_stream(method):
+def observed_stream(method: F) -> F:
     """Like :func:`observed` for server-streaming methods (the whole stream is timed)."""
     name = method.__name__
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    def wrapper(
+        self: _ObservedServicer, request: Message, context: grpc.ServicerContext
+    ) -> Iterator[Message]:
         start = time.perf_counter()
         try:
             yield from method(self, request, context)
@@ -95,4 +125,4 @@ def observed_stream(method):
         finally:
             self.metrics.latency.labels(name).observe(time.perf_counter() - start)
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]

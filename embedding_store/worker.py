@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -280,7 +280,7 @@ class EmbeddingWorker:
         self._for_each_shard(fetch)
         return torch.from_numpy(gathered)
 
-    def _for_each_shard(self, task) -> None:
+    def _for_each_shard(self, task: Callable[[int], None]) -> None:
         """Run ``task(shard_index)`` for every shard: shards 1.. on the executor, shard 0 on
         the calling thread, which would otherwise only wait (one pool hand-off saved)."""
         if self._executor is None:
@@ -603,7 +603,16 @@ _S31 = np.uint64(31)
 
 
 @njit(cache=True, nogil=True)
-def _scatter_kernel(ids, offsets, bag_grads, id_weights, slots, unique, unique_grads, finite):
+def _scatter_kernel(
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    bag_grads: np.ndarray,
+    id_weights: np.ndarray,
+    slots: np.ndarray,
+    unique: np.ndarray,
+    unique_grads: np.ndarray,
+    finite: np.ndarray,
+) -> int:
     """Sum each ID occurrence's gradient into its unique ID's row, in occurrence order.
 
     Occurrence ``i`` of bag ``b`` (``offsets`` as for ``embedding_bag``) adds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -104,7 +104,12 @@ class RemoteEmbeddingWorker:
         request = settings_to_configure_request(optimizer, initialization)
         call(self._peer, self._stub.Configure, request, timeout=self.timeout)
 
-    def _stream(self, method, request, progress: ProgressCallback | None) -> None:
+    def _stream(
+        self,
+        method: Callable[..., Iterator[pb.Progress]],
+        request: pb.WorkerDumpRequest | pb.WorkerLoadRequest,
+        progress: ProgressCallback | None,
+    ) -> None:
         try:
             for update in method(request, timeout=self.admin_timeout):
                 if progress and update.stage != "done":

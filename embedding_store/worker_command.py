@@ -24,7 +24,7 @@ def _addresses(text: str) -> list[str]:
     return addresses
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "embedding-worker",
         help="run an embedding worker over parameter-server shards",
@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- tier administration
-def register_admin(subparsers) -> None:
+def register_admin(subparsers: argparse._SubParsersAction) -> None:
     """``recserve embedding-tier dump|load|status|clear --worker ADDR``."""
     parser = subparsers.add_parser(
         "embedding-tier",

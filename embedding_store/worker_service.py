@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_all
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import numpy as np
@@ -31,7 +33,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from embedding_store import checkpoint
@@ -262,7 +264,11 @@ class RemoteShardTier:
             )
 
     # ------------------------------------------------------------------ administration
-    def _each(self, task, executor: ThreadPoolExecutor | None = None) -> list:
+    def _each(
+        self,
+        task: Callable[[RemoteParameterServer], object],
+        executor: ThreadPoolExecutor | None = None,
+    ) -> list:
         """``task(client)`` for every shard at once; results in replica order.
 
         Waits for every call (each has its shard deadline) before raising the first failure
@@ -329,7 +335,9 @@ class RemoteShardTier:
         try:
             progress("dump", 0, total)
 
-            def dump_one(client: RemoteParameterServer):
+            def dump_one(
+                client: RemoteParameterServer,
+            ) -> tuple[list[checkpoint.FileEntry], dict[str, Any] | None]:
                 nonlocal done
                 result = client.dump(str(staging))
                 with lock:
@@ -447,7 +455,7 @@ class _WorkerCollector(Collector):
     def __init__(self, tier: RemoteShardTier) -> None:
         self._tier = tier
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self._tier.stats()
 
         def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
@@ -541,7 +549,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
     @rpc_errors
     @observed
-    def Lookup(self, request: pb.WorkerLookupRequest, context) -> pb.WorkerLookupResponse:
+    def Lookup(
+        self, request: pb.WorkerLookupRequest, context: grpc.ServicerContext
+    ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         result = self.tier.lookup(batch, train=request.train)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
@@ -550,7 +560,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
     @rpc_errors
     @observed
-    def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
+    def Backward(
+        self, request: pb.BackwardRequest, context: grpc.ServicerContext
+    ) -> pb.BackwardResponse:
         stats = self.tier.backward(request.ref, unpack_grads(request.grads))
         return pb.BackwardResponse(
             rows_queued=stats.rows_pushed, nonfinite_rows_skipped=stats.nonfinite_rows_skipped
@@ -558,20 +570,24 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
     @rpc_errors
     @observed
-    def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
+    def Flush(self, request: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
         self.tier.flush()
         return pb.FlushResponse()
 
     @rpc_errors
     @observed
-    def Configure(self, request: pb.ConfigureRequest, context) -> pb.ConfigureResponse:
+    def Configure(
+        self, request: pb.ConfigureRequest, context: grpc.ServicerContext
+    ) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.tier.configure(optimizer=optimizer, initialization=initialization)
         return pb.ConfigureResponse()
 
     @rpc_stream_errors
     @observed_stream
-    def Dump(self, request: pb.WorkerDumpRequest, context) -> Iterator[pb.Progress]:
+    def Dump(
+        self, request: pb.WorkerDumpRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerDumpRequest.directory must not be empty")
         yield from _with_progress(
@@ -583,7 +599,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
     @rpc_stream_errors
     @observed_stream
-    def Load(self, request: pb.WorkerLoadRequest, context) -> Iterator[pb.Progress]:
+    def Load(
+        self, request: pb.WorkerLoadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Progress]:
         if not request.directory:
             raise InvalidArgumentError("WorkerLoadRequest.directory must not be empty")
         yield from _with_progress(
@@ -593,13 +611,15 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
     @rpc_errors
     @observed
-    def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearResponse:
         self.tier.clear()
         return pb.ClearResponse()
 
     @rpc_errors
     @observed
-    def Status(self, request: pb.WorkerStatusRequest, context) -> pb.WorkerStatusResponse:
+    def Status(
+        self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext
+    ) -> pb.WorkerStatusResponse:
         status = self.tier.status()
         size = len(status.rows_per_shard)
         return pb.WorkerStatusResponse(
@@ -630,7 +650,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         )
 
 
-def _with_progress(run, final_message: str) -> Iterator[pb.Progress]:
+def _with_progress(
+    run: Callable[[ProgressCallback], checkpoint.EmbeddingManifest], final_message: str
+) -> Iterator[pb.Progress]:
     """Run ``run(progress)`` in a thread and stream its progress reports as they come."""
     updates: queue.Queue = queue.Queue()
     outcome: dict[str, object] = {}
@@ -736,7 +758,7 @@ def serve_embedding_worker(
             metrics_httpd.server_close()
 
 
-def _start_metrics_server(metrics: EmbeddingWorkerMetrics, host: str, port: int):
+def _start_metrics_server(metrics: EmbeddingWorkerMetrics, host: str, port: int) -> WSGIServer:
     """Serve ``metrics.registry`` on http://HOST:PORT/metrics (a thread); returns the server."""
     try:
         httpd, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)

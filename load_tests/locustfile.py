@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from locust import FastHttpUser, User, constant, task
+from locust.contrib.fasthttp import ResponseContextManager
 
 try:  # gRPC's own threads must cooperate with locust's gevent loop
     import grpc.experimental.gevent as grpc_gevent
@@ -88,7 +89,7 @@ def payload_pool(kind: str, host: str) -> traffic.PayloadPool:
     return pool
 
 
-def _check(response, what: str) -> None:
+def _check(response: ResponseContextManager, what: str) -> None:
     if response.status_code != 200:
         text = (response.text or "")[:200] if response.content else str(response.error)
         response.failure(f"{what}: HTTP {response.status_code}: {text}")

@@ -46,12 +46,15 @@ import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from load_tests import traffic  # noqa: E402
+
+if TYPE_CHECKING:
+    from embedding_store.launcher import LocalCluster
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 USER_CLASSES = {
@@ -192,7 +195,7 @@ class ServeProcess:
 
 
 # --------------------------------------------------------------------------- remote tier
-def start_remote_tier(checkpoint: Path, out: Path):
+def start_remote_tier(checkpoint: Path, out: Path) -> LocalCluster:
     """LocalCluster (2 PS in Infer mode loading ``checkpoint/embeddings`` + 1 worker)."""
     import yaml
 

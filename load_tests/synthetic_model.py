@@ -19,13 +19,16 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
+from typing import TYPE_CHECKING, List  # noqa: UP035  (TorchScript reads the forward signature)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from embedding_store.batch import Batch
 
 NUM_SLOTS = 26
 NUM_DENSE = 13
@@ -79,7 +82,7 @@ class SyntheticDLRM(nn.Module):
         return self.top(torch.cat([x] + embedding_tensors, dim=1))  # noqa: RUF005 (TorchScript)
 
 
-def _batch(rng: np.random.Generator, ids: list[np.ndarray], teacher: np.ndarray):
+def _batch(rng: np.random.Generator, ids: list[np.ndarray], teacher: np.ndarray) -> Batch:
     from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
 
     size = len(ids[0])

@@ -14,7 +14,7 @@ from embedding_store.cli_types import (
 )
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a checkpoint over HTTP and gRPC (KServe v2)",

@@ -13,8 +13,11 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -22,8 +25,13 @@ from embedding_store import model_checkpoint
 from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
 from embedding_store.gc_tuning import freeze_long_lived_objects
 from serving.metrics import CONTENT_TYPE
-from serving.model import load_model
+from serving.model import LoadedModel, load_model
 from serving.service import PredictionService
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from embedding_store.batch import Batch
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +66,7 @@ class ServeOptions:
     reuse_port: bool = False  # set for each process of a multi-process server
 
 
-def load_preprocessor(spec: str):
+def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
     """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
     import importlib
     import os
@@ -90,7 +98,7 @@ class PredictionServer:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
-    def _load(self, checkpoint: str | None):
+    def _load(self, checkpoint: str | None) -> LoadedModel:
         o = self.options
         return load_model(
             checkpoint or o.checkpoint,
@@ -187,7 +195,7 @@ class PredictionServer:
         if self._health is not None:
             self._health.set_serving(ready)
 
-    def _mount_metrics(self, app) -> None:
+    def _mount_metrics(self, app: FastAPI) -> None:
         from fastapi import Response
 
         metrics = self.service.metrics
@@ -281,7 +289,7 @@ def serve_processes(options: ServeOptions) -> int:
     command = [sys.executable, "-m", "embedding_store.cli", *options_to_argv(fixed)]
     children = [subprocess.Popen(command) for _ in range(options.workers)]
 
-    def forward(signum, _frame) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)

@@ -288,7 +288,11 @@ class PredictionService:
         return self._predict(name, None, build, protocol=protocol, timeout=timeout)
 
     def _prepare(
-        self, name: str, version: str | None, build: Callable[[LoadedModel], Batch], timeout
+        self,
+        name: str,
+        version: str | None,
+        build: Callable[[LoadedModel], Batch],
+        timeout: float | None,
     ) -> tuple[Batch, float]:
         """Validate and build the batch: (batch, seconds it may wait)."""
         if not self._accepting:
@@ -301,7 +305,11 @@ class PredictionService:
         return batch, min(wait, MAX_WAIT_SECONDS)
 
     def _begin(
-        self, name: str, version: str | None, build: Callable[[LoadedModel], Batch], timeout
+        self,
+        name: str,
+        version: str | None,
+        build: Callable[[LoadedModel], Batch],
+        timeout: float | None,
     ) -> tuple[Batch, Future, float]:
         """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s)."""
         batch, wait = self._prepare(name, version, build, timeout)
@@ -338,7 +346,7 @@ class PredictionService:
             unknown_ids=_share(merged_unknown, own_ids, merged_ids),
         )
 
-    def _record(self, protocol: str, name: str, version: str, outcome: str, started: float):
+    def _record(self, protocol: str, name: str, version: str, outcome: str, started: float) -> None:
         # The name comes from the client: only the served one becomes a label value, so
         # requests to made-up names cannot grow the metrics without bound.
         key = (protocol, name if name == self.name else UNKNOWN_MODEL_LABEL, version, outcome)

@@ -135,7 +135,7 @@ class EmbeddingCtx:
             raise InvalidArgumentError(f"device_id={device_id} given but CUDA is not available")
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self):
+    def __enter__(self) -> EmbeddingCtx:
         if self._tier is None:
             self._tier = make_embedding_tier(
                 self.embedding_config,

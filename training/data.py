@@ -111,7 +111,7 @@ class DataCtx:
     def __enter__(self) -> DataCtx:
         return self
 
-    def __exit__(self, exc_type, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
             if exc_type is None:
                 self.finish()
@@ -130,13 +130,17 @@ class _Receiver(pb_grpc.DataReceiverServicer):
         self.dataset = dataset
 
     @rpc_errors
-    def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
+    def SendBatch(
+        self, request: pb.SendBatchRequest, context: grpc.ServicerContext
+    ) -> pb.SendBatchResponse:
         batch = Batch.from_bytes(request.batch)
         self.dataset._accept(request.loader_index, request.sequence, batch, context)
         return pb.SendBatchResponse()
 
     @rpc_errors
-    def EndOfStream(self, request: pb.EndOfStreamRequest, context) -> pb.EndOfStreamResponse:
+    def EndOfStream(
+        self, request: pb.EndOfStreamRequest, context: grpc.ServicerContext
+    ) -> pb.EndOfStreamResponse:
         self.dataset._end(request.loader_index, request.batches_sent)
         return pb.EndOfStreamResponse()
 
@@ -201,7 +205,9 @@ class StreamingDataset:
             self._server = server
         return self
 
-    def _accept(self, loader: int, sequence: int, batch: Batch, context) -> None:
+    def _accept(
+        self, loader: int, sequence: int, batch: Batch, context: grpc.ServicerContext
+    ) -> None:
         if not 0 <= loader < self.num_loaders:
             raise InvalidArgumentError(
                 f"SendBatchRequest.loader_index {loader} is not below num_loaders "

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # Run as a script: make the repository root importable (examples.adult_income.*).
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 import torch
 
+from embedding_store.batch import Batch
 from embedding_store.config import embedding_config_from_mapping
 from examples.adult_income import features
 from examples.adult_income.hparams import AdultHParams
@@ -53,7 +55,7 @@ def evaluate(ctx: TrainCtx, test: features.EncodedRows) -> float:
     return roc_auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def local_batches(hp: AdultHParams, train: features.EncodedRows, epoch: int):
+def local_batches(hp: AdultHParams, train: features.EncodedRows, epoch: int) -> Iterator[Batch]:
     """This rank's share of one epoch: batch b goes to rank b % world (equal counts)."""
     rank, world = distributed.rank(), max(distributed.world_size(), 1)
     batches = list(
