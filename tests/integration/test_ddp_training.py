@@ -233,41 +233,12 @@ def test_two_ddp_ranks_with_two_shards_reach_the_example_auc(cluster, tmp_path):
     assert all(cluster.shards[i].alive for i in range(2)) and cluster.workers[0].alive
 
 
-def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_path):
-    script = tmp_path / "one_step.py"
-    script.write_text(ONE_STEP_SCRIPT)
-    out = tmp_path / "out"
-    out.mkdir()
-    run_in_session(
-        recserve(
-            "train",
-            "--nproc-per-node",
-            "2",
-            "--embedding-workers",
-            cluster.worker_addresses[0],
-            "--entry",
-            str(script),
-            "--",
-            str(EMBEDDING_CONFIG),
-            str(out),
-        ),
-        tmp_path / "one_step.log",
-    )
-    before = [torch.load(out / f"before-{r}.pt", weights_only=True) for r in range(2)]
-    after = [torch.load(out / f"after-{r}.pt", weights_only=True) for r in range(2)]
-    losses = [float((out / f"loss-{r}.txt").read_text()) for r in range(2)]
-    assert losses[0] != losses[1]  # the ranks really saw different batches
-    assert before[0].keys() == after[0].keys() == after[1].keys()
-    for name in after[0]:
-        # DDP broadcast rank 0's initial weights, then allreduced the gradients.
-        assert torch.equal(before[0][name], before[1][name]), name
-        assert torch.equal(after[0][name], after[1][name]), name
-        assert not torch.equal(after[0][name], before[0][name]), name
-
-
-def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(cluster, tmp_path):
-    script = tmp_path / "equal_steps.py"
-    script.write_text(EQUAL_STEPS_SCRIPT)
+def run_on_two_ranks(cluster, tmp_path: Path, name: str, source: str) -> tuple[Path, str]:
+    """Run the script ``source`` with ``recserve train --nproc-per-node 2`` against the
+    cluster's worker; its arguments are the embedding config and an output directory.
+    Returns (output directory, the run's log)."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
     out = tmp_path / "out"
     out.mkdir()
     log = run_in_session(
@@ -283,8 +254,27 @@ def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together
             str(EMBEDDING_CONFIG),
             str(out),
         ),
-        tmp_path / "equal_steps.log",
+        tmp_path / f"{name}.log",
     )
+    return out, log
+
+
+def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_path):
+    out, _ = run_on_two_ranks(cluster, tmp_path, "one_step", ONE_STEP_SCRIPT)
+    before = [torch.load(out / f"before-{r}.pt", weights_only=True) for r in range(2)]
+    after = [torch.load(out / f"after-{r}.pt", weights_only=True) for r in range(2)]
+    losses = [float((out / f"loss-{r}.txt").read_text()) for r in range(2)]
+    assert losses[0] != losses[1]  # the ranks really saw different batches
+    assert before[0].keys() == after[0].keys() == after[1].keys()
+    for name in after[0]:
+        # DDP broadcast rank 0's initial weights, then allreduced the gradients.
+        assert torch.equal(before[0][name], before[1][name]), name
+        assert torch.equal(after[0][name], after[1][name]), name
+        assert not torch.equal(after[0][name], before[0][name]), name
+
+
+def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(cluster, tmp_path):
+    out, log = run_on_two_ranks(cluster, tmp_path, "equal_steps", EQUAL_STEPS_SCRIPT)
     results = [(out / f"result-{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert [steps for steps, _ in results] == ["2", "2"]
     assert "rank 0 dropped its last 1 batch(es)" in log

@@ -25,6 +25,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import error_from_rpc
+from tests.unit.test_rpc_errors import FailedCall
 
 # (class, HTTP status, gRPC code, what a client raises for that status / that code)
 TABLE = [
@@ -74,17 +75,6 @@ def test_the_most_general_class_wins_and_unknown_statuses_stay_generic():
     assert message == "server 127.0.0.1:1 answered HTTP 404: unknown model x"
 
 
-class _FailedCall(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 @pytest.mark.parametrize(
     ("code", "details", "expected"),
     [
@@ -97,6 +87,6 @@ class _FailedCall(grpc.RpcError):
     ],
 )
 def test_peer_calls_map_codes_through_the_same_table(code, details, expected):
-    error = error_from_rpc(_FailedCall(code, details), "parameter server 127.0.0.1:7001")
+    error = error_from_rpc(FailedCall(code, details), "parameter server 127.0.0.1:7001")
     assert type(error) is expected
     assert "parameter server 127.0.0.1:7001" in error.message
