@@ -623,6 +623,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--users, --seconds and --minutes must be positive")
     if args.users > 1000 or args.seconds > 3600 or args.minutes > 120:
         parser.error("bounded runs only: at most 1000 users, 3600 s, 120 minutes")
+    try:
+        traffic.parse_batch_mix(args.batches)
+    except ValueError as error:  # int("x") too: checked before any process starts
+        parser.error(f"--batches {args.batches!r}: {error}")
+    if not 0.0 <= args.unknown_share < 1.0:
+        parser.error(f"--unknown-share must be in [0, 1), got {args.unknown_share}")
     names = args.user_classes.split(",")
     unknown = set(names) - set(USER_CLASSES)
     if unknown:

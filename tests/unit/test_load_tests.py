@@ -123,7 +123,7 @@ def test_memory_verdict_compares_the_last_quarter_with_the_first_after_warmup():
     assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0).passed
 
 
-def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path):
+def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path, capsys):
     from load_tests.run import parse_args, silent_classes, task_exceptions
 
     stats = [
@@ -135,8 +135,18 @@ def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path):
     classes = ["KServeBinaryUser", "KServeJsonUser", "FriendlyJsonUser", "GrpcUser"]
     assert silent_classes(classes, stats) == ["KServeBinaryUser", "KServeJsonUser"]
     assert silent_classes(["FriendlyJsonUser", "GrpcUser"], stats) == []
-    with pytest.raises(SystemExit):  # 2 users cannot run 4 classes
-        parse_args(["--users", "2", "--out", str(tmp_path)])
+    common = ["--synthetic", "--out", str(tmp_path)]
+    refused = [
+        (["--users", "2"], "--users 2 is fewer than the 4 user classes"),
+        (["--batches", "0:1"], "--batches '0:1': bad batch mix"),
+        (["--batches", "x"], "--batches 'x'"),
+        (["--unknown-share", "1.5"], "--unknown-share must be in [0, 1), got 1.5"),
+    ]
+    for bad, message in refused:  # before any process starts
+        with pytest.raises(SystemExit):
+            parse_args([*bad, *common])
+        assert message in capsys.readouterr().err
+    assert parse_args(["--batches", "64", *common]).batches == "64"
     (tmp_path / "run_exceptions.csv").write_text(
         "Count,Message,Traceback,Nodes\n3,ValueError('bad batch size'),tb,local\n"
     )
