@@ -170,7 +170,12 @@ def _sample_of(flat_index: int, lengths: npt.NDArray[np.int64]) -> int:
 
 
 def _is_valid_python_id(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and 0 <= int(x) <= _U64_MAX
+    """An int (not a bool: True is no ID) with 0 <= x < 2**64."""
+    return (
+        isinstance(x, (int, np.integer))
+        and not isinstance(x, (bool, np.bool_))
+        and 0 <= int(x) <= _U64_MAX
+    )
 
 
 def _python_ids_to_u64(
@@ -183,7 +188,9 @@ def _python_ids_to_u64(
     if not flat:
         return np.empty(0, dtype=np.uint64)
     try:
-        arr = np.array(flat)
+        # np.array reads True as 1 among ints: a bool anywhere takes the slow path, which
+        # names it (a C-level scan of the types, no Python loop).
+        arr = None if bool in set(map(type, flat)) else np.array(flat)
     except (ValueError, TypeError, OverflowError):
         arr = None
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":

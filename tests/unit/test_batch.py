@@ -232,6 +232,8 @@ def test_offsets_errors() -> None:
         ([[1.5]], "sample 0 contains 1.5"),
         ([[1], ["2"]], "sample 1 contains '2'"),
         ([[1], [[2]]], "sample 1 contains [2]"),
+        ([[1], [2, True]], "sample 1 contains True"),  # np.array would read it as 1
+        ([[False]], "sample 0 contains False"),
     ],
 )
 def test_from_lists_bad_ids(lists: list[list[object]], needle: str) -> None:
