@@ -48,6 +48,7 @@ EMBEDDINGS_DIR = "embeddings"
 DENSE_FILE = "dense.pt"
 JIT_FILE = "jit_dense.pt"
 OPTIMIZER_FILE = "opt.pt"
+SCALER_FILE = "scaler.pt"  # the mixed-precision loss scaler's state, when training used one
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,12 @@ def write_checkpoint(
     signature: FeatureSignature | None = None,
     with_jit_model: bool = True,
     overwrite: bool = False,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> CheckpointManifest:
-    """Write a complete checkpoint atomically (staging directory, then one rename)."""
+    """Write a complete checkpoint atomically (staging directory, then one rename).
+
+    ``grad_scaler``: an enabled mixed-precision loss scaler's state goes to ``scaler.pt``, so
+    a resumed run keeps its loss scale instead of starting again from 65536."""
     target = Path(directory).absolute()
     if target.exists() and not overwrite:
         raise embedding_checkpoint.AlreadyExistsError(
@@ -125,6 +130,8 @@ def write_checkpoint(
     payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
     if dense_optimizer is not None:
         payloads[OPTIMIZER_FILE] = _save_bytes(dense_optimizer.state_dict())
+    if grad_scaler is not None and grad_scaler.is_enabled():
+        payloads[SCALER_FILE] = _save_bytes(grad_scaler.state_dict())
     if with_jit_model:
         buffer = io.BytesIO()
         scripted = script_model(model)
@@ -332,9 +339,11 @@ def load_checkpoint(
     tier: EmbeddingTier,
     *,
     load_embeddings: bool = True,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> CheckpointManifest:
-    """Restore dense weights, optimizer state and (unless ``load_embeddings`` is False, e.g.
-    on DDP ranks other than 0 sharing one tier) embeddings.
+    """Restore dense weights, optimizer state, an enabled ``grad_scaler``'s state (when the
+    checkpoint has one) and (unless ``load_embeddings`` is False, e.g. on DDP ranks other
+    than 0 sharing one tier) embeddings.
 
     The dense files are verified before anything moves; the tier verifies the embeddings
     before it changes (``EmbeddingTier.load``). Any failure (a corrupt file, a state dict that
@@ -348,6 +357,11 @@ def load_checkpoint(
         if dense_optimizer is not None and OPTIMIZER_FILE in manifest.files
         else None
     )
+    scaler_state = (
+        load_state(manifest, SCALER_FILE)
+        if grad_scaler is not None and grad_scaler.is_enabled() and SCALER_FILE in manifest.files
+        else None
+    )
     model = model.module if hasattr(model, "module") else model
     # load_state_dict copies tensor by tensor and reports a mismatch at the end: keep copies.
     previous_weights = {
@@ -357,6 +371,7 @@ def load_checkpoint(
     previous_optimizer = (
         copy.deepcopy(dense_optimizer.state_dict()) if optimizer_state is not None else None
     )
+    previous_scaler = grad_scaler.state_dict() if scaler_state is not None else None
     try:
         try:
             model.load_state_dict(state)
@@ -372,11 +387,20 @@ def load_checkpoint(
                 raise CheckpointError(
                     f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
                 ) from None
+        if scaler_state is not None:
+            try:
+                grad_scaler.load_state_dict(scaler_state)
+            except (RuntimeError, KeyError, TypeError, AttributeError) as error:
+                raise CheckpointError(
+                    f"{manifest.directory / SCALER_FILE} is not a loss scaler's state: {error!r}"
+                ) from None
         if load_embeddings:
             tier.load(manifest.embeddings_directory)
     except BaseException:
         model.load_state_dict(previous_weights)
         if previous_optimizer is not None:
             dense_optimizer.load_state_dict(previous_optimizer)
+        if previous_scaler is not None:
+            grad_scaler.load_state_dict(previous_scaler)
         raise
     return manifest

@@ -40,6 +40,7 @@ def dump_checkpoint(
     signature: FeatureSignature | None = None,
     with_jit_model: bool = True,
     overwrite: bool = False,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> CheckpointManifest | None:
     """Write a checkpoint from rank 0 while the other ranks wait; returns its manifest on
     rank 0 and None elsewhere. Every rank calls it once its own embedding updates are
@@ -63,6 +64,7 @@ def dump_checkpoint(
             signature=signature,
             with_jit_model=with_jit_model,
             overwrite=overwrite,
+            grad_scaler=grad_scaler,
         )
     except BaseException:
         distributed.all_agree(False)

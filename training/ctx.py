@@ -428,8 +428,9 @@ class TrainCtx(EmbeddingCtx):
     def dump_checkpoint(
         self, directory: str | os.PathLike, *, with_jit_model: bool = True, overwrite: bool = False
     ) -> CheckpointManifest | None:
-        """Write embeddings, dense.pt, jit_dense.pt, opt.pt and a manifest (see
-        :mod:`training.checkpoint`). Every rank must call it; rank 0 writes."""
+        """Write embeddings, dense.pt, jit_dense.pt, opt.pt (and scaler.pt with mixed
+        precision) and a manifest (see :mod:`training.checkpoint`). Every rank must call it;
+        rank 0 writes."""
         from training.checkpoint import dump_checkpoint
 
         self.wait_for_embedding_updates()
@@ -442,6 +443,7 @@ class TrainCtx(EmbeddingCtx):
             signature=self.signature,
             with_jit_model=with_jit_model,
             overwrite=overwrite,
+            grad_scaler=self.grad_scaler,
         )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -459,6 +461,7 @@ class TrainCtx(EmbeddingCtx):
                 self.dense_optimizer,
                 self.embedding_tier,
                 load_embeddings=distributed.rank() == 0,
+                grad_scaler=self.grad_scaler,
             )
         except BaseException as error:
             failure = error

@@ -349,3 +349,25 @@ def test_nonfinite_embedding_gradients_skip_the_update():
         after = ctx.embedding_tier.lookup(batch, train=False)
         for x, y in zip(before.slots, after.slots):
             assert torch.equal(x.embeddings, y.embeddings)
+
+
+def test_the_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):
+    # Mixed precision runs on CUDA only; an enabled CPU GradScaler has the same state dict,
+    # which is what the checkpoint carries (scaler.pt) and gives back on resume.
+    with new_ctx() as ctx:
+        train_steps(ctx, 2)
+        ctx.grad_scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+        ctx.grad_scaler.scale(torch.tensor(1.0))  # the scale exists once first used
+        ctx.grad_scaler.update(new_scale=128.0)  # what backing off after an overflow does
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    manifest = training_checkpoint.read_manifest(tmp_path / "ckpt")
+    assert "scaler.pt" in manifest.files
+    with new_ctx() as resumed:
+        resumed.grad_scaler = torch.amp.GradScaler("cpu")  # starts at 65536
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        state = resumed.grad_scaler.state_dict()
+        assert state["scale"] == 128.0 and state["growth_interval"] == 7
+    with new_ctx() as plain:  # no mixed precision here: the scaler is disabled, none written
+        train_steps(plain, 1)
+        plain.dump_checkpoint(tmp_path / "plain")
+    assert "scaler.pt" not in training_checkpoint.read_manifest(tmp_path / "plain").files
