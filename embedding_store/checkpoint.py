@@ -19,6 +19,7 @@ No pickle anywhere: safetensors and JSON only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -253,9 +254,10 @@ def _fsync_directory(directory: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(handle)
-    except OSError:
-        pass
+        # Some filesystems (network mounts) refuse fsync on a directory: the rename stands,
+        # only its durability across a power cut is then theirs to give.
+        with contextlib.suppress(OSError):
+            os.fsync(handle)
     finally:
         os.close(handle)
 
