@@ -131,11 +131,22 @@ def grpc_code_name_of(error: BaseException) -> str:
     return error.grpc_code if isinstance(error, RecserveError) else "INTERNAL"
 
 
+#: The longest message a client is sent. Messages quote what the client sent (names,
+#: values): a 16 KB input name must not make a 16 KB answer, nor overflow gRPC's metadata
+#: limit (16 KiB), which would turn INVALID_ARGUMENT into RESOURCE_EXHAUSTED.
+MAX_PUBLIC_MESSAGE_CHARS = 2048
+
+
 def public_message_of(error: BaseException) -> str:
-    """The message a client may see: recserve errors verbatim, anything else a generic line."""
-    if isinstance(error, RecserveError):
-        return error.message
-    return "internal error (details are in the server log)"
+    """The message a client may see: recserve errors verbatim (cut to
+    :data:`MAX_PUBLIC_MESSAGE_CHARS`), anything else a generic line."""
+    if not isinstance(error, RecserveError):
+        return "internal error (details are in the server log)"
+    message = error.message
+    if len(message) <= MAX_PUBLIC_MESSAGE_CHARS:
+        return message
+    cut = len(message) - MAX_PUBLIC_MESSAGE_CHARS
+    return f"{message[:MAX_PUBLIC_MESSAGE_CHARS]}... ({cut} more characters)"
 
 
 _GRPC_ALIASES = {"OUT_OF_RANGE": "INVALID_ARGUMENT"}

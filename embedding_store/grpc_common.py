@@ -112,7 +112,7 @@ def rpc_errors(method: F) -> F:
         try:
             return method(self, request, context)
         except RecserveError as error:
-            context.abort(status_code_of(error), error.message)
+            context.abort(status_code_of(error), public_message_of(error))
         except Exception as error:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, public_message_of(error))
@@ -128,7 +128,7 @@ def rpc_stream_errors(method: F) -> F:
         try:
             yield from method(self, request, context)
         except RecserveError as error:
-            context.abort(status_code_of(error), error.message)
+            context.abort(status_code_of(error), public_message_of(error))
         except Exception as error:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, public_message_of(error))

@@ -75,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 64 MiB)",
     )
     parser.add_argument(
+        "--read-timeout-seconds",
+        type=positive_float,
+        default=60.0,
+        help="an HTTP request must arrive within N seconds of its first byte (408 after it; "
+        "an idle connection closes after 5 s, as uvicorn's keep-alive does; default 60)",
+    )
+    parser.add_argument(
         "--watch-seconds",
         type=non_negative_float,
         default=0.0,
@@ -128,6 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
             output_transform=args.output_transform,
             onednn_min_rows=args.onednn_min_rows,
             max_body_bytes=args.max_body_bytes,
+            read_timeout_seconds=args.read_timeout_seconds,
             watch_seconds=args.watch_seconds,
             admin_token=args.admin_token,
             grace_seconds=args.grace_seconds,

@@ -81,6 +81,10 @@ def error_response(error: BaseException) -> Response:
     return json_response({"error": public_message_of(error)}, status)
 
 
+#: Linux's PATH_MAX: a longer checkpoint path is refused before the loader sees it.
+_MAX_PATH = 4096
+
+
 def _routing_error(status: int, message: str) -> Response:
     """An HTTP-level answer of the router (404 no such route, 405 method): no recserve error
     stands behind it, so the status is the router's."""
@@ -330,7 +334,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, error: StarletteHTTPException) -> Response:
-        return _routing_error(error.status_code, str(error.detail))
+        response = _routing_error(error.status_code, str(error.detail))
+        if error.headers:  # a 405's Allow (RFC 9110)
+            response.headers.update(error.headers)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, error: RequestValidationError) -> Response:
@@ -348,7 +355,10 @@ def create_app(
         except Exception as error:
             return error_response(error)
 
-    @app.get("/v2/health/live", summary="Liveness", responses=_errors(503))
+    # HEAD too: some probes and load balancers check health with it.
+    @app.api_route(
+        "/v2/health/live", methods=["GET", "HEAD"], summary="Liveness", responses=_errors(503)
+    )
     async def live() -> Response:
         try:
             if core.live():
@@ -357,7 +367,9 @@ def create_app(
         except Exception as error:
             return error_response(error)
 
-    @app.get("/v2/health/ready", summary="Readiness", responses=_errors(503))
+    @app.api_route(
+        "/v2/health/ready", methods=["GET", "HEAD"], summary="Readiness", responses=_errors(503)
+    )
     async def ready() -> Response:
         try:
             if await in_thread(core.ready):
@@ -527,6 +539,13 @@ def create_app(
                     checkpoint = document.get("checkpoint")
                     if checkpoint is not None and not isinstance(checkpoint, str):
                         raise InvalidArgumentError("'checkpoint' must be a string or null")
+                    if checkpoint is not None and (
+                        not checkpoint or "\0" in checkpoint or len(checkpoint) > _MAX_PATH
+                    ):
+                        raise InvalidArgumentError(
+                            f"'checkpoint' must be a path of 1 to {_MAX_PATH} characters "
+                            "with no NUL"
+                        )
                 result = await in_thread(admin.reload, checkpoint)
                 return json_response(result)
             except Exception as error:

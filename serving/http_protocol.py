@@ -17,17 +17,36 @@ upgrades) takes uvicorn's ordinary ASGI path, through :class:`~serving.http_app.
 and the FastAPI app. Keep-alive, pipelining order, graceful shutdown (the task is one of the
 server's tasks; a closing connection answers with ``connection: close``) and client
 disconnects follow uvicorn's own rules, reusing its methods.
+
+On every connection, fast or not, the protocol also guards what uvicorn's leaves open:
+
+- A request line plus headers over :data:`MAX_HEAD_BYTES` is answered 431 and closed (the
+  parser would otherwise keep concatenating them, in quadratic time, on the event loop).
+- A connection that sends nothing is closed after uvicorn's keep-alive timeout, as an idle
+  one is after a response; a request whose head and body are not all in within
+  ``read_timeout`` seconds of its first byte is answered 408 and closed (slow clients would
+  otherwise hold their sockets, and the process's file descriptors, forever).
+- Malformed HTTP gets a 400 with a JSON ``{"error": ...}`` naming the parser's complaint.
+- A client that half-closes its side right after a request still gets the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
+import httptools
+import orjson
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from serving.http_app import InferHandler, error_response
+
+#: The most bytes a request line plus headers may take (431 above it).
+MAX_HEAD_BYTES = 64 * 1024
+#: Default seconds from a request's first byte to its last (408 after it).
+DEFAULT_READ_TIMEOUT = 60.0
 
 _INFER_PATH = re.compile(rb"/v2/models/([^/?%]+)(?:/versions/([^/?%]+))?/infer")
 _HEADER_LENGTH = b"inference-header-content-length"
@@ -55,14 +74,141 @@ class _FastCycle:
         self.response_complete = False
 
 
-def infer_protocol(handler: InferHandler, max_fast_body_bytes: int) -> type[HttpToolsProtocol]:
+class _ReadDeadlines:
+    """Closes, with a 408, connections whose request has been coming in for longer than
+    ``timeout`` seconds: one timer per event loop, ticking while it has connections, instead
+    of a timer per request."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._ticking: dict[asyncio.AbstractEventLoop, set[Any]] = {}
+
+    def watch(self, loop: asyncio.AbstractEventLoop, connections: set[Any]) -> None:
+        """Start ticking on ``loop`` over the server's ``connections`` if not already."""
+        if loop not in self._ticking:
+            self._ticking[loop] = connections
+            loop.call_later(self._period, self._tick, loop)
+
+    @property
+    def _period(self) -> float:
+        return min(1.0, self.timeout / 4)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        connections = self._ticking.get(loop)
+        if not connections:  # none left: the next connection starts the timer again
+            self._ticking.pop(loop, None)
+            return
+        expired = loop.time() - self.timeout
+        for protocol in list(connections):
+            since = getattr(protocol, "reading_since", None)
+            if since is not None and since < expired:
+                protocol.reject(
+                    408,
+                    f"the request was not received within {self.timeout:g} s of its first "
+                    "byte; the connection is closed",
+                )
+        loop.call_later(self._period, self._tick, loop)
+
+
+def infer_protocol(
+    handler: InferHandler,
+    max_fast_body_bytes: int,
+    *,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+) -> type[HttpToolsProtocol]:
     """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) that answers small infer
     requests with ``handler`` directly; bodies over ``max_fast_body_bytes`` (or the handler's
-    own limit) go through the ASGI app."""
+    own limit) go through the ASGI app. ``read_timeout``: seconds a request may take to
+    arrive, from its first byte (408 after it)."""
     body_limit = min(max_fast_body_bytes, handler.max_body_bytes)
+    deadlines = _ReadDeadlines(read_timeout)
 
     class InferHttpToolsProtocol(HttpToolsProtocol):
+        # ------------------------------------------------------------ connection guards
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.reading_since: float | None = None  # loop time of the request's first byte
+            self._in_head = False
+            self._head_bytes = 0
+            self._messages = 0
+            self._eof = False
+            # Idle until the first request as after a response: uvicorn's keep-alive timer.
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            deadlines.watch(self.loop, self.connections)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn's, with JSON errors and the head counted.
+            self._unset_keepalive_if_required()
+            in_head, messages = self._in_head, self._messages
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            except httptools.HttpParserError as error:
+                if not self.transport.is_closing():  # a callback may have answered already
+                    self.reject(400, f"malformed HTTP request: {error}")
+                return
+            # Count only chunks that were head from start to end (a chunk that also ended
+            # the previous request is not counted: off by less than one chunk, never over).
+            if self._in_head and in_head and messages == self._messages:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self.reject(
+                        431,
+                        f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                    )
+
+        def send_400_response(self, msg: str) -> None:
+            self.reject(400, msg)
+
+        def reject(self, status: int, message: str) -> None:
+            """Answer ``status`` with ``{"error": message}`` and close the connection."""
+            self.reading_since = None
+            if self.transport.is_closing():
+                return
+            body = orjson.dumps({"error": message})
+            content: list[bytes] = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                content += (name, b": ", value, b"\r\n")
+            content += (
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+                body,
+            )
+            self.transport.write(b"".join(content))
+            self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.reading_since = self.loop.time()
+            self._in_head = True
+            self._head_bytes = 0
+            self._messages += 1
+
+        def eof_received(self) -> bool | None:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and self.reading_since is None:
+                # Half-closed after a whole request: keep the socket open to answer it.
+                self._eof = True
+                return True
+            return None  # nothing to answer (or a request cut short): close
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            cycle = self.cycle
+            if self._eof and not self.transport.is_closing() and cycle.response_complete:
+                self.transport.close()
+
+        # ------------------------------------------------------------ fast infer path
         def on_headers_complete(self) -> None:
+            self._in_head = False
             cycle = self._fast_cycle()
             if cycle is None:
                 super().on_headers_complete()
@@ -109,6 +255,7 @@ def infer_protocol(handler: InferHandler, max_fast_body_bytes: int) -> type[Http
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self.reading_since = None
             cycle = self.cycle
             if type(cycle) is not _FastCycle:
                 super().on_message_complete()

@@ -57,6 +57,7 @@ class ServeOptions:
     output_transform: str = "identity"
     onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
     max_body_bytes: int = 64 * 1024 * 1024
+    read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
     admin_token: str | None = None
     grace_seconds: float = 10.0
@@ -158,7 +159,9 @@ class PredictionServer:
             access_log=False,
             lifespan="off",
             # Small infer requests skip the ASGI cycle (serving.http_protocol).
-            http=infer_protocol(fast_path.handler, SMALL_BODY_BYTES)
+            http=infer_protocol(
+                fast_path.handler, SMALL_BODY_BYTES, read_timeout=o.read_timeout_seconds
+            )
             if protocol_is_supported()
             else "auto",
         )

@@ -53,6 +53,20 @@ def _deadline(wait: float) -> DeadlineExceededError:
     return DeadlineExceededError(f"no answer within the request deadline of {wait:.3f} s")
 
 
+def _require_finite_predictions(predictions: np.ndarray) -> None:
+    """InvalidArgumentError unless a request's predictions (float32 [batch, k]) are finite.
+
+    Finite inputs can still overflow inside the model (a dense value near FP32's limit):
+    the answer would be NaN, or null in JSON, with a 200. Refused, naming the samples."""
+    bad = np.flatnonzero(~np.isfinite(predictions).reshape(len(predictions), -1).all(axis=1))
+    if len(bad):
+        raise InvalidArgumentError(
+            f"the model's prediction is not finite (NaN or Inf) for {len(bad)} sample(s) of "
+            f"this request, the first at sample {int(bad[0])}: its inputs are outside the "
+            "range the model can score (look for extreme dense values)"
+        )
+
+
 def _share(total: int, part: int, whole: int) -> int:
     """``total`` apportioned to ``part`` of ``whole`` (exact when part == whole)."""
     if part >= whole or whole == 0:
@@ -226,7 +240,11 @@ class PredictionService:
         self.metrics.ids.inc(ids)
         self.metrics.unknown_ids.inc(output.unknown_ids)
         self.metrics.fallback_ids.inc(output.fallback_ids)
-        return output.predictions, (model.version, output.fallback_ids, output.unknown_ids, ids)
+        # One check for the merged batch; only requests of a batch that failed it look at
+        # their own rows (_answer).
+        all_finite = bool(np.isfinite(output.predictions).all())
+        context = (model.version, output.fallback_ids, output.unknown_ids, ids, all_finite)
+        return output.predictions, context
 
     def predict(
         self,
@@ -283,6 +301,7 @@ class PredictionService:
                     f"{self.max_request_batch_size}"
                 )
             model.signature.check(batch)
+            tensors.require_finite_features(batch)
             return batch
 
         return self._predict(name, None, build, protocol=protocol, timeout=timeout)
@@ -332,8 +351,10 @@ class PredictionService:
         return batcher
 
     def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
-        served_version, merged_fallback, merged_unknown, merged_ids = result.context
+        served_version, merged_fallback, merged_unknown, merged_ids, all_finite = result.context
         self.metrics.queue_latency.observe(result.queue_seconds)
+        if not all_finite:
+            _require_finite_predictions(result.predictions)
         own_ids = batch.num_ids
         return Prediction(
             outputs={tensors.OUTPUT_NAME: result.predictions},

@@ -508,6 +508,11 @@ def decode_body(body: bytes, content_encoding: str | None, max_bytes: int) -> by
         raise CapacityError(f"decompressed request body exceeds {max_bytes} bytes")
     if not decompressor.eof:
         raise InvalidArgumentError(f"request body is truncated {encoding} data")
+    if decompressor.unused_data:  # junk, or a second gzip member, that would be dropped
+        raise InvalidArgumentError(
+            f"request body has {len(decompressor.unused_data)} byte(s) after the end of its "
+            f"{encoding} data"
+        )
     return plain
 
 
@@ -546,6 +551,8 @@ def _requested_outputs_json(outputs: object) -> tuple[RequestedOutput, ...] | No
         return None
     if not isinstance(outputs, list):
         raise InvalidArgumentError("'outputs' must be a list of {\"name\": ...} objects")
+    if not outputs:
+        return None  # none named: every output, as gRPC reads an empty list
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for position, output in enumerate(outputs):
@@ -648,6 +655,33 @@ def _decode_http_request(body: bytes, json_size: int | None) -> InferRequest:
     return _decode_json_request(body, json_size)
 
 
+def _refuse_bools_in_numbers(raw_inputs: list[Any]) -> None:
+    """InvalidArgumentError for true/false in the ``data`` of a numeric input: numpy (and
+    every fast path) would read them as 1 and 0, while KServe v2 keeps JSON booleans for
+    BOOL tensors."""
+    for tensor in raw_inputs:
+        if type(tensor) is not dict or tensor.get("datatype") == "BOOL":
+            continue
+        pending = [tensor.get("data")]
+        while pending:
+            items = pending.pop()
+            if type(items) is not list:
+                continue
+            types = set(map(type, items))
+            if bool in types:
+                raise InvalidArgumentError(
+                    f"input {_quoted_name(tensor.get('name'))}: {tensor.get('datatype')} data "
+                    "must be numbers, got true/false"
+                )
+            if list in types:
+                pending.extend(item for item in items if type(item) is list)
+
+
+def _quoted_name(name: object) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
@@ -668,6 +702,9 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgumentError("'inputs' must be a non-empty list of tensors")
+    end = len(body) if json_size is None else json_size
+    if body.find(b"true", 0, end) >= 0 or body.find(b"false", 0, end) >= 0:
+        _refuse_bools_in_numbers(raw_inputs)  # rare: only a body with a literal looks
     lazy: _LazyTensors | None = (
         _plain_json_inputs(raw_inputs)
         if json_size is None
@@ -709,6 +746,10 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
                 name, tensor.get("datatype"), tensor.get("shape"), tensor["data"]
             )
             continue
+        if "data" in tensor:
+            raise InvalidArgumentError(
+                f"input {name!r} has both 'data' and parameters.binary_data_size; send one"
+            )
         if json_size is None:
             raise InvalidArgumentError(
                 f"input {name!r} has parameters.binary_data_size but the request has no "

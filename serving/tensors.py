@@ -42,7 +42,7 @@ from embedding_store.batch import (
 )
 from embedding_store.errors import CapacityError, InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
-from serving.core import TensorSpec
+from serving.core import DTYPE_NAMES, TensorSpec
 from serving.tensor_codec import BinaryEntry, BinaryTensors, JsonTensors
 
 LENGTHS_SUFFIX = ".lengths"
@@ -119,10 +119,17 @@ def _single_ids_at_once(
     return stacked
 
 
+def _wire_name(dtype: np.dtype) -> str:
+    """KServe v2 name of ``dtype`` (numpy's name for one the protocol lacks)."""
+    return DTYPE_NAMES.get(dtype, dtype.name)
+
+
 def _ids(name: str, array: np.ndarray) -> np.ndarray:
+    # Only the datatypes the model's metadata lists (ID_DATATYPES), as Triton refuses any
+    # other: bytes sent under another datatype than their own would be read as that one.
     if array.dtype == np.uint64:
         ids = array
-    elif array.dtype.kind in "iu":
+    elif array.dtype == np.int64:
         if array.size and array.min() < 0:
             position = int(np.argmax(array < 0))
             raise InvalidArgumentError(
@@ -133,7 +140,7 @@ def _ids(name: str, array: np.ndarray) -> np.ndarray:
         ids.flags.writeable = False  # our own copy: lets the Batch share it instead of copying
     else:
         raise InvalidArgumentError(
-            f"input {name!r}: IDs must be INT64 or UINT64, got {array.dtype.name}"
+            f"input {name!r}: IDs must be INT64 or UINT64, got {_wire_name(array.dtype)}"
         )
     if ids.ndim != 1:
         raise InvalidArgumentError(f"input {name!r}: IDs must be 1-D, got shape {list(ids.shape)}")
@@ -141,9 +148,9 @@ def _ids(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def _lengths(name: str, array: np.ndarray) -> np.ndarray:
-    if array.dtype.kind not in "iu":
+    if array.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise InvalidArgumentError(
-            f"input {name!r}: lengths must be INT32 or INT64, got {array.dtype.name}"
+            f"input {name!r}: lengths must be INT32 or INT64, got {_wire_name(array.dtype)}"
         )
     if array.ndim != 1:
         raise InvalidArgumentError(
@@ -583,8 +590,10 @@ def tensors_to_batch(
     non_id_features = []
     for spec in signature.non_id_features:
         array = np.asarray(inputs[spec.name])
-        if array.dtype.kind not in "fiu":
-            raise InvalidArgumentError(f"input {spec.name!r} must be FP32, got {array.dtype.name}")
+        if array.dtype != np.float32:
+            raise InvalidArgumentError(
+                f"input {spec.name!r} must be FP32, got {_wire_name(array.dtype)}"
+            )
         if array.ndim == 1 and spec.sample_shape == (1,):
             array = array.reshape(-1, 1)
         if tuple(array.shape[1:]) != spec.sample_shape or array.ndim < 1:
@@ -595,7 +604,7 @@ def tensors_to_batch(
         agree(array.shape[0], spec.name)
         with np.errstate(over="ignore", invalid="ignore"):
             array = array.astype(spec.dtype, copy=False)
-        _require_finite(spec.name, array)
+        require_finite(spec.name, array)
         non_id_features.append(NonIDTypeFeature(array, spec.name))
     if not batch_size:
         raise InvalidArgumentError("the request has an empty batch (batch size 0)")
@@ -613,7 +622,16 @@ def tensors_to_batch(
         raise InvalidArgumentError(error.message) from None
 
 
-def _require_finite(name: str, array: np.ndarray) -> None:
+def require_finite_features(batch: Batch) -> None:
+    """:func:`require_finite` for every non-ID feature of ``batch`` as the model will read it
+    (float32), e.g. a batch made by a preprocessor from friendly rows."""
+    for feature in batch.non_id_type_features:
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = np.asarray(feature.data, dtype=np.float32)
+        require_finite(feature.name, array)
+
+
+def require_finite(name: str, array: np.ndarray) -> None:
     """InvalidArgumentError unless every value of dense input ``name`` (float32 [batch, ...])
     is finite: NaN or Inf (sent, or a number beyond FP32's range) would come back as a
     prediction of NaN, or as null in JSON, with no word of the input at fault."""
@@ -669,6 +687,19 @@ def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> None
     raise InvalidArgumentError(f"feature {name!r}: IDs must be integers in [0, 2**64)")
 
 
+def _holds_bool(values: list[Any]) -> bool:
+    """Whether ``values`` (numbers, or lists of them, nested) holds true or false."""
+    pending = [values]
+    while pending:
+        items = pending.pop()
+        types = set(map(type, items))
+        if bool in types:
+            return True
+        if list in types:
+            pending.extend(item for item in items if type(item) is list)
+    return False
+
+
 def instances_to_inputs(
     signature: FeatureSignature, instances: Sequence[Mapping[str, Any]]
 ) -> dict[str, np.ndarray]:
@@ -706,11 +737,17 @@ def instances_to_inputs(
                 raise InvalidArgumentError(f"instances[{index}] lacks feature {spec.name!r}")
             rows.append(instance[spec.name])
         try:
-            array = np.asarray(rows, dtype=np.float32)
-        except (TypeError, ValueError):
+            values = np.asarray(rows)
+        except (TypeError, ValueError, OverflowError):
+            values = None
+        # Strings, nulls and true/false are not numbers (float32 conversion would read
+        # "0.5" as 0.5, null as NaN and true as 1.0).
+        if values is None or values.dtype.kind not in "iuf" or _holds_bool(rows):
             raise InvalidArgumentError(
                 f"feature {spec.name!r}: every instance needs a number or a list of "
                 f"{int(np.prod(spec.sample_shape))} numbers"
             ) from None
+        with np.errstate(over="ignore"):
+            array = values.astype(np.float32)
         inputs[spec.name] = array.reshape(len(instances), -1) if array.ndim == 1 else array
     return inputs

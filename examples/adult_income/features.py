@@ -301,10 +301,24 @@ def _labels(values: Sequence[str]) -> np.ndarray:
 
 
 def _floats(column: str, values: Sequence[Any]) -> np.ndarray:
+    texts = [str(v) for v in values]
+    for i, (value, text) in enumerate(zip(values, texts)):
+        # float() would read True as 1 and "1_000" as 1000: neither is a number in a row.
+        if isinstance(value, bool) or "_" in text:
+            raise ValueError(f"row {i}: column {column!r} must be a number, got {value!r}")
     try:
-        return np.asarray([str(v) for v in values]).astype(np.float64)
+        return np.asarray(texts).astype(np.float64)
     except ValueError as e:
         raise ValueError(f"column {column!r}: not a number: {e}") from None
+
+
+def _strings(column: str, values: Sequence[Any]) -> list[str]:
+    """The stripped values of categorical ``column``; each must be a string (a JSON null,
+    number or list would otherwise be hashed as its ``str()``, silently another category)."""
+    if not all(type(v) is str for v in values):
+        i, value = next((i, v) for i, v in enumerate(values) if type(v) is not str)
+        raise ValueError(f"row {i}: column {column!r} must be a string, got {value!r}")
+    return [v.strip() for v in values]
 
 
 def encode_columns(
@@ -337,10 +351,19 @@ def encode_columns(
         need = " >= 0" if column in LOG1P_COLUMNS else ""
         got = float(raw[column][i])
         raise ValueError(f"row {i}: column {column!r} must be a finite number{need}, got {got!r}")
-    numeric = ((numeric - np.asarray(NUMERIC_MEAN)) / np.asarray(NUMERIC_STD)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        numeric = ((numeric - np.asarray(NUMERIC_MEAN)) / np.asarray(NUMERIC_STD)).astype(
+            np.float32
+        )
+    bad = ~np.isfinite(numeric)
+    if bad.any():  # finite in float64, beyond float32 once standardized (e.g. age 1e39)
+        i, j = (int(k) for k in np.argwhere(bad)[0])
+        column = NUMERIC_COLUMNS[j]
+        got = float(raw[column][i])
+        raise ValueError(f"row {i}: column {column!r} is out of range, got {got!r}")
 
     ids: dict[str, np.ndarray] = {
-        c: _hash_strings([str(v).strip() for v in columns[c]]) for c in CATEGORICAL_COLUMNS
+        c: _hash_strings(_strings(c, columns[c])) for c in CATEGORICAL_COLUMNS
     }
     for slot, (column, _) in BUCKET_BOUNDARIES.items():
         bucket = np.searchsorted(_BOUNDS[slot], raw[column], side="right")

@@ -167,6 +167,19 @@ def test_rows_to_batch_without_labels_and_unseen_values():
         features.rows_to_batch([{**rows[0], "age": "nan"}], with_labels=False)
     with pytest.raises(ValueError, match="column 'age': not a number"):
         features.rows_to_batch([{**rows[0], "age": "old"}], with_labels=False)
+    # Finite in float64, but beyond float32 once standardized: the model would see Inf.
+    with pytest.raises(ValueError, match="row 0: column 'age' is out of range, got 1e"):
+        features.rows_to_batch([{**rows[0], "age": 1e300}], with_labels=False)
+    # float() reads True as 1 and "1_000" as 1000; str() makes a category of None or 5.
+    for column, value, message in [
+        ("age", True, "row 1: column 'age' must be a number, got True"),
+        ("fnlwgt", "1_000", "row 1: column 'fnlwgt' must be a number, got '1_000'"),
+        ("workclass", None, "row 1: column 'workclass' must be a string, got None"),
+        ("race", 5, "row 1: column 'race' must be a string, got 5"),
+        ("gender", ["Male"], r"row 1: column 'gender' must be a string, got \['Male'\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            features.rows_to_batch([rows[0], {**rows[1], column: value}], with_labels=False)
     del rows[1]["age"]
     with pytest.raises(ValueError, match="row 1 has no column 'age'"):
         features.rows_to_batch(rows, with_labels=False)

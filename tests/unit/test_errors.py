@@ -90,3 +90,17 @@ def test_peer_calls_map_codes_through_the_same_table(code, details, expected):
     error = error_from_rpc(FailedCall(code, details), "parameter server 127.0.0.1:7001")
     assert type(error) is expected
     assert "parameter server 127.0.0.1:7001" in error.message
+
+
+def test_messages_sent_to_clients_are_cut_at_a_bound():
+    short = InvalidArgumentError("x" * errors.MAX_PUBLIC_MESSAGE_CHARS)
+    assert errors.public_message_of(short) == short.message
+    long = InvalidArgumentError("unknown input(s) ['" + "C" * 16000 + "']")
+    message = errors.public_message_of(long)
+    assert message.startswith("unknown input(s) ['CCC")
+    cut = len(long.message) - errors.MAX_PUBLIC_MESSAGE_CHARS
+    assert message.endswith(f"... ({cut} more characters)")
+    assert len(message) == errors.MAX_PUBLIC_MESSAGE_CHARS + len(f"... ({cut} more characters)")
+    assert errors.public_message_of(RuntimeError("secret")) == (
+        "internal error (details are in the server log)"
+    )
