@@ -67,6 +67,8 @@ def checkpoint_kind(directory: str | os.PathLike[str]) -> str:
         return MODEL
     if (root / embedding_checkpoint.MANIFEST_NAME).exists():
         return EMBEDDING
+    if any(root.glob("shard_*")):
+        return EMBEDDING  # shard parts: the embedding reader says what they are
     if not (root / model_checkpoint.DONE_MARKER).exists():
         raise CheckpointError(
             f"checkpoint {root} is incomplete: no {model_checkpoint.DONE_MARKER} marker and no "

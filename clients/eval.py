@@ -920,12 +920,21 @@ class _Parity:
         self.differing = 0
         self.max_diff = 0.0
         self.examples: list[dict[str, Any]] = []
+        # Rows where one side is the sigmoid of the other: an --output-transform mismatch.
+        self.server_is_sigmoid = 0
+        self.local_is_sigmoid = 0
 
     def add(self, where: Sequence[str], local: np.ndarray, server: np.ndarray) -> np.ndarray:
-        diff = np.abs(local.astype(np.float64) - server.astype(np.float64))
+        local64, server64 = local.astype(np.float64), server.astype(np.float64)
+        diff = np.abs(local64 - server64)
         bad = ~(diff <= self.tolerance)  # NaN differs
         self.rows += len(diff)
         self.differing += int(bad.sum())
+        with np.errstate(over="ignore"):
+            sigmoid_local = 1.0 / (1.0 + np.exp(-local64))
+            sigmoid_server = 1.0 / (1.0 + np.exp(-server64))
+        self.server_is_sigmoid += int((np.abs(sigmoid_local - server64) <= self.tolerance).sum())
+        self.local_is_sigmoid += int((np.abs(sigmoid_server - local64) <= self.tolerance).sum())
         if diff.size:
             finite = diff[np.isfinite(diff)]
             worst = float(finite.max()) if finite.size else 0.0
@@ -967,6 +976,16 @@ class _Parity:
             lines.append(
                 f"  {e['where']}: in-process {e['in_process']:.9g}  server {e['server']:.9g}  "
                 f"diff {e['abs_diff']:.3g}"
+            )
+        if self.differing == self.rows == self.server_is_sigmoid:
+            lines.append(
+                "  every server prediction is the sigmoid of the in-process one: the server "
+                "runs --output-transform sigmoid; pass it to recserve eval too"
+            )
+        elif self.differing == self.rows == self.local_is_sigmoid:
+            lines.append(
+                "  every in-process prediction is the sigmoid of the server's: the server "
+                "answers logits; drop --output-transform sigmoid here"
             )
         return "\n".join(lines)
 

@@ -206,7 +206,8 @@ def publish_directory(staging: Path, target: Path, *, overwrite: bool) -> None:
         if not overwrite:
             shutil.rmtree(staging, ignore_errors=True)
             raise AlreadyExistsError(
-                f"checkpoint directory {target} already exists; refusing to overwrite it"
+                f"checkpoint directory {target} already exists; refusing to overwrite it "
+                "(--overwrite, or overwrite=True, replaces it)"
             )
         if _exchange(staging, target):  # one atomic step: target is never missing
             shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
@@ -319,6 +320,12 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
             + interrupted_overwrite_hint(root)
         )
     if not (root / DONE_MARKER).exists():
+        if not (root / MANIFEST_NAME).exists() and any(root.glob("shard_*")):
+            raise CheckpointError(
+                f"embedding checkpoint {root} holds shard parts but no {MANIFEST_NAME}: "
+                "parts written by several parameter servers' --dump-on-exit are not a "
+                "checkpoint; take one with `recserve embedding-tier dump`"
+            )
         raise CheckpointError(
             f"embedding checkpoint {root} is incomplete: no {DONE_MARKER} marker "
             "(the dump did not finish)"
@@ -326,7 +333,12 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
     try:
         raw = json.loads((root / MANIFEST_NAME).read_text())
     except FileNotFoundError as error:
-        raise CheckpointError(f"embedding checkpoint {root} has no {MANIFEST_NAME}") from error
+        hint = ""
+        if (root / "embeddings" / MANIFEST_NAME).exists():
+            hint = f": {root} is a model checkpoint; its embeddings are in {root / 'embeddings'}"
+        raise CheckpointError(
+            f"embedding checkpoint {root} has no {MANIFEST_NAME}{hint}"
+        ) from error
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from error
     if not isinstance(raw, dict):

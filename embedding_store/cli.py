@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -48,7 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``recserve`` console script. Returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if getattr(args, "command", None) in ("train", "data-loader"):
+            hint = (
+                f" (arguments for the --entry script go after --: recserve {args.command} "
+                f"--entry SCRIPT -- {' '.join([*unknown, *getattr(args, 'script_args', [])])})"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -62,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and the like: the reader left; not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def write_checkpoint(
     target = Path(directory).absolute()
     if target.exists() and not overwrite:
         raise embedding_checkpoint.AlreadyExistsError(
-            f"checkpoint directory {target} already exists; refusing to overwrite it"
+            f"checkpoint directory {target} already exists; refusing to overwrite it "
+            "(--overwrite, or overwrite=True, replaces it)"
         )
     model = model.module if hasattr(model, "module") else model
     payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
@@ -191,7 +192,12 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
     try:
         raw = json.loads((root / MANIFEST_NAME).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {root} has no {MANIFEST_NAME}") from None
+        hint = ""
+        if (root / embedding_checkpoint.MANIFEST_NAME).exists():
+            hint = f": {root} is an embedding checkpoint"
+            if (root.parent / MANIFEST_NAME).exists():
+                hint += f", part of the model checkpoint {root.parent}"
+        raise CheckpointError(f"checkpoint {root} has no {MANIFEST_NAME}{hint}") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from None
     if not isinstance(raw, dict):

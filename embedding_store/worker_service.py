@@ -326,7 +326,8 @@ class RemoteShardTier:
         target = Path(directory).absolute()
         if target.exists() and not overwrite:
             raise checkpoint.AlreadyExistsError(
-                f"checkpoint directory {target} already exists; refusing to overwrite it"
+                f"checkpoint directory {target} already exists; refusing to overwrite it "
+                "(--overwrite, or overwrite=True, replaces it)"
             )
         staging = checkpoint.staging_directory_for(target)
         total = len(self.clients)

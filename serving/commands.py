@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--request-timeout", type=positive_float, default=10.0)
     parser.add_argument("--lookup-timeout", type=positive_float, default=5.0)
     parser.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=60.0,
+        help="wait this long (s) for --embedding-workers to report serving (default 60)",
+    )
+    parser.add_argument(
         "--fallback-policy",
         choices=["fail", "default"],
         default="fail",
@@ -131,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_queue_size=args.max_queue_size,
             request_timeout=args.request_timeout,
             lookup_timeout=args.lookup_timeout,
+            startup_timeout=args.startup_timeout,
             fallback_policy=args.fallback_policy,
             output_transform=args.output_transform,
             onednn_min_rows=args.onednn_min_rows,

@@ -330,13 +330,15 @@ def load_model(
     lookup_timeout: float = 5.0,
     warm_up: bool = True,
     onednn_min_rows: int = 256,
+    startup_timeout: float = 60.0,
 ) -> LoadedModel:
     """Load and verify a checkpoint: dense TorchScript + embeddings (in-process, or already
     served by remote read-only workers when ``embedding_workers`` are given, or by remote
     read-only shards with the worker core in this process when ``embedding_ps`` are given).
 
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
-    when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off)."""
+    when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
+    A remote embedding worker gets ``startup_timeout`` seconds to report SERVING."""
     manifest = model_checkpoint.read_manifest(checkpoint_dir)
     if manifest.signature is None:
         raise CheckpointError(
@@ -368,7 +370,12 @@ def load_model(
         tier: EmbeddingTier = RemoteEmbeddingWorker(
             embedding_workers[0], embedding_config, timeout=lookup_timeout
         )
-        tier.wait_for_serving(timeout=60)
+        log.info(
+            "waiting up to %.0f s for embedding worker %s to serve",
+            startup_timeout,
+            embedding_workers[0],
+        )
+        tier.wait_for_serving(timeout=startup_timeout)
     else:
         rows = embedding_manifest.total_rows
         tier = InProcessEmbeddingTier(

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from embedding_store import model_checkpoint
-from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
 from embedding_store.gc_tuning import freeze_long_lived_objects
 from serving.metrics import CONTENT_TYPE
 from serving.model import LoadedModel, load_model
@@ -53,6 +58,7 @@ class ServeOptions:
     max_queue_size: int = 1024
     request_timeout: float = 10.0
     lookup_timeout: float = 5.0
+    startup_timeout: float = 60.0  # how long a remote embedding worker may take to serve
     fallback_policy: str = "fail"
     output_transform: str = "identity"
     onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
@@ -110,6 +116,7 @@ class PredictionServer:
             fallback_policy=o.fallback_policy,
             lookup_timeout=o.lookup_timeout,
             onednn_min_rows=o.onednn_min_rows,
+            startup_timeout=o.startup_timeout,
         )
 
     def start(self) -> PredictionServer:
@@ -136,7 +143,7 @@ class PredictionServer:
         app = create_app(
             self.service,
             max_body_bytes=o.max_body_bytes,
-            admin=AdminHooks(reload=self.service.reload, token=o.admin_token),
+            admin=AdminHooks(reload=self._admin_reload, token=o.admin_token),
         )
         self._mount_metrics(app)
         http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -207,24 +214,38 @@ class PredictionServer:
         def prometheus_metrics() -> Response:
             return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
+    def _admin_reload(self, checkpoint: str | None) -> dict[str, Any]:
+        """``POST /admin/reload``: one process of a ``--workers`` server cannot reload the
+        others, and a reload that reached one of them would leave two versions served."""
+        if self.options.reuse_port:
+            raise FailedPreconditionError(
+                "this server runs several processes (--workers): a reload would reach only "
+                "the one that got this request; use --watch-seconds (every process follows "
+                "the checkpoint path) or restart the server"
+            )
+        return self.service.reload(checkpoint)
+
     def _watch(self) -> None:
-        """Poll the checkpoint directory; load a new complete version when one appears."""
-        seen_failed: str | None = None
+        """Poll the checkpoint directory; load a new complete version when one appears.
+
+        It compares the path's version with the last one it saw there, not with the served
+        one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served until
+        the watched path itself changes."""
+        seen = self.service.model.version  # what start() loaded from this path
         while not self._stop.wait(self.options.watch_seconds):
             try:
                 version = model_checkpoint.read_manifest(self.options.checkpoint).version
             except RecserveError:
                 continue  # being replaced right now, or incomplete: look again later
-            if version in (self.service.model.version, seen_failed):
+            if version == seen:
                 continue
+            seen = version  # loaded, or reported and counted once: not retried every poll
             try:
                 self.service.reload(None)
-                seen_failed = None
             except RecserveError:
-                seen_failed = version  # reported and counted; keep serving the old one
+                pass  # keep serving the old one
             except Exception:  # a bug must not end the watch: later versions still load
                 log.exception("reloading version %s failed", version)
-                seen_failed = version
 
     def wait(self) -> None:
         self._stop.wait()
@@ -250,6 +271,24 @@ class PredictionServer:
         if self.service is not None:
             self.service.close()
         return drained
+
+
+def _require_free_port(host: str, port: int, protocol: str) -> None:
+    """UnavailableError unless nothing listens on ``host:port``. The processes of a
+    ``--workers`` server bind with SO_REUSEPORT, which would also let them join another
+    server already on the port and split its traffic; this bind, without it, cannot."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR: connections of an earlier server in TIME_WAIT do not count, a
+        # listening socket still does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            flag = "--http-port" if protocol == "HTTP" else "--grpc-port"
+            raise UnavailableError(
+                f"cannot listen for {protocol} on {host}:{port}: {error.strerror or error} "
+                f"(is another server on that port? {flag} 0 picks a free one)"
+            ) from None
 
 
 def _free_port(host: str) -> int:
@@ -289,6 +328,8 @@ def serve_processes(options: ServeOptions) -> int:
         workers=1,
         reuse_port=True,
     )
+    _require_free_port(fixed.host, fixed.http_port, "HTTP")
+    _require_free_port(fixed.host, fixed.grpc_port, "gRPC")
     command = [sys.executable, "-m", "embedding_store.cli", *options_to_argv(fixed)]
     children = [subprocess.Popen(command) for _ in range(options.workers)]
 

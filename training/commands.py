@@ -90,6 +90,13 @@ def _train(args: argparse.Namespace) -> int:
     env = _environment(args)
     if args.embedding_workers:
         env[EMBEDDING_WORKERS_ENV] = args.embedding_workers
+    if args.nproc_per_node * args.nnodes > 1 and not env.get(EMBEDDING_WORKERS_ENV):
+        # Each rank would otherwise fail with its own traceback once torchrun started it.
+        raise SystemExit(
+            "recserve train: error: more than one NN worker needs one shared embedding tier: "
+            "pass --embedding-workers HOST:PORT (a `recserve embedding-worker`; "
+            "docs/deploy.md shows how to start one)"
+        )
     if args.num_data_loaders is not None:
         env[NUM_LOADERS_ENV] = str(args.num_data_loaders)
     command = [sys.executable, "-m", "torch.distributed.run"]

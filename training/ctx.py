@@ -288,6 +288,7 @@ class TrainCtx(EmbeddingCtx):
         self.embedding_tier.configure(
             optimizer=self.embedding_optimizer, initialization=self.initialization
         )
+        self._warn_if_tier_holds_rows()
         for index in range(self._backward_workers_size):
             thread = threading.Thread(
                 target=self._backward_loop, name=f"embedding-backward-{index}", daemon=True
@@ -295,6 +296,20 @@ class TrainCtx(EmbeddingCtx):
             thread.start()
             self._backward_workers.append(thread)
         return self
+
+    def _warn_if_tier_holds_rows(self) -> None:
+        """A long-lived remote tier keeps the rows (and optimizer state) of earlier runs: a
+        run that means to start fresh would silently continue from them."""
+        if isinstance(self.embedding_tier, InProcessEmbeddingTier) or distributed.rank() != 0:
+            return
+        rows = sum(self.embedding_tier.status().rows_per_shard)
+        if rows:
+            log.warning(
+                "the embedding tier already holds %d rows (an earlier run's?): training "
+                "continues from them and their optimizer state unless a checkpoint is loaded; "
+                "for a fresh start run `recserve embedding-tier clear` first",
+                rows,
+            )
 
     def __exit__(self, *exc: object) -> None:
         try:

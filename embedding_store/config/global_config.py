@@ -5,6 +5,7 @@ Key names follow PERSIA. Every key has a default, so an absent file means ``Glob
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,6 +35,8 @@ __all__ = [
     "global_config_to_mapping",
     "load_global_config",
 ]
+
+log = logging.getLogger(__name__)
 
 GLOBAL_CONFIG_ENV = "RECSERVE_GLOBAL_CONFIG"
 GLOBAL_CONFIG_FLAG = "--global-config"
@@ -71,6 +74,9 @@ class MetricsConfig:
     """Prometheus metrics of every process."""
 
     enable_metrics: bool = True
+    # PERSIA pushes metrics to a Pushgateway under this job name, every push_interval_sec.
+    # recserve is scraped instead (/metrics; the job label comes from the scrape config):
+    # both are accepted so PERSIA configs load, and a changed value is warned about.
     job_name: str = "recserve"
     push_interval_sec: int = 10
 
@@ -78,6 +84,13 @@ class MetricsConfig:
         _require_bool("enable_metrics", self.enable_metrics)
         require_non_empty_str("job_name", self.job_name)
         require_positive_int("push_interval_sec", self.push_interval_sec)
+        for key, default in (("job_name", "recserve"), ("push_interval_sec", 10)):
+            if getattr(self, key) != default:
+                log.warning(
+                    "metrics_config.%s has no effect in recserve: metrics are scraped from "
+                    "/metrics (set the job label in the scrape config), not pushed",
+                    key,
+                )
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,13 @@ class EmbeddingParameterServerConfig:
         require_positive_int("capacity", self.capacity)
         require_positive_int("num_hashmap_internal_shards", self.num_hashmap_internal_shards)
         _require_bool("enable_incremental_update", self.enable_incremental_update)
+        if self.enable_incremental_update:
+            # Accepting it would promise incremental dumps that never get written.
+            raise ConfigFieldError(
+                "enable_incremental_update",
+                "incremental updates are not implemented in recserve (servers pick up whole "
+                "checkpoints: `recserve serve --watch-seconds`); set it to false",
+            )
         require_positive_int("incremental_buffer_size", self.incremental_buffer_size)
         require_non_empty_str("incremental_dir", self.incremental_dir)
 

@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
     parser.add_argument("--metrics-out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.eval_only and args.resume_from is None:
+        parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.overwrite:
+        # Said now, not after a whole training run that could not be saved.
+        parser.error(
+            f"--checkpoint-dir {args.checkpoint_dir} already exists; pass --overwrite to replace it"
+        )
 
     hp = AdultHParams(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     torch.manual_seed(hp.seed)

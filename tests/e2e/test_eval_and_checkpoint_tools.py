@@ -202,6 +202,17 @@ def test_compare_passes_against_the_same_checkpoint_and_fails_against_a_perturbe
             "eval", "--compare", "--url", good_url, *common, "--out", tmp_path / "same.csv"
         )
         assert "parity OK: 16281 rows" in ok(result), result.stdout
+        # Without the server's --output-transform the comparison fails, and says why.
+        plain = [a for a in common if a not in ("--output-transform", "sigmoid")]
+        rows_30 = tmp_path / "rows30.csv"
+        with gzip.open(TEST_DATA, "rt", newline="") as handle:
+            rows_30.write_text("".join(next(handle) for _ in range(31)))  # header + 30 rows
+        result = recserve(
+            "eval", "--compare", "--url", good_url, *plain, "--data", rows_30,
+            "--out", tmp_path / "logits.csv",
+        )  # fmt: skip
+        assert result.returncode == 3, result.stdout + result.stderr
+        assert "the server runs --output-transform sigmoid; pass it" in result.stdout
 
         # Friendly route (raw rows, encoded by the server's preprocessor), perturbed model.
         result = recserve(

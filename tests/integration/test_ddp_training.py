@@ -27,6 +27,30 @@ TRAIN = ROOT / "examples" / "adult_income" / "train.py"
 EMBEDDING_CONFIG = ROOT / "examples" / "adult_income" / "embedding_config.yml"
 TIMEOUT = 240
 
+# A TrainCtx opened on the tier and closed again (argument: the embedding config).
+OPEN_AND_CLOSE_SCRIPT = textwrap.dedent(
+    """
+    import logging
+    import sys
+
+    import torch
+
+    from embedding_store.config import load_embedding_config
+    from embedding_store.optimizers import SGD
+    from training.ctx import TrainCtx
+
+    logging.basicConfig(level=logging.INFO)
+    dense = torch.nn.Linear(3, 1)
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(dense.parameters(), lr=0.1),
+        dense,
+        embedding_config=load_embedding_config(sys.argv[1]),
+    ):
+        pass
+    """
+)
+
 # One TrainCtx step on each rank, on a batch that differs per rank; each rank saves its dense
 # state before and after the step (after DDP's initial broadcast, so "before" is shared).
 ONE_STEP_SCRIPT = textwrap.dedent(
@@ -231,6 +255,18 @@ def test_two_ddp_ranks_with_two_shards_reach_the_example_auc(cluster, tmp_path):
     # The embedding worker wrote the embeddings (both shards' rows) into the same checkpoint.
     assert (checkpoint / "embeddings" / "DONE").exists()
     assert all(cluster.shards[i].alive for i in range(2)) and cluster.workers[0].alive
+
+    # The shards outlive the run: the next one is told it starts from their rows, until
+    # they are cleared.
+    script = tmp_path / "open_and_close.py"
+    script.write_text(OPEN_AND_CLOSE_SCRIPT)
+    worker = cluster.worker_addresses[0]
+    run = recserve("train", "--embedding-workers", worker, "--entry", str(script), "--")
+    log = run_in_session([*run, str(EMBEDDING_CONFIG)], tmp_path / "again.log")
+    assert "the embedding tier already holds" in log and "embedding-tier clear" in log
+    subprocess.run(recserve("embedding-tier", "clear", "--worker", worker), check=True, timeout=60)
+    log = run_in_session([*run, str(EMBEDDING_CONFIG)], tmp_path / "cleared.log")
+    assert "the embedding tier already holds" not in log
 
 
 def run_on_two_ranks(cluster, tmp_path: Path, name: str, source: str) -> tuple[Path, str]:

@@ -802,6 +802,25 @@ def test_unservable_checkpoints_are_refused_and_the_watcher_goes_on(
     assert status == 200 and document["model_version"] == new_version
     assert "Exception in thread" not in server.log()
 
+    # A checkpoint loaded from elsewhere by POST /admin/reload stays served: the watcher
+    # follows its path's version, not the served one (it used to reload the path at once).
+    old_version = manifest_version(adult_checkpoint)
+    status, document = post_json(
+        server.http_url, "/admin/reload", {"checkpoint": str(adult_checkpoint)}
+    )
+    assert status == 200 and document["version"] == old_version
+    time.sleep(1.5)  # five polls
+    status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200 and document["model_version"] == old_version
+    # ... until the watched path gets a new version.
+    staging = Path(shutil.copytree(adult_checkpoint_b, tmp_path / "staging-next"))
+    _rewrite_manifest(staging, lambda m: m.update(version="77777777-next"))
+    os.rename(served_dir, tmp_path / "previous-3")
+    os.rename(staging, served_dir)
+    _wait_until(lambda: reload_counts(server).get("ok") == 3.0, 30, "the path's new version")
+    status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200 and document["model_version"] == "77777777-next"
+
 
 def reload_counts(server) -> dict[str, float]:
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from clients import RecserveClient
 from examples.adult_income import features
@@ -68,6 +71,27 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
                     answers.append(client.predict(batch).predictions)
         for answer in answers[1:]:
             np.testing.assert_allclose(answer, answers[0], rtol=0, atol=1e-6)
+        # A reload would reach one process of the two: refused, saying what to do instead.
+        reload = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/admin/reload", data=b"{}", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(reload, timeout=30)
+        assert refused.value.code == 409
+        assert "--watch-seconds" in json.loads(refused.value.read())["error"]
+        # A second multi-process server on the same ports would share their traffic
+        # (SO_REUSEPORT): it must not start.
+        second = subprocess.run(
+            [
+                sys.executable, "-m", "embedding_store.cli", "serve",
+                "--checkpoint", str(adult_checkpoint), "--workers", "2",
+                "--http-port", http_port, "--grpc-port", grpc_port,
+            ],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1, second.stderr
+        assert f"cannot listen for HTTP on 127.0.0.1:{http_port}" in second.stderr
+        assert "Traceback" not in second.stderr
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 0
     finally:

@@ -519,13 +519,22 @@ def test_global_valid_infer_config(tmp_path: Path) -> None:
                 "embedding_checkpoint": "/ckpt/v3",
             },
         },
-        "embedding_parameter_server_config": {"enable_incremental_update": True},
+        "embedding_parameter_server_config": {"incremental_dir": "/x"},
     }
     config = load_global_config(write_mapping(tmp_path, data, "global_config.yml"))
     assert config.common_config.job_type is JobType.INFER
     assert config.common_config.infer_config.servers == ("ps-0:8000", "10.0.0.2:8001", "[::1]:8002")
     assert config.common_config.infer_config.embedding_checkpoint == "/ckpt/v3"
-    assert config.embedding_parameter_server_config.enable_incremental_update is True
+    assert config.embedding_parameter_server_config.incremental_dir == "/x"
+    # Incremental dumps are not implemented: asking for them names the key, not a silent no.
+    data["embedding_parameter_server_config"] = {"enable_incremental_update": True}
+    path = write_mapping(tmp_path, data, "incremental.yml")
+    with pytest.raises(ConfigError) as caught:
+        load_global_config(path)
+    message = str(caught.value)
+    assert "incremental.yml" in message
+    assert "embedding_parameter_server_config.enable_incremental_update" in message
+    assert "not implemented" in message
     # An empty checkpoint string is only an error for Infer jobs.
     train = global_config_from_mapping(
         {"common_config": {"infer_config": {"embedding_checkpoint": ""}}}

@@ -1,0 +1,121 @@
+"""The ``recserve`` CLI when a user gets something wrong: each mistake ends quickly, with one
+line that names it and says what to do, and never with a traceback."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from embedding_store import checkpoint
+from embedding_store.errors import CheckpointError
+from tests.integration.conftest import REPO_ROOT, TRAIN_SCRIPT, _subprocess_env
+
+
+def recserve(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = _subprocess_env()
+    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "embedding_store.cli", *map(str, args)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_refused(result: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert result.returncode == code, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_script_arguments_before_the_separator_are_pointed_out():
+    result = recserve("train", "--entry", TRAIN_SCRIPT, "--epochs", "1")
+    assert_refused(
+        result,
+        2,
+        "unrecognized arguments: --epochs",
+        "arguments for the --entry script go after --",
+        "-- --epochs 1",
+    )
+
+
+def test_several_nn_workers_without_a_shared_tier_are_refused_before_torchrun():
+    started = time.monotonic()
+    result = recserve("train", "--entry", TRAIN_SCRIPT, "--nproc-per-node", "2", "--", "-h")
+    assert_refused(result, 1, "needs one shared embedding tier", "--embedding-workers")
+    assert "torch.distributed" not in result.stderr  # no rank was started
+    assert time.monotonic() - started < 30
+
+
+def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
+    existing = tmp_path / "ckpt"
+    existing.mkdir()
+    for args, needle in (
+        (["--eval-only"], "--eval-only needs --resume-from"),
+        (["--checkpoint-dir", existing], f"--checkpoint-dir {existing} already exists"),
+    ):
+        result = subprocess.run(
+            [sys.executable, TRAIN_SCRIPT, *map(str, args)],
+            cwd=REPO_ROOT,
+            env=_subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert_refused(result, 2, needle)
+
+
+def test_a_reader_that_leaves_early_is_not_an_error(adult_checkpoint):
+    # `recserve checkpoint inspect DIR | head -1`: the pipe closes before the output ends.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "embedding_store.cli", "checkpoint", "inspect", adult_checkpoint],
+        cwd=REPO_ROOT,
+        env=_subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    process.stdout.close()  # every write now fails with EPIPE
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 0, errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors
+
+
+def test_one_kind_of_checkpoint_given_for_the_other_is_named(adult_checkpoint, tmp_path):
+    embeddings = adult_checkpoint / "embeddings"
+    result = recserve("checkpoint", "export-dense", "--out", tmp_path / "d.pt", embeddings)
+    assert_refused(
+        result,
+        1,
+        f"{embeddings} is an embedding checkpoint, part of the model checkpoint {adult_checkpoint}",
+    )
+    with pytest.raises(CheckpointError, match=f"its embeddings are in {embeddings}"):
+        checkpoint.read_manifest(adult_checkpoint)
+    # Parts written by several shards' --dump-on-exit: no manifest, never loadable.
+    parts = tmp_path / "parts"
+    shutil.copytree(embeddings / "shard_00000", parts / "shard_00000")
+    result = recserve("checkpoint", "verify", parts)
+    assert_refused(result, 1, "holds shard parts but no", "recserve embedding-tier dump")
+
+
+def test_serving_from_an_unreachable_worker_says_it_waits_and_gives_up_in_time(
+    adult_checkpoint,
+):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    result = recserve(
+        "serve", "--checkpoint", adult_checkpoint, "--http-port", "0", "--grpc-port", "0",
+        "--embedding-workers", f"127.0.0.1:{port}", "--startup-timeout", "2",
+    )  # fmt: skip
+    assert_refused(result, 1, f"waiting up to 2 s for embedding worker 127.0.0.1:{port}")
+    assert f"127.0.0.1:{port} is not serving after 2 s" in result.stderr
+    assert time.monotonic() - started < 40
