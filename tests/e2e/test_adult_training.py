@@ -170,14 +170,14 @@ def test_checkpoint_loaded_in_a_fresh_process_gives_the_same_auc(trained, proces
     runs = [
         (
             processes.start(
-                [sys.executable, str(TRAIN), "--eval-only", "--metrics-out", str(out), *extra],
+                [sys.executable, str(TRAIN), "--metrics-out", str(out), *extra],
                 work / f"{out.stem}.log",
             ),
             work / f"{out.stem}.log",
         )
         for out, extra in (
-            (resumed, ["--resume-from", str(trained["checkpoint"])]),
-            (blank, []),
+            (resumed, ["--eval-only", "--resume-from", str(trained["checkpoint"])]),
+            (blank, ["--epochs", "0"]),  # untrained (--eval-only needs --resume-from)
         )
     ]
     for process, log in runs:
