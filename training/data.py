@@ -14,6 +14,7 @@ Peers are given by address (``RECSERVE_NN_WORKER_ADDRESSES``): there is no broke
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -120,6 +121,8 @@ class DataCtx:
                 channel.close()
 
 
+#: Seconds a StreamingDataset waits for the next batch before it gives up on its loaders.
+DEFAULT_IDLE_TIMEOUT = 300.0
 _END = object()
 
 
@@ -151,7 +154,10 @@ class StreamingDataset:
     Listens on the port of this rank's entry in ``RECSERVE_NN_WORKER_ADDRESSES`` (or
     ``port``). Ends after all ``num_loaders`` loaders (``RECSERVE_NUM_DATA_LOADERS``, default
     1) sent EndOfStream. ``reproducible=True`` yields batches in global order whatever the
-    arrival order (loaders then advance in lock step).
+    arrival order (loaders then advance in lock step). When no batch arrives for
+    ``idle_timeout`` seconds while some loader has not ended, iteration raises
+    UnavailableError naming those loaders: a loader that died never sends EndOfStream, and
+    the training would otherwise wait for it forever.
     """
 
     def __init__(
@@ -162,9 +168,13 @@ class StreamingDataset:
         host: str | None = None,
         num_loaders: int | None = None,
         reproducible: bool = False,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ) -> None:
         if buffer_size < 1:
             raise InvalidArgumentError(f"buffer_size must be >= 1, got {buffer_size}")
+        if not idle_timeout > 0 or math.isinf(idle_timeout):
+            raise InvalidArgumentError(f"idle_timeout must be a number > 0, got {idle_timeout}")
+        self.idle_timeout = float(idle_timeout)
         addresses = _addresses_from_env()
         rank, world = distributed.rank(), max(distributed.world_size(), 1)
         if port is None:
@@ -254,13 +264,27 @@ class StreamingDataset:
         ended = 0
         try:
             while ended < self.num_loaders:
-                item = self._buffer.get()
+                try:
+                    item = self._buffer.get(timeout=self.idle_timeout)
+                except queue.Empty:
+                    raise self._stalled() from None
                 if item is _END:
                     ended += 1
                     continue
                 yield item
         finally:
             self.close()
+
+    def _stalled(self) -> UnavailableError:
+        with self._lock:
+            waiting = [i for i in range(self.num_loaders) if i not in self._ended]
+            received = {i: self._received.get(i, 0) for i in waiting}
+        return UnavailableError(
+            f"no batch from the data loaders for {self.idle_timeout:g} s, and loader(s) "
+            f"{waiting} have not ended their stream (batches received from each: {received}): "
+            "a loader stopped or cannot reach this NN worker "
+            f"({self.host}:{self.port})"
+        )
 
     def close(self) -> None:
         if self._server is not None:

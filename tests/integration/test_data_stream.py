@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import InvalidArgumentError, UnavailableError
 from training.data import DataCtx, DataLoader, IterableDataset, StreamingDataset
 
 
@@ -167,3 +167,33 @@ def test_data_loader_prefetches_in_order_and_reraises():
 
     with pytest.raises(RuntimeError, match="reader failed"):
         list(DataLoader(IterableDataset(broken), prefetch=2))
+
+
+def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
+    # A killed loader never sends EndOfStream: without the idle bound the NN worker waited
+    # for it forever.
+    port = free_port()
+    dataset = StreamingDataset(8, port=port, num_loaders=2, idle_timeout=0.5).start()
+    addresses = [f"127.0.0.1:{port}"]
+    run_loader(addresses, 0, 2, 3)  # loader 0: batches 0, 2, 4, then EndOfStream
+
+    class LoaderDiedError(Exception):
+        pass
+
+    with pytest.raises(LoaderDiedError), DataCtx(addresses, replica_index=1, replica_size=2) as ctx:
+        ctx.send_data(numbered_batch(1))  # loader 1: one batch, then it dies (no EndOfStream)
+        raise LoaderDiedError
+    received = []
+    started = time.monotonic()
+    with pytest.raises(UnavailableError) as stalled:
+        for batch in dataset:
+            received.append(number_of(batch))
+    waited = time.monotonic() - started
+    assert sorted(received) == [0, 1, 2, 4]
+    message = str(stalled.value)
+    assert "no batch from the data loaders for 0.5 s" in message
+    assert "loader(s) [1] have not ended their stream" in message
+    assert "(batches received from each: {1: 1})" in message
+    assert 0.5 <= waited < 10
+    with pytest.raises(InvalidArgumentError, match="idle_timeout must be a number > 0, got 0"):
+        StreamingDataset(4, port=port, idle_timeout=0)
