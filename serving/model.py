@@ -24,6 +24,7 @@ from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
+    RecserveError,
     UnavailableError,
 )
 from embedding_store.signature import FeatureSignature
@@ -305,7 +306,16 @@ class LoadedModel:
         """Run the full path a few times (TorchScript optimizes on the first calls) and check
         the output shape, so a broken checkpoint fails here and not on the first request."""
         for batch_size in (1, 2, 8)[:rounds]:
-            output = self.infer(self.example_batch(batch_size)).predictions
+            try:
+                output = self.infer(self.example_batch(batch_size)).predictions
+            except RecserveError:
+                raise
+            except Exception as error:  # the checkpoint's fault: its parts do not fit
+                raise CheckpointError(
+                    f"checkpoint {self.manifest.directory} cannot be served: "
+                    f"{error_summary(error)} (its dense model fails on a batch of the inputs "
+                    "its signature and embedding dims describe)"
+                ) from error
             if output.shape != (batch_size, 1):
                 raise CheckpointError(
                     f"model {self.name} version {self.version}: the dense model returns shape "
@@ -316,6 +326,15 @@ class LoadedModel:
     def close(self) -> None:
         if self.owns_tier:
             self.tier.close()
+
+
+def error_summary(error: BaseException) -> str:
+    """``"Type: last line"`` of an error: TorchScript errors carry the script's traceback,
+    which is for the log, not for a client or a one-line CLI error."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    reason = lines[-1].strip()[:300] if lines else ""
+    kind = f"{type(error).__name__}: "
+    return f"{kind}{reason.removeprefix(kind)}"
 
 
 def load_model(

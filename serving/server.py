@@ -228,24 +228,37 @@ class PredictionServer:
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.
 
-        It compares the path's version with the last one it saw there, not with the served
-        one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served until
-        the watched path itself changes."""
-        seen = self.service.model.version  # what start() loaded from this path
+        It compares the path's version with the last one loaded from there, not with the
+        served one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served
+        until the watched path itself changes. A version that fails to load is tried again
+        after a back-off (:data:`RELOAD_RETRY_SECONDS`, doubling up to
+        :data:`RELOAD_RETRY_MAX_SECONDS`): the failure may pass (files still being copied
+        in, an embedding tier that is down), and a broken checkpoint is not retried on
+        every poll."""
+        loaded = self.service.model.version  # what start() loaded from this path
+        failed: str | None = None
+        retry_at = backoff = 0.0
         while not self._stop.wait(self.options.watch_seconds):
             try:
                 version = model_checkpoint.read_manifest(self.options.checkpoint).version
             except RecserveError:
                 continue  # being replaced right now, or incomplete: look again later
-            if version == seen:
+            if version == loaded or (version == failed and time.monotonic() < retry_at):
                 continue
-            seen = version  # loaded, or reported and counted once: not retried every poll
             try:
                 self.service.reload(None)
-            except RecserveError:
-                pass  # keep serving the old one
-            except Exception:  # a bug must not end the watch: later versions still load
-                log.exception("reloading version %s failed", version)
+            except Exception as error:  # a bug must not end the watch either
+                if not isinstance(error, RecserveError):
+                    log.exception("reloading version %s failed", version)
+                backoff = (
+                    min(2 * backoff, RELOAD_RETRY_MAX_SECONDS)
+                    if version == failed
+                    else max(RELOAD_RETRY_SECONDS, self.options.watch_seconds)
+                )
+                failed, retry_at = version, time.monotonic() + backoff
+                log.warning("will try version %s again in %.0f s", version, backoff)
+                continue
+            loaded, failed = version, None
 
     def wait(self) -> None:
         self._stop.wait()
@@ -271,6 +284,11 @@ class PredictionServer:
         if self.service is not None:
             self.service.close()
         return drained
+
+
+#: Seconds before the watcher tries a version that failed to load again (then doubling).
+RELOAD_RETRY_SECONDS = 5.0
+RELOAD_RETRY_MAX_SECONDS = 300.0
 
 
 def _require_free_port(host: str, port: int, protocol: str) -> None:

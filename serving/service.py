@@ -38,7 +38,7 @@ from serving.batcher import BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
 from serving.loop_batcher import LoopBatcher
 from serving.metrics import ServingMetrics
-from serving.model import LoadedModel
+from serving.model import LoadedModel, error_summary
 
 log = logging.getLogger(__name__)
 
@@ -506,12 +506,8 @@ class PredictionService:
             raise
         except Exception as error:
             log.exception("loading the new checkpoint failed")
-            # TorchScript errors carry the script's traceback: the client gets the last line.
-            lines = [line for line in str(error).splitlines() if line.strip()]
-            reason = lines[-1].strip()[:300] if lines else ""
-            kind = f"{type(error).__name__}: "
             raise CheckpointError(
-                f"the new checkpoint cannot be served: {kind}{reason.removeprefix(kind)}"
+                f"the new checkpoint cannot be served: {error_summary(error)}"
             ) from error
 
 

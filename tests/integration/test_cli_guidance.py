@@ -3,11 +3,13 @@ line that names it and says what to do, and never with a traceback."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +121,19 @@ def test_serving_from_an_unreachable_worker_says_it_waits_and_gives_up_in_time(
     assert_refused(result, 1, f"waiting up to 2 s for embedding worker 127.0.0.1:{port}")
     assert f"127.0.0.1:{port} is not serving after 2 s" in result.stderr
     assert time.monotonic() - started < 40
+
+
+def test_a_checkpoint_whose_parts_do_not_fit_is_refused_in_one_line(adult_checkpoint, tmp_path):
+    # The manifest's signature loses two ID features: the dense model then gets narrower
+    # inputs than it was trained on. `serve` used to die with a TorchScript traceback.
+    broken = Path(shutil.copytree(adult_checkpoint, tmp_path / "broken"))
+    manifest = json.loads((broken / "manifest.json").read_text())
+    del manifest["signature"]["id_features"][:2]
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    result = recserve("serve", "--checkpoint", broken, "--http-port", "0", "--grpc-port", "0")
+    assert_refused(
+        result,
+        1,
+        f"checkpoint {broken} cannot be served: RuntimeError: ",
+        "its dense model fails on a batch of the inputs its signature and embedding dims",
+    )

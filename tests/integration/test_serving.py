@@ -821,6 +821,23 @@ def test_unservable_checkpoints_are_refused_and_the_watcher_goes_on(
     status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
     assert status == 200 and document["model_version"] == "77777777-next"
 
+    # A version that fails to load is tried again later: here its files were still being
+    # copied in (the manifest first), so the second try loads it. It used to be given up.
+    failed_before = reload_counts(server)["failed"]
+    late = Path(shutil.copytree(adult_checkpoint_b, tmp_path / "late"))
+    _rewrite_manifest(late, lambda m: m.update(version="88888888-late"))
+    os.rename(late / "jit_dense.pt", tmp_path / "late-jit_dense.pt")
+    os.rename(served_dir, tmp_path / "previous-4")
+    os.rename(late, served_dir)
+    _wait_until(
+        lambda: reload_counts(server)["failed"] == failed_before + 1, 30, "the first try's failure"
+    )
+    os.rename(tmp_path / "late-jit_dense.pt", served_dir / "jit_dense.pt")
+    _wait_until(lambda: reload_counts(server).get("ok") == 4.0, 30, "the retried version")
+    status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
+    assert status == 200 and document["model_version"] == "88888888-late"
+    assert "will try version 88888888-late again in 5 s" in server.log()
+
 
 def reload_counts(server) -> dict[str, float]:
     return {
