@@ -19,6 +19,8 @@ from importlib.metadata import entry_points
 from embedding_store import __version__
 from embedding_store.errors import RecserveError
 
+log = logging.getLogger("recserve")
+
 COMMAND_GROUP = "recserve.commands"
 
 
@@ -76,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Point stdout at devnull so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as error:  # a path that cannot be read or written: the user's to fix
+        log.debug("%s failed", args.command, exc_info=error)
+        where = f": {error.filename}" if error.filename else ""
+        print(f"recserve {args.command}: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -158,7 +158,9 @@ class EmbeddingParameterServerConfig:
     incremental_dir: str = "/tmp/recserve/incremental"
 
     def __post_init__(self) -> None:
-        require_positive_int("capacity", self.capacity)
+        # 2**40 rows: far beyond one server's memory, and its index (twice the capacity,
+        # rounded up to a power of two) still fits int64.
+        require_positive_int("capacity", self.capacity, maximum=2**40)
         require_positive_int("num_hashmap_internal_shards", self.num_hashmap_internal_shards)
         _require_bool("enable_incremental_update", self.enable_incremental_update)
         if self.enable_incremental_update:

@@ -114,20 +114,35 @@ def _got(value: Any, type_ok: bool) -> str:
     return _short_repr(value) if type_ok else describe_value(value)
 
 
-def require_positive_int(key: str, value: Any) -> None:
-    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) > 0."""
+#: The largest integer a config value may hold: counts and sizes end up in int64 arrays
+#: and arithmetic (doubling a capacity, say), where a larger one overflows far from here.
+MAX_CONFIG_INT = 2**62
+
+
+def require_positive_int(key: str, value: Any, maximum: int = MAX_CONFIG_INT) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) in
+    ``[1, maximum]``."""
     if not (_is_int(value) and value > 0):
         raise ConfigFieldError(
             key, f"expected a positive integer, got {_got(value, _is_int(value))}"
         )
+    _require_at_most(key, value, maximum)
 
 
-def require_non_negative_int(key: str, value: Any) -> None:
-    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) >= 0."""
+def require_non_negative_int(key: str, value: Any, maximum: int = MAX_CONFIG_INT) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` is an int (not bool) in
+    ``[0, maximum]``."""
     if not (_is_int(value) and value >= 0):
         raise ConfigFieldError(
             key, f"expected a non-negative integer, got {_got(value, _is_int(value))}"
         )
+    _require_at_most(key, value, maximum)
+
+
+def _require_at_most(key: str, value: int, maximum: int) -> None:
+    if value > maximum:
+        limit = f"2**{maximum.bit_length() - 1}" if maximum & (maximum - 1) == 0 else maximum
+        raise ConfigFieldError(key, f"expected at most {limit}, got {_short_repr(value)}")
 
 
 def require_int_in_range(key: str, value: Any, low: int, high: int) -> None:

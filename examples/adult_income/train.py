@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,11 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_only and args.resume_from is None:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
-    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.overwrite:
+    if args.checkpoint_dir is not None:
         # Said now, not after a whole training run that could not be saved.
-        parser.error(
-            f"--checkpoint-dir {args.checkpoint_dir} already exists; pass --overwrite to replace it"
-        )
+        if args.checkpoint_dir.exists() and not args.overwrite:
+            parser.error(
+                f"--checkpoint-dir {args.checkpoint_dir} already exists; pass --overwrite to "
+                "replace it"
+            )
+        existing = next(p for p in args.checkpoint_dir.absolute().parents if p.exists())
+        try:  # the dump stages its files next to the target: try that now
+            os.rmdir(tempfile.mkdtemp(prefix=".recserve-probe-", dir=existing))
+        except OSError as error:
+            parser.error(
+                f"--checkpoint-dir {args.checkpoint_dir}: cannot write in {existing} "
+                f"({error.strerror or error})"
+            )
 
     hp = AdultHParams(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     torch.manual_seed(hp.seed)

@@ -63,6 +63,7 @@ def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
     for args, needle in (
         (["--eval-only"], "--eval-only needs --resume-from"),
         (["--checkpoint-dir", existing], f"--checkpoint-dir {existing} already exists"),
+        (["--checkpoint-dir", "/proc/ckpt"], "--checkpoint-dir /proc/ckpt: cannot write in"),
     ):
         result = subprocess.run(
             [sys.executable, TRAIN_SCRIPT, *map(str, args)],
@@ -137,3 +138,22 @@ def test_a_checkpoint_whose_parts_do_not_fit_is_refused_in_one_line(adult_checkp
         f"checkpoint {broken} cannot be served: RuntimeError: ",
         "its dense model fails on a batch of the inputs its signature and embedding dims",
     )
+
+
+def test_paths_that_cannot_be_written_are_one_line_errors(adult_checkpoint):
+    for args, needle in (
+        (("checkpoint", "export-dense", "--out", "/proc/x.pt", adult_checkpoint), "/proc/.x.pt"),
+        (
+            (
+                "checkpoint",
+                "reshard",
+                adult_checkpoint / "embeddings",
+                "--out",
+                "/proc/x",
+                "--shards",
+                "1",
+            ),
+            "cannot write a checkpoint to /proc/x",
+        ),
+    ):
+        assert_refused(recserve(*args), 1, needle)

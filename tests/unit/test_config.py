@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -790,3 +791,18 @@ def test_configs_are_frozen_all_the_way_down(tmp_path) -> None:
     assert mapping["feature_groups"] == {"item_group": ["item_id", "clicked_item_ids"]}
     assert embedding_config_from_mapping(mapping) == config
     yaml.safe_dump(mapping)
+
+
+def test_integers_beyond_what_the_tier_can_hold_are_refused():
+    # A capacity above int64 used to start a shard whose every Status call then failed.
+    for section, key, value, message in (
+        ("embedding_parameter_server_config", "capacity", 10**23, "expected at most 2**40"),
+        ("embedding_parameter_server_config", "capacity", 2**40 + 1, "expected at most 2**40"),
+        ("embedding_worker_config", "forward_buffer_size", 2**64, "expected at most 2**62"),
+    ):
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{section}.{key}: {message}, got {value}")
+        ):
+            global_config_from_mapping({section: {key: value}})
+    config = global_config_from_mapping({"embedding_parameter_server_config": {"capacity": 2**40}})
+    assert config.embedding_parameter_server_config.capacity == 2**40
