@@ -115,13 +115,24 @@ class EmbeddingManifest:
 
 # --------------------------------------------------------------------------- writing
 def _write_atomic(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` via a temporary name, fsync, rename."""
+    """Write ``payload`` to ``path`` via a temporary name, fsync, rename; CheckpointError
+    naming ``path`` when it cannot be written (no temporary file is left behind)."""
     temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(temporary, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise CheckpointError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def shard_part_name(shard_index: int) -> str:
+    """The directory that holds shard ``shard_index``'s files: ``shard_00003``."""
+    return f"shard_{shard_index:05d}"
 
 
 def write_shard_part(
@@ -140,7 +151,7 @@ def write_shard_part(
     lookups can make ``rows_written`` exceed it.
     """
     root = Path(directory)
-    part = root / f"shard_{shard_index:05d}"
+    part = root / shard_part_name(shard_index)
     part.mkdir(parents=True, exist_ok=True)
     entries = []
     rows_total, rows_written = shard.size(), 0
@@ -280,10 +291,16 @@ def interrupted_overwrite_hint(root: Path) -> str:
 
 
 def staging_directory_for(target: Path) -> Path:
-    """A fresh temporary directory next to ``target`` (same filesystem, so rename is atomic)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """A fresh temporary directory next to ``target`` (same filesystem, so rename is atomic).
+    CheckpointError naming the target when it cannot be made there."""
     staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
-    staging.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot write a checkpoint to {target}: {error.strerror or error}"
+        ) from None
     return staging
 
 
@@ -383,6 +400,18 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
     return manifest
 
 
+def _safetensors_metadata(payload: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (its header: a little-endian u64 length,
+    then JSON); empty when it has none."""
+    size = int.from_bytes(payload[:8], "little")
+    try:
+        header = json.loads(payload[8 : 8 + size])
+    except ValueError:
+        return {}
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
 def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, np.ndarray]:
     """Read one file once, check size and SHA-256, decode it, and check its tensors."""
     path = manifest.directory / entry.path
@@ -403,6 +432,14 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
         raise CheckpointError(
             f"checkpoint file {path} is not valid safetensors: {error}"
         ) from error
+    written_for = _safetensors_metadata(payload).get("shard")
+    if written_for is not None and written_for != str(entry.shard):
+        # Files swapped between shard directories (manifest entries to match) pass every
+        # checksum; their rows would land on shards that never look them up.
+        raise CheckpointError(
+            f"checkpoint file {path} was written for shard {written_for}; the manifest lists "
+            f"it for shard {entry.shard}"
+        )
     ids, weights, state = (tensors.get(k) for k in ("ids", "weights", "state"))
     if (
         ids is None

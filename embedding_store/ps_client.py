@@ -23,7 +23,12 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store.checkpoint import FileEntry
-from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import (
     call,
     channel_options,
@@ -42,6 +47,8 @@ from embedding_store.shard import RowBlock
 
 #: Default deadline of dump, load, export and import calls (seconds).
 DEFAULT_CHECKPOINT_TIMEOUT = 600.0
+#: How often a load asks whether its caller is still there (``load(caller_gone=...)``).
+_CALLER_CHECK_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -246,14 +253,37 @@ class RemoteParameterServer:
         optimizer = json.loads(response.optimizer_json) if response.optimizer_json else None
         return entries, optimizer
 
-    def load(self, directory: str, *, timeout: float | None = None) -> int:
-        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded."""
-        response = self._call(
-            self._stub.Load,
-            pb.ShardLoadRequest(directory=str(directory)),
-            timeout or self.checkpoint_timeout,
-        )
-        return int(response.rows_loaded)
+    def load(
+        self,
+        directory: str,
+        *,
+        timeout: float | None = None,
+        caller_gone: Callable[[], bool] | None = None,
+    ) -> int:
+        """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded.
+
+        The shard reads every row before it replaces any: a failed load leaves its rows.
+        ``caller_gone``: asked every 0.1 s while the shard loads; once true, the call is
+        cancelled, and the shard abandons the load unless it was already swapping rows in
+        (DeadlineExceededError here either way: the outcome is no longer anyone's answer).
+        """
+        request = pb.ShardLoadRequest(directory=str(directory))
+        deadline = timeout or self.checkpoint_timeout
+        if caller_gone is None:
+            return int(self._call(self._stub.Load, request, deadline).rows_loaded)
+        future = self._stub.Load.future(request, timeout=deadline)
+        try:
+            while True:  # ends with the call at the latest, which has a deadline
+                try:
+                    return int(future.result(timeout=_CALLER_CHECK_SECONDS).rows_loaded)
+                except grpc.FutureTimeoutError:
+                    if caller_gone():
+                        future.cancel()
+                        raise DeadlineExceededError(
+                            f"{self.peer}: load of {directory} cancelled: its caller gave up"
+                        ) from None
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self.peer) from None
 
     def export_rows(
         self, max_rows_per_chunk: int = 65536, *, timeout: float | None = None
@@ -318,8 +348,11 @@ class RemoteParameterServer:
         """Drop every row of the shard."""
         self._call(self._stub.Clear, pb.ClearRequest())
 
-    def status(self) -> ShardStatus:
-        return ShardStatus.from_proto(self._call(self._stub.Status, pb.ShardStatusRequest()))
+    def status(self, *, timeout: float | None = None) -> ShardStatus:
+        """What the shard reports (deadline ``timeout`` s; None: the client's timeout)."""
+        return ShardStatus.from_proto(
+            self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
+        )
 
     def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
         """The health status name (``"SERVING"``, ``"NOT_SERVING"``, ...) of ``service``."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import signal
 import threading
 import time
@@ -50,6 +51,7 @@ from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     CapacityError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
@@ -457,7 +459,26 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.ShardLoadResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardLoadRequest.directory must be a non-empty path")
-        return pb.ShardLoadResponse(rows_loaded=self.load_checkpoint(request.directory))
+
+        def stop_if_caller_gone(_done: int, _total: int) -> None:
+            # Called after each file read, so also after the last one, just before the rows
+            # are swapped in: a caller that gave up (a worker whose own caller's deadline
+            # passed, or that was killed) must not see the shard change afterwards.
+            if not context.is_active():
+                raise DeadlineExceededError(
+                    f"load of {request.directory} abandoned: the caller gave up; this shard "
+                    "keeps its rows"
+                )
+
+        # A training shard that no trainer configured yet takes the checkpoint's optimizer and
+        # saved state, as --load-checkpoint does at start (re-sharding a training tier must not
+        # lose its optimizer state); a configured one keeps its optimizer (checkpoint.state_fits).
+        rows = self.load_checkpoint(
+            request.directory,
+            adopt_optimizer=not self.shard.read_only,
+            progress=stop_if_caller_gone,
+        )
+        return pb.ShardLoadResponse(rows_loaded=rows)
 
     @rpc_stream_errors
     @observed_stream
@@ -754,13 +775,35 @@ class ParameterServerProcess:
 
     def _dump_on_exit(self, directory: str) -> None:
         """Write this shard's part; a single replica's part is the whole checkpoint, so it also
-        gets the manifest and done-marker and can be loaded as is."""
-        entries = self.servicer.dump_part(directory)
+        gets the manifest and done-marker and can be loaded as is.
+
+        Nothing is written in place: a process killed mid-dump (its grace period over) must
+        leave the previous dump whole. One replica: the checkpoint is written into a staging
+        directory next to ``directory`` and renamed over it. Several: this replica's part is
+        written into a staging directory and renamed over ``directory/shard_{index:05d}``.
+        """
+        target = Path(directory).absolute()
         if self.options.replica_size == 1:
-            optimizer = self.shard.optimizer.to_dict() if self.shard.optimizer else None
-            checkpoint.finalize_checkpoint(
-                Path(directory), self.embedding_config, 1, entries, optimizer
-            )
+            staging = checkpoint.staging_directory_for(target)
+            try:
+                entries = self.servicer.dump_part(str(staging))
+                optimizer = self.shard.optimizer.to_dict() if self.shard.optimizer else None
+                checkpoint.finalize_checkpoint(
+                    staging, self.embedding_config, 1, entries, optimizer
+                )
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            checkpoint.publish_directory(staging, target, overwrite=True)
+            return
+        part = target / checkpoint.shard_part_name(self.options.replica_index)
+        staging = checkpoint.staging_directory_for(part)
+        try:
+            # Written as staging/shard_XXXXX, so only the rename below changes the name.
+            self.servicer.dump_part(str(staging))
+            checkpoint.publish_directory(staging / part.name, part, overwrite=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def serve_parameter_server(

@@ -35,7 +35,9 @@ class TierStatus:
     ``shard_tasks[i]`` is what shard i reports it is busy with (``""``, ``"loading"``,
     ``"dumping"``) and ``shard_task_progress[i]`` how far it is (0..1); ``task`` and
     ``task_progress`` are the same for a dump or load run through the tier itself
-    (``""``, ``"dumping"``, ``"loading"``; shards done / shards).
+    (``""``, ``"dumping"``, ``"loading"``; shards done / shards). ``shard_serving[i]`` is
+    whether shard i can answer lookups now (an inference shard has loaded its checkpoint, a
+    training shard has an optimizer); empty where a tier does not report it.
     """
 
     rows_per_shard: tuple[int, ...]
@@ -47,6 +49,7 @@ class TierStatus:
     shard_task_progress: tuple[float, ...] = ()
     task: str = ""
     task_progress: float = 0.0
+    shard_serving: tuple[bool, ...] = ()
 
 
 @runtime_checkable
@@ -182,6 +185,8 @@ class InProcessEmbeddingTier:
             # In-process dumps and loads finish inside the call that starts them.
             shard_tasks=("",) * len(self.shards),
             shard_task_progress=(0.0,) * len(self.shards),
+            # In-process shards answer from the moment they exist (no checkpoint to wait for).
+            shard_serving=(True,) * len(self.shards),
         )
 
     def close(self) -> None:

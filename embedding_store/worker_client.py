@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from embedding_store import checkpoint
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
-from embedding_store.errors import UnavailableError
+from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
 from embedding_store.grpc_common import call, channel_options, error_from_rpc
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import settings_to_configure_request
@@ -104,18 +104,31 @@ class RemoteEmbeddingWorker:
         request = settings_to_configure_request(optimizer, initialization)
         call(self._peer, self._stub.Configure, request, timeout=self.timeout)
 
+    def _admin_error(self, error: grpc.RpcError, what: str) -> RecserveError:
+        """The error of a failed admin call; past its deadline, what the caller can do: the
+        worker abandons the task if it had not changed anything yet, else it may complete."""
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceededError(
+                f"{self._peer} did not finish the {what} within the deadline "
+                f"({self.admin_timeout:g} s); it may still complete on the worker: check "
+                f"`recserve embedding-tier status --worker {self.address}` (the worker reads "
+                "idle once it ended) before trying again"
+            )
+        return error_from_rpc(error, self._peer)
+
     def _stream(
         self,
         method: Callable[..., Iterator[pb.Progress]],
         request: pb.WorkerDumpRequest | pb.WorkerLoadRequest,
         progress: ProgressCallback | None,
+        what: str,
     ) -> None:
         try:
             for update in method(request, timeout=self.admin_timeout):
                 if progress and update.stage != "done":
                     progress(update.stage, update.done, update.total)
         except grpc.RpcError as error:
-            raise error_from_rpc(error, self._peer) from None
+            raise self._admin_error(error, what) from None
 
     def dump(
         self,
@@ -126,14 +139,15 @@ class RemoteEmbeddingWorker:
     ) -> checkpoint.EmbeddingManifest:
         path = os.path.abspath(directory)
         request = pb.WorkerDumpRequest(directory=path, overwrite=overwrite)
-        self._stream(self._stub.Dump, request, progress)
+        self._stream(self._stub.Dump, request, progress, f"dump to {path}")
         return checkpoint.read_manifest(path)
 
     def load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
     ) -> checkpoint.EmbeddingManifest:
         path = os.path.abspath(directory)
-        self._stream(self._stub.Load, pb.WorkerLoadRequest(directory=path), progress)
+        request = pb.WorkerLoadRequest(directory=path)
+        self._stream(self._stub.Load, request, progress, f"load of {path}")
         return checkpoint.read_manifest(path)
 
     def clear(self) -> None:
@@ -153,6 +167,7 @@ class RemoteEmbeddingWorker:
             shard_task_progress=tuple(s.task_progress for s in response.shard_status),
             task=response.task,
             task_progress=response.task_progress,
+            shard_serving=tuple(s.serving for s in response.shard_status),
         )
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from embedding_store.cli_types import port_number
+from embedding_store.cli_types import non_negative_float, port_number, positive_float
 from embedding_store.config import load_embedding_config, load_global_config
 from embedding_store.tier import TierStatus
 
@@ -50,14 +50,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--embedding-config", default=None, help="embedding_config.yml")
     parser.add_argument("--global-config", default=None, help="global_config.yml")
+    # Checked types: a NaN or negative value would wait forever, or not at all.
     parser.add_argument(
-        "--shard-timeout", type=float, default=10.0, help="deadline of each shard call (s)"
+        "--shard-timeout", type=positive_float, default=10.0, help="deadline of each shard call (s)"
     )
     parser.add_argument(
-        "--startup-timeout", type=float, default=60.0, help="wait this long for the shards (s)"
+        "--startup-timeout",
+        type=non_negative_float,
+        default=60.0,
+        help="wait this long for the shards (s)",
     )
     parser.add_argument(
-        "--grace-seconds", type=float, default=5.0, help="drain time on SIGTERM (s)"
+        "--grace-seconds", type=non_negative_float, default=5.0, help="drain time on SIGTERM (s)"
     )
     parser.set_defaults(handler=_run)
     register_admin(subparsers)
@@ -167,16 +171,20 @@ def _task(task: str, progress: float) -> str:
 
 
 def format_status(status: TierStatus) -> list[str]:
-    """The lines of ``recserve embedding-tier status``: one per shard (rows, capacity, task),
-    the worker's own task, then pending work. A task reads ``idle`` or e.g. ``dumping 50%``."""
+    """The lines of ``recserve embedding-tier status``: one per shard (rows, capacity, task,
+    and ``NOT SERVING`` when it says so), the worker's own task, then pending work. A task
+    reads ``idle`` or e.g. ``dumping 50%``."""
+    serving = status.shard_serving or (True,) * len(status.rows_per_shard)  # not reported
     lines = [
         f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}"
-        for index, (rows, capacity, task, progress) in enumerate(
+        + ("" if shard_serving else ", NOT SERVING")
+        for index, (rows, capacity, task, progress, shard_serving) in enumerate(
             zip(
                 status.rows_per_shard,
                 status.capacity_per_shard,
                 status.shard_tasks,
                 status.shard_task_progress,
+                serving,
             )
         )
     ]

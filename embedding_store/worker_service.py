@@ -10,8 +10,8 @@ health checking, server reflection and (``metrics_port``) Prometheus metrics
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -41,6 +41,7 @@ from embedding_store.batch import Batch
 from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
+    DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
@@ -54,7 +55,7 @@ from embedding_store.grpc_common import (
 )
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import configure_request_to_settings
-from embedding_store.optimizers import Optimizer, optimizer_from_dict
+from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
@@ -78,6 +79,15 @@ SERVICE_NAME = "recserve.embedding.v1.EmbeddingWorker"
 #: Builds the client of shard ``index`` at ``address``. The default connects a
 #: :class:`RemoteParameterServer`; tests pass fakes with the same methods.
 ShardClientFactory = Callable[[str, int], RemoteParameterServer]
+
+#: True once whoever asked for a dump or load is gone (its deadline passed, it disconnected):
+#: the task then stops before it changes anything (see :meth:`RemoteShardTier.dump`).
+CallerGone = Callable[[], bool]
+
+#: How often a serving worker checks that it still reaches every shard (its readiness).
+SHARD_CHECK_INTERVAL_SECONDS = 2.0
+#: Deadline of each shard's Status call in that check (at most the worker's shard timeout).
+SHARD_CHECK_TIMEOUT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,11 @@ class RemoteShardTier:
         self._checkpoint_executor = ThreadPoolExecutor(
             max_workers=len(self.clients), thread_name_prefix="shard-checkpoint"
         )
+        # Readiness checks too: a hung shard's status call must not hold a thread that a
+        # lookup is waiting for.
+        self._status_executor = ThreadPoolExecutor(
+            max_workers=len(self.clients), thread_name_prefix="shard-status"
+        )
         self.worker = EmbeddingWorker(
             embedding_config,
             self.clients,
@@ -172,11 +187,16 @@ class RemoteShardTier:
         self._pusher.start()
 
     # ------------------------------------------------------------------ readiness
-    def verify_shards(self) -> None:
-        """Check that shard i answers as replica i of N; raises naming the first mismatch."""
+    def verify_shards(self, *, timeout: float | None = None) -> None:
+        """Check that shard i answers as replica i of N; raises naming the first mismatch or
+        the first shard that does not answer (within ``timeout`` s each; None: the shard
+        timeout). The shards are asked at once, so a dead one costs one deadline, not N."""
         size = len(self.clients)
-        for index, client in enumerate(self.clients):
-            status = client.status()
+        if timeout is None:
+            statuses = self._each(lambda c: c.status(), self._status_executor)
+        else:
+            statuses = self._each(lambda c: c.status(timeout=timeout), self._status_executor)
+        for index, (client, status) in enumerate(zip(self.clients, statuses, strict=True)):
             if status.replica_index != index or status.replica_size != size:
                 raise InvalidArgumentError(
                     f"parameter server {client.address} answers as replica "
@@ -308,19 +328,32 @@ class RemoteShardTier:
         *,
         overwrite: bool = False,
         progress: ProgressCallback | None = None,
+        caller_gone: CallerGone | None = None,
     ) -> checkpoint.EmbeddingManifest:
         """Every shard writes its part into a staging directory; the worker then writes the
         manifest and the done-marker and renames the directory into place. If a shard fails,
         nothing is published (no manifest, no done-marker) and the error names the shard.
+        If ``caller_gone()`` is true just before the rename (the RPC's caller gave up), the
+        staging directory is removed and nothing is published either.
         UnavailableError while another dump or load runs."""
         self._checkpoint_task.begin("dumping")
         try:
-            return self._dump(directory, overwrite=overwrite, progress=self._tracked(progress))
+            return self._dump(
+                directory,
+                overwrite=overwrite,
+                progress=self._tracked(progress),
+                caller_gone=caller_gone or _caller_waits,
+            )
         finally:
             self._checkpoint_task.end()
 
     def _dump(
-        self, directory: str | os.PathLike, *, overwrite: bool, progress: ProgressCallback
+        self,
+        directory: str | os.PathLike,
+        *,
+        overwrite: bool,
+        progress: ProgressCallback,
+        caller_gone: CallerGone,
     ) -> checkpoint.EmbeddingManifest:
         self.flush()
         target = Path(directory).absolute()
@@ -358,6 +391,9 @@ class RemoteShardTier:
             checkpoint.finalize_checkpoint(
                 staging, self.embedding_config, total, entries, optimizer
             )
+            # The point of no return: a caller told that the dump failed (its deadline passed)
+            # must not find the checkpoint published later.
+            _raise_if_caller_gone(caller_gone, f"dump to {target}", "nothing was published")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -365,19 +401,34 @@ class RemoteShardTier:
         return checkpoint.read_manifest(target)
 
     def load(
-        self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
+        self,
+        directory: str | os.PathLike,
+        *,
+        progress: ProgressCallback | None = None,
+        caller_gone: CallerGone | None = None,
     ) -> checkpoint.EmbeddingManifest:
-        """Same shard count: each shard loads its own files. Another count: the worker reads
-        the rows, re-shards them and streams each shard its part, one shard at a time (at most
-        one shard's rows in memory). UnavailableError while another dump or load runs."""
+        """Verify the whole checkpoint and every shard's capacity, then have every shard load
+        its part (Load RPC): with the same shard count it reads its own files, with another
+        count it reads them all and keeps the rows it owns. Each shard replaces its rows only
+        once it has read all of them, so a failure (or a killed worker) leaves every shard
+        that did not finish with its previous rows, never empty or half-filled. A shard
+        without an optimizer takes the checkpoint's, with the saved optimizer state.
+
+        ``caller_gone``: checked before any shard changes, and passed on to the shards' loads
+        (a shard abandons its load while it still reads); the caller of a load that gave up
+        finds the tier as it was. UnavailableError while another dump or load runs."""
         self._checkpoint_task.begin("loading")
         try:
-            return self._load(directory, progress=self._tracked(progress))
+            return self._load(
+                directory,
+                progress=self._tracked(progress),
+                caller_gone=caller_gone or _caller_waits,
+            )
         finally:
             self._checkpoint_task.end()
 
     def _load(
-        self, directory: str | os.PathLike, *, progress: ProgressCallback
+        self, directory: str | os.PathLike, *, progress: ProgressCallback, caller_gone: CallerGone
     ) -> checkpoint.EmbeddingManifest:
         self.flush()
         target = Path(directory).absolute()
@@ -397,23 +448,14 @@ class RemoteShardTier:
                     f"({self.clients[index].address}) {rows} rows, more than its capacity "
                     f"{status.capacity}"
                 )
-        if manifest.num_shards == total or any(status.read_only for status in statuses):
-            # Same count: each shard reads its own files. Read-only (infer) shards accept only
-            # whole replacements: each one reads the checkpoint and keeps the rows it owns
-            # under the new count, atomically.
-            self._each(lambda c: c.load(str(target)), self._checkpoint_executor)
-            progress("load", total, total)
-            return manifest
-        # Re-shard with at most one shard's part (plus one file) in this process: read, clear
-        # and fill the shards one at a time. The state kept must fit every shard's optimizer,
-        # else import_rows would refuse it after clear() emptied the shard.
-        for index, (client, status) in enumerate(zip(self.clients, statuses, strict=True)):
-            keep = _optimizer_of(status.optimizer_json)
-            blocks = checkpoint.read_rows_for_replica(manifest, index, total, keep_state_of=keep)
-            client.clear()
-            client.import_rows(blocks)
-            del blocks
-            progress("load", index + 1, total)
+        _raise_if_caller_gone(caller_gone, f"load of {target}", "no shard changed")
+        # Each shard reads the checkpoint itself (its own files, or every file when the count
+        # differs, keeping the rows it owns) and swaps them in only once all are read: never a
+        # clear() followed by a stream that a failure or a killed worker cuts short.
+        self._each(
+            lambda c: c.load(str(target), caller_gone=caller_gone), self._checkpoint_executor
+        )
+        progress("load", total, total)
         return manifest
 
     def status(self) -> TierStatus:
@@ -430,6 +472,7 @@ class RemoteShardTier:
             shard_task_progress=tuple(s.task_progress for s in statuses),
             task=task,
             task_progress=task_progress,
+            shard_serving=tuple(s.serving for s in statuses),
         )
 
     def shard_statuses(self) -> list[ShardStatus]:
@@ -442,11 +485,20 @@ class RemoteShardTier:
             client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._checkpoint_executor.shutdown(wait=False, cancel_futures=True)
+        self._status_executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _optimizer_of(optimizer_json: str) -> Optimizer | None:
-    """A shard's optimizer from its status (``ShardStatus.optimizer_json``), or None."""
-    return optimizer_from_dict(json.loads(optimizer_json)) if optimizer_json else None
+def _caller_waits() -> bool:
+    """The :data:`CallerGone` of a direct call: its caller waits for the answer."""
+    return False
+
+
+def _raise_if_caller_gone(caller_gone: CallerGone, task: str, outcome: str) -> None:
+    """Stop a dump or load whose caller gave up, before it changes anything."""
+    if caller_gone():
+        raise DeadlineExceededError(
+            f"{task} abandoned: its caller gave up (deadline passed or cancelled); {outcome}"
+        )
 
 
 # --------------------------------------------------------------------------- metrics
@@ -593,7 +645,10 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             raise InvalidArgumentError("WorkerDumpRequest.directory must not be empty")
         yield from _with_progress(
             lambda progress: self.tier.dump(
-                request.directory, overwrite=request.overwrite, progress=progress
+                request.directory,
+                overwrite=request.overwrite,
+                progress=progress,
+                caller_gone=lambda: not context.is_active(),
             ),
             f"dumped to {request.directory}",
         )
@@ -606,7 +661,11 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         if not request.directory:
             raise InvalidArgumentError("WorkerLoadRequest.directory must not be empty")
         yield from _with_progress(
-            lambda progress: self.tier.load(request.directory, progress=progress),
+            lambda progress: self.tier.load(
+                request.directory,
+                progress=progress,
+                caller_gone=lambda: not context.is_active(),
+            ),
             f"loaded {request.directory}",
         )
 
@@ -633,13 +692,16 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
                     capacity=capacity,
                     task=task,
                     task_progress=task_progress,
+                    serving=serving,
                 )
-                for i, (rows, capacity, task, task_progress) in enumerate(
+                for i, (rows, capacity, task, task_progress, serving) in enumerate(
                     zip(
                         status.rows_per_shard,
                         status.capacity_per_shard,
                         status.shard_tasks,
                         status.shard_task_progress,
+                        status.shard_serving,
+                        strict=True,
                     )
                 )
             ],
@@ -701,8 +763,13 @@ def serve_embedding_worker(
 
     Prints ``embedding worker listening on HOST:PORT`` (flushed) once bound, preceded by
     ``embedding worker metrics on http://HOST:M/metrics`` when ``metrics_port`` is given
-    (0: a free port); None serves no metrics.
+    (0: a free port); None serves no metrics. Readiness (health ``""`` and the service's
+    name) is SERVING while the worker reaches every shard, checked every
+    :data:`SHARD_CHECK_INTERVAL_SECONDS`.
     """
+    for name, value in (("startup_timeout", startup_timeout), ("grace_seconds", grace_seconds)):
+        if not (math.isfinite(value) and value >= 0):
+            raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
     tier = RemoteShardTier(
         embedding_config,
         shard_addresses,
@@ -751,7 +818,13 @@ def serve_embedding_worker(
         freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
         print(f"embedding worker listening on {host}:{bound}", flush=True)
         return _serve(
-            tier, server, health_servicer, shard_addresses, startup_timeout, grace_seconds
+            tier,
+            server,
+            health_servicer,
+            shard_addresses,
+            startup_timeout,
+            grace_seconds,
+            check_timeout=min(SHARD_CHECK_TIMEOUT_SECONDS, shard_timeout),
         )
     finally:
         if metrics_httpd is not None:
@@ -770,6 +843,59 @@ def _start_metrics_server(metrics: EmbeddingWorkerMetrics, host: str, port: int)
     return httpd
 
 
+class _Readiness:
+    """The worker's readiness: health ``""`` and :data:`SERVICE_NAME`, SERVING while it reaches
+    every shard. After :meth:`shut_down` it stays NOT_SERVING whatever a late check finds."""
+
+    def __init__(self, health_servicer: health.HealthServicer) -> None:
+        self._health = health_servicer
+        self._lock = threading.Lock()
+        self._serving = False
+        self._shut_down = False
+
+    def set(self, serving: bool) -> bool:
+        """Report ``serving``; whether that changed the readiness."""
+        with self._lock:
+            if self._shut_down or serving == self._serving:
+                return False
+            self._serving = serving
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for name in ("", SERVICE_NAME):
+                self._health.set(name, status)
+            return True
+
+    def shut_down(self) -> None:
+        with self._lock:
+            self._shut_down = True
+            self._serving = False
+            for name in ("", SERVICE_NAME):
+                self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def _watch_shards(
+    tier: RemoteShardTier, readiness: _Readiness, stop: threading.Event, timeout: float
+) -> None:
+    """Until ``stop``: every :data:`SHARD_CHECK_INTERVAL_SECONDS`, ask every shard's status
+    (one deadline of ``timeout`` s for all) and set the readiness by the answer. A shard
+    killed or unreachable turns the worker NOT_SERVING; its return, SERVING again."""
+    while not stop.wait(SHARD_CHECK_INTERVAL_SECONDS):
+        try:
+            tier.verify_shards(timeout=timeout)
+        except RecserveError as error:
+            if readiness.set(False):
+                log.warning("embedding worker NOT_SERVING: %s", error.message)
+        except Exception:  # the watcher must outlive any surprise; report it
+            log.exception("checking the shards failed")
+            readiness.set(False)
+        else:
+            if readiness.set(True):
+                log.info("embedding worker reaches every shard again: SERVING")
+
+
 def _serve(
     tier: RemoteShardTier,
     server: grpc.Server,
@@ -777,8 +903,10 @@ def _serve(
     shard_addresses: Sequence[str],
     startup_timeout: float,
     grace_seconds: float,
+    check_timeout: float = SHARD_CHECK_TIMEOUT_SECONDS,
 ) -> int:
-    """Wait for the shards, serve until SIGTERM/SIGINT, drain; returns the exit code."""
+    """Wait for the shards, serve until SIGTERM/SIGINT (re-checking the shards in the
+    background for readiness), drain; returns the exit code."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -788,7 +916,7 @@ def _serve(
         try:
             tier.verify_shards()
             break
-        except UnavailableError as error:
+        except (UnavailableError, DeadlineExceededError) as error:
             if time.monotonic() > deadline:
                 log.error("shards not reachable within %.0f s: %s", startup_timeout, error)
                 server.stop(0)
@@ -801,14 +929,23 @@ def _serve(
             server.stop(0)
             tier.close()
             return 1
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("embedding worker serving %d shard(s): %s", len(shard_addresses), shard_addresses)
-
-    stop.wait()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    readiness = _Readiness(health_servicer)
+    watcher = None
+    if not stop.is_set():  # a SIGTERM during the wait: straight to the drain, never SERVING
+        readiness.set(True)
+        log.info("embedding worker serving %d shard(s): %s", len(shard_addresses), shard_addresses)
+        watcher = threading.Thread(
+            target=_watch_shards,
+            args=(tier, readiness, stop, check_timeout),
+            name="shard-readiness",
+            daemon=True,
+        )
+        watcher.start()
+        stop.wait()
+    readiness.shut_down()
     server.stop(grace_seconds).wait()
+    if watcher is not None:
+        watcher.join(timeout=check_timeout + 1.0)  # its last check has a deadline
     try:
         tier.flush()
     except RecserveError as error:

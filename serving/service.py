@@ -138,11 +138,16 @@ class PredictionService:
         while not self._stop_checks.wait(every):
             was_ready = self.ready()
             try:
-                self._model.tier.status()
+                status = self._model.tier.status()
+                # A shard that answers but cannot serve yet (a restarted inference shard
+                # still loading its checkpoint) fails every lookup that reaches it.
+                waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
+                if waiting:
+                    raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
                 self._tier_ok, self.last_tier_error = True, None
             except RecserveError as error:
                 if self._tier_ok:
-                    log.warning("embedding tier not answering; not ready: %s", error.message)
+                    log.warning("embedding tier not serving; not ready: %s", error.message)
                 self._tier_ok, self.last_tier_error = False, error.message
             now_ready = self.ready()
             if now_ready != was_ready and self._on_ready_change is not None:

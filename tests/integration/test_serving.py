@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import gzip
 import hashlib
 import http.client
@@ -41,6 +42,8 @@ from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeat
 from examples.adult_income import features
 from serving import json_arrays, tensors
 from serving.infer_ctx import InferCtx
+from serving.model import load_model
+from serving.service import PredictionService
 
 ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
 MODEL = "model"
@@ -1152,3 +1155,33 @@ def test_metrics_are_valid_prometheus_text(served, batch, grpc_client, tmp_path)
                 [promtool, "check", "metrics"], stdin=stdin, capture_output=True, timeout=30
             )
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+class _ShardsNotAllServing:
+    """The model's tier, reporting shard 1 as answering but not serving (a restarted
+    inference shard that has not loaded its checkpoint) while ``serving`` is False."""
+
+    def __init__(self, tier) -> None:
+        self.tier = tier
+        self.serving = False
+
+    def status(self):
+        status = self.tier.status()
+        return dataclasses.replace(status, shard_serving=(True, self.serving))
+
+    def __getattr__(self, name: str):
+        return getattr(self.tier, name)
+
+
+def test_readiness_needs_every_shard_serving(adult_checkpoint):
+    model = load_model(adult_checkpoint, name=MODEL)
+    tier = model.tier = _ShardsNotAllServing(model.tier)
+    service = PredictionService(model, tier_check_seconds=0.05)
+    try:
+        _wait_until(lambda: not service.ready(), 10, "readiness off")
+        assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+        tier.serving = True
+        _wait_until(service.ready, 10, "readiness back")
+        assert service.last_tier_error is None
+    finally:
+        service.close()

@@ -303,3 +303,29 @@ def test_a_checkpoint_left_by_an_interrupted_overwrite_is_named(tmp_path):
         r".*\.ckpt\.old-0123abcd: rename it to ckpt",
     ):
         checkpoint.read_manifest(tmp_path / "ckpt")
+
+
+def test_files_listed_for_another_shard_are_refused(tmp_path):
+    # The manifest's shard numbers of shard 0's and shard 1's files swapped: every size and
+    # checksum holds, but each shard would get rows it never looks up (all unknown IDs).
+    _, shards = trained_worker(2)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    for entry in manifest["files"]:
+        entry["shard"] = 1 - entry["shard"]
+    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError, match=r"was written for shard \d; the manifest lists it for shard \d"
+    ):
+        checkpoint.verify(root)
+    _loaded_store_is_unchanged(tmp_path, root, "was written for shard")
+
+
+def test_a_target_that_cannot_be_written_is_named(tmp_path):
+    _, shards = trained_worker(1)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for target in (blocker / "ckpt", "/proc/recserve-ckpt"):
+        with pytest.raises(CheckpointError, match=f"cannot write a checkpoint to {target}: "):
+            checkpoint.dump_embeddings(shards, target, CONFIG)

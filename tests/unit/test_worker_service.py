@@ -85,7 +85,7 @@ class FakeShardClient:
             self.task = ""
         return entries, self.shard.optimizer.to_dict()
 
-    def load(self, directory: str) -> int:
+    def load(self, directory: str, *, caller_gone: Callable[[], bool] | None = None) -> int:
         self.task = "loading"
         try:
             if self.on_load:

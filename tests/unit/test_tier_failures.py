@@ -1,0 +1,502 @@
+"""Failure paths of the embedding tier's checkpoint tasks, in process (fake shard clients, the
+parameter-server servicer and process without a network where they can).
+
+* A re-sharding load that fails in one shard leaves that shard its previous rows (never
+  cleared and half-filled), and a load into a shard without an optimizer keeps the
+  checkpoint's optimizer and every row's state.
+* A dump or load whose caller gave up (deadline, disconnect) changes nothing afterwards.
+* ``--dump-on-exit`` never overwrites the previous dump in place.
+* Readiness: ``TierStatus.shard_serving``, and a worker stopped while it waits for its shards
+  never reports SERVING; ``--startup-timeout`` refuses NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import safetensors.numpy
+from grpc_health.v1 import health_pb2
+
+from embedding_store import checkpoint
+from embedding_store.cli import main as cli_main
+from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
+from embedding_store.errors import InvalidArgumentError, UnavailableError
+from embedding_store.hashing import shard_of
+from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizers import SGD, Adagrad, Adam
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.ps_client import ShardStatus
+from embedding_store.ps_service import (
+    ParameterServerOptions,
+    ParameterServerProcess,
+    ParameterServerServicer,
+)
+from embedding_store.shard import EmbeddingShard
+from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.worker_command import format_status
+from embedding_store.worker_service import (
+    SERVICE_NAME,
+    EmbeddingWorkerServicer,
+    RemoteShardTier,
+    _serve,
+    serve_embedding_worker,
+)
+from tests.unit.test_worker_service import (
+    CONFIG,
+    WAIT,
+    AbortedRpcError,
+    FakeShardClient,
+    hold_all,
+    ones,
+    user_batch,
+)
+
+ADAM = Adam(lr=0.01)
+TWO_DIMS = EmbeddingConfig(slots_config={"a": SlotConfig(dim=4), "b": SlotConfig(dim=8)})
+
+
+# --------------------------------------------------------------------------- helpers
+class Context:
+    """A servicer context whose caller is there until :meth:`leave`."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AbortedRpcError(code, details)
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def leave(self) -> None:
+        self.active = False
+
+
+def exact_rows(shard: EmbeddingShard) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per dim: (ids, weight bits, state bits), sorted by ID: equal only when bit-identical."""
+    rows = {}
+    for dim in sorted(shard.dims()):
+        block = shard.export_rows(dim)
+        order = np.argsort(block.ids)
+        rows[dim] = (
+            block.ids[order],
+            block.weights[order].view(np.uint32),
+            block.state[order].view(np.uint32),
+        )
+    return rows
+
+
+def assert_same_rows(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for dim in expected:
+        for name, a, b in zip(("ids", "weights", "state"), got[dim], expected[dim], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"dim {dim} {name}")
+
+
+def rows_of_replica(
+    directory: Path, replica_index: int, replica_size: int, optimizer: object | None
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """What a shard holding exactly its part of the checkpoint would export (as exact_rows)."""
+    manifest = checkpoint.read_manifest(directory)
+    blocks = checkpoint.read_rows_for_replica(
+        manifest, replica_index, replica_size, keep_state_of=optimizer
+    )
+    rows = {}
+    for block in blocks:
+        order = np.argsort(block.ids)
+        state = np.zeros((len(block.ids), 0), np.float32) if block.state is None else block.state
+        rows[block.dim] = (
+            block.ids[order],
+            block.weights[order].view(np.uint32),
+            state[order].view(np.uint32),
+        )
+    return rows
+
+
+def fake_tier(fakes: list[FakeShardClient]) -> RemoteShardTier:
+    return RemoteShardTier(
+        CONFIG, [fake.address for fake in fakes], connect=lambda address, index: fakes[index]
+    )
+
+
+def trained_tier_checkpoint(directory: Path, ids: list[int], num_shards: int) -> None:
+    """A ``num_shards``-shard checkpoint of trained rows for ``ids`` (SGD, like the fakes)."""
+    with InProcessEmbeddingTier(CONFIG, num_shards=num_shards, optimizer=SGD(lr=1.0)) as tier:
+        result = tier.lookup(user_batch(ids), train=True)
+        tier.backward(result.ref, ones(len(ids)))
+        tier.dump(directory)
+
+
+class ShardFailingMidLoad(FakeShardClient):
+    """A shard that fails part-way through receiving a checkpoint, whichever way it gets it:
+    a streamed import keeps the rows that arrived (as a real shard's ImportRows does, chunk
+    by chunk); a Load fails after reading its first file (before the swap, as a real shard's
+    load does when a read fails or it goes away)."""
+
+    def import_rows(self, blocks) -> int:
+        for block in blocks:
+            self.shard.import_rows(block)
+            break
+        raise UnavailableError(f"{self.peer} is unavailable: Socket closed")
+
+    def load(self, directory: str, *, caller_gone: Callable[[], bool] | None = None) -> int:
+        def fail(_done: int, _total: int) -> None:
+            raise UnavailableError(f"{self.peer} is unavailable: Socket closed")
+
+        checkpoint.load_into_shard(
+            directory,
+            self.shard,
+            CONFIG,
+            replica_index=self.shard.replica_index,
+            replica_size=self.shard.replica_size,
+            progress=fail,
+        )
+        return self.shard.size()
+
+
+# --------------------------------------------------------------------------- re-sharding loads
+def test_a_reshard_load_failing_in_one_shard_leaves_that_shard_its_previous_rows(tmp_path):
+    trained_tier_checkpoint(tmp_path / "three", list(range(60)), num_shards=3)
+    fakes = [FakeShardClient(0, 2), ShardFailingMidLoad(1, 2)]
+    tier = fake_tier(fakes)
+    try:
+        ids = list(range(1000, 1040))
+        result = tier.lookup(user_batch(ids), train=True)
+        tier.backward(result.ref, ones(len(ids)))
+        tier.flush()
+        before = exact_rows(fakes[1].shard)
+        assert sum(len(rows[0]) for rows in before.values()) > 0
+        with pytest.raises(UnavailableError, match=r"fake-1:7000 \(shard 1\) is unavailable"):
+            tier.load(tmp_path / "three")
+        assert_same_rows(exact_rows(fakes[1].shard), before)  # not cleared, not half-filled
+        # Shard 0 finished its own load: exactly its part of the checkpoint, nothing else.
+        assert_same_rows(
+            exact_rows(fakes[0].shard), rows_of_replica(tmp_path / "three", 0, 2, None)
+        )
+        assert fakes[0].clears == fakes[1].clears == 0
+    finally:
+        tier.close()
+
+
+# --------------------------------------------------------------------------- callers that left
+def test_a_load_whose_caller_left_changes_no_shard(tmp_path):
+    trained_tier_checkpoint(tmp_path / "ckpt", list(range(30)), num_shards=1)
+    fakes = [FakeShardClient(0, 2), FakeShardClient(1, 2)]
+    tier = fake_tier(fakes)
+    loads = []
+    for fake in fakes:
+        fake.on_load = lambda: loads.append("load")
+    try:
+        tier.lookup(user_batch(list(range(500, 520))), train=True)
+        before = [exact_rows(fake.shard) for fake in fakes]
+        servicer = EmbeddingWorkerServicer(tier)
+        request = pb.WorkerLoadRequest(directory=str(tmp_path / "ckpt"))
+        with pytest.raises(AbortedRpcError) as failure:
+            list(servicer.Load(request, Context(active=False)))
+        code, details = failure.value.args
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert details == (
+            f"load of {tmp_path / 'ckpt'} abandoned: its caller gave up (deadline passed or "
+            "cancelled); no shard changed"
+        )
+        assert loads == []
+        for fake, rows in zip(fakes, before, strict=True):
+            assert_same_rows(exact_rows(fake.shard), rows)
+        assert tier.status().task == ""  # the task ended: the next load may run
+    finally:
+        tier.close()
+
+
+def test_a_dump_whose_caller_left_while_shards_wrote_publishes_nothing(tmp_path):
+    fakes = [FakeShardClient(0, 2), FakeShardClient(1, 2)]
+    tier = fake_tier(fakes)
+    try:
+        tier.lookup(user_batch(list(range(20))), train=True)
+        servicer = EmbeddingWorkerServicer(tier)
+        root = tmp_path / "checkpoints"
+        root.mkdir()
+        target = root / "d6"
+        entered, release = hold_all(fakes, "on_dump")
+        context = Context()
+        outcome: dict[str, BaseException] = {}
+
+        def dump() -> None:
+            try:
+                list(servicer.Dump(pb.WorkerDumpRequest(directory=str(target)), context))
+            except AbortedRpcError as error:
+                outcome["error"] = error
+
+        thread = threading.Thread(target=dump)
+        thread.start()
+        assert all(event.wait(WAIT) for event in entered)  # both shards are writing
+        context.leave()  # the caller's deadline passes while they write
+        for event in release:
+            event.set()
+        thread.join(WAIT)
+        assert not thread.is_alive()
+        code, details = outcome["error"].args
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert details == (
+            f"dump to {target} abandoned: its caller gave up (deadline passed or cancelled); "
+            "nothing was published"
+        )
+        assert list(root.iterdir()) == []  # no checkpoint, no staging directory left
+    finally:
+        for fake in fakes:
+            fake.on_dump = None
+        tier.close()
+
+
+# --------------------------------------------------------------------------- the shard's Load RPC
+def shard_with_rows(optimizer: object | None, replica_index: int = 0, replica_size: int = 1):
+    shard = EmbeddingShard(
+        1000,
+        optimizer=optimizer,
+        initialization=InitializationConfig(seed=7),
+        replica_index=replica_index,
+        replica_size=replica_size,
+    )
+    return ParameterServerServicer(shard, TWO_DIMS, job_type=JobType.TRAIN)
+
+
+def adam_checkpoint(directory: Path) -> None:
+    """A 1-shard checkpoint written with Adam (state width 2 x dim + 1), rows trained twice."""
+    source = shard_with_rows(ADAM).shard
+    for dim, ids in (
+        (4, np.arange(40, dtype=np.uint64)),
+        (8, np.arange(100, 130, dtype=np.uint64)),
+    ):
+        for step in range(2):
+            source.lookup(ids, dim, train=True)
+            grads = np.linspace(-1, 1 + step, ids.shape[0] * dim, dtype=np.float32)
+            source.update(ids, grads.reshape(-1, dim))
+    checkpoint.dump_embeddings([source], directory, TWO_DIMS)
+
+
+@pytest.mark.parametrize("replica", [(0, 1), (1, 2)], ids=["same-layout", "re-shard"])
+def test_load_rpc_into_a_shard_without_optimizer_keeps_the_optimizer_and_state(tmp_path, replica):
+    adam_checkpoint(tmp_path / "adam")
+    s = shard_with_rows(None, *replica)
+    answer = s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "adam")), Context())
+    assert s.shard.optimizer == ADAM and s.serving
+    expected = rows_of_replica(tmp_path / "adam", *replica, ADAM)
+    assert answer.rows_loaded == sum(len(rows[0]) for rows in expected.values()) > 0
+    assert [state.shape[1] for _, _, state in expected.values()] == [9, 17]
+    assert_same_rows(exact_rows(s.shard), expected)
+
+
+def test_load_rpc_keeps_a_configured_optimizer_and_only_state_that_fits(tmp_path):
+    adam_checkpoint(tmp_path / "adam")
+    other_lr = Adam(lr=0.5)  # same kind and widths: the saved state fits and is kept
+    s = shard_with_rows(other_lr)
+    s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "adam")), Context())
+    assert s.shard.optimizer == other_lr
+    assert_same_rows(exact_rows(s.shard), rows_of_replica(tmp_path / "adam", 0, 1, ADAM))
+
+    adagrad = Adagrad(lr=0.1, initial_accumulator_value=0.25)  # another kind: state dropped
+    s = shard_with_rows(adagrad)
+    s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "adam")), Context())
+    assert s.shard.optimizer == adagrad
+    for dim, (_, _, state) in exact_rows(s.shard).items():
+        assert state.shape[1] == dim
+        np.testing.assert_array_equal(state.view(np.float32), np.float32(0.25))
+
+
+def test_load_rpc_whose_caller_left_keeps_the_shards_rows(tmp_path):
+    adam_checkpoint(tmp_path / "adam")
+    s = shard_with_rows(SGD(lr=1.0))
+    s.shard.lookup(np.arange(900, 910, dtype=np.uint64), 4, train=True)
+    before = exact_rows(s.shard)
+    with pytest.raises(AbortedRpcError) as failure:
+        s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "adam")), Context(active=False))
+    code, details = failure.value.args
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert details == (
+        f"load of {tmp_path / 'adam'} abandoned: the caller gave up; this shard keeps its rows"
+    )
+    assert_same_rows(exact_rows(s.shard), before)
+    assert s.shard.optimizer == SGD(lr=1.0)
+    assert s.Status(pb.ShardStatusRequest(), Context()).task == ""
+
+
+# --------------------------------------------------------------------------- --dump-on-exit
+def dump_on_exit_process(
+    directory: Path, ids: np.ndarray, replica_index: int = 0, replica_size: int = 1
+) -> ParameterServerProcess:
+    options = ParameterServerOptions(
+        replica_index=replica_index, replica_size=replica_size, dump_on_exit=str(directory)
+    )
+    process = ParameterServerProcess(TWO_DIMS, GlobalConfig(), options)
+    process.shard.configure(optimizer=ADAM)
+    for dim in (4, 8):
+        process.shard.lookup(ids, dim, train=True)
+    return process
+
+
+def killed_at_second_file(monkeypatch, check: Callable[[], None]) -> None:
+    """Make the dump's second file write run ``check`` (the state a kill -9 at that moment
+    would leave) and then fail, as if the process died there."""
+    real_write = checkpoint._write_atomic
+    writes = []
+
+    def write(path: Path, payload: bytes) -> None:
+        writes.append(path)
+        if len(writes) == 2:
+            check()
+            raise RuntimeError("killed mid-dump")
+        real_write(path, payload)
+
+    monkeypatch.setattr(checkpoint, "_write_atomic", write)
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_dump_on_exit_interrupted_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / "on_exit"
+    dump_on_exit_process(target, np.arange(10, dtype=np.uint64)).stop(grace=0)
+    previous = checkpoint.verify(target)
+    assert previous.total_rows == 20
+    previous_files = files_under(target)
+
+    def still_whole() -> None:
+        assert files_under(target) == previous_files
+        assert checkpoint.verify(target).total_rows == 20
+
+    killed_at_second_file(monkeypatch, still_whole)
+    process = dump_on_exit_process(target, np.arange(50, dtype=np.uint64))
+    with pytest.raises(RuntimeError, match="killed mid-dump"):
+        process.stop(grace=0)
+    still_whole()
+    assert [p.name for p in tmp_path.iterdir()] == ["on_exit"]  # no staging directory left
+
+    monkeypatch.undo()  # an uninterrupted dump replaces it whole
+    dump_on_exit_process(target, np.arange(50, dtype=np.uint64)).stop(grace=0)
+    assert checkpoint.verify(target).total_rows == 100
+    assert [p.name for p in tmp_path.iterdir()] == ["on_exit"]
+
+
+def test_dump_on_exit_of_one_of_several_shards_replaces_its_part_whole(tmp_path, monkeypatch):
+    target = tmp_path / "parts"
+    ids = np.arange(40, dtype=np.uint64)
+    mine = ids[shard_of(ids, 2) == 1]
+    dump_on_exit_process(target, mine, replica_index=1, replica_size=2).stop(grace=0)
+    part = target / "shard_00001"
+    previous_files = files_under(part)
+    assert sorted(previous_files) == ["dim_4.safetensors", "dim_8.safetensors"]
+
+    def part_untouched() -> None:
+        assert files_under(part) == previous_files
+
+    killed_at_second_file(monkeypatch, part_untouched)
+    more = np.arange(100, dtype=np.uint64)
+    process = dump_on_exit_process(target, more[shard_of(more, 2) == 1], 1, 2)
+    with pytest.raises(RuntimeError, match="killed mid-dump"):
+        process.stop(grace=0)
+    part_untouched()
+    assert [p.name for p in target.iterdir()] == ["shard_00001"]  # no staging directory left
+
+    monkeypatch.undo()
+    process = dump_on_exit_process(target, more[shard_of(more, 2) == 1], 1, 2)
+    process.stop(grace=0)
+    assert [p.name for p in target.iterdir()] == ["shard_00001"]
+    assert sorted(files_under(part)) == ["dim_4.safetensors", "dim_8.safetensors"]
+    for dim in (4, 8):
+        saved = safetensors.numpy.load_file(str(part / f"dim_{dim}.safetensors"))
+        np.testing.assert_array_equal(np.sort(saved["ids"]), np.sort(more[shard_of(more, 2) == 1]))
+
+
+# --------------------------------------------------------------------------- readiness
+class NotServingShard(FakeShardClient):
+    """A shard that answers but cannot serve yet (an inference shard still loading)."""
+
+    def status(self) -> ShardStatus:
+        answer = super().status()
+        return ShardStatus(**{**answer.__dict__, "serving": False})
+
+
+def test_tier_status_reports_which_shards_serve():
+    fakes = [FakeShardClient(0, 2), NotServingShard(1, 2)]
+    tier = fake_tier(fakes)
+    try:
+        status = tier.status()
+        assert status.shard_serving == (True, False)
+        answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), Context())
+        assert [s.serving for s in answer.shard_status] == [True, False]
+        assert format_status(status)[:2] == [
+            "shard 0: 0 rows of 1000, idle",
+            "shard 1: 0 rows of 1000, idle, NOT SERVING",
+        ]
+    finally:
+        tier.close()
+    with InProcessEmbeddingTier(CONFIG, num_shards=3) as in_process:
+        assert in_process.status().shard_serving == (True, True, True)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_worker_startup_timeout_must_be_finite_and_not_negative(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["embedding-worker", "--ps", "127.0.0.1:1", "--startup-timeout", value])
+    assert exit_.value.code == 2
+    assert "argument --startup-timeout: expected a" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match=r"startup_timeout must be a finite number >= 0"):
+        serve_embedding_worker(CONFIG, ["127.0.0.1:1"], startup_timeout=float(value))
+
+
+class RecordingHealth:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def set(self, service: str, status: int) -> None:
+        self.calls.append((service, status))
+
+
+class StoppedServer:
+    def stop(self, grace: float) -> threading.Event:
+        done = threading.Event()
+        done.set()
+        return done
+
+
+class UnreachableShards:
+    """A tier whose shards never answer; the second check brings a SIGTERM."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.closed = False
+
+    def verify_shards(self) -> None:
+        self.checks += 1
+        if self.checks == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise UnavailableError("parameter server 127.0.0.1:1 (shard 0) is unavailable")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_worker_stopped_while_it_waits_for_its_shards_never_reports_serving():
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    health = RecordingHealth()
+    tier = UnreachableShards()
+    try:
+        code = _serve(tier, StoppedServer(), health, ["127.0.0.1:1"], 60.0, 0.0)  # type: ignore[arg-type]
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert code == 0 and tier.checks == 2 and tier.closed
+    assert (SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING) not in health.calls
+    assert ("", health_pb2.HealthCheckResponse.SERVING) not in health.calls
