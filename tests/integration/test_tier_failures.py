@@ -39,6 +39,7 @@ from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from tests.integration.blocking_checkpoint import feed, replace_with_fifo
+from tests.unit.test_tier_failures import assert_same_rows, rows_by_dim
 
 EMBEDDING_CONFIG = {"slots_config": {"user": {"dim": 8}, "items": {"dim": 4}}}
 CAPACITY = 100_000
@@ -102,16 +103,7 @@ def trained_checkpoint(directory: Path, config_path: Path, num_shards: int, opti
 def exact_rows(address: str) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Every row of the shard at ``address`` per dim, by ID: (ids, weight bits, state bits)."""
     with RemoteParameterServer(address, timeout=10) as shard:
-        blocks = list(shard.export_rows())
-    out = {}
-    for dim in sorted({b.dim for b in blocks}):
-        mine = [b for b in blocks if b.dim == dim]
-        ids = np.concatenate([b.ids for b in mine])
-        order = np.argsort(ids)
-        weights = np.concatenate([b.weights for b in mine])[order]
-        state = np.concatenate([b.state for b in mine])[order]
-        out[dim] = (ids[order], weights.view(np.uint32), state.view(np.uint32))
-    return out
+        return rows_by_dim(list(shard.export_rows()))
 
 
 def checkpoint_rows(directory: Path) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -120,22 +112,7 @@ def checkpoint_rows(directory: Path) -> dict[int, tuple[np.ndarray, np.ndarray, 
     blocks = checkpoint.read_rows_for_replica(
         manifest, 0, 1, keep_state_of=checkpoint.optimizer_of(manifest)
     )
-    out = {}
-    for block in blocks:
-        order = np.argsort(block.ids)
-        out[block.dim] = (
-            block.ids[order],
-            block.weights[order].view(np.uint32),
-            block.state[order].view(np.uint32),
-        )
-    return out
-
-
-def assert_same_rows(got: dict, expected: dict) -> None:
-    assert sorted(got) == sorted(expected)
-    for dim in expected:
-        for name, a, b in zip(("ids", "weights", "state"), got[dim], expected[dim], strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=f"dim {dim} {name}")
+    return rows_by_dim(blocks)
 
 
 def wait_until(condition, what: str, timeout: float = WAIT) -> None:

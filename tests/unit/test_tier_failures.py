@@ -79,18 +79,29 @@ class Context:
         self.active = False
 
 
-def exact_rows(shard: EmbeddingShard) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per dim: (ids, weight bits, state bits), sorted by ID: equal only when bit-identical."""
-    rows = {}
-    for dim in sorted(shard.dims()):
-        block = shard.export_rows(dim)
-        order = np.argsort(block.ids)
-        rows[dim] = (
-            block.ids[order],
-            block.weights[order].view(np.uint32),
-            block.state[order].view(np.uint32),
+def rows_by_dim(blocks) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Row blocks (``.dim``, ``.ids``, ``.weights``, ``.state``; several per dim allowed) as
+    per dim (ids, weight bits, state bits) sorted by ID: equal only when bit-identical."""
+    out = {}
+    for dim in sorted({b.dim for b in blocks}):
+        mine = [b for b in blocks if b.dim == dim]
+        ids = np.concatenate([b.ids for b in mine])
+        order = np.argsort(ids)
+        states = [
+            np.zeros((len(b.ids), 0), np.float32) if b.state is None else b.state for b in mine
+        ]
+        weights = np.concatenate([b.weights for b in mine])[order]
+        out[dim] = (
+            ids[order],
+            weights.view(np.uint32),
+            np.concatenate(states)[order].view(np.uint32),
         )
-    return rows
+    return out
+
+
+def exact_rows(shard: EmbeddingShard) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every row of an in-process shard, as :func:`rows_by_dim` gives them."""
+    return rows_by_dim([shard.export_rows(dim) for dim in shard.dims()])
 
 
 def assert_same_rows(got: dict, expected: dict) -> None:
@@ -108,16 +119,7 @@ def rows_of_replica(
     blocks = checkpoint.read_rows_for_replica(
         manifest, replica_index, replica_size, keep_state_of=optimizer
     )
-    rows = {}
-    for block in blocks:
-        order = np.argsort(block.ids)
-        state = np.zeros((len(block.ids), 0), np.float32) if block.state is None else block.state
-        rows[block.dim] = (
-            block.ids[order],
-            block.weights[order].view(np.uint32),
-            state[order].view(np.uint32),
-        )
-    return rows
+    return rows_by_dim(blocks)
 
 
 def fake_tier(fakes: list[FakeShardClient]) -> RemoteShardTier:
