@@ -51,6 +51,7 @@ from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     CapacityError,
+    CheckpointError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -749,6 +750,11 @@ class ParameterServerProcess:
                     directory, expected=True, adopt_optimizer=adopt_optimizer
                 )
             except BaseException as error:
+                if isinstance(error, CheckpointError) and self.job_type is JobType.INFER:
+                    # The directory came from the global config: name the key too.
+                    error = CheckpointError(
+                        f"common_config.infer_config.embedding_checkpoint: {error.message}"
+                    )
                 log.error("loading embedding checkpoint %s failed: %s", directory, error)
                 self.fatal_error = error
                 self.stop_requested = True

@@ -12,6 +12,7 @@ import queue
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -536,3 +537,25 @@ def test_sigterm_lets_an_in_flight_rpc_finish_and_refuses_new_ones(start_server,
     finally:
         loader.close()
     assert "received SIGTERM" in server.log_path.read_text()
+
+
+def test_an_infer_shard_whose_configured_checkpoint_is_missing_names_the_key(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    embedding = tmp_path / "embedding_config.yml"
+    embedding.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text(yaml.safe_dump(infer_global_config(missing)))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "embedding_store.cli", "embedding-parameter-server",
+            "--embedding-config", str(embedding), "--global-config", str(global_config),
+            "--replica-index", "0", "--replica-size", "1", "--host", "127.0.0.1", "--port", "0",
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "error: common_config.infer_config.embedding_checkpoint: embedding checkpoint "
+        f"{missing} does not exist"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
