@@ -484,7 +484,7 @@ class UnreachableShards:
         raise UnavailableError("parameter server 127.0.0.1:1 (shard 0) is unavailable")
 
     def flush(self) -> None:
-        pass
+        """No gradients are ever queued in this fake: nothing to wait for."""
 
     def close(self) -> None:
         self.closed = True
