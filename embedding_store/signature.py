@@ -24,6 +24,10 @@ class IdFeatureSpec:
     single_id: bool
 
 
+def _id_kind(single_id: bool) -> str:
+    return "single-ID (one ID per sample)" if single_id else "jagged (a list of IDs per sample)"
+
+
 @dataclass(frozen=True)
 class NonIdFeatureSpec:
     """A non-ID feature: numpy dtype name and the shape of one sample (without the batch)."""
@@ -71,13 +75,24 @@ class FeatureSignature:
         )
 
     def check(self, batch: Batch) -> None:
-        """Raise BatchValidationError naming the first feature that does not match."""
+        """Raise BatchValidationError naming the first feature that does not match.
+
+        Order matters for both kinds: the dense model takes its embedding tensors and its
+        non-ID tensors by position, and merged requests are joined column by column.
+        """
         names = [f.name for f in batch.id_type_features]
         expected = [f.name for f in self.id_features]
         if names != expected:
             raise BatchValidationError(
                 f"ID features {names} do not match the model's {expected} (names and order)"
             )
+        for spec, feature in zip(self.id_features, batch.id_type_features):
+            single_id = isinstance(feature, IDTypeFeatureWithSingleID)
+            if single_id != spec.single_id:
+                raise BatchValidationError(
+                    f"ID feature {spec.name!r} is {_id_kind(single_id)} here; the model's is "
+                    f"{_id_kind(spec.single_id)}"
+                )
         by_name = {f.name: f for f in batch.non_id_type_features}
         for spec in self.non_id_features:
             feature = by_name.get(spec.name)
@@ -92,6 +107,12 @@ class FeatureSignature:
         extra = set(by_name) - {s.name for s in self.non_id_features}
         if extra:
             raise BatchValidationError(f"unknown non-ID feature(s): {sorted(extra)}")
+        order = [f.name for f in batch.non_id_type_features]
+        expected = [f.name for f in self.non_id_features]
+        if order != expected:
+            raise BatchValidationError(
+                f"non-ID features come in the order {order}; the model takes them as {expected}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

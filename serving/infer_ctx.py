@@ -83,7 +83,11 @@ class InferCtx:
     def prepare_features(
         self, batch: Batch
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """(non-ID tensors, embedding tensors, label tensors) for the dense model."""
+        """(non-ID tensors, embedding tensors, label tensors) for the dense model: the
+        model's inputs by position, so with a checkpoint the batch must match its signature
+        (BatchValidationError names the first feature that does not)."""
+        if self.model is not None:
+            self.model.signature.check(batch)
         lookup = self.get_embedding_from_data(batch)
         non_ids = [
             torch.from_numpy(np.array(f.data, dtype=np.float32, copy=True))
@@ -93,9 +97,14 @@ class InferCtx:
         return non_ids, [s.embeddings for s in lookup.slots], labels
 
     def forward(self, batch: Batch) -> np.ndarray:
-        """Predictions float32 [batch, 1] (after the output transform), as the server gives."""
+        """Predictions float32 [batch, 1] (after the output transform), as the server gives.
+
+        The batch must match the checkpoint's feature signature in names, kinds and order
+        (BatchValidationError otherwise): the dense model takes its inputs by position.
+        """
         if self.model is None:
             raise FailedPreconditionError("InferCtx.forward needs a checkpoint (dense model)")
+        self.model.signature.check(batch)
         return self.model.forward(batch, self.get_embedding_from_data(batch))
 
     def close(self) -> None:

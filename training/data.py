@@ -231,6 +231,9 @@ class StreamingDataset:
                         return
                     self._lock.wait(timeout=1.0)
                 self._next_global += self._world
+                # The next number may be an ended loader's: skip it, or every later batch
+                # would wait for one that never comes.
+                self._skip_ended_loaders()
                 self._buffer.put(batch)
                 self._received[loader] = self._received.get(loader, 0) + 1
                 self._lock.notify_all()

@@ -77,6 +77,21 @@ def test_reproducible_mode_yields_global_order_whatever_the_timing():
     assert order == list(range(15))
 
 
+def test_reproducible_mode_goes_on_past_a_loader_that_ended_early():
+    # Loader 0 sends one batch and ends before loader 1 sends anything. Global batch 2 would
+    # be loader 0's second: it never comes, so loader 1's batches 3, 5, 7 must not wait for it.
+    port = free_port()
+    dataset = StreamingDataset(8, port=port, num_loaders=2, reproducible=True, idle_timeout=30)
+    dataset.start()
+    address = [f"127.0.0.1:{port}"]
+    run_loader(address, 0, 2, 1)
+    late = threading.Thread(target=run_loader, args=(address, 1, 2, 4))
+    late.start()
+    order = [number_of(b) for b in dataset]
+    late.join(timeout=30)
+    assert order == [0, 1, 3, 5, 7]
+
+
 def test_backpressure_blocks_the_loader_until_the_worker_reads():
     port = free_port()
     dataset = StreamingDataset(2, port=port, num_loaders=1).start()

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import BatchValidationError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from examples.adult_income import features
 from serving import json_arrays, tensors
@@ -249,6 +249,21 @@ def test_every_route_matches_offline_inferctx(
     changed = grpc_client.infer(MODEL, triton_inputs(grpcclient, rolled)).as_numpy("prediction")
     np.testing.assert_allclose(changed, offline.forward(changed_batch), rtol=0, atol=ATOL)
     assert np.abs(changed - expected).max() > 1e-3
+
+
+def test_inferctx_refuses_a_batch_whose_features_come_in_another_order(batch, offline):
+    # The dense model takes embeddings and non-ID tensors by position: a reordered batch
+    # would be scored with swapped inputs, so it is refused by name instead.
+    swapped_ids = Batch(
+        [batch.id_type_features[1], batch.id_type_features[0], *batch.id_type_features[2:]],
+        batch.non_id_type_features,
+        requires_grad=False,
+    )
+    first, second = (f.name for f in batch.id_type_features[:2])
+    with pytest.raises(BatchValidationError, match=rf"\['{second}', '{first}'"):
+        offline.forward(swapped_ids)
+    with pytest.raises(BatchValidationError, match="names and order"):
+        offline.prepare_features(swapped_ids)
 
 
 def test_large_batches_run_on_onednn_and_answer_as_small_ones(served, batch, offline, grpc_client):

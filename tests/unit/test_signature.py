@@ -1,0 +1,80 @@
+"""FeatureSignature.check: a batch matches the model's inputs in names, kinds and order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedding_store.batch import (
+    Batch,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
+from embedding_store.errors import BatchValidationError
+from embedding_store.signature import FeatureSignature
+
+
+def _batch(*, user_jagged: bool = False, non_id_order: tuple[str, ...] = ("price", "age")) -> Batch:
+    user = (
+        IDTypeFeature.from_lists("user", [[1], [2]])
+        if user_jagged
+        else IDTypeFeatureWithSingleID.from_ids("user", [1, 2])
+    )
+    history = IDTypeFeature.from_lists("history", [[5, 6], []])
+    dense = {
+        "price": NonIDTypeFeature(np.array([[1.0], [2.0]], dtype=np.float32), name="price"),
+        "age": NonIDTypeFeature(np.array([[30.0], [40.0]], dtype=np.float32), name="age"),
+    }
+    return Batch(
+        [user, history],
+        non_id_type_features=[dense[n] for n in non_id_order],
+        requires_grad=False,
+    )
+
+
+SIGNATURE = FeatureSignature.from_batch(_batch())
+
+
+def test_the_batch_the_signature_was_taken_from_matches() -> None:
+    SIGNATURE.check(_batch())
+
+
+def test_non_id_features_in_another_order_are_refused_by_name() -> None:
+    # The dense model takes non-ID tensors by position: swapped columns would be scored.
+    with pytest.raises(
+        BatchValidationError,
+        match=r"non-ID features come in the order \['age', 'price'\]; "
+        r"the model takes them as \['price', 'age'\]",
+    ):
+        SIGNATURE.check(_batch(non_id_order=("age", "price")))
+
+
+def test_a_jagged_feature_for_a_single_id_slot_is_refused() -> None:
+    with pytest.raises(
+        BatchValidationError,
+        match=r"ID feature 'user' is jagged \(a list of IDs per sample\) here; "
+        r"the model's is single-ID",
+    ):
+        SIGNATURE.check(_batch(user_jagged=True))
+
+
+def test_a_single_id_feature_for_a_jagged_slot_is_refused() -> None:
+    jagged = FeatureSignature.from_batch(_batch(user_jagged=True))
+    with pytest.raises(BatchValidationError, match=r"'user' is single-ID .* model's is jagged"):
+        jagged.check(_batch())
+
+
+def test_missing_and_unknown_non_id_features_are_named() -> None:
+    with pytest.raises(BatchValidationError, match=r"non-ID feature 'age' is missing"):
+        SIGNATURE.check(_batch(non_id_order=("price",)))
+    extra = NonIDTypeFeature(np.zeros((2, 1), dtype=np.float32), name="city")
+    batch = _batch()
+    with pytest.raises(BatchValidationError, match=r"unknown non-ID feature\(s\): \['city'\]"):
+        SIGNATURE.check(
+            Batch(
+                batch.id_type_features,
+                [*batch.non_id_type_features, extra],
+                requires_grad=False,
+            )
+        )
