@@ -180,6 +180,33 @@ def valid_bag_offsets(offsets: np.ndarray, n: int) -> bool:
     return True
 
 
+@intrinsic
+def fma_f32(
+    typingctx: TypingContext, a: types.Type, b: types.Type, c: types.Type
+) -> tuple[Signature, Callable[..., ir.Value]] | None:
+    """``a * b + c`` on float32, rounded once (``llvm.fma``).
+
+    torch's CPU ``embedding_bag`` accumulates weighted bags with fused multiply-adds; the fused
+    pooling kernel does the same so that one in-process shard gives the bits that several
+    shards, deduplication or a remote tier (which pool with ``embedding_bag``) give.
+    """
+    if not all(arg == types.float32 for arg in (a, b, c)):
+        return None
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(
+        context: BaseContext,
+        builder: ir.IRBuilder,
+        signature: Signature,
+        args: Sequence[ir.Value],
+    ) -> ir.Value:
+        f32 = ir.FloatType()
+        fma = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3))
+        return builder.call(fma, args)
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def pool_rows_kernel(
     weights: np.ndarray,
@@ -192,7 +219,8 @@ def pool_rows_kernel(
 
     Bag ``b`` holds ``rows[offsets[b]:offsets[b + 1]]`` (the last bag runs to the end), like
     ``embedding_bag(mode="sum")``: ``out[b] = sum of id_weights[i] * weights[rows[i]]`` in order,
-    with ``id_weights`` float32 [n] or an empty array for weight 1. Rows < 0 (unknown IDs) add
+    with ``id_weights`` float32 [n] or an empty array for weight 1; weighted terms are added
+    with a fused multiply-add (:func:`fma_f32`), as torch does. Rows < 0 (unknown IDs) add
     nothing; an empty bag is zeros. Weight rows are prefetched ``PREFETCH`` IDs ahead.
     """
     n = rows.shape[0]
@@ -227,7 +255,7 @@ def pool_rows_kernel(
             elif weighted:
                 w = id_weights[i]
                 for c in range(dim):
-                    out[b, c] += w * weights[r, c]
+                    out[b, c] = fma_f32(w, weights[r, c], out[b, c])
             else:
                 for c in range(dim):
                     out[b, c] += weights[r, c]

@@ -332,7 +332,13 @@ class SGD:
 
 @dataclass(frozen=True)
 class Adagrad:
-    """PERSIA's Adagrad: with ``g_square_momentum=1`` it is torch.optim.Adagrad (lr_decay=0).
+    """Adagrad with PERSIA's parameters, computed as torch.optim.Adagrad (lr_decay=0) when
+    ``g_square_momentum=1``: ``acc = m * acc + g*g`` then ``w -= lr * g / (sqrt(acc) + eps)``
+    (``g`` includes ``weight_decay * w``).
+
+    PERSIA's own kernel differs: it divides by ``sqrt(acc + eps)`` with the accumulator from
+    *before* the step, then accumulates. Its first steps are larger (with the initial
+    accumulator 0.01, up to ~10x), so learning rates tuned on PERSIA may need retuning here.
 
     ``vectorwise_shared`` keeps one accumulator per row (the mean of g*g over the row).
     """

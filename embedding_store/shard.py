@@ -12,12 +12,21 @@ wide clock advances by ``n`` per train lookup of ``n`` IDs; position ``i`` of th
 its row with ``clock + i`` (the last position wins for a repeated ID), so stamps are unique and
 the least-recently-used order is exact and deterministic. When a train lookup (or
 :meth:`EmbeddingShard.import_rows`) needs more rows than fit, the shard first stamps the IDs of
-the current batch it already holds, then evicts IN BULK the least-recently-used rows across all
-dim tables: ``max(ceil(capacity / 10), rows needed)``, never a row of the current batch. It
-compacts the surviving rows (order kept) and rebuilds the indexes. The LRU is global to the
-shard: PERSIA's ``num_hashmap_internal_shards`` is accepted for compatibility and ignored. A
-batch whose distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError`.
-Only train lookups and imports refresh stamps; eval lookups and updates do not.
+the lookup it already holds, then evicts IN BULK the least-recently-used rows across all dim
+tables: ``max(ceil(capacity / 10), rows needed)``, never a row of this lookup. A lookup whose
+distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError`. The LRU is
+global to the shard: PERSIA's ``num_hashmap_internal_shards`` is accepted for compatibility
+and ignored. Only train lookups and imports refresh stamps; eval lookups and updates do not.
+
+What one lookup protects. A worker looks a batch up one dim group at a time, and several
+batches are in flight under bounded staleness, so a shard that is nearly full can evict a row
+that an earlier lookup (another dim of the same batch, or an earlier batch) read and whose
+gradient has not arrived yet. That gradient is then dropped and counted in
+``skipped_updates``, as PERSIA drops updates of evicted rows; the row comes back with a fresh
+initial vector when next looked up. The bulk eviction takes the least recently used rows first,
+so this happens only when a shard's capacity is within a few batches' worth of distinct IDs of
+its rows: size ``capacity`` well above ``embedding_staleness`` x the distinct IDs a batch sends
+to one shard (docs/deploy.md), and watch ``skipped_updates``.
 
 Training vs inference. A train lookup admits unknown IDs with probability ``admit_probability``
 (deterministic per ID and seed; rejected IDs read as zeros and are not stored) and initializes

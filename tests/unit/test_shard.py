@@ -456,10 +456,8 @@ def test_lookup_pooled_eval_equals_lookup_then_embedding_bag(weighted: bool) -> 
     expected = _bag(shard.lookup(ids, 8, train=False), offsets, weights)
     after = shard.stats()
     assert pooled.dtype == np.float32 and pooled.shape == (300, 8)
-    if weighted:  # torch may fuse multiply-add: equal up to the last bit
-        np.testing.assert_allclose(pooled, expected, rtol=1e-6, atol=1e-7)
-    else:
-        np.testing.assert_array_equal(pooled, expected)
+    # Bit-equal, weighted too: both add weighted terms with a fused multiply-add.
+    np.testing.assert_array_equal(pooled, expected)
     assert not pooled[0].any() and not pooled[-1].any()
     unknown = int(np.count_nonzero(ids % np.uint64(2)))
     assert unknown > 0
@@ -468,6 +466,27 @@ def test_lookup_pooled_eval_equals_lookup_then_embedding_bag(weighted: bool) -> 
     assert middle.lookups - before.lookups == 1
     assert middle.ids_looked_up - before.ids_looked_up == len(ids)
     assert shard.size() == 200
+
+
+def test_weighted_pooling_rounds_each_multiply_add_once() -> None:
+    # Reference: each term w * x + acc computed exactly in float64 (a float32 product is exact
+    # there) and rounded once to float32, as llvm.fma and torch's embedding_bag do.
+    shard = EmbeddingShard(10_000, optimizer=SGD())
+    ids, offsets, sqrt = _pooling_case(7, 400, 300)
+    rows = shard.lookup(ids, 5, train=True)
+    pooled = shard.lookup_pooled(ids, 5, offsets, sqrt)
+    ends = np.append(offsets[1:], len(ids))
+    expected = np.zeros((len(offsets), 5), dtype=np.float32)
+    for bag, (start, end) in enumerate(zip(offsets, ends)):
+        for i in range(start, end):
+            term = np.float64(sqrt[i]) * rows[i].astype(np.float64)
+            expected[bag] = (term + expected[bag].astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(pooled, expected)
+    unfused = np.zeros_like(expected)  # multiply, round, add, round: differs in some bags
+    for bag, (start, end) in enumerate(zip(offsets, ends)):
+        for i in range(start, end):
+            unfused[bag] += sqrt[i] * rows[i]
+    assert not np.array_equal(unfused, expected)
 
 
 def test_lookup_pooled_exact_values() -> None:
