@@ -66,6 +66,7 @@ def _read_before(response: urllib3.BaseHTTPResponse, deadline: float | None) -> 
 
 
 _CHUNK_BYTES = 1 << 16
+_HEALTH_FALSE_STATUSES = frozenset((400, 503))
 
 
 class HttpBackend:
@@ -135,10 +136,13 @@ class HttpBackend:
         return response
 
     def _flag(self, path: str, timeout: float | None) -> bool:
+        """A KServe v2 health answer: 200 is true, 400 false (the spec's "4xx": recserve and
+        Triton answer 400), and 503 false too (a proxy or a server refusing new work). 404
+        (no such model or route) and anything else raise."""
         response = self._request("GET", path, timeout=timeout)
         if response.status == 200:
             return True
-        if response.status == 503:
+        if response.status in _HEALTH_FALSE_STATUSES:
             return False
         raise self._error(response)
 

@@ -5,8 +5,10 @@ with :mod:`serving.tensor_codec` (orjson + numpy, no per-element pydantic models
 :class:`~serving.core.PredictionCore` method and encodes the answer, so neither parsing nor the
 model ever runs on the event loop. Routes:
 
-* ``GET /v2``, ``GET /v2/health/live``, ``GET /v2/health/ready`` (200 / 503);
-* ``GET /v2/models/{name}[/versions/{version}]`` (metadata) and ``.../ready`` (200 / 503);
+* ``GET /v2``, ``GET /v2/health/live``, ``GET /v2/health/ready`` (200 / 400, see
+  :data:`HEALTH_FALSE_STATUS`);
+* ``GET /v2/models/{name}[/versions/{version}]`` (metadata) and ``.../ready`` (200 / 400;
+  404 for an unknown model or version);
 * ``POST /v2/models/{name}[/versions/{version}]/infer``: JSON tensors or the binary tensor
   extension, as the KServe v2 REST spec and tritonclient.http speak them;
 * ``POST /v1/models/{name}:predict``: ``{"instances": [{"<feature>": value or list}, ...]}``;
@@ -27,6 +29,7 @@ import hmac
 import ipaddress
 import logging
 import re
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,7 @@ import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -45,7 +49,6 @@ from embedding_store.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
     RecserveError,
-    UnavailableError,
     http_status_of,
     public_message_of,
 )
@@ -83,6 +86,18 @@ def error_response(error: BaseException) -> Response:
 
 #: Linux's PATH_MAX: a longer checkpoint path is refused before the loader sees it.
 _MAX_PATH = 4096
+
+
+#: What a health route answers for "false" (not live, not ready). The KServe v2 REST spec: "A
+#: 200 status code indicates true and a 4xx status code indicates false"; Triton answers 400.
+#: This is the protocol's encoding of a boolean, not an error, so it does not go through the
+#: error table: work refused while draining or overloaded stays 503 (UnavailableError).
+HEALTH_FALSE_STATUS = 400
+
+
+def health_false_response(message: str) -> Response:
+    """``{"error": message}`` with :data:`HEALTH_FALSE_STATUS`."""
+    return json_response({"error": message}, HEALTH_FALSE_STATUS)
 
 
 def _routing_error(status: int, message: str) -> Response:
@@ -317,6 +332,24 @@ def _version(version: str | None) -> str | None:
 
 
 # --------------------------------------------------------------------------- the app
+def _openapi_without_head(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI document with the HEAD operations left out: HEAD is GET without a
+    body, and FastAPI would give both the same operationId (which OpenAPI forbids)."""
+    if app.openapi_schema is None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                summary=app.summary,
+                routes=app.routes,
+            )
+        for operations in schema.get("paths", {}).values():
+            operations.pop("head", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(
     core: PredictionCore,
     *,
@@ -346,8 +379,13 @@ def create_app(
     async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs))
 
+    # Every GET route answers HEAD too (RFC 9110 9.1; probes and load balancers use it). The
+    # OpenAPI document lists the GETs only: see _openapi_without_head.
+    get = functools.partial(app.api_route, methods=["GET", "HEAD"])
+    app.openapi = functools.partial(_openapi_without_head, app)  # type: ignore[method-assign]
+
     # ---------------------------------------------------------------- health and metadata
-    @app.get("/v2", summary="Server metadata", responses=_errors())
+    @get("/v2", summary="Server metadata", responses=_errors())
     async def server_metadata() -> Response:
         try:
             metadata = await in_thread(core.server_metadata)
@@ -355,26 +393,21 @@ def create_app(
         except Exception as error:
             return error_response(error)
 
-    # HEAD too: some probes and load balancers check health with it.
-    @app.api_route(
-        "/v2/health/live", methods=["GET", "HEAD"], summary="Liveness", responses=_errors(503)
-    )
+    @get("/v2/health/live", summary="Liveness", responses=_errors(400))
     async def live() -> Response:
         try:
             if core.live():
                 return json_response({"live": True})
-            return error_response(UnavailableError("server is not live"))
+            return health_false_response("server is not live")
         except Exception as error:
             return error_response(error)
 
-    @app.api_route(
-        "/v2/health/ready", methods=["GET", "HEAD"], summary="Readiness", responses=_errors(503)
-    )
+    @get("/v2/health/ready", summary="Readiness", responses=_errors(400))
     async def ready() -> Response:
         try:
             if await in_thread(core.ready):
                 return json_response({"ready": True})
-            return error_response(UnavailableError("server is not ready"))
+            return health_false_response("server is not ready")
         except Exception as error:
             return error_response(error)
 
@@ -389,15 +422,15 @@ def create_app(
         try:
             if await in_thread(core.model_ready, name, _version(version)):
                 return json_response({"name": name, "ready": True})
-            raise UnavailableError(f"model {name!r} is not ready")
+            return health_false_response(f"model {name!r} is not ready")
         except Exception as error:
             return error_response(error)
 
-    @app.get("/v2/models/{name}", summary="Model metadata", responses=_METADATA_RESPONSES)
+    @get("/v2/models/{name}", summary="Model metadata", responses=_METADATA_RESPONSES)
     async def get_model(name: str) -> Response:
         return await model_metadata(name, None)
 
-    @app.get(
+    @get(
         "/v2/models/{name}/versions/{version}",
         summary="Model version metadata",
         responses=_METADATA_RESPONSES,
@@ -405,14 +438,14 @@ def create_app(
     async def get_model_version(name: str, version: str) -> Response:
         return await model_metadata(name, version)
 
-    @app.get("/v2/models/{name}/ready", summary="Model readiness", responses=_errors(404, 503))
+    @get("/v2/models/{name}/ready", summary="Model readiness", responses=_errors(400, 404))
     async def get_model_ready(name: str) -> Response:
         return await model_ready(name, None)
 
-    @app.get(
+    @get(
         "/v2/models/{name}/versions/{version}/ready",
         summary="Model version readiness",
-        responses=_errors(404, 503),
+        responses=_errors(400, 404),
     )
     async def get_model_version_ready(name: str, version: str) -> Response:
         return await model_ready(name, version)

@@ -21,7 +21,13 @@ import pytest
 from clients import AsyncRecserveClient, RecserveClient
 from clients._proto import METHODS, SERVICE_NAME, V2
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
-from embedding_store.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from embedding_store.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    RecserveError,
+    UnavailableError,
+)
 
 FAST = {"backoff": (0.01, 0.05)}
 ANSWER = {
@@ -49,11 +55,12 @@ def _free_port() -> int:
 # --------------------------------------------------------------------------- HTTP fake
 class FakeHttp:
     """Answers each POST with the next scripted (status, delay) (then 200 forever); counts
-    requests."""
+    requests. GETs (health) answer ``health_status``."""
 
     def __init__(self, script: list[tuple[int, float]] | None = None, port: int = 0) -> None:
         self.script = list(script or [])
         self.requests = 0
+        self.health_status = 200
         self.lock = threading.Lock()
         fake = self
 
@@ -72,7 +79,10 @@ class FakeHttp:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                self._send(200, {"ready": True})
+                if fake.health_status == 200:
+                    self._send(200, {"ready": True})
+                else:
+                    self._send(fake.health_status, {"error": f"scripted {fake.health_status}"})
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -130,6 +140,29 @@ def test_http_503_gives_up_after_the_retries(fake_http):
     ):
         client.predict(_batch())
     assert server.requests == 3
+
+
+@pytest.mark.parametrize("status", [400, 503])
+def test_http_health_false_is_400_as_the_spec_says_or_503(fake_http, status):
+    # KServe v2 REST: "a 4xx status code indicates false" (recserve and Triton send 400);
+    # a proxy or a draining server may answer 503.
+    server = fake_http()
+    server.health_status = status
+    with RecserveClient(server.url, model_name="m", retries=0) as client:
+        assert client.live() is False
+        assert client.ready() is False
+        assert client.model_ready() is False
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, NotFoundError), (500, RecserveError)])
+def test_http_health_answers_other_than_true_or_false_raise(fake_http, status, error):
+    server = fake_http()
+    server.health_status = status
+    with (
+        RecserveClient(server.url, model_name="m", retries=0) as client,
+        pytest.raises(error, match=f"scripted {status}"),
+    ):
+        client.model_ready()
 
 
 def test_http_400_is_not_retried(fake_http):

@@ -124,9 +124,10 @@ def test_health_and_server_metadata(server, core):
     assert server.json("GET", "/v2/health/live") == (200, {"live": True})
     assert server.json("GET", "/v2/health/ready") == (200, {"ready": True})
     core.is_ready = False
-    assert server.json("GET", "/v2/health/ready") == (503, {"error": "server is not ready"})
+    # The KServe v2 REST spec: 200 is true, a 4xx false (Triton answers 400 too).
+    assert server.json("GET", "/v2/health/ready") == (400, {"error": "server is not ready"})
     status, body = server.json("GET", "/v2/models/tiny/ready")
-    assert status == 503 and "not ready" in body["error"]
+    assert status == 400 and "not ready" in body["error"]
 
 
 def test_model_metadata_and_ready_routes(server):
@@ -360,6 +361,26 @@ def test_without_admin_hooks_there_is_no_admin_route(core):
         assert live.json("GET", "/v2/health/live")[0] == 200
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/tiny",
+        "/v2/models/tiny/ready",
+        "/v2/models/tiny/versions/1",
+        "/v2/models/tiny/versions/1/ready",
+        "/v2/models/nope/ready",
+    ],
+)
+def test_every_get_route_answers_head_with_the_get_status_and_no_body(server, path):
+    get_status, _, _ = server.request("GET", path)
+    status, headers, body = server.request("HEAD", path)
+    assert (status, body) == (get_status, b"")
+    assert headers["content-type"] == "application/json"
+
+
 # --------------------------------------------------------------------------- OpenAPI
 def test_openapi_describes_the_routes(server):
     status, spec = server.json("GET", "/openapi.json")
@@ -374,6 +395,11 @@ def test_openapi_describes_the_routes(server):
         "instances" in predict["requestBody"]["content"]["application/json"]["schema"]["properties"]
     )
     assert {"/v2", "/v2/health/live", "/v2/health/ready", "/admin/reload"} <= set(spec["paths"])
+    # GET routes answer HEAD too, but the document lists each operation once (unique ids).
+    operations = [op for path in spec["paths"].values() for op in path.values()]
+    assert not any("head" in path for path in spec["paths"].values())
+    ids = [op["operationId"] for op in operations]
+    assert len(ids) == len(set(ids))
     status, _, page = server.request("GET", "/docs")
     assert status == 200 and b"swagger" in page.lower()
 
