@@ -75,6 +75,8 @@ from embedding_store.worker_wire import pack_slots, unpack_grads
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "recserve.embedding.v1.EmbeddingWorker"
+#: Health service that is SERVING while the worker reaches every shard (checked every 2 s).
+SHARDS_SERVICE = "recserve.shards"
 
 #: Builds the client of shard ``index`` at ``address``. The default connects a
 #: :class:`RemoteParameterServer`; tests pass fakes with the same methods.
@@ -786,7 +788,7 @@ def serve_embedding_worker(
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, SHARDS_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
@@ -844,35 +846,50 @@ def _start_metrics_server(metrics: EmbeddingWorkerMetrics, host: str, port: int)
 
 
 class _Readiness:
-    """The worker's readiness: health ``""`` and :data:`SERVICE_NAME`, SERVING while it reaches
-    every shard. After :meth:`shut_down` it stays NOT_SERVING whatever a late check finds."""
+    """The worker's health statuses.
+
+    ``""`` and :data:`SERVICE_NAME` (readiness): SERVING from the moment the worker first
+    reached every shard until it shuts down. Not while a shard is away: every worker and
+    server shares the shards, so readiness that followed them would empty the workers'
+    Service while one shard restarts, and requests for the other shards would fail too.
+    :data:`SHARDS_SERVICE`: SERVING while every shard answered at the last check, for
+    operators and alerts. After :meth:`shut_down` all stay NOT_SERVING.
+    """
 
     def __init__(self, health_servicer: health.HealthServicer) -> None:
         self._health = health_servicer
         self._lock = threading.Lock()
-        self._serving = False
+        self._shards_reachable = False
         self._shut_down = False
 
-    def set(self, serving: bool) -> bool:
-        """Report ``serving``; whether that changed the readiness."""
+    def start(self) -> None:
+        """Every shard was reached: ready, for good (until :meth:`shut_down`)."""
         with self._lock:
-            if self._shut_down or serving == self._serving:
+            if self._shut_down:
+                return
+            self._shards_reachable = True
+            for name in ("", SERVICE_NAME, SHARDS_SERVICE):
+                self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def set_shards_reachable(self, reachable: bool) -> bool:
+        """Report whether every shard answered; whether that changed the status."""
+        with self._lock:
+            if self._shut_down or reachable == self._shards_reachable:
                 return False
-            self._serving = serving
+            self._shards_reachable = reachable
             status = (
                 health_pb2.HealthCheckResponse.SERVING
-                if serving
+                if reachable
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
-            for name in ("", SERVICE_NAME):
-                self._health.set(name, status)
+            self._health.set(SHARDS_SERVICE, status)
             return True
 
     def shut_down(self) -> None:
         with self._lock:
             self._shut_down = True
-            self._serving = False
-            for name in ("", SERVICE_NAME):
+            self._shards_reachable = False
+            for name in ("", SERVICE_NAME, SHARDS_SERVICE):
                 self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
@@ -880,20 +897,23 @@ def _watch_shards(
     tier: RemoteShardTier, readiness: _Readiness, stop: threading.Event, timeout: float
 ) -> None:
     """Until ``stop``: every :data:`SHARD_CHECK_INTERVAL_SECONDS`, ask every shard's status
-    (one deadline of ``timeout`` s for all) and set the readiness by the answer. A shard
-    killed or unreachable turns the worker NOT_SERVING; its return, SERVING again."""
+    (one deadline of ``timeout`` s for all) and set :data:`SHARDS_SERVICE` by the answer: a
+    shard killed or unreachable turns it NOT_SERVING, its return SERVING again."""
     while not stop.wait(SHARD_CHECK_INTERVAL_SECONDS):
         try:
             tier.verify_shards(timeout=timeout)
         except RecserveError as error:
-            if readiness.set(False):
-                log.warning("embedding worker NOT_SERVING: %s", error.message)
+            if readiness.set_shards_reachable(False):
+                log.warning(
+                    "a shard is away (lookups that need it fail until it is back): %s",
+                    error.message,
+                )
         except Exception:  # the watcher must outlive any surprise; report it
             log.exception("checking the shards failed")
-            readiness.set(False)
+            readiness.set_shards_reachable(False)
         else:
-            if readiness.set(True):
-                log.info("embedding worker reaches every shard again: SERVING")
+            if readiness.set_shards_reachable(True):
+                log.info("embedding worker reaches every shard again")
 
 
 def _serve(
@@ -932,7 +952,7 @@ def _serve(
     readiness = _Readiness(health_servicer)
     watcher = None
     if not stop.is_set():  # a SIGTERM during the wait: straight to the drain, never SERVING
-        readiness.set(True)
+        readiness.start()
         log.info("embedding worker serving %d shard(s): %s", len(shard_addresses), shard_addresses)
         watcher = threading.Thread(
             target=_watch_shards,
@@ -956,6 +976,7 @@ def _serve(
 
 __all__ = [
     "SERVICE_NAME",
+    "SHARDS_SERVICE",
     "EmbeddingWorkerMetrics",
     "EmbeddingWorkerServicer",
     "RemoteShardTier",

@@ -91,6 +91,11 @@ class ServingMetrics:
             registry=r,
         )
         self.ready = Gauge("recserve_ready", "1 when the server is ready.", registry=r)
+        self.tier_serving = Gauge(
+            "recserve_embedding_tier_serving",
+            "1 when every embedding shard answered and served at the last check (every 2 s).",
+            registry=r,
+        )
 
     def track_pending(self, pending: Callable[[], int]) -> None:
         self.pending.set_function(lambda: float(pending()))

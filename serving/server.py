@@ -138,7 +138,6 @@ class PredictionServer:
             max_queue_size=o.max_queue_size,
             default_timeout=o.request_timeout,
             preprocessor=load_preprocessor(o.preprocessor) if o.preprocessor else None,
-            on_ready_change=self._ready_changed,
         )
         app = create_app(
             self.service,
@@ -200,10 +199,6 @@ class PredictionServer:
             flush=True,
         )
         return self
-
-    def _ready_changed(self, ready: bool) -> None:
-        if self._health is not None:
-            self._health.set_serving(ready)
 
     def _mount_metrics(self, app: FastAPI) -> None:
         from fastapi import Response

@@ -90,7 +90,6 @@ class PredictionService:
         metrics: ServingMetrics | None = None,
         preprocessor: Callable[[list[Mapping[str, Any]]], Batch] | None = None,
         tier_check_seconds: float = 2.0,
-        on_ready_change: Callable[[bool], None] | None = None,
     ) -> None:
         self.name = model.name
         self._preprocessor = preprocessor
@@ -123,11 +122,14 @@ class PredictionService:
         self.metrics.track_checkpoint(lambda: self._model.created_unix)
         self.metrics.set_model(self.name, model.version)
         self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
-        # Readiness also needs the embedding tier to answer: checked in the background so a
-        # probe never waits on a slow peer.
+        # The embedding tier is checked in the background (a probe never waits on a slow
+        # peer) for a metric and the log, not for readiness: every server shares the tier, so
+        # a restarting shard would take every server out of its Service at once, including
+        # those that answer with default vectors (--fallback-policy default). Requests that
+        # reach a shard that cannot serve fail naming it instead. Start-up waits for the tier.
         self._tier_ok = True
+        self.metrics.tier_serving.set_function(lambda: 1.0 if self._tier_ok else 0.0)
         self.last_tier_error: str | None = None
-        self._on_ready_change = on_ready_change
         self._stop_checks = threading.Event()
         self._tier_checker = threading.Thread(
             target=self._check_tier, args=(tier_check_seconds,), name="tier-check", daemon=True
@@ -136,7 +138,6 @@ class PredictionService:
 
     def _check_tier(self, every: float) -> None:
         while not self._stop_checks.wait(every):
-            was_ready = self.ready()
             try:
                 status = self._model.tier.status()
                 # A shard that answers but cannot serve yet (a restarted inference shard
@@ -144,14 +145,17 @@ class PredictionService:
                 waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
                 if waiting:
                     raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
+                if not self._tier_ok:
+                    log.info("embedding tier serving again")
                 self._tier_ok, self.last_tier_error = True, None
             except RecserveError as error:
                 if self._tier_ok:
-                    log.warning("embedding tier not serving; not ready: %s", error.message)
+                    log.warning(
+                        "embedding tier not serving (requests that need it fail or get "
+                        "default vectors, as --fallback-policy says): %s",
+                        error.message,
+                    )
                 self._tier_ok, self.last_tier_error = False, error.message
-            now_ready = self.ready()
-            if now_ready != was_ready and self._on_ready_change is not None:
-                self._on_ready_change(now_ready)
 
     # ------------------------------------------------------------------ state
     @property
@@ -162,9 +166,14 @@ class PredictionService:
         return True
 
     def ready(self) -> bool:
-        """Model loaded and warmed (it is, once constructed), embedding tier answering at the
-        last check, and not shutting down."""
-        return self._accepting and self._tier_ok
+        """Model loaded and warmed (it is, once constructed) and not shutting down. The
+        embedding tier's state is ``tier_serving`` (the metric), not readiness."""
+        return self._accepting
+
+    @property
+    def tier_serving(self) -> bool:
+        """Every embedding shard answered and served at the last background check."""
+        return self._tier_ok
 
     def stop_accepting(self) -> None:
         """Readiness goes false (load balancers stop sending); queued work still finishes."""

@@ -1188,15 +1188,21 @@ class _ShardsNotAllServing:
         return getattr(self.tier, name)
 
 
-def test_readiness_needs_every_shard_serving(adult_checkpoint):
+def test_a_shard_that_cannot_serve_shows_in_the_metric_not_in_readiness(adult_checkpoint):
+    # Every server shares the tier: readiness that followed it would take every server out
+    # of its Service while one shard restarts. The metric and last_tier_error tell instead.
     model = load_model(adult_checkpoint, name=MODEL)
     tier = model.tier = _ShardsNotAllServing(model.tier)
     service = PredictionService(model, tier_check_seconds=0.05)
+    gauge = service.metrics.registry.get_sample_value
     try:
-        _wait_until(lambda: not service.ready(), 10, "readiness off")
+        _wait_until(lambda: not service.tier_serving, 10, "the tier check")
         assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+        assert gauge("recserve_embedding_tier_serving") == 0.0
+        assert service.ready() and gauge("recserve_ready") == 1.0
         tier.serving = True
-        _wait_until(service.ready, 10, "readiness back")
+        _wait_until(lambda: service.tier_serving, 10, "the tier serving again")
         assert service.last_tier_error is None
+        assert gauge("recserve_embedding_tier_serving") == 1.0
     finally:
         service.close()

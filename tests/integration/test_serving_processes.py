@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from clients import RecserveClient
+from embedding_store.errors import UnavailableError
 from examples.adult_income import features
 
 
@@ -161,12 +162,27 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkp
             with RecserveClient(f"http://127.0.0.1:{ports.group(1)}") as client:
                 answer = client.predict(batch)
                 np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
-                # Readiness follows the embedding tier: a dead shard makes the server unready,
-                # the restarted shard (it reloads its checkpoint) makes it ready again.
+                # A dead shard shows in the tier metric, not in readiness (every server
+                # shares the tier); requests that need it fail naming it. The restarted shard
+                # (it reloads its checkpoint) serves again.
+                metrics = f"http://127.0.0.1:{ports.group(1)}/metrics"
+
+                def tier_serving() -> float:
+                    with urllib.request.urlopen(metrics, timeout=5) as response:
+                        text = response.read().decode()
+                    value = re.search(r"^recserve_embedding_tier_serving (\S+)$", text, re.M)
+                    assert value is not None, text
+                    return float(value.group(1))
+
+                assert tier_serving() == 1.0
                 shards.kill_shard(1)
-                wait_until(lambda: not client.ready(), "the server stayed ready")
+                wait_until(lambda: tier_serving() == 0.0, "the metric still says serving")
+                assert client.ready()
+                with pytest.raises(UnavailableError, match="shard 1"):
+                    client.predict(batch)
                 shards.restart_shard(1)
-                wait_until(client.ready, "the server did not become ready again")
+                wait_until(lambda: tier_serving() == 1.0, "the tier did not serve again")
+                assert client.ready()
                 answer = client.predict(batch)
                 np.testing.assert_allclose(answer.predictions, expected, rtol=0, atol=1e-6)
                 # A stalled shard (alive, silent) holds a request for the lookup timeout; the

@@ -46,6 +46,7 @@ CAPACITY = 100_000
 ADAGRAD = Adagrad(lr=0.05, initial_accumulator_value=0.1)
 ADAM = Adam(lr=0.01)
 WORKER_SERVICE = "recserve.embedding.v1.EmbeddingWorker"
+SHARDS_SERVICE = "recserve.shards"
 WAIT = 30.0  # upper bound of every wait below; they end long before
 CLI = [sys.executable, "-m", "embedding_store.cli", "embedding-tier"]
 
@@ -134,12 +135,13 @@ def shard_task(address: str) -> str:
         return shard.status().task
 
 
-def worker_health(address: str) -> tuple[int, int]:
+def worker_health(address: str) -> tuple[int, int, int]:
+    """The worker's readiness (``""``, its service name) and its shards' status."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         return tuple(  # type: ignore[return-value]
             stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
-            for name in ("", WORKER_SERVICE)
+            for name in ("", WORKER_SERVICE, SHARDS_SERVICE)
         )
 
 
@@ -320,16 +322,18 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
             ]
             client.load(tmp_path / "ckpt")
             assert client.status().shard_serving == (True, True)
-            assert worker_health(worker) == (serving, serving)
+            assert worker_health(worker) == (serving, serving, serving)
 
+            # A dead shard shows on recserve.shards; the worker stays ready (every worker
+            # shares the shards: lookups for the others still work).
             tier.kill_shard(1)
             wait_until(
-                lambda: worker_health(worker) == (not_serving, not_serving),
+                lambda: worker_health(worker) == (serving, serving, not_serving),
                 "the worker noticed its dead shard",
             )
             tier.restart_shard(1)  # back, but without its rows until a load
             wait_until(
-                lambda: worker_health(worker) == (serving, serving),
+                lambda: worker_health(worker) == (serving, serving, serving),
                 "the worker reaches every shard again",
             )
             assert client.status().shard_serving == (True, False)
