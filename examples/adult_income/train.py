@@ -86,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
     parser.add_argument("--metrics-out", type=Path, default=None)
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="the dense model's device: cuda is this process's GPU (LOCAL_RANK; DDP then uses "
+        "nccl); auto is cuda when CUDA is available, else cpu",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.eval_only and args.resume_from is None:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
     if args.checkpoint_dir is not None:
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         embedding_config=config,
         embedding_staleness=staleness,
         initialization=hp.make_initialization(),
+        device_id=distributed.local_rank() if use_cuda else None,
     ) as ctx:
         if args.resume_from is not None:
             ctx.load_checkpoint(args.resume_from)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from embedding_store import checkpoint
 from embedding_store.errors import CheckpointError
@@ -60,11 +61,14 @@ def test_several_nn_workers_without_a_shared_tier_are_refused_before_torchrun():
 def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
     existing = tmp_path / "ckpt"
     existing.mkdir()
-    for args, needle in (
+    cases = [
         (["--eval-only"], "--eval-only needs --resume-from"),
         (["--checkpoint-dir", existing], f"--checkpoint-dir {existing} already exists"),
         (["--checkpoint-dir", "/proc/ckpt"], "--checkpoint-dir /proc/ckpt: cannot write in"),
-    ):
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda: CUDA is not available"))
+    for args, needle in cases:
         result = subprocess.run(
             [sys.executable, TRAIN_SCRIPT, *map(str, args)],
             cwd=REPO_ROOT,

@@ -565,6 +565,18 @@ def test_procfile_variables_are_defined(procfile: str, env: str) -> None:
     assert used <= defined, f"{procfile} uses {sorted(used - defined)}, undefined in {env}"
 
 
+@pytest.mark.parametrize("procfile", ["Procfile", "Procfile.serving"])
+def test_every_procfile_process_execs_its_program(procfile: str) -> None:
+    # Without exec, /bin/sh stays the parent: honcho's SIGTERM reaches the shell, and the
+    # program's own shutdown (drain, dump on exit) is cut short.
+    for line in (DEPLOY / procfile).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, command = line.split(":", 1)
+        last = command.split("&&")[-1].strip()
+        assert last.startswith("exec "), f"{procfile} process {name!r} does not exec: {command}"
+
+
 def _honcho() -> str:
     candidate = Path(sys.executable).with_name("honcho")
     found = str(candidate) if candidate.exists() else shutil.which("honcho")
