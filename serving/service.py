@@ -23,7 +23,6 @@ import numpy as np
 from embedding_store import __version__
 from embedding_store.batch import Batch
 from embedding_store.errors import (
-    CapacityError,
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
@@ -310,7 +309,8 @@ class PredictionService:
                     f"instances could not be preprocessed: {error}"
                 ) from None
             if batch.batch_size > self.max_request_batch_size:
-                raise CapacityError(
+                # A property of the request, not of the server's load: 400, never retried.
+                raise InvalidArgumentError(
                     f"batch size {batch.batch_size} exceeds this server's max batch size "
                     f"{self.max_request_batch_size}"
                 )

@@ -40,7 +40,7 @@ from embedding_store.batch import (
     NonIDTypeFeature,
     _check_name,
 )
-from embedding_store.errors import CapacityError, InvalidArgumentError, RecserveError
+from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 from serving.core import DTYPE_NAMES, TensorSpec
 from serving.tensor_codec import BinaryEntry, BinaryTensors, JsonTensors
@@ -609,7 +609,9 @@ def tensors_to_batch(
     if not batch_size:
         raise InvalidArgumentError("the request has an empty batch (batch size 0)")
     if batch_size > max_batch_size:
-        raise CapacityError(
+        # A property of the request, not of the server's load: 400 / INVALID_ARGUMENT (as
+        # Triton), never retried; CapacityError (413) is for bodies over the byte limit.
+        raise InvalidArgumentError(
             f"batch size {batch_size} exceeds this server's max batch size {max_batch_size}"
         )
     if _json_plan(signature) is not None:

@@ -23,7 +23,7 @@ from embedding_store.batch import (
     IDTypeFeatureWithSingleID,
     NonIDTypeFeature,
 )
-from embedding_store.errors import BatchValidationError, CapacityError, InvalidArgumentError
+from embedding_store.errors import BatchValidationError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from serving import tensor_codec as codec
 from serving import tensors
@@ -509,7 +509,7 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "batch over the maximum",
         "single",
         _with(SINGLE, MAX_BATCH + 1),
-        CapacityError,
+        InvalidArgumentError,
         f"batch size {MAX_BATCH + 1} exceeds this server's max batch size {MAX_BATCH}",
     ),
     (
@@ -578,7 +578,7 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "jagged batch over the maximum",
         "jagged",
         _with(JAGGED, MAX_BATCH + 3),
-        CapacityError,
+        InvalidArgumentError,
         None,
     ),
 ]

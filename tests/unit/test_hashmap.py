@@ -159,14 +159,17 @@ def test_lookup_and_stamp_across_the_prefetch_window() -> None:
 
 
 def _reference_pool(rows, weights, offsets, id_weights, n):
-    """embedding_bag(mode="sum") by hand: float32, in order, unknown rows (-1) add nothing."""
+    """embedding_bag(mode="sum") by hand: float32, in order, unknown rows (-1) add nothing;
+    each weighted term is a fused multiply-add: w * x + acc exact in float64 (a product of
+    two float32 is), rounded once to float32."""
     out = np.zeros((len(offsets), weights.shape[1]), dtype=np.float32)
     for b, start in enumerate(offsets.tolist()):
         end = offsets[b + 1] if b + 1 < len(offsets) else n
         for i in range(start, end):
             if rows[i] >= 0:
-                w = np.float32(1) if id_weights is None else id_weights[i]
-                out[b] = out[b] + w * weights[rows[i]]  # float32 product, then float32 sum
+                w = np.float64(1) if id_weights is None else np.float64(id_weights[i])
+                term = w * weights[rows[i]].astype(np.float64)
+                out[b] = (term + out[b].astype(np.float64)).astype(np.float32)
     return out
 
 
@@ -200,10 +203,8 @@ def test_pool_equals_lookup_then_embedding_bag(weighted: bool) -> None:
         mode="sum",
         per_sample_weights=None if id_weights is None else torch.from_numpy(id_weights),
     )
-    if weighted:  # torch may fuse multiply-add: equal up to the last bit
-        torch.testing.assert_close(torch.from_numpy(pooled), torch_pooled, rtol=1e-6, atol=1e-6)
-    else:
-        np.testing.assert_array_equal(pooled, torch_pooled.numpy())
+    # Bit-equal, weighted too: torch adds weighted terms with a fused multiply-add as well.
+    np.testing.assert_array_equal(pooled, torch_pooled.numpy())
 
 
 def test_pool_edge_cases() -> None:
