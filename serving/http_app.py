@@ -363,6 +363,9 @@ def create_app(
         title=title,
         summary="KServe v2 / Open Inference Protocol front end of recserve",
         default_response_class=Response,
+        # A trailing slash is another path: 404 {"error"}, not a 307 with an empty body to a
+        # Location built from the Host header.
+        redirect_slashes=False,
     )
 
     @app.exception_handler(StarletteHTTPException)

@@ -519,10 +519,15 @@ def decode_body(body: bytes, content_encoding: str | None, max_bytes: int) -> by
 def _header_length(value: object, body_size: int) -> int | None:
     if value is None:
         return None
-    try:
-        length = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):  # a caller's own number
+        length = value
+    else:
+        # A header's text: ASCII digits only, as Content-Length (int() would also take
+        # "+12", "1_2" and " 12 ").
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        if not isinstance(text, str) or not text.isascii() or not text.isdigit():
+            raise InvalidArgumentError(f"{HEADER_LENGTH} must be an integer, got {value!r}")
+        length = int(text)
     if not 0 <= length <= body_size:
         raise InvalidArgumentError(
             f"{HEADER_LENGTH} is {length} but the request body has {body_size} bytes"
@@ -685,7 +690,21 @@ def _quoted_name(name: object) -> str:
 def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
-    if json_size is None or json_size == len(body):
+    if json_size is None:
+        try:
+            header = parse_json(body)
+        except InvalidArgumentError as error:
+            if b"binary_data_size" in body and "unexpected content after document" in str(
+                error
+            ):
+                # The common mistake: a binary body sent without its header length.
+                raise InvalidArgumentError(
+                    f"{error.message}; the body looks like the binary tensor extension (a "
+                    f"JSON header, then raw bytes): send the {HEADER_LENGTH} header with the "
+                    "JSON header's length in bytes"
+                ) from None
+            raise
+    elif json_size == len(body):
         header = parse_json(body)
     else:
         header = parse_json(

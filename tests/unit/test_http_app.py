@@ -381,6 +381,16 @@ def test_every_get_route_answers_head_with_the_get_status_and_no_body(server, pa
     assert headers["content-type"] == "application/json"
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v2/"), ("GET", "/v2/models/tiny/"), ("POST", "/v2/models/tiny/infer/")],
+)
+def test_a_trailing_slash_is_not_found_not_redirected(server, method, path):
+    status, headers, body = server.request(method, path, body=b"{}" if method == "POST" else None)
+    assert status == 404 and "location" not in headers
+    assert orjson.loads(body) == {"error": "Not Found"}
+
+
 # --------------------------------------------------------------------------- OpenAPI
 def test_openapi_describes_the_routes(server):
     status, spec = server.json("GET", "/openapi.json")

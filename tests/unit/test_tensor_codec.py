@@ -207,6 +207,41 @@ def test_binary_extension_errors(declared, blob, header_length, message):
         dict(codec.decode_http_request(body, header_length or size).inputs)
 
 
+def _one_binary_input() -> tuple[bytes, int]:
+    return _binary_body(
+        {
+            "inputs": [
+                {
+                    "name": "user",
+                    "shape": [3],
+                    "datatype": "UINT64",
+                    "parameters": {"binary_data_size": 24},
+                }
+            ]
+        },
+        np.arange(3, dtype=np.uint64).tobytes(),
+    )
+
+
+@pytest.mark.parametrize("form", ["+{}", "{}_", " {} ", "0x{}", "{}.0", "\u0661{}"])
+def test_header_length_takes_ascii_digits_only_as_content_length(form):
+    body, size = _one_binary_input()
+    assert dict(codec.decode_http_request(body, str(size)).inputs)["user"].tolist() == [0, 1, 2]
+    value = form.format(size) if "_" not in form else f"{str(size)[:1]}_{str(size)[1:]}"
+    with pytest.raises(InvalidArgumentError, match="Inference-Header-Content-Length must be an"):
+        codec.decode_http_request(body, value)
+
+
+def test_a_binary_body_without_its_header_length_says_what_is_missing():
+    body, _ = _one_binary_input()
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"not valid JSON: .*looks like the binary tensor extension .* send the "
+        r"Inference-Header-Content-Length header",
+    ):
+        codec.decode_http_request(body, None)
+
+
 def test_http_response_json_and_binary_outputs():
     prediction = _prediction(
         prediction=np.array([[0.25], [0.75]], np.float32), scores=np.array([1, 2], np.int64)
