@@ -694,9 +694,7 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
         try:
             header = parse_json(body)
         except InvalidArgumentError as error:
-            if b"binary_data_size" in body and "unexpected content after document" in str(
-                error
-            ):
+            if b"binary_data_size" in body and "unexpected content after document" in str(error):
                 # The common mistake: a binary body sent without its header length.
                 raise InvalidArgumentError(
                     f"{error.message}; the body looks like the binary tensor extension (a "
