@@ -924,8 +924,12 @@ def _grpc_tensor(name: str, tensor: Any) -> np.ndarray:
     dims = shape_of(name, list(tensor.shape))
     datatype = tensor.datatype
     if datatype not in _CONTENTS:
+        # FP16 and the like have no typed contents field. Say in the same answer what the
+        # inputs take, or the caller learns it one round trip later.
         raise InvalidArgumentError(
-            f"input {name!r}: {datatype} tensors must be sent in raw_input_contents"
+            f"input {name!r}: {datatype} tensors must be sent in raw_input_contents (and "
+            "recserve models take IDs as INT64 or UINT64, lengths as INT32 or INT64, dense "
+            "features as FP32)"
         )
     field, wire_dtype = _CONTENTS[datatype]
     values = getattr(tensor.contents, field)

@@ -371,7 +371,11 @@ def test_grpc_request_errors():
 
     request = V2.ModelInferRequest(model_name="tiny")
     request.inputs.add(name="h", datatype="FP16", shape=[1])
-    with pytest.raises(InvalidArgumentError, match="must be sent in raw_input_contents"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"input 'h': FP16 tensors must be sent in raw_input_contents \(and recserve "
+        r"models take .* dense features as FP32\)",
+    ):
         codec.decode_grpc_request(request)
     request.inputs[0].datatype = "BYTES"
     with pytest.raises(InvalidArgumentError, match="BYTES is not supported"):
