@@ -500,7 +500,8 @@ def create_app(
             body = await read_body(request, max_body_bytes)
         except Exception as error:
             return error_response(error)
-        return await infer_body(body, request.headers.get(codec.HEADER_LENGTH), name, version)
+        header_length = ", ".join(request.headers.getlist(codec.HEADER_LENGTH)) or None
+        return await infer_body(body, header_length, name, version)
 
     # The same handler without FastAPI's routing and request objects (see InferFastPath).
     app.state.infer_handler = InferHandler(infer_body, max_body_bytes)
@@ -634,11 +635,12 @@ class InferFastPath:
     async def _infer(
         self, scope: Scope, receive: Receive, name: str, version: str | None
     ) -> Response:
-        headers = {
-            key: value
-            for key, value in scope["headers"]
-            if key in (b"content-length", b"content-encoding", _HEADER_LENGTH_KEY)
-        }
+        headers: dict[bytes, bytes] = {}
+        for key, value in scope["headers"]:
+            if key in (b"content-length", b"content-encoding", _HEADER_LENGTH_KEY):
+                # Repeated: combined as RFC 9110 does (h11 and httptools refuse a repeated
+                # Content-Length themselves; a repeated header length is refused by the codec).
+                headers[key] = value if key not in headers else headers[key] + b", " + value
 
         async def chunks() -> AsyncIterator[bytes]:
             while True:

@@ -233,7 +233,9 @@ def infer_protocol(
                 if name == b"content-length":
                     length = int(value) if value.isdigit() else -1
                 elif name == _HEADER_LENGTH:
-                    header_length = value.decode("latin-1")
+                    text = value.decode("latin-1")
+                    # Repeated: combined as RFC 9110 does, so the decoder refuses it.
+                    header_length = text if header_length is None else f"{header_length}, {text}"
                 elif name in _NOT_FAST:
                     return None
             if not 0 <= length <= body_limit:

@@ -526,6 +526,10 @@ def _header_length(value: object, body_size: int) -> int | None:
         # "+12", "1_2" and " 12 ").
         text = value.decode("latin-1") if isinstance(value, bytes) else value
         if not isinstance(text, str) or not text.isascii() or not text.isdigit():
+            if isinstance(text, str) and "," in text:
+                raise InvalidArgumentError(
+                    f"{HEADER_LENGTH} must be sent once, got {text!r} (it was repeated)"
+                )
             raise InvalidArgumentError(f"{HEADER_LENGTH} must be an integer, got {value!r}")
         length = int(text)
     if not 0 <= length <= body_size:
@@ -942,6 +946,14 @@ def _grpc_tensor(name: str, tensor: Any) -> np.ndarray:
                 f"contents.{present[0]}"
             )
         raise InvalidArgumentError(_count_mismatch(name, dims, len(values), f"contents.{field}"))
+    fields = tensor.contents.ListFields()
+    if len(fields) > 1:
+        # A second typed field is data the caller meant to send: never drop it silently.
+        others = sorted(descriptor.name for descriptor, _ in fields if descriptor.name != field)
+        raise InvalidArgumentError(
+            f"input {name!r}: datatype {datatype} takes contents.{field} only, but "
+            f"{', '.join('contents.' + other for other in others)} is also set"
+        )
     array = np.fromiter(values, dtype=wire_dtype, count=count)
     if wire_dtype != dtype.newbyteorder("="):
         if count:

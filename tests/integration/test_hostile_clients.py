@@ -315,3 +315,26 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer(server, arr
         sock.shutdown(socket.SHUT_WR)
         raw = _read_until_closed(sock)
     assert raw.startswith(b"HTTP/1.1 200 OK\r\n"), raw[:200]
+
+
+@pytest.mark.parametrize("gzip_it", [False, True])  # the fast protocol, then the ASGI path
+def test_a_repeated_inference_header_content_length_is_refused(server, arrays, gzip_it):
+    head = json.dumps(kserve_json(arrays)).encode()
+    body = gzip.compress(head) if gzip_it else head
+    lines = [
+        f"POST {INFER} HTTP/1.1",
+        "Host: x",
+        "Connection: close",
+        f"Content-Length: {len(body)}",
+        f"Inference-Header-Content-Length: {len(head)}",
+        f"Inference-Header-Content-Length: {len(head)}",
+    ] + (["Content-Encoding: gzip"] if gzip_it else [])
+    with _connect(server) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        status, error = _status_and_error(_read_until_closed(sock))
+    assert status == 400
+    assert error == (
+        f"Inference-Header-Content-Length must be sent once, got '{len(head)}, {len(head)}' "
+        "(it was repeated)"
+    )
+    _assert_serving(server, arrays)

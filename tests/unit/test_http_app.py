@@ -246,6 +246,26 @@ def test_gzip_request_body(server):
     assert status == 200, payload
 
 
+def test_a_repeated_inference_header_content_length_is_refused(server):
+    body = orjson.dumps({"inputs": _tensors(USERS, AGES)})
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        connection.putrequest("POST", "/v2/models/tiny/infer")
+        connection.putheader("Content-Length", str(len(body)))
+        for value in (len(body), 5):  # the first alone would be valid
+            connection.putheader("Inference-Header-Content-Length", str(value))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        status, document = response.status, orjson.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 400
+    assert document == {
+        "error": f"Inference-Header-Content-Length must be sent once, got '{len(body)}, 5' "
+        "(it was repeated)"
+    }
+
+
 @pytest.mark.parametrize(
     ("document", "status", "message"),
     [

@@ -349,6 +349,16 @@ def test_grpc_request_errors():
     with pytest.raises(InvalidArgumentError, match=r"takes contents\.fp32_contents"):
         codec.decode_grpc_request(request)
 
+    # The right field, complete, plus values in another field: refused, not dropped.
+    request = _grpc_request(False)
+    request.inputs[1].contents.int64_contents.extend([1, 2, 3])
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"input 'age': datatype FP32 takes contents\.fp32_contents only, but "
+        r"contents\.int64_contents is also set",
+    ):
+        codec.decode_grpc_request(request)
+
     request = _grpc_request(False)
     request.inputs[2].contents.int_contents[0] = 1000
     with pytest.raises(InvalidArgumentError, match="value 1000 is out of range for INT8"):
