@@ -169,6 +169,7 @@ def _inspect_embeddings(directory: Path) -> dict[str, Any]:
         )
     return {
         "directory": str(directory),
+        "version": manifest.version,
         "format_version": manifest.format_version,
         "created_at": _iso(manifest.created_unix),
         "num_shards": manifest.num_shards,
@@ -283,6 +284,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         lines += [
             f"  embeddings     {emb['rows']} rows in {emb['num_shards']} shard(s), "
             f"created {emb['created_at']}, optimizer {optimizer}",
+            f"  embedding version {emb['version']} (what the shards that load it report)",
             "  rows per shard " + ", ".join(str(r) for r in emb["rows_per_shard"]),
             f"  prefix bits    {emb['feature_index_prefix_bit']}",
             "  slots (name, dim, ID space, rows in the space)",
@@ -403,7 +405,12 @@ def _write_resharded_embeddings(
                 )
             )
     embedding_checkpoint.finalize_checkpoint(
-        target, source.embedding_config, shards, entries, source.optimizer
+        target,
+        source.embedding_config,
+        shards,
+        entries,
+        source.optimizer,
+        version=source.version,  # the same rows, sharded otherwise
     )
     return embedding_checkpoint.read_manifest(target)
 

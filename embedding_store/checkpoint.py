@@ -101,6 +101,9 @@ class EmbeddingManifest:
     embedding_config: EmbeddingConfig
     optimizer: dict[str, Any] | None
     files: tuple[FileEntry, ...]
+    #: Which checkpoint the rows are: a digest of its files (:func:`content_version`), kept
+    #: by ``recserve checkpoint reshard``. Shards report the version they loaded.
+    version: str = ""
 
     @property
     def total_rows(self) -> int:
@@ -111,6 +114,31 @@ class EmbeddingManifest:
         for entry in self.files:
             counts[entry.shard] += entry.rows
         return counts
+
+
+#: Versions are short hex strings: what the manifest writes, shards report and logs name.
+VERSION_CHARACTERS = 16
+
+
+def content_version(entries: Sequence[FileEntry]) -> str:
+    """A version for the checkpoint of ``entries``: a digest of its files' names and checksums.
+
+    Two dumps of the same rows differ (safetensors writes its metadata in no fixed order), so
+    it names a checkpoint, not row contents. Manifests written before versions existed get
+    theirs the same way when read.
+    """
+    digest = hashlib.sha256()
+    for entry in sorted(entries, key=lambda e: e.path):
+        digest.update(f"{entry.path}\0{entry.sha256}\n".encode())
+    return digest.hexdigest()[:VERSION_CHARACTERS]
+
+
+def _is_version(value: object) -> bool:
+    return (
+        type(value) is str
+        and 0 < len(value) <= 64
+        and all(c in "0123456789abcdefghijklmnopqrstuvwxyz-_." for c in value)
+    )
 
 
 # --------------------------------------------------------------------------- writing
@@ -190,12 +218,19 @@ def finalize_checkpoint(
     num_shards: int,
     entries: Sequence[FileEntry],
     optimizer: dict[str, Any] | None,
+    *,
+    version: str | None = None,
 ) -> None:
-    """Write the manifest, then the done-marker (last, so its presence means complete)."""
+    """Write the manifest, then the done-marker (last, so its presence means complete).
+
+    ``version``: the rows' version (:attr:`EmbeddingManifest.version`); by default
+    :func:`content_version` of ``entries``. A re-sharded copy passes its source's.
+    """
     root = Path(directory)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
+        "version": version or content_version(entries),
         "created_unix": time.time(),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "num_shards": num_shards,
@@ -373,6 +408,14 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
             )
         num_shards = int(raw["num_shards"])
         files = tuple(FileEntry(**entry) for entry in raw["files"])
+        rows_version = raw.get("version", None)
+        if rows_version is None:  # written before manifests held a version
+            rows_version = content_version(files)
+        elif not _is_version(rows_version):
+            raise CheckpointError(
+                f"{root / MANIFEST_NAME} is malformed: version must be 1 to 64 characters "
+                f"of a-z, 0-9, '-', '_' and '.', got {rows_version!r}"
+            )
         config = embedding_config_from_mapping(
             raw["embedding_config"], source=str(root / MANIFEST_NAME)
         )
@@ -384,6 +427,7 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
             embedding_config=config,
             optimizer=raw.get("optimizer"),
             files=files,
+            version=rows_version,
         )
     except RecserveError:
         raise
@@ -608,7 +652,7 @@ def load_into_shard(
     _check_capacity(manifest, shard, blocks)
     if adopted is not None:
         shard.configure(optimizer=adopted)
-    shard.replace_rows(blocks)
+    shard.replace_rows(blocks, checkpoint_version=manifest.version)
     return manifest
 
 
@@ -629,7 +673,7 @@ def load_embeddings(
         _check_capacity(manifest, shard, blocks)
         staged.append(blocks)
     for shard, blocks in zip(shards, staged):
-        shard.replace_rows(blocks)
+        shard.replace_rows(blocks, checkpoint_version=manifest.version)
     return manifest
 
 

@@ -69,6 +69,9 @@ class ShardStatus:
     evictions: int
     task: str  # "", "loading" or "dumping"
     task_progress: float
+    #: The embedding checkpoint version the rows were loaded from; "" when none was loaded
+    #: or the rows changed since (EmbeddingShard.checkpoint_version).
+    checkpoint_version: str = ""
 
     @classmethod
     def from_proto(cls, message: pb.ShardStatusResponse) -> ShardStatus:
@@ -87,6 +90,7 @@ class ShardStatus:
             evictions=message.evictions,
             task=message.task,
             task_progress=message.task_progress,
+            checkpoint_version=message.checkpoint_version,
         )
 
     @property

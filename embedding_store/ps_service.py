@@ -366,7 +366,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             self._checkpoint_task.end()
         self._refresh_health()
         rows = self.shard.size()
-        log.info("loaded %d rows from embedding checkpoint %s", rows, directory)
+        log.info(
+            "loaded %d rows from embedding checkpoint %s (version %s)",
+            rows,
+            directory,
+            self.shard.checkpoint_version,
+        )
         return rows
 
     def dump_part(
@@ -539,6 +544,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             evictions=stats.evictions,
             task=task,
             task_progress=progress,
+            checkpoint_version=self.shard.checkpoint_version,
         )
 
 

@@ -249,6 +249,7 @@ class EmbeddingShard:
         self._rejected = 0
         self._updates = 0
         self._skipped = 0
+        self._checkpoint_version = ""
 
     # ------------------------------------------------------------------ properties
 
@@ -267,6 +268,14 @@ class EmbeddingShard:
     @property
     def initialization(self) -> InitializationConfig:
         return self._initialization
+
+    @property
+    def checkpoint_version(self) -> str:
+        """The version of the embedding checkpoint the rows were loaded from
+        (:attr:`embedding_store.checkpoint.EmbeddingManifest.version`); ``""`` when none was
+        loaded or the rows changed since (a train lookup inserted, an update, a clear, an
+        import). Servers compare it with their model's to catch mixed versions."""
+        return self._checkpoint_version
 
     def size(self) -> int:
         """Rows held, all dims together."""
@@ -404,6 +413,8 @@ class EmbeddingShard:
         table.size += k
         self._rows += k
         self._inserts += k
+        if k:
+            self._checkpoint_version = ""
         return rows
 
     # ------------------------------------------------------------------ data path
@@ -558,6 +569,8 @@ class EmbeddingShard:
                 table.weights, table.state, rows, grads, self._initialization.weight_bound
             )
             updated = int(np.count_nonzero(rows >= 0))
+            if updated:
+                self._checkpoint_version = ""
             self._updates += updated
             self._skipped += n - updated
             return updated
@@ -569,6 +582,7 @@ class EmbeddingShard:
         with self._lock:
             self._tables = {}
             self._rows = 0
+            self._checkpoint_version = ""
 
     # ------------------------------------------------------------------ bulk transfer
 
@@ -605,12 +619,15 @@ class EmbeddingShard:
         with self._lock:
             new_state = self._state_for_import(state, ids.shape[0], dim)
             self._import_locked(ids, weights, new_state, dim)
+            self._checkpoint_version = ""
 
-    def replace_rows(self, blocks: list[RowBlock]) -> None:
+    def replace_rows(self, blocks: list[RowBlock], *, checkpoint_version: str = "") -> None:
         """Replace every row of the shard by ``blocks`` (one per dim, as from a checkpoint).
 
         All-or-nothing: blocks are validated first (shapes, state widths, total rows against
         ``capacity``) and any error leaves the shard unchanged. Allowed on read-only shards.
+        ``checkpoint_version``: the checkpoint the blocks come from (see
+        :attr:`checkpoint_version`).
         """
         checked = [_check_block(b) for b in blocks]
         dims = [c[3] for c in checked]
@@ -635,6 +652,7 @@ class EmbeddingShard:
             except BaseException:
                 self._tables, self._rows, self._inserts = saved
                 raise
+            self._checkpoint_version = checkpoint_version
 
     def _state_for_import(self, state: np.ndarray | None, n: int, dim: int) -> np.ndarray | None:
         """The state to write for imported rows (None: no state columns)."""

@@ -38,6 +38,8 @@ class TierStatus:
     (``""``, ``"dumping"``, ``"loading"``; shards done / shards). ``shard_serving[i]`` is
     whether shard i can answer lookups now (an inference shard has loaded its checkpoint, a
     training shard has an optimizer); empty where a tier does not report it.
+    ``shard_checkpoint_versions[i]`` is the embedding checkpoint version shard i's rows were
+    loaded from (``""``: none, or changed since by training); empty where not reported.
     """
 
     rows_per_shard: tuple[int, ...]
@@ -50,6 +52,7 @@ class TierStatus:
     task: str = ""
     task_progress: float = 0.0
     shard_serving: tuple[bool, ...] = ()
+    shard_checkpoint_versions: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -187,6 +190,7 @@ class InProcessEmbeddingTier:
             shard_task_progress=(0.0,) * len(self.shards),
             # In-process shards answer from the moment they exist (no checkpoint to wait for).
             shard_serving=(True,) * len(self.shards),
+            shard_checkpoint_versions=tuple(s.checkpoint_version for s in self.shards),
         )
 
     def close(self) -> None:

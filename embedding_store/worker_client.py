@@ -168,6 +168,7 @@ class RemoteEmbeddingWorker:
             task=response.task,
             task_progress=response.task_progress,
             shard_serving=tuple(s.serving for s in response.shard_status),
+            shard_checkpoint_versions=tuple(s.checkpoint_version for s in response.shard_status),
         )
 
     def close(self) -> None:

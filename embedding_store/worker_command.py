@@ -172,19 +172,23 @@ def _task(task: str, progress: float) -> str:
 
 def format_status(status: TierStatus) -> list[str]:
     """The lines of ``recserve embedding-tier status``: one per shard (rows, capacity, task,
-    and ``NOT SERVING`` when it says so), the worker's own task, then pending work. A task
-    reads ``idle`` or e.g. ``dumping 50%``."""
-    serving = status.shard_serving or (True,) * len(status.rows_per_shard)  # not reported
+    the checkpoint version its rows were loaded from, and ``NOT SERVING`` when it says so),
+    the worker's own task, then pending work. A task reads ``idle`` or e.g. ``dumping 50%``;
+    a version ``none`` (nothing loaded, or rows changed since by training)."""
+    count = len(status.rows_per_shard)
+    serving = status.shard_serving or (True,) * count  # not reported
+    versions = status.shard_checkpoint_versions or ("",) * count
     lines = [
-        f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}"
-        + ("" if shard_serving else ", NOT SERVING")
-        for index, (rows, capacity, task, progress, shard_serving) in enumerate(
+        f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}, "
+        f"checkpoint {version or 'none'}" + ("" if shard_serving else ", NOT SERVING")
+        for index, (rows, capacity, task, progress, shard_serving, version) in enumerate(
             zip(
                 status.rows_per_shard,
                 status.capacity_per_shard,
                 status.shard_tasks,
                 status.shard_task_progress,
                 serving,
+                versions,
             )
         )
     ]

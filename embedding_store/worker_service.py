@@ -475,6 +475,7 @@ class RemoteShardTier:
             task=task,
             task_progress=task_progress,
             shard_serving=tuple(s.serving for s in statuses),
+            shard_checkpoint_versions=tuple(s.checkpoint_version for s in statuses),
         )
 
     def shard_statuses(self) -> list[ShardStatus]:
@@ -695,14 +696,16 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
                     task=task,
                     task_progress=task_progress,
                     serving=serving,
+                    checkpoint_version=version,
                 )
-                for i, (rows, capacity, task, task_progress, serving) in enumerate(
+                for i, (rows, capacity, task, task_progress, serving, version) in enumerate(
                     zip(
                         status.rows_per_shard,
                         status.capacity_per_shard,
                         status.shard_tasks,
                         status.shard_task_progress,
                         status.shard_serving,
+                        status.shard_checkpoint_versions or ("",) * size,
                         strict=True,
                     )
                 )

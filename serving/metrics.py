@@ -96,6 +96,12 @@ class ServingMetrics:
             "1 when every embedding shard answered and served at the last check (every 2 s).",
             registry=r,
         )
+        self.tier_version_mismatch = Gauge(
+            "recserve_embedding_tier_version_mismatch",
+            "Embedding shards whose rows come from another embedding checkpoint than the "
+            "served model's, at the last check (0 when they all match or do not say).",
+            registry=r,
+        )
 
     def track_pending(self, pending: Callable[[], int]) -> None:
         self.pending.set_function(lambda: float(pending()))

@@ -81,6 +81,7 @@ class LoadedModel:
         owns_tier: bool,
         output_transform: str = "identity",
         fallback_policy: str = "fail",
+        embedding_version: str = "",
     ) -> None:
         if output_transform not in OUTPUT_TRANSFORMS:
             raise InvalidArgumentError(
@@ -101,6 +102,9 @@ class LoadedModel:
         self.owns_tier = owns_tier
         self.output_transform = output_transform
         self.fallback_policy = fallback_policy
+        # The version of the checkpoint's embeddings (EmbeddingManifest.version): what a
+        # remote tier's shards should report having loaded.
+        self.embedding_version = embedding_version
         # The dense model rewritten for oneDNN (serving.onednn_linear), used for merged batches
         # of at least ``large_batch_rows`` rows; None: every batch runs ``dense``.
         self.large_batch_dense: torch.jit.ScriptModule | None = None
@@ -411,6 +415,7 @@ def load_model(
         owns_tier=True,
         output_transform=output_transform,
         fallback_policy=fallback_policy,
+        embedding_version=embedding_manifest.version,
     )
     try:
         if warm_up:

@@ -129,6 +129,9 @@ class PredictionService:
         self._tier_ok = True
         self.metrics.tier_serving.set_function(lambda: 1.0 if self._tier_ok else 0.0)
         self.last_tier_error: str | None = None
+        # Shards whose rows are another checkpoint's than the model's (index -> version).
+        self._foreign_versions: dict[int, str] = {}
+        self.metrics.tier_version_mismatch.set_function(lambda: len(self._foreign_versions))
         self._stop_checks = threading.Event()
         self._tier_checker = threading.Thread(
             target=self._check_tier, args=(tier_check_seconds,), name="tier-check", daemon=True
@@ -142,6 +145,7 @@ class PredictionService:
                 # A shard that answers but cannot serve yet (a restarted inference shard
                 # still loading its checkpoint) fails every lookup that reaches it.
                 waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
+                self._compare_versions(status.shard_checkpoint_versions)
                 if waiting:
                     raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
                 if not self._tier_ok:
@@ -155,6 +159,41 @@ class PredictionService:
                         error.message,
                     )
                 self._tier_ok, self.last_tier_error = False, error.message
+
+    def _compare_versions(self, versions: tuple[str, ...]) -> None:
+        """Note shards that hold another embedding checkpoint than the served model's (a
+        rollout half done, or a ConfigMap left on the old directory: docs/deploy.md). Shards
+        that do not say (``""``: training shards, older builds) are not counted."""
+        model = self._model
+        expected = model.embedding_version
+        foreign = {
+            index: version
+            for index, version in enumerate(versions)
+            if version and expected and version != expected
+        }
+        if foreign == self._foreign_versions:
+            return
+        if foreign:
+            held = ", ".join(f"shard {i}: {v}" for i, v in sorted(foreign.items()))
+            log.warning(
+                "embedding shards hold another checkpoint's rows (%s) than model %s version %s "
+                "(embeddings %s, from %s): predictions mix two versions until the shards load "
+                "this checkpoint's embeddings or the server loads theirs",
+                held,
+                model.name,
+                model.version,
+                expected,
+                model.manifest.embeddings_directory,
+            )
+        else:
+            log.info("embedding shards hold the served model's embeddings (%s) again", expected)
+        self._foreign_versions = foreign
+
+    @property
+    def foreign_embedding_versions(self) -> dict[int, str]:
+        """Shards (index -> version) that held another embedding checkpoint than the served
+        model's at the last background check."""
+        return dict(self._foreign_versions)
 
     # ------------------------------------------------------------------ state
     @property

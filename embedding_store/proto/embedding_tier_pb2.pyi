@@ -195,7 +195,7 @@ class ShardStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStatusResponse(_message.Message):
-    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress")
+    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress", "checkpoint_version")
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class ShardStatusResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
     replica_index: int
     replica_size: int
     rows: int
@@ -224,7 +225,8 @@ class ShardStatusResponse(_message.Message):
     evictions: int
     task: str
     task_progress: float
-    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
+    checkpoint_version: str
+    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., checkpoint_version: _Optional[str] = ...) -> None: ...
 
 class PackedSlots(_message.Message):
     __slots__ = ("slots", "data")

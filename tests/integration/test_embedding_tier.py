@@ -427,8 +427,9 @@ def test_tier_admin_cli_dumps_with_progress_and_reports_status(
     assert status.returncode == 0
     rows = remote.status().rows_per_shard
     assert status.stdout.splitlines()[:3] == [
-        f"shard 0: {rows[0]} rows of 100000, idle",
-        f"shard 1: {rows[1]} rows of 100000, idle",
+        # Trained rows come from no checkpoint.
+        f"shard 0: {rows[0]} rows of 100000, idle, checkpoint none",
+        f"shard 1: {rows[1]} rows of 100000, idle, checkpoint none",
         "worker: idle",
     ]
 

@@ -101,12 +101,16 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
             parent.wait()
 
 
-def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkpoint, tmp_path):
+def test_serving_with_the_worker_core_in_process_over_remote_shards(
+    adult_checkpoint, adult_checkpoint_b, tmp_path
+):
     """--embedding-ps: infer-mode shards load the checkpoint's embeddings read-only; the
     server runs the worker core itself; answers equal the embedded server's."""
     import yaml
 
+    from embedding_store.checkpoint import read_manifest as read_embedding_manifest
     from embedding_store.launcher import LocalCluster
+    from embedding_store.ps_client import RemoteParameterServer
     from serving.infer_ctx import InferCtx
 
     global_config = tmp_path / "global_config.yml"
@@ -167,14 +171,42 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(adult_checkp
                 # (it reloads its checkpoint) serves again.
                 metrics = f"http://127.0.0.1:{ports.group(1)}/metrics"
 
-                def tier_serving() -> float:
+                def gauge(name: str) -> float:
                     with urllib.request.urlopen(metrics, timeout=5) as response:
                         text = response.read().decode()
-                    value = re.search(r"^recserve_embedding_tier_serving (\S+)$", text, re.M)
+                    value = re.search(rf"^{name} (\S+)$", text, re.M)
                     assert value is not None, text
                     return float(value.group(1))
 
+                def tier_serving() -> float:
+                    return gauge("recserve_embedding_tier_serving")
+
+                def version_mismatch() -> float:
+                    return gauge("recserve_embedding_tier_version_mismatch")
+
                 assert tier_serving() == 1.0
+                assert version_mismatch() == 0.0
+                # Shards that load another checkpoint's embeddings (a rollout half done)
+                # show in a metric and the log, naming both versions.
+                other = read_embedding_manifest(adult_checkpoint_b / "embeddings").version
+                own = read_embedding_manifest(adult_checkpoint / "embeddings").version
+                assert other != own
+                for index, address in enumerate(shards.ps_addresses):
+                    with RemoteParameterServer(address, replica_index=index) as ps:
+                        ps.load(str(adult_checkpoint_b / "embeddings"))
+                        assert ps.status().checkpoint_version == other
+                wait_until(lambda: version_mismatch() == 2.0, "the mismatch metric")
+                wait_until(
+                    lambda: (
+                        f"(shard 0: {other}, shard 1: {other}) than model" in log.read_text()
+                        and f"(embeddings {own}, from" in log.read_text()
+                    ),
+                    "the mismatch in the log",
+                )
+                for index, address in enumerate(shards.ps_addresses):
+                    with RemoteParameterServer(address, replica_index=index) as ps:
+                        ps.load(str(adult_checkpoint / "embeddings"))
+                wait_until(lambda: version_mismatch() == 0.0, "the mismatch metric back to 0")
                 shards.kill_shard(1)
                 wait_until(lambda: tier_serving() == 0.0, "the metric still says serving")
                 assert client.ready()

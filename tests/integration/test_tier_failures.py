@@ -317,11 +317,14 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
             status = run_cli("status", "--worker", worker)
             assert status.returncode == 0, status.stderr
             assert status.stdout.splitlines()[:2] == [
-                f"shard 0: 0 rows of {CAPACITY}, idle, NOT SERVING",
-                f"shard 1: 0 rows of {CAPACITY}, idle, NOT SERVING",
+                f"shard 0: 0 rows of {CAPACITY}, idle, checkpoint none, NOT SERVING",
+                f"shard 1: 0 rows of {CAPACITY}, idle, checkpoint none, NOT SERVING",
             ]
-            client.load(tmp_path / "ckpt")
+            version = client.load(tmp_path / "ckpt").version
             assert client.status().shard_serving == (True, True)
+            assert client.status().shard_checkpoint_versions == (version, version)
+            lines = run_cli("status", "--worker", worker).stdout.splitlines()
+            assert [line.rsplit(", ", 1)[1] for line in lines[:2]] == [f"checkpoint {version}"] * 2
             assert worker_health(worker) == (serving, serving, serving)
 
             # A dead shard shows on recserve.shards; the worker stays ready (every worker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -329,3 +330,34 @@ def test_a_target_that_cannot_be_written_is_named(tmp_path):
     for target in (blocker / "ckpt", "/proc/recserve-ckpt"):
         with pytest.raises(CheckpointError, match=f"cannot write a checkpoint to {target}: "):
             checkpoint.dump_embeddings(shards, target, CONFIG)
+
+
+def test_version_names_the_rows_and_loaded_shards_report_it(tmp_path):
+    _, shards = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    raw = json.loads((tmp_path / "ckpt" / checkpoint.MANIFEST_NAME).read_text())
+    # A digest of the files' names and checksums: it names this checkpoint.
+    expected = hashlib.sha256(
+        "".join(
+            f"{e.path}\0{e.sha256}\n" for e in sorted(manifest.files, key=lambda e: e.path)
+        ).encode()
+    ).hexdigest()[:16]
+    assert raw["version"] == manifest.version == expected
+    _, others = trained_worker(2, first_batch=5)
+    assert checkpoint.dump_embeddings(others, tmp_path / "other", CONFIG).version != expected
+    # Loaded shards report it, whatever their count.
+    target = make_shards(3)
+    checkpoint.load_embeddings(tmp_path / "ckpt", target, CONFIG)
+    assert [s.checkpoint_version for s in target] == [expected] * 3
+    single = make_shards(1)[0]
+    checkpoint.load_into_shard(tmp_path / "ckpt", single, CONFIG, replica_index=0, replica_size=1)
+    assert single.checkpoint_version == expected
+    # Manifests written before versions existed get the same one; a bad one is named.
+    path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    del raw["version"]
+    path.write_text(json.dumps(raw))
+    assert checkpoint.read_manifest(tmp_path / "ckpt").version == expected
+    for bad in ("", "UPPER", "a/b", 7, "x" * 65):
+        path.write_text(json.dumps({**raw, "version": bad}))
+        with pytest.raises(CheckpointError, match=f"version must be 1 to 64 .*got {bad!r}"):
+            checkpoint.read_manifest(tmp_path / "ckpt")

@@ -213,6 +213,12 @@ def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
     assert checkpoint_tool.diff(embeddings, one)["identical"]
     manifest = embedding_checkpoint.read_manifest(one)
     assert manifest.num_shards == 1 and manifest.total_rows == 80
+    # The same rows, sharded otherwise: the version stays (shards report it to servers).
+    source_version = embedding_checkpoint.read_manifest(embeddings).version
+    assert manifest.version == source_version
+    assert embedding_checkpoint.read_manifest(three).version == source_version
+    inspected = checkpoint_tool.format_inspect(checkpoint_tool.inspect(three))
+    assert f"  embedding version {source_version} (what the shards" in inspected
     # Rows land where the hash routing says (loadable by 3 replicas without moving).
     three_manifest = embedding_checkpoint.read_manifest(three)
     from embedding_store.hashing import shard_of

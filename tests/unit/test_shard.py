@@ -269,6 +269,49 @@ def test_replace_rows_is_all_or_nothing() -> None:
     assert shard.size() == 0
 
 
+def test_checkpoint_version_is_the_loaded_ones_until_the_rows_change() -> None:
+    source = _trained_shard(Adam())
+    blocks = [source.export_rows(d) for d in source.dims()]
+    ids = source.export_rows(4).ids[:3]
+
+    def loaded(read_only: bool = False) -> EmbeddingShard:
+        shard = EmbeddingShard(1000, optimizer=Adam(), read_only=read_only)
+        assert shard.checkpoint_version == ""
+        shard.replace_rows(blocks, checkpoint_version="v1")
+        assert shard.checkpoint_version == "v1"
+        return shard
+
+    # Reads keep it: inference lookups, pooled or not, of known and unknown IDs.
+    shard = loaded(read_only=True)
+    shard.lookup(u64(*ids.tolist(), 10**12), 4, train=False)
+    shard.lookup_pooled(ids, 4, np.array([0, 2], np.int64), train=False)
+    shard.export_rows(4)
+    assert shard.checkpoint_version == "v1"
+    # A failed replacement keeps the rows and their version.
+    with pytest.raises(InvalidArgumentError):
+        shard.replace_rows(
+            [RowBlock(u64(9), np.ones((1, 4), np.float32), np.ones((1, 3), np.float32))],
+            checkpoint_version="v2",
+        )
+    assert shard.checkpoint_version == "v1"
+    shard.import_rows(RowBlock(u64(1), np.ones((1, 4), np.float32), None))
+    assert shard.checkpoint_version == ""
+    # Writes drop it: a train lookup of known IDs keeps it, one that inserts does not.
+    shard = loaded()
+    shard.lookup(ids, 4, train=True)
+    assert shard.checkpoint_version == "v1"
+    shard.lookup(u64(10**12), 4, train=True)
+    assert shard.checkpoint_version == ""
+    shard = loaded()
+    assert shard.update(u64(10**13), np.ones((1, 4), np.float32)) == 0  # not held: no change
+    assert shard.checkpoint_version == "v1"
+    shard.update(ids, np.ones((3, 4), np.float32))
+    assert shard.checkpoint_version == ""
+    shard = loaded()
+    shard.clear()
+    assert shard.checkpoint_version == ""
+
+
 def test_read_only_shard_loads_by_import_and_refuses_writes() -> None:
     source = _trained_shard(Adam())
     infer = EmbeddingShard(1000, read_only=True)  # no optimizer: state is dropped on import

@@ -436,8 +436,8 @@ def test_tier_status_reports_which_shards_serve():
         answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), Context())
         assert [s.serving for s in answer.shard_status] == [True, False]
         assert format_status(status)[:2] == [
-            "shard 0: 0 rows of 1000, idle",
-            "shard 1: 0 rows of 1000, idle, NOT SERVING",
+            "shard 0: 0 rows of 1000, idle, checkpoint none",
+            "shard 1: 0 rows of 1000, idle, checkpoint none, NOT SERVING",
         ]
     finally:
         tier.close()

@@ -362,10 +362,11 @@ def test_format_status_shows_tasks_of_shards_and_worker():
         shard_task_progress=(0.0, 0.0),
         task="dumping",
         task_progress=0.5,
+        shard_checkpoint_versions=("0123456789abcdef", ""),
     )
     assert format_status(status) == [
-        "shard 0: 5 rows of 10, dumping 0%",
-        "shard 1: 7 rows of 10, idle",
+        "shard 0: 5 rows of 10, dumping 0%, checkpoint 0123456789abcdef",
+        "shard 1: 7 rows of 10, idle, checkpoint none",
         "worker: dumping 50%",
         "pending backward: 0, pending gradient batches: 1, non-finite rows skipped: 2",
     ]
