@@ -50,13 +50,15 @@ def _read_before(response: urllib3.BaseHTTPResponse, deadline: float | None) -> 
     (monotonic seconds; None: no bound). TimeoutError once it has passed."""
     if deadline is None:
         return response.read()
-    connection = getattr(response, "connection", None)
-    sock = getattr(connection, "sock", None)
     chunks = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline passed while reading the answer")
+        # Asked each time: urllib3 hands the connection back to the pool as it reads the
+        # last byte, and from then on its socket is another caller's (or closed, when the
+        # pool was full). Its connection attribute is None then.
+        sock = getattr(getattr(response, "connection", None), "sock", None)
         if sock is not None:
             sock.settimeout(left)
         chunk = response.read1(_CHUNK_BYTES)
@@ -120,7 +122,7 @@ class HttpBackend:
             raise RetryableError(
                 UnavailableError(f"server {self.server}: {method} {path} failed: {error}")
             ) from None
-        except HTTPError as error:
+        except (HTTPError, OSError) as error:
             raise UnavailableError(
                 f"server {self.server}: {method} {path} failed: {error}"
             ) from None

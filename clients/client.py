@@ -23,6 +23,7 @@ server.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,10 +144,8 @@ class _ClientBase:
         self.endpoint = parse_url(url)
         if not isinstance(model_name, str) or not model_name:
             raise InvalidArgumentError(f"model_name must be a non-empty string, got {model_name!r}")
-        if timeout is not None and not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.model_name = model_name
-        self.timeout = timeout
+        self.timeout = _checked_timeout(timeout)
         self.policy = RetryPolicy(retries, *_resolve_backoff(backoff))
         self._max_connections = max_connections
         self._max_message_bytes = max_message_bytes
@@ -183,10 +182,20 @@ class _ClientBase:
         return self.endpoint.protocol
 
     def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        """A call's own ``timeout`` (checked as the constructor's), or the client's."""
+        return self.timeout if timeout is None else _checked_timeout(timeout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, model_name={self.model_name!r})"
+
+
+def _checked_timeout(timeout: object) -> float | None:
+    """``timeout`` as seconds (> 0) or None; InvalidArgumentError naming it otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    return float(timeout)
 
 
 class RecserveClient(_ClientBase):

@@ -140,6 +140,21 @@ def test_metadata_and_health(urls, server):
     assert http_info.outputs == (TensorInfo("prediction", "FP32", (-1, 1)),)
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_one_client_shared_by_more_threads_than_connections(urls, rows, expected, protocol):
+    # The clients say they are thread-safe. Over HTTP, the pool (4 connections) is full
+    # whenever 16 threads answer at once: a connection handed back then is closed, and a
+    # read must not touch its socket afterwards (it did: "Bad file descriptor", ~2%).
+    from concurrent.futures import ThreadPoolExecutor
+
+    batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+    with RecserveClient(urls[protocol], model_name=MODEL, retries=0, max_connections=4) as client:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: client.predict(batch).predictions, range(400)))
+    for predictions in answers:
+        np.testing.assert_allclose(predictions, expected, rtol=0, atol=ATOL)
+
+
 def test_errors(urls, rows):
     for url in urls.values():
         with (

@@ -4,6 +4,7 @@ on loopback) over a fake core: multi-ID features with lengths, parameters, error
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -148,6 +149,29 @@ def test_rows(urls):
 def test_wrong_input_type(client):
     with pytest.raises(TypeError, match="Batch or a list of dict rows"):
         client.predict({"user": [1]})
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), True, "5"])
+def test_a_call_timeout_that_is_no_duration_is_refused(urls, core, timeout):
+    # As the constructor refuses it, naming it; it used to reach urllib3 (a ValueError) or
+    # become an instant DEADLINE_EXCEEDED over gRPC.
+    message = rf"timeout must be > 0 seconds or None, got {re.escape(repr(timeout))}"
+    for url in urls.values():
+        with RecserveClient(url, model_name=MODEL, **FAST) as client:
+            with pytest.raises(InvalidArgumentError, match=message):
+                client.predict(_batch(), timeout=timeout)
+            with pytest.raises(InvalidArgumentError, match=message):
+                client.ready(timeout=timeout)
+        with pytest.raises(InvalidArgumentError, match=message):
+            RecserveClient(url, model_name=MODEL, timeout=timeout)
+
+        async def main(url=url):
+            async with AsyncRecserveClient(url, model_name=MODEL, **FAST) as client:
+                with pytest.raises(InvalidArgumentError, match=message):
+                    await client.predict(_batch(), timeout=timeout)
+
+        asyncio.run(main())
+    assert core.calls == []
 
 
 def test_unknown_model_is_not_found(urls):
