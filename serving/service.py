@@ -102,6 +102,8 @@ class PredictionService:
         self._request_latencies: dict[str, Any] = {}
         self._accepting = True
         self._reload_lock = threading.Lock()
+        # Replaced models waiting to be closed, with their timers (reload, close).
+        self._retiring: list[tuple[threading.Timer, LoadedModel]] = []
         self.last_reload_error: str | None = None
         # One model call at a time, whichever batcher (thread or event loop) makes it.
         self._run_lock = threading.Lock()
@@ -236,8 +238,17 @@ class PredictionService:
         return True
 
     def close(self) -> None:
+        """Refuse new requests on every path, stop the background work, close the models
+        (the served one and replaced ones still waiting to retire)."""
+        self._accepting = False
         self._stop_checks.set()
         self._batcher.close()
+        with self._reload_lock:
+            retiring, self._retiring = self._retiring, []
+        for timer, old in retiring:
+            timer.cancel()
+            timer.join(timeout=5.0)  # a cancelled timer ends at once
+            old.close()
         self._model.close()
 
     # ------------------------------------------------------------------ metadata
@@ -545,8 +556,19 @@ class PredictionService:
             self.last_reload_error = None
             log.info("now serving %s version %s (was %s)", self.name, new.version, old.version)
         # Requests merged before the swap still hold ``old``; close it once they are done.
-        threading.Timer(30.0, _retire, args=(old,)).start()
+        # A daemon timer, cancelled by close(): a script that reloads and closes ends at once.
+        timer = threading.Timer(RETIRE_AFTER_SECONDS, self._retire_model, args=(old,))
+        timer.daemon = True
+        with self._reload_lock:
+            self._retiring = [(t, m) for t, m in self._retiring if t.is_alive()]
+            self._retiring.append((timer, old))
+        timer.start()
         return {"model": self.name, "version": new.version, "previous_version": old.version}
+
+    def _retire_model(self, old: LoadedModel) -> None:
+        with self._reload_lock:
+            self._retiring = [(t, m) for t, m in self._retiring if m is not old]
+        _retire(old)
 
     def _load_for_reload(self, checkpoint_dir: str | None) -> LoadedModel:
         """The loader's model, or CheckpointError: a checkpoint that passes verification can
@@ -562,6 +584,10 @@ class PredictionService:
             raise CheckpointError(
                 f"the new checkpoint cannot be served: {error_summary(error)}"
             ) from error
+
+
+#: Seconds a replaced model stays open for the requests merged before the swap.
+RETIRE_AFTER_SECONDS = 30.0
 
 
 def _retire(model: LoadedModel) -> None:

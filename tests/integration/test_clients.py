@@ -148,9 +148,11 @@ def test_one_client_shared_by_more_threads_than_connections(urls, rows, expected
     from concurrent.futures import ThreadPoolExecutor
 
     batch = features.rows_to_batch(rows, with_labels=False, requires_grad=False)
-    with RecserveClient(urls[protocol], model_name=MODEL, retries=0, max_connections=4) as client:
-        with ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(lambda _: client.predict(batch).predictions, range(400)))
+    with (
+        RecserveClient(urls[protocol], model_name=MODEL, retries=0, max_connections=4) as client,
+        ThreadPoolExecutor(16) as pool,
+    ):
+        answers = list(pool.map(lambda _: client.predict(batch).predictions, range(400)))
     for predictions in answers:
         np.testing.assert_allclose(predictions, expected, rtol=0, atol=ATOL)
 

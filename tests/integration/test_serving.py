@@ -1206,3 +1206,32 @@ def test_a_shard_that_cannot_serve_shows_in_the_metric_not_in_readiness(adult_ch
         assert gauge("recserve_embedding_tier_serving") == 1.0
     finally:
         service.close()
+
+
+def test_close_after_a_reload_refuses_every_path_at_once(adult_checkpoint, batch):
+    import asyncio
+
+    from embedding_store.errors import UnavailableError
+
+    def loader(path: str | None):
+        return load_model(path or adult_checkpoint, name=MODEL)
+
+    first = loader(None)
+    closed: list[str] = []
+    close_first = first.close
+    first.close = lambda: (closed.append("first"), close_first())  # type: ignore[method-assign]
+    service = PredictionService(first, loader=loader)
+    inputs = batch_arrays(batch)
+    answer = service.predict(MODEL, None, inputs, protocol="python")
+    assert answer.outputs["prediction"].shape == (batch.batch_size, 1)
+    service.reload(None)
+    assert closed == []  # the replaced model stays open for requests merged before the swap
+    service.close()
+    # Closed now, with no timer left behind (a non-daemon one kept scripts alive for 30 s).
+    assert closed == ["first"]
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+    assert not service.ready()
+    with pytest.raises(UnavailableError, match="shutting down"):
+        service.predict(MODEL, None, inputs, protocol="python")
+    with pytest.raises(UnavailableError, match="shutting down"):
+        asyncio.run(service.predict_async(MODEL, None, inputs, protocol="python"))
