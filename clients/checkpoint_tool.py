@@ -204,6 +204,7 @@ def inspect(directory: str | os.PathLike[str]) -> dict[str, Any]:
         created_at=_iso(manifest.created_unix),
         created_unix=manifest.created_unix,
         model_class=manifest.model_class,
+        train_state=manifest.train_state,
         dense_files={name: dict(meta) for name, meta in manifest.files.items()},
         feature_signature=manifest.signature.to_dict() if manifest.signature else None,
     )
@@ -250,6 +251,8 @@ def format_inspect(info: dict[str, Any]) -> str:
             f"  step           {info['step']}",
             f"  created        {info['created_at']}",
             f"  model class    {info['model_class']}",
+            "  train state    "
+            + (", ".join(f"{k} {v}" for k, v in info["train_state"].items()) or "(none)"),
         ]
     lines.append(
         f"  size on disk   {_human_bytes(info['size_bytes'])} ({info['size_bytes']} bytes)"
@@ -349,6 +352,11 @@ def verify(directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, Any]
             f"{expected_shards} shards, but {embedding_dir} holds {emb.total_rows} rows in "
             f"{emb.num_shards} shards"
         )
+    if kind == MODEL:
+        try:
+            model_checkpoint.check_embeddings_match(manifest, emb)
+        except RecserveError as error:
+            problems.append(error.message)
     return problems, summary
 
 

@@ -6,7 +6,8 @@ checkpoint tools; it lives here so that neither depends on the other.
 Layout::
 
     manifest.json   format, version id, step, created time, SHA-256 of every dense file,
-                    embedding snapshot summary (rows, shards, manifest checksum)
+                    embedding snapshot summary (rows, shards, its version: a digest of
+                    its files), and the trainer's own position (``train_state``)
     dense.pt        the dense model's state_dict (loaded with weights_only=True)
     jit_dense.pt    torch.jit.script of the dense model (for serving without Python classes)
     opt.pt          the dense optimizer's state_dict
@@ -24,12 +25,13 @@ import copy
 import hashlib
 import io
 import json
+import math
 import shutil
 import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -65,6 +67,12 @@ class CheckpointManifest:
     model_class: str
     signature: FeatureSignature | None = None
     dense_optimizer_class: str = ""  # e.g. "torch.optim.adam.Adam"; "" in older checkpoints
+    #: The version of the embedding snapshot written with the dense files
+    #: (``EmbeddingManifest.version``); "" in older checkpoints.
+    embedding_version: str = ""
+    #: What the trainer recorded about where it was (e.g. epochs done, the seed): JSON
+    #: numbers, strings, booleans or null by name. Empty when it recorded nothing.
+    train_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def has_jit_model(self) -> bool:
@@ -116,11 +124,14 @@ def write_checkpoint(
     with_jit_model: bool = True,
     overwrite: bool = False,
     grad_scaler: torch.amp.GradScaler | None = None,
+    train_state: dict[str, Any] | None = None,
 ) -> CheckpointManifest:
     """Write a complete checkpoint atomically (staging directory, then one rename).
 
     ``grad_scaler``: an enabled mixed-precision loss scaler's state goes to ``scaler.pt``, so
-    a resumed run keeps its loss scale instead of starting again from 65536."""
+    a resumed run keeps its loss scale instead of starting again from 65536.
+    ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`)."""
+    train_state = check_train_state(train_state, "train_state")
     target = Path(directory).absolute()
     if target.exists() and not overwrite:
         raise embedding_checkpoint.AlreadyExistsError(
@@ -166,7 +177,9 @@ def write_checkpoint(
                 "directory": EMBEDDINGS_DIR,
                 "rows": embedding_manifest.total_rows,
                 "shards": embedding_manifest.num_shards,
+                "version": embedding_manifest.version,
             },
+            "train_state": train_state,
         }
         embedding_checkpoint._write_atomic(
             staging / MANIFEST_NAME, json.dumps(manifest, indent=2).encode()
@@ -227,11 +240,49 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
                 if raw.get("signature")
                 else None
             ),
+            embedding_version=str(raw["embeddings"].get("version", "")),
+            train_state=check_train_state(
+                raw.get("train_state"), f"{root / MANIFEST_NAME}: train_state", CheckpointError
+            ),
         )
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from None
+
+
+def check_train_state(
+    value: object, where: str, error: type[Exception] = InvalidArgumentError
+) -> dict[str, Any]:
+    """``value`` as a train state: None (nothing recorded) or a mapping of string names to
+    JSON scalars (numbers, strings, booleans, null); ``error`` naming ``where`` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise error(f"{where} must be a mapping of names to numbers or strings, got {value!r}")
+    for name, item in value.items():
+        if not isinstance(name, str) or not (
+            item is None or isinstance(item, (bool, int, float, str))
+        ):
+            raise error(
+                f"{where}: {name!r} must name a number, string, boolean or None, got {item!r}"
+            )
+        if isinstance(item, float) and not math.isfinite(item):
+            raise error(f"{where}: {name!r} must be finite, got {item!r}")
+    return dict(value)
+
+
+def check_embeddings_match(
+    manifest: CheckpointManifest, embeddings: embedding_checkpoint.EmbeddingManifest
+) -> None:
+    """CheckpointError unless ``embeddings`` is the snapshot written with the dense files (a
+    directory swapped in by hand would otherwise be served under this version)."""
+    if manifest.embedding_version and embeddings.version != manifest.embedding_version:
+        raise CheckpointError(
+            f"{manifest.directory / EMBEDDINGS_DIR} holds embedding checkpoint "
+            f"{embeddings.version}, but {manifest.directory / MANIFEST_NAME} was written with "
+            f"{manifest.embedding_version}: the embeddings were replaced after the dump"
+        )
 
 
 def _file_entries(files: Any, where: Path) -> dict[str, dict[str, Any]]:
@@ -334,7 +385,7 @@ def verify(directory: str | Path) -> CheckpointManifest:
     manifest = read_manifest(directory)
     for name in manifest.files:
         read_verified_file(manifest, name)
-    embedding_checkpoint.verify(manifest.embeddings_directory)
+    check_embeddings_match(manifest, embedding_checkpoint.verify(manifest.embeddings_directory))
     return manifest
 
 
@@ -401,6 +452,9 @@ def load_checkpoint(
                     f"{manifest.directory / SCALER_FILE} is not a loss scaler's state: {error!r}"
                 ) from None
         if load_embeddings:
+            check_embeddings_match(
+                manifest, embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+            )
             tier.load(manifest.embeddings_directory)
     except BaseException:
         model.load_state_dict(previous_weights)

@@ -375,6 +375,7 @@ def load_model(
     dense = model_checkpoint.load_jit_model(manifest)
     dense.eval()
     embedding_manifest = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+    model_checkpoint.check_embeddings_match(manifest, embedding_manifest)
     embedding_config = embedding_manifest.embedding_config
     if embedding_ps:
         # The worker core runs in this process against remote (infer-mode) shards: one gRPC

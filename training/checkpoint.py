@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ def dump_checkpoint(
     with_jit_model: bool = True,
     overwrite: bool = False,
     grad_scaler: torch.amp.GradScaler | None = None,
+    train_state: dict[str, Any] | None = None,
 ) -> CheckpointManifest | None:
     """Write a checkpoint from rank 0 while the other ranks wait; returns its manifest on
     rank 0 and None elsewhere. Every rank calls it once its own embedding updates are
@@ -65,6 +67,7 @@ def dump_checkpoint(
             with_jit_model=with_jit_model,
             overwrite=overwrite,
             grad_scaler=grad_scaler,
+            train_state=train_state,
         )
     except BaseException:
         distributed.all_agree(False)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -441,13 +442,29 @@ class TrainCtx(EmbeddingCtx):
 
     # ------------------------------------------------------------------ checkpoints
     def dump_checkpoint(
-        self, directory: str | os.PathLike, *, with_jit_model: bool = True, overwrite: bool = False
+        self,
+        directory: str | os.PathLike,
+        *,
+        with_jit_model: bool = True,
+        overwrite: bool = False,
+        train_state: dict[str, Any] | None = None,
     ) -> CheckpointManifest | None:
         """Write embeddings, dense.pt, jit_dense.pt, opt.pt (and scaler.pt with mixed
         precision) and a manifest (see :mod:`training.checkpoint`). Every rank must call it;
-        rank 0 writes."""
+        rank 0 writes.
+
+        ``train_state``: where the training loop is, for its own resume (e.g. ``{"epochs_done":
+        3, "seed": 0}``): JSON numbers, strings, booleans or None by name, kept in the manifest
+        and returned by :meth:`load_checkpoint`. The step count is kept without it."""
         from training.checkpoint import dump_checkpoint
 
+        if self.signature is None:
+            # Checked here, not when a server refuses the checkpoint much later.
+            log.warning(
+                "dumping %s before any batch went through forward(): the checkpoint has "
+                "no feature signature and cannot be served (resuming it works)",
+                directory,
+            )
         self.wait_for_embedding_updates()
         return dump_checkpoint(
             Path(directory),
@@ -459,11 +476,13 @@ class TrainCtx(EmbeddingCtx):
             with_jit_model=with_jit_model,
             overwrite=overwrite,
             grad_scaler=self.grad_scaler,
+            train_state=train_state,
         )
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+    def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
         """Resume from a checkpoint: dense weights and optimizer state on every rank; the
-        embeddings once (rank 0) into the shared tier, the other ranks wait for it."""
+        embeddings once (rank 0) into the shared tier, the other ranks wait for it. Returns
+        the manifest: ``step`` and the loop's own ``train_state`` tell where to go on."""
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()
@@ -488,3 +507,4 @@ class TrainCtx(EmbeddingCtx):
             )
         self.step = manifest.step
         self.signature = manifest.signature or self.signature
+        return manifest

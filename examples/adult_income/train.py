@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Run as a script: make the repository root importable (examples.adult_income.*).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -70,10 +71,37 @@ def local_batches(hp: AdultHParams, train: features.EncodedRows, epoch: int) -> 
         yield train.take(order[start : start + hp.batch_size]).to_batch(requires_grad=True)
 
 
+def resume_position(saved: dict[str, Any], schedule: dict[str, Any], streaming: bool) -> int:
+    """The epoch a resumed run starts at: the checkpoint's ``epochs_done`` (0 when it has
+    none: written by another script, or streamed). Says so when the data order will differ
+    from one uninterrupted run's (another seed, batch size or number of ranks)."""
+    if streaming or saved.get("streaming"):
+        return 0  # data loaders decide what comes next
+    changed = [
+        f"{name} {saved[name]} -> {value}"
+        for name, value in schedule.items()
+        if name in saved and saved[name] != value
+    ]
+    if changed and distributed.rank() == 0:
+        print(
+            "note: resuming with another " + ", ".join(changed) + ": the data order differs "
+            "from an uninterrupted run's",
+            file=sys.stderr,
+        )
+    epochs_done = saved.get("epochs_done", 0)
+    return epochs_done if isinstance(epochs_done, int) and epochs_done > 0 else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = AdultHParams()
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=defaults.epochs,
+        help="epochs in all: with --resume-from, training goes on from the epochs the "
+        "checkpoint has done, in the same data order as one uninterrupted run",
+    )
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--embedding-staleness", type=int, default=4)
@@ -124,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=hp.dense_lr)
     staleness = 1 if args.reproducible else args.embedding_staleness
     test = features.read_encoded(features.TEST_PATH)
+    # What fixes the data order: a resumed run that differs cannot continue the same schedule.
+    schedule = {
+        "seed": hp.seed,
+        "batch_size": hp.batch_size,
+        "world_size": max(distributed.world_size(), 1),
+        "streaming": args.streaming,
+    }
 
     started = time.perf_counter()
     with TrainCtx(
@@ -135,8 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         initialization=hp.make_initialization(),
         device_id=distributed.local_rank() if use_cuda else None,
     ) as ctx:
+        first_epoch = 0
         if args.resume_from is not None:
-            ctx.load_checkpoint(args.resume_from)
+            resumed = ctx.load_checkpoint(args.resume_from).train_state
+            first_epoch = resume_position(resumed, schedule, args.streaming)
+            if first_epoch >= hp.epochs and not args.eval_only and distributed.rank() == 0:
+                print(
+                    f"note: {args.resume_from} has done {first_epoch} epoch(s) and --epochs "
+                    f"is the total ({hp.epochs}): nothing left to train",
+                    file=sys.stderr,
+                )
         steps = 0
         if not args.eval_only:
             if args.streaming:
@@ -148,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps += 1
             else:
                 train = features.read_encoded(features.TRAIN_PATH)
-                for epoch in range(hp.epochs):
+                for epoch in range(first_epoch, hp.epochs):
                     source = IterableDataset(lambda e=epoch: local_batches(hp, train, e))
                     for batch in DataLoader(source, prefetch=2):
                         output, labels = ctx.forward(batch)
@@ -162,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         auc = evaluate(ctx, test)
         manifest = None
         if args.checkpoint_dir is not None:
-            manifest = ctx.dump_checkpoint(args.checkpoint_dir, overwrite=args.overwrite)
+            # Where this run stands, so that --resume-from goes on in the same data order.
+            epochs_done = first_epoch if args.eval_only else max(hp.epochs, first_epoch)
+            manifest = ctx.dump_checkpoint(
+                args.checkpoint_dir,
+                overwrite=args.overwrite,
+                train_state={**schedule, "epochs_done": epochs_done},
+            )
         if distributed.rank() == 0:
             print(f"test AUC: {auc:.4f}  ({steps} steps on rank 0, {train_seconds:.1f} s)")
             if manifest is not None:

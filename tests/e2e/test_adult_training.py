@@ -193,7 +193,9 @@ def test_checkpoint_loaded_in_a_fresh_process_gives_the_same_auc(trained, proces
     assert fresh["dense_weight_checksum"] != loaded["dense_weight_checksum"]
 
 
-def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, processes):
+@pytest.fixture(scope="module")
+def reproducible(trained, processes) -> dict:
+    """The metrics of one fully synchronous run (staleness 1, fixed data order), 3 epochs."""
     work = trained["dir"]
     metrics = work / "reproducible.json"
     processes.run(
@@ -208,7 +210,11 @@ def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, proce
         ],
         work / "reproducible.log",
     )
-    synchronous, hybrid = json.loads(metrics.read_text()), trained["metrics"]
+    return json.loads(metrics.read_text())
+
+
+def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, reproducible):
+    synchronous, hybrid = reproducible, trained["metrics"]
     assert synchronous["embedding_staleness"] == 1
     assert synchronous["steps"] == hybrid["steps"]
     assert synchronous["test_auc"] >= MIN_AUC
@@ -218,6 +224,38 @@ def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, proce
         f"staleness 4: {hybrid['test_auc']:.4f} ({hybrid['train_seconds']:.1f} s), gap {gap:.4f}"
     )
     assert gap < 0.002
+
+
+def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(trained, reproducible, processes):
+    # 2 epochs, then a resumed run to 3 in all: the same data order, optimizer states and
+    # rows as the uninterrupted 3-epoch run, so the very same weights and AUC.
+    work = trained["dir"]
+    first, metrics = work / "two-epochs", work / "resumed-to-three.json"
+    common = [sys.executable, str(TRAIN), "--reproducible", "--seed", "0"]
+    processes.run([*common, "--epochs", "2", "--checkpoint-dir", str(first)], work / "two.log")
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["train_state"] == {
+        "seed": 0,
+        "batch_size": 512,
+        "world_size": 1,
+        "streaming": False,
+        "epochs_done": 2,
+    }
+    output = processes.run(
+        [*common, "--resume-from", str(first), "--epochs", "3", "--metrics-out", str(metrics)],
+        work / "resumed.log",
+    )
+    resumed = json.loads(metrics.read_text())
+    assert resumed["steps"] == reproducible["steps"] // 3  # one epoch
+    assert resumed["dense_weight_checksum"] == reproducible["dense_weight_checksum"]
+    assert resumed["test_auc"] == reproducible["test_auc"]
+    assert "note:" not in output
+    # Another batch size cannot continue the same order: said, and training goes on.
+    other = processes.run(
+        [*common, "--resume-from", str(first), "--epochs", "3", "--batch-size", "256"],
+        work / "other-batch-size.log",
+    )
+    assert "note: resuming with another batch_size 512 -> 256: the data order differs" in other
 
 
 def test_streaming_from_two_data_loader_processes(tmp_path, processes, trained):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
@@ -264,3 +265,66 @@ def test_export_dense(checkpoint, tmp_path):
         checkpoint_tool.export_dense(checkpoint, tmp_path, overwrite=True)
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint_tool.export_dense(tmp_path / "missing", tmp_path / "x.pt")
+
+
+def test_the_manifest_binds_its_embedding_snapshot(checkpoint, tmp_path):
+    # Embeddings swapped in by hand (same rows, other values) would be served and evaluated
+    # under this checkpoint's version: every reader refuses them, naming both versions.
+    import shutil
+
+    from serving.model import load_model
+
+    other = make_checkpoint(tmp_path / "other", seed=3)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(checkpoint, mixed)
+    shutil.rmtree(mixed / "embeddings")
+    shutil.copytree(other / "embeddings", mixed / "embeddings")
+    recorded = model_checkpoint.read_manifest(checkpoint).embedding_version
+    assert recorded == embedding_checkpoint.read_manifest(checkpoint / "embeddings").version
+    swapped = embedding_checkpoint.read_manifest(other / "embeddings").version
+    message = (
+        f"{mixed / 'embeddings'} holds embedding checkpoint {swapped}, but "
+        f"{mixed / 'manifest.json'} was written with {recorded}: the embeddings were replaced "
+        "after the dump"
+    )
+    assert checkpoint_tool.verify(mixed)[0] == [message]
+    with pytest.raises(CheckpointError) as caught:
+        model_checkpoint.verify(mixed)
+    assert caught.value.message == message
+    with pytest.raises(CheckpointError) as caught:
+        load_model(mixed, name="tiny", warm_up=False)
+    assert caught.value.message == message
+    with pytest.raises(CheckpointError) as caught:
+        model_checkpoint.load_checkpoint(
+            mixed, Tiny(), None, InProcessEmbeddingTier(CONFIG, capacity=10_000)
+        )
+    assert caught.value.message == message
+    # A checkpoint written before the version was recorded is still read.
+    raw = json.loads((mixed / "manifest.json").read_text())
+    del raw["embeddings"]["version"]
+    (mixed / "manifest.json").write_text(json.dumps(raw))
+    assert checkpoint_tool.verify(mixed)[0] == []
+
+
+def test_train_state_is_kept_and_checked(tmp_path):
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100)
+    state = {"epochs_done": 2, "seed": 0, "lr": 0.5, "note": "x", "streaming": False, "n": None}
+    model_checkpoint.write_checkpoint(
+        tmp_path / "a", Tiny(), None, tier, signature=SIGNATURE, train_state=state
+    )
+    assert model_checkpoint.read_manifest(tmp_path / "a").train_state == state
+    for bad, needle in (
+        ([1], "train_state must be a mapping"),
+        ({"epoch": [1]}, "'epoch' must name a number, string, boolean or None, got [1]"),
+        ({"loss": float("nan")}, "'loss' must be finite, got nan"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+            model_checkpoint.write_checkpoint(
+                tmp_path / "b", Tiny(), None, tier, signature=SIGNATURE, train_state=bad
+            )
+    assert not (tmp_path / "b").exists()
+    raw = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    raw["train_state"] = {"epochs_done": {"nested": 1}}
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"manifest\.json: train_state: 'epochs_done'"):
+        model_checkpoint.read_manifest(tmp_path / "a")
