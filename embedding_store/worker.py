@@ -301,17 +301,25 @@ class EmbeddingWorker:
         ``grads[slot]`` has the shape of that slot's output: float32 [batch, dim] (summation)
         or [batch, sample_fixed_size, dim] (raw). Slots without a gradient get zeros.
         """
-        return self.apply_gradients(self.take_forward_context(ref), grads)
+        return self.apply_gradients(self.take_forward_context(ref, grads), grads)
 
-    def take_forward_context(self, ref: int) -> ForwardContext:
+    def take_forward_context(
+        self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray] | None = None
+    ) -> ForwardContext:
         """Remove forward context ``ref`` from the buffer and return it (for
         :meth:`apply_gradients`); NotFoundError if it was already used or expired.
 
+        With ``grads``, they are checked first (:func:`check_gradients`): gradients that do
+        not fit leave the context in the buffer, so the caller can send corrected ones.
         Callers that apply gradients later (an asynchronous pusher) claim the context first,
         so later lookups cannot expire it while its gradients wait.
         """
         with self._pending_lock:
-            plans = self._pending.pop(ref, None)
+            plans = self._pending.get(ref)
+            if plans is not None:
+                if grads is not None:
+                    check_gradients(plans, grads)
+                del self._pending[ref]
         if plans is None:
             raise NotFoundError(
                 f"no forward context {ref}: it was already used or expired "
@@ -760,5 +768,6 @@ def _bag_gradient(layout: _SlotLayout, grad: torch.Tensor | np.ndarray, dim: int
     [num_bags, dim]."""
     if isinstance(grad, np.ndarray) and not grad.flags.writeable:
         grad = grad.copy()  # decoded from a message: torch wants writable memory
-    tensor = torch.as_tensor(grad, dtype=torch.float32)
+    # detach: a caller's tensor that requires grad is data here (numpy() refuses it).
+    tensor = torch.as_tensor(grad, dtype=torch.float32).detach()
     return tensor.reshape(layout.num_bags, dim)

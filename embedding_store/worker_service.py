@@ -67,7 +67,6 @@ from embedding_store.worker import (
     EmbeddingWorker,
     IdFeature,
     LookupResult,
-    check_gradients,
     checked_features,
 )
 from embedding_store.worker_wire import pack_slots, unpack_grads
@@ -222,9 +221,9 @@ class RemoteShardTier:
         ``forward_buffer_size`` batches wait. The forward context is claimed here, so lookups
         made while the batch waits cannot expire it, and an unknown ``ref`` fails at once
         (NotFoundError). Rows are counted when pushed (:meth:`stats`), hence zeros here."""
-        context = self.worker.take_forward_context(ref)
-        # Checked now, so a bad gradient fails this call, not the pusher's later push.
-        check_gradients(context, grads)
+        # Checked now, so a bad gradient fails this call (and leaves the context for a
+        # corrected one), not the pusher's later push.
+        context = self.worker.take_forward_context(ref, grads)
         self._gradients.put((context, grads))
         return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
 

@@ -235,6 +235,20 @@ def test_bad_gradients_are_refused_before_any_row_moves():
         after = worker.lookup(batch, train=False)
         for a, b in zip(before.slots, after.slots):
             assert torch.equal(a.embeddings, b.embeddings)
+        # The forward context is still there: corrected gradients go through.
+        assert worker.backward(ref, good).rows_pushed > 0
+        before = worker.lookup(batch, train=False)
+
+
+def test_gradients_that_require_grad_are_taken_as_data():
+    worker, _ = make_worker(make_config(), 2)
+    batch = make_batch()
+    result = worker.lookup(batch, train=True)
+    grads = {s.name: torch.ones(s.embeddings.shape, requires_grad=True) for s in result.slots}
+    twin = worker.lookup(batch, train=True)
+    stats = worker.backward(result.ref, grads)
+    assert stats == worker.backward(twin.ref, {k: v.detach() for k, v in grads.items()})
+    assert stats.rows_pushed > 0
 
 
 def test_a_sequence_of_features_is_checked_as_a_batch_is():
