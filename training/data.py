@@ -18,6 +18,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -354,7 +355,13 @@ class DataLoader:
             except BaseException as error:
                 failure.append(error)
             finally:
-                buffer.put(_END)
+                # Never blocks for good: once the consumer stopped, nobody drains the queue.
+                while not stop.is_set():
+                    try:
+                        buffer.put(_END, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
 
         thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
         thread.start()
@@ -364,12 +371,21 @@ class DataLoader:
             if failure:
                 raise failure[0]
         finally:
+            # The consumer stopped (the end, a break, an error). A producer blocked in the
+            # source (a slow generator, a StreamingDataset waiting for loaders) cannot see
+            # `stop` until the source yields: it is not waited for. It is a daemon thread
+            # and ends by itself at the source's next batch (dropped) or end.
             stop.set()
-            while thread.is_alive():
+            deadline = time.monotonic() + _PRODUCER_GRACE_SECONDS
+            while thread.is_alive() and time.monotonic() < deadline:
                 try:
                     buffer.get_nowait()
                 except queue.Empty:
-                    thread.join(timeout=0.05)
+                    thread.join(timeout=0.01)
+
+
+#: How long a stopped DataLoader waits for its producer thread before leaving it.
+_PRODUCER_GRACE_SECONDS = 0.2
 
 
 def _equal_steps(batches: Iterator[Batch]) -> Iterator[Batch]:

@@ -184,6 +184,32 @@ def test_data_loader_prefetches_in_order_and_reraises():
         list(DataLoader(IterableDataset(broken), prefetch=2))
 
 
+def test_breaking_out_does_not_wait_for_a_source_that_is_blocked():
+    # The producer thread is inside the source (a slow reader, a StreamingDataset waiting
+    # for loaders): a break used to wait until the source yielded again.
+    release, outcome = threading.Event(), []
+
+    def slow():
+        yield numbered_batch(0)
+        outcome.append("released" if release.wait(timeout=5) else "waited out")
+        yield numbered_batch(1)
+
+    for batch in DataLoader(IterableDataset(slow), prefetch=1):
+        assert number_of(batch) == 0
+        break
+    assert outcome == []  # back from the break while the source still blocks
+    release.set()
+
+    def producer_alive() -> bool:
+        return any(t.name == "data-prefetch" for t in threading.enumerate())
+
+    deadline = time.monotonic() + 5
+    while (not outcome or producer_alive()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outcome == ["released"]
+    assert not producer_alive()  # it saw the stop and ended by itself
+
+
 def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
     # A killed loader never sends EndOfStream: without the idle bound the NN worker waited
     # for it forever.
