@@ -66,7 +66,7 @@ class RemoteEmbeddingWorker:
             except grpc.RpcError as error:
                 last = error.details() or str(error.code())
             time.sleep(0.1)
-        raise UnavailableError(f"{self._peer} is not serving after {timeout:.0f} s ({last})")
+        raise UnavailableError(f"{self._peer} is not serving after {timeout:g} s ({last})")
 
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
         if not isinstance(batch, Batch):

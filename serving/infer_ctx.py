@@ -18,13 +18,17 @@ from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig, load_embedding_config
 from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
 from embedding_store.worker import LookupResult
+from serving import tensors
 from serving.model import LoadedModel, load_model
 
 
 class InferCtx:
     """``InferCtx(checkpoint=DIR)`` (in-process) or
     ``InferCtx(["host:port"], checkpoint=DIR)`` (remote embeddings, local dense model) or
-    ``InferCtx(["host:port"], embedding_config=...)`` (lookups only)."""
+    ``InferCtx(["host:port"], embedding_config=...)`` (lookups only).
+
+    ``timeout`` bounds each lookup; ``startup_timeout`` how long a checkpoint's remote
+    embedding worker may take to report SERVING before UnavailableError."""
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class InferCtx:
         embedding_config: EmbeddingConfig | str | os.PathLike | None = None,
         output_transform: str = "identity",
         timeout: float = 10.0,
+        startup_timeout: float = 60.0,
     ) -> None:
         self.addresses = list(embedding_worker_addresses or [])
         self.model: LoadedModel | None = None
@@ -46,6 +51,7 @@ class InferCtx:
                 output_transform=output_transform,
                 lookup_timeout=timeout,
                 warm_up=False,
+                startup_timeout=startup_timeout,
             )
             self.embedding_config = self.model.embedding_config
             self._tier = self.model.tier
@@ -101,11 +107,16 @@ class InferCtx:
 
         The batch must match the checkpoint's feature signature in names, kinds and order
         (BatchValidationError otherwise): the dense model takes its inputs by position.
+        As the server, it refuses NaN/Inf non-ID features and predictions that come out
+        NaN/Inf (InvalidArgumentError naming the feature or the first sample).
         """
         if self.model is None:
             raise FailedPreconditionError("InferCtx.forward needs a checkpoint (dense model)")
         self.model.signature.check(batch)
-        return self.model.forward(batch, self.get_embedding_from_data(batch))
+        tensors.require_finite_features(batch)
+        predictions = self.model.forward(batch, self.get_embedding_from_data(batch))
+        tensors.require_finite_predictions(predictions)
+        return predictions
 
     def close(self) -> None:
         if self.model is not None:

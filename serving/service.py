@@ -52,20 +52,6 @@ def _deadline(wait: float) -> DeadlineExceededError:
     return DeadlineExceededError(f"no answer within the request deadline of {wait:.3f} s")
 
 
-def _require_finite_predictions(predictions: np.ndarray) -> None:
-    """InvalidArgumentError unless a request's predictions (float32 [batch, k]) are finite.
-
-    Finite inputs can still overflow inside the model (a dense value near FP32's limit):
-    the answer would be NaN, or null in JSON, with a 200. Refused, naming the samples."""
-    bad = np.flatnonzero(~np.isfinite(predictions).reshape(len(predictions), -1).all(axis=1))
-    if len(bad):
-        raise InvalidArgumentError(
-            f"the model's prediction is not finite (NaN or Inf) for {len(bad)} sample(s) of "
-            f"this request, the first at sample {int(bad[0])}: its inputs are outside the "
-            "range the model can score (look for extreme dense values)"
-        )
-
-
 def _share(total: int, part: int, whole: int) -> int:
     """``total`` apportioned to ``part`` of ``whole`` (exact when part == whole)."""
     if part >= whole or whole == 0:
@@ -418,7 +404,7 @@ class PredictionService:
         served_version, merged_fallback, merged_unknown, merged_ids, all_finite = result.context
         self.metrics.queue_latency.observe(result.queue_seconds)
         if not all_finite:
-            _require_finite_predictions(result.predictions)
+            tensors.require_finite_predictions(result.predictions)
         own_ids = batch.num_ids
         return Prediction(
             outputs={tensors.OUTPUT_NAME: result.predictions},

@@ -753,3 +753,17 @@ def instances_to_inputs(
             array = values.astype(np.float32)
         inputs[spec.name] = array.reshape(len(instances), -1) if array.ndim == 1 else array
     return inputs
+
+
+def require_finite_predictions(predictions: np.ndarray) -> None:
+    """InvalidArgumentError unless a request's predictions (float32 [batch, k]) are finite.
+
+    Finite inputs can still overflow inside the model (a dense value near FP32's limit):
+    the answer would be NaN, or null in JSON, with a 200. Refused, naming the samples."""
+    bad = np.flatnonzero(~np.isfinite(predictions).reshape(len(predictions), -1).all(axis=1))
+    if len(bad):
+        raise InvalidArgumentError(
+            f"the model's prediction is not finite (NaN or Inf) for {len(bad)} sample(s) of "
+            f"this request, the first at sample {int(bad[0])}: its inputs are outside the "
+            "range the model can score (look for extreme dense values)"
+        )

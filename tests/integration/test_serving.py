@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
-from embedding_store.errors import BatchValidationError, InvalidArgumentError
+from embedding_store.errors import BatchValidationError, InvalidArgumentError, UnavailableError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from examples.adult_income import features
 from serving import json_arrays, tensors
@@ -264,6 +264,26 @@ def test_inferctx_refuses_a_batch_whose_features_come_in_another_order(batch, of
         offline.forward(swapped_ids)
     with pytest.raises(BatchValidationError, match="names and order"):
         offline.prepare_features(swapped_ids)
+
+
+def test_inferctx_refuses_what_the_server_refuses(batch, offline, adult_checkpoint):
+    # NaN dense inputs are refused as the server refuses them, not scored as NaN (and so are
+    # predictions that come out NaN/Inf: the server's check, serving.tensors).
+    dense = batch.non_id_type_features[0]
+    data = np.array(dense.data, dtype=np.float32, copy=True)
+    data[1, 0] = np.nan
+    with_nan = Batch(
+        batch.id_type_features,
+        [NonIDTypeFeature(data, name=dense.name), *batch.non_id_type_features[1:]],
+        requires_grad=False,
+    )
+    with pytest.raises(InvalidArgumentError, match=rf"input '{dense.name}'.*NaN"):
+        offline.forward(with_nan)
+    # A remote worker that is not there: the startup timeout is the caller's.
+    started = time.monotonic()
+    with pytest.raises(UnavailableError):
+        InferCtx(["127.0.0.1:1"], checkpoint=adult_checkpoint, timeout=1, startup_timeout=0.5)
+    assert time.monotonic() - started < 30  # not the 60 s default
 
 
 def test_large_batches_run_on_onednn_and_answer_as_small_ones(served, batch, offline, grpc_client):
