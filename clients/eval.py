@@ -865,6 +865,18 @@ class EvalOptions:
     calibration_bins: int = 10
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        """Paths as Python callers give them: ``str`` or ``os.PathLike``, and ``data`` as one
+        path or several."""
+        data = self.data
+        if isinstance(data, (str, os.PathLike)):
+            data = (data,)
+        object.__setattr__(self, "data", tuple(Path(path) for path in data))
+        for name in ("out", "checkpoint", "mapping", "report"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+
 
 @dataclass
 class EvalResult:

@@ -190,7 +190,8 @@ def _python_ids_to_u64(
     try:
         # np.array reads True as 1 among ints: a bool anywhere takes the slow path, which
         # names it (a C-level scan of the types, no Python loop).
-        arr = None if bool in set(map(type, flat)) else np.array(flat)
+        types = set(map(type, flat))
+        arr = None if bool in types or np.bool_ in types else np.array(flat)
     except (ValueError, TypeError, OverflowError):
         arr = None
     if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":

@@ -178,7 +178,8 @@ class EmbeddingCtx:
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Model output for ``batch`` (the dense model's shape, e.g. float32 [batch, 1]) and
-        its label tensors (float32 [batch, ...] each); no gradients outside TrainCtx."""
+        its label tensors ([batch, ...] each, in their own dtype; float64 becomes float32); no
+        gradients outside TrainCtx."""
         if self.model is None:
             raise FailedPreconditionError(f"{type(self).__name__} was created without a model")
         non_ids, embeddings, labels = self.prepare_features(batch)
@@ -362,7 +363,8 @@ class TrainCtx(EmbeddingCtx):
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Model output (with autograd; the dense model's shape, e.g. float32 [batch, 1]) and
-        the label tensors (float32, one per label, [batch, ...]) of one training batch."""
+        the label tensors (one per label, [batch, ...], in the label's own dtype: float64
+        becomes float32, integer class labels stay integers) of one training batch."""
         self.model.train()
         non_ids, embeddings, labels = self.prepare_features(batch)
         with torch.autocast(

@@ -234,6 +234,7 @@ def test_offsets_errors() -> None:
         ([[1], [[2]]], "sample 1 contains [2]"),
         ([[1], [2, True]], "sample 1 contains True"),  # np.array would read it as 1
         ([[False]], "sample 0 contains False"),
+        ([[np.True_, 3]], "sample 0 contains np.True_"),  # numpy's bool, read as 1 too
     ],
 )
 def test_from_lists_bad_ids(lists: list[list[object]], needle: str) -> None:

@@ -91,16 +91,17 @@ def write_rows(path: Path, n: int = 40) -> None:
 def test_eval_in_process_with_the_default_mapping(checkpoint, tmp_path, capsys):
     data = tmp_path / "rows.csv"
     write_rows(data)
-    options = EvalOptions(
-        data=(data,),
-        out=tmp_path / "predictions.parquet",
-        checkpoint=checkpoint,
+    options = EvalOptions(  # paths as strings, and one data file alone: as Python callers do
+        data=str(data),  # type: ignore[arg-type]
+        out=str(tmp_path / "predictions.parquet"),  # type: ignore[arg-type]
+        checkpoint=str(checkpoint),  # type: ignore[arg-type]
         label="clicked",
-        report=tmp_path / "report",
+        report=str(tmp_path / "report"),  # type: ignore[arg-type]
         batch_size=16,
         output_transform="sigmoid",
         progress=False,
     )
+    assert options.data == (data,) and options.out == tmp_path / "predictions.parquet"
     result = run_eval(options)
     assert result.rows == 40 and result.exit_code == 0
     assert "scored 40 rows" in capsys.readouterr().out
