@@ -490,19 +490,22 @@ def reshard(
 # --------------------------------------------------------------------------- diff
 def _rows_by_space(
     manifest: embedding_checkpoint.EmbeddingManifest,
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """ID space -> (masked IDs sorted, weights in that order), every file verified."""
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """ID space -> (masked IDs sorted, weights and optimizer state in that order), every
+    file verified."""
     config = manifest.embedding_config
     mask = np.uint64(config.id_mask)
-    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for entry in manifest.files:
         tensors = _read_entry(manifest, entry)
-        ids, weights = tensors["ids"], tensors["weights"]
+        ids, weights, state = tensors["ids"], tensors["weights"], tensors["state"]
         index, names = _space_names(config, ids)
         for i, name in enumerate(names):
             picked = np.flatnonzero(index == i)
             if picked.size:
-                parts.setdefault(name, []).append((ids[picked] & mask, weights[picked]))
+                parts.setdefault(name, []).append(
+                    (ids[picked] & mask, weights[picked], state[picked])
+                )
     out = {}
     for name, chunks in parts.items():
         ids = np.concatenate([c[0] for c in chunks])
@@ -512,9 +515,20 @@ def _rows_by_space(
                 f"{manifest.directory}: ID space {name!r} has rows of dims {dims}"
             )
         weights = np.concatenate([c[1] for c in chunks])
+        state = np.concatenate([c[2] for c in chunks])
         order = np.argsort(ids, kind="stable")
-        out[name] = (ids[order], weights[order])
+        out[name] = (ids[order], weights[order], state[order])
     return out
+
+
+def _rows_differing(a: np.ndarray, b: np.ndarray, tolerance: float) -> tuple[int, float]:
+    """(rows of ``a`` and ``b`` (float32 [n, w] each) that differ by more than ``tolerance``
+    in some column, the largest difference); NaN counts as an infinite difference."""
+    if a.shape[1] == 0:
+        return 0, 0.0
+    delta = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    per_row = np.where(np.isnan(delta), np.inf, delta).max(axis=1)
+    return int((per_row > tolerance).sum()), float(per_row.max())
 
 
 def _diff_embeddings(a: Path, b: Path, tolerance: float) -> dict[str, Any]:
@@ -525,8 +539,8 @@ def _diff_embeddings(a: Path, b: Path, tolerance: float) -> dict[str, Any]:
         slots.setdefault(space, names)
     spaces = []
     for name in [*slots, *sorted((set(ra) | set(rb)) - set(slots))]:
-        ids_a, w_a = ra.get(name, (np.zeros(0, np.uint64), None))
-        ids_b, w_b = rb.get(name, (np.zeros(0, np.uint64), None))
+        ids_a, w_a, st_a = ra.get(name, (np.zeros(0, np.uint64), None, None))
+        ids_b, w_b, st_b = rb.get(name, (np.zeros(0, np.uint64), None, None))
         common, ia, ib = np.intersect1d(ids_a, ids_b, assume_unique=True, return_indices=True)
         entry: dict[str, Any] = {
             "id_space": name,
@@ -538,19 +552,26 @@ def _diff_embeddings(a: Path, b: Path, tolerance: float) -> dict[str, Any]:
             "common": int(common.size),
             "changed": 0,
             "max_abs_diff": 0.0,
+            # Optimizer state (Adam moments and step counts, Adagrad accumulators): rows
+            # with the same weights resume differently when it differs.
+            "state_changed": 0,
         }
         if common.size:
             if w_a.shape[1] != w_b.shape[1]:
                 entry.update(changed=int(common.size), max_abs_diff=None)
                 entry["note"] = f"dim {w_a.shape[1]} vs {w_b.shape[1]}"
             else:
-                delta = np.abs(w_a[ia].astype(np.float64) - w_b[ib].astype(np.float64))
-                per_row = np.where(np.isnan(delta), np.inf, delta).max(axis=1)
-                entry["changed"] = int((per_row > tolerance).sum())
-                entry["max_abs_diff"] = float(per_row.max())
+                changed, worst = _rows_differing(w_a[ia], w_b[ib], tolerance)
+                entry.update(changed=changed, max_abs_diff=worst)
+            if st_a.shape[1] != st_b.shape[1]:
+                entry["state_changed"] = int(common.size)
+                entry["state_note"] = f"state width {st_a.shape[1]} vs {st_b.shape[1]}"
+            else:
+                entry["state_changed"] = _rows_differing(st_a[ia], st_b[ib], tolerance)[0]
         spaces.append(entry)
     config_same = ma.embedding_config == mb.embedding_config
     return {
+        "optimizer": [ma.optimizer, mb.optimizer],
         "config_identical": config_same,
         "shards": [ma.num_shards, mb.num_shards],
         "rows": [ma.total_rows, mb.total_rows],
@@ -608,9 +629,22 @@ def diff(
     result["dense"] = _diff_dense(a, b) if kind_a == MODEL else None
     emb = result["embeddings"]["id_spaces"]
     dense = result["dense"]
-    result["identical"] = all(
-        s["added"] == 0 and s["removed"] == 0 and s["changed"] == 0 for s in emb
-    ) and (dense is None or all(t["status"] == "same" for t in dense["tensors"]))
+    optimizer_files = (model_checkpoint.OPTIMIZER_FILE, model_checkpoint.SCALER_FILE)
+    result["identical"] = (
+        all(
+            s["added"] == 0 and s["removed"] == 0 and s["changed"] == 0 and s["state_changed"] == 0
+            for s in emb
+        )
+        and result["embeddings"]["optimizer"][0] == result["embeddings"]["optimizer"][1]
+        and (
+            dense is None
+            or (
+                all(t["status"] == "same" for t in dense["tensors"])
+                # The dense optimizer's state and the loss scale: compared by checksum.
+                and all(dense["files_identical"].get(name, True) for name in optimizer_files)
+            )
+        )
+    )
     return result
 
 
@@ -621,14 +655,18 @@ def format_diff(result: dict[str, Any]) -> str:
         f"  embeddings: {emb['rows'][0]} -> {emb['rows'][1]} rows, shards {emb['shards'][0]} "
         f"-> {emb['shards'][1]}, config {'identical' if emb['config_identical'] else 'DIFFERS'}",
         f"  {'ID space':<24} {'rows a':>8} {'rows b':>8} {'added':>7} {'removed':>7} "
-        f"{'changed':>7} {'max abs diff':>13}  slots",
+        f"{'changed':>7} {'max abs diff':>13} {'state changed':>13}  slots",
     ]
     for s in emb["id_spaces"]:
         worst = "n/a" if s["max_abs_diff"] is None else f"{s['max_abs_diff']:.6g}"
         lines.append(
             f"  {s['id_space']:<24} {s['rows_a']:>8} {s['rows_b']:>8} {s['added']:>7} "
-            f"{s['removed']:>7} {s['changed']:>7} {worst:>13}  {', '.join(s['slots'])}"
+            f"{s['removed']:>7} {s['changed']:>7} {worst:>13} {s['state_changed']:>13}  "
+            f"{', '.join(s['slots'])}"
         )
+    optimizers = emb["optimizer"]
+    if optimizers[0] != optimizers[1]:
+        lines.append(f"  embedding optimizer: {optimizers[0]} -> {optimizers[1]}")
     dense = result["dense"]
     if dense is not None:
         lines.append(
@@ -639,6 +677,9 @@ def format_diff(result: dict[str, Any]) -> str:
         for t in dense["tensors"]:
             detail = f"max abs diff {t['max_abs_diff']:.6g}" if "max_abs_diff" in t else t["status"]
             lines.append(f"    {t['name']:<30} {t['status']:<14} {detail}")
+        for name in (model_checkpoint.OPTIMIZER_FILE, model_checkpoint.SCALER_FILE):
+            if not dense["files_identical"].get(name, True):
+                lines.append(f"    {name:<30} differs (compared by checksum)")
     lines.append("  identical" if result["identical"] else "  checkpoints differ")
     return "\n".join(lines)
 

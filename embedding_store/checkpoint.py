@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -43,6 +44,8 @@ from embedding_store.errors import AlreadyExistsError, CheckpointError, Recserve
 from embedding_store.hashing import shard_of
 from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.shard import EmbeddingShard, RowBlock
+
+log = logging.getLogger(__name__)
 
 FORMAT_NAME = "recserve-embedding-checkpoint"
 FORMAT_VERSION = 1
@@ -578,6 +581,16 @@ def read_rows_for_replica(
     files when the shard count is the same, every file when the rows are re-sharded.
     """
     keep_state = state_fits(manifest, keep_state_of)
+    if not keep_state and keep_state_of is not None and manifest.optimizer:
+        # Every row then starts its optimizer again (Adam's step counts from 0): a resumed
+        # run trains differently. Allowed (a deliberate switch), but never silent.
+        log.warning(
+            "embedding checkpoint %s holds state of optimizer %s, which does not fit this "
+            "shard's %s: the rows load, their optimizer state starts fresh",
+            manifest.directory,
+            _optimizer_summary(manifest.optimizer),
+            _optimizer_summary(keep_state_of.to_dict()),
+        )
     same_layout = manifest.num_shards == replica_size
     entries = [e for e in manifest.files if not same_layout or e.shard == replica_index]
     rows_total, rows_read = sum(e.rows for e in entries), 0
@@ -607,6 +620,12 @@ def read_rows_for_replica(
             )
         )
     return blocks
+
+
+def _optimizer_summary(settings: dict[str, Any]) -> str:
+    """``adagrad (vectorwise_shared)`` or ``adam``: what makes two optimizers' state differ."""
+    shared = " (vectorwise_shared)" if settings.get("vectorwise_shared") else ""
+    return f"{settings.get('name', '?')}{shared}"
 
 
 def state_fits(manifest: EmbeddingManifest, receiver: Optimizer | None) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -193,15 +194,25 @@ def test_manifest_problems_are_named(tmp_path):
         checkpoint.read_manifest(tmp_path / "missing")
 
 
-def test_other_optimizer_drops_state_but_keeps_weights(tmp_path):
+def test_other_optimizer_drops_state_but_keeps_weights(tmp_path, caplog):
     _, shards = trained_worker(1)
     checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     sgd_shards = make_shards(1, optimizer=SGD(lr=0.1))
-    checkpoint.load_embeddings(tmp_path / "ckpt", sgd_shards, CONFIG)
+    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint"):
+        checkpoint.load_embeddings(tmp_path / "ckpt", sgd_shards, CONFIG)
     ids, weights, _ = all_rows(shards, 8)
     ids2, weights2, state2 = all_rows(sgd_shards, 8)
     assert np.array_equal(ids, ids2) and np.array_equal(weights, weights2)
     assert state2.shape == (len(ids2), 0)
+    # Said (by each shard that loads): every row's optimizer starts again.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"embedding checkpoint {tmp_path / 'ckpt'} holds state of optimizer adagrad, which "
+        "does not fit this shard's sgd: the rows load, their optimizer state starts fresh"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint"):
+        checkpoint.load_embeddings(tmp_path / "ckpt", make_shards(1), CONFIG)  # same kind
+    assert caplog.records == []
 
 
 def test_capacity_too_small_is_refused_before_loading(tmp_path):

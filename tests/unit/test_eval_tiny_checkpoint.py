@@ -249,6 +249,46 @@ def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
     assert "checkpoints differ" in checkpoint_tool.format_diff(result)
 
 
+def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
+    # Same weights, other optimizer state: the checkpoints resume differently.
+    from embedding_store.optimizers import Adagrad
+    from embedding_store.shard import EmbeddingShard
+
+    ids = CONFIG.prefix_ids("user", np.arange(5, dtype=np.uint64))
+    weights = np.arange(20, dtype=np.float32).reshape(5, 4)
+    shard = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
+    shard.import_rows(RowBlock(ids, weights, None))
+    embedding_checkpoint.dump_embeddings([shard], tmp_path / "a", CONFIG)
+    block = shard.export_rows(4)
+    state = block.state.copy()
+    state[2, 0] += 0.5
+    other = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
+    other.replace_rows([RowBlock(block.ids, block.weights, state)])
+    embedding_checkpoint.dump_embeddings([other], tmp_path / "b", CONFIG)
+    result = checkpoint_tool.diff(tmp_path / "a", tmp_path / "b")
+    (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
+    assert (user["changed"], user["state_changed"]) == (0, 1)
+    assert not result["identical"]
+    text = checkpoint_tool.format_diff(result)
+    assert "state changed" in text and "checkpoints differ" in text
+    assert checkpoint_tool.diff(tmp_path / "a", tmp_path / "a")["identical"]
+
+    # The dense optimizer's state (opt.pt), with the same dense weights.
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100)
+    model = Tiny()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for name, lr in (("m1", 0.1), ("m2", 0.2)):
+        optimizer.param_groups[0]["lr"] = lr
+        model_checkpoint.write_checkpoint(
+            tmp_path / name, model, optimizer, tier, signature=SIGNATURE
+        )
+    result = checkpoint_tool.diff(tmp_path / "m1", tmp_path / "m2")
+    assert result["dense"]["max_abs_diff"] == 0.0 and not result["identical"]
+    assert "opt.pt                         differs (compared by checksum)" in (
+        checkpoint_tool.format_diff(result)
+    )
+
+
 def test_export_dense(checkpoint, tmp_path):
     out = tmp_path / "dense.pt"
     info = checkpoint_tool.export_dense(checkpoint, out)
