@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -328,10 +329,22 @@ def interrupted_overwrite_hint(root: Path) -> str:
     )
 
 
+#: Name prefix of a dump's staging directory: ``.{name}.tmp-{host}-{pid}-{random}``.
+STAGING_PREFIX = ".{name}.tmp-"
+
+
 def staging_directory_for(target: Path) -> Path:
     """A fresh temporary directory next to ``target`` (same filesystem, so rename is atomic).
-    CheckpointError naming the target when it cannot be made there."""
-    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    CheckpointError naming the target when it cannot be made there.
+
+    Staging directories of earlier dumps to ``target`` that were killed are removed first
+    when their writer ran on this host and is gone (their names say which process); others
+    (another host's, or from before names said so) are named in a warning."""
+    _sweep_interrupted_dumps(target)
+    staging = target.with_name(
+        f"{STAGING_PREFIX.format(name=target.name)}"
+        f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+    )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
@@ -340,6 +353,41 @@ def staging_directory_for(target: Path) -> Path:
             f"cannot write a checkpoint to {target}: {error.strerror or error}"
         ) from None
     return staging
+
+
+def _sweep_interrupted_dumps(target: Path) -> None:
+    prefix = STAGING_PREFIX.format(name=target.name)
+    try:
+        leftovers = [p for p in target.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return  # no parent yet, or unreadable: the mkdir that follows names the problem
+    host = socket.gethostname()
+    kept = []
+    for path in leftovers:
+        writer_host, _, rest = path.name[len(prefix) :].rpartition("-")[0].rpartition("-")
+        if writer_host == host and rest.isdigit() and not _process_exists(int(rest)):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, left by an interrupted dump (process %s is gone)", path, rest)
+        else:
+            kept.append(path.name)
+    if kept:
+        log.warning(
+            "%s has staging directories of other dumps: %s (still running elsewhere, or "
+            "interrupted: remove them when no dump to %s runs)",
+            target.parent,
+            ", ".join(sorted(kept)),
+            target.name,
+        )
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, but another user's
+    return True
 
 
 def dump_embeddings(

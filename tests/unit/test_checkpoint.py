@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -372,3 +373,34 @@ def test_version_names_the_rows_and_loaded_shards_report_it(tmp_path):
         path.write_text(json.dumps({**raw, "version": bad}))
         with pytest.raises(CheckpointError, match=f"version must be 1 to 64 .*got {bad!r}"):
             checkpoint.read_manifest(tmp_path / "ckpt")
+
+
+def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its PID is free now (reused only after the whole PID space wrapped)
+    host = socket.gethostname()
+    killed = tmp_path / f".ckpt.tmp-{host}-{gone.pid}-0123"
+    running = tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-4567"  # a live writer
+    elsewhere = tmp_path / ".ckpt.tmp-other-host-1-89ab"
+    older = tmp_path / ".ckpt.tmp-cdef"  # named before names said who wrote them
+    for path in (killed, running, elsewhere, older):
+        (path / "shard_00000").mkdir(parents=True)
+    _, shards = trained_worker(1)
+    with caplog.at_level(logging.INFO, logger="embedding_store.checkpoint"):
+        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", running.name, elsewhere.name, older.name]
+    )
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"removed {killed}, left by an interrupted dump (process {gone.pid} is gone)" in (
+        messages
+    )
+    assert (
+        f"{tmp_path} has staging directories of other dumps: "
+        f"{older.name}, {elsewhere.name}, {running.name} (still running elsewhere, or "
+        "interrupted: remove them when no dump to ckpt runs)"
+    ) in messages
