@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from embedding_store.cli_types import (
@@ -12,6 +13,7 @@ from embedding_store.cli_types import (
     positive_float,
     positive_int,
 )
+from embedding_store.errors import InvalidArgumentError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,10 +95,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="poll the checkpoint for a new version every N seconds (0: off)",
     )
-    parser.add_argument(
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument(
         "--admin-token",
         default=None,
-        help="bearer token for POST /admin/reload from non-loopback clients",
+        help="bearer token for POST /admin/reload from non-loopback clients (visible in "
+        "process lists: prefer --admin-token-file or the RECSERVE_ADMIN_TOKEN variable)",
+    )
+    token.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file holding the admin bearer token (e.g. a mounted Kubernetes Secret)",
     )
     parser.add_argument(
         "--grace-seconds", type=non_negative_float, default=10.0, help="drain time on SIGTERM"
@@ -116,6 +126,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "examples.adult_income.preprocess:instances_to_batch",
     )
     parser.set_defaults(handler=_serve)
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token, --admin-token-file or RECSERVE_ADMIN_TOKEN."""
+    from serving.server import ADMIN_TOKEN_VARIABLE
+
+    if args.admin_token is not None:
+        token = args.admin_token
+    elif args.admin_token_file is not None:
+        try:
+            token = args.admin_token_file.read_text().strip()
+        except OSError as error:
+            raise InvalidArgumentError(
+                f"--admin-token-file {args.admin_token_file}: {error.strerror or error}"
+            ) from None
+        if not token:
+            raise InvalidArgumentError(f"--admin-token-file {args.admin_token_file} is empty")
+    else:
+        token = os.environ.get(ADMIN_TOKEN_VARIABLE) or None
+    return token
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -144,7 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             read_timeout_seconds=args.read_timeout_seconds,
             watch_seconds=args.watch_seconds,
-            admin_token=args.admin_token,
+            admin_token=_admin_token(args),
             grace_seconds=args.grace_seconds,
             threads=args.threads,
             preprocessor=args.preprocessor,

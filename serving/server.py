@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import threading
@@ -164,6 +165,9 @@ class PredictionServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            # The client address is the socket's peer: X-Forwarded-For must never make a
+            # remote client look like loopback (POST /admin/reload trusts loopback).
+            proxy_headers=False,
             # Small infer requests skip the ASGI cycle (serving.http_protocol).
             http=infer_protocol(
                 fast_path.handler, SMALL_BODY_BYTES, read_timeout=o.read_timeout_seconds
@@ -281,6 +285,10 @@ class PredictionServer:
         return drained
 
 
+#: Environment variable read for the admin token when no flag gives one (and how
+#: ``--workers`` hands it to its processes).
+ADMIN_TOKEN_VARIABLE = "RECSERVE_ADMIN_TOKEN"
+
 #: Seconds before the watcher tries a version that failed to load again (then doubling).
 RELOAD_RETRY_SECONDS = 5.0
 RELOAD_RETRY_MAX_SECONDS = 300.0
@@ -311,11 +319,14 @@ def _free_port(host: str) -> int:
 
 
 def options_to_argv(options: ServeOptions) -> list[str]:
-    """``recserve serve`` arguments that reproduce ``options`` (for worker processes)."""
+    """``recserve serve`` arguments that reproduce ``options`` (for worker processes), less
+    the admin token: it goes in the ``RECSERVE_ADMIN_TOKEN`` variable, never in argv."""
     argv = ["serve"]
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         flag = "--" + field.name.replace("_", "-")
+        if field.name == "admin_token":
+            continue  # a secret: worker processes get it in their environment, not argv
         if field.name in ("embedding_workers", "embedding_ps"):
             if value:
                 argv += [flag, ",".join(value)]
@@ -344,7 +355,10 @@ def serve_processes(options: ServeOptions) -> int:
     _require_free_port(fixed.host, fixed.http_port, "HTTP")
     _require_free_port(fixed.host, fixed.grpc_port, "gRPC")
     command = [sys.executable, "-m", "embedding_store.cli", *options_to_argv(fixed)]
-    children = [subprocess.Popen(command) for _ in range(options.workers)]
+    environment = dict(os.environ)
+    if options.admin_token is not None:
+        environment[ADMIN_TOKEN_VARIABLE] = options.admin_token
+    children = [subprocess.Popen(command, env=environment) for _ in range(options.workers)]
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         for child in children:

@@ -336,6 +336,12 @@ class PredictionService:
                 return tensors.tensors_to_batch(
                     model.signature, inputs, max_batch_size=self.max_request_batch_size
                 )
+            if len(instances) > self.max_request_batch_size:
+                # Checked before the preprocessor runs: it holds the GIL for every row.
+                raise InvalidArgumentError(
+                    f"batch size {len(instances)} exceeds this server's max batch size "
+                    f"{self.max_request_batch_size}"
+                )
             try:
                 batch = self._preprocessor(list(instances))
             except RecserveError:

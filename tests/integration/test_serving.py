@@ -1255,3 +1255,25 @@ def test_close_after_a_reload_refuses_every_path_at_once(adult_checkpoint, batch
         service.predict(MODEL, None, inputs, protocol="python")
     with pytest.raises(UnavailableError, match="shutting down"):
         asyncio.run(service.predict_async(MODEL, None, inputs, protocol="python"))
+
+
+def test_too_many_rows_are_refused_before_the_preprocessor_runs(adult_checkpoint):
+    # The preprocessor holds the GIL for every row: 150k rows used to be preprocessed for
+    # seconds before the batch limit refused them.
+    seen: list[int] = []
+
+    def preprocessor(rows):
+        seen.append(len(rows))
+        return features.rows_to_batch(rows, with_labels=False, requires_grad=False)
+
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    service = PredictionService(model, max_request_batch_size=4, preprocessor=preprocessor)
+    try:
+        rows = [{"age": 30}] * 5
+        with pytest.raises(
+            InvalidArgumentError, match="batch size 5 exceeds this server's max batch size 4"
+        ):
+            service.predict_instances(MODEL, rows, protocol="python")
+        assert seen == []
+    finally:
+        service.close()

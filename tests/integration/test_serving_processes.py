@@ -31,6 +31,8 @@ def wait_until(condition, message: str, timeout: float = 60.0) -> None:
 
 def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint, tmp_path):
     log = tmp_path / "serve.log"
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cr3t-admin-token\n")
     with open(log, "wb") as out:
         parent = subprocess.Popen(
             [
@@ -46,6 +48,8 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
                 "0",
                 "--workers",
                 "2",
+                "--admin-token-file",
+                str(token_file),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -64,6 +68,15 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
             time.sleep(0.2)
         assert lines[0] == lines[1]  # the same ports, shared
         http_port, grpc_port = lines[0]
+        # The admin token reaches the processes in their environment, never in a command
+        # line that any local user can read.
+        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        assert len(children) == 2
+        for child in children:
+            assert b"s3cr3t" not in Path(f"/proc/{child}/cmdline").read_bytes()
+            assert b"RECSERVE_ADMIN_TOKEN=s3cr3t-admin-token\0" in (
+                Path(f"/proc/{child}/environ").read_bytes()
+            )
         batch = next(features.read_batches(features.TEST_PATH, 16, requires_grad=False))
         answers = []
         for url in (f"http://127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}"):
