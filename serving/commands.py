@@ -83,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 64 MiB)",
     )
     parser.add_argument(
+        "--max-decompressed-bytes",
+        type=positive_int,
+        default=8 * 1024 * 1024,
+        help="largest HTTP body once its gzip/deflate Content-Encoding is undone (413 above "
+        "it; inflated off the event loop, two at a time) (default 8 MiB)",
+    )
+    parser.add_argument(
         "--read-timeout-seconds",
         type=positive_float,
         default=60.0,
@@ -172,6 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
             output_transform=args.output_transform,
             onednn_min_rows=args.onednn_min_rows,
             max_body_bytes=args.max_body_bytes,
+            max_decompressed_bytes=args.max_decompressed_bytes,
             read_timeout_seconds=args.read_timeout_seconds,
             watch_seconds=args.watch_seconds,
             admin_token=_admin_token(args),

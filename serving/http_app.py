@@ -29,6 +29,7 @@ import hmac
 import ipaddress
 import logging
 import re
+import threading
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -271,13 +272,16 @@ SMALL_BODY_BYTES = 64 * 1024
 
 
 # --------------------------------------------------------------------------- helpers
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(
+    request: Request, max_bytes: int, max_decompressed_bytes: int | None = None
+) -> bytes:
     """The request body, at most ``max_bytes`` (CapacityError -> 413), content-decoded."""
     return await read_chunks(
         request.stream(),
         request.headers.get("content-length"),
         request.headers.get("content-encoding"),
         max_bytes,
+        max_decompressed_bytes,
     )
 
 
@@ -286,9 +290,12 @@ async def read_chunks(
     declared_length: str | None,
     content_encoding: str | None,
     max_bytes: int,
+    max_decompressed_bytes: int | None = None,
 ) -> bytes:
     """Join a body's ``chunks``, at most ``max_bytes`` (CapacityError -> 413), then undo its
-    ``content_encoding``. A ``declared_length`` over the limit is refused before reading."""
+    ``content_encoding``, to at most ``max_bytes`` and ``max_decompressed_bytes`` (default
+    :data:`DEFAULT_MAX_DECOMPRESSED_BYTES`). A ``declared_length`` over the limit is refused
+    before reading."""
     declared = int(declared_length) if declared_length and declared_length.isdigit() else None
     if declared is not None and declared > max_bytes:
         raise CapacityError(f"request body of {declared} bytes exceeds the limit of {max_bytes}")
@@ -300,7 +307,23 @@ async def read_chunks(
             raise CapacityError(f"request body exceeds the limit of {max_bytes} bytes")
         parts.append(chunk)
     body = parts[0] if len(parts) == 1 else b"".join(parts)
-    return codec.decode_body(body, content_encoding, max_bytes)
+    if (content_encoding or "identity").strip().lower() in ("identity", ""):
+        return body
+    inflated_limit = min(max_bytes, max_decompressed_bytes or DEFAULT_MAX_DECOMPRESSED_BYTES)
+    # A few KB of gzip can inflate to megabytes: never on the event loop (zlib works
+    # without the GIL), and a few at a time, so that bombs cannot stall the health probes
+    # or hold more than a few inflated bodies at once.
+    return await anyio.to_thread.run_sync(_decode_in_turn, body, content_encoding, inflated_limit)
+
+
+#: Largest request body once its Content-Encoding is undone (--max-decompressed-bytes).
+DEFAULT_MAX_DECOMPRESSED_BYTES = 8 * 1024 * 1024
+_INFLATING = threading.BoundedSemaphore(2)
+
+
+def _decode_in_turn(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    with _INFLATING:
+        return codec.decode_body(body, content_encoding, max_bytes)
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -354,6 +377,7 @@ def create_app(
     core: PredictionCore,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
     admin: AdminHooks | None = None,
     extra_routes: Sequence[BaseRoute] = (),
     title: str = "recserve",
@@ -497,14 +521,14 @@ def create_app(
 
     async def infer(request: Request, name: str, version: str | None) -> Response:
         try:
-            body = await read_body(request, max_body_bytes)
+            body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
             return error_response(error)
         header_length = ", ".join(request.headers.getlist(codec.HEADER_LENGTH)) or None
         return await infer_body(body, header_length, name, version)
 
     # The same handler without FastAPI's routing and request objects (see InferFastPath).
-    app.state.infer_handler = InferHandler(infer_body, max_body_bytes)
+    app.state.infer_handler = InferHandler(infer_body, max_body_bytes, max_decompressed_bytes)
 
     @app.post(
         "/v2/models/{name}/infer",
@@ -537,7 +561,7 @@ def create_app(
     )
     async def post_predict(request: Request, name: str) -> Response:
         try:
-            body = await read_body(request, max_body_bytes)
+            body = await read_body(request, max_body_bytes, max_decompressed_bytes)
             return await in_thread(predict_sync, name, body)
         except Exception as error:
             return error_response(error)
@@ -600,6 +624,7 @@ class InferHandler:
 
     handle: Callable[[bytes, str | None, str, str | None], Awaitable[Response]]
     max_body_bytes: int
+    max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
 
 
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -661,6 +686,7 @@ class InferFastPath:
                 header(b"content-length"),
                 header(b"content-encoding"),
                 self.handler.max_body_bytes,
+                self.handler.max_decompressed_bytes,
             )
         except Exception as error:
             return error_response(error)

@@ -64,6 +64,7 @@ class ServeOptions:
     output_transform: str = "identity"
     onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
     max_body_bytes: int = 64 * 1024 * 1024
+    max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
     read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
     admin_token: str | None = None
@@ -143,6 +144,7 @@ class PredictionServer:
         app = create_app(
             self.service,
             max_body_bytes=o.max_body_bytes,
+            max_decompressed_bytes=o.max_decompressed_bytes,
             admin=AdminHooks(reload=self._admin_reload, token=o.admin_token),
         )
         self._mount_metrics(app)

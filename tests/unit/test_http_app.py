@@ -339,6 +339,34 @@ def test_body_too_large_is_413(server):
     assert status == 413
 
 
+@pytest.mark.parametrize("route", ["/v2/models/tiny/infer", "/v1/models/tiny:predict"])
+def test_compressed_bodies_have_their_own_inflated_limit(core, route):
+    # 1 KB of gzip inflating to megabytes (a bomb) stops at the inflated limit, on both
+    # paths (the FastAPI routes and InferFastPath); a body under it is answered.
+    app = create_app(core, max_body_bytes=MAX_BODY, max_decompressed_bytes=4096)
+    document = (
+        {"inputs": _tensors(USERS, AGES)}
+        if "infer" in route
+        else {"instances": [{"user": row, "age": [age]} for row, age in zip(USERS, AGES)]}
+    )
+    small = orjson.dumps(document)
+    assert len(small) < 4096
+    bomb = small + b" " * (MAX_BODY - len(small))  # valid JSON, within --max-body-bytes
+    for wrapped in (app, InferFastPath(app)):
+        with LiveServer(wrapped) as live:
+            status, _, payload = live.request(
+                "POST", route, gzip.compress(bomb), {"Content-Encoding": "gzip"}
+            )
+            assert status == 413
+            assert orjson.loads(payload) == {
+                "error": "decompressed request body exceeds 4096 bytes"
+            }
+            status, _, payload = live.request(
+                "POST", route, gzip.compress(small), {"Content-Encoding": "gzip"}
+            )
+            assert status == 200, payload
+
+
 # --------------------------------------------------------------------------- v1 friendly route
 def test_v1_predict(server, core):
     instances = [{"user": row, "age": [age]} for row, age in zip(USERS, AGES)]
