@@ -72,6 +72,14 @@ class PermissionDeniedError(RecserveError):
     grpc_code = "PERMISSION_DENIED"
 
 
+class UnauthenticatedError(RecserveError):
+    """The caller did not prove who it is (e.g. the embedding tier's token is missing or
+    wrong)."""
+
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
 class CapacityError(RecserveError):
     """A request needs more resources than configured (rows, batch size, body size)."""
 

@@ -9,9 +9,13 @@ status back into the same error class, naming the peer that failed.
 
 from __future__ import annotations
 
+import collections
 import functools
+import hmac
 import logging
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -62,6 +66,139 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+
+
+# --------------------------------------------------------------------------- a shared token
+#: Environment variables with the embedding tier's shared token (the value, or a file that
+#: holds it, e.g. a mounted Kubernetes Secret). Every tier process (parameter servers,
+#: embedding workers, trainers' data receivers) then refuses calls without it, and every
+#: tier client (workers, servers, trainers, data loaders, the CLI) sends it.
+TOKEN_VARIABLE = "RECSERVE_TIER_TOKEN"
+TOKEN_FILE_VARIABLE = "RECSERVE_TIER_TOKEN_FILE"
+_TOKEN_KEY = "authorization"
+#: Methods open without the token: health checks, for probes that cannot send metadata.
+_OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+
+def tier_token() -> str | None:
+    """The shared token from ``RECSERVE_TIER_TOKEN`` or the file ``RECSERVE_TIER_TOKEN_FILE``
+    names, or None (no authentication: the tier's ports must then be reachable only by its
+    own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable or
+    empty file."""
+    token = os.environ.get(TOKEN_VARIABLE)
+    if token:
+        return token
+    path = os.environ.get(TOKEN_FILE_VARIABLE)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"{TOKEN_FILE_VARIABLE}={path}: {error.strerror or error}"
+        ) from None
+    if not token:
+        raise InvalidArgumentError(f"{TOKEN_FILE_VARIABLE}={path} is empty")
+    return token
+
+
+class _RequireToken(grpc.ServerInterceptor):
+    """Refuses every call but health checks unless its metadata has ``authorization:
+    Bearer <token>`` (compared in constant time)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def refuse(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"this embedding tier needs its token ({TOKEN_VARIABLE} or "
+                f"{TOKEN_FILE_VARIABLE}); the call had none or another",
+            )
+
+        self._refusals = {
+            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
+            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
+            (True, False): grpc.stream_unary_rpc_method_handler(refuse),
+            (True, True): grpc.stream_stream_rpc_method_handler(refuse),
+        }
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: Any
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIX):
+            return handler
+        sent = next(
+            (
+                value
+                for key, value in handler_call_details.invocation_metadata or ()
+                if key == _TOKEN_KEY
+            ),
+            "",
+        )
+        sent_bytes = sent.encode() if isinstance(sent, str) else bytes(sent)
+        if hmac.compare_digest(sent_bytes, self._expected):
+            return handler
+        return self._refusals[(handler.request_streaming, handler.response_streaming)]
+
+
+def server_interceptors() -> list[grpc.ServerInterceptor]:
+    """For ``grpc.server(..., interceptors=...)`` of a tier service: the token check when
+    :func:`tier_token` gives one, else nothing."""
+    token = tier_token()
+    return [_RequireToken(token)] if token else []
+
+
+class _SendToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, token: str) -> None:
+        self._metadata = (_TOKEN_KEY, f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self._metadata]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """A call's details with the token added (grpc gives no public constructor)."""
+
+
+def tier_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
+    """A channel to a tier service at ``address``: insecure transport (mTLS is the
+    network's, e.g. a service mesh), with the shared token on every call when one is set."""
+    channel = grpc.insecure_channel(address, options=options or channel_options())
+    token = tier_token()
+    return grpc.intercept_channel(channel, _SendToken(token)) if token else channel
 
 
 # --------------------------------------------------------------------------- packed arrays

@@ -35,6 +35,7 @@ from embedding_store.grpc_common import (
     error_from_rpc,
     pack_f32,
     pack_u64,
+    tier_channel,
     unpack_f32,
 )
 from embedding_store.initializer import InitializationConfig
@@ -149,7 +150,7 @@ class RemoteParameterServer:
         self.peer = f"parameter server {address}" + (
             f" (shard {replica_index})" if replica_index is not None else ""
         )
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._channel = tier_channel(address, channel_options())
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._local = threading.local()

@@ -65,6 +65,7 @@ from embedding_store.grpc_common import (
     pack_u64,
     rpc_errors,
     rpc_stream_errors,
+    server_interceptors,
     server_options,
     unpack_f32,
     unpack_u64,
@@ -509,11 +510,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         imported = 0
         for index, chunk in enumerate(request_iterator):
             block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
-            self.shard.import_rows(block)
+            self.shard.import_rows(block)  # refused by inference (read-only) shards
             imported += len(block)
-        if imported and self.needs_checkpoint:
-            self._loaded = True
-            self._refresh_health()
         return pb.ImportRowsResponse(rows_imported=imported)
 
     @rpc_errors
@@ -670,6 +668,7 @@ class ParameterServerProcess:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
+            interceptors=server_interceptors(),
         )
         pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -742,7 +741,7 @@ class ParameterServerProcess:
             if directory is None:
                 log.warning(
                     "job_type Infer without infer_config.embedding_checkpoint: NOT_SERVING "
-                    "until a Load or ImportRows RPC provides rows"
+                    "until a Load RPC provides rows"
                 )
             return directory, False
         return self.options.load_checkpoint, True

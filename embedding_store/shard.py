@@ -34,8 +34,9 @@ admitted ones with :func:`~embedding_store.initializer.initial_vectors` and the 
 initial state. An eval/infer lookup (``train=False``) never inserts: unknown IDs read as zeros
 and count as misses. :meth:`EmbeddingShard.lookup_pooled` is either lookup fused with sum
 pooling (the rows are summed straight from the weight array, never copied out). A
-``read_only`` shard refuses train lookups, updates and clear, and accepts
-:meth:`~EmbeddingShard.import_rows` (that is how an inference shard loads a checkpoint).
+``read_only`` shard refuses train lookups, updates, clear and row imports: it takes rows only
+whole, from a checkpoint (:meth:`~EmbeddingShard.replace_rows`), so what it serves is always
+one checkpoint's rows.
 
 Threads. Every public method holds one ``threading.Lock``; the numba kernels release the GIL.
 """
@@ -607,15 +608,22 @@ class EmbeddingShard:
     def import_rows(self, block: RowBlock) -> None:
         """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.
 
-        Allowed on read-only shards. ``block.state`` must have the optimizer's width for the
+        Refused on read-only shards, and for non-finite weights. ``block.state`` must have
+        the optimizer's width for the
         block's dim; a block with ``state=None`` (or width 0) gets fresh optimizer state, and
         state is dropped when no optimizer is configured. Imported rows become the most
         recently used. On an error the shard's rows and state are unchanged (the rows the
         block already held may have become the most recently used).
         """
+        if self._read_only:
+            raise FailedPreconditionError(
+                "this shard is read-only: row imports are refused (it loads checkpoints whole)"
+            )
         ids, weights, state, dim = _check_block(block)
         if ids.shape[0] == 0:
             return
+        if not np.isfinite(weights).all():
+            raise InvalidArgumentError("block.weights has non-finite values (NaN or Inf)")
         with self._lock:
             new_state = self._state_for_import(state, ids.shape[0], dim)
             self._import_locked(ids, weights, new_state, dim)

@@ -15,7 +15,7 @@ from embedding_store import checkpoint
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
-from embedding_store.grpc_common import call, channel_options, error_from_rpc
+from embedding_store.grpc_common import call, channel_options, error_from_rpc, tier_channel
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import Optimizer
@@ -47,7 +47,7 @@ class RemoteEmbeddingWorker:
         self.timeout = timeout
         self.admin_timeout = admin_timeout
         self._peer = f"embedding worker {address}"
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._channel = tier_channel(address, channel_options())
         self._stub = pb_grpc.EmbeddingWorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -51,6 +51,7 @@ from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     rpc_errors,
     rpc_stream_errors,
+    server_interceptors,
     server_options,
 )
 from embedding_store.initializer import InitializationConfig
@@ -784,6 +785,7 @@ def serve_embedding_worker(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
         options=server_options(),
+        interceptors=server_interceptors(),
     )
     pb_grpc.add_EmbeddingWorkerServicer_to_server(
         EmbeddingWorkerServicer(tier, metrics=metrics), server

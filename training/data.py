@@ -30,7 +30,9 @@ from embedding_store.grpc_common import (
     call,
     channel_options,
     rpc_errors,
+    server_interceptors,
     server_options,
+    tier_channel,
 )
 from training import distributed
 from training.env import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
@@ -76,9 +78,7 @@ class DataCtx:
                 f"replica index {self.replica_index} is not within replica size {self.replica_size}"
             )
         self.timeout = timeout
-        self._channels = [
-            grpc.insecure_channel(a, options=channel_options()) for a in self.addresses
-        ]
+        self._channels = [tier_channel(a, channel_options()) for a in self.addresses]
         self._stubs = [pb_grpc.DataReceiverStub(c) for c in self._channels]
         self._sequence = 0
         self._sent = [0] * len(self.addresses)
@@ -205,7 +205,9 @@ class StreamingDataset:
         """Start listening (iteration starts it too); returns self."""
         if self._server is None:
             server = grpc.server(
-                ThreadPoolExecutor(max_workers=self.num_loaders + 4), options=server_options()
+                ThreadPoolExecutor(max_workers=self.num_loaders + 4),
+                options=server_options(),
+                interceptors=server_interceptors(),
             )
             pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
             bound = server.add_insecure_port(f"{self.host}:{self.port}")

@@ -135,7 +135,7 @@ def test_configure_update_and_serving_state():
     assert not s.serving
 
 
-def test_inference_shard_serves_only_once_it_has_rows():
+def test_inference_shard_serves_only_once_it_has_rows(tmp_path):
     s = servicer(read_only=True)
     assert not s.serving
     lookup = pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4)
@@ -143,7 +143,15 @@ def test_inference_shard_serves_only_once_it_has_rows():
     block = RowBlock(
         ids=np.arange(2, dtype=np.uint64), weights=np.ones((2, 4), np.float32), state=None
     )
-    s.ImportRows(iter(row_chunks(block, 0)), FakeContext())
+    # Rows one by one from any peer are refused: it serves one checkpoint's rows, whole.
+    refused = aborted(s.ImportRows, iter(row_chunks(block, 0)))
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "read-only: row imports are refused" in refused.details
+    assert not s.serving
+    source = EmbeddingShard(10)
+    source.import_rows(block)
+    checkpoint.dump_embeddings([source], tmp_path / "ckpt", CONFIG)
+    s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "ckpt")), FakeContext())
     assert s.serving
     answer = s.Lookup(lookup, FakeContext())
     assert answer.misses == 1

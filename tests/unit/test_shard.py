@@ -251,7 +251,7 @@ def test_replace_rows_is_all_or_nothing() -> None:
     source = _trained_shard(Adam())
     blocks = [source.export_rows(d) for d in source.dims()]
     shard = EmbeddingShard(1000, optimizer=Adam(), read_only=True)
-    shard.import_rows(RowBlock(u64(1, 2), np.ones((2, 16), np.float32), None))
+    shard.replace_rows([RowBlock(u64(1, 2), np.ones((2, 16), np.float32), None)])
     assert shard.export_rows(16).state.shape == (2, 33)  # state=None: fresh state
     shard.replace_rows(blocks)
     assert shard.dims() == [4, 8] and shard.size() == source.size()
@@ -294,9 +294,11 @@ def test_checkpoint_version_is_the_loaded_ones_until_the_rows_change() -> None:
             checkpoint_version="v2",
         )
     assert shard.checkpoint_version == "v1"
+    # Writes drop it: an import (into a training shard), a train lookup that inserts (one of
+    # known IDs keeps it), an update, a clear.
+    shard = loaded()
     shard.import_rows(RowBlock(u64(1), np.ones((1, 4), np.float32), None))
     assert shard.checkpoint_version == ""
-    # Writes drop it: a train lookup of known IDs keeps it, one that inserts does not.
     shard = loaded()
     shard.lookup(ids, 4, train=True)
     assert shard.checkpoint_version == "v1"
@@ -312,11 +314,10 @@ def test_checkpoint_version_is_the_loaded_ones_until_the_rows_change() -> None:
     assert shard.checkpoint_version == ""
 
 
-def test_read_only_shard_loads_by_import_and_refuses_writes() -> None:
+def test_read_only_shard_loads_whole_and_refuses_writes() -> None:
     source = _trained_shard(Adam())
-    infer = EmbeddingShard(1000, read_only=True)  # no optimizer: state is dropped on import
-    for dim in source.dims():
-        infer.import_rows(source.export_rows(dim))
+    infer = EmbeddingShard(1000, read_only=True)  # no optimizer: state is dropped on load
+    infer.replace_rows([source.export_rows(dim) for dim in source.dims()])
     block = source.export_rows(8)
     np.testing.assert_array_equal(infer.lookup(block.ids, 8, train=False), block.weights)
     assert infer.export_rows(8).state.shape == (len(block), 0)
@@ -327,7 +328,13 @@ def test_read_only_shard_loads_by_import_and_refuses_writes() -> None:
         infer.update(block.ids, block.weights)
     with pytest.raises(FailedPreconditionError, match="read-only"):
         infer.clear()
+    # Rows written one by one (over ImportRows by any peer) would mix into a checkpoint's.
+    with pytest.raises(FailedPreconditionError, match="read-only: row imports are refused"):
+        infer.import_rows(RowBlock(block.ids[:1], np.full((1, 8), 100, np.float32), None))
+    np.testing.assert_array_equal(infer.lookup(block.ids, 8, train=False), block.weights)
     assert infer.size() == source.size()
+    with pytest.raises(InvalidArgumentError, match="non-finite"):
+        source.import_rows(RowBlock(u64(5), np.full((1, 8), np.inf, np.float32), None))
 
 
 def test_update_through_shard_equals_direct_kernel() -> None:
@@ -591,7 +598,7 @@ def test_lookup_pooled_on_a_read_only_shard() -> None:
     source = EmbeddingShard(100)
     source.lookup(u64(1, 2), 4, train=True)
     shard = EmbeddingShard(100, read_only=True)
-    shard.import_rows(source.export_rows(4))
+    shard.replace_rows([source.export_rows(4)])
     pooled = shard.lookup_pooled(u64(1, 2, 3), 4, np.array([0, 1]))
     np.testing.assert_array_equal(pooled[0], source.lookup(u64(1), 4, train=False)[0])
     with pytest.raises(FailedPreconditionError, match="read-only"):
