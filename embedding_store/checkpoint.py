@@ -250,9 +250,17 @@ def publish_directory(staging: Path, target: Path, *, overwrite: bool) -> None:
     """Move a fully written ``staging`` directory to ``target`` by rename.
 
     An existing ``target`` is refused unless ``overwrite``; then it is renamed away first and
-    removed only after the new one is in place.
+    removed only after the new one is in place. Only a checkpoint is ever replaced: a
+    ``target`` that is not one (no ``DONE`` marker: any other directory, or a file) is
+    refused, overwrite or not, since replacing it deletes it.
     """
     if target.exists():
+        if overwrite and not (target.is_dir() and (target / DONE_MARKER).is_file()):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise AlreadyExistsError(
+                f"{target} exists and is not a recserve checkpoint (no {DONE_MARKER} marker): "
+                "refusing to replace it; choose another directory"
+            )
         if not overwrite:
             shutil.rmtree(staging, ignore_errors=True)
             raise AlreadyExistsError(

@@ -404,3 +404,20 @@ def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
         f"{older.name}, {elsewhere.name}, {running.name} (still running elsewhere, or "
         "interrupted: remove them when no dump to ckpt runs)"
     ) in messages
+
+
+def test_overwrite_replaces_only_a_checkpoint(tmp_path):
+    # Replacing deletes the old directory: a directory that is no checkpoint (a mistyped
+    # path, or a peer's Dump RPC aimed at someone's data) is never replaced.
+    _, shards = trained_worker(1)
+    victim = tmp_path / "data"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "important.txt").write_text("keep me")
+    with pytest.raises(AlreadyExistsError, match="is not a recserve checkpoint"):
+        checkpoint.dump_embeddings(shards, victim, CONFIG, overwrite=True)
+    assert (victim / "important.txt").read_text() == "keep me" and (victim / "sub").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no staging left
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    (tmp_path / "ckpt" / "stale.txt").write_text("x")
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
+    assert not (tmp_path / "ckpt" / "stale.txt").exists()  # a checkpoint is replaced
