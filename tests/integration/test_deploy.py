@@ -414,6 +414,58 @@ def test_k8s_recserve_commands_and_wiring() -> None:
     assert (REPO_ROOT / trainer.entry).is_file()
 
 
+def test_network_policies_guard_every_tier_port_and_let_its_clients_in() -> None:
+    # Each tier workload's gRPC port is open only to the components that call it; the
+    # selectors must match real pods and the ports real container ports, or the policy
+    # silently guards nothing (or blocks the clients).
+    workloads = [d for d in core_docs() if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+
+    def labels(workload: dict) -> dict:
+        return workload["spec"]["template"]["metadata"]["labels"]
+
+    components = {labels(w)["app.kubernetes.io/component"] for w in workloads}
+    callers = {  # who calls whom, from the --ps / --embedding-workers wiring
+        "ps": {"embedding-worker", "server"},
+        "ps-train": {"embedding-worker-train"},
+        "embedding-worker": {"server"},
+        "embedding-worker-train": {"trainer"},
+    }
+    policies = by_kind("NetworkPolicy")
+    assert set(policies) == set(callers)
+    for name, policy in policies.items():
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        (target,) = [w for w in workloads if selector.items() <= labels(w).items()]
+        ports = {
+            p["containerPort"]: p["name"]
+            for c in recserve_containers(target)
+            for p in c.get("ports", ())
+        }
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        grpc_rule, metrics_rule = policy["spec"]["ingress"]
+        assert [ports[p["port"]] for p in grpc_rule["ports"]] == ["grpc"], name
+        allowed = set()
+        for peer in grpc_rule["from"]:
+            match = peer["podSelector"]
+            allowed |= set(match.get("matchLabels", {}).values()) - {"recserve"}
+            for expression in match.get("matchExpressions", ()):
+                assert expression["operator"] == "In"
+                allowed |= set(expression["values"])
+        assert allowed == callers[name] and allowed <= components, name
+        assert "from" not in metrics_rule  # Prometheus, from anywhere
+        assert [ports[p["port"]] for p in metrics_rule["ports"]] == ["metrics"], name
+
+
+def test_tier_pods_take_the_token_from_an_optional_secret() -> None:
+    for workload in core_docs():
+        if workload["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        assert pod_spec(workload)["automountServiceAccountToken"] is False
+        (container,) = recserve_containers(workload)
+        env = {e["name"]: e for e in container["env"]}
+        reference = env["RECSERVE_TIER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert reference == {"name": "recserve-tier-token", "key": "token", "optional": True}
+
+
 def test_optional_servicemonitors_select_services() -> None:
     services = by_kind("Service")
     for doc in k8s_docs(K8S / "optional" / "servicemonitor.yaml"):
