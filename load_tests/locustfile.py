@@ -17,7 +17,17 @@ Settings (environment):
   the checkpoint); without it IDs are ``0 .. 9999``;
 * ``RECSERVE_LT_BATCHES``: batch size mix, ``SIZE:WEIGHT,...`` (default ``1:6,8:3,64:1``);
 * ``RECSERVE_LT_UNKNOWN``: share of unknown IDs (default 0.02); ``RECSERVE_LT_ZIPF``: Zipf
-  exponent (default 1.1); ``RECSERVE_LT_SEED``;
+  exponent (default 1.1);
+* ``RECSERVE_LT_SEED``: makes the traffic reproducible (which IDs are hot, and each pool's
+  draws: a stream per payload kind and locust process, see :func:`traffic.stream_key`);
+  unset, every run and process draws its own requests;
+* ``RECSERVE_LT_POOL``: payloads per batch size in each pool (default: about 8k rows' worth);
+* ``RECSERVE_LT_ROWS``: a CSV or JSON-lines file of raw rows (``.gz`` too) that
+  :class:`FriendlyJsonUser` sends instead of slot IDs: for a server with a
+  ``--preprocessor`` (the Adult one reads raw columns such as ``age``);
+* ``RECSERVE_LT_FINAL_STATS``: where to write the final stats (JSON) when locust quits, after
+  the last worker report: locust's ``--csv`` stats file is rewritten only once a second and
+  not at shutdown, so it misses the last second's requests and failures;
 * ``RECSERVE_LT_WAIT``: seconds each user waits between requests (default 0: closed loop);
 * ``RECSERVE_LT_METADATA_FILE`` / ``RECSERVE_LT_METADATA_URL``: the model metadata JSON (a
   file, or a recserve base URL) when ``--host`` is not a recserve server (TorchServe);
@@ -31,11 +41,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from locust import FastHttpUser, User, constant, task
+from locust import FastHttpUser, User, constant, events, task
 from locust.contrib.fasthttp import ResponseContextManager
+from locust.env import Environment
+from locust.runners import WorkerRunner
+from locust.stats import RequestStats, StatsEntry
 
 try:  # gRPC's own threads must cooperate with locust's gevent loop
     import grpc.experimental.gevent as grpc_gevent
@@ -48,10 +62,11 @@ from load_tests import traffic
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = float(os.environ.get("RECSERVE_LT_WAIT", "0"))
-POOL_PER_SIZE = int(os.environ.get("RECSERVE_LT_POOL", "64"))
+POOL_PER_SIZE = int(os.environ.get("RECSERVE_LT_POOL", "0")) or None
 
 _pools: dict[str, traffic.PayloadPool] = {}
 _inputs: list[traffic.ModelInputs] = []
+_environments: list[Environment] = []
 
 
 def model_inputs(host: str) -> traffic.ModelInputs:
@@ -74,19 +89,96 @@ def model_inputs(host: str) -> traffic.ModelInputs:
     return _inputs[0]
 
 
-def payload_pool(kind: str, host: str) -> traffic.PayloadPool:
-    """A pool of pre-encoded requests of ``kind``, shared by the users of this process."""
+def payload_pool(kind: str, host: str, process_index: int = 0) -> traffic.PayloadPool:
+    """A pool of pre-encoded requests of ``kind``, shared by the users of this process, drawn
+    from the stream of this kind and process (``process_index``: locust's worker index)."""
     pool = _pools.get(kind)
     if pool is None:
         vocab_path = os.environ.get("RECSERVE_LT_VOCAB")
         vocab = traffic.load_vocab(vocab_path) if vocab_path else None
+        rows_path = os.environ.get("RECSERVE_LT_ROWS") if kind == "friendly" else None
         generator = traffic.TrafficGenerator(
-            model_inputs(host), traffic.TrafficProfile.from_env(), vocab
+            model_inputs(host),
+            traffic.TrafficProfile.from_env(),
+            vocab,
+            stream=traffic.stream_key(kind, process_index),
         )
         pool = _pools.setdefault(
-            kind, traffic.PayloadPool(generator, kind, per_size=POOL_PER_SIZE, model=MODEL)
+            kind,
+            traffic.PayloadPool(
+                generator,
+                kind,
+                per_size=POOL_PER_SIZE,
+                model=MODEL,
+                rows=traffic.load_rows(rows_path) if rows_path else None,
+            ),
         )
     return pool
+
+
+def _process_index(user: User) -> int:
+    """locust's index of this load-generator process (0 without ``--processes``)."""
+    return int(getattr(user.environment.runner, "worker_index", 0) or 0)
+
+
+# --------------------------------------------------------------------------- final stats
+def _stats_row(entry: StatsEntry) -> dict[str, Any]:
+    """One row as load_tests/run.py's ``read_stats`` returns them (percentiles over the run)."""
+
+    def percentile(fraction: float) -> float | None:
+        return float(entry.get_response_time_percentile(fraction)) if entry.num_requests else None
+
+    return {
+        "type": entry.method or "",
+        "name": entry.name,
+        "requests": entry.num_requests,
+        "failures": entry.num_failures,
+        "rps": round(entry.total_rps, 2),
+        "p50_ms": percentile(0.5),
+        "p95_ms": percentile(0.95),
+        "p99_ms": percentile(0.99),
+        "avg_ms": round(entry.avg_response_time, 2),
+        "max_ms": round(float(entry.max_response_time), 2),
+    }
+
+
+def final_stats(
+    stats: RequestStats, exceptions: dict[Any, dict[str, Any]], exit_code: int
+) -> dict[str, Any]:
+    """The whole run's stats as a JSON-able dict: per request name, then ``Aggregated``."""
+    entries = sorted(stats.entries.values(), key=lambda e: (e.name, e.method or ""))
+    return {
+        "exit_code": exit_code,
+        "written_unix": time.time(),
+        "stats": [_stats_row(entry) for entry in [*entries, stats.total]],
+        "errors": [
+            {"name": e.name, "method": e.method, "error": str(e.error), "count": e.occurrences}
+            for e in stats.errors.values()
+        ],
+        "exceptions": [
+            {"count": int(e.get("count", 0)), "msg": str(e.get("msg", ""))}
+            for e in exceptions.values()
+        ],
+    }
+
+
+@events.init.add_listener
+def _remember_environment(environment: Environment, **_kwargs: Any) -> None:
+    _environments[:] = [environment]
+
+
+@events.quit.add_listener
+def _write_final_stats(exit_code: int, **_kwargs: Any) -> None:
+    """Fired by locust's shutdown after ``runner.quit()`` (which waits for the workers' last
+    reports), unlike the ``--csv`` stats file: the run's complete numbers."""
+    path = os.environ.get("RECSERVE_LT_FINAL_STATS")
+    runner = _environments[0].runner if _environments else None
+    if not path or runner is None or isinstance(runner, WorkerRunner):
+        return  # a worker's own stats are reported to the master, not final
+    document = final_stats(_environments[0].stats, runner.exceptions, exit_code)
+    temporary = Path(f"{path}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(document, indent=1))
+    os.replace(temporary, path)  # whole or absent: run.py treats absent as "locust failed"
 
 
 def _check(response: ResponseContextManager, what: str) -> None:
@@ -106,7 +198,7 @@ class _InferUser(FastHttpUser):
     content_type = "application/json"
 
     def on_start(self) -> None:
-        self.pool = payload_pool(self.kind, self.host)
+        self.pool = payload_pool(self.kind, self.host, _process_index(self))
 
     def headers(self, payload: traffic.Payload) -> dict[str, str]:
         return {"Content-Type": self.content_type}
@@ -148,7 +240,8 @@ class KServeBinaryUser(_InferUser):
 
 
 class FriendlyJsonUser(_InferUser):
-    """``POST /v1/models/{name}:predict`` with ``{"instances": [...]}``."""
+    """``POST /v1/models/{name}:predict`` with ``{"instances": [...]}``: slot IDs by name, or
+    the raw rows of ``RECSERVE_LT_ROWS`` for a server with a ``--preprocessor``."""
 
     kind = "friendly"
     label = "v1-predict"
@@ -189,7 +282,7 @@ class GrpcUser(User):
         target = os.environ.get("RECSERVE_LT_GRPC")
         if not target:
             raise RuntimeError("GrpcUser needs RECSERVE_LT_GRPC=HOST:PORT")
-        self.pool = payload_pool("grpc", self.host)
+        self.pool = payload_pool("grpc", self.host, _process_index(self))
         self.client = RecserveClient(f"grpc://{target}", model_name=MODEL, timeout=10.0, retries=0)
 
     def on_stop(self) -> None:

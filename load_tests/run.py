@@ -9,20 +9,41 @@ embeddings read-only + 1 embedding worker; ``recserve serve --embedding-workers`
 
     python load_tests/run.py --synthetic --tier remote --users 16 --seconds 60 --out lt-out
 
-Soak (bounded): ``--soak --minutes 10`` samples the server's RSS, writes a new checkpoint
-version into the served directory (atomically: staged copy, then rename) and reloads it via
-``POST /admin/reload`` half-way, and fails unless memory stays flat (last-quarter median RSS
-within +15% or +50 MB of the first-quarter median after warm-up, whichever is larger) and no
-request failed.
+Soak (bounded): ``--soak --minutes 10`` samples the RSS of every process of the stack (the
+server, and in the remote tier each parameter server and the embedding worker), writes a new
+checkpoint version into the served directory (atomically: staged copy, then rename) and
+reloads it via ``POST /admin/reload`` half-way, and fails unless no request failed and every
+process's memory is flat:
+
+* samples of the warm-up (the first 10% of the run, at least min(10 s, 20%)) are left out, and
+  so are those of the ``RELOAD_SETTLE_S`` (60 s) after the reload starts: the replaced model
+  stays resident until it is retired 30 s after the reload (its memory was back 40-50 s after
+  the reload in a 5-minute soak);
+* the rest splits into segments (before the reload; after it settled), each judged on its own:
+  its growth rate is the Theil-Sen slope (median of the pairwise slopes) of each half of the
+  segment, and the *sustained* rate is the smaller of the two halves (a leak grows in both; a
+  one-off allocator step of a few MB only in one);
+* a segment fails when its sustained rate exceeds max(``MAX_GROWTH_MB_PER_MIN`` (1 MB/min),
+  ``GROWTH_FLOOR_MB`` (20 MB) / the soak's minutes): 2 MB/min for a 10-minute soak, 40 MB/min
+  for a 30 s one; and the reload fails memory when the settled level after it is more than
+  ``GROWTH_FLOOR_MB`` above the level before it (an old model never released);
+* a soak too short for a judged segment of 6 samples is no verdict: a failure.
+
+Final numbers come from locust's own totals, written by the locustfile when locust quits
+(``locust_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at
+shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
+``locust.log``; outputs of an earlier run in ``--out`` are deleted before anything starts.
 
 Output in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99, failures per request
-name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles and throughput over
-time, plus RSS in soak mode), ``rss.csv`` (soak), locust's ``locust_*.csv`` and the logs of
-every process. Exit status: 0 when every check passed, 1 when one failed (request failures,
-no throughput, memory growth, a failed reload), 2 when the stack could not start.
+name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles over a trailing
+~10 s window and throughput over time, plus RSS in soak mode), ``rss.csv`` (soak), locust's
+``locust_*`` files and the logs of every process. Exit status: 0 when every check passed, 1
+when one failed (request failures, a locust failure, a process of the stack that died, no
+throughput, memory growth, a failed reload), 2 when the stack could not start (bad arguments,
+a missing checkpoint, locust not installed), 130 on Ctrl-C and 143 on SIGTERM.
 
-Every process is started here and ended by its PID; loads are bounded by ``--users`` and
-``--seconds`` (``--minutes`` with ``--soak``).
+Every process is started here and ended by its PID, also on Ctrl-C and SIGTERM; loads are
+bounded by ``--users`` and ``--seconds`` (``--minutes`` with ``--soak``).
 """
 
 from __future__ import annotations
@@ -30,13 +51,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,9 +66,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -79,6 +104,17 @@ _SERVING_LINE = re.compile(
     r"gRPC listening on (?P<grpc_host>[^\s,]+):(?P<grpc_port>\d+)"
 )
 MB = 1024 * 1024
+#: The Adult example's preprocessor (README): it reads raw Adult rows on the friendly route.
+ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
+ADULT_ROWS = REPO_ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
+#: Seconds after a reload starts whose RSS samples the memory verdict leaves out: the replaced
+#: model is retired 30 s after the reload (serving/service.py RETIRE_AFTER_SECONDS), then freed
+#: (RSS was back 40-50 s after the reload in a 5-minute soak).
+RELOAD_SETTLE_S = 60.0
+MAX_GROWTH_MB_PER_MIN = 1.0
+GROWTH_FLOOR_MB = 20.0
+#: Samples per half-segment in a Theil-Sen fit (pairs grow as n**2; more add nothing).
+_FIT_SAMPLES = 200
 
 
 def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -125,8 +161,8 @@ class ServeProcess:
     http: str = ""
     grpc: str = ""
 
-    def start(self, timeout: float = 120.0) -> ServeProcess:
-        args = [
+    def command(self) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "embedding_store.cli",
@@ -144,25 +180,38 @@ class ServeProcess:
             *(["--embedding-workers", self.embedding_workers] if self.embedding_workers else []),
             *self.extra_args,
         ]
+
+    def start(self, timeout: float = 120.0) -> ServeProcess:
+        """Start the server and wait until it listens and is ready. On any failure or
+        interruption (Ctrl-C, SIGTERM) before that, the process is stopped before raising: the
+        caller holds no handle to it yet."""
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                args, cwd=REPO_ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT
+                self.command(),
+                cwd=REPO_ROOT,
+                env=subprocess_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = _SERVING_LINE.search(self.log_path.read_text(errors="replace"))
-            if match:
-                self.http = f"http://{match['http_host']}:{match['http_port']}"
-                self.grpc = f"{match['grpc_host']}:{match['grpc_port']}"
-                self.wait_ready(max(deadline - time.monotonic(), 1.0))
-                return self
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"recserve serve exited with {self.process.returncode}:\n{_tail(self.log_path)}"
-                )
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"recserve serve did not listen within {timeout:.0f} s")
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                match = _SERVING_LINE.search(self.log_path.read_text(errors="replace"))
+                if match:
+                    self.http = f"http://{match['http_host']}:{match['http_port']}"
+                    self.grpc = f"{match['grpc_host']}:{match['grpc_port']}"
+                    self.wait_ready(max(deadline - time.monotonic(), 1.0))
+                    return self
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"recserve serve exited with {self.process.returncode}:\n"
+                        f"{_tail(self.log_path)}"
+                    )
+                time.sleep(0.1)
+            raise RuntimeError(f"recserve serve did not listen within {timeout:.0f} s")
+        except BaseException:
+            self.stop()
+            raise
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -173,6 +222,11 @@ class ServeProcess:
                         return
             except (OSError, urllib.error.URLError):
                 pass
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"recserve serve exited with {self.process.returncode} before it was "
+                    f"ready:\n{_tail(self.log_path)}"
+                )
             time.sleep(0.1)
         raise RuntimeError(f"{self.http} is not ready after {timeout:.0f} s")
 
@@ -307,16 +361,39 @@ class RssSampler(threading.Thread):
         self.join(timeout=5)
 
 
+def theil_sen_slope(times: np.ndarray, values: np.ndarray) -> float | None:
+    """Median of the pairwise slopes (value units per time unit); None under 2 samples.
+
+    Robust to outliers and to a step covering less than ~29% of the pairs; at most
+    ``_FIT_SAMPLES`` evenly spaced samples are used (the pairs grow as n**2)."""
+    times, values = np.asarray(times, np.float64), np.asarray(values, np.float64)
+    if len(times) > _FIT_SAMPLES:
+        keep = np.linspace(0, len(times) - 1, _FIT_SAMPLES).round().astype(np.int64)
+        times, values = times[keep], values[keep]
+    first, second = np.triu_indices(len(times), k=1)
+    elapsed = times[second] - times[first]
+    usable = elapsed > 0
+    if not usable.any():
+        return None
+    return float(np.median((values[second] - values[first])[usable] / elapsed[usable]))
+
+
 @dataclass
 class MemoryVerdict:
-    first_quarter_median_mb: float
-    last_quarter_median_mb: float
-    growth_mb: float
-    growth_pct: float
-    allowed_mb: float
+    """The memory verdict of one process (see the module docstring for the rule)."""
+
+    process: str
+    samples: int  # judged: after warm-up, outside the reload's settling window
     warmup_s: float
-    samples: int
+    baseline_mb: float  # median of the first quarter of the judged samples
+    last_mb: float  # median of the last quarter
+    slope_mb_per_min: float | None  # Theil-Sen over each segment's pairs (for the report)
+    sustained_mb_per_min: float | None  # worst segment's smaller half-segment slope
+    allowed_mb_per_min: float
+    reload_step_mb: float | None  # settled level after the reload minus the level before it
+    allowed_step_mb: float
     passed: bool
+    reason: str
 
 
 def memory_verdict(
@@ -324,34 +401,112 @@ def memory_verdict(
     rss_mb: list[float],
     *,
     warmup_s: float,
-    max_growth_pct: float = 15.0,
-    max_growth_mb: float = 50.0,
+    run_s: float,
+    reload_s: float | None = None,
+    settle_s: float = RELOAD_SETTLE_S,
+    max_rate_mb_per_min: float = MAX_GROWTH_MB_PER_MIN,
+    floor_mb: float = GROWTH_FLOOR_MB,
+    process: str = "server",
 ) -> MemoryVerdict:
-    """Flat memory: median RSS of the last quarter (after ``warmup_s``) is at most the
-    first quarter's median plus max(``max_growth_pct`` %, ``max_growth_mb``)."""
-    kept = [v for t, v in zip(times, rss_mb) if t >= warmup_s and v >= 0]
-    if len(kept) < 4:
-        kept = [v for v in rss_mb if v >= 0]
-    if len(kept) < 4:
-        return MemoryVerdict(0, 0, 0, 0, 0, warmup_s, len(kept), False)
-    quarter = max(len(kept) // 4, 1)
-    first = statistics.median(kept[:quarter])
-    last = statistics.median(kept[-quarter:])
-    allowed = max(first * max_growth_pct / 100.0, max_growth_mb)
-    growth = last - first
+    """Flat memory of one process: RSS samples (``times`` in seconds since sampling began,
+    ``rss_mb``; negative = no sample) judged as the module docstring says. ``reload_s``: when
+    the reload started, on the same clock; ``run_s``: the soak's length."""
+    t = np.asarray(times, np.float64)
+    v = np.asarray(rss_mb, np.float64)
+    kept = (v >= 0) & (t >= warmup_s)
+    if reload_s is None:
+        masks = [kept]
+    else:
+        masks = [kept & (t < reload_s), kept & (t >= reload_s + settle_s)]
+    segments = [(t[mask], v[mask]) for mask in masks]
+    judged = [(st, sv) for st, sv in segments if len(st) >= 6]
+    allowed = max(max_rate_mb_per_min, floor_mb / max(run_s / 60.0, 1e-9))
+    values = np.concatenate([sv for _, sv in judged]) if judged else np.zeros(0)
+    quarter = max(len(values) // 4, 1)
+    baseline = float(np.median(values[:quarter])) if len(values) else 0.0
+    last = float(np.median(values[-quarter:])) if len(values) else 0.0
+
+    slopes, sustained = [], []
+    for st, sv in judged:
+        slopes.append(theil_sen_slope(st, sv))
+        half = len(st) // 2
+        halves = [theil_sen_slope(st[:half], sv[:half]), theil_sen_slope(st[half:], sv[half:])]
+        valid = [h for h in halves if h is not None]
+        if valid:
+            sustained.append(min(valid))
+    per_min = [60.0 * x for x in slopes if x is not None]
+    slope = round(float(np.median(per_min)), 2) if per_min else None
+    worst = round(60.0 * max(sustained), 2) if sustained else None
+
+    step = None
+    if reload_s is not None and all(len(st) >= 6 for st, _ in segments):
+        (_, before), (_, after) = segments
+        q_before, q_after = max(len(before) // 4, 2), max(len(after) // 4, 2)
+        step = round(float(np.median(after[:q_after]) - np.median(before[-q_before:])), 1)
+
+    if not judged:
+        passed, reason = False, f"too few samples after warm-up ({int(kept.sum())})"
+    elif worst is not None and worst > allowed:
+        passed = False
+        reason = f"grows {worst:g} MB/min in both halves of a segment (allowed {allowed:.1f})"
+    elif step is not None and step > floor_mb:
+        passed, reason = False, f"{step:g} MB more after the reload settled (allowed {floor_mb:g})"
+    else:
+        passed, reason = True, "flat"
     return MemoryVerdict(
-        first_quarter_median_mb=round(first, 1),
-        last_quarter_median_mb=round(last, 1),
-        growth_mb=round(growth, 1),
-        growth_pct=round(100.0 * growth / first, 2) if first else 0.0,
-        allowed_mb=round(allowed, 1),
-        warmup_s=warmup_s,
-        samples=len(kept),
-        passed=growth <= allowed,
+        process=process,
+        samples=len(values),
+        warmup_s=round(warmup_s, 2),
+        baseline_mb=round(baseline, 1),
+        last_mb=round(last, 1),
+        slope_mb_per_min=slope,
+        sustained_mb_per_min=worst,
+        allowed_mb_per_min=round(allowed, 2),
+        reload_step_mb=step,
+        allowed_step_mb=floor_mb,
+        passed=passed,
+        reason=reason,
     )
 
 
+def memory_verdicts(
+    samples: list[dict[str, float]], *, warmup_s: float, run_s: float, reload_s: float | None
+) -> dict[str, MemoryVerdict]:
+    """:func:`memory_verdict` of every process sampled by :class:`RssSampler` (each
+    ``<name>_rss_mb`` column: the server, and the parameter servers and embedding worker of
+    the remote tier): any of them growing fails the soak."""
+    columns = samples[0] if samples else {}
+    names = [key[: -len("_rss_mb")] for key in columns if key.endswith("_rss_mb")]
+    times = [s["t_s"] for s in samples]
+    return {
+        name: memory_verdict(
+            times,
+            [s[f"{name}_rss_mb"] for s in samples],
+            warmup_s=warmup_s,
+            run_s=run_s,
+            reload_s=reload_s,
+            process=name,
+        )
+        for name in names
+    }
+
+
 # --------------------------------------------------------------------------- locust
+def locust_installed() -> bool:
+    """Whether ``python -m locust`` can run here (the same interpreter runs it)."""
+    return importlib.util.find_spec("locust") is not None
+
+
+#: Files that one locust run writes next to its ``--csv`` prefix.
+LOCUST_OUTPUTS = (
+    "_stats.csv",
+    "_stats_history.csv",
+    "_failures.csv",
+    "_exceptions.csv",
+    "_final.json",
+)
+
+
 @dataclass
 class LocustRun:
     users: int
@@ -363,6 +518,12 @@ class LocustRun:
     log_path: Path
     env: dict[str, str]
     processes: int = 1
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def final_stats_path(self) -> Path:
+        """Where the locustfile writes the run's final stats when locust quits."""
+        return Path(f"{self.csv_prefix}_final.json")
 
     def command(self) -> list[str]:
         args = [
@@ -382,6 +543,8 @@ class LocustRun:
             self.host,
             "--csv",
             str(self.csv_prefix),
+            # Without it the history's percentiles are cumulative since the start of the run.
+            "--csv-full-history",
             "--only-summary",
             "--stop-timeout",
             "5",
@@ -392,15 +555,23 @@ class LocustRun:
             args += ["--processes", str(self.processes)]
         return [*args, *self.classes]
 
+    def clear_outputs(self) -> None:
+        """Delete an earlier run's files at this prefix: what is read afterwards is this run's."""
+        for suffix in LOCUST_OUTPUTS:
+            Path(f"{self.csv_prefix}{suffix}").unlink(missing_ok=True)
+
     def start(self) -> subprocess.Popen:
+        self.clear_outputs()
+        env = {**self.env, "RECSERVE_LT_FINAL_STATS": str(self.final_stats_path)}
         with open(self.log_path, "wb") as log:
-            return subprocess.Popen(
+            self.process = subprocess.Popen(
                 self.command(),
                 cwd=REPO_ROOT,
-                env=subprocess_env(self.env),
+                env=subprocess_env(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        return self.process
 
 
 def _number(text: str) -> float | None:
@@ -410,8 +581,25 @@ def _number(text: str) -> float | None:
         return None
 
 
+def read_final_stats(path: Path) -> dict[str, Any] | None:
+    """The locustfile's final stats (``exit_code``, ``written_unix``, ``stats`` rows as
+    :func:`read_stats` returns them, ``errors``, ``exceptions``); None when absent or torn."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) and "stats" in document else None
+
+
 def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
-    """Rows of locust's ``<prefix>_stats.csv``: name, requests, failures, rps, p50/p95/p99."""
+    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max.
+
+    From ``<prefix>_final.json`` (written when locust quits, complete) when there is one, else
+    from locust's ``<prefix>_stats.csv``, which locust rewrites once a second and not at
+    shutdown (its last second is missing)."""
+    final = read_final_stats(Path(f"{csv_prefix}_final.json"))
+    if final is not None:
+        return list(final["stats"])
     rows = []
     with open(f"{csv_prefix}_stats.csv", newline="") as handle:
         for row in csv.DictReader(handle):
@@ -432,13 +620,40 @@ def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def locust_outcome(
+    run: LocustRun, returncode: int | None, started_unix: float
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """This run's final stats (None when locust wrote none, or an earlier run's) and what
+    went wrong with locust itself: a non-zero exit, missing stats (with the log's tail)."""
+    final = read_final_stats(run.final_stats_path)
+    if final is not None and float(final.get("written_unix", 0.0)) < started_unix:
+        final = None  # not this run's: never report an earlier run's numbers
+    problems = []
+    if final is None:
+        problems.append(
+            f"locust exited with code {returncode} and wrote no final stats "
+            f"({run.final_stats_path.name}); {run.log_path}:\n{_tail(run.log_path, 20)}"
+        )
+    elif returncode != 0:
+        total = next((r for r in final["stats"] if r["name"] == "Aggregated"), {})
+        explained = total.get("failures") or final.get("exceptions")
+        problems.append(
+            f"locust exited with code {returncode}"
+            + ("" if explained else f"; {run.log_path}:\n{_tail(run.log_path, 20)}")
+        )
+    return final, problems
+
+
 def read_history(csv_prefix: Path) -> list[dict[str, float]]:
     """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
 
     ``rps`` and ``failures_per_s`` are this interval's own rates, from the growth of locust's
     cumulative counts since the row before. (locust's ``Requests/s`` column is a trailing
-    10-second average that reads 0 for the first seconds of a run.) The percentiles are locust's
-    current-response-time ones, over its trailing window.
+    10-second average that reads 0 for the first seconds of a run.) The percentiles are the
+    history's: with ``--csv-full-history`` (:meth:`LocustRun.command`) locust's "current"
+    ones, over the trailing ~10 s window (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0,
+    read as NaN, until that window has data); without the flag locust writes percentiles
+    cumulative since the start of the run, which flatten any change over time.
     """
     rows: list[dict[str, float]] = []
     path = Path(f"{csv_prefix}_stats_history.csv")
@@ -493,7 +708,7 @@ def plot(
         t = [row["unix"] - start for row in history]
         for key, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
             ax.plot(t, [row[key] for row in history], style, label=key.replace("_ms", ""))
-        ax.set_ylabel("latency ms (locust stats history)")
+        ax.set_ylabel("latency ms (trailing ~10 s window)")
         steady = [row["p99_ms"] for row in history[len(history) // 10 :] if row["p99_ms"] > 0]
         if steady:  # the start-up window would flatten everything else
             ax.set_ylim(0, max(steady) * 1.3)
@@ -503,7 +718,8 @@ def plot(
         twin.legend(loc="upper right")
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    ax.legend(loc="upper left")
+    if history:  # no history (locust failed): nothing to label
+        ax.legend(loc="upper left")
     for unix, label in marks:
         for row in axes:
             row[0].axvline(unix - start, color="red", alpha=0.5)
@@ -523,6 +739,11 @@ def plot(
 
 
 # --------------------------------------------------------------------------- reports
+#: What a run writes into ``--out`` besides locust's files: deleted before a run starts, so a
+#: reused folder never shows an earlier run's verdict.
+REPORT_FILES = ("summary.md", "summary.csv", "summary.json", "latency.png", "rss.csv")
+
+
 def write_summary(out: Path, result: dict[str, Any]) -> None:
     rows = result["stats"]
     with open(out / "summary.csv", "w", newline="") as handle:
@@ -540,7 +761,7 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         f"- model: {result['model']} ({result['inputs']})",
         f"- checkpoint: `{result['checkpoint']}`, tier: {result['tier']}",
         f"- users: {result['users']} ({', '.join(result['classes'])}), "
-        f"{result['seconds']:.0f} s, batch mix {result['batches']}",
+        f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
         f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
         "",
@@ -555,19 +776,19 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         )
     soak = result.get("soak")
     if soak:
-        memory = soak["memory"]
-        lines += [
-            "",
-            "## Soak",
-            "",
-            f"- reload at {soak['reload_at_s']:.1f} s: {soak['reload']}",
-            f"- server RSS: first-quarter median {memory['first_quarter_median_mb']} MB, "
-            f"last-quarter median {memory['last_quarter_median_mb']} MB, growth "
-            f"{memory['growth_mb']} MB ({memory['growth_pct']} %), allowed "
-            f"{memory['allowed_mb']} MB, {memory['samples']} samples after "
-            f"{memory['warmup_s']:.1f} s warm-up: **{'flat' if memory['passed'] else 'GROWING'}**",
-            "- series: `rss.csv`",
-        ]
+        lines += ["", "## Soak", "", f"- reload at {soak['reload_at_s']:.1f} s: {soak['reload']}"]
+        for memory in soak["memory"].values():
+            step = memory["reload_step_mb"]
+            lines.append(
+                f"- {memory['process']} RSS: {memory['baseline_mb']} MB -> {memory['last_mb']} "
+                f"MB, slope {memory['slope_mb_per_min']} MB/min, sustained "
+                f"{memory['sustained_mb_per_min']} MB/min (allowed "
+                f"{memory['allowed_mb_per_min']}), after the reload "
+                f"{'-' if step is None else f'{step:+g} MB'}, {memory['samples']} samples "
+                f"after {memory['warmup_s']:.1f} s warm-up: "
+                + ("**flat**" if memory["passed"] else f"**GROWING** ({memory['reason']})")
+            )
+        lines.append("- series: `rss.csv`")
     lines += ["", "Latency over time: `latency.png`; locust CSVs: `locust_*.csv`.", ""]
     (out / "summary.md").write_text("\n".join(lines))
 
@@ -577,6 +798,16 @@ def _ms(value: float | None) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def preprocessor_of(serve_args: list[str]) -> str | None:
+    """The ``--preprocessor`` of ``recserve serve`` flags, if any."""
+    for index, arg in enumerate(serve_args):
+        if arg == "--preprocessor" and index + 1 < len(serve_args):
+            return serve_args[index + 1]
+        if arg.startswith("--preprocessor="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -598,7 +829,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--users", type=int, default=4, help="concurrent locust users")
     parser.add_argument("--spawn-rate", type=float, default=None, help="default: all at once")
-    parser.add_argument("--seconds", type=float, default=10.0, help="load duration")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="load duration (default 10; not with --soak)"
+    )
     parser.add_argument(
         "--user-classes",
         default="binary,json,friendly,grpc",
@@ -608,21 +841,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--unknown-share", type=float, default=0.02, help="share of IDs the model never saw"
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="traffic seed (RECSERVE_LT_SEED), to repeat a run's requests; default: random, "
+        "reported in the summary",
+    )
     parser.add_argument("--model-name", default="model", help="served model name")
     parser.add_argument(
         "--serve-args", default="", help='extra `recserve serve` flags, e.g. "--max-batch-size 64"'
     )
     parser.add_argument(
+        "--friendly-rows",
+        type=Path,
+        default=None,
+        help="CSV or JSON-lines file of raw rows (.gz too) for the friendly user, for a server "
+        f"with a --preprocessor (default with {ADULT_PREPROCESSOR}: {ADULT_ROWS.name})",
+    )
+    parser.add_argument(
         "--locust-processes", type=int, default=1, help="locust worker processes (--processes)"
     )
     parser.add_argument("--soak", action="store_true", help="memory + reload soak")
-    parser.add_argument("--minutes", type=float, default=10.0, help="soak duration")
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="soak duration (default 10; --soak only)"
+    )
     parser.add_argument("--rss-interval", type=float, default=None, help="seconds (soak)")
     args = parser.parse_args(argv)
+    if args.soak and args.seconds is not None:
+        parser.error("--soak runs for --minutes; --seconds is the length of a load run")
+    if not args.soak and args.minutes is not None:
+        parser.error("--minutes is the length of a --soak; a load run takes --seconds")
+    args.seconds = 10.0 if args.seconds is None else args.seconds
+    args.minutes = 10.0 if args.minutes is None else args.minutes
     if args.users < 1 or args.seconds <= 0 or args.minutes <= 0:
         parser.error("--users, --seconds and --minutes must be positive")
     if args.users > 1000 or args.seconds > 3600 or args.minutes > 120:
         parser.error("bounded runs only: at most 1000 users, 3600 s, 120 minutes")
+    if not 1 <= args.locust_processes <= 64:
+        parser.error(f"--locust-processes must be in 1..64, got {args.locust_processes}")
+    if args.rss_interval is not None and not 0 < args.rss_interval <= 60:
+        parser.error(f"--rss-interval must be in (0, 60] seconds, got {args.rss_interval}")
+    if args.seed is not None and args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.checkpoint is not None and not args.checkpoint.is_dir():
+        parser.error(f"--checkpoint {args.checkpoint}: no such directory")
     try:
         traffic.parse_batch_mix(args.batches)
     except ValueError as error:  # int("x") too: checked before any process starts
@@ -639,6 +902,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"({args.user_classes}): locust starts whole users, so some class would send "
             "nothing"
         )
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as error:
+        parser.error(f"--serve-args {args.serve_args!r}: {error}")
+    preprocessor = preprocessor_of(serve_args)
+    if args.friendly_rows is None and preprocessor == ADULT_PREPROCESSOR:
+        args.friendly_rows = ADULT_ROWS  # what that preprocessor reads: raw Adult rows
+    if "friendly" in names and preprocessor and args.friendly_rows is None:
+        parser.error(
+            f"--serve-args has --preprocessor {preprocessor}: the friendly route then takes "
+            "the preprocessor's raw rows, not slot IDs; pass --friendly-rows FILE (CSV or "
+            "JSON lines of such rows) or leave friendly out of --user-classes"
+        )
+    if args.friendly_rows is not None and not args.friendly_rows.is_file():
+        parser.error(f"--friendly-rows {args.friendly_rows}: no such file")
     return args
 
 
@@ -650,8 +928,12 @@ def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]
 
 
 def task_exceptions(csv_prefix: Path) -> list[str]:
-    """Errors raised inside locust tasks (``<prefix>_exceptions.csv``): they are not request
-    failures, so the stats alone would not show them."""
+    """Errors raised inside locust tasks: they are not request failures, so the stats alone
+    would not show them. From the final stats when locust wrote them, else from
+    ``<prefix>_exceptions.csv`` (rewritten once a second: the last second is missing)."""
+    final = read_final_stats(Path(f"{csv_prefix}_final.json"))
+    if final is not None:
+        return [f"{e['count']} x {e['msg'].strip()[:200]}" for e in final.get("exceptions", [])]
     path = Path(f"{csv_prefix}_exceptions.csv")
     if not path.exists():
         return []
@@ -662,49 +944,124 @@ def task_exceptions(csv_prefix: Path) -> list[str]:
         ]
 
 
+def dead_processes(processes: dict[str, tuple[subprocess.Popen | None, Path]]) -> list[str]:
+    """Which of the stack's processes (name -> (process, log)) have exited, with their exit
+    code and log tail: a server that died is the cause, its requests' failures the symptom."""
+    return [
+        f"{name} (pid {process.pid}) died during the run with exit code {process.returncode}; "
+        f"{log}:\n{_tail(log, 15)}"
+        for name, (process, log) in processes.items()
+        if process is not None and process.poll() is not None
+    ]
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) in the main thread, so ``finally`` blocks stop every
+    process started here (without it, SIGTERM ends this process alone and orphans them). A
+    second SIGTERM during that cleanup is ignored rather than cutting it short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not locust_installed():
+        print(
+            f"error: locust is not importable by {sys.executable} (pip install locust); "
+            "nothing was started",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        with sigterm_exits():
+            return _run(args)
+    except KeyboardInterrupt:
+        print("interrupted: every process started was stopped", file=sys.stderr)
+        return 130
+
+
+def _wait_while_running(
+    locust: subprocess.Popen, until: float, stack: dict[str, tuple[subprocess.Popen | None, Path]]
+) -> bool:
+    """Wait until ``locust`` exits or the monotonic clock passes ``until``; stop locust early
+    (it still writes its final stats) when a process of the stack dies. True if one died."""
+    while locust.poll() is None and time.monotonic() < until:
+        if dead_processes(stack):
+            stop_process(locust)
+            return True
+        time.sleep(0.2)
+    return bool(dead_processes(stack))
+
+
+def _run(args: argparse.Namespace) -> int:
     out = args.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
+    # A failed run must not leave an earlier run's verdict or numbers behind.
+    for name in [*REPORT_FILES, *(f"locust{suffix}" for suffix in LOCUST_OUTPUTS)]:
+        (out / name).unlink(missing_ok=True)
     seconds = args.minutes * 60.0 if args.soak else args.seconds
-    if args.synthetic:
-        from load_tests.synthetic_model import build_synthetic_checkpoint
-
-        checkpoint = out / "synthetic-checkpoint"
-        if not (checkpoint / "DONE").exists():
-            build_synthetic_checkpoint(checkpoint, overwrite=True)
-    else:
-        checkpoint = args.checkpoint.absolute()
-    served = checkpoint
-    if args.soak:  # reload writes new versions here: serve a copy, never the original
-        served = out / "served-checkpoint"
-        shutil.rmtree(served, ignore_errors=True)
-        shutil.copytree(checkpoint, served)
-    vocab_path = out / "vocab.npz"
-    traffic.save_vocab(traffic.vocab_from_checkpoint(served), vocab_path)
-
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    serve_args = shlex.split(args.serve_args)
     cluster = None
     server: ServeProcess | None = None
-    locust: subprocess.Popen | None = None
+    run: LocustRun | None = None
     sampler: RssSampler | None = None
-    serve_args = shlex.split(args.serve_args)
     try:
         try:
+            if args.synthetic:
+                from load_tests.synthetic_model import build_synthetic_checkpoint
+
+                checkpoint = out / "synthetic-checkpoint"
+                if not (checkpoint / "DONE").exists():
+                    build_synthetic_checkpoint(checkpoint, overwrite=True)
+            else:
+                checkpoint = args.checkpoint.absolute()
+            served = checkpoint
+            if args.soak:  # reload writes new versions here: serve a copy, never the original
+                served = out / "served-checkpoint"
+                shutil.rmtree(served, ignore_errors=True)
+                shutil.copytree(checkpoint, served)
+            vocab_path = out / "vocab.npz"
+            traffic.save_vocab(traffic.vocab_from_checkpoint(served), vocab_path)
             if args.tier == "remote":
                 cluster = start_remote_tier(served, out)
+            # Held before start(): an interruption while it waits still finds the process.
             server = ServeProcess(
                 served,
                 out / "serve.log",
                 model_name=args.model_name,
                 embedding_workers=",".join(cluster.worker_addresses) if cluster else "",
                 extra_args=serve_args,
-            ).start()
+            )
+            server.start()
             metadata = traffic.fetch_metadata(server.http, args.model_name)
+            inputs = traffic.ModelInputs.from_metadata(metadata)
         except Exception as error:
             print(f"error: the stack did not start: {error}", file=sys.stderr)
             return 2
-        inputs = traffic.ModelInputs.from_metadata(metadata)
         classes = [USER_CLASSES[name] for name in args.user_classes.split(",")]
+        env = {
+            "RECSERVE_LT_MODEL": args.model_name,
+            "RECSERVE_LT_GRPC": server.grpc,
+            "RECSERVE_LT_VOCAB": str(vocab_path),
+            "RECSERVE_LT_BATCHES": args.batches,
+            "RECSERVE_LT_UNKNOWN": str(args.unknown_share),
+            "RECSERVE_LT_SEED": str(seed),
+        }
+        if args.friendly_rows is not None:
+            env["RECSERVE_LT_ROWS"] = str(args.friendly_rows.absolute())
         run = LocustRun(
             users=args.users,
             spawn_rate=args.spawn_rate or args.users,
@@ -713,76 +1070,88 @@ def main(argv: list[str] | None = None) -> int:
             host=server.http,
             csv_prefix=out / "locust",
             log_path=out / "locust.log",
-            env={
-                "RECSERVE_LT_MODEL": args.model_name,
-                "RECSERVE_LT_GRPC": server.grpc,
-                "RECSERVE_LT_VOCAB": str(vocab_path),
-                "RECSERVE_LT_BATCHES": args.batches,
-                "RECSERVE_LT_UNKNOWN": str(args.unknown_share),
-            },
+            env=env,
             processes=args.locust_processes,
         )
         pids = {"server": server.pid}
+        stack: dict[str, tuple[subprocess.Popen | None, Path]] = {
+            "recserve serve": (server.process, server.log_path)
+        }
         if cluster is not None:
             for process in [*cluster.shards, *cluster.workers]:
                 pids[process.name.replace(" ", "_")] = process.process.pid
+                stack[process.name] = (process.process, process.log_path)
         interval = args.rss_interval or (max(0.25, min(seconds / 200.0, 5.0)) if args.soak else 1)
         sampler = RssSampler(pids, interval)
         sampler.start()
         started = time.monotonic()
         started_unix = time.time()
         locust = run.start()
+        deadline = started + seconds + 90
         soak: dict[str, Any] | None = None
         marks: list[tuple[float, str]] = []
+        reload_s: float | None = None
+        died = False
         if args.soak:
-            reload_at = seconds / 2.0
-            while time.monotonic() - started < reload_at and locust.poll() is None:
-                time.sleep(0.1)
-            reload_unix = time.time()
-            try:
-                version = publish_new_version(served)
-                answer = server.reload()
-                reload_result: dict[str, Any] = {
-                    "ok": answer.get("version") == version,
-                    "published": version,
-                    **answer,
-                    "seconds": round(time.time() - reload_unix, 3),
-                }
-            except Exception as error:  # report it; the verdict fails
-                reload_result = {"ok": False, "error": repr(error)}
-            marks.append((reload_unix, "reload"))
-            soak = {"reload_at_s": reload_unix - started_unix, "reload": reload_result}
-        try:
-            locust.wait(timeout=seconds + 90)
-        except subprocess.TimeoutExpired:
+            died = _wait_while_running(locust, started + seconds / 2.0, stack)
+            if not died and locust.poll() is None:
+                reload_unix = time.time()
+                reload_s = time.monotonic() - sampler.started_at
+                try:
+                    version = publish_new_version(served)
+                    answer = server.reload()
+                    reload_result: dict[str, Any] = {
+                        "ok": answer.get("version") == version,
+                        "published": version,
+                        **answer,
+                        "seconds": round(time.time() - reload_unix, 3),
+                    }
+                except Exception as error:  # report it; the verdict fails
+                    reload_result = {"ok": False, "error": repr(error)}
+                marks.append((reload_unix, "reload"))
+                soak = {"reload_at_s": reload_unix - started_unix, "reload": reload_result}
+            else:
+                soak = {"reload_at_s": -1.0, "reload": {"ok": False, "error": "not reached"}}
+        if not died:
+            died = _wait_while_running(locust, deadline, stack)
+        if locust.poll() is None:  # past the deadline: SIGTERM, locust still writes its stats
             stop_process(locust)
         sampler.stop()
-        stats = read_stats(run.csv_prefix)
+        final, problems = locust_outcome(run, locust.returncode, started_unix)
+        problems[:0] = dead_processes(stack)  # the cause before its symptoms
+        stats = list(final["stats"]) if final is not None else []
         history = read_history(run.csv_prefix)
-        total = next(row for row in stats if row["name"] == "Aggregated")
-        problems = []
-        if total["failures"]:
-            problems.append(f"{total['failures']} failed requests")
-        if total["rps"] <= 0:
-            problems.append("no throughput")
-        silent = silent_classes(classes, stats)
-        if silent:
-            problems.append(f"user classes {silent} sent no requests")
-        problems.extend(f"locust task error: {line}" for line in task_exceptions(run.csv_prefix))
+        if final is not None:
+            total = next(row for row in stats if row["name"] == "Aggregated")
+            if total["failures"]:
+                problems.append(f"{total['failures']} failed requests")
+            if total["rps"] <= 0:
+                problems.append("no throughput")
+            silent = silent_classes(classes, stats)
+            if silent:
+                problems.append(f"user classes {silent} sent no requests")
+            problems.extend(
+                f"locust task error: {line}" for line in task_exceptions(run.csv_prefix)
+            )
         if soak is not None:
             samples = sampler.samples
-            with open(out / "rss.csv", "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=list(samples[0]))
-                writer.writeheader()
-                writer.writerows(samples)
-            verdict = memory_verdict(
-                [s["t_s"] for s in samples],
-                [s["server_rss_mb"] for s in samples],
+            if samples:
+                with open(out / "rss.csv", "w", newline="") as handle:
+                    writer = csv.DictWriter(handle, fieldnames=list(samples[0]))
+                    writer.writeheader()
+                    writer.writerows(samples)
+            verdicts = memory_verdicts(
+                samples,
                 warmup_s=max(0.1 * seconds, min(10.0, 0.2 * seconds)),
+                run_s=seconds,
+                reload_s=reload_s,
             )
-            soak["memory"] = asdict(verdict)
-            if not verdict.passed:
-                problems.append(f"server RSS grew by {verdict.growth_mb} MB")
+            soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
+            problems.extend(
+                f"{name} RSS: {verdict.reason}"
+                for name, verdict in verdicts.items()
+                if not verdict.passed
+            )
             if not soak["reload"].get("ok"):
                 problems.append(f"reload failed: {soak['reload']}")
         plot(
@@ -801,6 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
             "classes": classes,
             "seconds": seconds,
             "batches": args.batches,
+            "seed": seed,
+            "friendly_rows": str(args.friendly_rows) if args.friendly_rows else None,
             "serve_args": serve_args,
             "locust_command": " ".join(run.command()),
             "locust_exit_code": locust.returncode,
@@ -815,7 +1186,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # each step on its own, so one failure does not leave processes behind
         for cleanup in (
             sampler.stop if sampler is not None else None,
-            (lambda: stop_process(locust)) if locust is not None else None,
+            (lambda: stop_process(run.process)) if run is not None else None,
             server.stop if server is not None else None,
             cluster.stop if cluster is not None else None,
         ):

@@ -1,14 +1,18 @@
 """load_tests/: the locustfile imports, traffic follows the metadata, and short bounded runs of
-load_tests/run.py (a load run on the Adult model, embedded and through the remote tier of 2
-parameter servers + 1 embedding worker, a soak with a reload on the synthetic Criteo-like
-model) pass with zero failed requests."""
+load_tests/run.py (a load run on the Adult model served with the Adult preprocessor, embedded,
+and through the remote tier of 2 parameter servers + 1 embedding worker, a soak with a reload
+on the synthetic Criteo-like model) pass with zero failed requests; SIGTERM to run.py stops
+every process it started."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ from load_tests import traffic
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "load_tests" / "run.py"
+ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
 
 METADATA = {
     "name": "model",
@@ -91,17 +96,23 @@ def _summary(out: Path) -> dict:
 
 @pytest.mark.timeout(180)
 def test_short_embedded_run(adult_checkpoint, tmp_path):
+    """Served as the README serves Adult: the friendly route takes raw rows through the
+    preprocessor, so the friendly user sends the Adult test rows (slot IDs failed 100%)."""
     out = tmp_path / "run"
     result = _run(
         "--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "8", "--out",
-        str(out), timeout=150,
+        str(out), "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}", timeout=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
-    assert summary["passed"]
+    assert summary["passed"] and summary["locust_exit_code"] == 0
+    assert summary["friendly_rows"].endswith("test.csv.gz")
     names = {row["name"] for row in summary["stats"]}
     for label in ("v2-binary", "v2-json", "v1-predict", "v2-grpc"):
         assert any(name.startswith(label) for name in names), names
+    # The summary's numbers are locust's final ones, not its once-a-second CSV.
+    final = json.loads((out / "locust_final.json").read_text())
+    assert summary["stats"] == final["stats"]
 
 
 @pytest.mark.timeout(240)
@@ -111,13 +122,13 @@ def test_short_remote_tier_run(adult_checkpoint, tmp_path):
     out = tmp_path / "remote"
     result = _run(
         "--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4", "--seconds",
-        "6", "--user-classes", "json,grpc", "--out", str(out), timeout=200,
+        "6", "--user-classes", "json,grpc,friendly", "--out", str(out), timeout=200,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
     assert summary["passed"] and summary["tier"] == "remote"
     names = {row["name"] for row in summary["stats"]}
-    for label in ("v2-json", "v2-grpc"):
+    for label in ("v2-json", "v2-grpc", "v1-predict"):  # friendly: slot IDs, no preprocessor
         assert any(name.startswith(label) for name in names), names
     for process in ("ps-0", "ps-1", "worker-0"):
         assert (out / "cluster" / f"{process}.log").exists(), process
@@ -135,5 +146,50 @@ def test_short_soak_with_reload(tmp_path):
     soak = summary["soak"]
     assert soak["reload"]["ok"], soak["reload"]
     assert soak["reload"]["version"] != soak["reload"]["previous_version"]
-    assert soak["memory"]["passed"], soak["memory"]
+    assert list(soak["memory"]) == ["server"]
+    assert soak["memory"]["server"]["passed"], soak["memory"]
     assert (out / "rss.csv").read_text().count("\n") > 10
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in command:
+            found.append(f"{proc.name}: {command}")
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_every_process(adult_checkpoint, tmp_path):
+    """run.py had no SIGTERM handler: the server and locust lived on with PPID 1. (A soak, so
+    that the server's command line names the output folder: its served copy.)"""
+    out = tmp_path / "term"
+    process = subprocess.Popen(
+        [sys.executable, str(RUN), "--checkpoint", str(adult_checkpoint), "--soak", "--minutes",
+         "2", "--users", "2", "--user-classes", "binary,grpc", "--out", str(out)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        started: list[str] = []
+        while time.monotonic() < deadline:  # until the server and locust both run
+            assert process.poll() is None, process.stdout.read().decode()[-3000:]
+            started = _processes_naming(str(out))
+            if sum(("cli serve" in c) or ("-m locust" in c) for c in started) == 2:
+                break
+            time.sleep(0.2)
+        assert sum(("cli serve" in c) or ("-m locust" in c) for c in started) == 2, started
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 143
+        assert _processes_naming(str(out)) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

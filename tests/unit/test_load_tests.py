@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -103,24 +104,93 @@ def test_read_history_of_a_run_without_history_is_empty(tmp_path):
     assert read_history(tmp_path / "missing") == []
 
 
-def test_memory_verdict_compares_the_last_quarter_with_the_first_after_warmup():
+def _soak(
+    seconds: float, interval: float, rss, *, reload_s: float | None = None
+) -> tuple[list[float], list[float]]:
+    """RSS samples of a soak: ``rss(t)`` every ``interval`` s (t = 0 .. ``seconds``)."""
+    times = [round(k * interval, 3) for k in range(int(seconds / interval) + 1)]
+    return times, [float(rss(t)) for t in times]
+
+
+def test_memory_verdict_fails_a_steady_leak_the_quartile_rule_let_pass():
     from load_tests.run import memory_verdict
 
-    times = [float(t) for t in range(20)]
-    # Warm-up (t < 4) climbs from 100 to 400 MB and is left out; then flat at 400-404.
-    rss = [100.0, 200.0, 300.0, 400.0] + [400.0 + (t % 5) for t in range(16)]
-    flat = memory_verdict(times, rss, warmup_s=4.0)
-    assert flat.passed and flat.samples == 16
-    assert flat.first_quarter_median_mb == 401.5 and flat.last_quarter_median_mb == 402.5
-    assert flat.growth_mb == 1.0 and flat.allowed_mb == 60.2  # 15 % of 401.5 > 50 MB
+    # The reviewer's case: 30 s soak (0.25 s samples), reload at 15 s, server leaking 1.5 MB/s;
+    # the old rule saw +57.8 MB against +70.2 MB allowed: "flat".
+    times, rss = _soak(30, 0.25, lambda t: 430 + 1.5 * t + (30 if 15 <= t < 27 else 0))
+    leak = memory_verdict(times, rss, warmup_s=6.0, run_s=30.0, reload_s=15.0)
+    assert not leak.passed
+    assert leak.slope_mb_per_min == leak.sustained_mb_per_min == 90.0  # 1.5 MB/s
+    assert leak.allowed_mb_per_min == 40.0  # 20 MB floor over half a minute
+    assert leak.samples == 36 and leak.reload_step_mb is None  # 6..15 s; no settled segment
+    assert "grows 90 MB/min" in leak.reason
 
-    growing = memory_verdict(times, rss[:4] + [400.0 + 10 * t for t in range(16)], warmup_s=4.0)
-    assert not growing.passed
-    assert growing.first_quarter_median_mb == 415.0 and growing.last_quarter_median_mb == 535.0
-    assert growing.growth_mb == 120.0 and growing.growth_pct == 28.92
+    # The 10-minute settings: 0.16 MB/s (576 MB/h) passed the quartile rule; allowed is now
+    # 2 MB/min (the 20 MB floor over 10 minutes), the leak is 9.6 MB/min.
+    times, rss = _soak(600, 3.0, lambda t: 430 + 0.16 * t)
+    slow = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert not slow.passed
+    assert slow.sustained_mb_per_min == 9.6 and slow.allowed_mb_per_min == 2.0
+    assert slow.reload_step_mb == 19.2  # quarters before and after the settling window
 
-    # Missing samples (-1) are skipped; fewer than 4 kept is no verdict at all: not a pass.
-    assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0).passed
+
+def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
+    from load_tests.run import memory_verdict
+
+    noise = np.random.default_rng(0).normal(0, 0.5, 201)
+
+    def healthy(t: float) -> float:
+        # An allocator step of +15 MB at 200 s, and the replaced model resident (+30 MB) for
+        # the 50 s after the reload at 300 s (as in a 5-minute soak): not growth.
+        return 430 + (15 if t >= 200 else 0) + (30 if 300 <= t < 350 else 0) + noise[int(t / 3)]
+
+    times, rss = _soak(600, 3.0, healthy)
+    flat = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert flat.passed, flat
+    assert flat.reason == "flat" and flat.samples == 161  # 60..297 s and 360..600 s
+    assert abs(flat.sustained_mb_per_min) < 0.5 and abs(flat.reload_step_mb) < 2
+    assert flat.baseline_mb == pytest.approx(430, abs=1) and flat.last_mb == pytest.approx(
+        445, abs=1
+    )
+
+    # The replaced model never released: +40 MB from the reload on.
+    times, rss = _soak(600, 3.0, lambda t: healthy(t) + (40 if t >= 300 else 0))
+    kept = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert not kept.passed and kept.reload_step_mb == pytest.approx(40, abs=2)
+    assert "more after the reload settled" in kept.reason
+
+    # Warm-up climbs are left out; too few samples after it is no verdict: not a pass.
+    times, rss = _soak(20, 1.0, lambda t: 100 + 50 * min(t, 4) + (t % 3))
+    assert memory_verdict(times, rss, warmup_s=4.0, run_s=20.0).passed
+    assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0, run_s=3).passed
+
+
+def test_every_sampled_process_gets_a_memory_verdict():
+    """Remote tier: the parameter servers and the embedding worker are sampled too; a worker
+    leaking 5 MB/s (+40% in 30 s) used to pass because only the server was judged."""
+    from load_tests.run import memory_verdicts
+
+    samples = [
+        {
+            "t_s": t,
+            "unix": 1000.0 + t,
+            "server_rss_mb": 430.0,
+            "parameter_server_0_rss_mb": 120.0 + (t % 2),
+            "parameter_server_1_rss_mb": 121.0,
+            "embedding_worker_0_rss_mb": 380.0 + 5.0 * t,
+        }
+        for t in np.arange(0, 30.25, 0.25)
+    ]
+    verdicts = memory_verdicts(samples, warmup_s=6.0, run_s=30.0, reload_s=15.0)
+    assert list(verdicts) == [
+        "server",
+        "parameter_server_0",
+        "parameter_server_1",
+        "embedding_worker_0",
+    ]
+    assert [name for name, v in verdicts.items() if not v.passed] == ["embedding_worker_0"]
+    assert verdicts["embedding_worker_0"].sustained_mb_per_min == 300.0
+    assert verdicts["embedding_worker_0"].process == "embedding_worker_0"
 
 
 def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path, capsys):
@@ -152,3 +222,402 @@ def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path, capsys):
     )
     assert task_exceptions(tmp_path / "run") == ["3 x ValueError('bad batch size')"]
     assert task_exceptions(tmp_path / "absent") == []
+
+
+# --------------------------------------------------------------------------- locust's numbers
+_STATS_HEADER = (
+    "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
+    "Min Response Time,Max Response Time,Average Content Size,Requests/s,Failures/s,50%,66%,"
+    "75%,80%,90%,95%,98%,99%,99.9%,99.99%,100%"
+)
+
+
+def _locust_run(tmp_path: Path):
+    from load_tests.run import LocustRun
+
+    return LocustRun(
+        users=4,
+        spawn_rate=4,
+        seconds=15,
+        classes=["KServeJsonUser"],
+        host="http://127.0.0.1:1",
+        csv_prefix=tmp_path / "locust",
+        log_path=tmp_path / "locust.log",
+        env={},
+    )
+
+
+def test_a_failed_locust_never_reports_an_earlier_runs_numbers(tmp_path):
+    """locust failing (not importable: exit 1) in a reused --out folder used to PASS with the
+    earlier run's locust_stats.csv, and die with FileNotFoundError in a fresh one."""
+    import time
+
+    from load_tests.run import locust_outcome
+
+    run = _locust_run(tmp_path)
+    earlier = ",Aggregated,10503,0,5,6.0,1,90,100,700.2,0.0,5,6,7,8,9,10,12,14,20,30,90"
+    (tmp_path / "locust_stats.csv").write_text(f"{_STATS_HEADER}\n{earlier}\n")
+    (tmp_path / "locust_final.json").write_text(
+        json.dumps({"written_unix": 1.0, "exit_code": 0, "stats": [], "exceptions": []})
+    )
+    run.clear_outputs()  # what LocustRun.start() does first
+    assert not list(tmp_path.glob("locust_*"))
+    (tmp_path / "locust.log").write_text("ModuleNotFoundError: No module named 'locust'\n")
+    final, problems = locust_outcome(run, 1, started_unix=time.time())
+    assert final is None
+    assert problems == [
+        f"locust exited with code 1 and wrote no final stats (locust_final.json); "
+        f"{tmp_path / 'locust.log'}:\nModuleNotFoundError: No module named 'locust'"
+    ]
+    # A final stats file older than the run is an earlier run's: ignored the same way.
+    (tmp_path / "locust_final.json").write_text(
+        json.dumps({"written_unix": 1.0, "exit_code": 0, "stats": [], "exceptions": []})
+    )
+    assert locust_outcome(run, 0, started_unix=time.time())[0] is None
+
+
+def test_without_locust_nothing_starts(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from load_tests import run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "locust" else real(name, *a)
+    )
+    assert run.main(["--synthetic", "--out", str(tmp_path / "out")]) == 2
+    assert "locust is not importable" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # no synthetic model, no server
+
+
+def test_final_numbers_come_from_the_stats_locust_writes_when_it_quits(tmp_path):
+    """locust rewrites locust_stats.csv once a second and not at shutdown: a server killed
+    14.9 s into a 15 s run showed 847 failures in locust's own summary, 0 in the CSV."""
+    from load_tests.run import read_stats, task_exceptions
+
+    stale = ",Aggregated,10503,0,5,6.0,1,90,100,700.2,0.0,5,6,7,8,9,10,12,14,20,30,90"
+    (tmp_path / "run_stats.csv").write_text(f"{_STATS_HEADER}\n{stale}\n")
+    assert read_stats(tmp_path / "run")[0]["failures"] == 0  # no final stats: the CSV
+    total = {"type": "", "name": "Aggregated", "requests": 11655, "failures": 847, "rps": 777.0}
+    (tmp_path / "run_final.json").write_text(
+        json.dumps(
+            {
+                "written_unix": 2.0,
+                "exit_code": 1,
+                "stats": [total],
+                "exceptions": [{"count": 2, "msg": "KeyError('x')"}],
+            }
+        )
+    )
+    assert read_stats(tmp_path / "run") == [total]
+    assert task_exceptions(tmp_path / "run") == ["2 x KeyError('x')"]
+
+
+_FINAL_STATS = """
+import os, sys
+
+os.environ["RECSERVE_LT_FINAL_STATS"] = sys.argv[1]
+from locust import events
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events)
+runner = env.create_local_runner()
+events.init.fire(environment=env, runner=runner, web_ui=None)
+for ms in (10, 20, 30, 40, 50):
+    env.stats.log_request("POST", "v2-json b1", ms, 100)
+env.stats.log_request("POST", "v2-json b8", 200, 100)
+env.stats.log_error("POST", "v2-json b8", "HTTP 500: boom")
+events.quit.fire(exit_code=1)  # what locust's shutdown fires last, after runner.quit()
+"""
+
+
+def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
+    from load_tests.run import read_final_stats
+
+    path = tmp_path / "final.json"
+    result = subprocess.run(
+        [sys.executable, "-c", _FINAL_STATS, str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    final = read_final_stats(path)
+    assert final["exit_code"] == 1
+    rows = {row["name"]: row for row in final["stats"]}
+    assert list(rows) == ["v2-json b1", "v2-json b8", "Aggregated"]
+    total = rows["Aggregated"]
+    assert (total["requests"], total["failures"]) == (6, 1)
+    assert (total["p50_ms"], total["p99_ms"], total["max_ms"]) == (40.0, 200.0, 200.0)
+    assert rows["v2-json b1"]["p50_ms"] == 30.0 and rows["v2-json b1"]["avg_ms"] == 30.0
+    assert final["errors"] == [
+        {"name": "v2-json b8", "method": "POST", "error": "HTTP 500: boom", "count": 1}
+    ]
+
+
+def test_the_history_has_trailing_window_percentiles(tmp_path):
+    """Without --csv-full-history locust writes percentiles cumulative since the start into
+    the history: the latency plot could not show a change over time."""
+    from load_tests.run import read_history
+
+    command = _locust_run(tmp_path).command()
+    assert "--csv-full-history" in command
+    assert command[command.index("--csv") + 1] == str(tmp_path / "locust")
+    lines = [
+        _HISTORY_HEADER,
+        _history_row(1000, "v2-json b1", "3", 100, 0),  # full history: a row per name too
+        _history_row(1000, "Aggregated", "4", 300, 0),
+        _history_row(1001, "v2-json b1", "30", 200, 0),
+        _history_row(1001, "Aggregated", "40", 600, 0),
+    ]
+    (tmp_path / "h_stats_history.csv").write_text("\n".join(lines) + "\n")
+    assert [row["p50_ms"] for row in read_history(tmp_path / "h")] == [4.0, 40.0]
+
+
+# --------------------------------------------------------------------------- processes
+class _NeverReady:
+    """A "server" that prints the listening line but never answers: recserve serve stuck."""
+
+    LINE = "HTTP listening on 127.0.0.1:9, gRPC listening on 127.0.0.1:9"
+
+    @classmethod
+    def make(cls, tmp_path: Path):
+        from load_tests.run import ServeProcess
+
+        class Stuck(ServeProcess):
+            def command(self) -> list[str]:
+                script = f"import time; print({cls.LINE!r}, flush=True); time.sleep(60)"
+                return [sys.executable, "-c", script]
+
+        return Stuck(tmp_path, tmp_path / "serve.log")
+
+
+def test_a_server_that_never_becomes_ready_is_stopped(tmp_path):
+    server = _NeverReady.make(tmp_path)
+    with pytest.raises(RuntimeError, match="is not ready"):
+        server.start(timeout=1.5)
+    assert server.process.poll() is not None  # was left running (PPID 1 after run.py exits)
+
+
+def test_an_interrupted_start_stops_the_server(tmp_path, monkeypatch):
+    server = _NeverReady.make(tmp_path)
+
+    def interrupted(timeout: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start(timeout=30)
+    assert server.process.poll() is not None
+
+
+_SIGTERM = """
+import os, signal, subprocess, sys, time
+from load_tests.run import sigterm_exits, stop_process
+
+with sigterm_exits():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(child.pid, flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    finally:
+        stop_process(child)
+        print("stopped", child.returncode, flush=True)
+"""
+
+
+def test_sigterm_runs_the_cleanup(tmp_path):
+    """run.py had no SIGTERM handler: the server and locust lived on with PPID 1."""
+    result = subprocess.run(
+        [sys.executable, "-c", _SIGTERM],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 143, result.stderr
+    pid, stopped = result.stdout.splitlines()
+    assert stopped == "stopped -15"
+    assert not Path(f"/proc/{pid}").exists()
+
+
+def test_a_process_of_the_stack_that_died_is_named(tmp_path):
+    from load_tests.run import dead_processes
+
+    log = tmp_path / "serve.log"
+    log.write_text("starting\nSegmentation fault\n")
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    dead.wait(timeout=30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        found = dead_processes(
+            {"recserve serve": (dead, log), "worker": (alive, log), "x": (None, log)}
+        )
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    assert found == [
+        f"recserve serve (pid {dead.pid}) died during the run with exit code 3; {log}:\n"
+        "starting\nSegmentation fault"
+    ]
+
+
+# --------------------------------------------------------------------------- arguments
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
+    from load_tests.run import parse_args
+
+    common = ["--out", str(tmp_path)]
+    refused = [
+        (["--synthetic", "--rss-interval", "-1"], "--rss-interval must be in (0, 60]"),
+        (["--synthetic", "--locust-processes", "0"], "--locust-processes must be in 1..64"),
+        (["--synthetic", "--soak", "--seconds", "30"], "--soak runs for --minutes"),
+        (["--synthetic", "--minutes", "3"], "--minutes is the length of a --soak"),
+        (["--synthetic", "--seed", "-1"], "--seed must be >= 0"),
+        (["--checkpoint", str(tmp_path / "nope")], "no such directory"),
+    ]
+    for bad, message in refused:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args([*bad, *common])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, bad
+    soak = parse_args(["--synthetic", "--soak", *common])
+    assert (soak.minutes, soak.seconds) == (10.0, 10.0)
+
+
+def test_a_checkpoint_that_cannot_be_served_is_exit_status_2(tmp_path, capsys):
+    """vocab_from_checkpoint and the soak's copy ran outside the try: a traceback, exit 1."""
+    from load_tests.run import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "out").mkdir()
+    for earlier in ("summary.md", "summary.json", "locust_stats.csv", "locust_final.json"):
+        (tmp_path / "out" / earlier).write_text("an earlier run's PASS\n")
+    for extra in ([], ["--soak", "--minutes", "1"]):
+        assert main(["--checkpoint", str(empty), "--out", str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: the stack did not start:") and "Traceback" not in err
+        assert "embedding_manifest.json" in err
+        assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_file()) == []
+
+
+# --------------------------------------------------------------------------- traffic
+_ONE_SLOT = {
+    "name": "m",
+    "inputs": [
+        {"name": "item", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "INT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT64", "shape": [-1]},
+    ],
+}
+
+
+def _pool(kind: str, process: int, environ: dict[str, str]):
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile.from_env(environ),
+        stream=traffic.stream_key(kind, process, environ),
+    )
+    return traffic.PayloadPool(generator, kind)
+
+
+def test_pools_of_each_kind_and_process_send_their_own_traffic():
+    """Every pool used seed 0: all classes sent the same batch sizes in lockstep."""
+    seeded = {"RECSERVE_LT_SEED": "5"}
+
+    def sizes(pool) -> list[int]:
+        return [pool.pick().batch_size for _ in range(40)]
+
+    def first_ids(pool) -> list[int]:
+        return pool.by_size[8][0].arrays["item"].tolist()
+
+    json_0, grpc_0 = _pool("json", 0, seeded), _pool("grpc", 0, seeded)
+    assert sizes(json_0) != sizes(grpc_0)
+    assert sizes(_pool("grpc", 0, seeded)) == sizes(_pool("grpc", 0, seeded))  # reproducible
+    assert first_ids(_pool("grpc", 0, seeded)) == first_ids(_pool("grpc", 0, seeded))
+    assert first_ids(_pool("grpc", 0, seeded)) != first_ids(_pool("grpc", 1, seeded))
+    assert first_ids(_pool("grpc", 0, {})) != first_ids(_pool("grpc", 0, {}))  # no seed: a nonce
+    # One popularity ranking for every pool: the same hot IDs, whichever the stream.
+    ranking = [
+        _pool(kind, 3, seeded).generator._ids["item"][:5].tolist() for kind in ("json", "grpc")
+    ]
+    assert ranking[0] == ranking[1]
+
+
+def test_a_pool_holds_thousands_of_rows_per_batch_size():
+    """64 payloads per size: ~94 distinct unknown IDs and ~1355 of the 10000 IDs ever sent."""
+    from load_tests import traffic
+
+    pool = _pool("grpc", 0, {"RECSERVE_LT_SEED": "1"})
+    assert {size: len(payloads) for size, payloads in pool.by_size.items()} == {
+        1: 512,
+        8: 512,
+        64: 128,
+    }
+    ids = np.concatenate([p.arrays["item"] for payloads in pool.by_size.values() for p in payloads])
+    assert len(ids) == 512 + 4096 + 8192
+    unknown = ids[ids >= traffic.UNKNOWN_LOW]
+    assert len(np.unique(unknown)) > 200
+    assert len(np.unique(ids[ids < traffic.UNKNOWN_LOW])) > 2500
+    # Payloads are slices of one draw: each one's jagged lengths cover its own IDs.
+    for payload in pool.by_size[8][:20]:
+        assert payload.arrays["history.lengths"].shape == (8,)
+        assert payload.arrays["history.lengths"].sum() == len(payload.arrays["history"])
+
+
+def test_the_documented_list_length_mean_is_the_real_one():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(traffic.ModelInputs.from_metadata(_ONE_SLOT))
+    mean = float(np.arange(len(generator._length_p)) @ generator._length_p)
+    assert round(mean, 2) == 2.06
+    assert "mean of 2.06" in traffic.__doc__
+
+
+# --------------------------------------------------------------------------- friendly rows
+def test_the_adult_preprocessor_gets_raw_rows(tmp_path, capsys):
+    """Against `--preprocessor examples.adult_income.preprocess:instances_to_batch` the
+    friendly user failed 100%: it sent slot IDs ("row 0 has no column 'age'")."""
+    from examples.adult_income.preprocess import instances_to_batch
+    from load_tests import traffic
+    from load_tests.run import ADULT_PREPROCESSOR, ADULT_ROWS, parse_args
+
+    common = ["--synthetic", "--out", str(tmp_path)]
+    adult = parse_args([*common, "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}"])
+    assert adult.friendly_rows == ADULT_ROWS
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--serve-args=--preprocessor=my.module:rows"])
+    assert "pass --friendly-rows FILE" in capsys.readouterr().err
+    assert (
+        parse_args(
+            [
+                *common,
+                "--serve-args",
+                "--preprocessor my.module:rows",
+                "--user-classes",
+                "json,grpc",
+            ]
+        ).friendly_rows
+        is None
+    )
+
+    rows = traffic.load_rows(ADULT_ROWS, limit=300)
+    assert len(rows) == 300 and rows[0]["age"] == "25" and rows[0]["workclass"] == "Private"
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(batch_sizes=(8,), batch_weights=(1.0,)),
+    )
+    pool = traffic.PayloadPool(generator, "friendly", per_size=4, rows=rows)
+    instances = json.loads(pool.pick().body)["instances"]
+    assert len(instances) == 8 and set(instances[0]) == set(rows[0])
+    assert instances_to_batch(instances).batch_size == 8
+    (tmp_path / "rows.jsonl").write_text('{"age": 39, "x": "a"}\n\n{"age": 50, "x": "b"}\n')
+    assert traffic.load_rows(tmp_path / "rows.jsonl") == [
+        {"age": 39, "x": "a"},
+        {"age": 50, "x": "b"},
+    ]
