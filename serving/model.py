@@ -109,17 +109,35 @@ class LoadedModel:
         # of at least ``large_batch_rows`` rows; None: every batch runs ``dense``.
         self.large_batch_dense: torch.jit.ScriptModule | None = None
         self.large_batch_rows = 0
+        self._falling_back = False  # lookups are being answered with default vectors
+        self._fallback_batches = 0
 
     # ------------------------------------------------------------------ inference
     def lookup(self, batch: Batch) -> tuple[LookupResult, int]:
         """Embeddings for ``batch`` (read-only) and how many IDs fell back to defaults."""
         try:
-            return self.tier.lookup(batch, train=False), 0
-        except (DeadlineExceededError, UnavailableError):
+            result = self.tier.lookup(batch, train=False), 0
+        except (DeadlineExceededError, UnavailableError) as error:
             if self.fallback_policy != "default":
                 raise
-            log.warning("embedding lookup failed; answering with default (zero) vectors")
+            # Said when fallback starts and when it ends, not per batch: during an outage
+            # every batch falls back (recserve_fallback_ids_total counts them).
+            if not self._falling_back:
+                self._falling_back, self._fallback_batches = True, 0
+                log.warning(
+                    "embedding lookups fail (%s); answering with default (zero) vectors "
+                    "until they work again",
+                    getattr(error, "message", error),
+                )
+            self._fallback_batches += 1
             return self.default_lookup(batch), batch.num_ids
+        if self._falling_back:
+            self._falling_back = False
+            log.info(
+                "embedding lookups work again; %d batch(es) got default vectors",
+                self._fallback_batches,
+            )
+        return result
 
     def default_lookup(self, batch: Batch) -> LookupResult:
         """Zero vectors for every slot (the fallback when the tier cannot answer in time)."""

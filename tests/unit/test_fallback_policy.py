@@ -4,6 +4,7 @@ counts them (``default``)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +93,25 @@ def test_fail_raises_the_tier_error_and_other_errors_always_raise(checkpoint):
         for model in (failing, lenient):
             model.tier = getattr(model.tier, "_tier", model.tier)
             model.close()
+
+
+def test_fallback_is_logged_when_it_starts_and_ends_not_per_batch(checkpoint, caplog):
+    # During an outage every batch falls back: one line per batch flooded the log.
+    model = load_model(checkpoint, name="m", fallback_policy="default", onednn_min_rows=0)
+    working = model.tier
+    try:
+        with caplog.at_level(logging.INFO, logger="serving.model"):
+            model.tier = _StalledTier(working, UnavailableError("shard 0 is down"))
+            for _ in range(50):
+                assert model.infer(_batch()).fallback_ids == 6
+            model.tier = working
+            assert model.infer(_batch()).fallback_ids == 0
+            model.infer(_batch())
+        assert [r.getMessage() for r in caplog.records] == [
+            "embedding lookups fail (shard 0 is down); answering with default (zero) vectors "
+            "until they work again",
+            "embedding lookups work again; 50 batch(es) got default vectors",
+        ]
+    finally:
+        model.tier = working
+        model.close()
