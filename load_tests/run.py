@@ -16,9 +16,9 @@ reloads it via ``POST /admin/reload`` half-way, and fails unless no request fail
 process's memory is flat:
 
 * samples of the warm-up (the first 10% of the run, at least min(10 s, 20%)) are left out, and
-  so are those of the ``RELOAD_SETTLE_S`` (60 s) after the reload starts: the replaced model
-  stays resident until it is retired 30 s after the reload (its memory was back 40-50 s after
-  the reload in a 5-minute soak);
+  so are those of the ``RELOAD_SETTLE_S`` (60 s) after the reload starts: the server loads the
+  new model next to the old one, then closes the old one and hands its memory back (a margin
+  for a slow load and for the allocator);
 * the rest splits into segments (before the reload; after it settled), each judged on its own:
   its growth rate is the Theil-Sen slope (median of the pairwise slopes) of each half of the
   segment, and the *sustained* rate is the smaller of the two halves (a leak grows in both; a
@@ -107,9 +107,9 @@ MB = 1024 * 1024
 #: The Adult example's preprocessor (README): it reads raw Adult rows on the friendly route.
 ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
 ADULT_ROWS = REPO_ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
-#: Seconds after a reload starts whose RSS samples the memory verdict leaves out: the replaced
-#: model is retired 30 s after the reload (serving/service.py RETIRE_AFTER_SECONDS), then freed
-#: (RSS was back 40-50 s after the reload in a 5-minute soak).
+#: Seconds after a reload starts whose RSS samples the memory verdict leaves out: both models
+#: are resident while the new one loads and warms up; the old one is freed once it is swapped
+#: out (serving.service.PredictionService.reload).
 RELOAD_SETTLE_S = 60.0
 MAX_GROWTH_MB_PER_MIN = 1.0
 GROWTH_FLOOR_MB = 20.0

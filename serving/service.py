@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -88,8 +89,6 @@ class PredictionService:
         self._request_latencies: dict[str, Any] = {}
         self._accepting = True
         self._reload_lock = threading.Lock()
-        # Replaced models waiting to be closed, with their timers (reload, close).
-        self._retiring: list[tuple[threading.Timer, LoadedModel]] = []
         self.last_reload_error: str | None = None
         # One model call at a time, whichever batcher (thread or event loop) makes it.
         self._run_lock = threading.Lock()
@@ -128,8 +127,9 @@ class PredictionService:
 
     def _check_tier(self, every: float) -> None:
         while not self._stop_checks.wait(every):
+            model = self._model
             try:
-                status = self._model.tier.status()
+                status = model.tier.status()
                 # A shard that answers but cannot serve yet (a restarted inference shard
                 # still loading its checkpoint) fails every lookup that reaches it.
                 waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
@@ -147,6 +147,12 @@ class PredictionService:
                         error.message,
                     )
                 self._tier_ok, self.last_tier_error = False, error.message
+            except Exception:
+                if model is self._model:
+                    raise
+                # A reload closed this model's tier while it was being asked: ask the new
+                # one at the next check.
+            del model  # no reference to a replaced model between checks
 
     def _compare_versions(self, versions: tuple[str, ...]) -> None:
         """Note shards that hold another embedding checkpoint than the served model's (a
@@ -225,16 +231,10 @@ class PredictionService:
 
     def close(self) -> None:
         """Refuse new requests on every path, stop the background work, close the models
-        (the served one and replaced ones still waiting to retire)."""
+        (replaced ones are closed by the reload that replaced them)."""
         self._accepting = False
         self._stop_checks.set()
         self._batcher.close()
-        with self._reload_lock:
-            retiring, self._retiring = self._retiring, []
-        for timer, old in retiring:
-            timer.cancel()
-            timer.join(timeout=5.0)  # a cancelled timer ends at once
-            old.close()
         self._model.close()
 
     # ------------------------------------------------------------------ metadata
@@ -547,20 +547,27 @@ class PredictionService:
             self.metrics.reloads.labels("ok").inc()
             self.last_reload_error = None
             log.info("now serving %s version %s (was %s)", self.name, new.version, old.version)
-        # Requests merged before the swap still hold ``old``; close it once they are done.
-        # A daemon timer, cancelled by close(): a script that reloads and closes ends at once.
-        timer = threading.Timer(RETIRE_AFTER_SECONDS, self._retire_model, args=(old,))
-        timer.daemon = True
-        with self._reload_lock:
-            self._retiring = [(t, m) for t, m in self._retiring if t.is_alive()]
-            self._retiring.append((timer, old))
-        timer.start()
-        return {"model": self.name, "version": new.version, "previous_version": old.version}
+        previous = old.version
+        # Every model call runs under _run_lock and reads self._model as it starts: once the
+        # merged batch running at the swap (if any) is done, nothing uses ``old``. Closed
+        # now, not after a fixed delay: reloads in a burst never keep several tables alive.
+        with self._run_lock:
+            pass
+        old.close()
+        del old
+        if previous != new.version:
+            self._forget_version(previous)
+        release_memory()
+        return {"model": self.name, "version": new.version, "previous_version": previous}
 
-    def _retire_model(self, old: LoadedModel) -> None:
-        with self._reload_lock:
-            self._retiring = [(t, m) for t, m in self._retiring if m is not old]
-        _retire(old)
+    def _forget_version(self, version: str) -> None:
+        """Drop the request counters of a version no longer served: one series per version
+        and outcome would otherwise pile up over a server's life of reloads."""
+        for key in list(self._request_counters):
+            if key[2] == version:
+                self._request_counters.pop(key, None)
+                with contextlib.suppress(KeyError):
+                    self.metrics.requests.remove(*key)
 
     def _load_for_reload(self, checkpoint_dir: str | None) -> LoadedModel:
         """The loader's model, or CheckpointError: a checkpoint that passes verification can
@@ -578,14 +585,11 @@ class PredictionService:
             ) from error
 
 
-#: Seconds a replaced model stays open for the requests merged before the swap.
-RETIRE_AFTER_SECONDS = 30.0
-
-
-def _retire(model: LoadedModel) -> None:
-    """Close a replaced model, then free whatever reference cycles it left: its objects were
-    frozen out of the collector (embedding_store.gc_tuning), so only this collection (one,
-    ~100 ms, 30 s after the reload) frees them."""
-    model.close()
-    del model
+def release_memory() -> None:
+    """After a replaced model is dropped: free the reference cycles it left (its objects were
+    frozen out of the collector, embedding_store.gc_tuning, so only this collection, one of
+    ~100 ms, frees them), then hand the freed pages back to the system (glibc keeps them,
+    and a server's RSS would stay at its peak of two tables)."""
     collect_released_objects()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -1245,10 +1245,8 @@ def test_close_after_a_reload_refuses_every_path_at_once(adult_checkpoint, batch
     answer = service.predict(MODEL, None, inputs, protocol="python")
     assert answer.outputs["prediction"].shape == (batch.batch_size, 1)
     service.reload(None)
-    assert closed == []  # the replaced model stays open for requests merged before the swap
+    assert closed == ["first"]  # closed by the reload, no timer left behind
     service.close()
-    # Closed now, with no timer left behind (a non-daemon one kept scripts alive for 30 s).
-    assert closed == ["first"]
     assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
     assert not service.ready()
     with pytest.raises(UnavailableError, match="shutting down"):
@@ -1275,5 +1273,35 @@ def test_too_many_rows_are_refused_before_the_preprocessor_runs(adult_checkpoint
         ):
             service.predict_instances(MODEL, rows, protocol="python")
         assert seen == []
+    finally:
+        service.close()
+
+
+def test_a_reload_closes_the_replaced_model_at_once_and_forgets_its_counters(
+    adult_checkpoint, adult_checkpoint_b
+):
+    # Reloads in a burst used to keep every replaced table alive for 30 s, and each version
+    # left request-counter series behind for good.
+    def loader(path: str | None):
+        return load_model(path or adult_checkpoint, name=MODEL, warm_up=False)
+
+    service = PredictionService(loader(None), loader=loader)
+    closed: list[str] = []
+    counters = service.metrics.registry.get_sample_value
+    try:
+        batch = next(features.read_batches(features.TEST_PATH, 4, requires_grad=False))
+        inputs = batch_arrays(batch)
+        for round_ in range(3):
+            model = service.model
+            close = model.close
+            model.close = lambda close=close, n=round_: (closed.append(n), close())  # type: ignore[method-assign]
+            service.predict(MODEL, None, inputs, protocol="python")
+            version = model.version
+            labels = {"protocol": "python", "model": MODEL, "version": version, "outcome": "ok"}
+            assert counters("recserve_requests_total", labels) == 1.0
+            answer = service.reload(str((adult_checkpoint_b, adult_checkpoint)[round_ % 2]))
+            assert answer["previous_version"] == version != answer["version"]
+            assert closed == list(range(round_ + 1))  # closed by the reload itself
+            assert counters("recserve_requests_total", labels) is None
     finally:
         service.close()
