@@ -64,7 +64,7 @@ class _NoEvent:
 class _FastCycle:
     """The state uvicorn's protocol keeps in ``self.cycle``, for a request answered here."""
 
-    __slots__ = ("body", "disconnected", "keep_alive", "response_complete")
+    __slots__ = ("body", "disconnected", "keep_alive", "response_complete", "task")
     message_event = _NoEvent()
 
     def __init__(self, keep_alive: bool) -> None:
@@ -72,6 +72,7 @@ class _FastCycle:
         self.keep_alive = keep_alive
         self.disconnected = False
         self.response_complete = False
+        self.task: asyncio.Task | None = None  # the handler's, once the body is in
 
 
 class _ReadDeadlines:
@@ -268,6 +269,15 @@ def infer_protocol(
             )
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)  # graceful shutdown waits for it, as for ASGI tasks
+            cycle.task = task
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            if type(cycle) is _FastCycle and not cycle.response_complete and cycle.task:
+                # Nobody is left to answer: a request still queued is dropped before its
+                # merged batch runs (its future is cancelled) and counted as cancelled.
+                cycle.task.cancel()
+            super().connection_lost(exc)
 
         async def _answer(
             self,

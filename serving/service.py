@@ -512,6 +512,9 @@ class PredictionService:
         except RecserveError as error:
             outcome = type(error).__name__
             raise
+        except asyncio.CancelledError:  # the client went away (serving.http_protocol)
+            outcome = "cancelled"
+            raise
         finally:
             self._record(protocol, name, served or self._model.version, outcome, started)
 

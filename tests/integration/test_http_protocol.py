@@ -11,6 +11,7 @@ import asyncio
 import gzip
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -26,9 +27,18 @@ from serving.http_protocol import infer_protocol
 FAST_LIMIT = 1024
 
 
+CANCELLED: list[bytes] = []  # bodies whose handler was cancelled
+
+
 async def _handle(body: bytes, header_length: str | None, name: str, version: str | None):
     if body == b"slow":
         await asyncio.sleep(0.3)
+    if body == b"hang":
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            CANCELLED.append(body)
+            raise
     if body == b"boom":
         raise RuntimeError("a bug in the handler")
     answer = {
@@ -232,6 +242,24 @@ def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server):
         assert json.loads(answer) == {"error": "internal error (details are in the server log)"}
         connection.send(_request("/v2/models/adult/infer", b"after"))
         assert json.loads(connection.response()[2])["body"] == "after"
+
+
+def test_a_connection_reset_before_its_answer_cancels_the_work(server):
+    # Nobody is left to answer: the handler (and, in the server, the queued request behind
+    # it) is cancelled at once instead of being computed and counted as a success. (A FIN
+    # is a half-close, whose answer is still owed: see the half-close test.)
+    gone = _Connection(server)
+    gone.send(_request("/v2/models/adult/infer", b"hang"))
+    time.sleep(0.2)  # the handler is waiting
+    gone.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    gone.close()  # RST
+    deadline = time.monotonic() + 5
+    while not CANCELLED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert CANCELLED == [b"hang"]
+    with _Connection(server) as connection:
+        connection.send(_request("/v2/models/adult/infer", b"still"))
+        assert json.loads(connection.response()[2])["body"] == "still"
 
 
 def test_a_client_gone_mid_request_leaves_the_server_serving(server):
