@@ -102,6 +102,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="poll the checkpoint for a new version every N seconds (0: off)",
     )
+    parser.add_argument(
+        "--reload-root",
+        type=Path,
+        default=None,
+        help="POST /admin/reload loads only checkpoints under this directory (symlinks "
+        "resolved; default: the directory that holds --checkpoint)",
+    )
     token = parser.add_mutually_exclusive_group()
     token.add_argument(
         "--admin-token",
@@ -183,6 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
             read_timeout_seconds=args.read_timeout_seconds,
             watch_seconds=args.watch_seconds,
             admin_token=_admin_token(args),
+            reload_root=args.reload_root,
             grace_seconds=args.grace_seconds,
             threads=args.threads,
             preprocessor=args.preprocessor,

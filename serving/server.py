@@ -26,6 +26,7 @@ from embedding_store import model_checkpoint
 from embedding_store.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    PermissionDeniedError,
     RecserveError,
     UnavailableError,
 )
@@ -68,6 +69,7 @@ class ServeOptions:
     read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
     admin_token: str | None = None
+    reload_root: Path | None = None  # POST /admin/reload loads only under it
     grace_seconds: float = 10.0
     threads: int = 1
     preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
@@ -224,7 +226,23 @@ class PredictionServer:
                 "the one that got this request; use --watch-seconds (every process follows "
                 "the checkpoint path) or restart the server"
             )
+        if checkpoint is not None:
+            # A checkpoint's TorchScript model is code: only directories under the root the
+            # operator chose are loaded (symlinks resolved first).
+            root = self.reload_root
+            if not Path(checkpoint).resolve().is_relative_to(root):
+                raise PermissionDeniedError(
+                    f"checkpoint {checkpoint} is outside --reload-root {root}; reloads load "
+                    "only checkpoints under it"
+                )
         return self.service.reload(checkpoint)
+
+    @property
+    def reload_root(self) -> Path:
+        """Where ``POST /admin/reload`` may load from: ``--reload-root``, by default the
+        directory that holds ``--checkpoint`` (where new versions are written next to it)."""
+        root = self.options.reload_root or Path(self.options.checkpoint).resolve().parent
+        return Path(root).resolve()
 
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.

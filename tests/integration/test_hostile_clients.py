@@ -256,6 +256,23 @@ def test_reload_paths_that_cannot_be_paths_are_bad_requests(server, arrays):
     _assert_serving(server, arrays)
 
 
+def test_reloads_load_only_under_the_reload_root(server, arrays, adult_checkpoint, tmp_path):
+    # A checkpoint's TorchScript model is code: by default only directories next to the
+    # served one load, and a symlink out of there counts as where it points.
+    root = adult_checkpoint.resolve().parent
+    for path in ("/etc", str(tmp_path / "elsewhere")):
+        status, body = _post(server, "/admin/reload", {"checkpoint": path})
+        assert_error(status, body, 403, f"checkpoint {path} is outside --reload-root {root}")
+    link = root / "link-to-elsewhere"
+    link.symlink_to(tmp_path)
+    try:
+        status, body = _post(server, "/admin/reload", {"checkpoint": str(link)})
+        assert_error(status, body, 403, "is outside --reload-root")
+    finally:
+        link.unlink()
+    _assert_serving(server, arrays)
+
+
 # --------------------------------------------------------------------------- the transport
 def test_request_heads_over_64_kib_get_431(server, arrays):
     with _connect(server) as sock:
