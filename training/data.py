@@ -343,27 +343,26 @@ class DataLoader:
         stop = threading.Event()
         failure: list[BaseException] = []
 
+        def put(item: object) -> bool:
+            """Queue ``item`` unless the consumer stopped (nobody drains the queue then: a
+            plain put could block for good); whether it was queued."""
+            while not stop.is_set():
+                try:
+                    buffer.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
                 for batch in self.dataset:
-                    while not stop.is_set():
-                        try:
-                            buffer.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(batch):
                         return
             except BaseException as error:
                 failure.append(error)
             finally:
-                # Never blocks for good: once the consumer stopped, nobody drains the queue.
-                while not stop.is_set():
-                    try:
-                        buffer.put(_END, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                put(_END)
 
         thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
         thread.start()
