@@ -246,16 +246,21 @@ def finalize_checkpoint(
     _write_atomic(root / DONE_MARKER, b"")
 
 
-def publish_directory(staging: Path, target: Path, *, overwrite: bool) -> None:
+def publish_directory(
+    staging: Path, target: Path, *, overwrite: bool, only_checkpoints: bool = True
+) -> None:
     """Move a fully written ``staging`` directory to ``target`` by rename.
 
     An existing ``target`` is refused unless ``overwrite``; then it is renamed away first and
     removed only after the new one is in place. Only a checkpoint is ever replaced: a
     ``target`` that is not one (no ``DONE`` marker: any other directory, or a file) is
-    refused, overwrite or not, since replacing it deletes it.
+    refused, overwrite or not, since replacing it deletes it. ``only_checkpoints=False`` is
+    for the one caller whose targets are parts of a checkpoint (``--dump-on-exit`` of one
+    shard of several replaces its ``shard_XXXXX`` directory).
     """
     if target.exists():
-        if overwrite and not (target.is_dir() and (target / DONE_MARKER).is_file()):
+        is_checkpoint = target.is_dir() and (target / DONE_MARKER).is_file()
+        if overwrite and only_checkpoints and not is_checkpoint:
             shutil.rmtree(staging, ignore_errors=True)
             raise AlreadyExistsError(
                 f"{target} exists and is not a recserve checkpoint (no {DONE_MARKER} marker): "

@@ -812,7 +812,9 @@ class ParameterServerProcess:
         try:
             # Written as staging/shard_XXXXX, so only the rename below changes the name.
             self.servicer.dump_part(str(staging))
-            checkpoint.publish_directory(staging / part.name, part, overwrite=True)
+            checkpoint.publish_directory(
+                staging / part.name, part, overwrite=True, only_checkpoints=False
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
