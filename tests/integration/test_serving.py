@@ -843,9 +843,8 @@ def test_unservable_checkpoints_are_refused_and_the_watcher_goes_on(
     # A checkpoint loaded from elsewhere by POST /admin/reload stays served: the watcher
     # follows its path's version, not the served one (it used to reload the path at once).
     old_version = manifest_version(adult_checkpoint)
-    status, document = post_json(
-        server.http_url, "/admin/reload", {"checkpoint": str(adult_checkpoint)}
-    )
+    elsewhere = shutil.copytree(adult_checkpoint, tmp_path / "elsewhere")  # under --reload-root
+    status, document = post_json(server.http_url, "/admin/reload", {"checkpoint": str(elsewhere)})
     assert status == 200 and document["version"] == old_version
     time.sleep(1.5)  # five polls
     status, document = post_json(server.http_url, f"/v2/models/{MODEL}/infer", kserve_json(arrays))
