@@ -100,7 +100,7 @@ def test_short_embedded_run(adult_checkpoint, tmp_path):
     preprocessor, so the friendly user sends the Adult test rows (slot IDs failed 100%)."""
     out = tmp_path / "run"
     result = _run(
-        "--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "8", "--out",
+        "--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "5", "--out",
         str(out), "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}", timeout=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -122,7 +122,7 @@ def test_short_remote_tier_run(adult_checkpoint, tmp_path):
     out = tmp_path / "remote"
     result = _run(
         "--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4", "--seconds",
-        "6", "--user-classes", "json,grpc,friendly", "--out", str(out), timeout=200,
+        "4", "--user-classes", "json,grpc,friendly", "--out", str(out), timeout=200,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
