@@ -1304,3 +1304,41 @@ def test_a_reload_closes_the_replaced_model_at_once_and_forgets_its_counters(
             assert counters("recserve_requests_total", labels) is None
     finally:
         service.close()
+
+
+def test_a_request_cancelled_while_queued_is_skipped_and_counted_as_cancelled(adult_checkpoint):
+    # What a reset connection does to its request (serving.http_protocol): the merged batch
+    # runs without it and the request counter says "cancelled", not "ok".
+    import asyncio
+
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    service = PredictionService(model, max_queue_delay=0.5)  # it waits in the queue
+    ran: list[int] = []
+    run = service._run
+
+    def counting_run(merged):
+        ran.append(merged.batch_size)
+        return run(merged)
+
+    service._run = counting_run  # type: ignore[method-assign]
+    batch = next(features.read_batches(features.TEST_PATH, 3, requires_grad=False))
+
+    async def main() -> None:
+        cancelled = asyncio.create_task(
+            service.predict_async(MODEL, None, batch_arrays(batch), protocol="http")
+        )
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await asyncio.sleep(0.6)  # past the flush
+
+    try:
+        asyncio.run(main())
+        labels = {"protocol": "http", "model": MODEL, "version": model.version}
+        sample = service.metrics.registry.get_sample_value
+        assert sample("recserve_requests_total", {**labels, "outcome": "cancelled"}) == 1.0
+        assert sample("recserve_requests_total", {**labels, "outcome": "ok"}) is None
+        assert ran == []  # the batch was skipped: nobody waited for it
+    finally:
+        service.close()
