@@ -88,7 +88,8 @@ class PredictionCore(Protocol):
     def live(self) -> bool: ...
 
     def ready(self) -> bool:
-        """True only when the model is loaded and warmed and the embedding tier answers."""
+        """True once the model is loaded and warmed, until shutdown starts. Called on the
+        event loop for every probe: it must not block (a flag, not a check of peers)."""
         ...
 
     def server_metadata(self) -> ServerMetadata: ...

@@ -24,17 +24,19 @@ exceptions are logged with their traceback and answered 500 with a generic messa
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import ipaddress
 import logging
 import re
-import threading
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request
@@ -311,19 +313,33 @@ async def read_chunks(
         return body
     inflated_limit = min(max_bytes, max_decompressed_bytes or DEFAULT_MAX_DECOMPRESSED_BYTES)
     # A few KB of gzip can inflate to megabytes: never on the event loop (zlib works
-    # without the GIL), and a few at a time, so that bombs cannot stall the health probes
-    # or hold more than a few inflated bodies at once.
-    return await anyio.to_thread.run_sync(_decode_in_turn, body, content_encoding, inflated_limit)
+    # without the GIL), and two at a time, so that bombs cannot hold more than two inflated
+    # bodies at once. They wait for their turn on the loop, not in a thread: waiting threads
+    # would take the pool's tokens from every other route.
+    return await anyio.to_thread.run_sync(
+        codec.decode_body,
+        body,
+        content_encoding,
+        inflated_limit,
+        limiter=_inflating_limiter(),
+    )
 
 
 #: Largest request body once its Content-Encoding is undone (--max-decompressed-bytes).
 DEFAULT_MAX_DECOMPRESSED_BYTES = 8 * 1024 * 1024
-_INFLATING = threading.BoundedSemaphore(2)
+_INFLATING_AT_ONCE = 2
+_INFLATING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _decode_in_turn(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    with _INFLATING:
-        return codec.decode_body(body, content_encoding, max_bytes)
+def _inflating_limiter() -> anyio.CapacityLimiter:
+    """This event loop's limiter of concurrent inflations (anyio limiters belong to a loop)."""
+    loop = asyncio.get_running_loop()
+    limiter = _INFLATING.get(loop)
+    if limiter is None:
+        limiter = _INFLATING[loop] = anyio.CapacityLimiter(_INFLATING_AT_ONCE)
+    return limiter
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -432,7 +448,8 @@ def create_app(
     @get("/v2/health/ready", summary="Readiness", responses=_errors(400))
     async def ready() -> Response:
         try:
-            if await in_thread(core.ready):
+            # On the loop: probes must not queue behind work in the thread pool.
+            if core.ready():
                 return json_response({"ready": True})
             return health_false_response("server is not ready")
         except Exception as error:

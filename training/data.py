@@ -327,6 +327,7 @@ class DataLoader:
             raise InvalidArgumentError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.prefetch = prefetch
+        self._producer: threading.Thread | None = None  # the last pass's prefetch thread
         if equal_steps is None:
             equal_steps = isinstance(dataset, StreamingDataset) and distributed.world_size() > 1
         self.equal_steps = equal_steps
@@ -339,6 +340,12 @@ class DataLoader:
         if self.prefetch == 0:
             yield from self.dataset
             return
+        previous = self._producer
+        if previous is not None:
+            # A pass left early (a break) may have left its producer inside the source: a
+            # shared iterator must not be read by two threads ("generator already
+            # executing"). It ends once that read returns, having seen the stop.
+            previous.join()
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         failure: list[BaseException] = []
@@ -365,6 +372,7 @@ class DataLoader:
                 put(_END)
 
         thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
+        self._producer = thread
         thread.start()
         try:
             while (item := buffer.get()) is not _END:

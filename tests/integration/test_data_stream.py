@@ -210,6 +210,26 @@ def test_breaking_out_does_not_wait_for_a_source_that_is_blocked():
     assert not producer_alive()  # it saw the stop and ended by itself
 
 
+def test_a_pass_after_a_break_reads_a_shared_source_on_from_one_thread():
+    # The producer left behind by a break may still be inside next(source): the next pass
+    # waits for it rather than read the same generator from a second thread.
+    def slow():  # slower than the 0.2 s a stopped pass waits for its producer
+        for number in range(5):
+            time.sleep(0.4)
+            yield numbered_batch(number)
+
+    loader = DataLoader(IterableDataset(slow()), prefetch=2)  # one generator for both passes
+    first = []
+    for batch in loader:
+        first.append(number_of(batch))
+        if len(first) == 2:
+            break
+    rest = [number_of(batch) for batch in loader]
+    assert first == [0, 1]
+    # What the abandoned producer had queued or was reading is dropped; the rest follows.
+    assert rest and rest == list(range(rest[0], 5)) and rest[0] >= 2
+
+
 def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
     # A killed loader never sends EndOfStream: without the idle bound the NN worker waited
     # for it forever.

@@ -3,6 +3,7 @@ tritonclient.http client."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import http.client
 import json
@@ -11,6 +12,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+import anyio
+import anyio.to_thread
 import numpy as np
 import orjson
 import pytest
@@ -602,3 +605,30 @@ def test_fuzzed_bodies_never_cause_a_500(server, route, document, raw, tail, hea
     assert status in (200, 400, 404, 413), (status, payload)
     if status != 200:
         assert set(orjson.loads(payload)) == {"error"}
+
+
+def test_inflating_waits_for_its_own_two_tokens_not_the_shared_pool(monkeypatch):
+    # Waiting inside a pool thread held one of anyio's 40 shared tokens per waiting bomb, and
+    # every in_thread route (metadata, large infers, admin) queued behind them.
+    from serving import http_app
+
+    seen = []
+    real_run_sync = anyio.to_thread.run_sync
+
+    async def spy(function, *args, limiter=None, **kwargs):
+        seen.append(limiter)
+        return await real_run_sync(function, *args, limiter=limiter, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", spy)
+
+    async def main():
+        async def chunks():
+            yield gzip.compress(b'{"inputs": []}')
+
+        for _ in range(2):
+            body = await http_app.read_chunks(chunks(), None, "gzip", 1 << 20)
+            assert body == b'{"inputs": []}'
+
+    asyncio.run(main())
+    assert len(seen) == 2 and seen[0] is seen[1]  # one limiter per event loop
+    assert seen[0].total_tokens == 2
