@@ -437,10 +437,7 @@ def reshard(
     root, target = Path(directory), Path(out).resolve()
     if target == root.resolve() or root.resolve() in target.parents:
         raise InvalidArgumentError(f"--out {out} must not be {directory} or inside it")
-    if target.exists() and not overwrite:
-        raise AlreadyExistsError(
-            f"checkpoint directory {target} already exists; pass --overwrite to replace it"
-        )
+    embedding_checkpoint.check_target(target, overwrite=overwrite)
     summary = require_verified(root)
     kind = summary["kind"]
     source = embedding_checkpoint.read_manifest(_embedding_dir(root, kind))

@@ -259,19 +259,11 @@ def publish_directory(
     shard of several replaces its ``shard_XXXXX`` directory).
     """
     if target.exists():
-        is_checkpoint = target.is_dir() and (target / DONE_MARKER).is_file()
-        if overwrite and only_checkpoints and not is_checkpoint:
+        try:
+            check_target(target, overwrite=overwrite, only_checkpoints=only_checkpoints)
+        except AlreadyExistsError:
             shutil.rmtree(staging, ignore_errors=True)
-            raise AlreadyExistsError(
-                f"{target} exists and is not a recserve checkpoint (no {DONE_MARKER} marker): "
-                "refusing to replace it; choose another directory"
-            )
-        if not overwrite:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise AlreadyExistsError(
-                f"checkpoint directory {target} already exists; refusing to overwrite it "
-                "(--overwrite, or overwrite=True, replaces it)"
-            )
+            raise
         if _exchange(staging, target):  # one atomic step: target is never missing
             shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
         else:
@@ -286,6 +278,29 @@ def publish_directory(
     else:
         os.replace(staging, target)
     _fsync_directory(target.parent)
+
+
+def check_target(target: Path, *, overwrite: bool, only_checkpoints: bool = True) -> None:
+    """AlreadyExistsError unless a checkpoint may be written to ``target``: it does not exist,
+    is an empty directory, or (with ``overwrite``) is a checkpoint (a directory with
+    ``DONE``). Replacing deletes the old directory, so nothing else is ever replaced. Writers
+    call it before they start (not to lose a whole dump at the end), and
+    :func:`publish_directory` again."""
+    if not target.exists():
+        return
+    if target.is_dir() and not any(target.iterdir()):
+        return  # e.g. made by `mkdir -p` first: nothing to lose
+    is_checkpoint = target.is_dir() and (target / DONE_MARKER).is_file()
+    if overwrite and only_checkpoints and not is_checkpoint:
+        raise AlreadyExistsError(
+            f"{target} exists and is not a recserve checkpoint (no {DONE_MARKER} marker): "
+            "refusing to replace it; choose another directory"
+        )
+    if not overwrite:
+        raise AlreadyExistsError(
+            f"checkpoint directory {target} already exists; refusing to overwrite it "
+            "(--overwrite, or overwrite=True, replaces it)"
+        )
 
 
 #: Name prefix of a checkpoint renamed away while a new one replaces it.
@@ -412,6 +427,7 @@ def dump_embeddings(
 ) -> EmbeddingManifest:
     """Dump in-process shards (``shards[i]`` is replica i) as one checkpoint, atomically."""
     target = Path(directory)
+    check_target(target, overwrite=overwrite)
     staging = staging_directory_for(target)
     try:
         entries: list[FileEntry] = []

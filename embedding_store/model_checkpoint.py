@@ -133,11 +133,7 @@ def write_checkpoint(
     ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`)."""
     train_state = check_train_state(train_state, "train_state")
     target = Path(directory).absolute()
-    if target.exists() and not overwrite:
-        raise embedding_checkpoint.AlreadyExistsError(
-            f"checkpoint directory {target} already exists; refusing to overwrite it "
-            "(--overwrite, or overwrite=True, replaces it)"
-        )
+    embedding_checkpoint.check_target(target, overwrite=overwrite)
     model = model.module if hasattr(model, "module") else model
     payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
     if dense_optimizer is not None:

@@ -359,11 +359,7 @@ class RemoteShardTier:
     ) -> checkpoint.EmbeddingManifest:
         self.flush()
         target = Path(directory).absolute()
-        if target.exists() and not overwrite:
-            raise checkpoint.AlreadyExistsError(
-                f"checkpoint directory {target} already exists; refusing to overwrite it "
-                "(--overwrite, or overwrite=True, replaces it)"
-            )
+        checkpoint.check_target(target, overwrite=overwrite)
         staging = checkpoint.staging_directory_for(target)
         total = len(self.clients)
         done = 0

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch
+from embedding_store.checkpoint import check_target
 from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import AlreadyExistsError
 from examples.adult_income import features
 from examples.adult_income.hparams import AdultHParams
 from examples.adult_income.metrics import roc_auc
@@ -129,11 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
     if args.checkpoint_dir is not None:
         # Said now, not after a whole training run that could not be saved.
-        if args.checkpoint_dir.exists() and not args.overwrite:
-            parser.error(
-                f"--checkpoint-dir {args.checkpoint_dir} already exists; pass --overwrite to "
-                "replace it"
-            )
+        try:
+            check_target(args.checkpoint_dir, overwrite=args.overwrite)
+        except AlreadyExistsError as error:
+            parser.error(f"--checkpoint-dir: {error.message}")
         existing = next(p for p in args.checkpoint_dir.absolute().parents if p.exists())
         try:  # the dump stages its files next to the target: try that now
             os.rmdir(tempfile.mkdtemp(prefix=".recserve-probe-", dir=existing))

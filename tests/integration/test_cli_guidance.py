@@ -61,9 +61,17 @@ def test_several_nn_workers_without_a_shared_tier_are_refused_before_torchrun():
 def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
     existing = tmp_path / "ckpt"
     existing.mkdir()
+    (existing / "notes.txt").write_text("not a checkpoint")  # an empty directory is fine
     cases = [
         (["--eval-only"], "--eval-only needs --resume-from"),
-        (["--checkpoint-dir", existing], f"--checkpoint-dir {existing} already exists"),
+        (
+            ["--checkpoint-dir", existing],
+            f"--checkpoint-dir: checkpoint directory {existing} already exists",
+        ),
+        (
+            ["--checkpoint-dir", existing, "--overwrite"],
+            f"--checkpoint-dir: {existing} exists and is not a recserve checkpoint",
+        ),
         (["--checkpoint-dir", "/proc/ckpt"], "--checkpoint-dir /proc/ckpt: cannot write in"),
     ]
     if not torch.cuda.is_available():

@@ -417,6 +417,12 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path):
         checkpoint.dump_embeddings(shards, victim, CONFIG, overwrite=True)
     assert (victim / "important.txt").read_text() == "keep me" and (victim / "sub").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no staging left
+    # Refused before the dump is written (not lost at the end); an empty directory is fine.
+    (tmp_path / "empty").mkdir()
+    checkpoint.dump_embeddings(shards, tmp_path / "empty", CONFIG, overwrite=True)
+    checkpoint.read_manifest(tmp_path / "empty")
+    (tmp_path / "empty2").mkdir()
+    checkpoint.dump_embeddings(shards, tmp_path / "empty2", CONFIG)
     checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     (tmp_path / "ckpt" / "stale.txt").write_text("x")
     checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
