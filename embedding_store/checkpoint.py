@@ -357,7 +357,9 @@ def interrupted_overwrite_hint(root: Path) -> str:
     )
 
 
-#: Name prefix of a dump's staging directory: ``.{name}.tmp-{host}-{pid}-{random}``.
+#: Name prefix of a dump's staging directory: ``.{name}.tmp-{host}-{pid}-{start}-{random}``,
+#: ``start`` the writer's start time (clock ticks after boot, /proc/PID/stat): a PID alone
+#: is reused, by PID 1 of every container restart first of all.
 STAGING_PREFIX = ".{name}.tmp-"
 
 
@@ -369,9 +371,10 @@ def staging_directory_for(target: Path) -> Path:
     when their writer ran on this host and is gone (their names say which process); others
     (another host's, or from before names said so) are named in a warning."""
     _sweep_interrupted_dumps(target)
+    pid = os.getpid()
     staging = target.with_name(
         f"{STAGING_PREFIX.format(name=target.name)}"
-        f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+        f"{socket.gethostname()}-{pid}-{_start_time(pid)}-{uuid.uuid4().hex}"
     )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -392,10 +395,15 @@ def _sweep_interrupted_dumps(target: Path) -> None:
     host = socket.gethostname()
     kept = []
     for path in leftovers:
-        writer_host, _, rest = path.name[len(prefix) :].rpartition("-")[0].rpartition("-")
-        if writer_host == host and rest.isdigit() and not _process_exists(int(rest)):
+        parts = path.name[len(prefix) :].rsplit("-", 3)  # host, pid, start, random
+        if (
+            len(parts) == 4
+            and parts[0] == host
+            and parts[1].isdigit()
+            and _start_time(int(parts[1])) != parts[2]  # that process is gone
+        ):
             shutil.rmtree(path, ignore_errors=True)
-            log.info("removed %s, left by an interrupted dump (process %s is gone)", path, rest)
+            log.info("removed %s, left by an interrupted dump (process %s is gone)", path, parts[1])
         else:
             kept.append(path.name)
     if kept:
@@ -408,14 +416,15 @@ def _sweep_interrupted_dumps(target: Path) -> None:
         )
 
 
-def _process_exists(pid: int) -> bool:
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot), or "" when there is none (or
+    no /proc to ask: then nothing is ever removed)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True  # exists, but another user's
-    return True
+        return "" if Path("/proc/self/stat").exists() else "unknown"
+    # The command name, in parentheses, may hold spaces: fields count after its ")".
+    return stat.rpartition(")")[2].split()[19]
 
 
 def dump_embeddings(

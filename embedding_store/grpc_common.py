@@ -85,20 +85,25 @@ def tier_token() -> str | None:
     names, or None (no authentication: the tier's ports must then be reachable only by its
     own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable or
     empty file."""
-    token = os.environ.get(TOKEN_VARIABLE)
-    if token:
-        return token
-    path = os.environ.get(TOKEN_FILE_VARIABLE)
-    if not path:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as error:
-        raise InvalidArgumentError(
-            f"{TOKEN_FILE_VARIABLE}={path}: {error.strerror or error}"
-        ) from None
+    token = os.environ.get(TOKEN_VARIABLE, "").strip()  # `echo` and --from-file add "\n"
+    where = TOKEN_VARIABLE
     if not token:
-        raise InvalidArgumentError(f"{TOKEN_FILE_VARIABLE}={path} is empty")
+        path = os.environ.get(TOKEN_FILE_VARIABLE)
+        if not path:
+            return None
+        where = f"{TOKEN_FILE_VARIABLE}={path}"
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as error:
+            raise InvalidArgumentError(f"{where}: {error.strerror or error}") from None
+        if not token:
+            raise InvalidArgumentError(f"{where} is empty")
+    # It travels in a header: printable ASCII only, or every call fails with an opaque
+    # "Invalid metadata".
+    if not (token.isascii() and token.isprintable()):
+        raise InvalidArgumentError(
+            f"{where}: the tier token must be printable ASCII (no control characters)"
+        )
     return token
 
 

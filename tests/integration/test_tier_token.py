@@ -64,3 +64,8 @@ def test_a_token_file_that_cannot_be_read_is_named(monkeypatch, tmp_path):
         tier_token()
     monkeypatch.delenv("RECSERVE_TIER_TOKEN_FILE")
     assert tier_token() is None
+    monkeypatch.setenv("RECSERVE_TIER_TOKEN", "s3cret\n")  # as `echo` leaves it
+    assert tier_token() == "s3cret"
+    monkeypatch.setenv("RECSERVE_TIER_TOKEN", "s3cr\x01et")
+    with pytest.raises(InvalidArgumentError, match="RECSERVE_TIER_TOKEN: the tier token must"):
+        tier_token()

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,11 +384,15 @@ def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # its PID is free now (reused only after the whole PID space wrapped)
     host = socket.gethostname()
-    killed = tmp_path / f".ckpt.tmp-{host}-{gone.pid}-0123"
-    running = tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-4567"  # a live writer
-    elsewhere = tmp_path / ".ckpt.tmp-other-host-1-89ab"
+    me = os.getpid()
+    started = (Path(f"/proc/{me}/stat").read_text().rpartition(")")[2].split())[19]
+    killed = tmp_path / f".ckpt.tmp-{host}-{gone.pid}-{started}-0123"
+    running = tmp_path / f".ckpt.tmp-{host}-{me}-{started}-4567"  # a live writer
+    # The same PID, started at another time: PID 1 of the previous container, say.
+    reused = tmp_path / f".ckpt.tmp-{host}-{me}-{int(started) - 1}-aaaa"
+    elsewhere = tmp_path / ".ckpt.tmp-other-host-1-5-89ab"
     older = tmp_path / ".ckpt.tmp-cdef"  # named before names said who wrote them
-    for path in (killed, running, elsewhere, older):
+    for path in (killed, running, reused, elsewhere, older):
         (path / "shard_00000").mkdir(parents=True)
     _, shards = trained_worker(1)
     with caplog.at_level(logging.INFO, logger="embedding_store.checkpoint"):
@@ -399,6 +404,7 @@ def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
     assert f"removed {killed}, left by an interrupted dump (process {gone.pid} is gone)" in (
         messages
     )
+    assert f"removed {reused}, left by an interrupted dump (process {me} is gone)" in messages
     assert (
         f"{tmp_path} has staging directories of other dumps: "
         f"{older.name}, {elsewhere.name}, {running.name} (still running elsewhere, or "
