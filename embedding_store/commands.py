@@ -95,7 +95,8 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
         "--metrics-port",
         type=_int_in(0, 65535, "--metrics-port"),
         metavar="M",
-        help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port)",
+        help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port; "
+        "absent: none)",
     )
     parser.add_argument(
         "--dump-on-exit",

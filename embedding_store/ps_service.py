@@ -806,6 +806,7 @@ class ParameterServerProcess:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
             checkpoint.publish_directory(staging, target, overwrite=True)
+            log.info("dump on exit published as %s", target)
             return
         part = target / checkpoint.shard_part_name(self.options.replica_index)
         staging = checkpoint.staging_directory_for(part)
@@ -815,6 +816,7 @@ class ParameterServerProcess:
             checkpoint.publish_directory(
                 staging / part.name, part, overwrite=True, only_checkpoints=False
             )
+            log.info("dump on exit published as %s", part)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

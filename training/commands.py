@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
         help="run a training script under torchrun",
-        description="Run a training script (which uses training.TrainCtx) under torchrun.",
+        description="Run a training script (which uses training.ctx.TrainCtx) under torchrun.",
     )
     _common(train)
     train.add_argument("--nproc-per-node", type=int, default=1, help="NN workers on this node")
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     loader = subparsers.add_parser(
         "data-loader",
         help="run a data-loader script as replica I of N",
-        description="Run a data-loader script (which uses training.DataCtx) as one replica.",
+        description="Run a data-loader script (which uses training.data.DataCtx) as one replica.",
     )
     _common(loader)
     loader.add_argument("--replica-index", type=int, required=True)

@@ -2,7 +2,7 @@
 
 Embedded (no services, one process)::
 
-    python examples/adult_income/train.py --checkpoint-dir runs/adult
+    python examples/adult_income/train.py --checkpoint-dir runs/adult [--overwrite]
 
 Under torchrun with the embedding tier as services (2 DDP ranks, gloo)::
 
