@@ -99,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
         )
     if args.num_data_loaders is not None:
         env[NUM_LOADERS_ENV] = str(args.num_data_loaders)
-    command = [sys.executable, "-m", "torch.distributed.run"]
+    command = [sys.executable, "-m", "training.torchrun"]  # torchrun, failures in one line
     if args.nnodes == 1 and args.master_port is None:
         command += ["--standalone"]
     else:

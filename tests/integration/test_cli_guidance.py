@@ -39,6 +39,18 @@ def assert_refused(result: subprocess.CompletedProcess, code: int, *needles: str
         assert needle in result.stderr, result.stderr
 
 
+def test_a_rank_that_fails_is_one_line_not_a_torchrun_traceback():
+    # The script's own error, then one line naming the rank (torchrun's ChildFailedError
+    # traceback about its internals used to follow), and the rank's exit status.
+    result = recserve("train", "--entry", TRAIN_SCRIPT, "--", "--eval-only")
+    assert_refused(
+        result,
+        2,
+        "--eval-only needs --resume-from",
+        "recserve train: rank 0 exited with code 2 (its own error is above; 1 rank(s) failed)",
+    )
+
+
 def test_script_arguments_before_the_separator_are_pointed_out():
     result = recserve("train", "--entry", TRAIN_SCRIPT, "--epochs", "1")
     assert_refused(

@@ -177,6 +177,7 @@ EQUAL_STEPS_SCRIPT = textwrap.dedent(
             ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
             steps += 1
         (out / "taken").mkdir(exist_ok=True)
+        (out / "taken" / "someone-else.txt").write_text("x")  # not empty: not replaced
         try:
             ctx.dump_checkpoint(out / "taken")
             outcome = "written"

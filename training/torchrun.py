@@ -1,0 +1,35 @@
+"""``python -m training.torchrun ARGS``: torchrun (``torch.distributed.run``) that reports a
+failed rank in one line.
+
+torchrun ends a failed job with a ~35-line ``ChildFailedError`` traceback about its own
+internals, after the rank has already printed its own error (an argparse message, a recserve
+error). ``recserve train`` runs this instead: the same launcher and exit status, one line that
+names the rank and its exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun
+
+
+def main() -> int:
+    try:
+        torchrun()
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+        print(
+            f"recserve train: rank {rank} {how} (its own error is above; "
+            f"{len(error.failures)} rank(s) failed)",
+            file=sys.stderr,
+        )
+        return code if code > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
