@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from embedding_store.cli_types import non_negative_float, port_number, positive_float
 from embedding_store.config import load_embedding_config, load_global_config
-from embedding_store.tier import TierStatus
+
+if TYPE_CHECKING:  # the tier imports torch: ~1 s that every `recserve` command would pay
+    from embedding_store.tier import TierStatus
 
 log = logging.getLogger(__name__)
 
