@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,9 @@ def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda: CUDA is not available"))
-    for args, needle in cases:
-        result = subprocess.run(
+
+    def run(args: list) -> subprocess.CompletedProcess:
+        return subprocess.run(
             [sys.executable, TRAIN_SCRIPT, *map(str, args)],
             cwd=REPO_ROOT,
             env=_subprocess_env(),
@@ -97,6 +99,11 @@ def test_the_example_refuses_what_would_waste_a_training_run(tmp_path):
             text=True,
             timeout=60,
         )
+
+    # Two at a time: each process spends its ~2 s importing torch.
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, [args for args, _ in cases]))
+    for result, (_, needle) in zip(results, cases):
         assert_refused(result, 2, needle)
 
 

@@ -503,15 +503,23 @@ def test_cli_errors_are_one_line_naming_the_problem(served, adult_checkpoint):
         command += ["--checkpoint", str(adult_checkpoint), "--host", "127.0.0.1", *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
-    taken_http = serve("--http-port", str(served.http_port), "--grpc-port", "0")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # each process spends its ~2 s importing torch
+        taken_http, taken_grpc, negative = pool.map(
+            lambda args: serve(*args),
+            [
+                ("--http-port", str(served.http_port), "--grpc-port", "0"),
+                ("--http-port", "0", "--grpc-port", str(served.grpc_port)),
+                ("--max-queue-delay-ms", "-1"),
+            ],
+        )
     assert taken_http.returncode == 1
     assert f"cannot listen for HTTP on 127.0.0.1:{served.http_port}" in taken_http.stderr
-    taken_grpc = serve("--http-port", "0", "--grpc-port", str(served.grpc_port))
     assert taken_grpc.returncode == 1
     assert f"cannot listen for gRPC on 127.0.0.1:{served.grpc_port}" in taken_grpc.stderr
     for result in (taken_http, taken_grpc):
         assert "Traceback" not in result.stderr
-    negative = serve("--max-queue-delay-ms", "-1")
     assert negative.returncode == 2
     assert "--max-queue-delay-ms: expected a number >= 0, got '-1'" in negative.stderr
 
