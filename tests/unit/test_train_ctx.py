@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -371,3 +372,23 @@ def test_the_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):
         train_steps(plain, 1)
         plain.dump_checkpoint(tmp_path / "plain")
     assert "scaler.pt" not in training_checkpoint.read_manifest(tmp_path / "plain").files
+
+
+def test_a_checkpoint_dumped_before_any_batch_warns_that_it_cannot_be_served(tmp_path, caplog):
+    # No batch went through forward(): no feature signature, and serving refuses such a
+    # checkpoint much later. Said at the dump; resuming it still works.
+    with new_ctx() as ctx:
+        with caplog.at_level(logging.WARNING, logger="training.ctx"):
+            ctx.dump_checkpoint(tmp_path / "early")
+        assert any(
+            "before any batch went through forward()" in r.getMessage()
+            and "cannot be served" in r.getMessage()
+            for r in caplog.records
+        )
+        caplog.clear()
+        train_steps(ctx, 1)
+        with caplog.at_level(logging.WARNING, logger="training.ctx"):
+            ctx.dump_checkpoint(tmp_path / "later")
+        assert not [r for r in caplog.records if "forward()" in r.getMessage()]
+    with new_ctx() as resumed:
+        assert resumed.load_checkpoint(tmp_path / "early").signature is None
