@@ -21,12 +21,14 @@ and ignored. Only train lookups and imports refresh stamps; eval lookups and upd
 What one lookup protects. A worker looks a batch up one dim group at a time, and several
 batches are in flight under bounded staleness, so a shard that is nearly full can evict a row
 that an earlier lookup (another dim of the same batch, or an earlier batch) read and whose
-gradient has not arrived yet. That gradient is then dropped and counted in
-``skipped_updates``, as PERSIA drops updates of evicted rows; the row comes back with a fresh
-initial vector when next looked up. The bulk eviction takes the least recently used rows first,
-so this happens only when a shard's capacity is within a few batches' worth of distinct IDs of
-its rows: size ``capacity`` well above ``embedding_staleness`` x the distinct IDs a batch sends
-to one shard (docs/deploy.md), and watch ``skipped_updates``.
+gradient has not arrived yet. That gradient is then dropped and counted in ``skipped_updates``,
+as PERSIA drops updates of evicted rows; the row comes back with a fresh initial vector when
+next looked up. Updates match rows by ID, as PERSIA's do: if another lookup brings the row back
+before the late gradient arrives, that gradient (at most ``embedding_staleness`` batches old,
+like any asynchronous update) is applied to the fresh row. The bulk eviction takes the least
+recently used rows first, so this happens only when a shard's capacity is within a few batches'
+worth of distinct IDs of its rows: size ``capacity`` well above ``embedding_staleness`` x the
+distinct IDs a batch sends to one shard (docs/deploy.md), and watch ``skipped_updates``.
 
 Training vs inference. A train lookup admits unknown IDs with probability ``admit_probability``
 (deterministic per ID and seed; rejected IDs read as zeros and are not stored) and initializes

@@ -66,8 +66,9 @@ class EmbeddingTier(Protocol):
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         """Send the gradients of train lookup ``ref``: ``grads[slot]`` has that slot's output
         shape, float32 [batch, dim] (pooled) or [batch, sample_fixed_size, dim] (raw); a slot
-        without one gets zeros. Applied now (in-process) or queued until :meth:`flush`
-        (remote); a wrong shape or slot raises before anything is applied."""
+        without one trains nothing (``grads={}`` just drops the lookup's context). Applied
+        now (in-process) or queued until :meth:`flush` (remote); a wrong shape or slot raises
+        before anything is applied."""
         ...
 
     def flush(self) -> None:

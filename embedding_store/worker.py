@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -299,7 +299,10 @@ class EmbeddingWorker:
         """Scatter pooled gradients of forward ``ref`` to unique IDs and push them to shards.
 
         ``grads[slot]`` has the shape of that slot's output: float32 [batch, dim] (summation)
-        or [batch, sample_fixed_size, dim] (raw). Slots without a gradient get zeros.
+        or [batch, sample_fixed_size, dim] (raw). Slots left out of ``grads`` train nothing:
+        their rows are not pushed (a zero gradient is not a no-op for Adam, whose moments
+        would move the rows and count a step, nor for weight decay), so ``grads={}`` drops
+        the forward context without touching any row.
         """
         return self.apply_gradients(self.take_forward_context(ref, grads), grads)
 
@@ -336,12 +339,16 @@ class EmbeddingWorker:
         check_gradients(context, grads)
         pushed = skipped = 0
         for plan in context:
+            present = [layout for layout in plan.slots if layout.name in grads]
+            if not present:
+                continue
             bag_grads = torch.zeros(plan.num_bags, plan.dim, dtype=torch.float32)
-            for layout in plan.slots:
-                if layout.name in grads:
-                    bag_grads[layout.first_bag : layout.first_bag + layout.num_bags] = (
-                        _bag_gradient(layout, grads[layout.name], plan.dim)
-                    )
+            for layout in present:
+                bag_grads[layout.first_bag : layout.first_bag + layout.num_bags] = _bag_gradient(
+                    layout, grads[layout.name], plan.dim
+                )
+            if len(present) < len(plan.slots):
+                plan, bag_grads = _only_slots(plan, present, bag_grads)
             unique, unique_grads, finite = _scatter_to_unique(plan, bag_grads.numpy())
             skipped += len(finite) - int(np.count_nonzero(finite))
             pushed += self._push(unique[finite], unique_grads[finite])
@@ -671,6 +678,31 @@ def _scatter_kernel(
                 ok = False
         finite[u] = ok
     return count
+
+
+def _only_slots(
+    plan: _GroupPlan, present: list[_SlotLayout], bag_grads: torch.Tensor
+) -> tuple[_GroupPlan, torch.Tensor]:
+    """``plan`` and its bags' gradients (float32 [num_bags, dim]) cut down to the bags of the
+    ``present`` slots, so that rows only the other slots looked up are not pushed at all."""
+    keep_bag = np.zeros(plan.num_bags, dtype=np.bool_)
+    for layout in present:
+        keep_bag[layout.first_bag : layout.first_bag + layout.num_bags] = True
+    keep_id = np.repeat(keep_bag, plan.bag_lengths)
+    lengths = plan.bag_lengths[keep_bag]
+    offsets = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
+    weights = None if plan.id_weights is None else plan.id_weights[torch.from_numpy(keep_id)]
+    kept = replace(
+        plan,
+        slots=tuple(present),
+        ids=plan.ids[keep_id],
+        bag_lengths=lengths,
+        bag_offsets=torch.from_numpy(offsets),
+        id_weights=weights,
+        num_bags=len(lengths),
+    )
+    return kept, bag_grads[torch.from_numpy(keep_bag)]
 
 
 def _scatter_to_unique(

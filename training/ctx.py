@@ -388,8 +388,9 @@ class TrainCtx(EmbeddingCtx):
             finite = True
             check = self.step % self.finite_check_every == 0
             for name, leaf in zip(names, leaves):
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                grad = (grad.float() / scale).cpu()
+                if leaf.grad is None:  # the loss does not use this slot: its rows stay put
+                    continue
+                grad = (leaf.grad.float() / scale).cpu()
                 if check and not bool(torch.isfinite(grad).all()):
                     finite = False
                 grads[name] = grad
@@ -401,7 +402,8 @@ class TrainCtx(EmbeddingCtx):
             raise
         self.step += 1
         if not finite:
-            # Skip this batch's embedding update; the GradScaler already backed off its scale.
+            # Skip this batch's embedding update: no gradients just drop the lookup's context
+            # (no row moves). The GradScaler already backed off its scale.
             self.nonfinite_embedding_steps += 1
             self._backward_queue.put((ref, {}))
         else:

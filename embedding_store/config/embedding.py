@@ -55,7 +55,9 @@ def _require_bool(key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class HashStackConfig:
-    """Hash stacking: map each raw ID to ``hash_stack_rounds`` rows among ``embedding_size``.
+    """Hash stacking: map each raw ID to ``hash_stack_rounds`` rows, round ``r`` among its own
+    ``embedding_size`` rows, so the feature uses at most ``hash_stack_rounds x embedding_size``
+    rows (size shard capacity for that).
 
     ``hash_stack_rounds = 0`` disables it (one row per distinct ID).
     """

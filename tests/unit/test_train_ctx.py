@@ -6,7 +6,6 @@ import json
 import logging
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 from embedding_store.batch import Batch, IDTypeFeature, Label, NonIDTypeFeature
 from embedding_store.config import embedding_config_from_mapping, global_config_from_mapping
 from embedding_store.errors import CheckpointError, FailedPreconditionError, InvalidArgumentError
-from embedding_store.optimizers import SGD
+from embedding_store.optimizers import SGD, Adam
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker import BackwardStats
 from training import checkpoint as training_checkpoint
@@ -78,42 +77,56 @@ def new_ctx(staleness: int = 1, embedding_lr: float = 0.5) -> TrainCtx:
 
 class QueuingTier(InProcessEmbeddingTier):
     """A tier that applies gradients only in flush(), as the remote worker does; records how
-    many batches had been looked up without their gradients applied at each train lookup."""
+    many batches had been looked up without their gradients applied at each train lookup.
 
-    def __init__(self) -> None:
+    flush() holds the gradients back until ``hold`` batches are unapplied (or ``draining``
+    is set): the trainer then runs as far ahead as TrainCtx lets it, whatever the timing."""
+
+    def __init__(self, hold: int) -> None:
         super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+        self.hold = hold
+        self.draining = False
         self.queued: list = []
         self.unapplied = 0
         self.seen: list[int] = []
-        self.lock = threading.Lock()
+        self.changed = threading.Condition()
 
     def lookup(self, batch, *, train):
         result = super().lookup(batch, train=train)
         if train:
-            with self.lock:
+            with self.changed:
                 self.unapplied += 1
                 self.seen.append(self.unapplied)
+                self.changed.notify_all()
         return result
 
     def backward(self, ref, grads):
-        with self.lock:
+        with self.changed:
             self.queued.append((ref, grads))
         return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
 
     def flush(self):
-        time.sleep(0.002)  # a slow network: lookups race ahead if nothing holds them
-        with self.lock:
+        with self.changed:
+            # The timeout only keeps a broken TrainCtx from hanging the test.
+            self.changed.wait_for(
+                lambda: not self.queued or self.unapplied >= self.hold or self.draining, 10
+            )
             queued, self.queued = self.queued, []
             for ref, grads in queued:
                 super().backward(ref, grads)
                 self.unapplied -= 1
+
+    def drain(self) -> None:
+        with self.changed:
+            self.draining = True
+            self.changed.notify_all()
 
 
 @pytest.mark.parametrize("staleness", [1, 2, 4])
 def test_staleness_bound_holds_when_the_tier_applies_gradients_later(staleness):
     torch.manual_seed(0)
     model = TinyModel()
-    tier = QueuingTier()
+    tier = QueuingTier(hold=staleness)
     with TrainCtx(
         SGD(lr=0.5),
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -124,6 +137,7 @@ def test_staleness_bound_holds_when_the_tier_applies_gradients_later(staleness):
         embedding_tier=tier,
     ) as ctx:
         train_steps(ctx, 30)
+        tier.drain()
     assert max(tier.seen) == staleness
     assert tier.unapplied == 0
 
@@ -350,6 +364,58 @@ def test_nonfinite_embedding_gradients_skip_the_update():
         after = ctx.embedding_tier.lookup(batch, train=False)
         for x, y in zip(before.slots, after.slots):
             assert torch.equal(x.embeddings, y.embeddings)
+
+
+class UserOnlyModel(torch.nn.Module):
+    """Reads the "user" slot and the dense feature; ignores "item"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4 + 2, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([embedding_tensors[0], *non_id_tensors], dim=1))
+
+
+def _table(ctx: TrainCtx) -> dict[int, np.ndarray]:
+    """Every row of the (one-shard, dim-4) tier: weights and Adam state side by side."""
+    block = ctx.embedding_tier.shards[0].export_rows(4)
+    return {
+        int(i): np.concatenate([block.weights[k], block.state[k]]) for k, i in enumerate(block.ids)
+    }
+
+
+@pytest.mark.parametrize("case", ["nonfinite loss", "slot the loss ignores"])
+def test_adam_rows_without_a_gradient_do_not_move(case):
+    """Under Adam (and weight decay) a zero gradient still moves a row and counts a step, so
+    a skipped batch and a slot the loss does not read must push nothing: rows and optimizer
+    state stay bit for bit (torch.optim.Adam skips parameters without a gradient)."""
+    torch.manual_seed(0)
+    model = UserOnlyModel() if case == "slot the loss ignores" else TinyModel()
+    with TrainCtx(
+        Adam(lr=0.05, weight_decay=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        batch = make_batch(7)
+        output, labels = ctx.forward(batch)  # one real step: every row has Adam moments
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        before = _table(ctx)
+        output, labels = ctx.forward(batch)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+        ctx.backward(loss * float("inf") if case == "nonfinite loss" else loss)
+        after = _table(ctx)
+    item_ids = batch.id_type_features[1].values & np.uint64(CONFIG.id_mask)
+    item_rows = {int(i) for i in item_ids | np.uint64(CONFIG.index_prefix("item"))}
+    frozen = before.keys() if case == "nonfinite loss" else item_rows
+    assert after.keys() == before.keys() and frozen
+    for row in frozen:
+        assert np.array_equal(after[row], before[row]), row
+    if case == "slot the loss ignores":
+        assert any(not np.array_equal(after[r], before[r]) for r in before.keys() - item_rows)
 
 
 def test_the_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):

@@ -10,7 +10,7 @@ from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleI
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import BatchValidationError, InvalidArgumentError, NotFoundError
 from embedding_store.hashing import shard_of
-from embedding_store.optimizers import SGD
+from embedding_store.optimizers import SGD, Adam
 from embedding_store.shard import EmbeddingShard
 from embedding_store.worker import EmbeddingWorker, _scatter_to_unique, hash_stack
 
@@ -205,6 +205,79 @@ def test_nonfinite_gradients_are_skipped_and_counted():
     after = worker.lookup(batch, train=False)
     for a, b in zip(snapshot.slots, after.slots):
         assert torch.equal(a.embeddings, b.embeddings)  # zero grads elsewhere: nothing moved
+
+
+def _rows_by_id(shard: EmbeddingShard, dim: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    block = shard.export_rows(dim)
+    return {
+        int(i): (block.weights[k].copy(), block.state[k].copy()) for k, i in enumerate(block.ids)
+    }
+
+
+def test_slots_left_out_of_the_gradients_train_nothing():
+    """torch.optim.Adam skips parameters without a gradient; a zero gradient would not: the
+    moments would move the row and its step count would grow. So a slot left out of
+    ``grads`` pushes none of its rows, while an ID it shares with a slot that has a gradient
+    gets exactly that slot's gradient."""
+    config = make_config()  # "user" and "items" share one ID space (feature group "people")
+    shard = EmbeddingShard(10_000, optimizer=Adam(lr=0.1))
+    worker = EmbeddingWorker(config, [shard])
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("user", [[42], [7]]),
+            IDTypeFeature.from_lists("items", [[42], [99]]),
+            IDTypeFeatureWithSingleID.from_ids("city", [3, 4]),
+        ],
+        requires_grad=False,
+    )
+    first = worker.lookup(batch, train=True)  # inserts rows 42, 7, 99 and the cities
+    first_grads = {s.name: torch.ones(s.embeddings.shape) for s in first.slots}
+    first_grads["user"][0] = 0.0  # so rows 42 and 99 share their history (a gradient of 1)
+    worker.backward(first.ref, first_grads)
+    before = _rows_by_id(shard, DIM) | _rows_by_id(shard, 2)
+    user_only = int(table_ids(config, "user", np.array([7]))[0])
+    assert before[user_only][1][-1] == 1.0  # Adam state [m | v | t]: one step so far
+
+    second = worker.lookup(batch, train=True)
+    items_grad = torch.full(second.slot("items").embeddings.shape, 0.5)
+    stats = worker.backward(second.ref, {"items": items_grad})
+    after = _rows_by_id(shard, DIM) | _rows_by_id(shard, 2)
+
+    shared = int(table_ids(config, "items", np.array([42]))[0])
+    items_only = int(table_ids(config, "items", np.array([99]))[0])
+    cities = [int(i) for i in table_ids(config, "city", np.array([3, 4]))]
+    assert stats.rows_pushed == 2  # 42 and 99 only
+    for row in [user_only, *cities]:
+        assert np.array_equal(after[row][0], before[row][0])  # weights
+        assert np.array_equal(after[row][1], before[row][1])  # Adam moments and step count
+    # The shared row got items' gradient (0.5) alone, as row 99 did: the same Adam state.
+    for row in (shared, items_only):
+        assert not np.array_equal(after[row][0], before[row][0])
+        assert after[row][1][-1] == 2.0
+    np.testing.assert_array_equal(after[shared][1], after[items_only][1])
+
+
+def test_no_gradients_drop_the_context_and_move_no_row():
+    """``grads={}`` is how a trainer skips a batch (non-finite gradients): the context is
+    used up, no row or optimizer state changes."""
+    config = make_config()
+    shard = EmbeddingShard(10_000, optimizer=Adam(lr=0.1, weight_decay=0.5))
+    worker = EmbeddingWorker(config, [shard])
+    batch = make_batch()
+    first = worker.lookup(batch, train=True)
+    worker.backward(first.ref, {s.name: torch.ones(s.embeddings.shape) for s in first.slots})
+    before = {dim: _rows_by_id(shard, dim) for dim in (DIM, 2)}
+    second = worker.lookup(batch, train=True)
+    stats = worker.backward(second.ref, {})
+    assert stats.rows_pushed == 0
+    for dim in (DIM, 2):
+        after = _rows_by_id(shard, dim)
+        assert after.keys() == before[dim].keys()
+        for row, (weights, state) in before[dim].items():
+            assert np.array_equal(after[row][0], weights)
+            assert np.array_equal(after[row][1], state)
+    with pytest.raises(NotFoundError):
+        worker.backward(second.ref, {})
 
 
 def test_backward_errors_name_the_problem():
