@@ -794,6 +794,16 @@ class ParameterServerProcess:
         written into a staging directory and renamed over ``directory/shard_{index:05d}``.
         """
         target = Path(directory).absolute()
+        if not self.shard.modified:
+            # A shard restarted empty (or holding a checkpoint's rows as loaded) has nothing
+            # to add, and writing it would replace the last copy of real rows with nothing.
+            log.info(
+                "dump on exit skipped: no row changed since this shard started or loaded a "
+                "checkpoint (%d rows); %s is left as it is",
+                self.shard.size(),
+                target,
+            )
+            return
         if self.options.replica_size == 1:
             staging = checkpoint.staging_directory_for(target)
             try:

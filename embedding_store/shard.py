@@ -253,6 +253,7 @@ class EmbeddingShard:
         self._updates = 0
         self._skipped = 0
         self._checkpoint_version = ""
+        self._modified = False  # rows changed since start or the last replace_rows
 
     # ------------------------------------------------------------------ properties
 
@@ -279,6 +280,14 @@ class EmbeddingShard:
         loaded or the rows changed since (a train lookup inserted, an update, a clear, an
         import). Servers compare it with their model's to catch mixed versions."""
         return self._checkpoint_version
+
+    @property
+    def modified(self) -> bool:
+        """Whether any row changed (a train lookup inserted, an update, a clear, an import)
+        since the shard was created or its rows were last replaced from a checkpoint. A
+        shard that is not modified holds nothing a dump would add: it is empty, or it holds
+        a checkpoint's rows as loaded."""
+        return self._modified
 
     def size(self) -> int:
         """Rows held, all dims together."""
@@ -418,6 +427,7 @@ class EmbeddingShard:
         self._inserts += k
         if k:
             self._checkpoint_version = ""
+            self._modified = True
         return rows
 
     # ------------------------------------------------------------------ data path
@@ -574,6 +584,7 @@ class EmbeddingShard:
             updated = int(np.count_nonzero(rows >= 0))
             if updated:
                 self._checkpoint_version = ""
+                self._modified = True
             self._updates += updated
             self._skipped += n - updated
             return updated
@@ -586,6 +597,7 @@ class EmbeddingShard:
             self._tables = {}
             self._rows = 0
             self._checkpoint_version = ""
+            self._modified = True
 
     # ------------------------------------------------------------------ bulk transfer
 
@@ -630,6 +642,7 @@ class EmbeddingShard:
             new_state = self._state_for_import(state, ids.shape[0], dim)
             self._import_locked(ids, weights, new_state, dim)
             self._checkpoint_version = ""
+            self._modified = True
 
     def replace_rows(self, blocks: list[RowBlock], *, checkpoint_version: str = "") -> None:
         """Replace every row of the shard by ``blocks`` (one per dim, as from a checkpoint).
@@ -663,6 +676,7 @@ class EmbeddingShard:
                 self._tables, self._rows, self._inserts = saved
                 raise
             self._checkpoint_version = checkpoint_version
+            self._modified = False
 
     def _state_for_import(self, state: np.ndarray | None, n: int, dim: int) -> np.ndarray | None:
         """The state to write for imported rows (None: no state columns)."""

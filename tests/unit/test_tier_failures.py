@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -386,6 +387,40 @@ def test_dump_on_exit_interrupted_keeps_the_previous_checkpoint(tmp_path, monkey
     dump_on_exit_process(target, np.arange(50, dtype=np.uint64)).stop(grace=0)
     assert checkpoint.verify(target).total_rows == 100
     assert [p.name for p in tmp_path.iterdir()] == ["on_exit"]
+
+
+@pytest.mark.parametrize("replica_size", [1, 2])
+def test_dump_on_exit_of_an_unchanged_shard_keeps_the_previous_dump(tmp_path, replica_size):
+    """A shard restarted empty (Kubernetes restarts it after a crash) that is stopped before
+    any training must not replace the last copy of the real rows with nothing; one that only
+    loaded a checkpoint has nothing to add either. Once a row changes, it dumps again."""
+    target = tmp_path / "on_exit"
+    ids = np.arange(30, dtype=np.uint64)
+    mine = ids[shard_of(ids, replica_size) == 0]
+    dump_on_exit_process(target, mine, 0, replica_size).stop(grace=0)
+    previous_files = files_under(target)
+    assert previous_files
+
+    restarted = ParameterServerProcess(
+        TWO_DIMS,
+        GlobalConfig(),
+        ParameterServerOptions(replica_size=replica_size, dump_on_exit=str(target)),
+    )
+    assert restarted.shard.size() == 0 and not restarted.shard.modified
+    restarted.stop(grace=0)
+    assert files_under(target) == previous_files
+
+    loaded = dump_on_exit_process(tmp_path / "elsewhere", mine, 0, replica_size)
+    loaded.shard.replace_rows([loaded.shard.export_rows(4)], checkpoint_version="v1")
+    assert not loaded.shard.modified
+    loaded.options = replace(loaded.options, dump_on_exit=str(target))
+    loaded.stop(grace=0)
+    assert files_under(target) == previous_files
+
+    trained = dump_on_exit_process(target, np.arange(1, dtype=np.uint64), 0, replica_size)
+    assert trained.shard.modified
+    trained.stop(grace=0)
+    assert files_under(target) != previous_files
 
 
 def test_dump_on_exit_of_one_of_several_shards_replaces_its_part_whole(tmp_path, monkeypatch):
