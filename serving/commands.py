@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from embedding_store.cli_types import (
@@ -139,7 +140,78 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="MODULE:FUNCTION turning friendly JSON instances (raw rows) into a Batch, e.g. "
         "examples.adult_income.preprocess:instances_to_batch",
     )
-    parser.set_defaults(handler=_serve)
+    parser.set_defaults(handler=_serve, parser=parser)
+
+
+#: The largest --max-body-bytes / --max-decompressed-bytes: gRPC message limits are int32.
+MAX_BODY_BYTES = 2**31 - 1
+#: The most torch threads a process may ask for (beyond the cores they only contend).
+MAX_THREADS = 1024
+#: A model name: what clients put in /v2/models/NAME/...: no "/", whitespace or control
+#: characters, so every route reaches it.
+_MODEL_NAME = re.compile(r"[^\s/\x00-\x1f\x7f]{1,255}")
+#: A bearer token's characters (RFC 6750 b64token): what a client can send.
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """The first problem of ``recserve serve``'s arguments taken together, or None."""
+    if not _MODEL_NAME.fullmatch(args.model_name) or args.model_name in (".", ".."):
+        return (
+            f"--model-name {args.model_name!r}: a model name is 1 to 255 characters without "
+            "'/', whitespace or control characters (clients put it in /v2/models/NAME/...)"
+        )
+    if args.http_port and args.http_port == args.grpc_port:
+        return f"--http-port and --grpc-port are both {args.http_port}: give two ports"
+    if args.max_queue_delay_ms / 1000.0 >= args.request_timeout:
+        return (
+            f"--max-queue-delay-ms {args.max_queue_delay_ms:g} is not below "
+            f"--request-timeout {args.request_timeout:g} s: every request alone in the queue "
+            "would time out before its batch runs"
+        )
+    for flag in ("max_body_bytes", "max_decompressed_bytes"):
+        if getattr(args, flag) > MAX_BODY_BYTES:
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)}: at most {MAX_BODY_BYTES}"
+    if args.threads > MAX_THREADS:
+        return f"--threads {args.threads}: at most {MAX_THREADS}"
+    workers = _addresses(args.embedding_workers)
+    ps = _addresses(args.embedding_ps)
+    for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                return f"{flag}: {address!r} is not HOST:PORT"
+    if workers and ps:
+        return (
+            "--embedding-workers and --embedding-ps both given: the server uses one tier, "
+            "through a worker or straight to the shards"
+        )
+    if len(workers) > 1:
+        return (
+            f"--embedding-workers lists {len(workers)} addresses: a server talks to one "
+            "embedding worker (put a Kubernetes Service in front of several)"
+        )
+    if args.admin_token is not None:
+        problem = _token_problem(args.admin_token)
+        if problem:
+            return f"--admin-token {problem}"
+    return None
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be an admin bearer token, or None."""
+    if not token:
+        return "is empty: an empty bearer token would let any client reload the model"
+    if not _TOKEN.fullmatch(token):
+        return (
+            "has characters a bearer token cannot carry (letters, digits and -._~+/ only, "
+            "= at the end; no spaces)"
+        )
+    return None
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -147,25 +219,33 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     from serving.server import ADMIN_TOKEN_VARIABLE
 
     if args.admin_token is not None:
-        token = args.admin_token
-    elif args.admin_token_file is not None:
+        return args.admin_token  # checked by check_arguments
+    if args.admin_token_file is not None:
+        source = f"--admin-token-file {args.admin_token_file}"
         try:
-            token = args.admin_token_file.read_text().strip()
+            token = args.admin_token_file.read_text(encoding="utf-8").strip()
         except OSError as error:
-            raise InvalidArgumentError(
-                f"--admin-token-file {args.admin_token_file}: {error.strerror or error}"
-            ) from None
-        if not token:
-            raise InvalidArgumentError(f"--admin-token-file {args.admin_token_file} is empty")
+            raise InvalidArgumentError(f"{source}: {error.strerror or error}") from None
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(f"{source}: not valid UTF-8 text") from None
     else:
-        token = os.environ.get(ADMIN_TOKEN_VARIABLE) or None
+        token = os.environ.get(ADMIN_TOKEN_VARIABLE, "").strip()
+        if not token:
+            return None  # no token: reloads from loopback clients only
+        source = f"the {ADMIN_TOKEN_VARIABLE} variable"
+    problem = _token_problem(token)
+    if problem:
+        raise InvalidArgumentError(f"{source}: the token {problem}")
     return token
 
 
 def _serve(args: argparse.Namespace) -> int:
     from serving.server import ServeOptions, serve
 
-    workers = tuple(a.strip() for a in args.embedding_workers.split(",") if a.strip())
+    problem = check_arguments(args)
+    if problem:
+        args.parser.error(problem)
+    workers = _addresses(args.embedding_workers)
     return serve(
         ServeOptions(
             checkpoint=args.checkpoint,
@@ -174,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             grpc_port=args.grpc_port,
             embedding_workers=workers,
-            embedding_ps=tuple(a.strip() for a in args.embedding_ps.split(",") if a.strip()),
+            embedding_ps=_addresses(args.embedding_ps),
             max_batch_size=args.max_batch_size,
             max_request_batch_size=args.max_request_batch_size,
             max_queue_delay_ms=args.max_queue_delay_ms,

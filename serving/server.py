@@ -150,7 +150,7 @@ class PredictionServer:
             admin=AdminHooks(reload=self._admin_reload, token=o.admin_token),
         )
         self._mount_metrics(app)
-        http_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        http_socket = socket.socket(_address_family(o.host), socket.SOCK_STREAM)
         http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if o.reuse_port:  # the kernel spreads connections over the server processes
             http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -193,7 +193,11 @@ class PredictionServer:
         )
         self._grpc.start()
         deadline = time.monotonic() + 30
-        while not self._uvicorn.started and time.monotonic() < deadline:
+        while not self._uvicorn.started:
+            if not self._http_thread.is_alive() or time.monotonic() > deadline:
+                raise UnavailableError(
+                    f"the HTTP server on {o.host}:{self.http_port} did not start (see the log)"
+                )
             time.sleep(0.01)
         freeze_long_lived_objects()  # model, torch, apps: out of every later collection
         self._health.set_serving(True)
@@ -286,8 +290,14 @@ class PredictionServer:
         self._stop.set()
 
     def stop(self) -> bool:
-        """Readiness off, drain within the grace period, stop both servers."""
+        """Readiness off, drain, stop both servers: all within one grace period (plus ~3 s
+        at most to close what is left), so an orchestrator's kill timeout can be sized."""
         self._stop.set()
+        deadline = time.monotonic() + self.options.grace_seconds
+
+        def remaining() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         drained = True
         if self.service is not None:
             self.service.stop_accepting()
@@ -295,11 +305,15 @@ class PredictionServer:
                 self._health.set_serving(False)
             drained = self.service.drain(self.options.grace_seconds)
         if self._grpc is not None:
-            self._grpc.stop(grace=1.0).wait()
+            self._grpc.stop(grace=min(1.0, max(0.1, remaining()))).wait()
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
             if self._http_thread is not None:
-                self._http_thread.join(timeout=self.options.grace_seconds)
+                # Requests still arriving (a slow upload) get what is left of the grace period.
+                self._http_thread.join(timeout=max(0.5, remaining()))
+                if self._http_thread.is_alive():
+                    self._uvicorn.force_exit = True  # close the connections left open
+                    self._http_thread.join(timeout=2.0)
         if self.service is not None:
             self.service.close()
         return drained
@@ -314,11 +328,16 @@ RELOAD_RETRY_SECONDS = 5.0
 RELOAD_RETRY_MAX_SECONDS = 300.0
 
 
+def _address_family(host: str) -> socket.AddressFamily:
+    """IPv6 for an IPv6 literal (``::``, ``::1``), IPv4 otherwise."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _require_free_port(host: str, port: int, protocol: str) -> None:
     """UnavailableError unless nothing listens on ``host:port``. The processes of a
     ``--workers`` server bind with SO_REUSEPORT, which would also let them join another
     server already on the port and split its traffic; this bind, without it, cannot."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    with socket.socket(_address_family(host), socket.SOCK_STREAM) as probe:
         # SO_REUSEADDR: connections of an earlier server in TIME_WAIT do not count, a
         # listening socket still does.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -333,7 +352,7 @@ def _require_free_port(host: str, port: int, protocol: str) -> None:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as probe:
+    with socket.socket(_address_family(host), socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
 
@@ -361,7 +380,11 @@ def options_to_argv(options: ServeOptions) -> list[str]:
 def serve_processes(options: ServeOptions) -> int:
     """Run ``options.workers`` server processes on the same ports (SO_REUSEPORT): HTTP
     parsing and model work spread over the cores; each process batches its own requests.
-    SIGTERM/SIGINT are forwarded; returns the worst exit code."""
+
+    SIGTERM/SIGINT are forwarded. A process that exits while no stop was asked for (a crash,
+    the OOM killer) stops the others, so the whole server exits non-zero and its supervisor
+    (Kubernetes, compose, honcho) restarts it rather than it running on with fewer cores.
+    Returns the worst exit code (128 + N for a process killed by signal N)."""
     import subprocess
     import sys
 
@@ -374,32 +397,78 @@ def serve_processes(options: ServeOptions) -> int:
     )
     _require_free_port(fixed.host, fixed.http_port, "HTTP")
     _require_free_port(fixed.host, fixed.grpc_port, "gRPC")
-    command = [sys.executable, "-m", "embedding_store.cli", *options_to_argv(fixed)]
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    command = [
+        sys.executable, "-m", "embedding_store.cli", "--log-level", level,
+        *options_to_argv(fixed),
+    ]  # fmt: skip
     environment = dict(os.environ)
     if options.admin_token is not None:
         environment[ADMIN_TOKEN_VARIABLE] = options.admin_token
     children = [subprocess.Popen(command, env=environment) for _ in range(options.workers)]
+    stopping = threading.Event()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
-    codes = [child.wait() for child in children]
-    return max(codes, key=abs)
+    crashed: subprocess.Popen | None = None
+    while any(child.poll() is None for child in children):
+        if crashed is None and not stopping.is_set():
+            crashed = next((c for c in children if c.returncode is not None), None)
+            if crashed is not None:
+                log.error(
+                    "server process %d exited (code %d) while serving: stopping the others",
+                    crashed.pid,
+                    crashed.returncode,
+                )
+                forward(signal.SIGTERM, None)
+        stopping.wait(0.2)
+    codes = [_exit_code(child.returncode) for child in children]
+    if crashed is not None and not any(codes):
+        return 1  # it exited 0, but nobody asked it to
+    return max(codes)
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's exit status as a shell reports it: 128 + N when signal N killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _StopDuringStartup(BaseException):
+    """SIGTERM/SIGINT while the server was still starting (loading, waiting for its tier)."""
 
 
 def serve(options: ServeOptions) -> int:
-    """Run until SIGTERM/SIGINT; exit code 0 when drained cleanly."""
+    """Run until SIGTERM/SIGINT; exit code 0 when drained cleanly.
+
+    A signal during start-up (a checkpoint load, up to ``--startup-timeout`` waiting for the
+    embedding tier) stops it there and exits 0, rather than after start-up ends: an
+    orchestrator's kill timeout (30 s in deploy/k8s) is often shorter than the start-up."""
     if options.workers > 1:
         return serve_processes(options)
     server = PredictionServer(options)
+
+    def stop_starting(signum: int, _frame: FrameType | None) -> None:
+        server.request_stop()
+        raise _StopDuringStartup(signal.Signals(signum).name)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, server.request_stop)
+        signal.signal(signum, stop_starting)
     try:
         server.start()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, server.request_stop)
+    except _StopDuringStartup as stop:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, server.request_stop)
+        log.info("%s during start-up: stopping", stop)
+        server.stop()
+        return 0
     except BaseException:
         server.stop()
         raise

@@ -265,3 +265,37 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+
+
+def test_a_stop_during_start_up_ends_it_at_once(adult_checkpoint, tmp_path):
+    """SIGTERM while the server waits (up to --startup-timeout) for its embedding worker
+    stops it within seconds, exit 0, never serving: Kubernetes kills a pod 30 s after
+    SIGTERM, sooner than the default 60 s start-up wait ends."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: the worker never comes up
+        probe.bind(("127.0.0.1", 0))
+        absent_worker = f"127.0.0.1:{probe.getsockname()[1]}"
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [
+                sys.executable, "-m", "embedding_store.cli", "serve",
+                "--checkpoint", str(adult_checkpoint), "--http-port", "0", "--grpc-port", "0",
+                "--embedding-workers", absent_worker, "--startup-timeout", "120",
+            ],
+            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
+    try:
+        wait_until(lambda: "waiting up to 120 s" in log.read_text(), "never waited for the tier")
+        server.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert server.wait(timeout=30) == 0, log.read_text()
+        assert time.monotonic() - started < 10
+        text = log.read_text()
+        assert "SIGTERM during start-up: stopping" in text
+        assert "listening" not in text and "Traceback" not in text
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

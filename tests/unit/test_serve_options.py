@@ -28,8 +28,21 @@ def test_the_admin_token_comes_from_the_flag_a_file_or_the_environment(tmp_path,
     assert commands._admin_token(_parse("--admin-token-file", str(secret))) == "from-file"
     assert commands._admin_token(_parse("--admin-token", "from-flag")) == "from-flag"
     secret.write_text("  \n")
-    with pytest.raises(InvalidArgumentError, match=rf"--admin-token-file {secret} is empty"):
+    with pytest.raises(
+        InvalidArgumentError, match=rf"--admin-token-file {secret}: the token is empty"
+    ):
         commands._admin_token(_parse("--admin-token-file", str(secret)))
+    secret.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(
+        InvalidArgumentError, match=rf"--admin-token-file {secret}: not valid UTF-8"
+    ):
+        commands._admin_token(_parse("--admin-token-file", str(secret)))
+    secret.write_text("two words\n")
+    with pytest.raises(InvalidArgumentError, match="cannot carry"):
+        commands._admin_token(_parse("--admin-token-file", str(secret)))
+    monkeypatch.setenv("RECSERVE_ADMIN_TOKEN", "tab\tinside")
+    with pytest.raises(InvalidArgumentError, match="RECSERVE_ADMIN_TOKEN variable: the token"):
+        commands._admin_token(_parse())
     missing = tmp_path / "missing"
     with pytest.raises(InvalidArgumentError, match=rf"--admin-token-file {missing}: No such"):
         commands._admin_token(_parse("--admin-token-file", str(missing)))
@@ -41,3 +54,47 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
     argv = options_to_argv(ServeOptions(checkpoint="ckpt", admin_token="s3cr3t", workers=1))
     assert "s3cr3t" not in argv and "--admin-token" not in argv
     assert argv[:3] == ["serve", "--checkpoint", "ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--admin-token", ""], "--admin-token is empty: an empty bearer token would let any"),
+        (["--admin-token", " padded"], "--admin-token has characters a bearer token cannot"),
+        (["--model-name", ""], "--model-name '': a model name is 1 to 255 characters"),
+        (["--model-name", "a/b"], "--model-name 'a/b': a model name"),
+        (["--model-name", "two words"], "--model-name 'two words': a model name"),
+        (["--http-port", "9000", "--grpc-port", "9000"], "--http-port and --grpc-port are both"),
+        (
+            ["--max-queue-delay-ms", "12000", "--request-timeout", "2"],
+            "--max-queue-delay-ms 12000 is not below --request-timeout 2 s",
+        ),
+        (["--max-body-bytes", "3000000000"], "--max-body-bytes 3000000000: at most 2147483647"),
+        (["--threads", "99999999999"], "--threads 99999999999: at most 1024"),
+        (
+            ["--embedding-workers", "127.0.0.1:7000,not an address!!"],
+            "--embedding-workers: 'not an address!!' is not HOST:PORT",
+        ),
+        (
+            ["--embedding-workers", "127.0.0.1:7000,127.0.0.1:7001"],
+            "--embedding-workers lists 2 addresses: a server talks to one embedding worker",
+        ),
+        (
+            ["--embedding-workers", "127.0.0.1:7000", "--embedding-ps", "127.0.0.1:7100"],
+            "--embedding-workers and --embedding-ps both given",
+        ),
+        (["--embedding-ps", "127.0.0.1:0"], "--embedding-ps: '127.0.0.1:0' is not HOST:PORT"),
+    ],
+)
+def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
+    found = commands.check_arguments(_parse(*argv))
+    assert found is not None and found.startswith(problem), found
+
+
+def test_sensible_arguments_pass_the_checks():
+    args = _parse(
+        "--model-name", "adult-income_v2.1", "--http-port", "0", "--grpc-port", "0",
+        "--embedding-ps", "ps-0.ps:7000,ps-1.ps:7000", "--admin-token", "abc-DEF_123.~+/==",
+        "--max-queue-delay-ms", "1", "--request-timeout", "0.5",
+    )  # fmt: skip
+    assert commands.check_arguments(args) is None

@@ -1,0 +1,138 @@
+"""``recserve serve`` lifecycle without a model: how ``--workers`` supervises its processes,
+and how long a stop may take."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from serving import server
+from serving.server import PredictionServer, ServeOptions, serve_processes
+
+#: A stand-in server process: exits 0 on SIGTERM, as a drained `recserve serve` does.
+CHILD = (
+    "import signal, sys, time; "
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"
+)
+
+
+@pytest.fixture
+def fake_children(monkeypatch):
+    """serve_processes starts CHILD instead of `recserve serve`; yields (commands, processes)."""
+    commands: list[list[str]] = []
+    processes: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(command, env=None):
+        commands.append(command)
+        processes.append(real_popen([sys.executable, "-c", CHILD]))
+        return processes[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield commands, processes
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _after(seconds: float, action) -> None:
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True
+    timer.start()
+
+
+def _options() -> ServeOptions:
+    return ServeOptions(checkpoint="ckpt", http_port=0, grpc_port=0, workers=2)
+
+
+def test_a_crashed_server_process_stops_the_others_and_the_server_fails(fake_children):
+    """Left alone, a `--workers 2` server whose process died would serve on with half its
+    cores and never be restarted: it must stop the other and exit non-zero."""
+    _commands, processes = fake_children
+    _after(1.0, lambda: os.kill(processes[0].pid, signal.SIGKILL))
+    started = time.monotonic()
+    assert serve_processes(_options()) == 128 + signal.SIGKILL
+    assert time.monotonic() - started < 10
+    assert processes[1].returncode == 0  # asked to stop (SIGTERM), and it did
+
+
+def test_a_stop_asked_for_is_forwarded_and_a_clean_drain_exits_0(fake_children):
+    _commands, processes = fake_children
+    _after(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert serve_processes(_options()) == 0
+    assert [p.returncode for p in processes] == [0, 0]
+
+
+def test_server_processes_log_at_the_level_given_to_recserve(fake_children):
+    commands, _processes = fake_children
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        serve_processes(_options())
+    finally:
+        root.setLevel(level)
+    assert len(commands) == 2
+    assert commands[0][3:6] == ["--log-level", "WARNING", "serve"]
+
+
+def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
+    """Drain, gRPC and HTTP shut down within one --grace-seconds (plus a bounded close): a
+    drain that used the whole grace period leaves the HTTP server no second one, and a
+    connection that never finishes its request is closed."""
+    grace = 2.0
+    stopping = PredictionServer(
+        ServeOptions(checkpoint="ckpt", grace_seconds=grace)
+    )  # start() is never called: its parts are fakes
+    calls: list[str] = []
+
+    class StuckService:
+        def stop_accepting(self) -> None:
+            calls.append("stop_accepting")
+
+        def drain(self, seconds: float) -> bool:
+            time.sleep(seconds)  # a request stuck in the model all along
+            return False
+
+        def close(self) -> None:
+            calls.append("close")
+
+    uvicorn = SimpleNamespace(should_exit=False, force_exit=False)
+
+    def http_server() -> None:  # uvicorn waiting on a connection that never completes
+        while not uvicorn.force_exit:
+            time.sleep(0.01)
+
+    stopping.service = StuckService()
+    stopping._uvicorn = uvicorn
+    stopping._http_thread = threading.Thread(target=http_server, daemon=True)
+    stopping._http_thread.start()
+    started = time.monotonic()
+    assert stopping.stop() is False
+    took = time.monotonic() - started
+    assert grace <= took < grace + 1.5, took
+    assert uvicorn.should_exit and uvicorn.force_exit
+    assert calls == ["stop_accepting", "close"]
+    assert not stopping._http_thread.is_alive()
+
+
+def test_ipv6_literals_get_an_ipv6_socket():
+    import socket
+
+    assert server._address_family("::1") == socket.AF_INET6
+    assert server._address_family("::") == socket.AF_INET6
+    assert server._address_family("127.0.0.1") == socket.AF_INET
+    assert server._address_family("0.0.0.0") == socket.AF_INET
