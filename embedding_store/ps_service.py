@@ -207,7 +207,15 @@ class _ShardCollector(Collector):
             'recserve_ps_misses_total / recserve_ps_ids_looked_up_total{mode="eval"}).',
             stats.misses,
         )
-        yield counter("inserts", "Rows created by train lookups and imports.", stats.inserts)
+        yield counter(
+            "inserts",
+            "Rows created by train lookups and row imports (not checkpoint loads: "
+            "recserve_ps_rows_loaded_total).",
+            stats.inserts,
+        )
+        yield counter(
+            "rows_loaded", "Rows put in whole from embedding checkpoints.", stats.rows_loaded
+        )
         yield counter("evictions", "Rows evicted by the LRU policy.", stats.evictions)
         yield counter(
             "rejected_admissions",

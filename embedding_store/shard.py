@@ -67,8 +67,10 @@ class ShardStats:
     eval; ``eval_lookups`` / ``eval_ids_looked_up``: those of eval/infer lookups
     (``train=False``) alone, so the miss ratio is ``misses / eval_ids_looked_up``.
     ``misses``: unknown IDs of eval/infer lookups. ``inserts``: rows created (train lookups and
-    imports). ``rejected_admissions``: unknown IDs of train lookups not admitted (per
-    occurrence). ``skipped_updates``: IDs of ``update`` calls the shard no longer holds.
+    imports); ``rows_loaded``: rows put in whole from checkpoints (``replace_rows``), counted
+    apart so that a read-only shard's inserts stay 0. ``rejected_admissions``: unknown IDs of
+    train lookups not admitted (per occurrence). ``skipped_updates``: IDs of ``update`` calls
+    the shard no longer holds.
     """
 
     rows: int
@@ -83,6 +85,7 @@ class ShardStats:
     skipped_updates: int
     eval_lookups: int
     eval_ids_looked_up: int
+    rows_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,7 @@ class EmbeddingShard:
         self._misses = 0
         self._local = threading.local()  # per-thread result of the last lookup
         self._inserts = 0
+        self._rows_loaded = 0
         self._evictions = 0
         self._rejected = 0
         self._updates = 0
@@ -313,6 +317,7 @@ class EmbeddingShard:
                 skipped_updates=self._skipped,
                 eval_lookups=self._eval_lookups,
                 eval_ids_looked_up=self._eval_ids_looked_up,
+                rows_loaded=self._rows_loaded,
             )
 
     # ------------------------------------------------------------------ configuration
@@ -675,6 +680,8 @@ class EmbeddingShard:
             except BaseException:
                 self._tables, self._rows, self._inserts = saved
                 raise
+            self._inserts = saved[2]  # loaded, not created: counted in rows_loaded
+            self._rows_loaded += self._rows
             self._checkpoint_version = checkpoint_version
             self._modified = False
 

@@ -966,12 +966,20 @@ def _serve(
     server.stop(grace_seconds).wait()
     if watcher is not None:
         watcher.join(timeout=check_timeout + 1.0)  # its last check has a deadline
+    return _flush_and_close(tier)
+
+
+def _flush_and_close(tier: RemoteShardTier) -> int:
+    """Push the gradients still queued, close the tier; the worker's exit code: 1 when some
+    never reached their shard (lost training is not a clean exit), else 0."""
+    code = 0
     try:
         tier.flush()
     except RecserveError as error:
-        log.warning("on shutdown: %s", error.message)
+        log.error("on shutdown: %s", error.message)
+        code = 1
     tier.close()
-    return 0
+    return code
 
 
 __all__ = [

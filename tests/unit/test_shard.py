@@ -333,6 +333,10 @@ def test_read_only_shard_loads_whole_and_refuses_writes() -> None:
         infer.import_rows(RowBlock(block.ids[:1], np.full((1, 8), 100, np.float32), None))
     np.testing.assert_array_equal(infer.lookup(block.ids, 8, train=False), block.weights)
     assert infer.size() == source.size()
+    # Loaded rows are not inserts: an alert on writes to read-only shards stays quiet.
+    assert (infer.stats().inserts, infer.stats().rows_loaded) == (0, source.size())
+    infer.replace_rows([source.export_rows(8)])  # a reload counts again
+    assert (infer.stats().inserts, infer.stats().rows_loaded) == (0, source.size() + len(block))
     with pytest.raises(InvalidArgumentError, match="non-finite"):
         source.import_rows(RowBlock(u64(5), np.full((1, 8), np.inf, np.float32), None))
 

@@ -537,3 +537,24 @@ def test_a_worker_stopped_while_it_waits_for_its_shards_never_reports_serving():
     assert code == 0 and tier.checks == 2 and tier.closed
     assert (SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING) not in health.calls
     assert ("", health_pb2.HealthCheckResponse.SERVING) not in health.calls
+
+
+def test_a_worker_that_loses_gradients_on_shutdown_exits_non_zero(caplog):
+    from embedding_store.worker_service import _flush_and_close
+
+    class Tier:
+        def __init__(self, error: Exception | None) -> None:
+            self.error, self.closed = error, False
+
+        def flush(self) -> None:
+            if self.error is not None:
+                raise self.error
+
+        def close(self) -> None:
+            self.closed = True
+
+    clean = Tier(None)
+    assert _flush_and_close(clean) == 0 and clean.closed
+    lost = Tier(UnavailableError("1 gradient batch(es) could not be applied since the last flush"))
+    assert _flush_and_close(lost) == 1 and lost.closed
+    assert "on shutdown: 1 gradient batch(es) could not be applied" in caplog.text
