@@ -4,13 +4,15 @@ failed rank in one line.
 torchrun ends a failed job with a ~35-line ``ChildFailedError`` traceback about its own
 internals, after the rank has already printed its own error (an argparse message, a recserve
 error). ``recserve train`` runs this instead: the same launcher and exit status, one line that
-names the rank and its exit code.
+names the rank and its exit code; a SIGTERM/SIGINT to the launcher is one line too (exit
+128 + the signal), not torchrun's ``SignalException`` traceback.
 """
 
 from __future__ import annotations
 
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
@@ -18,6 +20,10 @@ from torch.distributed.run import main as torchrun
 def main() -> int:
     try:
         torchrun()
+    except SignalException as stop:
+        # SIGTERM/SIGINT to the launcher: torchrun has already ended its ranks.
+        print(f"recserve train: stopped by {stop.sigval.name}", file=sys.stderr)
+        return 128 + int(stop.sigval)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         code = failure.exitcode

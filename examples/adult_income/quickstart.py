@@ -64,7 +64,15 @@ def wait_for_listening(process: subprocess.Popen, log_path: Path, timeout: float
     raise SystemExit(f"recserve serve did not start within {timeout:.0f} s")
 
 
+def _abort(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGHUP (a closed terminal) before serving: unwind, so that the training run or
+    the starting server is ended with this script, never left behind."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _abort)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart")
     parser.add_argument("--epochs", type=int, default=2)
@@ -151,8 +159,9 @@ def main() -> int:
         )
         if args.exit:
             return 0
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda *_: server.terminate())  # it drains, then we exit
         print("\nServing until Ctrl-C.", flush=True)
-        signal.signal(signal.SIGINT, lambda *_: server.terminate())
         server.wait()
         return 0
     finally:

@@ -52,6 +52,32 @@ def test_a_rank_that_fails_is_one_line_not_a_torchrun_traceback():
     )
 
 
+def test_a_stopped_training_run_is_one_line_not_a_torchrun_traceback(tmp_path):
+    """SIGTERM to `recserve train` (Ctrl-C, a pod deleted): torchrun ends the rank; the
+    launcher says so in one line and exits 128 + 15, with no SignalException traceback."""
+    import signal
+
+    entry = tmp_path / "sleeper.py"
+    entry.write_text("import time\nprint('rank started', flush=True)\ntime.sleep(120)\n")
+    env = _subprocess_env()
+    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "embedding_store.cli", "train", "--entry", str(entry)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout.readline().strip() == "rank started"
+        launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "recserve train: stopped by SIGTERM" in err
+    assert "Traceback" not in err, err
+
+
 def test_script_arguments_before_the_separator_are_pointed_out():
     result = recserve("train", "--entry", TRAIN_SCRIPT, "--epochs", "1")
     assert_refused(
