@@ -24,10 +24,15 @@ class CheckpointTask:
         self._task = ""
         self._progress = 0.0
 
-    def begin(self, task: str) -> None:
+    def begin(self, task: str, *, wait: float = 0.0) -> None:
         """Start ``task`` ("dumping", "loading") at progress 0; UnavailableError naming the
-        running task if one already runs."""
-        if not self._exclusive.acquire(blocking=False):
+        running task if one still runs after ``wait`` seconds (0: do not wait)."""
+        acquired = (
+            self._exclusive.acquire(timeout=wait)
+            if wait > 0
+            else self._exclusive.acquire(blocking=False)
+        )
+        if not acquired:
             running, _ = self.state()
             raise UnavailableError(
                 f"the {self._owner} is busy {running} a checkpoint; retry when it is done"

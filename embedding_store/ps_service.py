@@ -383,15 +383,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
         return rows
 
+    def checkpoint_task_state(self) -> tuple[str, float]:
+        """The running checkpoint task ("dumping", "loading" or "") and its progress."""
+        return self._checkpoint_task.state()
+
     def dump_part(
-        self, directory: str, *, progress: checkpoint.ProgressHook | None = None
+        self,
+        directory: str,
+        *,
+        progress: checkpoint.ProgressHook | None = None,
+        wait: float = 0.0,
     ) -> list[checkpoint.FileEntry]:
         """Write this shard's part of a checkpoint into ``directory/shard_{index:05d}/``.
 
         ``progress(rows_written, rows_total)`` is called after each file (one per dim), once
-        Status shows the new progress.
+        Status shows the new progress. ``wait``: seconds to wait for a running dump or load
+        to end first (0: refuse at once, as busy).
         """
-        self._checkpoint_task.begin("dumping")
+        self._checkpoint_task.begin("dumping", wait=wait)
         try:
             entries = checkpoint.write_shard_part(
                 self.shard,
@@ -802,6 +811,18 @@ class ParameterServerProcess:
         written into a staging directory and renamed over ``directory/shard_{index:05d}``.
         """
         target = Path(directory).absolute()
+        running, _ = self.servicer.checkpoint_task_state()
+        if running == "loading":
+            # Stopped mid-load: the rows are (being) read from that checkpoint; a dump of a
+            # half-loaded shard would be worth nothing.
+            log.info("dump on exit skipped: a checkpoint load was still running")
+            return
+        if running:
+            log.info(
+                "waiting up to %.0f s for the running checkpoint dump to end before the "
+                "dump on exit",
+                EXIT_DUMP_WAIT_SECONDS,
+            )
         if not self.shard.modified:
             # A shard restarted empty (or holding a checkpoint's rows as loaded) has nothing
             # to add, and writing it would replace the last copy of real rows with nothing.
@@ -815,7 +836,7 @@ class ParameterServerProcess:
         if self.options.replica_size == 1:
             staging = checkpoint.staging_directory_for(target)
             try:
-                entries = self.servicer.dump_part(str(staging))
+                entries = self.servicer.dump_part(str(staging), wait=EXIT_DUMP_WAIT_SECONDS)
                 optimizer = self.shard.optimizer.to_dict() if self.shard.optimizer else None
                 checkpoint.finalize_checkpoint(
                     staging, self.embedding_config, 1, entries, optimizer
@@ -830,13 +851,18 @@ class ParameterServerProcess:
         staging = checkpoint.staging_directory_for(part)
         try:
             # Written as staging/shard_XXXXX, so only the rename below changes the name.
-            self.servicer.dump_part(str(staging))
+            self.servicer.dump_part(str(staging), wait=EXIT_DUMP_WAIT_SECONDS)
             checkpoint.publish_directory(
                 staging / part.name, part, overwrite=True, only_checkpoints=False
             )
             log.info("dump on exit published as %s", part)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+#: How long a stopping shard waits for a checkpoint dump still running (an admin's
+#: ``embedding-tier dump`` that outlasted the grace period) before its own dump on exit.
+EXIT_DUMP_WAIT_SECONDS = 120.0
 
 
 def serve_parameter_server(

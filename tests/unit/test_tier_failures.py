@@ -558,3 +558,22 @@ def test_a_worker_that_loses_gradients_on_shutdown_exits_non_zero(caplog):
     lost = Tier(UnavailableError("1 gradient batch(es) could not be applied since the last flush"))
     assert _flush_and_close(lost) == 1 and lost.closed
     assert "on shutdown: 1 gradient batch(es) could not be applied" in caplog.text
+
+
+def test_dump_on_exit_waits_for_a_running_dump_and_skips_a_running_load(tmp_path):
+    """SIGTERM while an admin's dump still runs (it outlasted the grace period): the exit
+    dump waits for it, then writes, rather than failing as busy and writing nothing. While
+    a checkpoint load runs, there is nothing worth dumping: skipped, not an error."""
+    target = tmp_path / "on_exit"
+    process = dump_on_exit_process(target, np.arange(10, dtype=np.uint64))
+    task = process.servicer._checkpoint_task
+    task.begin("dumping")  # the admin's dump, still writing
+    threading.Timer(0.5, task.end).start()
+    process.stop(grace=0)
+    assert checkpoint.verify(target).total_rows == 20
+
+    loading = dump_on_exit_process(tmp_path / "mid_load", np.arange(10, dtype=np.uint64))
+    loading.servicer._checkpoint_task.begin("loading")
+    loading.stop(grace=0)  # no error
+    assert not (tmp_path / "mid_load").exists()
+    loading.servicer._checkpoint_task.end()
