@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.cli_types import positive_float, positive_int
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.optimizers import Adagrad
 from embedding_store.shard import EmbeddingShard
@@ -89,13 +90,21 @@ def median_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; argparse error (exit 2) for a zero, negative or non-finite value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per measurement")
-    parser.add_argument("--shards", type=int, default=1, help="in-process shards")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args()
+    parser.add_argument("--seconds", type=positive_float, default=2.0, help="time per measurement")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=5, help="interleaved rounds per measurement"
+    )
+    parser.add_argument("--shards", type=positive_int, default=1, help="in-process shards")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results (a table, then one JSON line)."""
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 

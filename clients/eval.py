@@ -42,8 +42,9 @@ import numpy as np
 import orjson
 
 from clients import eval_report
-from clients.eval_readers import RowChunk, iter_chunks, where_of
+from clients.eval_readers import RowChunk, check_data_file, iter_chunks, where_of
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.cli_types import MAX_FLOAT_VALUE as MAX_TIMEOUT_SECONDS
 from embedding_store.config.strict import ConfigFieldError, load_yaml, require_non_empty_str
 from embedding_store.errors import (
     CapacityError,
@@ -90,6 +91,29 @@ def _label_key(value: str) -> str:
     return value.strip().removesuffix(".").strip()
 
 
+def _check_label_values(key: str, values: str | list[str] | None) -> None:
+    """``positive`` / ``negative``: None, or a non-empty string or list of non-empty strings.
+
+    An empty list or value would silently label every row 0 (nothing compares equal to it,
+    or every blank label would), so both are configuration errors.
+    """
+    if values is None:
+        return
+    if isinstance(values, str):
+        items: list[tuple[str, Any]] = [(key, values)]
+    else:
+        if not values:
+            raise ConfigFieldError(key, f"expected a non-empty list of label values, got {values}")
+        items = [(f"{key}[{i}]", value) for i, value in enumerate(values)]
+    for where, value in items:
+        if not isinstance(value, str) or not _label_key(value):
+            raise ConfigFieldError(
+                where,
+                f"expected a non-empty label value (compared after stripping spaces and one "
+                f"trailing dot), got {value!r}",
+            )
+
+
 @dataclass(frozen=True)
 class LabelMapping:
     """Which column is the label and how its values read.
@@ -106,6 +130,8 @@ class LabelMapping:
 
     def __post_init__(self) -> None:
         require_non_empty_str("column", self.column)
+        for key in ("positive", "negative"):
+            _check_label_values(key, getattr(self, key))
         if self.negative is not None and self.positive is None:
             raise ConfigFieldError("negative", "needs 'positive' as well")
         both = {_label_key(v) for v in _as_tuple(self.positive)} & {
@@ -181,8 +207,12 @@ class NonIdFeatureMapping:
                 raise ConfigFieldError(
                     key, f"expected {len(self.columns)} numbers (one per column), got {values}"
                 )
-        if self.std is not None and not all(s > 0 and math.isfinite(s) for s in self.std):
-            raise ConfigFieldError("std", f"expected finite numbers > 0, got {self.std}")
+        for i, value in enumerate(self.mean or ()):
+            if not math.isfinite(value):
+                raise ConfigFieldError(f"mean[{i}]", f"expected a finite number, got {value}")
+        for i, value in enumerate(self.std or ()):
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigFieldError(f"std[{i}]", f"expected a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -903,8 +933,15 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError("--bad-rows must be skip or fail")
     if o.batch_size <= 0:
         raise InvalidArgumentError(f"--batch-size must be > 0, got {o.batch_size}")
+    if not (0 < o.timeout <= MAX_TIMEOUT_SECONDS):  # NaN too
+        raise InvalidArgumentError(
+            f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}], "
+            f"got {o.timeout}"
+        )
     if not o.data:
         raise InvalidArgumentError("--data needs at least one file")
+    for path in o.data:  # before any file is scored or written
+        check_data_file(path)
     eval_report.refuse_existing(o.out, overwrite=o.overwrite)
     if o.report is not None:
         eval_report.refuse_existing(o.report, overwrite=o.overwrite)

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import non_negative_float, positive_int
+from embedding_store.cli_types import non_negative_float, positive_float, positive_int
 
 
 # --------------------------------------------------------------------------- eval
@@ -90,7 +90,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--calibration-bins", type=positive_int, default=10, help="reliability bins (10)"
     )
     parser.add_argument(
-        "--timeout", type=non_negative_float, default=60.0, help="per request, seconds (60)"
+        "--timeout", type=positive_float, default=60.0, help="per request, seconds (60)"
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing --out / --report"

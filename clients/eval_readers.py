@@ -25,7 +25,7 @@ from typing import Any
 
 from embedding_store.errors import InvalidArgumentError
 
-__all__ = ["BadRow", "RowChunk", "file_format", "iter_chunks"]
+__all__ = ["BadRow", "RowChunk", "check_data_file", "file_format", "iter_chunks"]
 
 CSV_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -81,13 +81,23 @@ def file_format(path: str | os.PathLike[str]) -> str:
     )
 
 
+def check_data_file(path: str | os.PathLike[str]) -> None:
+    """InvalidArgumentError unless ``path`` is an existing file (a directory is named so)."""
+    if Path(path).is_dir():
+        raise InvalidArgumentError(
+            f"{path}: is a directory, expected a data file "
+            f"({', '.join(CSV_SUFFIXES + PARQUET_SUFFIXES)})"
+        )
+    if not Path(path).is_file():
+        raise InvalidArgumentError(f"{path}: no such data file")
+
+
 def iter_chunks(paths: Sequence[str | os.PathLike[str]], chunk_rows: int) -> Iterator[RowChunk]:
     """Every file in order, ``chunk_rows`` rows at a time (a chunk never spans two files)."""
     if chunk_rows <= 0:
         raise InvalidArgumentError(f"chunk size must be > 0, got {chunk_rows}")
     for path in paths:
-        if not Path(path).is_file():
-            raise InvalidArgumentError(f"{path}: no such data file")
+        check_data_file(path)
         if file_format(path) == "csv":
             yield from _csv_chunks(path, chunk_rows)
         else:

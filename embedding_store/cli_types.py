@@ -8,6 +8,12 @@ from typing import TypeVar
 
 T = TypeVar("T", int, float)
 
+#: The largest value the float types accept. Their flags are durations in seconds (a few are
+#: milliseconds or tolerances) that end up in ``threading``/``select`` timeouts, which raise
+#: OverflowError beyond ``threading.TIMEOUT_MAX`` (~9.2e9 s): 1e6 s (11.5 days) is far beyond
+#: any sane deadline, drain time or poll interval, and far below that limit.
+MAX_FLOAT_VALUE = 1e6
+
 
 def _number(text: str, kind: type[T], what: str) -> T:
     try:
@@ -19,7 +25,16 @@ def _number(text: str, kind: type[T], what: str) -> T:
     return value
 
 
+def _at_most(value: float, text: str) -> float:
+    if value > MAX_FLOAT_VALUE:
+        raise argparse.ArgumentTypeError(
+            f"expected a number <= {MAX_FLOAT_VALUE:.0f}, got {text!r}"
+        )
+    return value
+
+
 def positive_int(text: str) -> int:
+    """An integer > 0."""
     value = _number(text, int, "an integer")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
@@ -27,6 +42,7 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
     value = _number(text, int, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
@@ -34,17 +50,19 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """A finite number in (0, MAX_FLOAT_VALUE]: NaN, inf, 0 and negatives are refused."""
     value = _number(text, float, "a number")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return _at_most(value, text)
 
 
 def non_negative_float(text: str) -> float:
+    """A finite number in [0, MAX_FLOAT_VALUE]: NaN, inf and negatives are refused."""
     value = _number(text, float, "a number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+    return _at_most(value, text)
 
 
 def port_number(text: str) -> int:

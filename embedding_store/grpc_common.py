@@ -83,8 +83,8 @@ _OPEN_PREFIX = "/grpc.health.v1.Health/"
 def tier_token() -> str | None:
     """The shared token from ``RECSERVE_TIER_TOKEN`` or the file ``RECSERVE_TIER_TOKEN_FILE``
     names, or None (no authentication: the tier's ports must then be reachable only by its
-    own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable or
-    empty file."""
+    own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable, empty
+    or non-UTF-8 file."""
     token = os.environ.get(TOKEN_VARIABLE, "").strip()  # `echo` and --from-file add "\n"
     where = TOKEN_VARIABLE
     if not token:
@@ -93,7 +93,9 @@ def tier_token() -> str | None:
             return None
         where = f"{TOKEN_FILE_VARIABLE}={path}"
         try:
-            token = Path(path).read_text().strip()
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(f"{where}: not valid UTF-8 text") from None
         except OSError as error:
             raise InvalidArgumentError(f"{where}: {error.strerror or error}") from None
         if not token:

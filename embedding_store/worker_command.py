@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated HOST:PORT of the shards, replica 0 first "
         "(default: infer_config.servers of the global config)",
     )
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=0, help="gRPC port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--metrics-port",
@@ -127,7 +127,7 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
             default=None,
             help="embedding_config.yml (default: the checkpoint's own, or none for status/clear)",
         )
-        action.add_argument("--timeout", type=float, default=600.0, help="deadline (s)")
+        action.add_argument("--timeout", type=positive_float, default=600.0, help="deadline (s)")
         if name in ("dump", "load"):
             action.add_argument("directory", help="checkpoint directory")
         if name == "dump":

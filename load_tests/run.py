@@ -53,6 +53,7 @@ import contextlib
 import csv
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
@@ -808,7 +809,20 @@ def preprocessor_of(serve_args: list[str]) -> str | None:
     return None
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (NaN compares false with every bound, so a range check
+    alone would let it through to fail after the stack started)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked before anything starts (argparse error: exit 2)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", type=Path, help="recserve checkpoint to serve")
@@ -828,9 +842,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="folder for summary.csv/.md, the latency plot, locust CSVs and server logs",
     )
     parser.add_argument("--users", type=int, default=4, help="concurrent locust users")
-    parser.add_argument("--spawn-rate", type=float, default=None, help="default: all at once")
     parser.add_argument(
-        "--seconds", type=float, default=None, help="load duration (default 10; not with --soak)"
+        "--spawn-rate", type=finite_float, default=None, help="users/s (default: all at once)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=finite_float,
+        default=None,
+        help="load duration (default 10; not with --soak)",
     )
     parser.add_argument(
         "--user-classes",
@@ -839,7 +858,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--batches", default="1:6,8:3,64:1", help="batch mix SIZE:WEIGHT,...")
     parser.add_argument(
-        "--unknown-share", type=float, default=0.02, help="share of IDs the model never saw"
+        "--unknown-share", type=finite_float, default=0.02, help="share of IDs the model never saw"
     )
     parser.add_argument(
         "--seed",
@@ -864,9 +883,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--soak", action="store_true", help="memory + reload soak")
     parser.add_argument(
-        "--minutes", type=float, default=None, help="soak duration (default 10; --soak only)"
+        "--minutes", type=finite_float, default=None, help="soak duration (default 10; --soak only)"
     )
-    parser.add_argument("--rss-interval", type=float, default=None, help="seconds (soak)")
+    parser.add_argument("--rss-interval", type=finite_float, default=None, help="seconds (soak)")
     args = parser.parse_args(argv)
     if args.soak and args.seconds is not None:
         parser.error("--soak runs for --minutes; --seconds is the length of a load run")
@@ -878,6 +897,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--users, --seconds and --minutes must be positive")
     if args.users > 1000 or args.seconds > 3600 or args.minutes > 120:
         parser.error("bounded runs only: at most 1000 users, 3600 s, 120 minutes")
+    if args.spawn_rate is not None and args.spawn_rate <= 0:
+        parser.error(f"--spawn-rate must be > 0 users per second, got {args.spawn_rate}")
     if not 1 <= args.locust_processes <= 64:
         parser.error(f"--locust-processes must be in 1..64, got {args.locust_processes}")
     if args.rss_interval is not None and not 0 < args.rss_interval <= 60:

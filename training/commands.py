@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from embedding_store.cli_types import positive_int
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -50,7 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
     )
     train.add_argument(
-        "--num-data-loaders", type=int, default=None, help="data loaders streaming batches"
+        "--num-data-loaders",
+        type=positive_int,
+        default=None,
+        help="data loaders streaming batches (an integer > 0)",
     )
     train.set_defaults(handler=_train)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import queue
 import threading
@@ -149,6 +150,35 @@ class _Receiver(pb_grpc.DataReceiverServicer):
         return pb.EndOfStreamResponse()
 
 
+def _num_loaders(num_loaders: int | None) -> int:
+    """``num_loaders``, else ``$RECSERVE_NUM_DATA_LOADERS``, else 1; InvalidArgumentError
+    unless it is an integer >= 1 (with 0 loaders the stream would end before it began)."""
+    if num_loaders is None:
+        text = os.environ.get(NUM_LOADERS_ENV, "1")
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{NUM_LOADERS_ENV} must be an integer >= 1, got {text!r}"
+            ) from None
+        where = NUM_LOADERS_ENV
+    else:
+        try:
+            if isinstance(num_loaders, bool):
+                raise TypeError
+            value = operator.index(num_loaders)  # ints, numpy ints; not 1.5 nor "2"
+        except TypeError:
+            raise InvalidArgumentError(
+                f"num_loaders must be an integer >= 1, got {num_loaders!r}"
+            ) from None
+        where = "num_loaders"
+    if value < 1:
+        raise InvalidArgumentError(
+            f"{where} must be >= 1 (the data loaders streaming batches), got {value}"
+        )
+    return value
+
+
 class StreamingDataset:
     """NN-worker side of the stream: an iterable of batches sent by data-loader processes.
 
@@ -189,9 +219,7 @@ class StreamingDataset:
             world = len(addresses)
         self.host = host or "127.0.0.1"
         self.port = port
-        self.num_loaders = int(
-            os.environ.get(NUM_LOADERS_ENV, "1") if num_loaders is None else num_loaders
-        )
+        self.num_loaders = _num_loaders(num_loaders)
         self.reproducible = reproducible
         self._rank, self._world = rank % world, world
         self._buffer: queue.Queue = queue.Queue(maxsize=buffer_size)

@@ -33,7 +33,11 @@ from embedding_store.errors import ConfigError, NotFoundError
 __all__ = [
     "EMBEDDING_CONFIG_ENV",
     "EMBEDDING_CONFIG_FLAG",
+    "MAX_DIM",
     "MAX_FEATURE_INDEX_PREFIX_BIT",
+    "MAX_HASH_STACK_EMBEDDING_SIZE",
+    "MAX_HASH_STACK_ROUNDS",
+    "MAX_SAMPLE_FIXED_SIZE",
     "EmbeddingConfig",
     "HashStackConfig",
     "SlotConfig",
@@ -45,6 +49,16 @@ __all__ = [
 EMBEDDING_CONFIG_ENV = "RECSERVE_EMBEDDING_CONFIG"
 EMBEDDING_CONFIG_FLAG = "--embedding-config"
 MAX_FEATURE_INDEX_PREFIX_BIT = 16
+#: Realistic maxima: the first lookup allocates ``batch x sample_fixed_size x dim`` floats
+#: (and ``hash_stack_rounds`` rows per ID), so a typo like ``dim: 1600000`` would otherwise
+#: load fine and then try to allocate gigabytes to terabytes far from the config file.
+MAX_DIM = 65536
+MAX_SAMPLE_FIXED_SIZE = 100_000
+MAX_HASH_STACK_ROUNDS = 64
+#: Rows per hash-stacking round: at most a shard's capacity limit (2**40), so that
+#: ``hash_stack_rounds x embedding_size`` (<= 2**46) stays below the ID mask of every
+#: ``feature_index_prefix_bit`` (48 bits at 16 prefix bits).
+MAX_HASH_STACK_EMBEDDING_SIZE = 2**40
 _ALL_BITS = (1 << 64) - 1
 
 
@@ -66,8 +80,12 @@ class HashStackConfig:
     embedding_size: int = 0
 
     def __post_init__(self) -> None:
-        require_non_negative_int("hash_stack_rounds", self.hash_stack_rounds)
-        require_non_negative_int("embedding_size", self.embedding_size)
+        require_non_negative_int(
+            "hash_stack_rounds", self.hash_stack_rounds, maximum=MAX_HASH_STACK_ROUNDS
+        )
+        require_non_negative_int(
+            "embedding_size", self.embedding_size, maximum=MAX_HASH_STACK_EMBEDDING_SIZE
+        )
         if self.hash_stack_rounds > 0 and self.embedding_size <= 0:
             raise ConfigFieldError(
                 "embedding_size",
@@ -92,10 +110,12 @@ class SlotConfig:
     hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
 
     def __post_init__(self) -> None:
-        require_positive_int("dim", self.dim)
+        require_positive_int("dim", self.dim, maximum=MAX_DIM)
         _require_bool("embedding_summation", self.embedding_summation)
         _require_bool("sqrt_scaling", self.sqrt_scaling)
-        require_positive_int("sample_fixed_size", self.sample_fixed_size)
+        require_positive_int(
+            "sample_fixed_size", self.sample_fixed_size, maximum=MAX_SAMPLE_FIXED_SIZE
+        )
         if not isinstance(self.hash_stack_config, HashStackConfig):
             raise ConfigFieldError(
                 "hash_stack_config",

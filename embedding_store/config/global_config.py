@@ -95,12 +95,23 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class CheckpointingConfig:
-    """Embedding checkpoint dump/load."""
+    """Embedding checkpoint dump/load.
+
+    PERSIA's ``num_workers`` (threads dumping/loading embedding files) is accepted so PERSIA
+    configs load, and ignored: every parameter server dumps and loads its own shard's files
+    (in parallel with the other shards, driven by the embedding worker). A changed value is
+    warned about.
+    """
 
     num_workers: int = 4
 
     def __post_init__(self) -> None:
         require_positive_int("num_workers", self.num_workers)
+        if self.num_workers != 4:
+            log.warning(
+                "checkpointing_config.num_workers is accepted for compatibility with PERSIA "
+                "configs and ignored: every parameter server dumps and loads its own shard"
+            )
 
 
 @dataclass(frozen=True)

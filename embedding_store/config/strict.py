@@ -6,6 +6,11 @@ integer, a ``1`` is never a boolean, unknown keys are rejected (with a did-you-m
 required keys are reported. Every failure is a :class:`~embedding_store.errors.ConfigError`
 whose message reads ``<file>: <key.path>: <what was expected>, got <value>``.
 
+Files are read by the YAML 1.2 core schema for numbers (see :class:`_StrictLoader`): ``1e6``
+is a float, ``1:00`` and ``1_000`` are strings, and ``016`` (octal 14 to YAML 1.1 tools,
+16 to YAML 1.2) is refused with a hint. An ``int`` field takes integers only: ``1e6`` or
+``2.0`` is refused with the digits to write instead, never rounded.
+
 Supported field types: ``int``, ``float`` (ints are accepted and widened, booleans are not),
 ``bool`` (real YAML booleans only), ``str``, ``Optional[X]`` / ``X | None`` (and unions tried
 in order), ``list[X]``, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` or
@@ -24,7 +29,9 @@ import dataclasses
 import difflib
 import enum
 import functools
+import math
 import os
+import re
 import types
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -35,6 +42,7 @@ from embedding_store.errors import ConfigError
 
 __all__ = [
     "ConfigFieldError",
+    "LeadingZeroInteger",
     "describe_value",
     "from_mapping",
     "join_path",
@@ -50,7 +58,7 @@ __all__ = [
 T = TypeVar("T")
 
 _MAX_REPR = 80
-_TYPE_NAMES: dict[type, str] = {
+_TYPE_NAMES: dict[type, str] = {  # LeadingZeroInteger is added below its definition
     bool: "boolean",
     int: "integer",
     float: "float",
@@ -141,7 +149,9 @@ def require_non_negative_int(key: str, value: Any, maximum: int = MAX_CONFIG_INT
 
 def _require_at_most(key: str, value: int, maximum: int) -> None:
     if value > maximum:
-        limit = f"2**{maximum.bit_length() - 1}" if maximum & (maximum - 1) == 0 else maximum
+        # Large powers of two read better as such (2**40); small limits in decimal (65536).
+        power = maximum >= 2**20 and maximum & (maximum - 1) == 0
+        limit = f"2**{maximum.bit_length() - 1}" if power else maximum
         raise ConfigFieldError(key, f"expected at most {limit}, got {_short_repr(value)}")
 
 
@@ -159,6 +169,18 @@ def require_non_empty_str(key: str, value: Any) -> None:
         raise ConfigFieldError(
             key, f"expected a non-empty string, got {_got(value, isinstance(value, str))}"
         )
+
+
+def _hint(value: Any) -> str:
+    """How to write an integer that YAML read as something else, or ""."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        # 1e6 is a float (YAML 1.2): an integer field takes digits only, no silent rounding.
+        return f": integers are written in digits only, e.g. {int(value)}"
+    text = value.strip() if isinstance(value, str) else ""
+    if re.fullmatch(r"[-+]?[0-9][0-9_:]*", text) and ("_" in text or ":" in text):
+        # YAML 1.1 read 1_000 as 1000 and 1:00 as 60; YAML 1.2 (this loader) reads strings.
+        return ": integers are written in plain decimal digits (no '_' or ':')"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,6 +219,8 @@ def _build_dataclass(cls: type[T], value: Any, source: str, path: str) -> T:
     for key in value:
         if isinstance(key, str) and key in names:
             continue
+        if isinstance(key, LeadingZeroInteger):
+            raise _error(source, path, f"key {key.detail()}")
         if isinstance(key, str):
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -224,6 +248,8 @@ def _build_dataclass(cls: type[T], value: Any, source: str, path: str) -> T:
 
 
 def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
+    if isinstance(value, LeadingZeroInteger):
+        raise _error(source, path, value.detail())
     if tp is Any:
         return value
     origin = get_origin(tp)
@@ -247,7 +273,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is int:
         if _is_int(value):
             return value
-        raise _error(source, path, f"expected an integer, got {describe_value(value)}")
+        raise _error(
+            source, path, f"expected an integer, got {describe_value(value)}{_hint(value)}"
+        )
     if tp is float:
         if isinstance(value, float) or _is_int(value):
             return float(value)
@@ -315,6 +343,8 @@ def _convert_dict(args: tuple[Any, ...], value: Any, source: str, path: str) -> 
     key_type, value_type = args if args else (Any, Any)
     out: dict[Any, Any] = {}
     for key, item in value.items():
+        if isinstance(key, LeadingZeroInteger):
+            raise _error(source, path, f"key {key.detail()}")
         if key_type is str and not isinstance(key, str):
             raise _error(source, path, f"keys must be strings, got key {describe_value(key)}")
         sub = join_path(path, str(key))
@@ -353,8 +383,106 @@ def _to_plain(value: Any) -> Any:
 # Files
 
 
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_LEADING_ZERO_TAG = "tag:recserve,2024:leading-zero-int"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+#: YAML 1.2 core schema numbers (PyYAML implements YAML 1.1, where ``016`` is octal 14,
+#: ``1:00`` is sexagesimal 60, ``1_000`` is 1000 and ``1e6`` is a string).
+_LEADING_ZERO_RE = re.compile(r"^[-+]?0[0-9]+$")
+_INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT_RE = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+
+
+class LeadingZeroInteger:
+    """A plain YAML scalar like ``016``: octal 14 to YAML 1.1 tools, decimal 16 to YAML 1.2.
+
+    The loader keeps it as this marker instead of guessing, and :func:`from_mapping` refuses
+    it wherever it appears, naming the key path and the way to write what was meant.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LeadingZeroInteger) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash((LeadingZeroInteger, self.text))
+
+    def detail(self) -> str:
+        """Why it is refused and what to write instead."""
+        sign = "-" if self.text.startswith("-") else ""
+        digits = self.text.lstrip("+-").lstrip("0") or "0"
+        octal = f"; octal {self.text} is {sign}0o{digits}" if set(digits) <= set("1234567") else ""
+        return (
+            f"integer {self.text} has a leading zero, which YAML 1.1 tools read as octal and "
+            f"YAML 1.2 as decimal: write {sign}{digits}{octal}, or quote it for a string"
+        )
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    if _LEADING_ZERO_RE.match(text):
+        return LeadingZeroInteger(text)
+    if not _INT_RE.match(text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"invalid integer {text!r} (YAML 1.2 core schema)", node.start_mark
+        )
+    return int(text, 0)
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    if not _FLOAT_RE.match(text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"invalid float {text!r} (YAML 1.2 core schema)", node.start_mark
+        )
+    lowered = text.lower()
+    if lowered.endswith(".inf"):
+        return -math.inf if lowered.startswith("-") else math.inf
+    if lowered == ".nan":
+        return math.nan
+    return float(text)
+
+
+def _core_schema_resolvers() -> dict[Any, list[tuple[str, re.Pattern[str]]]]:
+    """SafeLoader's implicit resolvers with YAML 1.2 core numbers and no timestamps.
+
+    Booleans (``true``/``false`` and YAML 1.1's ``yes``/``no``/``on``/``off``) and nulls are
+    kept: fields that are not booleans refuse a boolean anyway, naming it.
+    """
+    replaced = {_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG}
+    resolvers = {
+        first: [(tag, regexp) for tag, regexp in entries if tag not in replaced]
+        for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    for tag, regexp, firsts in (
+        (_LEADING_ZERO_TAG, _LEADING_ZERO_RE, "-+0"),  # before the int: 016 matches both
+        (_INT_TAG, _INT_RE, "-+0123456789"),
+        (_FLOAT_TAG, _FLOAT_RE, "-+.0123456789"),
+    ):
+        for first in firsts:
+            resolvers.setdefault(first, []).append((tag, regexp))
+    return {first: entries for first, entries in resolvers.items() if entries}
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """``SafeLoader`` that rejects duplicate keys in a mapping (YAML would keep the last)."""
+    """``SafeLoader`` that rejects duplicate keys in a mapping (YAML would keep the last) and
+    resolves numbers by the YAML 1.2 core schema: ``16``, ``-3``, ``0o17``, ``0x1F`` are
+    integers; ``1.5``, ``1e6``, ``.5``, ``.inf``, ``.nan`` are floats; ``1:00`` and ``1_000``
+    are strings; ``016`` is a :class:`LeadingZeroInteger` (refused by :func:`from_mapping`).
+    """
+
+    yaml_implicit_resolvers = _core_schema_resolvers()
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
@@ -378,11 +506,18 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_TYPE_NAMES[LeadingZeroInteger] = "integer with a leading zero"
+_StrictLoader.add_constructor(_INT_TAG, _construct_int)
+_StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_int)
+_StrictLoader.add_constructor(_FLOAT_TAG, _construct_float)
+
+
 def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML file whose top level is a mapping (an empty file reads as ``{}``).
 
-    Missing or unreadable files, syntax errors (with line and column), duplicate keys and a
-    non-mapping top level are :class:`ConfigError` naming the file.
+    Numbers resolve by the YAML 1.2 core schema (see :class:`_StrictLoader`). Missing or
+    unreadable files, syntax errors (with line and column), duplicate keys and a non-mapping
+    top level are :class:`ConfigError` naming the file.
     """
     source = os.fspath(path)
     try:

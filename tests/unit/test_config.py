@@ -806,3 +806,189 @@ def test_integers_beyond_what_the_tier_can_hold_are_refused():
             global_config_from_mapping({section: {key: value}})
     config = global_config_from_mapping({"embedding_parameter_server_config": {"capacity": 2**40}})
     assert config.embedding_parameter_server_config.capacity == 2**40
+
+
+# ----------------------------------------------------------------------------------------------
+# Realistic maxima of slot sizes (the first lookup allocates batch x sample_fixed_size x dim)
+
+
+@pytest.mark.parametrize(
+    ("slot", "key", "value", "limit"),
+    [
+        ({"dim": 65537}, "dim", 65537, "65536"),
+        ({"dim": 2**62}, "dim", 2**62, "65536"),
+        ({"dim": 4, "sample_fixed_size": 100_001}, "sample_fixed_size", 100_001, "100000"),
+        (
+            {"dim": 4, "hash_stack_config": {"hash_stack_rounds": 65, "embedding_size": 10}},
+            "hash_stack_config.hash_stack_rounds",
+            65,
+            "64",
+        ),
+        (
+            {"dim": 4, "hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 2**40 + 1}},
+            "hash_stack_config.embedding_size",
+            2**40 + 1,
+            "2**40",
+        ),
+    ],
+)
+def test_slot_sizes_have_realistic_maxima(
+    tmp_path: Path, slot: dict, key: str, value: int, limit: str
+) -> None:
+    path = write_mapping(tmp_path, {"slots_config": {"s": slot}})
+    with pytest.raises(ConfigError) as info:
+        load_embedding_config(path)
+    assert info.value.message == (
+        f"{path}: slots_config.s.{key}: expected at most {limit}, got {value}"
+    )
+
+
+def test_slot_sizes_at_their_maxima_load() -> None:
+    slot = SlotConfig(
+        dim=65536,
+        sample_fixed_size=100_000,
+        hash_stack_config=HashStackConfig(hash_stack_rounds=64, embedding_size=2**40),
+    )
+    assert (slot.dim, slot.sample_fixed_size, slot.hash_stack_config.hash_stack_rounds) == (
+        65536,
+        100_000,
+        64,
+    )
+    with pytest.raises(ConfigFieldError, match=r"^dim: expected at most 65536, got 65537$"):
+        SlotConfig(dim=65537)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers by the YAML 1.2 core schema (PyYAML alone reads YAML 1.1)
+
+
+def test_yaml_numbers_follow_the_yaml_1_2_core_schema(tmp_path: Path) -> None:
+    from embedding_store.config import read_yaml_mapping
+
+    text = (
+        "a: 16\nb: -3\nc: +7\nd: 0o17\ne: 0x1F\nf: 1e6\ng: 1.5e-3\nh: .5\ni: .inf\nj: -.Inf\n"
+        "k: 1:00\nl: 1_000\nm: 2024-01-01\nn: 0\no: 1.\np: true\nq: yes\nr: ~\n"
+    )
+    data = read_yaml_mapping(write(tmp_path, text, "numbers.yml"))
+    nan = read_yaml_mapping(write(tmp_path, "x: .nan\n", "nan.yml"))["x"]
+    assert nan != nan
+    assert data == {
+        "a": 16,
+        "b": -3,
+        "c": 7,
+        "d": 15,
+        "e": 31,
+        "f": 1e6,
+        "g": 0.0015,
+        "h": 0.5,
+        "i": float("inf"),
+        "j": float("-inf"),
+        "k": "1:00",  # YAML 1.1: sexagesimal 60
+        "l": "1_000",  # YAML 1.1: 1000
+        "m": "2024-01-01",  # YAML 1.1: a date
+        "n": 0,
+        "o": 1.0,
+        "p": True,
+        "q": True,  # booleans kept: fields that are not booleans refuse them
+        "r": None,
+    }
+    assert [type(data[k]) for k in "adf"] == [int, int, float]
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        (
+            "slots_config: {s: {dim: 016}}\n",  # YAML 1.1 tools: octal 14
+            "slots_config.s.dim: integer 016 has a leading zero, which YAML 1.1 tools read as "
+            "octal and YAML 1.2 as decimal: write 16; octal 016 is 0o16, or quote it for a "
+            "string",
+        ),
+        (
+            "slots_config: {s: {dim: 08}}\n",
+            "slots_config.s.dim: integer 08 has a leading zero, which YAML 1.1 tools read as "
+            "octal and YAML 1.2 as decimal: write 8, or quote it for a string",
+        ),
+        (
+            "slots_config: {s: {dim: 1:00}}\n",  # YAML 1.1: 60
+            "slots_config.s.dim: expected an integer, got '1:00' (string): integers are written "
+            "in plain decimal digits (no '_' or ':')",
+        ),
+        (
+            "slots_config: {s: {dim: 1e1}}\n",
+            "slots_config.s.dim: expected an integer, got 10.0 (float): integers are written "
+            "in digits only, e.g. 10",
+        ),
+        (
+            "slots_config: {s: {dim: 2.5}}\n",
+            "slots_config.s.dim: expected an integer, got 2.5 (float)",
+        ),
+        (
+            "slots_config: {s: {dim: '12'}}\n",  # quoted: a string, whatever it reads like
+            "slots_config.s.dim: expected an integer, got '12' (string)",
+        ),
+        (
+            "slots_config: {s: {dim: 4, embedding_summation: yes, sqrt_scaling: 0}}\n",
+            "slots_config.s.sqrt_scaling: expected a boolean (true/false), got 0 (integer)",
+        ),
+        (
+            "slots_config: {007: {dim: 4}}\n",
+            "slots_config: key integer 007 has a leading zero, which YAML 1.1 tools read as "
+            "octal and YAML 1.2 as decimal: write 7; octal 007 is 0o7, or quote it for a string",
+        ),
+    ],
+)
+def test_yaml_1_1_number_quirks_are_refused_with_the_key_path(
+    tmp_path: Path, text: str, detail: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_embedding_config(path)
+    assert info.value.message == f"{path}: {detail}"
+
+
+def test_a_float_capacity_names_the_integer_to_write(tmp_path: Path) -> None:
+    path = write(tmp_path, "embedding_parameter_server_config: {capacity: 1e6}\n", "g.yml")
+    with pytest.raises(ConfigError) as info:
+        load_global_config(path)
+    assert info.value.message == (
+        f"{path}: embedding_parameter_server_config.capacity: expected an integer, got "
+        "1000000.0 (float): integers are written in digits only, e.g. 1000000"
+    )
+    path.write_text("embedding_parameter_server_config: {capacity: 1000000}\n")
+    assert load_global_config(path).embedding_parameter_server_config.capacity == 1_000_000
+
+
+def test_yes_is_refused_where_a_string_is_expected(tmp_path: Path) -> None:
+    path = write(tmp_path, "common_config: {metrics_config: {job_name: yes}}\n", "g.yml")
+    with pytest.raises(ConfigError) as info:
+        load_global_config(path)
+    assert info.value.message == (
+        f"{path}: common_config.metrics_config.job_name: expected a string, got True (boolean)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# PERSIA-only keys
+
+
+def test_checkpointing_num_workers_is_accepted_and_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="embedding_store.config.global_config"):
+        assert CheckpointingConfig().num_workers == 4
+        assert caplog.messages == []
+        config = global_config_from_mapping(
+            {"common_config": {"checkpointing_config": {"num_workers": 16}}}
+        )
+    assert config.common_config.checkpointing_config.num_workers == 16
+    assert caplog.messages == [
+        "checkpointing_config.num_workers is accepted for compatibility with PERSIA configs "
+        "and ignored: every parameter server dumps and loads its own shard"
+    ]
+    comment = next(
+        line
+        for line in (EXAMPLES / "global_config.yml").read_text().splitlines()
+        if "num_workers:" in line
+    )
+    assert "no effect" in comment

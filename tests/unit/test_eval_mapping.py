@@ -19,7 +19,7 @@ from clients.eval import (
     signature_from_metadata,
 )
 from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
-from embedding_store.errors import ConfigError
+from embedding_store.errors import ConfigError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from examples.adult_income import features
 from examples.adult_income.preprocess import instances_to_batch
@@ -187,3 +187,81 @@ _ADULT_ROWS = [
     "44,Private,160323,Some-college,10,Married-civ-spouse,Machine-op-inspct,Husband,Black,Male,"
     "7688,0,40,United-States,>50K",
 ]
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        (
+            "non_id_features: {d: {columns: [a, b], mean: [.nan, 0]}}\n",
+            "non_id_features.d.mean[0]: expected a finite number, got nan",
+        ),
+        (
+            "non_id_features: {d: {columns: [a, b], mean: [0, -.inf]}}\n",
+            "non_id_features.d.mean[1]: expected a finite number, got -inf",
+        ),
+        (
+            "non_id_features: {d: {columns: [a, b], std: [1, .inf]}}\n",
+            "non_id_features.d.std[1]: expected a finite number > 0, got inf",
+        ),
+        (
+            "non_id_features: {d: {columns: [a], std: [0]}}\n",
+            "non_id_features.d.std[0]: expected a finite number > 0, got 0.0",
+        ),
+        (
+            "preprocessor: a:b\nlabel: {column: y, positive: []}\n",
+            "label.positive: expected a non-empty list of label values, got []",
+        ),
+        (
+            "preprocessor: a:b\nlabel: {column: y, positive: ['']}\n",
+            "label.positive[0]: expected a non-empty label value (compared after stripping "
+            "spaces and one trailing dot), got ''",
+        ),
+        (
+            "preprocessor: a:b\nlabel: {column: y, positive: ' . '}\n",
+            "label.positive: expected a non-empty label value (compared after stripping "
+            "spaces and one trailing dot), got ' . '",
+        ),
+        (
+            "preprocessor: a:b\nlabel: {column: y, positive: [p], negative: [n, '']}\n",
+            "label.negative[1]: expected a non-empty label value (compared after stripping "
+            "spaces and one trailing dot), got ''",
+        ),
+        (
+            "preprocessor: a:b\nlabel: {column: y, positive: [p], negative: []}\n",
+            "label.negative: expected a non-empty list of label values, got []",
+        ),
+    ],
+)
+def test_mapping_values_that_would_spoil_every_row_are_refused(tmp_path, text, detail):
+    path = tmp_path / "feature_mapping.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_mapping(path)
+    assert caught.value.message == f"{path}: {detail}"
+
+
+def test_yaml_1_2_floats_in_a_mapping_are_numbers(tmp_path):
+    path = tmp_path / "feature_mapping.yml"
+    path.write_text("non_id_features: {d: {columns: [a, b], mean: [1e3, -2], std: [1e-3, .5]}}\n")
+    dense = load_mapping(path).non_id_features["d"]
+    assert (dense.mean, dense.std) == ([1000.0, -2.0], [0.001, 0.5])
+
+
+def test_eval_data_that_is_a_directory_says_so(tmp_path):
+    from clients.eval import EvalOptions, run_eval
+
+    options = EvalOptions(data=tmp_path, out=tmp_path / "p.csv", url="http://127.0.0.1:9")
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(options)
+    assert caught.value.message == (
+        f"{tmp_path}: is a directory, expected a data file "
+        "(.csv, .csv.gz, .tsv, .tsv.gz, .parquet, .pq)"
+    )
+    missing = tmp_path / "missing.csv"
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(data=missing, out=tmp_path / "p.csv", url="http://127.0.0.1:9"))
+    assert caught.value.message == f"{missing}: no such data file"
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(data=missing, out=tmp_path / "p.csv", url="http://x:9", timeout=0))
+    assert caught.value.message == "--timeout must be a number of seconds in (0, 1000000], got 0"

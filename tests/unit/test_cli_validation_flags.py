@@ -1,0 +1,212 @@
+"""Command-line values are checked by argparse: one clear line and exit 2, never a traceback
+or a value that fails later (wrapped ports, NaN or endless timeouts, zero loaders or rounds)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+
+from embedding_store.cli import build_parser
+from embedding_store.cli_types import (
+    MAX_FLOAT_VALUE,
+    non_negative_float,
+    positive_float,
+)
+from embedding_store.errors import InvalidArgumentError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """The one-line argparse error of ``recserve ARGV`` (asserting exit code 2)."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- shared types
+def test_float_types_refuse_values_beyond_a_sane_maximum() -> None:
+    # Above threading.TIMEOUT_MAX (~9.2e9 s) an Event.wait raises OverflowError at runtime.
+    assert MAX_FLOAT_VALUE == 1e6 < threading.TIMEOUT_MAX
+    assert positive_float("1e6") == 1e6 and non_negative_float("1000000") == 1e6
+    assert non_negative_float("0") == 0.0 and positive_float("0.25") == 0.25
+    for parse in (positive_float, non_negative_float):
+        for text, message in (
+            ("1e300", "expected a number <= 1000000, got '1e300'"),
+            ("1000000.5", "expected a number <= 1000000, got '1000000.5'"),
+            ("nan", "expected a finite number, got 'nan'"),
+            ("inf", "expected a finite number, got 'inf'"),
+            ("-inf", "expected a finite number, got '-inf'"),
+        ):
+            with pytest.raises(argparse.ArgumentTypeError) as caught:
+                parse(text)
+            assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["serve", "--watch-seconds", "1e300"],
+            "recserve serve: error: argument --watch-seconds: expected a number <= 1000000, "
+            "got '1e300'",
+        ),
+        (
+            ["serve", "--grace-seconds", "1e300"],
+            "recserve serve: error: argument --grace-seconds: expected a number <= 1000000, "
+            "got '1e300'",
+        ),
+        (
+            ["predict", "--timeout", "1e10"],
+            "recserve predict: error: argument --timeout: expected a number <= 1000000, got '1e10'",
+        ),
+        (
+            ["eval", "--data", "d.csv", "--out", "o.csv", "--timeout", "1e10"],
+            "recserve eval: error: argument --timeout: expected a number <= 1000000, got '1e10'",
+        ),
+        (
+            ["eval", "--data", "d.csv", "--out", "o.csv", "--timeout", "0"],
+            "recserve eval: error: argument --timeout: expected a number > 0, got '0'",
+        ),
+    ],
+)
+def test_seconds_flags_refuse_overflowing_or_zero_values(capsys, argv, message) -> None:
+    assert usage_error(capsys, argv) == message
+
+
+# --------------------------------------------------------------------------- embedding worker
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("70000", "expected a port in 0..65535, got 70000"),  # used to wrap to 4464
+        ("-5", "expected a port in 0..65535, got -5"),  # used to wrap to 65531
+        ("x", "expected an integer, got 'x'"),
+    ],
+)
+def test_embedding_worker_port_is_a_port_number(capsys, value, message) -> None:
+    error = usage_error(capsys, ["embedding-worker", "--port", value])
+    assert error == f"recserve embedding-worker: error: argument --port: {message}"
+    assert build_parser().parse_args(["embedding-worker", "--port", "65535"]).port == 65535
+
+
+@pytest.mark.parametrize("action", ["dump", "load"])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("nan", "expected a finite number, got 'nan'"),
+        ("inf", "expected a finite number, got 'inf'"),
+        ("-1", "expected a number > 0, got '-1'"),
+        ("0", "expected a number > 0, got '0'"),
+    ],
+)
+def test_embedding_tier_timeout_is_positive_and_finite(capsys, action, value, message) -> None:
+    argv = ["embedding-tier", action, "--worker", "h:1", "--timeout", value, "ckpt"]
+    error = usage_error(capsys, argv)
+    assert error == f"recserve embedding-tier {action}: error: argument --timeout: {message}"
+    argv[5] = "2.5"
+    assert build_parser().parse_args(argv).timeout == 2.5
+
+
+# --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_train_needs_at_least_one_data_loader(capsys, value) -> None:
+    error = usage_error(capsys, ["train", "--entry", "t.py", "--num-data-loaders", value])
+    assert error == (
+        f"recserve train: error: argument --num-data-loaders: expected an integer > 0, got {value}"
+    )
+
+
+def test_streaming_dataset_refuses_fewer_than_one_loader(monkeypatch) -> None:
+    from training.data import StreamingDataset
+    from training.env import NUM_LOADERS_ENV
+
+    for bad in (0, -1):
+        with pytest.raises(InvalidArgumentError) as caught:
+            StreamingDataset(port=0, num_loaders=bad)
+        assert caught.value.message == (
+            f"num_loaders must be >= 1 (the data loaders streaming batches), got {bad}"
+        )
+    with pytest.raises(InvalidArgumentError, match=r"^num_loaders must be an integer >= 1"):
+        StreamingDataset(port=0, num_loaders=1.5)  # type: ignore[arg-type]
+    monkeypatch.setenv(NUM_LOADERS_ENV, "0")
+    with pytest.raises(InvalidArgumentError) as caught:
+        StreamingDataset(port=0)
+    assert caught.value.message == (
+        f"{NUM_LOADERS_ENV} must be >= 1 (the data loaders streaming batches), got 0"
+    )
+    monkeypatch.setenv(NUM_LOADERS_ENV, "two")
+    with pytest.raises(InvalidArgumentError) as caught:
+        StreamingDataset(port=0)
+    assert caught.value.message == f"{NUM_LOADERS_ENV} must be an integer >= 1, got 'two'"
+    monkeypatch.setenv(NUM_LOADERS_ENV, "3")
+    assert StreamingDataset(port=0).num_loaders == 3  # not started: nothing to close
+
+
+# --------------------------------------------------------------------------- load tests
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seconds", "nan"], "argument --seconds: expected a finite number, got 'nan'"),
+        (["--seconds", "inf"], "argument --seconds: expected a finite number, got 'inf'"),
+        (
+            ["--soak", "--minutes", "nan"],
+            "argument --minutes: expected a finite number, got 'nan'",
+        ),
+        (["--spawn-rate", "nan"], "argument --spawn-rate: expected a finite number, got 'nan'"),
+        (["--spawn-rate", "-1"], "--spawn-rate must be > 0 users per second, got -1.0"),
+        (
+            ["--unknown-share", "nan"],
+            "argument --unknown-share: expected a finite number, got 'nan'",
+        ),
+        (
+            ["--soak", "--rss-interval", "nan"],
+            "argument --rss-interval: expected a finite number, got 'nan'",
+        ),
+    ],
+)
+def test_load_test_durations_must_be_finite_before_anything_starts(capsys, argv, message) -> None:
+    from load_tests.run import parse_args
+
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--synthetic", *argv])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    assert parse_args(["--synthetic", "--seconds", "2", "--spawn-rate", "4"]).seconds == 2.0
+
+
+# --------------------------------------------------------------------------- benchmarks
+@functools.cache
+def _embedding_core_benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "embedding_core_benchmark", ROOT / "benchmarks" / "embedding_core.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "argument --rounds: expected an integer > 0, got 0"),
+        (["--shards", "0"], "argument --shards: expected an integer > 0, got 0"),
+        (["--shards", "-1"], "argument --shards: expected an integer > 0, got -1"),
+        (["--seconds", "nan"], "argument --seconds: expected a finite number, got 'nan'"),
+        (["--threads", "0"], "argument --threads: expected an integer > 0, got 0"),
+    ],
+)
+def test_embedding_core_benchmark_refuses_empty_runs(capsys, argv, message) -> None:
+    benchmark = _embedding_core_benchmark()
+    with pytest.raises(SystemExit) as caught:
+        benchmark.parse_args(argv)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    args = benchmark.parse_args(["--rounds", "3", "--shards", "2"])
+    assert (args.rounds, args.shards, args.seconds, args.threads) == (3, 2, 2.0, 1)
