@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
 #: Histogram buckets (seconds) of RPC latencies: sub-millisecond lookups up to long dumps.
+#: (The prediction server's own latencies use finer ones: serving.metrics.)
 LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -43,11 +44,39 @@ LATENCY_BUCKETS = (
 )
 
 
+#: Status codes whose ``rpc_errors`` series exist at 0 for every method from the start, so
+#: that the first failure of each shows in ``increase()`` / ``rate()`` (a series born at 1
+#: does not). Rarer codes appear with their first failure.
+PRECREATED_ERROR_CODES = (
+    "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "INTERNAL",
+)
+
+
+def service_methods(service: str) -> tuple[str, ...]:
+    """The methods of the embedding tier's gRPC service ``service`` (``"ParameterServer"``,
+    ``"EmbeddingWorker"``), as embedding_tier.proto declares them; () for another name."""
+    from embedding_store.proto import embedding_tier_pb2
+
+    descriptor = embedding_tier_pb2.DESCRIPTOR.services_by_name.get(service)
+    return () if descriptor is None else tuple(method.name for method in descriptor.methods)
+
+
 def rpc_metrics(
-    registry: CollectorRegistry, prefix: str, service: str, latency_note: str = "server side"
+    registry: CollectorRegistry,
+    prefix: str,
+    service: str,
+    latency_note: str = "server side",
+    methods: Iterable[str] | None = None,
 ) -> tuple[Histogram, Counter]:
     """The two metrics :func:`observed` records: ``{prefix}_rpc_latency_seconds`` (Histogram
-    by method) and ``{prefix}_rpc_errors`` (Counter by method and status code name)."""
+    by method) and ``{prefix}_rpc_errors`` (Counter by method and status code name).
+
+    The error series of ``methods`` (default: the methods of the gRPC service ``service``,
+    :func:`service_methods`) and :data:`PRECREATED_ERROR_CODES` start at 0."""
     latency = Histogram(
         f"{prefix}_rpc_latency_seconds",
         f"Latency of {service} RPCs by method ({latency_note}).",
@@ -61,6 +90,9 @@ def rpc_metrics(
         ["method", "code"],
         registry=registry,
     )
+    for method in service_methods(service) if methods is None else methods:
+        for code in PRECREATED_ERROR_CODES:
+            errors.labels(method, code)
     return latency, errors
 
 

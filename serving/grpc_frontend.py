@@ -13,6 +13,7 @@ health service (overall ``""`` and ``inference.GRPCInferenceService``) and serve
 
 from __future__ import annotations
 
+import inspect
 import logging
 from concurrent import futures
 from typing import Any
@@ -66,6 +67,10 @@ class InferenceServicer:
 
     def __init__(self, core: PredictionCore) -> None:
         self._core = core
+        # Optional parts of a core (PredictionService has both): counting requests refused
+        # here, and being told when a call ends before its answer.
+        self._record_rejected = getattr(core, "record_rejected", None)
+        self._cancellable = "on_cancel" in inspect.signature(core.predict).parameters
 
     @rpc_errors
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -91,15 +96,27 @@ class InferenceServicer:
 
     @rpc_errors
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
-        decoded = codec.decode_grpc_request(request)
+        try:
+            decoded = codec.decode_grpc_request(request)
+        except Exception as error:  # never reached the core: counted there all the same
+            if self._record_rejected is not None:
+                self._record_rejected("grpc", request.model_name, error)
+            raise
         timeout = _min_timeout(_time_remaining(context), decoded.timeout)
-        prediction = self._core.predict(
-            request.model_name,
-            request.model_version or None,
-            decoded.inputs,
-            protocol="grpc",
-            timeout=timeout,
-        )
+        # A call cancelled by its client (or past its deadline) drops its queued work.
+        cancel = {"on_cancel": context.add_callback} if self._cancellable else {}
+        try:
+            prediction = self._core.predict(
+                request.model_name,
+                request.model_version or None,
+                decoded.inputs,
+                protocol="grpc",
+                timeout=timeout,
+                **cancel,
+            )
+        except futures.CancelledError:
+            # The call is over (the core counted it as cancelled): gRPC sends nothing more.
+            return V2.ModelInferResponse()
         return codec.encode_grpc_response(prediction, decoded)
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:

@@ -422,6 +422,16 @@ def create_app(
     async def in_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs))
 
+    # A core that counts requests refused before they reach it (PredictionService) is told
+    # of bodies that could not be read or decoded.
+    record_rejected = getattr(core, "record_rejected", None)
+
+    def rejected(name: str, error: BaseException) -> Response:
+        """The answer to a prediction request refused before it reached the core, counted."""
+        if record_rejected is not None:
+            record_rejected("http", name, error)
+        return error_response(error)
+
     # Every GET route answers HEAD too (RFC 9110 9.1; probes and load balancers use it). The
     # OpenAPI document lists the GETs only: see _openapi_without_head.
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
@@ -508,7 +518,10 @@ def create_app(
     def infer_sync(
         name: str, version: str | None, body: bytes, header_length: str | None
     ) -> Response:
-        request = codec.decode_http_request(body, header_length)
+        try:
+            request = codec.decode_http_request(body, header_length)
+        except Exception as error:
+            return rejected(name, error)
         prediction = core.predict(
             name, version, request.inputs, protocol="http", timeout=request.timeout
         )
@@ -523,7 +536,10 @@ def create_app(
     ) -> Response:
         try:
             if predict_async is not None and len(body) <= SMALL_BODY_BYTES:
-                decoded = codec.decode_http_request(body, header_length)
+                try:
+                    decoded = codec.decode_http_request(body, header_length)
+                except Exception as error:
+                    return rejected(name, error)
                 prediction = await predict_async(
                     name,
                     _version(version),
@@ -540,12 +556,19 @@ def create_app(
         try:
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
-            return error_response(error)
+            return rejected(name, error)
         header_length = ", ".join(request.headers.getlist(codec.HEADER_LENGTH)) or None
         return await infer_body(body, header_length, name, version)
 
     # The same handler without FastAPI's routing and request objects (see InferFastPath).
-    app.state.infer_handler = InferHandler(infer_body, max_body_bytes, max_decompressed_bytes)
+    app.state.infer_handler = InferHandler(
+        infer_body,
+        max_body_bytes,
+        max_decompressed_bytes,
+        record_rejected=None
+        if record_rejected is None
+        else functools.partial(record_rejected, "http"),
+    )
 
     @app.post(
         "/v2/models/{name}/infer",
@@ -566,7 +589,10 @@ def create_app(
         return await infer(request, name, version)
 
     def predict_sync(name: str, body: bytes) -> Response:
-        instances = codec.decode_instances(body)
+        try:
+            instances = codec.decode_instances(body)
+        except Exception as error:
+            return rejected(name, error)
         prediction = core.predict_instances(name, instances, protocol="http")
         return Response(codec.encode_instances_response(prediction), media_type=JSON)
 
@@ -579,6 +605,9 @@ def create_app(
     async def post_predict(request: Request, name: str) -> Response:
         try:
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
+        except Exception as error:
+            return rejected(name, error)
+        try:
             return await in_thread(predict_sync, name, body)
         except Exception as error:
             return error_response(error)
@@ -637,11 +666,15 @@ def create_app(
 @dataclass(frozen=True)
 class InferHandler:
     """What the infer routes do after reading the body: ``handle(body, header_length, name,
-    version) -> Response`` (never raises: errors become their ``{"error": ...}`` answers)."""
+    version) -> Response`` (never raises: errors become their ``{"error": ...}`` answers).
+    ``record_rejected(name, error)``, when given, counts a request for model ``name`` refused
+    before ``handle`` (its body or head could not be read, or was too large) as the core
+    counts the requests it refuses."""
 
     handle: Callable[[bytes, str | None, str, str | None], Awaitable[Response]]
     max_body_bytes: int
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+    record_rejected: Callable[[str, BaseException], None] | None = None
 
 
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -706,6 +739,8 @@ class InferFastPath:
                 self.handler.max_decompressed_bytes,
             )
         except Exception as error:
+            if self.handler.record_rejected is not None:
+                self.handler.record_rejected(name, error)
             return error_response(error)
         return await self.handler.handle(body, header(_HEADER_LENGTH_KEY), name, version)
 

@@ -41,6 +41,12 @@ import orjson
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from embedding_store.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RecserveError,
+)
 from serving.http_app import InferHandler, error_response
 
 #: The most bytes a request line plus headers may take (431 above it).
@@ -52,6 +58,13 @@ _INFER_PATH = re.compile(rb"/v2/models/([^/?%]+)(?:/versions/([^/?%]+))?/infer")
 _HEADER_LENGTH = b"inference-header-content-length"
 # Request headers that send a request down the ASGI path (it handles them in full).
 _NOT_FAST = frozenset((b"content-encoding", b"transfer-encoding", b"expect", b"upgrade"))
+#: The error class a refusal of this layer is counted as (outcome label of an infer request):
+#: these statuses are the HTTP layer's own, with no class of their own in the error table.
+_REFUSED_AS: dict[int, type[RecserveError]] = {
+    400: InvalidArgumentError,  # malformed HTTP
+    408: DeadlineExceededError,  # not all in within the read timeout
+    431: CapacityError,  # head too large
+}
 
 
 class _NoEvent:
@@ -169,10 +182,13 @@ def infer_protocol(
             self.reject(400, msg)
 
         def reject(self, status: int, message: str) -> None:
-            """Answer ``status`` with ``{"error": message}`` and close the connection."""
-            self.reading_since = None
+            """Answer ``status`` with ``{"error": message}`` and close the connection. An
+            infer request cut short this way is counted as refused (``record_rejected``)."""
+            in_request, self.reading_since = self.reading_since is not None, None
             if self.transport.is_closing():
                 return
+            if in_request and handler.record_rejected is not None:
+                self._count_refused(status, message)
             body = orjson.dumps({"error": message})
             content: list[bytes] = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
@@ -185,6 +201,12 @@ def infer_protocol(
             )
             self.transport.write(b"".join(content))
             self.transport.close()
+
+        def _count_refused(self, status: int, message: str) -> None:
+            match = _INFER_PATH.fullmatch(getattr(self, "url", b"").partition(b"?")[0])
+            refused_as = _REFUSED_AS.get(status)
+            if match is not None and refused_as is not None and handler.record_rejected:
+                handler.record_rejected(match[1].decode("latin-1"), refused_as(message))
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

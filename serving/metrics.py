@@ -8,7 +8,47 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from embedding_store.rpc_metrics import LATENCY_BUCKETS
+#: Histogram buckets (seconds) of the server's own latencies (request, queue, lookup, compute):
+#: a batch-1 request is ~100 us and a merged batch's model call tens of us, so the buckets
+#: start at 25 us (the RPC buckets of embedding_store.rpc_metrics start at 0.5 ms, where
+#: nearly every compute sample fell into the first bucket).
+SERVING_LATENCY_BUCKETS = (
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+#: The protocols whose request series exist from start-up (and from each reload) at 0.
+PROTOCOLS = ("http", "grpc")
+#: The outcomes whose request series exist at 0 for the served version: what most requests
+#: end as (success, the usual 4xx / 5xx classes, a client that went away, an unexpected 500).
+#: A rarer outcome's series appears with its first request.
+COMMON_OUTCOMES = (
+    "ok",
+    "InvalidArgumentError",
+    "CapacityError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "cancelled",
+    "error",
+)
+#: The outcomes of ``recserve_reloads_total``, both present from start-up.
+RELOAD_OUTCOMES = ("ok", "failed")
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -29,27 +69,28 @@ class ServingMetrics:
         )
         self.request_latency = Histogram(
             "recserve_request_latency_seconds",
-            "Time from a request reaching the core to its answer.",
+            "Time from a request reaching the core to its answer (requests refused before, "
+            "e.g. undecodable, are counted in recserve_requests_total only).",
             ["protocol"],
-            buckets=LATENCY_BUCKETS,
+            buckets=SERVING_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_latency = Histogram(
             "recserve_queue_latency_seconds",
             "Time a request waited for the dynamic batcher.",
-            buckets=LATENCY_BUCKETS,
+            buckets=SERVING_LATENCY_BUCKETS,
             registry=r,
         )
         self.compute_latency = Histogram(
             "recserve_compute_latency_seconds",
             "Dense model time per merged batch.",
-            buckets=LATENCY_BUCKETS,
+            buckets=SERVING_LATENCY_BUCKETS,
             registry=r,
         )
         self.lookup_latency = Histogram(
             "recserve_embedding_lookup_latency_seconds",
             "Embedding lookup time per merged batch.",
-            buckets=LATENCY_BUCKETS,
+            buckets=SERVING_LATENCY_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(
@@ -79,6 +120,8 @@ class ServingMetrics:
         self.reloads = Counter(
             "recserve_reloads", "Checkpoint reloads by outcome.", ["outcome"], registry=r
         )
+        for outcome in RELOAD_OUTCOMES:  # at 0: the first failed reload shows in increase()
+            self.reloads.labels(outcome)
         self.model_info = Gauge(
             "recserve_model_info",
             "The served model version (value 1).",

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from serving import tensors
 from serving.batcher import BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
 from serving.loop_batcher import LoopBatcher
-from serving.metrics import ServingMetrics
+from serving.metrics import COMMON_OUTCOMES, PROTOCOLS, ServingMetrics
 from serving.model import LoadedModel, error_summary
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,15 @@ UNKNOWN_MODEL_LABEL = "unknown"
 
 #: The longest a request waits for its answer, whatever deadline it asks for (one day).
 MAX_WAIT_SECONDS = 24 * 3600.0
+
+#: A call that its front end reports gone within this many seconds of its deadline is
+#: counted as past its deadline (DeadlineExceededError), not as cancelled by its client:
+#: gRPC ends a call at the client's deadline, a hair before the core's own wait runs out.
+_DEADLINE_SLACK_SECONDS = 0.005
+
+#: What a front end passes as ``on_cancel``: it registers a callback to run once the call
+#: ends (gRPC's ``ServicerContext.add_callback``) and returns False if it already has.
+CancelHook = Callable[[Callable[[], None]], bool]
 
 
 def _deadline(wait: float) -> DeadlineExceededError:
@@ -87,6 +96,15 @@ class PredictionService:
         # Labelled metric children by label values: labels() costs ~1 us a call, per request.
         self._request_counters: dict[tuple[str, str, str, str], Any] = {}
         self._request_latencies: dict[str, Any] = {}
+        # Versions whose request series may exist: the served one, and a replaced one until
+        # _forget_version. A series is only created (never on the per-request path: the
+        # children are cached) under this lock for a live version, so a request answered by
+        # a replaced version and counted after its series were removed cannot bring them
+        # back for good.
+        self._series_lock = threading.Lock()
+        self._live_versions: set[str] = set()
+        with self._series_lock:
+            self._create_series(model.version)
         self._accepting = True
         self._reload_lock = threading.Lock()
         self.last_reload_error: str | None = None
@@ -303,13 +321,24 @@ class PredictionService:
         *,
         protocol: str,
         timeout: float | None = None,
+        on_cancel: CancelHook | None = None,
     ) -> Prediction:
         """Predictions for named input tensors (IDs int/uint [batch] or jagged with
         ``<name>.lengths``; dense float32 [batch, ...]) from any thread: validated, merged with
         concurrent requests by the dispatcher thread, answered as float32 [batch, 1]. Waits
-        ``timeout`` seconds at most (default: the server's)."""
+        ``timeout`` seconds at most (default: the server's).
+
+        ``on_cancel`` (:data:`CancelHook`, gRPC's ``context.add_callback``) tells the core when
+        the caller is gone: a request still queued then is dropped before its merged batch
+        runs, and one not answered yet is counted as ``cancelled`` and raises
+        :class:`concurrent.futures.CancelledError` (nobody is left to answer)."""
         return self._predict(
-            name, version, self._tensor_builder(inputs), protocol=protocol, timeout=timeout
+            name,
+            version,
+            self._tensor_builder(inputs),
+            protocol=protocol,
+            timeout=timeout,
+            on_cancel=on_cancel,
         )
 
     def _tensor_builder(self, inputs: Mapping[str, np.ndarray]) -> Callable[[LoadedModel], Batch]:
@@ -385,10 +414,12 @@ class PredictionService:
         version: str | None,
         build: Callable[[LoadedModel], Batch],
         timeout: float | None,
-    ) -> tuple[Batch, Future, float]:
-        """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s)."""
+    ) -> tuple[Batch, Future, float, float]:
+        """Validate, build the batch, queue it: (batch, future of BatchOutcome, wait s, its
+        monotonic deadline)."""
         batch, wait = self._prepare(name, version, build, timeout)
-        return batch, self._batcher.submit(batch, deadline=time.monotonic() + wait), wait
+        deadline = time.monotonic() + wait
+        return batch, self._batcher.submit(batch, deadline=deadline), wait, deadline
 
     def _loop_batcher(self) -> LoopBatcher:
         loop = asyncio.get_running_loop()
@@ -423,14 +454,56 @@ class PredictionService:
             unknown_ids=_share(merged_unknown, own_ids, merged_ids),
         )
 
-    def _record(self, protocol: str, name: str, version: str, outcome: str, started: float) -> None:
+    def _create_series(self, version: str) -> None:
+        """Make ``version`` live and its common request series (:data:`PROTOCOLS` x
+        :data:`COMMON_OUTCOMES`, served model name) exist at 0: a series born at 1 is
+        invisible to ``increase()`` / ``rate()``. The caller holds ``_series_lock``."""
+        self._live_versions.add(version)
+        for protocol in PROTOCOLS:
+            for outcome in COMMON_OUTCOMES:
+                key = (protocol, self.name, version, outcome)
+                if key not in self._request_counters:
+                    self._request_counters[key] = self.metrics.requests.labels(*key)
+
+    def _new_counter(self, key: tuple[str, str, str, str]) -> Any:
+        """The counter child of ``key``, created and cached; None when its version is no
+        longer live (the sample is dropped rather than recreate a forgotten series)."""
+        with self._series_lock:
+            counter = self._request_counters.get(key)
+            if counter is None:
+                if key[2] not in self._live_versions:
+                    return None
+                counter = self._request_counters[key] = self.metrics.requests.labels(*key)
+            return counter
+
+    def _count(self, protocol: str, name: str, version: str, outcome: str) -> None:
         # The name comes from the client: only the served one becomes a label value, so
         # requests to made-up names cannot grow the metrics without bound.
         key = (protocol, name if name == self.name else UNKNOWN_MODEL_LABEL, version, outcome)
         counter = self._request_counters.get(key)
-        if counter is None:  # a race only looks the same child up twice
-            counter = self._request_counters[key] = self.metrics.requests.labels(*key)
+        if counter is None:
+            counter = self._new_counter(key)
+            if counter is None:
+                return
+        # A child that _forget_version removed meanwhile is counted but no longer exported.
         counter.inc()
+
+    def record_rejected(self, protocol: str, name: str, error: BaseException) -> None:
+        """Count a request that its front end refused before it reached the core (a body
+        that cannot be read or decoded, too large, bad tensors): outcome is the error's class
+        name (``error`` for an unexpected one), version the served one. It is not timed
+        (``recserve_request_latency_seconds`` starts when a request reaches the core)."""
+        outcome = type(error).__name__ if isinstance(error, RecserveError) else "error"
+        self._count(protocol, name, self._model.version, outcome)
+
+    def _record(self, protocol: str, name: str, version: str, outcome: str, started: float) -> None:
+        # _count, inline: this runs for every request.
+        key = (protocol, name if name == self.name else UNKNOWN_MODEL_LABEL, version, outcome)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._new_counter(key)
+        if counter is not None:
+            counter.inc()
         latency = self._request_latencies.get(protocol)
         if latency is None:
             latency = self._request_latencies[protocol] = self.metrics.request_latency.labels(
@@ -450,6 +523,9 @@ class PredictionService:
         except RecserveError as error:
             outcome = type(error).__name__
             raise
+        except CancelledError:  # its caller is gone (a gRPC call cancelled by its client)
+            outcome = "cancelled"
+            raise
         finally:
             version = answered[0].model_version if answered else self._model.version
             self._record(protocol, name, version, outcome, started)
@@ -462,14 +538,36 @@ class PredictionService:
         *,
         protocol: str,
         timeout: float | None,
+        on_cancel: CancelHook | None = None,
     ) -> Prediction:
         with self._recorded(protocol, name) as answered:
-            batch, future, wait = self._begin(name, version, build, timeout)
+            batch, future, wait, deadline = self._begin(name, version, build, timeout)
+            gone: list[float] = []
+            if on_cancel is not None:
+
+                def give_up() -> None:
+                    # Runs when the call ends: after the answer (the future is done and this
+                    # does nothing) or when its client cancelled it or its deadline passed.
+                    if not future.done():
+                        gone.append(time.monotonic())
+                        future.cancel()  # skipped by the dispatcher if not running yet
+
+                if not on_cancel(give_up):
+                    give_up()  # already over
             try:
                 result: BatchOutcome = future.result(timeout=wait)
             except TimeoutError:
                 future.cancel()
                 raise _deadline(wait) from None
+            except CancelledError:
+                if not gone:
+                    raise
+            if gone:
+                # The call ended before its answer (which, if computed, nobody takes): at its
+                # deadline, or cancelled by its client (counted as "cancelled").
+                if gone[0] >= deadline - _DEADLINE_SLACK_SECONDS:
+                    raise _deadline(wait)
+                raise CancelledError
             answered.append(self._answer(batch, result))
         return answered[0]
 
@@ -542,7 +640,9 @@ class PredictionService:
                 self.last_reload_error = error.message
                 log.error("reload failed, still serving %s: %s", old.version, error.message)
                 raise
-            self._model = new
+            with self._series_lock:  # one step for _forget_version of a reload before
+                self._create_series(new.version)  # at 0 before its first request
+                self._model = new
             # The new model lives as long as the old one did: keep it out of collections too
             # (no collection first: that would stall every request for ~100 ms).
             freeze_long_lived_objects(collect=False)
@@ -565,12 +665,17 @@ class PredictionService:
 
     def _forget_version(self, version: str) -> None:
         """Drop the request counters of a version no longer served: one series per version
-        and outcome would otherwise pile up over a server's life of reloads."""
-        for key in list(self._request_counters):
-            if key[2] == version:
-                self._request_counters.pop(key, None)
-                with contextlib.suppress(KeyError):
-                    self.metrics.requests.remove(*key)
+        and outcome would otherwise pile up over a server's life of reloads. A request of
+        that version counted later is dropped, never recreating them (_new_counter)."""
+        with self._series_lock:
+            if version == self._model.version:  # served again (a burst of reloads)
+                return
+            self._live_versions.discard(version)
+            for key in list(self._request_counters):
+                if key[2] == version:
+                    self._request_counters.pop(key, None)
+                    with contextlib.suppress(KeyError):
+                        self.metrics.requests.remove(*key)
 
     def _load_for_reload(self, checkpoint_dir: str | None) -> LoadedModel:
         """The loader's model, or CheckpointError: a checkpoint that passes verification can

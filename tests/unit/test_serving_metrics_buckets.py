@@ -1,0 +1,116 @@
+"""Metrics that exist before their first sample and latency buckets that resolve the
+prediction server's latencies (tens of microseconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from embedding_store.ps_service import ParameterServerMetrics
+from embedding_store.rpc_metrics import LATENCY_BUCKETS
+from embedding_store.worker_service import EmbeddingWorkerMetrics
+from serving.metrics import ServingMetrics
+
+SERVER_BUCKETS = [
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    float("inf"),
+]
+
+
+def _bounds(registry, name: str) -> list[float]:
+    (family,) = [m for m in registry.collect() if m.name == name]
+    return [
+        float(s.labels["le"])
+        for s in family.samples
+        if s.name == f"{name}_bucket" and s.labels.get("protocol", "http") == "http"
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "recserve_compute_latency_seconds",
+        "recserve_queue_latency_seconds",
+        "recserve_embedding_lookup_latency_seconds",
+        "recserve_request_latency_seconds",
+    ],
+)
+def test_server_latencies_have_buckets_from_25_microseconds(name):
+    metrics = ServingMetrics()
+    metrics.request_latency.labels("http")
+    assert _bounds(metrics.registry, name) == SERVER_BUCKETS
+
+
+def test_a_40_microsecond_compute_is_told_from_a_400_microsecond_one():
+    metrics = ServingMetrics()
+    metrics.compute_latency.observe(0.00004)
+    metrics.compute_latency.observe(0.0004)
+    bucket = metrics.registry.get_sample_value
+    name = "recserve_compute_latency_seconds_bucket"
+    assert bucket(name, {"le": "2.5e-05"}) == 0.0
+    assert bucket(name, {"le": "5e-05"}) == 1.0
+    assert bucket(name, {"le": "0.00025"}) == 1.0
+    assert bucket(name, {"le": "0.0005"}) == 2.0
+
+
+def test_rpc_latencies_keep_their_long_buckets():
+    assert LATENCY_BUCKETS[0] == 0.0005 and LATENCY_BUCKETS[-1] == 120.0
+    metrics = ParameterServerMetrics(0, 1)
+    metrics.latency.labels("Dump")
+    bounds = _bounds(metrics.registry, "recserve_ps_rpc_latency_seconds")
+    assert bounds == [*LATENCY_BUCKETS, float("inf")]
+
+
+def test_reload_outcomes_exist_at_zero():
+    sample = ServingMetrics().registry.get_sample_value
+    assert sample("recserve_reloads_total", {"outcome": "ok"}) == 0.0
+    assert sample("recserve_reloads_total", {"outcome": "failed"}) == 0.0
+
+
+CODES = ["INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL"]
+PS_METHODS = [
+    "Lookup",
+    "Update",
+    "Configure",
+    "Dump",
+    "Load",
+    "ExportRows",
+    "ImportRows",
+    "Clear",
+    "Status",
+]
+WORKER_METHODS = ["Lookup", "Backward", "Flush", "Configure", "Dump", "Load", "Clear", "Status"]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "name", "methods"),
+    [
+        (lambda: ParameterServerMetrics(0, 1), "recserve_ps_rpc_errors", PS_METHODS),
+        (EmbeddingWorkerMetrics, "recserve_worker_rpc_errors", WORKER_METHODS),
+    ],
+)
+def test_rpc_error_series_exist_at_zero_for_every_method(metrics, name, methods):
+    registry = metrics().registry
+    (family,) = [m for m in registry.collect() if m.name == name]
+    series = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for s in family.samples
+        if s.name == f"{name}_total"
+    }
+    assert series == {(method, code): 0.0 for method in methods for code in CODES}
