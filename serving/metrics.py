@@ -1,12 +1,28 @@
-"""Prometheus metrics of the prediction server (one registry per server, promtool-valid)."""
+"""Prometheus metrics of the prediction server (one registry per server, promtool-valid).
+
+The processes of a ``recserve serve --workers N`` server share their ports, so a scrape
+reaches any one of them: they keep their metrics in prometheus_client's multiprocess mode
+(:data:`MULTIPROCESS_VARIABLE`, a fresh directory the parent gives its processes), and each
+answers ``/metrics`` with every process's counters and histograms summed. Gauges combine
+as their help says: pending requests add up, ready and tier serving are their minimum, the
+checkpoint age and version mismatches their maximum.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: Set (by ``serve --workers``) to the directory where each process keeps its metrics.
+MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+#: How often a process of a multi-process server refreshes its computed gauges.
+GAUGE_REFRESH_SECONDS = 1.0
 
 #: Histogram buckets (seconds) of the server's own latencies (request, queue, lookup, compute):
 #: a batch-1 request is ~100 us and a merged batch's model call tens of us, so the buckets
@@ -61,6 +77,10 @@ class ServingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        #: The shared directory of a multi-process server, or None (one process).
+        self.multiprocess_directory = os.environ.get(MULTIPROCESS_VARIABLE) or None
+        self._computed: list[tuple[Gauge, Callable[[], float]]] = []
+        self._served: tuple[str, str] | None = None
         self.requests = Counter(
             "recserve_requests",
             "Prediction requests by protocol, model, version and outcome.",
@@ -101,8 +121,9 @@ class ServingMetrics:
         )
         self.pending = Gauge(
             "recserve_pending_requests",
-            "Requests queued or being computed.",
+            "Requests queued or being computed (all processes together).",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.ids = Counter(
             "recserve_ids_looked_up", "IDs looked up in the embedding tier.", registry=r
@@ -124,37 +145,86 @@ class ServingMetrics:
             self.reloads.labels(outcome)
         self.model_info = Gauge(
             "recserve_model_info",
-            "The served model version (value 1).",
+            "The served model version (value 1; 0 for a version no process serves now).",
             ["model", "version"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.checkpoint_age = Gauge(
             "recserve_checkpoint_age_seconds",
-            "Seconds since the served checkpoint was written.",
+            "Seconds since the served checkpoint was written (the oldest of all processes).",
             registry=r,
+            multiprocess_mode="livemax",
         )
-        self.ready = Gauge("recserve_ready", "1 when the server is ready.", registry=r)
+        self.ready = Gauge(
+            "recserve_ready", "1 when the server (every process) is ready.", registry=r,
+            multiprocess_mode="livemin",
+        )  # fmt: skip
         self.tier_serving = Gauge(
             "recserve_embedding_tier_serving",
             "1 when every embedding shard answered and served at the last check (every 2 s).",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.tier_version_mismatch = Gauge(
             "recserve_embedding_tier_version_mismatch",
             "Embedding shards whose rows come from another embedding checkpoint than the "
             "served model's, at the last check (0 when they all match or do not say).",
             registry=r,
+            multiprocess_mode="livemax",
         )
+        if self.multiprocess_directory is not None:
+            threading.Thread(
+                target=self._refresh_forever, name="metrics-refresh", daemon=True
+            ).start()
+
+    def track(self, gauge: Gauge, value: Callable[[], float]) -> None:
+        """``gauge`` reads ``value()``: at each scrape, or (several processes, where a scrape
+        reads the values the processes stored) every :data:`GAUGE_REFRESH_SECONDS`."""
+        if self.multiprocess_directory is None:
+            gauge.set_function(value)
+        else:
+            self._computed.append((gauge, value))
+            gauge.set(float(value()))
 
     def track_pending(self, pending: Callable[[], int]) -> None:
-        self.pending.set_function(lambda: float(pending()))
+        self.track(self.pending, lambda: float(pending()))
 
     def track_checkpoint(self, created_unix: Callable[[], float]) -> None:
-        self.checkpoint_age.set_function(lambda: max(0.0, time.time() - created_unix()))
+        self.track(self.checkpoint_age, lambda: max(0.0, time.time() - created_unix()))
 
     def set_model(self, model: str, version: str) -> None:
-        self.model_info.clear()
+        if self.multiprocess_directory is None:
+            self.model_info.clear()
+        elif self._served is not None:  # stored values cannot be removed: 0 says "not now"
+            self.model_info.labels(*self._served).set(0)
         self.model_info.labels(model=model, version=version).set(1)
+        self._served = (model, version)
+
+    def forget(self, counter: Counter, labels: tuple[str, ...]) -> None:
+        """Remove one labelled series (one process; several keep what they stored)."""
+        if self.multiprocess_directory is None:
+            with contextlib.suppress(KeyError):
+                counter.remove(*labels)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_directory is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        self._refresh()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_directory)
+        return generate_latest(registry)
+
+    def _refresh(self) -> None:
+        for gauge, value in self._computed:
+            gauge.set(float(value()))
+
+    def _refresh_forever(self) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_SECONDS)
+            try:
+                self._refresh()
+            except Exception:  # a value read mid-reload: the next round gets it
+                continue

@@ -10,8 +10,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +35,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects
-from serving.metrics import CONTENT_TYPE
+from serving.metrics import CONTENT_TYPE, MULTIPROCESS_VARIABLE
 from serving.model import LoadedModel, load_model
 from serving.service import PredictionService
 
@@ -385,8 +389,6 @@ def serve_processes(options: ServeOptions) -> int:
     the OOM killer) stops the others, so the whole server exits non-zero and its supervisor
     (Kubernetes, compose, honcho) restarts it rather than it running on with fewer cores.
     Returns the worst exit code (128 + N for a process killed by signal N)."""
-    import subprocess
-    import sys
 
     fixed = dataclasses.replace(
         options,
@@ -405,7 +407,24 @@ def serve_processes(options: ServeOptions) -> int:
     environment = dict(os.environ)
     if options.admin_token is not None:
         environment[ADMIN_TOKEN_VARIABLE] = options.admin_token
-    children = [subprocess.Popen(command, env=environment) for _ in range(options.workers)]
+    # A scrape of /metrics reaches one process: they share their metrics through files in a
+    # directory of this run's own (stale files of an earlier run would count again).
+    metrics_directory = tempfile.mkdtemp(prefix="recserve-metrics-")
+    environment[MULTIPROCESS_VARIABLE] = metrics_directory
+    try:
+        return _supervise(
+            [subprocess.Popen(command, env=environment) for _ in range(options.workers)],
+            metrics_directory,
+        )
+    finally:
+        shutil.rmtree(metrics_directory, ignore_errors=True)
+
+
+def _supervise(children: list[subprocess.Popen], metrics_directory: str) -> int:
+    """Forward SIGTERM/SIGINT to ``children``, stop them all when one exits unasked; the
+    worst exit code (see :func:`serve_processes`)."""
+    from prometheus_client import multiprocess
+
     stopping = threading.Event()
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -417,7 +436,12 @@ def serve_processes(options: ServeOptions) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
     crashed: subprocess.Popen | None = None
+    dead: set[int] = set()
     while any(child.poll() is None for child in children):
+        for child in children:
+            if child.returncode is not None and child.pid not in dead:
+                dead.add(child.pid)  # its live gauges (ready, pending) no longer count
+                multiprocess.mark_process_dead(child.pid, metrics_directory)
         if crashed is None and not stopping.is_set():
             crashed = next((c for c in children if c.returncode is not None), None)
             if crashed is not None:

@@ -125,18 +125,20 @@ class PredictionService:
         self.metrics.track_pending(lambda: self.pending)
         self.metrics.track_checkpoint(lambda: self._model.created_unix)
         self.metrics.set_model(self.name, model.version)
-        self.metrics.ready.set_function(lambda: 1.0 if self.ready() else 0.0)
+        self.metrics.track(self.metrics.ready, lambda: 1.0 if self.ready() else 0.0)
         # The embedding tier is checked in the background (a probe never waits on a slow
         # peer) for a metric and the log, not for readiness: every server shares the tier, so
         # a restarting shard would take every server out of its Service at once, including
         # those that answer with default vectors (--fallback-policy default). Requests that
         # reach a shard that cannot serve fail naming it instead. Start-up waits for the tier.
         self._tier_ok = True
-        self.metrics.tier_serving.set_function(lambda: 1.0 if self._tier_ok else 0.0)
+        self.metrics.track(self.metrics.tier_serving, lambda: 1.0 if self._tier_ok else 0.0)
         self.last_tier_error: str | None = None
         # Shards whose rows are another checkpoint's than the model's (index -> version).
         self._foreign_versions: dict[int, str] = {}
-        self.metrics.tier_version_mismatch.set_function(lambda: len(self._foreign_versions))
+        self.metrics.track(
+            self.metrics.tier_version_mismatch, lambda: float(len(self._foreign_versions))
+        )
         self._stop_checks = threading.Event()
         self._tier_checker = threading.Thread(
             target=self._check_tier, args=(tier_check_seconds,), name="tier-check", daemon=True
@@ -674,8 +676,7 @@ class PredictionService:
             for key in list(self._request_counters):
                 if key[2] == version:
                     self._request_counters.pop(key, None)
-                    with contextlib.suppress(KeyError):
-                        self.metrics.requests.remove(*key)
+                    self.metrics.forget(self.metrics.requests, key)
 
     def _load_for_reload(self, checkpoint_dir: str | None) -> LoadedModel:
         """The loader's model, or CheckpointError: a checkpoint that passes verification can

@@ -85,6 +85,30 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
                     answers.append(client.predict(batch).predictions)
         for answer in answers[1:]:
             np.testing.assert_allclose(answer, answers[0], rtol=0, atol=1e-6)
+        # A scrape reaches one process, whichever the kernel picks: each answers with every
+        # process's counts, so no scrape misses the other's 10 answers or goes backwards.
+        for _ in range(6):
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics") as scrape:
+                text = scrape.read().decode()
+            for protocol in ("http", "grpc"):
+                ok = re.search(
+                    rf'recserve_requests_total\{{[^}}]*outcome="ok"[^}}]*protocol="{protocol}"'
+                    r"[^}]*\} ([0-9.e+]+)",
+                    text,
+                ) or re.search(
+                    rf'recserve_requests_total\{{[^}}]*protocol="{protocol}"[^}}]*outcome="ok"'
+                    r"[^}]*\} ([0-9.e+]+)",
+                    text,
+                )
+                assert ok is not None and float(ok.group(1)) == 10.0, text
+            assert re.search(r"^recserve_ready 1\.0$", text, re.M), text
+            assert re.search(r"^recserve_pending_requests 0\.0$", text, re.M), text
+            assert re.search(r"^recserve_batch_size_count 20\.0$", text, re.M), text
+        metrics_directory = re.search(
+            rb"PROMETHEUS_MULTIPROC_DIR=([^\0]+)\0",
+            Path(f"/proc/{children[0]}/environ").read_bytes(),
+        ).group(1)
+        assert Path(metrics_directory.decode()).is_dir()
         # A reload would reach one process of the two: refused, saying what to do instead.
         reload = urllib.request.Request(
             f"http://127.0.0.1:{http_port}/admin/reload", data=b"{}", method="POST"
@@ -108,6 +132,7 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
         assert "Traceback" not in second.stderr
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 0
+        assert not Path(metrics_directory.decode()).exists()  # this run's, removed with it
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)  # the group this test started
