@@ -157,6 +157,7 @@ class DynamicBatcher:
         self._queue: queue.Queue[_Request | None] = queue.Queue(maxsize=max_queue_size)
         self._on_batch = on_batch
         self._accepting = True
+        self._closing = False  # close() called: queued requests fail rather than run
         self._in_flight = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -239,6 +240,12 @@ class DynamicBatcher:
                 )
             else:
                 live.append(request)
+        if self._closing:  # the drain gave up on them: answer now rather than run late
+            for request in live:
+                request.future.set_exception(
+                    UnavailableError("the server stopped before this request's batch ran")
+                )
+            live = []
         expired = len(requests) - len(live)
         if expired:
             self._finished(expired)
@@ -277,6 +284,9 @@ class DynamicBatcher:
         return True
 
     def close(self) -> None:
+        """Stop: requests still queued (a drain that gave up) fail with UnavailableError;
+        the batch running now is not waited for (the service waits for it)."""
         self._accepting = False
+        self._closing = True
         self._queue.put(None)
         self._thread.join(timeout=10)

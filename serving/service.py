@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 #: The ``model`` label of requests that named a model this server does not serve.
 UNKNOWN_MODEL_LABEL = "unknown"
 
+#: How long close() waits for a batch still running before it closes the model anyway.
+CLOSE_WAIT_SECONDS = 5.0
+
 #: The longest a request waits for its answer, whatever deadline it asks for (one day).
 MAX_WAIT_SECONDS = 24 * 3600.0
 
@@ -255,6 +258,15 @@ class PredictionService:
         self._accepting = False
         self._stop_checks.set()
         self._batcher.close()
+        # A batch still running (a slow tier past the drain) must finish before its model's
+        # channels close under it; a hung one is given up on after CLOSE_WAIT_SECONDS.
+        if self._run_lock.acquire(timeout=CLOSE_WAIT_SECONDS):
+            self._run_lock.release()
+        else:
+            log.warning(
+                "closing the model while a batch still runs (%.0f s): it will fail",
+                CLOSE_WAIT_SECONDS,
+            )
         self._model.close()
 
     # ------------------------------------------------------------------ metadata

@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 
 from embedding_store.batch import Batch
+from embedding_store.errors import UnavailableError
 from examples.adult_income import features
 from serving.grpc_frontend import InferenceStub, build_grpc_server
 from serving.http_app import SMALL_BODY_BYTES, InferFastPath, create_app
@@ -328,3 +329,50 @@ def test_a_request_answered_by_a_replaced_version_never_brings_its_series_back(
     finally:
         reloaded.set()
         service.close()
+
+
+def test_closing_waits_for_the_batch_still_running_before_closing_its_model(adult_checkpoint):
+    """A stop whose drain gave up (a slow tier) must not close the model's channels under a
+    batch still running: that batch's request would fail with "closed channel". Requests
+    still queued are answered at once (503: another replica can take them), not run late
+    against a closing model."""
+    service = PredictionService(
+        load_model(adult_checkpoint, name=MODEL, warm_up=False), max_batch_size=2
+    )
+    events: list[str] = []
+    started = threading.Event()
+    run = service._run
+
+    def slow_run(merged: Batch) -> Any:
+        started.set()
+        time.sleep(0.5)
+        result = run(merged)
+        events.append("batch done")
+        return result
+
+    service._run = slow_run  # type: ignore[method-assign]
+    model_close = service.model.close
+    service.model.close = lambda: (events.append("model closed"), model_close())  # type: ignore[method-assign]
+    answers: dict[str, Any] = {}
+
+    def ask(key: str) -> None:
+        try:
+            answers[key] = service.predict(
+                MODEL, None, batch_arrays(_batch(2)), protocol="grpc", timeout=10
+            )
+        except Exception as error:
+            answers[key] = error
+
+    running = threading.Thread(target=ask, args=("running",))
+    running.start()
+    assert started.wait(10)
+    queued = threading.Thread(target=ask, args=("queued",))
+    queued.start()
+    _wait_until(lambda: service.pending == 2, 5, "the second request queued")
+    service.close()
+    running.join(10)
+    queued.join(10)
+    assert events == ["batch done", "model closed"]
+    assert answers["running"].outputs["prediction"].shape == (2, 1)
+    assert isinstance(answers["queued"], UnavailableError)
+    assert "stopped before this request's batch ran" in str(answers["queued"])
