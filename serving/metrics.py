@@ -19,6 +19,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from embedding_store.rpc_metrics import LATENCY_BUCKETS
+
 #: Set (by ``serve --workers``) to the directory where each process keeps its metrics.
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 #: How often a process of a multi-process server refreshes its computed gauges.
@@ -33,20 +35,7 @@ SERVING_LATENCY_BUCKETS = (
     0.00005,
     0.0001,
     0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
+    *(bucket for bucket in LATENCY_BUCKETS if bucket <= 10.0),
 )
 
 #: The protocols whose request series exist from start-up (and from each reload) at 0.
