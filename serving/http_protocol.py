@@ -145,6 +145,7 @@ def infer_protocol(
             self._in_head = False
             self._head_bytes = 0
             self._messages = 0
+            self._cycle_of = 0  # which request (by _messages) self.cycle is for
             self._eof = False
             # Idle until the first request as after a response: uvicorn's keep-alive timer.
             self.timeout_keep_alive_task = self.loop.call_later(
@@ -187,6 +188,11 @@ def infer_protocol(
             in_request, self.reading_since = self.reading_since is not None, None
             if self.transport.is_closing():
                 return
+            if self._answered_already():
+                # The app answered before the body was in (a 405 on a route that takes no
+                # body): a second response would reach the client as an unsolicited one.
+                self.transport.close()
+                return
             if in_request and handler.record_rejected is not None:
                 self._count_refused(status, message)
             body = orjson.dumps({"error": message})
@@ -201,6 +207,15 @@ def infer_protocol(
             )
             self.transport.write(b"".join(content))
             self.transport.close()
+
+        def _answered_already(self) -> bool:
+            """Whether the request coming in now has had its response started."""
+            cycle = self.cycle
+            return (
+                cycle is not None
+                and self._cycle_of == self._messages
+                and (getattr(cycle, "response_started", False) or cycle.response_complete)
+            )
 
         def _count_refused(self, status: int, message: str) -> None:
             match = _INFER_PATH.fullmatch(getattr(self, "url", b"").partition(b"?")[0])
@@ -232,6 +247,7 @@ def infer_protocol(
         # ------------------------------------------------------------ fast infer path
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._cycle_of = self._messages  # the request self.cycle belongs to
             cycle = self._fast_cycle()
             if cycle is None:
                 super().on_headers_complete()

@@ -316,6 +316,18 @@ def test_idle_and_slow_connections_are_closed(server, arrays):
     _assert_serving(server, arrays)
 
 
+def test_a_request_answered_before_its_body_is_in_gets_one_response_only(server, arrays):
+    """A route that takes no body answers at once (405); when the announced body never
+    comes, the connection is closed at the read deadline without a second, unsolicited
+    response (it used to add a 408)."""
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123")
+        raw = _read_until_closed(sock)
+    assert raw.startswith(b"HTTP/1.1 405 ")
+    assert raw.count(b"HTTP/1.1 ") == 1, raw
+    _assert_serving(server, arrays)
+
+
 @pytest.mark.parametrize("path", ["infer", "health"])
 def test_a_client_that_half_closes_after_its_request_gets_the_answer(server, arrays, path):
     if path == "infer":  # the fast path
