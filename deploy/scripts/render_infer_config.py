@@ -23,10 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from embedding_store.config import global_config_from_mapping, load_global_config
-from embedding_store.config.strict import describe_value, read_yaml_mapping
+from embedding_store.config.strict import describe_value, dump_yaml, read_yaml_mapping
 from embedding_store.errors import ConfigError
 
 DEFAULT_BASE = Path(__file__).resolve().parents[1] / "configs" / "global_config.infer.yml"
@@ -95,7 +93,7 @@ def _write(out: Path, data: dict[str, Any], base: Path) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(f"# rendered by {PROG} from {base}\n")
-            yaml.safe_dump(data, f, sort_keys=False)
+            f.write(dump_yaml(data, sort_keys=False))
         load_global_config(tmp)
         os.replace(tmp, out)
     except BaseException:

@@ -44,6 +44,7 @@ __all__ = [
     "ConfigFieldError",
     "LeadingZeroInteger",
     "describe_value",
+    "dump_yaml",
     "from_mapping",
     "join_path",
     "load_yaml",
@@ -360,7 +361,7 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     """Inverse of :func:`from_mapping`: plain dicts, lists, str, int, float, bool and None.
 
     Enums become their values and tuples become lists, so the result is safe for
-    ``yaml.safe_dump`` and JSON, and ``from_mapping(type(obj), to_mapping(obj)) == obj``.
+    :func:`dump_yaml` and JSON, and ``from_mapping(type(obj), to_mapping(obj)) == obj``.
     """
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         raise TypeError(f"to_mapping needs a dataclass instance, got {type(obj).__name__}")
@@ -510,6 +511,29 @@ _TYPE_NAMES[LeadingZeroInteger] = "integer with a leading zero"
 _StrictLoader.add_constructor(_INT_TAG, _construct_int)
 _StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_int)
 _StrictLoader.add_constructor(_FLOAT_TAG, _construct_float)
+
+
+class _StrictDumper(yaml.SafeDumper):
+    """``SafeDumper`` whose plain strings read back as strings under :class:`_StrictLoader`:
+    PyYAML quotes what YAML 1.1 would read as another type, but leaves ``1e6`` or ``0o17``
+    plain, which YAML 1.2 (and this loader) reads as numbers."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    implicit_tag = _StrictLoader.resolve(  # type: ignore[arg-type]  # class attributes only
+        _StrictLoader, yaml.ScalarNode, value, (True, False)
+    )
+    style = "'" if implicit_tag != "tag:yaml.org,2002:str" else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_StrictDumper.add_representer(str, _represent_str)
+
+
+def dump_yaml(data: Any, **options: Any) -> str:
+    """``data`` as YAML text that :func:`read_yaml_mapping` reads back equal (strings that
+    YAML 1.2 would read as numbers are quoted); ``options`` as for ``yaml.dump``."""
+    return yaml.dump(data, Dumper=_StrictDumper, **options)
 
 
 def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -992,3 +992,17 @@ def test_checkpointing_num_workers_is_accepted_and_ignored_with_a_warning(
         if "num_workers:" in line
     )
     assert "no effect" in comment
+
+
+@pytest.mark.parametrize(
+    "text", ["1e6", "0o17", "0x1F", ".5", "-.inf", ".nan", "1.0", "16", "true"]
+)
+def test_dumped_strings_that_look_like_numbers_read_back_as_strings(tmp_path, text):
+    """PyYAML's dumper quotes what YAML 1.1 reads as another type but leaves 1e6 or 0o17
+    plain: the strict (YAML 1.2) loader would read them back as numbers."""
+    from embedding_store.config.strict import dump_yaml, read_yaml_mapping
+
+    data = {"job_name": text, "n": 3, "nested": {"items": [text, 1.5]}}
+    path = tmp_path / "round.yml"
+    path.write_text(dump_yaml(data, sort_keys=False))
+    assert read_yaml_mapping(path) == data

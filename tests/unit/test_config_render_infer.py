@@ -121,3 +121,14 @@ def test_render_keeps_the_base_and_sets_only_the_infer_keys(tmp_path) -> None:
         },
     }
     yaml.safe_dump(data)
+
+
+def test_a_string_that_looks_like_a_number_survives_the_render(tmp_path, capsys) -> None:
+    base = tmp_path / "base.yml"
+    base.write_text("common_config:\n  metrics_config:\n    job_name: '1e6'\n")
+    out = tmp_path / "infer.yml"
+    code, _, err = _render(
+        capsys, "--embedding-checkpoint", "ckpt", "--out", str(out), "--base", str(base)
+    )
+    assert code == 0, err
+    assert load_global_config(out).common_config.metrics_config.job_name == "1e6"
