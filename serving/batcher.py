@@ -283,10 +283,13 @@ class DynamicBatcher:
                 self._idle.wait(remaining)
         return True
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Stop: requests still queued (a drain that gave up) fail with UnavailableError;
-        the batch running now is not waited for (the service waits for it)."""
+        waits up to ``timeout`` s for the dispatcher (and the batch it runs) to end."""
         self._accepting = False
         self._closing = True
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:  # the dispatcher is stuck in a batch: it sees _closing after it
+            return
+        self._thread.join(timeout=timeout)

@@ -33,6 +33,7 @@ import re
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
@@ -721,7 +722,7 @@ class InferFastPath:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise InvalidArgumentError("the client disconnected before sending its body")
+                    raise CancelledError("the client disconnected before sending its body")
                 yield message.get("body", b"")
                 if not message.get("more_body", False):
                     return
@@ -738,6 +739,14 @@ class InferFastPath:
                 self.handler.max_body_bytes,
                 self.handler.max_decompressed_bytes,
             )
+        except CancelledError as gone:
+            # Nobody is left to answer. Counted as cancelled, unless the HTTP layer cut the
+            # request short itself (a 408) and counted it already (it marks the cycle, whose
+            # method ``receive`` is).
+            counted = getattr(getattr(receive, "__self__", None), REFUSED_MARK, False)
+            if self.handler.record_rejected is not None and not counted:
+                self.handler.record_rejected(name, gone)
+            return json_response({"error": str(gone)}, 400)
         except Exception as error:
             if self.handler.record_rejected is not None:
                 self.handler.record_rejected(name, error)
@@ -746,3 +755,7 @@ class InferFastPath:
 
 
 _HEADER_LENGTH_KEY = codec.HEADER_LENGTH.lower().encode("latin-1")
+
+#: Set (True) by the HTTP protocol on a request's ASGI cycle when it cut the request short
+#: and counted it (serving.http_protocol): the app then does not count it a second time.
+REFUSED_MARK = "recserve_refused"

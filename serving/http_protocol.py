@@ -47,7 +47,7 @@ from embedding_store.errors import (
     InvalidArgumentError,
     RecserveError,
 )
-from serving.http_app import InferHandler, error_response
+from serving.http_app import REFUSED_MARK, InferHandler, error_response
 
 #: The most bytes a request line plus headers may take (431 above it).
 MAX_HEAD_BYTES = 64 * 1024
@@ -195,6 +195,10 @@ def infer_protocol(
                 return
             if in_request and handler.record_rejected is not None:
                 self._count_refused(status, message)
+                cycle = self.cycle
+                if self._cycle_of == self._messages and not isinstance(cycle, _FastCycle):
+                    # The app is reading this request's body: it must not count it again.
+                    setattr(cycle, REFUSED_MARK, True)
             body = orjson.dumps({"error": message})
             content: list[bytes] = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:

@@ -294,7 +294,7 @@ class PredictionServer:
         self._stop.set()
 
     def stop(self) -> bool:
-        """Readiness off, drain, stop both servers: all within one grace period (plus ~3 s
+        """Readiness off, drain, stop both servers: all within one grace period (plus ~4 s
         at most to close what is left), so an orchestrator's kill timeout can be sized."""
         self._stop.set()
         deadline = time.monotonic() + self.options.grace_seconds
@@ -319,7 +319,7 @@ class PredictionServer:
                     self._uvicorn.force_exit = True  # close the connections left open
                     self._http_thread.join(timeout=2.0)
         if self.service is not None:
-            self.service.close()
+            self.service.close(wait=max(1.0, remaining()))
         return drained
 
 
@@ -451,7 +451,7 @@ def _supervise(children: list[subprocess.Popen], metrics_directory: str) -> int:
                     crashed.returncode,
                 )
                 forward(signal.SIGTERM, None)
-        stopping.wait(0.2)
+        time.sleep(0.2)  # not stopping.wait(): once set, it would return at once and spin
     codes = [_exit_code(child.returncode) for child in children]
     if crashed is not None and not any(codes):
         return 1  # it exited 0, but nobody asked it to
@@ -476,26 +476,32 @@ def serve(options: ServeOptions) -> int:
     if options.workers > 1:
         return serve_processes(options)
     server = PredictionServer(options)
+    interrupted: list[str] = []
 
     def stop_starting(signum: int, _frame: FrameType | None) -> None:
         server.request_stop()
-        raise _StopDuringStartup(signal.Signals(signum).name)
+        if not interrupted:  # once: a second signal must not interrupt the stop itself
+            interrupted.append(signal.Signals(signum).name)
+            raise _StopDuringStartup(interrupted[0])
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop_starting)
     try:
         server.start()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, server.request_stop)
     except _StopDuringStartup as stop:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, server.request_stop)
         log.info("%s during start-up: stopping", stop)
         server.stop()
         return 0
     except BaseException:
         server.stop()
         raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, server.request_stop)
+    if interrupted:  # the signal came as start() returned, after its last check
+        log.info("%s during start-up: stopping", interrupted[0])
+        server.stop()
+        return 0
     server.wait()
     log.info("stopping: readiness off, draining for up to %.1f s", options.grace_seconds)
     drained = server.stop()

@@ -252,21 +252,19 @@ class PredictionService:
             time.sleep(0.01)
         return True
 
-    def close(self) -> None:
+    def close(self, wait: float = CLOSE_WAIT_SECONDS) -> None:
         """Refuse new requests on every path, stop the background work, close the models
-        (replaced ones are closed by the reload that replaced them)."""
+        (replaced ones are closed by the reload that replaced them). A batch still running
+        (a slow tier, past the drain) gets up to ``wait`` seconds to finish before its
+        model's channels close under it; requests still queued fail (UnavailableError)."""
+        deadline = time.monotonic() + wait
         self._accepting = False
         self._stop_checks.set()
-        self._batcher.close()
-        # A batch still running (a slow tier past the drain) must finish before its model's
-        # channels close under it; a hung one is given up on after CLOSE_WAIT_SECONDS.
-        if self._run_lock.acquire(timeout=CLOSE_WAIT_SECONDS):
+        self._batcher.close(timeout=wait)
+        if self._run_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._run_lock.release()
         else:
-            log.warning(
-                "closing the model while a batch still runs (%.0f s): it will fail",
-                CLOSE_WAIT_SECONDS,
-            )
+            log.warning("closing the model while a batch still runs (after %.1f s)", wait)
         self._model.close()
 
     # ------------------------------------------------------------------ metadata
@@ -505,9 +503,13 @@ class PredictionService:
     def record_rejected(self, protocol: str, name: str, error: BaseException) -> None:
         """Count a request that its front end refused before it reached the core (a body
         that cannot be read or decoded, too large, bad tensors): outcome is the error's class
-        name (``error`` for an unexpected one), version the served one. It is not timed
+        name (``error`` for an unexpected one; ``cancelled`` for a CancelledError, a client
+        gone before its body was in), version the served one. It is not timed
         (``recserve_request_latency_seconds`` starts when a request reaches the core)."""
-        outcome = type(error).__name__ if isinstance(error, RecserveError) else "error"
+        if isinstance(error, CancelledError):  # the client left before sending it all
+            outcome = "cancelled"
+        else:
+            outcome = type(error).__name__ if isinstance(error, RecserveError) else "error"
         self._count(protocol, name, self._model.version, outcome)
 
     def _record(self, protocol: str, name: str, version: str, outcome: str, started: float) -> None:

@@ -158,6 +158,19 @@ def test_requests_refused_before_the_core_are_counted(adult_checkpoint):
             assert raw_exchange(served.http, malformed).startswith(b"HTTP/1.1 400 ")
         slow = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{" % infer.encode()
         assert raw_exchange(served.http, slow).startswith(b"HTTP/1.1 408 ")
+        # The same on the ASGI path (a body too large for the fast one): counted once, as
+        # the 408 it got, not again when the app then finds the client gone.
+        slow_large = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (
+            infer.encode(),
+            SMALL_BODY_BYTES * 4,
+        )
+        assert raw_exchange(served.http, slow_large).startswith(b"HTTP/1.1 408 ")
+        # A client that leaves halfway through its upload: cancelled, as on the fast path.
+        host, port = served.http.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as leaving:
+            leaving.sendall(slow_large + b" " * 1000)
+            time.sleep(0.1)
+        _wait_until(lambda: served.count("http", "cancelled") == 1, 5, "the cancelled count")
         # gRPC: raw contents of the wrong size for their shape, refused while decoding.
         bad = grpc_request(arrays)
         bad.raw_input_contents[0] = b"\0" * 3
@@ -171,7 +184,7 @@ def test_requests_refused_before_the_core_are_counted(adult_checkpoint):
         # Bad JSON x3 (small, large, friendly), no inputs, bad gzip, malformed HTTP.
         assert served.count("http", "InvalidArgumentError") == 6
         assert served.count("http", "CapacityError") == 2  # 413, 431
-        assert served.count("http", "DeadlineExceededError") == 1  # 408
+        assert served.count("http", "DeadlineExceededError") == 2  # 408 x2
         assert served.count("http", "InvalidArgumentError", model="unknown") == 1
         assert served.count("grpc", "InvalidArgumentError") == 1
         assert served.count("http", "ok") == 0 and served.count("grpc", "ok") == 0
@@ -376,3 +389,27 @@ def test_closing_waits_for_the_batch_still_running_before_closing_its_model(adul
     assert answers["running"].outputs["prediction"].shape == (2, 1)
     assert isinstance(answers["queued"], UnavailableError)
     assert "stopped before this request's batch ran" in str(answers["queued"])
+
+
+def test_closing_waits_for_a_batch_running_on_an_event_loop(adult_checkpoint):
+    """Batches of requests decoded on an event loop run outside the dispatcher thread (under
+    the same run lock), so joining the dispatcher does not wait for them: close() must wait
+    for the run lock before it closes the model."""
+    service = PredictionService(load_model(adult_checkpoint, name=MODEL, warm_up=False))
+    events: list[str] = []
+    model_close = service.model.close
+    service.model.close = lambda: (events.append("model closed"), model_close())  # type: ignore[method-assign]
+    holding = threading.Event()
+
+    def loop_batch() -> None:  # what a LoopBatcher's batch does: run under the run lock
+        with service._run_lock:
+            holding.set()
+            time.sleep(0.5)
+            events.append("batch done")
+
+    running = threading.Thread(target=loop_batch)
+    running.start()
+    assert holding.wait(10)
+    service.close()
+    running.join(10)
+    assert events == ["batch done", "model closed"]

@@ -313,12 +313,14 @@ def test_a_stop_during_start_up_ends_it_at_once(adult_checkpoint, tmp_path):
         )  # fmt: skip
     try:
         wait_until(lambda: "waiting up to 120 s" in log.read_text(), "never waited for the tier")
-        server.send_signal(signal.SIGTERM)
         started = time.monotonic()
+        for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):  # impatient: 3 at once
+            server.send_signal(signum)
         assert server.wait(timeout=30) == 0, log.read_text()
         assert time.monotonic() - started < 10
         text = log.read_text()
-        assert "SIGTERM during start-up: stopping" in text
+        # Python runs pending signal handlers by signal number: SIGINT's may come first.
+        assert re.search(r"SIG(TERM|INT) during start-up: stopping", text), text
         assert "listening" not in text and "Traceback" not in text
     finally:
         if server.poll() is None:

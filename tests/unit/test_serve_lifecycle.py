@@ -24,6 +24,13 @@ CHILD = (
 )
 
 
+#: A stand-in that takes 1.5 s to drain after SIGTERM.
+SLOW_CHILD = (
+    "import signal, sys, time; "
+    "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0))); time.sleep(60)"
+)
+
+
 @pytest.fixture
 def fake_children(monkeypatch):
     """serve_processes starts CHILD instead of `recserve serve`; yields (commands, processes)."""
@@ -33,12 +40,14 @@ def fake_children(monkeypatch):
 
     def popen(command, env=None):
         commands.append(command)
-        processes.append(real_popen([sys.executable, "-c", CHILD]))
+        processes.append(real_popen([sys.executable, "-c", child_code[0]]))
         return processes[-1]
+
+    child_code = [CHILD]
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield commands, processes
+    yield commands, processes, child_code
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
     for process in processes:
@@ -60,7 +69,7 @@ def _options() -> ServeOptions:
 def test_a_crashed_server_process_stops_the_others_and_the_server_fails(fake_children):
     """Left alone, a `--workers 2` server whose process died would serve on with half its
     cores and never be restarted: it must stop the other and exit non-zero."""
-    _commands, processes = fake_children
+    _commands, processes, _code = fake_children
     _after(1.0, lambda: os.kill(processes[0].pid, signal.SIGKILL))
     started = time.monotonic()
     assert serve_processes(_options()) == 128 + signal.SIGKILL
@@ -69,14 +78,27 @@ def test_a_crashed_server_process_stops_the_others_and_the_server_fails(fake_chi
 
 
 def test_a_stop_asked_for_is_forwarded_and_a_clean_drain_exits_0(fake_children):
-    _commands, processes = fake_children
+    _commands, processes, _code = fake_children
     _after(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
     assert serve_processes(_options()) == 0
     assert [p.returncode for p in processes] == [0, 0]
 
 
+def test_the_supervisor_sleeps_while_its_processes_drain(fake_children):
+    """Waiting for draining processes must not spin a core they need (it polled flat out
+    once the stop flag was set)."""
+    _commands, _processes, child_code = fake_children
+    child_code[0] = SLOW_CHILD
+    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    cpu = time.process_time()
+    started = time.monotonic()
+    assert serve_processes(_options()) == 0
+    assert time.monotonic() - started >= 1.5  # they drained for 1.5 s
+    assert time.process_time() - cpu < 0.5
+
+
 def test_server_processes_log_at_the_level_given_to_recserve(fake_children):
-    commands, _processes = fake_children
+    commands, _processes, _code = fake_children
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.WARNING)
@@ -107,8 +129,9 @@ def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
             time.sleep(seconds)  # a request stuck in the model all along
             return False
 
-        def close(self) -> None:
+        def close(self, wait: float) -> None:
             calls.append("close")
+            assert 1.0 <= wait <= 1.5  # at least 1 s, however long the drain took
 
     uvicorn = SimpleNamespace(should_exit=False, force_exit=False)
 

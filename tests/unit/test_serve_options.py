@@ -37,6 +37,8 @@ def test_the_admin_token_comes_from_the_flag_a_file_or_the_environment(tmp_path,
         InvalidArgumentError, match=rf"--admin-token-file {secret}: not valid UTF-8"
     ):
         commands._admin_token(_parse("--admin-token-file", str(secret)))
+    secret.write_text("Pa55:w0rd!#2024\n")  # any visible ASCII works in the header
+    assert commands._admin_token(_parse("--admin-token-file", str(secret))) == "Pa55:w0rd!#2024"
     secret.write_text("two words\n")
     with pytest.raises(InvalidArgumentError, match="cannot carry"):
         commands._admin_token(_parse("--admin-token-file", str(secret)))
@@ -60,7 +62,8 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
     ("argv", "problem"),
     [
         (["--admin-token", ""], "--admin-token is empty: an empty bearer token would let any"),
-        (["--admin-token", " padded"], "--admin-token has characters a bearer token cannot"),
+        (["--admin-token", " padded"], "--admin-token has characters an Authorization header"),
+        (["--admin-token", "caf\u00e9"], "--admin-token has characters an Authorization header"),
         (["--model-name", ""], "--model-name '': a model name is 1 to 255 characters"),
         (["--model-name", "a/b"], "--model-name 'a/b': a model name"),
         (["--model-name", "two words"], "--model-name 'two words': a model name"),
@@ -94,7 +97,7 @@ def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(
 def test_sensible_arguments_pass_the_checks():
     args = _parse(
         "--model-name", "adult-income_v2.1", "--http-port", "0", "--grpc-port", "0",
-        "--embedding-ps", "ps-0.ps:7000,ps-1.ps:7000", "--admin-token", "abc-DEF_123.~+/==",
+        "--embedding-ps", "ps-0.ps:7000,ps-1.ps:7000", "--admin-token", "abc-DEF_123.~+/==:!#$",
         "--max-queue-delay-ms", "1", "--request-timeout", "0.5",
     )  # fmt: skip
     assert commands.check_arguments(args) is None
