@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--embedding-workers",
         default="",
-        help="comma-separated embedding-worker addresses (default: embedded, in-process)",
+        help="HOST:PORT of the embedding worker (one; put a Service in front of several) "
+        "(default: embedded, in-process)",
     )
     parser.add_argument(
         "--embedding-ps",

@@ -380,6 +380,15 @@ def load_model(
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
     when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
     A remote embedding worker gets ``startup_timeout`` seconds to report SERVING."""
+    if embedding_workers and embedding_ps:
+        raise InvalidArgumentError(
+            "give embedding_workers or embedding_ps, not both: a model uses one tier"
+        )
+    if embedding_workers and len(embedding_workers) > 1:
+        raise InvalidArgumentError(
+            f"embedding_workers lists {len(embedding_workers)} addresses: a model talks to one "
+            "embedding worker (put a Kubernetes Service in front of several)"
+        )
     manifest = model_checkpoint.read_manifest(checkpoint_dir)
     if manifest.signature is None:
         raise CheckpointError(

@@ -101,3 +101,18 @@ def test_sensible_arguments_pass_the_checks():
         "--max-queue-delay-ms", "1", "--request-timeout", "0.5",
     )  # fmt: skip
     assert commands.check_arguments(args) is None
+
+
+@pytest.mark.parametrize(
+    ("tiers", "problem"),
+    [
+        ({"embedding_workers": ["a:1", "b:2"]}, "embedding_workers lists 2 addresses"),
+        ({"embedding_workers": ["a:1"], "embedding_ps": ["b:2"]}, "not both"),
+    ],
+)
+def test_load_model_refuses_tiers_it_cannot_use(tiers, problem):
+    """The Python API checks what the CLI does: the second address was silently unused."""
+    from serving.model import load_model
+
+    with pytest.raises(InvalidArgumentError, match=problem):
+        load_model("no-such-checkpoint", **tiers)
