@@ -115,4 +115,4 @@ def test_load_model_refuses_tiers_it_cannot_use(tiers, problem):
     from serving.model import load_model
 
     with pytest.raises(InvalidArgumentError, match=problem):
-        load_model("no-such-checkpoint", **tiers)
+        load_model("no-such-checkpoint", name="model", **tiers)
