@@ -15,7 +15,6 @@ import math
 import os
 import queue
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -62,6 +61,7 @@ from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
 from embedding_store.ps_service import format_address
 from embedding_store.rpc_metrics import observed, observed_stream, rpc_metrics
+from embedding_store.stop_signal import StopRequest
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import (
     BackwardStats,
@@ -927,12 +927,14 @@ def _serve(
 ) -> int:
     """Wait for the shards, serve until SIGTERM/SIGINT (re-checking the shards in the
     background for readiness), drain; returns the exit code."""
+    # The handlers only flag the request (StopRequest); the Event, which other threads wait
+    # on, is set from this thread.
+    requested = StopRequest()
+    requested.install()
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
 
     deadline = time.monotonic() + startup_timeout
-    while not stop.is_set():
+    while not requested.requested:
         try:
             tier.verify_shards()
             break
@@ -942,7 +944,7 @@ def _serve(
                 server.stop(0)
                 tier.close()
                 return 1
-            stop.wait(0.2)
+            requested.wait(0.2)
         except RecserveError as error:
             log.error("%s", error.message)
             print(f"embedding worker: error: {error.message}", file=sys.stderr, flush=True)
@@ -951,7 +953,7 @@ def _serve(
             return 1
     readiness = _Readiness(health_servicer)
     watcher = None
-    if not stop.is_set():  # a SIGTERM during the wait: straight to the drain, never SERVING
+    if not requested.requested:  # a SIGTERM during the wait: to the drain, never SERVING
         readiness.start()
         log.info("embedding worker serving %d shard(s): %s", len(shard_addresses), shard_addresses)
         watcher = threading.Thread(
@@ -961,7 +963,8 @@ def _serve(
             daemon=True,
         )
         watcher.start()
-        stop.wait()
+        requested.wait()
+    stop.set()  # the shard watcher's cue
     readiness.shut_down()
     server.stop(grace_seconds).wait()
     if watcher is not None:

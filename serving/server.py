@@ -35,6 +35,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects
+from embedding_store.stop_signal import StopRequest
 from serving.metrics import CONTENT_TYPE, MULTIPROCESS_VARIABLE
 from serving.model import LoadedModel, load_model
 from serving.service import PredictionService
@@ -110,7 +111,8 @@ class PredictionServer:
         self._http_thread: threading.Thread | None = None
         self._grpc = None
         self._health = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set from the main thread: the watcher's cue
+        self._stop_request = StopRequest()  # what signal handlers set
         self._watcher: threading.Thread | None = None
 
     def _load(self, checkpoint: str | None) -> LoadedModel:
@@ -288,10 +290,13 @@ class PredictionServer:
             loaded, failed = version, None
 
     def wait(self) -> None:
-        self._stop.wait()
-
-    def request_stop(self, *_: object) -> None:
+        """Until a stop is asked for (:meth:`request_stop`, a signal)."""
+        self._stop_request.wait()
         self._stop.set()
+
+    def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """Ask for a stop; a signal handler: takes no lock (embedding_store.stop_signal)."""
+        self._stop_request.handler(signum, frame)
 
     def stop(self) -> bool:
         """Readiness off, drain, stop both servers: all within one grace period (plus ~4 s
