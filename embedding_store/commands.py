@@ -18,15 +18,17 @@ from embedding_store.config import (
 )
 
 
-def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
+def _int_in(low: int, high: int | None) -> Callable[[str], int]:
+    """An integer in [low, high] (argparse names the flag in its message)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low or (high is not None and value > high):
             bound = f">= {low}" if high is None else f"in {low}..{high}"
-            raise argparse.ArgumentTypeError(f"{what}: expected an integer {bound}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
         return value
 
     return parse
@@ -66,21 +68,21 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     _add_config_flags(parser)
     parser.add_argument(
         "--replica-index",
-        type=_int_in(0, None, "--replica-index"),
+        type=_int_in(0, None),
         required=True,
         metavar="I",
         help="this shard's index, 0 <= I < N",
     )
     parser.add_argument(
         "--replica-size",
-        type=_int_in(1, None, "--replica-size"),
+        type=_int_in(1, None),
         required=True,
         metavar="N",
         help="number of parameter-server shards",
     )
     parser.add_argument(
         "--port",
-        type=_int_in(0, 65535, "--port"),
+        type=_int_in(0, 65535),
         required=True,
         metavar="P",
         help="gRPC port (0: pick a free one and print it)",
@@ -93,7 +95,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=_int_in(0, 65535, "--metrics-port"),
+        type=_int_in(0, 65535),
         metavar="M",
         help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port; "
         "absent: none)",

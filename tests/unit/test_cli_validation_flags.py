@@ -210,3 +210,13 @@ def test_embedding_core_benchmark_refuses_empty_runs(capsys, argv, message) -> N
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
     args = benchmark.parse_args(["--rounds", "3", "--shards", "2"])
     assert (args.rounds, args.shards, args.seconds, args.threads) == (3, 2, 2.0, 1)
+
+
+def test_parameter_server_flags_are_named_once_in_their_errors(capsys):
+    from embedding_store.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["embedding-parameter-server", "--replica-index", ""])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --replica-index: expected an integer, got ''" in err  # not named twice
