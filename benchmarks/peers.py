@@ -903,6 +903,14 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.skip_torchserve and not (args.ts_venv / "bin" / "torchserve").exists():
+        # A comparison without its peer would only print nan ratios.
+        print(
+            f"peers.py: error: --ts-venv {args.ts_venv} has no bin/torchserve: make that venv "
+            "(docs/BENCHMARKS.md, 'TorchServe') or give --skip-torchserve",
+            file=sys.stderr,
+        )
+        return 2
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out = args.out.absolute()
     (out / "locust").mkdir(parents=True, exist_ok=True)

@@ -175,3 +175,13 @@ def test_no_reference_table_without_reference_servers(tmp_path):
     ]
     summary = peers.report(tmp_path, measurements, {"one": ""}, {})
     assert "no-work ceiling" not in summary and "model-only" not in summary
+
+
+def test_a_comparison_without_torchserve_installed_is_refused_up_front(tmp_path, capsys):
+    """It used to run every cell and print nan ratios (exit 0)."""
+    code = peers.main(
+        ["--out", str(tmp_path / "out"), "--batches", "1", "--ts-venv", str(tmp_path)]
+    )
+    assert code == 2
+    assert f"--ts-venv {tmp_path} has no bin/torchserve" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
