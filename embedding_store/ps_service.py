@@ -268,6 +268,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> None:
         self.shard = shard
         self.embedding_config = embedding_config
+        # The row widths peers may use: a made-up dim would make the shard allocate a table
+        # for it (1024 rows at least, kept for good), or fail to allocate one at all.
+        self._dims = frozenset(slot.dim for slot in embedding_config.slots_config.values())
         self.job_type = job_type
         self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
         self._health = health_servicer
@@ -418,6 +421,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
         return entries
 
+    def _configured_dim(self, value: int, field: str) -> int:
+        """``value`` if it is a row width of the shard's embedding config (or of rows it
+        holds, loaded from a checkpoint), else InvalidArgumentError naming ``field``."""
+        dim = _positive_dim(value, field)
+        if dim not in self._dims and dim not in self.shard.dims():  # or a checkpoint's
+            raise InvalidArgumentError(
+                f"{field} is {dim}, but this shard's embedding config has rows of dims "
+                f"{sorted(self._dims)}: is the peer using another embedding_config.yml?"
+            )
+        return dim
+
     def _optimizer_json(self) -> str:
         optimizer = self.shard.optimizer
         return "" if optimizer is None else json.dumps(optimizer.to_dict(), sort_keys=True)
@@ -426,7 +440,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @rpc_errors
     @observed
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        dim = _positive_dim(request.dim, "LookupRequest.dim")
+        dim = self._configured_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
         self._require_loaded()
@@ -442,7 +456,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @rpc_errors
     @observed
     def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
-        dim = _positive_dim(request.dim, "UpdateRequest.dim")
+        dim = self._configured_dim(request.dim, "UpdateRequest.dim")
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
         if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
@@ -527,6 +541,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         imported = 0
         for index, chunk in enumerate(request_iterator):
             block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
+            self._configured_dim(block.dim, f"RowChunk[{index}].dim")
             self.shard.import_rows(block)  # refused by inference (read-only) shards
             imported += len(block)
         return pb.ImportRowsResponse(rows_imported=imported)

@@ -312,7 +312,7 @@ def test_health_reflection_metrics_and_malformed_requests(start_server):
             ),
             (
                 stub.Update,
-                pb.UpdateRequest(ids=b"\0" * 16, grads=b"\0" * 12, dim=2),
+                pb.UpdateRequest(ids=b"\0" * 16, grads=b"\0" * 12, dim=4),
                 "UpdateRequest.grads",
             ),
             (

@@ -99,8 +99,17 @@ def test_requests_are_validated_naming_the_field():
         error = aborted(method, request)
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT
         assert expected in error.details
-    huge = pb.LookupRequest(ids=pack_u64(np.zeros(2, np.uint64)), dim=MAX_MESSAGE_BYTES // 4)
-    assert aborted(s.Lookup, huge).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A dim the embedding config does not have: refused before any table is made for it (a
+    # 17-byte request used to reserve 1024 x 3M floats for good, or fail with INTERNAL).
+    for dim in (3_000_000, MAX_MESSAGE_BYTES // 4, 5):
+        made_up = pb.LookupRequest(ids=pack_u64(np.zeros(1, np.uint64)), dim=dim, train=True)
+        error = aborted(s.Lookup, made_up)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            f"LookupRequest.dim is {dim}, but this shard's embedding config has rows of dims [4]"
+            in (error.details)
+        )
+    assert s.shard.dims() == []
     with pytest.raises(CapacityError, match="split the request"):
         check_message_size(1 << 20, 1 << 10, "LookupRequest")
 
