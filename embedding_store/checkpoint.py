@@ -452,10 +452,18 @@ def dump_embeddings(
 
 
 # --------------------------------------------------------------------------- reading
+def is_directory(path: Path) -> bool:
+    """``path.is_dir()``, False for a path the system refuses to look at (too long)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
     """Parse and sanity-check a checkpoint's manifest (no checksums: see :func:`verify`)."""
     root = Path(directory)
-    if not root.is_dir():
+    if not is_directory(root):
         raise CheckpointError(
             f"embedding checkpoint {root} does not exist or is not a directory"
             + interrupted_overwrite_hint(root)
@@ -480,7 +488,7 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
         raise CheckpointError(
             f"embedding checkpoint {root} has no {MANIFEST_NAME}{hint}"
         ) from error
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # Recursion: nested too deep
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from error
     if not isinstance(raw, dict):
         raise CheckpointError(
@@ -520,7 +528,7 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
         )
     except RecserveError:
         raise
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError) as error:  # int(Infinity)
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from error
     for entry in files:
         if not 0 <= entry.shard < num_shards:
@@ -539,7 +547,7 @@ def _safetensors_metadata(payload: bytes) -> dict[str, str]:
     size = int.from_bytes(payload[:8], "little")
     try:
         header = json.loads(payload[8 : 8 + size])
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else {}

@@ -191,7 +191,7 @@ def write_checkpoint(
 def read_manifest(directory: str | Path) -> CheckpointManifest:
     """Parse a checkpoint's manifest; CheckpointError names what is missing or wrong."""
     root = Path(directory)
-    if not root.is_dir():
+    if not embedding_checkpoint.is_directory(root):
         raise CheckpointError(
             f"checkpoint {root} does not exist or is not a directory"
             + embedding_checkpoint.interrupted_overwrite_hint(root)
@@ -207,7 +207,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             if (root.parent / MANIFEST_NAME).exists():
                 hint += f", part of the model checkpoint {root.parent}"
         raise CheckpointError(f"checkpoint {root} has no {MANIFEST_NAME}{hint}") from None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # Recursion: nested too deep
         raise CheckpointError(f"{root / MANIFEST_NAME} is not valid JSON: {error}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(
@@ -243,7 +243,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         )
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError) as error:  # int(Infinity)
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from None
 
 

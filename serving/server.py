@@ -272,6 +272,9 @@ class PredictionServer:
                 version = model_checkpoint.read_manifest(self.options.checkpoint).version
             except RecserveError:
                 continue  # being replaced right now, or incomplete: look again later
+            except Exception:  # a bug must not end the watch: the next version may load
+                log.exception("reading the manifest of %s failed", self.options.checkpoint)
+                continue
             if version == loaded or (version == failed and time.monotonic() < retry_at):
                 continue
             try:

@@ -172,3 +172,31 @@ def test_the_stop_signal_handler_takes_no_lock():
     started = time.monotonic()
     server.wait()
     assert server._stop.is_set() and time.monotonic() - started < 1
+
+
+def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
+    """Any error reading the watched manifest is logged and the watch goes on: the next
+    version must still load (an OverflowError used to end the watcher thread silently)."""
+    from embedding_store import model_checkpoint
+
+    reads = iter([OverflowError("cannot convert float infinity to integer"), "v2"])
+
+    def read_manifest(_path):
+        result = next(reads, "v2")
+        if isinstance(result, Exception):
+            raise result
+        return SimpleNamespace(version=result)
+
+    monkeypatch.setattr(model_checkpoint, "read_manifest", read_manifest)
+    reloaded = threading.Event()
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
+    watching.service = SimpleNamespace(
+        model=SimpleNamespace(version="v1"), reload=lambda _checkpoint: reloaded.set()
+    )
+    watcher = threading.Thread(target=watching._watch, daemon=True)
+    watcher.start()
+    try:
+        assert reloaded.wait(5)
+    finally:
+        watching._stop.set()
+        watcher.join(5)

@@ -327,6 +327,30 @@ def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
         training_checkpoint.verify(tmp_path / "ckpt")
 
 
+def test_manifest_numbers_json_allows_but_python_cannot_take_are_a_checkpoint_error(tmp_path):
+    """Infinity, 1e400 and nesting too deep for the JSON parser: a CheckpointError (the
+    hot-reload watcher used to die of the OverflowError, silently and for good)."""
+    from embedding_store import checkpoint as embedding_checkpoint
+
+    with new_ctx() as ctx:
+        train_steps(ctx, 1)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+    model_manifest = tmp_path / "ckpt" / "manifest.json"
+    embedding_manifest = tmp_path / "ckpt" / "embeddings" / "embedding_manifest.json"
+    originals = {p: p.read_text() for p in (model_manifest, embedding_manifest)}
+    for path, key in ((model_manifest, "step"), (embedding_manifest, "num_shards")):
+        for text in ("Infinity", "1e400"):
+            path.write_text(originals[path].replace(f'"{key}": ', f'"{key}": {text}, "_x": ', 1))
+            with pytest.raises(CheckpointError, match="is malformed"):
+                training_checkpoint.verify(tmp_path / "ckpt")
+        path.write_text("[" * 100_000)
+        with pytest.raises(CheckpointError, match="is not valid JSON"):
+            training_checkpoint.verify(tmp_path / "ckpt")
+        path.write_text(originals[path])
+    with pytest.raises(CheckpointError, match="does not exist or is not a directory"):
+        embedding_checkpoint.read_manifest(tmp_path / ("x" * 300))  # ENAMETOOLONG
+
+
 def test_damaged_embedding_manifest_entries_are_named(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 1)
