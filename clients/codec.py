@@ -16,10 +16,11 @@ requested; over gRPC inputs go in ``raw_input_contents`` (so outputs come back r
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -75,6 +76,34 @@ _CONTENTS: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- errors
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _checked_answer(decode: _F) -> _F:
+    """``decode`` whose failures on a malformed answer (a field missing or of another type,
+    shapes that do not fit) are a RecserveError saying so, never a bare Python error."""
+
+    @functools.wraps(decode)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return decode(*args, **kwargs)
+        except RecserveError:
+            raise
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            IndexError,
+            OverflowError,
+        ) as error:
+            raise RecserveError(
+                f"the server's answer is malformed ({type(error).__name__}: {error})"
+            ) from None
+
+    return checked  # type: ignore[return-value]
+
+
 def http_error(server: str, status: int, body: bytes) -> RecserveError:
     """The recserve error for an HTTP error answer (``{"error": message}`` or any text)."""
     message = ""
@@ -228,6 +257,7 @@ def encode_http_infer(
     return b"".join([header, *blobs]), headers
 
 
+@_checked_answer
 def decode_http_infer(body: bytes, header_length: str | None) -> PredictResult:
     """A KServe v2 REST infer answer (JSON, or JSON + binary outputs) -> result."""
     view = memoryview(body)
@@ -265,6 +295,7 @@ def encode_rows(rows: Sequence[Mapping[str, Any]]) -> bytes:
         raise InvalidArgumentError(f"rows are not JSON-serializable: {error}") from None
 
 
+@_checked_answer
 def decode_rows_response(body: bytes) -> PredictResult:
     """``{"predictions": [[p], ...], "model_version": ..., "fallback_ids": ...}`` -> result."""
     document = parse_json(body)
@@ -277,6 +308,7 @@ def decode_rows_response(body: bytes) -> PredictResult:
     )
 
 
+@_checked_answer
 def model_info_from_json(document: Mapping[str, Any]) -> ModelInfo:
     def specs(entries: Any) -> tuple[TensorInfo, ...]:
         return tuple(
@@ -320,6 +352,7 @@ def _parameter_value(parameter: Any) -> Any:
     return getattr(parameter, choice) if choice else None
 
 
+@_checked_answer
 def decode_grpc_infer(response: Any) -> PredictResult:
     """A ``ModelInferResponse`` (raw or typed outputs) -> result."""
     raw = response.raw_output_contents
@@ -337,6 +370,7 @@ def decode_grpc_infer(response: Any) -> PredictResult:
     return _result(outputs, response.model_name, response.model_version, parameters)
 
 
+@_checked_answer
 def model_info_from_grpc(response: Any) -> ModelInfo:
     def specs(entries: Any) -> tuple[TensorInfo, ...]:
         return tuple(

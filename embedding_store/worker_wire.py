@@ -20,6 +20,10 @@ from embedding_store.worker import SlotOutput
 _F32 = np.dtype("<f4")
 
 
+#: The largest size of one dim of a slot's shape (batch, sample_fixed_size or dim).
+_MAX_DIM_SIZE = 2**31 - 1
+
+
 def _float32_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
     """Any float tensor or array -> C-contiguous little-endian float32 numpy array."""
     if isinstance(values, torch.Tensor):
@@ -54,6 +58,13 @@ def _unpack(
         if len(shape) not in (2, 3):
             raise InvalidArgumentError(
                 f"{field}[{header.name!r}].shape must have 2 or 3 dims, got {list(shape)}"
+            )
+        if not all(0 <= d <= _MAX_DIM_SIZE for d in shape):
+            # A zero dim makes the byte count match whatever the others are (numpy then
+            # refuses the reshape of [0, 2**32, 2**32] as too big).
+            raise InvalidArgumentError(
+                f"{field}[{header.name!r}].shape has a size outside 0..{_MAX_DIM_SIZE}: "
+                f"{list(shape)}"
             )
         expected_mask = shape[0] * shape[1] if masked and len(shape) == 3 else 0
         if len(header.mask) != expected_mask:

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from embedding_store.errors import UnavailableError
-from embedding_store.grpc_common import rpc_errors, server_options
+from embedding_store.errors import InvalidArgumentError, UnavailableError, public_message_of
+from embedding_store.grpc_common import rpc_errors, server_options, status_code_of
 from serving import tensor_codec as codec
 from serving.core import PredictionCore
 from serving.proto import SERVICE_NAME, V2
@@ -120,15 +122,32 @@ class InferenceServicer:
         return codec.encode_grpc_response(prediction, decoded)
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        """The unary handlers of the service, keyed by method name."""
+        """The unary handlers of the service, keyed by method name. Requests are parsed in
+        the handler, not by gRPC's deserializer: a malformed message is then INVALID_ARGUMENT
+        naming it, where a failing deserializer makes gRPC answer INTERNAL."""
         return {
             name: grpc.unary_unary_rpc_method_handler(
-                getattr(self, name),
-                request_deserializer=request_class.FromString,
+                _parsed(getattr(self, name), request_class),
                 response_serializer=response_class.SerializeToString,
             )
             for name, request_class, response_class in _METHODS
         }
+
+
+def _parsed(
+    method: Callable[[Any, grpc.ServicerContext], Any], request_class: type
+) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    """``method`` taking the raw request bytes: parsed here, INVALID_ARGUMENT if malformed."""
+
+    def handler(payload: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = request_class.FromString(payload)
+        except DecodeError as error:
+            problem = InvalidArgumentError(f"malformed {request_class.__name__}: {error}")
+            context.abort(status_code_of(problem), public_message_of(problem))
+        return method(request, context)
+
+    return handler
 
 
 def add_inference_servicer(servicer: InferenceServicer, server: grpc.Server) -> None:

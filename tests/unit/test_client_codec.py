@@ -320,3 +320,38 @@ def test_locate_names_input_lines():
         "rows.jsonl: rows on lines 3-9: server s answered HTTP 400: instances[1] (line 5) lacks "
         "feature 'age'"
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "header_length"),
+    [
+        (b'{"outputs":[{}]}', None),
+        (b'{"outputs":[null]}', None),
+        (b"{}", "abc"),
+        (
+            b'{"outputs":[{"name":"p","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":"x"}}]}',
+            None,
+        ),
+        (b'{"outputs":[{"name":"p","datatype":"FP32","shape":[-1,-1],"data":[1]}]}', None),
+        (b'{"outputs":[{"name":"p","datatype":"FP32","shape":5,"data":[1]}]}', None),
+        (b'{"outputs":[{"name":"p","datatype":"FP32","shape":[1],"data":"abc"}]}', None),
+        (
+            b'{"outputs":[{"name":"p","datatype":"FP32","shape":[1],"data":[1]}],"parameters":"x"}',
+            None,
+        ),
+    ],
+)
+def test_a_malformed_http_answer_is_a_recserve_error(body, header_length):
+    with pytest.raises(RecserveError, match=r"malformed|bad|not valid|does not fit"):
+        codec.decode_http_infer(body, header_length)
+
+
+def test_malformed_grpc_and_rows_answers_are_recserve_errors():
+    response = CLIENT_V2.ModelInferResponse()
+    for name in ("a", "b"):
+        response.outputs.add(name=name, datatype="FP32", shape=[1])
+    response.raw_output_contents.append(b"\0\0\0\0")  # one blob for two outputs
+    with pytest.raises(RecserveError, match="malformed"):
+        codec.decode_grpc_infer(response)
+    with pytest.raises(RecserveError, match="malformed"):
+        codec.decode_rows_response(b'{"predictions":[[1],[1,2]]}')

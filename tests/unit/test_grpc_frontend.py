@@ -258,3 +258,17 @@ def test_message_size_limit(core):
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         server.stop(None)
+
+
+def test_a_malformed_protobuf_is_invalid_argument_naming_the_message(channel):
+    """gRPC answers INTERNAL when its deserializer fails; the request is parsed by the
+    handler instead, so a client's garbage is the client's error."""
+    raw_infer = channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=lambda payload: payload,
+        response_deserializer=lambda payload: payload,
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        raw_infer(b"\x0a\xff", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("malformed ModelInferRequest: ")

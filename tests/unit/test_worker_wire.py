@@ -103,9 +103,15 @@ def test_grads_round_trip_tensors_and_arrays() -> None:
         ),
         # Dims whose product overflows 64 bits must still be refused, not wrapped around.
         (
-            [pb.SlotHeader(name="user", shape=[2**32 - 1, 2**32 - 1])],
+            [pb.SlotHeader(name="user", shape=[2**31 - 1, 2**31 - 1])],
             b"",
             "slots.data: got 0 bytes",
+        ),
+        # A zero dim matches 0 bytes whatever the others: numpy would refuse the reshape.
+        (
+            [pb.SlotHeader(name="user", shape=[0, 2**32 - 1, 2**32 - 1])],
+            b"",
+            "slots['user'].shape has a size outside 0..2147483647",
         ),
     ],
 )
