@@ -52,7 +52,9 @@ class DataCtx:
 
     ``nn_worker_addresses`` default to ``RECSERVE_NN_WORKER_ADDRESSES`` (rank order);
     ``replica_index`` / ``replica_size`` to ``RECSERVE_REPLICA_INDEX`` / ``..._SIZE``.
-    Sends wait up to ``timeout`` seconds for an NN worker to come up or to make room.
+    Sends wait up to ``timeout`` seconds for an NN worker to come up (before its first batch)
+    or to make room; a worker that took batches and can no longer be reached fails the send
+    at once (UnavailableError), as its training has stopped.
     """
 
     def __init__(
@@ -94,12 +96,17 @@ class DataCtx:
         request = pb.SendBatchRequest(
             loader_index=self.replica_index, sequence=self._sequence, batch=batch.to_bytes()
         )
+        # Until a worker took a first batch it may still be starting: wait for it. After
+        # that, a worker that cannot be reached has gone (its training ended or failed):
+        # fail now rather than wait out the whole timeout.
+        first = self._sent[target] == 0
         try:
-            self._stubs[target].SendBatch(request, timeout=self.timeout, wait_for_ready=True)
+            self._stubs[target].SendBatch(request, timeout=self.timeout, wait_for_ready=first)
         except grpc.RpcError as error:
             from embedding_store.grpc_common import error_from_rpc
 
-            raise error_from_rpc(error, f"NN worker {self.addresses[target]}") from None
+            gone = "" if first else " (it took batches before: has its training stopped?)"
+            raise error_from_rpc(error, f"NN worker {self.addresses[target]}{gone}") from None
         self._sequence += 1
         self._sent[target] += 1
 

@@ -6,13 +6,19 @@ environment that ``torchrun`` (or a Kubernetes Job running torchrun) sets.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from embedding_store.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,36 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+#: Seconds between two checks that this rank's launcher (torchrun) is still its parent.
+LAUNCHER_CHECK_SECONDS = 1.0
+_watching: list[int] = []  # the launcher's PID, once watched
+
+
+def exit_with_launcher() -> None:
+    """When torchrun started this process, end it (SIGTERM) once torchrun is gone.
+
+    torchrun starts each rank in a session of its own, so a launcher killed outright (kill
+    -9, the OOM killer) leaves its ranks running, reparented: they would go on updating the
+    shared embedding tier and write a checkpoint while the user starts another run. A daemon
+    thread notices the new parent within :data:`LAUNCHER_CHECK_SECONDS`."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
+        return
+    launcher = os.getppid()
+    _watching.append(launcher)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_CHECK_SECONDS)
+        log.error("the launcher (torchrun, pid %d) is gone: this rank stops", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def init_distributed(option: DDPOption) -> bool:
-    """Join the process group when WORLD_SIZE > 1; returns whether it is distributed."""
+    """Join the process group when WORLD_SIZE > 1; returns whether it is distributed.
+    A rank that torchrun started ends with it (:func:`exit_with_launcher`)."""
+    exit_with_launcher()
     if world_size() <= 1:
         return False
     if not dist.is_initialized():

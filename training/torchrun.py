@@ -27,12 +27,13 @@ def main() -> int:
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         code = failure.exitcode
-        how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-        print(
-            f"recserve train: rank {rank} {how} (its own error is above; "
-            f"{len(error.failures)} rank(s) failed)",
-            file=sys.stderr,
-        )
+        others = len(error.failures) - 1
+        stopped = f"; {others} other rank(s) stopped with it" if others else ""
+        if code < 0:  # killed: it printed nothing; what is above is the others' reaction
+            what = f"was killed by {failure.signal_name()}{stopped}"
+        else:
+            what = f"exited with code {code} (its own error is above{stopped})"
+        print(f"recserve train: rank {rank} {what}", file=sys.stderr)
         return code if code > 0 else 1
     return 0
 

@@ -48,7 +48,7 @@ def test_a_rank_that_fails_is_one_line_not_a_torchrun_traceback():
         result,
         2,
         "--eval-only needs --resume-from",
-        "recserve train: rank 0 exited with code 2 (its own error is above; 1 rank(s) failed)",
+        "recserve train: rank 0 exited with code 2 (its own error is above)",
     )
 
 
@@ -76,6 +76,46 @@ def test_a_stopped_training_run_is_one_line_not_a_torchrun_traceback(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert "recserve train: stopped by SIGTERM" in err
     assert "Traceback" not in err, err
+
+
+def test_ranks_end_when_their_launcher_is_killed(tmp_path):
+    """torchrun starts ranks in sessions of their own: a launcher killed outright (kill -9,
+    the OOM killer) used to leave them training on, reparented, up to writing a checkpoint."""
+    import os
+    import signal
+
+    entry = tmp_path / "rank.py"
+    entry.write_text(
+        "import os, time\n"
+        "from training.distributed import exit_with_launcher\n"
+        "exit_with_launcher()  # what TrainCtx does as it starts\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = _subprocess_env()
+    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "embedding_store.cli", "train", "--entry", str(entry)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    rank_pid = None
+    try:
+        rank_pid = int(launcher.stdout.readline())
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{rank_pid}").exists() and time.monotonic() < deadline:
+            if Path(f"/proc/{rank_pid}/stat").read_text().split()[2] == "Z":
+                break  # ended; its new parent has not reaped it yet
+            time.sleep(0.1)
+        stat = Path(f"/proc/{rank_pid}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] == "Z", "the rank runs on"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if rank_pid is not None and Path(f"/proc/{rank_pid}").exists():
+            os.kill(rank_pid, signal.SIGKILL)  # the rank this test's launcher started
 
 
 def test_script_arguments_before_the_separator_are_pointed_out():

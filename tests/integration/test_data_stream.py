@@ -258,3 +258,21 @@ def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
     assert 0.5 <= waited < 10
     with pytest.raises(InvalidArgumentError, match="idle_timeout must be a number > 0, got 0"):
         StreamingDataset(4, port=port, idle_timeout=0)
+
+
+def test_a_loader_whose_worker_has_gone_fails_at_once_not_after_its_timeout():
+    """The NN worker took batches, then its training ended (Ctrl-C): the next send fails in
+    seconds naming it. It used to wait for the worker's return for the whole timeout."""
+    port = free_port()
+    dataset = StreamingDataset(2, port=port, num_loaders=1).start()
+    ctx = DataCtx([f"127.0.0.1:{port}"], timeout=600)
+    try:
+        ctx.send_data(numbered_batch(0))
+        dataset.close()
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=rf"NN worker 127.0.0.1:{port} .*stopped"):
+            for number in range(1, 10):  # the first may still land in a closing server
+                ctx.send_data(numbered_batch(number))
+        assert time.monotonic() - started < 30
+    finally:
+        ctx.__exit__(UnavailableError, None, None)  # closes the channels, sends no end
