@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from embedding_store.errors import (
     CheckpointError,
@@ -245,6 +245,76 @@ def status_code_of(error: BaseException) -> grpc.StatusCode:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parse_request(
+    request_class: type[Message], payload: bytes, context: grpc.ServicerContext
+) -> Any:
+    """``payload`` parsed as ``request_class``; aborts INVALID_ARGUMENT naming the message if
+    it is malformed. Services parse in their handlers, not in gRPC's deserializer, because
+    gRPC answers INTERNAL when a deserializer fails: a client's garbage is the client's
+    error."""
+    try:
+        return request_class.FromString(payload)
+    except DecodeError as error:
+        problem = InvalidArgumentError(f"malformed {request_class.__name__}: {error}")
+        context.abort(status_code_of(problem), public_message_of(problem))
+
+
+def _parsed_stream(request_class: type[Message], payloads: Iterator[bytes]) -> Iterator[Any]:
+    for payload in payloads:
+        try:
+            yield request_class.FromString(payload)
+        except DecodeError as error:  # the servicer's rpc_errors answers INVALID_ARGUMENT
+            raise InvalidArgumentError(f"malformed {request_class.__name__}: {error}") from None
+
+
+Implementation = Callable[[Any, grpc.ServicerContext], Any]
+
+
+def _parsing_handler(
+    call: Implementation, request_class: type[Message], *, streamed: bool
+) -> Implementation:
+    """``call`` taking raw request bytes (or, ``streamed``, an iterator of them)."""
+    if streamed:
+
+        def parse_each(payloads: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            return call(_parsed_stream(request_class, payloads), context)
+
+        return parse_each
+
+    def parse_one(payload: bytes, context: grpc.ServicerContext) -> Any:
+        return call(parse_request(request_class, payload, context), context)
+
+    return parse_one
+
+
+def add_servicer(server: grpc.Server, servicer: object, service_name: str) -> None:
+    """Register ``servicer`` for ``service_name`` of embedding_tier.proto (``ParameterServer``,
+    ``EmbeddingWorker``), as the generated ``add_*_to_server`` does, but with requests parsed
+    by :func:`parse_request` in the handlers."""
+    from embedding_store.proto import embedding_tier_pb2 as pb
+
+    service = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        if method.client_streaming:
+            factory = grpc.stream_unary_rpc_method_handler
+        elif method.server_streaming:
+            factory = grpc.unary_stream_rpc_method_handler
+        else:
+            factory = grpc.unary_unary_rpc_method_handler
+        handler = _parsing_handler(
+            getattr(servicer, method.name), request_class, streamed=method.client_streaming
+        )
+        handlers[method.name] = factory(
+            handler, response_serializer=response_class.SerializeToString
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
 
 
 def rpc_errors(method: F) -> F:

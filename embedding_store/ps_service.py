@@ -61,6 +61,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     MAX_MESSAGE_BYTES,
+    add_servicer,
     pack_f32,
     pack_u64,
     rpc_errors,
@@ -702,7 +703,7 @@ class ParameterServerProcess:
             options=server_options(),
             interceptors=server_interceptors(),
         )
-        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        add_servicer(server, self.servicer, "ParameterServer")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

@@ -48,6 +48,7 @@ from embedding_store.errors import (
 from embedding_store.gc_tuning import freeze_long_lived_objects
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
+    add_servicer,
     rpc_errors,
     rpc_stream_errors,
     server_interceptors,
@@ -783,9 +784,7 @@ def serve_embedding_worker(
         options=server_options(),
         interceptors=server_interceptors(),
     )
-    pb_grpc.add_EmbeddingWorkerServicer_to_server(
-        EmbeddingWorkerServicer(tier, metrics=metrics), server
-    )
+    add_servicer(server, EmbeddingWorkerServicer(tier, metrics=metrics), "EmbeddingWorker")
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME, SHARDS_SERVICE):

@@ -21,12 +21,11 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from embedding_store.errors import InvalidArgumentError, UnavailableError, public_message_of
-from embedding_store.grpc_common import rpc_errors, server_options, status_code_of
+from embedding_store.errors import UnavailableError
+from embedding_store.grpc_common import parse_request, rpc_errors, server_options
 from serving import tensor_codec as codec
 from serving.core import PredictionCore
 from serving.proto import SERVICE_NAME, V2
@@ -140,12 +139,7 @@ def _parsed(
     """``method`` taking the raw request bytes: parsed here, INVALID_ARGUMENT if malformed."""
 
     def handler(payload: bytes, context: grpc.ServicerContext) -> Any:
-        try:
-            request = request_class.FromString(payload)
-        except DecodeError as error:
-            problem = InvalidArgumentError(f"malformed {request_class.__name__}: {error}")
-            context.abort(status_code_of(problem), public_message_of(problem))
-        return method(request, context)
+        return method(parse_request(request_class, payload, context), context)
 
     return handler
 

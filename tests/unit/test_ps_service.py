@@ -439,3 +439,31 @@ def test_training_process_loads_its_checkpoint_at_start(tmp_path):
         assert not failing.servicer.serving
     finally:
         failing.stop(grace=0)
+
+
+def test_malformed_protobufs_are_invalid_argument_not_internal():
+    """gRPC answers INTERNAL when its deserializer fails; the services parse requests in
+    their handlers, unary and streamed, so a peer's garbage is named as such."""
+    process = ParameterServerProcess(CONFIG, GlobalConfig(), ParameterServerOptions(port=0))
+    process.start()
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
+            service = "/recserve.embedding.v1.ParameterServer"
+            with pytest.raises(grpc.RpcError) as lookup:
+                channel.unary_unary(f"{service}/Lookup", **raw)(b"\x0a\xff", timeout=10)
+            assert lookup.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert lookup.value.details().startswith("malformed LookupRequest: ")
+            with pytest.raises(grpc.RpcError) as imported:
+                channel.stream_unary(f"{service}/ImportRows", **raw)(
+                    iter([b"\x12\xff"]), timeout=10
+                )
+            assert imported.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert imported.value.details().startswith("malformed RowChunk: ")
+            good = pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4)
+            answer = channel.unary_unary(f"{service}/Lookup", **raw)(
+                good.SerializeToString(), timeout=10
+            )
+            assert len(pb.LookupResponse.FromString(answer).rows) == 3 * 4 * 4
+    finally:
+        process.stop(grace=0)
