@@ -33,6 +33,16 @@ def recserve(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def start_training(entry: Path, *, stderr: int) -> subprocess.Popen:
+    """`recserve train --entry ENTRY` in the background, its stdout piped (text)."""
+    env = _subprocess_env()
+    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "embedding_store.cli", "train", "--entry", str(entry)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )  # fmt: skip
+
+
 def assert_refused(result: subprocess.CompletedProcess, code: int, *needles: str) -> None:
     assert result.returncode == code, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -59,12 +69,7 @@ def test_a_stopped_training_run_is_one_line_not_a_torchrun_traceback(tmp_path):
 
     entry = tmp_path / "sleeper.py"
     entry.write_text("import time\nprint('rank started', flush=True)\ntime.sleep(120)\n")
-    env = _subprocess_env()
-    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "embedding_store.cli", "train", "--entry", str(entry)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    launcher = start_training(entry, stderr=subprocess.PIPE)
     try:
         assert launcher.stdout.readline().strip() == "rank started"
         launcher.send_signal(signal.SIGTERM)
@@ -92,12 +97,7 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
         "print(os.getpid(), flush=True)\n"
         "time.sleep(120)\n"
     )
-    env = _subprocess_env()
-    env.pop("RECSERVE_EMBEDDING_WORKERS", None)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "embedding_store.cli", "train", "--entry", str(entry)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    launcher = start_training(entry, stderr=subprocess.DEVNULL)
     rank_pid = None
     try:
         rank_pid = int(launcher.stdout.readline())
