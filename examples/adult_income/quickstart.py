@@ -162,7 +162,11 @@ def main() -> int:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, lambda *_: server.terminate())  # it drains, then we exit
         print("\nServing until Ctrl-C.", flush=True)
-        server.wait()
+        # Poll rather than block in waitpid: the kernel may hand the signal to another thread
+        # (the gRPC client's), and a main thread blocked in waitpid would never run the
+        # handler that stops the server.
+        while server.poll() is None:
+            time.sleep(0.2)
         return 0
     finally:
         if server.poll() is None:
