@@ -345,28 +345,31 @@ def _address_family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _require_free_port(host: str, port: int, protocol: str) -> None:
-    """UnavailableError unless nothing listens on ``host:port``. The processes of a
-    ``--workers`` server bind with SO_REUSEPORT, which would also let them join another
-    server already on the port and split its traffic; this bind, without it, cannot."""
-    with socket.socket(_address_family(host), socket.SOCK_STREAM) as probe:
-        # SO_REUSEADDR: connections of an earlier server in TIME_WAIT do not count, a
-        # listening socket still does.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            flag = "--http-port" if protocol == "HTTP" else "--grpc-port"
-            raise UnavailableError(
-                f"cannot listen for {protocol} on {host}:{port}: {error.strerror or error} "
-                f"(is another server on that port? {flag} 0 picks a free one)"
-            ) from None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(_address_family(host), socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def _reserve_port(host: str, port: int, protocol: str) -> socket.socket:
+    """A socket that holds ``host:port`` (``port`` 0: a free one) for the processes of a
+    ``--workers`` server: bound, never listening, so it takes no connections. The processes
+    bind the port with SO_REUSEPORT, which would also let them join another server already
+    on it and split its traffic; this bind, without SO_REUSEPORT, fails on any such server.
+    While it is held, only sockets of this user with SO_REUSEPORT (the processes) can bind
+    the port: another server started meanwhile, even another ``--workers`` one, is refused
+    rather than joining them. UnavailableError naming the address when it is taken."""
+    reservation = socket.socket(_address_family(host), socket.SOCK_STREAM)
+    # SO_REUSEADDR for the bind: connections of an earlier server in TIME_WAIT do not
+    # count, a listening socket still does. Cleared after it, so that another server's
+    # bind (with SO_REUSEADDR) conflicts with this one.
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        reservation.bind((host, port))
+    except OSError as error:
+        reservation.close()
+        flag = "--http-port" if protocol == "HTTP" else "--grpc-port"
+        raise UnavailableError(
+            f"cannot listen for {protocol} on {host}:{port}: {error.strerror or error} "
+            f"(is another server on that port? {flag} 0 picks a free one)"
+        ) from None
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return reservation
 
 
 def options_to_argv(options: ServeOptions) -> list[str]:
@@ -398,19 +401,26 @@ def serve_processes(options: ServeOptions) -> int:
     (Kubernetes, compose, honcho) restarts it rather than it running on with fewer cores.
     Returns the worst exit code (128 + N for a process killed by signal N)."""
 
-    fixed = dataclasses.replace(
-        options,
-        http_port=options.http_port or _free_port(options.host),
-        grpc_port=options.grpc_port or _free_port(options.host),
-        workers=1,
-        reuse_port=True,
-    )
-    _require_free_port(fixed.host, fixed.http_port, "HTTP")
-    _require_free_port(fixed.host, fixed.grpc_port, "gRPC")
+    with (
+        _reserve_port(options.host, options.http_port, "HTTP") as http_reservation,
+        _reserve_port(options.host, options.grpc_port, "gRPC") as grpc_reservation,
+    ):
+        fixed = dataclasses.replace(
+            options,
+            http_port=http_reservation.getsockname()[1],
+            grpc_port=grpc_reservation.getsockname()[1],
+            workers=1,
+            reuse_port=True,
+        )
+        return _run_processes(fixed, options.workers)
+
+
+def _run_processes(options: ServeOptions, count: int) -> int:
+    """Start ``count`` server processes with ``options`` and supervise them to the end."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     command = [
         sys.executable, "-m", "embedding_store.cli", "--log-level", level,
-        *options_to_argv(fixed),
+        *options_to_argv(options),
     ]  # fmt: skip
     environment = dict(os.environ)
     if options.admin_token is not None:
@@ -421,7 +431,7 @@ def serve_processes(options: ServeOptions) -> int:
     environment[MULTIPROCESS_VARIABLE] = metrics_directory
     try:
         return _supervise(
-            [subprocess.Popen(command, env=environment) for _ in range(options.workers)],
+            [subprocess.Popen(command, env=environment) for _ in range(count)],
             metrics_directory,
         )
     finally:

@@ -117,19 +117,21 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
             urllib.request.urlopen(reload, timeout=30)
         assert refused.value.code == 409
         assert "--watch-seconds" in json.loads(refused.value.read())["error"]
-        # A second multi-process server on the same ports would share their traffic
-        # (SO_REUSEPORT): it must not start.
-        second = subprocess.run(
-            [
-                sys.executable, "-m", "embedding_store.cli", "serve",
-                "--checkpoint", str(adult_checkpoint), "--workers", "2",
-                "--http-port", http_port, "--grpc-port", grpc_port,
-            ],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert second.returncode == 1, second.stderr
-        assert f"cannot listen for HTTP on 127.0.0.1:{http_port}" in second.stderr
-        assert "Traceback" not in second.stderr
+        # A second multi-process server on either port would share its traffic (the
+        # processes bind with SO_REUSEPORT): it must not start.
+        for taken, ports in (("HTTP", (http_port, grpc_port)), ("gRPC", ("0", grpc_port))):
+            second = subprocess.run(
+                [
+                    sys.executable, "-m", "embedding_store.cli", "serve",
+                    "--checkpoint", str(adult_checkpoint), "--workers", "2",
+                    "--http-port", ports[0], "--grpc-port", ports[1],
+                ],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert second.returncode == 1, second.stderr
+            port = http_port if taken == "HTTP" else grpc_port
+            assert f"cannot listen for {taken} on 127.0.0.1:{port}" in second.stderr
+            assert "Traceback" not in second.stderr
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 0
         assert not Path(metrics_directory.decode()).exists()  # this run's, removed with it

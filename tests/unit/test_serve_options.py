@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import InvalidArgumentError, UnavailableError
 from serving import commands
 from serving.server import ServeOptions, options_to_argv
 
@@ -116,3 +116,33 @@ def test_load_model_refuses_tiers_it_cannot_use(tiers, problem):
 
     with pytest.raises(InvalidArgumentError, match=problem):
         load_model("no-such-checkpoint", name="model", **tiers)
+
+
+def test_a_reserved_port_admits_only_the_server_processes():
+    """``--workers``: the parent holds each port from before its processes start until they
+    end. They bind with SO_REUSEPORT and listen; any other server, even a second
+    ``--workers`` one whose own reservation would come next, is refused."""
+    import socket
+
+    from serving.server import _reserve_port
+
+    def server_process_listener(port: int) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        return listener
+
+    with _reserve_port("127.0.0.1", 0, "HTTP") as reservation:
+        port = reservation.getsockname()[1]
+        assert port > 0
+        with socket.socket() as plain_server, pytest.raises(OSError, match="in use"):
+            plain_server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            plain_server.bind(("127.0.0.1", port))
+        with pytest.raises(UnavailableError, match=f"cannot listen for gRPC on 127.0.0.1:{port}"):
+            _reserve_port("127.0.0.1", port, "gRPC")  # a second --workers server
+        with server_process_listener(port) as first, server_process_listener(port) as second:
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass  # answered by one of the listeners, never by the reservation
+            assert {first.getsockname()[1], second.getsockname()[1]} == {port}
