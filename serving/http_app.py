@@ -34,6 +34,7 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import CancelledError
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,12 +81,28 @@ def json_response(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status, media_type=JSON)
 
 
-def error_response(error: BaseException) -> Response:
-    """``{"error": message}`` with the error's HTTP status; tracebacks only go to the log."""
+#: ``(method, path)`` of the HTTP request this task answers, for the log line of an
+#: unexpected error (set per request: every request runs in a task, with a context, of its own).
+_CURRENT_REQUEST: ContextVar[tuple[str, str]] = ContextVar("recserve_http_request")
+
+
+def error_response(error: BaseException, request: tuple[str, str] | None = None) -> Response:
+    """``{"error": message}`` with the error's HTTP status; tracebacks only go to the log,
+    whose line names the request (``request``, else the one this task answers)."""
     status = http_status_of(error)
     if not isinstance(error, RecserveError):
-        log.error("request failed", exc_info=error)
+        method, path = request or _CURRENT_REQUEST.get(("?", "?"))
+        log.error("%s %r failed", method, path, exc_info=error)
     return json_response({"error": public_message_of(error)}, status)
+
+
+class _App(FastAPI):
+    """FastAPI that notes each HTTP request for :func:`error_response`'s log line."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            _CURRENT_REQUEST.set((scope["method"], scope["path"]))
+        await super().__call__(scope, receive, send)
 
 
 #: Linux's PATH_MAX: a longer checkpoint path is refused before the loader sees it.
@@ -400,7 +417,7 @@ def create_app(
     title: str = "recserve",
 ) -> FastAPI:
     """The FastAPI app of the serving front end over ``core``."""
-    app = FastAPI(
+    app = _App(
         title=title,
         summary="KServe v2 / Open Inference Protocol front end of recserve",
         default_response_class=Response,
@@ -703,6 +720,7 @@ class InferFastPath:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
+                _CURRENT_REQUEST.set(("POST", scope["path"]))
                 response = await self._infer(scope, receive, match[1], match[2])
                 await response(scope, receive, send)
                 return

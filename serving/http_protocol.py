@@ -332,7 +332,8 @@ def infer_protocol(
             try:
                 response = await handler.handle(body, header_length, name, version)
             except Exception as error:  # the handler answers errors itself: a bug, logged
-                response = error_response(error)
+                versioned = "" if version is None else f"/versions/{version}"
+                response = error_response(error, ("POST", f"/v2/models/{name}{versioned}/infer"))
             if cycle.disconnected or self.transport.is_closing():
                 return
             self._write(cycle, response)

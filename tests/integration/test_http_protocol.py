@@ -234,12 +234,18 @@ def test_http_1_0_and_connection_close_answer_then_close(server):
             assert connection.closed_by_server()
 
 
-def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server):
+def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server, caplog):
     with _Connection(server) as connection:
-        connection.send(_request("/v2/models/adult/infer", b"boom"))
+        connection.send(_request("/v2/models/adult/versions/3/infer", b"boom"))
         status, _, answer = connection.response()
         assert status == 500
         assert json.loads(answer) == {"error": "internal error (details are in the server log)"}
+        # The log line names the request; the traceback is attached to it.
+        failed = [r for r in caplog.records if r.exc_info and r.name == "serving.http_app"]
+        assert [r.getMessage() for r in failed] == [
+            "POST '/v2/models/adult/versions/3/infer' failed"
+        ]
+        assert "a bug in the handler" in str(failed[0].exc_info[1])
         connection.send(_request("/v2/models/adult/infer", b"after"))
         assert json.loads(connection.response()[2])["body"] == "after"
 

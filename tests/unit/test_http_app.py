@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -302,7 +303,7 @@ def test_infer_bad_input_is_400(server, document, status, message):
     assert message in orjson.loads(payload)["error"]
 
 
-def test_infer_errors_map_to_statuses(server, core):
+def test_infer_errors_map_to_statuses(server, core, caplog):
     body = {"inputs": _tensors(USERS, AGES)}
     status, payload = server.json("POST", "/v2/models/other/infer", body)
     assert status == 404 and "unknown model 'other'" in payload["error"]
@@ -313,9 +314,20 @@ def test_infer_errors_map_to_statuses(server, core):
     )
     core.is_ready = True
     core.fail_with = RuntimeError("secret internals")
-    status, payload = server.json("POST", "/v2/models/tiny/infer", body)
-    assert status == 500 and "secret" not in payload["error"]
-    assert payload == {"error": "internal error (details are in the server log)"}
+    with caplog.at_level(logging.ERROR, logger="serving.http_app"):
+        for path in ("/v2/models/tiny/infer", "/v1/models/tiny:predict"):
+            status, payload = server.json(
+                "POST", path, body if "v2" in path else {"instances": [{"user": [1], "age": [1.0]}]}
+            )
+            assert status == 500 and "secret" not in payload["error"]
+            assert payload == {"error": "internal error (details are in the server log)"}
+    # Each log line names its request; the traceback with the details is attached to it.
+    failed = [r for r in caplog.records if r.name == "serving.http_app" and r.exc_info]
+    assert [r.getMessage() for r in failed] == [
+        "POST '/v2/models/tiny/infer' failed",
+        "POST '/v1/models/tiny:predict' failed",
+    ]
+    assert all(str(r.exc_info[1]) == "secret internals" for r in failed)
 
 
 def test_body_too_large_is_413(server):
