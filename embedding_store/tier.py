@@ -40,6 +40,9 @@ class TierStatus:
     training shard has an optimizer); empty where a tier does not report it.
     ``shard_checkpoint_versions[i]`` is the embedding checkpoint version shard i's rows were
     loaded from (``""``: none, or changed since by training); empty where not reported.
+    ``shard_errors[i]`` is why shard i did not answer (``""``: it did; its other fields are
+    then zeros); empty unless a partial status was asked for (``status(partial=True)`` of a
+    remote tier): otherwise a shard that does not answer raises.
     """
 
     rows_per_shard: tuple[int, ...]
@@ -53,6 +56,7 @@ class TierStatus:
     task_progress: float = 0.0
     shard_serving: tuple[bool, ...] = ()
     shard_checkpoint_versions: tuple[str, ...] = ()
+    shard_errors: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -153,10 +153,19 @@ class RemoteEmbeddingWorker:
     def clear(self) -> None:
         call(self._peer, self._stub.Clear, pb.ClearRequest(), timeout=self.admin_timeout)
 
-    def status(self) -> TierStatus:
+    def status(self, *, partial: bool = False) -> TierStatus:
+        """The tier's status, asked of the worker. A shard that did not answer the worker
+        raises UnavailableError naming it; with ``partial``, it is in ``shard_errors``."""
         response = call(
             self._peer, self._stub.Status, pb.WorkerStatusRequest(), timeout=self.timeout
         )
+        failed = [
+            f"shard {index}: {error}" for index, error in enumerate(response.shard_errors) if error
+        ]
+        if failed and not partial:
+            raise UnavailableError(
+                f"{self._peer}: {len(failed)} shard(s) did not answer: " + "; ".join(failed)
+            )
         return TierStatus(
             rows_per_shard=tuple(s.rows for s in response.shard_status),
             capacity_per_shard=tuple(s.capacity for s in response.shard_status),
@@ -169,6 +178,7 @@ class RemoteEmbeddingWorker:
             task_progress=response.task_progress,
             shard_serving=tuple(s.serving for s in response.shard_status),
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in response.shard_status),
+            shard_errors=tuple(response.shard_errors) if partial else (),
         )
 
     def close(self) -> None:

@@ -165,7 +165,10 @@ def _admin(args: argparse.Namespace) -> int:
             worker.clear()
             print("cleared every shard")
         else:
-            print("\n".join(format_status(worker.status())))
+            status = worker.status(partial=True)
+            print("\n".join(format_status(status)))
+            if any(status.shard_errors):
+                return 1  # a script sees the tier is not whole; the lines say which shard
     return 0
 
 
@@ -177,14 +180,18 @@ def format_status(status: TierStatus) -> list[str]:
     """The lines of ``recserve embedding-tier status``: one per shard (rows, capacity, task,
     the checkpoint version its rows were loaded from, and ``NOT SERVING`` when it says so),
     the worker's own task, then pending work. A task reads ``idle`` or e.g. ``dumping 50%``;
-    a version ``none`` (nothing loaded, or rows changed since by training)."""
+    a version ``none`` (nothing loaded, or rows changed since by training). A shard that did
+    not answer reads ``shard i: NO ANSWER: <why>``."""
     count = len(status.rows_per_shard)
     serving = status.shard_serving or (True,) * count  # not reported
     versions = status.shard_checkpoint_versions or ("",) * count
+    errors = status.shard_errors or ("",) * count
     lines = [
-        f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}, "
+        f"shard {index}: NO ANSWER: {error}"
+        if error
+        else f"shard {index}: {rows} rows of {capacity}, {_task(task, progress)}, "
         f"checkpoint {version or 'none'}" + ("" if shard_serving else ", NOT SERVING")
-        for index, (rows, capacity, task, progress, shard_serving, version) in enumerate(
+        for index, (rows, capacity, task, progress, shard_serving, version, error) in enumerate(
             zip(
                 status.rows_per_shard,
                 status.capacity_per_shard,
@@ -192,6 +199,7 @@ def format_status(status: TierStatus) -> list[str]:
                 status.shard_task_progress,
                 serving,
                 versions,
+                errors,
             )
         )
     ]

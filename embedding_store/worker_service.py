@@ -302,6 +302,24 @@ class RemoteShardTier:
         wait_for_all(futures)
         return [future.result() for future in futures]
 
+    def _each_settled(
+        self,
+        task: Callable[[RemoteParameterServer], object],
+        executor: ThreadPoolExecutor | None = None,
+    ) -> list:
+        """Like :meth:`_each`, with each shard's RecserveError in its place instead of
+        raised (anything else still raises)."""
+        pool = executor or self._executor
+        futures = [pool.submit(task, client) for client in self.clients]
+        wait_for_all(futures)
+        answers: list = []
+        for future in futures:
+            error = future.exception()
+            if error is not None and not isinstance(error, RecserveError):
+                raise error
+            answers.append(error if error is not None else future.result())
+        return answers
+
     def configure(
         self,
         *,
@@ -457,9 +475,17 @@ class RemoteShardTier:
         progress("load", total, total)
         return manifest
 
-    def status(self) -> TierStatus:
-        """Rows, capacity and task of every shard (asked now), this tier's queues and task."""
-        statuses = self.shard_statuses()
+    def status(self, *, partial: bool = False) -> TierStatus:
+        """Rows, capacity and task of every shard (asked now), this tier's queues and task.
+
+        A shard that does not answer raises, naming it; with ``partial``, it is reported in
+        ``shard_errors`` instead (zeros in its other fields) and the others still are."""
+        if partial:
+            answers = self._each_settled(lambda c: c.status(), self._status_executor)
+            errors = tuple("" if isinstance(a, ShardStatus) else a.message for a in answers)
+            statuses = [a if isinstance(a, ShardStatus) else _NO_ANSWER for a in answers]
+        else:
+            statuses, errors = self.shard_statuses(), ()
         task, task_progress = self._checkpoint_task.state()
         return TierStatus(
             rows_per_shard=tuple(s.rows for s in statuses),
@@ -473,6 +499,7 @@ class RemoteShardTier:
             task_progress=task_progress,
             shard_serving=tuple(s.serving for s in statuses),
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in statuses),
+            shard_errors=errors,
         )
 
     def shard_statuses(self) -> list[ShardStatus]:
@@ -486,6 +513,14 @@ class RemoteShardTier:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._checkpoint_executor.shutdown(wait=False, cancel_futures=True)
         self._status_executor.shutdown(wait=False, cancel_futures=True)
+
+
+#: The status reported for a shard that did not answer (``shard_errors`` says why).
+_NO_ANSWER = ShardStatus(
+    replica_index=0, replica_size=0, rows=0, capacity=0, read_only=False, job_type="",
+    optimizer_json="", serving=False, lookups=0, ids_looked_up=0, misses=0, evictions=0,
+    task="", task_progress=0.0,
+)  # fmt: skip
 
 
 def _caller_waits() -> bool:
@@ -680,7 +715,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     def Status(
         self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext
     ) -> pb.WorkerStatusResponse:
-        status = self.tier.status()
+        status = self.tier.status(partial=True)  # `embedding-tier status` shows every shard
         size = len(status.rows_per_shard)
         return pb.WorkerStatusResponse(
             shards=list(self.tier.shard_addresses),
@@ -712,6 +747,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             nonfinite_rows_skipped=status.nonfinite_rows_skipped,
             task=status.task,
             task_progress=status.task_progress,
+            shard_errors=list(status.shard_errors),
         )
 
 

@@ -311,7 +311,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress")
+    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress", "shard_errors")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     PENDING_BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class WorkerStatusResponse(_message.Message):
     NONFINITE_ROWS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ERRORS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_status: _containers.RepeatedCompositeFieldContainer[ShardStatusResponse]
     pending_backward: int
@@ -326,7 +327,8 @@ class WorkerStatusResponse(_message.Message):
     nonfinite_rows_skipped: int
     task: str
     task_progress: float
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ...) -> None: ...
+    shard_errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., shard_errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ()

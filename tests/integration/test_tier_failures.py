@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from embedding_store import checkpoint
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
-from embedding_store.errors import RecserveError
+from embedding_store.errors import RecserveError, UnavailableError
 from embedding_store.launcher import LocalCluster, ManagedProcess, recserve_command
 from embedding_store.optimizers import Adagrad, Adam
 from embedding_store.ps_client import RemoteParameterServer
@@ -323,6 +323,7 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
             version = client.load(tmp_path / "ckpt").version
             assert client.status().shard_serving == (True, True)
             assert client.status().shard_checkpoint_versions == (version, version)
+            loaded_rows = client.status().rows_per_shard
             lines = run_cli("status", "--worker", worker).stdout.splitlines()
             assert [line.rsplit(", ", 1)[1] for line in lines[:2]] == [f"checkpoint {version}"] * 2
             assert worker_health(worker) == (serving, serving, serving)
@@ -334,6 +335,19 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
                 lambda: worker_health(worker) == (serving, serving, not_serving),
                 "the worker noticed its dead shard",
             )
+            # `status` still shows every shard that answers, names the one that does not,
+            # and exits 1; the client's plain status() raises, naming it.
+            status = run_cli("status", "--worker", worker)
+            assert status.returncode == 1, status.stderr
+            lines = status.stdout.splitlines()
+            assert lines[0] == (
+                f"shard 0: {loaded_rows[0]} rows of {CAPACITY}, idle, checkpoint {version}"
+            )
+            assert lines[1].startswith("shard 1: NO ANSWER: ") and tier.ps_addresses[1] in lines[1]
+            assert lines[2] == "worker: idle"
+            with pytest.raises(UnavailableError, match=r"1 shard\(s\) did not answer: shard 1: "):
+                client.status()
+            assert client.status(partial=True).shard_errors[0] == ""
             tier.restart_shard(1)  # back, but without its rows until a load
             wait_until(
                 lambda: worker_health(worker) == (serving, serving, serving),

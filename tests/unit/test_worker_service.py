@@ -8,6 +8,7 @@ test can hold a call (an Event) or fail it. Everything that waits is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import threading
@@ -369,6 +370,11 @@ def test_format_status_shows_tasks_of_shards_and_worker():
         "shard 1: 7 rows of 10, idle, checkpoint none",
         "worker: dumping 50%",
         "pending backward: 0, pending gradient batches: 1, non-finite rows skipped: 2",
+    ]
+    partial = dataclasses.replace(status, shard_errors=("", "parameter server a:1: refused"))
+    assert format_status(partial)[:2] == [
+        "shard 0: 5 rows of 10, dumping 0%, checkpoint 0123456789abcdef",
+        "shard 1: NO ANSWER: parameter server a:1: refused",
     ]
 
 
