@@ -10,9 +10,17 @@ handler only assigns attributes, and the main thread polls it.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import threading
 import time
 from types import FrameType
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two looks at a process's parent: how late its end may be noticed.
+PARENT_CHECK_SECONDS = 0.5
 
 
 class StopRequest:
@@ -48,3 +56,19 @@ class StopRequest:
             else:
                 time.sleep(self.POLL_SECONDS)
         return True
+
+
+def stop_when_parent_exits(parent: int, who: str) -> None:
+    """SIGTERM this process once ``parent`` (a pid) is no longer its parent: killed outright
+    (kill -9, the OOM killer), the parent cannot stop it, and a process it started would
+    run on, reparented. A daemon thread looks every :data:`PARENT_CHECK_SECONDS`; a parent
+    already gone when this is called is noticed at the first look. ``who`` names the
+    parent in the log line."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        log.error("%s (pid %d) is gone: this process stops", who, parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -135,6 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="server processes sharing the ports (SO_REUSEPORT); each loads the model",
     )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--preprocessor",
         default=None,
@@ -217,7 +218,7 @@ def _token_problem(token: str) -> str | None:
 
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin token from --admin-token, --admin-token-file or RECSERVE_ADMIN_TOKEN."""
-    from serving.server import ADMIN_TOKEN_VARIABLE
+    from serving.options import ADMIN_TOKEN_VARIABLE
 
     if args.admin_token is not None:
         return args.admin_token  # checked by check_arguments
@@ -241,41 +242,47 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from serving.server import ServeOptions, serve
+    from serving.options import ServeOptions
 
     problem = check_arguments(args)
     if problem:
         args.parser.error(problem)
     workers = _addresses(args.embedding_workers)
-    return serve(
-        ServeOptions(
-            checkpoint=args.checkpoint,
-            model_name=args.model_name,
-            host=args.host,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            embedding_workers=workers,
-            embedding_ps=_addresses(args.embedding_ps),
-            max_batch_size=args.max_batch_size,
-            max_request_batch_size=args.max_request_batch_size,
-            max_queue_delay_ms=args.max_queue_delay_ms,
-            max_queue_size=args.max_queue_size,
-            request_timeout=args.request_timeout,
-            lookup_timeout=args.lookup_timeout,
-            startup_timeout=args.startup_timeout,
-            fallback_policy=args.fallback_policy,
-            output_transform=args.output_transform,
-            onednn_min_rows=args.onednn_min_rows,
-            max_body_bytes=args.max_body_bytes,
-            max_decompressed_bytes=args.max_decompressed_bytes,
-            read_timeout_seconds=args.read_timeout_seconds,
-            watch_seconds=args.watch_seconds,
-            admin_token=_admin_token(args),
-            reload_root=args.reload_root,
-            grace_seconds=args.grace_seconds,
-            threads=args.threads,
-            preprocessor=args.preprocessor,
-            workers=args.workers,
-            reuse_port=args.reuse_port,
-        )
+    options = ServeOptions(
+        checkpoint=args.checkpoint,
+        model_name=args.model_name,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        embedding_workers=workers,
+        embedding_ps=_addresses(args.embedding_ps),
+        max_batch_size=args.max_batch_size,
+        max_request_batch_size=args.max_request_batch_size,
+        max_queue_delay_ms=args.max_queue_delay_ms,
+        max_queue_size=args.max_queue_size,
+        request_timeout=args.request_timeout,
+        lookup_timeout=args.lookup_timeout,
+        startup_timeout=args.startup_timeout,
+        fallback_policy=args.fallback_policy,
+        output_transform=args.output_transform,
+        onednn_min_rows=args.onednn_min_rows,
+        max_body_bytes=args.max_body_bytes,
+        max_decompressed_bytes=args.max_decompressed_bytes,
+        read_timeout_seconds=args.read_timeout_seconds,
+        watch_seconds=args.watch_seconds,
+        admin_token=_admin_token(args),
+        reload_root=args.reload_root,
+        grace_seconds=args.grace_seconds,
+        threads=args.threads,
+        preprocessor=args.preprocessor,
+        workers=args.workers,
+        reuse_port=args.reuse_port,
+        supervisor_pid=args.supervisor_pid,
     )
+    if options.workers > 1:  # the supervisor: it never loads torch or the model itself
+        from serving.processes import serve_processes
+
+        return serve_processes(options)
+    from serving.server import serve
+
+    return serve(options)

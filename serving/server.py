@@ -7,19 +7,14 @@ drain in-flight requests within the grace period, stop both servers and exit 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -35,9 +30,11 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects
-from embedding_store.stop_signal import StopRequest
-from serving.metrics import CONTENT_TYPE, MULTIPROCESS_VARIABLE
+from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
+from serving.metrics import CONTENT_TYPE
 from serving.model import LoadedModel, load_model
+from serving.options import ServeOptions
+from serving.processes import _address_family, serve_processes
 from serving.service import PredictionService
 
 if TYPE_CHECKING:
@@ -48,45 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """Everything ``recserve serve`` takes (see its --help)."""
-
-    checkpoint: Path
-    model_name: str = "model"
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    embedding_workers: tuple[str, ...] = ()
-    embedding_ps: tuple[str, ...] = ()  # shards in replica order; worker core in-process
-    max_batch_size: int = 256
-    max_request_batch_size: int = 4096
-    max_queue_delay_ms: float = 2.0
-    max_queue_size: int = 1024
-    request_timeout: float = 10.0
-    lookup_timeout: float = 5.0
-    startup_timeout: float = 60.0  # how long a remote embedding worker may take to serve
-    fallback_policy: str = "fail"
-    output_transform: str = "identity"
-    onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
-    read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
-    watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
-    admin_token: str | None = None
-    reload_root: Path | None = None  # POST /admin/reload loads only under it
-    grace_seconds: float = 10.0
-    threads: int = 1
-    preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
-    workers: int = 1  # server processes sharing the ports (SO_REUSEPORT)
-    reuse_port: bool = False  # set for each process of a multi-process server
-
-
 def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
     """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
     import importlib
-    import os
-    import sys
 
     if os.getcwd() not in sys.path:  # like uvicorn's --app-dir: modules of the current folder
         sys.path.insert(0, os.getcwd())
@@ -331,154 +292,9 @@ class PredictionServer:
         return drained
 
 
-#: Environment variable read for the admin token when no flag gives one (and how
-#: ``--workers`` hands it to its processes).
-ADMIN_TOKEN_VARIABLE = "RECSERVE_ADMIN_TOKEN"
-
 #: Seconds before the watcher tries a version that failed to load again (then doubling).
 RELOAD_RETRY_SECONDS = 5.0
 RELOAD_RETRY_MAX_SECONDS = 300.0
-
-
-def _address_family(host: str) -> socket.AddressFamily:
-    """IPv6 for an IPv6 literal (``::``, ``::1``), IPv4 otherwise."""
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _reserve_port(host: str, port: int, protocol: str) -> socket.socket:
-    """A socket that holds ``host:port`` (``port`` 0: a free one) for the processes of a
-    ``--workers`` server: bound, never listening, so it takes no connections. The processes
-    bind the port with SO_REUSEPORT, which would also let them join another server already
-    on it and split its traffic; this bind, without SO_REUSEPORT, fails on any such server.
-    While it is held, only sockets of this user with SO_REUSEPORT (the processes) can bind
-    the port: another server started meanwhile, even another ``--workers`` one, is refused
-    rather than joining them. UnavailableError naming the address when it is taken."""
-    reservation = socket.socket(_address_family(host), socket.SOCK_STREAM)
-    # SO_REUSEADDR for the bind: connections of an earlier server in TIME_WAIT do not
-    # count, a listening socket still does. Cleared after it, so that another server's
-    # bind (with SO_REUSEADDR) conflicts with this one.
-    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        reservation.bind((host, port))
-    except OSError as error:
-        reservation.close()
-        flag = "--http-port" if protocol == "HTTP" else "--grpc-port"
-        raise UnavailableError(
-            f"cannot listen for {protocol} on {host}:{port}: {error.strerror or error} "
-            f"(is another server on that port? {flag} 0 picks a free one)"
-        ) from None
-    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
-    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    return reservation
-
-
-def options_to_argv(options: ServeOptions) -> list[str]:
-    """``recserve serve`` arguments that reproduce ``options`` (for worker processes), less
-    the admin token: it goes in the ``RECSERVE_ADMIN_TOKEN`` variable, never in argv."""
-    argv = ["serve"]
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        if field.name == "admin_token":
-            continue  # a secret: worker processes get it in their environment, not argv
-        if field.name in ("embedding_workers", "embedding_ps"):
-            if value:
-                argv += [flag, ",".join(value)]
-        elif isinstance(value, bool):
-            if value:
-                argv.append(flag)
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def serve_processes(options: ServeOptions) -> int:
-    """Run ``options.workers`` server processes on the same ports (SO_REUSEPORT): HTTP
-    parsing and model work spread over the cores; each process batches its own requests.
-
-    SIGTERM/SIGINT are forwarded. A process that exits while no stop was asked for (a crash,
-    the OOM killer) stops the others, so the whole server exits non-zero and its supervisor
-    (Kubernetes, compose, honcho) restarts it rather than it running on with fewer cores.
-    Returns the worst exit code (128 + N for a process killed by signal N)."""
-
-    with (
-        _reserve_port(options.host, options.http_port, "HTTP") as http_reservation,
-        _reserve_port(options.host, options.grpc_port, "gRPC") as grpc_reservation,
-    ):
-        fixed = dataclasses.replace(
-            options,
-            http_port=http_reservation.getsockname()[1],
-            grpc_port=grpc_reservation.getsockname()[1],
-            workers=1,
-            reuse_port=True,
-        )
-        return _run_processes(fixed, options.workers)
-
-
-def _run_processes(options: ServeOptions, count: int) -> int:
-    """Start ``count`` server processes with ``options`` and supervise them to the end."""
-    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    command = [
-        sys.executable, "-m", "embedding_store.cli", "--log-level", level,
-        *options_to_argv(options),
-    ]  # fmt: skip
-    environment = dict(os.environ)
-    if options.admin_token is not None:
-        environment[ADMIN_TOKEN_VARIABLE] = options.admin_token
-    # A scrape of /metrics reaches one process: they share their metrics through files in a
-    # directory of this run's own (stale files of an earlier run would count again).
-    metrics_directory = tempfile.mkdtemp(prefix="recserve-metrics-")
-    environment[MULTIPROCESS_VARIABLE] = metrics_directory
-    try:
-        return _supervise(
-            [subprocess.Popen(command, env=environment) for _ in range(count)],
-            metrics_directory,
-        )
-    finally:
-        shutil.rmtree(metrics_directory, ignore_errors=True)
-
-
-def _supervise(children: list[subprocess.Popen], metrics_directory: str) -> int:
-    """Forward SIGTERM/SIGINT to ``children``, stop them all when one exits unasked; the
-    worst exit code (see :func:`serve_processes`)."""
-    from prometheus_client import multiprocess
-
-    stopping = threading.Event()
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        stopping.set()
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    crashed: subprocess.Popen | None = None
-    dead: set[int] = set()
-    while any(child.poll() is None for child in children):
-        for child in children:
-            if child.returncode is not None and child.pid not in dead:
-                dead.add(child.pid)  # its live gauges (ready, pending) no longer count
-                multiprocess.mark_process_dead(child.pid, metrics_directory)
-        if crashed is None and not stopping.is_set():
-            crashed = next((c for c in children if c.returncode is not None), None)
-            if crashed is not None:
-                log.error(
-                    "server process %d exited (code %d) while serving: stopping the others",
-                    crashed.pid,
-                    crashed.returncode,
-                )
-                forward(signal.SIGTERM, None)
-        time.sleep(0.2)  # not stopping.wait(): once set, it would return at once and spin
-    codes = [_exit_code(child.returncode) for child in children]
-    if crashed is not None and not any(codes):
-        return 1  # it exited 0, but nobody asked it to
-    return max(codes)
-
-
-def _exit_code(returncode: int) -> int:
-    """A child's exit status as a shell reports it: 128 + N when signal N killed it."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 class _StopDuringStartup(BaseException):
@@ -493,6 +309,8 @@ def serve(options: ServeOptions) -> int:
     orchestrator's kill timeout (30 s in deploy/k8s) is often shorter than the start-up."""
     if options.workers > 1:
         return serve_processes(options)
+    if options.supervisor_pid is not None:  # one process of a --workers server
+        stop_when_parent_exits(options.supervisor_pid, "the --workers supervisor")
     server = PredictionServer(options)
     interrupted: list[str] = []
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from embedding_store.errors import ConfigError
+from embedding_store.stop_signal import stop_when_parent_exits
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +55,6 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-#: Seconds between two checks that this rank's launcher (torchrun) is still its parent.
-LAUNCHER_CHECK_SECONDS = 1.0
 _watching: list[int] = []  # the launcher's PID, once watched
 
 
@@ -68,19 +64,13 @@ def exit_with_launcher() -> None:
     torchrun starts each rank in a session of its own, so a launcher killed outright (kill
     -9, the OOM killer) leaves its ranks running, reparented: they would go on updating the
     shared embedding tier and write a checkpoint while the user starts another run. A daemon
-    thread notices the new parent within :data:`LAUNCHER_CHECK_SECONDS`."""
+    thread notices the new parent within
+    :data:`embedding_store.stop_signal.PARENT_CHECK_SECONDS`."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
         return
     launcher = os.getppid()
     _watching.append(launcher)
-
-    def watch() -> None:
-        while os.getppid() == launcher:
-            time.sleep(LAUNCHER_CHECK_SECONDS)
-        log.error("the launcher (torchrun, pid %d) is gone: this rank stops", launcher)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    stop_when_parent_exits(launcher, "the launcher (torchrun)")
 
 
 def init_distributed(option: DDPOption) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -72,6 +73,8 @@ def test_two_server_processes_answer_on_shared_ports_and_drain(adult_checkpoint,
         # line that any local user can read.
         children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
         assert len(children) == 2
+        # The supervisor only starts, signals and waits: it never loads torch (~280 MB).
+        assert b"libtorch" not in Path(f"/proc/{parent.pid}/maps").read_bytes()
         for child in children:
             assert b"s3cr3t" not in Path(f"/proc/{child}/cmdline").read_bytes()
             assert b"RECSERVE_ADMIN_TOKEN=s3cr3t-admin-token\0" in (
@@ -328,3 +331,44 @@ def test_a_stop_during_start_up_ends_it_at_once(adult_checkpoint, tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_server_processes_stop_when_their_supervisor_is_killed(adult_checkpoint, tmp_path):
+    """kill -9 of the supervisor (the OOM killer, a supervisor without cgroups): its
+    processes must not serve on, orphaned, holding the ports against its restart."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        parent = subprocess.Popen(
+            [
+                sys.executable, "-m", "embedding_store.cli", "serve",
+                "--checkpoint", str(adult_checkpoint), "--workers", "2",
+                "--http-port", "0", "--grpc-port", "0",
+            ],
+            stdout=out, stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,  # its own group: teardown can end the children too
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: len(re.findall(r"HTTP listening on", log.read_text())) == 2,
+            "two server processes did not start",
+            timeout=120,
+        )
+        children = [
+            int(pid)
+            for pid in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        ]
+        parent.kill()
+        parent.wait()
+
+        def gone(pid: int) -> bool:
+            try:  # reparented to init or a subreaper, which reaps it
+                return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        wait_until(lambda: all(gone(pid) for pid in children), "orphaned server processes", 20)
+        assert log.read_text().count("the --workers supervisor (pid") == 2, log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)  # the group this test started

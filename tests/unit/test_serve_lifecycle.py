@@ -15,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from serving import server
-from serving.server import PredictionServer, ServeOptions, serve_processes
+from serving.options import ServeOptions
+from serving.processes import serve_processes
+from serving.server import PredictionServer
 
 #: A stand-in server process: exits 0 on SIGTERM, as a drained `recserve serve` does.
 CHILD = (
@@ -200,3 +202,49 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
     finally:
         watching._stop.set()
         watcher.join(5)
+
+
+#: A stand-in that ignores SIGTERM: a wedged server process.
+WEDGED_CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+
+def _kill_all_after(seconds: float, processes: list[subprocess.Popen]) -> None:
+    """A safety net: a supervisor that never ends its processes fails its test, not hangs."""
+    _after(seconds, lambda: [p.kill() for p in processes if p.poll() is None])
+
+
+def test_a_wedged_server_process_is_killed_after_the_grace_period(fake_children, monkeypatch):
+    """A process that ignores the stop must not hold the server (and its ports) forever:
+    grace + STOP_MARGIN_SECONDS after the stop, it is killed and the server exits 137."""
+    _commands, processes, child_code = fake_children
+    child_code[0] = WEDGED_CHILD
+    monkeypatch.setattr("serving.processes.STOP_MARGIN_SECONDS", 1.0)
+    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _kill_all_after(20, processes)
+    started = time.monotonic()
+    options = ServeOptions(
+        checkpoint="ckpt", http_port=0, grpc_port=0, workers=2, grace_seconds=0.5
+    )
+    assert serve_processes(options) == 128 + signal.SIGKILL
+    assert 2.0 <= time.monotonic() - started < 10  # 0.5 s + grace 0.5 s + margin 1 s
+    assert [p.returncode for p in processes] == [-signal.SIGKILL, -signal.SIGKILL]
+
+
+def test_a_stop_while_the_processes_start_reaches_them(fake_children, monkeypatch):
+    """SIGTERM as the first process starts: no further process is started, and the one
+    that was gets the stop (before, the handler came after every start, so the signal
+    killed the supervisor outright and left its processes running, orphaned)."""
+    commands, processes, _code = fake_children
+    popen = subprocess.Popen  # the fixture's stand-in
+
+    def popen_then_stop(command, env=None):
+        process = popen(command, env=env)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_stop)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # what an unguarded start would meet
+    _kill_all_after(20, processes)
+    assert serve_processes(_options()) == 0
+    assert len(commands) == 1
+    assert processes[0].returncode in (0, -signal.SIGTERM)  # stopped, by its handler or not

@@ -9,7 +9,8 @@ import pytest
 
 from embedding_store.errors import InvalidArgumentError, UnavailableError
 from serving import commands
-from serving.server import ServeOptions, options_to_argv
+from serving.options import ServeOptions
+from serving.processes import options_to_argv
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -124,7 +125,7 @@ def test_a_reserved_port_admits_only_the_server_processes():
     ``--workers`` one whose own reservation would come next, is refused."""
     import socket
 
-    from serving.server import _reserve_port
+    from serving.processes import _reserve_port
 
     def server_process_listener(port: int) -> socket.socket:
         listener = socket.socket()

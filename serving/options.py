@@ -1,0 +1,48 @@
+"""``recserve serve``'s options: a frozen dataclass, light to import (no torch), so the
+supervisor of a ``--workers`` server does not load what only its server processes need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Environment variable read for the admin token when no flag gives one (and how
+#: ``--workers`` hands it to its processes).
+ADMIN_TOKEN_VARIABLE = "RECSERVE_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``recserve serve`` takes (see its --help)."""
+
+    checkpoint: Path
+    model_name: str = "model"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    embedding_workers: tuple[str, ...] = ()
+    embedding_ps: tuple[str, ...] = ()  # shards in replica order; worker core in-process
+    max_batch_size: int = 256
+    max_request_batch_size: int = 4096
+    max_queue_delay_ms: float = 2.0
+    max_queue_size: int = 1024
+    request_timeout: float = 10.0
+    lookup_timeout: float = 5.0
+    startup_timeout: float = 60.0  # how long a remote embedding worker may take to serve
+    fallback_policy: str = "fail"
+    output_transform: str = "identity"
+    onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
+    read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
+    watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
+    admin_token: str | None = None
+    reload_root: Path | None = None  # POST /admin/reload loads only under it
+    grace_seconds: float = 10.0
+    threads: int = 1
+    preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
+    workers: int = 1  # server processes sharing the ports (SO_REUSEPORT)
+    # Set by a multi-process server for each of its processes: bind with SO_REUSEPORT, and
+    # stop once the supervisor (this pid) is gone.
+    reuse_port: bool = False
+    supervisor_pid: int | None = None
