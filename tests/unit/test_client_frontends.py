@@ -123,6 +123,22 @@ def test_infer_named_tensors(client):
     )
 
 
+def test_infer_python_integer_ids_at_and_over_2_63(client, core):
+    # A list mixing IDs >= 2**63 with small ones became FP64 and the server refused it.
+    result = client.infer(
+        {
+            "user": [2**63 + 5, 7],
+            "user.lengths": [1, 1],
+            "age": np.array([[0.0], [1.0]], dtype=np.float32),
+        }
+    )
+    np.testing.assert_allclose(
+        result.predictions, expected_predictions([[2**63 + 5], [7]], [0.0, 1.0]), atol=1e-6
+    )
+    user = core.calls[-1]["inputs"]["user"]
+    assert user.dtype == np.uint64 and user.tolist() == [2**63 + 5, 7]
+
+
 def test_health_and_metadata(client, core):
     assert client.live() and client.ready() and client.model_ready()
     core.is_ready = False
