@@ -57,7 +57,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--report", type=Path, metavar="DIR", help="write an evaluation report")
     parser.add_argument(
-        "--batch-size", type=positive_int, default=4096, help="rows per chunk/request (4096)"
+        "--batch-size",
+        type=positive_int,
+        default=4096,
+        help="rows per chunk/request (4096; with --url, a chunk over the server's "
+        "--max-request-batch-size goes in requests of that size)",
     )
     parser.add_argument(
         "--bad-rows",

@@ -19,6 +19,12 @@ from clients import checkpoint_tool
 from clients.eval import EvalOptions, run_eval
 from embedding_store import checkpoint as embedding_checkpoint
 from embedding_store import model_checkpoint
+from embedding_store.batch import (
+    Batch,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
     AlreadyExistsError,
@@ -369,3 +375,71 @@ def test_train_state_is_kept_and_checked(tmp_path):
     (tmp_path / "a" / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"manifest\.json: train_state: 'epochs_done'"):
         model_checkpoint.read_manifest(tmp_path / "a")
+
+
+# --------------------------------------------------------------------------- eval --url
+def test_eval_url_splits_a_batch_over_the_servers_max_request_batch_size(
+    checkpoint, tmp_path, capsys
+):
+    # The server answers a batch over --max-request-batch-size with 400 ("batch size N
+    # exceeds this server's max batch size M"), which the scorer used to pass on: eval --url
+    # with --batch-size above that limit failed. It now sends chunks of M rows.
+    from clients.eval import ServerScorer
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    data = tmp_path / "rows.csv"
+    write_rows(data)
+    service = PredictionService(
+        load_model(checkpoint, name="tiny", warm_up=False), max_request_batch_size=8
+    )
+    server = _Uvicorn(create_app(service))
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        options = EvalOptions(
+            data=(data,),
+            out=tmp_path / "predictions.csv",
+            checkpoint=checkpoint,
+            url=url,
+            compare=True,
+            model="tiny",
+            label="clicked",
+            batch_size=20,
+            progress=False,
+        )
+        result = run_eval(options)
+        assert (result.rows, result.exit_code) == (40, 0)
+        assert "scored 40 rows" in capsys.readouterr().out
+
+        scorer = ServerScorer(url, "tiny")
+        sent: list[int] = []
+        v2 = scorer._v2
+
+        def counting(batch):
+            sent.append(batch.batch_size)
+            return v2(batch)
+
+        scorer._v2 = counting  # type: ignore[method-assign]
+        batch = _tiny_batch(20)
+        first = scorer.score(batch, [{}] * 20).predictions
+        assert scorer.max_batch_size == 8 and sent == [20, 8, 8, 4]
+        second = scorer.score(batch, [{}] * 20).predictions
+        assert sent == [20, 8, 8, 4, 8, 8, 4]  # the limit learnt: no over-size request
+        np.testing.assert_array_equal(first, second)
+        assert first.shape == (20,)
+    finally:
+        server.stop()
+        service.close()
+
+
+def _tiny_batch(n: int) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", np.arange(n, dtype=np.uint64)),
+            IDTypeFeature.from_lists("tags", [[100 + i % 30] for i in range(n)]),
+        ],
+        [NonIDTypeFeature(np.zeros((n, 2), dtype=np.float32), "dense")],
+        requires_grad=False,
+    )
