@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
@@ -293,6 +294,70 @@ def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
     assert "opt.pt                         differs (compared by checksum)" in (
         checkpoint_tool.format_diff(result)
     )
+
+
+class TwiceTiny(Tiny):
+    """Tiny's parameters, other code: dense.pt the same, jit_dense.pt not."""
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return 2 * self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def test_diff_counts_config_signature_and_dense_code_as_differences(checkpoint, tmp_path):
+    # "config DIFFERS" used to come with "identical" (and --exit-code 0): the embedding config,
+    # the feature signature and jit_dense.pt were left out of `identical`.
+    from embedding_store.cli import main as cli_main
+
+    shutil.copytree(checkpoint, tmp_path / "config")
+    manifest_path = tmp_path / "config" / "embeddings" / "embedding_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["embedding_config"]["slots_config"]["tags"]["embedding_summation"] = False
+    manifest_path.write_text(json.dumps(manifest))
+    result = checkpoint_tool.diff(checkpoint, tmp_path / "config")
+    assert not result["embeddings"]["config_identical"] and not result["identical"]
+    text = checkpoint_tool.format_diff(result)
+    assert "config DIFFERS" in text and text.endswith("\n  checkpoints differ")
+    assert cli_main(["checkpoint", "diff", str(checkpoint), str(tmp_path / "config")]) == 0
+    argv = ["checkpoint", "diff", "--exit-code", str(checkpoint), str(tmp_path / "config")]
+    assert cli_main(argv) == 1
+    assert cli_main([*argv[:3], str(checkpoint), str(checkpoint)]) == 0
+
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100)
+    torch.manual_seed(3)
+    model = Tiny()
+    other_signature = FeatureSignature(
+        SIGNATURE.id_features, (NonIdFeatureSpec("x", "float32", (2,)),)
+    )
+    twice = TwiceTiny()
+    twice.load_state_dict(model.state_dict())
+    for name, module, signature in (
+        ("base", model, SIGNATURE),
+        ("same", model, SIGNATURE),
+        ("signature", model, other_signature),
+        ("code", twice, SIGNATURE),
+    ):
+        model_checkpoint.write_checkpoint(tmp_path / name, module, None, tier, signature=signature)
+    assert checkpoint_tool.diff(tmp_path / "base", tmp_path / "same")["identical"]
+
+    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "signature")
+    assert result["dense"]["max_abs_diff"] == 0.0 and not result["dense"]["signature_identical"]
+    assert not result["identical"]
+    assert "signature DIFFERS" in checkpoint_tool.format_diff(result)
+
+    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "code")
+    assert result["dense"]["max_abs_diff"] == 0.0
+    assert result["dense"]["files_identical"] == {
+        "dense.pt": True,
+        "jit_dense.pt": False,
+    }
+    assert not result["identical"]
+    text = checkpoint_tool.format_diff(result)
+    assert "    jit_dense.pt                   differs (compared by checksum)" in text
+    assert text.endswith("\n  checkpoints differ")
 
 
 def test_export_dense(checkpoint, tmp_path):
