@@ -362,6 +362,17 @@ def test_csv_rows_and_bad_lines(tmp_path):
         check_file(path, "csv")
 
 
+def test_a_utf8_byte_order_mark_is_no_part_of_the_first_name(tmp_path):
+    # It used to make the first CSV column "\ufeffage" (the server then missed "age"), and
+    # the first JSONL line "not valid JSON".
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"\xef\xbb\xbfage,workclass\n39,State-gov\n")
+    assert list(iter_batches(path, "csv", 5)) == [([2], [{"age": 39, "workclass": "State-gov"}])]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"age": 39}\n{"age": 40}\n')
+    assert list(iter_batches(path, "jsonl", 5)) == [([1, 2], [{"age": 39}, {"age": 40}])]
+
+
 def test_locate_names_input_lines():
     error = InvalidArgumentError("server s answered HTTP 400: instances[1] lacks feature 'age'")
     located = locate(error, Path("rows.jsonl"), [3, 5, 9])
