@@ -7,6 +7,7 @@ connections); a 400 goes out once; timeouts are honored (and not retried).
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
 import time
@@ -272,6 +273,43 @@ def test_http_connection_refused_then_server_starts(fake_http):
     finally:
         timer.join()
     assert result.model_version == "v1"
+
+
+@pytest.mark.parametrize(
+    "reset",
+    [
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        BrokenPipeError(errno.EPIPE, "Broken pipe"),
+    ],
+)
+def test_http_connection_reset_while_connecting_is_retried(fake_http, monkeypatch, reset):
+    # urllib3 wraps a reset during connect() in NewConnectionError, which was raised at once
+    # (gRPC retries it, and nothing was sent): it is now retried like a refused connection.
+    import urllib3.util.connection
+
+    server = fake_http()
+    real = urllib3.util.connection.create_connection
+    attempts: list[int] = []
+
+    def flaky(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise reset
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", flaky)
+    with RecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+        result = client.predict(_batch())
+    assert (len(attempts), server.requests, result.model_version) == (3, 1, "v1")
+
+    attempts.clear()
+    client = RecserveClient(server.url, model_name="m", retries=1, **FAST)
+    with client, pytest.raises(UnavailableError) as caught:
+        client.predict(_batch())
+    assert caught.value.message == (
+        f"server {server.url} reset the connection while connecting (gave up after 2 attempts)"
+    )
+    assert (len(attempts), server.requests) == (2, 1)
 
 
 def test_async_http_retries(fake_http):
