@@ -7,6 +7,8 @@ matching recserve error for any other status.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +20,7 @@ from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
-from embedding_store.errors import RecserveError
+from embedding_store.errors import FailedPreconditionError, RecserveError
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -120,7 +122,14 @@ class GrpcBackend:
 
 # --------------------------------------------------------------------------- asyncio
 class AsyncGrpcBackend:
-    """``grpc.aio`` calls on one channel, opened on first use (inside the running loop)."""
+    """``grpc.aio`` calls on one channel, opened on first use inside the running loop.
+
+    A ``grpc.aio`` channel belongs to the loop it was opened on. Called from another loop
+    (a second ``asyncio.run()``, say) after that one stopped, the backend opens a new channel
+    on the new loop and closes the old one (it used to fail with a raw ``RuntimeError: Event
+    loop is closed``, for good). While the first loop is still running (in another thread),
+    a call from a second one raises FailedPreconditionError: one loop at a time.
+    """
 
     def __init__(
         self, target: str, server: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -129,17 +138,37 @@ class AsyncGrpcBackend:
         self._target = target
         self._max_message_bytes = max_message_bytes
         self._channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stubs: dict[str, Any] = {}
 
-    async def _run(self, call: Call, timeout: float | None) -> Any:
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._target, options=channel_options(self._max_message_bytes)
+    async def _stubs_for_this_loop(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        if self._channel is not None and self._loop is loop:
+            return self._stubs
+        old, old_loop = self._channel, self._loop
+        if old_loop is not None and not old_loop.is_closed() and old_loop.is_running():
+            raise FailedPreconditionError(
+                f"the gRPC client of {self.server} is in use on another event loop that is "
+                "still running; use one client per event loop (or one loop at a time)"
             )
-            self._stubs = _stubs(self._channel)
+        # Swap before awaiting anything, so that concurrent first calls on this loop share
+        # one new channel.
+        self._channel = grpc.aio.insecure_channel(
+            self._target, options=channel_options(self._max_message_bytes)
+        )
+        self._loop = loop
+        self._stubs = _stubs(self._channel)
+        stubs = self._stubs
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.close()
+        return stubs
+
+    async def _run(self, call: Call, timeout: float | None) -> Any:
+        stubs = await self._stubs_for_this_loop()
         method, request, decode = call
         try:
-            response = await self._stubs[method](request, timeout=timeout)
+            response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
             raise _failure(self.server, error) from None
         return decode(response)
@@ -163,5 +192,5 @@ class AsyncGrpcBackend:
 
     async def close(self) -> None:
         if self._channel is not None:
-            channel, self._channel = self._channel, None
+            channel, self._channel, self._loop = self._channel, None, None
             await channel.close()

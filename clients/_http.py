@@ -1,13 +1,15 @@
 """HTTP backend: one attempt per call over a shared urllib3 connection pool.
 
-Raises :class:`~clients.retry.RetryableError` for HTTP 503, refused connections and connections
-dropped before an answer, recserve errors for everything else (a timeout is never retried: the
-server may still be working on the request). A call's ``timeout`` bounds the whole attempt.
+Raises :class:`~clients.retry.RetryableError` for HTTP 503, connections refused or reset while
+connecting and connections dropped before an answer, recserve errors for everything else (a
+timeout is never retried: the server may still be working on the request). A call's
+``timeout`` bounds the whole attempt.
 The clients add retries, latency and the sync/async surface.
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,16 +26,35 @@ from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
 
+_REFUSED = (errno.ECONNREFUSED,)
+#: Resets and broken pipes while connecting (a server closing its listener, a full accept
+#: queue): the request was not sent, so a retry is as safe as after a refusal.
+_RESET = (errno.ECONNRESET, errno.EPIPE)
 
-def _refused(error: BaseException) -> bool:
+
+def _connect_failure(error: BaseException) -> str | None:
+    """Why a connection could not be opened, when a retry may help: "refused the connection"
+    or "reset the connection while connecting" (found along the exception chain); None
+    otherwise."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         if isinstance(current, ConnectionRefusedError):
-            return True
+            return "refused the connection"
+        if isinstance(current, (ConnectionResetError, BrokenPipeError)):
+            return "reset the connection while connecting"
+        if isinstance(current, OSError) and current.errno in _REFUSED:
+            return "refused the connection"
+        if isinstance(current, OSError) and current.errno in _RESET:
+            return "reset the connection while connecting"
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return "Connection refused" in str(error)
+    text = str(error)
+    if "Connection refused" in text:
+        return "refused the connection"
+    if "Connection reset by peer" in text or "Broken pipe" in text:
+        return "reset the connection while connecting"
+    return None
 
 
 @dataclass(frozen=True)
@@ -107,10 +128,10 @@ class HttpBackend:
             finally:
                 response.release_conn()
         except NewConnectionError as error:
-            if _refused(error):
-                raise RetryableError(
-                    UnavailableError(f"server {self.server} refused the connection")
-                ) from None
+            # Connect phase only: nothing was sent, a retry cannot run the request twice.
+            failure = _connect_failure(error)
+            if failure is not None:
+                raise RetryableError(UnavailableError(f"server {self.server} {failure}")) from None
             raise UnavailableError(f"cannot connect to server {self.server}: {error}") from None
         except (Urllib3Timeout, TimeoutError):
             raise DeadlineExceededError(

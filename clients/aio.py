@@ -1,10 +1,12 @@
 """The asyncio client: :class:`AsyncRecserveClient`, the same interface as
 :class:`~clients.client.RecserveClient` with ``async`` methods.
 
-gRPC uses ``grpc.aio`` (one channel, opened inside the running loop on first use). HTTP runs
-the blocking urllib3 backend in a small thread pool of its own (one attempt per hop to a
-thread), while retries wait with ``asyncio.sleep``, so the event loop never blocks. Use one
-client within one event loop::
+gRPC uses ``grpc.aio`` (one channel, opened inside the running loop on first use, and
+reopened when a call comes from another loop after that one stopped, e.g. a second
+``asyncio.run()``). HTTP runs the blocking urllib3 backend in a small thread pool of its own
+(one attempt per hop to a thread), while retries wait with ``asyncio.sleep``, so the event loop
+never blocks. Use a client from one event loop at a time (gRPC raises FailedPreconditionError
+for a call from a second loop while the first still runs)::
 
     async with AsyncRecserveClient("grpc://127.0.0.1:8001", model_name="adult") as client:
         result = await client.predict(batch)

@@ -607,6 +607,14 @@ def _diff_dense(a: Path, b: Path) -> dict[str, Any]:
     }
 
 
+#: Dense files a diff compares by checksum (besides dense.pt's tensors, compared by value).
+_CHECKSUMMED = (
+    model_checkpoint.JIT_FILE,
+    model_checkpoint.OPTIMIZER_FILE,
+    model_checkpoint.SCALER_FILE,
+)
+
+
 def diff(
     directory_a: str | os.PathLike[str],
     directory_b: str | os.PathLike[str],
@@ -614,7 +622,12 @@ def diff(
     tolerance: float = 0.0,
 ) -> dict[str, Any]:
     """Per ID space (slot or feature group) rows added/removed/changed and the max abs
-    difference of common rows; per dense tensor the max abs difference. Both verified first."""
+    difference of common rows; per dense tensor the max abs difference. Both verified first.
+
+    ``identical`` is True only when nothing differs: rows, optimizer state and the embedding
+    config (and its optimizer); for model checkpoints also the dense tensors, the feature
+    signature, and by checksum ``jit_dense.pt`` (the TorchScript code serving runs, which can
+    change while ``dense.pt`` does not), ``opt.pt`` and ``scaler.pt``."""
     a, b = Path(directory_a), Path(directory_b)
     kind_a, kind_b = require_verified(a)["kind"], require_verified(b)["kind"]
     if kind_a != kind_b:
@@ -626,19 +639,21 @@ def diff(
     result["dense"] = _diff_dense(a, b) if kind_a == MODEL else None
     emb = result["embeddings"]["id_spaces"]
     dense = result["dense"]
-    optimizer_files = (model_checkpoint.OPTIMIZER_FILE, model_checkpoint.SCALER_FILE)
     result["identical"] = (
         all(
             s["added"] == 0 and s["removed"] == 0 and s["changed"] == 0 and s["state_changed"] == 0
             for s in emb
         )
         and result["embeddings"]["optimizer"][0] == result["embeddings"]["optimizer"][1]
+        and result["embeddings"]["config_identical"]
         and (
             dense is None
             or (
                 all(t["status"] == "same" for t in dense["tensors"])
-                # The dense optimizer's state and the loss scale: compared by checksum.
-                and all(dense["files_identical"].get(name, True) for name in optimizer_files)
+                and dense["signature_identical"]
+                # The TorchScript code, the dense optimizer's state and the loss scale:
+                # compared by checksum.
+                and all(dense["files_identical"].get(name, True) for name in _CHECKSUMMED)
             )
         )
     )
@@ -674,7 +689,7 @@ def format_diff(result: dict[str, Any]) -> str:
         for t in dense["tensors"]:
             detail = f"max abs diff {t['max_abs_diff']:.6g}" if "max_abs_diff" in t else t["status"]
             lines.append(f"    {t['name']:<30} {t['status']:<14} {detail}")
-        for name in (model_checkpoint.OPTIMIZER_FILE, model_checkpoint.SCALER_FILE):
+        for name in _CHECKSUMMED:
             if not dense["files_identical"].get(name, True):
                 lines.append(f"    {name:<30} differs (compared by checksum)")
     lines.append("  identical" if result["identical"] else "  checkpoints differ")

@@ -14,8 +14,9 @@
 
 The client speaks only the wire protocol (KServe v2 REST with the binary tensor extension, or
 KServe v2 gRPC with raw contents). It reuses connections (one urllib3 pool / one gRPC channel)
-and retries only what the server could not take (HTTP 503, gRPC UNAVAILABLE, refused
-connections) with exponential backoff and jitter. Errors are :mod:`embedding_store.errors`
+and retries only what the server could not take (HTTP 503, gRPC UNAVAILABLE, connections
+refused or reset while connecting, connections dropped before an answer) with exponential
+backoff and jitter. Errors are :mod:`embedding_store.errors`
 classes chosen by status (400 -> InvalidArgumentError, 404 -> NotFoundError, 413 ->
 CapacityError, 503 -> UnavailableError, 504 -> DeadlineExceededError, ...); messages name the
 server.
@@ -38,6 +39,7 @@ from clients._http import HttpBackend
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
+from embedding_store.cli_types import MAX_FLOAT_VALUE
 from embedding_store.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -49,6 +51,9 @@ from embedding_store.errors import (
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 10.0
+#: The longest ``timeout`` accepted (seconds; 1e6, about 11.5 days): longer ones overflow the
+#: clock arithmetic of urllib3 and gRPC (the same limit as the CLI's duration flags).
+MAX_TIMEOUT_SECONDS = MAX_FLOAT_VALUE
 DEFAULT_BACKOFF = (0.05, 1.0)
 
 
@@ -190,11 +195,20 @@ class _ClientBase:
 
 
 def _checked_timeout(timeout: object) -> float | None:
-    """``timeout`` as seconds (> 0) or None; InvalidArgumentError naming it otherwise."""
+    """``timeout`` as seconds in (0, MAX_TIMEOUT_SECONDS] or None; InvalidArgumentError naming
+    it otherwise (NaN and inf too: inf or 1e10 used to reach urllib3 as a raw OverflowError,
+    and gRPC as an instant DEADLINE_EXCEEDED)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise InvalidArgumentError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < timeout <= MAX_TIMEOUT_SECONDS
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be > 0 and <= {MAX_TIMEOUT_SECONDS:.0f} seconds, or None, "
+            f"got {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -204,9 +218,12 @@ class RecserveClient(_ClientBase):
     Args:
         url: ``http://host:port`` or ``grpc://host:port``.
         model_name: the model to call (``recserve serve --model-name``).
-        timeout: seconds per attempt (None: no limit); over HTTP it is also sent as the
-            request's ``timeout`` parameter, over gRPC as the call deadline.
-        retries: extra attempts after HTTP 503 / gRPC UNAVAILABLE / refused connections.
+        timeout: seconds per attempt, > 0 and at most :data:`MAX_TIMEOUT_SECONDS` (1e6)
+            (None: no limit); over HTTP it is also sent as the request's ``timeout``
+            parameter, over gRPC as the call deadline. Anything else (NaN, inf, 0, a bool)
+            raises InvalidArgumentError naming it, here or in a call's own ``timeout``.
+        retries: extra attempts after HTTP 503 / gRPC UNAVAILABLE / connections refused or
+            reset while connecting / connections dropped before an answer.
         backoff: (min, max) seconds of the exponential backoff between attempts (jittered).
         max_connections: HTTP connections kept per host.
         max_message_bytes: gRPC message size limit (both directions).
@@ -270,7 +287,9 @@ class RecserveClient(_ClientBase):
     def infer(
         self, tensors: Mapping[str, np.ndarray], *, timeout: float | None = None
     ) -> PredictResult:
-        """Score named KServe v2 tensors (``<slot>``, ``<slot>.lengths``, ``<name>``)."""
+        """Score named KServe v2 tensors (``<slot>``, ``<slot>.lengths``, ``<name>``): arrays,
+        or nested lists (lists of Python integers are sent as INT64, or UINT64 when one is
+        >= 2**63; a ragged list raises InvalidArgumentError naming the input)."""
         started = time.perf_counter()
         checked = codec.check_tensors(tensors)
         result = self._retrying(

@@ -164,15 +164,76 @@ def batch_to_tensors(batch: Batch) -> dict[str, np.ndarray]:
     return tensors
 
 
+_INT64_MIN, _UINT64_LIMIT, _INT64_LIMIT = -(2**63), 2**64, 2**63
+
+
+def _integer_range(value: Any) -> tuple[int, int] | None:
+    """(min, max) of a (nested) list/tuple whose every leaf is an integer (not a bool); None
+    if any leaf is something else, or there is none."""
+    low = high = None
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)):
+            number = int(item)
+            low = number if low is None or number < low else low
+            high = number if high is None or number > high else high
+        else:
+            return None
+    return None if low is None or high is None else (low, high)
+
+
+def as_array(name: str, value: Any) -> np.ndarray:
+    """``value`` (an array, or nested lists of numbers) as an array; InvalidArgumentError
+    naming the input when it is none (a ragged list, say). Lists of Python integers become
+    INT64, or UINT64 when one is >= 2**63 (numpy alone makes FP64 of a mix of those and
+    small ones, which the server refuses as IDs); a mix of negative integers and integers
+    >= 2**63, or one outside both ranges, is refused."""
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise InvalidArgumentError(
+            f"input {name!r} is not a rectangular array of numbers ({error})"
+        ) from None
+    if array.dtype.kind not in "fO":
+        return array
+    bounds = _integer_range(value)
+    if bounds is None:
+        return array
+    low, high = bounds
+    if low < _INT64_MIN or high >= _UINT64_LIMIT:
+        outside = low if low < _INT64_MIN else high
+        raise InvalidArgumentError(
+            f"input {name!r}: integer {outside} fits neither INT64 nor UINT64"
+        )
+    if low < 0 and high >= _INT64_LIMIT:
+        raise InvalidArgumentError(
+            f"input {name!r} mixes negative integers ({low}) with integers >= 2**63 ({high}): "
+            "neither INT64 nor UINT64 holds both"
+        )
+    dtype = np.uint64 if high >= _INT64_LIMIT else np.int64
+    try:
+        return np.asarray(value, dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise InvalidArgumentError(
+            f"input {name!r} is not a rectangular array of numbers ({error})"
+        ) from None
+
+
 def check_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Named arrays with KServe v2 datatypes (InvalidArgumentError naming a bad one)."""
+    """Named arrays with KServe v2 datatypes (InvalidArgumentError naming a bad one); values
+    that are not arrays go through :func:`as_array`."""
     if not tensors:
         raise InvalidArgumentError("no input tensors to send")
     checked: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"tensor names must be non-empty strings, got {name!r}")
-        array = np.asarray(value)
+        array = as_array(name, value)
         try:
             datatype_of(array)
         except InvalidArgumentError as error:

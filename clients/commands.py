@@ -8,8 +8,9 @@
 Rows go to the friendly route (``POST /v1/models/{name}:predict``, HTTP only) in batches of
 ``--batch-size``; the server's preprocessor turns them into a batch. JSON lines: one object per
 line (blank lines skipped). CSV: a header row, then one row per line; values that look like
-numbers are sent as numbers, everything else as (stripped) strings. Prints one JSON line per
-input row, in order: ``{"prediction": p, "model_version": v}``.
+numbers are sent as numbers, everything else as (stripped) strings. Both UTF-8, with or
+without a byte order mark. Prints one JSON line per input row, in order:
+``{"prediction": p, "model_version": v}``.
 
 The whole file is checked before anything is sent: bad lines are reported with their line
 numbers (exit code 1). Server errors name the input lines of the batch that failed.
@@ -18,6 +19,7 @@ numbers (exit code 1). Server errors name the input lines of the batch that fail
 from __future__ import annotations
 
 import argparse
+import codecs
 import csv
 import gzip
 import io
@@ -80,6 +82,8 @@ def parse_value(text: str) -> Any:
 
 def _jsonl_lines(stream: IO[bytes]) -> Iterator[Line]:
     for number, line in enumerate(stream, 1):
+        if number == 1 and line.startswith(codecs.BOM_UTF8):
+            line = line[len(codecs.BOM_UTF8) :]  # as Excel and Notepad save UTF-8
         if not line.strip():
             continue
         try:
@@ -94,7 +98,8 @@ def _jsonl_lines(stream: IO[bytes]) -> Iterator[Line]:
 
 
 def _csv_lines(stream: IO[bytes]) -> Iterator[Line]:
-    text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
+    # utf-8-sig: a UTF-8 byte order mark (Excel's "CSV UTF-8") is no part of the first name.
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", newline="")
     reader = csv.reader(text)
     try:
         header = [name.strip() for name in next(reader)]

@@ -587,8 +587,11 @@ class ServerScorer:
     ``protocol="friendly"``: the raw rows (label column dropped) go to
     ``/v1/models/{model}:predict`` and the server's own ``--preprocessor`` encodes them, so the
     parity check covers the server's preprocessing as well.
-    A 413 (request larger than the server's max batch size) is answered by splitting the batch;
-    503 and connection errors are retried a few times; a timeout is not (DeadlineExceededError).
+    A batch over the server's ``--max-request-batch-size`` (a 400 whose message is "batch size
+    N exceeds this server's max batch size M", as ``serving`` words it) is sent again in chunks
+    of M rows, and M is kept for the batches that follow; a 413 (a body over the server's byte
+    limit) is answered by halving the batch, down to one row. 503 and connection errors are
+    retried a few times; a timeout is not (DeadlineExceededError).
     """
 
     kind = "server"
@@ -611,6 +614,8 @@ class ServerScorer:
         self.timeout = timeout
         self.label_column = label_column
         self.retries = retries
+        #: The server's max request batch size, once an over-size batch taught it.
+        self.max_batch_size: int | None = None
         quoted = urllib.parse.quote(model, safe="")
         metadata = orjson.loads(self._call("GET", f"/v2/models/{quoted}")[0])
         self.signature = signature_from_metadata(metadata)
@@ -642,6 +647,9 @@ class ServerScorer:
                 except (orjson.JSONDecodeError, AttributeError, UnicodeDecodeError):
                     message = payload[:200].decode("utf-8", "replace")
                 failure = error_for_http_status(error.code, f"server {self.url}{path}: {message}")
+                limit = _batch_limit(message) if error.code == 400 else None
+                if limit is not None:
+                    raise _BatchTooLargeError(failure.message, limit) from None
                 if error.code != 503 or attempt == self.retries:
                     raise failure from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
@@ -659,20 +667,40 @@ class ServerScorer:
 
     # ------------------------------------------------------------------ scoring
     def score(self, batch: Batch, rows: Sequence[Mapping[str, Any]]) -> Scores:
+        size = batch.batch_size
+        if self.max_batch_size is not None and size > self.max_batch_size:
+            return self._score_in_chunks(batch, rows, self.max_batch_size)
         try:
             if self.protocol == "friendly":
                 return self._friendly(rows)
             return self._v2(batch)
-        except CapacityError:
-            if batch.batch_size < 2:
+        except _BatchTooLargeError as error:
+            # Chunks strictly smaller than this batch: the recursion ends (each level's
+            # chunks are smaller than the last, down to the server's limit or one row).
+            if 1 <= error.limit < size:
+                self.max_batch_size = error.limit
+                return self._score_in_chunks(batch, rows, error.limit)
+            if size < 2:
                 raise
-        half = batch.batch_size // 2
-        first = self.score(_slice_batch(batch, 0, half), rows[:half])
-        second = self.score(_slice_batch(batch, half, batch.batch_size), rows[half:])
+        except CapacityError:
+            if size < 2:
+                raise
+        return self._score_in_chunks(batch, rows, (size + 1) // 2)
+
+    def _score_in_chunks(
+        self, batch: Batch, rows: Sequence[Mapping[str, Any]], chunk: int
+    ) -> Scores:
+        size = batch.batch_size
+        parts = [
+            self.score(
+                _slice_batch(batch, start, min(start + chunk, size)), rows[start : start + chunk]
+            )
+            for start in range(0, size, chunk)
+        ]
         return Scores(
-            np.concatenate([first.predictions, second.predictions]),
+            np.concatenate([part.predictions for part in parts]),
             None,
-            second.model_version,
+            parts[-1].model_version,
         )
 
     def _v2(self, batch: Batch) -> Scores:
@@ -749,6 +777,24 @@ class ServerScorer:
 
     def close(self) -> None:
         pass
+
+
+class _BatchTooLargeError(InvalidArgumentError):
+    """The server's 400 for a batch over its ``--max-request-batch-size`` (``limit``)."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+#: How ``serving`` (tensors.tensors_to_batch, service.predict_instances) words that 400.
+_BATCH_LIMIT = re.compile(r"batch size (\d+) exceeds this server's max batch size (\d+)")
+
+
+def _batch_limit(message: object) -> int | None:
+    """M of the server's "batch size N exceeds this server's max batch size M", or None."""
+    match = _BATCH_LIMIT.match(message) if isinstance(message, str) else None
+    return int(match.group(2)) if match else None
 
 
 def _slice_batch(batch: Batch, start: int, stop: int) -> Batch:

@@ -57,7 +57,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--report", type=Path, metavar="DIR", help="write an evaluation report")
     parser.add_argument(
-        "--batch-size", type=positive_int, default=4096, help="rows per chunk/request (4096)"
+        "--batch-size",
+        type=positive_int,
+        default=4096,
+        help="rows per chunk/request (4096; with --url, a chunk over the server's "
+        "--max-request-batch-size goes in requests of that size)",
     )
     parser.add_argument(
         "--bad-rows",
@@ -166,7 +170,12 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         help="a common row counts as changed when some weight moved by more (0: any change)",
     )
     diff.add_argument("--json", action="store_true", help="machine-readable output")
-    diff.add_argument("--exit-code", action="store_true", help="exit 1 when the checkpoints differ")
+    diff.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="exit 1 when the checkpoints differ (rows, optimizer state, embedding config, "
+        "signature, dense tensors, or by checksum jit_dense.pt, opt.pt, scaler.pt)",
+    )
     diff.set_defaults(handler=_diff)
 
     export = actions.add_parser("export-dense", help="copy the TorchScript dense model out")

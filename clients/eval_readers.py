@@ -6,9 +6,10 @@ Parquet) with its position in the file, so that a bad row can be reported as ``f
 Rows that cannot even be read (a CSV record with the wrong number of fields, a malformed
 record) come back as :class:`BadRow` entries of the chunk instead of rows.
 
-Formats, by file name: ``.csv``, ``.csv.gz``, ``.tsv``, ``.tsv.gz`` (header row required) and
-``.parquet`` / ``.pq`` (read with ``pyarrow.parquet.ParquetFile.iter_batches``; pyarrow is the
-``recserve[eval]`` extra and imported only for Parquet).
+Formats, by file name: ``.csv``, ``.csv.gz``, ``.tsv``, ``.tsv.gz`` (UTF-8, with or without a
+byte order mark; header row required) and ``.parquet`` / ``.pq`` (read with
+``pyarrow.parquet.ParquetFile.iter_batches``; pyarrow is the ``recserve[eval]`` extra and
+imported only for Parquet).
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def iter_chunks(paths: Sequence[str | os.PathLike[str]], chunk_rows: int) -> Ite
 
 # --------------------------------------------------------------------------- CSV
 def _open_text(path: str | os.PathLike[str]) -> io.TextIOBase:
+    # utf-8-sig: a UTF-8 byte order mark (Excel's "CSV UTF-8") is no part of the first column
+    # name (which would then be "missing"); files without one read as plain UTF-8.
     if os.fspath(path).lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def _csv_chunks(path: str | os.PathLike[str], chunk_rows: int) -> Iterator[RowChunk]:

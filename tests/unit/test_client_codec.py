@@ -193,6 +193,56 @@ def test_check_tensors_rejects_unsupported_dtypes():
         codec.check_tensors({})
 
 
+@pytest.mark.parametrize(
+    ("value", "dtype", "expected"),
+    [
+        # numpy alone made FP64 of these (the server refused "IDs must be INT64 or UINT64")
+        ([2**63 + 5, 7], np.uint64, [2**63 + 5, 7]),
+        ([[2**63, 1], [2, 3]], np.uint64, [[2**63, 1], [2, 3]]),
+        ([np.uint64(2**63), 5], np.uint64, [2**63, 5]),
+        ([2**64 - 1], np.uint64, [2**64 - 1]),
+        ([-5, 7], np.int64, [-5, 7]),
+        ([-(2**63), 2**63 - 1], np.int64, [-(2**63), 2**63 - 1]),
+        ([1, 2.5], np.float64, [1.0, 2.5]),
+    ],
+)
+def test_check_tensors_makes_int64_or_uint64_of_python_integers(value, dtype, expected):
+    array = codec.check_tensors({"user": value})["user"]
+    assert array.dtype == dtype
+    assert array.tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            [-1, 2**63],
+            "input 'user' mixes negative integers (-1) with integers >= 2**63 "
+            "(9223372036854775808): neither INT64 nor UINT64 holds both",
+        ),
+        ([2**64, 1], "input 'user': integer 18446744073709551616 fits neither INT64 nor UINT64"),
+        (
+            [-(2**63) - 1],
+            "input 'user': integer -9223372036854775809 fits neither INT64 nor UINT64",
+        ),
+    ],
+)
+def test_check_tensors_refuses_integers_no_id_type_holds(value, message):
+    with pytest.raises(InvalidArgumentError) as caught:
+        codec.check_tensors({"user": value})
+    assert caught.value.message == message
+
+
+def test_check_tensors_names_a_ragged_input():
+    # It used to be numpy's bare ValueError, outside the RecserveError hierarchy.
+    with pytest.raises(InvalidArgumentError) as caught:
+        codec.check_tensors({"user.lengths": [1, 2], "user": [[1, 2], [3]]})
+    assert caught.value.message.startswith(
+        "input 'user' is not a rectangular array of numbers (setting an array element with a "
+        "sequence."
+    )
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     ("status", "cls"),
@@ -310,6 +360,17 @@ def test_csv_rows_and_bad_lines(tmp_path):
     path.write_text("age,workclass\n39,State-gov\n40\n")
     with pytest.raises(InvalidArgumentError, match="line 3: has 1 fields, the header has 2"):
         check_file(path, "csv")
+
+
+def test_a_utf8_byte_order_mark_is_no_part_of_the_first_name(tmp_path):
+    # It used to make the first CSV column "\ufeffage" (the server then missed "age"), and
+    # the first JSONL line "not valid JSON".
+    path = tmp_path / "rows.csv"
+    path.write_bytes(b"\xef\xbb\xbfage,workclass\n39,State-gov\n")
+    assert list(iter_batches(path, "csv", 5)) == [([2], [{"age": 39, "workclass": "State-gov"}])]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"age": 39}\n{"age": 40}\n')
+    assert list(iter_batches(path, "jsonl", 5)) == [([1, 2], [{"age": 39}, {"age": 40}])]
 
 
 def test_locate_names_input_lines():

@@ -123,6 +123,22 @@ def test_infer_named_tensors(client):
     )
 
 
+def test_infer_python_integer_ids_at_and_over_2_63(client, core):
+    # A list mixing IDs >= 2**63 with small ones became FP64 and the server refused it.
+    result = client.infer(
+        {
+            "user": [2**63 + 5, 7],
+            "user.lengths": [1, 1],
+            "age": np.array([[0.0], [1.0]], dtype=np.float32),
+        }
+    )
+    np.testing.assert_allclose(
+        result.predictions, expected_predictions([[2**63 + 5], [7]], [0.0, 1.0]), atol=1e-6
+    )
+    user = core.calls[-1]["inputs"]["user"]
+    assert user.dtype == np.uint64 and user.tolist() == [2**63 + 5, 7]
+
+
 def test_health_and_metadata(client, core):
     assert client.live() and client.ready() and client.model_ready()
     core.is_ready = False
@@ -151,11 +167,17 @@ def test_wrong_input_type(client):
         client.predict({"user": [1]})
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("nan"), True, "5"])
+@pytest.mark.parametrize(
+    "timeout",
+    [0, -1, float("nan"), True, "5", float("inf"), float("-inf"), 1e10, 1_000_000.5, 10**400],
+)
 def test_a_call_timeout_that_is_no_duration_is_refused(urls, core, timeout):
-    # As the constructor refuses it, naming it; it used to reach urllib3 (a ValueError) or
-    # become an instant DEADLINE_EXCEEDED over gRPC.
-    message = rf"timeout must be > 0 seconds or None, got {re.escape(repr(timeout))}"
+    # As the constructor refuses it, naming it; it used to reach urllib3 (a ValueError, or a
+    # raw OverflowError for inf and 1e10) or become an instant DEADLINE_EXCEEDED over gRPC.
+    message = (
+        r"^timeout must be > 0 and <= 1000000 seconds, or None, "
+        rf"got {re.escape(repr(timeout))}$"
+    )
     for url in urls.values():
         with RecserveClient(url, model_name=MODEL, **FAST) as client:
             with pytest.raises(InvalidArgumentError, match=message):
@@ -172,6 +194,15 @@ def test_a_call_timeout_that_is_no_duration_is_refused(urls, core, timeout):
 
         asyncio.run(main())
     assert core.calls == []
+
+
+def test_the_longest_timeout_is_accepted(urls, core):
+    for url in urls.values():
+        with RecserveClient(url, model_name=MODEL, **{**FAST, "timeout": 1e6}) as client:
+            assert client.timeout == 1e6
+            assert client.ready(timeout=1_000_000)
+            result = client.predict(_batch(), timeout=1e6)
+        np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
 
 
 def test_unknown_model_is_not_found(urls):

@@ -7,6 +7,7 @@ connections); a 400 goes out once; timeouts are honored (and not retried).
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
 import time
@@ -274,6 +275,43 @@ def test_http_connection_refused_then_server_starts(fake_http):
     assert result.model_version == "v1"
 
 
+@pytest.mark.parametrize(
+    "reset",
+    [
+        ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+        BrokenPipeError(errno.EPIPE, "Broken pipe"),
+    ],
+)
+def test_http_connection_reset_while_connecting_is_retried(fake_http, monkeypatch, reset):
+    # urllib3 wraps a reset during connect() in NewConnectionError, which was raised at once
+    # (gRPC retries it, and nothing was sent): it is now retried like a refused connection.
+    import urllib3.util.connection
+
+    server = fake_http()
+    real = urllib3.util.connection.create_connection
+    attempts: list[int] = []
+
+    def flaky(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise reset
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", flaky)
+    with RecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
+        result = client.predict(_batch())
+    assert (len(attempts), server.requests, result.model_version) == (3, 1, "v1")
+
+    attempts.clear()
+    client = RecserveClient(server.url, model_name="m", retries=1, **FAST)
+    with client, pytest.raises(UnavailableError) as caught:
+        client.predict(_batch())
+    assert caught.value.message == (
+        f"server {server.url} reset the connection while connecting (gave up after 2 attempts)"
+    )
+    assert (len(attempts), server.requests) == (2, 1)
+
+
 def test_async_http_retries(fake_http):
     server = fake_http([(503, 0.0), (503, 0.0), (400, 0.0)])
 
@@ -405,6 +443,54 @@ def test_async_grpc_retries(fake_grpc):
 
     assert asyncio.run(main()).model_version == "v2"
     assert server.requests == 3
+
+
+def test_async_clients_work_across_event_loops(fake_http, fake_grpc):
+    # One client, two asyncio.run() calls: the gRPC channel belonged to the first loop, and
+    # the second call failed with a raw "RuntimeError: Event loop is closed" for good. It now
+    # reopens its channel on the new loop, as the HTTP client (a thread pool) always worked.
+    servers = {"http": fake_http(), "grpc": fake_grpc()}
+    for protocol, server in servers.items():
+        client = AsyncRecserveClient(server.url, model_name="m", retries=0, **FAST)
+
+        async def once(client=client):
+            return (await client.predict(_batch())).predictions.ravel().tolist()
+
+        first, second = asyncio.run(once()), asyncio.run(once())
+        loop = asyncio.new_event_loop()  # a loop left open, then another one
+        try:
+            third = loop.run_until_complete(once())
+        finally:
+            loop.close()
+        fourth = asyncio.run(once())
+        asyncio.run(client.close())
+        expected = [0.25, 0.5] if protocol == "http" else [0.5, 0.75]
+        assert [first, second, third, fourth] == [expected] * 4, protocol
+        assert server.requests == 4, protocol
+
+
+def test_async_grpc_client_refuses_a_second_loop_while_the_first_one_runs(fake_grpc):
+    from embedding_store.errors import FailedPreconditionError
+
+    server = fake_grpc()
+    client = AsyncRecserveClient(server.url, model_name="m", retries=0, **FAST)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(client.predict(_batch()), loop).result(5)
+        with pytest.raises(
+            FailedPreconditionError,
+            match=r"the gRPC client of grpc://127\.0\.0\.1:\d+ is in use on another event loop "
+            r"that is still running; use one client per event loop \(or one loop at a time\)",
+        ):
+            asyncio.run(client.predict(_batch()))
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert server.requests == 1
 
 
 def _silent(connection: socket.socket, stop: threading.Event) -> None:

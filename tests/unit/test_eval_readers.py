@@ -45,6 +45,19 @@ def test_gzip_and_tsv(tmp_path):
     assert [r["b"] for c in iter_chunks([gz, tsv], 10) for r in c.rows] == ["2", "4", "2"]
 
 
+def test_a_utf8_byte_order_mark_is_no_part_of_the_first_column_name(tmp_path):
+    # Excel's "CSV UTF-8" starts with a BOM: it used to make the first name "\ufeffuser",
+    # and the mapping's "user" column was then "missing".
+    plain = tmp_path / "bom.csv"
+    plain.write_bytes(b"\xef\xbb\xbfuser,clicked\n7,1\n")
+    gz = tmp_path / "bom.csv.gz"
+    with gzip.open(gz, "wb") as handle:
+        handle.write(b"\xef\xbb\xbfuser\tclicked\n8,x\t0\n")
+    gz = gz.rename(tmp_path / "bom.tsv.gz")
+    rows = [r for c in iter_chunks([plain, gz], 10) for r in c.rows]
+    assert rows == [{"user": "7", "clicked": "1"}, {"user": "8,x", "clicked": "0"}]
+
+
 def test_parquet_chunks(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
@@ -19,6 +20,12 @@ from clients import checkpoint_tool
 from clients.eval import EvalOptions, run_eval
 from embedding_store import checkpoint as embedding_checkpoint
 from embedding_store import model_checkpoint
+from embedding_store.batch import (
+    Batch,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
     AlreadyExistsError,
@@ -289,6 +296,70 @@ def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
     )
 
 
+class TwiceTiny(Tiny):
+    """Tiny's parameters, other code: dense.pt the same, jit_dense.pt not."""
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return 2 * self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def test_diff_counts_config_signature_and_dense_code_as_differences(checkpoint, tmp_path):
+    # "config DIFFERS" used to come with "identical" (and --exit-code 0): the embedding config,
+    # the feature signature and jit_dense.pt were left out of `identical`.
+    from embedding_store.cli import main as cli_main
+
+    shutil.copytree(checkpoint, tmp_path / "config")
+    manifest_path = tmp_path / "config" / "embeddings" / "embedding_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["embedding_config"]["slots_config"]["tags"]["embedding_summation"] = False
+    manifest_path.write_text(json.dumps(manifest))
+    result = checkpoint_tool.diff(checkpoint, tmp_path / "config")
+    assert not result["embeddings"]["config_identical"] and not result["identical"]
+    text = checkpoint_tool.format_diff(result)
+    assert "config DIFFERS" in text and text.endswith("\n  checkpoints differ")
+    assert cli_main(["checkpoint", "diff", str(checkpoint), str(tmp_path / "config")]) == 0
+    argv = ["checkpoint", "diff", "--exit-code", str(checkpoint), str(tmp_path / "config")]
+    assert cli_main(argv) == 1
+    assert cli_main([*argv[:3], str(checkpoint), str(checkpoint)]) == 0
+
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100)
+    torch.manual_seed(3)
+    model = Tiny()
+    other_signature = FeatureSignature(
+        SIGNATURE.id_features, (NonIdFeatureSpec("x", "float32", (2,)),)
+    )
+    twice = TwiceTiny()
+    twice.load_state_dict(model.state_dict())
+    for name, module, signature in (
+        ("base", model, SIGNATURE),
+        ("same", model, SIGNATURE),
+        ("signature", model, other_signature),
+        ("code", twice, SIGNATURE),
+    ):
+        model_checkpoint.write_checkpoint(tmp_path / name, module, None, tier, signature=signature)
+    assert checkpoint_tool.diff(tmp_path / "base", tmp_path / "same")["identical"]
+
+    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "signature")
+    assert result["dense"]["max_abs_diff"] == 0.0 and not result["dense"]["signature_identical"]
+    assert not result["identical"]
+    assert "signature DIFFERS" in checkpoint_tool.format_diff(result)
+
+    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "code")
+    assert result["dense"]["max_abs_diff"] == 0.0
+    assert result["dense"]["files_identical"] == {
+        "dense.pt": True,
+        "jit_dense.pt": False,
+    }
+    assert not result["identical"]
+    text = checkpoint_tool.format_diff(result)
+    assert "    jit_dense.pt                   differs (compared by checksum)" in text
+    assert text.endswith("\n  checkpoints differ")
+
+
 def test_export_dense(checkpoint, tmp_path):
     out = tmp_path / "dense.pt"
     info = checkpoint_tool.export_dense(checkpoint, out)
@@ -369,3 +440,71 @@ def test_train_state_is_kept_and_checked(tmp_path):
     (tmp_path / "a" / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"manifest\.json: train_state: 'epochs_done'"):
         model_checkpoint.read_manifest(tmp_path / "a")
+
+
+# --------------------------------------------------------------------------- eval --url
+def test_eval_url_splits_a_batch_over_the_servers_max_request_batch_size(
+    checkpoint, tmp_path, capsys
+):
+    # The server answers a batch over --max-request-batch-size with 400 ("batch size N
+    # exceeds this server's max batch size M"), which the scorer used to pass on: eval --url
+    # with --batch-size above that limit failed. It now sends chunks of M rows.
+    from clients.eval import ServerScorer
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    data = tmp_path / "rows.csv"
+    write_rows(data)
+    service = PredictionService(
+        load_model(checkpoint, name="tiny", warm_up=False), max_request_batch_size=8
+    )
+    server = _Uvicorn(create_app(service))
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        options = EvalOptions(
+            data=(data,),
+            out=tmp_path / "predictions.csv",
+            checkpoint=checkpoint,
+            url=url,
+            compare=True,
+            model="tiny",
+            label="clicked",
+            batch_size=20,
+            progress=False,
+        )
+        result = run_eval(options)
+        assert (result.rows, result.exit_code) == (40, 0)
+        assert "scored 40 rows" in capsys.readouterr().out
+
+        scorer = ServerScorer(url, "tiny")
+        sent: list[int] = []
+        v2 = scorer._v2
+
+        def counting(batch):
+            sent.append(batch.batch_size)
+            return v2(batch)
+
+        scorer._v2 = counting  # type: ignore[method-assign]
+        batch = _tiny_batch(20)
+        first = scorer.score(batch, [{}] * 20).predictions
+        assert scorer.max_batch_size == 8 and sent == [20, 8, 8, 4]
+        second = scorer.score(batch, [{}] * 20).predictions
+        assert sent == [20, 8, 8, 4, 8, 8, 4]  # the limit learnt: no over-size request
+        np.testing.assert_array_equal(first, second)
+        assert first.shape == (20,)
+    finally:
+        server.stop()
+        service.close()
+
+
+def _tiny_batch(n: int) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", np.arange(n, dtype=np.uint64)),
+            IDTypeFeature.from_lists("tags", [[100 + i % 30] for i in range(n)]),
+        ],
+        [NonIDTypeFeature(np.zeros((n, 2), dtype=np.float32), "dense")],
+        requires_grad=False,
+    )
