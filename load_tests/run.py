@@ -13,7 +13,13 @@ Soak (bounded): ``--soak --minutes 10`` samples the RSS of every process of the 
 server, and in the remote tier each parameter server and the embedding worker), writes a new
 checkpoint version into the served directory (atomically: staged copy, then rename) and
 reloads it via ``POST /admin/reload`` half-way, and fails unless no request failed and every
-process's memory is flat:
+process's memory is flat. A server run with ``--serve-args "--workers N ..."`` refuses that
+POST (it would reach one process of N), so such a soak needs ``--watch-seconds S`` in
+``--serve-args`` (refused up front without it) and reloads through the watcher: it publishes
+the new version into the watched ``--checkpoint`` and polls ``/metrics`` (at most 120 s) until
+``recserve_model_info`` reads 1 for it and 0 for the old version (every process moved). Its
+RSS is sampled per process: ``server`` (the supervisor holding the ports) and each serving
+process ``server.1`` .. ``server.N``, each judged on its own by the rule below:
 
 * samples of the warm-up (the first 10% of the run, at least min(10 s, 20%)) are left out, and
   so are those of the ``RELOAD_SETTLE_S`` (60 s) after the reload starts: the server loads the
@@ -306,20 +312,73 @@ def publish_new_version(served: Path) -> str:
     return str(manifest["version"])
 
 
+def checkpoint_version(served: Path) -> str:
+    """The version in the manifest of the checkpoint directory ``served``."""
+    return str(json.loads((served / "manifest.json").read_text())["version"])
+
+
+def served_versions(http: str, model: str, timeout: float = 5.0) -> dict[str, float]:
+    """``recserve_model_info`` of ``model`` in ``http``'s ``/metrics``, by version. A
+    ``--workers`` server answers for all its processes: a version reads 1 while any process
+    serves it and 0 once none does (prometheus_client's ``livemax``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{http}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    return {
+        sample.labels["version"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "recserve_model_info"
+        for sample in family.samples
+        if sample.labels.get("model") == model and "version" in sample.labels
+    }
+
+
+def reload_through_watcher(
+    server: ServeProcess, served: Path, *, timeout: float = 120.0, poll: float = 0.5
+) -> dict[str, Any]:
+    """The soak's reload of a ``recserve serve --workers N --watch-seconds S`` server, which
+    refuses ``POST /admin/reload`` (it would reach one process of N): publish a new version
+    into ``served`` (the watched ``--checkpoint``), then poll ``/metrics`` until
+    ``recserve_model_info`` reads 1 for the new version and 0 for the old one, i.e. every
+    process serves the new one. RuntimeError when that takes more than ``timeout`` seconds
+    or the server exits meanwhile."""
+    previous = checkpoint_version(served)
+    version = publish_new_version(served)
+    deadline = time.monotonic() + timeout
+    seen: dict[str, float] | str = "no answer yet"
+    while True:
+        try:
+            seen = served_versions(server.http, server.model_name)
+        except (OSError, ValueError) as error:  # URLError is an OSError
+            seen = f"/metrics: {error!r}"
+        if isinstance(seen, dict) and seen.get(version) == 1 and seen.get(previous, 0) == 0:
+            return {"ok": True, "via": "watcher", "published": version, "version": version,
+                    "previous_version": previous}  # fmt: skip
+        if server.process is not None and server.process.poll() is not None:
+            raise RuntimeError(
+                f"recserve serve exited with {server.process.returncode} while reloading "
+                f"version {version}"
+            )
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"the --watch-seconds watcher did not serve version {version} in every "
+                f"process within {timeout:.0f} s (recserve_model_info must read 1 for it and "
+                f"0 for {previous}; /metrics read {seen}); see {server.log_path}"
+            )
+        time.sleep(poll)
+
+
 # --------------------------------------------------------------------------- memory
 def rss_bytes(pid: int) -> int | None:
-    """Resident set size of ``pid`` plus its child processes (``recserve serve --workers``)
-    with psutil when installed, else of ``pid`` alone from /proc/PID/status."""
+    """Resident set size of ``pid`` alone (psutil when installed, else /proc/PID/status): the
+    processes of a ``recserve serve --workers N`` server are sampled one by one
+    (:func:`child_pids`), so that the one that grows is named and each is judged on its own."""
     try:
         import psutil
 
         try:
-            process = psutil.Process(pid)
-            total = process.memory_info().rss
-            for child in process.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += child.memory_info().rss
-            return int(total)
+            return int(psutil.Process(pid).memory_info().rss)
         except psutil.Error:
             return None
     except ImportError:
@@ -331,6 +390,47 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct child processes of ``pid`` in start order (psutil, else
+    /proc/PID/task/*/children): the serving processes of ``recserve serve --workers N``."""
+    try:
+        import psutil
+
+        try:
+            children = psutil.Process(pid).children()
+        except psutil.Error:
+            return []
+        started: list[tuple[float, int]] = []
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                started.append((child.create_time(), child.pid))
+        return [child for _, child in sorted(started)]
+    except ImportError:
+        pass
+    found: list[int] = []
+    for listing in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(text) for text in listing.read_text().split()]
+    return sorted(set(found))
+
+
+def server_pids(pid: int, workers: int, timeout: float = 30.0) -> dict[str, int]:
+    """The RSS columns of a ``recserve serve`` process: ``server`` (the process itself; with
+    ``--workers N`` the supervisor, which holds the ports) and, with ``workers`` > 1, each
+    serving process as ``server.1`` .. ``server.N`` in start order. Waits up to ``timeout``
+    for all N to exist (they are started before any of them listens)."""
+    pids = {"server": pid}
+    if workers <= 1:
+        return pids
+    deadline = time.monotonic() + timeout
+    children = child_pids(pid)
+    while len(children) < workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        children = child_pids(pid)
+    pids.update({f"server.{index}": child for index, child in enumerate(children, 1)})
+    return pids
 
 
 class RssSampler(threading.Thread):
@@ -778,10 +878,13 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     soak = result.get("soak")
     if soak:
         lines += ["", "## Soak", "", f"- reload at {soak['reload_at_s']:.1f} s: {soak['reload']}"]
+        pids = soak.get("pids", {})
         for memory in soak["memory"].values():
             step = memory["reload_step_mb"]
+            pid = pids.get(memory["process"])
             lines.append(
-                f"- {memory['process']} RSS: {memory['baseline_mb']} MB -> {memory['last_mb']} "
+                f"- {memory['process']}{'' if pid is None else f' (pid {pid})'} RSS: "
+                f"{memory['baseline_mb']} MB -> {memory['last_mb']} "
                 f"MB, slope {memory['slope_mb_per_min']} MB/min, sustained "
                 f"{memory['sustained_mb_per_min']} MB/min (allowed "
                 f"{memory['allowed_mb_per_min']}), after the reload "
@@ -799,14 +902,38 @@ def _ms(value: float | None) -> str:
 
 
 # --------------------------------------------------------------------------- main
+def serve_option(serve_args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``recserve serve`` flags (the last one given), if any."""
+    value = None
+    for index, arg in enumerate(serve_args):
+        if arg == flag and index + 1 < len(serve_args):
+            value = serve_args[index + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def preprocessor_of(serve_args: list[str]) -> str | None:
     """The ``--preprocessor`` of ``recserve serve`` flags, if any."""
-    for index, arg in enumerate(serve_args):
-        if arg == "--preprocessor" and index + 1 < len(serve_args):
-            return serve_args[index + 1]
-        if arg.startswith("--preprocessor="):
-            return arg.split("=", 1)[1]
-    return None
+    return serve_option(serve_args, "--preprocessor")
+
+
+def workers_of(serve_args: list[str]) -> int:
+    """The ``--workers`` of ``recserve serve`` flags (1 when absent or not a number: the
+    server then refuses it itself)."""
+    try:
+        return int(serve_option(serve_args, "--workers") or 1)
+    except ValueError:
+        return 1
+
+
+def watch_seconds_of(serve_args: list[str]) -> float:
+    """The ``--watch-seconds`` of ``recserve serve`` flags (0, off, when absent)."""
+    try:
+        value = float(serve_option(serve_args, "--watch-seconds") or 0.0)
+    except ValueError:
+        return 0.0
+    return value if math.isfinite(value) else 0.0
 
 
 def finite_float(text: str) -> float:
@@ -927,6 +1054,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         serve_args = shlex.split(args.serve_args)
     except ValueError as error:
         parser.error(f"--serve-args {args.serve_args!r}: {error}")
+    if args.soak and workers_of(serve_args) > 1 and watch_seconds_of(serve_args) <= 0:
+        parser.error(
+            f"--serve-args runs --workers {workers_of(serve_args)}: such a server refuses "
+            "POST /admin/reload (it would reach one process of them), so the soak reloads "
+            'through its watcher: add --watch-seconds S to --serve-args (e.g. "--workers '
+            f'{workers_of(serve_args)} --watch-seconds 1")'
+        )
     preprocessor = preprocessor_of(serve_args)
     if args.friendly_rows is None and preprocessor == ADULT_PREPROCESSOR:
         args.friendly_rows = ADULT_ROWS  # what that preprocessor reads: raw Adult rows
@@ -1094,7 +1228,10 @@ def _run(args: argparse.Namespace) -> int:
             env=env,
             processes=args.locust_processes,
         )
-        pids = {"server": server.pid}
+        # One RSS column per process: with --workers N, the supervisor and each serving
+        # process (server.1 .. server.N), each judged on its own.
+        workers = workers_of(serve_args)
+        pids = server_pids(server.pid, workers)
         stack: dict[str, tuple[subprocess.Popen | None, Path]] = {
             "recserve serve": (server.process, server.log_path)
         }
@@ -1119,14 +1256,17 @@ def _run(args: argparse.Namespace) -> int:
                 reload_unix = time.time()
                 reload_s = time.monotonic() - sampler.started_at
                 try:
-                    version = publish_new_version(served)
-                    answer = server.reload()
-                    reload_result: dict[str, Any] = {
-                        "ok": answer.get("version") == version,
-                        "published": version,
-                        **answer,
-                        "seconds": round(time.time() - reload_unix, 3),
-                    }
+                    if workers > 1:  # POST /admin/reload is refused: the watcher reloads
+                        reload_result: dict[str, Any] = reload_through_watcher(server, served)
+                    else:
+                        version = publish_new_version(served)
+                        answer = server.reload()
+                        reload_result = {
+                            "ok": answer.get("version") == version,
+                            "published": version,
+                            **answer,
+                        }
+                    reload_result["seconds"] = round(time.time() - reload_unix, 3)
                 except Exception as error:  # report it; the verdict fails
                     reload_result = {"ok": False, "error": repr(error)}
                 marks.append((reload_unix, "reload"))
@@ -1167,6 +1307,7 @@ def _run(args: argparse.Namespace) -> int:
                 run_s=seconds,
                 reload_s=reload_s,
             )
+            soak["pids"] = dict(pids)
             soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
             problems.extend(
                 f"{name} RSS: {verdict.reason}"

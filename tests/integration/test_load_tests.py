@@ -151,6 +151,36 @@ def test_short_soak_with_reload(tmp_path):
     assert (out / "rss.csv").read_text().count("\n") > 10
 
 
+@pytest.mark.timeout(150)
+def test_short_soak_with_reload_through_the_watcher_of_a_workers_server(tmp_path):
+    """A ``--workers 2`` server refuses ``POST /admin/reload`` (409), which failed every soak
+    of one although both processes reloaded: the soak now publishes the new version where
+    the server watches and waits until /metrics says every process serves it. RSS is
+    sampled per process (the supervisor and each serving process), not summed."""
+    out = tmp_path / "soak-workers"
+    result = _run(
+        "--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
+        "binary,grpc", "--serve-args", "--workers 2 --watch-seconds 1", "--out", str(out),
+        timeout=130,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    soak = _summary(out)["soak"]
+    reload = soak["reload"]
+    assert reload["ok"] and reload["via"] == "watcher", reload
+    assert reload["version"] == reload["published"] != reload["previous_version"]
+    log = (out / "serve.log").read_text()
+    assert log.count(f"now serving model version {reload['version']}") == 2, log[-3000:]
+    assert list(soak["memory"]) == ["server", "server.1", "server.2"]
+    assert all(memory["passed"] for memory in soak["memory"].values()), soak["memory"]
+    pids = soak["pids"]
+    assert len(set(pids.values())) == 3, pids
+    with open(out / "rss.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) > 10
+    for name in ("server", "server.1", "server.2"):
+        assert all(float(row[f"{name}_rss_mb"]) > 0 for row in rows), name
+
+
 def _processes_naming(text: str) -> list[str]:
     """Command lines of the live processes that contain ``text``."""
     found = []

@@ -3,10 +3,13 @@ the standard library on import), and load_tests/run.py's reading of locust's his
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -485,6 +488,121 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
         assert message in capsys.readouterr().err, bad
     soak = parse_args(["--synthetic", "--soak", *common])
     assert (soak.minutes, soak.seconds) == (10.0, 10.0)
+
+
+def test_a_soak_of_a_workers_server_needs_its_watcher(tmp_path, capsys):
+    """``recserve serve --workers N`` refuses POST /admin/reload: the soak reloads through
+    ``--watch-seconds``, so without it the soak is refused before anything starts."""
+    from load_tests.run import parse_args, watch_seconds_of, workers_of
+
+    common = ["--synthetic", "--soak", "--out", str(tmp_path)]
+    for serve_args in ("--workers 2", "--workers=3 --watch-seconds 0"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args([*common, "--serve-args", serve_args])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert "--watch-seconds" in error and "POST /admin/reload" in error, error
+    for serve_args in ("--workers 2 --watch-seconds 1", "--workers 1", "--watch-seconds 2"):
+        parse_args([*common, "--serve-args", serve_args])
+    parse_args(["--synthetic", "--serve-args", "--workers 2", "--out", str(tmp_path)])  # no soak
+    assert workers_of(["--workers=4", "--watch-seconds", "0.5"]) == 4
+    assert watch_seconds_of(["--workers=4", "--watch-seconds", "0.5"]) == 0.5
+    assert (workers_of([]), watch_seconds_of([])) == (1, 0.0)
+
+
+def test_each_process_of_a_workers_server_gets_its_own_rss_column():
+    """RSS of ``recserve serve --workers N`` was the sum of all its processes in one column;
+    now the supervisor and each child are sampled (and judged) on their own."""
+    from load_tests.run import RssSampler, memory_verdicts, rss_bytes, server_pids
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "kids = [subprocess.Popen([sys.executable, '-c', 'import time; b = b\"x\" * %d; "
+         "time.sleep(30)' % (n * 64 << 20)]) for n in (1, 2)]\n"
+         "time.sleep(30)"],
+    )  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        pids = server_pids(parent.pid, 2, timeout=20)
+        assert list(pids) == ["server", "server.1", "server.2"] and pids["server"] == parent.pid
+        assert len(set(pids.values())) == 3
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+            (rss_bytes(pids["server.1"]) or 0) < 64 << 20
+            or (rss_bytes(pids["server.2"]) or 0) < 128 << 20
+        ):
+            time.sleep(0.1)
+        sizes = {name: rss_bytes(pid) / (1 << 20) for name, pid in pids.items()}
+        assert sizes["server"] < 60 < sizes["server.1"] < 120 < sizes["server.2"], sizes
+        sampler = RssSampler(pids, 0.05)
+        sampler.start()
+        time.sleep(0.6)
+        sampler.stop()
+        columns = [key for key in sampler.samples[0] if key.endswith("_rss_mb")]
+        assert columns == ["server_rss_mb", "server.1_rss_mb", "server.2_rss_mb"]
+        verdicts = memory_verdicts(sampler.samples, warmup_s=0.0, run_s=0.6, reload_s=None)
+        assert list(verdicts) == ["server", "server.1", "server.2"]
+    finally:  # the children first, by PID: killing the parent alone would orphan them
+        for name, pid in pids.items():
+            if name != "server":
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(timeout=10)
+    assert server_pids(parent.pid, 1) == {"server": parent.pid}
+
+
+def test_the_watcher_reload_waits_until_every_process_serves_the_new_version(tmp_path):
+    """The soak's reload of a --workers server: publish, then /metrics must read 1 for the
+    new version and 0 for the old one (no process still serves it); bounded, with a clear
+    failure naming both."""
+    import http.server
+    import threading
+
+    from load_tests.run import ServeProcess, checkpoint_version, reload_through_watcher
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "manifest.json").write_text(json.dumps({"step": 3, "version": "00000003-aa"}))
+    (served / "DONE").write_text("")
+    state = {"old": 1, "new": None}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            version = checkpoint_version(served)
+            lines = [f'recserve_model_info{{model="model",version="00000003-aa"}} {state["old"]}']
+            if version != "00000003-aa" and state["new"] is not None:
+                lines.append(f'recserve_model_info{{model="model",version="{version}"}} 1')
+            body = ("# TYPE recserve_model_info gauge\n" + "\n".join(lines) + "\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = ServeProcess(served, tmp_path / "serve.log")
+    server.http = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        # One process serves the new version, the other still the old one: not done.
+        state["new"] = 1
+        with pytest.raises(RuntimeError) as error:
+            reload_through_watcher(server, served, timeout=0.5, poll=0.05)
+        assert "did not serve version 00000004-" in str(error.value)
+        assert "0 for 00000003-aa" in str(error.value)
+        # Both processes moved on: the old version reads 0.
+        state["old"] = 0
+        previous = checkpoint_version(served)
+        result = reload_through_watcher(server, served, timeout=5, poll=0.05)
+        assert result["ok"] and result["via"] == "watcher"
+        assert result["previous_version"] == previous != result["version"]
+        assert result["version"] == checkpoint_version(served) == result["published"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_checkpoint_that_cannot_be_served_is_exit_status_2(tmp_path, capsys):
