@@ -188,6 +188,11 @@ def test_kustomization_lists_exactly_the_manifests() -> None:
     assert sorted(listed) == present
     assert all(p.parent == K8S / "optional" for p in k8s_files() if p.name not in listed)
     assert any(label["pairs"] for label in k["labels"]), "no common labels"
+    # Labels that reach pod templates also reach a StatefulSet's volumeClaimTemplates, which
+    # it cannot change: a label that changes between releases (the version) must stay out.
+    for label in k["labels"]:
+        if label.get("includeTemplates"):
+            assert "app.kubernetes.io/version" not in label["pairs"], label
     assert [i["name"] for i in k["images"]] == [IMAGE]
 
     seen = set()
@@ -275,6 +280,13 @@ def test_k8s_init_containers_wait_for_real_targets() -> None:
                 assert targets, f"{kind}/{name}: no target"
                 for target in targets:
                     assert _resolves(target.removeprefix("grpc://")), f"{kind}/{name}: {target}"
+                if name == "server":  # waits for every serving shard, not some of them
+                    replicas = by_kind("StatefulSet")["ps"]["spec"]["replicas"]
+                    shards = [t for t in targets if t.startswith("grpc://ps-")]
+                    assert shards == [
+                        f"grpc://ps-{i}.ps-headless.{NAMESPACE}.svc.cluster.local:7000"
+                        for i in range(replicas)
+                    ]
 
 
 def test_k8s_recserve_commands_and_wiring() -> None:
@@ -402,6 +414,8 @@ def test_k8s_recserve_commands_and_wiring() -> None:
     job = by_kind("Job")[trainer_name]
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == trainer.nnodes
+    # A replaced pod could not join the other node's static rendezvous: no retries.
+    assert job["spec"]["backoffLimit"] == 0
     (container,) = recserve_containers(job)
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
