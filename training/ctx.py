@@ -26,13 +26,16 @@ import torch
 
 from embedding_store.batch import Batch
 from embedding_store.config import (
+    GLOBAL_CONFIG_ENV,
     EmbeddingConfig,
     GlobalConfig,
+    JobType,
     load_embedding_config,
     load_global_config,
 )
 from embedding_store.errors import (
     CheckpointError,
+    ConfigError,
     FailedPreconditionError,
     InvalidArgumentError,
 )
@@ -205,6 +208,14 @@ def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> Embeddi
     return shared
 
 
+def _global_config_source(given: GlobalConfig | str | os.PathLike | None) -> str:
+    """What an error about the global config names: its file, or how it was given."""
+    if isinstance(given, GlobalConfig):
+        return "global_config (a GlobalConfig object)"
+    path = given if given is not None else os.environ.get(GLOBAL_CONFIG_ENV)
+    return str(path) if path else "the default global config"
+
+
 def _unwrap(model: torch.nn.Module | None) -> torch.nn.Module | None:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -247,6 +258,13 @@ class TrainCtx(EmbeddingCtx):
             embedding_tier=embedding_tier,
             device_id=device_id,
         )
+        if self.global_config.common_config.job_type is not JobType.TRAIN:
+            # An Infer config (read-only lookups) would train and publish a checkpoint anyway.
+            raise ConfigError(
+                f"{_global_config_source(global_config)}: common_config.job_type: TrainCtx "
+                f"trains, got {self.global_config.common_config.job_type.value!r} (read-only "
+                "lookups, for serving): use 'Train'"
+            )
         if embedding_staleness < 1:
             raise InvalidArgumentError(
                 f"embedding_staleness must be >= 1, got {embedding_staleness}"
@@ -344,9 +362,7 @@ class TrainCtx(EmbeddingCtx):
                 "use eval_ctx(ctx) to score unlabeled batches"
             )
         self._raise_backward_error()
-        if self.signature is None:
-            self.signature = FeatureSignature.from_batch(batch)
-        else:
+        if self.signature is not None:
             self.signature.check(batch)
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
@@ -354,6 +370,8 @@ class TrainCtx(EmbeddingCtx):
         except BaseException:
             self._in_flight.release()
             raise
+        if self.signature is None:  # the first batch the tier took: one it refused (a slot
+            self.signature = FeatureSignature.from_batch(batch)  # name typo) sets nothing
         leaves = [e.detach().requires_grad_(True) for e in embeddings]
         names = [slot.name for slot in self._last_lookup.slots]
         if self._pending is not None:  # a forward without backward: give its slot back

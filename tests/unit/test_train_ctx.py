@@ -13,7 +13,12 @@ import torch
 
 from embedding_store.batch import Batch, IDTypeFeature, Label, NonIDTypeFeature
 from embedding_store.config import embedding_config_from_mapping, global_config_from_mapping
-from embedding_store.errors import CheckpointError, FailedPreconditionError, InvalidArgumentError
+from embedding_store.errors import (
+    CheckpointError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 from embedding_store.optimizers import SGD, Adam
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker import BackwardStats
@@ -482,3 +487,45 @@ def test_a_checkpoint_dumped_before_any_batch_warns_that_it_cannot_be_served(tmp
         assert not [r for r in caplog.records if "forward()" in r.getMessage()]
     with new_ctx() as resumed:
         assert resumed.load_checkpoint(tmp_path / "early").signature is None
+
+
+def test_a_batch_the_tier_refused_does_not_become_the_runs_signature():
+    """The signature is taken from the first batch the tier accepts: a first batch with a
+    slot-name typo is refused, and the corrected batch after it trains (it used to be
+    refused too, against the typo's 'model signature')."""
+    good = make_batch(0)
+    typo = Batch(
+        [
+            IDTypeFeature.from_lists("usr", [[1]] * 16),
+            good.id_type_features[1],
+        ],
+        good.non_id_type_features,
+        good.labels,
+        requires_grad=True,
+    )
+    with new_ctx() as ctx:
+        with pytest.raises(InvalidArgumentError, match="'usr' is not a slot"):
+            ctx.forward(typo)
+        assert ctx.signature is None
+        output, labels = ctx.forward(good)
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        assert [spec.name for spec in ctx.signature.id_features] == ["user", "item"]
+
+
+def test_a_train_ctx_refuses_an_infer_global_config(tmp_path):
+    """job_type Infer (read-only lookups) would otherwise train and publish a checkpoint."""
+    path = tmp_path / "global_config.yml"
+    path.write_text("common_config:\n  job_type: Infer\n")
+    model = TinyModel()
+    with pytest.raises(ConfigError) as refused:
+        TrainCtx(
+            SGD(lr=0.1),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            embedding_config=CONFIG,
+            global_config=path,
+        )
+    assert str(refused.value) == (
+        f"{path}: common_config.job_type: TrainCtx trains, got 'Infer' (read-only lookups, "
+        "for serving): use 'Train'"
+    )
