@@ -300,8 +300,8 @@ class RecserveClient(_ClientBase):
     def predict(
         self, data: Batch | Sequence[Mapping[str, Any]], *, timeout: float | None = None
     ) -> PredictResult:
-        """Score a :class:`Batch` (any protocol) or a list of friendly dict rows (HTTP only;
-        the server's preprocessor turns them into a batch)."""
+        """Score a :class:`Batch` (any protocol) or a list of friendly dict rows (HTTP only:
+        raw rows for the server's ``--preprocessor``, or, without one, keyed by feature name)."""
         check_input(data)
         started = time.perf_counter()
         if isinstance(data, Batch):

@@ -6,11 +6,12 @@
     recserve predict --url http://127.0.0.1:8000 --model adult --input rows.csv --output out.jsonl
 
 Rows go to the friendly route (``POST /v1/models/{name}:predict``, HTTP only) in batches of
-``--batch-size``; the server's preprocessor turns them into a batch. JSON lines: one object per
-line (blank lines skipped). CSV: a header row, then one row per line; values that look like
-numbers are sent as numbers, everything else as (stripped) strings. Both UTF-8, with or
-without a byte order mark. Prints one JSON line per input row, in order:
-``{"prediction": p, "model_version": v}``.
+``--batch-size``; the server's ``--preprocessor`` turns them into a batch, or, without one,
+they are keyed by feature name (an ID, a list of IDs, a number or a list of numbers each).
+JSON lines: one object per line (blank lines skipped). CSV: a header row, then one row per
+line; values that look like numbers are sent as numbers, everything else as (stripped)
+strings. Both UTF-8, with or without a byte order mark. Prints one JSON line per input row,
+in order: ``{"prediction": p, "model_version": v}``.
 
 The whole file is checked before anything is sent: bad lines are reported with their line
 numbers (exit code 1). Server errors name the input lines of the batch that failed.

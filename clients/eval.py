@@ -337,19 +337,52 @@ def stable_id(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
+class _NotAnIntegerIDError(ValueError):
+    """A value of an ``int`` ID column that is not an integer at all (not one out of range)."""
+
+
 def _int_id(value: Any, column: str) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"column {column!r}: {value!r} is not an integer ID")
+        raise _NotAnIntegerIDError(f"column {column!r}: {value!r} is not an integer ID")
     if isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()):
         number = int(value)
     else:
         try:
             number = int(str(value).strip())
         except ValueError:
-            raise ValueError(f"column {column!r}: {value!r} is not an integer ID") from None
+            raise _NotAnIntegerIDError(
+                f"column {column!r}: {value!r} is not an integer ID"
+            ) from None
     if not 0 <= number < 2**64:
         raise ValueError(f"column {column!r}: ID {number} is outside [0, 2**64)")
     return number
+
+
+def _separated_by(separator: str) -> str:
+    """How a multi-ID column reads, for error messages: "spaces, e.g. '71 282 62'"."""
+    example = separator.join(("71", "282", "62"))
+    if separator == " ":
+        return f"spaces, e.g. {example!r}"
+    return f"{separator!r}, e.g. {example!r}"
+
+
+def _missing_dense_column(
+    name: str, columns: Sequence[str], missing: str, row: Mapping[str, Any]
+) -> str:
+    """The reason for a row without one of non-ID feature ``name``'s columns: which columns
+    the feature is read from, and a hint when the data has one column named like the feature
+    (its values written into one cell, e.g. "[0.1, 0.2]")."""
+    if len(columns) == 1:
+        reason = f"missing column {missing!r} (non-ID feature {name!r} is read from it)"
+    else:
+        listed = ", ".join(repr(c) for c in columns)
+        reason = (
+            f"missing column {missing!r}: non-ID feature {name!r} takes {len(columns)} values "
+            f"per row, one per column: {listed}"
+        )
+    if name in row and name not in columns:
+        reason += f" (the data has a column {name!r}: write each of its values to its own column)"
+    return reason
 
 
 class GenericEncoder:
@@ -386,14 +419,24 @@ class GenericEncoder:
             items = [value]
         if self.single[name] and len(items) != 1:
             raise ValueError(f"column {spec.column!r}: exactly one ID expected, got {len(items)}")
-        if spec.hash == "int":
+        if spec.hash != "int":
+            return [stable_id(str(v).strip()) for v in items]
+        if spec.separator is None or not isinstance(value, str):
             return [_int_id(v, spec.column) for v in items]
-        return [stable_id(str(v).strip()) for v in items]
+        try:
+            return [_int_id(v, spec.column) for v in items]
+        except _NotAnIntegerIDError:
+            raise ValueError(
+                f"column {spec.column!r}: {value!r} is not a list of integer IDs: expected IDs "
+                f"separated by {_separated_by(spec.separator)}"
+            ) from None
 
     def _floats(self, name: str, row: Mapping[str, Any]) -> list[float]:
         spec = self.mapping.non_id_features[name]
         out = []
         for i, column in enumerate(spec.columns):
+            if column not in row:
+                raise ValueError(_missing_dense_column(name, spec.columns, column, row))
             value = row[column]
             if value is None:
                 raise ValueError(f"column {column!r} is empty (null)")
@@ -1150,9 +1193,14 @@ def _evaluate(
                 failed = {index for index, _ in encode_bad}
                 keep = [i for i in range(len(good)) if i not in failed]
                 if not keep and len(good) > 1 and rows == 0:
+                    fit = (
+                        "does the mapping fit the data?"
+                        if o.mapping is not None
+                        else "do the columns follow the default layout? see recserve eval --help"
+                    )
                     raise InvalidArgumentError(
-                        f"none of the first {len(good)} rows could be encoded (does the mapping "
-                        f"fit the data?), e.g. {bad[-1][1]}"
+                        f"none of the first {len(good)} rows could be encoded ({fit}), "
+                        f"e.g. {min(bad)[1]}"
                     )
                 good = [good[i] for i in keep]
                 positions = [positions[i] for i in keep]

@@ -48,7 +48,12 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--mapping",
         type=Path,
         metavar="YML",
-        help="feature_mapping.yml (default: columns named like the model's features)",
+        help="feature_mapping.yml. Default: one column per model feature, named like it. An "
+        "ID feature's column holds an integer ID; a multi-ID feature's holds integer IDs "
+        "separated by spaces, e.g. '71 282 62' (empty: no IDs), not a JSON list. A non-ID "
+        "feature of width 1 is read from column NAME; of width k > 1 from columns NAME_0 .. "
+        "NAME_{k-1}, one number each (e.g. dense_0, dense_1, dense_2), not one column holding "
+        "a list. `recserve checkpoint inspect DIR` shows the features and widths",
     )
     labels = parser.add_mutually_exclusive_group()
     labels.add_argument("--label", metavar="COL", help="label column (overrides the mapping's)")

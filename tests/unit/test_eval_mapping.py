@@ -127,8 +127,48 @@ def test_generic_encoder_reports_each_bad_row():
         1: "column 'user_name' is empty (null)",
         2: "column 'tag_list': ID -5 is outside [0, 2**64)",
         3: "column 'x': 'one' is not a number",
-        4: "missing column 'y'",
+        4: "missing column 'y': non-ID feature 'dense' takes 2 values per row, one per "
+        "column: 'x', 'y'",
     }
+
+
+def test_multi_id_and_dense_errors_say_what_the_columns_should_hold():
+    """A JSON list in a multi-ID column, or a dense feature's values in one column named like
+    the feature (as a new user writes them): the reason says which layout is expected."""
+    encoder = GenericEncoder(default_mapping(SIGNATURE), SIGNATURE, "the default mapping")
+    rows = [
+        {"user": "1", "tags": "[71, 282, 62]", "dense_0": "0", "dense_1": "1"},
+        {"user": "1", "tags": "[282]", "dense_0": "0", "dense_1": "1"},
+        {"user": "1", "tags": "71 282 62", "dense": "[0.5, 1.0]"},
+        {"user": "1", "tags": "71 282 62", "dense_0": "0.5"},
+        {"user": "1", "tags": "71 282 62", "dense_0": "0.5", "dense_1": "1"},
+    ]
+    batch, bad = encoder.encode(rows)
+    assert batch.batch_size == 1 and batch.id_type_features[1].to_lists() == [[71, 282, 62]]
+    assert dict(bad) == {
+        0: "column 'tags': '[71, 282, 62]' is not a list of integer IDs: expected IDs "
+        "separated by spaces, e.g. '71 282 62'",
+        1: "column 'tags': '[282]' is not a list of integer IDs: expected IDs separated by "
+        "spaces, e.g. '71 282 62'",
+        2: "missing column 'dense_0': non-ID feature 'dense' takes 2 values per row, one per "
+        "column: 'dense_0', 'dense_1' (the data has a column 'dense': write each of its "
+        "values to its own column)",
+        3: "missing column 'dense_1': non-ID feature 'dense' takes 2 values per row, one per "
+        "column: 'dense_0', 'dense_1'",
+    }
+    # Another separator is named as such; a single-ID column keeps its short reason.
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    _, bad = encoder.encode([{"user_name": "a", "tag_list": "1,2", "x": "1", "y": "0"}])
+    assert bad == [
+        (0, "column 'tag_list': '1,2' is not a list of integer IDs: expected IDs separated by "
+         "'|', e.g. '71|282|62'")
+    ]  # fmt: skip
+    one = FeatureMapping(
+        id_features={"user": IdFeatureMapping("u", "int"), "tags": IdFeatureMapping("t", "int")},
+        non_id_features={"dense": NonIdFeatureMapping(["x", "y"])},
+    )
+    _, bad = GenericEncoder(one, None, "m.yml").encode([{"u": "x", "t": "1", "x": 1, "y": 2}])
+    assert bad == [(0, "column 'u': 'x' is not an integer ID")]
 
 
 def test_generic_mapping_must_fit_the_model():

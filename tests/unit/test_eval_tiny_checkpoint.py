@@ -183,6 +183,31 @@ def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     assert (tmp_path / "skip.csv").read_text().count("\n") == 3
 
 
+def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):
+    """A new user's CSV: a JSON list in the multi-ID column and the dense values in one
+    column. Each error says what the default layout expects."""
+    data = tmp_path / "rows.csv"
+    data.write_text('user,tags,dense_0,dense_1\n1,"[100, 101]",0.5,1\n2,"[102]",0.5,1\n')
+    base = {"data": (data,), "checkpoint": checkpoint, "progress": False}
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
+    assert caught.value.message == (
+        "none of the first 2 rows could be encoded (do the columns follow the default layout? "
+        f"see recserve eval --help), e.g. {data}:2: column 'tags': '[100, 101]' is not a list "
+        "of integer IDs: expected IDs separated by spaces, e.g. '71 282 62'"
+    )
+    data.write_text('user,tags,dense\n1,100 101,"[0.5, 1]"\n')
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
+    assert (
+        f"{data}:2: missing column 'dense_0': non-ID feature 'dense' takes 2 values per row, "
+        "one per column: 'dense_0', 'dense_1' (the data has a column 'dense': write each of "
+        "its values to its own column)"
+    ) in caught.value.message
+    data.write_text("user,tags,dense_0,dense_1\n1,100 101,0.5,1\n2,,0.5,1\n")
+    assert run_eval(EvalOptions(**base, out=tmp_path / "p.csv")).rows == 2
+
+
 # --------------------------------------------------------------------------- checkpoint tools
 def test_inspect_text_and_json(checkpoint):
     info = checkpoint_tool.inspect(checkpoint)
@@ -508,3 +533,13 @@ def _tiny_batch(n: int) -> Batch:
         [NonIDTypeFeature(np.zeros((n, 2), dtype=np.float32), "dense")],
         requires_grad=False,
     )
+
+
+def test_eval_help_spells_out_the_default_layout(capsys):
+    from embedding_store.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "separated by spaces, e.g. '71 282 62'" in text
+    assert "columns NAME_0 .. NAME_{k-1}" in text
