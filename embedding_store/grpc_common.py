@@ -123,9 +123,12 @@ class _RequireToken(grpc.ServerInterceptor):
                 f"{TOKEN_FILE_VARIABLE}); the call had none or another",
             )
 
+        # Request-streaming handlers even for unary requests: the refusal never reads the
+        # request, so a caller without the token cannot make the server buffer up to the
+        # message limit (256 MiB) per call; a unary handler would read it all first.
         self._refusals = {
-            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
-            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
+            (False, False): grpc.stream_unary_rpc_method_handler(refuse),
+            (False, True): grpc.stream_stream_rpc_method_handler(refuse),
             (True, False): grpc.stream_unary_rpc_method_handler(refuse),
             (True, True): grpc.stream_stream_rpc_method_handler(refuse),
         }

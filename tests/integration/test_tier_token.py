@@ -3,6 +3,12 @@ services refuse calls without it, health checks stay open, tier clients send it.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -13,6 +19,8 @@ from embedding_store.errors import InvalidArgumentError, UnauthenticatedError
 from embedding_store.grpc_common import tier_token
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_service import ParameterServerOptions, ParameterServerProcess
 
@@ -69,3 +77,50 @@ def test_a_token_file_that_cannot_be_read_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("RECSERVE_TIER_TOKEN", "s3cr\x01et")
     with pytest.raises(InvalidArgumentError, match="RECSERVE_TIER_TOKEN: the tier token must"):
         tier_token()
+
+
+#: A shard in a process of its own (its peak memory is then its own): prints its address.
+_SHARD_SCRIPT = """
+import sys, time
+from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from embedding_store.ps_service import ParameterServerOptions, ParameterServerProcess
+shard = ParameterServerProcess(
+    EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}), GlobalConfig(),
+    ParameterServerOptions(port=0),
+)
+shard.start()
+print(shard.address, flush=True)
+time.sleep(60)
+"""
+
+
+def _peak_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+def test_a_refused_call_is_not_read(tmp_path):
+    """A caller without the token must not make the shard buffer its request (up to the
+    256 MiB message limit, per call): the refusal answers before reading it."""
+    shard = subprocess.Popen(
+        [sys.executable, "-c", _SHARD_SCRIPT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, RECSERVE_TIER_TOKEN=TOKEN),
+    )
+    try:
+        address = shard.stdout.readline().strip()
+        before = _peak_rss_mib(shard.pid)
+        request = pb.LookupRequest(ids=b"\0" * (96 << 20), dim=4)  # 96 MiB of IDs
+        options = [("grpc.max_send_message_length", 128 << 20)]
+        with (
+            grpc.insecure_channel(address, options=options) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            pb_grpc.ParameterServerStub(channel).Lookup(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Reading it would hold at least its 96 MiB at once.
+        assert _peak_rss_mib(shard.pid) - before < 32
+    finally:
+        shard.kill()
+        shard.wait()
