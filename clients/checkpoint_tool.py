@@ -1,6 +1,7 @@
 """``recserve checkpoint inspect|verify|reshard|diff|export-dense``: offline checkpoint tools.
 
-They work on the files alone (no server, no training code): a *model checkpoint*
+They work on the files alone (no server, no training code), and never run a checkpoint's
+TorchScript (``jit_dense.pt`` is code) unless asked (``load_code``): a *model checkpoint*
 (``manifest.json``, dense files, ``embeddings/``, ``DONE``; :mod:`embedding_store.model_checkpoint`)
 or a bare *embedding checkpoint* (``embedding_manifest.json``, per-shard safetensors, ``DONE``;
 :mod:`embedding_store.checkpoint`).
@@ -188,7 +189,7 @@ def _inspect_embeddings(directory: Path) -> dict[str, Any]:
     }
 
 
-def inspect(directory: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect(directory: str | os.PathLike[str], *, load_code: bool = False) -> dict[str, Any]:
     """What a checkpoint holds (manifests, shapes and the dense model's signatures)."""
     root = Path(directory)
     kind = checkpoint_kind(root)
@@ -210,12 +211,14 @@ def inspect(directory: str | os.PathLike[str]) -> dict[str, Any]:
     )
     problems: list[str] = []
     forward = None
-    if manifest.has_jit_model:
+    if manifest.has_jit_model and load_code:
         try:
             forward = _forward_signature(model_checkpoint.load_jit_model(manifest))
         except RecserveError as error:
             problems.append(error.message)
     info["forward_signature"] = forward
+    info["jit_model"] = manifest.has_jit_model
+    info["code_loaded"] = manifest.has_jit_model and load_code
     parameters: dict[str, list[int]] = {}
     try:
         state = model_checkpoint.load_state(manifest, model_checkpoint.DENSE_FILE)
@@ -267,7 +270,13 @@ def format_inspect(info: dict[str, Any]) -> str:
         )
         for name, shape in info["dense_parameters"].items():
             lines.append(f"    {name:<30} {shape}")
-        lines.append(f"  forward        {info['forward_signature'] or 'n/a (no jit_dense.pt)'}")
+        if not info.get("jit_model", True):
+            forward = "n/a (no jit_dense.pt)"
+        elif not info.get("code_loaded", True):
+            forward = f"not loaded: jit_dense.pt is code ({LOAD_CODE_HINT})"
+        else:
+            forward = info["forward_signature"] or "n/a"
+        lines.append(f"  forward        {forward}")
         signature = info["feature_signature"]
         if signature:
             ids = ", ".join(
@@ -303,9 +312,19 @@ def format_inspect(info: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- verify
-def verify(directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, Any]]:
+#: How the tools say that loading ``jit_dense.pt`` is asked for.
+LOAD_CODE_HINT = "--load-code loads it, running code from the checkpoint: trusted ones only"
+
+
+def verify(
+    directory: str | os.PathLike[str], *, load_code: bool = False
+) -> tuple[list[str], dict[str, Any]]:
     """Check everything; returns (problems, summary). No exception for a bad checkpoint:
-    every problem found is listed (a missing manifest or marker stops the check early)."""
+    every problem found is listed (a missing manifest or marker stops the check early).
+
+    ``jit_dense.pt`` is TorchScript, which runs code of the checkpoint's author when loaded
+    (its ``__setstate__``): it is checked against its size and checksum only, and loaded
+    only with ``load_code`` (a checkpoint you trust: your own, before serving it)."""
     root = Path(directory)
     problems: list[str] = []
     summary: dict[str, Any] = {"path": str(root)}
@@ -327,12 +346,14 @@ def verify(directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, Any]
                 problems.append(error.message)
                 continue
             try:
-                if name == model_checkpoint.JIT_FILE:
+                if name != model_checkpoint.JIT_FILE:
+                    model_checkpoint.load_state(manifest, name)  # tensors only, no code
+                elif load_code:
                     model_checkpoint.load_jit_model(manifest)
-                else:
-                    model_checkpoint.load_state(manifest, name)
             except RecserveError as error:
                 problems.append(error.message)
+        summary["jit_model"] = manifest.has_jit_model
+        summary["code_loaded"] = load_code and manifest.has_jit_model
         expected_rows, expected_shards = manifest.embedding_rows, manifest.embedding_shards
     embedding_dir = _embedding_dir(root, kind)
     try:

@@ -138,6 +138,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- checkpoint
+_LOAD_CODE_HELP = (
+    "also load jit_dense.pt; it is TorchScript, and loading runs code of whoever wrote the "
+    "checkpoint: only for checkpoints you trust"
+)
+
+
 def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "checkpoint",
@@ -151,11 +157,21 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     inspect = actions.add_parser("inspect", help="version, step, slots, shards, signatures")
     inspect.add_argument("directory", type=Path, metavar="DIR")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument(
+        "--load-code", action="store_true", help=_LOAD_CODE_HELP + " (shows its forward signature)"
+    )
     inspect.set_defaults(handler=_inspect)
 
-    verify = actions.add_parser("verify", help="check completeness and every checksum")
+    verify = actions.add_parser(
+        "verify",
+        help="check completeness and every checksum",
+        description="Check a checkpoint's files against its manifests (sizes, SHA-256), load "
+        "its tensors and compare embeddings and manifest. Its TorchScript (jit_dense.pt) is "
+        "checked by checksum only: loading it runs code of whoever wrote the checkpoint.",
+    )
     verify.add_argument("directories", type=Path, nargs="+", metavar="DIR")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.add_argument("--load-code", action="store_true", help=_LOAD_CODE_HELP)
     verify.set_defaults(handler=_verify)
 
     reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
@@ -183,7 +199,10 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     )
     diff.set_defaults(handler=_diff)
 
-    export = actions.add_parser("export-dense", help="copy the TorchScript dense model out")
+    export = actions.add_parser(
+        "export-dense",
+        help="copy the TorchScript dense model out (loads it to check it: runs its code)",
+    )
     export.add_argument("directory", type=Path, metavar="DIR")
     export.add_argument("--out", type=Path, required=True, metavar="FILE")
     export.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
@@ -197,7 +216,7 @@ def _print_json(value: object) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from clients import checkpoint_tool
 
-    info = checkpoint_tool.inspect(args.directory)
+    info = checkpoint_tool.inspect(args.directory, load_code=args.load_code)
     if args.json:
         _print_json(info)
     else:
@@ -211,7 +230,7 @@ def _verify(args: argparse.Namespace) -> int:
     failed = 0
     reports = []
     for directory in args.directories:
-        problems, summary = checkpoint_tool.verify(directory)
+        problems, summary = checkpoint_tool.verify(directory, load_code=args.load_code)
         failed += bool(problems)
         if args.json:
             reports.append({**summary, "ok": not problems, "problems": problems})
@@ -227,7 +246,9 @@ def _verify(args: argparse.Namespace) -> int:
                 for k in ("version", "dense_files", "embedding_files", "rows", "shards")
                 if k in summary
             )
-            print(f"OK: checkpoint {directory} ({summary['kind']}): {detail}")
+            unloaded = summary.get("jit_model") and not summary.get("code_loaded")
+            note = " (jit_dense.pt by checksum; --load-code loads it)" if unloaded else ""
+            print(f"OK: checkpoint {directory} ({summary['kind']}): {detail}{note}")
     if args.json:
         _print_json(reports[0] if len(reports) == 1 else reports)
     return 1 if failed else 0

@@ -279,6 +279,8 @@ def test_checkpoint_tools_on_good_and_damaged_checkpoints(trained, tmp_path):
     checkpoint, metrics = trained
 
     info = json.loads(ok(recserve("checkpoint", "inspect", checkpoint, "--json")))
+    assert info["forward_signature"] is None and not info["code_loaded"]  # not without asking
+    info = json.loads(ok(recserve("checkpoint", "inspect", checkpoint, "--json", "--load-code")))
     assert info["version"] == metrics["checkpoint_version"] and info["step"] > 0
     assert info["forward_signature"].startswith("forward(")
     assert "Tensor[] embedding_tensors" in info["forward_signature"]

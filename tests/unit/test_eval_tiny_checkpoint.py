@@ -217,7 +217,61 @@ def test_inspect_text_and_json(checkpoint):
     assert slots["tags"]["id_space"] == slots["item"]["id_space"] == "content"
     assert slots["tags"]["prefix"] == slots["item"]["prefix"] == "0x0100000000000000"
     text = checkpoint_tool.format_inspect(info)
-    assert "forward(" in text and "tags[]" in text and "rows per shard 80" in text
+    assert "tags[]" in text and "rows per shard 80" in text
+    assert "  forward        not loaded: jit_dense.pt is code (--load-code loads it" in text
+    loaded = checkpoint_tool.format_inspect(checkpoint_tool.inspect(checkpoint, load_code=True))
+    assert "  forward        forward(" in loaded
+
+
+class _CodeOnLoad(torch.nn.Module):
+    """TorchScript whose loading runs code: ``__setstate__`` writes ``!!!`` to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.weight = torch.zeros(1)
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[torch.Tensor, str, bool]:
+        return (self.weight, self.path, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[torch.Tensor, str, bool]) -> None:
+        self.path = state[1]
+        self.training = state[2]
+        written = torch.from_file(self.path, shared=True, size=3, dtype=torch.uint8)
+        written.fill_(33)
+        self.weight = written.float()  # used, or the compiler drops the write
+
+
+def test_inspect_and_verify_run_no_code_of_the_checkpoint_unless_asked(checkpoint, tmp_path):
+    """jit_dense.pt is TorchScript: loading it runs its author's code. Vetting a checkpoint
+    from elsewhere (verify, inspect, and reshard and diff, which verify first) must not."""
+    import hashlib
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(checkpoint, planted)
+    marker = tmp_path / "code-ran"
+    jit = planted / "jit_dense.pt"
+    torch.jit.script(_CodeOnLoad(str(marker))).save(str(jit))
+    manifest = json.loads((planted / "manifest.json").read_text())
+    entry = manifest["files"]["jit_dense.pt"]
+    entry["bytes"], entry["sha256"] = (
+        jit.stat().st_size,
+        hashlib.sha256(jit.read_bytes()).hexdigest(),
+    )
+    (planted / "manifest.json").write_text(json.dumps(manifest))
+    assert checkpoint_tool.verify(planted)[0] == []
+    checkpoint_tool.inspect(planted)
+    checkpoint_tool.reshard(planted, 2, tmp_path / "resharded")
+    checkpoint_tool.diff(planted, checkpoint)
+    assert not marker.exists()
+    assert checkpoint_tool.verify(planted, load_code=True)[0] == []  # asked: it runs
+    assert marker.read_bytes() == b"!!!"
 
 
 def test_verify_lists_every_problem(checkpoint, tmp_path):
