@@ -178,17 +178,17 @@ def write_shard_part(
 
     Used by :func:`dump_embeddings`, and by each parameter-server process when a dump spans
     processes (the caller then writes the manifest with :func:`finalize_checkpoint`).
-    ``progress(rows_written, rows_total)`` is called after each file (one per dim); the total
-    is the shard's size when the dump starts, so rows inserted meanwhile by concurrent train
-    lookups can make ``rows_written`` exceed it.
+    ``progress(rows_written, rows_total)`` is called after each file (one per dim). The rows
+    are copied at one instant (:meth:`EmbeddingShard.export_all`): training may go on
+    meanwhile, and the part holds the shard as it was then.
     """
     root = Path(directory)
     part = root / shard_part_name(shard_index)
     part.mkdir(parents=True, exist_ok=True)
     entries = []
-    rows_total, rows_written = shard.size(), 0
-    for dim in sorted(shard.dims()):
-        block = shard.export_rows(dim)
+    blocks = shard.export_all()  # one instant, so never more rows than the capacity
+    rows_total, rows_written = sum(len(block.ids) for block in blocks.values()), 0
+    for dim, block in blocks.items():
         payload = safetensors.numpy.save(
             {
                 "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),

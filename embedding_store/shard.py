@@ -610,19 +610,31 @@ class EmbeddingShard:
         """Copies of all rows of width ``dim`` (compacted, in row order)."""
         dim = _check_dim(dim)
         with self._lock:
-            table = self._tables.get(dim)
-            if table is None:
-                return RowBlock(
-                    ids=np.zeros(0, dtype=np.uint64),
-                    weights=np.zeros((0, dim), dtype=np.float32),
-                    state=np.zeros((0, self._width(dim)), dtype=np.float32),
-                )
-            n = table.size
+            return self._copy_rows(dim)
+
+    def export_all(self) -> dict[int, RowBlock]:
+        """Copies of every row, by dim, taken at one instant: what a dump writes. Dims
+        exported one at a time could hold, together, more rows than ``capacity`` (training
+        evicts rows of a dim already copied for rows of one not yet copied), which no shard
+        could load back. Holds a copy of the shard's rows in memory until written."""
+        with self._lock:
+            return {dim: self._copy_rows(dim) for dim in sorted(self._tables)}
+
+    def _copy_rows(self, dim: int) -> RowBlock:
+        """Copies of the rows of width ``dim``; the caller holds ``_lock``."""
+        table = self._tables.get(dim)
+        if table is None:
             return RowBlock(
-                ids=table.ids[:n].copy(),
-                weights=table.weights[:n].copy(),
-                state=table.state[:n].copy(),
+                ids=np.zeros(0, dtype=np.uint64),
+                weights=np.zeros((0, dim), dtype=np.float32),
+                state=np.zeros((0, self._width(dim)), dtype=np.float32),
             )
+        n = table.size
+        return RowBlock(
+            ids=table.ids[:n].copy(),
+            weights=table.weights[:n].copy(),
+            state=table.state[:n].copy(),
+        )
 
     def import_rows(self, block: RowBlock) -> None:
         """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.

@@ -23,6 +23,7 @@ from embedding_store.worker import EmbeddingWorker
 CONFIG = embedding_config_from_mapping(
     {"slots_config": {"a": {"dim": 8}, "b": {"dim": 8}, "c": {"dim": 3}}}
 )
+CONFIG_3_8 = embedding_config_from_mapping({"slots_config": {"a": {"dim": 8}, "c": {"dim": 3}}})
 
 
 def make_shards(n: int, optimizer=None) -> list[EmbeddingShard]:
@@ -433,3 +434,28 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path):
     (tmp_path / "ckpt" / "stale.txt").write_text("x")
     checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
     assert not (tmp_path / "ckpt" / "stale.txt").exists()  # a checkpoint is replaced
+
+
+class _TrainedBetweenDims(EmbeddingShard):
+    """A shard on which training runs as soon as the rows of dim 3 have been exported: ten
+    new rows of dim 8 evict the (least recently used) rows of dim 3."""
+
+    def export_rows(self, dim: int):
+        block = super().export_rows(dim)
+        if dim == 3:
+            self.lookup(np.arange(1000, 1010, dtype=np.uint64), 8, train=True)
+        return block
+
+
+def test_a_dump_is_the_shard_at_one_instant_while_training_goes_on(tmp_path):
+    """Dims exported one at a time held, together, old rows of one dim and new rows of the
+    other: more than the capacity, a checkpoint no shard could load back."""
+    shard = _TrainedBetweenDims(12, optimizer=SGD(lr=0.1))
+    shard.lookup(np.arange(10, dtype=np.uint64), 3, train=True)
+    shard.lookup(np.arange(100, 102, dtype=np.uint64), 8, train=True)  # 12 rows: full
+    rows = {dim: EmbeddingShard.export_rows(shard, dim).ids.tolist() for dim in (3, 8)}
+    manifest = checkpoint.dump_embeddings([shard], tmp_path / "ckpt", CONFIG_3_8)
+    assert manifest.total_rows == 12
+    loaded = EmbeddingShard(12, optimizer=SGD(lr=0.1))
+    checkpoint.load_embeddings(tmp_path / "ckpt", [loaded], CONFIG_3_8)
+    assert {dim: loaded.export_rows(dim).ids.tolist() for dim in (3, 8)} == rows
