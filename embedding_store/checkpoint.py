@@ -184,7 +184,17 @@ def write_shard_part(
     """
     root = Path(directory)
     part = root / shard_part_name(shard_index)
+    # Only into a new directory (a dump's staging one): never over a published checkpoint,
+    # whose files would change under its manifest (only a whole new checkpoint replaces one,
+    # with overwrite), nor over another dump's part.
+    if (root / DONE_MARKER).exists():
+        raise AlreadyExistsError(
+            f"{root} is a published checkpoint (it has {DONE_MARKER}): a shard writes its "
+            "part only into a new directory"
+        )
     part.mkdir(parents=True, exist_ok=True)
+    if any(part.iterdir()):
+        raise AlreadyExistsError(f"{part} already holds files: a shard writes only a new part")
     entries = []
     blocks = shard.export_all()  # one instant, so never more rows than the capacity
     rows_total, rows_written = sum(len(block.ids) for block in blocks.values()), 0

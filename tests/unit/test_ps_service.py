@@ -467,3 +467,28 @@ def test_malformed_protobufs_are_invalid_argument_not_internal():
             assert len(pb.LookupResponse.FromString(answer).rows) == 3 * 4 * 4
     finally:
         process.stop(grace=0)
+
+
+def test_a_shard_dumps_only_into_a_new_directory(tmp_path):
+    """A direct Dump must not rewrite a published checkpoint's files under its manifest
+    (it could then not be loaded: only a whole new checkpoint replaces one), nor another
+    dump's part."""
+    s = trained()
+    root = tmp_path / "ckpt"
+    entries = s.dump_part(str(root))
+    checkpoint.finalize_checkpoint(root, CONFIG, 1, entries, ADAGRAD.to_dict())
+    published = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    failure = aborted(s.Dump, pb.ShardDumpRequest(directory=str(root)))
+    assert failure.code == grpc.StatusCode.ALREADY_EXISTS
+    assert failure.details == (
+        f"{root} is a published checkpoint (it has DONE): a shard writes its part only into "
+        "a new directory"
+    )
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == published
+    checkpoint.read_manifest(root)  # still whole
+    staging = tmp_path / "staging"
+    s.dump_part(str(staging))
+    failure = aborted(s.Dump, pb.ShardDumpRequest(directory=str(staging)))
+    assert failure.details == (
+        f"{staging / 'shard_00000'} already holds files: a shard writes only a new part"
+    )
