@@ -253,7 +253,12 @@ class RemoteShardTier:
 
     def flush(self) -> None:
         """Wait until every queued gradient batch was applied or failed (each push has the
-        shard deadline); raise UnavailableError if any failed since the last flush."""
+        shard deadline); raise UnavailableError if any failed since the last flush.
+
+        Trainers flush (TrainCtx after its updates): the report is theirs. With several
+        trainers on one worker (DDP ranks), the next one to flush gets it, whichever rank
+        pushed the batch; the job then stops as one. Administration (dump, load, clear)
+        waits for the queue without taking the report (:meth:`_wait_for_gradients`)."""
         self._gradients.join()
         with self._stats_lock:
             failed, last = self._failed_pushes, self._last_push_error
@@ -262,6 +267,22 @@ class RemoteShardTier:
             raise UnavailableError(
                 f"{failed} gradient batch(es) could not be applied since the last flush; "
                 f"last error: {last}"
+            )
+
+    def _wait_for_gradients(self, task: str) -> None:
+        """Wait until every queued gradient batch was applied or failed, before ``task``. A
+        failure stays for the trainers' next flush (were it taken here, the trainer whose
+        update was lost would train on, told nothing); it is logged."""
+        self._gradients.join()
+        with self._stats_lock:
+            failed, last = self._failed_pushes, self._last_push_error
+        if failed:
+            log.warning(
+                "%s: %d gradient batch(es) could not be applied since the trainers last "
+                "flushed (they are told at their next flush); last error: %s",
+                task,
+                failed,
+                last,
             )
 
     @property
@@ -329,7 +350,7 @@ class RemoteShardTier:
         self._each(lambda c: c.configure(optimizer=optimizer, initialization=initialization))
 
     def clear(self) -> None:
-        self.flush()
+        self._wait_for_gradients("clear")
         self._each(lambda c: c.clear())
 
     def _tracked(self, progress: ProgressCallback | None) -> ProgressCallback:
@@ -376,7 +397,7 @@ class RemoteShardTier:
         progress: ProgressCallback,
         caller_gone: CallerGone,
     ) -> checkpoint.EmbeddingManifest:
-        self.flush()
+        self._wait_for_gradients(f"dump to {directory}")
         target = Path(directory).absolute()
         checkpoint.check_target(target, overwrite=overwrite)
         staging = checkpoint.staging_directory_for(target)
@@ -447,7 +468,7 @@ class RemoteShardTier:
     def _load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback, caller_gone: CallerGone
     ) -> checkpoint.EmbeddingManifest:
-        self.flush()
+        self._wait_for_gradients(f"load of {directory}")
         target = Path(directory).absolute()
         manifest = checkpoint.read_manifest(target)
         checkpoint.check_compatible(manifest, self.embedding_config)

@@ -227,7 +227,7 @@ def test_a_full_gradient_buffer_blocks_backward_until_the_pusher_drains_it(make_
     assert shard.shard.stats().updates == 8  # every row of the 4 batches reached the shard
 
 
-def test_pushes_to_a_dead_shard_fail_are_counted_and_drain_the_queue(make_tier):
+def test_pushes_to_a_dead_shard_fail_are_counted_and_drain_the_queue(make_tier, tmp_path):
     tier, (shard,) = make_tier(num_shards=1, forward_buffer_size=2)
 
     def dead() -> None:  # what RemoteParameterServer raises once the shard deadline passed
@@ -237,6 +237,9 @@ def test_pushes_to_a_dead_shard_fail_are_counted_and_drain_the_queue(make_tier):
     for ids in ([1, 2], [3], [4, 5, 6], [7]):  # more batches than the buffer holds
         result = tier.lookup(user_batch(ids), train=True)
         tier.backward(result.ref, ones(len(ids)))  # failed pushes leave the queue: no hang
+    # An administrator's dump meanwhile waits for the queue but leaves the report to the
+    # trainer: the trainer whose updates were lost must hear of it.
+    tier.dump(tmp_path / "ckpt", overwrite=False, progress=lambda *_: None)
     with pytest.raises(UnavailableError) as failure:
         tier.flush()
     assert failure.value.message == (
