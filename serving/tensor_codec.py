@@ -16,7 +16,8 @@ Formats handled:
   are binary when the request asks for it (per output ``parameters.binary_data`` or request-wide
   ``parameters.binary_data_output``), as tritonclient.http does by default;
 * gRPC typed ``contents`` and ``raw_input_contents`` (little-endian, sizes checked); outputs go
-  back as ``raw_output_contents`` when the request used raw inputs (as Triton does), else typed.
+  back as ``raw_output_contents`` when the request used raw inputs, else typed (the protocol
+  allows either). tritonclient always sends raw inputs, and reads only raw outputs.
 
 Names are passed through untouched (the core maps them to features, see serving/tensors.py).
 BYTES tensors are not supported. Malformed tensors raise InvalidArgumentError naming the input.
