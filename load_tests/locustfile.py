@@ -183,7 +183,10 @@ def _write_final_stats(exit_code: int, **_kwargs: Any) -> None:
 
 def _check(response: ResponseContextManager, what: str) -> None:
     if response.status_code != 200:
-        text = (response.text or "")[:200] if response.content else str(response.error)
+        # locust sets .error only for what it counts as failed (not a 204 or a 3xx it did
+        # not follow, which a proxy in front of the server may send)
+        error = getattr(response, "error", None)
+        text = (response.text or "")[:200] if response.content else str(error or "empty body")
         response.failure(f"{what}: HTTP {response.status_code}: {text}")
     else:
         response.success()

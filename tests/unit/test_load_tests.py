@@ -739,3 +739,52 @@ def test_the_adult_preprocessor_gets_raw_rows(tmp_path, capsys):
         {"age": 39, "x": "a"},
         {"age": 50, "x": "b"},
     ]
+
+
+_EMPTY_204 = """
+from gevent import monkey
+
+monkey.patch_all()
+import http.server, threading
+from locust.contrib.fasthttp import FastHttpSession
+from locust.env import Environment
+from load_tests.locustfile import _check
+
+
+class NoContent(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+server = http.server.HTTPServer(("127.0.0.1", 0), NoContent)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+env = Environment()
+failures = []
+env.events.request.add_listener(lambda exception=None, **_: failures.append(str(exception)))
+session = FastHttpSession(
+    base_url=f"http://127.0.0.1:{server.server_port}", request_event=env.events.request, user=None
+)
+with session.post("/v2/models/m/infer", data=b"{}", catch_response=True) as response:
+    _check(response, "v2-json")
+print(failures)
+server.shutdown()
+"""
+
+
+def test_a_non_200_answer_without_a_body_counts_as_a_failure():
+    """A 204 (a proxy's, say) has no body and no locust error: it must count as a failed
+    request naming its status, not raise AttributeError in the user."""
+    result = subprocess.run(
+        [sys.executable, "-c", _EMPTY_204],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
