@@ -24,7 +24,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from embedding_store.errors import UnavailableError
+from embedding_store.errors import NotFoundError, UnavailableError
 from embedding_store.grpc_common import parse_request, rpc_errors, server_options
 from serving import tensor_codec as codec
 from serving.core import PredictionCore
@@ -83,7 +83,13 @@ class InferenceServicer:
 
     @rpc_errors
     def ModelReady(self, request: Any, context: grpc.ServicerContext) -> Any:
-        ready = self._core.model_ready(request.name, request.version or None)
+        # A model or version this server does not serve is not ready (ready=false), as over
+        # HTTP (404, a "false" there) and in Triton: tritonclient.grpc.is_model_ready()
+        # then answers False instead of raising.
+        try:
+            ready = self._core.model_ready(request.name, request.version or None)
+        except NotFoundError:
+            ready = False
         return V2.ModelReadyResponse(ready=bool(ready))
 
     @rpc_errors

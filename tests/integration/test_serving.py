@@ -393,6 +393,7 @@ def test_tritonclient_grpc_api(served, grpc_client):
     assert grpc_client.is_server_live()
     assert grpc_client.is_server_ready()
     assert grpc_client.is_model_ready(MODEL)
+    assert not grpc_client.is_model_ready("no-such-model")  # as over HTTP: False, no error
     metadata = grpc_client.get_server_metadata()
     assert metadata.name == "recserve" and list(metadata.extensions) == ["binary_tensor_data"]
     metadata = grpc_client.get_model_metadata(MODEL)
@@ -478,7 +479,6 @@ def test_unknown_model_is_not_found(served, batch, grpc_client):
     for call in (
         lambda: grpc_client.infer("nope", triton_inputs(grpcclient, arrays)),
         lambda: grpc_client.get_model_metadata("nope"),
-        lambda: grpc_client.is_model_ready("nope"),
     ):
         with pytest.raises(InferenceServerException) as raised:
             call()

@@ -189,8 +189,10 @@ def test_errors_map_to_status_codes(stub, core):
         stub.ModelMetadata, V2.ModelMetadataRequest(name="tiny", version="2")
     )
     assert code == grpc.StatusCode.NOT_FOUND
-    code, _ = _code_and_details(stub.ModelReady, V2.ModelReadyRequest(name="x"))
-    assert code == grpc.StatusCode.NOT_FOUND
+    # A model (or version) not served is not ready: an answer, as HTTP's 404 is a "false".
+    assert stub.ModelReady(V2.ModelReadyRequest(name="x"), timeout=5).ready is False
+    assert stub.ModelReady(V2.ModelReadyRequest(name="tiny", version="2"), timeout=5).ready is False
+    assert stub.ModelReady(V2.ModelReadyRequest(name="tiny"), timeout=5).ready is True
 
     core.is_ready = False
     code, details = _code_and_details(stub.ModelInfer, _typed_request())
