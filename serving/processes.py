@@ -164,7 +164,7 @@ class _Supervisor:
         crashed: subprocess.Popen | None = None
         dead: set[int] = set()
         kill_at: float | None = None
-        while any(child.poll() is None for child in self.children):
+        while [child for child in self.children if child.poll() is None]:  # polls every one
             for child in self.children:
                 if child.returncode is not None and child.pid not in dead:
                     dead.add(child.pid)  # its live gauges (ready, pending) no longer count
@@ -194,9 +194,11 @@ class _Supervisor:
                     kill_at = math.inf
             time.sleep(POLL_SECONDS)
         # A process that the stop's own signal ended (it came before the process could
-        # handle it, e.g. while it was still importing) stopped as asked.
+        # handle it, e.g. while it was still importing; or the CLI's 128 + N for an
+        # interrupted start, 130 for a terminal's Ctrl-C) stopped as asked.
+        stopped = () if self.stop_signal is None else (-self.stop_signal, 128 + self.stop_signal)
         codes = [
-            0 if self.stop_signal is not None and child.returncode == -self.stop_signal
+            0 if child.returncode in stopped
             else _exit_code(child.returncode)
             for child in self.children
         ]  # fmt: skip

@@ -248,3 +248,31 @@ def test_a_stop_while_the_processes_start_reaches_them(fake_children, monkeypatc
     assert serve_processes(_options()) == 0
     assert len(commands) == 1
     assert processes[0].returncode in (0, -signal.SIGTERM)  # stopped, by its handler or not
+
+
+def test_a_crash_of_any_server_process_stops_the_others(fake_children):
+    """Not only the first: the supervisor looked at the processes only up to the first one
+    still running, so the second one's crash went unseen while the first served on."""
+    _commands, processes, _code = fake_children
+    _after(1.0, lambda: os.kill(processes[1].pid, signal.SIGKILL))
+    _kill_all_after(20, processes)
+    started = time.monotonic()
+    assert serve_processes(_options()) == 128 + signal.SIGKILL
+    assert time.monotonic() - started < 10
+    assert processes[0].returncode == 0  # asked to stop (SIGTERM), and it did
+
+
+#: A stand-in still starting when Ctrl-C comes: the CLI turns KeyboardInterrupt into 130.
+INTERRUPTED_CHILD = (
+    "import signal, sys, time; "
+    "signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(60)"
+)
+
+
+def test_a_ctrl_c_that_interrupts_the_start_is_a_clean_stop(fake_children):
+    _commands, processes, child_code = fake_children
+    child_code[0] = INTERRUPTED_CHILD
+    _after(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    _kill_all_after(20, processes)
+    assert serve_processes(_options()) == 0
+    assert [p.returncode for p in processes] == [130, 130]
