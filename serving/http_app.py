@@ -86,12 +86,18 @@ def json_response(content: Any, status: int = 200) -> Response:
 _CURRENT_REQUEST: ContextVar[tuple[str, str]] = ContextVar("recserve_http_request")
 
 
-def error_response(error: BaseException, request: tuple[str, str] | None = None) -> Response:
+def note_request(method: str, path: str) -> None:
+    """Note the request the current task answers, for :func:`error_response`'s log line
+    (each request runs in a task, with a context, of its own)."""
+    _CURRENT_REQUEST.set((method, path))
+
+
+def error_response(error: BaseException) -> Response:
     """``{"error": message}`` with the error's HTTP status; tracebacks only go to the log,
-    whose line names the request (``request``, else the one this task answers)."""
+    whose line names the request this task answers (:func:`note_request`)."""
     status = http_status_of(error)
     if not isinstance(error, RecserveError):
-        method, path = request or _CURRENT_REQUEST.get(("?", "?"))
+        method, path = _CURRENT_REQUEST.get(("?", "?"))
         log.error("%s %r failed", method, path, exc_info=error)
     return json_response({"error": public_message_of(error)}, status)
 
@@ -101,7 +107,7 @@ class _App(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            _CURRENT_REQUEST.set((scope["method"], scope["path"]))
+            note_request(scope["method"], scope["path"])
         await super().__call__(scope, receive, send)
 
 
@@ -720,7 +726,7 @@ class InferFastPath:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
-                _CURRENT_REQUEST.set(("POST", scope["path"]))
+                note_request("POST", scope["path"])
                 response = await self._infer(scope, receive, match[1], match[2])
                 await response(scope, receive, send)
                 return

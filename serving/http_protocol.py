@@ -47,7 +47,7 @@ from embedding_store.errors import (
     InvalidArgumentError,
     RecserveError,
 )
-from serving.http_app import REFUSED_MARK, InferHandler, error_response
+from serving.http_app import REFUSED_MARK, InferHandler, error_response, note_request
 
 #: The most bytes a request line plus headers may take (431 above it).
 MAX_HEAD_BYTES = 64 * 1024
@@ -329,11 +329,12 @@ def infer_protocol(
             name: str,
             version: str | None,
         ) -> None:
+            versioned = "" if version is None else f"/versions/{version}"
+            note_request("POST", f"/v2/models/{name}{versioned}/infer")  # for a 500's log line
             try:
                 response = await handler.handle(body, header_length, name, version)
             except Exception as error:  # the handler answers errors itself: a bug, logged
-                versioned = "" if version is None else f"/versions/{version}"
-                response = error_response(error, ("POST", f"/v2/models/{name}{versioned}/infer"))
+                response = error_response(error)
             if cycle.disconnected or self.transport.is_closing():
                 return
             self._write(cycle, response)

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from starlette.responses import Response
 
-from serving.http_app import InferHandler
+from serving.http_app import InferHandler, error_response
 from serving.http_protocol import infer_protocol
 
 FAST_LIMIT = 1024
@@ -41,6 +41,8 @@ async def _handle(body: bytes, header_length: str | None, name: str, version: st
             raise
     if body == b"boom":
         raise RuntimeError("a bug in the handler")
+    if body == b"caught":  # as the real handler does: it answers its own errors
+        return error_response(RuntimeError("a bug the handler caught"))
     answer = {
         "via": "fast",
         "name": name,
@@ -241,11 +243,15 @@ def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server, c
         assert status == 500
         assert json.loads(answer) == {"error": "internal error (details are in the server log)"}
         # The log line names the request; the traceback is attached to it.
+        connection.send(_request("/v2/models/adult/infer", b"caught"))
+        assert connection.response()[0] == 500
         failed = [r for r in caplog.records if r.exc_info and r.name == "serving.http_app"]
         assert [r.getMessage() for r in failed] == [
-            "POST '/v2/models/adult/versions/3/infer' failed"
+            "POST '/v2/models/adult/versions/3/infer' failed",
+            "POST '/v2/models/adult/infer' failed",
         ]
-        assert "a bug in the handler" in str(failed[0].exc_info[1])
+        assert str(failed[0].exc_info[1]) == "a bug in the handler"
+        assert str(failed[1].exc_info[1]) == "a bug the handler caught"
         connection.send(_request("/v2/models/adult/infer", b"after"))
         assert json.loads(connection.response()[2])["body"] == "after"
 
