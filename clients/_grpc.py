@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -125,10 +126,11 @@ class AsyncGrpcBackend:
     """``grpc.aio`` calls on one channel, opened on first use inside the running loop.
 
     A ``grpc.aio`` channel belongs to the loop it was opened on. Called from another loop
-    (a second ``asyncio.run()``, say) after that one stopped, the backend opens a new channel
-    on the new loop and closes the old one (it used to fail with a raw ``RuntimeError: Event
-    loop is closed``, for good). While the first loop is still running (in another thread),
-    a call from a second one raises FailedPreconditionError: one loop at a time.
+    (a second ``asyncio.run()``, say) once that one is closed, the backend opens a new
+    channel on the new loop and drops the old one (it used to fail with a raw
+    ``RuntimeError: Event loop is closed``, for good). While the first loop is not closed
+    (running in another thread, or stopped with calls pending on it), a call from a second
+    one raises FailedPreconditionError: one loop at a time.
     """
 
     def __init__(
@@ -140,25 +142,31 @@ class AsyncGrpcBackend:
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stubs: dict[str, Any] = {}
+        # The check and the swap below, atomic: first calls on two loops in two threads
+        # would otherwise both pass the check, each opening a channel.
+        self._swap_lock = threading.Lock()
 
     async def _stubs_for_this_loop(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         if self._channel is not None and self._loop is loop:
             return self._stubs
-        old, old_loop = self._channel, self._loop
-        if old_loop is not None and not old_loop.is_closed() and old_loop.is_running():
-            raise FailedPreconditionError(
-                f"the gRPC client of {self.server} is in use on another event loop that is "
-                "still running; use one client per event loop (or one loop at a time)"
+        with self._swap_lock:  # no await inside: a plain lock is enough
+            if self._channel is not None and self._loop is loop:
+                return self._stubs
+            old, old_loop = self._channel, self._loop
+            if old_loop is not None and not old_loop.is_closed():
+                raise FailedPreconditionError(
+                    f"the gRPC client of {self.server} is in use on another event loop that "
+                    "is not closed; use one client per event loop (or one loop at a time)"
+                )
+            # Swap before awaiting anything, so that concurrent first calls on this loop
+            # share one new channel.
+            self._channel = grpc.aio.insecure_channel(
+                self._target, options=channel_options(self._max_message_bytes)
             )
-        # Swap before awaiting anything, so that concurrent first calls on this loop share
-        # one new channel.
-        self._channel = grpc.aio.insecure_channel(
-            self._target, options=channel_options(self._max_message_bytes)
-        )
-        self._loop = loop
-        self._stubs = _stubs(self._channel)
-        stubs = self._stubs
+            self._loop = loop
+            self._stubs = _stubs(self._channel)
+            stubs = self._stubs
         if old is not None:
             with contextlib.suppress(Exception):
                 await old.close()

@@ -288,8 +288,9 @@ class RecserveClient(_ClientBase):
         self, tensors: Mapping[str, np.ndarray], *, timeout: float | None = None
     ) -> PredictResult:
         """Score named KServe v2 tensors (``<slot>``, ``<slot>.lengths``, ``<name>``): arrays,
-        or nested lists (lists of Python integers are sent as INT64, or UINT64 when one is
-        >= 2**63; a ragged list raises InvalidArgumentError naming the input)."""
+        or nested lists (lists of Python integers, and empty lists, are sent as INT64, or
+        UINT64 when one is >= 2**63; Python floats as FP64, so pass float32 arrays for FP32
+        inputs; a ragged list raises InvalidArgumentError naming the input)."""
         started = time.perf_counter()
         checked = codec.check_tensors(tensors)
         result = self._retrying(

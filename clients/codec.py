@@ -168,29 +168,32 @@ _INT64_MIN, _UINT64_LIMIT, _INT64_LIMIT = -(2**63), 2**64, 2**63
 
 
 def _integer_range(value: Any) -> tuple[int, int] | None:
-    """(min, max) of a (nested) list/tuple whose every leaf is an integer (not a bool); None
-    if any leaf is something else, or there is none."""
+    """(min, max) of a (nested) list/tuple whose every leaf is an integer (a bool counts as
+    0 or 1, as numpy counts it among integers); (0, 0) when it has no leaf at all (an empty
+    ID list); None if any leaf is something else."""
     low = high = None
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, (list, tuple)):
             stack.extend(item)
-        elif isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)):
+        elif isinstance(item, (int, np.integer, np.bool_)):
             number = int(item)
             low = number if low is None or number < low else low
             high = number if high is None or number > high else high
         else:
             return None
-    return None if low is None or high is None else (low, high)
+    return (0, 0) if low is None or high is None else (low, high)
 
 
 def as_array(name: str, value: Any) -> np.ndarray:
     """``value`` (an array, or nested lists of numbers) as an array; InvalidArgumentError
     naming the input when it is none (a ragged list, say). Lists of Python integers become
     INT64, or UINT64 when one is >= 2**63 (numpy alone makes FP64 of a mix of those and
-    small ones, which the server refuses as IDs); a mix of negative integers and integers
-    >= 2**63, or one outside both ranges, is refused."""
+    small ones, which the server refuses as IDs), and so do empty lists (an ID feature with
+    no IDs in this batch; numpy makes FP64 of those too); a mix of negative integers and
+    integers >= 2**63, or one outside both ranges, is refused. Lists of Python floats stay
+    FP64: send float32 arrays where the server takes FP32."""
     if isinstance(value, np.ndarray):
         return value
     try:

@@ -16,7 +16,8 @@ reloads it via ``POST /admin/reload`` half-way, and fails unless no request fail
 process's memory is flat. A server run with ``--serve-args "--workers N ..."`` refuses that
 POST (it would reach one process of N), so such a soak needs ``--watch-seconds S`` in
 ``--serve-args`` (refused up front without it) and reloads through the watcher: it publishes
-the new version into the watched ``--checkpoint`` and polls ``/metrics`` (at most 120 s) until
+the new version into the watched ``--checkpoint`` and polls ``/metrics`` (at most 120 s plus
+two ``--watch-seconds``) until
 ``recserve_model_info`` reads 1 for it and 0 for the old version (every process moved). Its
 RSS is sampled per process: ``server`` (the supervisor holding the ports) and each serving
 process ``server.1`` .. ``server.N``, each judged on its own by the rule below:
@@ -927,6 +928,12 @@ def workers_of(serve_args: list[str]) -> int:
         return 1
 
 
+def watcher_reload_timeout(serve_args: list[str]) -> float:
+    """Seconds the soak waits for a ``--workers`` server's watcher to serve a new version:
+    120, plus two of its ``--watch-seconds`` looks (it looks only every that many seconds)."""
+    return 120.0 + 2 * watch_seconds_of(serve_args)
+
+
 def watch_seconds_of(serve_args: list[str]) -> float:
     """The ``--watch-seconds`` of ``recserve serve`` flags (0, off, when absent)."""
     try:
@@ -1257,7 +1264,9 @@ def _run(args: argparse.Namespace) -> int:
                 reload_s = time.monotonic() - sampler.started_at
                 try:
                     if workers > 1:  # POST /admin/reload is refused: the watcher reloads
-                        reload_result: dict[str, Any] = reload_through_watcher(server, served)
+                        reload_result: dict[str, Any] = reload_through_watcher(
+                            server, served, timeout=watcher_reload_timeout(serve_args)
+                        )
                     else:
                         version = publish_new_version(served)
                         answer = server.reload()

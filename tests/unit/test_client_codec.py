@@ -204,6 +204,12 @@ def test_check_tensors_rejects_unsupported_dtypes():
         ([-5, 7], np.int64, [-5, 7]),
         ([-(2**63), 2**63 - 1], np.int64, [-(2**63), 2**63 - 1]),
         ([1, 2.5], np.float64, [1.0, 2.5]),
+        # an ID feature with no IDs in this batch (numpy made FP64 of it)
+        ([], np.int64, []),
+        ([[], []], np.int64, [[], []]),
+        # a bool counts as 0 or 1 wherever it stands (a big ID made FP64 of this mix)
+        ([101, True, 2**63], np.uint64, [101, 1, 2**63]),
+        ([1, True, 3], np.int64, [1, 1, 3]),
     ],
 )
 def test_check_tensors_makes_int64_or_uint64_of_python_integers(value, dtype, expected):

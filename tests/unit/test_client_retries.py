@@ -482,7 +482,7 @@ def test_async_grpc_client_refuses_a_second_loop_while_the_first_one_runs(fake_g
         with pytest.raises(
             FailedPreconditionError,
             match=r"the gRPC client of grpc://127\.0\.0\.1:\d+ is in use on another event loop "
-            r"that is still running; use one client per event loop \(or one loop at a time\)",
+            r"that is not closed; use one client per event loop \(or one loop at a time\)",
         ):
             asyncio.run(client.predict(_batch()))
         asyncio.run_coroutine_threadsafe(client.close(), loop).result(5)
@@ -533,3 +533,23 @@ def test_calls_after_close_raise_the_same_error_on_every_client(scheme):
                 await call()
 
     asyncio.run(closed_async())
+
+
+def test_async_grpc_client_refuses_a_second_loop_while_the_first_is_not_closed(fake_grpc):
+    """A loop stopped with a call pending on it may run again: its channel stays (closing it
+    cancelled that call with a raw CancelledError), and a second loop is refused."""
+    from embedding_store.errors import FailedPreconditionError
+
+    server = fake_grpc()
+    client = AsyncRecserveClient(server.url, model_name="m", retries=0, **FAST)
+    loop = asyncio.new_event_loop()
+    try:
+        pending = loop.create_task(client.predict(_batch()))
+        loop.run_until_complete(asyncio.sleep(0))  # the call starts; the loop stops
+        with pytest.raises(FailedPreconditionError, match="another event loop that is not closed"):
+            asyncio.run(client.predict(_batch()))
+        assert loop.run_until_complete(pending).predictions.ravel().tolist() == [0.5, 0.75]
+        loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+    assert server.requests == 1

@@ -788,3 +788,11 @@ def test_a_non_200_answer_without_a_body_counts_as_a_failure():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
+
+
+def test_the_watcher_reload_waits_for_two_of_its_looks():
+    """A --watch-seconds of 300 could never reload within a fixed 120 s."""
+    from load_tests.run import watcher_reload_timeout
+
+    assert watcher_reload_timeout(["--workers", "2", "--watch-seconds", "300"]) == 720.0
+    assert watcher_reload_timeout(["--watch-seconds", "1"]) == 122.0
