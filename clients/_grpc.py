@@ -107,7 +107,10 @@ class GrpcBackend:
         return self._run(ready_call(), timeout)
 
     def model_ready(self, model: str, timeout: float | None) -> bool:
-        return self._run(model_ready_call(model), timeout)
+        ready = self._run(model_ready_call(model), timeout)
+        if not ready:  # the server answers false for an unknown model too (as Triton does)
+            self._run(metadata_call(model), timeout)  # NotFoundError for an unknown one
+        return ready
 
     def metadata(self, model: str, timeout: float | None) -> ModelInfo:
         return self._run(metadata_call(model), timeout)
@@ -128,9 +131,10 @@ class AsyncGrpcBackend:
     A ``grpc.aio`` channel belongs to the loop it was opened on. Called from another loop
     (a second ``asyncio.run()``, say) once that one is closed, the backend opens a new
     channel on the new loop and drops the old one (it used to fail with a raw
-    ``RuntimeError: Event loop is closed``, for good). While the first loop is not closed
-    (running in another thread, or stopped with calls pending on it), a call from a second
-    one raises FailedPreconditionError: one loop at a time.
+    ``RuntimeError: Event loop is closed``, for good); so it does once that loop has stopped
+    with no call pending (a loop left open after ``run_until_complete``). While the first
+    loop runs (in another thread), or has stopped with calls pending on it, a call from a
+    second one raises FailedPreconditionError: one loop at a time.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class AsyncGrpcBackend:
         # The check and the swap below, atomic: first calls on two loops in two threads
         # would otherwise both pass the check, each opening a channel.
         self._swap_lock = threading.Lock()
+        self._in_flight = 0  # calls awaiting an answer on the current channel
 
     async def _stubs_for_this_loop(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -154,10 +159,12 @@ class AsyncGrpcBackend:
             if self._channel is not None and self._loop is loop:
                 return self._stubs
             old, old_loop = self._channel, self._loop
-            if old_loop is not None and not old_loop.is_closed():
+            busy = old_loop is not None and not old_loop.is_closed()
+            if busy and (old_loop.is_running() or self._in_flight):
                 raise FailedPreconditionError(
-                    f"the gRPC client of {self.server} is in use on another event loop that "
-                    "is not closed; use one client per event loop (or one loop at a time)"
+                    f"the gRPC client of {self.server} is in use on another event loop "
+                    "(running, or with calls pending); use one client per event loop (or "
+                    "one loop at a time)"
                 )
             # Swap before awaiting anything, so that concurrent first calls on this loop
             # share one new channel.
@@ -175,10 +182,13 @@ class AsyncGrpcBackend:
     async def _run(self, call: Call, timeout: float | None) -> Any:
         stubs = await self._stubs_for_this_loop()
         method, request, decode = call
+        self._in_flight += 1
         try:
             response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
             raise _failure(self.server, error) from None
+        finally:
+            self._in_flight -= 1
         return decode(response)
 
     async def live(self, timeout: float | None) -> bool:
@@ -188,7 +198,10 @@ class AsyncGrpcBackend:
         return await self._run(ready_call(), timeout)
 
     async def model_ready(self, model: str, timeout: float | None) -> bool:
-        return await self._run(model_ready_call(model), timeout)
+        ready = await self._run(model_ready_call(model), timeout)
+        if not ready:  # the server answers false for an unknown model too (as Triton does)
+            await self._run(metadata_call(model), timeout)  # NotFoundError for an unknown one
+        return ready
 
     async def metadata(self, model: str, timeout: float | None) -> ModelInfo:
         return await self._run(metadata_call(model), timeout)

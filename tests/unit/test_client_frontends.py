@@ -144,6 +144,14 @@ def test_health_and_metadata(client, core):
     core.is_ready = False
     assert not client.ready()
     assert not client.model_ready()
+    core.is_ready = True
+    # An unknown model is an error on both protocols (the gRPC server answers ready=false
+    # for it, as Triton does; the client asks the metadata to tell the two apart).
+    with (
+        RecserveClient(client.url, model_name="no-such-model", retries=0) as unknown,
+        pytest.raises(NotFoundError, match="unknown model 'no-such-model'"),
+    ):
+        unknown.model_ready()
     info = client.metadata()
     assert info.name == MODEL and info.versions == (VERSION,)
     assert [spec.name for spec in info.inputs] == ["user", "user.lengths", "age"]
@@ -234,6 +242,10 @@ def test_async_client(urls, core, protocol):
     async def main():
         async with AsyncRecserveClient(urls[protocol], model_name=MODEL, **FAST) as client:
             assert await client.ready() and await client.live() and await client.model_ready()
+            unknown = AsyncRecserveClient(urls[protocol], model_name="no-such-model", **FAST)
+            async with unknown:
+                with pytest.raises(NotFoundError, match="unknown model 'no-such-model'"):
+                    await unknown.model_ready()
             results = await asyncio.gather(*(client.predict(_batch()) for _ in range(4)))
             info = await client.metadata()
             core.fail_with = UnavailableError("busy")
