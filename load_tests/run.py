@@ -409,7 +409,7 @@ def child_pids(pid: int) -> list[int]:
                 started.append((child.create_time(), child.pid))
         return [child for _, child in sorted(started)]
     except ImportError:
-        pass
+        pass  # no psutil (locust brings it, a bare install may not): read /proc instead
     found: list[int] = []
     for listing in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
         with contextlib.suppress(OSError, ValueError):

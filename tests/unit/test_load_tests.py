@@ -580,7 +580,7 @@ def test_the_watcher_reload_waits_until_every_process_serves_the_new_version(tmp
             self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
-            pass
+            pass  # a quiet stand-in: no access log on the test's stderr
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -758,7 +758,7 @@ class NoContent(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
     def log_message(self, *args):
-        pass
+        pass  # no access log: stdout must hold only the failures printed below
 
 
 server = http.server.HTTPServer(("127.0.0.1", 0), NoContent)
