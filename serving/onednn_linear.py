@@ -6,8 +6,9 @@ own blocked layout and the ReLU fused into it, skips both extra passes. On this 
 machine (AMD EPYC, AVX-512) the synthetic DLRM-like model's forward took 10-17% less time at
 256-1024 rows, and more at small batches: 135 against 56 us at 1 row, 465 against 444 us at 64
 (its per-call overhead dominates there), and each new input shape costs ~1.3 ms to build its
-kernel. So a server keeps both modules: it runs this one on whole chunks of a fixed number of
-rows and the loaded one on the rest (:class:`serving.model.LoadedModel`).
+kernel. So a server keeps both modules: it runs this one on chunks of a few fixed sizes
+(:func:`chunk_sizes`, every one built and checked at load) and the loaded one on the rest
+(:class:`serving.model.LoadedModel`).
 
 The rewrite works on the frozen TorchScript graph, so it needs nothing from the model's Python
 code: every ``aten::linear`` (followed by ``aten::relu`` or not) becomes
@@ -25,6 +26,14 @@ import torch
 #: The batch size oneDNN is told to expect when it reorders a weight (a layout hint only: any
 #: batch size still gives exact results).
 PACKED_FOR_ROWS = 1024
+
+#: Chunk sizes grow from the threshold in steps of this many rows (or of the threshold, when
+#: it is smaller): batch-64 traffic merges into multiples of 64, which then run in one call.
+ROW_STEP = 64
+
+#: The largest chunk, unless the threshold is larger: per row, oneDNN is no faster beyond it
+#: (synthetic model, us per 64 rows: 268 at 256 rows, 250 at 512, 245 at 1024, 243 at 2048).
+LARGEST_CHUNK = 1024
 
 #: How close the rewritten model's float32 outputs must be to the loaded model's. The two sum
 #: the same products in a different order, so they differ by rounding only (~1e-7 measured).
@@ -51,6 +60,25 @@ graph(%x, %weight, %bias):
     return (%y)"""
 
 _POINTWISE_OP = "mkldnn::_linear_pointwise"
+
+
+def chunk_sizes(min_rows: int) -> tuple[int, ...]:
+    """Every number of rows the rewritten model is ever called on, for a threshold of
+    ``min_rows`` (>= 1): ``min_rows``, ``min_rows + step``, ... up to the largest chunk.
+
+    oneDNN builds a kernel for each input shape it meets (~1.3-3 ms for the synthetic model),
+    so the sizes are few (13 for the default 256) and all built at load."""
+    step = min(ROW_STEP, min_rows)
+    largest = max(LARGEST_CHUNK, min_rows)
+    return tuple(range(min_rows, largest + 1, step))
+
+
+def chunk_size(min_rows: int, rows: int) -> int:
+    """The chunk to run first on ``rows`` (>= ``min_rows``) rows: the largest of
+    :func:`chunk_sizes` that fits."""
+    step = min(ROW_STEP, min_rows)
+    largest = max(LARGEST_CHUNK, min_rows)
+    return min_rows + (min(rows, largest) - min_rows) // step * step
 
 
 def onednn_available() -> bool:

@@ -148,6 +148,37 @@ def test_outputs_match_is_rounding_only():
     assert not onednn_linear.outputs_match(nan, loaded)
 
 
+def test_chunk_sizes_are_few_and_step_from_the_threshold():
+    assert onednn_linear.chunk_sizes(256) == (
+        256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024
+    )  # fmt: skip
+    assert onednn_linear.chunk_sizes(16) == tuple(range(16, 1025, 16))
+    assert onednn_linear.chunk_sizes(300)[:3] == (300, 364, 428)
+    assert onednn_linear.chunk_sizes(300)[-1] == 940 + 64  # 1004: the last step under 1024
+    assert onednn_linear.chunk_sizes(2000) == (2000,)  # a threshold past the largest chunk
+    assert onednn_linear.chunk_sizes(1) == tuple(range(1, 1025))
+
+
+@pytest.mark.parametrize(
+    ("min_rows", "rows", "expected"),
+    [
+        (256, 256, 256),
+        (256, 319, 256),
+        (256, 320, 320),
+        (256, 700, 640),
+        (256, 1024, 1024),
+        (256, 5000, 1024),
+        (300, 1000, 940),
+        (300, 2000, 1004),
+        (16, 40, 32),
+        (2000, 2500, 2000),
+    ],
+)
+def test_chunk_size_is_the_largest_allowed_size_that_fits(min_rows, rows, expected):
+    assert onednn_linear.chunk_size(min_rows, rows) == expected
+    assert expected in onednn_linear.chunk_sizes(min_rows)
+
+
 # ------------------------------------------------------------------- a served model using it
 def _checkpoint(directory: Path, module: nn.Module) -> Path:
     torch.manual_seed(0)
@@ -220,9 +251,11 @@ def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplo
             np.testing.assert_allclose(with_onednn, loaded, rtol=1e-5, atol=1e-5)
 
         # which module ran on which rows: one answering 7.0 stands in for the rewritten model;
-        # it takes whole chunks of 16 rows, the loaded model the rest
+        # it takes the largest chunks of 16 + k * 16 rows (up to 1024) that fit, the loaded
+        # model the rest
         model.large_batch_dense = torch.jit.script(Constant(7.0))
-        for rows, rewritten_rows in ((1, 0), (15, 0), (16, 16), (40, 32), (48, 48)):
+        cases = ((1, 0), (15, 0), (16, 16), (40, 32), (48, 48), (1040, 1040), (1050, 1040))
+        for rows, rewritten_rows in cases:
             batch, lookup = _random_batch(model, rows)
             output = model.forward(batch, lookup)
             assert output.shape == (rows, 1)
@@ -313,5 +346,50 @@ def test_without_onednn_every_batch_runs_the_loaded_model(checkpoint, monkeypatc
         assert "this torch build has no oneDNN linear kernels" in caplog.text
         batch, lookup = _random_batch(model, 40)
         assert model.forward(batch, lookup).shape == (40, 1)
+    finally:
+        model.close()
+
+
+class Recording:
+    """Calls a module and notes how many rows each call had."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.rows: list[int] = []
+
+    def __call__(self, non_ids, embeddings):
+        self.rows.append(int(non_ids[0].shape[0]))
+        return self.module(non_ids, embeddings)
+
+
+def test_every_chunk_size_is_checked_and_built_at_load_and_only_those_run(checkpoint, monkeypatch):
+    # oneDNN builds a kernel per input shape it meets (milliseconds each): load meets every
+    # size it will ever be called on, checked against the loaded model, so serving builds none.
+    made: list[Recording] = []
+    rewrite = onednn_linear.rewrite_linear_layers
+
+    def recording_rewrite(module, rows):
+        rewritten, layers = rewrite(module, rows)
+        made.append(Recording(rewritten))
+        return made[-1], layers
+
+    monkeypatch.setattr(onednn_linear, "rewrite_linear_layers", recording_rewrite)
+    model = load_model(checkpoint, name="m", onednn_min_rows=256)
+    try:
+        (recording,) = made
+        assert model.large_batch_dense is recording
+        allowed = onednn_linear.chunk_sizes(256)
+        assert set(recording.rows) == set(allowed)
+        recording.rows.clear()
+        for rows in (255, 256, 300, 1024, 1500, 2100, 3000):
+            batch, lookup = _random_batch(model, rows)
+            with_onednn = model.forward(batch, lookup)
+            model.large_batch_dense = None
+            loaded = model.forward(batch, lookup)
+            model.large_batch_dense = recording
+            np.testing.assert_allclose(with_onednn, loaded, rtol=1e-5, atol=1e-5)
+        # 300 -> 256 (+44 loaded); 1500 -> 1024 + 448 (+28); 2100 -> 1024 + 1024 (+52);
+        # 3000 -> 1024 + 1024 + 896 (+56)
+        assert recording.rows == [256, 256, 1024, 1024, 448, 1024, 1024, 1024, 1024, 896]
     finally:
         model.close()
