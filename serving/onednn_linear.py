@@ -27,8 +27,10 @@ import torch
 #: batch size still gives exact results).
 PACKED_FOR_ROWS = 1024
 
-#: Chunk sizes grow from the threshold in steps of this many rows (or of the threshold, when
-#: it is smaller): batch-64 traffic merges into multiples of 64, which then run in one call.
+#: Chunk sizes grow from the threshold in steps of this many rows: batch-64 traffic merges
+#: into multiples of 64, which then run in one call. A fixed step keeps the sizes few (at
+#: most 16 up to 1024 rows) whatever the threshold, so that load builds them all quickly and
+#: oneDNN's primitive cache (1024 kernels by default) holds them.
 ROW_STEP = 64
 
 #: The largest chunk, unless the threshold is larger: per row, oneDNN is no faster beyond it
@@ -64,21 +66,19 @@ _POINTWISE_OP = "mkldnn::_linear_pointwise"
 
 def chunk_sizes(min_rows: int) -> tuple[int, ...]:
     """Every number of rows the rewritten model is ever called on, for a threshold of
-    ``min_rows`` (>= 1): ``min_rows``, ``min_rows + step``, ... up to the largest chunk.
+    ``min_rows`` (>= 1): ``min_rows``, ``min_rows + 64``, ... up to the largest chunk.
 
     oneDNN builds a kernel for each input shape it meets (~1.3-3 ms for the synthetic model),
-    so the sizes are few (13 for the default 256) and all built at load."""
-    step = min(ROW_STEP, min_rows)
+    so the sizes are few (13 for the default 256, at most 16) and all built at load."""
     largest = max(LARGEST_CHUNK, min_rows)
-    return tuple(range(min_rows, largest + 1, step))
+    return tuple(range(min_rows, largest + 1, ROW_STEP))
 
 
 def chunk_size(min_rows: int, rows: int) -> int:
     """The chunk to run first on ``rows`` (>= ``min_rows``) rows: the largest of
     :func:`chunk_sizes` that fits."""
-    step = min(ROW_STEP, min_rows)
     largest = max(LARGEST_CHUNK, min_rows)
-    return min_rows + (min(rows, largest) - min_rows) // step * step
+    return min_rows + (min(rows, largest) - min_rows) // ROW_STEP * ROW_STEP
 
 
 def onednn_available() -> bool:
