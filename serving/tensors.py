@@ -227,9 +227,20 @@ _LENGTH_DATATYPES = frozenset(LENGTH_DATATYPES)
 _INT64 = np.dtype(np.int64)
 _UINT64 = np.dtype(np.uint64)
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 _min = np.minimum.reduce  # ndarray.min() minus a Python-level wrapper (~0.1 us a call)
 #: What np.array may raise on JSON lists (eager decoding catches the same).
 _CONVERSION_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
+
+
+def _lengths_total(lengths: np.ndarray) -> int:
+    """The exact sum of non-negative int64 ``lengths``. numpy's int64 sum wraps around: four
+    lengths of 2**62 would sum to 0 and pass for a feature with no IDs."""
+    if not lengths.size:
+        return 0
+    if int(lengths.max()) <= _INT64_MAX // lengths.size:
+        return int(lengths.sum())  # cannot overflow
+    return sum(lengths.tolist())
 
 
 def _dense_shape_accepted(shape: Any, batch_size: int, sample_shape: list[int]) -> bool:
@@ -288,7 +299,7 @@ def _jagged_from_json(
     if type(shape) is not list or len(shape) != 1:
         raise _FallBackError
     ids = _json_int_list(tensor, _ID_DATATYPES, shape[0])
-    if int(lengths.sum()) != len(ids):
+    if _lengths_total(lengths) != len(ids):
         raise _FallBackError
     ids = ids.view(np.uint64)  # same bits: every value is non-negative
     ids.setflags(write=False)
@@ -580,7 +591,7 @@ def tensors_to_batch(
             continue
         lengths_name = feature.name + LENGTHS_SUFFIX
         lengths = _lengths(lengths_name, np.asarray(inputs[lengths_name]))
-        total = int(lengths.sum())
+        total = _lengths_total(lengths)
         if total != len(ids):
             raise InvalidArgumentError(
                 f"input {lengths_name!r} sums to {total} but {feature.name!r} has {len(ids)} IDs"

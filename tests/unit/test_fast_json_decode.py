@@ -581,6 +581,32 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         InvalidArgumentError,
         None,
     ),
+    (
+        # numpy's int64 sum of these wraps around to 0, the number of IDs: trusted, the
+        # batch crashed the server (a segmentation fault in the embedding lookup).
+        "lengths whose int64 sum wraps around",
+        "jagged",
+        _with(
+            JAGGED,
+            4,
+            _tensor("tags", "INT64", [0], []),
+            _tensor("tags.lengths", "INT64", [4], [2**62] * 4),
+        ),
+        InvalidArgumentError,
+        "input 'tags.lengths' sums to 18446744073709551616 but 'tags' has 0 IDs",
+    ),
+    (
+        "lengths whose int64 sum wraps around to the number of IDs",
+        "jagged",
+        _with(
+            JAGGED,
+            3,
+            _tensor("tags", "UINT64", [1], [7]),
+            _tensor("tags.lengths", "INT64", [3], [2**63 - 1, 2**63 - 1, 3]),
+        ),
+        InvalidArgumentError,
+        "input 'tags.lengths' sums to 18446744073709551617 but 'tags' has 1 IDs",
+    ),
 ]
 
 
