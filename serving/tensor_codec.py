@@ -198,17 +198,35 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
 
 def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:
     """UINT64 JSON data that numpy first read as float64: parse as uint64, and accept it only
-    if every value is an integer (what float64 read must equal the exact parse)."""
+    if every value is a JSON integer (``1.0`` or ``1e3`` is refused, as for INT64) and what
+    float64 read equals the exact parse."""
     try:
         with np.errstate(invalid="ignore", over="ignore"):
             exact = np.asarray(data, dtype=np.uint64)
     except (ValueError, TypeError, OverflowError):
         exact = None
-    if exact is None or not np.array_equal(exact.astype(np.float64), approximate):
+    if (
+        exact is None
+        or not _only_ints(data)
+        or not np.array_equal(exact.astype(np.float64), approximate)
+    ):
         raise InvalidArgumentError(
             f"input {name!r}: UINT64 data must be integers within its range"
         ) from None
     return exact
+
+
+def _only_ints(data: list) -> bool:
+    """Whether (nested) list ``data`` holds only Python ints: JSON integers, no floats."""
+    pending = [data]
+    while pending:
+        for item in pending.pop():
+            kind = type(item)
+            if kind is list:
+                pending.append(item)
+            elif kind is not int:
+                return False
+    return True
 
 
 class _LazyTensors(Mapping[str, np.ndarray]):
