@@ -1021,7 +1021,9 @@ def decode_grpc_request(request: Any) -> InferRequest:
     if request.outputs:
         names = [output.name for output in request.outputs]
         if len(set(names)) != len(names):
-            raise InvalidArgumentError("an output is requested twice")
+            twice = next(name for position, name in enumerate(names) if name in names[:position])
+            # As over HTTP: name the output.
+            raise InvalidArgumentError(f"output {twice!r} is requested twice")
         for output in request.outputs:
             # As over HTTP: a classification client must not get raw scores unannounced.
             classification = output.parameters.get("classification")

@@ -396,6 +396,23 @@ def test_grpc_request_errors():
         codec.decode_grpc_request(request)
 
 
+def test_an_output_requested_twice_is_named_as_over_http():
+    body = orjson.dumps(
+        {
+            "inputs": [{"name": "user", "datatype": "INT64", "shape": [1], "data": [1]}],
+            "outputs": [{"name": "p"}, {"name": "q"}, {"name": "p"}],
+        }
+    )
+    with pytest.raises(InvalidArgumentError) as over_http:
+        codec.decode_http_request(body)
+    request = _grpc_request(False)
+    for name in ("p", "q", "p"):
+        request.outputs.add(name=name)
+    with pytest.raises(InvalidArgumentError) as over_grpc:
+        codec.decode_grpc_request(request)
+    assert str(over_grpc.value) == str(over_http.value) == "output 'p' is requested twice"
+
+
 @pytest.mark.parametrize("raw", [False, True])
 def test_grpc_response_raw_iff_request_raw(raw):
     prediction = _prediction()
