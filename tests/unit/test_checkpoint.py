@@ -459,3 +459,76 @@ def test_a_dump_is_the_shard_at_one_instant_while_training_goes_on(tmp_path):
     loaded = EmbeddingShard(12, optimizer=SGD(lr=0.1))
     checkpoint.load_embeddings(tmp_path / "ckpt", [loaded], CONFIG_3_8)
     assert {dim: loaded.export_rows(dim).ids.tolist() for dim in (3, 8)} == rows
+
+
+def test_every_file_and_the_directory_it_is_published_in_are_fsynced(tmp_path, monkeypatch):
+    """Renames are atomic, not durable: after a power cut a renamed file whose data was never
+    flushed can read back empty. Every file is fsynced (renames keep the inode), and so is
+    the directory the checkpoint is renamed into."""
+    _, shards = trained_worker(2)
+    synced: set[tuple[int, int]] = set()
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        status = os.fstat(fd)
+        synced.add((status.st_dev, status.st_ino))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {checkpoint.MANIFEST_NAME, checkpoint.DONE_MARKER}
+    for path in [*files, tmp_path]:
+        status = path.stat()
+        assert (status.st_dev, status.st_ino) in synced, f"{path} was not fsynced"
+
+
+def test_the_done_marker_is_written_only_after_the_manifest(tmp_path, monkeypatch):
+    real_write = checkpoint._write_atomic
+
+    def failing_manifest(path, payload):
+        if path.name == checkpoint.MANIFEST_NAME:
+            raise CheckpointError(f"cannot write {path}: disk full")
+        real_write(path, payload)
+
+    monkeypatch.setattr(checkpoint, "_write_atomic", failing_manifest)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(CheckpointError, match="disk full"):
+        checkpoint.finalize_checkpoint(staging, CONFIG, 1, [], None)
+    assert not (staging / checkpoint.DONE_MARKER).exists()
+
+
+def test_the_version_is_a_digest_of_the_files_whatever_their_order(tmp_path):
+    """Shard processes report their files in any order: the version names the set."""
+    _, shards = trained_worker(2)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    files = list(manifest.files)
+    assert len(files) == 4
+    for order in (files, files[::-1], files[1:] + files[:1]):
+        assert checkpoint.content_version(order) == manifest.version
+    moved = [files[0], files[2], files[1], files[3]]
+    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 2, moved, None)
+    assert checkpoint.read_manifest(tmp_path / "ckpt").version == manifest.version
+
+
+def test_a_shard_one_row_too_small_is_refused_before_any_shard_changes(tmp_path):
+    _, shards = trained_worker(1)
+    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    counts = checkpoint.count_rows_per_replica(manifest, 2)
+
+    def two_shards(second_capacity: int) -> list[EmbeddingShard]:
+        return [
+            EmbeddingShard(100_000, optimizer=Adagrad(lr=0.1), replica_index=0, replica_size=2),
+            EmbeddingShard(
+                second_capacity, optimizer=Adagrad(lr=0.1), replica_index=1, replica_size=2
+            ),
+        ]
+
+    short = two_shards(counts[1] - 1)
+    with pytest.raises(CheckpointError, match=f"more than its capacity {counts[1] - 1}"):
+        checkpoint.load_embeddings(tmp_path / "ckpt", short, CONFIG)
+    assert [s.size() for s in short] == [0, 0]
+    exact = two_shards(counts[1])
+    checkpoint.load_embeddings(tmp_path / "ckpt", exact, CONFIG)
+    assert [s.size() for s in exact] == counts

@@ -64,6 +64,25 @@ def test_requests_queued_while_a_batch_runs_are_merged_and_answered_in_order():
         batcher.close()
 
 
+def test_a_request_that_does_not_fit_starts_the_next_merged_batch():
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=3, max_queue_delay=0.0)
+    try:
+        first = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        queued = [batcher.submit(batch_of(2, 3)), batcher.submit(batch_of(4, 5))]
+        queued.append(batcher.submit(batch_of(6)))
+        release.set()
+        # 2 + 2 > 3: (4, 5) waits for the next batch, which (6) then fills to exactly 3.
+        assert answers([first, *queued]) == [[1.0], [2.0, 3.0], [4.0, 5.0], [6.0]]
+        assert model.calls == [[1], [2, 3], [4, 5, 6]]
+        assert [f.result().merged_batch_size for f in queued] == [2, 3, 3]
+        assert batcher.pending == 0
+    finally:
+        batcher.close()
+
+
 def test_cancelled_and_expired_requests_are_skipped_and_the_dispatcher_goes_on():
     release = threading.Event()
     model = SlowModel(release)

@@ -94,6 +94,35 @@ def test_max_batch_size_splits_and_flushes_at_once() -> None:
     assert [o.predictions.ravel().tolist() for o in outcomes] == [[0] * 3, [1] * 3, [2] * 3]
 
 
+def test_requests_that_fill_max_batch_size_exactly_run_at_once_as_one_batch() -> None:
+    model = Model()
+    batcher = make(model, max_batch_size=4, max_queue_delay=10.0)  # only the size flushes
+
+    async def main():
+        futures = [batcher.submit(batch_of(i, i), deadline=FAR) for i in range(2)]
+        return await asyncio.wait_for(asyncio.gather(*futures), timeout=2)
+
+    outcomes = asyncio.run(main())
+    assert model.calls == [[0, 0, 1, 1]]
+    assert [o.predictions.ravel().tolist() for o in outcomes] == [[0, 0], [1, 1]]
+    assert {o.merged_batch_size for o in outcomes} == {4}
+
+
+def test_a_request_given_up_before_its_batch_runs_is_not_computed() -> None:
+    model = Model()
+    batcher = make(model)
+
+    async def main():
+        gave_up = batcher.submit(batch_of(7), deadline=FAR)
+        fine = batcher.submit(batch_of(8), deadline=FAR)
+        gave_up.cancel()  # its handler went away (client gone) before the flush
+        return await fine
+
+    outcome = asyncio.run(main())
+    assert outcome.predictions.ravel().tolist() == [8.0]
+    assert model.calls == [[8]]
+
+
 def test_expired_requests_get_deadline_exceeded_and_are_not_computed() -> None:
     model = Model()
     batcher = make(model)

@@ -220,3 +220,30 @@ def test_apply_rejects_bad_arrays() -> None:
         )
     with pytest.raises(InvalidArgumentError, match="rows must be < 4"):
         opt.apply(weights, state, np.array([4]), np.zeros((1, 2), dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "first_step"),
+    [
+        (SGD(lr=0.5), -0.5),
+        (Adagrad(lr=0.5), -0.5 / (math.sqrt(0.01 + 1.0) + 1e-10)),
+        (Adam(lr=0.5), -0.5 / (1.0 + 1e-8)),
+    ],
+    ids=["sgd", "adagrad", "adam"],
+)
+def test_rows_past_the_first_block_are_updated_like_the_first(optimizer, first_step) -> None:
+    """The kernels walk the rows in blocks of 16 (loading the next block's rows while this one
+    is computed): a batch of several blocks updates every listed row exactly once."""
+    n = 53  # three whole blocks and a partial one
+    rows = np.arange(n) * 37 % 70  # scattered, no repeats
+    assert len(set(rows.tolist())) == n
+    weights = np.zeros((70, 3), dtype=np.float32)
+    state = optimizer.initial_state(70, 3)
+    optimizer.apply(weights, state, rows, np.ones((n, 3), dtype=np.float32))
+    # first Adam step: lr * m_hat / (sqrt(v_hat) + eps) with m_hat = v_hat = 1
+    np.testing.assert_allclose(weights[rows], np.full((n, 3), first_step), rtol=1e-6)
+    assert np.all(weights[rows] == weights[rows[0]])  # the same bits in every block
+    assert np.all(state[rows] == state[rows[0]])
+    untouched = np.setdiff1d(np.arange(70), rows)
+    assert np.all(weights[untouched] == 0)
+    np.testing.assert_array_equal(state[untouched], optimizer.initial_state(len(untouched), 3))

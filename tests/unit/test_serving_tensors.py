@@ -155,3 +155,12 @@ def test_a_missing_or_unknown_friendly_feature_is_named():
         tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
     with pytest.raises(InvalidArgumentError, match=r"instances\[0\] has unknown feature"):
         tensors.instances_to_inputs(SIGNATURE, [_row(town=1)])
+
+
+def test_a_batch_of_exactly_max_batch_size_is_taken_and_one_more_is_refused() -> None:
+    batch = tensors.tensors_to_batch(SIGNATURE, _inputs(), max_batch_size=2)
+    assert batch.batch_size == 2
+    with pytest.raises(
+        InvalidArgumentError, match="batch size 2 exceeds this server's max batch size 1"
+    ):
+        tensors.tensors_to_batch(SIGNATURE, _inputs(), max_batch_size=1)

@@ -136,6 +136,34 @@ def test_lru_evicts_exactly_the_least_recently_used_in_bulk() -> None:
     assert not shard.lookup(u64(0, 4, 12), 4, train=False).any()
 
 
+def test_bulk_eviction_takes_a_tenth_of_the_capacity_rounded_up() -> None:
+    shard = EmbeddingShard(15)  # ceil(15 / 10) = 2
+    shard.lookup(u64(range(15)), 4, train=True)
+    shard.lookup(u64(100), 4, train=True)  # 1 new: evicts 2 (0 and 1), not just 1
+    assert held(shard, 4) == {*range(2, 15), 100}
+    assert shard.size() == 14 and shard.stats().evictions == 2
+
+
+def test_eviction_never_takes_a_row_of_the_lookup_itself() -> None:
+    """The first ID of the lookup is the one stamped with the clock the lookup started at: a
+    bulk eviction wider than the rows outside the lookup still leaves it alone."""
+    shard = EmbeddingShard(20)  # evicts at least 2 rows at a time
+    first = shard.lookup(u64(range(20)), 4, train=True)
+    out = shard.lookup(u64(*range(19), 100), 4, train=True)  # only row 19 may go
+    assert held(shard, 4) == {*range(19), 100}
+    assert shard.stats().evictions == 1
+    np.testing.assert_array_equal(out[:19], first[:19])
+
+
+def test_a_lookup_of_exactly_capacity_distinct_ids_fits() -> None:
+    shard = EmbeddingShard(10)
+    shard.lookup(u64(range(6)), 4, train=True)
+    shard.lookup(u64(*range(6), 100, 101, 102, 103), 4, train=True)  # 6 held + 4 new = 10
+    assert held(shard, 4) == {*range(6), 100, 101, 102, 103}
+    shard.lookup(u64(range(200, 210)), 4, train=True)  # 10 new: every other row goes
+    assert held(shard, 4) == set(range(200, 210))
+
+
 def test_lru_last_occurrence_in_a_batch_wins() -> None:
     shard = EmbeddingShard(4)  # evicts 1 row at a time
     shard.lookup(u64(1, 2, 3, 4), 2, train=True)

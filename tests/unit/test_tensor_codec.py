@@ -180,6 +180,7 @@ def test_binary_extension_inputs_are_split_by_header_length():
     [
         (24, b"\0" * 16, None, "runs past the end"),
         (16, b"\0" * 16, None, "needs 24 bytes but binary_data_size has 16"),
+        (32, b"\0" * 32, None, "needs 24 bytes but binary_data_size has 32"),
         (24, b"\0" * 32, None, "8 bytes of binary tensor data are not claimed"),
         (24, b"\0" * 24, "abc", "must be an integer"),
         (24, b"\0" * 24, "999999", "but the request body has"),

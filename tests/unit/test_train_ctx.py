@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -182,6 +183,52 @@ def test_staleness_bounds_updates_in_flight():
         assert ctx._in_flight._value == 3  # every slot returned once updates are applied
     with pytest.raises(InvalidArgumentError, match="embedding_staleness must be >= 1"):
         new_ctx(staleness=0)
+
+
+def test_a_forward_without_backward_gives_its_staleness_slot_back():
+    with new_ctx(staleness=3) as ctx:
+        ctx.forward(make_batch(0))  # abandoned: no backward
+        ctx.forward(make_batch(1))  # abandoned too
+        train_steps(ctx, 1, offset=2)
+        ctx.wait_for_embedding_updates()
+        assert ctx._in_flight._value == 3  # no slot lost to the abandoned forwards
+
+
+class SlowTier(InProcessEmbeddingTier):
+    """An in-process tier whose embedding updates take a while to apply."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+
+    def backward(self, ref, grads):
+        time.sleep(0.1)
+        return super().backward(ref, grads)
+
+
+def test_a_checkpoint_holds_every_embedding_update_queued_before_it(tmp_path):
+    from embedding_store import checkpoint as embedding_checkpoint
+
+    torch.manual_seed(0)
+    model = TinyModel()
+    tier = SlowTier()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=4,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+        embedding_tier=tier,
+    ) as ctx:
+        train_steps(ctx, 3)  # up to 3 batches' updates still queued
+        manifest = ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        ctx.wait_for_embedding_updates()
+        trained = tier.shards[0].export_rows(4)
+    embeddings = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+    [saved] = embedding_checkpoint.read_rows_for_replica(embeddings, 0, 1, keep_state_of=None)
+    order, saved_order = np.argsort(trained.ids), np.argsort(saved.ids)
+    np.testing.assert_array_equal(saved.ids[saved_order], trained.ids[order])
+    np.testing.assert_array_equal(saved.weights[saved_order], trained.weights[order])
 
 
 def test_eval_ctx_keeps_embedding_hyperparameters():
@@ -393,6 +440,21 @@ def test_nonfinite_embedding_gradients_skip_the_update():
         after = ctx.embedding_tier.lookup(batch, train=False)
         for x, y in zip(before.slots, after.slots):
             assert torch.equal(x.embeddings, y.embeddings)
+
+
+def test_a_batch_with_one_nonfinite_slot_moves_no_row_of_any_slot():
+    """The whole batch's embedding update is skipped, the finite slot's rows included."""
+    with new_ctx(staleness=1) as ctx:
+        batch = make_batch(7)
+        before = ctx.embedding_tier.lookup(batch, train=True)
+        with torch.no_grad():  # inputs: user [0:4], item [4:8], dense [8:10]
+            ctx.dense_model.linear.weight[:, 4:8] = float("inf")
+        output, _ = ctx.forward(batch)
+        ctx.backward(output.sum())  # user's gradient is finite, item's is not
+        assert ctx.nonfinite_embedding_steps == 1
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
 
 
 class UserOnlyModel(torch.nn.Module):
