@@ -109,6 +109,20 @@ def decode_rows(payload: bytes, n: int, width: int, field: str) -> np.ndarray:
     return _writable(unpack_f32(payload, (n, width), field))
 
 
+def require_finite_rows(rows: np.ndarray, ids: np.ndarray, field: str) -> None:
+    """InvalidArgumentError unless every value of ``rows`` (float32 [n, width], the rows of
+    ``ids``) is finite, naming ``field``, the first bad row and its ID. One NaN or Inf in a
+    gradient makes its row NaN for good (workers skip such rows; a peer must not send them)."""
+    if np.isfinite(rows).all():
+        return
+    bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
+    first = int(bad[0])
+    raise InvalidArgumentError(
+        f"{field}: {len(bad)} row(s) hold NaN or Inf, the first row {first} (ID "
+        f"{int(ids[first])}); non-finite values would make the rows NaN for good"
+    )
+
+
 def check_message_size(n: int, width: int, what: str) -> None:
     """Refuse answers that would not fit in one gRPC message (before computing them)."""
     size = 4 * n * width
@@ -460,6 +474,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         dim = self._configured_dim(request.dim, "UpdateRequest.dim")
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
+        require_finite_rows(grads, ids, "UpdateRequest.grads")
         if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
             self._require_loaded()
         return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))

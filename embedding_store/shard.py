@@ -639,12 +639,12 @@ class EmbeddingShard:
     def import_rows(self, block: RowBlock) -> None:
         """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.
 
-        Refused on read-only shards, and for non-finite weights. ``block.state`` must have
-        the optimizer's width for the
-        block's dim; a block with ``state=None`` (or width 0) gets fresh optimizer state, and
-        state is dropped when no optimizer is configured. Imported rows become the most
-        recently used. On an error the shard's rows and state are unchanged (the rows the
-        block already held may have become the most recently used).
+        Refused on read-only shards, and for non-finite weights or state. ``block.state``
+        must have the optimizer's width for the block's dim; a block with ``state=None`` (or
+        width 0) gets fresh optimizer state, and state is dropped when no optimizer is
+        configured. Imported rows become the most recently used. On an error the shard's
+        rows and state are unchanged (the rows the block already held may have become the
+        most recently used).
         """
         if self._read_only:
             raise FailedPreconditionError(
@@ -655,6 +655,9 @@ class EmbeddingShard:
             return
         if not np.isfinite(weights).all():
             raise InvalidArgumentError("block.weights has non-finite values (NaN or Inf)")
+        if state is not None and not np.isfinite(state).all():
+            # The optimizer reads the state on the next update: the row would become NaN.
+            raise InvalidArgumentError("block.state has non-finite values (NaN or Inf)")
         with self._lock:
             new_state = self._state_for_import(state, ids.shape[0], dim)
             self._import_locked(ids, weights, new_state, dim)

@@ -144,6 +144,41 @@ def test_configure_update_and_serving_state():
     assert not s.serving
 
 
+def test_non_finite_gradients_and_optimizer_state_are_refused_before_any_row_changes():
+    # Workers skip NaN/Inf gradient rows, but any peer can call Update and ImportRows: one NaN
+    # used to make the stored row NaN for good (served as NaN predictions from then on).
+    s = servicer(optimizer=Adagrad(lr=0.1))
+    ids = np.array([3, 4], np.uint64)
+    s.Lookup(pb.LookupRequest(ids=pack_u64(ids), dim=4, train=True), FakeContext())
+    before = s.shard.export_rows(4)
+    grads = np.ones((2, 4), np.float32)
+    grads[1, 2] = np.nan
+    update = pb.UpdateRequest(ids=pack_u64(ids), grads=pack_f32(grads), dim=4)
+    error = aborted(s.Update, update)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UpdateRequest.grads: 1 row(s) hold NaN or Inf, the first row 1 (ID 4)" in error.details
+    grads[1, 2] = np.inf
+    update = pb.UpdateRequest(ids=pack_u64(ids), grads=pack_f32(grads), dim=4)
+    assert "NaN or Inf" in aborted(s.Update, update).details
+    # Optimizer state imported over ImportRows: the next update would read it.
+    state = np.full((2, 4), np.nan, np.float32)
+    chunk = pb.RowChunk(
+        dim=4,
+        ids=pack_u64(ids),
+        weights=pack_f32(np.ones((2, 4), np.float32)),
+        state=pack_f32(state),
+        state_width=4,
+        has_state=True,
+    )
+    error = aborted(s.ImportRows, iter([chunk]))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block.state has non-finite values" in error.details
+    after = s.shard.export_rows(4)
+    np.testing.assert_array_equal(after.weights, before.weights)
+    np.testing.assert_array_equal(after.state, before.state)
+    assert np.isfinite(s.shard.lookup(ids, 4, train=False)).all()
+
+
 def test_inference_shard_serves_only_once_it_has_rows(tmp_path):
     s = servicer(read_only=True)
     assert not s.serving
