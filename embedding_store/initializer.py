@@ -29,6 +29,7 @@ _S11 = np.uint64(11)
 _INIT_SALT = np.uint64(0xA0761D6478BD642F)
 _ADMIT_SALT = np.uint64(0xE7037ED1A0B428DB)
 _TWO_POW_M53 = 1.0 / 9007199254740992.0  # 2**-53
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @njit(cache=True, nogil=True)
@@ -105,6 +106,14 @@ class InitializationConfig:
     def __post_init__(self) -> None:
         low = _finite("low", self.low)
         high = _finite("high", self.high)
+        for name, value in (("low", low), ("high", high)):
+            # Rows are float32: a bound beyond its range makes initial values +-Inf (and a
+            # span high - low beyond float64's, NaN), stored rows no update can mend.
+            if abs(value) > _FLOAT32_MAX:
+                raise ConfigError(
+                    f"initialization.{name} must be within float32's range "
+                    f"(+-{_FLOAT32_MAX:.7g}), got {value!r}"
+                )
         if not low < high:
             raise ConfigError(f"initialization.low ({low}) must be < initialization.high ({high})")
         p = _finite("admit_probability", self.admit_probability)

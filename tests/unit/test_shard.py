@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_store.errors import CapacityError, FailedPreconditionError, InvalidArgumentError
+from embedding_store.errors import (
+    CapacityError,
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
 from embedding_store.initializer import InitializationConfig, admitted, initial_vectors
 from embedding_store.interfaces import ParameterServer
 from embedding_store.optimizers import SGD, Adagrad, Adam
@@ -60,6 +65,14 @@ def test_initialization_range_and_bound() -> None:
     assert abs(float(v.mean()) - 2.0) < 0.02
     clamped = initial_vectors(ids, 4, InitializationConfig(low=-1, high=1, weight_bound=0.25))
     assert np.abs(clamped).max() == np.float32(0.25)
+    # Bounds beyond float32 made rows of +-Inf (low=-1e39) or NaN (a span beyond float64's),
+    # stored for good: refused, as any peer's ConfigureRequest can set them.
+    edge = float(np.finfo(np.float32).max)
+    widest = initial_vectors(ids, 4, InitializationConfig(low=-edge, high=edge))
+    assert np.isfinite(widest).all()
+    for low, high in ((-1e39, 1.0), (0.0, 1e39), (-1e308, 1e308)):
+        with pytest.raises(ConfigError, match="must be within float32's range"):
+            InitializationConfig(low=low, high=high)
 
 
 def test_eval_never_inserts_and_counts_misses() -> None:
