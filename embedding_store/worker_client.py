@@ -14,7 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from embedding_store import checkpoint
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
-from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import call, channel_options, error_from_rpc, tier_channel
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import settings_to_configure_request
@@ -22,7 +27,7 @@ from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.tier import ProgressCallback, TierStatus
-from embedding_store.worker import BackwardStats, IdFeature, LookupResult
+from embedding_store.worker import BackwardStats, IdFeature, LookupResult, SlotOutput
 from embedding_store.worker_service import SERVICE_NAME
 from embedding_store.worker_wire import pack_grads, unpack_slots
 
@@ -76,10 +81,49 @@ class RemoteEmbeddingWorker:
             batch = Batch(list(batch.id_type_features), requires_grad=False)
         request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
         response = call(self._peer, self._stub.Lookup, request, timeout=self.timeout)
-        slots = unpack_slots(response.slots)
+        try:
+            slots = unpack_slots(response.slots)
+            self._check_answer(batch.id_type_features, slots)
+        except InvalidArgumentError as error:
+            raise RecserveError(f"{self._peer} sent a malformed answer: {error.message}") from None
         return LookupResult(
             slots=slots, ref=response.ref if train else None, unknown_ids=response.unknown_ids
         )
+
+    def _check_answer(self, features: Sequence[IdFeature], slots: Sequence[SlotOutput]) -> None:
+        """InvalidArgumentError unless ``slots`` are the batch's ``features`` in order, each
+        of the shape an embedding worker answers for it (the embedding config's dim and
+        ``sample_fixed_size`` when this client has the config): whatever the peer sends goes
+        to the dense model as is, and rows of another batch size could come back as
+        predictions of another shape, or as a bare error of the model."""
+        if [slot.name for slot in slots] != [feature.name for feature in features]:
+            raise InvalidArgumentError(
+                f"slots {[slot.name for slot in slots][:8]} for features "
+                f"{[feature.name for feature in features][:8]}"
+            )
+        config = self.embedding_config
+        for feature, slot in zip(features, slots, strict=True):
+            shape = tuple(slot.embeddings.shape)
+            slot_config = None if config is None else config.slots_config.get(feature.name)
+            if slot_config is None:
+                expected_ndim = len(shape) if len(shape) in (2, 3) else 2
+                ok = len(shape) == expected_ndim and shape[0] == feature.batch_size
+                wanted = f"[{feature.batch_size}, ...]"
+            else:
+                wanted_shape: tuple[int, ...] = (feature.batch_size, slot_config.dim)
+                if not slot_config.embedding_summation:
+                    wanted_shape = (
+                        feature.batch_size,
+                        slot_config.sample_fixed_size,
+                        slot_config.dim,
+                    )
+                ok = shape == wanted_shape
+                wanted = str(list(wanted_shape))
+            if not ok:
+                raise InvalidArgumentError(
+                    f"slot {feature.name!r} has shape {list(shape)}, expected {wanted} for a "
+                    f"batch of {feature.batch_size}"
+                )
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         """:meth:`EmbeddingTier.backward` over gRPC: the worker checks the gradients and

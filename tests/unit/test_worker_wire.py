@@ -1,14 +1,22 @@
-"""PackedSlots: lookup answers and gradients in one buffer, round trips and malformed input."""
+"""PackedSlots: lookup answers and gradients in one buffer, round trips and malformed input;
+answers that do not fit the batch looked up."""
 
 from __future__ import annotations
 
+from concurrent import futures
+
+import grpc
 import numpy as np
 import pytest
 import torch
 
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.worker import SlotOutput
+from embedding_store.worker_client import RemoteEmbeddingWorker
 from embedding_store.worker_wire import pack_grads, pack_slots, unpack_grads, unpack_slots
 
 
@@ -125,3 +133,66 @@ def test_gradients_may_not_carry_masks() -> None:
     packed.data = b"\0" * 8
     with pytest.raises(InvalidArgumentError, match=r"grads\['seq'\].mask: got 2 bytes"):
         unpack_grads(packed)
+
+
+class _AnsweringWorker(pb_grpc.EmbeddingWorkerServicer):
+    """An embedding worker (gRPC, in process) that answers every lookup with ``answer(batch)``."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_EmbeddingWorkerServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Lookup(self, request, context):
+        response = pb.WorkerLookupResponse()
+        pack_slots(response.slots, self.answer(Batch.from_bytes(request.batch)))
+        return response
+
+
+def _ones(batch: Batch, rows: int, dim: int = 4) -> list[SlotOutput]:
+    return [SlotOutput(f.name, torch.ones(rows, dim)) for f in batch.id_type_features]
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        # Twice the batch's rows: the dense model made 2 predictions per sample of them.
+        (lambda b: _ones(b, 2 * b.batch_size), "slot 'user' has shape [4, 4], expected [2, 4]"),
+        (lambda b: _ones(b, b.batch_size, dim=3), "slot 'user' has shape [2, 3], expected [2, 4]"),
+        (lambda b: _ones(b, b.batch_size)[:1], "slots ['user'] for features ['user', 'tags']"),
+        (lambda b: _ones(b, b.batch_size)[::-1], "slots ['tags', 'user'] for features"),
+        (
+            lambda b: [
+                SlotOutput("user", torch.ones(2, 4)),
+                SlotOutput("tags", torch.ones(2, 1, 4), torch.ones(2, 1, dtype=torch.bool)),
+            ],
+            "slot 'tags' has shape [2, 1, 4], expected [2, 4]",
+        ),
+    ],
+)
+def test_a_workers_answer_that_does_not_fit_the_batch_is_refused(answer, message) -> None:
+    config = embedding_config_from_mapping(
+        {"slots_config": {"user": {"dim": 4}, "tags": {"dim": 4}}}
+    )
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 2]),
+            IDTypeFeature.from_lists("tags", [[3], []]),
+        ],
+        requires_grad=False,
+    )
+    worker = _AnsweringWorker(answer)
+    try:
+        with RemoteEmbeddingWorker(f"127.0.0.1:{worker.port}", config, timeout=10) as client:
+            with pytest.raises(RecserveError, match="sent a malformed answer") as refused:
+                client.lookup(batch, train=False)
+            assert message in refused.value.message
+            worker.answer = lambda b: _ones(b, b.batch_size)
+            assert [tuple(s.embeddings.shape) for s in client.lookup(batch, train=False).slots] == [
+                (2, 4),
+                (2, 4),
+            ]
+    finally:
+        worker.server.stop(None)
