@@ -597,15 +597,26 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
         or weights is None
         or state is None
         or ids.dtype != np.uint64
+        or weights.dtype != np.float32
+        or state.dtype != np.float32
+        or ids.shape != (entry.rows,)
         or weights.shape != (entry.rows, entry.dim)
         or state.shape != (entry.rows, entry.state_width)
-        or len(ids) != entry.rows
     ):
+        # Named here, with the file: a shard would refuse another dtype or an ids matrix
+        # later, as a bad argument naming no file.
         raise CheckpointError(
-            f"checkpoint file {path} does not hold ids/weights/state of "
-            f"{entry.rows} rows x dim {entry.dim} as its manifest says"
+            f"checkpoint file {path} does not hold ids (U64 [{entry.rows}]), weights (F32 "
+            f"[{entry.rows}, {entry.dim}]) and state (F32 [{entry.rows}, {entry.state_width}]) "
+            f"as its manifest says; it holds {_tensor_summary(tensors)}"
         )
     return tensors
+
+
+def _tensor_summary(tensors: dict[str, np.ndarray]) -> str:
+    return ", ".join(
+        f"{name} ({tensor.dtype} {list(tensor.shape)})" for name, tensor in sorted(tensors.items())
+    )
 
 
 def verify(directory: str | os.PathLike) -> EmbeddingManifest:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +140,7 @@ def _ids_of(path) -> np.ndarray:
     import safetensors.numpy
 
     try:
-        return safetensors.numpy.load_file(str(path))["ids"]
+        return safetensors.numpy.load_file(str(path))["ids"].reshape(-1)  # or a crafted matrix
     except Exception:  # the file this test corrupted or cut
         return np.zeros(0, dtype=np.uint64)
 
@@ -335,6 +336,39 @@ def test_files_listed_for_another_shard_are_refused(tmp_path):
     ):
         checkpoint.verify(root)
     _loaded_store_is_unchanged(tmp_path, root, "was written for shard")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: dict(t, weights=t["weights"].astype(np.float64)),
+        lambda t: dict(t, weights=t["weights"].astype(np.float16)),
+        lambda t: dict(t, state=t["state"].astype(np.float64)),
+        lambda t: dict(t, ids=np.stack([t["ids"], t["ids"]], axis=1)),
+    ],
+)
+def test_files_of_other_dtypes_or_shapes_are_refused_naming_the_file(tmp_path, change):
+    # A crafted file, its manifest entry's size and checksum to match: every check held, and
+    # the shard refused it later as a bad argument (naming no file), or an ids matrix.
+    import safetensors.numpy
+
+    _, shards = trained_worker(1)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    entry = manifest["files"][0]
+    path = root / entry["path"]
+    payload = safetensors.numpy.save(
+        change(safetensors.numpy.load(path.read_bytes())),
+        metadata={"shard": str(entry["shard"])},
+    )
+    path.write_bytes(payload)
+    entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
+    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    message = f"checkpoint file {path} does not hold ids (U64"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        checkpoint.verify(root)
+    _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
 
 
 def test_a_target_that_cannot_be_written_is_named(tmp_path):
