@@ -52,6 +52,8 @@ FORMAT_NAME = "recserve-embedding-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "embedding_manifest.json"
 DONE_MARKER = "DONE"
+#: The most shards a checkpoint's manifest may name (far more than any tier runs).
+MAX_SHARDS = 1 << 16
 
 #: ``progress(rows_done, rows_total)``: called after each file of a dump or load (rows so far).
 ProgressHook = Callable[[int, int], None]
@@ -513,7 +515,13 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
                 f"{root} has checkpoint format version {version}; "
                 f"this build reads version {FORMAT_VERSION}"
             )
-        num_shards = int(raw["num_shards"])
+        num_shards = raw["num_shards"]
+        if type(num_shards) is not int or not 1 <= num_shards <= MAX_SHARDS:
+            # Tools list the rows of every shard: 10**13 of them was a MemoryError.
+            raise CheckpointError(
+                f"{root / MANIFEST_NAME} is malformed: num_shards must be an integer in "
+                f"1..{MAX_SHARDS}, got {num_shards!r}"
+            )
         files = tuple(FileEntry(**entry) for entry in raw["files"])
         rows_version = raw.get("version", None)
         if rows_version is None:  # written before manifests held a version

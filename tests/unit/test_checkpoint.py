@@ -191,6 +191,13 @@ def test_manifest_problems_are_named(tmp_path):
     manifest_path.write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="format version 99"):
         checkpoint.read_manifest(tmp_path / "ckpt")
+    for num_shards in (10**13, 0, 1.5, "1", True):
+        raw["format_version"] = checkpoint.FORMAT_VERSION
+        raw["num_shards"] = num_shards
+        manifest_path.write_text(json.dumps(raw))
+        # 10**13 shards: `recserve checkpoint inspect` listed the rows of each, a MemoryError.
+        with pytest.raises(CheckpointError, match=r"num_shards must be an integer in 1\.\.65536"):
+            checkpoint.read_manifest(tmp_path / "ckpt")
     manifest_path.write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         checkpoint.read_manifest(tmp_path / "ckpt")
