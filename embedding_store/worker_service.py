@@ -71,7 +71,7 @@ from embedding_store.worker import (
     LookupResult,
     checked_features,
 )
-from embedding_store.worker_wire import pack_slots, unpack_grads
+from embedding_store.worker_wire import check_answer_fits, pack_slots, unpack_grads
 
 log = logging.getLogger(__name__)
 
@@ -662,6 +662,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         self, request: pb.WorkerLookupRequest, context: grpc.ServicerContext
     ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
+        check_answer_fits(batch, self.tier.embedding_config)
         result = self.tier.lookup(batch, train=request.train)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
         pack_slots(response.slots, result.slots)

@@ -12,12 +12,20 @@ import torch
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import embedding_config_from_mapping
-from embedding_store.errors import InvalidArgumentError, RecserveError
+from embedding_store.errors import CapacityError, InvalidArgumentError, RecserveError
+from embedding_store.grpc_common import MAX_MESSAGE_BYTES
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.worker import SlotOutput
 from embedding_store.worker_client import RemoteEmbeddingWorker
-from embedding_store.worker_wire import pack_grads, pack_slots, unpack_grads, unpack_slots
+from embedding_store.worker_service import EmbeddingWorkerServicer, RemoteShardTier
+from embedding_store.worker_wire import (
+    check_answer_fits,
+    pack_grads,
+    pack_slots,
+    unpack_grads,
+    unpack_slots,
+)
 
 
 def _outputs() -> list[SlotOutput]:
@@ -196,3 +204,71 @@ def test_a_workers_answer_that_does_not_fit_the_batch_is_refused(answer, message
             ]
     finally:
         worker.server.stop(None)
+
+
+RAW_CONFIG = embedding_config_from_mapping(
+    {
+        "slots_config": {
+            "user": {"dim": 4},
+            # 1000 positions x (64 floats + a mask byte) = 257,000 bytes of answer per sample
+            "history": {"dim": 64, "embedding_summation": False, "sample_fixed_size": 1000},
+        }
+    }
+)
+
+
+def _raw_batch(samples: int) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", list(range(samples))),
+            IDTypeFeature.from_lists("history", [[] for _ in range(samples)]),
+        ],
+        requires_grad=False,
+    )
+
+
+def test_the_answer_size_counts_every_slot_and_refuses_past_one_message() -> None:
+    per_sample = 4 * 4 + 1000 * (4 * 64 + 1)
+    fits = (MAX_MESSAGE_BYTES - 64 * 1024) // per_sample
+    check_answer_fits(_raw_batch(fits), RAW_CONFIG)
+    with pytest.raises(
+        CapacityError, match=rf"would be {(fits + 1) * per_sample} bytes"
+    ) as refused:
+        check_answer_fits(_raw_batch(fits + 1), RAW_CONFIG)
+    assert "split the batch" in refused.value.message
+    unknown = Batch([IDTypeFeatureWithSingleID.from_ids("nope", [1])], requires_grad=False)
+    check_answer_fits(unknown, RAW_CONFIG)  # the lookup names it
+
+
+class _RecordingTier(RemoteShardTier):
+    """A worker core whose lookups are only counted (no shard is ever called)."""
+
+    def __init__(self) -> None:
+        super().__init__(RAW_CONFIG, ["127.0.0.1:1"])  # a channel never used
+        self.lookups = 0
+
+    def lookup(self, batch, *, train):
+        self.lookups += 1
+        raise AssertionError("a lookup too large to answer must not run")
+
+
+def test_a_worker_refuses_a_lookup_whose_answer_cannot_fit_before_computing_it() -> None:
+    # A few bytes per sample in the request, 257 KB per sample in the answer: 1100 samples
+    # would make the worker compute ~283 MB only to fail sending it.
+    tier = _RecordingTier()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_EmbeddingWorkerServicer_to_server(EmbeddingWorkerServicer(tier), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.EmbeddingWorkerStub(channel)
+            request = pb.WorkerLookupRequest(batch=_raw_batch(1100).to_bytes(), train=True)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Lookup(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "split the batch" in refused.value.details()
+        assert tier.lookups == 0
+    finally:
+        server.stop(None)
+        tier.close()
