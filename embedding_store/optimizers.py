@@ -241,6 +241,17 @@ def adam_kernel(
     return sink
 
 
+def _refuse_negative(values: np.ndarray, what: str) -> None:
+    negative = values < 0
+    if negative.any():
+        row = int(np.flatnonzero(negative.any(axis=1))[0])
+        raise InvalidArgumentError(
+            f"optimizer state: {what} must be >= 0, but row {row} holds "
+            f"{float(values[row][negative[row]][0])} (its row would become NaN on the next "
+            "update)"
+        )
+
+
 def _number(owner: str, name: str, value: Any, low: float, high: float, *, low_open: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ConfigError(f"{owner}.{name} must be a number, got {value!r}")
@@ -314,6 +325,9 @@ class SGD:
     def initial_state(self, n: int, dim: int) -> np.ndarray:
         return np.zeros((n, 0), dtype=np.float32)
 
+    def check_state(self, state: np.ndarray, dim: int) -> None:
+        """Nothing to check: SGD keeps no state."""
+
     def to_dict(self) -> dict:
         return {"name": self.name, "lr": self.lr, "weight_decay": self.weight_decay}
 
@@ -375,6 +389,11 @@ class Adagrad:
 
     def initial_state(self, n: int, dim: int) -> np.ndarray:
         return np.full((n, self.state_width(dim)), self.initial_accumulator_value, np.float32)
+
+    def check_state(self, state: np.ndarray, dim: int) -> None:
+        """InvalidArgumentError unless every accumulator of ``state`` (float32 [n, width]) is
+        >= 0: they sum squares, and a negative one makes its row NaN on the next update."""
+        _refuse_negative(state, "adagrad accumulators")
 
     def to_dict(self) -> dict:
         return {
@@ -450,6 +469,12 @@ class Adam:
 
     def initial_state(self, n: int, dim: int) -> np.ndarray:
         return np.zeros((n, self.state_width(dim)), dtype=np.float32)
+
+    def check_state(self, state: np.ndarray, dim: int) -> None:
+        """InvalidArgumentError unless the second moments and step counts of ``state``
+        (float32 [n, 2 * dim + 1]: first moments, second moments, step) are >= 0: a negative
+        second moment makes its row NaN on the next update."""
+        _refuse_negative(state[:, dim:], "adam second moments and step counts")
 
     def to_dict(self) -> dict:
         return {

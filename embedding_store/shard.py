@@ -704,6 +704,8 @@ class EmbeddingShard:
         """The state to write for imported rows (None: no state columns)."""
         width = self._width(dim)
         if state is not None and state.shape[1] == width:
+            if width:
+                self._optimizer.check_state(state, dim)
             return state if width else None
         if state is None or state.shape[1] == 0 or self._optimizer is None:
             return None if width == 0 else self._optimizer.initial_state(n, dim)

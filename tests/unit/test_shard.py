@@ -700,3 +700,37 @@ def test_rows_start_on_cache_lines() -> None:
         shard.lookup(u64(np.arange(n)), 16, train=True)
         table = shard._tables[16]
         assert table.weights.ctypes.data % 64 == 0 and table.state.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "column", "what"),
+    [
+        (Adagrad(lr=0.1), 2, "adagrad accumulators must be >= 0"),
+        (Adagrad(lr=0.1, vectorwise_shared=True), 0, "adagrad accumulators must be >= 0"),
+        (Adam(lr=0.1), 3 + 1, "adam second moments and step counts must be >= 0"),  # v[1]
+        (Adam(lr=0.1), 2 * 3, "adam second moments and step counts must be >= 0"),  # the step
+    ],
+)
+def test_imported_optimizer_state_that_would_make_rows_nan_is_refused(
+    optimizer, column, what
+) -> None:
+    # Finite but negative: sqrt of a negative accumulator makes the row NaN on its next update.
+    shard = EmbeddingShard(100, optimizer=optimizer)
+    ids = u64(1, 2)
+    before = shard.lookup(ids, 3, train=True).copy()
+    state = optimizer.initial_state(2, 3)
+    state[1, column] = -0.5
+    weights = np.ones((2, 3), np.float32)
+    with pytest.raises(InvalidArgumentError, match=rf"{what}, but row 1 holds -0.5"):
+        shard.import_rows(RowBlock(ids, weights, state))
+    with pytest.raises(InvalidArgumentError, match=what):  # a checkpoint's rows: refused too
+        shard.replace_rows([RowBlock(ids, weights, state)])
+    np.testing.assert_array_equal(shard.lookup(ids, 3, train=False), before)  # unchanged
+    state[1, column] = 0.0  # zero is a valid accumulator, moment and step
+    shard.import_rows(RowBlock(ids, weights, state))
+    shard.update(ids, np.ones((2, 3), np.float32))
+    assert np.isfinite(shard.lookup(ids, 3, train=False)).all()
+    # The first moments of Adam may be negative
+    if isinstance(optimizer, Adam):
+        state[:, :3] = -1.0
+        shard.import_rows(RowBlock(ids, weights, state))
