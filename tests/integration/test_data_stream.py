@@ -276,3 +276,34 @@ def test_a_loader_whose_worker_has_gone_fails_at_once_not_after_its_timeout():
         assert time.monotonic() - started < 30
     finally:
         ctx.__exit__(UnavailableError, None, None)  # closes the channels, sends no end
+
+
+def test_a_loader_index_equal_to_num_loaders_is_refused():
+    port = free_port()
+    dataset = StreamingDataset(2, port=port, num_loaders=2).start()
+    try:
+        with pytest.raises(InvalidArgumentError, match="loader_index 2 is not below num_loaders 2"):
+            DataCtx([f"127.0.0.1:{port}"], replica_index=2, replica_size=3).send_data(
+                numbered_batch(0)
+            )
+    finally:
+        dataset.close()
+
+
+@pytest.mark.parametrize("said", [0, 2])
+def test_an_end_of_stream_must_count_exactly_the_batches_that_arrived(said):
+    from embedding_store.grpc_common import call
+    from training.data import pb
+
+    port = free_port()
+    dataset = StreamingDataset(4, port=port, num_loaders=1).start()
+    try:
+        ctx = DataCtx([f"127.0.0.1:{port}"], timeout=30)
+        ctx.send_data(numbered_batch(0))
+        request = pb.EndOfStreamRequest(loader_index=0, batches_sent=said)
+        with pytest.raises(
+            InvalidArgumentError, match=f"data loader 0 says it sent {said} batches, 1 arrived"
+        ):
+            call("NN worker", ctx._stubs[0].EndOfStream, request, timeout=30)
+    finally:
+        dataset.close()

@@ -282,3 +282,44 @@ def test_a_client_gone_mid_request_leaves_the_server_serving(server):
     with _Connection(server) as connection:
         connection.send(_request("/v2/models/adult/infer", b"still"))
         assert json.loads(connection.response()[2])["body"] == "still"
+
+
+def test_a_body_of_exactly_the_fast_limit_takes_the_fast_path(server):
+    with _Connection(server) as connection:
+        connection.send(_request("/v2/models/adult/infer", b"f" * FAST_LIMIT))
+        status, _, answer = connection.response()
+        assert status == 200
+        document = json.loads(answer)
+        assert document["via"] == "fast" and document["body"] == "f" * FAST_LIMIT
+
+
+def test_http_1_0_closes_even_when_it_asks_for_keep_alive(server):
+    # HTTP/1.0 keep-alive is not served: the answer says so and the socket closes.
+    with _Connection(server) as connection:
+        connection.send(
+            _request(
+                "/v2/models/adult/infer",
+                b"old",
+                version="1.0",
+                headers={"Connection": "keep-alive"},
+            )
+        )
+        status, headers, answer = connection.response()
+        assert status == 200 and json.loads(answer)["via"] == "fast"
+        assert headers["connection"] == "close"
+        assert connection.closed_by_server()
+
+
+def test_a_head_just_over_64_kib_gets_431_and_one_under_it_is_served(server):
+    with _Connection(server) as connection:
+        connection.send(b"POST /v2/models/adult/infer HTTP/1.1\r\n")
+        time.sleep(0.05)  # the request line arrives alone: every later chunk is counted
+        connection.send(b"Host: t\r\nX-Big: " + b"a" * (66 * 1024))
+        status, headers, answer = connection.response()
+        assert status == 431 and headers["connection"] == "close"
+        assert json.loads(answer) == {"error": "the request line and headers exceed 65536 bytes"}
+        assert connection.closed_by_server()
+    with _Connection(server) as connection:
+        connection.send(_request("/v2/models/adult/infer", b"ok", headers={"X-Big": "a" * 60000}))
+        status, _, answer = connection.response()
+        assert status == 200 and json.loads(answer)["body"] == "ok"

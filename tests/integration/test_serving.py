@@ -1350,3 +1350,161 @@ def test_a_request_cancelled_while_queued_is_skipped_and_counted_as_cancelled(ad
         assert ran == []  # the batch was skipped: nobody waited for it
     finally:
         service.close()
+
+
+def test_each_request_of_a_merged_batch_reports_its_own_fallback_and_unknown_ids(
+    adult_checkpoint,
+):
+    # When every ID of a merged batch fell back (or was unknown), each request's answer
+    # counts its own IDs, not the merged batch's.
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    merged_sizes: list[int] = []
+    real_infer = model.infer
+
+    def infer_all_falling_back(merged: Batch):
+        merged_sizes.append(merged.batch_size)
+        output = real_infer(merged)
+        return dataclasses.replace(output, fallback_ids=merged.num_ids, unknown_ids=merged.num_ids)
+
+    model.infer = infer_all_falling_back  # type: ignore[method-assign]
+    service = PredictionService(model, max_queue_delay=0.5)
+    try:
+        small, large = (
+            features.rows_to_batch(read_rows(n), with_labels=False, requires_grad=False)
+            for n in (3, 5)
+        )
+        answers: dict[int, Any] = {}
+
+        def ask(batch: Batch) -> None:
+            answers[batch.batch_size] = service.predict(
+                MODEL, None, batch_arrays(batch), protocol="python"
+            )
+
+        threads = [threading.Thread(target=ask, args=(b,)) for b in (small, large)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert merged_sizes == [8]  # one merged batch of both requests
+        for batch in (small, large):
+            answer = answers[batch.batch_size]
+            assert (answer.fallback_ids, answer.unknown_ids) == (batch.num_ids, batch.num_ids)
+    finally:
+        service.close()
+
+
+def test_a_failed_reload_is_counted_and_noted_until_a_reload_succeeds(adult_checkpoint):
+    from embedding_store.errors import CheckpointError
+
+    def loader(path: str | None):
+        if path == "broken":
+            raise CheckpointError("checkpoint broken: manifest.json is missing")
+        return load_model(adult_checkpoint, name=MODEL, warm_up=False)
+
+    service = PredictionService(loader(None), loader=loader)
+    count = service.metrics.registry.get_sample_value
+    try:
+        with pytest.raises(CheckpointError):
+            service.reload("broken")
+        assert service.last_reload_error == "checkpoint broken: manifest.json is missing"
+        assert count("recserve_reloads_total", {"outcome": "failed"}) == 1.0
+        assert count("recserve_reloads_total", {"outcome": "ok"}) == 0.0
+        service.reload(None)
+        assert service.last_reload_error is None
+        assert count("recserve_reloads_total", {"outcome": "failed"}) == 1.0
+        assert count("recserve_reloads_total", {"outcome": "ok"}) == 1.0
+    finally:
+        service.close()
+
+
+def test_drain_says_when_a_request_batched_on_an_event_loop_outlives_the_grace(
+    adult_checkpoint, batch
+):
+    import asyncio
+
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    service = PredictionService(model, max_queue_delay=1.0)  # queued on the loop for 1 s
+    inputs = {k: v[:2] for k, v in batch_arrays(batch).items()}
+    answers: list[Any] = []
+
+    def ask() -> None:
+        answers.append(asyncio.run(service.predict_async(MODEL, None, inputs, protocol="python")))
+
+    asker = threading.Thread(target=ask)
+    try:
+        asker.start()
+        _wait_until(lambda: service.pending == 1, 5, "the request to be queued")
+        assert service.drain(0.2) is False  # still queued after the grace
+        assert not service.ready()
+        assert service.drain(5.0) is True  # the queued request still gets its answer
+        asker.join(timeout=5)
+        assert answers[0].outputs["prediction"].shape == (2, 1)
+    finally:
+        asker.join(timeout=5)
+        service.close()
+
+
+class _ShardsHoldingVersions:
+    """The model's tier, reporting each shard's embedding checkpoint version as given."""
+
+    def __init__(self, tier, versions: tuple[str, ...]) -> None:
+        self.tier = tier
+        self.versions = versions
+
+    def status(self):
+        status = self.tier.status()
+        serving = (True,) * len(self.versions)
+        return dataclasses.replace(
+            status, shard_serving=serving, shard_checkpoint_versions=self.versions
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self.tier, name)
+
+
+def test_only_shards_that_name_another_embedding_checkpoint_count_as_mismatched(
+    adult_checkpoint,
+):
+    # Shards that do not say ("": training shards, older builds) are not counted.
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    expected = model.embedding_version
+    assert expected
+    tier = model.tier = _ShardsHoldingVersions(model.tier, ("", expected, "other", ""))
+    service = PredictionService(model, tier_check_seconds=0.05)
+    gauge = service.metrics.registry.get_sample_value
+    try:
+        _wait_until(lambda: service.foreign_embedding_versions, 10, "the tier check")
+        assert service.foreign_embedding_versions == {2: "other"}
+        assert gauge("recserve_embedding_tier_version_mismatch") == 1.0
+        tier.versions = ("", expected, expected, "")
+        _wait_until(lambda: not service.foreign_embedding_versions, 10, "the shards to match")
+        assert gauge("recserve_embedding_tier_version_mismatch") == 0.0
+        assert service.tier_serving
+    finally:
+        service.close()
+
+
+def test_only_the_served_version_is_found(adult_checkpoint, batch):
+    from embedding_store.errors import NotFoundError
+
+    model = load_model(adult_checkpoint, name=MODEL, warm_up=False)
+    service = PredictionService(model)
+    served = model.version
+    inputs = {k: v[:2] for k, v in batch_arrays(batch).items()}
+    try:
+        for version in (None, "", served):
+            assert service.model_metadata(MODEL, version).versions == (served,)
+            assert service.model_ready(MODEL, version)
+            answer = service.predict(MODEL, version, inputs, protocol="python")
+            assert answer.model_version == served
+        message = f"model {MODEL!r} has no version 'v0'; the served version is {served!r}"
+        for call in (
+            lambda: service.model_metadata(MODEL, "v0"),
+            lambda: service.model_ready(MODEL, "v0"),
+            lambda: service.predict(MODEL, "v0", inputs, protocol="python"),
+        ):
+            with pytest.raises(NotFoundError) as failure:
+                call()
+            assert failure.value.message == message
+    finally:
+        service.close()

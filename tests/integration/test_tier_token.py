@@ -40,7 +40,8 @@ def test_a_shard_with_a_token_refuses_calls_without_it(monkeypatch, tmp_path):
             client.configure(SGD(lr=0.1), InitializationConfig(seed=1))
             assert client.lookup(np.arange(3, dtype=np.uint64), 4, train=True).shape == (3, 4)
         monkeypatch.delenv("RECSERVE_TIER_TOKEN_FILE")
-        for token in (None, "another"):
+        # None, another, and one that starts with the right token: all refused.
+        for token in (None, "another", TOKEN + "-and-more"):
             if token:
                 monkeypatch.setenv("RECSERVE_TIER_TOKEN", token)
             with RemoteParameterServer(process.address, timeout=5) as client:

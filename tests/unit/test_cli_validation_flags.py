@@ -220,3 +220,32 @@ def test_parameter_server_flags_are_named_once_in_their_errors(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "argument --replica-index: expected an integer, got ''" in err  # not named twice
+
+
+def test_launch_commands_refuse_what_torchrun_or_a_loader_would_fail_on(tmp_path, monkeypatch):
+    """Refused before anything is started: NN workers on several nodes with no shared tier
+    (each node would train its own embeddings), a replica index not below the replica
+    size. os.execve stands in for the start."""
+    import os
+
+    from training.env import EMBEDDING_WORKERS_ENV
+
+    entry = tmp_path / "entry.py"
+    entry.write_text("")
+    monkeypatch.delenv(EMBEDDING_WORKERS_ENV, raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append(argv))
+    parse = build_parser().parse_args
+
+    def run(*argv: str) -> None:
+        args = parse([argv[0], "--entry", str(entry), *argv[1:]])
+        args.handler(args)
+
+    with pytest.raises(SystemExit, match="more than one NN worker needs one shared embedding"):
+        run("train", "--nnodes", "2", "--nproc-per-node", "1", "--master-port", "29501")
+    with pytest.raises(SystemExit, match=r"--replica-index 2 must be in \[0, --replica-size 2\)"):
+        run("data-loader", "--replica-index", "2", "--replica-size", "2")
+    assert started == []
+    run("data-loader", "--replica-index", "1", "--replica-size", "2")
+    run("train", "--nnodes", "2", "--master-port", "29501", "--embedding-workers", "h:1")
+    assert [argv[-1] for argv in started] == [str(entry), str(entry)]

@@ -558,3 +558,19 @@ def test_async_grpc_client_refuses_a_second_loop_while_the_first_has_calls_pendi
     finally:
         loop.close()
     assert server.requests == 2
+
+
+@pytest.mark.parametrize("status", [300, 404])
+def test_http_answers_from_300_up_are_errors_not_retried(fake_http, status):
+    # A redirect is not an answer: the client neither follows nor decodes it.
+    server = fake_http([(status, 0.0)])
+    with (
+        RecserveClient(server.url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(RecserveError, match=f"scripted {status}") as caught,
+    ):
+        client.predict(_batch())
+    assert caught.value.message == (
+        f"server {server.url} answered HTTP {status}: scripted {status}"
+        + (" (HTTP 300)" if status == 300 else "")
+    )
+    assert server.requests == 1

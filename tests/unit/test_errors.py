@@ -22,6 +22,7 @@ from embedding_store.errors import (
     NotFoundError,
     PermissionDeniedError,
     RecserveError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from embedding_store.grpc_common import error_from_rpc
@@ -33,6 +34,7 @@ TABLE = [
     (BatchValidationError, 400, "INVALID_ARGUMENT", InvalidArgumentError, InvalidArgumentError),
     (DecodeError, 400, "INVALID_ARGUMENT", InvalidArgumentError, InvalidArgumentError),
     (ConfigError, 400, "INVALID_ARGUMENT", InvalidArgumentError, InvalidArgumentError),
+    (UnauthenticatedError, 401, "UNAUTHENTICATED", UnauthenticatedError, UnauthenticatedError),
     (PermissionDeniedError, 403, "PERMISSION_DENIED", PermissionDeniedError, PermissionDeniedError),
     (NotFoundError, 404, "NOT_FOUND", NotFoundError, NotFoundError),
     (FailedPreconditionError, 409, "FAILED_PRECONDITION", FailedPreconditionError, None),

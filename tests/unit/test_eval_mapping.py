@@ -18,7 +18,7 @@ from clients.eval import (
     load_mapping,
     signature_from_metadata,
 )
-from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.errors import ConfigError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from examples.adult_income import features
@@ -305,3 +305,49 @@ def test_eval_data_that_is_a_directory_says_so(tmp_path):
     with pytest.raises(InvalidArgumentError) as caught:
         run_eval(EvalOptions(data=missing, out=tmp_path / "p.csv", url="http://x:9", timeout=0))
     assert caught.value.message == "--timeout must be a number of seconds in (0, 1000000], got 0"
+
+
+def test_int_ids_take_the_whole_uint64_range_and_nothing_beyond():
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    row = {"user_name": "a", "x": "1", "y": "0"}
+    batch, bad = encoder.encode(
+        [
+            {**row, "tag_list": f"0|{2**63}|{2**64 - 1}"},
+            {**row, "tag_list": str(2**64)},
+        ]
+    )
+    assert batch.batch_size == 1
+    assert batch.id_type_features[1].to_lists() == [[0, 2**63, 2**64 - 1]]
+    assert dict(bad) == {1: f"column 'tag_list': ID {2**64} is outside [0, 2**64)"}
+
+
+@pytest.mark.parametrize(
+    ("stated_limit", "sizes"),
+    [(2, [5, 2, 2, 1]), (5, [5, 3, 2, 1, 2])],
+    ids=["server-limit", "limit-not-below-the-batch"],
+)
+def test_a_batch_the_server_finds_too_large_is_sent_in_smaller_chunks(stated_limit, sizes):
+    # The server takes 2 rows at most. A stated limit below the batch is used for the
+    # chunks; one that is not below it (a proxy's rewording, a wrong message) must not
+    # send the same batch again for ever: the batch is halved instead.
+    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+
+    scorer = object.__new__(ServerScorer)
+    scorer.protocol, scorer.max_batch_size = "v2", None
+    sent: list[int] = []
+
+    def v2(batch):
+        size = batch.batch_size
+        sent.append(size)
+        if size > 2:
+            message = f"batch size {size} exceeds this server's max batch size {stated_limit}"
+            raise _BatchTooLargeError(message, min(stated_limit, size))
+        rows = batch.id_type_features[0].values.astype(np.float32)
+        return Scores(rows, None, "7")
+
+    scorer._v2 = v2
+    batch = Batch([IDTypeFeatureWithSingleID.from_ids("n", list(range(5)))], requires_grad=False)
+    scores = scorer.score(batch, [{}] * 5)
+    np.testing.assert_array_equal(scores.predictions, np.arange(5, dtype=np.float32))
+    assert scores.model_version == "7"
+    assert sent == sizes

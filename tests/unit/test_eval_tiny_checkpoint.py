@@ -597,3 +597,21 @@ def test_eval_help_spells_out_the_default_layout(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "separated by spaces, e.g. '71 282 62'" in text
     assert "columns NAME_0 .. NAME_{k-1}" in text
+
+
+def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
+    from embedding_store.shard import EmbeddingShard
+
+    ids = CONFIG.prefix_ids("user", np.arange(5, dtype=np.uint64))
+    weights = np.arange(20, dtype=np.float32).reshape(5, 4)
+    for name, nan_row in (("a", None), ("b", 3)):
+        rows = weights.copy()
+        if nan_row is not None:
+            rows[nan_row, 1] = np.nan
+        shard = EmbeddingShard(100)
+        shard.replace_rows([RowBlock(ids, rows, None)])
+        embedding_checkpoint.dump_embeddings([shard], tmp_path / name, CONFIG)
+    result = checkpoint_tool.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
+    (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
+    assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))
+    assert not result["identical"]

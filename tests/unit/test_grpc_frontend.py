@@ -274,3 +274,22 @@ def test_a_malformed_protobuf_is_invalid_argument_naming_the_message(channel):
         raw_infer(b"\x0a\xff", timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("malformed ModelInferRequest: ")
+
+
+def _with_timeout_parameter(microseconds: int) -> V2.ModelInferRequest:
+    request = _typed_request()
+    request.parameters["timeout"].int64_param = microseconds
+    return request
+
+
+def test_the_core_waits_the_shorter_of_deadline_and_timeout_parameter_or_its_own_default(
+    stub, core
+):
+    stub.ModelInfer(_with_timeout_parameter(2_000_000), timeout=30)
+    stub.ModelInfer(_with_timeout_parameter(60_000_000), timeout=30)
+    stub.ModelInfer(_with_timeout_parameter(3_000_000))
+    stub.ModelInfer(_typed_request())  # no deadline, no parameter: the server's default
+    timeouts = [call["timeout"] for call in core.calls]
+    assert timeouts[0] == 2.0
+    assert 25 < timeouts[1] <= 30.1
+    assert timeouts[2:] == [3.0, None]

@@ -644,3 +644,46 @@ def test_inflating_waits_for_its_own_two_tokens_not_the_shared_pool(monkeypatch)
     asyncio.run(main())
     assert len(seen) == 2 and seen[0] is seen[1]  # one limiter per event loop
     assert seen[0].total_tokens == 2
+
+
+def test_body_limits_are_inclusive_with_or_without_a_content_length():
+    from embedding_store.errors import CapacityError
+    from serving.http_app import read_chunks
+
+    async def read(parts: list[bytes], declared: str | None) -> bytes:
+        async def chunks():
+            for part in parts:
+                yield part
+
+        return await read_chunks(chunks(), declared, None, 10)
+
+    assert asyncio.run(read([b"12345", b"67890"], "10")) == b"1234567890"
+    assert asyncio.run(read([b"12345", b"67890"], None)) == b"1234567890"
+    with pytest.raises(CapacityError, match=r"^request body of 11 bytes exceeds the limit of 10$"):
+        asyncio.run(read([b"12345", b"678901"], "11"))
+    # Chunked (no Content-Length): counted while streaming.
+    with pytest.raises(CapacityError, match=r"^request body exceeds the limit of 10 bytes$"):
+        asyncio.run(read([b"12345", b"678901"], None))
+
+
+def test_admin_token_scheme_is_case_insensitive_and_mapped_loopback_is_local(server):
+    from serving.http_app import _is_loopback
+
+    remote = {"X-Forwarded-For": "203.0.113.9"}
+    for scheme in ("bearer", "BEARER"):
+        headers = {**remote, "Authorization": f"{scheme} {TOKEN}"}
+        assert server.json("POST", "/admin/reload", {"checkpoint": scheme}, headers)[0] == 200
+    assert server.reloads[-2:] == ["bearer", "BEARER"]
+    assert server.json("POST", "/admin/reload", {}, {**remote, "Authorization": TOKEN})[0] == 403
+    # An IPv4 loopback client as a dual-stack socket reports it is local; others are not.
+    for host, local in (
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("localhost", True),
+        ("::ffff:203.0.113.9", False),
+        ("203.0.113.9", False),
+        ("", False),
+        (None, False),
+    ):
+        assert _is_loopback(host) is local, host

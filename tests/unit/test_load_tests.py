@@ -796,3 +796,85 @@ def test_the_watcher_reload_waits_for_two_of_its_looks():
 
     assert watcher_reload_timeout(["--workers", "2", "--watch-seconds", "300"]) == 720.0
     assert watcher_reload_timeout(["--watch-seconds", "1"]) == 122.0
+
+
+def test_read_history_gives_a_repeated_timestamp_no_rate(tmp_path):
+    """Two history rows in the same second have no interval between them: their rates are 0,
+    never a division by zero."""
+    from load_tests.run import read_history
+
+    lines = [
+        _HISTORY_HEADER,
+        _history_row(1000, "Aggregated", "4", 100, 0),
+        _history_row(1000, "Aggregated", "4", 150, 1),
+        _history_row(1002, "Aggregated", "4", 350, 3),
+    ]
+    (tmp_path / "run_stats_history.csv").write_text("\n".join(lines) + "\n")
+    history = read_history(tmp_path / "run")
+    assert [row["rps"] for row in history] == [0.0, 0.0, 100.0]
+    assert [row["failures_per_s"] for row in history] == [0.0, 0.0, 1.0]
+
+
+def test_read_stats_from_the_csv_takes_each_percentile_from_its_own_column(tmp_path):
+    from load_tests.run import read_stats
+
+    # 50% 5, 66% 6, 75% 7, 80% 8, 90% 9, 95% 10, 98% 12, 99% 14
+    row = "POST,v2-json b1,10503,3,5,6.04,1,90,100,700.26,0.0,5,6,7,8,9,10,12,14,20,30,90"
+    (tmp_path / "run_stats.csv").write_text(f"{_STATS_HEADER}\n{row}\n")
+    assert read_stats(tmp_path / "run") == [
+        {
+            "type": "POST",
+            "name": "v2-json b1",
+            "requests": 10503,
+            "failures": 3,
+            "rps": 700.26,
+            "p50_ms": 5.0,
+            "p95_ms": 10.0,
+            "p99_ms": 14.0,
+            "avg_ms": 6.04,
+            "max_ms": 90.0,
+        }
+    ]
+
+
+def test_final_stats_written_before_the_run_started_are_an_earlier_runs(tmp_path):
+    from load_tests.run import locust_outcome
+
+    run = _locust_run(tmp_path)
+    (tmp_path / "locust.log").write_text("")
+    started = 1_700_000_000.0
+    for written, mine in ((started - 1.0, False), (started, True), (started + 5.0, True)):
+        document = {"written_unix": written, "exit_code": 0, "stats": [], "exceptions": []}
+        (tmp_path / "locust_final.json").write_text(json.dumps(document))
+        final, problems = locust_outcome(run, 0, started_unix=started)
+        assert (final == document, problems == []) == (mine, mine), written
+
+
+def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
+    from load_tests.run import write_summary
+
+    rows = [
+        {"name": "v2-json b1", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
+         "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
+        {"name": "Aggregated", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
+         "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
+    ]  # fmt: skip
+    result = {
+        "stats": rows, "model": "adult", "inputs": "json", "checkpoint": "/c", "tier": "local",
+        "users": 4, "classes": ["KServeJsonUser"], "seconds": 20.0, "batches": "1", "seed": 7,
+        "serve_args": [], "passed": False, "verdict": "2 failures",
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    assert (tmp_path / "summary.csv").read_text().splitlines() == [
+        "name,requests,failures,rps,p50_ms,p95_ms,p99_ms",
+        "v2-json b1,900,2,45.04,3.0,7.5,12.0",
+        "Aggregated,900,2,45.04,3.0,7.5,12.0",
+    ]
+    markdown = (tmp_path / "summary.md").read_text().splitlines()
+    assert "- verdict: **FAIL** (2 failures)" in markdown
+    table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|") + 1 :][:2]
+    assert table == [
+        "| v2-json b1 | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
+        "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
+    ]
+    assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows

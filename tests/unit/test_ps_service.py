@@ -527,3 +527,22 @@ def test_a_shard_dumps_only_into_a_new_directory(tmp_path):
     assert failure.details == (
         f"{staging / 'shard_00000'} already holds files: a shard writes only a new part"
     )
+
+
+def test_a_failed_row_export_is_counted_and_timed_like_unary_calls():
+    s = servicer(optimizer=SGD())
+    s.Lookup(pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4, train=True),
+             FakeContext())  # fmt: skip
+
+    def export_rows(dim: int) -> RowBlock:
+        raise UnavailableError("the shard is going away")
+
+    s.shard.export_rows = export_rows  # type: ignore[method-assign]
+    with pytest.raises(AbortedError) as failure:
+        list(s.ExportRows(pb.ExportRowsRequest(), FakeContext()))
+    assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+    value = s.metrics.registry.get_sample_value
+    errors = "recserve_ps_rpc_errors_total"
+    assert value(errors, {"method": "ExportRows", "code": "UNAVAILABLE"}) == 1
+    assert value(errors, {"method": "Lookup", "code": "UNAVAILABLE"}) == 0
+    assert value("recserve_ps_rpc_latency_seconds_count", {"method": "ExportRows"}) == 1

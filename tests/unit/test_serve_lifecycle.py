@@ -276,3 +276,47 @@ def test_a_ctrl_c_that_interrupts_the_start_is_a_clean_stop(fake_children):
     _kill_all_after(20, processes)
     assert serve_processes(_options()) == 0
     assert [p.returncode for p in processes] == [130, 130]
+
+
+def test_a_server_process_that_exits_0_unasked_fails_the_server(fake_children):
+    """Exiting 0 while nobody asked it to stop is still a crash: the server exits 1, or its
+    supervisor would take the stop as a clean one and never restart it."""
+    _commands, processes, _code = fake_children
+    _after(1.0, lambda: os.kill(processes[0].pid, signal.SIGTERM))  # it exits 0 on its own
+    assert serve_processes(_options()) == 1
+    assert [p.returncode for p in processes] == [0, 0]
+
+
+def test_the_checkpoint_watch_retries_a_failed_version_after_a_doubling_back_off(monkeypatch):
+    """A version that failed to load is tried again, not on every poll but after the
+    back-off, which doubles while it keeps failing; once it loads it is not loaded again."""
+    from embedding_store import model_checkpoint
+    from embedding_store.errors import CheckpointError
+
+    monkeypatch.setattr(
+        model_checkpoint, "read_manifest", lambda _path: SimpleNamespace(version="v2")
+    )
+    monkeypatch.setattr(server, "RELOAD_RETRY_SECONDS", 0.2)
+    attempts: list[float] = []
+    loaded = threading.Event()
+
+    def reload(_checkpoint):
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise CheckpointError("files still being copied in")
+        loaded.set()
+
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
+    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+    watcher = threading.Thread(target=watching._watch, daemon=True)
+    watcher.start()
+    try:
+        assert loaded.wait(5)
+        time.sleep(0.2)  # polls after the load find the version loaded
+    finally:
+        watching._stop.set()
+        watcher.join(5)
+    assert len(attempts) == 3
+    first_wait, second_wait = attempts[1] - attempts[0], attempts[2] - attempts[1]
+    assert 0.2 <= first_wait < 0.35
+    assert 0.4 <= second_wait < 0.6

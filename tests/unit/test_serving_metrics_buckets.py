@@ -114,3 +114,55 @@ def test_rpc_error_series_exist_at_zero_for_every_method(metrics, name, methods)
         if s.name == f"{name}_total"
     }
     assert series == {(method, code): 0.0 for method in methods for code in CODES}
+
+
+def test_checkpoint_age_counts_from_its_creation_and_is_never_negative():
+    import time
+
+    metrics = ServingMetrics()
+    created = [time.time() - 3600.0]
+    metrics.track_checkpoint(lambda: created[0])
+    age = metrics.registry.get_sample_value("recserve_checkpoint_age_seconds")
+    assert 3600.0 <= age < 3660.0
+    created[0] = time.time() + 600.0  # written by a host whose clock runs ahead
+    assert metrics.registry.get_sample_value("recserve_checkpoint_age_seconds") == 0.0
+
+
+_MULTIPROCESS_MODEL_INFO = """
+import sys
+
+from prometheus_client.parser import text_string_to_metric_families
+from serving.metrics import ServingMetrics
+
+metrics = ServingMetrics()
+metrics.set_model("m", "v1")
+metrics.set_model("m", "v2")
+for family in text_string_to_metric_families(metrics.exposition().decode()):
+    for sample in family.samples:
+        if sample.name == "recserve_model_info":
+            print(sample.labels["version"], sample.value)
+"""
+
+
+def test_a_replaced_version_reads_0_in_the_model_info_of_a_workers_server(tmp_path):
+    # Several processes keep what they stored: a replaced version stays as 0, not 1.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _MULTIPROCESS_MODEL_INFO],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == ["v1 0.0", "v2 1.0"]
