@@ -41,7 +41,12 @@ from embedding_store.config import (
     embedding_config_from_mapping,
     embedding_config_to_mapping,
 )
-from embedding_store.errors import AlreadyExistsError, CheckpointError, RecserveError
+from embedding_store.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    InvalidArgumentError,
+    RecserveError,
+)
 from embedding_store.hashing import shard_of
 from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.shard import EmbeddingShard, RowBlock
@@ -725,6 +730,8 @@ def read_rows_for_replica(
             picked = slice(None)  # only this replica's own files were picked above
         else:
             picked = np.flatnonzero(shard_of(ids, replica_size) == replica_index)
+        if keep_state:
+            _check_saved_state(manifest, entry, tensors["state"], keep_state_of)
         state = tensors["state"][picked] if keep_state else None
         by_dim.setdefault(entry.dim, []).append(
             RowBlock(ids=ids[picked], weights=tensors["weights"][picked], state=state)
@@ -743,6 +750,21 @@ def read_rows_for_replica(
             )
         )
     return blocks
+
+
+def _check_saved_state(
+    manifest: EmbeddingManifest, entry: FileEntry, state: np.ndarray, receiver: Optimizer
+) -> None:
+    """CheckpointError naming the file unless ``state`` (its optimizer state, kept for
+    ``receiver``) is state ``receiver`` can update (no negative accumulator or second
+    moment). Checked while reading, as every other property of the files: the shard would
+    refuse it only in ``replace_rows``, after other shards had taken their rows or a shard
+    had adopted the checkpoint's optimizer, and as a bad argument naming no file."""
+    try:
+        receiver.check_state(state, entry.dim)
+    except InvalidArgumentError as error:
+        path = manifest.directory / entry.path
+        raise CheckpointError(f"checkpoint file {path}: {error.message}") from None
 
 
 def _optimizer_summary(settings: dict[str, Any]) -> str:

@@ -573,3 +573,46 @@ def test_a_shard_one_row_too_small_is_refused_before_any_shard_changes(tmp_path)
     exact = two_shards(counts[1])
     checkpoint.load_embeddings(tmp_path / "ckpt", exact, CONFIG)
     assert [s.size() for s in exact] == counts
+
+
+def _with_negative_state(root: Path, shard: int) -> Path:
+    """Give the last file of ``shard`` a negative Adagrad accumulator (size and checksum to
+    match); returns the file's path."""
+    import safetensors.numpy
+
+    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    entry = [e for e in manifest["files"] if e["shard"] == shard][-1]
+    path = root / entry["path"]
+    tensors = dict(safetensors.numpy.load(path.read_bytes()))
+    tensors["state"] = tensors["state"].copy()
+    tensors["state"][0, 0] = -1.0
+    payload = safetensors.numpy.save(tensors, metadata={"shard": str(entry["shard"])})
+    path.write_bytes(payload)
+    entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
+    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    return path
+
+
+def test_negative_saved_state_is_refused_naming_the_file_before_any_shard_changes(tmp_path):
+    # The shard refused it only in replace_rows: the first shard had taken its rows by then,
+    # and the error was a bad argument naming no file.
+    _, shards = trained_worker(2)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    path = _with_negative_state(root, shard=1)
+    message = f"checkpoint file {path}: optimizer state: adagrad accumulators must be >= 0"
+    _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
+
+
+def test_negative_saved_state_leaves_a_shard_without_the_optimizer_it_would_adopt(tmp_path):
+    _, shards = trained_worker(1)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    _with_negative_state(root, shard=0)
+    shard = EmbeddingShard(100_000)
+    with pytest.raises(CheckpointError, match="adagrad accumulators must be >= 0"):
+        checkpoint.load_into_shard(
+            root, shard, CONFIG, replica_index=0, replica_size=1, adopt_optimizer=True
+        )
+    assert shard.optimizer is None  # "on any error it is unchanged"
+    assert shard.size() == 0
