@@ -201,8 +201,11 @@ class LoadedModel:
         embeddings: list[torch.Tensor],
     ) -> torch.Tensor:
         """``large`` on chunks of the sizes :func:`onednn_linear.chunk_sizes` allows (the
-        largest that fits, in turn), the loaded model on the rest (fewer than ``min_rows``
-        rows: at most a step's worth past the last chunk, or a batch's tail).
+        largest that fits, in turn), the loaded model on the rest: fewer than ``min_rows``
+        rows, or fewer than a step's worth (64) past a chunk below the largest size. A
+        threshold under 64 thus never runs its smallest chunk over and over on what is left
+        (``--onednn-min-rows 1`` made 63 one-row calls of a 63-row batch, ~100x the loaded
+        model's time).
 
         Why those sizes: oneDNN builds a kernel for each input shape it meets (~1.3-3 ms each
         for the synthetic model), so merged batches of every size would keep building them.
@@ -211,6 +214,7 @@ class LoadedModel:
         rows: 268 us at 256 rows, 245 us at 1024)."""
         outputs = []
         start = 0
+        largest = onednn_linear.chunk_sizes(min_rows)[-1]
         while rows - start >= min_rows:
             size = onednn_linear.chunk_size(min_rows, rows - start)
             outputs.append(
@@ -220,6 +224,8 @@ class LoadedModel:
                 )
             )
             start += size
+            if size < largest:
+                break  # what is left is under a step (64 rows): one call of the loaded model
         if start < rows:
             outputs.append(
                 self.dense([t[start:] for t in non_ids], [t[start:] for t in embeddings])

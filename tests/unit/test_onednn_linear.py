@@ -254,9 +254,10 @@ def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplo
 
         # which module ran on which rows: one answering 7.0 stands in for the rewritten model;
         # it takes the largest chunks of 16 + k * 64 rows (up to 1024) that fit, in turn, the
-        # loaded model the rest (1040 = 976 + 4 x 16)
+        # loaded model the rest: after a chunk below the largest, under 64 rows are left, and
+        # they go to the loaded model in one call (1050 = 976 + 16 + 58)
         model.large_batch_dense = torch.jit.script(Constant(7.0))
-        cases = ((1, 0), (15, 0), (16, 16), (40, 32), (48, 48), (1040, 1040), (1050, 1040))
+        cases = ((1, 0), (15, 0), (16, 16), (40, 16), (48, 16), (100, 80), (1050, 992))
         for rows, rewritten_rows in cases:
             batch, lookup = _random_batch(model, rows)
             output = model.forward(batch, lookup)
@@ -393,5 +394,33 @@ def test_every_chunk_size_is_checked_and_built_at_load_and_only_those_run(checkp
         # 300 -> 256 (+44 loaded); 1500 -> 1024 + 448 (+28); 2100 -> 1024 + 1024 (+52);
         # 3000 -> 1024 + 1024 + 896 (+56)
         assert recording.rows == [256, 256, 1024, 1024, 448, 1024, 1024, 1024, 1024, 896]
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize(
+    ("min_rows", "rows", "calls"),
+    [
+        (1, 63, [1]),  # was 63 one-row calls: ~100x the loaded model's time
+        (1, 1087, [961, 65]),  # was 961, 65 and 61 one-row calls
+        (16, 1087, [976, 80]),  # was 976, 80 and 16
+        (64, 1100, [1024, 64]),
+        (256, 3000, [1024, 1024, 896]),
+        (1000, 2500, [1000, 1000]),
+        (5000, 12000, [5000, 5000]),
+    ],
+)
+def test_a_low_threshold_never_runs_its_smallest_chunk_over_and_over(
+    checkpoint, min_rows, rows, calls
+):
+    model = load_model(checkpoint, name="m", onednn_min_rows=min_rows, warm_up=False)
+    try:
+        recording = Recording(model.large_batch_dense)
+        model.large_batch_dense = recording
+        batch, lookup = _random_batch(model, rows)
+        with_onednn = model.forward(batch, lookup)
+        assert recording.rows == calls
+        model.large_batch_dense = None
+        np.testing.assert_allclose(with_onednn, model.forward(batch, lookup), rtol=1e-5, atol=1e-5)
     finally:
         model.close()
