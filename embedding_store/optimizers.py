@@ -392,7 +392,9 @@ class Adagrad:
 
     def check_state(self, state: np.ndarray, dim: int) -> None:
         """InvalidArgumentError unless every accumulator of ``state`` (float32 [n, width]) is
-        >= 0: they sum squares, and a negative one makes its row NaN on the next update."""
+        >= 0: they sum squares, and a negative one makes its row NaN on the next update. +Inf
+        is allowed: this kernel stores it for a finite gradient past ~1.8e19 (the row then
+        stays as it is)."""
         _refuse_negative(state, "adagrad accumulators")
 
     def to_dict(self) -> dict:
@@ -471,9 +473,19 @@ class Adam:
         return np.zeros((n, self.state_width(dim)), dtype=np.float32)
 
     def check_state(self, state: np.ndarray, dim: int) -> None:
-        """InvalidArgumentError unless the second moments and step counts of ``state``
-        (float32 [n, 2 * dim + 1]: first moments, second moments, step) are >= 0: a negative
-        second moment makes its row NaN on the next update."""
+        """InvalidArgumentError unless the first moments of ``state`` (float32
+        [n, 2 * dim + 1]: first moments, second moments, step) are finite and its second
+        moments and step counts >= 0: a negative second moment makes its row NaN on the next
+        update, an infinite first moment makes it +-Inf. A second moment of +Inf is what
+        this kernel stores for a finite gradient past ~1e20 (the row then stays as it is)."""
+        first = state[:, :dim]
+        if not np.isfinite(first).all():
+            row = int(np.flatnonzero(~np.isfinite(first).all(axis=1))[0])
+            value = float(first[row][~np.isfinite(first[row])][0])
+            raise InvalidArgumentError(
+                f"optimizer state: adam first moments must be finite, but row {row} holds "
+                f"{value} (its row would become infinite on the next update)"
+            )
         _refuse_negative(state[:, dim:], "adam second moments and step counts")
 
     def to_dict(self) -> dict:

@@ -172,7 +172,12 @@ def test_non_finite_gradients_and_optimizer_state_are_refused_before_any_row_cha
     )
     error = aborted(s.ImportRows, iter([chunk]))
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "block.state has non-finite values" in error.details
+    assert "block.state has NaN values" in error.details
+    state = np.full((2, 4), -np.inf, np.float32)  # a negative accumulator
+    chunk.state = pack_f32(state)
+    error = aborted(s.ImportRows, iter([chunk]))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "adagrad accumulators must be >= 0, but row 0 holds -inf" in error.details
     after = s.shard.export_rows(4)
     np.testing.assert_array_equal(after.weights, before.weights)
     np.testing.assert_array_equal(after.state, before.state)

@@ -734,3 +734,35 @@ def test_imported_optimizer_state_that_would_make_rows_nan_is_refused(
     if isinstance(optimizer, Adam):
         state[:, :3] = -1.0
         shard.import_rows(RowBlock(ids, weights, state))
+
+
+@pytest.mark.parametrize("optimizer", [Adagrad(lr=0.1), Adam()], ids=["adagrad", "adam"])
+def test_state_a_shard_writes_for_a_huge_finite_gradient_moves_to_another_shard(optimizer):
+    # A finite gradient past ~1e20 makes the accumulator / second moment +Inf: the row stays
+    # finite (its updates become 0) and loads from a checkpoint; ImportRows refused it as
+    # "non-finite", so the rows could not be moved to another shard.
+    source = EmbeddingShard(100, optimizer=optimizer)
+    ids = u64(5, 6)
+    source.lookup(ids, 4, train=True)
+    source.update(ids, np.full((2, 4), 1e30, np.float32))
+    block = source.export_rows(4)
+    assert np.isinf(block.state).any() and np.isfinite(block.weights).all()
+    target = EmbeddingShard(100, optimizer=optimizer)
+    target.import_rows(block)
+    moved = target.export_rows(4)
+    np.testing.assert_array_equal(moved.state, block.state)
+    target.update(ids, np.ones((2, 4), np.float32))
+    assert np.isfinite(target.lookup(ids, 4, train=False)).all()
+
+
+def test_imported_adam_first_moments_must_be_finite() -> None:
+    shard = EmbeddingShard(100, optimizer=Adam())
+    ids = u64(1, 2)
+    state = Adam().initial_state(2, 3)
+    state[1, 2] = -np.inf  # the next update would make the row infinite
+    with pytest.raises(InvalidArgumentError, match="adam first moments must be finite, but row 1"):
+        shard.import_rows(RowBlock(ids, np.ones((2, 3), np.float32), state))
+    state[1, 2] = np.nan
+    with pytest.raises(InvalidArgumentError, match=r"block\.state has NaN values"):
+        shard.import_rows(RowBlock(ids, np.ones((2, 3), np.float32), state))
+    assert shard.size() == 0
