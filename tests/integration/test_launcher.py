@@ -171,3 +171,17 @@ def test_training_shards_are_configured_when_an_optimizer_is_given(embedding_con
         embedding_config, num_shards=1, num_workers=0, log_dir=tmp_path / "untrained"
     ) as cluster:  # no optimizer: left for the trainer to configure
         assert health_of(cluster.ps_addresses[0]) == "NOT_SERVING"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"num_shards": 0}, "need at least one shard"),
+        ({"num_workers": -1}, "non-negative number of workers"),
+        ({"initialization": InitializationConfig()}, "give optimizer too"),
+    ],
+)
+def test_a_cluster_that_cannot_start_is_refused_before_any_process(tmp_path, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(tmp_path / "embedding.yml", log_dir=tmp_path / "logs", **arguments)
+    assert not (tmp_path / "logs").exists()

@@ -384,3 +384,12 @@ def test_unknown_feature_lookup() -> None:
     _raises(lambda: b.id_feature("y"), "unknown ID-type feature 'y'", "'y' is a label")
     _raises(lambda: b.label("a"), "unknown label 'a'", "['y']")
     _raises(lambda: b.non_id_feature("a"), "unknown non-ID feature 'a'", "[]")
+
+
+def test_lengths_that_do_not_fit_the_values_name_the_sample_or_the_sum() -> None:
+    values = np.array([1, 2], dtype=np.uint64)
+    with pytest.raises(BatchValidationError, match="sample 1 has length 3 but values holds only 2"):
+        IDTypeFeature("f", values, np.array([0, 3]))
+    with pytest.raises(BatchValidationError, match="lengths sum to 4 but values holds 2 IDs"):
+        IDTypeFeature("f", values, np.array([2, 2]))
+    assert IDTypeFeature("f", values, np.array([0, 2, 0])).to_lists() == [[], [1, 2], []]

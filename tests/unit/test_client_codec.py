@@ -413,6 +413,15 @@ def test_a_malformed_http_answer_is_a_recserve_error(body, header_length):
         codec.decode_http_infer(body, header_length)
 
 
+def test_a_header_length_past_the_answer_is_refused():
+    body = b'{"outputs":[{"name":"p","datatype":"FP32","shape":[1],"data":[0.5]}]}'
+    assert codec.decode_http_infer(body, str(len(body))).predictions.tolist() == [[0.5]]
+    with pytest.raises(
+        RecserveError, match=f"bad Inference-Header-Content-Length '{len(body) + 1}'"
+    ):
+        codec.decode_http_infer(body, str(len(body) + 1))
+
+
 def test_malformed_grpc_and_rows_answers_are_recserve_errors():
     response = CLIENT_V2.ModelInferResponse()
     for name in ("a", "b"):

@@ -37,6 +37,13 @@ def test_auc_needs_both_classes_and_no_nan():
         eval_report.roc_auc(np.array([0, 1]), np.array([0.1, np.nan]))
 
 
+def test_a_label_of_exactly_one_half_is_negative():
+    labels = np.array([0.5, 1.0, 0.0])
+    scores = np.array([0.9, 0.5, 0.1])  # the positive beats 0.1, not the 0.5-label's 0.9
+    assert eval_report.roc_auc(labels, scores) == 0.5
+    assert adult_roc_auc(labels, scores) == 0.5
+
+
 def test_roc_curve_area_is_the_auc():
     rng = np.random.default_rng(3)
     labels = rng.integers(0, 2, 500)

@@ -697,6 +697,82 @@ def test_the_documented_list_length_mean_is_the_real_one():
     assert "mean of 2.06" in traffic.__doc__
 
 
+@pytest.mark.parametrize(
+    ("text", "mix"),
+    [
+        ("1:6,8:3,64:1", ((1, 8, 64), (6.0, 3.0, 1.0))),
+        ("64", ((64,), (1.0,))),
+        (" 1 , 2:0.5", ((1, 2), (1.0, 0.5))),
+    ],
+)
+def test_a_batch_mix_is_read_as_sizes_and_weights(text, mix):
+    from load_tests import traffic
+
+    assert traffic.parse_batch_mix(text) == mix
+
+
+@pytest.mark.parametrize("text", ["0:1", "8:1,0", "-1", "8:0", "1:6,8:-1", "", "a:1"])
+def test_a_batch_mix_without_positive_sizes_and_weights_is_refused(text):
+    from load_tests import traffic
+
+    with pytest.raises(ValueError):
+        traffic.parse_batch_mix(text)
+
+
+def test_the_profile_reads_every_load_test_variable():
+    from load_tests import traffic
+
+    environ = {
+        "RECSERVE_LT_BATCHES": "4:1,16:3",
+        "RECSERVE_LT_ZIPF": "1.5",
+        "RECSERVE_LT_UNKNOWN": "0.25",
+        "RECSERVE_LT_SEED": "9",
+    }
+    profile = traffic.TrafficProfile.from_env(environ)
+    assert (profile.batch_sizes, profile.batch_weights) == ((4, 16), (1.0, 3.0))
+    assert (profile.zipf_exponent, profile.unknown_share, profile.seed) == (1.5, 0.25, 9)
+    assert traffic.TrafficProfile.from_env({}) == traffic.TrafficProfile()
+
+
+def test_zipf_ranks_have_probability_one_over_rank_to_the_exponent():
+    from load_tests import traffic
+
+    np.testing.assert_allclose(traffic._Zipf(3, 1.0).cdf, [6 / 11, 9 / 11, 1.0], rtol=1e-12)
+    np.testing.assert_allclose(traffic._Zipf(2, 2.0).cdf, [0.8, 1.0], rtol=1e-12)
+
+
+def test_a_draw_above_the_rounded_cdf_is_the_last_rank():
+    """cumsum of 12 weights ends at 1 - 2**-52: a uniform draw above it is still rank 11."""
+    from load_tests import traffic
+
+    zipf = traffic._Zipf(12, 1.1)
+    assert zipf.cdf[-1] < np.nextafter(1.0, 0.0)
+
+    class Top:
+        def random(self, count):
+            return np.full(count, np.nextafter(1.0, 0.0))
+
+    assert zipf.sample(Top(), 3).tolist() == [11, 11, 11]
+
+
+def test_unknown_ids_lie_in_their_documented_range():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(unknown_share=1.0, default_vocab=100, seed=3),
+    )
+    ids = generator.arrays(4096)["item"]
+    assert ids.dtype == np.int64
+    assert ids.min() >= traffic.UNKNOWN_LOW and ids.max() < 2 * traffic.UNKNOWN_LOW
+    assert ids.max() >= traffic.UNKNOWN_LOW + (traffic.UNKNOWN_LOW >> 1)  # spread, not stuck low
+    known = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(unknown_share=0.0, default_vocab=100, seed=3),
+    ).arrays(4096)["item"]
+    assert known.min() >= 0 and known.max() < 100
+
+
 # --------------------------------------------------------------------------- friendly rows
 def test_the_adult_preprocessor_gets_raw_rows(tmp_path, capsys):
     """Against `--preprocessor examples.adult_income.preprocess:instances_to_batch` the

@@ -551,3 +551,41 @@ def test_a_failed_row_export_is_counted_and_timed_like_unary_calls():
     assert value(errors, {"method": "ExportRows", "code": "UNAVAILABLE"}) == 1
     assert value(errors, {"method": "Lookup", "code": "UNAVAILABLE"}) == 0
     assert value("recserve_ps_rpc_latency_seconds_count", {"method": "ExportRows"}) == 1
+
+
+def test_the_client_refuses_bad_arguments_before_calling_the_shard():
+    with RemoteParameterServer("127.0.0.1:1", timeout=5) as client:  # nothing listens there
+        ids = np.array([1, 2, 3], dtype=np.uint64)
+        with pytest.raises(InvalidArgumentError, match=r"dim must be < 2\*\*32, got 4294967296"):
+            client.lookup(ids, 2**32, train=False)
+        with pytest.raises(InvalidArgumentError, match="dim must be a positive integer"):
+            client.lookup(ids, 0, train=False)
+        with pytest.raises(
+            InvalidArgumentError, match=r"grads must have shape \[3, dim >= 1\] to match ids"
+        ):
+            client.update(ids, np.zeros((2, 4), dtype=np.float32))
+
+
+class _RecordingStub:
+    """A ParameterServer stub whose Dump and Load answer at once, recording their deadline."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[tuple[str, float | None]] = []
+
+    def Dump(self, request, timeout=None):
+        self.timeouts.append(("dump", timeout))
+        return pb.ShardDumpResponse()
+
+    def Load(self, request, timeout=None):
+        self.timeouts.append(("load", timeout))
+        return pb.ShardLoadResponse(rows_loaded=7)
+
+
+def test_dump_and_load_take_the_deadline_they_are_given_else_the_checkpoint_timeout():
+    with RemoteParameterServer("127.0.0.1:1", timeout=5, checkpoint_timeout=123) as client:
+        client._stub = stub = _RecordingStub()
+        assert client.dump("/d", timeout=2.5) == ([], None)
+        client.dump("/d")
+        assert client.load("/d", timeout=3.5) == 7
+        client.load("/d")
+    assert stub.timeouts == [("dump", 2.5), ("dump", 123.0), ("load", 3.5), ("load", 123.0)]

@@ -88,6 +88,14 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
             "--embedding-workers and --embedding-ps both given",
         ),
         (["--embedding-ps", "127.0.0.1:0"], "--embedding-ps: '127.0.0.1:0' is not HOST:PORT"),
+        (["--embedding-ps", "h:65536"], "--embedding-ps: 'h:65536' is not HOST:PORT"),
+        (["--model-name", "."], "--model-name '.': a model name"),
+        (["--model-name", ".."], "--model-name '..': a model name"),
+        (
+            ["--max-queue-delay-ms", "2000", "--request-timeout", "2"],
+            "--max-queue-delay-ms 2000 is not below --request-timeout 2 s",
+        ),
+        (["--threads", "1025"], "--threads 1025: at most 1024"),
     ],
 )
 def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
@@ -100,6 +108,14 @@ def test_sensible_arguments_pass_the_checks():
         "--model-name", "adult-income_v2.1", "--http-port", "0", "--grpc-port", "0",
         "--embedding-ps", "ps-0.ps:7000,ps-1.ps:7000", "--admin-token", "abc-DEF_123.~+/==:!#$",
         "--max-queue-delay-ms", "1", "--request-timeout", "0.5",
+    )  # fmt: skip
+    assert commands.check_arguments(args) is None
+
+
+def test_arguments_at_their_limits_pass_the_checks():
+    args = _parse(
+        "--model-name", "...", "--embedding-workers", "w:65535", "--threads", "1024",
+        "--max-queue-delay-ms", "1999", "--request-timeout", "2",
     )  # fmt: skip
     assert commands.check_arguments(args) is None
 

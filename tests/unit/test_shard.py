@@ -75,6 +75,41 @@ def test_initialization_range_and_bound() -> None:
             InitializationConfig(low=low, high=high)
 
 
+def test_initialization_never_yields_high_even_when_float32_rounds_to_it() -> None:
+    # ID 88642246 (seed 0) draws u = 0.99999998..., which float32 rounds to 1.0: the value
+    # must stay in [low, high), as the largest float32 below ``high``.
+    v = initial_vectors(u64(88642246, 1), 1, InitializationConfig(low=0.0, high=1.0))
+    assert v[0, 0] == np.nextafter(np.float32(1.0), np.float32(0.0))
+    assert v.max() < 1.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"admit_probability": 0.0}, r"admit_probability must be in \(0, 1\], got 0.0"),
+        ({"admit_probability": 1.0000001}, "admit_probability must be in"),
+        ({"weight_bound": 0.0}, "weight_bound must be > 0, got 0.0"),
+        ({"seed": 2**64}, r"seed must be in \[0, 2\*\*64\)"),
+        ({"seed": -1}, r"seed must be in \[0, 2\*\*64\)"),
+    ],
+)
+def test_initialization_settings_out_of_range_are_refused(settings, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        InitializationConfig(**settings)
+
+
+def test_initialization_settings_at_their_limits_are_taken() -> None:
+    config = InitializationConfig(admit_probability=1.0, weight_bound=1e-30, seed=2**64 - 1)
+    assert (config.admit_probability, config.weight_bound, config.seed) == (1.0, 1e-30, 2**64 - 1)
+    assert initial_vectors(u64(7), 1, config).shape == (1, 1)
+
+
+@pytest.mark.parametrize("dim", [0, -1, True, 2.0])
+def test_initial_vectors_need_a_positive_integer_dim(dim) -> None:
+    with pytest.raises(InvalidArgumentError, match="dim must be a positive integer"):
+        initial_vectors(u64(1, 2), dim)
+
+
 def test_eval_never_inserts_and_counts_misses() -> None:
     shard = EmbeddingShard(100, optimizer=SGD())
     out = shard.lookup(u64(1, 2, 2), 4, train=False)

@@ -11,7 +11,7 @@ from embedding_store.batch import (
     IDTypeFeatureWithSingleID,
     NonIDTypeFeature,
 )
-from embedding_store.errors import BatchValidationError
+from embedding_store.errors import BatchValidationError, CheckpointError
 from embedding_store.signature import FeatureSignature
 
 
@@ -78,3 +78,11 @@ def test_missing_and_unknown_non_id_features_are_named() -> None:
                 requires_grad=False,
             )
         )
+
+
+def test_a_stored_signature_round_trips_and_an_unknown_dtype_is_refused() -> None:
+    assert FeatureSignature.from_dict(SIGNATURE.to_dict()) == SIGNATURE
+    data = SIGNATURE.to_dict()
+    data["non_id_features"][0]["dtype"] = "float33"
+    with pytest.raises(CheckpointError, match=r"model\.json: malformed feature signature"):
+        FeatureSignature.from_dict(data, source="model.json")

@@ -272,3 +272,52 @@ def test_a_worker_refuses_a_lookup_whose_answer_cannot_fit_before_computing_it()
     finally:
         server.stop(None)
         tier.close()
+
+
+def test_an_answer_of_exactly_one_messages_room_fits() -> None:
+    # A summed slot of dim 4096: 16 KiB per sample; 16380 samples fill the room exactly.
+    config = embedding_config_from_mapping({"slots_config": {"user": {"dim": 4096}}})
+    room = MAX_MESSAGE_BYTES - 64 * 1024
+    assert room == 16380 * 4 * 4096
+
+    def batch(samples: int) -> Batch:
+        ids = np.arange(samples, dtype=np.uint64)
+        return Batch([IDTypeFeatureWithSingleID("user", ids)], requires_grad=False)
+
+    check_answer_fits(batch(16380), config)
+    with pytest.raises(CapacityError, match=f"would be {room + 4 * 4096} bytes"):
+        check_answer_fits(batch(16381), config)
+
+
+class _FixedMessage:
+    """A PackedSlots look-alike whose ``data`` is always the same bytes object."""
+
+    def __init__(self, message: pb.PackedSlots) -> None:
+        self.slots = message.slots
+        self.data = message.data
+
+
+def test_unpacked_slots_never_write_into_the_message_bytes() -> None:
+    message = pb.PackedSlots()
+    pack_slots(message, _outputs())
+    fixed = _FixedMessage(_wire(message))
+    before = bytes(bytearray(fixed.data))
+    decoded = unpack_slots(fixed)
+    decoded[0].embeddings.add_(1.0)
+    decoded[1].embeddings.zero_()
+    assert fixed.data == before
+
+
+def test_an_answer_of_another_batch_size_is_refused_without_an_embedding_config() -> None:
+    batch = Batch([IDTypeFeatureWithSingleID.from_ids("user", [1, 2])], requires_grad=False)
+    worker = _AnsweringWorker(lambda b: _ones(b, 2 * b.batch_size))
+    try:
+        with RemoteEmbeddingWorker(f"127.0.0.1:{worker.port}", None, timeout=10) as client:
+            with pytest.raises(RecserveError, match="sent a malformed answer") as refused:
+                client.lookup(batch, train=False)
+            assert "slot 'user' has shape [4, 4], expected [2, ...]" in refused.value.message
+            worker.answer = lambda b: _ones(b, b.batch_size, dim=3)
+            (slot,) = client.lookup(batch, train=False).slots
+            assert tuple(slot.embeddings.shape) == (2, 3)
+    finally:
+        worker.server.stop(None)
