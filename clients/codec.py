@@ -158,8 +158,8 @@ def batch_to_tensors(batch: Batch) -> dict[str, np.ndarray]:
         data = np.asarray(feature.data)
         if data.dtype != np.float32:
             data = data.astype(np.float32)
-        if data.ndim == 1:
-            data = data.reshape(-1, 1)
+        # As the batch holds it: a model trained on [B] data takes [B] (sample shape ()), and
+        # a server takes [B] for sample shape (1,) too; [B, 1] fits only the latter.
         tensors[feature.name] = np.ascontiguousarray(data)
     return tensors
 

@@ -134,6 +134,28 @@ def test_batch_to_tensors_follows_kserve_naming():
     assert tensors["dense"].dtype == np.float32 and tensors["dense"].shape == (3, 2)
 
 
+@pytest.mark.parametrize("sample_shape", [(), (1,)])
+def test_a_one_dimensional_dense_feature_is_taken_by_a_model_trained_on_it(sample_shape):
+    # A model trained on [B] data records sample shape (); [B, 1] was refused by it.
+    from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+    from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+    from serving.tensors import tensors_to_batch
+
+    values = np.array([0.5, 1.5, -2.0], np.float32)
+    batch = Batch(
+        [IDTypeFeatureWithSingleID.from_ids("user", [1, 2, 3])],
+        [NonIDTypeFeature(values, "x")],
+        requires_grad=False,
+    )
+    tensors = codec.batch_to_tensors(batch)
+    assert tensors["x"].shape == (3,)
+    signature = FeatureSignature(
+        (IdFeatureSpec("user", True),), (NonIdFeatureSpec("x", "float32", sample_shape),)
+    )
+    served = tensors_to_batch(signature, tensors, max_batch_size=16)
+    np.testing.assert_array_equal(np.ravel(served.non_id_type_features[0].data), values)
+
+
 def test_http_infer_request_decodes_on_the_server():
     tensors = codec.batch_to_tensors(_batch())
     body, headers = codec.encode_http_infer(tensors, timeout=1.5)
