@@ -855,3 +855,22 @@ def test_deploy_docs_exist() -> None:
     text = (REPO_ROOT / "docs" / "deploy.md").read_text()
     for needle in ("Procfile.serving", "docker compose", "kubectl apply -k", "pod-index"):
         assert needle in text, needle
+
+
+def test_compose_healthchecks_probe_the_port_each_service_listens_on() -> None:
+    """A healthcheck on another port (a copy-pasted shard's 7000 on the worker) checks
+    something else, or nothing: the service is marked healthy, or never, whatever it does."""
+    health = load_healthcheck_module()
+    checked = []
+    for name, service in compose()["services"].items():
+        check = service.get("healthcheck", {})
+        if check.get("disable") or service.get("image", "").split(":")[0] != IMAGE:
+            continue
+        if "entrypoint" in service:
+            continue
+        probed = re.findall(r"(?:grpc|http)://[^\s'\"]+", " ".join(check["test"]))
+        expected = health.targets_from_argv(["recserve", *service["command"]])
+        assert probed, f"{name}: healthcheck names no target"
+        assert probed == expected, f"{name}: healthcheck probes {probed}, listens on {expected}"
+        checked.append(name)
+    assert sorted(checked) == ["ps0", "ps1", "server", "worker"]

@@ -185,6 +185,28 @@ def test_rows_to_batch_without_labels_and_unseen_values():
         features.rows_to_batch(rows, with_labels=False)
 
 
+def test_serving_preprocessor_strips_categories_and_builds_an_inference_batch():
+    """The --preprocessor hook: raw rows with spaces around categories (as in the UCI files,
+    ", State-gov") hash like the stripped values, no label, no gradient."""
+    from examples.adult_income.preprocess import instances_to_batch
+
+    rows = as_dicts(ROWS_CSV[:2])
+    for row in rows:
+        del row["income"]
+    spaced = [
+        {k: (f" {v} " if k in features.CATEGORICAL_COLUMNS else v) for k, v in r.items()}
+        for r in rows
+    ]
+    batch = instances_to_batch(spaced)
+    assert not batch.requires_grad
+    assert batch.label_names == ()
+    assert batch.equals(features.rows_to_batch(rows, with_labels=False))
+    assert [int(v) for v in batch.id_feature("workclass").values] == [
+        blake("State-gov"),
+        blake("Self-emp-not-inc"),
+    ]
+
+
 def test_canonical_number_and_labels():
     assert features.canonical_number(2174.0) == "2174"
     assert features.canonical_number(0) == "0"

@@ -170,6 +170,21 @@ def test_rows(urls):
         client.predict(rows)
 
 
+def test_async_rows(urls):
+    rows = [{"user": ids, "age": age} for ids, age in zip(USERS, AGES)]
+
+    async def main():
+        async with AsyncRecserveClient(urls["http"], model_name=MODEL, **FAST) as client:
+            result = await client.predict(rows)
+        async with AsyncRecserveClient(urls["grpc"], model_name=MODEL, **FAST) as client:
+            with pytest.raises(InvalidArgumentError, match="need an HTTP server URL"):
+                await client.predict(rows)
+        return result
+
+    result = asyncio.run(main())
+    np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
+
+
 def test_wrong_input_type(client):
     with pytest.raises(TypeError, match="Batch or a list of dict rows"):
         client.predict({"user": [1]})

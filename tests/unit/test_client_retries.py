@@ -574,3 +574,44 @@ def test_http_answers_from_300_up_are_errors_not_retried(fake_http, status):
         + (" (HTTP 300)" if status == 300 else "")
     )
     assert server.requests == 1
+
+
+def test_async_health_is_false_when_the_server_does_not_answer_in_time():
+    # Accepts connections, never answers: each health call ends in DeadlineExceededError,
+    # which a health check reports as False, as RecserveClient does.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+        async def main():
+            async with AsyncRecserveClient(url, model_name="m", retries=0) as client:
+                return [
+                    await client.live(timeout=0.2),
+                    await client.ready(timeout=0.2),
+                    await client.model_ready(timeout=0.2),
+                ]
+
+        assert asyncio.run(main()) == [False, False, False]
+
+
+def test_async_retries_wait_the_policys_delay_of_each_attempt(fake_http, monkeypatch):
+    server = fake_http([(503, 0.0), (503, 0.0)])
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr("clients.aio.asyncio.sleep", recorded_sleep)
+
+    async def main():
+        async with AsyncRecserveClient(
+            server.url, model_name="m", retries=3, backoff=(1.0, 100.0)
+        ) as client:
+            return await client.predict(_batch())
+
+    assert asyncio.run(main()).model_version == "v1"
+    assert server.requests == 3
+    # Attempt k waits uniform(c / 2, c) with c = min(max, min * 2**k): [0.5, 1], then [1, 2].
+    assert len(waits) == 2
+    assert 0.5 <= waits[0] <= 1.0 and 1.0 <= waits[1] <= 2.0

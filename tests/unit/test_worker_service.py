@@ -261,6 +261,29 @@ def test_pushes_to_a_dead_shard_fail_are_counted_and_drain_the_queue(make_tier, 
     assert stats.gradient_rows_pushed == 2
 
 
+def test_clear_waits_for_the_gradient_push_under_way(make_tier):
+    # Administration runs after the queued gradients: a clear that did not wait would be
+    # undone by the update still on its way (rows trained back into the cleared shard).
+    tier, (shard,) = make_tier(num_shards=1)
+    entered, release = threading.Event(), threading.Event()
+    shard.on_update = held(entered, release)
+    result = tier.lookup(user_batch([1, 2, 3]), train=True)
+    tier.backward(result.ref, ones(3))
+    assert entered.wait(WAIT)
+
+    clearing = threading.Thread(target=tier.clear)
+    clearing.start()
+    clearing.join(0.3)
+    assert clearing.is_alive(), "clear ran while a gradient push was under way"
+    assert shard.clears == 0
+    release.set()
+    clearing.join(WAIT)
+    assert not clearing.is_alive()
+    assert (shard.updates, shard.clears) == (1, 1)
+    assert tier.status().rows_per_shard == (0,)
+    tier.flush()
+
+
 def test_backward_of_an_unknown_ref_fails_at_once(make_tier):
     tier, _ = make_tier(num_shards=1)
     with pytest.raises(NotFoundError, match="no forward context 12345"):
@@ -353,6 +376,30 @@ def test_a_second_checkpoint_task_is_refused_while_one_runs(make_tier, tmp_path)
         release.set()
         first.join(WAIT)
     assert (tmp_path / "a" / checkpoint.DONE_MARKER).exists()
+
+
+def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
+    tier, fakes = make_tier(num_shards=3)
+    tier.lookup(user_batch(list(range(30))), train=True)
+    rows = [fake.shard.size() for fake in fakes]
+    assert all(rows)
+
+    def refused() -> ShardStatus:
+        raise UnavailableError(f"{fakes[1].peer}: connection refused")
+
+    fakes[1].status = refused
+    with pytest.raises(UnavailableError, match="connection refused"):
+        tier.status()
+    status = tier.status(partial=True)
+    assert status.shard_errors == (
+        "",
+        "parameter server fake-1:7000 (shard 1): connection refused",
+        "",
+    )
+    assert status.rows_per_shard == (rows[0], 0, rows[2])
+    assert status.capacity_per_shard == (1000, 0, 1000)
+    assert status.shard_serving == (True, False, True)
+    assert status.shard_tasks == ("", "", "")
 
 
 def test_format_status_shows_tasks_of_shards_and_worker():

@@ -1,0 +1,51 @@
+"""The embedded tier (shards and worker core in this process): every shard takes part in
+configure, clear, dump and load, and its status and progress reports say so."""
+
+from __future__ import annotations
+
+import torch
+
+from embedding_store.optimizers import SGD
+from embedding_store.tier import InProcessEmbeddingTier
+from tests.unit.test_worker_service import CONFIG, DIM, ones, user_batch
+
+
+def test_status_rows_capacity_and_nonfinite_rows_of_every_shard():
+    with InProcessEmbeddingTier(CONFIG, capacity=100, num_shards=3, optimizer=SGD(lr=1.0)) as tier:
+        result = tier.lookup(user_batch(list(range(30))), train=True)
+        grads = ones(30)["user"]
+        grads[[0, 7]] = float("nan")
+        stats = tier.backward(result.ref, {"user": grads})
+        assert stats.nonfinite_rows_skipped == 2
+        status = tier.status()
+        assert sum(status.rows_per_shard) == 30 and all(status.rows_per_shard)
+        assert status.capacity_per_shard == (100, 100, 100)
+        assert status.nonfinite_rows_skipped == 2
+        assert (status.pending_backward, status.pending_gradient_batches) == (0, 0)
+
+
+def test_configure_and_clear_reach_every_shard():
+    with InProcessEmbeddingTier(CONFIG, num_shards=3, optimizer=SGD(lr=1.0)) as tier:
+        tier.configure(optimizer=SGD(lr=0.25))
+        assert [s.optimizer.to_dict() for s in tier.shards] == [SGD(lr=0.25).to_dict()] * 3
+        tier.lookup(user_batch(list(range(30))), train=True)
+        assert all(tier.status().rows_per_shard)
+        tier.clear()
+        assert tier.status().rows_per_shard == (0, 0, 0)
+
+
+def test_dump_and_load_report_their_progress_once_done(tmp_path):
+    with InProcessEmbeddingTier(CONFIG, num_shards=3, optimizer=SGD(lr=1.0)) as tier:
+        result = tier.lookup(user_batch(list(range(30))), train=True)
+        tier.backward(result.ref, {"user": torch.full((30, DIM), 0.5)})
+        expected = tier.lookup(user_batch(list(range(30))), train=False).slots[0].embeddings
+        seen = []
+        tier.dump(tmp_path / "ckpt", progress=lambda *step: seen.append(step))
+        assert seen == [("dump", 3, 3)]
+    with InProcessEmbeddingTier(CONFIG, num_shards=3, read_only=True) as served:
+        seen = []
+        served.load(tmp_path / "ckpt", progress=lambda *step: seen.append(step))
+        assert seen == [("load", 3, 3)]
+        assert served.status().rows_per_shard == tier.status().rows_per_shard
+        answer = served.lookup(user_batch(list(range(30))), train=False).slots[0].embeddings
+        torch.testing.assert_close(answer, expected, rtol=0, atol=0)
