@@ -141,19 +141,22 @@ class LoadedModel:
         return result
 
     def default_lookup(self, batch: Batch) -> LookupResult:
-        """Zero vectors for every slot (the fallback when the tier cannot answer in time)."""
+        """Every ID answered as unknown: zero vectors, and for raw slots the mask the tier
+        gives (True where an ID sits, up to ``sample_fixed_size``), so that a model that
+        averages over the mask sees a sequence of zero vectors, not an empty one (the
+        fallback when the tier cannot answer in time)."""
         slots = []
         for feature in batch.id_type_features:
             config = self.embedding_config.slots_config[feature.name]
             if config.embedding_summation:
                 slots.append(SlotOutput(feature.name, torch.zeros(feature.batch_size, config.dim)))
             else:
-                shape = (feature.batch_size, config.sample_fixed_size)
+                fixed = config.sample_fixed_size
+                lengths = torch.from_numpy(np.asarray(feature.lengths, dtype=np.int64))
+                mask = torch.arange(fixed).unsqueeze(0) < lengths.unsqueeze(1)
                 slots.append(
                     SlotOutput(
-                        feature.name,
-                        torch.zeros(*shape, config.dim),
-                        torch.zeros(shape, dtype=torch.bool),
+                        feature.name, torch.zeros(feature.batch_size, fixed, config.dim), mask
                     )
                 )
         return LookupResult(slots=tuple(slots))

@@ -115,3 +115,45 @@ def test_fallback_is_logged_when_it_starts_and_ends_not_per_batch(checkpoint, ca
     finally:
         model.tier = working
         model.close()
+
+
+def test_default_answers_a_raw_slot_as_the_tier_answers_unknown_ids():
+    # Fallback is "every ID unknown": zero vectors, and the mask the tier gives for unknown
+    # IDs (True where an ID sits), not an all-False one that makes a masked mean 0 / 0.
+    from types import SimpleNamespace
+
+    from embedding_store.config import embedding_config_from_mapping
+    from embedding_store.tier import InProcessEmbeddingTier
+    from serving.model import LoadedModel
+
+    config = embedding_config_from_mapping(
+        {
+            "slots_config": {
+                "user": {"dim": 4},
+                "history": {"dim": 4, "embedding_summation": False, "sample_fixed_size": 3},
+            }
+        }
+    )
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 2, 3]),
+            IDTypeFeature.from_lists("history", [[5, 6], [], [7, 8, 9, 10]]),
+        ],
+        requires_grad=False,
+    )
+    fallback = LoadedModel.default_lookup(SimpleNamespace(embedding_config=config), batch)
+    tier = InProcessEmbeddingTier(config, capacity=100, read_only=True)  # no rows: all unknown
+    unknown = tier.lookup(batch, train=False)
+    assert unknown.unknown_ids == 8  # the 4th history ID is past sample_fixed_size
+    for got, expected in zip(fallback.slots, unknown.slots):
+        assert got.name == expected.name
+        torch.testing.assert_close(got.embeddings, expected.embeddings)
+        if expected.mask is None:
+            assert got.mask is None
+        else:
+            torch.testing.assert_close(got.mask, expected.mask)
+    assert fallback.slots[1].mask.tolist() == [
+        [True, True, False],
+        [False, False, False],
+        [True, True, True],
+    ]

@@ -94,7 +94,7 @@ def test_infer_counts_the_lookup_as_lookup_time_not_compute_time(checkpoint):
         model.tier = _SlowTier(working, 0.2)
         output = model.infer(_batch())
         assert output.lookup_seconds >= 0.2
-        assert 0 <= output.compute_seconds < 0.2
+        assert 0 <= output.compute_seconds < output.lookup_seconds  # a tiny model, no sleep
     finally:
         model.tier = working
         model.close()
