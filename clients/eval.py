@@ -1017,9 +1017,11 @@ def _check_options(o: EvalOptions) -> None:
             "give --checkpoint DIR (in-process) or --url URL (a server), or both with --compare"
         )
     if o.output_transform not in OUTPUT_TRANSFORMS:
-        raise InvalidArgumentError(f"--output-transform must be one of {OUTPUT_TRANSFORMS}")
+        raise InvalidArgumentError(
+            f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got {o.output_transform!r}"
+        )
     if o.bad_rows not in ("skip", "fail"):
-        raise InvalidArgumentError("--bad-rows must be skip or fail")
+        raise InvalidArgumentError(f"--bad-rows must be skip or fail, got {o.bad_rows!r}")
     if o.batch_size <= 0:
         raise InvalidArgumentError(f"--batch-size must be > 0, got {o.batch_size}")
     if not (0 < o.timeout <= MAX_TIMEOUT_SECONDS):  # NaN too

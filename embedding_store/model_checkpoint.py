@@ -285,12 +285,17 @@ def _file_entries(files: Any, where: Path) -> dict[str, dict[str, Any]]:
     """The manifest's ``files``: {name: {"bytes": int >= 0, "sha256": 64 hex digits}}, each
     name a plain file name; CheckpointError naming the entry otherwise."""
     if not isinstance(files, dict):
-        raise CheckpointError(f"{where} is malformed: 'files' must be an object")
+        raise CheckpointError(
+            f"{where} is malformed: 'files' must be an object, got a JSON {type(files).__name__}"
+        )
     for name, entry in files.items():
         if Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"{where} is malformed: file name {name!r} is not a plain name")
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{where} is malformed: files[{name!r}] must be an object")
+            raise CheckpointError(
+                f"{where} is malformed: files[{name!r}] must be an object, got a JSON "
+                f"{type(entry).__name__}"
+            )
         size = entry.get("bytes")
         if type(size) is not int or size < 0:
             raise CheckpointError(

@@ -669,7 +669,10 @@ def create_app(
                         raise InvalidArgumentError('body must be {"checkpoint": "<path>"}')
                     checkpoint = document.get("checkpoint")
                     if checkpoint is not None and not isinstance(checkpoint, str):
-                        raise InvalidArgumentError("'checkpoint' must be a string or null")
+                        raise InvalidArgumentError(
+                            "'checkpoint' must be a string or null, got a JSON "
+                            f"{type(checkpoint).__name__}"
+                        )
                     if checkpoint is not None and (
                         not checkpoint or "\0" in checkpoint or len(checkpoint) > _MAX_PATH
                     ):

@@ -563,14 +563,18 @@ def _parameters_of(entry: Mapping[str, Any], owner: str) -> dict[str, Any]:
     if parameters is None:
         return {}
     if not isinstance(parameters, dict):
-        raise InvalidArgumentError(f"{owner}: 'parameters' must be an object")
+        raise InvalidArgumentError(
+            f"{owner}: 'parameters' must be an object, got {_json_kind(parameters)}"
+        )
     return parameters
 
 
 def _bool_parameter(parameters: Mapping[str, Any], key: str, owner: str) -> bool | None:
     value = parameters.get(key)
     if value is not None and not isinstance(value, bool):
-        raise InvalidArgumentError(f"{owner}: parameter {key!r} must be true or false")
+        raise InvalidArgumentError(
+            f"{owner}: parameter {key!r} must be true or false, got {_json_kind(value)}"
+        )
     return value
 
 
@@ -578,14 +582,19 @@ def _requested_outputs_json(outputs: object) -> tuple[RequestedOutput, ...] | No
     if outputs is None:
         return None
     if not isinstance(outputs, list):
-        raise InvalidArgumentError("'outputs' must be a list of {\"name\": ...} objects")
+        raise InvalidArgumentError(
+            f"'outputs' must be a list of {{\"name\": ...}} objects, got {_json_kind(outputs)}"
+        )
     if not outputs:
         return None  # none named: every output, as gRPC reads an empty list
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for position, output in enumerate(outputs):
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
-            raise InvalidArgumentError(f"outputs[{position}] must be an object with a 'name'")
+            raise InvalidArgumentError(
+                f"outputs[{position}] must be an object with a string 'name', got "
+                f"{_entry_kind(output)}"
+            )
         name = output["name"]
         owner = f"output {name!r}"
         if name in seen:
@@ -710,6 +719,32 @@ def _quoted_name(name: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _json_kind(value: object) -> str:
+    """The JSON type of a decoded value, for error messages (never the value itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {_quoted_name(value)}"
+    if isinstance(value, str):
+        return f"the string {_quoted_name(value)}"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _entry_kind(entry: object) -> str:
+    """What an ``inputs[i]`` / ``outputs[i]`` entry that lacks a string 'name' was."""
+    if not isinstance(entry, dict):
+        return _json_kind(entry)
+    if "name" not in entry:
+        return "an object without 'name'"
+    return f"an object whose 'name' is {_json_kind(entry['name'])}"
+
+
 def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     """:func:`_decode_http_request` with orjson: every kind of body."""
     view = memoryview(body)
@@ -733,15 +768,19 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
             f"the request's JSON header (its first {HEADER_LENGTH}: {json_size} bytes)",
         )
     if not isinstance(header, dict):
-        raise InvalidArgumentError("request body must be a JSON object with 'inputs'")
+        raise InvalidArgumentError(
+            f"request body must be a JSON object with 'inputs', got {_json_kind(header)}"
+        )
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
-        raise InvalidArgumentError("'id' must be a string")
+        raise InvalidArgumentError(f"'id' must be a string, got {_json_kind(request_id)}")
     parameters = _parameters_of(header, "request")
     binary_output = bool(_bool_parameter(parameters, "binary_data_output", "request"))
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise InvalidArgumentError("'inputs' must be a non-empty list of tensors")
+        raise InvalidArgumentError(
+            f"'inputs' must be a non-empty list of tensors, got {_json_kind(raw_inputs)}"
+        )
     end = len(body) if json_size is None else json_size
     if body.find(b"true", 0, end) >= 0 or body.find(b"false", 0, end) >= 0:
         _refuse_bools_in_numbers(raw_inputs)  # rare: only a body with a literal looks
@@ -772,7 +811,10 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
     inputs: dict[str, np.ndarray] = {}
     for position, tensor in enumerate(raw_inputs):
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
-            raise InvalidArgumentError(f"inputs[{position}] must be an object with a 'name'")
+            raise InvalidArgumentError(
+                f"inputs[{position}] must be an object with a string 'name', got "
+                f"{_entry_kind(tensor)}"
+            )
         name = tensor["name"]
         if name in inputs:
             raise InvalidArgumentError(f"input {name!r} is given twice")
@@ -797,7 +839,8 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
             )
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(
-                f"input {name!r}: binary_data_size must be a non-negative integer"
+                f"input {name!r}: binary_data_size must be a non-negative integer, got "
+                f"{_json_kind(size)}"
             )
         if offset + size > len(body):
             raise InvalidArgumentError(

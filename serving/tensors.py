@@ -559,7 +559,9 @@ def tensors_to_batch(
         )
     missing = sorted(expected - set(inputs))
     if missing:
-        raise InvalidArgumentError(f"missing input(s) {missing}")
+        raise InvalidArgumentError(
+            f"missing input(s) {missing}; the model takes {sorted(expected)}"
+        )
     batch_size: int | None = None
     batch_source = ""
 
@@ -693,11 +695,24 @@ def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> None
             raise InvalidArgumentError(
                 f"instances[{index}].{name}: exactly one ID expected, got {len(items)}"
             )
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-            raise InvalidArgumentError(f"instances[{index}].{name}: IDs must be integers")
-        if any(v < 0 or v >= 2**64 for v in items):
-            raise InvalidArgumentError(f"instances[{index}].{name}: IDs must be in [0, 2**64)")
+        for v in items:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise InvalidArgumentError(
+                    f"instances[{index}].{name}: IDs must be integers, got {_short(v)} "
+                    f"({type(v).__name__})"
+                )
+        for v in items:
+            if v < 0 or v >= 2**64:
+                raise InvalidArgumentError(
+                    f"instances[{index}].{name}: IDs must be in [0, 2**64), got {_short(v)}"
+                )
     raise InvalidArgumentError(f"feature {name!r}: IDs must be integers in [0, 2**64)")
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 80 characters so an error never floods the client."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _holds_bool(values: list[Any]) -> bool:
@@ -726,7 +741,10 @@ def instances_to_inputs(
     inputs: dict[str, np.ndarray] = {}
     for index, instance in enumerate(instances):
         if not isinstance(instance, Mapping):
-            raise InvalidArgumentError(f"instances[{index}] must be an object")
+            raise InvalidArgumentError(
+                f"instances[{index}] must be an object (feature name -> value), got "
+                f"{_short(instance)} ({type(instance).__name__})"
+            )
         unknown = sorted(set(instance) - names)
         if unknown:
             raise InvalidArgumentError(

@@ -307,6 +307,20 @@ def test_eval_data_that_is_a_directory_says_so(tmp_path):
     assert caught.value.message == "--timeout must be a number of seconds in (0, 1000000], got 0"
 
 
+def test_eval_bad_choice_flags_name_the_value(tmp_path):
+    from clients.eval import OUTPUT_TRANSFORMS, EvalOptions, run_eval
+
+    url = "http://127.0.0.1:9"
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(data=tmp_path, out=tmp_path / "p.csv", url=url, bad_rows="drop"))
+    assert caught.value.message == "--bad-rows must be skip or fail, got 'drop'"
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(data=tmp_path, out=tmp_path / "p.csv", url=url, output_transform="x"))
+    assert caught.value.message == (
+        f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got 'x'"
+    )
+
+
 def test_int_ids_take_the_whole_uint64_range_and_nothing_beyond():
     encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
     row = {"user_name": "a", "x": "1", "y": "0"}

@@ -409,7 +409,7 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "single",
         _with(SINGLE, 1, drop="C3"),
         InvalidArgumentError,
-        "missing input(s) ['C3']",
+        "missing input(s) ['C3']; the model takes ['C1', 'C2', 'C3', 'C4', 'C5', 'age', 'dense']",
     ),
     (
         "unknown input",
@@ -572,7 +572,8 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "jagged",
         _with(JAGGED, 1, drop="tags.lengths"),
         InvalidArgumentError,
-        "missing input(s) ['tags.lengths']",
+        "missing input(s) ['tags.lengths']; the model takes ['age', 'dense', 'history', "
+        "'history.lengths', 'item', 'tags', 'tags.lengths', 'user']",
     ),
     (
         "jagged batch over the maximum",

@@ -414,7 +414,9 @@ def test_admin_reload_from_loopback_or_with_token(server):
     assert status == 403 and "error" in body
     good = {**remote, "Authorization": f"Bearer {TOKEN}"}
     assert server.json("POST", "/admin/reload", {"checkpoint": "c"}, good)[0] == 200
-    assert server.json("POST", "/admin/reload", {"checkpoint": 5})[0] == 400
+    status, body = server.json("POST", "/admin/reload", {"checkpoint": 5})
+    assert status == 400
+    assert body == {"error": "'checkpoint' must be a string or null, got a JSON int"}
     assert len(server.reloads) == 3
 
 

@@ -133,12 +133,18 @@ def test_friendly_rows_become_the_named_tensors():
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"user": True}, r"instances\[1\]\.user: IDs must be integers"),
-        ({"user": 2.0}, r"instances\[1\]\.user: IDs must be integers"),
-        ({"user": "7"}, r"instances\[1\]\.user: IDs must be integers"),
-        ({"history": [1, False]}, r"instances\[1\]\.history: IDs must be integers"),
-        ({"user": -1}, r"instances\[1\]\.user: IDs must be in \[0, 2\*\*64\)"),
-        ({"history": [2**64]}, r"instances\[1\]\.history: IDs must be in \[0, 2\*\*64\)"),
+        ({"user": True}, r"instances\[1\]\.user: IDs must be integers, got True \(bool\)"),
+        ({"user": 2.0}, r"instances\[1\]\.user: IDs must be integers, got 2\.0 \(float\)"),
+        ({"user": "7"}, r"instances\[1\]\.user: IDs must be integers, got '7' \(str\)"),
+        (
+            {"history": [1, False]},
+            r"instances\[1\]\.history: IDs must be integers, got False \(bool\)",
+        ),
+        ({"user": -1}, r"instances\[1\]\.user: IDs must be in \[0, 2\*\*64\), got -1"),
+        (
+            {"history": [2**64]},
+            r"instances\[1\]\.history: IDs must be in \[0, 2\*\*64\), got 18446744073709551616",
+        ),
         ({"item": [1, 2]}, r"instances\[1\]\.item: exactly one ID expected, got 2"),
         ({"item": []}, r"instances\[1\]\.item: exactly one ID expected, got 0"),
     ],
@@ -155,6 +161,15 @@ def test_a_missing_or_unknown_friendly_feature_is_named():
         tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
     with pytest.raises(InvalidArgumentError, match=r"instances\[0\] has unknown feature"):
         tensors.instances_to_inputs(SIGNATURE, [_row(town=1)])
+
+
+def test_a_friendly_row_that_is_not_an_object_is_named():
+    with pytest.raises(
+        InvalidArgumentError, match=r"instances\[1\] must be an object .*, got \[1, 2\] \(list\)"
+    ):
+        tensors.instances_to_inputs(SIGNATURE, [_row(), [1, 2]])
+    with pytest.raises(InvalidArgumentError, match=r"got 'xxxxx.*\.\.\. \(str\)"):
+        tensors.instances_to_inputs(SIGNATURE, ["x" * 10_000])
 
 
 def test_a_batch_of_exactly_max_batch_size_is_taken_and_one_more_is_refused() -> None:

@@ -110,9 +110,19 @@ def test_http_json_request_decodes_options():
     ("body", "message"),
     [
         (b"{not json", "request body is not valid JSON"),
-        (b"[1, 2]", "must be a JSON object"),
-        (b'{"inputs": []}', "'inputs' must be a non-empty list"),
-        (b'{"inputs": [{"shape": [1]}]}', r"inputs\[0\] must be an object with a 'name'"),
+        (b"[1, 2]", "must be a JSON object with 'inputs', got a list of 2"),
+        (b'{"inputs": []}', "'inputs' must be a non-empty list of tensors, got a list of 0"),
+        (b'{"inputs": "x"}', "'inputs' must be a non-empty list of tensors, got the string 'x'"),
+        (
+            b'{"inputs": [{"shape": [1]}]}',
+            r"inputs\[0\] must be an object with a string 'name', got an object without 'name'",
+        ),
+        (
+            b'{"inputs": [{"name": 3, "shape": [1]}]}',
+            r"inputs\[0\] must be an object with a string 'name', got an object whose 'name' "
+            "is the number 3",
+        ),
+        (b'{"inputs": [7]}', r"inputs\[0\] must be .*, got the number 7"),
         (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64"}]}', "neither 'data'"),
         (
             b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]},'
@@ -121,7 +131,7 @@ def test_http_json_request_decodes_options():
         ),
         (
             b'{"id": 5, "inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]}',
-            "'id' must be a string",
+            "'id' must be a string, got the number 5",
         ),
         (
             b'{"parameters": {"timeout": "soon"}, "inputs": [{"name": "a", "shape": [1], '
@@ -131,12 +141,27 @@ def test_http_json_request_decodes_options():
         (
             b'{"outputs": [{"name": "p", "parameters": {"binary_data": 1}}], "inputs": '
             b'[{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]}',
-            "'binary_data' must be true or false",
+            "'binary_data' must be true or false, got the number 1",
         ),
         (
             b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", '
             b'"parameters": {"binary_data_size": 8}}]}',
             "no Inference-Header-Content-Length",
+        ),
+        (
+            b'{"parameters": [1], "inputs": [{"name": "a", "shape": [1], "datatype": "INT64", '
+            b'"data": [1]}]}',
+            "request: 'parameters' must be an object, got a list of 1",
+        ),
+        (
+            b'{"outputs": {"name": "p"}, "inputs": [{"name": "a", "shape": [1], '
+            b'"datatype": "INT64", "data": [1]}]}',
+            "'outputs' must be a list of .* objects, got an object",
+        ),
+        (
+            b'{"outputs": [null], "inputs": [{"name": "a", "shape": [1], '
+            b'"datatype": "INT64", "data": [1]}]}',
+            r"outputs\[0\] must be an object with a string 'name', got null",
         ),
     ],
 )

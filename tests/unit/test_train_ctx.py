@@ -361,10 +361,13 @@ def test_another_dense_optimizer_is_refused_on_resume(tmp_path):
     ("damage", "message"),
     [
         (lambda m: m["files"]["opt.pt"].pop("sha256"), r"files\['opt.pt'\]\.sha256 must be"),
-        (lambda m: m["files"].update({"dense.pt": "x"}), r"files\['dense.pt'\] must be an object"),
+        (
+            lambda m: m["files"].update({"dense.pt": "x"}),
+            r"files\['dense.pt'\] must be an object, got a JSON str",
+        ),
         (lambda m: m["files"]["dense.pt"].update(bytes=-1), r"\.bytes must be an integer >= 0"),
         (lambda m: m["files"].update({"../x": m["files"]["dense.pt"]}), "not a plain name"),
-        (lambda m: m.update(files=[]), "'files' must be an object"),
+        (lambda m: m.update(files=[]), "'files' must be an object, got a JSON list"),
     ],
 )
 def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
