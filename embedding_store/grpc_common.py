@@ -42,6 +42,9 @@ LIVENESS_SERVICE = "recserve.liveness"
 
 #: Largest message either side accepts or sends; set explicitly on every channel and server.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Room a message keeps for everything but its row or slot values (names, shapes, framing):
+#: an answer of more than MAX_MESSAGE_BYTES - MESSAGE_SLACK_BYTES value bytes is refused.
+MESSAGE_SLACK_BYTES = 64 * 1024
 
 _U64 = np.dtype("<u8")
 _F32 = np.dtype("<f4")

@@ -61,6 +61,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     MAX_MESSAGE_BYTES,
+    MESSAGE_SLACK_BYTES,
     add_servicer,
     pack_f32,
     pack_u64,
@@ -83,8 +84,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 #: Rows per ExportRows chunk when the request says 0.
 DEFAULT_ROWS_PER_CHUNK = 65_536
-#: Room left in a message for everything but the packed arrays.
-_MESSAGE_SLACK = 64 * 1024
 
 
 # --------------------------------------------------------------------------- wire conversions
@@ -126,7 +125,7 @@ def require_finite_rows(rows: np.ndarray, ids: np.ndarray, field: str) -> None:
 def check_message_size(n: int, width: int, what: str) -> None:
     """Refuse answers that would not fit in one gRPC message (before computing them)."""
     size = 4 * n * width
-    if size > MAX_MESSAGE_BYTES - _MESSAGE_SLACK:
+    if size > MAX_MESSAGE_BYTES - MESSAGE_SLACK_BYTES:
         raise CapacityError(
             f"{what}: {n} rows x dim {width} is {size} bytes of float32, more than one message "
             f"may carry ({MAX_MESSAGE_BYTES} bytes); split the request"
@@ -136,7 +135,7 @@ def check_message_size(n: int, width: int, what: str) -> None:
 def rows_per_chunk(dim: int, state_width: int, requested: int) -> int:
     """Rows per RowChunk: the requested number (0: default), capped to fit one message."""
     per_row = 8 + 4 * dim + 4 * state_width
-    fit = max(1, (MAX_MESSAGE_BYTES - _MESSAGE_SLACK) // per_row)
+    fit = max(1, (MAX_MESSAGE_BYTES - MESSAGE_SLACK_BYTES) // per_row)
     return min(requested or DEFAULT_ROWS_PER_CHUNK, fit)
 
 

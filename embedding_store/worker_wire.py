@@ -16,7 +16,7 @@ import torch
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import CapacityError, InvalidArgumentError
-from embedding_store.grpc_common import MAX_MESSAGE_BYTES
+from embedding_store.grpc_common import MAX_MESSAGE_BYTES, MESSAGE_SLACK_BYTES
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.worker import SlotOutput
 
@@ -93,10 +93,6 @@ def _unpack(
     return items
 
 
-#: Room left in a message for everything but the slots' values (names, shapes, framing).
-_MESSAGE_SLACK = 64 * 1024
-
-
 def check_answer_fits(batch: Batch, embedding_config: EmbeddingConfig) -> None:
     """CapacityError unless the lookup answer of ``batch`` fits in one gRPC message, checked
     before any work: a raw slot answers ``sample_fixed_size x dim`` floats per sample, so a
@@ -111,7 +107,7 @@ def check_answer_fits(batch: Batch, embedding_config: EmbeddingConfig) -> None:
             size += 4 * feature.batch_size * config.dim
         else:  # float32 values and a uint8 mask per position
             size += feature.batch_size * config.sample_fixed_size * (4 * config.dim + 1)
-    if size > MAX_MESSAGE_BYTES - _MESSAGE_SLACK:
+    if size > MAX_MESSAGE_BYTES - MESSAGE_SLACK_BYTES:
         raise CapacityError(
             f"the lookup answer of this batch ({batch.batch_size} samples) would be {size} "
             f"bytes, more than one message may carry ({MAX_MESSAGE_BYTES} bytes); split the "
