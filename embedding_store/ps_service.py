@@ -57,7 +57,7 @@ from embedding_store.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from embedding_store.gc_tuning import freeze_long_lived_objects
+from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     MAX_MESSAGE_BYTES,
@@ -921,6 +921,7 @@ def serve_parameter_server(
         signal.signal(signal.SIGINT, request_stop)
     process.start()
     freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
+    space_out_young_collections()
     try:
         if process.metrics_port is not None:
             print(

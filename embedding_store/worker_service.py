@@ -45,7 +45,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
-from embedding_store.gc_tuning import freeze_long_lived_objects
+from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_servicer,
@@ -875,6 +875,7 @@ def serve_embedding_worker(
             tier.close()
             raise
         freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
+        space_out_young_collections()
         print(f"embedding worker listening on {host}:{bound}", flush=True)
         return _serve(
             tier,

@@ -29,7 +29,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
-from embedding_store.gc_tuning import freeze_long_lived_objects
+from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
 from serving.metrics import CONTENT_TYPE
 from serving.model import LoadedModel, load_model
@@ -167,6 +167,7 @@ class PredictionServer:
                 )
             time.sleep(0.01)
         freeze_long_lived_objects()  # model, torch, apps: out of every later collection
+        space_out_young_collections()
         self._health.set_serving(True)
         if o.watch_seconds > 0:
             self._watcher = threading.Thread(target=self._watch, daemon=True)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import gc
 import weakref
 
-from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
+import pytest
+
+from embedding_store.gc_tuning import (
+    YOUNG_COLLECTION_THRESHOLD,
+    collect_released_objects,
+    freeze_long_lived_objects,
+    space_out_young_collections,
+)
 
 
 class _Node:
@@ -43,3 +50,40 @@ def test_released_frozen_cycles_are_freed_by_collect_released_objects() -> None:
         assert gc.get_freeze_count() > 0  # what still lives is frozen again
     finally:
         gc.unfreeze()
+
+
+def _young_collections_while_allocating(containers: int) -> int:
+    """How many collections of the youngest generation allocating ``containers`` lists
+    (kept alive) triggers."""
+    started = 0
+
+    def count(phase: str, info: dict) -> None:
+        nonlocal started
+        if phase == "start" and info["generation"] == 0:
+            started += 1
+
+    kept = []
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        for index in range(containers):
+            kept.append([index])
+    finally:
+        gc.callbacks.remove(count)
+    return started
+
+
+def test_young_collections_are_spaced_out_and_older_thresholds_kept() -> None:
+    default = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert _young_collections_while_allocating(7000) >= 9
+        space_out_young_collections()
+        assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, 10, 10)
+        assert YOUNG_COLLECTION_THRESHOLD == 20_000
+        assert _young_collections_while_allocating(7000) == 0
+        assert _young_collections_while_allocating(2 * YOUNG_COLLECTION_THRESHOLD) >= 1
+        with pytest.raises(ValueError, match="threshold must be >= 1, got 0"):
+            space_out_young_collections(0)
+    finally:
+        gc.set_threshold(*default)
