@@ -623,7 +623,35 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
             f"[{entry.rows}, {entry.dim}]) and state (F32 [{entry.rows}, {entry.state_width}]) "
             f"as its manifest says; it holds {_tensor_summary(tensors)}"
         )
+    _check_unique_ids(path, ids)
     return tensors
+
+
+def _check_unique_ids(path: Path, ids: np.ndarray) -> None:
+    """CheckpointError naming the file, its first repeated ID (in file order) and how many
+    IDs it repeats, unless every ID of ``ids`` (one file's) is distinct. A writer exports
+    each row once; a repeat is a damaged or crafted file, whose later row would silently
+    win in the shard (whose ``replace_rows`` tolerates repeats of in-memory blocks)."""
+    if len(ids) < 2:
+        return
+    ordered = np.sort(ids)
+    repeats = ordered[1:] == ordered[:-1]
+    if not repeats.any():
+        return
+    # The error path only: which ID repeats first, and where.
+    order = np.argsort(ids, kind="stable")
+    repeated_rows = order[1:][repeats]  # stable: every row but the first of its ID
+    second = int(repeated_rows.min())  # the first row that repeats an earlier ID
+    first_id = ids[second]
+    first = int(np.flatnonzero(ids == first_id)[0])
+    # Distinct repeated IDs: runs of equal neighbours in the sorted IDs.
+    duplicated = int(np.count_nonzero(repeats[1:] & ~repeats[:-1]) + repeats[0])
+    raise CheckpointError(
+        f"checkpoint file {path} holds duplicate IDs: {duplicated} "
+        f"{'ID appears' if duplicated == 1 else 'IDs appear'} more than once, the first "
+        f"being {int(first_id)} (rows {first} and {second}); each ID may appear only once "
+        "per file"
+    )
 
 
 def _tensor_summary(tensors: dict[str, np.ndarray]) -> str:

@@ -616,3 +616,82 @@ def test_negative_saved_state_leaves_a_shard_without_the_optimizer_it_would_adop
         )
     assert shard.optimizer is None  # "on any error it is unchanged"
     assert shard.size() == 0
+
+
+def _with_duplicate_ids(root: Path, shard: int) -> tuple[Path, int]:
+    """Rewrite the last file of ``shard`` as its writer would, but with IDs repeated: rows 5
+    and 9 take row 1's ID, row 7 takes row 3's (size and checksum to match). Returns the
+    file's path and the first repeated ID."""
+    import safetensors.numpy
+    from safetensors import safe_open
+
+    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    entry = [e for e in manifest["files"] if e["shard"] == shard][-1]
+    path = root / entry["path"]
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = handle.metadata()
+    assert metadata["shard"] == str(shard)  # the writer's own metadata, kept below
+    tensors = dict(safetensors.numpy.load(path.read_bytes()))
+    ids = tensors["ids"].copy()
+    assert len(ids) >= 10 and len(np.unique(ids)) == len(ids)
+    ids[5] = ids[9] = ids[1]
+    ids[7] = ids[3]
+    tensors["ids"] = ids
+    payload = safetensors.numpy.save(tensors, metadata=metadata)
+    path.write_bytes(payload)
+    entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
+    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    return path, int(ids[1])
+
+
+def test_a_file_holding_an_id_twice_is_refused_naming_it_before_any_shard_changes(tmp_path):
+    # It loaded silently: the later row won in the shard, the earlier one was lost.
+    _, shards = trained_worker(2)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    path, first = _with_duplicate_ids(root, shard=1)
+    message = (
+        f"checkpoint file {path} holds duplicate IDs: 2 IDs appear more than once, the "
+        f"first being {first} (rows 1 and 5); each ID may appear only once per file"
+    )
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint.verify(root)
+    assert raised.value.message == message
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        checkpoint.count_rows_per_replica(checkpoint.read_manifest(root), 3)
+    # Shard 1's file is read last: shard 0 would have taken its rows already.
+    _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
+    shard = EmbeddingShard(100_000, optimizer=Adagrad(lr=0.1), replica_index=1, replica_size=2)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        checkpoint.load_into_shard(root, shard, CONFIG, replica_index=1, replica_size=2)
+    assert shard.size() == 0
+
+
+def test_a_file_holding_an_id_twice_is_reported_by_checkpoint_verify(tmp_path):
+    from clients import checkpoint_tool
+
+    _, shards = trained_worker(1)
+    root = tmp_path / "ckpt"
+    checkpoint.dump_embeddings(shards, root, CONFIG)
+    path, first = _with_duplicate_ids(root, shard=0)
+    problems, _summary = checkpoint_tool.verify(root)
+    assert problems == [
+        f"checkpoint file {path} holds duplicate IDs: 2 IDs appear more than once, the "
+        f"first being {first} (rows 1 and 5); each ID may appear only once per file"
+    ]
+
+
+def test_ids_repeated_only_across_files_and_large_ids_are_not_duplicates(tmp_path):
+    # Each file is checked on its own; IDs with the top bit set compare as unsigned.
+    path = tmp_path / "f.safetensors"
+    checkpoint._check_unique_ids(path, np.array([2**64 - 1, 2**63, 0, 1], dtype=np.uint64))
+    checkpoint._check_unique_ids(path, np.zeros(1, dtype=np.uint64))
+    checkpoint._check_unique_ids(path, np.zeros(0, dtype=np.uint64))
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"checkpoint file {path} holds duplicate IDs: 1 ID appears more than once, the "
+            f"first being {2**64 - 1} (rows 1 and 3)"
+        ),
+    ):
+        checkpoint._check_unique_ids(path, np.array([5, 2**64 - 1, 6, 2**64 - 1], np.uint64))
