@@ -154,7 +154,10 @@ def metric_totals(base_url: str) -> dict[str, float]:
 
 
 def machine_description() -> dict:
-    return describe_machine("torch", "numpy", "locust", "torchserve")
+    """The machine and this venv's packages. TorchServe runs from its own venv
+    (``--ts-venv``): its version is the report's ``torchserve.version``, not listed here,
+    where it would read "not installed"."""
+    return describe_machine("torch", "numpy", "locust")
 
 
 # --------------------------------------------------------------------------- checkpoints
