@@ -125,7 +125,8 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument(
             "--embedding-config",
             default=None,
-            help="embedding_config.yml (default: the checkpoint's own, or none for status/clear)",
+            help="embedding_config.yml: only checked to be valid, not needed (the worker dumps "
+            "with its own config and checks a checkpoint it loads against it)",
         )
         action.add_argument("--timeout", type=positive_float, default=600.0, help="deadline (s)")
         if name in ("dump", "load"):
