@@ -5,7 +5,8 @@ lines in ```bash blocks and in inline code. Each must parse: no renamed or remov
 invalid choice or value. Inline fragments may leave out required arguments (`recserve serve
 --workers N`), nothing else. Every ``--flag`` the docs name must exist somewhere: in a recserve
 parser, a repository script, the docs' own example scripts, or a tool listed below. The files
-docs/own_model.md has the user save (scripts, configs, requests) must compile and load.
+docs/own_model.md has the user save (scripts, configs, requests) must compile and load, and
+every relative link must reach a file (and heading).
 """
 
 from __future__ import annotations
@@ -237,3 +238,25 @@ def test_own_model_files_compile_and_load(tmp_path: Path) -> None:
     names = {tensor["name"] for tensor in json.loads(files["v2.json"])["inputs"]}
     assert set(config.slots_config) <= names
     assert {"hist_items.lengths", "dense"} <= names
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_doc_links_reach_a_file_and_heading() -> None:
+    broken = []
+    for doc in DOCS:
+        for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+://", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (doc.parent / path) if path else doc
+            if not target.exists():
+                broken.append(f"{doc.name}: {link} (no such file)")
+            elif anchor:
+                text = target.read_text(encoding="utf-8")
+                if anchor not in {_anchor(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}:
+                    broken.append(f"{doc.name}: {link} (no such heading)")
+    assert not broken, broken
