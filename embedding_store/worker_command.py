@@ -110,7 +110,7 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
     """``recserve embedding-tier dump|load|status|clear --worker ADDR``."""
     parser = subparsers.add_parser(
         "embedding-tier",
-        help="dump, load, inspect or clear a running embedding tier (through its worker)",
+        help="dump, load, clear or show the status of a running embedding tier (via a worker)",
         description="Administer a running embedding tier through one of its embedding workers.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
