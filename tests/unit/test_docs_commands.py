@@ -113,7 +113,6 @@ def _recserve_lines(text: str, commands: set[str]) -> list[str]:
                 for end in (" && ", " ; ", " | ", '"]', " #"):
                     line = line.split(end)[0]
                 found.append(line.strip())
-                break
     return found
 
 
