@@ -110,7 +110,7 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
     """``recserve embedding-tier dump|load|status|clear --worker ADDR``."""
     parser = subparsers.add_parser(
         "embedding-tier",
-        help="dump, load, inspect or clear a running embedding tier (through its worker)",
+        help="dump, load, clear or show the status of a running embedding tier (via a worker)",
         description="Administer a running embedding tier through one of its embedding workers.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -125,7 +125,8 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument(
             "--embedding-config",
             default=None,
-            help="embedding_config.yml (default: the checkpoint's own, or none for status/clear)",
+            help="embedding_config.yml: only checked to be valid, not needed (the worker dumps "
+            "with its own config and checks a checkpoint it loads against it)",
         )
         action.add_argument("--timeout", type=positive_float, default=600.0, help="deadline (s)")
         if name in ("dump", "load"):
