@@ -307,3 +307,118 @@ def test_an_end_of_stream_must_count_exactly_the_batches_that_arrived(said):
             call("NN worker", ctx._stubs[0].EndOfStream, request, timeout=30)
     finally:
         dataset.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"buffer_size": 0}, "buffer_size must be >= 1, got 0"),
+        ({"idle_timeout": float("inf")}, "idle_timeout must be a number > 0, got inf"),
+        ({"idle_timeout": float("nan")}, "idle_timeout must be a number > 0, got nan"),
+        ({"num_loaders": True}, "num_loaders must be an integer >= 1, got True"),
+    ],
+)
+def test_streaming_dataset_arguments_are_checked(kwargs, message):
+    with pytest.raises(InvalidArgumentError) as refused:
+        StreamingDataset(port=0, **kwargs)
+    assert refused.value.message == message
+
+
+def test_reproducible_mode_frees_a_batch_waiting_on_a_loader_that_then_ends():
+    # Loader 1's second batch (global 3) waits for global 2, loader 0's second, which never
+    # comes: loader 0 ends after one batch. Its end must let batch 3 through.
+    port = free_port()
+    address = [f"127.0.0.1:{port}"]
+    dataset = StreamingDataset(8, port=port, num_loaders=2, reproducible=True, idle_timeout=10)
+    dataset.start()
+    first = DataCtx(address, replica_index=0, replica_size=2, timeout=10)
+    first.send_data(numbered_batch(0))
+    late = threading.Thread(target=run_loader, args=(address, 1, 2, 2))
+    late.start()
+    deadline = time.monotonic() + 10
+    while dataset._received.get(1, 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # loader 1's batch 3 is now waiting in the receiver
+    first.__exit__(None, None, None)  # EndOfStream from loader 0
+    order = [number_of(b) for b in dataset]
+    late.join(timeout=30)
+    assert order == [0, 1, 3]
+
+
+def test_data_loader_prefetch_must_not_be_negative_and_zero_reads_in_the_consumer():
+    with pytest.raises(InvalidArgumentError) as refused:
+        DataLoader(IterableDataset([]), prefetch=-1)
+    assert refused.value.message == "prefetch must be >= 0, got -1"
+    readers = []
+
+    def source():
+        for number in range(3):
+            readers.append(threading.current_thread().name)
+            yield numbered_batch(number)
+
+    loader = DataLoader(IterableDataset(source), prefetch=0)
+    assert [number_of(b) for b in loader] == [0, 1, 2]
+    assert readers == [threading.current_thread().name] * 3  # no prefetch thread
+
+
+def test_each_rank_listens_on_its_own_address_and_takes_its_own_global_batches(monkeypatch):
+    from training.env import NN_WORKERS_ENV
+
+    monkeypatch.setenv(NN_WORKERS_ENV, "10.0.0.5:7001, 10.0.0.6:7002")
+    monkeypatch.setenv("RANK", "1")
+    remote = StreamingDataset()  # not started: nothing to close
+    assert (remote.host, remote.port, remote._rank, remote._world) == ("0.0.0.0", 7002, 1, 2)
+
+    ports = [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    monkeypatch.setenv(NN_WORKERS_ENV, ",".join(addresses))
+    datasets = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        dataset = StreamingDataset(4, num_loaders=1, reproducible=True, idle_timeout=10)
+        assert (dataset.host, dataset.port) == ("127.0.0.1", ports[rank])
+        datasets.append(dataset.start())
+    received: list[list[int]] = [[], []]
+
+    def consume(rank):
+        received[rank] = [number_of(b) for b in datasets[rank]]
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in (0, 1)]
+    threads.append(threading.Thread(target=run_loader, args=(addresses, 0, 1, 6)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert received == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_data_ctx_reads_its_peers_and_replica_from_the_environment(monkeypatch):
+    # The names the launcher sets and a hand-written Job would set: spelled out here.
+    for name in ("RECSERVE_NN_WORKER_ADDRESSES", "RECSERVE_REPLICA_INDEX", "RECSERVE_REPLICA_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(InvalidArgumentError) as refused:
+        DataCtx()
+    assert refused.value.message == (
+        "no NN worker addresses: pass nn_worker_addresses or set RECSERVE_NN_WORKER_ADDRESSES"
+    )
+    monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", "127.0.0.1:1, ,127.0.0.1:2,127.0.0.1:3")
+    monkeypatch.setenv("RECSERVE_REPLICA_INDEX", "1")
+    monkeypatch.setenv("RECSERVE_REPLICA_SIZE", "2")
+    ctx = DataCtx()
+    try:
+        assert ctx.addresses == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+        assert (ctx.replica_index, ctx.replica_size) == (1, 2)
+        # Global batch sequence * 2 + 1 goes to NN worker (that number) % 3.
+        assert [ctx.target_of(s) for s in range(6)] == [1, 0, 2, 1, 0, 2]
+    finally:
+        ctx.__exit__(RuntimeError, None, None)  # closes the channels, sends no end
+    monkeypatch.setenv("RECSERVE_REPLICA_INDEX", "2")
+    with pytest.raises(
+        InvalidArgumentError, match=r"^replica index 2 is not within replica size 2$"
+    ):
+        DataCtx()
+
+
+def test_the_number_of_data_loaders_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RECSERVE_NUM_DATA_LOADERS", "2")
+    assert StreamingDataset(port=0).num_loaders == 2  # not started: nothing to close

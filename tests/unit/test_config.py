@@ -1006,3 +1006,106 @@ def test_dumped_strings_that_look_like_numbers_read_back_as_strings(tmp_path, te
     path = tmp_path / "round.yml"
     path.write_text(dump_yaml(data, sort_keys=False))
     assert read_yaml_mapping(path) == data
+
+
+# ----------------------------------------------------------------------------------------------
+# Boundaries and messages the loaders promise
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"n": 1, "mode": 3.0}, "t.yml: mode: expected one of 'fast', 'slow', 3, got 3.0 (float)"),
+        (
+            {"n": 1, "pair": [1, "a", 2]},
+            "t.yml: pair: expected a list of exactly 2 items, got [1, 'a', 2] (list)",
+        ),
+    ],
+)
+def test_generic_loader_refuses_near_misses(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(Everything, data, source="t.yml")
+    assert info.value.message == message
+
+
+def test_a_key_with_a_leading_zero_is_named_as_such(tmp_path: Path) -> None:
+    path = write(tmp_path, "016: 1\n", "global_config.yml")
+    with pytest.raises(ConfigError) as info:
+        load_global_config(path)
+    assert info.value.message == (
+        f"{path}: key integer 016 has a leading zero, which YAML 1.1 tools read as octal and "
+        "YAML 1.2 as decimal: write 16; octal 016 is 0o16, or quote it for a string"
+    )
+
+
+def test_the_largest_prefix_bit_count_loads() -> None:
+    config = embedding_config_from_mapping(
+        {"feature_index_prefix_bit": 16, "slots_config": {"a": {"dim": 1}}}
+    )
+    assert config.index_prefix("a") == 1 << 48 and config.id_mask == (1 << 48) - 1
+
+
+@pytest.mark.parametrize("key", ["incremental_dir"])
+def test_a_blank_string_is_refused(tmp_path: Path, key: str) -> None:
+    message = load_error(
+        tmp_path, {"embedding_parameter_server_config": {key: "   "}}, "global_config.yml"
+    )
+    assert message.endswith(
+        f"embedding_parameter_server_config.{key}: expected a non-empty string, got '   '"
+    )
+
+
+def test_one_hash_stack_round_needs_an_embedding_size(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path, {"slots_config": {"a": {"dim": 2, "hash_stack_config": {"hash_stack_rounds": 1}}}}
+    )
+    assert message.endswith(
+        "slots_config.a.hash_stack_config.embedding_size: expected a positive integer when "
+        "hash_stack_rounds > 0 (hash_stack_rounds is 1), got 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("server", "detail"),
+    [
+        ("host:0", "expected a 'host:port' address with a port in 1..65535, got 'host:0'"),
+        ("host:65536", "expected a 'host:port' address with a port in 1..65535, got 'host:65536'"),
+        (
+            "::1:8000",
+            "expected a 'host:port' address (write IPv6 hosts as [addr]:port), got '::1:8000'",
+        ),
+        (" host:80", "expected a 'host:port' address, got ' host:80'"),
+    ],
+)
+def test_infer_server_addresses_are_checked(tmp_path: Path, server: str, detail: str) -> None:
+    data = {"common_config": {"infer_config": {"servers": ["ok:1", server]}}}
+    message = load_error(tmp_path, data, "global_config.yml")
+    assert message.endswith(f"common_config.infer_config.servers[1]: {detail}")
+
+
+def test_infer_server_addresses_at_the_bounds_load() -> None:
+    servers = ("a:1", "b:65535", "[::1]:8000")
+    config = global_config_from_mapping({"common_config": {"infer_config": {"servers": servers}}})
+    assert config.common_config.infer_config.servers == servers
+
+
+def test_an_empty_global_config_variable_means_the_defaults(monkeypatch) -> None:
+    monkeypatch.setenv(GLOBAL_CONFIG_ENV, "")
+    assert load_global_config() == GlobalConfig()
+
+
+def test_pushgateway_metrics_settings_are_accepted_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="embedding_store.config.global_config"):
+        assert MetricsConfig().job_name == "recserve"
+        assert caplog.messages == []
+        config = global_config_from_mapping(
+            {"common_config": {"metrics_config": {"job_name": "ctr", "push_interval_sec": 5}}}
+        )
+    assert config.common_config.metrics_config.push_interval_sec == 5
+    assert caplog.messages == [
+        f"metrics_config.{key} has no effect in recserve: metrics are scraped from /metrics "
+        "(set the job label in the scrape config), not pushed"
+        for key in ("job_name", "push_interval_sec")
+    ]

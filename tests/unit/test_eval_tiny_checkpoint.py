@@ -615,3 +615,230 @@ def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))
     assert not result["identical"]
+
+
+# --------------------------------------------------------------------------- more tool checks
+def _rows_checkpoint(directory: Path, config, rows: dict, **kwargs) -> Path:
+    """A model checkpoint (no TorchScript) holding ``rows``: slot -> (raw ids, weights)."""
+    tier = InProcessEmbeddingTier(config, capacity=10_000, optimizer=kwargs.pop("optimizer", None))
+    for slot, (ids, weights) in rows.items():
+        ids = config.prefix_ids(slot, ids) if isinstance(slot, str) else ids
+        tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    torch.manual_seed(0)
+    model = kwargs.pop("model", Tiny)()
+    model_checkpoint.write_checkpoint(
+        directory, model, None, tier, signature=SIGNATURE, with_jit_model=False, **kwargs
+    )
+    return directory
+
+
+USERS = (np.arange(5, dtype=np.uint64), np.arange(20, dtype=np.float32).reshape(5, 4))
+
+
+def test_a_directory_of_shard_parts_is_an_embedding_checkpoint(tmp_path):
+    (tmp_path / "shard_00000").mkdir()
+    assert checkpoint_tool.checkpoint_kind(tmp_path) == "embedding"
+    problems, summary = checkpoint_tool.verify(tmp_path)
+    assert summary["kind"] == "embedding"
+    assert problems == [
+        f"embedding checkpoint {tmp_path} holds shard parts but no embedding_manifest.json: "
+        "parts written by several parameter servers' --dump-on-exit are not a checkpoint; "
+        "take one with `recserve embedding-tier dump`"
+    ]
+
+
+def test_rows_of_an_id_prefix_no_slot_has_are_counted_apart(tmp_path):
+    # CONFIG has two ID spaces (prefixes 1 and 2): prefix 3 is the first that none has.
+    strays = (np.arange(3, dtype=np.uint64) | np.uint64(3 << 56), np.ones((3, 4), np.float32))
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
+    b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS, 0: strays})
+    embeddings = checkpoint_tool.inspect(b)["embeddings"]
+    assert embeddings["rows_per_id_space"] == {"user": 5, "(unknown prefix)": 3}
+    spaces = {s["id_space"]: s for s in checkpoint_tool.diff(a, b)["embeddings"]["id_spaces"]}
+    assert spaces["(unknown prefix)"]["added"] == 3 and spaces["(unknown prefix)"]["slots"] == []
+    assert (spaces["user"]["common"], spaces["user"]["changed"]) == (5, 0)
+
+
+def test_diff_matches_rows_by_id_space_when_the_prefixes_moved(tmp_path):
+    # A slot declared first takes prefix 1: user's rows move from prefix 2 to 3, the same rows.
+    wider = embedding_config_from_mapping(
+        {
+            "feature_index_prefix_bit": 8,
+            "slots_config": {
+                "age": {"dim": 4},
+                "user": {"dim": 4},
+                "tags": {"dim": 4},
+                "item": {"dim": 4},
+            },
+            "feature_groups": {"content": ["tags", "item"]},
+        }
+    )
+    assert CONFIG.index_prefix("user") != wider.index_prefix("user")
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
+    b = _rows_checkpoint(tmp_path / "b", wider, {"user": USERS})
+    result = checkpoint_tool.diff(a, b)
+    spaces = {s["id_space"]: s for s in result["embeddings"]["id_spaces"]}
+    assert {k: spaces["user"][k] for k in ("common", "added", "removed", "changed")} == {
+        "common": 5,
+        "added": 0,
+        "removed": 0,
+        "changed": 0,
+    }
+    assert not result["embeddings"]["config_identical"] and not result["identical"]
+
+
+def test_diff_counts_another_embedding_optimizer_as_a_difference(tmp_path):
+    from embedding_store.optimizers import SGD
+
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS}, optimizer=SGD(lr=0.1))
+    b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, optimizer=SGD(lr=0.5))
+    result = checkpoint_tool.diff(a, b)
+    assert all(s["changed"] == s["state_changed"] == 0 for s in result["embeddings"]["id_spaces"])
+    assert not result["identical"]
+    assert "  embedding optimizer: " in checkpoint_tool.format_diff(result)
+
+
+def test_diff_counts_another_loss_scale_as_a_difference(tmp_path):
+    scalers = []
+    for scale in (512.0, 128.0):
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        scaler.scale(torch.tensor(1.0))  # the scale exists once first used
+        scalers.append(scaler)
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS}, grad_scaler=scalers[0])
+    b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, grad_scaler=scalers[1])
+    result = checkpoint_tool.diff(a, b)
+    assert result["dense"]["files_identical"]["scaler.pt"] is False
+    assert {t["status"] for t in result["dense"]["tensors"]} == {"same"}
+    assert not result["identical"]
+    assert "    scaler.pt" in checkpoint_tool.format_diff(result)
+
+
+class TinyPlus(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(1, 1)
+
+
+def test_diff_names_dense_tensors_added_and_removed(tmp_path):
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
+    b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, model=TinyPlus)
+    status = {t["name"]: t["status"] for t in checkpoint_tool.diff(a, b)["dense"]["tensors"]}
+    assert status == {
+        "linear.weight": "same",
+        "linear.bias": "same",
+        "extra.weight": "added",
+        "extra.bias": "added",
+    }
+    back = {t["name"]: t["status"] for t in checkpoint_tool.diff(b, a)["dense"]["tensors"]}
+    assert back["extra.weight"] == "removed" and back["extra.bias"] == "removed"
+
+
+def test_reshard_a_model_checkpoint_keeps_it_verifiable(checkpoint, tmp_path):
+    out = tmp_path / "three"
+    result = checkpoint_tool.reshard(checkpoint, 3, out)
+    assert {k: result[k] for k in ("kind", "rows", "from_shards", "shards")} == {
+        "kind": "model",
+        "rows": 80,
+        "from_shards": 1,
+        "shards": 3,
+    }
+    assert checkpoint_tool.verify(out)[0] == []
+    manifest = model_checkpoint.read_manifest(out)
+    assert (manifest.embedding_rows, manifest.embedding_shards) == (80, 3)
+    with pytest.raises(InvalidArgumentError) as refused:
+        checkpoint_tool.reshard(checkpoint, True, tmp_path / "bool")
+    assert refused.value.message == "--shards must be an integer >= 1, got True"
+
+
+def test_verify_reports_a_manifest_that_miscounts_its_embedding_rows(checkpoint, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["embeddings"]["rows"] = 81
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    problems, _summary = checkpoint_tool.verify(copy)
+    assert (
+        f"{copy / 'manifest.json'} says 81 embedding rows in 1 shards, but "
+        f"{copy / 'embeddings'} holds 80 rows in 1 shards"
+    ) in problems
+
+
+def test_verify_says_no_code_was_loaded_when_there_is_no_jit_model(tmp_path):
+    plain = _rows_checkpoint(tmp_path / "plain", CONFIG, {"user": USERS})
+    problems, summary = checkpoint_tool.verify(plain, load_code=True)
+    assert problems == [] and summary["jit_model"] is False and summary["code_loaded"] is False
+
+
+def test_export_dense_refuses_an_existing_file_before_reading_the_checkpoint(tmp_path):
+    out = tmp_path / "dense.pt"
+    out.write_bytes(b"mine")
+    with pytest.raises(AlreadyExistsError) as refused:
+        checkpoint_tool.export_dense(tmp_path / "missing", out)
+    assert refused.value.message == f"{out} already exists; pass --overwrite to replace it"
+    assert out.read_bytes() == b"mine"
+
+
+def test_sizes_are_shown_in_binary_units():
+    human = checkpoint_tool._human_bytes
+    assert [human(n) for n in (0, 1023, 1024, 1536, 1024**2, 5 * 1024**4, 2048 * 1024**4)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "1.0 MiB",
+        "5.0 TiB",
+        "2048.0 TiB",
+    ]
+
+
+def test_diff_of_rows_of_other_dims_or_state_widths_counts_every_common_row(tmp_path):
+    from embedding_store.optimizers import Adagrad
+    from embedding_store.shard import EmbeddingShard
+
+    wide = embedding_config_from_mapping(
+        {
+            "feature_index_prefix_bit": 8,
+            "slots_config": {"user": {"dim": 8}, "tags": {"dim": 4}, "item": {"dim": 4}},
+            "feature_groups": {"content": ["tags", "item"]},
+        }
+    )
+    ids = CONFIG.prefix_ids("user", np.arange(5, dtype=np.uint64))
+    for name, config, optimizer, dim in (
+        ("plain", CONFIG, None, 4),
+        ("adagrad", CONFIG, Adagrad(lr=0.1), 4),
+        ("wide", wide, None, 8),
+    ):
+        shard = EmbeddingShard(100, optimizer=optimizer)
+        shard.import_rows(RowBlock(ids, np.ones((5, dim), np.float32), None))
+        embedding_checkpoint.dump_embeddings([shard], tmp_path / name, config)
+
+    def user(a, b):
+        result = checkpoint_tool.diff(tmp_path / a, tmp_path / b)
+        assert not result["identical"]
+        (space,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
+        return space
+
+    state = user("plain", "adagrad")
+    assert (state["changed"], state["state_changed"]) == (0, 5)
+    assert state["state_note"] == "state width 0 vs 4"
+    dims = user("plain", "wide")
+    assert (dims["common"], dims["changed"], dims["max_abs_diff"]) == (5, 5, None)
+    assert dims["note"] == "dim 4 vs 8"
+
+
+def test_diff_refuses_an_id_space_holding_rows_of_two_dims_naming_it(tmp_path):
+    # Rows of no slot's prefix all land in one "(unknown prefix)" space, whatever their dim.
+    prefix = np.uint64(3 << 56)
+    strays = {
+        0: (np.arange(3, dtype=np.uint64) | prefix, np.ones((3, 4), np.float32)),
+        1: (np.arange(3, 6, dtype=np.uint64) | prefix, np.ones((3, 8), np.float32)),
+    }
+    mixed = _rows_checkpoint(tmp_path / "mixed", CONFIG, {"user": USERS, **strays})
+    assert checkpoint_tool.verify(mixed)[0] == []
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_tool.diff(mixed, mixed)
+    assert re.fullmatch(
+        rf"{re.escape(str(mixed / 'embeddings'))}: ID space '\(unknown prefix\)' has rows of "
+        r"dims \{(4, 8|8, 4)\}",
+        refused.value.message,
+    )

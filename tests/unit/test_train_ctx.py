@@ -15,6 +15,8 @@ import torch
 from embedding_store.batch import Batch, IDTypeFeature, Label, NonIDTypeFeature
 from embedding_store.config import embedding_config_from_mapping, global_config_from_mapping
 from embedding_store.errors import (
+    AlreadyExistsError,
+    BatchValidationError,
     CheckpointError,
     ConfigError,
     FailedPreconditionError,
@@ -594,3 +596,245 @@ def test_a_train_ctx_refuses_an_infer_global_config(tmp_path):
         f"{path}: common_config.job_type: TrainCtx trains, got 'Infer' (read-only lookups, "
         "for serving): use 'Train'"
     )
+
+
+# --------------------------------------------------------------------- argument checks, dtypes
+
+
+@pytest.mark.parametrize("size", ["backward_buffer_size", "backward_workers_size"])
+def test_backward_buffer_and_workers_must_be_at_least_one(size):
+    model = TinyModel()
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(
+            SGD(lr=0.1),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            embedding_config=CONFIG,
+            global_config=GLOBAL,
+            **{size: 0},
+        )
+    assert str(refused.value) == "backward_buffer_size and backward_workers_size must be >= 1"
+
+
+def test_finite_check_every_zero_checks_every_step():
+    torch.manual_seed(0)
+    model = TinyModel()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+        finite_check_every=0,
+    ) as ctx:
+        assert ctx.finite_check_every == 1
+        train_steps(ctx, 2)
+        output, _ = ctx.forward(make_batch(5))
+        ctx.backward((output * float("inf")).sum())
+        assert ctx.step == 3 and ctx.nonfinite_embedding_steps == 1
+
+
+def test_a_nonfinite_gradient_in_one_row_skips_the_whole_update():
+    """One sample's NaN makes that row's gradient NaN while every other row's is finite:
+    the batch's embedding update is skipped all the same."""
+    with new_ctx(staleness=1) as ctx:
+        batch = make_batch(7)
+        before = ctx.embedding_tier.lookup(batch, train=True)
+        output, _ = ctx.forward(batch)
+        weights = torch.ones(16)
+        weights[3] = float("nan")
+        ctx.backward((output.squeeze(1) * weights).sum())
+        assert ctx.nonfinite_embedding_steps == 1
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+
+
+def test_mixed_precision_is_ignored_on_cpu_which_trains_in_fp32():
+    with new_ctx() as ctx:  # mixed_precision=True by default
+        assert ctx.mixed_precision is False
+        assert not ctx.grad_scaler.is_enabled()
+        output, _ = ctx.forward(make_batch(0))
+        assert output.dtype == torch.float32
+
+
+def test_float64_inputs_and_labels_become_float32_and_integer_labels_stay_integers():
+    good = make_batch(0)
+    batch = Batch(
+        good.id_type_features,
+        [NonIDTypeFeature(good.non_id_type_features[0].data.astype(np.float64), name="dense")],
+        [Label(good.labels[0].data.astype(np.float64)), Label(np.arange(16, dtype=np.int64))],
+        requires_grad=True,
+    )
+    with new_ctx() as ctx:
+        non_ids, embeddings, labels = ctx.prepare_features(batch)
+        assert [t.dtype for t in non_ids] == [torch.float32]
+        assert [t.dtype for t in embeddings] == [torch.float32, torch.float32]
+        assert [t.dtype for t in labels] == [torch.float32, torch.int64]
+        assert labels[1].tolist() == list(range(16))
+
+
+def test_an_inference_ctx_builds_a_read_only_tier_and_an_eval_ctx_does_not():
+    batch = make_batch(1)
+    with EmbeddingCtx(
+        PreprocessMode.INFERENCE, TinyModel(), embedding_config=CONFIG, global_config=GLOBAL
+    ) as ctx:
+        assert [shard.read_only for shard in ctx.embedding_tier.shards] == [True]
+        with pytest.raises(FailedPreconditionError):
+            ctx.embedding_tier.lookup(batch, train=True)
+    with EmbeddingCtx(
+        PreprocessMode.EVAL, TinyModel(), embedding_config=CONFIG, global_config=GLOBAL
+    ) as ctx:
+        assert [shard.read_only for shard in ctx.embedding_tier.shards] == [False]
+
+
+def test_a_distributed_run_without_embedding_workers_is_refused(monkeypatch):
+    from training.ctx import make_embedding_tier
+    from training.env import EMBEDDING_WORKERS_ENV
+
+    monkeypatch.delenv(EMBEDDING_WORKERS_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(FailedPreconditionError) as refused:
+        make_embedding_tier(CONFIG, GLOBAL, None)
+    assert str(refused.value) == (
+        "WORLD_SIZE > 1 needs one shared embedding tier: pass embedding_workers or set "
+        "RECSERVE_EMBEDDING_WORKERS (the embedded tier is per process)"
+    )
+
+
+@pytest.mark.parametrize("job_type", ["Eval", "Infer"])
+def test_a_train_ctx_refuses_a_global_config_object_that_does_not_train(job_type):
+    config = global_config_from_mapping({"common_config": {"job_type": job_type}})
+    model = TinyModel()
+    with pytest.raises(ConfigError) as refused:
+        TrainCtx(
+            SGD(lr=0.1),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            embedding_config=CONFIG,
+            global_config=config,
+        )
+    assert str(refused.value) == (
+        f"global_config (a GlobalConfig object): common_config.job_type: TrainCtx trains, "
+        f"got {job_type!r} (read-only lookups, for serving): use 'Train'"
+    )
+
+
+# --------------------------------------------------------------------- signature, failures
+
+
+def test_a_batch_that_does_not_match_the_runs_signature_is_refused():
+    good = make_batch(0)
+    swapped = Batch(
+        list(reversed(good.id_type_features)),  # the model takes its embeddings by position
+        good.non_id_type_features,
+        good.labels,
+        requires_grad=True,
+    )
+    with new_ctx(staleness=1) as ctx:
+        train_steps(ctx, 1)
+        with pytest.raises(BatchValidationError) as refused:
+            ctx.forward(swapped)
+        assert str(refused.value) == (
+            "ID features ['item', 'user'] do not match the model's ['user', 'item'] "
+            "(names and order)"
+        )
+        train_steps(ctx, 1, offset=1)  # the refusal took no staleness slot
+        assert ctx.step == 2
+
+
+def test_a_resumed_run_takes_the_checkpoints_signature(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 1)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+    with new_ctx() as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert resumed.signature == ctx.signature
+        assert [spec.name for spec in resumed.signature.id_features] == ["user", "item"]
+        good = make_batch(1)
+        swapped = Batch(
+            list(reversed(good.id_type_features)),
+            good.non_id_type_features,
+            good.labels,
+            requires_grad=True,
+        )
+        with pytest.raises(BatchValidationError, match="do not match the model's"):
+            resumed.forward(swapped)
+
+
+class FailingTier(InProcessEmbeddingTier):
+    """An in-process tier whose embedding updates fail."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+
+    def backward(self, ref, grads):
+        raise RuntimeError("shard 0 is gone")
+
+
+def _failing_ctx(tier: InProcessEmbeddingTier) -> TrainCtx:
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=10,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+        embedding_tier=tier,
+    )
+
+
+def test_a_failed_embedding_update_is_raised_by_the_next_forward():
+    ctx = _failing_ctx(FailingTier())
+    ctx.__enter__()
+    try:
+        train_steps(ctx, 1)
+        ctx._backward_queue.join()  # the update has failed, nothing waited for it yet
+        with pytest.raises(RuntimeError, match=r"^shard 0 is gone$"):
+            ctx.forward(make_batch(1))
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def test_a_failed_last_embedding_update_is_raised_when_the_ctx_exits():
+    ctx = _failing_ctx(FailingTier())
+    with pytest.raises(RuntimeError, match=r"^shard 0 is gone$"), ctx:
+        train_steps(ctx, 1)
+    assert ctx._backward_workers == []
+
+
+# --------------------------------------------------------------------- TrainCtx.dump_checkpoint
+
+
+def test_dump_checkpoint_passes_train_state_jit_choice_signature_and_step(tmp_path):
+    with new_ctx() as ctx:
+        train_steps(ctx, 3)
+        written = ctx.dump_checkpoint(
+            tmp_path / "ckpt", with_jit_model=False, train_state={"epochs_done": 2, "seed": 7}
+        )
+    manifest = training_checkpoint.read_manifest(tmp_path / "ckpt")
+    assert written.version == manifest.version
+    assert manifest.step == 3
+    assert manifest.train_state == {"epochs_done": 2, "seed": 7}
+    assert not manifest.has_jit_model and "jit_dense.pt" not in manifest.files
+    assert manifest.signature == ctx.signature and manifest.signature is not None
+    with new_ctx() as resumed:
+        loaded = resumed.load_checkpoint(tmp_path / "ckpt")
+        assert loaded.train_state == {"epochs_done": 2, "seed": 7} and resumed.step == 3
+
+
+def test_dump_checkpoint_refuses_an_existing_checkpoint_unless_told_to_overwrite(tmp_path):
+    target = tmp_path / "ckpt"
+    with new_ctx() as ctx:
+        train_steps(ctx, 1)
+        first = ctx.dump_checkpoint(target, with_jit_model=False)
+        train_steps(ctx, 1, offset=1)
+        with pytest.raises(AlreadyExistsError, match="already exists; refusing to overwrite"):
+            ctx.dump_checkpoint(target, with_jit_model=False)
+        assert training_checkpoint.read_manifest(target).version == first.version
+        second = ctx.dump_checkpoint(target, with_jit_model=False, overwrite=True)
+    assert training_checkpoint.read_manifest(target).step == 2
+    assert second.version != first.version
