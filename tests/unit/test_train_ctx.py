@@ -70,7 +70,9 @@ def train_steps(ctx: TrainCtx, steps: int, offset: int = 0) -> list[float]:
     return losses
 
 
-def new_ctx(staleness: int = 1, embedding_lr: float = 0.5) -> TrainCtx:
+def new_ctx(staleness: int = 1, embedding_lr: float = 0.5, **overrides) -> TrainCtx:
+    """A TrainCtx over a TinyModel seeded with 0; ``overrides`` are more TrainCtx keyword
+    arguments."""
     torch.manual_seed(0)
     model = TinyModel()
     return TrainCtx(
@@ -80,6 +82,20 @@ def new_ctx(staleness: int = 1, embedding_lr: float = 0.5) -> TrainCtx:
         embedding_staleness=staleness,
         embedding_config=CONFIG,
         global_config=GLOBAL,
+        **overrides,
+    )
+
+
+def sgd_ctx(**overrides) -> TrainCtx:
+    """A TrainCtx over a TinyModel with SGD (lr 0.1) for embeddings and dense parameters;
+    ``overrides`` are TrainCtx keyword arguments (global_config defaults to GLOBAL)."""
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_config=CONFIG,
+        **{"global_config": GLOBAL, **overrides},
     )
 
 
@@ -583,15 +599,8 @@ def test_a_train_ctx_refuses_an_infer_global_config(tmp_path):
     """job_type Infer (read-only lookups) would otherwise train and publish a checkpoint."""
     path = tmp_path / "global_config.yml"
     path.write_text("common_config:\n  job_type: Infer\n")
-    model = TinyModel()
     with pytest.raises(ConfigError) as refused:
-        TrainCtx(
-            SGD(lr=0.1),
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            model,
-            embedding_config=CONFIG,
-            global_config=path,
-        )
+        sgd_ctx(global_config=path)
     assert str(refused.value) == (
         f"{path}: common_config.job_type: TrainCtx trains, got 'Infer' (read-only lookups, "
         "for serving): use 'Train'"
@@ -603,31 +612,13 @@ def test_a_train_ctx_refuses_an_infer_global_config(tmp_path):
 
 @pytest.mark.parametrize("size", ["backward_buffer_size", "backward_workers_size"])
 def test_backward_buffer_and_workers_must_be_at_least_one(size):
-    model = TinyModel()
     with pytest.raises(InvalidArgumentError) as refused:
-        TrainCtx(
-            SGD(lr=0.1),
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            model,
-            embedding_config=CONFIG,
-            global_config=GLOBAL,
-            **{size: 0},
-        )
+        sgd_ctx(**{size: 0})
     assert str(refused.value) == "backward_buffer_size and backward_workers_size must be >= 1"
 
 
 def test_finite_check_every_zero_checks_every_step():
-    torch.manual_seed(0)
-    model = TinyModel()
-    with TrainCtx(
-        SGD(lr=0.5),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model,
-        embedding_staleness=1,
-        embedding_config=CONFIG,
-        global_config=GLOBAL,
-        finite_check_every=0,
-    ) as ctx:
+    with new_ctx(finite_check_every=0) as ctx:
         assert ctx.finite_check_every == 1
         train_steps(ctx, 2)
         output, _ = ctx.forward(make_batch(5))
@@ -706,15 +697,8 @@ def test_a_distributed_run_without_embedding_workers_is_refused(monkeypatch):
 @pytest.mark.parametrize("job_type", ["Eval", "Infer"])
 def test_a_train_ctx_refuses_a_global_config_object_that_does_not_train(job_type):
     config = global_config_from_mapping({"common_config": {"job_type": job_type}})
-    model = TinyModel()
     with pytest.raises(ConfigError) as refused:
-        TrainCtx(
-            SGD(lr=0.1),
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            model,
-            embedding_config=CONFIG,
-            global_config=config,
-        )
+        sgd_ctx(global_config=config)
     assert str(refused.value) == (
         f"global_config (a GlobalConfig object): common_config.job_type: TrainCtx trains, "
         f"got {job_type!r} (read-only lookups, for serving): use 'Train'"
@@ -774,17 +758,7 @@ class FailingTier(InProcessEmbeddingTier):
 
 
 def _failing_ctx(tier: InProcessEmbeddingTier) -> TrainCtx:
-    torch.manual_seed(0)
-    model = TinyModel()
-    return TrainCtx(
-        SGD(lr=0.5),
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model,
-        embedding_staleness=10,
-        embedding_config=CONFIG,
-        global_config=GLOBAL,
-        embedding_tier=tier,
-    )
+    return new_ctx(staleness=10, embedding_tier=tier)
 
 
 def test_a_failed_embedding_update_is_raised_by_the_next_forward():
