@@ -39,20 +39,39 @@ class DDPOption:
             raise ConfigError("DDPOption.backend 'nccl' needs CUDA; use 'gloo' on CPU")
 
 
+def _environment_count(name: str, default: int, minimum: int) -> int:
+    """The integer torchrun puts in ``name`` (``default`` when unset); ConfigError naming the
+    variable and its value when it is not a whole number of at least ``minimum``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(
+            f"environment variable {name}={text!r}: expected a whole number >= {minimum} "
+            "(torchrun sets it; unset it for a single process)"
+        )
+    return value
+
+
 def world_size() -> int:
     """WORLD_SIZE from the environment (1 when not launched by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _environment_count("WORLD_SIZE", 1, 1)
 
 
 def rank() -> int:
     """This process's global rank (0 when not distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return _environment_count("RANK", 0, 0)
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's rank on its node (0 when not distributed)."""
+    return _environment_count("LOCAL_RANK", 0, 0)
 
 
 _watching: list[int] = []  # the launcher's PID, once watched

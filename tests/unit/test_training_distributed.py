@@ -35,6 +35,27 @@ def test_rank_world_size_and_local_rank_come_from_torchruns_environment(monkeypa
     assert (distributed.rank(), distributed.local_rank(), distributed.world_size()) == (5, 1, 8)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "minimum"),
+    [("WORLD_SIZE", "abc", 1), ("WORLD_SIZE", "0", 1), ("RANK", "-1", 0), ("LOCAL_RANK", "1.5", 0)],
+)
+def test_a_malformed_torchrun_variable_is_named_with_its_value(monkeypatch, name, value, minimum):
+    for other in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    reader = {
+        "WORLD_SIZE": distributed.world_size,
+        "RANK": distributed.rank,
+        "LOCAL_RANK": distributed.local_rank,
+    }[name]
+    with pytest.raises(ConfigError) as refused:
+        reader()
+    assert str(refused.value) == (
+        f"environment variable {name}={value!r}: expected a whole number >= {minimum} "
+        "(torchrun sets it; unset it for a single process)"
+    )
+
+
 def test_a_single_process_is_not_distributed_and_agrees_with_itself(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
