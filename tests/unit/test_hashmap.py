@@ -250,3 +250,33 @@ def test_pool_rejects_bad_weights() -> None:
     for weights in (np.ones((4, 2)), np.ones(4, np.float32), np.ones((2, 4), np.float32).T):
         with pytest.raises(InvalidArgumentError, match="weights must be a C-contiguous float32"):
             IdIndex().pool(ids, weights, np.array([0]))
+
+
+def test_insert_rows_refuses_negative_rows_and_mismatched_shapes() -> None:
+    index = IdIndex()
+    index.insert_rows(np.array([1], dtype=np.uint64), np.array([0]))
+    # -1 is the empty-slot marker: a row of -1 would silently drop the key from the table.
+    with pytest.raises(InvalidArgumentError, match="rows must be >= 0"):
+        index.insert_rows(np.array([2, 3], dtype=np.uint64), np.array([4, -1]))
+    with pytest.raises(InvalidArgumentError, match=r"rows must have the shape of ids \[2\]"):
+        index.insert_rows(np.array([2, 3], dtype=np.uint64), np.array([4]))
+    assert index.size == 1
+    assert index.lookup(np.array([1, 2, 3], dtype=np.uint64)).tolist() == [0, -1, -1]
+
+
+def test_insert_rows_grows_the_table_to_keep_load_at_most_half() -> None:
+    index = IdIndex()
+    assert index.capacity == MIN_CAPACITY == 16
+    index.insert_rows(np.arange(8, dtype=np.uint64), np.arange(8))
+    assert (index.size, index.capacity) == (8, 16)
+    index.insert_rows(np.array([8], dtype=np.uint64), np.array([8]))  # the 9th key: grow
+    assert (index.size, index.capacity) == (9, 32)
+    np.testing.assert_array_equal(index.lookup(np.arange(9, dtype=np.uint64)), np.arange(9))
+
+
+def test_keys_include_zero_and_the_largest_uint64() -> None:
+    index = IdIndex()
+    index.rebuild(np.array([0, U64_MAX, 7], dtype=np.uint64))
+    assert sorted(index.keys().tolist()) == [0, 7, U64_MAX]
+    index.get_or_insert(np.array([0, 5], dtype=np.uint64), index.size)
+    assert sorted(index.keys().tolist()) == [0, 5, 7, U64_MAX]

@@ -589,3 +589,59 @@ def test_dump_and_load_take_the_deadline_they_are_given_else_the_checkpoint_time
         assert client.load("/d", timeout=3.5) == 7
         client.load("/d")
     assert stub.timeouts == [("dump", 2.5), ("dump", 123.0), ("load", 3.5), ("load", 123.0)]
+
+
+def test_a_lookup_whose_answer_cannot_fit_is_refused_before_any_row_is_made():
+    big = EmbeddingConfig(slots_config={"wide": SlotConfig(dim=65536)})
+    shard = EmbeddingShard(10_000, optimizer=SGD())
+    s = ParameterServerServicer(shard, big, job_type=JobType.TRAIN)
+    n = MAX_MESSAGE_BYTES // (4 * 65536) + 1  # one row more than a message carries
+    request = pb.LookupRequest(ids=pack_u64(np.arange(n, dtype=np.uint64)), dim=65536, train=True)
+    error = aborted(s.Lookup, request)
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"LookupRequest: {n} rows x dim 65536" in error.details
+    assert shard.size() == 0 and shard.dims() == []
+
+
+def test_a_read_only_shard_refuses_updates_for_good_even_before_it_has_rows():
+    s = servicer(read_only=True, optimizer=SGD())
+    assert not s.serving  # waiting for its checkpoint: lookups are UNAVAILABLE (retry) ...
+    ids = pack_u64(np.arange(2, dtype=np.uint64))
+    assert aborted(s.Lookup, pb.LookupRequest(ids=ids, dim=4)).code == (grpc.StatusCode.UNAVAILABLE)
+    # ... but an update never succeeds on it: FAILED_PRECONDITION, not a retryable UNAVAILABLE
+    update = pb.UpdateRequest(ids=ids, grads=pack_f32(np.ones((2, 4), np.float32)), dim=4)
+    error = aborted(s.Update, update)
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "read-only: updates are refused" in error.details
+
+
+def test_a_chunk_without_state_must_not_claim_a_state_width():
+    chunk = pb.RowChunk(
+        dim=3, ids=pack_u64(np.arange(1, dtype=np.uint64)), weights=b"\0" * 12, state_width=7
+    )
+    with pytest.raises(InvalidArgumentError, match=r"RowChunk\.state must be empty.*state_width 7"):
+        row_block_from_chunk(chunk)
+
+
+def test_imported_rows_of_a_dim_the_config_lacks_are_refused():
+    s = servicer(optimizer=SGD())
+    block = RowBlock(
+        ids=np.arange(2, dtype=np.uint64), weights=np.ones((2, 5), np.float32), state=None
+    )
+    error = aborted(s.ImportRows, iter(row_chunks(block, 0)))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "RowChunk[0].dim is 5, but this shard's embedding config has rows of dims [4]" in (
+        error.details
+    )
+    assert s.shard.size() == 0 and s.shard.dims() == []
+
+
+def test_non_finite_gradient_error_names_the_first_bad_row():
+    s = servicer(optimizer=SGD())
+    ids = np.array([3, 4, 5, 6], np.uint64)
+    s.Lookup(pb.LookupRequest(ids=pack_u64(ids), dim=4, train=True), FakeContext())
+    grads = np.ones((4, 4), np.float32)
+    grads[1, 0] = np.inf
+    grads[3, 3] = np.nan
+    error = aborted(s.Update, pb.UpdateRequest(ids=pack_u64(ids), grads=pack_f32(grads), dim=4))
+    assert "UpdateRequest.grads: 2 row(s) hold NaN or Inf, the first row 1 (ID 4)" in error.details

@@ -492,6 +492,11 @@ def test_clear_keeps_counters_and_vectors_come_back_identical() -> None:
         (lambda s: s.lookup(u64([[1, 2]]), 4, train=False), r"ids must be .*uint64\[1, 2\]"),
         (lambda s: s.lookup([1, 2], 4, train=False), r"ids must be .*got list"),
         (lambda s: s.lookup(u64(1), 0, train=True), r"dim must be a positive integer, got 0"),
+        (lambda s: s.lookup(u64(1), True, train=True), r"dim must be a positive integer, got True"),
+        (
+            lambda s: s.export_rows(np.bool_(True)),
+            r"dim must be a positive integer, got (np\.)?(True|bool_\(True\))",
+        ),
         (lambda s: s.update(u64(1), np.zeros((1, 4))), r"grads must be a float32 .*float64"),
         (
             lambda s: s.update(u64(1, 2), np.zeros((3, 4), np.float32)),
@@ -801,3 +806,80 @@ def test_imported_adam_first_moments_must_be_finite() -> None:
     with pytest.raises(InvalidArgumentError, match=r"block\.state has NaN values"):
         shard.import_rows(RowBlock(ids, np.ones((2, 3), np.float32), state))
     assert shard.size() == 0
+
+
+def test_last_misses_of_a_train_lookup_count_the_rejected_admissions() -> None:
+    config = InitializationConfig(admit_probability=0.5, seed=11)
+    shard = EmbeddingShard(1000, initialization=config)
+    ids = u64(np.arange(64) + 5000)
+    ok = admitted(ids, config)
+    assert 0 < ok.sum() < 64
+    shard.lookup(ids, 4, train=True)
+    assert shard.last_misses == 64 - int(ok.sum())  # per occurrence
+    doubled = np.concatenate([ids, ids])
+    shard.lookup_pooled(doubled, 4, np.array([0, 64], np.int64), train=True)
+    assert shard.last_misses == 2 * (64 - int(ok.sum()))
+    shard.lookup(ids[ok], 4, train=True)  # all held: nothing answered with zeros
+    assert shard.last_misses == 0
+
+
+def test_eviction_keeps_each_surviving_rows_optimizer_state_with_its_id() -> None:
+    """Compaction after a bulk eviction moves ids, weights, stamps AND optimizer state."""
+    shard = EmbeddingShard(10, optimizer=Adagrad(lr=0.1, initial_accumulator_value=0.5))
+    ids = u64(range(10))
+    shard.lookup(ids, 2, train=True)
+    grads = np.arange(20, dtype=np.float32).reshape(10, 2) + 1  # a distinct state per row
+    shard.update(ids, grads)
+    before = shard.export_rows(2)
+    by_id = {
+        int(i): (w.copy(), s.copy()) for i, w, s in zip(before.ids, before.weights, before.state)
+    }
+    # rows 0..9 stamped 0..9; touch 0 and 1 so that 2 and 3 are the oldest, then insert one
+    shard.lookup(u64(0, 1), 2, train=True)
+    shard.lookup(u64(100), 2, train=True)  # evicts ceil(10 / 10) = 1 row: ID 2
+    after = shard.export_rows(2)
+    assert set(after.ids.tolist()) == {0, 1, *range(3, 10), 100}
+    for i, w, s in zip(after.ids.tolist(), after.weights, after.state):
+        if i == 100:
+            np.testing.assert_array_equal(s, [0.5, 0.5])  # fresh accumulators
+            continue
+        np.testing.assert_array_equal(w, by_id[i][0])
+        np.testing.assert_array_equal(s, by_id[i][1])
+        # the accumulator is initial + grad**2 of that very row
+        np.testing.assert_array_equal(s, np.float32(0.5) + grads[i] * grads[i])
+
+
+def test_replace_rows_takes_exactly_capacity_rows_and_refuses_one_more() -> None:
+    weights = np.ones((11, 4), np.float32)
+    shard = EmbeddingShard(10, read_only=True)
+    shard.replace_rows([RowBlock(u64(range(10)), weights[:10], None)])
+    assert shard.size() == 10
+    with pytest.raises(CapacityError, match="needs 11 rows but its capacity is 10"):
+        shard.replace_rows([RowBlock(u64(range(11)), weights, None)])
+    # duplicated IDs count once
+    shard.replace_rows([RowBlock(u64(*range(10), 0), weights, None)])
+    assert shard.size() == 10
+
+
+def test_row_arrays_never_grow_past_the_capacity() -> None:
+    shard = EmbeddingShard(3000)
+    for start, stop in ((0, 1000), (1000, 2100), (2100, 2500), (2500, 3000)):
+        shard.lookup(u64(range(start, stop)), 4, train=True)  # the last doubling is capped
+    assert shard.size() == 3000
+    table = shard._tables[4]
+    assert table.alloc == 3000
+    assert all(a.shape[0] == 3000 for a in (table.ids, table.weights, table.state, table.stamps))
+
+
+def test_importing_a_single_new_row_inserts_it_and_leaves_the_others() -> None:
+    shard = EmbeddingShard(10, optimizer=Adagrad(initial_accumulator_value=0.25))
+    shard.lookup(u64(1, 2, 3), 4, train=True)
+    before = shard.export_rows(4)
+    shard.import_rows(RowBlock(u64(7), np.full((1, 4), 3.5, np.float32), None))
+    after = shard.export_rows(4)
+    assert after.ids.tolist() == [1, 2, 3, 7]
+    np.testing.assert_array_equal(after.weights[:3], before.weights)
+    np.testing.assert_array_equal(after.state[:3], before.state)
+    np.testing.assert_array_equal(after.weights[3], [3.5, 3.5, 3.5, 3.5])
+    np.testing.assert_array_equal(after.state[3], [0.25, 0.25, 0.25, 0.25])
+    assert shard.stats().inserts == 4

@@ -547,3 +547,120 @@ def test_sqrt_scaled_pooling_gives_the_same_bits_whatever_the_shard_count():
         worker, _ = make_worker(config, num_shards)
         answers.append(worker.lookup(batch, train=True).slot("items").embeddings)
     assert torch.equal(answers[0], answers[1])
+
+
+def test_sqrt_scaling_of_a_hash_stacked_slot_weighs_by_the_raw_id_count():
+    """1/sqrt(n) counts the sample's IDs, not IDs x rounds: every round's row gets it."""
+    stack = {"hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 50}}
+    config = make_config(user=stack, items=stack)  # one feature group: one hash stack
+    for num_shards in (1, 2):
+        worker, shards = make_worker(config, num_shards)
+        batch = Batch(
+            [IDTypeFeature.from_lists("items", [[123456789, 987654321], [555]])],
+            requires_grad=False,
+        )
+        got = worker.lookup(batch, train=True).slot("items").embeddings
+        first = reference_rows(
+            shards,
+            table_ids(
+                config, "items", hash_stack(np.array([123456789, 987654321], np.uint64), 2, 50)
+            ),
+            DIM,
+        )
+        second = reference_rows(
+            shards, table_ids(config, "items", hash_stack(np.array([555], np.uint64), 2, 50)), DIM
+        )
+        w = np.float32(1 / np.sqrt(np.float32(2)))
+        np.testing.assert_allclose(got[0].numpy(), (first * w).sum(0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got[1].numpy(), second.sum(0), rtol=1e-6, atol=1e-7)
+
+
+def test_raw_ids_lose_the_prefix_bits_before_the_prefix_is_added():
+    config = make_config()
+    mask = (1 << 56) - 1  # feature_index_prefix_bit 8
+    assert config.id_mask == mask
+    worker, shards = make_worker(config, 1)
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("user", [[2**63 + 5]]),  # plain summation slot
+            IDTypeFeature.from_lists("history", [[2**62 + 7]]),  # raw slot
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=True)
+    user_id = 5 | config.index_prefix("user")
+    history_id = 7 | config.index_prefix("history")
+    assert config.index_prefix("user") >> 56 != config.index_prefix("history") >> 56
+    assert sorted(shards[0].export_rows(DIM).ids.tolist()) == sorted([user_id, history_id])
+    rows = shards[0].lookup(np.array([user_id, history_id], np.uint64), DIM, train=False)
+    np.testing.assert_array_equal(result.slot("user").embeddings[0].numpy(), rows[0])
+    np.testing.assert_array_equal(result.slot("history").embeddings[0, 0].numpy(), rows[1])
+
+
+def test_one_hash_stack_round_still_hashes_the_ids():
+    stack = {"hash_stack_config": {"hash_stack_rounds": 1, "embedding_size": 50}}
+    config = make_config(user=stack, items=stack)
+    worker, shards = make_worker(config, 1)
+    raw = np.array([123456789, 987654321, 42], np.uint64)
+    batch = Batch([IDTypeFeature.from_lists("user", [raw.tolist()])], requires_grad=False)
+    got = worker.lookup(batch, train=True).slot("user").embeddings
+    hashed = hash_stack(raw, 1, 50)
+    assert np.all(hashed < 50)
+    expected_ids = table_ids(config, "user", hashed)
+    assert sorted(shards[0].export_rows(DIM).ids.tolist()) == sorted(set(expected_ids.tolist()))
+    rows = reference_rows(shards, expected_ids, DIM)
+    np.testing.assert_allclose(got[0].numpy(), rows.sum(0), rtol=1e-6, atol=1e-7)
+
+
+def test_plain_slots_of_one_dim_keep_their_own_id_spaces():
+    """Plain summation slots of one dim are pooled together, each with its own prefix."""
+    config = embedding_config_from_mapping(
+        {"slots_config": {"a": {"dim": DIM}, "b": {"dim": DIM}, "c": {"dim": DIM}}}
+    )
+    prefixes = [config.index_prefix(name) for name in "abc"]
+    assert len(set(prefixes)) == 3
+    worker, shards = make_worker(config, 1)
+    batch = Batch(
+        [
+            IDTypeFeature.from_lists("a", [[42], [1, 42]]),
+            IDTypeFeature.from_lists("b", [[42], []]),
+            IDTypeFeatureWithSingleID.from_ids("c", [42, 3]),
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=True)
+    held = set(shards[0].export_rows(DIM).ids.tolist())
+    assert held == {
+        42 | prefixes[0],
+        1 | prefixes[0],
+        42 | prefixes[1],
+        42 | prefixes[2],
+        3 | prefixes[2],
+    }
+    for name, prefix in zip("abc", prefixes):
+        row = shards[0].lookup(np.array([42 | prefix], np.uint64), DIM, train=False)[0]
+        np.testing.assert_array_equal(result.slot(name).embeddings[0].numpy(), row)
+
+
+def test_a_deduplicating_worker_sends_one_shard_each_distinct_id_once():
+    """deduplicate=True on one in-process shard takes the unique + gather path, not the fused
+    one: the shard sees distinct IDs, and unknown IDs are counted per distinct ID."""
+    config = make_config()
+    worker, shards = make_worker(config, 1, deduplicate=True)
+    batch = Batch(
+        [IDTypeFeature.from_lists("user", [[1, 99, 99], [99, 1, 98]])], requires_grad=False
+    )
+    assert worker.lookup(batch, train=False).unknown_ids == 3  # 1, 99, 98
+    stats = shards[0].stats()
+    assert (stats.lookups, stats.ids_looked_up, stats.misses) == (1, 3, 3)
+    result = worker.lookup(batch, train=True)
+    assert result.unknown_ids == 0 and shards[0].stats().ids_looked_up == 6
+    rows = shards[0].lookup(
+        table_ids(config, "user", np.array([1, 99, 98], np.uint64)), DIM, train=False
+    )
+    np.testing.assert_allclose(
+        result.slot("user").embeddings[0].numpy(), rows[0] + 2 * rows[1], rtol=1e-6, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        result.slot("user").embeddings[1].numpy(), rows[1] + rows[0] + rows[2], rtol=1e-6, atol=1e-7
+    )

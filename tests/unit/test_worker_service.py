@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from embedding_store import checkpoint
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import embedding_config_from_mapping
-from embedding_store.errors import NotFoundError, UnavailableError
+from embedding_store.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
@@ -568,3 +568,48 @@ def test_reshard_load_over_capacity_changes_no_shard(make_tier, tmp_path):
         tier.load(tmp_path / "ckpt")
     assert [f.shard.size() for f in fakes] == rows_before
     assert [f.clears for f in fakes] == [0, 0, 0]
+
+
+def test_load_of_an_empty_directory_is_invalid_argument(make_tier):
+    tier, fakes = make_tier(2)
+    servicer = EmbeddingWorkerServicer(tier)
+    with pytest.raises(AbortedRpcError) as refused:
+        list(servicer.Load(pb.WorkerLoadRequest(directory=""), FakeContext()))
+    code, details = refused.value.args
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "WorkerLoadRequest.directory must not be empty" in details
+    assert [f.shard.size() for f in fakes] == [0, 0]
+
+
+def test_verify_shards_checks_the_replica_count_too(make_tier):
+    tier, fakes = make_tier(2)
+    tier.verify_shards()  # shard i answers as replica i of 2
+    fakes[1].shard = EmbeddingShard(10, replica_index=1, replica_size=3)
+    with pytest.raises(InvalidArgumentError) as refused:
+        tier.verify_shards()
+    assert (
+        "parameter server fake-1:7000 answers as replica 1 of 3, but was given as replica 1 of 2"
+        in refused.value.message
+    )
+
+
+def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
+    expected = _trained_checkpoint(make_tier, tmp_path / "ckpt", list(range(40)))
+    counts = checkpoint.count_rows_per_replica(checkpoint.read_manifest(tmp_path / "ckpt"), 3)
+    tier, fakes = make_tier(3)
+    fakes[2].shard = EmbeddingShard(
+        counts[2] - 1, optimizer=SGD(lr=1.0), replica_index=2, replica_size=3
+    )
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"shard 2 .* {counts[2]} rows, more than its capacity {counts[2] - 1}",
+    ):
+        tier.load(tmp_path / "ckpt")
+    assert [f.shard.size() for f in fakes] == [0, 0, 0]
+    fakes[2].shard = EmbeddingShard(
+        counts[2], optimizer=SGD(lr=1.0), replica_index=2, replica_size=3
+    )
+    tier.load(tmp_path / "ckpt")
+    assert [f.shard.size() for f in fakes] == counts
+    got = tier.lookup(user_batch(list(range(40))), train=False).slots[0].embeddings.numpy()
+    np.testing.assert_array_equal(got, expected)
