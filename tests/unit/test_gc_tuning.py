@@ -81,7 +81,8 @@ def test_young_collections_are_spaced_out_and_older_thresholds_kept() -> None:
         space_out_young_collections()
         assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, 10, 10)
         assert YOUNG_COLLECTION_THRESHOLD == 20_000
-        assert _young_collections_while_allocating(7000) == 0
+        # At most one: a collection another thread's allocations happen to trigger.
+        assert _young_collections_while_allocating(7000) <= 1
         assert _young_collections_while_allocating(2 * YOUNG_COLLECTION_THRESHOLD) >= 1
         with pytest.raises(ValueError, match="threshold must be >= 1, got 0"):
             space_out_young_collections(0)
