@@ -176,8 +176,12 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
 
     reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
     reshard.add_argument("directory", type=Path, metavar="DIR")
-    reshard.add_argument("--shards", type=positive_int, required=True, metavar="N")
-    reshard.add_argument("--out", type=Path, required=True, metavar="DIR2")
+    reshard.add_argument(
+        "--shards", type=positive_int, required=True, metavar="N", help="shards to write"
+    )
+    reshard.add_argument(
+        "--out", type=Path, required=True, metavar="DIR2", help="the resharded checkpoint"
+    )
     reshard.add_argument("--overwrite", action="store_true", help="replace an existing DIR2")
     reshard.set_defaults(handler=_reshard)
 
@@ -204,7 +208,13 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         help="copy the TorchScript dense model out (loads it to check it: runs its code)",
     )
     export.add_argument("directory", type=Path, metavar="DIR")
-    export.add_argument("--out", type=Path, required=True, metavar="FILE")
+    export.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="where to write the copy of jit_dense.pt",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
     export.set_defaults(handler=_export)
 

@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"recserve {__version__}")
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the least severe log messages shown (default INFO)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):

@@ -132,7 +132,9 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         if name in ("dump", "load"):
             action.add_argument("directory", help="checkpoint directory")
         if name == "dump":
-            action.add_argument("--overwrite", action="store_true")
+            action.add_argument(
+                "--overwrite", action="store_true", help="replace an existing checkpoint there"
+            )
         action.set_defaults(handler=_admin)
 
 

@@ -45,12 +45,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated parameter-server addresses in replica order: run the worker "
         "core in this process against them (one hop fewer than --embedding-workers)",
     )
-    parser.add_argument("--max-batch-size", type=positive_int, default=256)
-    parser.add_argument("--max-request-batch-size", type=positive_int, default=4096)
-    parser.add_argument("--max-queue-delay-ms", type=non_negative_float, default=2.0)
-    parser.add_argument("--max-queue-size", type=positive_int, default=1024)
-    parser.add_argument("--request-timeout", type=positive_float, default=10.0)
-    parser.add_argument("--lookup-timeout", type=positive_float, default=5.0)
+    parser.add_argument(
+        "--max-batch-size",
+        type=positive_int,
+        default=256,
+        help="most samples merged into one lookup and model call (dynamic batching; a "
+        "larger request runs alone) (default 256)",
+    )
+    parser.add_argument(
+        "--max-request-batch-size",
+        type=positive_int,
+        default=4096,
+        help="most samples one request may carry (400 / INVALID_ARGUMENT above it) (default 4096)",
+    )
+    parser.add_argument(
+        "--max-queue-delay-ms",
+        type=non_negative_float,
+        default=2.0,
+        help="how long the first request of a merged batch waits for others, in ms: longer "
+        "merges larger batches (less CPU per request) at the cost of latency; 0 merges what "
+        "arrives together (default 2; docs/BENCHMARKS.md, run Y)",
+    )
+    parser.add_argument(
+        "--max-queue-size",
+        type=positive_int,
+        default=1024,
+        help="requests waiting for a batch before new ones are refused (503 / UNAVAILABLE) "
+        "(default 1024)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a request may take unless its client asks for less (the KServe "
+        "'timeout' parameter, a gRPC deadline) (504 / DEADLINE_EXCEEDED after it; default 10)",
+    )
+    parser.add_argument(
+        "--lookup-timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds a lookup in a remote embedding tier may take before it fails, or falls "
+        "back with --fallback-policy default (default 5)",
+    )
     parser.add_argument(
         "--startup-timeout",
         type=positive_float,

@@ -43,9 +43,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(train)
     train.add_argument("--nproc-per-node", type=int, default=1, help="NN workers on this node")
     train.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
-    train.add_argument("--node-rank", type=int, default=0)
-    train.add_argument("--master-addr", default="127.0.0.1")
-    train.add_argument("--master-port", type=int, default=None)
+    train.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index in the job (default 0)"
+    )
+    train.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="address of node 0, where torchrun's rendezvous runs (default 127.0.0.1)",
+    )
+    train.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="port of the rendezvous on node 0 (default 29500; on one node without it, "
+        "torchrun --standalone picks a free one)",
+    )
     train.add_argument(
         "--embedding-workers",
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
@@ -64,8 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run a data-loader script (which uses training.data.DataCtx) as one replica.",
     )
     _common(loader)
-    loader.add_argument("--replica-index", type=int, required=True)
-    loader.add_argument("--replica-size", type=int, required=True)
+    loader.add_argument(
+        "--replica-index", type=int, required=True, help="this loader's index I, from 0"
+    )
+    loader.add_argument(
+        "--replica-size", type=int, required=True, help="how many loaders N run the script"
+    )
     loader.set_defaults(handler=_data_loader)
 
 

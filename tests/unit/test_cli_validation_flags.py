@@ -249,3 +249,36 @@ def test_launch_commands_refuse_what_torchrun_or_a_loader_would_fail_on(tmp_path
     run("data-loader", "--replica-index", "1", "--replica-size", "2")
     run("train", "--nnodes", "2", "--master-port", "29501", "--embedding-workers", "h:1")
     assert [argv[-1] for argv in started] == [str(entry), str(entry)]
+
+
+def _options_without_help(
+    parser: argparse.ArgumentParser, path: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    """(command path, flag) of every option, in every subcommand, that has no help text."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                missing += _options_without_help(subparser, (*path, name))
+        elif action.option_strings and not action.help:
+            missing.append((" ".join(path), action.option_strings[-1]))
+    return missing
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`recserve COMMAND --help` is the reference users read: a flag listed with no text
+    (as --max-queue-delay-ms was, the batching delay that decides throughput) hides what it
+    does, its unit and its default."""
+    assert _options_without_help(build_parser(), ("recserve",)) == []
+
+
+def test_serve_help_gives_the_batching_flags_units_and_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "how long the first request of a merged batch waits for others, in ms" in text
+    assert "0 merges what arrives together (default 2;" in text
+    assert "(503 / UNAVAILABLE) (default 1024)" in text
+    assert "(504 / DEADLINE_EXCEEDED after it; default 10)" in text
