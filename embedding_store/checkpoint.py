@@ -629,9 +629,10 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
 
 def _check_unique_ids(path: Path, ids: np.ndarray) -> None:
     """CheckpointError naming the file, its first repeated ID (in file order) and how many
-    IDs it repeats, unless every ID of ``ids`` (one file's) is distinct. A writer exports
-    each row once; a repeat is a damaged or crafted file, whose later row would silently
-    win in the shard (whose ``replace_rows`` tolerates repeats of in-memory blocks)."""
+    IDs it repeats, unless every ID of ``ids`` (uint64 [rows]: one file's, in file order) is
+    distinct. A writer exports each row once; a repeat is a damaged or crafted file, whose
+    later row would silently win in the shard (whose ``replace_rows`` tolerates repeats of
+    in-memory blocks)."""
     if len(ids) < 2:
         return
     ordered = np.sort(ids)

@@ -77,8 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--request-timeout",
         type=positive_float,
         default=10.0,
-        help="seconds a request may take unless its client asks for less (the KServe "
-        "'timeout' parameter, a gRPC deadline) (504 / DEADLINE_EXCEEDED after it; default 10)",
+        help="seconds a request may take when its client sets no timeout of its own (the "
+        "KServe 'timeout' parameter or a gRPC deadline replaces it, shorter or longer) "
+        "(504 / DEADLINE_EXCEEDED after it; default 10)",
     )
     parser.add_argument(
         "--lookup-timeout",

@@ -282,3 +282,28 @@ def test_serve_help_gives_the_batching_flags_units_and_defaults(
     assert "0 merges what arrives together (default 2;" in text
     assert "(503 / UNAVAILABLE) (default 1024)" in text
     assert "(504 / DEADLINE_EXCEEDED after it; default 10)" in text
+
+
+def test_serve_help_says_a_client_timeout_replaces_request_timeout_either_way(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A client's timeout replaces --request-timeout, longer ones too (up to a day): the help
+    said "unless its client asks for less", as if the flag capped what clients may ask for."""
+    from types import SimpleNamespace
+
+    from serving.service import PredictionService
+
+    service = SimpleNamespace(
+        _accepting=True, _check_name=lambda name, version: None, default_timeout=10.0
+    )
+    prepare = functools.partial(PredictionService._prepare, service, "m", None, lambda _: "b")
+    assert prepare(None) == ("b", 10.0)
+    assert prepare(2.5) == ("b", 2.5)
+    assert prepare(30.0) == ("b", 30.0)  # longer than --request-timeout: used as is
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "asks for less" not in text
+    assert "when its client sets no timeout of its own" in text
+    assert "replaces it, shorter or longer" in text
