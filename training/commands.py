@@ -107,6 +107,13 @@ def _script_args(args: argparse.Namespace) -> list[str]:
 def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise SystemExit("recserve train: error: --nproc-per-node and --nnodes must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        # torchrun would wait at the rendezvous for a node that never comes (or, on one
+        # node, start standalone and ignore it): say so before anything starts.
+        raise SystemExit(
+            f"recserve train: error: --node-rank {args.node_rank} must be in "
+            f"[0, --nnodes {args.nnodes})"
+        )
     env = _environment(args)
     if args.embedding_workers:
         env[EMBEDDING_WORKERS_ENV] = args.embedding_workers

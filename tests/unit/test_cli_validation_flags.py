@@ -245,6 +245,10 @@ def test_launch_commands_refuse_what_torchrun_or_a_loader_would_fail_on(tmp_path
         run("train", "--nnodes", "2", "--nproc-per-node", "1", "--master-port", "29501")
     with pytest.raises(SystemExit, match=r"--replica-index 2 must be in \[0, --replica-size 2\)"):
         run("data-loader", "--replica-index", "2", "--replica-size", "2")
+    with pytest.raises(SystemExit, match=r"--node-rank 1 must be in \[0, --nnodes 1\)"):
+        run("train", "--node-rank", "1")
+    with pytest.raises(SystemExit, match=r"--node-rank -1 must be in \[0, --nnodes 2\)"):
+        run("train", "--nnodes", "2", "--node-rank", "-1", "--embedding-workers", "h:1")
     assert started == []
     run("data-loader", "--replica-index", "1", "--replica-size", "2")
     run("train", "--nnodes", "2", "--master-port", "29501", "--embedding-workers", "h:1")
