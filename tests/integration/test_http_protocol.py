@@ -323,3 +323,65 @@ def test_a_head_just_over_64_kib_gets_431_and_one_under_it_is_served(server):
         connection.send(_request("/v2/models/adult/infer", b"ok", headers={"X-Big": "a" * 60000}))
         status, _, answer = connection.response()
         assert status == 200 and json.loads(answer)["body"] == "ok"
+
+
+def test_a_head_of_exactly_64_kib_is_served_and_one_byte_more_gets_431(server):
+    # Counted: the chunks after the request line that were head from start to end.
+    def send_head(connection: _Connection, counted: int) -> None:
+        connection.send(b"POST /v2/models/adult/infer HTTP/1.1\r\n")
+        time.sleep(0.05)
+        start = b"Host: t\r\nX-Big: "
+        connection.send(start + b"a" * (counted - len(start)))
+        time.sleep(0.05)
+        connection.send(b"\r\nContent-Length: 2\r\n\r\nok")
+
+    with _Connection(server) as connection:
+        send_head(connection, 64 * 1024)
+        status, _, answer = connection.response()
+        assert status == 200 and json.loads(answer)["body"] == "ok"
+    with _Connection(server) as connection:
+        send_head(connection, 64 * 1024 + 1)
+        status, headers, answer = connection.response()
+        assert status == 431 and headers["connection"] == "close"
+        assert json.loads(answer) == {"error": "the request line and headers exceed 65536 bytes"}
+
+
+def test_each_request_on_a_keep_alive_connection_has_its_own_head_limit(server):
+    with _Connection(server) as connection:
+        for body in (b"r1", b"r2", b"r3"):  # 40 KiB heads: 120 KiB on the connection
+            connection.send(b"POST /v2/models/adult/infer HTTP/1.1\r\n")
+            time.sleep(0.05)
+            connection.send(b"Host: t\r\nX-Big: " + b"a" * (40 * 1024))
+            time.sleep(0.05)
+            connection.send(b"\r\nContent-Length: 2\r\n\r\n" + body)
+            status, _, answer = connection.response()
+            assert status == 200 and json.loads(answer)["body"] == body.decode()
+
+
+def test_expect_100_continue_goes_through_the_asgi_app_which_sends_100(server):
+    with _Connection(server) as connection:
+        connection.send(
+            b"POST /v2/models/adult/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n"
+            b"Expect: 100-continue\r\n\r\n"
+        )
+        while b"\r\n\r\n" not in connection.buffer:
+            connection._read()
+        interim, connection.buffer = connection.buffer.split(b"\r\n\r\n", 1)
+        assert interim == b"HTTP/1.1 100 Continue"
+        connection.send(b"ok")
+        status, _, answer = connection.response()
+        assert status == 200 and json.loads(answer) == {
+            "via": "asgi",
+            "path": "/v2/models/adult/infer",
+            "body_bytes": 2,
+        }
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v2/models/adult/infer HTTP/1.1\r\nHost"])
+def test_a_client_that_half_closes_with_nothing_to_answer_is_closed_at_once(server, sent):
+    with _Connection(server) as connection:
+        connection.socket.settimeout(1.0)
+        if sent:
+            connection.send(sent)
+        connection.socket.shutdown(socket.SHUT_WR)
+        assert connection.socket.recv(1024) == b""  # closed, no answer (not after a timeout)

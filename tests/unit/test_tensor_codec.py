@@ -528,3 +528,148 @@ def test_every_encoding_round_trips(tensor):
     )
     out = np.frombuffer(body[size:], KSERVE_DTYPES[datatype].newbyteorder("<")).reshape(shape)
     np.testing.assert_array_equal(out, array)
+
+
+# --------------------------------------------------------------------------- boundaries
+_ONE_INPUT = b'"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data": [1]}]'
+
+
+@pytest.mark.parametrize("value", [b"true", b"false"])
+def test_a_boolean_timeout_is_refused_not_read_as_1_or_0(value):
+    body = b'{"parameters": {"timeout": ' + value + b"}, " + _ONE_INPUT + b"}"
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.decode_http_request(body)
+    assert raised.value.message == (
+        "parameter 'timeout' must be a non-negative integer (microseconds)"
+    )
+    assert codec.decode_http_request(body.replace(value, b"1500")).timeout == 0.0015
+
+
+def test_shapes_of_16_dims_are_taken_and_17_refused():
+    assert codec.shape_of("x", [1] * 16) == (1,) * 16
+    array = codec.array_from_json("x", "INT64", [1] * 16, [7])
+    assert array.shape == (1,) * 16 and array.tolist() == [[[[[[[[[[[[[[[[7]]]]]]]]]]]]]]]]
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.shape_of("x", [1] * 17)
+    assert raised.value.message == (
+        "input 'x': 'shape' must be a list of at most 16 non-negative integers"
+    )
+
+
+def test_a_shape_of_exactly_2_to_the_40_elements_is_not_too_large():
+    assert codec.shape_of("x", [1 << 20, 1 << 20]) == (1 << 20, 1 << 20)
+    # The shape passes; the bytes then do not match it.
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.array_from_bytes("x", "UINT8", [1 << 20, 1 << 20], b"", "binary_data_size")
+    assert raised.value.message == (
+        f"input 'x': shape [1048576, 1048576] of UINT8 needs {1 << 40} bytes but "
+        "binary_data_size has 0"
+    )
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.shape_of("x", [1 << 20, (1 << 20) + 1])
+    assert raised.value.message == "input 'x': shape [1048576, 1048577] is too large"
+
+
+def test_binary_bool_bytes_other_than_0_are_true():
+    array = codec.array_from_bytes("b", "BOOL", [4], b"\x00\x01\x02\xff", "binary_data_size")
+    assert array.tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "low", "high"),
+    [
+        ("INT8", -128, 127),
+        ("INT16", -(2**15), 2**15 - 1),
+        ("INT32", -(2**31), 2**31 - 1),
+        ("UINT8", 0, 255),
+        ("UINT32", 0, 2**32 - 1),
+    ],
+)
+def test_json_integers_at_the_ends_of_their_range_are_taken(datatype, low, high):
+    array = codec.array_from_json("n", datatype, [2], [low, high])
+    assert array.dtype == KSERVE_DTYPES[datatype] and array.tolist() == [low, high]
+    for bad in (low - 1, high + 1):
+        with pytest.raises(InvalidArgumentError) as raised:
+            codec.array_from_json("n", datatype, [2], [0, bad])
+        assert raised.value.message == f"input 'n': value {bad} is out of range for {datatype}"
+
+
+def test_a_body_that_decompresses_to_exactly_the_limit_is_taken():
+    plain = b"x" * 1000
+    assert codec.decode_body(gzip.compress(plain), "gzip", 1000) == plain
+    assert codec.decode_body(zlib.compress(plain), "deflate", 1000) == plain
+    with pytest.raises(CapacityError) as raised:
+        codec.decode_body(gzip.compress(plain + b"x"), "gzip", 1000)
+    assert raised.value.message == "decompressed request body exceeds 1000 bytes"
+
+
+def test_a_repeated_header_length_is_named_as_repeated():
+    body, size = _one_binary_input()
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.decode_http_request(body, f"{size}, {size}")
+    assert raised.value.message == (
+        f"Inference-Header-Content-Length must be sent once, got '{size}, {size}' (it was repeated)"
+    )
+
+
+def test_a_negative_binary_data_size_is_refused_even_when_the_sizes_add_up():
+    # -8 + 16 == the 8 bytes sent: the layout tiles, but a negative size is still refused.
+    header = {
+        "inputs": [
+            {"name": name, "shape": [1], "datatype": "INT64", "parameters": {"binary_data_size": n}}
+            for name, n in (("a", -8), ("b", 16))
+        ]
+    }
+    body, size = _binary_body(header, b"\0" * 8)
+    with pytest.raises(InvalidArgumentError) as raised:
+        dict(codec.decode_http_request(body, size).inputs)
+    assert raised.value.message == (
+        "input 'a': binary_data_size must be a non-negative integer, got the number -8"
+    )
+
+
+def test_raw_input_contents_with_an_entry_too_many_are_refused():
+    request = _grpc_request(True)
+    request.raw_input_contents.append(b"\0" * 8)
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.decode_grpc_request(request)
+    assert raised.value.message == "raw_input_contents has 4 entries but the request has 3 inputs"
+
+
+@pytest.mark.parametrize(
+    ("datatype", "field", "low", "high"),
+    [
+        ("INT8", "int_contents", -128, 127),
+        ("INT16", "int_contents", -(2**15), 2**15 - 1),
+        ("UINT8", "uint_contents", 0, 255),
+        ("UINT16", "uint_contents", 0, 2**16 - 1),
+    ],
+)
+def test_grpc_typed_integers_at_the_ends_of_their_range_are_taken(datatype, field, low, high):
+    request = V2.ModelInferRequest(model_name="tiny")
+    tensor = request.inputs.add(name="n", datatype=datatype, shape=[2])
+    getattr(tensor.contents, field).extend([low, high])
+    assert codec.decode_grpc_request(request).inputs["n"].tolist() == [low, high]
+    getattr(tensor.contents, field)[1] = high + 1
+    with pytest.raises(InvalidArgumentError) as raised:
+        codec.decode_grpc_request(request)
+    assert raised.value.message == f"input 'n': value {high + 1} is out of range for {datatype}"
+
+
+def test_an_empty_outputs_list_asks_for_every_output():
+    body = b'{"outputs": [], ' + _ONE_INPUT + b"}"
+    request = codec.decode_http_request(body)
+    assert request.outputs is None
+    prediction = _prediction(a=np.array([1.5], np.float32), b=np.array([2], np.int64))
+    document = orjson.loads(codec.encode_http_response(prediction, request)[0])
+    assert [(o["name"], o["data"]) for o in document["outputs"]] == [("a", [1.5]), ("b", [2])]
+
+
+def test_int_parameters_take_int64_up_to_its_max_then_uint64():
+    parameter = V2.InferParameter()
+    codec.set_parameter(parameter, 2**63 - 1)
+    assert parameter.WhichOneof("parameter_choice") == "int64_param"
+    assert parameter.int64_param == 2**63 - 1
+    codec.set_parameter(parameter, 2**63)
+    assert parameter.WhichOneof("parameter_choice") == "uint64_param"
+    assert parameter.uint64_param == 2**63
