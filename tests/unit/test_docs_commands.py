@@ -52,7 +52,7 @@ _SAVED_FILE = re.compile(
 
 
 class _ParseError(Exception):
-    pass
+    """argparse refused a documented command line (the message is argparse's own)."""
 
 
 def _parser() -> argparse.ArgumentParser:
