@@ -142,6 +142,7 @@ def test_the_fast_batch_holds_the_request_values_without_copying_them():
         "dense datatype INT64",
         "dense shape",
         "dense bytes",
+        "non-finite dense value",
         "missing input",
         "unknown input",
         "too large a batch",
@@ -168,6 +169,8 @@ def test_unusual_requests_fall_back_and_match_the_eager_outcome(change):
         inputs[5] = _floats("dense", np.ones((2, 6)), [12])
     elif change == "dense bytes":
         inputs[5] = ("dense", "FP32", [2, 6], np.ones(11, "<f4").tobytes())
+    elif change == "non-finite dense value":
+        inputs[6] = _floats("age", np.array([1.0, np.nan]), [2])
     elif change == "missing input":
         del inputs[6]
     elif change == "unknown input":

@@ -468,6 +468,15 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         None,
     ),
     (
+        # [B] is accepted for a sample shape (1,) only: for (6,) it is a shape that does not
+        # match its data, whatever the data's length.
+        "dense shape [B] with B * 6 values for a sample shape (6,)",
+        "single",
+        _with(SINGLE, 1, _tensor("dense", "FP32", [1], [1.0] * 6)),
+        InvalidArgumentError,
+        "input 'dense': shape [1] has 1 elements but data has 6",
+    ),
+    (
         "dense shape with a bool",
         "single",
         _with(SINGLE, 1, _tensor("age", "FP32", [1, True], [1.0])),
@@ -523,6 +532,18 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         ),
         InvalidArgumentError,
         "input 'history.lengths' sums to 2 but 'history' has 1 IDs",
+    ),
+    (
+        "lengths sum to fewer than the IDs",
+        "jagged",
+        _with(
+            JAGGED,
+            2,
+            _tensor("history", "INT64", [3], [4, 5, 6]),
+            _tensor("history.lengths", "INT64", [2], [1, 1]),
+        ),
+        InvalidArgumentError,
+        "input 'history.lengths' sums to 2 but 'history' has 3 IDs",
     ),
     (
         "negative length",
@@ -626,6 +647,21 @@ def test_requests_the_fast_path_refuses_give_the_eager_outcome(
     assert type(got) is error
     if message is not None:  # the message the code before JsonTensors gave, verbatim
         assert str(got) == message
+
+
+# The eager decoder's float32 cast of 1e300 warns (serving.tensor_codec); the fast path does not.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_a_dense_value_beyond_fp32_is_refused_by_the_fast_path_too() -> None:
+    """JSON has no NaN: a number beyond FP32's range is what becomes Inf. The fast builder
+    must not take it, so the general path names the input and the first bad sample."""
+    body = _with(SINGLE, 2, _tensor("age", "FP32", [2], [1.5, 1e300]))
+    assert not _fast_path_taken(SINGLE, body, MAX_BATCH)
+    got = _assert_same_outcome(SINGLE, body)
+    assert type(got) is InvalidArgumentError
+    assert str(got) == (
+        "input 'age' has 1 non-finite value(s) (NaN, Inf, or beyond FP32's range of "
+        "+-3.4e38), the first at sample 1, position [0]"
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from serving import tensors
+from serving.core import TensorSpec
 
 SIGNATURE = FeatureSignature(
     id_features=(
@@ -179,3 +180,169 @@ def test_a_batch_of_exactly_max_batch_size_is_taken_and_one_more_is_refused() ->
         InvalidArgumentError, match="batch size 2 exceeds this server's max batch size 1"
     ):
         tensors.tensors_to_batch(SIGNATURE, _inputs(), max_batch_size=1)
+
+
+# --------------------------------------------------------------------------- general path checks
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"history.lengths": np.array([[1], [2]], np.int64)},
+            "input 'history.lengths': lengths must be 1-D [batch], got shape [2, 1]",
+        ),
+        (
+            {"history.lengths": np.array([1.0, 2.0])},
+            "input 'history.lengths': lengths must be INT32 or INT64, got FP64",
+        ),
+        (
+            {"history.lengths": np.array([1, 1], np.int32)},
+            "input 'history.lengths' sums to 2 but 'history' has 3 IDs",
+        ),
+        (
+            {"history.lengths": np.array([2, 2], np.int64)},
+            "input 'history.lengths' sums to 4 but 'history' has 3 IDs",
+        ),
+        # A later input with a smaller batch size is refused as a larger one is.
+        (
+            {"city": np.array([11], np.uint64)},
+            "input 'city' has batch size 1, but 'user' has 2",
+        ),
+        (
+            {"dense": np.array([0.5], np.float32).repeat(2).reshape(1, 2)},
+            "input 'dense' has batch size 1, but 'user' has 2",
+        ),
+        (
+            {"dense": np.array([[0.5, 1.5], [2.5, 3.5]], np.float64)},
+            "input 'dense' must be FP32, got FP64",
+        ),
+        # [batch] stands for [batch, 1] only where the sample shape is (1,).
+        (
+            {"dense": np.array([0.5, 1.5, 2.5, 3.5], np.float32)},
+            "input 'dense' has shape [4]; expected [batch, 2]",
+        ),
+        (
+            {"dense": np.array([[0.5, 1.5], [np.nan, np.inf]], np.float32)},
+            "input 'dense' has 2 non-finite value(s) (NaN, Inf, or beyond FP32's range of "
+            "+-3.4e38), the first at sample 1, position [0]",
+        ),
+    ],
+)
+def test_the_general_path_names_the_input_at_fault(
+    overrides: dict[str, np.ndarray], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(SIGNATURE, _inputs(**overrides), max_batch_size=8)
+    assert raised.value.message == message
+
+
+def test_a_non_finite_value_of_a_one_value_sample_is_named_without_a_position() -> None:
+    signature = FeatureSignature(
+        id_features=(IdFeatureSpec("user", True),),
+        non_id_features=(NonIdFeatureSpec("age", "float32", ()),),
+    )
+    inputs = {"user": np.array([1, 2, 3], np.int64), "age": np.array([1, 2, np.inf], np.float32)}
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(signature, inputs, max_batch_size=8)
+    assert raised.value.message == (
+        "input 'age' has 1 non-finite value(s) (NaN, Inf, or beyond FP32's range of "
+        "+-3.4e38), the first at sample 2"
+    )
+
+
+def test_an_empty_batch_with_a_jagged_feature_is_refused() -> None:
+    empty = {
+        "user": np.zeros(0, np.int64),
+        "history": np.zeros(0, np.int64),
+        "history.lengths": np.zeros(0, np.int64),
+        "item": np.zeros(0, np.int64),
+        "city": np.zeros(0, np.int64),
+        "dense": np.zeros((0, 2), np.float32),
+    }
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(SIGNATURE, empty, max_batch_size=8)
+    assert raised.value.message == "the request has an empty batch (batch size 0)"
+
+
+def test_a_signature_whose_names_a_batch_refuses_is_refused_not_trusted() -> None:
+    """Unchecked batches are built only for signatures whose names are valid and unique:
+    two features of one name must still be refused by Batch's own checks."""
+    signature = FeatureSignature(
+        id_features=(IdFeatureSpec("a", True), IdFeatureSpec("a", True)), non_id_features=()
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^duplicate feature name 'a'"):
+        tensors.tensors_to_batch(signature, {"a": np.array([1, 2], np.int64)}, max_batch_size=8)
+
+
+def test_finite_predictions_pass_and_the_first_non_finite_sample_is_named() -> None:
+    tensors.require_finite_predictions(np.array([[0.5], [0.25]], np.float32))
+    # A sample is at fault when any of its outputs is not finite.
+    with pytest.raises(InvalidArgumentError, match=r"for 1 sample\(s\) .* at sample 0:"):
+        tensors.require_finite_predictions(np.array([[0.5, np.nan], [0.25, 0.5]], np.float32))
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.require_finite_predictions(np.array([[0.5], [np.nan], [0.1], [np.inf]], np.float32))
+    assert raised.value.message.startswith(
+        "the model's prediction is not finite (NaN or Inf) for 2 sample(s) of this request, "
+        "the first at sample 1:"
+    )
+
+
+# --------------------------------------------------------------------------- friendly rows, more
+@pytest.mark.parametrize(
+    ("instances", "message"),
+    [
+        ([], '"instances" is empty'),
+        ("rows", '"instances" must be a list of objects'),
+        ({"user": 3}, '"instances" must be a list of objects'),
+    ],
+)
+def test_instances_that_are_no_list_of_rows_are_refused(instances: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.instances_to_inputs(SIGNATURE, instances)  # type: ignore[arg-type]
+    assert raised.value.message == message
+
+
+def test_a_row_lacking_a_dense_feature_is_named() -> None:
+    missing = _row()
+    del missing["dense"]
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
+    assert raised.value.message == "instances[1] lacks feature 'dense'"
+
+
+@pytest.mark.parametrize("dense", [[0.5, True], True, [False, False], ["0.5", 1.0], [None, 1.0]])
+def test_dense_values_that_are_not_numbers_are_refused(dense: object) -> None:
+    """true/false, strings and null are not numbers, even where float32 could read them."""
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.instances_to_inputs(SIGNATURE, [_row(), _row(dense=dense)])
+    assert raised.value.message == (
+        "feature 'dense': every instance needs a number or a list of 2 numbers"
+    )
+
+
+def test_a_row_that_is_not_an_object_is_quoted_up_to_80_characters() -> None:
+    fits = "x" * 78  # repr: 80 characters
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.instances_to_inputs(SIGNATURE, [fits])
+    assert (
+        raised.value.message
+        == f"instances[0] must be an object (feature name -> value), got {fits!r} (str)"
+    )
+    longer = "x" * 79  # repr: 81 characters, cut to 77 and "..."
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.instances_to_inputs(SIGNATURE, [longer])
+    assert raised.value.message.endswith(f"got {repr(longer)[:77]}... (str)")
+
+
+def test_metadata_lists_every_input_in_signature_order_and_one_output() -> None:
+    """What model metadata reports (KServe v2): IDs INT64 [-1] (UINT64 accepted too), lengths
+    after their IDs INT64 [-1] (INT32 accepted too), dense FP32 [-1, *sample_shape]."""
+    ids, lengths, floats = ("INT64", "UINT64"), ("INT32", "INT64"), ("FP32",)
+    assert tensors.input_specs(SIGNATURE) == (
+        TensorSpec("user", "INT64", (-1,), ids),
+        TensorSpec("history", "INT64", (-1,), ids),
+        TensorSpec("history.lengths", "INT64", (-1,), lengths),
+        TensorSpec("item", "INT64", (-1,), ids),
+        TensorSpec("city", "INT64", (-1,), ids),
+        TensorSpec("dense", "FP32", (-1, 2), floats),
+    )
+    assert tensors.output_specs() == (TensorSpec("prediction", "FP32", (-1, 1), floats),)
