@@ -689,3 +689,56 @@ def test_admin_token_scheme_is_case_insensitive_and_mapped_loopback_is_local(ser
         (None, False),
     ):
         assert _is_loopback(host) is local, host
+
+
+def test_admin_reload_checks_its_body_before_calling_the_hook(core):
+    """The reload hook sees only a checkpoint path of 1 to 4096 characters without NUL, or
+    None (an empty or blank body); the body is capped at 1 MiB whatever --max-body-bytes is."""
+    reloads: list[str | None] = []
+
+    def reload(checkpoint: str | None) -> dict:
+        reloads.append(checkpoint)
+        return {"reloaded": checkpoint}
+
+    app = create_app(core, max_body_bytes=4 * 1024 * 1024, admin=AdminHooks(reload, TOKEN))
+    bad_path = {"error": "'checkpoint' must be a path of 1 to 4096 characters with no NUL"}
+    longest = "/" + "c" * 4095
+    with LiveServer(app) as live:
+        for body, status, answer in (
+            (orjson.dumps({"checkpoint": ""}), 400, bad_path),
+            (orjson.dumps({"checkpoint": "/a\0b"}), 400, bad_path),
+            (orjson.dumps({"checkpoint": longest + "c"}), 400, bad_path),
+            (b"[1]", 400, {"error": 'body must be {"checkpoint": "<path>"}'}),
+            (
+                b'{"checkpoint": "/x"}' + b" " * (1024 * 1024),
+                413,
+                {"error": "request body of 1048596 bytes exceeds the limit of 1048576"},
+            ),
+            (orjson.dumps({"checkpoint": longest}), 200, {"reloaded": longest}),
+            (b" \n ", 200, {"reloaded": None}),
+            (orjson.dumps({"checkpoint": None}), 200, {"reloaded": None}),
+        ):
+            got, _, payload = live.request("POST", "/admin/reload", body)
+            assert (got, orjson.loads(payload)) == (status, answer), body[:40]
+    assert reloads == [longest, None, None]
+
+
+def test_a_sent_authorization_must_match_the_token_even_from_loopback():
+    """Bearer credentials are compared after trimming spaces; with no token configured, no
+    credential is accepted (a loopback client must then send no Authorization at all)."""
+    from starlette.requests import Request
+
+    from serving.http_app import admin_allowed
+
+    def request(authorization: str | None, host: str = "127.0.0.1") -> Request:
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+        return Request({"type": "http", "headers": headers, "client": (host, 5000)})
+
+    assert admin_allowed(request(f"Bearer  {TOKEN} "), TOKEN)
+    assert admin_allowed(request(f"Bearer {TOKEN}", "203.0.113.9"), TOKEN)
+    assert not admin_allowed(request(f"Basic {TOKEN}"), TOKEN)
+    assert not admin_allowed(request(f"Bearer {TOKEN}x"), TOKEN)
+    assert not admin_allowed(request("Bearer anything"), None)
+    assert not admin_allowed(request("Bearer "), None)
+    assert admin_allowed(request(None), None)
+    assert not admin_allowed(request(None, "203.0.113.9"), TOKEN)
