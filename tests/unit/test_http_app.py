@@ -742,3 +742,54 @@ def test_a_sent_authorization_must_match_the_token_even_from_loopback():
     assert not admin_allowed(request("Bearer "), None)
     assert admin_allowed(request(None), None)
     assert not admin_allowed(request(None, "203.0.113.9"), TOKEN)
+
+
+class _CountingCore(FakeCore):
+    """FakeCore that can be not live and is told of requests refused before reaching it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_live = True
+        self.rejected: list[tuple[str, str, str]] = []
+
+    def live(self) -> bool:
+        return self.is_live
+
+    def record_rejected(self, protocol: str, name: str, error: BaseException) -> None:
+        self.rejected.append((protocol, name, type(error).__name__))
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_requests_refused_before_the_core_are_reported_to_it_once(fast_path: bool) -> None:
+    """Bodies too large or undecodable never reach predict(): the front end reports them to
+    the core's record_rejected (so they are counted); requests that reach predict() are not."""
+    counting = _CountingCore()
+    app = create_app(counting, max_body_bytes=1024)
+    good = orjson.dumps({"inputs": _tensors(USERS, AGES)})
+    with LiveServer(InferFastPath(app) if fast_path else app) as live:
+        assert live.request("POST", "/v2/models/tiny/infer", b"{nope")[0] == 400
+        assert live.request("POST", "/v2/models/m2/versions/3/infer", b" " * 1025)[0] == 413
+        assert live.request("POST", "/v1/models/m3:predict", b"[1]")[0] == 400
+        assert live.request("POST", "/v1/models/m4:predict", b" " * 1025)[0] == 413
+        assert live.request("POST", "/v2/models/tiny/infer", good)[0] == 200
+        assert live.request("POST", "/v2/models/nope/infer", good)[0] == 404
+    assert counting.rejected == [
+        ("http", "tiny", "InvalidArgumentError"),
+        ("http", "m2", "CapacityError"),
+        ("http", "m3", "InvalidArgumentError"),
+        ("http", "m4", "CapacityError"),
+    ]
+
+
+def test_liveness_version_readiness_and_the_allow_header() -> None:
+    counting = _CountingCore()
+    with LiveServer(create_app(counting)) as live:
+        assert live.json("GET", "/v2/health/live") == (200, {"live": True})
+        counting.is_live = False
+        assert live.json("GET", "/v2/health/live") == (400, {"error": "server is not live"})
+        # The version in the path is the one asked about: an unknown one is 404.
+        status, body = live.json("GET", "/v2/models/tiny/versions/9/ready")
+        assert (status, body) == (404, {"error": "model 'tiny' has no version '9'"})
+        status, headers, payload = live.request("POST", "/v2/health/ready")
+        assert (status, orjson.loads(payload)) == (405, {"error": "Method Not Allowed"})
+        assert sorted(headers["allow"].split(", ")) == ["GET", "HEAD"]
