@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -14,7 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.grpc import service_pb2 as triton_service_pb2
 from tritonclient.utils import InferenceServerException
 
-from serving.grpc_frontend import InferenceStub, build_grpc_server
+from embedding_store.errors import UnavailableError
+from serving.grpc_frontend import GrpcHealth, InferenceServicer, InferenceStub, build_grpc_server
 from serving.proto import SERVICE_NAME, V2
 from tests.unit.fake_core import FakeCore, expected_predictions
 
@@ -293,3 +295,128 @@ def test_the_core_waits_the_shorter_of_deadline_and_timeout_parameter_or_its_own
     assert timeouts[0] == 2.0
     assert 25 < timeouts[1] <= 30.1
     assert timeouts[2:] == [3.0, None]
+
+
+# --------------------------------------------------------------------------- servicer, direct
+class _AbortedError(Exception):
+    """What a real ServicerContext.abort raises."""
+
+
+class _Context:
+    """The parts of grpc.ServicerContext the servicer uses."""
+
+    def __init__(self, remaining: float | None = None) -> None:
+        self.remaining = remaining
+        self.callbacks: list = []
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        self.aborted = (code, details)
+        raise _AbortedError(details)
+
+
+class _ServiceLikeCore(FakeCore):
+    """A core with PredictionService's optional parts: ``on_cancel``, ``record_rejected``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_live = True
+        self.rejected: list[tuple[str, str, str]] = []
+        self.cancel_hooks: list = []
+        self.cancelled = False
+
+    def live(self) -> bool:
+        return self.is_live
+
+    def record_rejected(self, protocol: str, name: str, error: BaseException) -> None:
+        self.rejected.append((protocol, name, type(error).__name__))
+
+    def predict(self, name, version, inputs, *, protocol, timeout=None, on_cancel=None):
+        self.cancel_hooks.append(on_cancel)
+        if self.cancelled:
+            raise futures.CancelledError()
+        return super().predict(name, version, inputs, protocol=protocol, timeout=timeout)
+
+
+def test_the_servicer_passes_cancellation_and_reports_undecodable_requests() -> None:
+    """A core that takes ``on_cancel`` gets the call's add_callback; a call the core drops as
+    cancelled ends with an empty answer (no error status); a request that cannot be decoded
+    is reported to the core's record_rejected and refused INVALID_ARGUMENT."""
+    core = _ServiceLikeCore()
+    servicer = InferenceServicer(core)
+    context = _Context()
+    response = servicer.ModelInfer(_typed_request(), context)
+    assert list(response.outputs[0].shape) == [3, 1] and context.aborted is None
+    assert core.cancel_hooks == [context.add_callback]
+
+    core.cancelled = True
+    assert servicer.ModelInfer(_typed_request(), context) == V2.ModelInferResponse()
+    assert context.aborted is None
+
+    broken = _typed_request(model="m7")
+    del broken.inputs[1].contents.int_contents[-1]
+    with pytest.raises(_AbortedError):
+        servicer.ModelInfer(broken, context)
+    assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert core.rejected == [("grpc", "m7", "InvalidArgumentError")]
+
+
+def test_server_live_answers_what_the_core_says() -> None:
+    core = _ServiceLikeCore()
+    servicer = InferenceServicer(core)
+    assert servicer.ServerLive(V2.ServerLiveRequest(), _Context()).live is True
+    core.is_live = False
+    assert servicer.ServerLive(V2.ServerLiveRequest(), _Context()).live is False
+
+
+def _health_status(health: GrpcHealth, service: str = SERVICE_NAME) -> int:
+    request = health_pb2.HealthCheckRequest(service=service)
+    return health.servicer.Check(request, _Context()).status
+
+
+def test_health_is_not_serving_when_readiness_fails_and_for_good_after_shutdown() -> None:
+    class Broken(FakeCore):
+        def ready(self) -> bool:
+            raise RuntimeError("readiness probe crashed")
+
+    health = GrpcHealth()
+    assert health.refresh(FakeCore()) is True
+    assert _health_status(health) == health_pb2.HealthCheckResponse.SERVING
+    assert health.refresh(Broken()) is False
+    for service in GrpcHealth.SERVICES:
+        assert _health_status(health, service) == health_pb2.HealthCheckResponse.NOT_SERVING
+    health.set_serving(True)
+    health.shutdown()
+    health.set_serving(True)  # too late: a stopping server never reads SERVING again
+    assert _health_status(health, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_the_request_limit_is_its_own(core) -> None:
+    """``max_request_bytes`` caps requests below ``max_message_bytes`` (--max-body-bytes)."""
+    server, port, _ = build_grpc_server(
+        core, host="127.0.0.1", max_message_bytes=1 << 20, max_request_bytes=1024
+    )
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = InferenceStub(channel)
+            assert stub.ModelInfer(_typed_request(), timeout=5).outputs
+            request = _typed_request(users=[[2**63] * 200], ages=[1.0])
+            code, _ = _code_and_details(stub.ModelInfer, request)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(None)
+
+
+def test_an_ipv6_host_is_bracketed_and_a_failed_bind_is_unavailable(core) -> None:
+    # 2001:db8::/32 is for documentation: no interface has it, so the bind fails.
+    with pytest.raises(UnavailableError) as refused:
+        build_grpc_server(core, host="2001:db8::1", port=0)
+    assert refused.value.message.startswith("cannot listen for gRPC on [2001:db8::1]:0 (")
