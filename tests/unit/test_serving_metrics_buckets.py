@@ -166,3 +166,107 @@ def test_a_replaced_version_reads_0_in_the_model_info_of_a_workers_server(tmp_pa
     )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split("\n")[:-1]) == ["v1 0.0", "v2 1.0"]
+
+
+def test_batch_size_buckets_are_powers_of_two_up_to_4096() -> None:
+    metrics = ServingMetrics()
+    metrics.batch_size.observe(4096)
+    metrics.batch_size.observe(4097)
+    bucket = metrics.registry.get_sample_value
+    assert _bounds(metrics.registry, "recserve_batch_size") == [
+        *(float(2**k) for k in range(13)),
+        float("inf"),
+    ]
+    assert bucket("recserve_batch_size_bucket", {"le": "4096.0"}) == 1.0
+    assert bucket("recserve_batch_size_bucket", {"le": "+Inf"}) == 2.0
+
+
+def test_one_process_reports_only_the_version_it_serves_and_forgets_series() -> None:
+    metrics = ServingMetrics()
+    sample = metrics.registry.get_sample_value
+    metrics.set_model("m", "v1")
+    metrics.set_model("m", "v2")
+    assert sample("recserve_model_info", {"model": "m", "version": "v2"}) == 1.0
+    assert sample("recserve_model_info", {"model": "m", "version": "v1"}) is None
+    labels = ("http", "m", "v1", "ok")
+    series = {"protocol": "http", "model": "m", "version": "v1", "outcome": "ok"}
+    metrics.requests.labels(*labels).inc()
+    assert sample("recserve_requests_total", series)
+    metrics.forget(metrics.requests, labels)
+    assert sample("recserve_requests_total", series) is None
+    metrics.forget(metrics.requests, labels)  # a series already gone: nothing to do
+
+
+def test_pending_requests_are_read_at_each_scrape() -> None:
+    metrics = ServingMetrics()
+    pending = [3]
+    metrics.track_pending(lambda: pending[0])
+    assert metrics.registry.get_sample_value("recserve_pending_requests") == 3.0
+    pending[0] = 7
+    assert metrics.registry.get_sample_value("recserve_pending_requests") == 7.0
+
+
+def test_an_empty_multiprocess_variable_means_one_process(monkeypatch) -> None:
+    from serving.metrics import MULTIPROCESS_VARIABLE
+
+    monkeypatch.setenv(MULTIPROCESS_VARIABLE, "")
+    assert ServingMetrics().multiprocess_directory is None
+
+
+_MULTIPROCESS_GAUGES = """
+import os
+
+from prometheus_client.parser import text_string_to_metric_families
+
+child = os.fork()  # another process of the server: its own files in the shared directory
+if child == 0:
+    from serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics()
+    metrics.track_pending(lambda: 2)
+    metrics.track(metrics.ready, lambda: 1.0)
+    metrics.track(metrics.tier_version_mismatch, lambda: 3.0)
+    os._exit(0)
+os.waitpid(child, 0)
+from serving.metrics import ServingMetrics
+
+metrics = ServingMetrics()
+pending = [0]
+metrics.track_pending(lambda: pending[0])
+metrics.track(metrics.ready, lambda: 0.0)
+metrics.track(metrics.tier_version_mismatch, lambda: 1.0)
+pending[0] = 5  # a scrape reads the value of now, not the one stored a moment ago
+wanted = ("recserve_pending_requests", "recserve_ready", "recserve_embedding_tier_version_mismatch")
+for family in text_string_to_metric_families(metrics.exposition().decode()):
+    for sample in family.samples:
+        if sample.name in wanted:
+            print(sample.name, sample.value)
+"""
+
+
+def test_gauges_of_several_processes_combine_as_their_help_says(tmp_path):
+    """Pending requests add up; ready is the minimum; version mismatches the maximum."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _MULTIPROCESS_GAUGES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == [
+        "recserve_embedding_tier_version_mismatch 3.0",
+        "recserve_pending_requests 7.0",
+        "recserve_ready 0.0",
+    ]
