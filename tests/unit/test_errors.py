@@ -106,3 +106,16 @@ def test_messages_sent_to_clients_are_cut_at_a_bound():
     assert errors.public_message_of(RuntimeError("secret")) == (
         "internal error (details are in the server log)"
     )
+
+
+def test_exceptions_outside_the_hierarchy_are_500_internal():
+    for error in (RuntimeError("x"), ValueError("y"), KeyError("z")):
+        assert errors.http_status_of(error) == 500
+        assert errors.grpc_code_name_of(error) == "INTERNAL"
+
+
+def test_a_500_answer_reads_back_as_a_generic_error_naming_its_status():
+    """500 maps to RecserveError itself, which says nothing of the status: the message
+    names it, as for any status outside the table."""
+    error = errors.error_for_http_status(500, "boom")
+    assert type(error) is RecserveError and error.message == "boom (HTTP 500)"
