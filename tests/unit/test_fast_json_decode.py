@@ -534,6 +534,20 @@ ERRORS: list[tuple[str, str, bytes, type[Exception], str | None]] = [
         "input 'history.lengths' sums to 2 but 'history' has 1 IDs",
     ),
     (
+        # [true] == [1] in Python, but shape_of refuses bools (the batch size comes from the
+        # single-ID inputs here, so only the lengths' own check sees it).
+        "lengths shape [true]",
+        "jagged",
+        _with(
+            JAGGED,
+            1,
+            _tensor("history", "INT64", [1], [4]),
+            _tensor("history.lengths", "INT64", [True], [1]),
+        ),
+        InvalidArgumentError,
+        None,
+    ),
+    (
         "lengths sum to fewer than the IDs",
         "jagged",
         _with(
@@ -647,6 +661,22 @@ def test_requests_the_fast_path_refuses_give_the_eager_outcome(
     assert type(got) is error
     if message is not None:  # the message the code before JsonTensors gave, verbatim
         assert str(got) == message
+
+
+def test_an_empty_batch_of_jagged_features_only_is_refused() -> None:
+    """With no single-ID or dense input, the batch size is the lengths' shape: 0 is an empty
+    batch, refused as the general path refuses it."""
+    signature = FeatureSignature(id_features=(IdFeatureSpec("history", False),), non_id_features=())
+    body = _body(
+        [
+            _tensor("history", "INT64", [0], []),
+            _tensor("history.lengths", "INT32", [0], []),
+        ]
+    )
+    assert not _fast_path_taken(signature, body, MAX_BATCH)
+    got = _assert_same_outcome(signature, body)
+    assert type(got) is InvalidArgumentError
+    assert str(got) == "the request has an empty batch (batch size 0)"
 
 
 # The eager decoder's float32 cast of 1e300 warns (serving.tensor_codec); the fast path does not.
