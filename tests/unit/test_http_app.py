@@ -131,7 +131,7 @@ def test_health_and_server_metadata(server, core):
     # The KServe v2 REST spec: 200 is true, a 4xx false (Triton answers 400 too).
     assert server.json("GET", "/v2/health/ready") == (400, {"error": "server is not ready"})
     status, body = server.json("GET", "/v2/models/tiny/ready")
-    assert status == 400 and "not ready" in body["error"]
+    assert (status, body) == (400, {"error": "model 'tiny' is not ready"})
 
 
 def test_model_metadata_and_ready_routes(server):
@@ -475,6 +475,10 @@ def test_openapi_describes_the_routes(server):
     assert not any("head" in path for path in spec["paths"].values())
     ids = [op["operationId"] for op in operations]
     assert len(ids) == len(set(ids))
+    # Every route may answer an unexpected error: 500 {"error"} is documented everywhere.
+    for operation in operations:
+        if operation["operationId"] != "reload_admin_reload_post":
+            assert "500" in operation["responses"], operation["operationId"]
     status, _, page = server.request("GET", "/docs")
     assert status == 200 and b"swagger" in page.lower()
 
@@ -793,3 +797,65 @@ def test_liveness_version_readiness_and_the_allow_header() -> None:
         status, headers, payload = live.request("POST", "/v2/health/ready")
         assert (status, orjson.loads(payload)) == (405, {"error": "Method Not Allowed"})
         assert sorted(headers["allow"].split(", ")) == ["GET", "HEAD"]
+
+
+def test_the_fast_path_reads_a_body_message_without_more_body_as_the_last() -> None:
+    """ASGI: ``more_body`` defaults to false, so a body message without it ends the body."""
+    app = InferFastPath(create_app(FakeCore()))
+    body = orjson.dumps({"inputs": _tensors(USERS, AGES)})
+    messages = [{"type": "http.request", "body": body}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v2/models/tiny/infer",
+        "headers": [(b"content-length", str(len(body)).encode())],
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 200, sent
+    predictions = orjson.loads(sent[1]["body"])["outputs"][0]["data"]
+    np.testing.assert_allclose(predictions, expected_predictions(USERS, AGES).ravel(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("refused_by_protocol", [False, True])
+def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: bool) -> None:
+    """A disconnect before the body is complete is a cancelled request, reported to the
+    core, unless the HTTP protocol cut the request short and counted it itself (it marks
+    the request's cycle, whose method ``receive`` is, with REFUSED_MARK)."""
+    from serving.http_app import REFUSED_MARK
+
+    counting = _CountingCore()
+    app = InferFastPath(create_app(counting))
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.messages = [
+                {"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+                {"type": "http.disconnect"},
+            ]
+            setattr(self, REFUSED_MARK, refused_by_protocol)
+
+        async def receive(self) -> dict:
+            return self.messages.pop(0)
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/tiny/infer", "headers": []}
+    asyncio.run(app(scope, Cycle().receive, send))
+    assert sent[0]["status"] == 400
+    assert orjson.loads(sent[1]["body"]) == {
+        "error": "the client disconnected before sending its body"
+    }
+    assert counting.rejected == (
+        [] if refused_by_protocol else [("http", "tiny", "CancelledError")]
+    )
