@@ -321,8 +321,13 @@ async def read_chunks(
     """Join a body's ``chunks``, at most ``max_bytes`` (CapacityError -> 413), then undo its
     ``content_encoding``, to at most ``max_bytes`` and ``max_decompressed_bytes`` (default
     :data:`DEFAULT_MAX_DECOMPRESSED_BYTES`). A ``declared_length`` over the limit is refused
-    before reading."""
-    declared = int(declared_length) if declared_length and declared_length.isdigit() else None
+    before reading; one that is not ASCII digits (str.isdigit() also takes "²", which int()
+    refuses, and other scripts' digits) declares nothing: the body is counted as it streams."""
+    declared = (
+        int(declared_length)
+        if declared_length and declared_length.isascii() and declared_length.isdigit()
+        else None
+    )
     if declared is not None and declared > max_bytes:
         raise CapacityError(f"request body of {declared} bytes exceeds the limit of {max_bytes}")
     parts: list[bytes] = []

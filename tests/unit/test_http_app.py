@@ -859,3 +859,23 @@ def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: b
     assert counting.rejected == (
         [] if refused_by_protocol else [("http", "tiny", "CancelledError")]
     )
+
+
+@pytest.mark.parametrize("declared", ["\u00b2", "1\u00b9", "\u0661\u0660\u0660", "+5", " 5", "5a"])
+def test_a_content_length_that_is_not_ascii_digits_is_not_read_as_one(declared: str) -> None:
+    """Only ASCII digits make a Content-Length (RFC 9110). Any other value is no declared
+    length: the body is counted while it streams. str.isdigit() alone takes "²" (which
+    int() then refuses: a 500) and Arabic-Indic digits (which int() reads as 100)."""
+    from embedding_store.errors import CapacityError
+    from serving.http_app import read_chunks
+
+    async def read(parts: list[bytes]) -> bytes:
+        async def chunks():
+            for part in parts:
+                yield part
+
+        return await read_chunks(chunks(), declared, None, 10)
+
+    assert asyncio.run(read([b"12345", b"6789"])) == b"123456789"
+    with pytest.raises(CapacityError, match=r"^request body exceeds the limit of 10 bytes$"):
+        asyncio.run(read([b"12345", b"678901"]))
