@@ -679,6 +679,27 @@ def test_an_empty_batch_of_jagged_features_only_is_refused() -> None:
     assert str(got) == "the request has an empty batch (batch size 0)"
 
 
+def test_a_float64_dense_feature_gets_the_general_paths_float64_batch() -> None:
+    """The fast builder makes float32 arrays: a signature whose dense feature is float64 is
+    left to the general path, which converts the FP32 input to the feature's dtype."""
+    signature = FeatureSignature(
+        id_features=(IdFeatureSpec("user", True), IdFeatureSpec("item", True)),
+        non_id_features=(NonIdFeatureSpec("dense", "float64", (2,)),),
+    )
+    body = _body(
+        [
+            _tensor("user", "INT64", [2], [1, 2]),
+            _tensor("item", "INT64", [2], [3, 4]),
+            _tensor("dense", "FP32", [2, 2], [0.5, 1.5, 2.5, 3.5]),
+        ]
+    )
+    assert not _fast_path_taken(signature, body, MAX_BATCH)
+    got = _lazy_batch(signature, body, MAX_BATCH)
+    assert got.non_id_feature("dense").data.dtype == np.float64
+    assert got.non_id_feature("dense").data.tolist() == [[0.5, 1.5], [2.5, 3.5]]
+    assert got.equals(_eager_batch(signature, body, MAX_BATCH))
+
+
 # The eager decoder's float32 cast of 1e300 warns (serving.tensor_codec); the fast path does not.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_a_dense_value_beyond_fp32_is_refused_by_the_fast_path_too() -> None:

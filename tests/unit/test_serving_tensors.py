@@ -346,3 +346,10 @@ def test_metadata_lists_every_input_in_signature_order_and_one_output() -> None:
         TensorSpec("dense", "FP32", (-1, 2), floats),
     )
     assert tensors.output_specs() == (TensorSpec("prediction", "FP32", (-1, 1), floats),)
+
+
+def test_the_first_negative_id_is_named_not_the_smallest() -> None:
+    inputs = _inputs(item=np.array([0, 2**63 + 1], np.uint64), city=np.array([-1, -7], np.int64))
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
+    assert raised.value.message == "input 'city': IDs must be non-negative, got -1 at position 0"
