@@ -192,7 +192,10 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
                 )
     elif kind not in "iuf":
         raise InvalidArgumentError(f"input {name!r}: {datatype} data must be numbers")
-    values = values.astype(native, copy=False)
+    # A JSON number beyond FP32's range becomes inf, which the batch builder refuses by name:
+    # numpy's overflow warning would only add a line to the log per such request.
+    with np.errstate(over="ignore"):
+        values = values.astype(native, copy=False)
     return values if values.shape == dims else values.reshape(dims)
 
 
