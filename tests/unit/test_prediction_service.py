@@ -1,0 +1,412 @@
+"""serving.service.PredictionService on a tiny checkpoint, in process: hot reload and its
+failures, the request series of replaced versions, deadlines and cancellation, what each
+request of a merged batch is told, and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from embedding_store.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from serving import service as service_module
+from serving.model import LoadedModel, load_model
+from serving.service import MAX_WAIT_SECONDS, PredictionService, _share
+from tests.unit.test_onednn_linear import Mlp, _checkpoint
+
+NAME = "m"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """Two checkpoints of one signature: two versions of the model."""
+    root = tmp_path_factory.mktemp("service")
+    return _checkpoint(root / "a", Mlp()), _checkpoint(root / "b", Mlp())
+
+
+def _load(path: Path) -> LoadedModel:
+    return load_model(path, name=NAME, warm_up=False, onednn_min_rows=0)
+
+
+def _inputs(rows: int = 2) -> dict[str, np.ndarray]:
+    ids = np.arange(rows, dtype=np.uint64)
+    dense = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) / 10
+    return {"user": ids, "item": ids[::-1].copy(), "dense": dense}
+
+
+def _closing_recorded(model: LoadedModel, closed: list[str]) -> LoadedModel:
+    close = model.close
+    model.close = lambda: (closed.append(model.version), close())  # type: ignore[method-assign]
+    return model
+
+
+@pytest.fixture
+def make_service() -> Iterator[Callable[..., PredictionService]]:
+    made: list[PredictionService] = []
+
+    def make(model: LoadedModel, **options) -> PredictionService:
+        made.append(PredictionService(model, **options))
+        return made[-1]
+
+    yield make
+    for service in made:
+        service.close(wait=1.0)
+
+
+def _requests(service: PredictionService, version: str, outcome: str, protocol: str = "http"):
+    labels = {"protocol": protocol, "model": NAME, "version": version, "outcome": outcome}
+    return service.metrics.registry.get_sample_value("recserve_requests_total", labels)
+
+
+def _reloads(service: PredictionService, outcome: str) -> float | None:
+    return service.metrics.registry.get_sample_value("recserve_reloads_total", {"outcome": outcome})
+
+
+# --------------------------------------------------------------------------- apportioning
+@pytest.mark.parametrize(
+    ("total", "part", "whole", "expected"),
+    [
+        (10, 3, 3, 10),  # computed alone: exact
+        (10, 1, 3, 3),
+        (10, 2, 3, 7),  # rounded, not truncated
+        (7, 0, 4, 0),
+        (5, 0, 0, 5),  # no IDs at all
+    ],
+)
+def test_unknown_ids_are_apportioned_by_share_of_ids(total, part, whole, expected) -> None:
+    assert _share(total, part, whole) == expected
+
+
+# --------------------------------------------------------------------------- reload
+def test_reload_swaps_versions_closes_the_old_and_moves_the_series(
+    checkpoints, make_service
+) -> None:
+    first, second = checkpoints
+    closed: list[str] = []
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=lambda path: _closing_recorded(_load(Path(path)), closed))
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert _requests(service, old.version, "ok") == 1.0
+
+    answer = service.reload(str(second))
+
+    new = service.model
+    assert answer == {"model": NAME, "version": new.version, "previous_version": old.version}
+    assert new.version != old.version and closed == [old.version]
+    # The replaced version's series are gone; the new one's exist at 0 before any request.
+    assert _requests(service, old.version, "ok") is None
+    for protocol in ("http", "grpc"):
+        assert _requests(service, new.version, "DeadlineExceededError", protocol) == 0.0
+    assert _reloads(service, "ok") == 1.0 and service.last_reload_error is None
+    info = service.metrics.registry.get_sample_value(
+        "recserve_model_info", {"model": NAME, "version": new.version}
+    )
+    assert info == 1.0
+    assert service.predict(NAME, None, _inputs(), protocol="http").model_version == new.version
+    # A request counted for the replaced version afterwards does not bring its series back.
+    service._record("http", NAME, old.version, "ok", time.perf_counter())
+    assert _requests(service, old.version, "ok") is None
+
+
+def test_a_reload_of_the_served_version_keeps_its_series(checkpoints, make_service) -> None:
+    first, _second = checkpoints
+    service = make_service(_load(first), loader=lambda path: _load(first))
+    version = service.model.version
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert service.reload(None)["previous_version"] == version == service.model.version
+    assert _requests(service, version, "ok") == 1.0
+
+
+def test_forgetting_a_version_served_again_keeps_its_series(checkpoints, make_service) -> None:
+    """A burst of reloads can serve a version again before the reload that replaced it
+    forgets it: its series must stay."""
+    first, _second = checkpoints
+    service = make_service(_load(first))
+    version = service.model.version
+    service._forget_version(version)
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert _requests(service, version, "ok") == 1.0
+
+
+def test_without_a_loader_reload_is_unavailable(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    with pytest.raises(UnavailableError, match="started without a checkpoint loader"):
+        service.reload(None)
+
+
+def test_a_reload_that_changes_the_signature_is_refused_and_the_old_version_serves(
+    checkpoints, make_service
+) -> None:
+    first, second = checkpoints
+    closed: list[str] = []
+
+    def loader(path: str | None) -> LoadedModel:
+        model = _closing_recorded(_load(second), closed)
+        model.signature = FeatureSignature(
+            (IdFeatureSpec("user", True),), (NonIdFeatureSpec("dense", "float32", (3,)),)
+        )
+        return model
+
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=loader)
+    with pytest.raises(CheckpointError, match="feature signature differs from the served one"):
+        service.reload(None)
+    assert service.model is old
+    assert len(closed) == 1 and closed[0] != old.version  # the refused model, not the old
+    assert _reloads(service, "failed") == 1.0 and _reloads(service, "ok") == 0.0
+    assert service.last_reload_error is not None
+    assert "feature signature differs" in service.last_reload_error
+    assert service.predict(NAME, None, _inputs(), protocol="http").model_version == old.version
+
+
+def test_a_loader_that_raises_anything_is_a_checkpoint_error(checkpoints, make_service) -> None:
+    def loader(path: str | None) -> LoadedModel:
+        if path is None:
+            return _load(checkpoints[1])
+        raise RuntimeError("The following operation failed\n  size mismatch at layer 2\n")
+
+    service = make_service(_load(checkpoints[0]), loader=loader)
+    message = "the new checkpoint cannot be served: RuntimeError: size mismatch at layer 2"
+    with pytest.raises(CheckpointError) as raised:
+        service.reload("elsewhere")
+    assert raised.value.message == message
+    assert service.last_reload_error == message
+    assert _reloads(service, "failed") == 1.0
+    service.reload(None)  # a reload that works clears the note
+    assert service.last_reload_error is None
+    assert (_reloads(service, "failed"), _reloads(service, "ok")) == (1.0, 1.0)
+
+
+# --------------------------------------------------------------------------- names, labels
+def test_only_the_served_name_and_version_are_found(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    version = service.model.version
+    with pytest.raises(NotFoundError, match="unknown model 'other'; this server serves 'm'"):
+        service.predict("other", None, _inputs(), protocol="http")
+    with pytest.raises(NotFoundError, match="has no version 'v0'"):
+        service.predict(NAME, "v0", _inputs(), protocol="http")
+    for asked in (None, "", version):
+        assert service.predict(NAME, asked, _inputs(), protocol="http").model_version == version
+    labels = {"protocol": "http", "model": "unknown", "version": version}
+    sample = service.metrics.registry.get_sample_value
+    assert sample("recserve_requests_total", {**labels, "outcome": "NotFoundError"}) == 1.0
+    assert _requests(service, version, "NotFoundError") == 1.0
+    assert _requests(service, version, "ok") == 3.0
+
+
+def test_rejected_requests_are_counted_by_kind(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    version = service.model.version
+    service.record_rejected("grpc", NAME, CancelledError())
+    service.record_rejected("grpc", NAME, InvalidArgumentError("bad tensor"))
+    service.record_rejected("grpc", NAME, ValueError("boom"))
+    service.record_rejected("grpc", "made-up", ValueError("boom"))
+    assert _requests(service, version, "cancelled", "grpc") == 1.0
+    assert _requests(service, version, "InvalidArgumentError", "grpc") == 1.0
+    assert _requests(service, version, "error", "grpc") == 1.0
+    unknown = {"protocol": "grpc", "model": "unknown", "version": version, "outcome": "error"}
+    assert service.metrics.registry.get_sample_value("recserve_requests_total", unknown) == 1.0
+
+
+# --------------------------------------------------------------------------- deadlines
+class _Blocked:
+    """Wraps a model's infer: each call waits for ``release`` (bounded)."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.infer = model.infer
+        self.started = threading.Event()
+        self.release = threading.Event()
+        model.infer = self  # type: ignore[method-assign]
+
+    def __call__(self, merged):
+        self.started.set()
+        assert self.release.wait(5)
+        return self.infer(merged)
+
+
+def test_an_answer_not_ready_by_the_timeout_is_deadline_exceeded(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    service = make_service(model)
+    try:
+        with pytest.raises(DeadlineExceededError, match=r"deadline of 0\.050 s"):
+            service.predict(NAME, None, _inputs(), protocol="grpc", timeout=0.05)
+    finally:
+        blocked.release.set()
+    assert _requests(service, model.version, "DeadlineExceededError", "grpc") == 1.0
+
+
+def test_huge_timeouts_are_clamped_to_a_day(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    batch, wait = service._prepare(NAME, None, service._tensor_builder(_inputs()), 1e10)
+    assert wait == MAX_WAIT_SECONDS == 86400.0
+    assert batch.batch_size == 2
+    answer = service.predict(NAME, None, _inputs(), protocol="grpc", timeout=1e10)
+    assert answer.outputs["prediction"].shape == (2, 1)
+
+
+def test_a_call_that_ends_before_its_answer_is_cancelled_or_past_its_deadline(
+    checkpoints, make_service, monkeypatch
+) -> None:
+    """``on_cancel``: a call its front end reports gone is counted as cancelled, unless it
+    went within the slack (5 ms) of its deadline (gRPC ends a call at its deadline a hair
+    before the core's own wait), which is DeadlineExceededError."""
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    clock = [1000.0]
+    fake_time = SimpleNamespace(
+        monotonic=lambda: clock[0], perf_counter=time.perf_counter, sleep=time.sleep
+    )
+    monkeypatch.setattr(service_module, "time", fake_time)
+    cases = (
+        (1009.99, CancelledError),
+        (1010.0 - service_module._DEADLINE_SLACK_SECONDS, DeadlineExceededError),
+    )
+    for gone_at, error in cases:
+        clock[0] = 1000.0  # the request's deadline: 1000 + its 10 s timeout
+
+        def already_over(callback: Callable[[], None], at: float = gone_at) -> bool:
+            clock[0] = at  # the call ended now: the core runs the callback itself
+            return False
+
+        with pytest.raises(error):
+            service.predict(
+                NAME, None, _inputs(), protocol="grpc", timeout=10.0, on_cancel=already_over
+            )
+    assert _requests(service, model.version, "cancelled", "grpc") == 1.0
+    assert _requests(service, model.version, "DeadlineExceededError", "grpc") == 1.0
+    assert _requests(service, model.version, "ok", "grpc") == 0.0
+
+
+# --------------------------------------------------------------------------- answers
+def test_each_request_gets_its_own_fallback_count_and_non_finite_answers_are_refused(
+    checkpoints, make_service
+) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    batch, _wait = service._prepare(NAME, None, service._tensor_builder(_inputs(3)), None)
+    assert batch.num_ids == 6
+    outcome = service_module.BatchOutcome(
+        predictions=np.zeros((3, 1), np.float32),
+        context=("v7", 20, 10, 20, True),  # merged: 20 IDs, all fell back, 10 unknown
+        queue_seconds=0.0,
+        merged_batch_size=10,
+    )
+    answer = service._answer(batch, outcome)
+    assert (answer.model_version, answer.fallback_ids, answer.unknown_ids) == ("v7", 6, 3)
+    none_fell_back = dataclasses.replace(outcome, context=("v7", 0, 10, 20, True))
+    assert service._answer(batch, none_fell_back).fallback_ids == 0
+    nan = dataclasses.replace(
+        outcome,
+        predictions=np.array([[0.0], [np.nan], [0.0]], np.float32),
+        context=("v7", 0, 0, 20, False),
+    )
+    with pytest.raises(InvalidArgumentError, match="1 sample\\(s\\) of this request"):
+        service._answer(batch, nan)
+
+
+def test_a_merged_batch_is_answered_by_one_version_with_its_context(
+    checkpoints, make_service
+) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    batch, _wait = service._prepare(NAME, None, service._tensor_builder(_inputs(4)), None)
+    predictions, context = service._run(batch)
+    assert predictions.shape == (4, 1)
+    # 8 IDs, none fell back (a working tier), all of them known: the checkpoint holds 0..49.
+    assert context == (model.version, 0, 0, 8, True)
+    assert service.metrics.registry.get_sample_value("recserve_ids_looked_up_total") == 8.0
+
+
+# --------------------------------------------------------------------------- event loop
+def test_predict_async_answers_on_the_loop_and_counts(checkpoints, make_service) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    expected = service.predict(NAME, None, _inputs(), protocol="http").outputs["prediction"]
+
+    async def main():
+        return await service.predict_async(NAME, None, _inputs(), protocol="http")
+
+    answer = asyncio.run(main())
+    np.testing.assert_array_equal(answer.outputs["prediction"], expected)
+    assert answer.model_version == model.version
+    assert _requests(service, model.version, "ok") == 2.0
+    assert service.pending == 0
+
+
+def test_stop_accepting_refuses_both_paths_and_drain_finishes(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]))
+    assert service.ready()
+    assert service.drain(1.0) is True
+    assert not service.ready()
+    with pytest.raises(UnavailableError, match="not ready"):
+        service.predict(NAME, None, _inputs(), protocol="http")
+    with pytest.raises(UnavailableError, match="not ready"):
+        asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http"))
+    assert _requests(service, service.model.version, "UnavailableError") == 2.0
+
+
+def test_a_request_is_counted_under_the_version_that_answered_it(checkpoints, make_service):
+    """A reload that swaps the served model while a merged batch runs: its requests are
+    answered and counted by the version that computed them, on both paths."""
+    first, second = checkpoints
+    answering, next_model = _load(first), _load(second)
+    service = make_service(answering)
+    infer = answering.infer
+
+    def infer_then_swap(merged):
+        service._model = next_model  # what reload's swap does while this batch runs
+        return infer(merged)
+
+    answering.infer = infer_then_swap  # type: ignore[method-assign]
+    threaded = service.predict(NAME, None, _inputs(), protocol="http")
+    service._model = answering
+    on_loop = asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="grpc"))
+    service._model = answering  # the fixture closes it
+    next_model.close()
+    assert threaded.model_version == on_loop.model_version == answering.version
+    assert _requests(service, answering.version, "ok", "http") == 1.0
+    assert _requests(service, answering.version, "ok", "grpc") == 1.0
+
+
+def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    sizes: list[int] = []
+    infer = blocked.infer
+
+    def recording_infer(merged):
+        sizes.append(merged.batch_size)
+        return infer(merged)
+
+    blocked.infer = recording_infer
+    service = make_service(model, max_batch_size=2)
+    busy = threading.Thread(
+        target=service.predict, args=(NAME, None, _inputs(2)), kwargs={"protocol": "http"}
+    )
+    busy.start()
+    try:
+        assert blocked.started.wait(5)
+        with pytest.raises(DeadlineExceededError):
+            service.predict(NAME, None, _inputs(1), protocol="http", timeout=0.05)
+    finally:
+        blocked.release.set()
+        busy.join(5)
+    # A later request runs after the one that timed out would have: it was skipped.
+    service.predict(NAME, None, _inputs(3), protocol="http")
+    assert sizes == [2, 3]
