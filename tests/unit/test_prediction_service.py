@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
@@ -410,3 +411,153 @@ def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make
     # A later request runs after the one that timed out would have: it was skipped.
     service.predict(NAME, None, _inputs(3), protocol="http")
     assert sizes == [2, 3]
+
+
+# --------------------------------------------------------------------------- friendly rows
+def _rows(count: int) -> list[dict[str, object]]:
+    return [{"user": i, "item": 10 + i, "dense": [0.1, 0.2, 0.3]} for i in range(count)]
+
+
+def _rows_to_batch(rows) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [row["user"] for row in rows]),
+            IDTypeFeatureWithSingleID.from_ids("item", [row["item"] for row in rows]),
+        ],
+        [NonIDTypeFeature(np.asarray([row["dense"] for row in rows], np.float32), "dense")],
+        requires_grad=False,
+    )
+
+
+def test_rows_up_to_the_request_limit_are_preprocessed_and_answered(checkpoints, make_service):
+    seen: list[int] = []
+
+    def preprocessor(rows):
+        seen.append(len(rows))
+        return _rows_to_batch(rows)
+
+    plain = make_service(_load(checkpoints[0]), max_request_batch_size=3)
+    expected = plain.predict_instances(NAME, _rows(3), protocol="http").outputs["prediction"]
+    service = make_service(
+        _load(checkpoints[0]), max_request_batch_size=3, preprocessor=preprocessor
+    )
+    answer = service.predict_instances(NAME, _rows(3), protocol="http")
+    np.testing.assert_allclose(answer.outputs["prediction"], expected, rtol=0, atol=1e-6)
+    with pytest.raises(InvalidArgumentError, match="batch size 4 exceeds this server's max"):
+        service.predict_instances(NAME, _rows(4), protocol="http")
+    assert seen == [3]  # the 4 rows were refused before the preprocessor ran
+
+
+def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make_service):
+    """A preprocessor's KeyError/TypeError/ValueError, a batch larger than the limit or one
+    that does not match the model's signature: InvalidArgumentError (a 400), never a 500."""
+    outputs = {
+        "raises": lambda rows: _rows_to_batch([{**row, "dense": "x"} for row in rows]),
+        "grows": lambda rows: _rows_to_batch(rows * 2),
+        "wrong": lambda rows: Batch(
+            [IDTypeFeatureWithSingleID.from_ids("user", [1, 2])], requires_grad=False
+        ),
+    }
+    expected = {
+        "raises": "instances could not be preprocessed: could not convert string to float",
+        "grows": "batch size 4 exceeds this server's max batch size 3",
+        "wrong": r"ID features \['user'\] do not match the model's \['user', 'item'\]",
+    }
+    for name, preprocessor in outputs.items():
+        service = make_service(
+            _load(checkpoints[0]), max_request_batch_size=3, preprocessor=preprocessor
+        )
+        with pytest.raises(InvalidArgumentError, match=expected[name]):
+            service.predict_instances(NAME, _rows(2), protocol="http")
+
+
+# --------------------------------------------------------------------------- drain, tier
+def test_drain_waits_for_requests_batched_on_an_event_loop(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]), max_queue_delay=0.2)
+
+    async def main():
+        asking = asyncio.ensure_future(
+            service.predict_async(NAME, None, _inputs(), protocol="http")
+        )
+        await asyncio.sleep(0)  # validated and queued on this loop's batcher
+        queued = service.pending
+        drained = service.drain(0.0)  # the request waits for its flush on this loop
+        return queued, drained, await asking
+
+    queued, drained, answer = asyncio.run(main())
+    assert (queued, drained) == (1, False)
+    assert answer.outputs["prediction"].shape == (2, 1)
+    assert service.pending == 0 and service.drain(0.0)
+
+
+class _RemoteTier:
+    """The model's tier as a remote one looks to the service: not in process."""
+
+    def __init__(self, tier, versions: tuple[str, ...] = (), serving: tuple[bool, ...] = ()):
+        self._tier = tier
+        self.versions, self.serving = versions, serving
+
+    def status(self):
+        return dataclasses.replace(
+            self._tier.status(),
+            shard_serving=self.serving,
+            shard_checkpoint_versions=self.versions,
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self._tier, name)
+
+
+def test_with_a_remote_tier_predict_async_runs_on_the_dispatcher_with_its_deadline(
+    checkpoints, make_service
+):
+    model = _load(checkpoints[0])
+    model.tier = _RemoteTier(model.tier)
+    blocked = _Blocked(model)
+    threads: list[int] = []
+    infer = blocked.infer
+
+    def recording_infer(merged):
+        threads.append(threading.get_ident())
+        return infer(merged)
+
+    blocked.infer = recording_infer
+    service = make_service(model)
+    try:
+        with pytest.raises(DeadlineExceededError, match=r"deadline of 0\.050 s"):
+            asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http", timeout=0.05))
+    finally:
+        blocked.release.set()
+    assert _requests(service, model.version, "DeadlineExceededError") == 1.0
+    answer = asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http"))
+    assert answer.outputs["prediction"].shape == (2, 1)
+    assert threading.get_ident() not in threads
+
+
+def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoints, make_service):
+    """Shards that answer but cannot serve make tier_serving false (not readiness); shards
+    that name another embedding checkpoint are counted, those that name none ("") are not."""
+    model = _load(checkpoints[0])
+    expected = model.embedding_version
+    assert expected
+    tier = model.tier = _RemoteTier(
+        model.tier, versions=("", expected, "other", ""), serving=(True, False, True, True)
+    )
+    service = make_service(model, tier_check_seconds=0.01)
+    gauge = service.metrics.registry.get_sample_value
+
+    def wait_for(condition: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            time.sleep(0.01)
+        raise AssertionError("the tier check did not see the change within 5 s")
+
+    wait_for(lambda: not service.tier_serving)
+    assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+    assert service.foreign_embedding_versions == {2: "other"}
+    assert gauge("recserve_embedding_tier_version_mismatch") == 1.0
+    assert service.ready()
+    tier.serving, tier.versions = (True,) * 4, ("", expected, expected, "")
+    wait_for(lambda: service.tier_serving)
+    assert service.last_tier_error is None and service.foreign_embedding_versions == {}
