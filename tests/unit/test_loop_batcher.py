@@ -353,3 +353,35 @@ def test_one_delay_timer_per_merged_batch_cancelled_by_a_size_flush() -> None:
     asyncio.run(main())
     assert model.calls == [[0, 1, 2]]
     assert len(timers) == 1 and timers[0].cancelled()
+
+
+def test_a_failure_after_the_model_ran_fails_its_batch_not_the_others() -> None:
+    """What DynamicBatcher guarantees, on the loop too: if telling ``on_batch`` or
+    answering fails, that batch's requests get the error (the loop path awaits them with no
+    timeout of its own: they must not wait forever) and the flush's next batches still run."""
+    sizes: list[int] = []
+
+    def broken_on_batch(size: int, started: float) -> None:
+        sizes.append(size)
+        if len(sizes) == 1:
+            raise RuntimeError("metrics backend broke")
+
+    model = Model()
+    batcher = LoopBatcher(
+        model,
+        max_batch_size=1,
+        max_queue_delay=0,
+        max_queue_size=8,
+        run_lock=threading.Lock(),
+        on_batch=broken_on_batch,
+    )
+
+    async def main():
+        futures = [batcher.submit(batch_of(i), deadline=FAR) for i in (1, 2)]
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5)
+
+    broken, fine = asyncio.run(main())
+    assert isinstance(broken, RuntimeError) and str(broken) == "metrics backend broke"
+    assert fine.predictions.ravel().tolist() == [2.0]
+    assert model.calls == [[1], [2]]
+    assert batcher.pending == 0
