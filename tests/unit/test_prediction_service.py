@@ -561,3 +561,77 @@ def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoint
     tier.serving, tier.versions = (True,) * 4, ("", expected, expected, "")
     wait_for(lambda: service.tier_serving)
     assert service.last_tier_error is None and service.foreign_embedding_versions == {}
+
+
+def test_metadata_names_the_served_version_and_the_request_limit(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]), max_batch_size=8, max_request_batch_size=5)
+    metadata = service.model_metadata(NAME)
+    assert metadata.name == NAME
+    assert metadata.versions == (service.model.version,)
+    assert metadata.max_batch_size == 5
+    assert metadata.platform == "recserve_torchscript"
+    assert [spec.name for spec in metadata.inputs][:2] == ["user", "item"]
+
+
+def test_each_merged_batch_size_is_observed(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]))
+    service.predict(NAME, None, _inputs(2), protocol="http")
+    asyncio.run(service.predict_async(NAME, None, _inputs(3), protocol="http"))
+    sample = service.metrics.registry.get_sample_value
+    assert sample("recserve_batch_size_count") == 2.0
+    assert sample("recserve_batch_size_sum") == 5.0
+
+
+def test_a_prediction_that_is_not_finite_is_refused(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    infer = model.infer
+
+    def infer_nan(merged):
+        output = infer(merged)
+        predictions = output.predictions.copy()
+        predictions[1, 0] = np.nan
+        return dataclasses.replace(output, predictions=predictions)
+
+    model.infer = infer_nan  # type: ignore[method-assign]
+    service = make_service(model)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"not finite \(NaN or Inf\) for 1 sample\(s\) of this request, the first at sample 1",
+    ):
+        service.predict(NAME, None, _inputs(2), protocol="http")
+
+
+def test_close_refuses_new_requests_and_fails_those_still_queued(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    service = make_service(model, max_batch_size=2)
+    answers: dict[str, object] = {}
+
+    def ask(key: str, rows: int) -> None:
+        try:
+            answers[key] = service.predict(NAME, None, _inputs(rows), protocol="http")
+        except Exception as error:
+            answers[key] = error
+
+    running = threading.Thread(target=ask, args=("running", 2))
+    running.start()
+    assert blocked.started.wait(5)
+    queued = threading.Thread(target=ask, args=("queued", 2))
+    queued.start()
+    for _ in range(500):  # bounded: until the second request is queued
+        if service.pending == 2:
+            break
+        time.sleep(0.01)
+    assert service.pending == 2
+    try:
+        service.close(wait=0.05)  # the running batch outlives the wait
+        assert not service.ready()
+        with pytest.raises(UnavailableError, match="not ready"):
+            service.predict(NAME, None, _inputs(), protocol="http")
+    finally:
+        blocked.release.set()
+        running.join(5)
+        queued.join(5)
+    assert answers["running"].outputs["prediction"].shape == (2, 1)
+    assert isinstance(answers["queued"], UnavailableError)
+    assert "stopped before this request's batch ran" in answers["queued"].message
