@@ -203,6 +203,11 @@ def test_only_the_served_name_and_version_are_found(checkpoints, make_service) -
         service.predict(NAME, "v0", _inputs(), protocol="http")
     for asked in (None, "", version):
         assert service.predict(NAME, asked, _inputs(), protocol="http").model_version == version
+        assert service.model_ready(NAME, asked)
+    with pytest.raises(NotFoundError, match="unknown model 'other'"):
+        service.model_ready("other")
+    with pytest.raises(NotFoundError, match="has no version 'v0'"):
+        service.model_metadata(NAME, "v0")
     labels = {"protocol": "http", "model": "unknown", "version": version}
     sample = service.metrics.registry.get_sample_value
     assert sample("recserve_requests_total", {**labels, "outcome": "NotFoundError"}) == 1.0
@@ -635,3 +640,36 @@ def test_close_refuses_new_requests_and_fails_those_still_queued(checkpoints, ma
     assert answers["running"].outputs["prediction"].shape == (2, 1)
     assert isinstance(answers["queued"], UnavailableError)
     assert "stopped before this request's batch ran" in answers["queued"].message
+
+
+def test_a_request_cancelled_on_the_loop_is_counted_and_not_computed(checkpoints, make_service):
+    """What a reset HTTP connection does to its request: its task is cancelled while it
+    waits for its flush; the merged batch runs without it and it counts as cancelled."""
+    model = _load(checkpoints[0])
+    sizes: list[int] = []
+    infer = model.infer
+
+    def recording_infer(merged):
+        sizes.append(merged.batch_size)
+        return infer(merged)
+
+    model.infer = recording_infer  # type: ignore[method-assign]
+    service = make_service(model, max_queue_delay=0.05)
+
+    async def main():
+        gone = asyncio.ensure_future(service.predict_async(NAME, None, _inputs(2), protocol="http"))
+        await asyncio.sleep(0)  # queued on this loop's batcher
+        staying = asyncio.ensure_future(
+            service.predict_async(NAME, None, _inputs(3), protocol="http")
+        )
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await asyncio.wait_for(staying, 5)
+
+    answer = asyncio.run(main())
+    assert answer.outputs["prediction"].shape == (3, 1)
+    assert sizes == [3]
+    assert _requests(service, model.version, "cancelled") == 1.0
+    assert _requests(service, model.version, "ok") == 1.0
