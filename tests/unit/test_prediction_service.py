@@ -673,3 +673,37 @@ def test_a_request_cancelled_on_the_loop_is_counted_and_not_computed(checkpoints
     assert sizes == [3]
     assert _requests(service, model.version, "cancelled") == 1.0
     assert _requests(service, model.version, "ok") == 1.0
+
+
+def test_a_reload_closes_the_old_model_only_after_the_batch_running_on_it(
+    checkpoints, make_service
+):
+    """In-flight requests finish on the version they started with: the replaced model is
+    closed once the merged batch running at the swap is done, not under it."""
+    first, second = checkpoints
+    closed: list[str] = []
+    old = _closing_recorded(_load(first), closed)
+    blocked = _Blocked(old)
+    service = make_service(old, loader=lambda path: _load(second))
+    answers: list[object] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(service.predict(NAME, None, _inputs(), protocol="http"))
+    )
+    reloading = threading.Thread(target=service.reload, args=(None,))
+    try:
+        asking.start()
+        assert blocked.started.wait(5)
+        reloading.start()
+        for _ in range(500):  # bounded: until the new version is swapped in
+            if service.model is not old:
+                break
+            time.sleep(0.01)
+        assert service.model is not old
+        reloading.join(0.2)
+        assert reloading.is_alive() and closed == []  # waiting for the running batch
+    finally:
+        blocked.release.set()
+        asking.join(5)
+        reloading.join(5)
+    assert closed == [old.version]
+    assert answers[0].model_version == old.version
