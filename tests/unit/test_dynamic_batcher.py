@@ -229,3 +229,31 @@ def test_close_fails_requests_still_queued_instead_of_running_them() -> None:
         queued.result(WAIT)
     assert model.calls == [[1]]
     assert batcher.pending == 0
+
+
+def test_requests_arriving_within_the_delay_are_merged() -> None:
+    """The dispatcher waits up to max_queue_delay (here far longer than the test) for more
+    requests after the first; the batch runs once max_batch_size samples are in."""
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=3, max_queue_delay=60.0)
+    try:
+        first = batcher.submit(batch_of(1))
+        time.sleep(0.1)  # the dispatcher has taken it and waits for more
+        second = batcher.submit(batch_of(2, 3))
+        assert answers([first, second]) == [[1.0], [2.0, 3.0]]
+        assert model.calls == [[1, 2, 3]]
+    finally:
+        batcher.close()
+
+
+def test_close_ends_a_dispatcher_that_is_collecting_a_batch() -> None:
+    """close() while the dispatcher waits out max_queue_delay for more requests: the batch
+    it holds fails (UnavailableError) and the dispatcher thread ends."""
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=60.0)
+    waiting = batcher.submit(batch_of(1))
+    batcher.close(timeout=WAIT)
+    assert not batcher._thread.is_alive()
+    with pytest.raises(UnavailableError, match="the server stopped"):
+        waiting.result(WAIT)
+    assert model.calls == []
