@@ -15,11 +15,14 @@ that was ~25% of a process's throughput. :class:`LoopBatcher` keeps everything o
 - Requests whose deadline passed before the flush get DeadlineExceededError. More than
   ``max_queue_size`` waiting requests are refused at once (UnavailableError: 503 /
   UNAVAILABLE).
+- A batch whose model call or answering fails gives each of its requests the error (they
+  await with no timeout of their own); the flush goes on with its next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +34,8 @@ import numpy as np
 from embedding_store.batch import Batch
 from embedding_store.errors import DeadlineExceededError, UnavailableError
 from serving.batcher import deliver_outcomes, merge_batches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,6 +139,12 @@ class LoopBatcher:
             return
         finally:
             self._running = 0
-        if self._on_batch is not None:
-            self._on_batch(merged.batch_size, now)
-        deliver_outcomes(live, predictions, context, merged.batch_size, now)
+        try:
+            if self._on_batch is not None:
+                self._on_batch(merged.batch_size, now)
+            deliver_outcomes(live, predictions, context, merged.batch_size, now)
+        except Exception as error:  # the requests await with no timeout: answer them
+            log.exception("loop batcher: answering a merged batch failed")
+            for request in live:
+                if not request.future.done():
+                    request.future.set_exception(error)

@@ -451,25 +451,33 @@ def load_model(
             startup_timeout,
             embedding_workers[0],
         )
-        tier.wait_for_serving(timeout=startup_timeout)
+        try:
+            tier.wait_for_serving(timeout=startup_timeout)
+        except BaseException:
+            tier.close()
+            raise
     else:
         rows = embedding_manifest.total_rows
         tier = InProcessEmbeddingTier(
             embedding_config, capacity=capacity or max(rows, 1), read_only=True
         )
         tier.load(manifest.embeddings_directory)
-    model = LoadedModel(
-        name=name,
-        manifest=manifest,
-        signature=manifest.signature,
-        embedding_config=embedding_config,
-        dense=dense,
-        tier=tier,
-        owns_tier=True,
-        output_transform=output_transform,
-        fallback_policy=fallback_policy,
-        embedding_version=embedding_manifest.version,
-    )
+    try:
+        model = LoadedModel(
+            name=name,
+            manifest=manifest,
+            signature=manifest.signature,
+            embedding_config=embedding_config,
+            dense=dense,
+            tier=tier,
+            owns_tier=True,
+            output_transform=output_transform,
+            fallback_policy=fallback_policy,
+            embedding_version=embedding_manifest.version,
+        )
+    except BaseException:  # an output transform or fallback policy it does not know
+        tier.close()
+        raise
     try:
         if warm_up:
             model.warm_up()

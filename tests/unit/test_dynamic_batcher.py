@@ -156,3 +156,104 @@ def test_a_full_queue_refuses_at_once_and_drain_refuses_new_requests():
             batcher.submit(batch_of(4))
     finally:
         batcher.close()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"max_batch_size": 0}, {"max_queue_size": 0}, {"max_queue_delay": -0.001}],
+)
+def test_limits_below_their_minimum_are_refused(limits: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be >= 1, delay >= 0"):
+        DynamicBatcher(SlowModel(), **limits)
+
+
+def test_a_batch_that_fills_max_batch_size_runs_without_waiting_for_the_delay() -> None:
+    """Collecting stops at max_batch_size samples: a full batch never waits out
+    max_queue_delay (here far longer than the test waits)."""
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=2, max_queue_delay=60.0, max_queue_size=1)
+    try:
+        assert answers([batcher.submit(batch_of(1, 2))]) == [[1.0, 2.0]]
+        assert model.calls == [[1, 2]]
+    finally:
+        batcher.close()
+
+
+def test_a_failed_batch_leaves_nothing_pending_so_drain_finishes() -> None:
+    batcher = DynamicBatcher(SlowModel(), max_batch_size=8, max_queue_delay=0.0)
+    try:
+        with pytest.raises(InvalidArgumentError, match="ID 666 is refused"):
+            batcher.submit(batch_of(666)).result(WAIT)
+        assert batcher.pending == 0
+        assert batcher.drain(timeout=1.0)
+    finally:
+        batcher.close()
+
+
+class _Clock:
+    """Stands in for ``time`` in serving.batcher: monotonic() always returns ``now``."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_deadline_equal_to_the_batch_start_still_runs(monkeypatch) -> None:
+    monkeypatch.setattr("serving.batcher.time", _Clock(100.0))
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=0.0)
+    try:
+        assert answers([batcher.submit(batch_of(1), deadline=100.0)]) == [[1.0]]
+        with pytest.raises(DeadlineExceededError):
+            batcher.submit(batch_of(2), deadline=99.999).result(WAIT)
+        assert model.calls == [[1]]
+    finally:
+        batcher.close()
+
+
+def test_close_fails_requests_still_queued_instead_of_running_them() -> None:
+    """After a drain that gave up, close() answers the queued requests with
+    UnavailableError rather than running them late (the model is about to close)."""
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=1, max_queue_delay=0.0)
+    running = batcher.submit(batch_of(1))
+    assert model.started.wait(WAIT)
+    queued = batcher.submit(batch_of(2))
+    batcher.close(timeout=0.05)  # the dispatcher is stuck in the running batch
+    release.set()
+    assert answers([running]) == [[1.0]]
+    with pytest.raises(UnavailableError, match="the server stopped before this request's batch"):
+        queued.result(WAIT)
+    assert model.calls == [[1]]
+    assert batcher.pending == 0
+
+
+def test_requests_arriving_within_the_delay_are_merged() -> None:
+    """The dispatcher waits up to max_queue_delay (here far longer than the test) for more
+    requests after the first; the batch runs once max_batch_size samples are in."""
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=3, max_queue_delay=60.0)
+    try:
+        first = batcher.submit(batch_of(1))
+        time.sleep(0.1)  # the dispatcher has taken it and waits for more
+        second = batcher.submit(batch_of(2, 3))
+        assert answers([first, second]) == [[1.0], [2.0, 3.0]]
+        assert model.calls == [[1, 2, 3]]
+    finally:
+        batcher.close()
+
+
+def test_close_ends_a_dispatcher_that_is_collecting_a_batch() -> None:
+    """close() while the dispatcher waits out max_queue_delay for more requests: the batch
+    it holds fails (UnavailableError) and the dispatcher thread ends."""
+    model = SlowModel()
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=60.0)
+    waiting = batcher.submit(batch_of(1))
+    batcher.close(timeout=WAIT)
+    assert not batcher._thread.is_alive()
+    with pytest.raises(UnavailableError, match="the server stopped"):
+        waiting.result(WAIT)
+    assert model.calls == []

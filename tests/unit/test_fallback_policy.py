@@ -157,3 +157,25 @@ def test_default_answers_a_raw_slot_as_the_tier_answers_unknown_ids():
         [False, False, False],
         [True, True, True],
     ]
+
+
+def test_each_outage_s_end_counts_only_its_own_batches(checkpoint, caplog):
+    model = load_model(checkpoint, name="m", fallback_policy="default", onednn_min_rows=0)
+    working = model.tier
+    stalled = _StalledTier(working, UnavailableError("shard 0 is down"))
+    try:
+        with caplog.at_level(logging.INFO, logger="serving.model"):
+            for outage in (2, 3):
+                model.tier = stalled
+                for _ in range(outage):
+                    model.infer(_batch())
+                model.tier = working
+                model.infer(_batch())
+        ends = [r.getMessage() for r in caplog.records if "lookups work again" in r.getMessage()]
+        assert ends == [
+            "embedding lookups work again; 2 batch(es) got default vectors",
+            "embedding lookups work again; 3 batch(es) got default vectors",
+        ]
+    finally:
+        model.tier = working
+        model.close()

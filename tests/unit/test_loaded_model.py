@@ -12,10 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+from embedding_store import model_checkpoint
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import CheckpointError, InvalidArgumentError
-from serving.model import load_model
+from embedding_store.tier import InProcessEmbeddingTier
+from serving.model import error_summary, load_model
 from tests.unit.test_fallback_policy import _batch
-from tests.unit.test_onednn_linear import Mlp, _checkpoint
+from tests.unit.test_onednn_linear import CONFIG, SIGNATURE, Mlp, _checkpoint
 
 
 class TwoColumns(nn.Module):
@@ -98,3 +101,133 @@ def test_infer_counts_the_lookup_as_lookup_time_not_compute_time(checkpoint):
     finally:
         model.tier = working
         model.close()
+
+
+def _bare_checkpoint(directory: Path, **options) -> Path:
+    """A checkpoint of Mlp with no embedding rows, written with ``options``."""
+    tier = InProcessEmbeddingTier(CONFIG, capacity=10)
+    model_checkpoint.write_checkpoint(directory, Mlp(), None, tier, step=1, **options)
+    return directory
+
+
+def test_checkpoints_that_cannot_be_served_are_refused_by_name(tmp_path):
+    unsigned = _bare_checkpoint(tmp_path / "unsigned")
+    with pytest.raises(CheckpointError, match="unsigned has no feature signature"):
+        load_model(unsigned, name="m", onednn_min_rows=0)
+    no_jit = _bare_checkpoint(tmp_path / "nojit", signature=SIGNATURE, with_jit_model=False)
+    with pytest.raises(
+        CheckpointError, match=r"nojit has no jit_dense\.pt; dump it with with_jit_model=True"
+    ):
+        load_model(no_jit, name="m", onednn_min_rows=0)
+
+
+def test_one_embedding_tier_per_model(checkpoint):
+    with pytest.raises(InvalidArgumentError, match="give embedding_workers or embedding_ps"):
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], embedding_ps=["b:1"])
+    with pytest.raises(InvalidArgumentError, match="lists 2 addresses: a model talks to one"):
+        load_model(checkpoint, name="m", embedding_workers=["a:1", "a:2"])
+
+
+def test_an_unknown_fallback_policy_is_refused(checkpoint):
+    with pytest.raises(InvalidArgumentError, match="fallback policy must be one of"):
+        load_model(checkpoint, name="m", fallback_policy="zeros", onednn_min_rows=0)
+
+
+def test_a_model_that_fails_its_warm_up_closes_its_tier(tmp_path, monkeypatch):
+    closed: list[object] = []
+    monkeypatch.setattr(InProcessEmbeddingTier, "close", lambda tier: closed.append(tier))
+    directory = _checkpoint(tmp_path / "two", TwoColumns())
+    with pytest.raises(CheckpointError):
+        load_model(directory, name="m", onednn_min_rows=0)
+    assert len(closed) == 1
+
+
+def test_close_closes_the_tier_only_when_the_model_owns_it(checkpoint, monkeypatch):
+    closed: list[object] = []
+    monkeypatch.setattr(InProcessEmbeddingTier, "close", lambda tier: closed.append(tier))
+    model = load_model(checkpoint, name="m", warm_up=False, onednn_min_rows=0)
+    model.owns_tier = False
+    model.close()
+    assert closed == []
+    model.owns_tier = True
+    model.close()
+    assert closed == [model.tier]
+
+
+def test_infer_reports_the_ids_the_tier_does_not_hold(checkpoint):
+    model = load_model(checkpoint, name="m", warm_up=False, onednn_min_rows=0)
+    try:
+        ids = np.array([1, 60, 70], dtype=np.uint64)  # the checkpoint holds IDs 0..49
+        batch = Batch(
+            [IDTypeFeatureWithSingleID("user", ids), IDTypeFeatureWithSingleID("item", ids)],
+            [NonIDTypeFeature(np.zeros((3, 3), np.float32), "dense")],
+            requires_grad=False,
+        )
+        output = model.infer(batch)
+        assert (output.unknown_ids, output.fallback_ids) == (4, 0)
+        assert output.predictions.shape == (3, 1)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (RuntimeError("The following operation failed\n  bad shape [2, 3]\n\n"), "bad shape"),
+        (RuntimeError("trace\nRuntimeError: bad shape [2, 3]"), "bad shape"),
+        (ValueError(""), ""),
+    ],
+)
+def test_error_summary_is_the_type_and_the_last_line(error, expected):
+    summary = error_summary(error)
+    name = type(error).__name__
+    assert summary == (f"{name}: {expected} [2, 3]" if expected else f"{name}: ")
+
+
+def test_a_remote_worker_that_never_serves_has_its_channel_closed(checkpoint, monkeypatch):
+    """A load that gives up on its embedding worker (a failed hot reload, retried by the
+    checkpoint watch) must not leave the worker's gRPC channel open, one per try."""
+    from embedding_store import worker_client
+    from embedding_store.errors import UnavailableError
+
+    made: list[_NeverServing] = []
+
+    class _NeverServing:
+        def __init__(self, address, config, *, timeout) -> None:
+            self.closed = False
+            made.append(self)
+
+        def wait_for_serving(self, timeout: float) -> None:
+            raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(worker_client, "RemoteEmbeddingWorker", _NeverServing)
+    with pytest.raises(UnavailableError, match="not serving"):
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], startup_timeout=0.1)
+    assert [worker.closed for worker in made] == [True]
+
+
+def test_a_load_refused_after_its_worker_answered_closes_the_channel(checkpoint, monkeypatch):
+    """Refused for an option it does not know, once connected: the channel is closed too."""
+    from embedding_store import worker_client
+
+    made: list[_Serving] = []
+
+    class _Serving:
+        def __init__(self, address, config, *, timeout) -> None:
+            self.closed = False
+            made.append(self)
+
+        def wait_for_serving(self, timeout: float) -> None:
+            return None
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(worker_client, "RemoteEmbeddingWorker", _Serving)
+    for option in ({"output_transform": "softmax"}, {"fallback_policy": "zeros"}):
+        with pytest.raises(InvalidArgumentError, match="must be one of"):
+            load_model(checkpoint, name="m", embedding_workers=["a:1"], **option)
+    assert [worker.closed for worker in made] == [True, True]

@@ -178,3 +178,210 @@ def test_the_model_lock_is_held_while_the_batch_runs() -> None:
 
     asyncio.run(main())
     assert held == [True] and not lock.locked()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_batch_size": 0},
+        {"max_queue_size": 0},
+        {"max_queue_delay": -0.001},
+    ],
+)
+def test_limits_below_their_minimum_are_refused(limits: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be >= 1, delay >= 0"):
+        make(Model(), **limits)
+
+
+def test_the_smallest_limits_are_accepted() -> None:
+    batcher = make(Model(), max_batch_size=1, max_queue_size=1, max_queue_delay=0.0)
+
+    async def main():
+        return await batcher.submit(batch_of(3), deadline=FAR)
+
+    assert asyncio.run(main()).predictions.ravel().tolist() == [3.0]
+
+
+class _Clock:
+    """Stands in for ``time`` in serving.loop_batcher: monotonic() returns ``now``."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_deadlines_and_queue_time_are_measured_at_the_flush(monkeypatch) -> None:
+    """A request is refused only once the flush comes after its deadline (a deadline equal
+    to the flush time still runs), and each answer's queue_seconds is flush time minus its
+    own arrival time."""
+    clock = _Clock(100.0)
+    monkeypatch.setattr("serving.loop_batcher.time", clock)
+    model = Model()
+    batcher = make(model)
+
+    async def main():
+        early = batcher.submit(batch_of(1), deadline=100.2)
+        clock.now = 100.1
+        exact = batcher.submit(batch_of(2), deadline=100.25)
+        late = batcher.submit(batch_of(3), deadline=100.2499)
+        clock.now = 100.25  # the flush runs now
+        return await asyncio.gather(early, exact, late, return_exceptions=True)
+
+    early, exact, late = asyncio.run(main())
+    assert isinstance(early, DeadlineExceededError)
+    assert isinstance(late, DeadlineExceededError)
+    assert exact.predictions.ravel().tolist() == [2.0]
+    assert exact.queue_seconds == pytest.approx(0.15, abs=1e-9)
+    assert model.calls == [[2]]
+
+
+def test_the_batch_size_reported_is_samples_not_requests() -> None:
+    seen: list[tuple[int, float]] = []
+    batcher = LoopBatcher(
+        Model(),
+        max_batch_size=64,
+        max_queue_delay=0.0,
+        max_queue_size=8,
+        run_lock=threading.Lock(),
+        on_batch=lambda size, started: seen.append((size, started)),
+    )
+
+    async def main():
+        futures = [batcher.submit(batch_of(1, 2), deadline=FAR)]
+        futures.append(batcher.submit(batch_of(3, 4, 5), deadline=FAR))
+        return await asyncio.gather(*futures)
+
+    outcomes = asyncio.run(main())
+    assert [size for size, _ in seen] == [5]
+    assert {o.merged_batch_size for o in outcomes} == {5}
+
+
+def test_pending_counts_only_the_requests_being_computed() -> None:
+    """While a merged batch runs, ``pending`` (what drain waits for) counts its live
+    requests, not the cancelled or expired ones dropped from it."""
+    seen: list[int] = []
+
+    def run(merged: Batch):
+        seen.append(batcher.pending)
+        return np.zeros((merged.batch_size, 1), np.float32), None
+
+    batcher = LoopBatcher(
+        run, max_batch_size=64, max_queue_delay=0, max_queue_size=8, run_lock=threading.Lock()
+    )
+
+    async def main():
+        gone = batcher.submit(batch_of(1), deadline=FAR)
+        expired = batcher.submit(batch_of(2), deadline=time.monotonic() - 1)
+        live = [batcher.submit(batch_of(i), deadline=FAR) for i in (3, 4)]
+        gone.cancel()
+        await asyncio.gather(expired, *live, return_exceptions=True)
+
+    asyncio.run(main())
+    assert seen == [2]
+    assert batcher.pending == 0
+
+
+def test_a_failed_batch_does_not_stop_the_other_batches_of_its_flush() -> None:
+    """The flush splits its requests into merged batches; one that fails answers its own
+    requests with the error and the next ones still run (and only they are reported)."""
+    sizes: list[int] = []
+
+    def run(merged: Batch):
+        ids = merged.id_feature("user").values
+        if int(ids[0]) == 666:
+            raise UnavailableError("ID 666 is refused")
+        return ids.astype(np.float32).reshape(-1, 1), None
+
+    batcher = LoopBatcher(
+        run,
+        max_batch_size=1,
+        max_queue_delay=0,
+        max_queue_size=8,
+        run_lock=threading.Lock(),
+        on_batch=lambda size, started: sizes.append(size),
+    )
+
+    async def main():
+        futures = [batcher.submit(batch_of(i), deadline=FAR) for i in (666, 1, 2)]
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5)
+
+    refused, first, second = asyncio.run(main())
+    assert isinstance(refused, UnavailableError) and refused.message == "ID 666 is refused"
+    assert first.predictions.ravel().tolist() == [1.0]
+    assert second.predictions.ravel().tolist() == [2.0]
+    assert sizes == [1, 1]
+
+
+def test_the_batcher_flushes_again_after_its_first_batch() -> None:
+    model = Model()
+    batcher = make(model, max_queue_delay=0.001)
+
+    async def main():
+        first = await batcher.submit(batch_of(1), deadline=FAR)
+        second = await asyncio.wait_for(batcher.submit(batch_of(2), deadline=FAR), 5)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.predictions.ravel().tolist() == [1.0]
+    assert model.calls == [[1], [2]]
+    assert second.predictions.ravel().tolist() == [2.0]
+
+
+def test_one_delay_timer_per_merged_batch_cancelled_by_a_size_flush() -> None:
+    """The first request of a batch starts the delay timer; later ones do not start another,
+    and a flush because max_batch_size samples wait cancels it: a timer left behind would
+    flush the next batch's requests before their delay."""
+    model = Model()
+    batcher = make(model, max_batch_size=3, max_queue_delay=10.0)
+    timers: list[asyncio.TimerHandle] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        call_later = loop.call_later
+
+        def recording_call_later(*args, **kwargs):
+            timers.append(call_later(*args, **kwargs))
+            return timers[-1]
+
+        loop.call_later = recording_call_later  # type: ignore[method-assign]
+        futures = [batcher.submit(batch_of(i), deadline=FAR) for i in range(3)]
+        loop.call_later = call_later  # type: ignore[method-assign]
+        return await asyncio.wait_for(asyncio.gather(*futures), 5)
+
+    asyncio.run(main())
+    assert model.calls == [[0, 1, 2]]
+    assert len(timers) == 1 and timers[0].cancelled()
+
+
+def test_a_failure_after_the_model_ran_fails_its_batch_not_the_others() -> None:
+    """What DynamicBatcher guarantees, on the loop too: if telling ``on_batch`` or
+    answering fails, that batch's requests get the error (the loop path awaits them with no
+    timeout of its own: they must not wait forever) and the flush's next batches still run."""
+    sizes: list[int] = []
+
+    def broken_on_batch(size: int, started: float) -> None:
+        sizes.append(size)
+        if len(sizes) == 1:
+            raise RuntimeError("metrics backend broke")
+
+    model = Model()
+    batcher = LoopBatcher(
+        model,
+        max_batch_size=1,
+        max_queue_delay=0,
+        max_queue_size=8,
+        run_lock=threading.Lock(),
+        on_batch=broken_on_batch,
+    )
+
+    async def main():
+        futures = [batcher.submit(batch_of(i), deadline=FAR) for i in (1, 2)]
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5)
+
+    broken, fine = asyncio.run(main())
+    assert isinstance(broken, RuntimeError) and str(broken) == "metrics backend broke"
+    assert fine.predictions.ravel().tolist() == [2.0]
+    assert model.calls == [[1], [2]]
+    assert batcher.pending == 0

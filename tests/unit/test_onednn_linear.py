@@ -424,3 +424,19 @@ def test_a_low_threshold_never_runs_its_smallest_chunk_over_and_over(
         np.testing.assert_allclose(with_onednn, model.forward(batch, lookup), rtol=1e-5, atol=1e-5)
     finally:
         model.close()
+
+
+def test_a_batch_of_whole_chunks_never_calls_the_loaded_model_on_no_rows(checkpoint):
+    """The loaded model runs only on rows left after the chunks: none for a batch that is
+    exactly a chunk size (a call on 0 rows would fail some models, and disable oneDNN)."""
+    model = load_model(checkpoint, name="m", onednn_min_rows=16, warm_up=False)
+    try:
+        large, loaded = Recording(model.large_batch_dense), Recording(model.dense)
+        model.large_batch_dense, model.dense = large, loaded
+        for rows in (16, 80, 20):
+            batch, lookup = _random_batch(model, rows)
+            assert model.forward(batch, lookup).shape == (rows, 1)
+        assert large.rows == [16, 80, 16]
+        assert loaded.rows == [4]
+    finally:
+        model.close()

@@ -1,0 +1,709 @@
+"""serving.service.PredictionService on a tiny checkpoint, in process: hot reload and its
+failures, the request series of replaced versions, deadlines and cancellation, what each
+request of a merged batch is told, and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from serving import service as service_module
+from serving.model import LoadedModel, load_model
+from serving.service import MAX_WAIT_SECONDS, PredictionService, _share
+from tests.unit.test_onednn_linear import Mlp, _checkpoint
+
+NAME = "m"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """Two checkpoints of one signature: two versions of the model."""
+    root = tmp_path_factory.mktemp("service")
+    return _checkpoint(root / "a", Mlp()), _checkpoint(root / "b", Mlp())
+
+
+def _load(path: Path) -> LoadedModel:
+    return load_model(path, name=NAME, warm_up=False, onednn_min_rows=0)
+
+
+def _inputs(rows: int = 2) -> dict[str, np.ndarray]:
+    ids = np.arange(rows, dtype=np.uint64)
+    dense = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) / 10
+    return {"user": ids, "item": ids[::-1].copy(), "dense": dense}
+
+
+def _closing_recorded(model: LoadedModel, closed: list[str]) -> LoadedModel:
+    close = model.close
+    model.close = lambda: (closed.append(model.version), close())  # type: ignore[method-assign]
+    return model
+
+
+@pytest.fixture
+def make_service() -> Iterator[Callable[..., PredictionService]]:
+    made: list[PredictionService] = []
+
+    def make(model: LoadedModel, **options) -> PredictionService:
+        made.append(PredictionService(model, **options))
+        return made[-1]
+
+    yield make
+    for service in made:
+        service.close(wait=1.0)
+
+
+def _requests(service: PredictionService, version: str, outcome: str, protocol: str = "http"):
+    labels = {"protocol": protocol, "model": NAME, "version": version, "outcome": outcome}
+    return service.metrics.registry.get_sample_value("recserve_requests_total", labels)
+
+
+def _reloads(service: PredictionService, outcome: str) -> float | None:
+    return service.metrics.registry.get_sample_value("recserve_reloads_total", {"outcome": outcome})
+
+
+# --------------------------------------------------------------------------- apportioning
+@pytest.mark.parametrize(
+    ("total", "part", "whole", "expected"),
+    [
+        (10, 3, 3, 10),  # computed alone: exact
+        (10, 1, 3, 3),
+        (10, 2, 3, 7),  # rounded, not truncated
+        (7, 0, 4, 0),
+        (5, 0, 0, 5),  # no IDs at all
+    ],
+)
+def test_unknown_ids_are_apportioned_by_share_of_ids(total, part, whole, expected) -> None:
+    assert _share(total, part, whole) == expected
+
+
+# --------------------------------------------------------------------------- reload
+def test_reload_swaps_versions_closes_the_old_and_moves_the_series(
+    checkpoints, make_service
+) -> None:
+    first, second = checkpoints
+    closed: list[str] = []
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=lambda path: _closing_recorded(_load(Path(path)), closed))
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert _requests(service, old.version, "ok") == 1.0
+
+    answer = service.reload(str(second))
+
+    new = service.model
+    assert answer == {"model": NAME, "version": new.version, "previous_version": old.version}
+    assert new.version != old.version and closed == [old.version]
+    # The replaced version's series are gone; the new one's exist at 0 before any request.
+    assert _requests(service, old.version, "ok") is None
+    for protocol in ("http", "grpc"):
+        assert _requests(service, new.version, "DeadlineExceededError", protocol) == 0.0
+    assert _reloads(service, "ok") == 1.0 and service.last_reload_error is None
+    info = service.metrics.registry.get_sample_value(
+        "recserve_model_info", {"model": NAME, "version": new.version}
+    )
+    assert info == 1.0
+    assert service.predict(NAME, None, _inputs(), protocol="http").model_version == new.version
+    # A request counted for the replaced version afterwards does not bring its series back.
+    service._record("http", NAME, old.version, "ok", time.perf_counter())
+    assert _requests(service, old.version, "ok") is None
+
+
+def test_a_reload_of_the_served_version_keeps_its_series(checkpoints, make_service) -> None:
+    first, _second = checkpoints
+    service = make_service(_load(first), loader=lambda path: _load(first))
+    version = service.model.version
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert service.reload(None)["previous_version"] == version == service.model.version
+    assert _requests(service, version, "ok") == 1.0
+
+
+def test_forgetting_a_version_served_again_keeps_its_series(checkpoints, make_service) -> None:
+    """A burst of reloads can serve a version again before the reload that replaced it
+    forgets it: its series must stay."""
+    first, _second = checkpoints
+    service = make_service(_load(first))
+    version = service.model.version
+    service._forget_version(version)
+    service.predict(NAME, None, _inputs(), protocol="http")
+    assert _requests(service, version, "ok") == 1.0
+
+
+def test_without_a_loader_reload_is_unavailable(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    with pytest.raises(UnavailableError, match="started without a checkpoint loader"):
+        service.reload(None)
+
+
+def test_a_reload_that_changes_the_signature_is_refused_and_the_old_version_serves(
+    checkpoints, make_service
+) -> None:
+    first, second = checkpoints
+    closed: list[str] = []
+
+    def loader(path: str | None) -> LoadedModel:
+        model = _closing_recorded(_load(second), closed)
+        model.signature = FeatureSignature(
+            (IdFeatureSpec("user", True),), (NonIdFeatureSpec("dense", "float32", (3,)),)
+        )
+        return model
+
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=loader)
+    with pytest.raises(CheckpointError, match="feature signature differs from the served one"):
+        service.reload(None)
+    assert service.model is old
+    assert len(closed) == 1 and closed[0] != old.version  # the refused model, not the old
+    assert _reloads(service, "failed") == 1.0 and _reloads(service, "ok") == 0.0
+    assert service.last_reload_error is not None
+    assert "feature signature differs" in service.last_reload_error
+    assert service.predict(NAME, None, _inputs(), protocol="http").model_version == old.version
+
+
+def test_a_loader_that_raises_anything_is_a_checkpoint_error(checkpoints, make_service) -> None:
+    def loader(path: str | None) -> LoadedModel:
+        if path is None:
+            return _load(checkpoints[1])
+        raise RuntimeError("The following operation failed\n  size mismatch at layer 2\n")
+
+    service = make_service(_load(checkpoints[0]), loader=loader)
+    message = "the new checkpoint cannot be served: RuntimeError: size mismatch at layer 2"
+    with pytest.raises(CheckpointError) as raised:
+        service.reload("elsewhere")
+    assert raised.value.message == message
+    assert service.last_reload_error == message
+    assert _reloads(service, "failed") == 1.0
+    service.reload(None)  # a reload that works clears the note
+    assert service.last_reload_error is None
+    assert (_reloads(service, "failed"), _reloads(service, "ok")) == (1.0, 1.0)
+
+
+# --------------------------------------------------------------------------- names, labels
+def test_only_the_served_name_and_version_are_found(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    version = service.model.version
+    with pytest.raises(NotFoundError, match="unknown model 'other'; this server serves 'm'"):
+        service.predict("other", None, _inputs(), protocol="http")
+    with pytest.raises(NotFoundError, match="has no version 'v0'"):
+        service.predict(NAME, "v0", _inputs(), protocol="http")
+    for asked in (None, "", version):
+        assert service.predict(NAME, asked, _inputs(), protocol="http").model_version == version
+        assert service.model_ready(NAME, asked)
+    with pytest.raises(NotFoundError, match="unknown model 'other'"):
+        service.model_ready("other")
+    with pytest.raises(NotFoundError, match="has no version 'v0'"):
+        service.model_metadata(NAME, "v0")
+    labels = {"protocol": "http", "model": "unknown", "version": version}
+    sample = service.metrics.registry.get_sample_value
+    assert sample("recserve_requests_total", {**labels, "outcome": "NotFoundError"}) == 1.0
+    assert _requests(service, version, "NotFoundError") == 1.0
+    assert _requests(service, version, "ok") == 3.0
+
+
+def test_rejected_requests_are_counted_by_kind(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    version = service.model.version
+    service.record_rejected("grpc", NAME, CancelledError())
+    service.record_rejected("grpc", NAME, InvalidArgumentError("bad tensor"))
+    service.record_rejected("grpc", NAME, ValueError("boom"))
+    service.record_rejected("grpc", "made-up", ValueError("boom"))
+    assert _requests(service, version, "cancelled", "grpc") == 1.0
+    assert _requests(service, version, "InvalidArgumentError", "grpc") == 1.0
+    assert _requests(service, version, "error", "grpc") == 1.0
+    unknown = {"protocol": "grpc", "model": "unknown", "version": version, "outcome": "error"}
+    assert service.metrics.registry.get_sample_value("recserve_requests_total", unknown) == 1.0
+
+
+# --------------------------------------------------------------------------- deadlines
+class _Blocked:
+    """Wraps a model's infer: each call waits for ``release`` (bounded)."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.infer = model.infer
+        self.started = threading.Event()
+        self.release = threading.Event()
+        model.infer = self  # type: ignore[method-assign]
+
+    def __call__(self, merged):
+        self.started.set()
+        assert self.release.wait(5)
+        return self.infer(merged)
+
+
+def test_an_answer_not_ready_by_the_timeout_is_deadline_exceeded(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    service = make_service(model)
+    try:
+        with pytest.raises(DeadlineExceededError, match=r"deadline of 0\.050 s"):
+            service.predict(NAME, None, _inputs(), protocol="grpc", timeout=0.05)
+    finally:
+        blocked.release.set()
+    assert _requests(service, model.version, "DeadlineExceededError", "grpc") == 1.0
+
+
+def test_huge_timeouts_are_clamped_to_a_day(checkpoints, make_service) -> None:
+    service = make_service(_load(checkpoints[0]))
+    batch, wait = service._prepare(NAME, None, service._tensor_builder(_inputs()), 1e10)
+    assert wait == MAX_WAIT_SECONDS == 86400.0
+    assert batch.batch_size == 2
+    answer = service.predict(NAME, None, _inputs(), protocol="grpc", timeout=1e10)
+    assert answer.outputs["prediction"].shape == (2, 1)
+
+
+def test_a_call_that_ends_before_its_answer_is_cancelled_or_past_its_deadline(
+    checkpoints, make_service, monkeypatch
+) -> None:
+    """``on_cancel``: a call its front end reports gone is counted as cancelled, unless it
+    went within the slack (5 ms) of its deadline (gRPC ends a call at its deadline a hair
+    before the core's own wait), which is DeadlineExceededError."""
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    clock = [1000.0]
+    fake_time = SimpleNamespace(
+        monotonic=lambda: clock[0], perf_counter=time.perf_counter, sleep=time.sleep
+    )
+    monkeypatch.setattr(service_module, "time", fake_time)
+    cases = (
+        (1009.99, CancelledError),
+        (1010.0 - service_module._DEADLINE_SLACK_SECONDS, DeadlineExceededError),
+    )
+    for gone_at, error in cases:
+        clock[0] = 1000.0  # the request's deadline: 1000 + its 10 s timeout
+
+        def already_over(callback: Callable[[], None], at: float = gone_at) -> bool:
+            clock[0] = at  # the call ended now: the core runs the callback itself
+            return False
+
+        with pytest.raises(error):
+            service.predict(
+                NAME, None, _inputs(), protocol="grpc", timeout=10.0, on_cancel=already_over
+            )
+    assert _requests(service, model.version, "cancelled", "grpc") == 1.0
+    assert _requests(service, model.version, "DeadlineExceededError", "grpc") == 1.0
+    assert _requests(service, model.version, "ok", "grpc") == 0.0
+
+
+# --------------------------------------------------------------------------- answers
+def test_each_request_gets_its_own_fallback_count_and_non_finite_answers_are_refused(
+    checkpoints, make_service
+) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    batch, _wait = service._prepare(NAME, None, service._tensor_builder(_inputs(3)), None)
+    assert batch.num_ids == 6
+    outcome = service_module.BatchOutcome(
+        predictions=np.zeros((3, 1), np.float32),
+        context=("v7", 20, 10, 20, True),  # merged: 20 IDs, all fell back, 10 unknown
+        queue_seconds=0.0,
+        merged_batch_size=10,
+    )
+    answer = service._answer(batch, outcome)
+    assert (answer.model_version, answer.fallback_ids, answer.unknown_ids) == ("v7", 6, 3)
+    none_fell_back = dataclasses.replace(outcome, context=("v7", 0, 10, 20, True))
+    assert service._answer(batch, none_fell_back).fallback_ids == 0
+    nan = dataclasses.replace(
+        outcome,
+        predictions=np.array([[0.0], [np.nan], [0.0]], np.float32),
+        context=("v7", 0, 0, 20, False),
+    )
+    with pytest.raises(InvalidArgumentError, match="1 sample\\(s\\) of this request"):
+        service._answer(batch, nan)
+
+
+def test_a_merged_batch_is_answered_by_one_version_with_its_context(
+    checkpoints, make_service
+) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    batch, _wait = service._prepare(NAME, None, service._tensor_builder(_inputs(4)), None)
+    predictions, context = service._run(batch)
+    assert predictions.shape == (4, 1)
+    # 8 IDs, none fell back (a working tier), all of them known: the checkpoint holds 0..49.
+    assert context == (model.version, 0, 0, 8, True)
+    assert service.metrics.registry.get_sample_value("recserve_ids_looked_up_total") == 8.0
+
+
+# --------------------------------------------------------------------------- event loop
+def test_predict_async_answers_on_the_loop_and_counts(checkpoints, make_service) -> None:
+    model = _load(checkpoints[0])
+    service = make_service(model)
+    expected = service.predict(NAME, None, _inputs(), protocol="http").outputs["prediction"]
+
+    async def main():
+        return await service.predict_async(NAME, None, _inputs(), protocol="http")
+
+    answer = asyncio.run(main())
+    np.testing.assert_array_equal(answer.outputs["prediction"], expected)
+    assert answer.model_version == model.version
+    assert _requests(service, model.version, "ok") == 2.0
+    assert service.pending == 0
+
+
+def test_stop_accepting_refuses_both_paths_and_drain_finishes(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]))
+    assert service.ready()
+    assert service.drain(1.0) is True
+    assert not service.ready()
+    with pytest.raises(UnavailableError, match="not ready"):
+        service.predict(NAME, None, _inputs(), protocol="http")
+    with pytest.raises(UnavailableError, match="not ready"):
+        asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http"))
+    assert _requests(service, service.model.version, "UnavailableError") == 2.0
+
+
+def test_a_request_is_counted_under_the_version_that_answered_it(checkpoints, make_service):
+    """A reload that swaps the served model while a merged batch runs: its requests are
+    answered and counted by the version that computed them, on both paths."""
+    first, second = checkpoints
+    answering, next_model = _load(first), _load(second)
+    service = make_service(answering)
+    infer = answering.infer
+
+    def infer_then_swap(merged):
+        service._model = next_model  # what reload's swap does while this batch runs
+        return infer(merged)
+
+    answering.infer = infer_then_swap  # type: ignore[method-assign]
+    threaded = service.predict(NAME, None, _inputs(), protocol="http")
+    service._model = answering
+    on_loop = asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="grpc"))
+    service._model = answering  # the fixture closes it
+    next_model.close()
+    assert threaded.model_version == on_loop.model_version == answering.version
+    assert _requests(service, answering.version, "ok", "http") == 1.0
+    assert _requests(service, answering.version, "ok", "grpc") == 1.0
+
+
+def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    sizes: list[int] = []
+    infer = blocked.infer
+
+    def recording_infer(merged):
+        sizes.append(merged.batch_size)
+        return infer(merged)
+
+    blocked.infer = recording_infer
+    service = make_service(model, max_batch_size=2)
+    busy = threading.Thread(
+        target=service.predict, args=(NAME, None, _inputs(2)), kwargs={"protocol": "http"}
+    )
+    busy.start()
+    try:
+        assert blocked.started.wait(5)
+        with pytest.raises(DeadlineExceededError):
+            service.predict(NAME, None, _inputs(1), protocol="http", timeout=0.05)
+    finally:
+        blocked.release.set()
+        busy.join(5)
+    # A later request runs after the one that timed out would have: it was skipped.
+    service.predict(NAME, None, _inputs(3), protocol="http")
+    assert sizes == [2, 3]
+
+
+# --------------------------------------------------------------------------- friendly rows
+def _rows(count: int) -> list[dict[str, object]]:
+    return [{"user": i, "item": 10 + i, "dense": [0.1, 0.2, 0.3]} for i in range(count)]
+
+
+def _rows_to_batch(rows) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [row["user"] for row in rows]),
+            IDTypeFeatureWithSingleID.from_ids("item", [row["item"] for row in rows]),
+        ],
+        [NonIDTypeFeature(np.asarray([row["dense"] for row in rows], np.float32), "dense")],
+        requires_grad=False,
+    )
+
+
+def test_rows_up_to_the_request_limit_are_preprocessed_and_answered(checkpoints, make_service):
+    seen: list[int] = []
+
+    def preprocessor(rows):
+        seen.append(len(rows))
+        return _rows_to_batch(rows)
+
+    plain = make_service(_load(checkpoints[0]), max_request_batch_size=3)
+    expected = plain.predict_instances(NAME, _rows(3), protocol="http").outputs["prediction"]
+    service = make_service(
+        _load(checkpoints[0]), max_request_batch_size=3, preprocessor=preprocessor
+    )
+    answer = service.predict_instances(NAME, _rows(3), protocol="http")
+    np.testing.assert_allclose(answer.outputs["prediction"], expected, rtol=0, atol=1e-6)
+    with pytest.raises(InvalidArgumentError, match="batch size 4 exceeds this server's max"):
+        service.predict_instances(NAME, _rows(4), protocol="http")
+    assert seen == [3]  # the 4 rows were refused before the preprocessor ran
+
+
+def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make_service):
+    """A preprocessor's KeyError/TypeError/ValueError, a batch larger than the limit or one
+    that does not match the model's signature: InvalidArgumentError (a 400), never a 500."""
+    outputs = {
+        "raises": lambda rows: _rows_to_batch([{**row, "dense": "x"} for row in rows]),
+        "grows": lambda rows: _rows_to_batch(rows * 2),
+        "wrong": lambda rows: Batch(
+            [IDTypeFeatureWithSingleID.from_ids("user", [1, 2])], requires_grad=False
+        ),
+    }
+    expected = {
+        "raises": "instances could not be preprocessed: could not convert string to float",
+        "grows": "batch size 4 exceeds this server's max batch size 3",
+        "wrong": r"ID features \['user'\] do not match the model's \['user', 'item'\]",
+    }
+    for name, preprocessor in outputs.items():
+        service = make_service(
+            _load(checkpoints[0]), max_request_batch_size=3, preprocessor=preprocessor
+        )
+        with pytest.raises(InvalidArgumentError, match=expected[name]):
+            service.predict_instances(NAME, _rows(2), protocol="http")
+
+
+# --------------------------------------------------------------------------- drain, tier
+def test_drain_waits_for_requests_batched_on_an_event_loop(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]), max_queue_delay=0.2)
+
+    async def main():
+        asking = asyncio.ensure_future(
+            service.predict_async(NAME, None, _inputs(), protocol="http")
+        )
+        await asyncio.sleep(0)  # validated and queued on this loop's batcher
+        queued = service.pending
+        drained = service.drain(0.0)  # the request waits for its flush on this loop
+        return queued, drained, await asking
+
+    queued, drained, answer = asyncio.run(main())
+    assert (queued, drained) == (1, False)
+    assert answer.outputs["prediction"].shape == (2, 1)
+    assert service.pending == 0 and service.drain(0.0)
+
+
+class _RemoteTier:
+    """The model's tier as a remote one looks to the service: not in process."""
+
+    def __init__(self, tier, versions: tuple[str, ...] = (), serving: tuple[bool, ...] = ()):
+        self._tier = tier
+        self.versions, self.serving = versions, serving
+
+    def status(self):
+        return dataclasses.replace(
+            self._tier.status(),
+            shard_serving=self.serving,
+            shard_checkpoint_versions=self.versions,
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self._tier, name)
+
+
+def test_with_a_remote_tier_predict_async_runs_on_the_dispatcher_with_its_deadline(
+    checkpoints, make_service
+):
+    model = _load(checkpoints[0])
+    model.tier = _RemoteTier(model.tier)
+    blocked = _Blocked(model)
+    threads: list[int] = []
+    infer = blocked.infer
+
+    def recording_infer(merged):
+        threads.append(threading.get_ident())
+        return infer(merged)
+
+    blocked.infer = recording_infer
+    service = make_service(model)
+    try:
+        with pytest.raises(DeadlineExceededError, match=r"deadline of 0\.050 s"):
+            asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http", timeout=0.05))
+    finally:
+        blocked.release.set()
+    assert _requests(service, model.version, "DeadlineExceededError") == 1.0
+    answer = asyncio.run(service.predict_async(NAME, None, _inputs(), protocol="http"))
+    assert answer.outputs["prediction"].shape == (2, 1)
+    assert threading.get_ident() not in threads
+
+
+def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoints, make_service):
+    """Shards that answer but cannot serve make tier_serving false (not readiness); shards
+    that name another embedding checkpoint are counted, those that name none ("") are not."""
+    model = _load(checkpoints[0])
+    expected = model.embedding_version
+    assert expected
+    tier = model.tier = _RemoteTier(
+        model.tier, versions=("", expected, "other", ""), serving=(True, False, True, True)
+    )
+    service = make_service(model, tier_check_seconds=0.01)
+    gauge = service.metrics.registry.get_sample_value
+
+    def wait_for(condition: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            time.sleep(0.01)
+        raise AssertionError("the tier check did not see the change within 5 s")
+
+    wait_for(lambda: not service.tier_serving)
+    assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+    assert service.foreign_embedding_versions == {2: "other"}
+    assert gauge("recserve_embedding_tier_version_mismatch") == 1.0
+    assert service.ready()
+    tier.serving, tier.versions = (True,) * 4, ("", expected, expected, "")
+    wait_for(lambda: service.tier_serving)
+    assert service.last_tier_error is None and service.foreign_embedding_versions == {}
+
+
+def test_metadata_names_the_served_version_and_the_request_limit(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]), max_batch_size=8, max_request_batch_size=5)
+    metadata = service.model_metadata(NAME)
+    assert metadata.name == NAME
+    assert metadata.versions == (service.model.version,)
+    assert metadata.max_batch_size == 5
+    assert metadata.platform == "recserve_torchscript"
+    assert [spec.name for spec in metadata.inputs][:2] == ["user", "item"]
+
+
+def test_each_merged_batch_size_is_observed(checkpoints, make_service):
+    service = make_service(_load(checkpoints[0]))
+    service.predict(NAME, None, _inputs(2), protocol="http")
+    asyncio.run(service.predict_async(NAME, None, _inputs(3), protocol="http"))
+    sample = service.metrics.registry.get_sample_value
+    assert sample("recserve_batch_size_count") == 2.0
+    assert sample("recserve_batch_size_sum") == 5.0
+
+
+def test_a_prediction_that_is_not_finite_is_refused(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    infer = model.infer
+
+    def infer_nan(merged):
+        output = infer(merged)
+        predictions = output.predictions.copy()
+        predictions[1, 0] = np.nan
+        return dataclasses.replace(output, predictions=predictions)
+
+    model.infer = infer_nan  # type: ignore[method-assign]
+    service = make_service(model)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"not finite \(NaN or Inf\) for 1 sample\(s\) of this request, the first at sample 1",
+    ):
+        service.predict(NAME, None, _inputs(2), protocol="http")
+
+
+def test_close_refuses_new_requests_and_fails_those_still_queued(checkpoints, make_service):
+    model = _load(checkpoints[0])
+    blocked = _Blocked(model)
+    service = make_service(model, max_batch_size=2)
+    answers: dict[str, object] = {}
+
+    def ask(key: str, rows: int) -> None:
+        try:
+            answers[key] = service.predict(NAME, None, _inputs(rows), protocol="http")
+        except Exception as error:
+            answers[key] = error
+
+    running = threading.Thread(target=ask, args=("running", 2))
+    running.start()
+    assert blocked.started.wait(5)
+    queued = threading.Thread(target=ask, args=("queued", 2))
+    queued.start()
+    for _ in range(500):  # bounded: until the second request is queued
+        if service.pending == 2:
+            break
+        time.sleep(0.01)
+    assert service.pending == 2
+    try:
+        service.close(wait=0.05)  # the running batch outlives the wait
+        assert not service.ready()
+        with pytest.raises(UnavailableError, match="not ready"):
+            service.predict(NAME, None, _inputs(), protocol="http")
+    finally:
+        blocked.release.set()
+        running.join(5)
+        queued.join(5)
+    assert answers["running"].outputs["prediction"].shape == (2, 1)
+    assert isinstance(answers["queued"], UnavailableError)
+    assert "stopped before this request's batch ran" in answers["queued"].message
+
+
+def test_a_request_cancelled_on_the_loop_is_counted_and_not_computed(checkpoints, make_service):
+    """What a reset HTTP connection does to its request: its task is cancelled while it
+    waits for its flush; the merged batch runs without it and it counts as cancelled."""
+    model = _load(checkpoints[0])
+    sizes: list[int] = []
+    infer = model.infer
+
+    def recording_infer(merged):
+        sizes.append(merged.batch_size)
+        return infer(merged)
+
+    model.infer = recording_infer  # type: ignore[method-assign]
+    service = make_service(model, max_queue_delay=0.05)
+
+    async def main():
+        gone = asyncio.ensure_future(service.predict_async(NAME, None, _inputs(2), protocol="http"))
+        await asyncio.sleep(0)  # queued on this loop's batcher
+        staying = asyncio.ensure_future(
+            service.predict_async(NAME, None, _inputs(3), protocol="http")
+        )
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await asyncio.wait_for(staying, 5)
+
+    answer = asyncio.run(main())
+    assert answer.outputs["prediction"].shape == (3, 1)
+    assert sizes == [3]
+    assert _requests(service, model.version, "cancelled") == 1.0
+    assert _requests(service, model.version, "ok") == 1.0
+
+
+def test_a_reload_closes_the_old_model_only_after_the_batch_running_on_it(
+    checkpoints, make_service
+):
+    """In-flight requests finish on the version they started with: the replaced model is
+    closed once the merged batch running at the swap is done, not under it."""
+    first, second = checkpoints
+    closed: list[str] = []
+    old = _closing_recorded(_load(first), closed)
+    blocked = _Blocked(old)
+    service = make_service(old, loader=lambda path: _load(second))
+    answers: list[object] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(service.predict(NAME, None, _inputs(), protocol="http"))
+    )
+    reloading = threading.Thread(target=service.reload, args=(None,))
+    try:
+        asking.start()
+        assert blocked.started.wait(5)
+        reloading.start()
+        for _ in range(500):  # bounded: until the new version is swapped in
+            if service.model is not old:
+                break
+            time.sleep(0.01)
+        assert service.model is not old
+        reloading.join(0.2)
+        assert reloading.is_alive() and closed == []  # waiting for the running batch
+    finally:
+        blocked.release.set()
+        asking.join(5)
+        reloading.join(5)
+    assert closed == [old.version]
+    assert answers[0].model_version == old.version
