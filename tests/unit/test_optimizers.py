@@ -308,3 +308,37 @@ def test_adam_check_state_refuses_negative_second_moments_and_steps() -> None:
         InvalidArgumentError, match=r"step counts must be >= 0, but row 1 holds -3\.0"
     ):
         opt.check_state(state, 2)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [SGD(lr=1.0), Adagrad(lr=1.0), Adagrad(lr=1.0, vectorwise_shared=True), Adam(lr=1.0)],
+    ids=["sgd", "adagrad", "adagrad-shared", "adam"],
+)
+def test_every_kernel_skips_rows_of_minus_one(optimizer) -> None:
+    """-1 marks a row the shard does not hold: nothing is updated for it (not the last row,
+    which -1 would index)."""
+    weights = np.zeros((3, 2), dtype=np.float32)
+    state = optimizer.initial_state(3, 2)
+    optimizer.apply(weights, state, np.array([-1, 0, -1]), np.ones((3, 2), np.float32))
+    assert np.all(weights[0] < 0)
+    assert np.all(weights[1:] == 0)
+    np.testing.assert_array_equal(state[1:], optimizer.initial_state(2, 2))
+
+
+def test_apply_rejects_bad_weights_and_rows() -> None:
+    opt = SGD()
+    state = opt.initial_state(4, 2)
+    grads = np.zeros((1, 2), np.float32)
+    for weights in (np.zeros((4, 2), np.float64), np.zeros(8, np.float32), [[0.0, 0.0]]):
+        with pytest.raises(InvalidArgumentError, match=r"weights must be a float32 \[R, dim\]"):
+            opt.apply(weights, state, np.array([0]), grads)
+    with pytest.raises(InvalidArgumentError, match=r"rows must be 1-D, got shape \[1, 1\]"):
+        opt.apply(np.zeros((4, 2), np.float32), state, np.array([[0]]), grads)
+
+
+def test_non_mapping_optimizer_and_string_betas_are_refused() -> None:
+    with pytest.raises(ConfigError, match="optimizer must be a mapping, got list"):
+        optimizer_from_dict(["sgd"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"adam\.betas must be a pair of numbers, got '09'"):
+        Adam(betas="09")  # type: ignore[arg-type]
