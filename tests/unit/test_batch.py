@@ -461,3 +461,39 @@ def test_feature_equals_compares_name_lengths_dtype_and_bytes() -> None:
     assert not zeros.equals(Label(np.zeros(2, np.float32), "d"))
     nan = NonIDTypeFeature(np.array([np.nan], np.float64), "d")
     assert nan.equals(NonIDTypeFeature(np.array([np.nan], np.float64), "d"))
+
+
+def test_empty_lengths_and_zero_width_arrays_give_empty_samples() -> None:
+    """An empty Python sequence of lengths is an empty integer array (np.asarray would make it
+    float64), and a [batch, 0] array is `batch` samples without IDs."""
+    empty = IDTypeFeature("f", np.empty(0, U64), [])
+    assert empty.batch_size == 0 and empty.lengths.dtype == np.int64
+    assert IDTypeFeature.from_offsets("f", [0], np.empty(0, U64)).batch_size == 0
+    no_ids = IDTypeFeature.from_lists("f", np.zeros((3, 0), U64))
+    assert no_ids.lengths.tolist() == [0, 0, 0] and no_ids.to_lists() == [[], [], []]
+
+
+def test_negative_offsets_name_the_offset() -> None:
+    _raises(
+        lambda: IDTypeFeature.from_offsets("f", np.array([0, -1, 2]), np.arange(2, dtype=U64)),
+        "feature 'f': offsets must be >= 0, offsets[1] is -1",
+    )
+
+
+def test_from_ids_refuses_a_string() -> None:
+    _raises(
+        lambda: IDTypeFeatureWithSingleID.from_ids("u", "12"),  # type: ignore[arg-type]
+        "feature 'u': from_ids takes a sequence of IDs, got str",
+    )
+
+
+def test_batch_size_mismatch_is_measured_against_the_first_feature() -> None:
+    a = IDTypeFeature.from_lists("a", [[1], [2]])
+    b = IDTypeFeature.from_lists("b", [[1]])
+    error = _raises(lambda: Batch([a, b], requires_grad=False))
+    assert str(error).startswith(
+        "ID-type feature 'b' has batch size 1 but ID-type feature 'a' has batch size 2;"
+    )
+    dense = NonIDTypeFeature(np.zeros(3), "d")
+    error = _raises(lambda: Batch([], [dense], [Label(np.zeros(2), "y")]))
+    assert str(error).startswith("label 'y' has batch size 2 but non-ID feature 'd' has batch")
