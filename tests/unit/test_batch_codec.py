@@ -553,3 +553,41 @@ def test_sizes_beyond_the_u32_fields_are_refused_before_encoding() -> None:
     )
     with pytest.raises(BatchValidationError, match=f"meta of {huge} bytes does not fit"):
         encode_batch(batch)
+
+
+def test_empty_meta_stays_empty_bytes() -> None:
+    """meta=b"" is not meta=None: the has-meta flag carries the difference."""
+    single = [IDTypeFeatureWithSingleID.from_ids("s", [1])]
+    empty = Batch(single, requires_grad=False, meta=b"")
+    back = decode_batch(encode_batch(empty))
+    assert back.meta == b"" and back.equals(empty)
+    assert decode_batch(encode_batch(Batch(single, requires_grad=False))).meta is None
+
+
+def test_unassigned_flag_bits_are_refused() -> None:
+    for bit in (0x8, 0x8000):
+        with pytest.raises(DecodeError, match=rf"unknown flag bits {bit:#x}$"):
+            decode_batch(sealed(header(flags=bit)))
+
+
+def test_lengths_whose_sum_overflows_u32_are_a_count_mismatch() -> None:
+    """The lengths are summed wide: 2**32 - 1 + 1 does not wrap to the declared 0 IDs."""
+    body = header(batch_size=2, n_ids=1) + named(1, b"f") + struct.pack("<Q", 0)
+    body += np.array([2**32 - 1, 1], "<u4").tobytes()
+    with pytest.raises(
+        DecodeError, match="lengths of feature 'f' sum to 4294967296 but it declares 0"
+    ):
+        decode_batch(sealed(body))
+
+
+def test_aligned_arrays_of_immutable_bytes_are_shared_not_copied() -> None:
+    """Zero copy: decoding `bytes` lets aligned arrays point into them (read-only); a mutable
+    buffer is copied."""
+    single = IDTypeFeatureWithSingleID.from_ids("fiver", [1, 2, 3])  # values at offset 32
+    data = encode_batch(Batch([single], requires_grad=False))
+    raw = np.frombuffer(data, np.uint8)
+    assert raw.ctypes.data % 8 == 0  # CPython's bytes payload is 8-aligned
+    values = decode_batch(data).id_feature("fiver").values
+    assert np.shares_memory(values, raw) and not values.flags.writeable
+    copied = decode_batch(bytearray(data)).id_feature("fiver").values
+    assert not np.shares_memory(copied, raw) and copied.tolist() == [1, 2, 3]
