@@ -240,3 +240,67 @@ def test_a_load_that_fails_late_puts_back_weights_optimizer_and_scaler_state(
     for key, value in moments.items():
         assert torch.equal(torch.as_tensor(after["state"][0][key]), torch.as_tensor(value)), key
     assert scaler.state_dict()["scale"] == 8.0 and scaler.state_dict()["growth_interval"] == 3
+
+
+def test_embeddings_swapped_after_the_dump_are_refused(checkpoint: Path) -> None:
+    """The manifest records the version of the embedding snapshot written with the dense
+    files; another snapshot in its place is refused instead of being served as this one."""
+    from embedding_store import checkpoint as embedding_checkpoint
+
+    manifest = read_manifest(checkpoint)
+    actual = embedding_checkpoint.read_manifest(checkpoint / "embeddings").version
+    assert manifest.embedding_version == actual != ""
+    _edit_manifest(checkpoint, lambda m: m["embeddings"].update(version="another-snapshot"))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"holds embedding checkpoint {actual}, but .* was written with another-snapshot",
+    ):
+        verify(checkpoint)
+
+
+class Wrapper(torch.nn.Module):
+    """What DistributedDataParallel looks like from here: the model under ``.module``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def test_a_wrapped_model_is_saved_and_loaded_as_the_model_inside(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    inner = Tiny()
+    manifest = write_checkpoint(
+        tmp_path / "ckpt", Wrapper(inner), None, _tier(), with_jit_model=False
+    )
+    assert manifest.model_class.endswith(".Tiny")
+    state = model_checkpoint.load_state(manifest, "dense.pt")
+    assert sorted(state) == ["linear.bias", "linear.weight"]
+    torch.manual_seed(1)
+    other = Wrapper(Tiny())
+    model_checkpoint.load_checkpoint(tmp_path / "ckpt", other, None, _tier())
+    assert torch.equal(other.module.linear.weight, inner.linear.weight)
+
+
+def test_a_checkpoint_without_optimizer_state_leaves_the_optimizer_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No opt.pt: the weights load and the run's optimizer keeps its state; with
+    load_embeddings=False the tier is not touched at all."""
+    torch.manual_seed(0)
+    saved = Tiny()
+    write_checkpoint(tmp_path / "ckpt", saved, None, _tier(), with_jit_model=False)
+    torch.manual_seed(1)
+    model = Tiny()
+    adam = _adam_with_state(model, 0.01, 2)
+    before = {k: v.clone() for k, v in adam.state_dict()["state"][0].items()}
+    tier = _tier()
+
+    def refuse(directory: Path) -> None:
+        raise AssertionError("the tier must not load")
+
+    monkeypatch.setattr(tier, "load", refuse)
+    model_checkpoint.load_checkpoint(tmp_path / "ckpt", model, adam, tier, load_embeddings=False)
+    assert torch.equal(model.linear.weight, saved.linear.weight)
+    after = adam.state_dict()["state"][0]
+    for key, value in before.items():
+        assert torch.equal(torch.as_tensor(after[key]), torch.as_tensor(value)), key
