@@ -114,3 +114,30 @@ def test_ids_must_be_a_1d_uint64_array(ids: object, actual: str) -> None:
             InvalidArgumentError, match=rf"ids must be a uint64 \[n\] array, got {actual}"
         ):
             call()
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """A numpy scalar is a number, as the optimizers and the seed already take it (a value
+    read from an array, e.g. np.float32(0.05), used to be refused as "not a number")."""
+    config = InitializationConfig(
+        low=np.float32(-0.5),
+        high=np.int64(1),
+        admit_probability=np.float32(0.5),
+        weight_bound=np.float16(0.25),
+        seed=np.uint64(3),
+    )
+    assert config.to_dict() == {
+        "low": -0.5,
+        "high": 1.0,
+        "admit_probability": 0.5,
+        "weight_bound": 0.25,
+        "seed": 3,
+    }
+    assert all(type(v) is float for v in (config.low, config.high, config.admit_probability))
+    assert type(config.weight_bound) is float
+    with pytest.raises(ConfigError, match=r"initialization\.low must be a number, got np\.True_"):
+        InitializationConfig(low=np.True_)
+    with pytest.raises(
+        ConfigError, match=r"initialization\.high must be finite, got np\.float32\(inf\)"
+    ):
+        InitializationConfig(high=np.float32("inf"))
