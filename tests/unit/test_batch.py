@@ -497,3 +497,26 @@ def test_batch_size_mismatch_is_measured_against_the_first_feature() -> None:
     dense = NonIDTypeFeature(np.zeros(3), "d")
     error = _raises(lambda: Batch([], [dense], [Label(np.zeros(2), "y")]))
     assert str(error).startswith("label 'y' has batch size 2 but non-ID feature 'd' has batch")
+
+
+def test_lookup_by_an_unhashable_name_is_a_validation_error() -> None:
+    b = _simple_batch()
+    _raises(lambda: b.id_feature(["a"]), "unknown ID-type feature ['a']", "['a']")  # type: ignore[arg-type]
+
+
+def test_trusted_inference_batch_equals_the_validated_one() -> None:
+    """The serving hot path's batch holds what __init__ would have built: the same features,
+    num_ids (taken from the single-ID rows array when every ID feature is one of its rows)
+    and name lookups."""
+    rows = np.arange(6, dtype=U64).reshape(2, 3)
+    rows.flags.writeable = False
+    singles = IDTypeFeatureWithSingleID.trusted_rows(["u", "i"], rows)
+    dense = NonIDTypeFeature(np.ones((3, 2), np.float32), "d")
+    fast = Batch._trusted_inference(singles, [dense], 3, single_id_rows=rows)
+    assert fast.num_ids == 6 and fast.batch_size == 3
+    assert fast.equals(Batch(singles, [dense], requires_grad=False))
+    assert fast.id_feature("i").values.tolist() == [3, 4, 5]
+    _raises(lambda: fast.label("d"), "unknown label 'd' ('d' is a non-ID feature)")
+    jagged = IDTypeFeature.from_lists("j", [[1, 2], [], [3, 4, 5]])
+    mixed = Batch._trusted_inference([*singles, jagged], [], 3, single_id_rows=rows)
+    assert mixed.num_ids == 6 + 5
