@@ -82,7 +82,9 @@ def _admit_kernel(ids: np.ndarray, seed: np.uint64, p: float, out: np.ndarray) -
 
 
 def _finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
         raise ConfigError(f"initialization.{name} must be a number, got {value!r}")
     if not math.isfinite(float(value)):
         raise ConfigError(f"initialization.{name} must be finite, got {value!r}")

@@ -393,3 +393,130 @@ def test_lengths_that_do_not_fit_the_values_name_the_sample_or_the_sum() -> None
     with pytest.raises(BatchValidationError, match="lengths sum to 4 but values holds 2 IDs"):
         IDTypeFeature("f", values, np.array([2, 2]))
     assert IDTypeFeature("f", values, np.array([0, 2, 0])).to_lists() == [[], [1, 2], []]
+
+
+def test_readonly_but_non_contiguous_or_big_endian_inputs_are_copied() -> None:
+    """Only read-only arrays that are already C-contiguous and native-order are shared; other
+    read-only inputs are copied into that layout (later tiers rely on it)."""
+    strided = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]
+    strided.flags.writeable = False
+    dense = NonIDTypeFeature(strided, "d")
+    assert dense.data is not strided and dense.data.flags.c_contiguous
+    assert not dense.data.flags.writeable
+    np.testing.assert_array_equal(dense.data, strided)
+    big_endian = np.array([1, 2**40], dtype=">u8")
+    big_endian.flags.writeable = False
+    single = IDTypeFeatureWithSingleID("s", big_endian)
+    assert single.values.dtype.isnative and single.values.dtype == U64
+    assert single.values.tolist() == [1, 2**40]
+
+
+def _equality_batch(
+    meta: bytes | None = b"m",
+    batch_id: int | None = 7,
+    dense_count: int = 1,
+    label_count: int = 1,
+    requires_grad: bool = True,
+) -> Batch:
+    ids = [IDTypeFeature.from_lists("a", [[1], [2, 3]])]
+    dense = [NonIDTypeFeature(np.ones(2, np.float32)) for _ in range(dense_count)]
+    labels = [Label(np.zeros(2, np.float32)) for _ in range(label_count)]
+    return Batch(ids, dense, labels, requires_grad=requires_grad, meta=meta, batch_id=batch_id)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"meta": b"n"},
+        {"meta": None},
+        {"batch_id": 8},
+        {"batch_id": None},
+        {"dense_count": 2},
+        {"dense_count": 0},
+        {"label_count": 2},
+        {"requires_grad": False},
+    ],
+)
+def test_batch_equals_compares_meta_batch_id_flags_and_feature_counts(changes: dict) -> None:
+    """equals() is exact: a batch differing only in meta, batch_id, requires_grad or in how
+    many non-ID features / labels it holds (zip() alone would stop at the shorter) is not
+    equal, in either direction."""
+    base = _equality_batch()
+    assert base.equals(_equality_batch())
+    other = _equality_batch(**changes)
+    assert not base.equals(other) and not other.equals(base)
+
+
+def test_feature_equals_compares_name_lengths_dtype_and_bytes() -> None:
+    """Feature equality is exact: same kind, name, split into samples, dtype and bytes (so a
+    NaN equals itself and -0.0 differs from 0.0)."""
+    f = IDTypeFeature.from_lists("a", [[1], [2, 3]])
+    assert f.equals(IDTypeFeature.from_lists("a", [[1], [2, 3]]))
+    assert not f.equals(IDTypeFeature.from_lists("b", [[1], [2, 3]]))
+    assert not f.equals(IDTypeFeature.from_lists("a", [[1, 2], [3]]))  # same values, other split
+    assert not f.equals(IDTypeFeatureWithSingleID.from_ids("a", [1, 2, 3]))
+    zeros = NonIDTypeFeature(np.zeros(2, np.float32), "d")
+    assert not zeros.equals(NonIDTypeFeature(np.zeros(2, np.int32), "d"))  # same bytes
+    assert not zeros.equals(NonIDTypeFeature(np.array([0.0, -0.0], np.float32), "d"))
+    assert not zeros.equals(Label(np.zeros(2, np.float32), "d"))
+    nan = NonIDTypeFeature(np.array([np.nan], np.float64), "d")
+    assert nan.equals(NonIDTypeFeature(np.array([np.nan], np.float64), "d"))
+
+
+def test_empty_lengths_and_zero_width_arrays_give_empty_samples() -> None:
+    """An empty Python sequence of lengths is an empty integer array (np.asarray would make it
+    float64), and a [batch, 0] array is `batch` samples without IDs."""
+    empty = IDTypeFeature("f", np.empty(0, U64), [])
+    assert empty.batch_size == 0 and empty.lengths.dtype == np.int64
+    assert IDTypeFeature.from_offsets("f", [0], np.empty(0, U64)).batch_size == 0
+    no_ids = IDTypeFeature.from_lists("f", np.zeros((3, 0), U64))
+    assert no_ids.lengths.tolist() == [0, 0, 0] and no_ids.to_lists() == [[], [], []]
+
+
+def test_negative_offsets_name_the_offset() -> None:
+    _raises(
+        lambda: IDTypeFeature.from_offsets("f", np.array([0, -1, 2]), np.arange(2, dtype=U64)),
+        "feature 'f': offsets must be >= 0, offsets[1] is -1",
+    )
+
+
+def test_from_ids_refuses_a_string() -> None:
+    _raises(
+        lambda: IDTypeFeatureWithSingleID.from_ids("u", "12"),  # type: ignore[arg-type]
+        "feature 'u': from_ids takes a sequence of IDs, got str",
+    )
+
+
+def test_batch_size_mismatch_is_measured_against_the_first_feature() -> None:
+    a = IDTypeFeature.from_lists("a", [[1], [2]])
+    b = IDTypeFeature.from_lists("b", [[1]])
+    error = _raises(lambda: Batch([a, b], requires_grad=False))
+    assert str(error).startswith(
+        "ID-type feature 'b' has batch size 1 but ID-type feature 'a' has batch size 2;"
+    )
+    dense = NonIDTypeFeature(np.zeros(3), "d")
+    error = _raises(lambda: Batch([], [dense], [Label(np.zeros(2), "y")]))
+    assert str(error).startswith("label 'y' has batch size 2 but non-ID feature 'd' has batch")
+
+
+def test_lookup_by_an_unhashable_name_is_a_validation_error() -> None:
+    b = _simple_batch()
+    _raises(lambda: b.id_feature(["a"]), "unknown ID-type feature ['a']", "['a']")  # type: ignore[arg-type]
+
+
+def test_trusted_inference_batch_equals_the_validated_one() -> None:
+    """The serving hot path's batch holds what __init__ would have built: the same features,
+    num_ids (taken from the single-ID rows array when every ID feature is one of its rows)
+    and name lookups."""
+    rows = np.arange(6, dtype=U64).reshape(2, 3)
+    rows.flags.writeable = False
+    singles = IDTypeFeatureWithSingleID.trusted_rows(["u", "i"], rows)
+    dense = NonIDTypeFeature(np.ones((3, 2), np.float32), "d")
+    fast = Batch._trusted_inference(singles, [dense], 3, single_id_rows=rows)
+    assert fast.num_ids == 6 and fast.batch_size == 3
+    assert fast.equals(Batch(singles, [dense], requires_grad=False))
+    assert fast.id_feature("i").values.tolist() == [3, 4, 5]
+    _raises(lambda: fast.label("d"), "unknown label 'd' ('d' is a non-ID feature)")
+    jagged = IDTypeFeature.from_lists("j", [[1, 2], [], [3, 4, 5]])
+    mixed = Batch._trusted_inference([*singles, jagged], [], 3, single_id_rows=rows)
+    assert mixed.num_ids == 6 + 5

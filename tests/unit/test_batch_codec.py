@@ -474,3 +474,120 @@ def test_decode_rejects_non_contiguous_memoryview() -> None:
     strided = memoryview(np.frombuffer(data, np.uint8)[::2])
     with pytest.raises(DecodeError):
         decode_batch(strided)
+
+
+# ------------------------------------------------------------------------------- boundaries
+
+
+def test_size_limits_are_inclusive_and_count_the_checksum() -> None:
+    """max_bytes bounds the whole encoded batch, checksum trailer included: a batch of exactly
+    max_bytes bytes encodes and decodes, one byte less is refused both ways."""
+    data = rich_batch().to_bytes()
+    assert encode_batch(rich_batch(), max_bytes=len(data)) == data
+    assert decode_batch(data, max_bytes=len(data)).equals(rich_batch())
+    with pytest.raises(BatchValidationError, match=rf"would be {len(data)} bytes, over the limit"):
+        encode_batch(rich_batch(), max_bytes=len(data) - 1)
+    with pytest.raises(DecodeError, match=rf"{len(data)} bytes exceeds the limit"):
+        decode_batch(data, max_bytes=len(data) - 1)
+
+
+def test_truncation_by_one_byte_names_the_shortfall() -> None:
+    data = rich_batch().to_bytes()
+    with pytest.raises(
+        DecodeError,
+        match=rf"^truncated batch bytes: needed 4 bytes for the checksum trailer at offset "
+        rf"{len(data) - 4}, only 3 remain$",
+    ):
+        decode_batch(data[:-1])
+
+
+def test_many_tiny_features_pass_the_feature_count_precheck() -> None:
+    """The up-front check on the feature count assumes the smallest possible feature (kind
+    tag, name length, a 1-byte name, no payload: a single-ID feature of batch size 0), so
+    well-formed bytes with such features reach the batch validation instead of being called
+    truncated."""
+    body = header(batch_size=0, n_ids=5)
+    for name in (b"a", b"b", b"c", b"d", b"e"):
+        body += named(2, name)
+    with pytest.raises(BatchValidationError, match="empty batch"):
+        decode_batch(sealed(body))
+
+
+def test_ndim_over_the_limit_is_refused_both_ways() -> None:
+    """At most MAX_NDIM (32) dimensions, even though numpy 2 allows 64."""
+    at_limit = Batch(
+        [], [NonIDTypeFeature(np.zeros((1,) * 32, np.uint8), "d")], requires_grad=False
+    )
+    assert decode_batch(encode_batch(at_limit)).equals(at_limit)
+    over = Batch([], [NonIDTypeFeature(np.zeros((1,) * 33, np.uint8), "d")], requires_grad=False)
+    with pytest.raises(
+        BatchValidationError, match="'d' has 33 dimensions; the format allows at most 32"
+    ):
+        encode_batch(over)
+    body = header(batch_size=1, n_dense=1) + named(3, b"d") + bytes([6, 33])
+    body += struct.pack("<33Q", *([1] * 33)) + b"\x00"
+    with pytest.raises(DecodeError, match="has 33 dimensions; expected 1 to 32"):
+        decode_batch(sealed(body))
+
+
+def test_sizes_beyond_the_u32_fields_are_refused_before_encoding() -> None:
+    """Batch sizes, sample lengths and meta lengths are u32 on the wire: larger ones are refused
+    (checked before any data is copied; the arrays here are zero-stride views)."""
+    huge = 2**32
+    values = np.broadcast_to(np.array([1], U64), (huge,))
+    single = IDTypeFeatureWithSingleID.trusted("s", values)
+    with pytest.raises(BatchValidationError, match=f"batch size {huge} does not fit"):
+        encode_batch(Batch._trusted_inference([single], [], huge))
+    lengths = np.array([huge], np.int64)
+    lengths.flags.writeable = False
+    jagged = IDTypeFeature.trusted("j", values, lengths)
+    with pytest.raises(BatchValidationError, match=f"'j': a sample with {huge} IDs does not fit"):
+        encode_batch(Batch._trusted_inference([jagged], [], 1))
+
+    class HugeMeta(bytes):
+        def __len__(self) -> int:
+            return huge
+
+    batch = Batch(
+        [IDTypeFeatureWithSingleID.from_ids("s", [1])], requires_grad=False, meta=HugeMeta(b"m")
+    )
+    with pytest.raises(BatchValidationError, match=f"meta of {huge} bytes does not fit"):
+        encode_batch(batch)
+
+
+def test_empty_meta_stays_empty_bytes() -> None:
+    """meta=b"" is not meta=None: the has-meta flag carries the difference."""
+    single = [IDTypeFeatureWithSingleID.from_ids("s", [1])]
+    empty = Batch(single, requires_grad=False, meta=b"")
+    back = decode_batch(encode_batch(empty))
+    assert back.meta == b"" and back.equals(empty)
+    assert decode_batch(encode_batch(Batch(single, requires_grad=False))).meta is None
+
+
+def test_unassigned_flag_bits_are_refused() -> None:
+    for bit in (0x8, 0x8000):
+        with pytest.raises(DecodeError, match=rf"unknown flag bits {bit:#x}$"):
+            decode_batch(sealed(header(flags=bit)))
+
+
+def test_lengths_whose_sum_overflows_u32_are_a_count_mismatch() -> None:
+    """The lengths are summed wide: 2**32 - 1 + 1 does not wrap to the declared 0 IDs."""
+    body = header(batch_size=2, n_ids=1) + named(1, b"f") + struct.pack("<Q", 0)
+    body += np.array([2**32 - 1, 1], "<u4").tobytes()
+    with pytest.raises(
+        DecodeError, match="lengths of feature 'f' sum to 4294967296 but it declares 0"
+    ):
+        decode_batch(sealed(body))
+
+
+def test_aligned_arrays_of_immutable_bytes_are_shared_not_copied() -> None:
+    """Zero copy: decoding `bytes` lets aligned arrays point into them (read-only); a mutable
+    buffer is copied."""
+    single = IDTypeFeatureWithSingleID.from_ids("fiver", [1, 2, 3])  # values at offset 32
+    data = encode_batch(Batch([single], requires_grad=False))
+    raw = np.frombuffer(data, np.uint8)
+    assert raw.ctypes.data % 8 == 0  # CPython's bytes payload is 8-aligned
+    values = decode_batch(data).id_feature("fiver").values
+    assert np.shares_memory(values, raw) and not values.flags.writeable
+    copied = decode_batch(bytearray(data)).id_feature("fiver").values
+    assert not np.shares_memory(copied, raw) and copied.tolist() == [1, 2, 3]

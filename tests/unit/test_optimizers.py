@@ -247,3 +247,98 @@ def test_rows_past_the_first_block_are_updated_like_the_first(optimizer, first_s
     untouched = np.setdiff1d(np.arange(70), rows)
     assert np.all(weights[untouched] == 0)
     np.testing.assert_array_equal(state[untouched], optimizer.initial_state(len(untouched), 3))
+
+
+@pytest.mark.parametrize("betas", [(0.0, 0.0), (0.0, 0.9), (0.9, 0.0)])
+def test_adam_with_a_zero_beta_matches_torch(betas: tuple[float, float]) -> None:
+    """beta = 0 is allowed ([0, 1)): its bias correction 1 - 0**t is 1, as in torch, not a
+    division by zero."""
+    ours = Adam(lr=0.02, betas=betas, eps=1e-6)
+    weights, _, grads, before = _run_ours(ours)
+    expected = _run_torch(
+        lambda p: torch.optim.Adam(p, lr=0.02, betas=betas, eps=1e-6), before, grads
+    )
+    assert np.isfinite(weights).all()
+    assert np.abs(weights[ROWS] - expected).max() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SGD(lr=float("inf")), r"sgd\.lr must be in \[0, inf\), got inf"),
+        (lambda: Adam(eps=float("inf")), r"adam\.eps must be in \[0, inf\), got inf"),
+        (lambda: SGD(lr=True), r"sgd\.lr must be a number, got True"),
+        (lambda: Adagrad(g_square_momentum=False), "adagrad.g_square_momentum must be a number"),
+    ],
+)
+def test_infinite_and_boolean_parameters_are_refused(make, message: str) -> None:
+    """Parameters are finite numbers: an infinite lr makes every row NaN, and a bool is no
+    number (True would silently read as 1)."""
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("optimizer", [Adagrad(), Adam()], ids=["adagrad", "adam"])
+def test_apply_rejects_state_with_another_row_count(optimizer) -> None:
+    """State holds one row per weights row: a shorter one would be indexed out of bounds."""
+    weights = np.zeros((4, 2), dtype=np.float32)
+    state = optimizer.initial_state(3, 2)
+    width = optimizer.state_width(2)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=rf"state must be a float32 \[4, {width}\] array, got float32\[3, {width}\]",
+    ):
+        optimizer.apply(weights, state, np.array([0]), np.zeros((1, 2), np.float32))
+    assert np.all(weights == 0)
+
+
+def test_adam_check_state_refuses_negative_second_moments_and_steps() -> None:
+    """Every column after the first moments (second moments and the step count) must be >= 0;
+    the first moments may be negative."""
+    opt = Adam()
+    state = opt.initial_state(3, 2)  # columns: m0 m1 | v0 v1 | t
+    state[:, :2] = -1.0
+    opt.check_state(state, 2)
+    state[2, 2] = -0.5  # the first second moment
+    with pytest.raises(InvalidArgumentError, match=r"row 2 holds -0\.5"):
+        opt.check_state(state, 2)
+    state[2, 2] = 0.0
+    state[1, 4] = -3.0  # the step count
+    with pytest.raises(
+        InvalidArgumentError, match=r"step counts must be >= 0, but row 1 holds -3\.0"
+    ):
+        opt.check_state(state, 2)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [SGD(lr=1.0), Adagrad(lr=1.0), Adagrad(lr=1.0, vectorwise_shared=True), Adam(lr=1.0)],
+    ids=["sgd", "adagrad", "adagrad-shared", "adam"],
+)
+def test_every_kernel_skips_rows_of_minus_one(optimizer) -> None:
+    """-1 marks a row the shard does not hold: nothing is updated for it (not the last row,
+    which -1 would index)."""
+    weights = np.zeros((3, 2), dtype=np.float32)
+    state = optimizer.initial_state(3, 2)
+    optimizer.apply(weights, state, np.array([-1, 0, -1]), np.ones((3, 2), np.float32))
+    assert np.all(weights[0] < 0)
+    assert np.all(weights[1:] == 0)
+    np.testing.assert_array_equal(state[1:], optimizer.initial_state(2, 2))
+
+
+def test_apply_rejects_bad_weights_and_rows() -> None:
+    opt = SGD()
+    state = opt.initial_state(4, 2)
+    grads = np.zeros((1, 2), np.float32)
+    for weights in (np.zeros((4, 2), np.float64), np.zeros(8, np.float32), [[0.0, 0.0]]):
+        with pytest.raises(InvalidArgumentError, match=r"weights must be a float32 \[R, dim\]"):
+            opt.apply(weights, state, np.array([0]), grads)
+    with pytest.raises(InvalidArgumentError, match=r"rows must be 1-D, got shape \[1, 1\]"):
+        opt.apply(np.zeros((4, 2), np.float32), state, np.array([[0]]), grads)
+
+
+def test_non_mapping_optimizer_and_string_betas_are_refused() -> None:
+    with pytest.raises(ConfigError, match="optimizer must be a mapping, got list"):
+        optimizer_from_dict(["sgd"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"adam\.betas must be a pair of numbers, got '09'"):
+        Adam(betas="09")  # type: ignore[arg-type]

@@ -86,3 +86,48 @@ def test_a_stored_signature_round_trips_and_an_unknown_dtype_is_refused() -> Non
     data["non_id_features"][0]["dtype"] = "float33"
     with pytest.raises(CheckpointError, match=r"model\.json: malformed feature signature"):
         FeatureSignature.from_dict(data, source="model.json")
+
+
+def test_a_non_id_feature_of_another_sample_shape_is_refused() -> None:
+    batch = _batch()
+    wide = NonIDTypeFeature(np.zeros((2, 3), dtype=np.float32), name="price")
+    with pytest.raises(
+        BatchValidationError,
+        match=r"non-ID feature 'price' has sample shape \[3\]; the model expects \[1\]",
+    ):
+        SIGNATURE.check(
+            Batch(
+                batch.id_type_features, [wide, batch.non_id_type_features[1]], requires_grad=False
+            )
+        )
+
+
+def test_label_names_and_sample_shapes_are_recorded_and_round_trip() -> None:
+    from embedding_store.batch import Label
+
+    batch = _batch()
+    labelled = Batch(
+        batch.id_type_features,
+        batch.non_id_type_features,
+        [Label(np.zeros(2, np.float32), "click"), Label(np.zeros(2, np.float32), "buy")],
+    )
+    signature = FeatureSignature.from_batch(labelled)
+    assert signature.label_names == ("click", "buy")
+    assert [(s.name, s.dtype, s.sample_shape) for s in signature.non_id_features] == [
+        ("price", "float32", (1,)),
+        ("age", "float32", (1,)),
+    ]
+    back = FeatureSignature.from_dict(signature.to_dict())
+    assert back == signature and back.label_names == ("click", "buy")
+
+
+def test_id_features_in_another_order_are_refused() -> None:
+    batch = _batch()
+    swapped = Batch(
+        list(reversed(batch.id_type_features)), batch.non_id_type_features, requires_grad=False
+    )
+    with pytest.raises(
+        BatchValidationError,
+        match=r"ID features \['history', 'user'\] do not match the model's \['user', 'history'\]",
+    ):
+        SIGNATURE.check(swapped)
