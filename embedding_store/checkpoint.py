@@ -274,26 +274,26 @@ def publish_directory(
     refused, overwrite or not, since replacing it deletes it. ``only_checkpoints=False`` is
     for the one caller whose targets are parts of a checkpoint (``--dump-on-exit`` of one
     shard of several replaces its ``shard_XXXXX`` directory).
+
+    When it cannot publish, ``staging`` is removed and ``target`` is as it was; a failed
+    rename is a CheckpointError naming ``target`` and the system's reason.
     """
-    if target.exists():
-        try:
+    try:
+        if target.exists():
             check_target(target, overwrite=overwrite, only_checkpoints=only_checkpoints)
-        except AlreadyExistsError:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if _exchange(staging, target):  # one atomic step: target is never missing
-            shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+            if _exchange(staging, target):  # one atomic step: target is never missing
+                shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+            else:
+                _replace_in_two_renames(staging, target)
         else:
-            # Two renames: a crash between them leaves the old checkpoint at ``retired``,
-            # which read_manifest's error then names.
-            retired = target.with_name(
-                f"{RETIRED_PREFIX.format(name=target.name)}{uuid.uuid4().hex}"
-            )
-            os.replace(target, retired)
             os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.replace(staging, target)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)  # never published: nothing to keep
+        if isinstance(error, OSError):
+            raise CheckpointError(
+                f"cannot publish the checkpoint at {target}: {error.strerror or error}"
+            ) from None
+        raise
     _fsync_directory(target.parent)
 
 
@@ -318,6 +318,20 @@ def check_target(target: Path, *, overwrite: bool, only_checkpoints: bool = True
             f"checkpoint directory {target} already exists; refusing to overwrite it "
             "(--overwrite, or overwrite=True, replaces it)"
         )
+
+
+def _replace_in_two_renames(staging: Path, target: Path) -> None:
+    """Where paths cannot be swapped atomically: ``target`` renamed away, ``staging`` renamed
+    to it. A crash between the two leaves the old checkpoint at ``retired``, which
+    read_manifest's error then names; a failed second rename puts it back."""
+    retired = target.with_name(f"{RETIRED_PREFIX.format(name=target.name)}{uuid.uuid4().hex}")
+    os.replace(target, retired)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(retired, target)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 #: Name prefix of a checkpoint renamed away while a new one replaces it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -312,6 +313,45 @@ def test_overwrite_replaces_the_checkpoint_and_leaves_nothing_behind(
     manifest = checkpoint.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
     assert manifest.num_shards == 2
     assert checkpoint.verify(tmp_path / "ckpt").num_shards == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _failing_rename(monkeypatch, destination: Path) -> None:
+    """os.replace fails (EIO) the first time it renames something to ``destination``, as a
+    broken filesystem would; every other rename happens."""
+    real_replace = os.replace
+    failed = []
+
+    def replace(source, to):
+        if Path(to) == destination and not failed:
+            failed.append(source)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_replace(source, to)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+
+
+def test_a_failed_publish_is_named_and_leaves_no_staging_directory(tmp_path, monkeypatch):
+    _, shards = trained_worker(1)
+    _failing_rename(monkeypatch, tmp_path / "ckpt")
+    with pytest.raises(
+        CheckpointError,
+        match=f"^cannot publish the checkpoint at {re.escape(str(tmp_path / 'ckpt'))}: "
+        "Input/output error$",
+    ):
+        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_overwrite_in_two_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    _, first = trained_worker(1)
+    checkpoint.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
+    monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+    _failing_rename(monkeypatch, tmp_path / "ckpt")  # the new one's, not the put-back
+    _, second = trained_worker(2)
+    with pytest.raises(CheckpointError, match=r"cannot publish the checkpoint at .*ckpt"):
+        checkpoint.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
+    assert checkpoint.verify(tmp_path / "ckpt").num_shards == 1  # the old one, put back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
