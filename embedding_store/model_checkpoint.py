@@ -224,11 +224,11 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         return CheckpointManifest(
             directory=root,
             version=str(raw["version"]),
-            step=int(raw["step"]),
+            step=_whole_number(raw["step"], "step", root),
             created_unix=float(raw["created_unix"]),
             files=_file_entries(raw["files"], root / MANIFEST_NAME),
-            embedding_rows=int(raw["embeddings"]["rows"]),
-            embedding_shards=int(raw["embeddings"]["shards"]),
+            embedding_rows=_whole_number(raw["embeddings"]["rows"], "embeddings.rows", root),
+            embedding_shards=_whole_number(raw["embeddings"]["shards"], "embeddings.shards", root),
             model_class=str(raw.get("model_class", "")),
             dense_optimizer_class=str(raw.get("dense_optimizer_class", "")),
             signature=(
@@ -245,6 +245,15 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         raise
     except (KeyError, TypeError, ValueError, OverflowError) as error:  # int(Infinity)
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from None
+
+
+def _whole_number(value: object, field: str, root: Path) -> int:
+    """A manifest count: a JSON integer >= 0 (not 1.5, "12" or true, which int() would take)."""
+    if type(value) is not int or value < 0:
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} is malformed: {field} must be an integer >= 0, got {value!r}"
+        )
+    return value
 
 
 def check_train_state(

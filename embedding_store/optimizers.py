@@ -537,6 +537,10 @@ def optimizer_from_dict(d: dict) -> Optimizer:
     params = dict(d)
     kind = params.pop("name", None)
     alias = params.pop("type", None)
+    if kind is not None and alias is not None and kind != alias:
+        raise ConfigError(
+            f"optimizer has name {kind!r} and type {alias!r}: give one of them (they are aliases)"
+        )
     kind = alias if kind is None else kind
     if kind not in _BY_NAME:
         raise ConfigError(f"optimizer.name must be one of {sorted(_BY_NAME)}, got {kind!r}")

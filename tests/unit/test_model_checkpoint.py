@@ -104,6 +104,18 @@ def test_a_checkpoint_without_its_done_marker_is_incomplete(checkpoint: Path) ->
         (lambda m: m["files"].update({"..": m["files"]["dense.pt"]}), "'..' is not a plain"),
         (lambda m: m["files"].update({"": m["files"]["dense.pt"]}), "'' is not a plain name"),
         (lambda m: m.update(train_state=[1]), "train_state must be a mapping"),
+        # int() would take these as 1, 12 and 1: a manifest says its counts as integers.
+        (lambda m: m.update(step=1.5), r"step must be an integer >= 0, got 1\.5$"),
+        (lambda m: m.update(step="12"), "step must be an integer >= 0, got '12'$"),
+        (lambda m: m.update(step=-1), "step must be an integer >= 0, got -1$"),
+        (
+            lambda m: m["embeddings"].update(rows=True),
+            "embeddings.rows must be an integer >= 0, got True$",
+        ),
+        (
+            lambda m: m["embeddings"].update(shards=2.0),
+            r"embeddings.shards must be an integer >= 0, got 2\.0$",
+        ),
     ],
 )
 def test_manifest_problems_are_named(checkpoint: Path, edit, message: str) -> None:

@@ -204,6 +204,12 @@ def test_optimizer_from_dict_errors() -> None:
         optimizer_from_dict({"name": "rmsprop"})
     with pytest.raises(ConfigError, match="unknown keys"):
         optimizer_from_dict({"name": "sgd", "momentum": 0.9})
+    # "type" is an alias of "name": two different answers are a mistake, not a choice.
+    with pytest.raises(
+        ConfigError, match="optimizer has name 'sgd' and type 'adam': give one of them"
+    ):
+        optimizer_from_dict({"name": "sgd", "type": "adam", "lr": 0.1})
+    assert optimizer_from_dict({"name": "sgd", "type": "sgd", "lr": 0.5}) == SGD(lr=0.5)
 
 
 def test_apply_rejects_bad_arrays() -> None:
