@@ -309,19 +309,37 @@ def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
         assert sum(other.embedding_tier.status().rows_per_shard) == 0
 
 
+def _ctx_with_momentum() -> TrainCtx:
+    """new_ctx with a dense optimizer that keeps state (SGD's momentum buffers)."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
 def test_corrupt_embedding_file_is_refused_and_dense_state_is_put_back(tmp_path):
-    with new_ctx() as ctx:
+    with _ctx_with_momentum() as ctx:
         train_steps(ctx, 3)
         ctx.dump_checkpoint(tmp_path / "ckpt")
     victim = next((tmp_path / "ckpt").rglob("*.safetensors"))
     payload = bytearray(victim.read_bytes())
     payload[-5] ^= 0xFF
     victim.write_bytes(bytes(payload))
-    with new_ctx() as other:
+    with _ctx_with_momentum() as other:
         train_steps(other, 2, offset=20)  # optimizer state of its own
         weights = {k: v.clone() for k, v in other.dense_model.state_dict().items()}
         optimizer_state = other.dense_optimizer.state_dict()
-        steps = [dict(s) for s in optimizer_state["state"].values()]
+        steps = [
+            {key: torch.as_tensor(value).clone() for key, value in state.items()}
+            for state in optimizer_state["state"].values()
+        ]
+        # Momentum buffers to put back, which differ from the checkpoint's.
+        assert steps and all("momentum_buffer" in state for state in steps)
         rows = other.embedding_tier.status().rows_per_shard
         with pytest.raises(CheckpointError, match="corrupt: SHA-256 mismatch"):
             other.load_checkpoint(tmp_path / "ckpt")
