@@ -346,6 +346,8 @@ def test_exhausted_keeps_the_class_and_counts_attempts():
     error = exhausted(RetryableError(UnavailableError("server x: busy")), 4)
     assert type(error) is UnavailableError
     assert error.message == "server x: busy (gave up after 4 attempts)"
+    single = UnavailableError("server x: busy")
+    assert exhausted(RetryableError(single), 1) is single  # one attempt: nothing to add
 
 
 # --------------------------------------------------------------------------- predict files

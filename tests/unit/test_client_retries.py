@@ -615,3 +615,249 @@ def test_async_retries_wait_the_policys_delay_of_each_attempt(fake_http, monkeyp
     # Attempt k waits uniform(c / 2, c) with c = min(max, min * 2**k): [0.5, 1], then [1, 2].
     assert len(waits) == 2
     assert 0.5 <= waits[0] <= 1.0 and 1.0 <= waits[1] <= 2.0
+
+
+# --------------------------------------------------------------------------- scripted transports
+class ScriptedTransport:
+    """Stands in for a client's backend: each call takes the next scripted outcome (an
+    exception is raised, anything else returned) and is recorded with its arguments."""
+
+    def __init__(self, outcomes: list[object]) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.closed = 0
+
+    def _next(self, method: str, *args: object) -> object:
+        self.calls.append((method, args))
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def live(self, timeout: float | None) -> object:
+        return self._next("live", timeout)
+
+    def ready(self, timeout: float | None) -> object:
+        return self._next("ready", timeout)
+
+    def model_ready(self, model: str, timeout: float | None) -> object:
+        return self._next("model_ready", model, timeout)
+
+    def metadata(self, model: str, timeout: float | None) -> object:
+        return self._next("metadata", model, timeout)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class AsyncScriptedTransport(ScriptedTransport):
+    async def live(self, timeout: float | None) -> object:
+        return self._next("live", timeout)
+
+    async def ready(self, timeout: float | None) -> object:
+        return self._next("ready", timeout)
+
+    async def model_ready(self, model: str, timeout: float | None) -> object:
+        return self._next("model_ready", model, timeout)
+
+    async def metadata(self, model: str, timeout: float | None) -> object:
+        return self._next("metadata", model, timeout)
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+def _scripted_client(transport: ScriptedTransport, **options: object) -> RecserveClient:
+    """A client (nothing listens on its URL) whose calls go to ``transport``."""
+    options = {"backoff": (0.0, 0.0), **options}
+    client = RecserveClient("http://127.0.0.1:9", model_name="m", **options)
+    client._transport.close()
+    client._transport = transport
+    return client
+
+
+def _scripted_async_client(
+    transport: AsyncScriptedTransport, **options: object
+) -> AsyncRecserveClient:
+    options = {"backoff": (0.0, 0.0), **options}
+    client = AsyncRecserveClient("http://127.0.0.1:9", model_name="m", **options)
+    client._transport.sync.close()
+    client._transport = transport
+    return client
+
+
+def _health_outcomes() -> list[object]:
+    from clients.retry import RetryableError
+
+    return [
+        RetryableError(UnavailableError("refused")),
+        UnavailableError("cannot connect"),
+        DeadlineExceededError("too slow"),
+        NotFoundError("no such model"),
+    ]
+
+
+def test_health_is_false_when_the_server_is_unreachable_or_slow_and_raises_otherwise():
+    """live/ready/model_ready: unreachable (retryable or not) and timed out read False; any
+    other error (an unknown model) raises; nothing is retried."""
+    transport = ScriptedTransport(_health_outcomes())
+    client = _scripted_client(transport, retries=3)
+    assert [client.live(), client.ready(), client.model_ready()] == [False, False, False]
+    with pytest.raises(NotFoundError, match="no such model"):
+        client.model_ready(timeout=2.0)
+    assert [call[0] for call in transport.calls] == ["live", "ready", "model_ready", "model_ready"]
+    assert transport.calls[-1] == ("model_ready", ("m", 2.0))
+
+
+def test_async_health_is_false_when_the_server_is_unreachable_or_slow_and_raises_otherwise():
+    transport = AsyncScriptedTransport(_health_outcomes())
+    client = _scripted_async_client(transport, retries=3)
+
+    async def main() -> list[bool]:
+        flags = [await client.live(), await client.ready(), await client.model_ready()]
+        with pytest.raises(NotFoundError, match="no such model"):
+            await client.model_ready(timeout=2.0)
+        return flags
+
+    assert asyncio.run(main()) == [False, False, False]
+    assert len(transport.calls) == 4
+
+
+def test_one_failed_attempt_is_raised_as_it_is_and_more_say_how_many():
+    """With retries=0 the error is the transport's own (no "gave up" suffix); after retries
+    it names the number of attempts, sync and async alike."""
+    from clients.retry import RetryableError
+
+    def outcomes() -> list[object]:
+        return [RetryableError(UnavailableError("busy")) for _ in range(3)]
+
+    with pytest.raises(UnavailableError) as caught:
+        _scripted_client(ScriptedTransport(outcomes()), retries=0).metadata()
+    assert caught.value.message == "busy"
+    with pytest.raises(UnavailableError) as caught:
+        _scripted_client(ScriptedTransport(outcomes()), retries=2).metadata()
+    assert caught.value.message == "busy (gave up after 3 attempts)"
+
+    async def exhaust(retries: int) -> None:
+        await _scripted_async_client(AsyncScriptedTransport(outcomes()), retries=retries).metadata()
+
+    with pytest.raises(UnavailableError) as caught:
+        asyncio.run(exhaust(0))
+    assert caught.value.message == "busy"
+    with pytest.raises(UnavailableError) as caught:
+        asyncio.run(exhaust(2))
+    assert caught.value.message == "busy (gave up after 3 attempts)"
+
+
+class FakeClock:
+    """``time.monotonic`` and ``sleep`` on a clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(monkeypatch):
+    """Each poll's timeout is the time left, at most 1 s and at least 0.01 s; a poll is made
+    at the deadline itself, none after it; True as soon as a poll says so."""
+    clock = FakeClock()
+    monkeypatch.setattr("clients.client.time", clock)
+    transport = ScriptedTransport([False] * 6)
+    client = _scripted_client(transport)
+    assert client.wait_until_ready(2.5, interval=0.5) is False
+    # Polls at 100, 100.5, ..., 102.5 (the deadline): time left 2.5, 2, 1.5, 1, 0.5, 0.
+    assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
+    assert clock.slept == [0.5] * 5
+
+    transport = ScriptedTransport([False, False, True])
+    client = _scripted_client(transport)
+    assert client.wait_until_ready(10.0, interval=0.5) is True
+    assert len(transport.calls) == 3
+
+
+def test_async_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(monkeypatch):
+    clock = FakeClock()
+
+    async def fake_sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+
+    monkeypatch.setattr("clients.aio.time", clock)
+    monkeypatch.setattr("clients.aio.asyncio.sleep", fake_sleep)
+    transport = AsyncScriptedTransport([False] * 6)
+    client = _scripted_async_client(transport)
+    assert asyncio.run(client.wait_until_ready(2.5, interval=0.5)) is False
+    assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
+    assert clock.slept == [0.5] * 5
+
+
+def test_close_releases_the_transport_once():
+    transport = ScriptedTransport([])
+    client = _scripted_client(transport)
+    with client:
+        pass
+    client.close()
+    assert transport.closed == 1
+
+    async_transport = AsyncScriptedTransport([])
+    async_client = _scripted_async_client(async_transport)
+
+    async def close_twice() -> None:
+        async with async_client:
+            pass
+        await async_client.close()
+
+    asyncio.run(close_twice())
+    assert async_transport.closed == 1
+
+
+def test_async_http_close_shuts_its_thread_pool_down():
+    async def main() -> AsyncRecserveClient:
+        client = AsyncRecserveClient("http://127.0.0.1:9", model_name="m")
+        await client.close()
+        return client
+
+    client = asyncio.run(main())
+    with pytest.raises(RuntimeError, match="shutdown"):
+        client._transport._executor.submit(int)
+
+
+def test_a_scalar_backoff_is_the_minimum_and_the_default_maximum_or_itself():
+    from clients.retry import RetryPolicy
+
+    assert _scripted_client(ScriptedTransport([]), backoff=0.2).policy == RetryPolicy(3, 0.2, 1.0)
+    assert _scripted_client(ScriptedTransport([]), backoff=3).policy == RetryPolicy(3, 3.0, 3.0)
+
+
+@pytest.mark.parametrize("model_name", ["", None, 3])
+def test_model_name_must_be_a_non_empty_string(model_name):
+    with pytest.raises(InvalidArgumentError, match="model_name must be a non-empty string"):
+        RecserveClient("http://127.0.0.1:9", model_name=model_name)
+
+
+@pytest.mark.parametrize("rows", [[], ()])
+def test_predict_of_no_rows_is_an_invalid_argument(rows):
+    with (
+        RecserveClient("http://127.0.0.1:9", model_name="m") as client,
+        pytest.raises(InvalidArgumentError, match=r"predict\(\) got no rows"),
+    ):
+        client.predict(rows)
+
+
+@pytest.mark.parametrize("data", [[1, 2], [{"a": 1}, "b"], ("row",)])
+def test_predict_of_a_list_that_is_not_dict_rows_is_a_type_error(data):
+    """Only an empty list is "no rows"; a list of anything but dicts is the wrong type."""
+    with (
+        RecserveClient("http://127.0.0.1:9", model_name="m") as client,
+        pytest.raises(TypeError, match="takes a Batch or a list of dict rows, got"),
+    ):
+        client.predict(data)
