@@ -62,6 +62,7 @@ class FakeHttp:
         self.script = list(script or [])
         self.requests = 0
         self.health_status = 200
+        self.paths: list[str] = []  # of the GETs, as sent
         self.lock = threading.Lock()
         fake = self
 
@@ -80,6 +81,7 @@ class FakeHttp:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                fake.paths.append(self.path)
                 if fake.health_status == 200:
                     self._send(200, {"ready": True})
                 else:
@@ -155,7 +157,9 @@ def test_http_health_false_is_400_as_the_spec_says_or_503(fake_http, status):
         assert client.model_ready() is False
 
 
-@pytest.mark.parametrize(("status", "error"), [(404, NotFoundError), (500, RecserveError)])
+@pytest.mark.parametrize(
+    ("status", "error"), [(202, RecserveError), (404, NotFoundError), (500, RecserveError)]
+)
 def test_http_health_answers_other_than_true_or_false_raise(fake_http, status, error):
     server = fake_http()
     server.health_status = status
@@ -861,3 +865,130 @@ def test_predict_of_a_list_that_is_not_dict_rows_is_a_type_error(data):
         pytest.raises(TypeError, match="takes a Batch or a list of dict rows, got"),
     ):
         client.predict(data)
+
+
+def test_http_model_names_are_quoted_into_one_path_segment(fake_http):
+    server = fake_http()
+    with RecserveClient(server.url, model_name="a/b c", retries=0) as client:
+        assert client.model_ready() is True
+    assert server.paths == ["/v2/models/a%2Fb%20c/ready"]
+
+
+def test_http_close_drops_the_pooled_connections(fake_http):
+    server = fake_http()
+    client = RecserveClient(server.url, model_name="m", retries=0)
+    assert client.live() is True
+    pool = client._transport._pool
+    assert len(pool.pools) == 1
+    client.close()
+    assert len(pool.pools) == 0
+
+
+def test_connect_failures_are_found_along_the_exception_chain():
+    """A refusal or a reset while connecting is recognized in the error itself, its cause,
+    its context, by errno, or by the text of the error; anything else is no connect failure
+    (and a chain that loops back on itself ends)."""
+    import errno as errno_codes
+
+    from clients._http import _connect_failure
+
+    refused, reset = "refused the connection", "reset the connection while connecting"
+    by_context = RuntimeError("wrapped")
+    by_context.__context__ = ConnectionRefusedError()
+    assert _connect_failure(by_context) == refused
+    by_cause = RuntimeError("wrapped")
+    by_cause.__cause__ = BrokenPipeError()
+    assert _connect_failure(by_cause) == reset
+
+    class SocketError(OSError):
+        """An OSError subclass: unlike OSError itself, not remapped by errno."""
+
+    assert _connect_failure(SocketError(errno_codes.ECONNREFUSED, "no")) == refused
+    assert _connect_failure(SocketError(errno_codes.ECONNRESET, "no")) == reset
+    assert _connect_failure(SocketError(errno_codes.EPIPE, "no")) == reset
+    assert _connect_failure(RuntimeError("[Errno 111] Connection refused")) == refused
+    assert _connect_failure(RuntimeError("Connection reset by peer")) == reset
+    assert _connect_failure(RuntimeError("Broken pipe")) == reset
+    looping = RuntimeError("name resolution failed")
+    looping.__context__ = looping
+    assert _connect_failure(looping) is None
+
+
+class _FakeSocket:
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def settimeout(self, seconds: float) -> None:
+        self.timeouts.append(seconds)
+
+
+class _FakeResponse:
+    """An urllib3 response that hands out ``chunks`` one read at a time."""
+
+    def __init__(self, chunks: list[bytes], clock: FakeClock, per_read: float) -> None:
+        self.chunks = list(chunks)
+        self.clock = clock
+        self.per_read = per_read
+        self.sock = _FakeSocket()
+        self.connection = type("Connection", (), {"sock": self.sock})()
+        self.released = 0
+        self.status = 200
+        self.headers: dict[str, str] = {}
+
+    def read1(self, size: int) -> bytes:
+        self.clock.now += self.per_read
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def read(self) -> bytes:
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        return data
+
+    def release_conn(self) -> None:
+        self.released += 1
+
+
+def test_http_reads_are_bounded_by_the_time_left_until_the_deadline(monkeypatch):
+    """Each read gets the time left as its socket timeout; once the deadline is reached
+    (exactly, too) the answer is abandoned as a timeout."""
+    from clients._http import _read_before
+
+    clock = FakeClock()
+    monkeypatch.setattr("clients._http.time", clock)
+    response = _FakeResponse([b"ab", b"cd"], clock, per_read=1.0)
+    assert _read_before(response, deadline=110.0) == b"abcd"
+    assert response.sock.timeouts == [10.0, 9.0, 8.0]
+
+    response = _FakeResponse([b"ab", b"cd", b"ef"], clock, per_read=1.0)
+    with pytest.raises(TimeoutError, match="deadline passed"):
+        _read_before(response, deadline=clock.now + 2.0)  # reached after the second read
+    assert response.sock.timeouts == [2.0, 1.0]
+
+
+def test_http_connections_go_back_to_the_pool_even_when_the_read_fails(monkeypatch):
+    from clients._http import HttpBackend
+
+    clock = FakeClock()
+    monkeypatch.setattr("clients._http.time", clock)
+    backend = HttpBackend("http://127.0.0.1:9")
+    responses = [
+        _FakeResponse([b'{"ready": true}'], clock, per_read=0.0),
+        _FakeResponse([b"slow"] * 5, clock, per_read=1.0),
+    ]
+    served = list(responses)
+    monkeypatch.setattr(backend._pool, "request", lambda *args, **kwargs: served.pop(0))
+    assert backend.live(timeout=None) is True
+    with pytest.raises(DeadlineExceededError, match=r"did not answer GET /v2/health/ready"):
+        backend.ready(timeout=2.0)
+    assert [response.released for response in responses] == [1, 1]
+    backend.close()
+
+
+def test_a_grpc_error_without_a_status_code_is_unknown_and_not_retried():
+    from clients._grpc import _failure
+    from clients.retry import RetryableError
+
+    error = _failure("grpc://h:1", grpc.RpcError("no code"))
+    assert not isinstance(error, RetryableError)
+    assert type(error) is RecserveError
+    assert error.message.startswith("server grpc://h:1 answered gRPC UNKNOWN: no code")
