@@ -365,3 +365,138 @@ def test_a_batch_the_server_finds_too_large_is_sent_in_smaller_chunks(stated_lim
     np.testing.assert_array_equal(scores.predictions, np.arange(5, dtype=np.float32))
     assert scores.model_version == "7"
     assert sent == sizes
+
+
+# --------------------------------------------------------------------------- found unchecked by
+# mutation testing
+def test_labels_zero_and_booleans_and_overlapping_label_values():
+    label = LabelMapping("y")
+    assert [label.parse(v) for v in ("0", 0, "1.0", True, False)] == [0.0, 0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match=r"label column 'y': '-0\.1' is not in \[0, 1\]"):
+        label.parse("-0.1")
+    with pytest.raises(ConfigError, match=r"negative: values \['yes'\] are also positive"):
+        LabelMapping("y", positive=["yes", "y"], negative=["no", " yes."])
+
+
+def test_an_empty_separator_is_refused():
+    with pytest.raises(ConfigError, match="separator: must not be empty"):
+        IdFeatureMapping("tags", "int", "")
+
+
+def test_int_ids_must_be_whole_non_negative_numbers_not_booleans():
+    """An ``int`` ID column takes integers (or floats that are whole, as Parquet or a CSV
+    written by pandas may hold them); a bool, a fraction or a negative number is a bad row."""
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    batch, bad = encoder.encode(
+        [{"user": 7.0}, {"user": True}, {"user": 1.5}, {"user": -1}, {"user": " 9 "}]
+    )
+    assert batch.id_type_features[0].values.tolist() == [7, 9]
+    assert dict(bad) == {
+        1: "column 'user': True is not an integer ID",
+        2: "column 'user': 1.5 is not an integer ID",
+        3: "column 'user': ID -1 is outside [0, 2**64)",
+    }
+
+
+def test_a_single_id_feature_given_an_empty_list_is_a_bad_row():
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    batch, bad = GenericEncoder(mapping, signature, "m.yml").encode([{"user": []}, {"user": [3]}])
+    assert batch.id_type_features[0].values.tolist() == [3]
+    assert dict(bad) == {0: "column 'user': exactly one ID expected, got 0"}
+
+
+def test_metadata_lengths_inputs_and_integer_matrices():
+    """``X.lengths`` is the lengths of ID feature X only when X is an input too; an integer
+    input of rank 1 is an ID feature, of higher rank a dense one."""
+    metadata = {
+        "inputs": [
+            {"name": "orphan.lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "counts", "datatype": "INT64", "shape": [-1, 3]},
+        ]
+    }
+    assert signature_from_metadata(metadata) == FeatureSignature(
+        (IdFeatureSpec("orphan.lengths", True),),
+        (NonIdFeatureSpec("counts", "float32", (3,)),),
+    )
+
+
+def _scripted_scorer(limit: int, errors: list[Exception] | None = None):
+    """A ServerScorer whose server takes ``limit`` rows at most (a 400 stating it), answering
+    each row with its ID; ``errors`` are raised first, one per call."""
+    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+
+    scorer = object.__new__(ServerScorer)
+    scorer.protocol, scorer.max_batch_size = "v2", None
+    sent: list[int] = []
+    pending = list(errors or [])
+
+    def v2(batch):
+        size = batch.batch_size
+        sent.append(size)
+        if pending:
+            raise pending.pop(0)
+        if size > limit:
+            message = f"batch size {size} exceeds this server's max batch size {limit}"
+            raise _BatchTooLargeError(message, limit)
+        return Scores(batch.id_type_features[0].values.astype(np.float32), None, "7")
+
+    scorer._v2 = v2
+    return scorer, sent
+
+
+def _ids_batch(ids: list[int]) -> Batch:
+    return Batch([IDTypeFeatureWithSingleID.from_ids("n", ids)], requires_grad=False)
+
+
+def test_the_servers_batch_limit_is_kept_for_the_batches_that_follow():
+    scorer, sent = _scripted_scorer(limit=2)
+    scorer.score(_ids_batch([0, 1, 2]), [{}] * 3)
+    assert scorer.max_batch_size == 2 and sent == [3, 2, 1]
+    sent.clear()
+    scores = scorer.score(_ids_batch([5, 6, 7, 8, 9]), [{}] * 5)
+    assert sent == [2, 2, 1]  # no 5-row attempt: the limit is known
+    np.testing.assert_array_equal(scores.predictions, [5, 6, 7, 8, 9])
+
+
+def test_a_single_row_too_large_for_the_server_is_an_error_not_a_loop():
+    """One row cannot be split: a 400 over the batch limit, or a 413 (CapacityError), for a
+    one-row batch is raised as it is."""
+    from clients.eval import _BatchTooLargeError
+    from embedding_store.errors import CapacityError
+
+    scorer, sent = _scripted_scorer(limit=0)
+    with pytest.raises(_BatchTooLargeError, match="max batch size 0"):
+        scorer.score(_ids_batch([4]), [{}])
+    assert sent == [1]
+    scorer, sent = _scripted_scorer(limit=5, errors=[CapacityError("413: body too large")])
+    with pytest.raises(CapacityError, match="body too large"):
+        scorer.score(_ids_batch([4]), [{}])
+    assert sent == [1]
+    # A 413 for two rows halves the batch.
+    scorer, sent = _scripted_scorer(limit=5, errors=[CapacityError("413")])
+    scores = scorer.score(_ids_batch([4, 5]), [{}, {}])
+    assert sent == [2, 1, 1] and scores.predictions.tolist() == [4.0, 5.0]
+
+
+def test_friendly_chunks_send_each_chunks_own_rows():
+    """Over the friendly route the rows themselves are sent: a split batch sends each chunk
+    its own rows, in order."""
+    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+
+    scorer = object.__new__(ServerScorer)
+    scorer.protocol, scorer.max_batch_size = "friendly", None
+    sent: list[list[int]] = []
+
+    def friendly(rows):
+        sent.append([row["id"] for row in rows])
+        if len(rows) > 2:
+            raise _BatchTooLargeError("batch size 3 exceeds this server's max batch size 2", 2)
+        return Scores(np.array([row["id"] for row in rows], dtype=np.float32), None, "7")
+
+    scorer._friendly = friendly
+    scores = scorer.score(_ids_batch([1, 2, 3]), [{"id": 10}, {"id": 20}, {"id": 30}])
+    assert sent == [[10, 20, 30], [10, 20], [30]]
+    assert scores.predictions.tolist() == [10.0, 20.0, 30.0]
