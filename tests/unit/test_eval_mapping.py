@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -500,3 +501,111 @@ def test_friendly_chunks_send_each_chunks_own_rows():
     scores = scorer.score(_ids_batch([1, 2, 3]), [{"id": 10}, {"id": 20}, {"id": 30}])
     assert sent == [[10, 20, 30], [10, 20], [30]]
     assert scores.predictions.tolist() == [10.0, 20.0, 30.0]
+
+
+# --------------------------------------------------------------------------- parity, counts and
+# options of run_eval, exact on small inputs
+def test_parity_counts_nan_as_different_and_keeps_the_worst_difference():
+    from clients.eval import SHOWN_DIFFERENCES, _Parity
+
+    parity = _Parity(0.01)
+    diff = parity.add(["a:1", "a:2", "a:3"], np.array([0.0, 1.0, 2.0]), np.array([0.5, 1, np.nan]))
+    np.testing.assert_array_equal(diff, [0.5, 0.0, np.nan])
+    assert (parity.rows, parity.differing, parity.max_diff) == (3, 2, math.inf)
+    assert parity.examples[0] == {"where": "a:1", "in_process": 0.0, "server": 0.5, "abs_diff": 0.5}
+    assert parity.examples[1]["where"] == "a:3"
+
+    parity = _Parity(0.01)
+    parity.add(["a:1"], np.array([0.0]), np.array([0.5]))
+    parity.add(["a:2"], np.array([1.0]), np.array([1.2]))  # a smaller worst: 0.5 stays
+    assert parity.max_diff == 0.5
+    many = 2 * SHOWN_DIFFERENCES
+    parity.add([f"b:{i}" for i in range(many)], np.zeros(many), np.ones(many))
+    assert len(parity.examples) == SHOWN_DIFFERENCES  # in all, over every chunk
+    assert [e["where"] for e in parity.examples[:3]] == ["a:1", "a:2", "b:0"]
+    summary = parity.summary()
+    assert (summary["rows"], summary["differing_rows"], summary["identical"]) == (
+        2 + many,
+        2 + many,
+        False,
+    )
+    assert parity.text().startswith(
+        f"parity FAILED: {2 + many} of {2 + many} rows differ by more than 0.01"
+    )
+
+
+def test_parity_text_names_an_output_transform_mismatch():
+    from clients.eval import _Parity
+
+    logits = np.array([-1.0, 0.0, 2.0])
+    probabilities = 1.0 / (1.0 + np.exp(-logits))
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2", "r:3"], logits, probabilities)
+    assert "every server prediction is the sigmoid of the in-process one" in parity.text()
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2", "r:3"], probabilities, logits)
+    assert "every in-process prediction is the sigmoid of the server's" in parity.text()
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2"], np.array([0.25, 0.5]), np.array([0.25, 0.5]))
+    assert parity.text() == (
+        "parity OK: 2 rows, in-process and server predictions agree within 1e-06 (max abs diff 0)"
+    )
+
+
+def test_positives_are_labels_above_one_half():
+    from clients.eval import _count
+
+    labels = np.array([0.5, 1.0, 0.0, 0.7])
+    assert (_count(labels, positive=True), _count(labels, positive=False)) == (2, 2)
+    assert _count(None, positive=True) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"batch_size": 0}, "--batch-size must be > 0, got 0"),
+        ({"timeout": 0.0}, r"--timeout must be a number of seconds in \(0, 1000000\], got 0"),
+        ({"timeout": 1e6 + 1}, r"--timeout must be a number of seconds in \(0, 1000000\]"),
+        ({"timeout": math.nan}, "--timeout must be a number of seconds"),
+        ({"report": "SAME"}, "--report and --out must differ"),
+    ],
+)
+def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, message):
+    from clients.eval import EvalOptions, _check_options
+
+    data = tmp_path / "rows.csv"
+    data.write_text("a\n1\n")
+    out = tmp_path / "p.csv"
+    if changes.get("report") == "SAME":
+        changes = {"report": tmp_path / "." / "p.csv"}
+    options = EvalOptions(data=data, out=out, checkpoint=tmp_path, **changes)
+    with pytest.raises(InvalidArgumentError, match=message):
+        _check_options(options)
+    _check_options(EvalOptions(data=data, out=out, checkpoint=tmp_path, timeout=1e6))
+
+
+def test_a_server_answering_another_number_of_predictions_is_refused():
+    from clients.eval import ServerScorer
+
+    scorer = object.__new__(ServerScorer)
+    scorer.url, scorer.version = "http://h:1", "1"
+    with pytest.raises(InvalidArgumentError, match="http://h:1 returned 3 predictions for 2 rows"):
+        scorer._checked(np.zeros((3, 1)), 2, "2")
+    scores = scorer._checked(np.array([[0.25], [0.5]]), 2, "2")
+    assert scores.predictions.dtype == np.float32 and scores.predictions.tolist() == [0.25, 0.5]
+    assert scorer.version == "2"
+    scorer._checked(np.zeros(1), 1, None)
+    assert scorer.version == "2"  # an answer without a version keeps the last one
+
+
+def test_a_label_column_given_on_the_command_line_keeps_the_mappings_values(tmp_path):
+    from clients.eval import EvalOptions, _label_of
+
+    mapping = load_mapping(ADULT_MAPPING)
+    base = {"data": tmp_path / "x.csv", "out": tmp_path / "p.csv"}
+    label = _label_of(EvalOptions(**base, label="target"), mapping)
+    assert label == LabelMapping("target", mapping.label.positive, mapping.label.negative)
+    assert label.parse(">50K.") == 1.0
+    assert _label_of(EvalOptions(**base, label="target", no_label=True), mapping) is None
+    assert _label_of(EvalOptions(**base), mapping) == mapping.label
+    assert _label_of(EvalOptions(**base, label="y"), GENERIC) == LabelMapping("y")
