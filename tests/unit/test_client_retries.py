@@ -11,6 +11,7 @@ import errno
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -992,3 +993,37 @@ def test_a_grpc_error_without_a_status_code_is_unknown_and_not_retried():
     assert not isinstance(error, RetryableError)
     assert type(error) is RecserveError
     assert error.message.startswith("server grpc://h:1 answered gRPC UNKNOWN: no code")
+
+
+def test_eval_server_scorer_retries_503_with_doubling_waits_and_nothing_else(
+    fake_http, monkeypatch
+):
+    """``recserve eval --url``: a 503 is retried (waits 0.2 s, 0.4 s, ...) up to ``retries``
+    times, then raised; a 400 is raised at once."""
+    from clients.eval import ServerScorer
+
+    waits: list[float] = []
+    # The module's own clock only: the fake server's threads sleep on the real one.
+    monkeypatch.setattr("clients.eval.time", types.SimpleNamespace(sleep=waits.append))
+
+    def scorer(url: str, retries: int) -> ServerScorer:
+        instance = object.__new__(ServerScorer)
+        instance.url, instance.timeout, instance.retries = url, 5.0, retries
+        return instance
+
+    server = fake_http([(503, 0.0), (503, 0.0)])
+    body, _ = scorer(server.url, 3)._call("POST", "/v2/models/m/infer", b"{}")
+    assert orjson.loads(body)["model_version"] == "v1"
+    assert server.requests == 3 and waits == [0.2, 0.4]
+
+    waits.clear()
+    server = fake_http([(503, 0.0)] * 3)
+    with pytest.raises(UnavailableError, match="scripted 503"):
+        scorer(server.url, 1)._call("POST", "/v2/models/m/infer", b"{}")
+    assert server.requests == 2 and waits == [0.2]
+
+    waits.clear()
+    server = fake_http([(400, 0.0)])
+    with pytest.raises(InvalidArgumentError, match="scripted 400"):
+        scorer(server.url, 3)._call("POST", "/v2/models/m/infer", b"{}")
+    assert server.requests == 1 and waits == []
