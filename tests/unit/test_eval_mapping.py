@@ -568,6 +568,10 @@ def test_positives_are_labels_above_one_half():
         ({"timeout": 1e6 + 1}, r"--timeout must be a number of seconds in \(0, 1000000\]"),
         ({"timeout": math.nan}, "--timeout must be a number of seconds"),
         ({"report": "SAME"}, "--report and --out must differ"),
+        # The CLI's flag takes positive integers only; the Python API used to score every row,
+        # write the predictions and then fail with numpy's "'list' argument must have no
+        # negative elements".
+        ({"calibration_bins": 0}, "--calibration-bins must be > 0, got 0"),
     ],
 )
 def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, message):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clients import eval_report
-from embedding_store.errors import AlreadyExistsError
+from embedding_store.errors import AlreadyExistsError, InvalidArgumentError
 from examples.adult_income.metrics import roc_auc as adult_roc_auc
 
 
@@ -286,3 +286,11 @@ def test_summary_lists_the_first_twenty_bad_rows_and_the_parity_verdict():
     assert "| unknown-ID ratio | 0.250000 |" in text
     assert "- DIFFERENT: 1 of 4 rows differ by more than 1e-06 (max abs diff 0.5)" in text
     assert "- no labels" in text
+
+
+@pytest.mark.parametrize("bins", [0, -1])
+def test_calibration_needs_at_least_one_bin(bins):
+    with pytest.raises(
+        InvalidArgumentError, match=f"calibration needs at least one bin, got {bins}"
+    ):
+        eval_report.calibration(np.array([0.0, 1.0]), np.array([0.2, 0.9]), bins=bins)
