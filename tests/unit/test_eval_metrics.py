@@ -294,3 +294,25 @@ def test_calibration_needs_at_least_one_bin(bins):
         InvalidArgumentError, match=f"calibration needs at least one bin, got {bins}"
     ):
         eval_report.calibration(np.array([0.0, 1.0]), np.array([0.2, 0.9]), bins=bins)
+
+
+def test_atomic_outputs_leave_nothing_behind_when_they_fail(tmp_path):
+    target = tmp_path / "out.csv"
+    with (
+        pytest.raises(FileNotFoundError, match="was not written"),
+        eval_report.atomic_file(target, overwrite=False),
+    ):
+        pass  # the caller wrote nothing
+    assert list(tmp_path.iterdir()) == []
+
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "old.txt").write_text("old")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        eval_report.atomic_directory(report, overwrite=True) as staging,
+    ):
+        (staging / "new.txt").write_text("new")
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+    assert [p.name for p in report.iterdir()] == ["old.txt"]

@@ -869,6 +869,8 @@ def test_bad_rows_are_listed_up_to_twenty_and_kept_up_to_a_hundred(checkpoint, t
     assert caught.value.message.endswith(
         f"{data}:23: column 'user': 'x' is not an integer ID\n  ... and 85 more"
     )
+    # Nothing is left of the predictions files the failed runs had started.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.csv"]
     capsys.readouterr()
 
     base["batch_size"] = 2  # the first chunk is the good rows, every later one bad rows
