@@ -551,3 +551,30 @@ def test_the_http_timeout_parameter_is_in_whole_microseconds_at_least_one(timeou
     body, headers = codec.encode_http_infer({"x": np.zeros(1, np.float32)}, timeout=None)
     header = json.loads(body[: int(headers[codec.HEADER_LENGTH])])
     assert header["parameters"] == {"binary_data_output": True}
+
+
+def test_answers_without_outputs_or_not_an_object_say_so():
+    with pytest.raises(RecserveError, match=r"^the server answered without outputs$"):
+        codec.decode_http_infer(b'{"outputs": []}', None)
+    with pytest.raises(RecserveError, match=r"^the server's answer is not a JSON object$"):
+        codec.decode_http_infer(b"[1, 2]", None)
+
+
+def test_model_metadata_versions_are_strings():
+    info = codec.model_info_from_json(
+        {"name": "m", "versions": [3, "v4"], "inputs": [{"name": "x", "datatype": "FP32"}]}
+    )
+    assert info.versions == ("3", "v4")
+    assert info.inputs[0].shape == ()
+
+
+def test_rows_may_hold_numpy_values_and_integer_keys_but_not_arbitrary_objects():
+    body = codec.encode_rows([{"a": np.int64(3), "b": np.array([1.5, 2.0]), 7: "x"}])
+    assert body == b'{"instances":[{"a":3,"b":[1.5,2.0],"7":"x"}]}'
+    with pytest.raises(InvalidArgumentError, match="rows are not JSON-serializable"):
+        codec.encode_rows([{"a": object()}])
+
+
+def test_url_schemes_are_case_insensitive():
+    assert parse_url("HTTP://h:1/") == parse_url("http://h:1")
+    assert parse_url("GRPC://h:2").protocol == "grpc"
