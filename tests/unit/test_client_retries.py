@@ -1027,3 +1027,11 @@ def test_eval_server_scorer_retries_503_with_doubling_waits_and_nothing_else(
     with pytest.raises(InvalidArgumentError, match="scripted 400"):
         scorer(server.url, 3)._call("POST", "/v2/models/m/infer", b"{}")
     assert server.requests == 1 and waits == []
+
+
+@pytest.mark.parametrize("backoff", [(1.0,), (0.1, 0.2, 0.3), "ab", None, ("a", "b"), True])
+def test_a_backoff_that_is_no_duration_or_pair_is_an_invalid_argument(backoff):
+    """As for ``timeout``: a bad ``backoff`` is an InvalidArgumentError naming it (it used to
+    be a raw "not enough values to unpack" ValueError, or a TypeError)."""
+    with pytest.raises(InvalidArgumentError, match=r"backoff must be seconds or \(min, max\)"):
+        RecserveClient("http://127.0.0.1:9", model_name="m", backoff=backoff)
