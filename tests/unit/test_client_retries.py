@@ -1035,3 +1035,15 @@ def test_a_backoff_that_is_no_duration_or_pair_is_an_invalid_argument(backoff):
     be a raw "not enough values to unpack" ValueError, or a TypeError)."""
     with pytest.raises(InvalidArgumentError, match=r"backoff must be seconds or \(min, max\)"):
         RecserveClient("http://127.0.0.1:9", model_name="m", backoff=backoff)
+
+
+@pytest.mark.parametrize("retries", ["3", 1.5, None, True])
+def test_retries_that_are_no_integer_are_an_invalid_argument(retries):
+    with pytest.raises(InvalidArgumentError, match=f"retries must be an integer, got {retries!r}"):
+        RecserveClient("http://127.0.0.1:9", model_name="m", retries=retries)
+
+
+def test_retries_may_be_a_numpy_integer():
+    client = RecserveClient("http://127.0.0.1:9", model_name="m", retries=np.int64(2))
+    assert client.policy.retries == 2
+    client.close()
