@@ -1047,3 +1047,25 @@ def test_retries_may_be_a_numpy_integer():
     client = RecserveClient("http://127.0.0.1:9", model_name="m", retries=np.int64(2))
     assert client.policy.retries == 2
     client.close()
+
+
+def test_async_grpc_client_takes_a_new_loop_once_the_first_closed_with_a_call_pending(fake_grpc):
+    """A loop closed with a call still pending on it will never run it: the call is lost,
+    and a new loop may take over the client (only a loop that may still run is guarded)."""
+    server = fake_grpc(delay=0.5)
+    client = AsyncRecserveClient(server.url, model_name="m", retries=0, **FAST)
+    loop = asyncio.new_event_loop()
+    pending = loop.create_task(client.predict(_batch()))
+    loop.run_until_complete(asyncio.sleep(0))  # the call starts; the loop stops
+    assert client._transport._in_flight == 1
+    loop.close()
+    server.delay = 0.0
+
+    async def again():
+        try:
+            return await client.predict(_batch())
+        finally:
+            await client.close()
+
+    assert asyncio.run(again()).predictions.ravel().tolist() == [0.5, 0.75]
+    del pending
