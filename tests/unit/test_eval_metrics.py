@@ -316,3 +316,26 @@ def test_atomic_outputs_leave_nothing_behind_when_they_fail(tmp_path):
         raise RuntimeError("boom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
     assert [p.name for p in report.iterdir()] == ["old.txt"]
+
+
+def test_summary_numbers_and_sections():
+    assert [eval_report._fmt(v) for v in (None, 0.5, math.inf, math.nan, 3)] == [
+        "n/a",
+        "0.500000",
+        "inf",
+        "nan",
+        "3",
+    ]
+    report = {
+        "created_at": "now",
+        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
+        "data": ["a.csv"],
+        "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
+        **eval_report.metrics(np.array([0.0, 1.0]), np.array([0.25, 0.75])),
+        "bad_rows": [],
+        "compare": None,
+    }
+    text = eval_report.summary_markdown(report)
+    assert "| AUC | 1.000000 |" in text and "| log loss | " in text
+    assert "skipped rows (first ones)" not in text and "parity" not in text
+    assert "unknown-ID ratio" not in text
