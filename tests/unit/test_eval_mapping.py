@@ -613,3 +613,68 @@ def test_a_label_column_given_on_the_command_line_keeps_the_mappings_values(tmp_
     assert _label_of(EvalOptions(**base, label="target", no_label=True), mapping) is None
     assert _label_of(EvalOptions(**base), mapping) == mapping.label
     assert _label_of(EvalOptions(**base, label="y"), GENERIC) == LabelMapping("y")
+
+
+def test_null_values_mean_no_ids_for_a_multi_id_feature_and_are_bad_elsewhere():
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    rows = [
+        {"user_name": "a", "tag_list": None, "x": "1", "y": "0"},
+        {"user_name": "a", "tag_list": "1", "x": None, "y": "0"},
+    ]
+    batch, bad = encoder.encode(rows)
+    assert batch.id_type_features[1].to_lists() == [[]]
+    assert dict(bad) == {1: "column 'x' is empty (null)"}
+
+
+def test_a_missing_single_dense_column_names_the_feature():
+    mapping = FeatureMapping(non_id_features={"age": NonIdFeatureMapping(["age_years"])})
+    signature = FeatureSignature((), (NonIdFeatureSpec("age", "float32", (1,)),))
+    batch, bad = GenericEncoder(mapping, signature, "m.yml").encode([{"other": 1}])
+    assert batch is None
+    assert bad == [(0, "missing column 'age_years' (non-ID feature 'age' is read from it)")]
+
+
+def _one_id_batch(rows: list[dict]) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID.from_ids("n", [int(row["n"]) for row in rows])],
+        requires_grad=False,
+    )
+
+
+def test_preprocessor_results_are_checked_and_failures_become_reasons():
+    """A preprocessor that returns no Batch, or another number of samples, fails every row
+    with that reason; a KeyError reads "missing column", an empty message the error's type,
+    and a leading "row N:" is dropped. When no row is good, no batch is built."""
+
+    def not_a_batch(rows):
+        return [1] * len(rows)
+
+    def one_too_many(rows):
+        return _one_id_batch([*rows, {"n": 0}])
+
+    def failing(rows):
+        if rows[0]["n"] == "k":
+            raise KeyError("age")
+        if rows[0]["n"] == "v":
+            raise ValueError()
+        if rows[0]["n"] == "r":
+            raise ValueError("row 3: bad age")
+        return _one_id_batch(rows)
+
+    rows = [{"n": "1"}, {"n": "2"}]
+    assert PreprocessorEncoder(not_a_batch).encode(rows) == (
+        None,
+        [
+            (0, "the preprocessor returned list, not a Batch"),
+            (1, "the preprocessor returned list, not a Batch"),
+        ],
+    )
+    assert PreprocessorEncoder(one_too_many).encode(rows[:1]) == (
+        None,
+        [(0, "the preprocessor returned 2 samples for 1 rows")],
+    )
+    batch, bad = PreprocessorEncoder(failing).encode(
+        [{"n": "k"}, {"n": "5"}, {"n": "v"}, {"n": "r"}]
+    )
+    assert batch.id_type_features[0].values.tolist() == [5]
+    assert bad == [(0, "missing column 'age'"), (2, "ValueError"), (3, "bad age")]
