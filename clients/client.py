@@ -125,11 +125,23 @@ def rows_need_http(url: str) -> InvalidArgumentError:
     )
 
 
-def _resolve_backoff(backoff: float | tuple[float, float]) -> tuple[float, float]:
-    if isinstance(backoff, (int, float)):
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _resolve_backoff(backoff: object) -> tuple[float, float]:
+    """``backoff`` seconds (the minimum; the maximum is the default's, or that if larger) or
+    a ``(min, max)`` pair; InvalidArgumentError naming anything else (the range itself is
+    checked by :class:`RetryPolicy`)."""
+    if _is_seconds(backoff):
         return float(backoff), max(float(backoff), DEFAULT_BACKOFF[1])
-    low, high = backoff
-    return float(low), float(high)
+    if (
+        isinstance(backoff, (tuple, list))
+        and len(backoff) == 2
+        and all(_is_seconds(value) for value in backoff)
+    ):
+        return float(backoff[0]), float(backoff[1])
+    raise InvalidArgumentError(f"backoff must be seconds or (min, max) seconds, got {backoff!r}")
 
 
 class _ClientBase:

@@ -1024,6 +1024,8 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError(f"--bad-rows must be skip or fail, got {o.bad_rows!r}")
     if o.batch_size <= 0:
         raise InvalidArgumentError(f"--batch-size must be > 0, got {o.batch_size}")
+    if o.calibration_bins <= 0:
+        raise InvalidArgumentError(f"--calibration-bins must be > 0, got {o.calibration_bins}")
     if not (0 < o.timeout <= MAX_TIMEOUT_SECONDS):  # NaN too
         raise InvalidArgumentError(
             f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECONDS:.0f}], "

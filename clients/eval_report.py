@@ -99,6 +99,8 @@ def calibration(labels: np.ndarray, probabilities: np.ndarray, bins: int = 10) -
     Each bin: bounds, count, mean predicted probability, observed positive rate (labels > 0.5;
     soft labels are averaged as they are). ECE = sum over bins of count/n * |mean - rate|.
     """
+    if bins < 1:
+        raise InvalidArgumentError(f"calibration needs at least one bin, got {bins}")
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     p = np.asarray(probabilities, dtype=np.float64).reshape(-1)
     index = np.clip((p * bins).astype(np.int64), 0, bins - 1)

@@ -7,6 +7,7 @@ a timeout (the server may still be working on the request).
 
 from __future__ import annotations
 
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ class RetryPolicy:
     backoff_max: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.retries, bool) or not isinstance(self.retries, numbers.Integral):
+            raise InvalidArgumentError(f"retries must be an integer, got {self.retries!r}")
+        object.__setattr__(self, "retries", int(self.retries))
         if self.retries < 0:
             raise InvalidArgumentError(f"retries must be >= 0, got {self.retries}")
         if not 0 <= self.backoff_min <= self.backoff_max:

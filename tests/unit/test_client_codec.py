@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +347,8 @@ def test_exhausted_keeps_the_class_and_counts_attempts():
     error = exhausted(RetryableError(UnavailableError("server x: busy")), 4)
     assert type(error) is UnavailableError
     assert error.message == "server x: busy (gave up after 4 attempts)"
+    single = UnavailableError("server x: busy")
+    assert exhausted(RetryableError(single), 1) is single  # one attempt: nothing to add
 
 
 # --------------------------------------------------------------------------- predict files
@@ -453,3 +456,125 @@ def test_malformed_grpc_and_rows_answers_are_recserve_errors():
         codec.decode_grpc_infer(response)
     with pytest.raises(RecserveError, match="malformed"):
         codec.decode_rows_response(b'{"predictions":[[1],[1,2]]}')
+
+
+# --------------------------------------------------------------------------- exact wire details
+# (each found unchecked by mutation testing)
+def test_error_messages_of_odd_bodies_and_missing_details():
+    server = "http://h:1"
+    assert codec.http_error(server, 503, b"").message == (
+        "server http://h:1 answered HTTP 503: (no message)"
+    )
+    # A JSON error that is not a string: the body is quoted as text.
+    assert codec.http_error(server, 400, b'{"error": 3}').message == (
+        'server http://h:1 answered HTTP 400: {"error": 3}'
+    )
+    # A long text body is cut to its first 200 bytes.
+    long_body = b"x" * 150 + b"y" * 150
+    assert codec.http_error(server, 404, long_body).message == (
+        "server http://h:1 answered HTTP 404: " + "x" * 150 + "y" * 50
+    )
+    assert codec.grpc_error("grpc://h:1", "INTERNAL", None).message == (
+        "server grpc://h:1 answered gRPC INTERNAL: (no details)"
+    )
+
+
+def test_big_endian_arrays_are_sent_little_endian():
+    """The binary tensor extension and raw_input_contents are little-endian whatever the
+    array's byte order; a big-endian array keeps its KServe datatype."""
+    array = np.array([1, 2], dtype=">i4")
+    assert codec.datatype_of(array) == "INT32"
+    body, headers = codec.encode_http_infer({"x": array})
+    assert body[int(headers[codec.HEADER_LENGTH]) :] == b"\x01\0\0\0\x02\0\0\0"
+    request = codec.encode_grpc_infer("m", {"x": array})
+    assert request.raw_input_contents[0] == b"\x01\0\0\0\x02\0\0\0"
+    assert request.inputs[0].datatype == "INT32"
+
+
+def test_batch_to_tensors_sends_dense_features_as_fp32():
+    batch = Batch(
+        [IDTypeFeatureWithSingleID.from_ids("item", [7, 8])],
+        [NonIDTypeFeature(np.array([[0.5], [1.5]], dtype=np.float64), "dense")],
+        requires_grad=False,
+    )
+    dense = codec.batch_to_tensors(batch)["dense"]
+    assert dense.dtype == np.float32 and dense.tolist() == [[0.5], [1.5]]
+
+
+def test_check_tensors_takes_the_lowest_int64_and_refuses_empty_names():
+    checked = codec.check_tensors({"x": [-(2**63), 1]})
+    assert checked["x"].dtype == np.int64 and checked["x"].tolist() == [-(2**63), 1]
+    with pytest.raises(InvalidArgumentError, match="fits neither INT64 nor UINT64"):
+        codec.check_tensors({"x": [-(2**63) - 1]})
+    # The lowest INT64 with one >= 2**63: a mix no type holds, not an integer out of range.
+    with pytest.raises(
+        InvalidArgumentError, match=r"mixes negative integers \(-9223372036854775808\)"
+    ):
+        codec.check_tensors({"x": [-(2**63), 2**63]})
+    with pytest.raises(InvalidArgumentError, match="tensor names must be non-empty strings"):
+        codec.check_tensors({"": np.zeros(1)})
+
+
+def test_json_output_data_must_fit_its_shape():
+    body = b'{"outputs":[{"name":"p","datatype":"FP32","shape":[2,1],"data":[1,2,3]}]}'
+    with pytest.raises(RecserveError, match=r"output 'p': data does not fit shape \[2, 1\]"):
+        codec.decode_http_infer(body, None)
+
+
+def test_the_prediction_output_is_chosen_among_several_binary_outputs():
+    """Outputs follow each other in the body at their binary_data_size; the result is the
+    one named "prediction", wherever it comes."""
+    first = np.array([7, 8, 9], dtype="<i8").tobytes()
+    second = np.array([0.25, 0.75], dtype="<f4").tobytes()
+    header = (
+        b'{"outputs":['
+        b'{"name":"extra","datatype":"INT64","shape":[3],"parameters":{"binary_data_size":24}},'
+        b'{"name":"prediction","datatype":"FP32","shape":[2],"parameters":{"binary_data_size":8}}'
+        b'],"parameters":{"fallback_ids":4}}'
+    )
+    result = codec.decode_http_infer(header + first + second, str(len(header)))
+    assert result.predictions.tolist() == [[0.25], [0.75]]
+    assert (result.fallback_ids, result.unknown_ids) == (4, 0)
+
+
+def test_a_negative_header_length_is_refused():
+    body = b'{"outputs":[{"name":"p","datatype":"FP32","shape":[1],"data":[0.5]}]}'
+    with pytest.raises(RecserveError, match="bad Inference-Header-Content-Length '-1'"):
+        codec.decode_http_infer(body, "-1")
+
+
+@pytest.mark.parametrize(("timeout", "microseconds"), [(0.5, 500_000), (1e-7, 1), (2.0, 2_000_000)])
+def test_the_http_timeout_parameter_is_in_whole_microseconds_at_least_one(timeout, microseconds):
+    body, headers = codec.encode_http_infer({"x": np.zeros(1, np.float32)}, timeout=timeout)
+    header = json.loads(body[: int(headers[codec.HEADER_LENGTH])])
+    assert header["parameters"] == {"binary_data_output": True, "timeout": microseconds}
+    body, headers = codec.encode_http_infer({"x": np.zeros(1, np.float32)}, timeout=None)
+    header = json.loads(body[: int(headers[codec.HEADER_LENGTH])])
+    assert header["parameters"] == {"binary_data_output": True}
+
+
+def test_answers_without_outputs_or_not_an_object_say_so():
+    with pytest.raises(RecserveError, match=r"^the server answered without outputs$"):
+        codec.decode_http_infer(b'{"outputs": []}', None)
+    with pytest.raises(RecserveError, match=r"^the server's answer is not a JSON object$"):
+        codec.decode_http_infer(b"[1, 2]", None)
+
+
+def test_model_metadata_versions_are_strings():
+    info = codec.model_info_from_json(
+        {"name": "m", "versions": [3, "v4"], "inputs": [{"name": "x", "datatype": "FP32"}]}
+    )
+    assert info.versions == ("3", "v4")
+    assert info.inputs[0].shape == ()
+
+
+def test_rows_may_hold_numpy_values_and_integer_keys_but_not_arbitrary_objects():
+    body = codec.encode_rows([{"a": np.int64(3), "b": np.array([1.5, 2.0]), 7: "x"}])
+    assert body == b'{"instances":[{"a":3,"b":[1.5,2.0],"7":"x"}]}'
+    with pytest.raises(InvalidArgumentError, match="rows are not JSON-serializable"):
+        codec.encode_rows([{"a": object()}])
+
+
+def test_url_schemes_are_case_insensitive():
+    assert parse_url("HTTP://h:1/") == parse_url("http://h:1")
+    assert parse_url("GRPC://h:2").protocol == "grpc"

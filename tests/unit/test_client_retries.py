@@ -11,6 +11,7 @@ import errno
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -62,6 +63,7 @@ class FakeHttp:
         self.script = list(script or [])
         self.requests = 0
         self.health_status = 200
+        self.paths: list[str] = []  # of the GETs, as sent
         self.lock = threading.Lock()
         fake = self
 
@@ -80,6 +82,7 @@ class FakeHttp:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                fake.paths.append(self.path)
                 if fake.health_status == 200:
                     self._send(200, {"ready": True})
                 else:
@@ -155,7 +158,9 @@ def test_http_health_false_is_400_as_the_spec_says_or_503(fake_http, status):
         assert client.model_ready() is False
 
 
-@pytest.mark.parametrize(("status", "error"), [(404, NotFoundError), (500, RecserveError)])
+@pytest.mark.parametrize(
+    ("status", "error"), [(202, RecserveError), (404, NotFoundError), (500, RecserveError)]
+)
 def test_http_health_answers_other_than_true_or_false_raise(fake_http, status, error):
     server = fake_http()
     server.health_status = status
@@ -615,3 +620,452 @@ def test_async_retries_wait_the_policys_delay_of_each_attempt(fake_http, monkeyp
     # Attempt k waits uniform(c / 2, c) with c = min(max, min * 2**k): [0.5, 1], then [1, 2].
     assert len(waits) == 2
     assert 0.5 <= waits[0] <= 1.0 and 1.0 <= waits[1] <= 2.0
+
+
+# --------------------------------------------------------------------------- scripted transports
+class ScriptedTransport:
+    """Stands in for a client's backend: each call takes the next scripted outcome (an
+    exception is raised, anything else returned) and is recorded with its arguments."""
+
+    def __init__(self, outcomes: list[object]) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.closed = 0
+
+    def _next(self, method: str, *args: object) -> object:
+        self.calls.append((method, args))
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def live(self, timeout: float | None) -> object:
+        return self._next("live", timeout)
+
+    def ready(self, timeout: float | None) -> object:
+        return self._next("ready", timeout)
+
+    def model_ready(self, model: str, timeout: float | None) -> object:
+        return self._next("model_ready", model, timeout)
+
+    def metadata(self, model: str, timeout: float | None) -> object:
+        return self._next("metadata", model, timeout)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class AsyncScriptedTransport(ScriptedTransport):
+    async def live(self, timeout: float | None) -> object:
+        return self._next("live", timeout)
+
+    async def ready(self, timeout: float | None) -> object:
+        return self._next("ready", timeout)
+
+    async def model_ready(self, model: str, timeout: float | None) -> object:
+        return self._next("model_ready", model, timeout)
+
+    async def metadata(self, model: str, timeout: float | None) -> object:
+        return self._next("metadata", model, timeout)
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+def _scripted_client(transport: ScriptedTransport, **options: object) -> RecserveClient:
+    """A client (nothing listens on its URL) whose calls go to ``transport``."""
+    options = {"backoff": (0.0, 0.0), **options}
+    client = RecserveClient("http://127.0.0.1:9", model_name="m", **options)
+    client._transport.close()
+    client._transport = transport
+    return client
+
+
+def _scripted_async_client(
+    transport: AsyncScriptedTransport, **options: object
+) -> AsyncRecserveClient:
+    options = {"backoff": (0.0, 0.0), **options}
+    client = AsyncRecserveClient("http://127.0.0.1:9", model_name="m", **options)
+    client._transport.sync.close()
+    client._transport = transport
+    return client
+
+
+def _health_outcomes() -> list[object]:
+    from clients.retry import RetryableError
+
+    return [
+        RetryableError(UnavailableError("refused")),
+        UnavailableError("cannot connect"),
+        DeadlineExceededError("too slow"),
+        NotFoundError("no such model"),
+    ]
+
+
+def test_health_is_false_when_the_server_is_unreachable_or_slow_and_raises_otherwise():
+    """live/ready/model_ready: unreachable (retryable or not) and timed out read False; any
+    other error (an unknown model) raises; nothing is retried."""
+    transport = ScriptedTransport(_health_outcomes())
+    client = _scripted_client(transport, retries=3)
+    assert [client.live(), client.ready(), client.model_ready()] == [False, False, False]
+    with pytest.raises(NotFoundError, match="no such model"):
+        client.model_ready(timeout=2.0)
+    assert [call[0] for call in transport.calls] == ["live", "ready", "model_ready", "model_ready"]
+    assert transport.calls[-1] == ("model_ready", ("m", 2.0))
+
+
+def test_async_health_is_false_when_the_server_is_unreachable_or_slow_and_raises_otherwise():
+    transport = AsyncScriptedTransport(_health_outcomes())
+    client = _scripted_async_client(transport, retries=3)
+
+    async def main() -> list[bool]:
+        flags = [await client.live(), await client.ready(), await client.model_ready()]
+        with pytest.raises(NotFoundError, match="no such model"):
+            await client.model_ready(timeout=2.0)
+        return flags
+
+    assert asyncio.run(main()) == [False, False, False]
+    assert len(transport.calls) == 4
+
+
+def test_one_failed_attempt_is_raised_as_it_is_and_more_say_how_many():
+    """With retries=0 the error is the transport's own (no "gave up" suffix); after retries
+    it names the number of attempts, sync and async alike."""
+    from clients.retry import RetryableError
+
+    def outcomes() -> list[object]:
+        return [RetryableError(UnavailableError("busy")) for _ in range(3)]
+
+    with pytest.raises(UnavailableError) as caught:
+        _scripted_client(ScriptedTransport(outcomes()), retries=0).metadata()
+    assert caught.value.message == "busy"
+    with pytest.raises(UnavailableError) as caught:
+        _scripted_client(ScriptedTransport(outcomes()), retries=2).metadata()
+    assert caught.value.message == "busy (gave up after 3 attempts)"
+
+    async def exhaust(retries: int) -> None:
+        await _scripted_async_client(AsyncScriptedTransport(outcomes()), retries=retries).metadata()
+
+    with pytest.raises(UnavailableError) as caught:
+        asyncio.run(exhaust(0))
+    assert caught.value.message == "busy"
+    with pytest.raises(UnavailableError) as caught:
+        asyncio.run(exhaust(2))
+    assert caught.value.message == "busy (gave up after 3 attempts)"
+
+
+class FakeClock:
+    """``time.monotonic`` and ``sleep`` on a clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(monkeypatch):
+    """Each poll's timeout is the time left, at most 1 s and at least 0.01 s; a poll is made
+    at the deadline itself, none after it; True as soon as a poll says so."""
+    clock = FakeClock()
+    monkeypatch.setattr("clients.client.time", clock)
+    transport = ScriptedTransport([False] * 6)
+    client = _scripted_client(transport)
+    assert client.wait_until_ready(2.5, interval=0.5) is False
+    # Polls at 100, 100.5, ..., 102.5 (the deadline): time left 2.5, 2, 1.5, 1, 0.5, 0.
+    assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
+    assert clock.slept == [0.5] * 5
+
+    transport = ScriptedTransport([False, False, True])
+    client = _scripted_client(transport)
+    assert client.wait_until_ready(10.0, interval=0.5) is True
+    assert len(transport.calls) == 3
+
+
+def test_async_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(monkeypatch):
+    clock = FakeClock()
+
+    async def fake_sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+
+    monkeypatch.setattr("clients.aio.time", clock)
+    monkeypatch.setattr("clients.aio.asyncio.sleep", fake_sleep)
+    transport = AsyncScriptedTransport([False] * 6)
+    client = _scripted_async_client(transport)
+    assert asyncio.run(client.wait_until_ready(2.5, interval=0.5)) is False
+    assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
+    assert clock.slept == [0.5] * 5
+
+
+def test_close_releases_the_transport_once():
+    transport = ScriptedTransport([])
+    client = _scripted_client(transport)
+    with client:
+        pass
+    client.close()
+    assert transport.closed == 1
+
+    async_transport = AsyncScriptedTransport([])
+    async_client = _scripted_async_client(async_transport)
+
+    async def close_twice() -> None:
+        async with async_client:
+            pass
+        await async_client.close()
+
+    asyncio.run(close_twice())
+    assert async_transport.closed == 1
+
+
+def test_async_http_close_shuts_its_thread_pool_down():
+    async def main() -> AsyncRecserveClient:
+        client = AsyncRecserveClient("http://127.0.0.1:9", model_name="m")
+        await client.close()
+        return client
+
+    client = asyncio.run(main())
+    with pytest.raises(RuntimeError, match="shutdown"):
+        client._transport._executor.submit(int)
+
+
+def test_a_scalar_backoff_is_the_minimum_and_the_default_maximum_or_itself():
+    from clients.retry import RetryPolicy
+
+    assert _scripted_client(ScriptedTransport([]), backoff=0.2).policy == RetryPolicy(3, 0.2, 1.0)
+    assert _scripted_client(ScriptedTransport([]), backoff=3).policy == RetryPolicy(3, 3.0, 3.0)
+
+
+@pytest.mark.parametrize("model_name", ["", None, 3])
+def test_model_name_must_be_a_non_empty_string(model_name):
+    with pytest.raises(InvalidArgumentError, match="model_name must be a non-empty string"):
+        RecserveClient("http://127.0.0.1:9", model_name=model_name)
+
+
+@pytest.mark.parametrize("rows", [[], ()])
+def test_predict_of_no_rows_is_an_invalid_argument(rows):
+    with (
+        RecserveClient("http://127.0.0.1:9", model_name="m") as client,
+        pytest.raises(InvalidArgumentError, match=r"predict\(\) got no rows"),
+    ):
+        client.predict(rows)
+
+
+@pytest.mark.parametrize("data", [[1, 2], [{"a": 1}, "b"], ("row",)])
+def test_predict_of_a_list_that_is_not_dict_rows_is_a_type_error(data):
+    """Only an empty list is "no rows"; a list of anything but dicts is the wrong type."""
+    with (
+        RecserveClient("http://127.0.0.1:9", model_name="m") as client,
+        pytest.raises(TypeError, match="takes a Batch or a list of dict rows, got"),
+    ):
+        client.predict(data)
+
+
+def test_http_model_names_are_quoted_into_one_path_segment(fake_http):
+    server = fake_http()
+    with RecserveClient(server.url, model_name="a/b c", retries=0) as client:
+        assert client.model_ready() is True
+    assert server.paths == ["/v2/models/a%2Fb%20c/ready"]
+
+
+def test_http_close_drops_the_pooled_connections(fake_http):
+    server = fake_http()
+    client = RecserveClient(server.url, model_name="m", retries=0)
+    assert client.live() is True
+    pool = client._transport._pool
+    assert len(pool.pools) == 1
+    client.close()
+    assert len(pool.pools) == 0
+
+
+def test_connect_failures_are_found_along_the_exception_chain():
+    """A refusal or a reset while connecting is recognized in the error itself, its cause,
+    its context, by errno, or by the text of the error; anything else is no connect failure
+    (and a chain that loops back on itself ends)."""
+    import errno as errno_codes
+
+    from clients._http import _connect_failure
+
+    refused, reset = "refused the connection", "reset the connection while connecting"
+    by_context = RuntimeError("wrapped")
+    by_context.__context__ = ConnectionRefusedError()
+    assert _connect_failure(by_context) == refused
+    by_cause = RuntimeError("wrapped")
+    by_cause.__cause__ = BrokenPipeError()
+    assert _connect_failure(by_cause) == reset
+
+    class SocketError(OSError):
+        """An OSError subclass: unlike OSError itself, not remapped by errno."""
+
+    assert _connect_failure(SocketError(errno_codes.ECONNREFUSED, "no")) == refused
+    assert _connect_failure(SocketError(errno_codes.ECONNRESET, "no")) == reset
+    assert _connect_failure(SocketError(errno_codes.EPIPE, "no")) == reset
+    assert _connect_failure(RuntimeError("[Errno 111] Connection refused")) == refused
+    assert _connect_failure(RuntimeError("Connection reset by peer")) == reset
+    assert _connect_failure(RuntimeError("Broken pipe")) == reset
+    looping = RuntimeError("name resolution failed")
+    looping.__context__ = looping
+    assert _connect_failure(looping) is None
+
+
+class _FakeSocket:
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def settimeout(self, seconds: float) -> None:
+        self.timeouts.append(seconds)
+
+
+class _FakeResponse:
+    """An urllib3 response that hands out ``chunks`` one read at a time."""
+
+    def __init__(self, chunks: list[bytes], clock: FakeClock, per_read: float) -> None:
+        self.chunks = list(chunks)
+        self.clock = clock
+        self.per_read = per_read
+        self.sock = _FakeSocket()
+        self.connection = type("Connection", (), {"sock": self.sock})()
+        self.released = 0
+        self.status = 200
+        self.headers: dict[str, str] = {}
+
+    def read1(self, size: int) -> bytes:
+        self.clock.now += self.per_read
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def read(self) -> bytes:
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        return data
+
+    def release_conn(self) -> None:
+        self.released += 1
+
+
+def test_http_reads_are_bounded_by_the_time_left_until_the_deadline(monkeypatch):
+    """Each read gets the time left as its socket timeout; once the deadline is reached
+    (exactly, too) the answer is abandoned as a timeout."""
+    from clients._http import _read_before
+
+    clock = FakeClock()
+    monkeypatch.setattr("clients._http.time", clock)
+    response = _FakeResponse([b"ab", b"cd"], clock, per_read=1.0)
+    assert _read_before(response, deadline=110.0) == b"abcd"
+    assert response.sock.timeouts == [10.0, 9.0, 8.0]
+
+    response = _FakeResponse([b"ab", b"cd", b"ef"], clock, per_read=1.0)
+    with pytest.raises(TimeoutError, match="deadline passed"):
+        _read_before(response, deadline=clock.now + 2.0)  # reached after the second read
+    assert response.sock.timeouts == [2.0, 1.0]
+
+
+def test_http_connections_go_back_to_the_pool_even_when_the_read_fails(monkeypatch):
+    from clients._http import HttpBackend
+
+    clock = FakeClock()
+    monkeypatch.setattr("clients._http.time", clock)
+    backend = HttpBackend("http://127.0.0.1:9")
+    responses = [
+        _FakeResponse([b'{"ready": true}'], clock, per_read=0.0),
+        _FakeResponse([b"slow"] * 5, clock, per_read=1.0),
+    ]
+    served = list(responses)
+    monkeypatch.setattr(backend._pool, "request", lambda *args, **kwargs: served.pop(0))
+    assert backend.live(timeout=None) is True
+    with pytest.raises(DeadlineExceededError, match=r"did not answer GET /v2/health/ready"):
+        backend.ready(timeout=2.0)
+    assert [response.released for response in responses] == [1, 1]
+    backend.close()
+
+
+def test_a_grpc_error_without_a_status_code_is_unknown_and_not_retried():
+    from clients._grpc import _failure
+    from clients.retry import RetryableError
+
+    error = _failure("grpc://h:1", grpc.RpcError("no code"))
+    assert not isinstance(error, RetryableError)
+    assert type(error) is RecserveError
+    assert error.message.startswith("server grpc://h:1 answered gRPC UNKNOWN: no code")
+
+
+def test_eval_server_scorer_retries_503_with_doubling_waits_and_nothing_else(
+    fake_http, monkeypatch
+):
+    """``recserve eval --url``: a 503 is retried (waits 0.2 s, 0.4 s, ...) up to ``retries``
+    times, then raised; a 400 is raised at once."""
+    from clients.eval import ServerScorer
+
+    waits: list[float] = []
+    # The module's own clock only: the fake server's threads sleep on the real one.
+    monkeypatch.setattr("clients.eval.time", types.SimpleNamespace(sleep=waits.append))
+
+    def scorer(url: str, retries: int) -> ServerScorer:
+        instance = object.__new__(ServerScorer)
+        instance.url, instance.timeout, instance.retries = url, 5.0, retries
+        return instance
+
+    server = fake_http([(503, 0.0), (503, 0.0)])
+    body, _ = scorer(server.url, 3)._call("POST", "/v2/models/m/infer", b"{}")
+    assert orjson.loads(body)["model_version"] == "v1"
+    assert server.requests == 3 and waits == [0.2, 0.4]
+
+    waits.clear()
+    server = fake_http([(503, 0.0)] * 3)
+    with pytest.raises(UnavailableError, match="scripted 503"):
+        scorer(server.url, 1)._call("POST", "/v2/models/m/infer", b"{}")
+    assert server.requests == 2 and waits == [0.2]
+
+    waits.clear()
+    server = fake_http([(400, 0.0)])
+    with pytest.raises(InvalidArgumentError, match="scripted 400"):
+        scorer(server.url, 3)._call("POST", "/v2/models/m/infer", b"{}")
+    assert server.requests == 1 and waits == []
+
+
+@pytest.mark.parametrize("backoff", [(1.0,), (0.1, 0.2, 0.3), "ab", None, ("a", "b"), True])
+def test_a_backoff_that_is_no_duration_or_pair_is_an_invalid_argument(backoff):
+    """As for ``timeout``: a bad ``backoff`` is an InvalidArgumentError naming it (it used to
+    be a raw "not enough values to unpack" ValueError, or a TypeError)."""
+    with pytest.raises(InvalidArgumentError, match=r"backoff must be seconds or \(min, max\)"):
+        RecserveClient("http://127.0.0.1:9", model_name="m", backoff=backoff)
+
+
+@pytest.mark.parametrize("retries", ["3", 1.5, None, True])
+def test_retries_that_are_no_integer_are_an_invalid_argument(retries):
+    with pytest.raises(InvalidArgumentError, match=f"retries must be an integer, got {retries!r}"):
+        RecserveClient("http://127.0.0.1:9", model_name="m", retries=retries)
+
+
+def test_retries_may_be_a_numpy_integer():
+    client = RecserveClient("http://127.0.0.1:9", model_name="m", retries=np.int64(2))
+    assert client.policy.retries == 2
+    client.close()
+
+
+def test_async_grpc_client_takes_a_new_loop_once_the_first_closed_with_a_call_pending(fake_grpc):
+    """A loop closed with a call still pending on it will never run it: the call is lost,
+    and a new loop may take over the client (only a loop that may still run is guarded)."""
+    server = fake_grpc(delay=0.5)
+    client = AsyncRecserveClient(server.url, model_name="m", retries=0, **FAST)
+    loop = asyncio.new_event_loop()
+    pending = loop.create_task(client.predict(_batch()))
+    loop.run_until_complete(asyncio.sleep(0))  # the call starts; the loop stops
+    assert client._transport._in_flight == 1
+    loop.close()
+    server.delay = 0.0
+
+    async def again():
+        try:
+            return await client.predict(_batch())
+        finally:
+            await client.close()
+
+    assert asyncio.run(again()).predictions.ravel().tolist() == [0.5, 0.75]
+    del pending

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +366,315 @@ def test_a_batch_the_server_finds_too_large_is_sent_in_smaller_chunks(stated_lim
     np.testing.assert_array_equal(scores.predictions, np.arange(5, dtype=np.float32))
     assert scores.model_version == "7"
     assert sent == sizes
+
+
+# --------------------------------------------------------------------------- found unchecked by
+# mutation testing
+def test_labels_zero_and_booleans_and_overlapping_label_values():
+    label = LabelMapping("y")
+    assert [label.parse(v) for v in ("0", 0, "1.0", True, False)] == [0.0, 0.0, 1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match=r"label column 'y': '-0\.1' is not in \[0, 1\]"):
+        label.parse("-0.1")
+    with pytest.raises(ConfigError, match=r"negative: values \['yes'\] are also positive"):
+        LabelMapping("y", positive=["yes", "y"], negative=["no", " yes."])
+
+
+def test_an_empty_separator_is_refused():
+    with pytest.raises(ConfigError, match="separator: must not be empty"):
+        IdFeatureMapping("tags", "int", "")
+
+
+def test_int_ids_must_be_whole_non_negative_numbers_not_booleans():
+    """An ``int`` ID column takes integers (or floats that are whole, as Parquet or a CSV
+    written by pandas may hold them); a bool, a fraction or a negative number is a bad row."""
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    batch, bad = encoder.encode(
+        [{"user": 7.0}, {"user": True}, {"user": 1.5}, {"user": -1}, {"user": " 9 "}]
+    )
+    assert batch.id_type_features[0].values.tolist() == [7, 9]
+    assert dict(bad) == {
+        1: "column 'user': True is not an integer ID",
+        2: "column 'user': 1.5 is not an integer ID",
+        3: "column 'user': ID -1 is outside [0, 2**64)",
+    }
+
+
+def test_a_single_id_feature_given_an_empty_list_is_a_bad_row():
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    batch, bad = GenericEncoder(mapping, signature, "m.yml").encode([{"user": []}, {"user": [3]}])
+    assert batch.id_type_features[0].values.tolist() == [3]
+    assert dict(bad) == {0: "column 'user': exactly one ID expected, got 0"}
+
+
+def test_metadata_lengths_inputs_and_integer_matrices():
+    """``X.lengths`` is the lengths of ID feature X only when X is an input too; an integer
+    input of rank 1 is an ID feature, of higher rank a dense one."""
+    metadata = {
+        "inputs": [
+            {"name": "orphan.lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "counts", "datatype": "INT64", "shape": [-1, 3]},
+        ]
+    }
+    assert signature_from_metadata(metadata) == FeatureSignature(
+        (IdFeatureSpec("orphan.lengths", True),),
+        (NonIdFeatureSpec("counts", "float32", (3,)),),
+    )
+
+
+def _scripted_scorer(limit: int, errors: list[Exception] | None = None):
+    """A ServerScorer whose server takes ``limit`` rows at most (a 400 stating it), answering
+    each row with its ID; ``errors`` are raised first, one per call."""
+    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+
+    scorer = object.__new__(ServerScorer)
+    scorer.protocol, scorer.max_batch_size = "v2", None
+    sent: list[int] = []
+    pending = list(errors or [])
+
+    def v2(batch):
+        size = batch.batch_size
+        sent.append(size)
+        if pending:
+            raise pending.pop(0)
+        if size > limit:
+            message = f"batch size {size} exceeds this server's max batch size {limit}"
+            raise _BatchTooLargeError(message, limit)
+        return Scores(batch.id_type_features[0].values.astype(np.float32), None, "7")
+
+    scorer._v2 = v2
+    return scorer, sent
+
+
+def _ids_batch(ids: list[int]) -> Batch:
+    return Batch([IDTypeFeatureWithSingleID.from_ids("n", ids)], requires_grad=False)
+
+
+def test_the_servers_batch_limit_is_kept_for_the_batches_that_follow():
+    scorer, sent = _scripted_scorer(limit=2)
+    scorer.score(_ids_batch([0, 1, 2]), [{}] * 3)
+    assert scorer.max_batch_size == 2 and sent == [3, 2, 1]
+    sent.clear()
+    scores = scorer.score(_ids_batch([5, 6, 7, 8, 9]), [{}] * 5)
+    assert sent == [2, 2, 1]  # no 5-row attempt: the limit is known
+    np.testing.assert_array_equal(scores.predictions, [5, 6, 7, 8, 9])
+
+
+def test_a_single_row_too_large_for_the_server_is_an_error_not_a_loop():
+    """One row cannot be split: a 400 over the batch limit, or a 413 (CapacityError), for a
+    one-row batch is raised as it is."""
+    from clients.eval import _BatchTooLargeError
+    from embedding_store.errors import CapacityError
+
+    scorer, sent = _scripted_scorer(limit=0)
+    with pytest.raises(_BatchTooLargeError, match="max batch size 0"):
+        scorer.score(_ids_batch([4]), [{}])
+    assert sent == [1]
+    scorer, sent = _scripted_scorer(limit=5, errors=[CapacityError("413: body too large")])
+    with pytest.raises(CapacityError, match="body too large"):
+        scorer.score(_ids_batch([4]), [{}])
+    assert sent == [1]
+    # A 413 for two rows halves the batch.
+    scorer, sent = _scripted_scorer(limit=5, errors=[CapacityError("413")])
+    scores = scorer.score(_ids_batch([4, 5]), [{}, {}])
+    assert sent == [2, 1, 1] and scores.predictions.tolist() == [4.0, 5.0]
+
+
+def test_friendly_chunks_send_each_chunks_own_rows():
+    """Over the friendly route the rows themselves are sent: a split batch sends each chunk
+    its own rows, in order."""
+    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+
+    scorer = object.__new__(ServerScorer)
+    scorer.protocol, scorer.max_batch_size = "friendly", None
+    sent: list[list[int]] = []
+
+    def friendly(rows):
+        sent.append([row["id"] for row in rows])
+        if len(rows) > 2:
+            raise _BatchTooLargeError("batch size 3 exceeds this server's max batch size 2", 2)
+        return Scores(np.array([row["id"] for row in rows], dtype=np.float32), None, "7")
+
+    scorer._friendly = friendly
+    scores = scorer.score(_ids_batch([1, 2, 3]), [{"id": 10}, {"id": 20}, {"id": 30}])
+    assert sent == [[10, 20, 30], [10, 20], [30]]
+    assert scores.predictions.tolist() == [10.0, 20.0, 30.0]
+
+
+# --------------------------------------------------------------------------- parity, counts and
+# options of run_eval, exact on small inputs
+def test_parity_counts_nan_as_different_and_keeps_the_worst_difference():
+    from clients.eval import SHOWN_DIFFERENCES, _Parity
+
+    parity = _Parity(0.01)
+    diff = parity.add(["a:1", "a:2", "a:3"], np.array([0.0, 1.0, 2.0]), np.array([0.5, 1, np.nan]))
+    np.testing.assert_array_equal(diff, [0.5, 0.0, np.nan])
+    assert (parity.rows, parity.differing, parity.max_diff) == (3, 2, math.inf)
+    assert parity.examples[0] == {"where": "a:1", "in_process": 0.0, "server": 0.5, "abs_diff": 0.5}
+    assert parity.examples[1]["where"] == "a:3"
+
+    parity = _Parity(0.01)
+    parity.add(["a:1"], np.array([0.0]), np.array([0.5]))
+    parity.add(["a:2"], np.array([1.0]), np.array([1.2]))  # a smaller worst: 0.5 stays
+    assert parity.max_diff == 0.5
+    many = 2 * SHOWN_DIFFERENCES
+    parity.add([f"b:{i}" for i in range(many)], np.zeros(many), np.ones(many))
+    assert len(parity.examples) == SHOWN_DIFFERENCES  # in all, over every chunk
+    assert [e["where"] for e in parity.examples[:3]] == ["a:1", "a:2", "b:0"]
+    summary = parity.summary()
+    assert (summary["rows"], summary["differing_rows"], summary["identical"]) == (
+        2 + many,
+        2 + many,
+        False,
+    )
+    assert parity.text().startswith(
+        f"parity FAILED: {2 + many} of {2 + many} rows differ by more than 0.01"
+    )
+
+
+def test_parity_text_names_an_output_transform_mismatch():
+    from clients.eval import _Parity
+
+    logits = np.array([-1.0, 0.0, 2.0])
+    probabilities = 1.0 / (1.0 + np.exp(-logits))
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2", "r:3"], logits, probabilities)
+    assert "every server prediction is the sigmoid of the in-process one" in parity.text()
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2", "r:3"], probabilities, logits)
+    assert "every in-process prediction is the sigmoid of the server's" in parity.text()
+    parity = _Parity(1e-6)
+    parity.add(["r:1", "r:2"], np.array([0.25, 0.5]), np.array([0.25, 0.5]))
+    assert parity.text() == (
+        "parity OK: 2 rows, in-process and server predictions agree within 1e-06 (max abs diff 0)"
+    )
+
+
+def test_positives_are_labels_above_one_half():
+    from clients.eval import _count
+
+    labels = np.array([0.5, 1.0, 0.0, 0.7])
+    assert (_count(labels, positive=True), _count(labels, positive=False)) == (2, 2)
+    assert _count(None, positive=True) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"batch_size": 0}, "--batch-size must be > 0, got 0"),
+        ({"timeout": 0.0}, r"--timeout must be a number of seconds in \(0, 1000000\], got 0"),
+        ({"timeout": 1e6 + 1}, r"--timeout must be a number of seconds in \(0, 1000000\]"),
+        ({"timeout": math.nan}, "--timeout must be a number of seconds"),
+        ({"report": "SAME"}, "--report and --out must differ"),
+        # The CLI's flag takes positive integers only; the Python API used to score every row,
+        # write the predictions and then fail with numpy's "'list' argument must have no
+        # negative elements".
+        ({"calibration_bins": 0}, "--calibration-bins must be > 0, got 0"),
+    ],
+)
+def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, message):
+    from clients.eval import EvalOptions, _check_options
+
+    data = tmp_path / "rows.csv"
+    data.write_text("a\n1\n")
+    out = tmp_path / "p.csv"
+    if changes.get("report") == "SAME":
+        changes = {"report": tmp_path / "." / "p.csv"}
+    options = EvalOptions(data=data, out=out, checkpoint=tmp_path, **changes)
+    with pytest.raises(InvalidArgumentError, match=message):
+        _check_options(options)
+    _check_options(EvalOptions(data=data, out=out, checkpoint=tmp_path, timeout=1e6))
+
+
+def test_a_server_answering_another_number_of_predictions_is_refused():
+    from clients.eval import ServerScorer
+
+    scorer = object.__new__(ServerScorer)
+    scorer.url, scorer.version = "http://h:1", "1"
+    with pytest.raises(InvalidArgumentError, match="http://h:1 returned 3 predictions for 2 rows"):
+        scorer._checked(np.zeros((3, 1)), 2, "2")
+    scores = scorer._checked(np.array([[0.25], [0.5]]), 2, "2")
+    assert scores.predictions.dtype == np.float32 and scores.predictions.tolist() == [0.25, 0.5]
+    assert scorer.version == "2"
+    scorer._checked(np.zeros(1), 1, None)
+    assert scorer.version == "2"  # an answer without a version keeps the last one
+
+
+def test_a_label_column_given_on_the_command_line_keeps_the_mappings_values(tmp_path):
+    from clients.eval import EvalOptions, _label_of
+
+    mapping = load_mapping(ADULT_MAPPING)
+    base = {"data": tmp_path / "x.csv", "out": tmp_path / "p.csv"}
+    label = _label_of(EvalOptions(**base, label="target"), mapping)
+    assert label == LabelMapping("target", mapping.label.positive, mapping.label.negative)
+    assert label.parse(">50K.") == 1.0
+    assert _label_of(EvalOptions(**base, label="target", no_label=True), mapping) is None
+    assert _label_of(EvalOptions(**base), mapping) == mapping.label
+    assert _label_of(EvalOptions(**base, label="y"), GENERIC) == LabelMapping("y")
+
+
+def test_null_values_mean_no_ids_for_a_multi_id_feature_and_are_bad_elsewhere():
+    encoder = GenericEncoder(GENERIC, SIGNATURE, "m.yml")
+    rows = [
+        {"user_name": "a", "tag_list": None, "x": "1", "y": "0"},
+        {"user_name": "a", "tag_list": "1", "x": None, "y": "0"},
+    ]
+    batch, bad = encoder.encode(rows)
+    assert batch.id_type_features[1].to_lists() == [[]]
+    assert dict(bad) == {1: "column 'x' is empty (null)"}
+
+
+def test_a_missing_single_dense_column_names_the_feature():
+    mapping = FeatureMapping(non_id_features={"age": NonIdFeatureMapping(["age_years"])})
+    signature = FeatureSignature((), (NonIdFeatureSpec("age", "float32", (1,)),))
+    batch, bad = GenericEncoder(mapping, signature, "m.yml").encode([{"other": 1}])
+    assert batch is None
+    assert bad == [(0, "missing column 'age_years' (non-ID feature 'age' is read from it)")]
+
+
+def _one_id_batch(rows: list[dict]) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID.from_ids("n", [int(row["n"]) for row in rows])],
+        requires_grad=False,
+    )
+
+
+def test_preprocessor_results_are_checked_and_failures_become_reasons():
+    """A preprocessor that returns no Batch, or another number of samples, fails every row
+    with that reason; a KeyError reads "missing column", an empty message the error's type,
+    and a leading "row N:" is dropped. When no row is good, no batch is built."""
+
+    def not_a_batch(rows):
+        return [1] * len(rows)
+
+    def one_too_many(rows):
+        return _one_id_batch([*rows, {"n": 0}])
+
+    def failing(rows):
+        if rows[0]["n"] == "k":
+            raise KeyError("age")
+        if rows[0]["n"] == "v":
+            raise ValueError()
+        if rows[0]["n"] == "r":
+            raise ValueError("row 3: bad age")
+        return _one_id_batch(rows)
+
+    rows = [{"n": "1"}, {"n": "2"}]
+    assert PreprocessorEncoder(not_a_batch).encode(rows) == (
+        None,
+        [
+            (0, "the preprocessor returned list, not a Batch"),
+            (1, "the preprocessor returned list, not a Batch"),
+        ],
+    )
+    assert PreprocessorEncoder(one_too_many).encode(rows[:1]) == (
+        None,
+        [(0, "the preprocessor returned 2 samples for 1 rows")],
+    )
+    batch, bad = PreprocessorEncoder(failing).encode(
+        [{"n": "k"}, {"n": "5"}, {"n": "v"}, {"n": "r"}]
+    )
+    assert batch.id_type_features[0].values.tolist() == [5]
+    assert bad == [(0, "missing column 'age'"), (2, "ValueError"), (3, "bad age")]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clients import eval_report
-from embedding_store.errors import AlreadyExistsError
+from embedding_store.errors import AlreadyExistsError, InvalidArgumentError
 from examples.adult_income.metrics import roc_auc as adult_roc_auc
 
 
@@ -146,3 +146,196 @@ def test_report_directory(tmp_path):
             overwrite=False,
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+# --------------------------------------------------------------------------- exact values on
+# small inputs, computed by hand (mutation testing found these behaviours unchecked)
+def test_auc_needs_a_positive_label_too():
+    """All-negative labels are refused like all-positive ones (not a 0/0 NaN)."""
+    with pytest.raises(ValueError, match="both positive and negative"):
+        eval_report.roc_auc(np.zeros(3), np.arange(3.0))
+
+
+def test_auc_refuses_labels_and_scores_of_different_lengths():
+    with pytest.raises(ValueError, match=r"labels \(3\) and scores \(4\) differ in length"):
+        eval_report.roc_auc(np.array([0.0, 1.0, 1.0]), np.arange(4.0))
+
+
+def test_roc_curve_exact_points_with_one_positive_or_one_negative():
+    # Descending scores 0.9 (pos), 0.8 (neg), 0.8 (neg), 0.1 (neg): the tied 0.8s are one
+    # point; with one positive every TPR is 0 or 1, with three negatives FPRs are thirds.
+    labels = np.array([0.0, 1.0, 0.0, 0.0])
+    scores = np.array([0.8, 0.9, 0.8, 0.1])
+    fpr, tpr = eval_report.roc_curve(labels, scores)
+    np.testing.assert_allclose(fpr, [0.0, 0.0, 2 / 3, 1.0])
+    np.testing.assert_allclose(tpr, [0.0, 1.0, 1.0, 1.0])
+    # One negative, two positives: FPRs are 0 or 1, TPRs halves.
+    fpr, tpr = eval_report.roc_curve(np.array([1.0, 0.0, 1.0]), np.array([0.9, 0.5, 0.2]))
+    np.testing.assert_allclose(fpr, [0.0, 0.0, 1.0, 1.0])
+    np.testing.assert_allclose(tpr, [0.0, 0.5, 0.5, 1.0])
+
+
+def test_log_loss_clips_certain_wrong_predictions_to_a_finite_loss():
+    """A prediction of exactly 1 for a negative (or 0 for a positive) costs -log(1e-15), not
+    inf: probabilities are clipped to [1e-15, 1 - 1e-15]."""
+    assert eval_report.log_loss(np.array([1.0]), np.array([0.0])) == pytest.approx(-math.log(1e-15))
+    # 1 - 1e-15 is not exact in binary: the clipped value's own complement is what counts.
+    assert eval_report.log_loss(np.array([0.0]), np.array([1.0])) == pytest.approx(
+        -math.log1p(-(1 - 1e-15))
+    )
+    assert math.isfinite(eval_report.log_loss(np.array([0.0]), np.array([1.0])))
+
+
+def test_calibration_bins_bounds_and_a_prediction_of_exactly_one():
+    """Bins are [b/n, (b+1)/n); a prediction of exactly 1.0 belongs to the last bin."""
+    labels = np.array([1.0, 0.0, 1.0])
+    probabilities = np.array([1.0, 0.25, 0.75])
+    calibration = eval_report.calibration(labels, probabilities, bins=4)
+    assert calibration["num_bins"] == 4
+    bounds = [(b["lower"], b["upper"]) for b in calibration["bins"]]
+    assert bounds == [(0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.0)]
+    assert [b["count"] for b in calibration["bins"]] == [0, 1, 0, 2]
+    last = calibration["bins"][3]
+    assert last["mean_prediction"] == pytest.approx(0.875) and last["positive_rate"] == 1.0
+    empty = calibration["bins"][0]
+    assert empty["mean_prediction"] is None and empty["positive_rate"] is None
+    # ECE = 1/3 * |0.25 - 0| + 2/3 * |0.875 - 1|
+    assert calibration["expected_calibration_error"] == pytest.approx(0.25 / 3 + 0.25 / 3)
+
+
+def test_metrics_take_predictions_of_exactly_zero_and_one_as_probabilities():
+    labels = np.array([0.0, 1.0])
+    m = eval_report.metrics(labels, np.array([0.0, 1.0]))
+    assert m["probability_note"] is None
+    assert m["log_loss"] == pytest.approx(-math.log1p(-1e-15))
+    assert m["calibration"]["expected_calibration_error"] == 0.0
+
+
+def test_metrics_rank_the_raw_scores_when_given_and_count_nan_predictions():
+    labels = np.array([0.0, 1.0, 1.0])
+    predictions = np.array([0.5, 0.5, 0.2])  # ranks: pos 0.5 ties, pos 0.2 loses: AUC 1/4
+    raw = np.array([-1.0, 2.0, 0.0])  # ranks both positives above the negative: AUC 1
+    m = eval_report.metrics(labels, predictions, raw)
+    assert m["auc"] == 1.0 and m["auc_note"] == "rank-based (exact), on the raw model output"
+    m = eval_report.metrics(labels, predictions)
+    assert m["auc"] == 0.25 and m["auc_note"] == "rank-based (exact), on the predictions"
+    assert m["predictions"] == {"mean": pytest.approx(0.4), "min": 0.2, "max": 0.5, "nan": 0}
+
+    m = eval_report.metrics(None, np.array([0.1, np.nan, np.nan]))
+    assert m["predictions"]["nan"] == 2
+    m = eval_report.metrics(labels, np.array([0.1, np.nan, 0.3]))
+    assert m["auc"] is None and m["auc_note"] == "scores contain NaN"
+    assert m["log_loss"] is None and m["probability_note"] is not None
+
+
+def test_report_overwrite_replaces_the_directory_and_leaves_no_old_copy(tmp_path):
+    labels = np.array([0.0, 1.0, 0.0, 1.0])
+    predictions = np.array([0.1, 0.8, 0.3, 0.6])
+    report = {
+        "created_at": "now",
+        "model": {"url": "http://h:1", "model_name": "m", "server_version": "7", "protocol": "v2"},
+        "data": ["a.csv"],
+        "counts": {"rows": 4, "positives": 2, "skipped_rows": 0},
+        **eval_report.metrics(labels, predictions),
+        "bad_rows": [],
+        "compare": None,
+    }
+    target = tmp_path / "report"
+    for _ in range(2):
+        eval_report.write_report(
+            target,
+            report,
+            labels=labels,
+            predictions=predictions,
+            ranking_scores=predictions,
+            all_bad_rows=[],
+            overwrite=True,
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+    names = sorted(p.name for p in target.iterdir())
+    assert names == ["calibration.png", "report.json", "roc.png", "summary.md"]
+    data = json.loads((target / "report.json").read_text())
+    assert data["files"] == ["report.json", "roc.png", "calibration.png", "summary.md"]
+    assert data["auc"] == 1.0
+
+
+def test_summary_lists_the_first_twenty_bad_rows_and_the_parity_verdict():
+    bad_rows = [f"a.csv:{line}: bad" for line in range(2, 32)]
+    report = {
+        "created_at": "now",
+        "model": {"url": "http://h:1", "model_name": "m", "server_version": "7", "protocol": "v2"},
+        "data": ["a.csv", "b.csv"],
+        "counts": {"rows": 4, "positives": None, "skipped_rows": 30},
+        **eval_report.metrics(None, np.array([0.5])),
+        "unknown_ids": {"ids": 8, "unknown": 2, "ratio": 0.25},
+        "bad_rows": bad_rows,
+        "compare": {
+            "identical": False,
+            "differing_rows": 1,
+            "rows": 4,
+            "tolerance": 1e-6,
+            "max_abs_diff": 0.5,
+        },
+    }
+    text = eval_report.summary_markdown(report)
+    listed = [line for line in text.splitlines() if line.startswith("- a.csv:")]
+    assert listed == [f"- {row}" for row in bad_rows[:20]]
+    assert "- model: server http://h:1 model m (version 7, v2 protocol)" in text
+    assert "- data: a.csv, b.csv" in text
+    assert "| positives | n/a |" in text and "| AUC | n/a |" in text
+    assert "| unknown-ID ratio | 0.250000 |" in text
+    assert "- DIFFERENT: 1 of 4 rows differ by more than 1e-06 (max abs diff 0.5)" in text
+    assert "- no labels" in text
+
+
+@pytest.mark.parametrize("bins", [0, -1])
+def test_calibration_needs_at_least_one_bin(bins):
+    with pytest.raises(
+        InvalidArgumentError, match=f"calibration needs at least one bin, got {bins}"
+    ):
+        eval_report.calibration(np.array([0.0, 1.0]), np.array([0.2, 0.9]), bins=bins)
+
+
+def test_atomic_outputs_leave_nothing_behind_when_they_fail(tmp_path):
+    target = tmp_path / "out.csv"
+    with (
+        pytest.raises(FileNotFoundError, match="was not written"),
+        eval_report.atomic_file(target, overwrite=False),
+    ):
+        pass  # the caller wrote nothing
+    assert list(tmp_path.iterdir()) == []
+
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "old.txt").write_text("old")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        eval_report.atomic_directory(report, overwrite=True) as staging,
+    ):
+        (staging / "new.txt").write_text("new")
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+    assert [p.name for p in report.iterdir()] == ["old.txt"]
+
+
+def test_summary_numbers_and_sections():
+    assert [eval_report._fmt(v) for v in (None, 0.5, math.inf, math.nan, 3)] == [
+        "n/a",
+        "0.500000",
+        "inf",
+        "nan",
+        "3",
+    ]
+    report = {
+        "created_at": "now",
+        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
+        "data": ["a.csv"],
+        "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
+        **eval_report.metrics(np.array([0.0, 1.0]), np.array([0.25, 0.75])),
+        "bad_rows": [],
+        "compare": None,
+    }
+    text = eval_report.summary_markdown(report)
+    assert "| AUC | 1.000000 |" in text and "| log loss | " in text
+    assert "skipped rows (first ones)" not in text and "parity" not in text
+    assert "unknown-ID ratio" not in text

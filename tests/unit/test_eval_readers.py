@@ -87,3 +87,90 @@ def test_errors_name_the_file(tmp_path):
     empty = tmp_path / "empty.csv"
     empty.write_text("")
     assert list(iter_chunks([empty], 10)) == []
+
+
+# --------------------------------------------------------------------------- edge cases found
+# unchecked by mutation testing
+def test_chunk_size_must_be_positive(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("a\n1\n")
+    with pytest.raises(InvalidArgumentError, match="chunk size must be > 0, got 0"):
+        list(iter_chunks([path], 0))
+
+
+def test_a_directory_is_named_as_such(tmp_path):
+    folder = tmp_path / "data.csv"
+    folder.mkdir()
+    with pytest.raises(InvalidArgumentError, match=r"data\.csv: is a directory, expected a data"):
+        list(iter_chunks([folder], 10))
+
+
+def test_header_names_are_stripped_and_must_not_be_blank(tmp_path):
+    spaced = tmp_path / "spaced.csv"
+    spaced.write_text(" a , b \n1,2\n")
+    (chunk,) = iter_chunks([spaced], 10)
+    assert chunk.columns == ("a", "b") and chunk.rows == [{"a": "1", "b": "2"}]
+    blank = tmp_path / "blank.csv"
+    blank.write_text("a, ,b\n1,2,3\n")
+    with pytest.raises(
+        InvalidArgumentError, match=r"blank\.csv:1: the header must name every column once"
+    ):
+        list(iter_chunks([blank], 10))
+
+
+def test_lines_of_spaces_are_blank_lines_not_bad_records(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("a,b\n1,x\n   \n\n2,y\n")
+    (chunk,) = iter_chunks([path], 10)
+    assert [r["a"] for r in chunk.rows] == ["1", "2"] and chunk.positions == [2, 5]
+    assert chunk.bad == []
+
+
+def test_long_fields_are_read_whatever_the_csv_modules_limit_was(tmp_path):
+    """ID lists longer than the csv module's default 128 KiB field limit are legitimate."""
+    import csv
+
+    path = tmp_path / "long.csv"
+    ids = " ".join(["123456789"] * 20_000)  # 200 000 characters
+    path.write_text(f"user,ids\n1,{ids}\n")
+    previous = csv.field_size_limit(131_072)  # the default, whatever an earlier test set
+    try:
+        (chunk,) = iter_chunks([path], 10)
+    finally:
+        csv.field_size_limit(previous)
+    assert chunk.rows[0]["ids"] == ids
+
+
+def test_a_record_the_csv_module_refuses_is_a_bad_row_even_alone_in_its_chunk(
+    tmp_path, monkeypatch
+):
+    """A csv.Error is reported as file:line with the module's reason; a chunk holding only
+    bad records is still yielded (its bad rows must reach the report)."""
+    import csv
+
+    path = tmp_path / "rows.csv"
+    path.write_text("a\n1\n" + "x" * 50 + "\n")
+    set_limit = csv.field_size_limit
+    previous = set_limit(10)
+    monkeypatch.setattr(csv, "field_size_limit", lambda limit: None)  # the reader keeps 10
+    try:
+        chunks = list(iter_chunks([path], 1))
+    finally:
+        set_limit(previous)
+    assert [c.rows for c in chunks] == [[{"a": "1"}], []]
+    (bad,) = chunks[1].bad
+    assert str(bad) == f"{path}:3: bad CSV: field larger than field limit (10)"
+    assert bad.position == 3
+
+
+def test_unreadable_bytes_name_the_file(tmp_path):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"a\n\xff\n")
+    with pytest.raises(
+        InvalidArgumentError, match=r"latin\.csv: not UTF-8 text: invalid start byte"
+    ):
+        list(iter_chunks([latin], 10))
+    truncated = tmp_path / "cut.csv.gz"
+    truncated.write_bytes(gzip.compress(b"a,b\n" + b"1,2\n" * 1000)[:40])
+    with pytest.raises(InvalidArgumentError, match=r"cut\.csv\.gz: cannot read: "):
+        list(iter_chunks([truncated], 10))

@@ -842,3 +842,43 @@ def test_diff_refuses_an_id_space_holding_rows_of_two_dims_naming_it(tmp_path):
         r"dims \{(4, 8|8, 4)\}",
         refused.value.message,
     )
+
+
+def _rows_then_bad(path: Path, good: int, bad: int) -> None:
+    lines = ["user,tags,dense_0,dense_1,clicked"]
+    lines += [f"{i},100,0.5,1,{i % 2}" for i in range(good)]
+    lines += ["x,,0,0,0"] * bad
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_bad_rows_are_listed_up_to_twenty_and_kept_up_to_a_hundred(checkpoint, tmp_path, capsys):
+    """--bad-rows fail lists the first 20 bad rows of the chunk and says how many more; skip
+    goes on past chunks that hold only bad rows (once rows were scored), prints 20 of them,
+    and the report keeps 100 (all of them in bad_rows.txt)."""
+    data = tmp_path / "rows.csv"
+    base = {"data": (data,), "checkpoint": checkpoint, "progress": False, "batch_size": 200}
+    _rows_then_bad(data, good=2, bad=20)
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "a.csv"))
+    assert caught.value.message.count("is not an integer ID") == 20
+    assert "more" not in caught.value.message
+    _rows_then_bad(data, good=2, bad=105)
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "b.csv"))
+    assert caught.value.message.count("is not an integer ID") == 20
+    assert caught.value.message.endswith(
+        f"{data}:23: column 'user': 'x' is not an integer ID\n  ... and 85 more"
+    )
+    # Nothing is left of the predictions files the failed runs had started.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.csv"]
+    capsys.readouterr()
+
+    base["batch_size"] = 2  # the first chunk is the good rows, every later one bad rows
+    result = run_eval(EvalOptions(**base, out=tmp_path / "c.csv", bad_rows="skip", label="clicked"))
+    assert (result.rows, result.skipped) == (2, 105)
+    assert len(result.bad_rows) == 105 and result.report["bad_rows"] == result.bad_rows[:100]
+    assert result.report["counts"]["skipped_rows"] == 105
+    err = capsys.readouterr().err
+    assert err.count("skipped ") == 21 and "skipped 85 more bad rows" in err
+    # In-process, AUC ranks the raw model output (a float32 sigmoid may tie distinct logits).
+    assert result.report["auc_note"] == "rank-based (exact), on the raw model output"
