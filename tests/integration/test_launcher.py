@@ -185,3 +185,9 @@ def test_a_cluster_that_cannot_start_is_refused_before_any_process(tmp_path, arg
     with pytest.raises(ValueError, match=message):
         LocalCluster(tmp_path / "embedding.yml", log_dir=tmp_path / "logs", **arguments)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_cluster_of_shards_without_workers_is_allowed(tmp_path):
+    cluster = LocalCluster(tmp_path / "embedding.yml", num_workers=0, log_dir=tmp_path / "logs")
+    assert (cluster.num_shards, cluster.num_workers, cluster.worker_addresses) == (2, 0, [])
+    assert cluster.stop() == {}  # nothing was started, nothing to stop

@@ -4,16 +4,24 @@ recserve error of that status, naming the peer."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
 )
-from embedding_store.grpc_common import error_from_rpc
+from embedding_store.grpc_common import (
+    channel_options,
+    error_from_rpc,
+    pack_u64,
+    server_options,
+    unpack_u64,
+)
 
 
 class FailedCall(grpc.RpcError):
@@ -48,3 +56,39 @@ def test_each_status_becomes_its_error(code, details, error_class, message):
     error = error_from_rpc(FailedCall(code, details), "shard 0")
     assert type(error) is error_class
     assert error.message == message
+
+
+def test_a_failed_precondition_is_a_checkpoint_error_only_when_about_a_checkpoint():
+    about = error_from_rpc(FailedCall(grpc.StatusCode.FAILED_PRECONDITION, "Checkpoint gone"), "s")
+    assert type(about) is CheckpointError  # the word is matched whatever its case
+    other = error_from_rpc(FailedCall(grpc.StatusCode.FAILED_PRECONDITION, "read-only"), "s")
+    assert type(other) is FailedPreconditionError and other.message == "s: read-only"
+
+
+def test_a_status_without_details_is_named_by_its_code():
+    error = error_from_rpc(FailedCall(grpc.StatusCode.INTERNAL, ""), "shard 0")
+    assert error.message == "shard 0: StatusCode.INTERNAL"
+
+
+def test_packed_ids_must_be_whole_uint64_values():
+    with pytest.raises(InvalidArgumentError) as refused:
+        unpack_u64(b"\0" * 12, "LookupRequest.ids")
+    assert refused.value.message == (
+        "LookupRequest.ids: 12 bytes is not a whole number of uint64 values"
+    )
+    assert unpack_u64(pack_u64(np.array([1, 2**64 - 1], np.uint64)), "ids").tolist() == [
+        1,
+        2**64 - 1,
+    ]
+
+
+def test_message_limits_apply_to_both_directions_and_grpc_retries_are_off():
+    """Each side sets both limits explicitly (gRPC's default receive limit is 4 MiB); the
+    tier's clients retry themselves, so gRPC's own retries are disabled."""
+    channel = dict(channel_options(1234))
+    assert channel["grpc.max_send_message_length"] == 1234
+    assert channel["grpc.max_receive_message_length"] == 1234
+    assert channel["grpc.enable_retries"] == 0
+    server = dict(server_options(1234))
+    assert server["grpc.max_send_message_length"] == 1234
+    assert server["grpc.max_receive_message_length"] == 1234
