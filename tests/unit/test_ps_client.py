@@ -25,6 +25,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_service import ParameterServerServicer
 from embedding_store.shard import EmbeddingShard, RowBlock
+from tests.unit.test_rpc_errors import FailedCall
 
 #: Nothing listens on port 1: a client of it fails fast if it ever calls.
 NOWHERE = "127.0.0.1:1"
@@ -77,7 +78,21 @@ class _MalformedStub:
         return pb.ShardStatusResponse(rows=5)
 
     def ExportRows(self, request, timeout=None):
+        self.timeouts.append(timeout)
         return self.stream
+
+    def Dump(self, request, timeout=None):
+        self.timeouts.append(timeout)
+        file = pb.CheckpointFile(
+            shard=1,
+            dim=8,
+            path="shard_00001/dim_8.safetensors",
+            rows=3,
+            state_width=0,
+            bytes=100,
+            sha256="ab" * 32,
+        )
+        return pb.ShardDumpResponse(files=[file], optimizer_json='{"type": "sgd", "lr": 0.5}')
 
 
 class _Stream:
@@ -119,21 +134,40 @@ def test_a_malformed_answer_is_the_shards_fault_not_an_invalid_argument() -> Non
         assert stub.stream.cancelled  # the call is freed, not left open
 
 
-def test_status_takes_the_deadline_it_is_given_else_the_clients() -> None:
-    with RemoteParameterServer(NOWHERE, timeout=7) as client:
+def test_calls_take_the_deadline_they_are_given_else_their_default() -> None:
+    with RemoteParameterServer(NOWHERE, timeout=7, checkpoint_timeout=90) as client:
         client._stub = stub = _MalformedStub()
         assert client.status(timeout=0.5).rows == 5
         assert client.status().rows == 5
-    assert stub.timeouts == [0.5, 7.0]
+        client.export_rows(10, timeout=2.5)
+        client.export_rows(10)
+    assert stub.timeouts == [0.5, 7.0, 2.5, 90.0]
+
+
+def test_a_dump_returns_the_shards_file_entries_and_optimizer() -> None:
+    with RemoteParameterServer(NOWHERE, timeout=7) as client:
+        client._stub = _MalformedStub()
+        (entry,), optimizer = client.dump("/ckpt")
+    assert (entry.shard, entry.dim, entry.path, entry.rows) == (
+        1,
+        8,
+        "shard_00001/dim_8.safetensors",
+        3,
+    )
+    assert optimizer == {"type": "sgd", "lr": 0.5}
 
 
 class _PendingLoad:
-    """A Load call's future that never completes; records whether it was cancelled."""
+    """A Load call's future that never completes (or fails with ``failure``); records
+    whether it was cancelled."""
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.failure: grpc.RpcError | None = None
 
     def result(self, timeout=None):
+        if self.failure is not None:
+            raise self.failure
         raise grpc.FutureTimeoutError()
 
     def cancel(self) -> bool:
@@ -145,8 +179,10 @@ class _LoadStub:
     def __init__(self) -> None:
         self.Load = self  # ``stub.Load.future(...)``
         self.pending = _PendingLoad()
+        self.timeouts: list[float | None] = []
 
     def future(self, request, timeout=None):
+        self.timeouts.append(timeout)
         return self.pending
 
 
@@ -162,10 +198,22 @@ def test_a_load_whose_caller_gave_up_is_cancelled_and_raises_deadline_exceeded()
         with pytest.raises(DeadlineExceededError) as gave_up:
             client.load("/ckpt", timeout=30, caller_gone=caller_gone)
     assert stub.pending.cancelled  # the shard is told to abandon the load
-    assert len(asked) == 2
+    assert len(asked) == 2 and stub.timeouts == [30]
     assert gave_up.value.message == (
         "parameter server 127.0.0.1:1 (shard 1): load of /ckpt cancelled: its caller gave up"
     )
+
+
+def test_a_watched_load_that_fails_raises_the_error_of_its_status() -> None:
+    with RemoteParameterServer(NOWHERE, replica_index=1, checkpoint_timeout=90) as client:
+        client._stub = stub = _LoadStub()
+        stub.pending.failure = FailedCall(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        with pytest.raises(UnavailableError) as failed:
+            client.load("/ckpt", caller_gone=lambda: False)
+    assert failed.value.message == (
+        "parameter server 127.0.0.1:1 (shard 1) is unavailable: connection reset"
+    )
+    assert stub.timeouts == [90]
 
 
 class _Health:

@@ -19,6 +19,7 @@ from embedding_store.grpc_common import (
     channel_options,
     error_from_rpc,
     pack_u64,
+    rpc_errors,
     server_options,
     unpack_u64,
 )
@@ -92,3 +93,45 @@ def test_message_limits_apply_to_both_directions_and_grpc_retries_are_off():
     server = dict(server_options(1234))
     assert server["grpc.max_send_message_length"] == 1234
     assert server["grpc.max_receive_message_length"] == 1234
+
+
+def test_packed_arrays_are_little_endian_on_the_wire():
+    assert pack_u64(np.array([1], np.uint64)) == b"\x01" + b"\0" * 7
+    assert unpack_u64(b"\x02" + b"\0" * 7, "ids").tolist() == [2]
+
+
+class _AbortedError(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise _AbortedError
+
+
+class _Servicer:
+    @rpc_errors
+    def Fails(self, request, context):
+        raise ValueError("/etc/secret/path is broken")
+
+    @rpc_errors
+    def Refuses(self, request, context):
+        raise InvalidArgumentError("dim must be > 0, got 0")
+
+
+def test_servicer_errors_answer_their_code_and_hide_unexpected_details(caplog):
+    """An unexpected exception may hold anything (paths, values): INTERNAL with a generic
+    line for the client, the traceback in the server log; recserve errors are public."""
+    context = _Context()
+    with pytest.raises(_AbortedError):
+        _Servicer().Fails(None, context)
+    assert context.code == grpc.StatusCode.INTERNAL
+    assert context.details == "internal error (details are in the server log)"
+    assert "Fails failed" in caplog.text
+    with pytest.raises(_AbortedError):
+        _Servicer().Refuses(None, context)
+    assert (context.code, context.details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "dim must be > 0, got 0",
+    )

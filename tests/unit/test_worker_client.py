@@ -76,6 +76,10 @@ class FakeWorkerStub:
         self._record("Flush", request, timeout)
         return pb.FlushResponse()
 
+    def Clear(self, request, timeout=None):
+        self._record("Clear", request, timeout)
+        return pb.ClearResponse()
+
     def Status(self, request, timeout=None):
         self._record("Status", request, timeout)
         return self.status
@@ -160,7 +164,23 @@ def test_flush_and_admin_calls_take_the_admin_deadline(client) -> None:
     the lookup one."""
     worker, stub = client
     worker.flush()
-    assert stub.requests[-1][0] == "Flush" and stub.requests[-1][2] == 40
+    worker.clear()
+    assert [(name, timeout) for name, _, timeout in stub.requests] == [
+        ("Flush", 40),
+        ("Clear", 40),
+    ]
+
+
+def test_a_dump_sends_an_absolute_path_and_overwrite(client, tmp_path, monkeypatch) -> None:
+    """The worker resolves paths in its own working directory: a relative one must be made
+    absolute here, where the caller meant it."""
+    worker, stub = client
+    with InProcessEmbeddingTier(CONFIG, optimizer=SGD()) as tier:
+        tier.dump(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    worker.dump("ckpt", overwrite=True)
+    _, request, timeout = stub.requests[0]
+    assert (request.directory, request.overwrite, timeout) == (str(tmp_path / "ckpt"), True, 40)
 
 
 def test_a_dump_past_its_deadline_says_it_may_still_complete(client, tmp_path: Path) -> None:
