@@ -39,9 +39,12 @@ class ManagedProcess:
     process: subprocess.Popen | None = None
     address: str | None = None
     _log: object = field(default=None, repr=False)
+    #: Where this run's output starts in the log (logs are appended to across restarts).
+    _log_start: int = field(default=0, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log_start = self._log.tell()  # type: ignore[attr-defined]
         self.process = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
@@ -51,7 +54,10 @@ class ManagedProcess:
         """The HOST:PORT the process printed; UnavailableError if it died or took too long."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
+            # Only this run's lines: an earlier run's address is no longer listened on.
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                text = log.read().decode(errors="replace")
             for match in _LISTENING.finditer(text):
                 self.address = f"{match.group(1)}:{match.group(2)}"
             if self.address:

@@ -5,6 +5,8 @@ stopped by PID by the launcher."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from embedding_store import checkpoint
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import UnavailableError
 from embedding_store.initializer import InitializationConfig, initial_vectors
-from embedding_store.launcher import LocalCluster
+from embedding_store.launcher import LocalCluster, ManagedProcess
 from embedding_store.optimizers import SGD
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.shard import EmbeddingShard, RowBlock
@@ -185,3 +187,23 @@ def test_a_cluster_that_cannot_start_is_refused_before_any_process(tmp_path, arg
     with pytest.raises(ValueError, match=message):
         LocalCluster(tmp_path / "embedding.yml", log_dir=tmp_path / "logs", **arguments)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_cluster_of_shards_without_workers_is_allowed(tmp_path):
+    cluster = LocalCluster(tmp_path / "embedding.yml", num_workers=0, log_dir=tmp_path / "logs")
+    assert (cluster.num_shards, cluster.num_workers, cluster.worker_addresses) == (2, 0, [])
+    assert cluster.stop() == {}  # nothing was started, nothing to stop
+
+
+def test_a_reused_log_gives_the_address_the_new_process_prints(tmp_path):
+    """Logs are appended to: a cluster started again with the same ``log_dir`` must not take
+    the address an earlier run printed (nothing listens there any more)."""
+    log = tmp_path / "ps-0.log"
+    log.write_text("recserve parameter server listening on 127.0.0.1:1111\n")
+    script = "import time; time.sleep(0.3); print('listening on 127.0.0.1:2222', flush=True)"
+    process = ManagedProcess("parameter server 0", [sys.executable, "-c", script], log)
+    process.start(dict(os.environ))
+    try:
+        assert process.wait_for_address(30) == "127.0.0.1:2222"
+    finally:
+        process.stop(grace=10)

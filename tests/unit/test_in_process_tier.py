@@ -3,8 +3,11 @@ configure, clear, dump and load, and its status and progress reports say so."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from embedding_store.errors import NotFoundError, RecserveError
+from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD
 from embedding_store.tier import InProcessEmbeddingTier
 from tests.unit.test_worker_service import CONFIG, DIM, ones, user_batch
@@ -49,3 +52,43 @@ def test_dump_and_load_report_their_progress_once_done(tmp_path):
         assert served.status().rows_per_shard == tier.status().rows_per_shard
         answer = served.lookup(user_batch(list(range(30))), train=False).slots[0].embeddings
         torch.testing.assert_close(answer, expected, rtol=0, atol=0)
+
+
+def test_shards_are_the_replicas_of_one_tier_and_a_dump_writes_each_part(tmp_path):
+    with InProcessEmbeddingTier(CONFIG, num_shards=3, optimizer=SGD(lr=1.0)) as tier:
+        assert [(s.replica_index, s.replica_size) for s in tier.shards] == [(0, 3), (1, 3), (2, 3)]
+        tier.lookup(user_batch(list(range(30))), train=True)
+        manifest = tier.dump(tmp_path / "ckpt")
+        assert sorted({entry.shard for entry in manifest.files}) == [0, 1, 2]
+        with pytest.raises(RecserveError):  # an existing checkpoint is kept ...
+            tier.dump(tmp_path / "ckpt")
+        tier.dump(tmp_path / "ckpt", overwrite=True)  # ... unless it is to be replaced
+    with InProcessEmbeddingTier(CONFIG, num_shards=3, read_only=True) as served:
+        assert served.status().shard_checkpoint_versions == ("",) * 3
+        loaded = served.load(tmp_path / "ckpt")
+        assert loaded.version
+        assert served.status().shard_checkpoint_versions == (loaded.version,) * 3
+
+
+def test_initialization_given_at_start_or_configured_later_makes_new_rows():
+    """New rows are drawn from [low, high) of the initialization in force: disjoint ranges
+    tell which one made them."""
+    at_start = InitializationConfig(low=0.25, high=0.5)
+    with InProcessEmbeddingTier(
+        CONFIG, num_shards=2, optimizer=SGD(), initialization=at_start
+    ) as tier:
+        rows = tier.lookup(user_batch([1, 2, 3]), train=True).slots[0].embeddings
+        assert rows.min() >= 0.25 and rows.max() < 0.5
+        tier.configure(initialization=InitializationConfig(low=-0.5, high=-0.25))
+        rows = tier.lookup(user_batch([4, 5, 6]), train=True).slots[0].embeddings
+        assert rows.min() >= -0.5 and rows.max() < -0.25
+
+
+def test_status_counts_train_lookups_waiting_for_their_gradients_up_to_the_buffer():
+    with InProcessEmbeddingTier(CONFIG, optimizer=SGD(), forward_buffer_size=2) as tier:
+        refs = [tier.lookup(user_batch([i]), train=True).ref for i in range(3)]
+        assert tier.status().pending_backward == 2  # the oldest context expired
+        with pytest.raises(NotFoundError, match="forward_buffer_size=2"):
+            tier.backward(refs[0], ones(1))
+        tier.backward(refs[2], ones(1))
+        assert tier.status().pending_backward == 1

@@ -4,16 +4,25 @@ recserve error of that status, naming the peer."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
 )
-from embedding_store.grpc_common import error_from_rpc
+from embedding_store.grpc_common import (
+    channel_options,
+    error_from_rpc,
+    pack_u64,
+    rpc_errors,
+    server_options,
+    unpack_u64,
+)
 
 
 class FailedCall(grpc.RpcError):
@@ -48,3 +57,81 @@ def test_each_status_becomes_its_error(code, details, error_class, message):
     error = error_from_rpc(FailedCall(code, details), "shard 0")
     assert type(error) is error_class
     assert error.message == message
+
+
+def test_a_failed_precondition_is_a_checkpoint_error_only_when_about_a_checkpoint():
+    about = error_from_rpc(FailedCall(grpc.StatusCode.FAILED_PRECONDITION, "Checkpoint gone"), "s")
+    assert type(about) is CheckpointError  # the word is matched whatever its case
+    other = error_from_rpc(FailedCall(grpc.StatusCode.FAILED_PRECONDITION, "read-only"), "s")
+    assert type(other) is FailedPreconditionError and other.message == "s: read-only"
+
+
+def test_a_status_without_details_is_named_by_its_code():
+    error = error_from_rpc(FailedCall(grpc.StatusCode.INTERNAL, ""), "shard 0")
+    assert error.message == "shard 0: StatusCode.INTERNAL"
+
+
+def test_packed_ids_must_be_whole_uint64_values():
+    with pytest.raises(InvalidArgumentError) as refused:
+        unpack_u64(b"\0" * 12, "LookupRequest.ids")
+    assert refused.value.message == (
+        "LookupRequest.ids: 12 bytes is not a whole number of uint64 values"
+    )
+    assert unpack_u64(pack_u64(np.array([1, 2**64 - 1], np.uint64)), "ids").tolist() == [
+        1,
+        2**64 - 1,
+    ]
+
+
+def test_message_limits_apply_to_both_directions_and_grpc_retries_are_off():
+    """Each side sets both limits explicitly (gRPC's default receive limit is 4 MiB); the
+    tier's clients retry themselves, so gRPC's own retries are disabled."""
+    channel = dict(channel_options(1234))
+    assert channel["grpc.max_send_message_length"] == 1234
+    assert channel["grpc.max_receive_message_length"] == 1234
+    assert channel["grpc.enable_retries"] == 0
+    server = dict(server_options(1234))
+    assert server["grpc.max_send_message_length"] == 1234
+    assert server["grpc.max_receive_message_length"] == 1234
+
+
+def test_packed_arrays_are_little_endian_on_the_wire():
+    assert pack_u64(np.array([1], np.uint64)) == b"\x01" + b"\0" * 7
+    assert unpack_u64(b"\x02" + b"\0" * 7, "ids").tolist() == [2]
+
+
+class _AbortedError(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise _AbortedError
+
+
+class _Servicer:
+    @rpc_errors
+    def Fails(self, request, context):
+        raise ValueError("/etc/secret/path is broken")
+
+    @rpc_errors
+    def Refuses(self, request, context):
+        raise InvalidArgumentError("dim must be > 0, got 0")
+
+
+def test_servicer_errors_answer_their_code_and_hide_unexpected_details(caplog):
+    """An unexpected exception may hold anything (paths, values): INTERNAL with a generic
+    line for the client, the traceback in the server log; recserve errors are public."""
+    context = _Context()
+    with pytest.raises(_AbortedError):
+        _Servicer().Fails(None, context)
+    assert context.code == grpc.StatusCode.INTERNAL
+    assert context.details == "internal error (details are in the server log)"
+    assert "Fails failed" in caplog.text
+    with pytest.raises(_AbortedError):
+        _Servicer().Refuses(None, context)
+    assert (context.code, context.details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "dim must be > 0, got 0",
+    )

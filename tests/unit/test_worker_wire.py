@@ -321,3 +321,14 @@ def test_an_answer_of_another_batch_size_is_refused_without_an_embedding_config(
             assert tuple(slot.embeddings.shape) == (2, 3)
     finally:
         worker.server.stop(None)
+
+
+def test_unpacked_grads_are_read_only_views_of_the_message() -> None:
+    """Gradients are only read (applied to rows): no copy of the message is made, and
+    nothing may write into it."""
+    message = pb.PackedSlots()
+    pack_grads(message, {"user": np.ones((2, 3), np.float32)})
+    grads = unpack_grads(_wire(message))
+    assert not grads["user"].flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        grads["user"][0, 0] = 2.0

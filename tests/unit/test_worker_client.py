@@ -1,0 +1,260 @@
+"""RemoteEmbeddingWorker (the gRPC client of an embedding worker) against fake stubs: what a
+lookup sends and returns, gradient stats, deadlines of admin calls, progress reports, partial
+status and readiness polling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+
+from embedding_store.batch import (
+    Batch,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    Label,
+    NonIDTypeFeature,
+)
+from embedding_store.config import embedding_config_from_mapping
+from embedding_store.errors import (
+    CheckpointError,
+    DeadlineExceededError,
+    RecserveError,
+    UnavailableError,
+)
+from embedding_store.optimizers import SGD
+from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.worker import SlotOutput
+from embedding_store.worker_client import RemoteEmbeddingWorker
+from embedding_store.worker_wire import pack_slots, unpack_grads
+from tests.unit.test_rpc_errors import FailedCall
+
+#: Nothing listens on port 1; the fake stubs answer instead.
+NOWHERE = "127.0.0.1:1"
+CONFIG = embedding_config_from_mapping(
+    {
+        "slots_config": {
+            "user": {"dim": 4},
+            "history": {"dim": 4, "embedding_summation": False, "sample_fixed_size": 3},
+        }
+    }
+)
+
+
+class FakeWorkerStub:
+    """An EmbeddingWorker stub: records requests and deadlines, answers what it is given."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, object, float | None]] = []
+        self.slots: list[SlotOutput] = []
+        self.status = pb.WorkerStatusResponse()
+        self.failure: grpc.RpcError | None = None
+        self.progress: list[pb.Progress] = []
+
+    def _record(self, name: str, request: object, timeout: float | None) -> None:
+        self.requests.append((name, request, timeout))
+        if self.failure is not None:
+            raise self.failure
+
+    def Lookup(self, request, timeout=None):
+        self._record("Lookup", request, timeout)
+        response = pb.WorkerLookupResponse(ref=7, unknown_ids=2)
+        pack_slots(response.slots, self.slots)
+        return response
+
+    def Backward(self, request, timeout=None):
+        self._record("Backward", request, timeout)
+        return pb.BackwardResponse(rows_queued=5, nonfinite_rows_skipped=2)
+
+    def Flush(self, request, timeout=None):
+        self._record("Flush", request, timeout)
+        return pb.FlushResponse()
+
+    def Clear(self, request, timeout=None):
+        self._record("Clear", request, timeout)
+        return pb.ClearResponse()
+
+    def Status(self, request, timeout=None):
+        self._record("Status", request, timeout)
+        return self.status
+
+    def Load(self, request, timeout=None) -> Iterator[pb.Progress]:
+        self._record("Load", request, timeout)
+        yield from self.progress
+
+    Dump = Load
+
+
+@pytest.fixture
+def client() -> Iterator[tuple[RemoteEmbeddingWorker, FakeWorkerStub]]:
+    with RemoteEmbeddingWorker(NOWHERE, CONFIG, timeout=3, admin_timeout=40) as worker:
+        worker._stub = stub = FakeWorkerStub()
+        yield worker, stub
+
+
+def _batch(**extra) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 2]),
+            IDTypeFeature.from_lists("history", [[3, 4], []]),
+        ],
+        **extra,
+    )
+
+
+def _answer() -> list[SlotOutput]:
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    return [SlotOutput("user", torch.ones(2, 4)), SlotOutput("history", torch.ones(2, 3, 4), mask)]
+
+
+def test_a_lookup_sends_only_id_features_and_gives_a_ref_only_when_training(client) -> None:
+    worker, stub = client
+    stub.slots = _answer()
+    batch = _batch(
+        non_id_type_features=[NonIDTypeFeature(np.ones((2, 3), np.float32), name="dense")],
+        labels=[Label(np.ones((2, 1), np.float32), name="y")],
+        requires_grad=True,
+    )
+    trained = worker.lookup(batch, train=True)
+    assert (trained.ref, trained.unknown_ids) == (7, 2)
+    assert worker.lookup(batch, train=False).ref is None  # an eval lookup has no context
+    _, request, timeout = stub.requests[0]
+    assert timeout == 3
+    sent = Batch.from_bytes(request.batch)
+    assert [f.name for f in sent.id_type_features] == ["user", "history"]
+    assert (list(sent.non_id_type_features), list(sent.labels), sent.requires_grad) == (
+        [],
+        [],
+        False,
+    )
+
+
+def test_a_raw_slot_must_come_back_as_batch_by_sample_fixed_size_by_dim(client) -> None:
+    worker, stub = client
+    stub.slots = [SlotOutput("user", torch.ones(2, 4)), SlotOutput("history", torch.ones(2, 4))]
+    with pytest.raises(RecserveError) as refused:
+        worker.lookup(_batch(requires_grad=False), train=False)
+    assert refused.value.message == (
+        "embedding worker 127.0.0.1:1 sent a malformed answer: slot 'history' has shape "
+        "[2, 4], expected [2, 3, 4] for a batch of 2"
+    )
+    stub.slots = _answer()
+    (_, history) = worker.lookup(_batch(requires_grad=False), train=False).slots
+    assert history.mask.tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_backward_sends_the_gradients_and_returns_the_workers_counts(client) -> None:
+    worker, stub = client
+    grads = {"user": torch.full((2, 4), 0.5)}
+    stats = worker.backward(9, grads)
+    assert (stats.rows_pushed, stats.nonfinite_rows_skipped) == (5, 2)
+    _, request, timeout = stub.requests[0]
+    assert (request.ref, timeout) == (9, 3)
+    np.testing.assert_array_equal(unpack_grads(request.grads)["user"], np.full((2, 4), 0.5))
+
+
+def test_flush_and_admin_calls_take_the_admin_deadline(client) -> None:
+    """A flush waits for every queued gradient to reach its shard: the admin deadline, not
+    the lookup one."""
+    worker, stub = client
+    worker.flush()
+    worker.clear()
+    assert [(name, timeout) for name, _, timeout in stub.requests] == [
+        ("Flush", 40),
+        ("Clear", 40),
+    ]
+
+
+def test_a_dump_sends_an_absolute_path_and_overwrite(client, tmp_path, monkeypatch) -> None:
+    """The worker resolves paths in its own working directory: a relative one must be made
+    absolute here, where the caller meant it."""
+    worker, stub = client
+    with InProcessEmbeddingTier(CONFIG, optimizer=SGD()) as tier:
+        tier.dump(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    worker.dump("ckpt", overwrite=True)
+    _, request, timeout = stub.requests[0]
+    assert (request.directory, request.overwrite, timeout) == (str(tmp_path / "ckpt"), True, 40)
+
+
+def test_a_dump_past_its_deadline_says_it_may_still_complete(client, tmp_path: Path) -> None:
+    worker, stub = client
+    stub.failure = FailedCall(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    with pytest.raises(DeadlineExceededError) as late:
+        worker.dump(tmp_path / "ckpt")
+    assert late.value.message.startswith(
+        f"embedding worker 127.0.0.1:1 did not finish the dump to {tmp_path / 'ckpt'} within "
+        "the deadline (40 s); it may still complete on the worker"
+    )
+    stub.failure = FailedCall(grpc.StatusCode.FAILED_PRECONDITION, "checkpoint is corrupt")
+    with pytest.raises(CheckpointError) as corrupt:
+        worker.load(tmp_path / "ckpt")
+    assert corrupt.value.message == "embedding worker 127.0.0.1:1: checkpoint is corrupt"
+
+
+def test_progress_reports_every_stage_but_the_final_done(client, tmp_path: Path) -> None:
+    worker, stub = client
+    with InProcessEmbeddingTier(CONFIG, optimizer=SGD()) as tier:
+        tier.lookup(_batch(requires_grad=False), train=True)
+        tier.dump(tmp_path / "ckpt")
+    stub.progress = [
+        pb.Progress(stage="load", done=1, total=2),
+        pb.Progress(stage="load", done=2, total=2),
+        pb.Progress(stage="done", done=2, total=2),
+    ]
+    seen = []
+    manifest = worker.load(tmp_path / "ckpt", progress=lambda *step: seen.append(step))
+    assert seen == [("load", 1, 2), ("load", 2, 2)]
+    assert manifest.total_rows == 4
+    _, request, timeout = stub.requests[0]
+    assert (request.directory, timeout) == (str(tmp_path / "ckpt"), 40)
+
+
+def test_a_shard_that_did_not_answer_fails_the_status_unless_partial(client) -> None:
+    worker, stub = client
+    stub.status = pb.WorkerStatusResponse(
+        shard_status=[pb.ShardStatusResponse(rows=3, capacity=10), pb.ShardStatusResponse()],
+        shard_errors=["", "connection refused"],
+        pending_backward=1,
+    )
+    with pytest.raises(UnavailableError) as failed:
+        worker.status()
+    assert failed.value.message == (
+        "embedding worker 127.0.0.1:1: 1 shard(s) did not answer: shard 1: connection refused"
+    )
+    status = worker.status(partial=True)
+    assert status.shard_errors == ("", "connection refused")
+    assert (status.rows_per_shard, status.capacity_per_shard) == ((3, 0), (10, 0))
+    stub.status.shard_errors[:] = ["", ""]
+    assert worker.status().shard_errors == ()  # only a partial status reports them
+
+
+class _Health:
+    def __init__(self, *statuses: int) -> None:
+        self.statuses = list(statuses)
+        self.calls = 0
+
+    def Check(self, request, timeout=None):
+        self.calls += 1
+        status = self.statuses[min(self.calls, len(self.statuses)) - 1]
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+def test_wait_for_serving_waits_for_serving_not_for_any_answer(client) -> None:
+    worker, _ = client
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    worker._health = health = _Health(not_serving, serving)
+    worker.wait_for_serving(30)
+    assert health.calls == 2
+    worker._health = _Health(not_serving)
+    with pytest.raises(
+        UnavailableError, match=r"127\.0\.0\.1:1 is not serving after 0\.2 s \(NOT_SERVING\)"
+    ):
+        worker.wait_for_serving(0.2)
