@@ -328,12 +328,14 @@ class TrafficGenerator:
 
 # --------------------------------------------------------------------------- encodings
 def _datatype(array: np.ndarray) -> str:
+    """The KServe v2 datatype of ``array``, whatever its byte order (the encoders write
+    little-endian bytes)."""
     return {
         np.dtype(np.int64): "INT64",
         np.dtype(np.uint64): "UINT64",
         np.dtype(np.int32): "INT32",
         np.dtype(np.float32): "FP32",
-    }[array.dtype]
+    }[array.dtype.newbyteorder("=")]
 
 
 def encode_kserve_json(arrays: Mapping[str, np.ndarray]) -> bytes:

@@ -954,3 +954,214 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
+
+
+# --------------------------------------------------------------------------- traffic: exact
+def test_metadata_groups_id_slots_jagged_partners_and_dense_inputs():
+    """A ``<slot>.lengths`` input is a jagged slot's partner only when ``<slot>`` exists (its
+    datatype kept); alone it is an ID slot of its own. Dense sample shapes drop the batch."""
+    from load_tests import traffic
+
+    metadata = {
+        "name": "ranker",
+        "inputs": [
+            {"name": "item", "datatype": "INT64", "shape": [-1]},
+            {"name": "history", "datatype": "UINT64", "shape": [-1]},
+            {"name": "history.lengths", "datatype": "INT32", "shape": [-1]},
+            {"name": "orphan.lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "dense", "datatype": "FP32", "shape": [-1, 2, 3]},
+            {"name": "score", "datatype": "FP32", "shape": [-1]},
+        ],
+    }
+    inputs = traffic.ModelInputs.from_metadata(metadata)
+    assert inputs == traffic.ModelInputs(
+        "ranker",
+        (
+            traffic.IdSlot("item", "INT64", jagged=False),
+            traffic.IdSlot("history", "UINT64", jagged=True, lengths_datatype="INT32"),
+            traffic.IdSlot("orphan.lengths", "INT64", jagged=False),
+        ),
+        (traffic.DenseInput("dense", (2, 3)), traffic.DenseInput("score", ())),
+    )
+    assert traffic.ModelInputs.from_metadata({"inputs": []}).name == "model"
+    generator = traffic.TrafficGenerator(inputs, traffic.TrafficProfile(seed=2))
+    assert generator.arrays(4)["history.lengths"].dtype == np.int32
+    bad = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}]}
+    with pytest.raises(ValueError, match="input 'text': unsupported datatype BYTES"):
+        traffic.ModelInputs.from_metadata(bad)
+
+
+_EXACT_INPUTS = {
+    "name": "m",
+    "inputs": [
+        {"name": "item", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "UINT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT32", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 2]},
+        {"name": "score", "datatype": "FP32", "shape": [-1]},
+    ],
+}
+
+
+def _exact_arrays() -> dict[str, np.ndarray]:
+    return {
+        "item": np.array([3, 4], dtype=np.int64),
+        "history": np.array([7, 8, 9], dtype=np.uint64),
+        "history.lengths": np.array([1, 2], dtype=np.int32),
+        "dense": np.array([[0.5, 1.0], [2.0, -1.5]], dtype=np.float32),
+        "score": np.array([0.25, -2.0], dtype=np.float32),
+    }
+
+
+def test_kserve_json_encoding_is_flat_row_major_data():
+    from load_tests import traffic
+
+    document = json.loads(traffic.encode_kserve_json(_exact_arrays()))
+    assert document == {
+        "inputs": [
+            {"name": "item", "shape": [2], "datatype": "INT64", "data": [3, 4]},
+            {"name": "history", "shape": [3], "datatype": "UINT64", "data": [7, 8, 9]},
+            {"name": "history.lengths", "shape": [2], "datatype": "INT32", "data": [1, 2]},
+            {"name": "dense", "shape": [2, 2], "datatype": "FP32", "data": [0.5, 1.0, 2.0, -1.5]},
+            {"name": "score", "shape": [2], "datatype": "FP32", "data": [0.25, -2.0]},
+        ]
+    }
+
+
+def test_kserve_binary_encoding_is_the_header_then_little_endian_tensors():
+    from load_tests import traffic
+
+    arrays = _exact_arrays()
+    arrays["item"] = arrays["item"].astype(">i8")  # big-endian input: sent little-endian
+    body, header_length = traffic.encode_kserve_binary(arrays)
+    header = json.loads(body[:header_length])
+    assert [(i["name"], i["shape"], i["datatype"]) for i in header["inputs"]] == [
+        ("item", [2], "INT64"),
+        ("history", [3], "UINT64"),
+        ("history.lengths", [2], "INT32"),
+        ("dense", [2, 2], "FP32"),
+        ("score", [2], "FP32"),
+    ]
+    sizes = [i["parameters"]["binary_data_size"] for i in header["inputs"]]
+    assert sizes == [16, 24, 8, 16, 8]
+    assert header["outputs"] == [{"name": "prediction", "parameters": {"binary_data": True}}]
+    expected = b"".join(
+        np.asarray(values, dtype=dtype).tobytes()
+        for values, dtype in (
+            ([3, 4], "<i8"),
+            ([7, 8, 9], "<u8"),
+            ([1, 2], "<i4"),
+            ([0.5, 1.0, 2.0, -1.5], "<f4"),
+            ([0.25, -2.0], "<f4"),
+        )
+    )
+    assert body[header_length:] == expected
+
+
+def test_friendly_encoding_gives_each_row_its_own_list_and_values():
+    """Row k of a jagged slot holds the IDs between the cumulative lengths before and after
+    it; a dense input of sample shape () is a number per row, any other shape a list."""
+    from load_tests import traffic
+
+    inputs = traffic.ModelInputs.from_metadata(_EXACT_INPUTS)
+    body = traffic.encode_friendly_json(inputs, _exact_arrays())
+    assert json.loads(body) == {
+        "instances": [
+            {"item": 3, "history": [7], "dense": [0.5, 1.0], "score": 0.25},
+            {"item": 4, "history": [8, 9], "dense": [2.0, -1.5], "score": -2.0},
+        ]
+    }
+    arrays = _exact_arrays()
+    arrays["history.lengths"] = np.array([0, 3], dtype=np.int32)  # an empty list first
+    rows = json.loads(traffic.encode_friendly_json(inputs, arrays))["instances"]
+    assert [row["history"] for row in rows] == [[], [7, 8, 9]]
+
+
+def test_raw_rows_are_read_up_to_the_limit_from_csv_json_lines_and_gzip(tmp_path):
+    import gzip
+
+    from load_tests import traffic
+
+    lines = "".join(f'{{"age": {20 + k}}}\n' for k in range(5))
+    (tmp_path / "rows.ndjson").write_text(lines)
+    assert traffic.load_rows(tmp_path / "rows.ndjson", limit=3) == [
+        {"age": 20},
+        {"age": 21},
+        {"age": 22},
+    ]
+    assert len(traffic.load_rows(tmp_path / "rows.ndjson", limit=5)) == 5
+    with gzip.open(tmp_path / "rows.csv.gz", "wt") as handle:
+        handle.write("age,workclass\n39,Private\n50,State-gov\n28,Private\n")
+    assert traffic.load_rows(tmp_path / "rows.csv.gz", limit=2) == [
+        {"age": "39", "workclass": "Private"},
+        {"age": "50", "workclass": "State-gov"},
+    ]
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as handle:
+        handle.write('{"age": 7}\n')
+    assert traffic.load_rows(tmp_path / "rows.jsonl.gz") == [{"age": 7}]
+    (tmp_path / "header.csv").write_text("age,workclass\n")
+    with pytest.raises(ValueError, match=r"header\.csv: no rows"):
+        traffic.load_rows(tmp_path / "header.csv")
+
+
+def test_a_pool_refuses_unknown_kinds_and_misplaced_or_empty_rows():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(batch_sizes=(2,), batch_weights=(1.0,)),
+    )
+    with pytest.raises(ValueError, match="unknown payload kind 'xml'"):
+        traffic.PayloadPool(generator, "xml", per_size=1)
+    for kind, rows in (("json", [{"age": 1}]), ("friendly", [])):
+        with pytest.raises(ValueError, match="raw rows need the friendly payload kind"):
+            traffic.PayloadPool(generator, kind, per_size=1, rows=rows)
+
+
+def test_a_pick_above_the_rounded_cdf_is_the_last_batch_size():
+    """Weights whose normalized cumsum ends below 1: a uniform draw above it still picks the
+    last batch size (not an index past the end)."""
+    from load_tests import traffic
+
+    weights = tuple(1.0 / np.arange(1, 13) ** 1.1)
+    profile = traffic.TrafficProfile(batch_sizes=tuple(range(1, 13)), batch_weights=weights)
+    generator = traffic.TrafficGenerator(traffic.ModelInputs.from_metadata(_ONE_SLOT), profile)
+    pool = traffic.PayloadPool(generator, "grpc", per_size=1)
+    assert pool._cdf[-1] < np.nextafter(1.0, 0.0)
+
+    class Top:
+        def random(self) -> float:
+            return float(np.nextafter(1.0, 0.0))
+
+        def integers(self, high: int) -> int:
+            return high - 1
+
+    pool._rng = Top()
+    assert pool.pick().batch_size == 12
+
+
+def test_stream_keys_and_pool_sizes():
+    from load_tests import traffic
+
+    seeded = {"RECSERVE_LT_SEED": "1"}
+    assert traffic.stream_key("json", 0, seeded) == (0, 0)
+    assert traffic.stream_key("grpc", 2, seeded) == (3, 2)
+    assert traffic.stream_key("binary", -3, seeded) == (1, 0)  # no negative spawn key
+    unseeded = traffic.stream_key("friendly", 1, {})
+    assert unseeded[:2] == (2, 1) and len(unseeded) == 3 and 0 <= unseeded[2] < 2**63
+    # About 8192 rows per size, 64 to 512 payloads.
+    sizes = (1, 16, 64, 128, 256, 8192)
+    assert [traffic.pool_payloads(size) for size in sizes] == [512, 512, 128, 64, 64, 64]
+
+
+def test_a_slot_with_an_empty_vocabulary_draws_from_the_default_one():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(unknown_share=0.0, default_vocab=50, seed=4),
+        {"item": np.zeros(0, np.uint64), "history": np.array([900, 901], np.uint64)},
+    )
+    arrays = generator.arrays(256)
+    assert set(arrays["item"].tolist()) <= set(range(50))
+    assert set(arrays["history"].tolist()) <= {900, 901}
