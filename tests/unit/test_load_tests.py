@@ -1165,3 +1165,69 @@ def test_a_slot_with_an_empty_vocabulary_draws_from_the_default_one():
     arrays = generator.arrays(256)
     assert set(arrays["item"].tolist()) <= set(range(50))
     assert set(arrays["history"].tolist()) <= {900, 901}
+
+
+def _fake_embeddings(root: Path, config: dict, shards: list[np.ndarray]) -> None:
+    """An ``embeddings/`` folder as vocab_from_checkpoint reads it: the manifest's config and
+    one safetensors file of stored (prefixed) ``ids`` per shard."""
+    import safetensors.numpy
+
+    embeddings = root / "embeddings"
+    files = []
+    for index, ids in enumerate(shards):
+        path = f"shard_{index}/dim_4.safetensors"
+        (embeddings / path).parent.mkdir(parents=True)
+        safetensors.numpy.save_file({"ids": ids.astype(np.uint64)}, str(embeddings / path))
+        files.append({"path": path, "rows": len(ids)})
+    manifest = {"embedding_config": config, "files": files}
+    (embeddings / "embedding_manifest.json").write_text(json.dumps(manifest))
+
+
+def test_the_vocabulary_strips_each_id_spaces_prefix(tmp_path):
+    """IDs stored as the embedding config prefixes them (feature groups first, then ungrouped
+    slots; prefix numbers from 1): each slot's vocabulary is its ID space's raw IDs, sorted,
+    slots of one group sharing theirs, and a raw ID using all 56 bits stays whole."""
+    from embedding_store.config import embedding_config_from_mapping
+    from load_tests import traffic
+
+    mapping = {
+        "feature_index_prefix_bit": 8,
+        "slots_config": {"user": {"dim": 4}, "item": {"dim": 4}, "hist": {"dim": 4}},
+        "feature_groups": {"items": ["item", "hist"]},
+    }
+    config = embedding_config_from_mapping(mapping)
+    big = (1 << 56) - 3
+    raw = {"user": [big, 5], "item": [11, 10], "hist": [12, 11]}
+    stored = {name: config.prefix_ids(name, np.array(ids, np.uint64)) for name, ids in raw.items()}
+    shards = [np.concatenate([stored["user"], stored["item"]]), stored["hist"]]
+    _fake_embeddings(tmp_path, mapping, shards)
+    vocab = traffic.vocab_from_checkpoint(tmp_path)
+    assert {name: ids.tolist() for name, ids in vocab.items()} == {
+        "user": [5, big],
+        "item": [10, 11, 12],
+        "hist": [10, 11, 12],
+    }
+    assert vocab["user"].dtype == np.uint64
+    # Without prefix bits every slot shares one ID space; the embeddings folder itself works.
+    flat = {**mapping, "feature_index_prefix_bit": 0, "feature_groups": {}}
+    _fake_embeddings(tmp_path / "flat", flat, [np.array([9, 3, 9], np.uint64)])
+    vocab = traffic.vocab_from_checkpoint(tmp_path / "flat" / "embeddings")
+    assert {name: ids.tolist() for name, ids in vocab.items()} == {
+        "user": [3, 9],
+        "item": [3, 9],
+        "hist": [3, 9],
+    }
+    traffic.save_vocab(vocab, tmp_path / "vocab.npz")
+    loaded = traffic.load_vocab(tmp_path / "vocab.npz")
+    assert {name: ids.tolist() for name, ids in loaded.items()} == {
+        "user": [3, 9],
+        "item": [3, 9],
+        "hist": [3, 9],
+    }
+
+
+def test_describe_names_slots_jagged_ones_and_dense_shapes():
+    from load_tests import traffic
+
+    inputs = traffic.ModelInputs.from_metadata(_EXACT_INPUTS)
+    assert traffic.describe(inputs) == "2 ID slots (1 jagged), dense inputs dense[2], score[]"
