@@ -1231,3 +1231,72 @@ def test_describe_names_slots_jagged_ones_and_dense_shapes():
 
     inputs = traffic.ModelInputs.from_metadata(_EXACT_INPUTS)
     assert traffic.describe(inputs) == "2 ID slots (1 jagged), dense inputs dense[2], score[]"
+
+
+# --------------------------------------------------------------------------- run.py arguments
+_BOUNDS = "--users, --seconds and --minutes must be positive"
+_BOUNDED = "bounded runs only: at most 1000 users, 3600 s, 120 minutes"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--users", "0"], _BOUNDS),
+        (["--seconds", "0"], _BOUNDS),
+        (["--soak", "--minutes", "0"], _BOUNDS),
+        (["--users", "1001"], _BOUNDED),
+        (["--seconds", "3600.5"], _BOUNDED),
+        (["--soak", "--minutes", "120.5"], _BOUNDED),
+        (["--spawn-rate", "0"], "--spawn-rate must be > 0 users per second, got 0.0"),
+        (["--locust-processes", "65"], "--locust-processes must be in 1..64, got 65"),
+        (["--rss-interval", "0"], "--rss-interval must be in (0, 60] seconds, got 0.0"),
+        (["--rss-interval", "60.5"], "--rss-interval must be in (0, 60] seconds, got 60.5"),
+        (["--unknown-share", "1"], "--unknown-share must be in [0, 1), got 1.0"),
+        (["--unknown-share", "-0.1"], "--unknown-share must be in [0, 1), got -0.1"),
+        (["--seconds", "nan"], "expected a finite number, got 'nan'"),
+        (["--spawn-rate", "inf"], "expected a finite number, got 'inf'"),
+        (["--seconds", "ten"], "expected a number, got 'ten'"),
+        (["--user-classes", "json,xml,soap"], "unknown user classes ['soap', 'xml']"),
+        (["--serve-args", '--model-name "x'], "--serve-args '--model-name \"x': No closing"),
+    ],
+)
+def test_each_argument_bound_is_refused_with_its_message(flags, message, tmp_path, capsys):
+    from load_tests.run import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--synthetic", "--out", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--users", "1", "--user-classes", "json"],
+        ["--users", "1000", "--seconds", "3600"],
+        ["--soak", "--minutes", "120", "--rss-interval", "60"],
+        ["--spawn-rate", "0.5", "--locust-processes", "64", "--unknown-share", "0"],
+        ["--locust-processes", "1", "--seed", "0"],
+        # A class named twice is one class: 2 users cover json and grpc.
+        ["--users", "2", "--user-classes", "json,json,grpc"],
+    ],
+)
+def test_arguments_on_their_bounds_are_accepted(flags, tmp_path):
+    from load_tests.run import parse_args
+
+    parse_args(["--synthetic", "--out", str(tmp_path), *flags])
+
+
+def test_serve_flags_are_read_as_recserve_serve_reads_them():
+    """The last value given wins, in either spelling; a flag without its value, or a value that
+    is not a number, reads as absent (the server itself then refuses it)."""
+    from load_tests.run import preprocessor_of, serve_option, watch_seconds_of, workers_of
+
+    assert serve_option(["--workers", "2", "--workers=3"], "--workers") == "3"
+    assert serve_option(["--workers=3", "--workers", "4"], "--workers") == "4"
+    assert serve_option(["--max-batch-size", "8", "--workers"], "--workers") is None
+    assert workers_of(["--workers"]) == 1
+    assert workers_of(["--workers", "two"]) == 1
+    assert preprocessor_of(["--preprocessor=a.b:c"]) == "a.b:c"
+    for text in ("inf", "nan", "soon"):
+        assert watch_seconds_of(["--watch-seconds", text]) == 0.0, text
