@@ -1300,3 +1300,64 @@ def test_serve_flags_are_read_as_recserve_serve_reads_them():
     assert preprocessor_of(["--preprocessor=a.b:c"]) == "a.b:c"
     for text in ("inf", "nan", "soon"):
         assert watch_seconds_of(["--watch-seconds", text]) == 0.0, text
+
+
+# --------------------------------------------------------------------------- run.py memory
+def test_memory_verdict_bounds_are_inclusive_where_the_rule_says_at_most():
+    """Growth at exactly the allowed rate and a reload step of exactly the floor pass; the
+    allowed rate never drops under MAX_GROWTH_MB_PER_MIN for a long soak."""
+    from load_tests.run import memory_verdict
+
+    # 20-minute soak: allowed max(1, 20 MB / 20 min) = 1 MB/min; growing exactly that passes.
+    times, rss = _soak(1200, 10.0, lambda t: 300 + t / 60.0)
+    at_limit = memory_verdict(times, rss, warmup_s=0.0, run_s=1200.0)
+    assert (at_limit.sustained_mb_per_min, at_limit.allowed_mb_per_min) == (1.0, 1.0)
+    assert at_limit.passed, at_limit
+    # 60-minute soak: 20 MB / 60 min is 0.33 MB/min, but 1 MB/min stays allowed.
+    times, rss = _soak(3600, 30.0, lambda t: 300 + 0.5 * t / 60.0)
+    long = memory_verdict(times, rss, warmup_s=0.0, run_s=3600.0)
+    assert long.allowed_mb_per_min == 1.0 and long.passed, long
+    # A reload step of exactly the 20 MB floor passes; 20.5 MB does not.
+    for step, passed in ((20.0, True), (20.5, False)):
+        times, rss = _soak(100, 1.0, lambda t, s=step: 100 + (s if t >= 50 else 0))
+        verdict = memory_verdict(times, rss, warmup_s=0.0, run_s=100.0, reload_s=50.0, settle_s=20)
+        assert (verdict.reload_step_mb, verdict.passed) == (step, passed)
+
+
+def test_memory_verdict_judges_a_segment_from_six_samples_and_keeps_zero_readings():
+    """A judged segment needs 6 samples: 5 are no verdict. Only negative readings mean "no
+    sample"; every kept sample counts, and the levels are medians of quarters (at least one
+    sample) of the judged ones."""
+    from load_tests.run import memory_verdict
+
+    six = memory_verdict([0, 1, 2, 3, 4, 5], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0], warmup_s=0, run_s=6)
+    assert (six.passed, six.samples, six.reason) == (True, 6, "flat")
+    assert (six.baseline_mb, six.last_mb) == (0.0, 0.0)  # one sample each: the first, the last
+    five = memory_verdict([0, 1, 2, 3, 4, 5], [-1.0, 5, 5, 5, 5, 5], warmup_s=0, run_s=6)
+    assert not five.passed and five.reason == "too few samples after warm-up (5)"
+    ends = memory_verdict(
+        range(8), [100.0, 104.0, 101.0, 101.0, 101.0, 101.0, 96.0, 99.0], warmup_s=0, run_s=8
+    )
+    assert (ends.baseline_mb, ends.last_mb) == (102.0, 97.5)  # quarters of 2 samples
+
+
+def test_the_reload_step_compares_two_sample_levels_around_the_reload():
+    """The level before the reload is the median of its last quarter, after it the median of
+    the first quarter of the settled segment, each at least 2 samples (one sample is noise)."""
+    from load_tests.run import memory_verdict
+
+    times = [float(t) for t in range(14)]
+    rss = [100.0] * 5 + [104.0] + [-1.0] * 2 + [130.0] * 6
+    verdict = memory_verdict(times, rss, warmup_s=0.0, run_s=14.0, reload_s=6.0, settle_s=2.0)
+    assert verdict.reload_step_mb == 28.0  # 130 - median(100, 104)
+
+
+def test_theil_sen_slope_is_the_median_pairwise_slope_of_distinct_times():
+    from load_tests.run import theil_sen_slope
+
+    assert theil_sen_slope(np.array([1.0, 1.0]), np.array([0.0, 5.0])) is None
+    assert theil_sen_slope(np.array([3.0]), np.array([1.0])) is None
+    # Pairs: 1, 3, 1, 1, -1 (the two samples at t = 1 form no pair): median 1.
+    assert theil_sen_slope(np.array([0.0, 1, 1, 2]), np.array([0.0, 1, 3, 2])) == 1.0
+    # An outlier does not move it.
+    assert theil_sen_slope(np.arange(7.0), np.array([0.0, 2, 4, 60, 8, 10, 12])) == 2.0
