@@ -1330,9 +1330,9 @@ def test_memory_verdict_judges_a_segment_from_six_samples_and_keeps_zero_reading
     sample) of the judged ones."""
     from load_tests.run import memory_verdict
 
-    six = memory_verdict([0, 1, 2, 3, 4, 5], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0], warmup_s=0, run_s=6)
+    six = memory_verdict([0, 1, 2, 3, 4, 5], [0.0, 2.0, 0.0, 0.0, 0.0, 4.0], warmup_s=0, run_s=6)
     assert (six.passed, six.samples, six.reason) == (True, 6, "flat")
-    assert (six.baseline_mb, six.last_mb) == (0.0, 0.0)  # one sample each: the first, the last
+    assert (six.baseline_mb, six.last_mb) == (0.0, 4.0)  # one sample each: the first, the last
     five = memory_verdict([0, 1, 2, 3, 4, 5], [-1.0, 5, 5, 5, 5, 5], warmup_s=0, run_s=6)
     assert not five.passed and five.reason == "too few samples after warm-up (5)"
     ends = memory_verdict(
