@@ -1361,3 +1361,135 @@ def test_theil_sen_slope_is_the_median_pairwise_slope_of_distinct_times():
     assert theil_sen_slope(np.array([0.0, 1, 1, 2]), np.array([0.0, 1, 3, 2])) == 1.0
     # An outlier does not move it.
     assert theil_sen_slope(np.arange(7.0), np.array([0.0, 2, 4, 60, 8, 10, 12])) == 2.0
+
+
+# --------------------------------------------------------------------------- run.py locust
+def test_a_non_zero_locust_exit_is_explained_by_failures_or_task_errors(tmp_path):
+    """locust exits 1 when requests failed or tasks raised: the problem names the exit code,
+    and only an exit that nothing explains adds the log's tail."""
+    from load_tests.run import locust_outcome
+
+    run = _locust_run(tmp_path)
+    (tmp_path / "locust.log").write_text("locust said why\n")
+
+    def outcome(failures: int, exceptions: list, code: int) -> list[str]:
+        total = {"name": "Aggregated", "requests": 9, "failures": failures}
+        document = {"written_unix": 10.0, "stats": [total], "exceptions": exceptions}
+        (tmp_path / "locust_final.json").write_text(json.dumps(document))
+        final, problems = locust_outcome(run, code, started_unix=5.0)
+        assert final == document
+        return problems
+
+    task_error = [{"count": 1, "msg": "KeyError('x')"}]
+    assert outcome(3, [], 1) == ["locust exited with code 1"]
+    assert outcome(0, task_error, 1) == ["locust exited with code 1"]
+    tail = f"locust exited with code 2; {tmp_path / 'locust.log'}:\nlocust said why"
+    assert outcome(0, [], 2) == [tail]
+    assert outcome(0, [], 0) == []
+
+
+def test_torn_or_foreign_final_stats_are_absent(tmp_path):
+    from load_tests.run import read_final_stats
+
+    path = tmp_path / "final.json"
+    for text in ('{"stats": [', '["stats"]', '{"exit_code": 0}'):
+        path.write_text(text)
+        assert read_final_stats(path) is None, text
+    assert read_final_stats(tmp_path / "missing.json") is None
+    path.write_text('{"stats": []}')
+    assert read_final_stats(path) == {"stats": []}
+
+
+def test_task_errors_are_one_line_of_at_most_200_characters(tmp_path):
+    from load_tests.run import task_exceptions
+
+    message = "  ValueError('" + "x" * 300 + "')\n"
+    (tmp_path / "csv_exceptions.csv").write_text(
+        "Count,Message,Traceback,Nodes\n" + f'4,"{message}",tb,local\n'
+    )
+    expected = "4 x " + message.strip()[:200]
+    assert task_exceptions(tmp_path / "csv") == [expected]
+    document = {"stats": [], "exceptions": [{"count": 4, "msg": message}]}
+    (tmp_path / "final_final.json").write_text(json.dumps(document))
+    assert task_exceptions(tmp_path / "final") == [expected]
+
+
+def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp_path):
+    from load_tests.run import LOCUSTFILE, LocustRun
+
+    def command(seconds: float, processes: int) -> list[str]:
+        run = LocustRun(
+            users=3, spawn_rate=1.5, seconds=seconds, classes=["KServeJsonUser", "GrpcUser"],
+            host="http://127.0.0.1:1", csv_prefix=tmp_path / "locust",
+            log_path=tmp_path / "locust.log", env={}, processes=processes,
+        )  # fmt: skip
+        return run.command()
+
+    assert command(14.6, 1)[1:] == [
+        "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "1.5", "-t",
+        "15s", "--host", "http://127.0.0.1:1", "--csv", str(tmp_path / "locust"),
+        "--csv-full-history", "--only-summary", "--stop-timeout", "5", "--loglevel", "WARNING",
+        "KServeJsonUser", "GrpcUser",
+    ]  # fmt: skip
+    short = command(0.3, 1)
+    assert short[short.index("-t") + 1] == "1s"  # never "0s"
+    assert command(5, 3)[-4:] == ["--processes", "3", "KServeJsonUser", "GrpcUser"]
+
+
+def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
+    from load_tests.run import write_summary
+
+    row = {"name": "Aggregated", "requests": 0, "failures": 0, "rps": 0.0, "p50_ms": None,
+           "p95_ms": None, "p99_ms": None}  # fmt: skip
+
+    def memory(process: str, passed: bool, step: float | None) -> dict:
+        return {"process": process, "samples": 40, "warmup_s": 6.0, "baseline_mb": 430.0,
+                "last_mb": 431.5, "slope_mb_per_min": 0.2, "sustained_mb_per_min": 0.1,
+                "allowed_mb_per_min": 40.0, "reload_step_mb": step, "passed": passed,
+                "reason": "flat" if passed else "grows 90 MB/min"}  # fmt: skip
+
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 2, "classes": ["GrpcUser"], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": ["--workers", "2"], "passed": True, "verdict": "no failures",
+        "soak": {"reload_at_s": 15.04, "reload": {"ok": True},
+                 "pids": {"server": 41},
+                 "memory": {"server": memory("server", True, 1.5),
+                            "server.1": memory("server.1", False, None)}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert "| **all** | 0 | 0 | 0.0 | - | - | - |" in lines
+    assert "- serve flags: `--workers 2`" in lines
+    soak = lines[lines.index("## Soak") :]
+    assert soak[2:6] == [
+        "- reload at 15.0 s: {'ok': True}",
+        "- server (pid 41) RSS: 430.0 MB -> 431.5 MB, slope 0.2 MB/min, sustained 0.1 MB/min "
+        "(allowed 40.0), after the reload +1.5 MB, 40 samples after 6.0 s warm-up: **flat**",
+        "- server.1 RSS: 430.0 MB -> 431.5 MB, slope 0.2 MB/min, sustained 0.1 MB/min "
+        "(allowed 40.0), after the reload -, 40 samples after 6.0 s warm-up: **GROWING** "
+        "(grows 90 MB/min)",
+        "- series: `rss.csv`",
+    ]
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,"
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    from load_tests.run import stop_process
+
+    assert stop_process(None) is None
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+         "time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert stubborn.stdout.readline().strip() == "ready"
+        assert stop_process(stubborn, grace=0.3) == -signal.SIGKILL
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+        stubborn.wait(timeout=10)
+        stubborn.stdout.close()
+    assert stop_process(stubborn) == -signal.SIGKILL  # already ended: its exit code
