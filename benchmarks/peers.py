@@ -78,7 +78,14 @@ import numpy as np
 from machine_info import describe_machine
 
 from load_tests import traffic
-from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, subprocess_env
+from load_tests.run import (
+    LocustRun,
+    ServeProcess,
+    read_stats,
+    stop_process,
+    subprocess_env,
+    workers_of,
+)
 
 HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
 CEILING_CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"  # benchmarks/ceiling_server.py reads it
@@ -585,8 +592,9 @@ def measure(
 
 
 def multi_process(flags: str) -> bool:
-    words = shlex.split(flags)
-    return "--workers" in words and int(words[words.index("--workers") + 1]) > 1
+    """Whether ``recserve serve`` flags run more than one serving process (``--workers N``
+    or ``--workers=N``, the last one given, as the server reads them)."""
+    return workers_of(shlex.split(flags)) > 1
 
 
 def infer(url: str, arrays: dict[str, np.ndarray], encoding: str) -> tuple[dict, np.ndarray]:

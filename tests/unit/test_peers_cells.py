@@ -185,3 +185,76 @@ def test_a_comparison_without_torchserve_installed_is_refused_up_front(tmp_path,
     assert code == 2
     assert f"--ts-venv {tmp_path} has no bin/torchserve" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_the_goal_is_met_on_its_bounds_and_only_against_torchserve(tmp_path):
+    """Goal: recserve at least 2x TorchServe's req/s with a p99 no higher; exactly 2.0 and
+    1.0 meet it. Without any TorchServe measurement the goal is not met anywhere."""
+    on_bounds = [
+        _measurement("recserve:one", "64", 2000.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 30.0),
+    ]
+    lines = peers.report(tmp_path, on_bounds, {"one": ""}, {}).splitlines()
+    assert (
+        "| adult | 64 | json | one: `(defaults)` | 2000 | 1000 | 2.0 | 2.0 | 30.0 | 30.0 | 1.0 "
+        "| met |" in lines
+    )
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
+    alone = [_measurement("recserve:one", "64", 2000.0, 30.0)]
+    lines = peers.report(tmp_path, alone, {"one": "--workers 2"}, {}).splitlines()
+    assert (
+        "| adult | 64 | json | one: `--workers 2` | 2000 | nan | None | - | 30.0 | - | None "
+        "| not met |" in lines
+    )
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is False
+
+
+def test_ratios_need_two_measured_numbers():
+    assert peers.ratio(3.0, 2.0) == 1.5
+    assert peers.ratio(1.0, 3.0) == 0.33
+    for a, b in ((0.0, 5.0), (None, 5.0), (5.0, 0.0), (5.0, None)):
+        assert peers.ratio(a, b) is None, (a, b)
+
+
+def test_a_cell_is_a_batch_size_or_a_mix():
+    assert peers.batch_label("64") == "64"
+    assert peers.batch_label("8:1") == "mix 8:1"  # what --mix 8 becomes
+    assert peers.batch_label("1:6,8:3") == "mix 1:6,8:3"
+
+
+def test_combined_rounds_keep_the_first_error_and_add_requests():
+    rounds = [_measurement("torchserve", "64", rps, 10.0, k) for k, rps in ((1, 5.0), (2, 7.0))]
+    rounds += [_measurement("torchserve", "64", 9.0, 10.0, 3)]
+    rounds[0].requests, rounds[1].requests, rounds[2].requests = 10, 20, 30
+    rounds[1].error, rounds[2].error = "no locust stats: first", "no locust stats: second"
+    combined = peers.combine_rounds(rounds)
+    assert (combined.requests, combined.rps, combined.error) == (60, 7.0, "no locust stats: first")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--users", "0"], ["--users", "513"], ["--seconds", "0"], ["--seconds", "600.5"]],
+)
+def test_runs_are_bounded(flags, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--batches", "1", *flags])
+    assert "bounded runs only: 1..512 users, at most 600 s per run" in capsys.readouterr().err
+
+
+def test_bounds_themselves_are_accepted():
+    args = peers.parse_args(
+        ["--users", "512", "--seconds", "600", "--rounds", "10", "--warmup-seconds", "0"]
+    )
+    assert (args.users, args.seconds, args.rounds, args.warmup_seconds) == (512, 600.0, 10, 0.0)
+    args = peers.parse_args(["--users", "1", "--rounds", "1", "--warmup-seconds", "120"])
+    assert (args.users, args.rounds, args.warmup_seconds) == (1, 1, 120.0)
+
+
+def test_a_variant_with_more_than_one_process_is_recognized_in_either_spelling():
+    """Its /metrics would be one process's of N: such variants report no batching figures."""
+    assert peers.multi_process("--workers 2")
+    assert peers.multi_process("--max-batch-size 64 --workers=3")
+    assert not peers.multi_process("--workers 1")
+    assert not peers.multi_process("--workers=1")
+    assert not peers.multi_process("")
+    assert not peers.multi_process("--workers")  # no value: the server refuses it, no crash here
