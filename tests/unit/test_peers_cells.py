@@ -258,3 +258,74 @@ def test_a_variant_with_more_than_one_process_is_recognized_in_either_spelling()
     assert not peers.multi_process("--workers=1")
     assert not peers.multi_process("")
     assert not peers.multi_process("--workers")  # no value: the server refuses it, no crash here
+
+
+def test_odd_rounds_measure_in_order_and_even_rounds_in_reverse():
+    runs = ["recserve:one", "ceiling", "torchserve"]
+    assert [peers.round_order(runs, k) for k in (1, 2, 3)] == [
+        ["recserve:one", "ceiling", "torchserve"],
+        ["torchserve", "ceiling", "recserve:one"],
+        ["recserve:one", "ceiling", "torchserve"],
+    ]
+    assert runs == ["recserve:one", "ceiling", "torchserve"]  # the cell's own list unchanged
+
+
+def _binary_answer(outputs: list[tuple[dict, bytes]]) -> tuple[bytes, str]:
+    header = json.dumps({"model_name": "m", "outputs": [o for o, _ in outputs]}).encode()
+    return header + b"".join(data for _, data in outputs), str(len(header))
+
+
+def test_answers_are_decoded_from_json_or_the_binary_extension():
+    import numpy as np
+
+    document, values = peers.decode_answer(
+        json.dumps({"outputs": [{"name": "other", "data": [9]},
+                                {"name": "prediction", "data": [0.25, 0.5]}]}).encode(),
+        None,
+    )  # fmt: skip
+    assert values.tolist() == [0.25, 0.5] and values.dtype == np.float64
+    assert document["outputs"][0]["name"] == "other"
+    prediction = np.array([[0.75], [-1.5]], "<f4").tobytes()
+    scores = np.array([1.0, 2.0, 3.0], "<f4").tobytes()
+    binary = {"datatype": "FP32", "parameters": {"binary_data_size": 8}}
+    body, length = _binary_answer(
+        [
+            ({"name": "scores", "datatype": "FP32", "shape": [3],
+              "parameters": {"binary_data_size": 12}}, scores),
+            ({"name": "prediction", "shape": [2, 1], **binary}, prediction),
+        ]
+    )  # fmt: skip
+    assert peers.decode_answer(body, length)[1].tolist() == [0.75, -1.5]
+    # A JSON output inside a binary answer takes no bytes.
+    body, length = _binary_answer(
+        [({"name": "prediction", "shape": [1], "datatype": "FP32", "data": [0.5]}, b"")]
+    )
+    assert peers.decode_answer(body, length)[1].tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        # Sizes that disagree with the shape, or a datatype other than FP32.
+        ([({"name": "prediction", "datatype": "FP32", "shape": [3],
+            "parameters": {"binary_data_size": 8}}, b"\0" * 8)], "output 'prediction': 8 bytes"),
+        ([({"name": "prediction", "datatype": "FP64", "shape": [1],
+            "parameters": {"binary_data_size": 4}}, b"\0" * 4)], "output 'prediction': 4 bytes"),
+    ],
+)  # fmt: skip
+def test_a_malformed_binary_answer_is_refused(outputs, message):
+    body, length = _binary_answer(outputs)
+    with pytest.raises(ValueError, match=message):
+        peers.decode_answer(body, length)
+
+
+@pytest.mark.parametrize(("name", "extra"), [("prediction", 4), ("other", 0)])
+def test_unclaimed_bytes_or_no_prediction_are_refused(name, extra):
+    """4 bytes past the last output, or no ``prediction`` output: both refused, naming the
+    answer's length and the bytes its header claims."""
+    output = {"name": name, "datatype": "FP32", "shape": [1],
+              "parameters": {"binary_data_size": 4}}  # fmt: skip
+    body, length = _binary_answer([(output, b"\0" * (4 + extra))])
+    claimed = int(length) + 4
+    with pytest.raises(ValueError, match=f"binary answer of {claimed + extra} bytes: {claimed} "):
+        peers.decode_answer(body, length)
