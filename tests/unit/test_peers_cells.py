@@ -329,3 +329,9 @@ def test_unclaimed_bytes_or_no_prediction_are_refused(name, extra):
     claimed = int(length) + 4
     with pytest.raises(ValueError, match=f"binary answer of {claimed + extra} bytes: {claimed} "):
         peers.decode_answer(body, length)
+
+
+def test_a_batch_size_that_is_not_a_number_is_refused_even_with_a_mix(capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--batches", "1,x", "--mix", "8"])
+    assert "bad batch sizes '1,x': use a comma list of integers >= 1" in capsys.readouterr().err
