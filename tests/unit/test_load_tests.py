@@ -1493,3 +1493,94 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
         stubborn.wait(timeout=10)
         stubborn.stdout.close()
     assert stop_process(stubborn) == -signal.SIGKILL  # already ended: its exit code
+
+
+# --------------------------------------------------------------------------- locustfile
+_LOCUSTFILE_PIECES = """
+import json, os, sys
+from types import SimpleNamespace
+
+os.environ["RECSERVE_LT_FINAL_STATS"] = sys.argv[1]
+from locust import events
+from locust.env import Environment
+from locust.runners import WorkerRunner
+from load_tests import locustfile as lf
+
+out = {}
+users = [lf.KServeJsonUser, lf.KServeBinaryUser, lf.FriendlyJsonUser]
+out["users"] = {u.__name__: [u.path, u.label, u.kind, u.content_type] for u in users}
+runner = lambda **attributes: SimpleNamespace(environment=SimpleNamespace(
+    runner=SimpleNamespace(**attributes)))
+out["process_index"] = [lf._process_index(runner(worker_index=3)),
+                        lf._process_index(runner(worker_index=None)), lf._process_index(runner())]
+out["pools"] = {kind: lf.payload_pool(kind, "http://unused").rows for kind in ("json", "friendly")}
+out["stream"] = list(lf.payload_pool("grpc", "http://unused", 2).generator.stream)
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events)
+for ms in range(1, 101):
+    env.stats.log_request("POST", "v2-json b8", ms, 10)
+env.stats.log_request("POST", "v2-json b1", 5, 10)
+env.stats.log_request("GET", "v2-json b1", 7, 10)
+env.stats.total.start_time, env.stats.total.last_request_timestamp = 1000.0, 1004.0
+document = lf.final_stats(env.stats, {}, 0)
+out["rows"] = [[r["type"], r["name"], r["requests"], r["rps"], r["p50_ms"], r["p95_ms"],
+                r["p99_ms"]] for r in document["stats"]]
+
+class Worker(WorkerRunner):
+    def __init__(self):
+        self.exceptions = {}
+
+lf._environments[:] = [SimpleNamespace(runner=Worker(), stats=env.stats)]
+lf._write_final_stats(exit_code=0)
+out["worker_wrote"] = os.path.exists(sys.argv[1])
+lf._environments[:] = [SimpleNamespace(runner=SimpleNamespace(exceptions={}), stats=env.stats)]
+lf._write_final_stats(exit_code=0)
+out["master_wrote"] = os.path.exists(sys.argv[1])
+print(json.dumps(out))
+"""
+
+
+def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
+    """Paths and labels per user; the load-generator process index (0 when locust has none);
+    raw rows only for the friendly pool; the final rows sorted by name then method, with
+    rps over the whole run and each percentile its own; only the master writes them."""
+    (tmp_path / "rows.jsonl").write_text('{"age": 39}\n')
+    (tmp_path / "metadata.json").write_text(json.dumps(_ONE_SLOT))
+    env = {
+        **os.environ,
+        "RECSERVE_LT_MODEL": "adult",
+        "RECSERVE_LT_ROWS": str(tmp_path / "rows.jsonl"),
+        "RECSERVE_LT_METADATA_FILE": str(tmp_path / "metadata.json"),
+        "RECSERVE_LT_SEED": "4",
+        "RECSERVE_LT_POOL": "2",
+    }
+    final = tmp_path / "final.json"
+    result = subprocess.run(
+        [sys.executable, "-c", _LOCUSTFILE_PIECES, str(final)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["users"] == {
+        "KServeJsonUser": ["/v2/models/adult/infer", "v2-json", "json", "application/json"],
+        "KServeBinaryUser": [
+            "/v2/models/adult/infer", "v2-binary", "binary", "application/octet-stream",
+        ],
+        "FriendlyJsonUser": ["/v1/models/adult:predict", "v1-predict", "friendly",
+                             "application/json"],
+    }  # fmt: skip
+    assert out["process_index"] == [3, 0, 0]
+    assert out["pools"] == {"json": None, "friendly": [{"age": 39}]}
+    assert out["stream"] == [3, 2]
+    assert out["rows"] == [
+        ["GET", "v2-json b1", 1, 0.25, 7.0, 7.0, 7.0],
+        ["POST", "v2-json b1", 1, 0.25, 5.0, 5.0, 5.0],
+        ["POST", "v2-json b8", 100, 25.0, 51.0, 96.0, 100.0],  # 1 .. 100 ms
+        ["", "Aggregated", 102, 25.5, 50.0, 95.0, 99.0],
+    ]
+    assert (out["worker_wrote"], out["master_wrote"]) == (False, True)
+    assert json.loads(final.read_text())["stats"][-1]["requests"] == 102
