@@ -4,6 +4,7 @@ checkpoint that holds a row for every vocabulary ID of every slot."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ def _layers(module: nn.Sequential) -> list[str]:
     ]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_the_model_is_a_dlrm_with_a_relu_bottom_and_a_logit_top():
     """Bottom 13-512-256-16 (ReLU after every layer), top 432-256-128-1 (no ReLU after the
     last: the output is a logit, negative too)."""
