@@ -1584,3 +1584,107 @@ def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
     ]
     assert (out["worker_wrote"], out["master_wrote"]) == (False, True)
     assert json.loads(final.read_text())["stats"][-1]["requests"] == 102
+
+
+# --------------------------------------------------------------------------- run.py verdicts
+def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(tmp_path):
+    from load_tests.run import stats_problems
+
+    classes = ["KServeJsonUser", "GrpcUser"]
+
+    def rows(failures: int, rps: float, grpc_requests: int) -> list[dict]:
+        return [
+            {"name": "v2-json b1", "requests": 10, "failures": failures, "rps": rps},
+            {"name": "v2-grpc b1", "requests": grpc_requests, "failures": 0, "rps": 0.0},
+            {"name": "Aggregated", "requests": 10 + grpc_requests, "failures": failures,
+             "rps": rps},
+        ]  # fmt: skip
+
+    assert stats_problems(rows(0, 5.0, 3), classes, tmp_path / "none") == []
+    assert stats_problems(rows(1, 5.0, 3), classes, tmp_path / "none") == ["1 failed requests"]
+    assert stats_problems(rows(0, 0.0, 3), classes, tmp_path / "none") == ["no throughput"]
+    assert stats_problems(rows(0, 5.0, 0), classes, tmp_path / "none") == [
+        "user classes ['GrpcUser'] sent no requests"
+    ]
+    document = {"stats": [], "exceptions": [{"count": 2, "msg": "KeyError('x')"}]}
+    (tmp_path / "run_final.json").write_text(json.dumps(document))
+    assert stats_problems(rows(0, 5.0, 3), classes, tmp_path / "run") == [
+        "locust task error: 2 x KeyError('x')"
+    ]
+
+
+def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
+    from load_tests.run import memory_verdict, soak_problems
+
+    times, flat_rss = _soak(60, 1.0, lambda t: 100.0)
+    _, leak_rss = _soak(60, 1.0, lambda t: 100.0 + 2.0 * t)
+    flat = memory_verdict(times, flat_rss, warmup_s=0.0, run_s=60.0, process="server")
+    leak = memory_verdict(times, leak_rss, warmup_s=0.0, run_s=60.0, process="worker")
+    assert soak_problems({"server": flat}, {"ok": True}) == []
+    assert soak_problems({"server": flat, "worker": leak}, {"ok": True}) == [
+        "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)"
+    ]
+    reload = {"ok": False, "error": "not reached"}
+    assert soak_problems({"server": flat}, reload) == [f"reload failed: {reload}"]
+
+
+def test_a_log_tail_is_its_last_lines(tmp_path):
+    from load_tests.run import _tail
+
+    (tmp_path / "a.log").write_text("one\ntwo\nthree\n")
+    assert _tail(tmp_path / "a.log", 2) == "two\nthree"
+    assert _tail(tmp_path / "missing.log") == ""
+
+
+_SECOND_SIGTERM = """
+import os, signal
+from load_tests.run import sigterm_exits
+
+try:
+    with sigterm_exits():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:  # the cleanup, interrupted by a second SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("cleanup finished", flush=True)
+finally:
+    print("handler restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short():
+    result = subprocess.run(
+        [sys.executable, "-c", _SECOND_SIGTERM],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 143, result.stderr
+    assert result.stdout.splitlines() == ["cleanup finished", "handler restored True"]
+
+
+def test_the_rss_columns_wait_for_every_serving_process():
+    """Serving processes start one after another: the columns are taken once all N exist."""
+    from load_tests.run import server_pids
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "kids, sleeper = [], 'import time; time.sleep(30)'\n"
+         "for _ in range(2):\n"
+         "    kids.append(subprocess.Popen([sys.executable, '-c', sleeper]))\n"
+         "    time.sleep(0.4)\n"
+         "time.sleep(30)"],
+    )  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        pids = server_pids(parent.pid, 2, timeout=20)
+        assert list(pids) == ["server", "server.1", "server.2"]
+        assert len(set(pids.values())) == 3
+    finally:  # the children first, by PID
+        for name, pid in pids.items():
+            if name != "server":
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(timeout=10)
