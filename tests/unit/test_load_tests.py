@@ -1626,6 +1626,9 @@ def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
     ]
     reload = {"ok": False, "error": "not reached"}
     assert soak_problems({"server": flat}, reload) == [f"reload failed: {reload}"]
+    # The server answered, but with another version than the one published: not ok either.
+    stale = {"ok": False, "published": "00000002-bb", "version": "00000001-aa"}
+    assert soak_problems({"server": flat}, stale) == [f"reload failed: {stale}"]
 
 
 def test_a_log_tail_is_its_last_lines(tmp_path):
