@@ -1691,3 +1691,30 @@ def test_the_rss_columns_wait_for_every_serving_process():
                     os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait(timeout=10)
+
+
+def test_served_versions_are_the_served_models_own(monkeypatch):
+    """``recserve_model_info`` of every model served: only ``model``'s versions count."""
+    import io
+    import urllib.request
+
+    from load_tests.run import served_versions
+
+    text = (
+        "# TYPE recserve_model_info gauge\n"
+        'recserve_model_info{model="model",version="v2"} 1\n'
+        'recserve_model_info{model="model",version="v1"} 0\n'
+        'recserve_model_info{model="other",version="v9"} 1\n'
+        'recserve_model_info{model="model"} 1\n'
+        "# TYPE recserve_requests_total counter\n"
+        'recserve_requests_total{model="model",version="v3"} 5\n'
+    )
+    opened = []
+
+    def urlopen(url: str, timeout: float) -> io.BytesIO:
+        opened.append(url)
+        return io.BytesIO(text.encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    assert served_versions("http://127.0.0.1:9", "model") == {"v2": 1.0, "v1": 0.0}
+    assert opened == ["http://127.0.0.1:9/metrics"]

@@ -335,3 +335,31 @@ def test_a_batch_size_that_is_not_a_number_is_refused_even_with_a_mix(capsys):
     with pytest.raises(SystemExit):
         peers.parse_args(["--batches", "1,x", "--mix", "8"])
     assert "bad batch sizes '1,x': use a comma list of integers >= 1" in capsys.readouterr().err
+
+
+def test_the_reference_table_has_columns_only_for_measured_references(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0),
+        _measurement("ceiling", "64", 6000.0, 10.0),
+        _measurement("torchserve", "64", 1000.0, 50.0),
+    ]
+    lines = peers.report(tmp_path, measurements, {"one": ""}, {}).splitlines()
+    header = lines.index(
+        "| model | batch | encoding | no-work ceiling req/s | no-work ceiling / TorchServe | "
+        "best recserve / no-work ceiling |"
+    )
+    assert lines[header + 1 : header + 3] == [
+        "|---|---:|---|---:|---:|---:|",
+        "| adult | 64 | json | 6000 | 6.0 | 0.25 |",
+    ]
+
+
+def test_a_cell_without_torchserve_does_not_decide_the_goal(tmp_path):
+    """TorchServe may fail to serve one model: the goal is judged on the cells it answered."""
+    measurements = [
+        _measurement("recserve:one", "64", 2500.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 40.0),
+        _measurement("recserve:one", "1", 900.0, 5.0),  # no TorchServe run in this cell
+    ]
+    peers.report(tmp_path, measurements, {"one": ""}, {})
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
