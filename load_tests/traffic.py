@@ -198,7 +198,7 @@ class TrafficProfile:
             batch_weights=weights,
             zipf_exponent=float(env.get("RECSERVE_LT_ZIPF", "1.1")),
             unknown_share=float(env.get("RECSERVE_LT_UNKNOWN", "0.02")),
-            seed=int(env.get("RECSERVE_LT_SEED", "0")),
+            seed=int(env.get("RECSERVE_LT_SEED") or "0"),  # empty: unset, as stream_key reads it
         )
 
 

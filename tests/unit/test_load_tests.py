@@ -1149,6 +1149,9 @@ def test_stream_keys_and_pool_sizes():
     assert traffic.stream_key("binary", -3, seeded) == (1, 0)  # no negative spawn key
     unseeded = traffic.stream_key("friendly", 1, {})
     assert unseeded[:2] == (2, 1) and len(unseeded) == 3 and 0 <= unseeded[2] < 2**63
+    # An empty RECSERVE_LT_SEED is unset: a nonce, and the profile's default seed.
+    assert len(traffic.stream_key("json", 0, {"RECSERVE_LT_SEED": ""})) == 3
+    assert traffic.TrafficProfile.from_env({"RECSERVE_LT_SEED": ""}).seed == 0
     # About 8192 rows per size, 64 to 512 payloads.
     sizes = (1, 16, 64, 128, 256, 8192)
     assert [traffic.pool_payloads(size) for size in sizes] == [512, 512, 128, 64, 64, 64]
