@@ -78,7 +78,14 @@ import numpy as np
 from machine_info import describe_machine
 
 from load_tests import traffic
-from load_tests.run import LocustRun, ServeProcess, read_stats, stop_process, subprocess_env
+from load_tests.run import (
+    LocustRun,
+    ServeProcess,
+    read_stats,
+    stop_process,
+    subprocess_env,
+    workers_of,
+)
 
 HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
 CEILING_CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"  # benchmarks/ceiling_server.py reads it
@@ -584,9 +591,17 @@ def measure(
     return result
 
 
+def round_order(runs: list[Any], round_number: int) -> list[Any]:
+    """The servers of a cell in the order round ``round_number`` (from 1) measures them: as
+    given on odd rounds, reversed on even ones, so a drift in the machine's speed does not
+    favour one of them."""
+    return list(runs) if round_number % 2 else list(runs[::-1])
+
+
 def multi_process(flags: str) -> bool:
-    words = shlex.split(flags)
-    return "--workers" in words and int(words[words.index("--workers") + 1]) > 1
+    """Whether ``recserve serve`` flags run more than one serving process (``--workers N``
+    or ``--workers=N``, the last one given, as the server reads them)."""
+    return workers_of(shlex.split(flags)) > 1
 
 
 def infer(url: str, arrays: dict[str, np.ndarray], encoding: str) -> tuple[dict, np.ndarray]:
@@ -1076,10 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
                         # and output.
                         runs = server_runs(encoding)
                         for round_number in range(1, args.rounds + 1):
-                            # Odd rounds run the servers in order, even rounds in reverse, so
-                            # a drift in the machine's speed does not favour one of them.
-                            order = runs if round_number % 2 else runs[::-1]
-                            for run in order:
+                            for run in round_order(runs, round_number):
                                 measurements.append(
                                     measure(
                                         **run,

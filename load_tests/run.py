@@ -1089,6 +1089,32 @@ def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]
     return [name for name in classes if REQUEST_LABELS.get(name, name) not in sent]
 
 
+def stats_problems(stats: list[dict[str, Any]], classes: list[str], csv_prefix: Path) -> list[str]:
+    """What fails a run in locust's final ``stats`` rows: any failed request, no throughput, a
+    user class of ``classes`` that sent nothing, and errors raised in locust tasks."""
+    problems = []
+    total = next(row for row in stats if row["name"] == "Aggregated")
+    if total["failures"]:
+        problems.append(f"{total['failures']} failed requests")
+    if total["rps"] <= 0:
+        problems.append("no throughput")
+    silent = silent_classes(classes, stats)
+    if silent:
+        problems.append(f"user classes {silent} sent no requests")
+    problems.extend(f"locust task error: {line}" for line in task_exceptions(csv_prefix))
+    return problems
+
+
+def soak_problems(verdicts: dict[str, MemoryVerdict], reload: dict[str, Any]) -> list[str]:
+    """What fails a soak: each process whose memory is not flat, and a failed reload."""
+    problems = [
+        f"{name} RSS: {verdict.reason}" for name, verdict in verdicts.items() if not verdict.passed
+    ]
+    if not reload.get("ok"):
+        problems.append(f"reload failed: {reload}")
+    return problems
+
+
 def task_exceptions(csv_prefix: Path) -> list[str]:
     """Errors raised inside locust tasks: they are not request failures, so the stats alone
     would not show them. From the final stats when locust wrote them, else from
@@ -1292,17 +1318,7 @@ def _run(args: argparse.Namespace) -> int:
         stats = list(final["stats"]) if final is not None else []
         history = read_history(run.csv_prefix)
         if final is not None:
-            total = next(row for row in stats if row["name"] == "Aggregated")
-            if total["failures"]:
-                problems.append(f"{total['failures']} failed requests")
-            if total["rps"] <= 0:
-                problems.append("no throughput")
-            silent = silent_classes(classes, stats)
-            if silent:
-                problems.append(f"user classes {silent} sent no requests")
-            problems.extend(
-                f"locust task error: {line}" for line in task_exceptions(run.csv_prefix)
-            )
+            problems.extend(stats_problems(stats, classes, run.csv_prefix))
         if soak is not None:
             samples = sampler.samples
             if samples:
@@ -1318,13 +1334,7 @@ def _run(args: argparse.Namespace) -> int:
             )
             soak["pids"] = dict(pids)
             soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
-            problems.extend(
-                f"{name} RSS: {verdict.reason}"
-                for name, verdict in verdicts.items()
-                if not verdict.passed
-            )
-            if not soak["reload"].get("ok"):
-                problems.append(f"reload failed: {soak['reload']}")
+            problems.extend(soak_problems(verdicts, soak["reload"]))
         plot(
             out / "latency.png",
             history,

@@ -198,7 +198,7 @@ class TrafficProfile:
             batch_weights=weights,
             zipf_exponent=float(env.get("RECSERVE_LT_ZIPF", "1.1")),
             unknown_share=float(env.get("RECSERVE_LT_UNKNOWN", "0.02")),
-            seed=int(env.get("RECSERVE_LT_SEED", "0")),
+            seed=int(env.get("RECSERVE_LT_SEED") or "0"),  # empty: unset, as stream_key reads it
         )
 
 
@@ -328,12 +328,14 @@ class TrafficGenerator:
 
 # --------------------------------------------------------------------------- encodings
 def _datatype(array: np.ndarray) -> str:
+    """The KServe v2 datatype of ``array``, whatever its byte order (the encoders write
+    little-endian bytes)."""
     return {
         np.dtype(np.int64): "INT64",
         np.dtype(np.uint64): "UINT64",
         np.dtype(np.int32): "INT32",
         np.dtype(np.float32): "FP32",
-    }[array.dtype]
+    }[array.dtype.newbyteorder("=")]
 
 
 def encode_kserve_json(arrays: Mapping[str, np.ndarray]) -> bytes:

@@ -954,3 +954,770 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
+
+
+# --------------------------------------------------------------------------- traffic: exact
+def test_metadata_groups_id_slots_jagged_partners_and_dense_inputs():
+    """A ``<slot>.lengths`` input is a jagged slot's partner only when ``<slot>`` exists (its
+    datatype kept); alone it is an ID slot of its own. Dense sample shapes drop the batch."""
+    from load_tests import traffic
+
+    metadata = {
+        "name": "ranker",
+        "inputs": [
+            {"name": "item", "datatype": "INT64", "shape": [-1]},
+            {"name": "history", "datatype": "UINT64", "shape": [-1]},
+            {"name": "history.lengths", "datatype": "INT32", "shape": [-1]},
+            {"name": "orphan.lengths", "datatype": "INT64", "shape": [-1]},
+            {"name": "dense", "datatype": "FP32", "shape": [-1, 2, 3]},
+            {"name": "score", "datatype": "FP32", "shape": [-1]},
+        ],
+    }
+    inputs = traffic.ModelInputs.from_metadata(metadata)
+    assert inputs == traffic.ModelInputs(
+        "ranker",
+        (
+            traffic.IdSlot("item", "INT64", jagged=False),
+            traffic.IdSlot("history", "UINT64", jagged=True, lengths_datatype="INT32"),
+            traffic.IdSlot("orphan.lengths", "INT64", jagged=False),
+        ),
+        (traffic.DenseInput("dense", (2, 3)), traffic.DenseInput("score", ())),
+    )
+    assert traffic.ModelInputs.from_metadata({"inputs": []}).name == "model"
+    generator = traffic.TrafficGenerator(inputs, traffic.TrafficProfile(seed=2))
+    assert generator.arrays(4)["history.lengths"].dtype == np.int32
+    bad = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}]}
+    with pytest.raises(ValueError, match="input 'text': unsupported datatype BYTES"):
+        traffic.ModelInputs.from_metadata(bad)
+
+
+_EXACT_INPUTS = {
+    "name": "m",
+    "inputs": [
+        {"name": "item", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "UINT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT32", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 2]},
+        {"name": "score", "datatype": "FP32", "shape": [-1]},
+    ],
+}
+
+
+def _exact_arrays() -> dict[str, np.ndarray]:
+    return {
+        "item": np.array([3, 4], dtype=np.int64),
+        "history": np.array([7, 8, 9], dtype=np.uint64),
+        "history.lengths": np.array([1, 2], dtype=np.int32),
+        "dense": np.array([[0.5, 1.0], [2.0, -1.5]], dtype=np.float32),
+        "score": np.array([0.25, -2.0], dtype=np.float32),
+    }
+
+
+def test_kserve_json_encoding_is_flat_row_major_data():
+    from load_tests import traffic
+
+    document = json.loads(traffic.encode_kserve_json(_exact_arrays()))
+    assert document == {
+        "inputs": [
+            {"name": "item", "shape": [2], "datatype": "INT64", "data": [3, 4]},
+            {"name": "history", "shape": [3], "datatype": "UINT64", "data": [7, 8, 9]},
+            {"name": "history.lengths", "shape": [2], "datatype": "INT32", "data": [1, 2]},
+            {"name": "dense", "shape": [2, 2], "datatype": "FP32", "data": [0.5, 1.0, 2.0, -1.5]},
+            {"name": "score", "shape": [2], "datatype": "FP32", "data": [0.25, -2.0]},
+        ]
+    }
+
+
+def test_kserve_binary_encoding_is_the_header_then_little_endian_tensors():
+    from load_tests import traffic
+
+    arrays = _exact_arrays()
+    arrays["item"] = arrays["item"].astype(">i8")  # big-endian input: sent little-endian
+    body, header_length = traffic.encode_kserve_binary(arrays)
+    header = json.loads(body[:header_length])
+    assert [(i["name"], i["shape"], i["datatype"]) for i in header["inputs"]] == [
+        ("item", [2], "INT64"),
+        ("history", [3], "UINT64"),
+        ("history.lengths", [2], "INT32"),
+        ("dense", [2, 2], "FP32"),
+        ("score", [2], "FP32"),
+    ]
+    sizes = [i["parameters"]["binary_data_size"] for i in header["inputs"]]
+    assert sizes == [16, 24, 8, 16, 8]
+    assert header["outputs"] == [{"name": "prediction", "parameters": {"binary_data": True}}]
+    expected = b"".join(
+        np.asarray(values, dtype=dtype).tobytes()
+        for values, dtype in (
+            ([3, 4], "<i8"),
+            ([7, 8, 9], "<u8"),
+            ([1, 2], "<i4"),
+            ([0.5, 1.0, 2.0, -1.5], "<f4"),
+            ([0.25, -2.0], "<f4"),
+        )
+    )
+    assert body[header_length:] == expected
+
+
+def test_friendly_encoding_gives_each_row_its_own_list_and_values():
+    """Row k of a jagged slot holds the IDs between the cumulative lengths before and after
+    it; a dense input of sample shape () is a number per row, any other shape a list."""
+    from load_tests import traffic
+
+    inputs = traffic.ModelInputs.from_metadata(_EXACT_INPUTS)
+    body = traffic.encode_friendly_json(inputs, _exact_arrays())
+    assert json.loads(body) == {
+        "instances": [
+            {"item": 3, "history": [7], "dense": [0.5, 1.0], "score": 0.25},
+            {"item": 4, "history": [8, 9], "dense": [2.0, -1.5], "score": -2.0},
+        ]
+    }
+    arrays = _exact_arrays()
+    arrays["history.lengths"] = np.array([0, 3], dtype=np.int32)  # an empty list first
+    rows = json.loads(traffic.encode_friendly_json(inputs, arrays))["instances"]
+    assert [row["history"] for row in rows] == [[], [7, 8, 9]]
+
+
+def test_raw_rows_are_read_up_to_the_limit_from_csv_json_lines_and_gzip(tmp_path):
+    import gzip
+
+    from load_tests import traffic
+
+    lines = "".join(f'{{"age": {20 + k}}}\n' for k in range(5))
+    (tmp_path / "rows.ndjson").write_text(lines)
+    assert traffic.load_rows(tmp_path / "rows.ndjson", limit=3) == [
+        {"age": 20},
+        {"age": 21},
+        {"age": 22},
+    ]
+    assert len(traffic.load_rows(tmp_path / "rows.ndjson", limit=5)) == 5
+    with gzip.open(tmp_path / "rows.csv.gz", "wt") as handle:
+        handle.write("age,workclass\n39,Private\n50,State-gov\n28,Private\n")
+    assert traffic.load_rows(tmp_path / "rows.csv.gz", limit=2) == [
+        {"age": "39", "workclass": "Private"},
+        {"age": "50", "workclass": "State-gov"},
+    ]
+    with gzip.open(tmp_path / "rows.jsonl.gz", "wt") as handle:
+        handle.write('{"age": 7}\n')
+    assert traffic.load_rows(tmp_path / "rows.jsonl.gz") == [{"age": 7}]
+    (tmp_path / "header.csv").write_text("age,workclass\n")
+    with pytest.raises(ValueError, match=r"header\.csv: no rows"):
+        traffic.load_rows(tmp_path / "header.csv")
+
+
+def test_a_pool_refuses_unknown_kinds_and_misplaced_or_empty_rows():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(batch_sizes=(2,), batch_weights=(1.0,)),
+    )
+    with pytest.raises(ValueError, match="unknown payload kind 'xml'"):
+        traffic.PayloadPool(generator, "xml", per_size=1)
+    for kind, rows in (("json", [{"age": 1}]), ("friendly", [])):
+        with pytest.raises(ValueError, match="raw rows need the friendly payload kind"):
+            traffic.PayloadPool(generator, kind, per_size=1, rows=rows)
+
+
+def test_a_pick_above_the_rounded_cdf_is_the_last_batch_size():
+    """Weights whose normalized cumsum ends below 1: a uniform draw above it still picks the
+    last batch size (not an index past the end)."""
+    from load_tests import traffic
+
+    weights = tuple(1.0 / np.arange(1, 13) ** 1.1)
+    profile = traffic.TrafficProfile(batch_sizes=tuple(range(1, 13)), batch_weights=weights)
+    generator = traffic.TrafficGenerator(traffic.ModelInputs.from_metadata(_ONE_SLOT), profile)
+    pool = traffic.PayloadPool(generator, "grpc", per_size=1)
+    assert pool._cdf[-1] < np.nextafter(1.0, 0.0)
+
+    class Top:
+        def random(self) -> float:
+            return float(np.nextafter(1.0, 0.0))
+
+        def integers(self, high: int) -> int:
+            return high - 1
+
+    pool._rng = Top()
+    assert pool.pick().batch_size == 12
+
+
+def test_stream_keys_and_pool_sizes():
+    from load_tests import traffic
+
+    seeded = {"RECSERVE_LT_SEED": "1"}
+    assert traffic.stream_key("json", 0, seeded) == (0, 0)
+    assert traffic.stream_key("grpc", 2, seeded) == (3, 2)
+    assert traffic.stream_key("binary", -3, seeded) == (1, 0)  # no negative spawn key
+    unseeded = traffic.stream_key("friendly", 1, {})
+    assert unseeded[:2] == (2, 1) and len(unseeded) == 3 and 0 <= unseeded[2] < 2**63
+    # An empty RECSERVE_LT_SEED is unset: a nonce, and the profile's default seed.
+    assert len(traffic.stream_key("json", 0, {"RECSERVE_LT_SEED": ""})) == 3
+    assert traffic.TrafficProfile.from_env({"RECSERVE_LT_SEED": ""}).seed == 0
+    # About 8192 rows per size, 64 to 512 payloads.
+    sizes = (1, 16, 64, 128, 256, 8192)
+    assert [traffic.pool_payloads(size) for size in sizes] == [512, 512, 128, 64, 64, 64]
+
+
+def test_a_slot_with_an_empty_vocabulary_draws_from_the_default_one():
+    from load_tests import traffic
+
+    generator = traffic.TrafficGenerator(
+        traffic.ModelInputs.from_metadata(_ONE_SLOT),
+        traffic.TrafficProfile(unknown_share=0.0, default_vocab=50, seed=4),
+        {"item": np.zeros(0, np.uint64), "history": np.array([900, 901], np.uint64)},
+    )
+    arrays = generator.arrays(256)
+    assert set(arrays["item"].tolist()) <= set(range(50))
+    assert set(arrays["history"].tolist()) <= {900, 901}
+
+
+def _fake_embeddings(root: Path, config: dict, shards: list[np.ndarray]) -> None:
+    """An ``embeddings/`` folder as vocab_from_checkpoint reads it: the manifest's config and
+    one safetensors file of stored (prefixed) ``ids`` per shard."""
+    import safetensors.numpy
+
+    embeddings = root / "embeddings"
+    files = []
+    for index, ids in enumerate(shards):
+        path = f"shard_{index}/dim_4.safetensors"
+        (embeddings / path).parent.mkdir(parents=True)
+        safetensors.numpy.save_file({"ids": ids.astype(np.uint64)}, str(embeddings / path))
+        files.append({"path": path, "rows": len(ids)})
+    manifest = {"embedding_config": config, "files": files}
+    (embeddings / "embedding_manifest.json").write_text(json.dumps(manifest))
+
+
+def test_the_vocabulary_strips_each_id_spaces_prefix(tmp_path):
+    """IDs stored as the embedding config prefixes them (feature groups first, then ungrouped
+    slots; prefix numbers from 1): each slot's vocabulary is its ID space's raw IDs, sorted,
+    slots of one group sharing theirs, and a raw ID using all 56 bits stays whole."""
+    from embedding_store.config import embedding_config_from_mapping
+    from load_tests import traffic
+
+    mapping = {
+        "feature_index_prefix_bit": 8,
+        "slots_config": {"user": {"dim": 4}, "item": {"dim": 4}, "hist": {"dim": 4}},
+        "feature_groups": {"items": ["item", "hist"]},
+    }
+    config = embedding_config_from_mapping(mapping)
+    big = (1 << 56) - 3
+    raw = {"user": [big, 5], "item": [11, 10], "hist": [12, 11]}
+    stored = {name: config.prefix_ids(name, np.array(ids, np.uint64)) for name, ids in raw.items()}
+    shards = [np.concatenate([stored["user"], stored["item"]]), stored["hist"]]
+    _fake_embeddings(tmp_path, mapping, shards)
+    vocab = traffic.vocab_from_checkpoint(tmp_path)
+    assert {name: ids.tolist() for name, ids in vocab.items()} == {
+        "user": [5, big],
+        "item": [10, 11, 12],
+        "hist": [10, 11, 12],
+    }
+    assert vocab["user"].dtype == np.uint64
+    # Without prefix bits every slot shares one ID space; the embeddings folder itself works.
+    flat = {**mapping, "feature_index_prefix_bit": 0, "feature_groups": {}}
+    _fake_embeddings(tmp_path / "flat", flat, [np.array([9, 3, 9], np.uint64)])
+    vocab = traffic.vocab_from_checkpoint(tmp_path / "flat" / "embeddings")
+    assert {name: ids.tolist() for name, ids in vocab.items()} == {
+        "user": [3, 9],
+        "item": [3, 9],
+        "hist": [3, 9],
+    }
+    traffic.save_vocab(vocab, tmp_path / "vocab.npz")
+    loaded = traffic.load_vocab(tmp_path / "vocab.npz")
+    assert {name: ids.tolist() for name, ids in loaded.items()} == {
+        "user": [3, 9],
+        "item": [3, 9],
+        "hist": [3, 9],
+    }
+
+
+def test_describe_names_slots_jagged_ones_and_dense_shapes():
+    from load_tests import traffic
+
+    inputs = traffic.ModelInputs.from_metadata(_EXACT_INPUTS)
+    assert traffic.describe(inputs) == "2 ID slots (1 jagged), dense inputs dense[2], score[]"
+
+
+# --------------------------------------------------------------------------- run.py arguments
+_BOUNDS = "--users, --seconds and --minutes must be positive"
+_BOUNDED = "bounded runs only: at most 1000 users, 3600 s, 120 minutes"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--users", "0"], _BOUNDS),
+        (["--seconds", "0"], _BOUNDS),
+        (["--soak", "--minutes", "0"], _BOUNDS),
+        (["--users", "1001"], _BOUNDED),
+        (["--seconds", "3600.5"], _BOUNDED),
+        (["--soak", "--minutes", "120.5"], _BOUNDED),
+        (["--spawn-rate", "0"], "--spawn-rate must be > 0 users per second, got 0.0"),
+        (["--locust-processes", "65"], "--locust-processes must be in 1..64, got 65"),
+        (["--rss-interval", "0"], "--rss-interval must be in (0, 60] seconds, got 0.0"),
+        (["--rss-interval", "60.5"], "--rss-interval must be in (0, 60] seconds, got 60.5"),
+        (["--unknown-share", "1"], "--unknown-share must be in [0, 1), got 1.0"),
+        (["--unknown-share", "-0.1"], "--unknown-share must be in [0, 1), got -0.1"),
+        (["--seconds", "nan"], "expected a finite number, got 'nan'"),
+        (["--spawn-rate", "inf"], "expected a finite number, got 'inf'"),
+        (["--seconds", "ten"], "expected a number, got 'ten'"),
+        (["--user-classes", "json,xml,soap"], "unknown user classes ['soap', 'xml']"),
+        (["--serve-args", '--model-name "x'], "--serve-args '--model-name \"x': No closing"),
+    ],
+)
+def test_each_argument_bound_is_refused_with_its_message(flags, message, tmp_path, capsys):
+    from load_tests.run import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--synthetic", "--out", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--users", "1", "--user-classes", "json"],
+        ["--users", "1000", "--seconds", "3600"],
+        ["--soak", "--minutes", "120", "--rss-interval", "60"],
+        ["--spawn-rate", "0.5", "--locust-processes", "64", "--unknown-share", "0"],
+        ["--locust-processes", "1", "--seed", "0"],
+        # A class named twice is one class: 2 users cover json and grpc.
+        ["--users", "2", "--user-classes", "json,json,grpc"],
+    ],
+)
+def test_arguments_on_their_bounds_are_accepted(flags, tmp_path):
+    from load_tests.run import parse_args
+
+    parse_args(["--synthetic", "--out", str(tmp_path), *flags])
+
+
+def test_serve_flags_are_read_as_recserve_serve_reads_them():
+    """The last value given wins, in either spelling; a flag without its value, or a value that
+    is not a number, reads as absent (the server itself then refuses it)."""
+    from load_tests.run import preprocessor_of, serve_option, watch_seconds_of, workers_of
+
+    assert serve_option(["--workers", "2", "--workers=3"], "--workers") == "3"
+    assert serve_option(["--workers=3", "--workers", "4"], "--workers") == "4"
+    assert serve_option(["--max-batch-size", "8", "--workers"], "--workers") is None
+    assert workers_of(["--workers"]) == 1
+    assert workers_of(["--workers", "two"]) == 1
+    assert preprocessor_of(["--preprocessor=a.b:c"]) == "a.b:c"
+    for text in ("inf", "nan", "soon"):
+        assert watch_seconds_of(["--watch-seconds", text]) == 0.0, text
+
+
+# --------------------------------------------------------------------------- run.py memory
+def test_memory_verdict_bounds_are_inclusive_where_the_rule_says_at_most():
+    """Growth at exactly the allowed rate and a reload step of exactly the floor pass; the
+    allowed rate never drops under MAX_GROWTH_MB_PER_MIN for a long soak."""
+    from load_tests.run import memory_verdict
+
+    # 20-minute soak: allowed max(1, 20 MB / 20 min) = 1 MB/min; growing exactly that passes.
+    times, rss = _soak(1200, 10.0, lambda t: 300 + t / 60.0)
+    at_limit = memory_verdict(times, rss, warmup_s=0.0, run_s=1200.0)
+    assert (at_limit.sustained_mb_per_min, at_limit.allowed_mb_per_min) == (1.0, 1.0)
+    assert at_limit.passed, at_limit
+    # 60-minute soak: 20 MB / 60 min is 0.33 MB/min, but 1 MB/min stays allowed.
+    times, rss = _soak(3600, 30.0, lambda t: 300 + 0.5 * t / 60.0)
+    long = memory_verdict(times, rss, warmup_s=0.0, run_s=3600.0)
+    assert long.allowed_mb_per_min == 1.0 and long.passed, long
+    # A reload step of exactly the 20 MB floor passes; 20.5 MB does not.
+    for step, passed in ((20.0, True), (20.5, False)):
+        times, rss = _soak(100, 1.0, lambda t, s=step: 100 + (s if t >= 50 else 0))
+        verdict = memory_verdict(times, rss, warmup_s=0.0, run_s=100.0, reload_s=50.0, settle_s=20)
+        assert (verdict.reload_step_mb, verdict.passed) == (step, passed)
+
+
+def test_memory_verdict_judges_a_segment_from_six_samples_and_keeps_zero_readings():
+    """A judged segment needs 6 samples: 5 are no verdict. Only negative readings mean "no
+    sample"; every kept sample counts, and the levels are medians of quarters (at least one
+    sample) of the judged ones."""
+    from load_tests.run import memory_verdict
+
+    six = memory_verdict([0, 1, 2, 3, 4, 5], [0.0, 2.0, 0.0, 0.0, 0.0, 4.0], warmup_s=0, run_s=6)
+    assert (six.passed, six.samples, six.reason) == (True, 6, "flat")
+    assert (six.baseline_mb, six.last_mb) == (0.0, 4.0)  # one sample each: the first, the last
+    five = memory_verdict([0, 1, 2, 3, 4, 5], [-1.0, 5, 5, 5, 5, 5], warmup_s=0, run_s=6)
+    assert not five.passed and five.reason == "too few samples after warm-up (5)"
+    ends = memory_verdict(
+        range(8), [100.0, 104.0, 101.0, 101.0, 101.0, 101.0, 96.0, 99.0], warmup_s=0, run_s=8
+    )
+    assert (ends.baseline_mb, ends.last_mb) == (102.0, 97.5)  # quarters of 2 samples
+
+
+def test_the_reload_step_compares_two_sample_levels_around_the_reload():
+    """The level before the reload is the median of its last quarter, after it the median of
+    the first quarter of the settled segment, each at least 2 samples (one sample is noise)."""
+    from load_tests.run import memory_verdict
+
+    times = [float(t) for t in range(14)]
+    rss = [100.0] * 5 + [104.0] + [-1.0] * 2 + [130.0] * 6
+    verdict = memory_verdict(times, rss, warmup_s=0.0, run_s=14.0, reload_s=6.0, settle_s=2.0)
+    assert verdict.reload_step_mb == 28.0  # 130 - median(100, 104)
+
+
+def test_theil_sen_slope_is_the_median_pairwise_slope_of_distinct_times():
+    from load_tests.run import theil_sen_slope
+
+    assert theil_sen_slope(np.array([1.0, 1.0]), np.array([0.0, 5.0])) is None
+    assert theil_sen_slope(np.array([3.0]), np.array([1.0])) is None
+    # Pairs: 1, 3, 1, 1, -1 (the two samples at t = 1 form no pair): median 1.
+    assert theil_sen_slope(np.array([0.0, 1, 1, 2]), np.array([0.0, 1, 3, 2])) == 1.0
+    # An outlier does not move it.
+    assert theil_sen_slope(np.arange(7.0), np.array([0.0, 2, 4, 60, 8, 10, 12])) == 2.0
+
+
+# --------------------------------------------------------------------------- run.py locust
+def test_a_non_zero_locust_exit_is_explained_by_failures_or_task_errors(tmp_path):
+    """locust exits 1 when requests failed or tasks raised: the problem names the exit code,
+    and only an exit that nothing explains adds the log's tail."""
+    from load_tests.run import locust_outcome
+
+    run = _locust_run(tmp_path)
+    (tmp_path / "locust.log").write_text("locust said why\n")
+
+    def outcome(failures: int, exceptions: list, code: int) -> list[str]:
+        total = {"name": "Aggregated", "requests": 9, "failures": failures}
+        document = {"written_unix": 10.0, "stats": [total], "exceptions": exceptions}
+        (tmp_path / "locust_final.json").write_text(json.dumps(document))
+        final, problems = locust_outcome(run, code, started_unix=5.0)
+        assert final == document
+        return problems
+
+    task_error = [{"count": 1, "msg": "KeyError('x')"}]
+    assert outcome(3, [], 1) == ["locust exited with code 1"]
+    assert outcome(0, task_error, 1) == ["locust exited with code 1"]
+    tail = f"locust exited with code 2; {tmp_path / 'locust.log'}:\nlocust said why"
+    assert outcome(0, [], 2) == [tail]
+    assert outcome(0, [], 0) == []
+
+
+def test_torn_or_foreign_final_stats_are_absent(tmp_path):
+    from load_tests.run import read_final_stats
+
+    path = tmp_path / "final.json"
+    for text in ('{"stats": [', '["stats"]', '{"exit_code": 0}'):
+        path.write_text(text)
+        assert read_final_stats(path) is None, text
+    assert read_final_stats(tmp_path / "missing.json") is None
+    path.write_text('{"stats": []}')
+    assert read_final_stats(path) == {"stats": []}
+
+
+def test_task_errors_are_one_line_of_at_most_200_characters(tmp_path):
+    from load_tests.run import task_exceptions
+
+    message = "  ValueError('" + "x" * 300 + "')\n"
+    (tmp_path / "csv_exceptions.csv").write_text(
+        "Count,Message,Traceback,Nodes\n" + f'4,"{message}",tb,local\n'
+    )
+    expected = "4 x " + message.strip()[:200]
+    assert task_exceptions(tmp_path / "csv") == [expected]
+    document = {"stats": [], "exceptions": [{"count": 4, "msg": message}]}
+    (tmp_path / "final_final.json").write_text(json.dumps(document))
+    assert task_exceptions(tmp_path / "final") == [expected]
+
+
+def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp_path):
+    from load_tests.run import LOCUSTFILE, LocustRun
+
+    def command(seconds: float, processes: int) -> list[str]:
+        run = LocustRun(
+            users=3, spawn_rate=1.5, seconds=seconds, classes=["KServeJsonUser", "GrpcUser"],
+            host="http://127.0.0.1:1", csv_prefix=tmp_path / "locust",
+            log_path=tmp_path / "locust.log", env={}, processes=processes,
+        )  # fmt: skip
+        return run.command()
+
+    assert command(14.6, 1)[1:] == [
+        "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "1.5", "-t",
+        "15s", "--host", "http://127.0.0.1:1", "--csv", str(tmp_path / "locust"),
+        "--csv-full-history", "--only-summary", "--stop-timeout", "5", "--loglevel", "WARNING",
+        "KServeJsonUser", "GrpcUser",
+    ]  # fmt: skip
+    short = command(0.3, 1)
+    assert short[short.index("-t") + 1] == "1s"  # never "0s"
+    assert command(5, 3)[-4:] == ["--processes", "3", "KServeJsonUser", "GrpcUser"]
+
+
+def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
+    from load_tests.run import write_summary
+
+    row = {"name": "Aggregated", "requests": 0, "failures": 0, "rps": 0.0, "p50_ms": None,
+           "p95_ms": None, "p99_ms": None}  # fmt: skip
+
+    def memory(process: str, passed: bool, step: float | None) -> dict:
+        return {"process": process, "samples": 40, "warmup_s": 6.0, "baseline_mb": 430.0,
+                "last_mb": 431.5, "slope_mb_per_min": 0.2, "sustained_mb_per_min": 0.1,
+                "allowed_mb_per_min": 40.0, "reload_step_mb": step, "passed": passed,
+                "reason": "flat" if passed else "grows 90 MB/min"}  # fmt: skip
+
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 2, "classes": ["GrpcUser"], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": ["--workers", "2"], "passed": True, "verdict": "no failures",
+        "soak": {"reload_at_s": 15.04, "reload": {"ok": True},
+                 "pids": {"server": 41},
+                 "memory": {"server": memory("server", True, 1.5),
+                            "server.1": memory("server.1", False, None)}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert "| **all** | 0 | 0 | 0.0 | - | - | - |" in lines
+    assert "- serve flags: `--workers 2`" in lines
+    soak = lines[lines.index("## Soak") :]
+    assert soak[2:6] == [
+        "- reload at 15.0 s: {'ok': True}",
+        "- server (pid 41) RSS: 430.0 MB -> 431.5 MB, slope 0.2 MB/min, sustained 0.1 MB/min "
+        "(allowed 40.0), after the reload +1.5 MB, 40 samples after 6.0 s warm-up: **flat**",
+        "- server.1 RSS: 430.0 MB -> 431.5 MB, slope 0.2 MB/min, sustained 0.1 MB/min "
+        "(allowed 40.0), after the reload -, 40 samples after 6.0 s warm-up: **GROWING** "
+        "(grows 90 MB/min)",
+        "- series: `rss.csv`",
+    ]
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,"
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    from load_tests.run import stop_process
+
+    assert stop_process(None) is None
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+         "time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert stubborn.stdout.readline().strip() == "ready"
+        assert stop_process(stubborn, grace=0.3) == -signal.SIGKILL
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
+        stubborn.wait(timeout=10)
+        stubborn.stdout.close()
+    assert stop_process(stubborn) == -signal.SIGKILL  # already ended: its exit code
+
+
+# --------------------------------------------------------------------------- locustfile
+_LOCUSTFILE_PIECES = """
+import json, os, sys
+from types import SimpleNamespace
+
+os.environ["RECSERVE_LT_FINAL_STATS"] = sys.argv[1]
+from locust import events
+from locust.env import Environment
+from locust.runners import WorkerRunner
+from load_tests import locustfile as lf
+
+out = {}
+users = [lf.KServeJsonUser, lf.KServeBinaryUser, lf.FriendlyJsonUser]
+out["users"] = {u.__name__: [u.path, u.label, u.kind, u.content_type] for u in users}
+runner = lambda **attributes: SimpleNamespace(environment=SimpleNamespace(
+    runner=SimpleNamespace(**attributes)))
+out["process_index"] = [lf._process_index(runner(worker_index=3)),
+                        lf._process_index(runner(worker_index=None)), lf._process_index(runner())]
+out["pools"] = {kind: lf.payload_pool(kind, "http://unused").rows for kind in ("json", "friendly")}
+out["stream"] = list(lf.payload_pool("grpc", "http://unused", 2).generator.stream)
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events)
+for ms in range(1, 101):
+    env.stats.log_request("POST", "v2-json b8", ms, 10)
+env.stats.log_request("POST", "v2-json b1", 5, 10)
+env.stats.log_request("GET", "v2-json b1", 7, 10)
+env.stats.total.start_time, env.stats.total.last_request_timestamp = 1000.0, 1004.0
+document = lf.final_stats(env.stats, {}, 0)
+out["rows"] = [[r["type"], r["name"], r["requests"], r["rps"], r["p50_ms"], r["p95_ms"],
+                r["p99_ms"]] for r in document["stats"]]
+
+class Worker(WorkerRunner):
+    def __init__(self):
+        self.exceptions = {}
+
+lf._environments[:] = [SimpleNamespace(runner=Worker(), stats=env.stats)]
+lf._write_final_stats(exit_code=0)
+out["worker_wrote"] = os.path.exists(sys.argv[1])
+lf._environments[:] = [SimpleNamespace(runner=SimpleNamespace(exceptions={}), stats=env.stats)]
+lf._write_final_stats(exit_code=0)
+out["master_wrote"] = os.path.exists(sys.argv[1])
+print(json.dumps(out))
+"""
+
+
+def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
+    """Paths and labels per user; the load-generator process index (0 when locust has none);
+    raw rows only for the friendly pool; the final rows sorted by name then method, with
+    rps over the whole run and each percentile its own; only the master writes them."""
+    (tmp_path / "rows.jsonl").write_text('{"age": 39}\n')
+    (tmp_path / "metadata.json").write_text(json.dumps(_ONE_SLOT))
+    env = {
+        **os.environ,
+        "RECSERVE_LT_MODEL": "adult",
+        "RECSERVE_LT_ROWS": str(tmp_path / "rows.jsonl"),
+        "RECSERVE_LT_METADATA_FILE": str(tmp_path / "metadata.json"),
+        "RECSERVE_LT_SEED": "4",
+        "RECSERVE_LT_POOL": "2",
+    }
+    final = tmp_path / "final.json"
+    result = subprocess.run(
+        [sys.executable, "-c", _LOCUSTFILE_PIECES, str(final)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["users"] == {
+        "KServeJsonUser": ["/v2/models/adult/infer", "v2-json", "json", "application/json"],
+        "KServeBinaryUser": [
+            "/v2/models/adult/infer", "v2-binary", "binary", "application/octet-stream",
+        ],
+        "FriendlyJsonUser": ["/v1/models/adult:predict", "v1-predict", "friendly",
+                             "application/json"],
+    }  # fmt: skip
+    assert out["process_index"] == [3, 0, 0]
+    assert out["pools"] == {"json": None, "friendly": [{"age": 39}]}
+    assert out["stream"] == [3, 2]
+    assert out["rows"] == [
+        ["GET", "v2-json b1", 1, 0.25, 7.0, 7.0, 7.0],
+        ["POST", "v2-json b1", 1, 0.25, 5.0, 5.0, 5.0],
+        ["POST", "v2-json b8", 100, 25.0, 51.0, 96.0, 100.0],  # 1 .. 100 ms
+        ["", "Aggregated", 102, 25.5, 50.0, 95.0, 99.0],
+    ]
+    assert (out["worker_wrote"], out["master_wrote"]) == (False, True)
+    assert json.loads(final.read_text())["stats"][-1]["requests"] == 102
+
+
+# --------------------------------------------------------------------------- run.py verdicts
+def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(tmp_path):
+    from load_tests.run import stats_problems
+
+    classes = ["KServeJsonUser", "GrpcUser"]
+
+    def rows(failures: int, rps: float, grpc_requests: int) -> list[dict]:
+        return [
+            {"name": "v2-json b1", "requests": 10, "failures": failures, "rps": rps},
+            {"name": "v2-grpc b1", "requests": grpc_requests, "failures": 0, "rps": 0.0},
+            {"name": "Aggregated", "requests": 10 + grpc_requests, "failures": failures,
+             "rps": rps},
+        ]  # fmt: skip
+
+    assert stats_problems(rows(0, 5.0, 3), classes, tmp_path / "none") == []
+    assert stats_problems(rows(1, 5.0, 3), classes, tmp_path / "none") == ["1 failed requests"]
+    assert stats_problems(rows(0, 0.0, 3), classes, tmp_path / "none") == ["no throughput"]
+    assert stats_problems(rows(0, 5.0, 0), classes, tmp_path / "none") == [
+        "user classes ['GrpcUser'] sent no requests"
+    ]
+    document = {"stats": [], "exceptions": [{"count": 2, "msg": "KeyError('x')"}]}
+    (tmp_path / "run_final.json").write_text(json.dumps(document))
+    assert stats_problems(rows(0, 5.0, 3), classes, tmp_path / "run") == [
+        "locust task error: 2 x KeyError('x')"
+    ]
+
+
+def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
+    from load_tests.run import memory_verdict, soak_problems
+
+    times, flat_rss = _soak(60, 1.0, lambda t: 100.0)
+    _, leak_rss = _soak(60, 1.0, lambda t: 100.0 + 2.0 * t)
+    flat = memory_verdict(times, flat_rss, warmup_s=0.0, run_s=60.0, process="server")
+    leak = memory_verdict(times, leak_rss, warmup_s=0.0, run_s=60.0, process="worker")
+    assert soak_problems({"server": flat}, {"ok": True}) == []
+    assert soak_problems({"server": flat, "worker": leak}, {"ok": True}) == [
+        "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)"
+    ]
+    reload = {"ok": False, "error": "not reached"}
+    assert soak_problems({"server": flat}, reload) == [f"reload failed: {reload}"]
+    # The server answered, but with another version than the one published: not ok either.
+    stale = {"ok": False, "published": "00000002-bb", "version": "00000001-aa"}
+    assert soak_problems({"server": flat}, stale) == [f"reload failed: {stale}"]
+
+
+def test_a_log_tail_is_its_last_lines(tmp_path):
+    from load_tests.run import _tail
+
+    (tmp_path / "a.log").write_text("one\ntwo\nthree\n")
+    assert _tail(tmp_path / "a.log", 2) == "two\nthree"
+    assert _tail(tmp_path / "missing.log") == ""
+
+
+_SECOND_SIGTERM = """
+import os, signal
+from load_tests.run import sigterm_exits
+
+try:
+    with sigterm_exits():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:  # the cleanup, interrupted by a second SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("cleanup finished", flush=True)
+finally:
+    print("handler restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short():
+    result = subprocess.run(
+        [sys.executable, "-c", _SECOND_SIGTERM],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 143, result.stderr
+    assert result.stdout.splitlines() == ["cleanup finished", "handler restored True"]
+
+
+def test_the_rss_columns_wait_for_every_serving_process():
+    """Serving processes start one after another: the columns are taken once all N exist."""
+    from load_tests.run import server_pids
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "kids, sleeper = [], 'import time; time.sleep(30)'\n"
+         "for _ in range(2):\n"
+         "    kids.append(subprocess.Popen([sys.executable, '-c', sleeper]))\n"
+         "    time.sleep(0.4)\n"
+         "time.sleep(30)"],
+    )  # fmt: skip
+    pids: dict[str, int] = {}
+    try:
+        pids = server_pids(parent.pid, 2, timeout=20)
+        assert list(pids) == ["server", "server.1", "server.2"]
+        assert len(set(pids.values())) == 3
+    finally:  # the children first, by PID
+        for name, pid in pids.items():
+            if name != "server":
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(timeout=10)
+
+
+def test_served_versions_are_the_served_models_own(monkeypatch):
+    """``recserve_model_info`` of every model served: only ``model``'s versions count."""
+    import io
+    import urllib.request
+
+    from load_tests.run import served_versions
+
+    text = (
+        "# TYPE recserve_model_info gauge\n"
+        'recserve_model_info{model="model",version="v2"} 1\n'
+        'recserve_model_info{model="model",version="v1"} 0\n'
+        'recserve_model_info{model="other",version="v9"} 1\n'
+        'recserve_model_info{model="model"} 1\n'
+        "# TYPE recserve_requests_total counter\n"
+        'recserve_requests_total{model="model",version="v3"} 5\n'
+    )
+    opened = []
+
+    def urlopen(url: str, timeout: float) -> io.BytesIO:
+        opened.append(url)
+        return io.BytesIO(text.encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    assert served_versions("http://127.0.0.1:9", "model") == {"v2": 1.0, "v1": 0.0}
+    assert opened == ["http://127.0.0.1:9/metrics"]

@@ -185,3 +185,181 @@ def test_a_comparison_without_torchserve_installed_is_refused_up_front(tmp_path,
     assert code == 2
     assert f"--ts-venv {tmp_path} has no bin/torchserve" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_the_goal_is_met_on_its_bounds_and_only_against_torchserve(tmp_path):
+    """Goal: recserve at least 2x TorchServe's req/s with a p99 no higher; exactly 2.0 and
+    1.0 meet it. Without any TorchServe measurement the goal is not met anywhere."""
+    on_bounds = [
+        _measurement("recserve:one", "64", 2000.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 30.0),
+    ]
+    lines = peers.report(tmp_path, on_bounds, {"one": ""}, {}).splitlines()
+    assert (
+        "| adult | 64 | json | one: `(defaults)` | 2000 | 1000 | 2.0 | 2.0 | 30.0 | 30.0 | 1.0 "
+        "| met |" in lines
+    )
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
+    alone = [_measurement("recserve:one", "64", 2000.0, 30.0)]
+    lines = peers.report(tmp_path, alone, {"one": "--workers 2"}, {}).splitlines()
+    assert (
+        "| adult | 64 | json | one: `--workers 2` | 2000 | nan | None | - | 30.0 | - | None "
+        "| not met |" in lines
+    )
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is False
+
+
+def test_ratios_need_two_measured_numbers():
+    assert peers.ratio(3.0, 2.0) == 1.5
+    assert peers.ratio(1.0, 3.0) == 0.33
+    for a, b in ((0.0, 5.0), (None, 5.0), (5.0, 0.0), (5.0, None)):
+        assert peers.ratio(a, b) is None, (a, b)
+
+
+def test_a_cell_is_a_batch_size_or_a_mix():
+    assert peers.batch_label("64") == "64"
+    assert peers.batch_label("8:1") == "mix 8:1"  # what --mix 8 becomes
+    assert peers.batch_label("1:6,8:3") == "mix 1:6,8:3"
+
+
+def test_combined_rounds_keep_the_first_error_and_add_requests():
+    rounds = [_measurement("torchserve", "64", rps, 10.0, k) for k, rps in ((1, 5.0), (2, 7.0))]
+    rounds += [_measurement("torchserve", "64", 9.0, 10.0, 3)]
+    rounds[0].requests, rounds[1].requests, rounds[2].requests = 10, 20, 30
+    rounds[1].error, rounds[2].error = "no locust stats: first", "no locust stats: second"
+    combined = peers.combine_rounds(rounds)
+    assert (combined.requests, combined.rps, combined.error) == (60, 7.0, "no locust stats: first")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--users", "0"], ["--users", "513"], ["--seconds", "0"], ["--seconds", "600.5"]],
+)
+def test_runs_are_bounded(flags, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--batches", "1", *flags])
+    assert "bounded runs only: 1..512 users, at most 600 s per run" in capsys.readouterr().err
+
+
+def test_bounds_themselves_are_accepted():
+    args = peers.parse_args(
+        ["--users", "512", "--seconds", "600", "--rounds", "10", "--warmup-seconds", "0"]
+    )
+    assert (args.users, args.seconds, args.rounds, args.warmup_seconds) == (512, 600.0, 10, 0.0)
+    args = peers.parse_args(["--users", "1", "--rounds", "1", "--warmup-seconds", "120"])
+    assert (args.users, args.rounds, args.warmup_seconds) == (1, 1, 120.0)
+
+
+def test_a_variant_with_more_than_one_process_is_recognized_in_either_spelling():
+    """Its /metrics would be one process's of N: such variants report no batching figures."""
+    assert peers.multi_process("--workers 2")
+    assert peers.multi_process("--max-batch-size 64 --workers=3")
+    assert not peers.multi_process("--workers 1")
+    assert not peers.multi_process("--workers=1")
+    assert not peers.multi_process("")
+    assert not peers.multi_process("--workers")  # no value: the server refuses it, no crash here
+
+
+def test_odd_rounds_measure_in_order_and_even_rounds_in_reverse():
+    runs = ["recserve:one", "ceiling", "torchserve"]
+    assert [peers.round_order(runs, k) for k in (1, 2, 3)] == [
+        ["recserve:one", "ceiling", "torchserve"],
+        ["torchserve", "ceiling", "recserve:one"],
+        ["recserve:one", "ceiling", "torchserve"],
+    ]
+    assert runs == ["recserve:one", "ceiling", "torchserve"]  # the cell's own list unchanged
+
+
+def _binary_answer(outputs: list[tuple[dict, bytes]]) -> tuple[bytes, str]:
+    header = json.dumps({"model_name": "m", "outputs": [o for o, _ in outputs]}).encode()
+    return header + b"".join(data for _, data in outputs), str(len(header))
+
+
+def test_answers_are_decoded_from_json_or_the_binary_extension():
+    import numpy as np
+
+    document, values = peers.decode_answer(
+        json.dumps({"outputs": [{"name": "other", "data": [9]},
+                                {"name": "prediction", "data": [0.25, 0.5]}]}).encode(),
+        None,
+    )  # fmt: skip
+    assert values.tolist() == [0.25, 0.5] and values.dtype == np.float64
+    assert document["outputs"][0]["name"] == "other"
+    prediction = np.array([[0.75], [-1.5]], "<f4").tobytes()
+    scores = np.array([1.0, 2.0, 3.0], "<f4").tobytes()
+    binary = {"datatype": "FP32", "parameters": {"binary_data_size": 8}}
+    body, length = _binary_answer(
+        [
+            ({"name": "scores", "datatype": "FP32", "shape": [3],
+              "parameters": {"binary_data_size": 12}}, scores),
+            ({"name": "prediction", "shape": [2, 1], **binary}, prediction),
+        ]
+    )  # fmt: skip
+    assert peers.decode_answer(body, length)[1].tolist() == [0.75, -1.5]
+    # A JSON output inside a binary answer takes no bytes.
+    body, length = _binary_answer(
+        [({"name": "prediction", "shape": [1], "datatype": "FP32", "data": [0.5]}, b"")]
+    )
+    assert peers.decode_answer(body, length)[1].tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        # Sizes that disagree with the shape, or a datatype other than FP32.
+        ([({"name": "prediction", "datatype": "FP32", "shape": [3],
+            "parameters": {"binary_data_size": 8}}, b"\0" * 8)], "output 'prediction': 8 bytes"),
+        ([({"name": "prediction", "datatype": "FP64", "shape": [1],
+            "parameters": {"binary_data_size": 4}}, b"\0" * 4)], "output 'prediction': 4 bytes"),
+    ],
+)  # fmt: skip
+def test_a_malformed_binary_answer_is_refused(outputs, message):
+    body, length = _binary_answer(outputs)
+    with pytest.raises(ValueError, match=message):
+        peers.decode_answer(body, length)
+
+
+@pytest.mark.parametrize(("name", "extra"), [("prediction", 4), ("other", 0)])
+def test_unclaimed_bytes_or_no_prediction_are_refused(name, extra):
+    """4 bytes past the last output, or no ``prediction`` output: both refused, naming the
+    answer's length and the bytes its header claims."""
+    output = {"name": name, "datatype": "FP32", "shape": [1],
+              "parameters": {"binary_data_size": 4}}  # fmt: skip
+    body, length = _binary_answer([(output, b"\0" * (4 + extra))])
+    claimed = int(length) + 4
+    with pytest.raises(ValueError, match=f"binary answer of {claimed + extra} bytes: {claimed} "):
+        peers.decode_answer(body, length)
+
+
+def test_a_batch_size_that_is_not_a_number_is_refused_even_with_a_mix(capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--batches", "1,x", "--mix", "8"])
+    assert "bad batch sizes '1,x': use a comma list of integers >= 1" in capsys.readouterr().err
+
+
+def test_the_reference_table_has_columns_only_for_measured_references(tmp_path):
+    measurements = [
+        _measurement("recserve:one", "64", 1500.0, 30.0),
+        _measurement("ceiling", "64", 6000.0, 10.0),
+        _measurement("torchserve", "64", 1000.0, 50.0),
+    ]
+    lines = peers.report(tmp_path, measurements, {"one": ""}, {}).splitlines()
+    header = lines.index(
+        "| model | batch | encoding | no-work ceiling req/s | no-work ceiling / TorchServe | "
+        "best recserve / no-work ceiling |"
+    )
+    assert lines[header + 1 : header + 3] == [
+        "|---|---:|---|---:|---:|---:|",
+        "| adult | 64 | json | 6000 | 6.0 | 0.25 |",
+    ]
+
+
+def test_a_cell_without_torchserve_does_not_decide_the_goal(tmp_path):
+    """TorchServe may fail to serve one model: the goal is judged on the cells it answered."""
+    measurements = [
+        _measurement("recserve:one", "64", 2500.0, 30.0),
+        _measurement("torchserve", "64", 1000.0, 40.0),
+        _measurement("recserve:one", "1", 900.0, 5.0),  # no TorchServe run in this cell
+    ]
+    peers.report(tmp_path, measurements, {"one": ""}, {})
+    assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
