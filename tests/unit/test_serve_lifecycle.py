@@ -602,3 +602,23 @@ def test_a_failed_start_up_stops_what_started_and_raises(fake_server, monkeypatc
     with pytest.raises(UnavailableError, match="port taken"):
         server.serve(ServeOptions(checkpoint="ckpt"))
     assert fake_server.instances[0].calls == ["start", "stop"]
+
+
+def test_a_signal_while_the_start_up_handlers_are_replaced_is_a_clean_stop(
+    fake_server, monkeypatch
+):
+    """Ctrl-C arriving after start() returned, while serve() puts back its signal handlers
+    (SIGTERM's replaced, SIGINT's not yet), still stops cleanly with exit 0: the start-up
+    handler's exception used to escape serve() from its ``finally`` as a traceback."""
+    real_signal = signal.signal
+
+    def signal_then_ctrl_c(signum, handler):
+        previous = real_signal(signum, handler)
+        if signum == signal.SIGTERM and getattr(handler, "__name__", "") == "request_stop":
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # as the signal would
+        return previous
+
+    monkeypatch.setattr(server.signal, "signal", signal_then_ctrl_c)
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 0
+    (stopped,) = fake_server.instances
+    assert stopped.calls == ["start", "request_stop", "stop"]
