@@ -534,3 +534,104 @@ def test_script_arguments_before_the_separator_get_a_hint(capsys, command) -> No
         "recserve: error: unrecognized arguments: --epochs (arguments for the --entry script "
         f"go after --: recserve {name} --entry SCRIPT -- --epochs 3)"
     )
+
+
+# --------------------------------------------------------------------------- launch commands
+@pytest.fixture
+def launches(tmp_path, monkeypatch) -> tuple[Path, list[tuple[list[str], dict[str, str]]]]:
+    """(an entry script, the (argv, environment) of every os.execve: none really starts)."""
+    import os
+
+    from training import env as training_env
+
+    for name in (
+        training_env.EMBEDDING_WORKERS_ENV, training_env.NUM_LOADERS_ENV,
+        training_env.NN_WORKERS_ENV, "RECSERVE_EMBEDDING_CONFIG", "RECSERVE_GLOBAL_CONFIG",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    entry = tmp_path / "entry.py"
+    entry.write_text("")
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append((argv, env)))
+    return entry, started
+
+
+def _launch(*argv: str) -> None:
+    args = build_parser().parse_args(list(argv))
+    args.handler(args)
+
+
+def test_train_on_one_node_runs_torchrun_standalone(launches, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.chdir(launches[0].parent)
+    entry, started = launches
+    _launch(
+        "train", "--entry", str(entry), "--embedding-config", "e.yml", "--num-data-loaders", "3",
+        "--nn-worker-addresses", "a:1", "--", "--epochs", "2", "--",
+    )  # fmt: skip
+    ((argv, env),) = started
+    assert argv == [
+        sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=1",
+        str(entry), "--epochs", "2", "--",
+    ]  # fmt: skip
+    assert env["RECSERVE_EMBEDDING_CONFIG"] == str(entry.parent / "e.yml")  # absolute
+    assert env["RECSERVE_NUM_DATA_LOADERS"] == "3"
+    assert env["RECSERVE_NN_WORKER_ADDRESSES"] == "a:1"
+    assert "RECSERVE_EMBEDDING_WORKERS" not in env and "RECSERVE_GLOBAL_CONFIG" not in env
+
+
+def test_train_on_several_nodes_names_the_rendezvous(launches) -> None:
+    entry, started = launches
+    _launch(
+        "train", "--entry", str(entry), "--nnodes", "3", "--node-rank", "2",
+        "--master-addr", "10.0.0.1", "--nproc-per-node", "2", "--embedding-workers", "w:1",
+    )  # fmt: skip
+    _launch("train", "--entry", str(entry), "--master-port", "29600")  # one node, fixed port
+    (first, env), (second, _env) = started
+    assert first[3:] == [
+        "--nnodes=3", "--node-rank=2", "--master-addr=10.0.0.1", "--master-port=29500",
+        "--nproc-per-node=2", str(entry),
+    ]  # fmt: skip
+    assert env["RECSERVE_EMBEDDING_WORKERS"] == "w:1"
+    assert second[3:] == [
+        "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29600",
+        "--nproc-per-node=1", str(entry),
+    ]  # fmt: skip
+
+
+def test_train_refuses_what_torchrun_cannot_run(launches, capsys) -> None:
+    entry, started = launches
+    for argv, message in (
+        (["--nproc-per-node", "0"], "--nproc-per-node and --nnodes must be >= 1"),
+        (["--nnodes", "0"], "--nproc-per-node and --nnodes must be >= 1"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            _launch("train", "--entry", str(entry), *argv)
+    with pytest.raises(SystemExit, match=f"--entry {entry.parent} is not a file"):
+        _launch("train", "--entry", str(entry.parent))
+    for port in ("0", "65536", "-3"):
+        error = usage_error(capsys, ["train", "--entry", str(entry), "--master-port", port])
+        assert error == (
+            f"recserve train: error: argument --master-port: expected a port in 1..65535, "
+            f"got {port}"
+        )
+    assert started == []
+
+
+def test_a_data_loader_learns_its_replica_index_and_size(launches) -> None:
+    import sys
+
+    entry, started = launches
+    _launch(
+        "data-loader", "--entry", str(entry), "--replica-index", "1", "--replica-size", "3",
+        "--", "--rows", "10",
+    )  # fmt: skip
+    ((argv, env),) = started
+    assert argv == [sys.executable, str(entry), "--rows", "10"]
+    assert (env["RECSERVE_REPLICA_INDEX"], env["RECSERVE_REPLICA_SIZE"]) == ("1", "3")
+    with pytest.raises(SystemExit, match=r"--replica-index -1 must be in \[0, --replica-size 3\)"):
+        _launch(
+            "data-loader", "--entry", str(entry), "--replica-index", "-1", "--replica-size", "3"
+        )
+    assert len(started) == 1
