@@ -380,12 +380,17 @@ def test_parameter_server_flags_that_cannot_work_together_are_refused(monkeypatc
             _run_parameter_server(monkeypatch, *argv)
         assert exited.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    from embedding_store.ps_service import ParameterServerOptions
+
     (options,) = _run_parameter_server(
         monkeypatch, "--replica-index", "1", "--replica-size", "2", "--port", "0",
-        "--metrics-port", "0", "--grace-seconds", "0.5",
+        "--metrics-port", "0", "--grace-seconds", "0.5", "--host", "0.0.0.0",
+        "--dump-on-exit", "dumps", "--load-checkpoint", "ckpt",
     )  # fmt: skip
-    assert (options.replica_index, options.replica_size) == (1, 2)
-    assert (options.port, options.metrics_port, options.grace_seconds) == (0, 0, 0.5)
+    assert options == ParameterServerOptions(
+        replica_index=1, replica_size=2, host="0.0.0.0", port=0, metrics_port=0,
+        dump_on_exit="dumps", load_checkpoint="ckpt", grace_seconds=0.5,
+    )  # fmt: skip
     (options,) = _run_parameter_server(
         monkeypatch, "--replica-index", "0", "--replica-size", "1", "--port", "65535"
     )
@@ -430,6 +435,41 @@ def test_embedding_worker_metrics_port_must_differ_from_its_port(monkeypatch) ->
     )
     assert started["shards"] == ["a:1", "b:2"]
     assert (started["port"], started["metrics_port"]) == (0, 0)
+
+
+def _global_config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "global_config.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_embedding_worker_runs_with_its_flags_and_the_global_config(monkeypatch, tmp_path):
+    """--ps, else infer_config.servers; metrics only when the global config enables them;
+    the forward buffer from embedding_worker_config."""
+    config = _global_config(
+        tmp_path,
+        "common_config:\n  infer_config:\n    servers: [ps-0:7000, ps-1:7000]\n"
+        "embedding_worker_config:\n  forward_buffer_size: 7\n",
+    )
+    (started,) = _run_embedding_worker(
+        monkeypatch, "--global-config", config, "--host", "0.0.0.0", "--port", "9",
+        "--metrics-port", "10", "--shard-timeout", "2", "--startup-timeout", "3",
+        "--grace-seconds", "4",
+    )  # fmt: skip
+    assert started == {
+        "shards": ["ps-0:7000", "ps-1:7000"], "host": "0.0.0.0", "port": 9, "metrics_port": 10,
+        "forward_buffer_size": 7, "shard_timeout": 2.0, "startup_timeout": 3.0,
+        "grace_seconds": 4.0,
+    }  # fmt: skip
+    no_metrics = _global_config(
+        tmp_path, "common_config:\n  metrics_config:\n    enable_metrics: false\n"
+    )
+    (started,) = _run_embedding_worker(
+        monkeypatch, "--global-config", no_metrics, "--ps", "h:1", "--metrics-port", "10"
+    )
+    assert (started["shards"], started["metrics_port"]) == (["h:1"], None)
+    with pytest.raises(SystemExit, match="no shards: pass --ps HOST:PORT"):
+        _run_embedding_worker(monkeypatch, "--global-config", no_metrics)
 
 
 def test_embedding_tier_progress_bar(capsys) -> None:
