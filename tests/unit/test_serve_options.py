@@ -239,3 +239,40 @@ def test_serve_with_several_workers_runs_the_supervisor_and_refuses_bad_argument
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "recserve serve: error: --threads 1025: at most 1024"
     )
+
+
+def test_a_workers_server_on_a_taken_port_names_the_flag_and_starts_nothing(monkeypatch):
+    """The port is checked before any process starts, and the error says which flag to
+    change."""
+    import signal
+    import socket
+    import subprocess
+
+    from serving.processes import serve_processes
+
+    def no_process(*_args, **_kwargs):
+        raise AssertionError("no server process may start")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            for ports, protocol, flag in (
+                ({"http_port": port, "grpc_port": 0}, "HTTP", "--http-port"),
+                ({"http_port": 0, "grpc_port": port}, "gRPC", "--grpc-port"),
+            ):
+                options = ServeOptions(checkpoint="ckpt", workers=2, **ports)
+                with pytest.raises(UnavailableError) as caught:
+                    serve_processes(options)
+                assert caught.value.message.startswith(
+                    f"cannot listen for {protocol} on 127.0.0.1:{port}: "
+                )
+                assert caught.value.message.endswith(
+                    f"(is another server on that port? {flag} 0 picks a free one)"
+                )
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
