@@ -349,7 +349,8 @@ def test_server_processes_are_single_servers_on_the_reserved_ports(fake_children
     argv = commands[0][6:]  # after: python -m embedding_store.cli --log-level LEVEL serve
 
     def value(flag: str) -> str:
-        return argv[argv.index(flag) + 1]
+        (found,) = [a.removeprefix(f"{flag}=") for a in argv if a.startswith(f"{flag}=")]
+        return found
 
     assert value("--workers") == "1"
     assert "--reuse-port" in argv

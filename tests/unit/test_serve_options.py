@@ -57,7 +57,7 @@ def test_the_admin_token_comes_from_the_flag_a_file_or_the_environment(tmp_path,
 def test_worker_processes_get_every_option_but_the_token_on_their_command_line():
     argv = options_to_argv(ServeOptions(checkpoint="ckpt", admin_token="s3cr3t", workers=1))
     assert "s3cr3t" not in argv and "--admin-token" not in argv
-    assert argv[:3] == ["serve", "--checkpoint", "ckpt"]
+    assert argv[:2] == ["serve", "--checkpoint=ckpt"]
 
 
 @pytest.mark.parametrize(
@@ -221,6 +221,11 @@ def test_worker_processes_are_started_with_exactly_the_supervisors_options(monke
         checkpoint=Path("ckpt"), embedding_workers=("w:1",), admin_token="s3cr3t"
     )
     assert _serve_and_capture(monkeypatch, options_to_argv(workers)) == ("serve", workers)
+    # Values that begin with "-" are values, not flags, for the server processes too.
+    dashed = ServeOptions(
+        checkpoint=Path("-ckpt"), model_name="-latest", host="::", admin_token="s3cr3t"
+    )
+    assert _serve_and_capture(monkeypatch, options_to_argv(dashed)) == ("serve", dashed)
 
 
 def test_serve_with_several_workers_runs_the_supervisor_and_refuses_bad_arguments(
