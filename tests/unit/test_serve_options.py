@@ -97,6 +97,9 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
             "--max-queue-delay-ms 2000 is not below --request-timeout 2 s",
         ),
         (["--threads", "1025"], "--threads 1025: at most 1024"),
+        (["--model-name", "nul\x00"], "--model-name 'nul\\x00': a model name is 1 to 255"),
+        (["--model-name", "bell\x07"], "--model-name 'bell\\x07': a model name is 1 to 255"),
+        (["--model-name", "del\x7f"], "--model-name 'del\\x7f': a model name is 1 to 255"),
         (["--model-name", "m" * 256], f"--model-name '{'m' * 256}': a model name is 1 to 255"),
         (
             ["--max-decompressed-bytes", "2147483648"],
