@@ -623,3 +623,18 @@ def test_a_signal_while_the_start_up_handlers_are_replaced_is_a_clean_stop(
     assert server.serve(ServeOptions(checkpoint="ckpt")) == 0
     (stopped,) = fake_server.instances
     assert stopped.calls == ["start", "request_stop", "stop"]
+
+
+def test_serve_hands_several_workers_to_the_supervisor_and_a_process_watches_it(
+    fake_server, monkeypatch
+):
+    supervised: list[ServeOptions] = []
+    watched: list[int] = []
+    monkeypatch.setattr(server, "serve_processes", lambda o: supervised.append(o) or 7)
+    monkeypatch.setattr(server, "stop_when_parent_exits", lambda pid, what: watched.append(pid))
+    several = ServeOptions(checkpoint="ckpt", workers=2)
+    assert server.serve(several) == 7
+    assert supervised == [several] and fake_server.instances == []
+    assert server.serve(ServeOptions(checkpoint="ckpt", supervisor_pid=4321)) == 0
+    assert watched == [4321]
+    assert [s.calls for s in fake_server.instances] == [["start", "wait", "stop"]]
