@@ -69,14 +69,15 @@ def options_to_argv(options: ServeOptions) -> list[str]:
         flag = "--" + field.name.replace("_", "-")
         if field.name == "admin_token":
             continue  # a secret: worker processes get it in their environment, not argv
+        # FLAG=VALUE: a value that begins with "-" (a model name, a path) stays a value.
         if field.name in ("embedding_workers", "embedding_ps"):
             if value:
-                argv += [flag, ",".join(value)]
+                argv.append(f"{flag}={','.join(value)}")
         elif isinstance(value, bool):
             if value:
                 argv.append(flag)
         elif value is not None:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")
     return argv
 
 

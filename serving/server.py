@@ -324,7 +324,12 @@ def serve(options: ServeOptions) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop_starting)
     try:
-        server.start()
+        try:
+            server.start()
+        finally:
+            # A signal while these are replaced raises from here: the outer try catches it.
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, server.request_stop)
     except _StopDuringStartup as stop:
         log.info("%s during start-up: stopping", stop)
         server.stop()
@@ -332,9 +337,6 @@ def serve(options: ServeOptions) -> int:
     except BaseException:
         server.stop()
         raise
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, server.request_stop)
     if interrupted:  # the signal came as start() returned, after its last check
         log.info("%s during start-up: stopping", interrupted[0])
         server.stop()

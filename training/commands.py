@@ -23,6 +23,17 @@ from training.env import (
 )
 
 
+def _rendezvous_port(text: str) -> int:
+    """A TCP port in 1..65535: the other nodes must know where node 0's rendezvous is."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entry", required=True, help="the Python script to run")
     parser.add_argument("--embedding-config", help="embedding_config.yml (for the script)")
@@ -53,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--master-port",
-        type=int,
+        type=_rendezvous_port,
         default=None,
         help="port of the rendezvous on node 0 (default 29500; on one node without it, "
         "torchrun --standalone picks a free one)",

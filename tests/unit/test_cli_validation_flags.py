@@ -311,3 +311,367 @@ def test_serve_help_says_a_client_timeout_replaces_request_timeout_either_way(
     assert "asks for less" not in text
     assert "when its client sets no timeout of its own" in text
     assert "replaces it, shorter or longer" in text
+
+
+# --------------------------------------------------------------------------- parameter server
+CONFIGS = ROOT / "examples" / "configs"
+
+
+def _run_parameter_server(monkeypatch, *argv: str) -> list:
+    """``recserve embedding-parameter-server ARGV`` with the server stubbed: the options it
+    would have run with."""
+    started: list = []
+    monkeypatch.setattr(
+        "embedding_store.ps_service.serve_parameter_server",
+        lambda _config, _global, options: started.append(options) or 0,
+    )
+    args = build_parser().parse_args(
+        ["embedding-parameter-server", "--embedding-config", str(CONFIGS / "embedding_config.yml"),
+         *argv]
+    )  # fmt: skip
+    assert args.handler(args) == 0
+    return started
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--replica-index", "0", "--replica-size", "0", "--port", "0"],
+            "argument --replica-size: expected an integer >= 1, got 0",
+        ),
+        (
+            ["--replica-index", "-1", "--replica-size", "1", "--port", "0"],
+            "argument --replica-index: expected an integer >= 0, got -1",
+        ),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "65536"],
+            "argument --port: expected an integer in 0..65535, got 65536",
+        ),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--host", " "],
+            "argument --host: expected a non-empty value",
+        ),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "0", "--dump-on-exit", "\t"],
+            "argument --dump-on-exit: expected a non-empty value",
+        ),
+    ],
+)
+def test_parameter_server_flag_values_are_checked(capsys, argv, message) -> None:
+    error = usage_error(capsys, ["embedding-parameter-server", *argv])
+    assert error == f"recserve embedding-parameter-server: error: {message}"
+
+
+def test_parameter_server_flags_that_cannot_work_together_are_refused(monkeypatch, capsys):
+    for argv, message in (
+        (
+            ["--replica-index", "2", "--replica-size", "2", "--port", "0"],
+            "--replica-index must be < --replica-size: got --replica-index 2 with "
+            "--replica-size 2",
+        ),
+        (
+            ["--replica-index", "0", "--replica-size", "1", "--port", "7000",
+             "--metrics-port", "7000"],
+            "--metrics-port must differ from --port, both are 7000",
+        ),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exited:
+            _run_parameter_server(monkeypatch, *argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    from embedding_store.ps_service import ParameterServerOptions
+
+    (options,) = _run_parameter_server(
+        monkeypatch, "--replica-index", "1", "--replica-size", "2", "--port", "0",
+        "--metrics-port", "0", "--grace-seconds", "0.5", "--host", "0.0.0.0",
+        "--dump-on-exit", "dumps", "--load-checkpoint", "ckpt",
+    )  # fmt: skip
+    assert options == ParameterServerOptions(
+        replica_index=1, replica_size=2, host="0.0.0.0", port=0, metrics_port=0,
+        dump_on_exit="dumps", load_checkpoint="ckpt", grace_seconds=0.5,
+    )  # fmt: skip
+    (options,) = _run_parameter_server(
+        monkeypatch, "--replica-index", "0", "--replica-size", "1", "--port", "65535"
+    )
+    assert (options.port, options.metrics_port) == (65535, None)
+
+
+# --------------------------------------------------------------------------- embedding worker
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("h:0", "'h:0' is not HOST:PORT"),
+        (":7000", "':7000' is not HOST:PORT"),
+        ("h:1,h:65536", "'h:65536' is not HOST:PORT"),
+        (" , ", "give at least one HOST:PORT"),
+    ],
+)
+def test_embedding_worker_shards_are_host_port_addresses(capsys, value, message) -> None:
+    error = usage_error(capsys, ["embedding-worker", "--ps", value])
+    assert error == f"recserve embedding-worker: error: argument --ps: {message}"
+
+
+def _run_embedding_worker(monkeypatch, *argv: str) -> list[dict]:
+    started: list[dict] = []
+
+    def serve(_config, shards, **options) -> int:
+        started.append({"shards": shards, **options})
+        return 0
+
+    monkeypatch.setattr("embedding_store.worker_service.serve_embedding_worker", serve)
+    args = build_parser().parse_args(
+        ["embedding-worker", "--embedding-config", str(CONFIGS / "embedding_config.yml"), *argv]
+    )
+    assert args.handler(args) == 0
+    return started
+
+
+def test_embedding_worker_metrics_port_must_differ_from_its_port(monkeypatch) -> None:
+    with pytest.raises(SystemExit, match="--metrics-port must differ from --port, both are 7"):
+        _run_embedding_worker(monkeypatch, "--ps", "h:1", "--port", "7", "--metrics-port", "7")
+    (started,) = _run_embedding_worker(
+        monkeypatch, "--ps", "a:1, b:2", "--port", "0", "--metrics-port", "0"
+    )
+    assert started["shards"] == ["a:1", "b:2"]
+    assert (started["port"], started["metrics_port"]) == (0, 0)
+
+
+def _global_config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "global_config.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_embedding_worker_runs_with_its_flags_and_the_global_config(monkeypatch, tmp_path):
+    """--ps, else infer_config.servers; metrics only when the global config enables them;
+    the forward buffer from embedding_worker_config."""
+    config = _global_config(
+        tmp_path,
+        "common_config:\n  infer_config:\n    servers: [ps-0:7000, ps-1:7000]\n"
+        "embedding_worker_config:\n  forward_buffer_size: 7\n",
+    )
+    (started,) = _run_embedding_worker(
+        monkeypatch, "--global-config", config, "--host", "0.0.0.0", "--port", "9",
+        "--metrics-port", "10", "--shard-timeout", "2", "--startup-timeout", "3",
+        "--grace-seconds", "4",
+    )  # fmt: skip
+    assert started == {
+        "shards": ["ps-0:7000", "ps-1:7000"], "host": "0.0.0.0", "port": 9, "metrics_port": 10,
+        "forward_buffer_size": 7, "shard_timeout": 2.0, "startup_timeout": 3.0,
+        "grace_seconds": 4.0,
+    }  # fmt: skip
+    no_metrics = _global_config(
+        tmp_path, "common_config:\n  metrics_config:\n    enable_metrics: false\n"
+    )
+    (started,) = _run_embedding_worker(
+        monkeypatch, "--global-config", no_metrics, "--ps", "h:1", "--metrics-port", "10"
+    )
+    assert (started["shards"], started["metrics_port"]) == (["h:1"], None)
+    with pytest.raises(SystemExit, match="no shards: pass --ps HOST:PORT"):
+        _run_embedding_worker(monkeypatch, "--global-config", no_metrics)
+
+
+def test_embedding_tier_progress_bar(capsys) -> None:
+    from embedding_store.worker_command import _progress_bar
+
+    _progress_bar("dump", 1, 3)
+    _progress_bar("dump", 3, 3)
+    _progress_bar("load", 0, 0)  # an empty tier: complete at once, no division by zero
+    assert capsys.readouterr().err == (
+        f"\r dump [{'#' * 10}{'.' * 20}] 1/3\r dump [{'#' * 30}] 3/3\n\r load [{'.' * 30}] 0/0\n"
+    )
+
+
+def test_embedding_tier_status_exits_1_when_a_shard_did_not_answer(monkeypatch, capsys):
+    """A script checking the tier sees that it is not whole from the exit code."""
+    from embedding_store.tier import TierStatus
+
+    answers = {
+        "whole": ("",),
+        "partial": ("parameter server a:1: refused",),
+    }
+
+    class FakeWorker:
+        def __init__(self, address, _config, admin_timeout) -> None:
+            self.address = address
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc) -> None:
+            pass
+
+        def status(self, partial: bool) -> TierStatus:
+            assert partial
+            return TierStatus(
+                (5,), (10,), 0, 0, 0, ("",), (0.0,), shard_errors=answers[self.address]
+            )
+
+    monkeypatch.setattr("embedding_store.worker_client.RemoteEmbeddingWorker", FakeWorker)
+    parse = build_parser().parse_args
+    for worker, code in (("whole", 0), ("partial", 1)):
+        args = parse(["embedding-tier", "status", "--worker", worker])
+        assert args.handler(args) == code
+    assert capsys.readouterr().out.splitlines()[::3] == [
+        "shard 0: 5 rows of 10, idle, checkpoint none",
+        "shard 0: NO ANSWER: parameter server a:1: refused",
+    ]
+
+
+# --------------------------------------------------------------------------- recserve main
+def _main_with_handler(monkeypatch, handler) -> int:
+    """``recserve fake`` whose handler is ``handler``."""
+    from embedding_store import cli
+
+    def parser_with_fake() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog="recserve")
+        parser.add_argument("--log-level", default="INFO")
+        commands = parser.add_subparsers(dest="command")
+        commands.add_parser("fake").set_defaults(handler=handler)
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", parser_with_fake)
+    return cli.main(["fake"])
+
+
+def test_recserve_turns_errors_into_one_line_and_an_exit_code(monkeypatch, capsys) -> None:
+    def raise_(error: BaseException):
+        def handler(_args):
+            raise error
+
+        return handler
+
+    assert _main_with_handler(monkeypatch, raise_(InvalidArgumentError("bad value"))) == 1
+    assert capsys.readouterr().err == "recserve fake: error: bad value\n"
+    assert _main_with_handler(monkeypatch, raise_(KeyboardInterrupt())) == 130
+    missing = FileNotFoundError(2, "No such file or directory", "runs/x.yml")
+    assert _main_with_handler(monkeypatch, raise_(missing)) == 1
+    assert capsys.readouterr().err == (
+        "recserve fake: error: No such file or directory: runs/x.yml\n"
+    )
+    assert _main_with_handler(monkeypatch, lambda _args: 3) == 3
+    assert _main_with_handler(monkeypatch, lambda _args: None) == 0
+
+
+def test_recserve_without_a_command_prints_help_and_exits_2(capsys) -> None:
+    from embedding_store.cli import main
+
+    assert main([]) == 2
+    assert capsys.readouterr().out.startswith("usage: recserve")
+
+
+@pytest.mark.parametrize("command", ["train", "data-loader --replica-index 0 --replica-size 1"])
+def test_script_arguments_before_the_separator_get_a_hint(capsys, command) -> None:
+    from embedding_store.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([*command.split(), "--entry", "t.py", "--epochs", "3"])
+    assert exited.value.code == 2
+    name = command.split()[0]
+    # "3" went to the script's arguments: the hint puts the two back together.
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "recserve: error: unrecognized arguments: --epochs (arguments for the --entry script "
+        f"go after --: recserve {name} --entry SCRIPT -- --epochs 3)"
+    )
+
+
+# --------------------------------------------------------------------------- launch commands
+@pytest.fixture
+def launches(tmp_path, monkeypatch) -> tuple[Path, list[tuple[list[str], dict[str, str]]]]:
+    """(an entry script, the (argv, environment) of every os.execve: none really starts)."""
+    import os
+
+    from training import env as training_env
+
+    for name in (
+        training_env.EMBEDDING_WORKERS_ENV, training_env.NUM_LOADERS_ENV,
+        training_env.NN_WORKERS_ENV, "RECSERVE_EMBEDDING_CONFIG", "RECSERVE_GLOBAL_CONFIG",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    entry = tmp_path / "entry.py"
+    entry.write_text("")
+    started: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append((argv, env)))
+    return entry, started
+
+
+def _launch(*argv: str) -> None:
+    args = build_parser().parse_args(list(argv))
+    args.handler(args)
+
+
+def test_train_on_one_node_runs_torchrun_standalone(launches, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.chdir(launches[0].parent)
+    entry, started = launches
+    _launch(
+        "train", "--entry", str(entry), "--embedding-config", "e.yml", "--num-data-loaders", "3",
+        "--nn-worker-addresses", "a:1", "--", "--epochs", "2", "--",
+    )  # fmt: skip
+    ((argv, env),) = started
+    assert argv == [
+        sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=1",
+        str(entry), "--epochs", "2", "--",
+    ]  # fmt: skip
+    assert env["RECSERVE_EMBEDDING_CONFIG"] == str(entry.parent / "e.yml")  # absolute
+    assert env["RECSERVE_NUM_DATA_LOADERS"] == "3"
+    assert env["RECSERVE_NN_WORKER_ADDRESSES"] == "a:1"
+    assert "RECSERVE_EMBEDDING_WORKERS" not in env and "RECSERVE_GLOBAL_CONFIG" not in env
+
+
+def test_train_on_several_nodes_names_the_rendezvous(launches) -> None:
+    entry, started = launches
+    _launch(
+        "train", "--entry", str(entry), "--nnodes", "3", "--node-rank", "2",
+        "--master-addr", "10.0.0.1", "--nproc-per-node", "2", "--embedding-workers", "w:1",
+    )  # fmt: skip
+    _launch("train", "--entry", str(entry), "--master-port", "29600")  # one node, fixed port
+    (first, env), (second, _env) = started
+    assert first[3:] == [
+        "--nnodes=3", "--node-rank=2", "--master-addr=10.0.0.1", "--master-port=29500",
+        "--nproc-per-node=2", str(entry),
+    ]  # fmt: skip
+    assert env["RECSERVE_EMBEDDING_WORKERS"] == "w:1"
+    assert second[3:] == [
+        "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29600",
+        "--nproc-per-node=1", str(entry),
+    ]  # fmt: skip
+
+
+def test_train_refuses_what_torchrun_cannot_run(launches, capsys) -> None:
+    entry, started = launches
+    for argv, message in (
+        (["--nproc-per-node", "0"], "--nproc-per-node and --nnodes must be >= 1"),
+        (["--nnodes", "0"], "--nproc-per-node and --nnodes must be >= 1"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            _launch("train", "--entry", str(entry), *argv)
+    with pytest.raises(SystemExit, match=f"--entry {entry.parent} is not a file"):
+        _launch("train", "--entry", str(entry.parent))
+    for port in ("0", "65536", "-3"):
+        error = usage_error(capsys, ["train", "--entry", str(entry), "--master-port", port])
+        assert error == (
+            f"recserve train: error: argument --master-port: expected a port in 1..65535, "
+            f"got {port}"
+        )
+    assert started == []
+
+
+def test_a_data_loader_learns_its_replica_index_and_size(launches) -> None:
+    import sys
+
+    entry, started = launches
+    _launch(
+        "data-loader", "--entry", str(entry), "--replica-index", "1", "--replica-size", "3",
+        "--", "--rows", "10",
+    )  # fmt: skip
+    ((argv, env),) = started
+    assert argv == [sys.executable, str(entry), "--rows", "10"]
+    assert (env["RECSERVE_REPLICA_INDEX"], env["RECSERVE_REPLICA_SIZE"]) == ("1", "3")
+    with pytest.raises(SystemExit, match=r"--replica-index -1 must be in \[0, --replica-size 3\)"):
+        _launch(
+            "data-loader", "--entry", str(entry), "--replica-index", "-1", "--replica-size", "3"
+        )
+    assert len(started) == 1

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -320,3 +321,320 @@ def test_the_checkpoint_watch_retries_a_failed_version_after_a_doubling_back_off
     first_wait, second_wait = attempts[1] - attempts[0], attempts[2] - attempts[1]
     assert 0.2 <= first_wait < 0.35
     assert 0.4 <= second_wait < 0.6
+
+
+def test_server_processes_are_single_servers_on_the_reserved_ports(fake_children, monkeypatch):
+    """Each process is one plain server (``--workers 1``: it must not start processes of its
+    own) bound with SO_REUSEPORT to the ports the supervisor reserved, watching the
+    supervisor's pid; the admin token reaches it in its environment, and the metrics
+    directory of the run exists while it runs and is removed afterwards."""
+    from serving.metrics import MULTIPROCESS_VARIABLE
+
+    commands, _processes, _code = fake_children
+    popen = subprocess.Popen  # the fixture's stand-in
+    environments: list[dict[str, str]] = []
+
+    def popen_recording(command, env=None):
+        environments.append(env)
+        assert os.path.isdir(env[MULTIPROCESS_VARIABLE])
+        return popen(command, env=env)
+
+    monkeypatch.setattr(subprocess, "Popen", popen_recording)
+    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    options = ServeOptions(
+        checkpoint="ckpt", http_port=0, grpc_port=0, workers=2, admin_token="s3cr3t"
+    )
+    assert serve_processes(options) == 0
+    assert len(commands) == 2 and commands[0] == commands[1]
+    argv = commands[0][6:]  # after: python -m embedding_store.cli --log-level LEVEL serve
+
+    def value(flag: str) -> str:
+        (found,) = [a.removeprefix(f"{flag}=") for a in argv if a.startswith(f"{flag}=")]
+        return found
+
+    assert value("--workers") == "1"
+    assert "--reuse-port" in argv
+    assert value("--supervisor-pid") == str(os.getpid())
+    http_port, grpc_port = int(value("--http-port")), int(value("--grpc-port"))
+    assert http_port > 0 and grpc_port > 0 and http_port != grpc_port
+    assert "s3cr3t" not in commands[0]
+    assert [env["RECSERVE_ADMIN_TOKEN"] for env in environments] == ["s3cr3t", "s3cr3t"]
+    directories = {env[MULTIPROCESS_VARIABLE] for env in environments}
+    assert len(directories) == 1
+    assert not os.path.exists(directories.pop())
+
+
+class _ExitedChild:
+    """A server process that has already exited with ``returncode``."""
+
+    def __init__(self, pid: int, returncode: int) -> None:
+        self.pid, self.returncode = pid, returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        raise AssertionError("no signal goes to a process that has exited")
+
+
+def test_the_first_stop_signal_decides_which_exits_are_clean():
+    """Ctrl-C (SIGINT) then a SIGTERM: processes that exited 130 (the CLI's code for an
+    interrupted start) stopped as asked by the first signal; the second must not turn
+    them into failures."""
+    from serving.processes import _Supervisor
+
+    supervisor = _Supervisor(kill_after=1.0)
+    supervisor.children = [_ExitedChild(1, 130), _ExitedChild(2, -signal.SIGINT)]
+    supervisor.forward(signal.SIGINT)
+    supervisor.forward(signal.SIGTERM)
+    assert supervisor.stop_signal == signal.SIGINT
+    assert supervisor.run("unused") == 0
+
+
+@pytest.mark.parametrize(
+    ("stop_signal", "returncodes", "expected"),
+    [
+        (None, [3, 0], 3),  # nobody asked: the worst code
+        (signal.SIGTERM, [0, -signal.SIGKILL], 128 + signal.SIGKILL),
+        (signal.SIGTERM, [-signal.SIGTERM, 128 + signal.SIGTERM], 0),
+        (signal.SIGTERM, [2, 1], 2),
+    ],
+)
+def test_the_supervisor_exits_with_the_worst_code_of_its_processes(
+    stop_signal, returncodes, expected
+):
+    from serving.processes import _Supervisor
+
+    supervisor = _Supervisor(kill_after=1.0)
+    supervisor.stop_signal = stop_signal
+    supervisor.children = [_ExitedChild(i, code) for i, code in enumerate(returncodes)]
+    assert supervisor.run("unused") == expected
+
+
+class _FakeClock:
+    """time.monotonic for the watcher, and its stop Event: each poll advances the clock by
+    the poll interval, and the watch ends once the clock passes ``until``."""
+
+    def __init__(self, until: float) -> None:
+        self.now, self.until = 0.0, until
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.now += seconds
+        return self.now > self.until
+
+
+def test_the_checkpoint_watch_back_off_starts_at_a_poll_and_is_capped(monkeypatch, caplog):
+    """The first retry of a failed version waits at least one poll interval (5 s, or the
+    interval when it is longer) and the back-off doubles up to RELOAD_RETRY_MAX_SECONDS
+    (300 s): a checkpoint broken for days is still tried every 5 minutes."""
+    from embedding_store import model_checkpoint
+    from embedding_store.errors import CheckpointError
+
+    monkeypatch.setattr(
+        model_checkpoint, "read_manifest", lambda _path: SimpleNamespace(version="v2")
+    )
+    clock = _FakeClock(until=1000.0)
+    monkeypatch.setattr(server, "time", clock)
+
+    def reload(_checkpoint):
+        raise CheckpointError("broken")
+
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=6.0))
+    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+    watching._stop = clock
+    with caplog.at_level(logging.WARNING, logger="serving.server"):
+        watching._watch()  # returns once the fake clock passes 1000 s
+    backoffs = [r.args[1] for r in caplog.records if r.msg.startswith("will try version")]
+    assert backoffs == [6.0, 12.0, 24.0, 48.0, 96.0, 192.0, 300.0, 300.0, 300.0]
+
+
+def _reloading_server(tmp_path, **options) -> tuple[PredictionServer, list[str | None]]:
+    """A server (never started) serving ``tmp_path/served``, whose service records the
+    checkpoints it is asked to reload."""
+    (tmp_path / "served").mkdir()
+    reloading = PredictionServer(ServeOptions(checkpoint=tmp_path / "served", **options))
+    reloads: list[str | None] = []
+    reloading.service = SimpleNamespace(reload=lambda path: reloads.append(path) or {})
+    return reloading, reloads
+
+
+def test_admin_reloads_load_only_under_the_reload_root(tmp_path):
+    """By default the root is the directory holding --checkpoint; a path is judged by where
+    it leads once symlinks are resolved (a TorchScript model is code)."""
+    from embedding_store.errors import PermissionDeniedError
+
+    reloading, reloads = _reloading_server(tmp_path)
+    assert reloading.reload_root == tmp_path.resolve()
+    sibling = tmp_path / "v2"
+    reloading._admin_reload(str(sibling))
+    reloading._admin_reload(None)  # the served path again
+    assert reloads == [str(sibling), None]
+    outside = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    link = tmp_path / "link"
+    link.symlink_to(outside)
+    for path in (outside, link):
+        with pytest.raises(PermissionDeniedError, match=f"checkpoint {path} is outside"):
+            reloading._admin_reload(str(path))
+    assert len(reloads) == 2
+
+
+def test_an_explicit_reload_root_replaces_the_default(tmp_path):
+    from embedding_store.errors import PermissionDeniedError
+
+    (tmp_path / "root").mkdir()
+    reloading, reloads = _reloading_server(tmp_path, reload_root=tmp_path / "root")
+    assert reloading.reload_root == (tmp_path / "root").resolve()
+    reloading._admin_reload(str(tmp_path / "root" / "v2"))
+    with pytest.raises(PermissionDeniedError, match="outside --reload-root"):
+        reloading._admin_reload(str(tmp_path / "v2"))  # under the default root, not this one
+    assert reloads == [str(tmp_path / "root" / "v2")]
+
+
+def test_a_process_of_a_workers_server_refuses_admin_reloads(tmp_path):
+    """A reload reaching one of several processes would leave two versions served."""
+    from embedding_store.errors import FailedPreconditionError
+
+    reloading, reloads = _reloading_server(tmp_path, reuse_port=True)
+    for path in (None, str(tmp_path / "v2")):
+        with pytest.raises(FailedPreconditionError, match="several processes"):
+            reloading._admin_reload(path)
+    assert reloads == []
+
+
+@pytest.mark.parametrize("spec", ["json", "json:", ":loads", ""])
+def test_a_preprocessor_must_be_module_colon_function(spec):
+    from embedding_store.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="--preprocessor must be MODULE:FUNCTION"):
+        server.load_preprocessor(spec)
+
+
+def test_a_preprocessor_that_cannot_be_imported_is_named():
+    import json
+
+    from embedding_store.errors import InvalidArgumentError
+
+    assert server.load_preprocessor("json:loads") is json.loads
+    for spec in ("json:no_such_function", "no_such_module_h87:f"):
+        with pytest.raises(InvalidArgumentError, match=f"cannot import preprocessor '{spec}'"):
+            server.load_preprocessor(spec)
+
+
+def test_a_stop_turns_readiness_off_before_draining():
+    """Load balancers must see NOT_SERVING while in-flight requests drain, not after."""
+    events: list[str] = []
+    stopping = PredictionServer(ServeOptions(checkpoint="ckpt", grace_seconds=1.0))
+    stopping.service = SimpleNamespace(
+        stop_accepting=lambda: events.append("stop_accepting"),
+        drain=lambda seconds: events.append(f"drain {seconds:g}") or True,
+        close=lambda wait: events.append("close"),
+    )
+    stopping._health = SimpleNamespace(set_serving=lambda up: events.append(f"serving {up}"))
+    assert stopping.stop() is True
+    assert events == ["stop_accepting", "serving False", "drain 1", "close"]
+
+
+class _FakeServer:
+    """Stands in for PredictionServer in serve(): ``start`` runs ``on_start``; ``stop``
+    returns ``drained``."""
+
+    on_start: Callable[[], None] = staticmethod(lambda: None)
+    drained = True
+    instances: list[_FakeServer] = []
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.calls: list[str] = []
+        _FakeServer.instances.append(self)
+
+    def start(self) -> _FakeServer:
+        self.calls.append("start")
+        type(self).on_start()
+        return self
+
+    def wait(self) -> None:
+        self.calls.append("wait")
+
+    def request_stop(self, signum: int = signal.SIGTERM, frame=None) -> None:
+        self.calls.append("request_stop")
+
+    def stop(self) -> bool:
+        self.calls.append("stop")
+        return type(self).drained
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    monkeypatch.setattr(server, "PredictionServer", _FakeServer)
+    monkeypatch.setattr(_FakeServer, "instances", [])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield _FakeServer
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def test_serve_exits_0_after_a_clean_drain_and_1_when_requests_were_cut(fake_server, monkeypatch):
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 0
+    monkeypatch.setattr(fake_server, "drained", False)
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 1
+    assert [s.calls for s in fake_server.instances] == [["start", "wait", "stop"]] * 2
+
+
+def test_a_stop_during_start_up_is_a_clean_exit(fake_server, monkeypatch):
+    """SIGTERM while loading the checkpoint stops there (exit 0), without waiting for the
+    start-up to end; afterwards a signal only asks the server to stop."""
+    monkeypatch.setattr(fake_server, "on_start", lambda: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(fake_server, "drained", False)  # exit 0 all the same
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 0
+    (stopped,) = fake_server.instances
+    assert stopped.calls == ["start", "request_stop", "stop"]
+    assert signal.getsignal(signal.SIGTERM) == stopped.request_stop
+
+
+def test_a_failed_start_up_stops_what_started_and_raises(fake_server, monkeypatch):
+    from embedding_store.errors import UnavailableError
+
+    def fail() -> None:
+        raise UnavailableError("port taken")
+
+    monkeypatch.setattr(fake_server, "on_start", fail)
+    with pytest.raises(UnavailableError, match="port taken"):
+        server.serve(ServeOptions(checkpoint="ckpt"))
+    assert fake_server.instances[0].calls == ["start", "stop"]
+
+
+def test_a_signal_while_the_start_up_handlers_are_replaced_is_a_clean_stop(
+    fake_server, monkeypatch
+):
+    """Ctrl-C arriving after start() returned, while serve() puts back its signal handlers
+    (SIGTERM's replaced, SIGINT's not yet), still stops cleanly with exit 0: the start-up
+    handler's exception used to escape serve() from its ``finally`` as a traceback."""
+    real_signal = signal.signal
+
+    def signal_then_ctrl_c(signum, handler):
+        previous = real_signal(signum, handler)
+        if signum == signal.SIGTERM and getattr(handler, "__name__", "") == "request_stop":
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # as the signal would
+        return previous
+
+    monkeypatch.setattr(server.signal, "signal", signal_then_ctrl_c)
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 0
+    (stopped,) = fake_server.instances
+    assert stopped.calls == ["start", "request_stop", "stop"]
+
+
+def test_serve_hands_several_workers_to_the_supervisor_and_a_process_watches_it(
+    fake_server, monkeypatch
+):
+    supervised: list[ServeOptions] = []
+    watched: list[int] = []
+    monkeypatch.setattr(server, "serve_processes", lambda o: supervised.append(o) or 7)
+    monkeypatch.setattr(server, "stop_when_parent_exits", lambda pid, what: watched.append(pid))
+    several = ServeOptions(checkpoint="ckpt", workers=2)
+    assert server.serve(several) == 7
+    assert supervised == [several] and fake_server.instances == []
+    assert server.serve(ServeOptions(checkpoint="ckpt", supervisor_pid=4321)) == 0
+    assert watched == [4321]
+    assert [s.calls for s in fake_server.instances] == [["start", "wait", "stop"]]

@@ -4,6 +4,7 @@ are started with."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_the_admin_token_comes_from_the_flag_a_file_or_the_environment(tmp_path,
 def test_worker_processes_get_every_option_but_the_token_on_their_command_line():
     argv = options_to_argv(ServeOptions(checkpoint="ckpt", admin_token="s3cr3t", workers=1))
     assert "s3cr3t" not in argv and "--admin-token" not in argv
-    assert argv[:3] == ["serve", "--checkpoint", "ckpt"]
+    assert argv[:2] == ["serve", "--checkpoint=ckpt"]
 
 
 @pytest.mark.parametrize(
@@ -96,6 +97,15 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
             "--max-queue-delay-ms 2000 is not below --request-timeout 2 s",
         ),
         (["--threads", "1025"], "--threads 1025: at most 1024"),
+        (["--model-name", "nul\x00"], "--model-name 'nul\\x00': a model name is 1 to 255"),
+        (["--model-name", "bell\x07"], "--model-name 'bell\\x07': a model name is 1 to 255"),
+        (["--model-name", "del\x7f"], "--model-name 'del\\x7f': a model name is 1 to 255"),
+        (["--model-name", "m" * 256], f"--model-name '{'m' * 256}': a model name is 1 to 255"),
+        (
+            ["--max-decompressed-bytes", "2147483648"],
+            "--max-decompressed-bytes 2147483648: at most 2147483647",
+        ),
+        (["--embedding-workers", ":7000"], "--embedding-workers: ':7000' is not HOST:PORT"),
     ],
 )
 def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
@@ -116,8 +126,10 @@ def test_arguments_at_their_limits_pass_the_checks():
     args = _parse(
         "--model-name", "...", "--embedding-workers", "w:65535", "--threads", "1024",
         "--max-queue-delay-ms", "1999", "--request-timeout", "2",
+        "--max-body-bytes", "2147483647", "--max-decompressed-bytes", "2147483647",
     )  # fmt: skip
     assert commands.check_arguments(args) is None
+    assert commands.check_arguments(_parse("--model-name", "m" * 255)) is None
 
 
 @pytest.mark.parametrize(
@@ -163,3 +175,112 @@ def test_a_reserved_port_admits_only_the_server_processes():
             with socket.create_connection(("127.0.0.1", port), timeout=5):
                 pass  # answered by one of the listeners, never by the reservation
             assert {first.getsockname()[1], second.getsockname()[1]} == {port}
+
+
+def test_the_admin_token_variable_is_stripped_and_blank_means_none(monkeypatch):
+    """A token set with a trailing newline (``$(cat file)``, a Secret) is the token without
+    it; a variable holding only whitespace gives no token (loopback-only reloads)."""
+    monkeypatch.setenv("RECSERVE_ADMIN_TOKEN", "  t0ken\n")
+    assert commands._admin_token(_parse()) == "t0ken"
+    monkeypatch.setenv("RECSERVE_ADMIN_TOKEN", " \n")
+    assert commands._admin_token(_parse()) is None
+
+
+def _serve_and_capture(monkeypatch, argv: list[str]) -> tuple[str, ServeOptions]:
+    """Run ``recserve serve ARGV``'s handler with the server stubbed out: (which entry point
+    it called, the options it passed)."""
+    from embedding_store.cli import build_parser
+
+    called: list[tuple[str, ServeOptions]] = []
+    monkeypatch.setattr(
+        "serving.server.serve", lambda options: called.append(("serve", options)) or 0
+    )
+    monkeypatch.setattr(
+        "serving.processes.serve_processes",
+        lambda options: called.append(("serve_processes", options)) or 0,
+    )
+    args = build_parser().parse_args(argv)
+    assert args.handler(args) == 0
+    assert len(called) == 1
+    return called[0]
+
+
+def test_worker_processes_are_started_with_exactly_the_supervisors_options(monkeypatch):
+    """options_to_argv must reproduce every option: what a server process parses from its
+    command line (and its token from the environment) equals what the supervisor had."""
+    monkeypatch.setenv("RECSERVE_ADMIN_TOKEN", "s3cr3t")
+    options = ServeOptions(
+        checkpoint=Path("runs/ckpt"), model_name="adult", host="::1", http_port=9100,
+        grpc_port=9101, embedding_ps=("ps-0:7000", "ps-1:7000"), max_batch_size=64,
+        max_request_batch_size=128, max_queue_delay_ms=0.5, max_queue_size=9,
+        request_timeout=3.5, lookup_timeout=1.5, startup_timeout=7.0,
+        fallback_policy="default", output_transform="sigmoid", onednn_min_rows=0,
+        max_body_bytes=1000, max_decompressed_bytes=2000, read_timeout_seconds=4.0,
+        watch_seconds=0.25, admin_token="s3cr3t", reload_root=Path("runs"), grace_seconds=0.0,
+        threads=3, preprocessor="pkg.mod:fn", workers=1, reuse_port=True, supervisor_pid=4321,
+    )  # fmt: skip
+    assert _serve_and_capture(monkeypatch, options_to_argv(options)) == ("serve", options)
+    workers = ServeOptions(
+        checkpoint=Path("ckpt"), embedding_workers=("w:1",), admin_token="s3cr3t"
+    )
+    assert _serve_and_capture(monkeypatch, options_to_argv(workers)) == ("serve", workers)
+    # Values that begin with "-" are values, not flags, for the server processes too.
+    dashed = ServeOptions(
+        checkpoint=Path("-ckpt"), model_name="-latest", host="::", admin_token="s3cr3t"
+    )
+    assert _serve_and_capture(monkeypatch, options_to_argv(dashed)) == ("serve", dashed)
+
+
+def test_serve_with_several_workers_runs_the_supervisor_and_refuses_bad_arguments(
+    monkeypatch, capsys
+):
+    monkeypatch.delenv("RECSERVE_ADMIN_TOKEN", raising=False)
+    entry, options = _serve_and_capture(
+        monkeypatch, ["serve", "--checkpoint", "ckpt", "--workers", "2", "--http-port", "0"]
+    )
+    assert entry == "serve_processes"
+    assert (options.workers, options.http_port, options.grpc_port) == (2, 0, 8001)
+    assert options.checkpoint == Path("ckpt") and not options.reuse_port
+    with pytest.raises(SystemExit) as exited:
+        _serve_and_capture(monkeypatch, ["serve", "--checkpoint", "ckpt", "--threads", "1025"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "recserve serve: error: --threads 1025: at most 1024"
+    )
+
+
+def test_a_workers_server_on_a_taken_port_names_the_flag_and_starts_nothing(monkeypatch):
+    """The port is checked before any process starts, and the error says which flag to
+    change."""
+    import signal
+    import socket
+    import subprocess
+
+    from serving.processes import serve_processes
+
+    def no_process(*_args, **_kwargs):
+        raise AssertionError("no server process may start")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            for ports, protocol, flag in (
+                ({"http_port": port, "grpc_port": 0}, "HTTP", "--http-port"),
+                ({"http_port": 0, "grpc_port": port}, "gRPC", "--grpc-port"),
+            ):
+                options = ServeOptions(checkpoint="ckpt", workers=2, **ports)
+                with pytest.raises(UnavailableError) as caught:
+                    serve_processes(options)
+                assert caught.value.message.startswith(
+                    f"cannot listen for {protocol} on 127.0.0.1:{port}: "
+                )
+                assert caught.value.message.endswith(
+                    f"(is another server on that port? {flag} 0 picks a free one)"
+                )
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
