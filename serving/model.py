@@ -152,7 +152,8 @@ class LoadedModel:
                 slots.append(SlotOutput(feature.name, torch.zeros(feature.batch_size, config.dim)))
             else:
                 fixed = config.sample_fixed_size
-                lengths = torch.from_numpy(np.asarray(feature.lengths, dtype=np.int64))
+                # A copy: the batch's lengths are read-only, which torch warns about.
+                lengths = torch.from_numpy(np.array(feature.lengths, dtype=np.int64))
                 mask = torch.arange(fixed).unsqueeze(0) < lengths.unsqueeze(1)
                 slots.append(
                     SlotOutput(

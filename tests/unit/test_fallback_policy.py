@@ -117,6 +117,7 @@ def test_fallback_is_logged_when_it_starts_and_ends_not_per_batch(checkpoint, ca
         model.close()
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch warns on a read-only array
 def test_default_answers_a_raw_slot_as_the_tier_answers_unknown_ids():
     # Fallback is "every ID unknown": zero vectors, and the mask the tier gives for unknown
     # IDs (True where an ID sits), not an all-False one that makes a masked mean 0 / 0.
