@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.python_script import last_json_line, run_python
 
 _DESCRIBE = """
 import json
@@ -36,16 +36,8 @@ print(json.dumps({
 
 def test_torchserve_binary_user_mirrors_the_json_and_kserve_binary_users():
     env = {**os.environ, "RECSERVE_LT_MODEL": "model", "RECSERVE_LT_TS_MODEL": "synthetic"}
-    result = subprocess.run(
-        [sys.executable, "-c", _DESCRIBE],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    users = json.loads(result.stdout.strip().splitlines()[-1])
+    result = run_python(_DESCRIBE, env=env)
+    users = last_json_line(result)
     binary, plain, kserve = users["binary"], users["json"], users["kserve-binary"]
     assert binary["path"] == plain["path"] == "/predictions/synthetic"
     assert binary["kind"] == "binary" and not binary["abstract"]
@@ -339,14 +331,7 @@ def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
     from load_tests.run import read_final_stats
 
     path = tmp_path / "final.json"
-    result = subprocess.run(
-        [sys.executable, "-c", _FINAL_STATS, str(path)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    run_python(_FINAL_STATS, str(path))
     final = read_final_stats(path)
     assert final["exit_code"] == 1
     rows = {row["name"]: row for row in final["stats"]}
@@ -434,14 +419,7 @@ with sigterm_exits():
 
 def test_sigterm_runs_the_cleanup(tmp_path):
     """run.py had no SIGTERM handler: the server and locust lived on with PPID 1."""
-    result = subprocess.run(
-        [sys.executable, "-c", _SIGTERM],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 143, result.stderr
+    result = run_python(_SIGTERM, returncode=143)
     pid, stopped = result.stdout.splitlines()
     assert stopped == "stopped -15"
     assert not Path(f"/proc/{pid}").exists()
@@ -855,14 +833,7 @@ server.shutdown()
 def test_a_non_200_answer_without_a_body_counts_as_a_failure():
     """A 204 (a proxy's, say) has no body and no locust error: it must count as a failed
     request naming its status, not raise AttributeError in the user."""
-    result = subprocess.run(
-        [sys.executable, "-c", _EMPTY_204],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_python(_EMPTY_204)
     assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
 
 
@@ -1558,16 +1529,8 @@ def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
         "RECSERVE_LT_POOL": "2",
     }
     final = tmp_path / "final.json"
-    result = subprocess.run(
-        [sys.executable, "-c", _LOCUSTFILE_PIECES, str(final)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    result = run_python(_LOCUSTFILE_PIECES, str(final), env=env)
+    out = last_json_line(result)
     assert out["users"] == {
         "KServeJsonUser": ["/v2/models/adult/infer", "v2-json", "json", "application/json"],
         "KServeBinaryUser": [
@@ -1659,14 +1622,7 @@ finally:
 
 
 def test_a_second_sigterm_does_not_cut_the_cleanup_short():
-    result = subprocess.run(
-        [sys.executable, "-c", _SECOND_SIGTERM],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 143, result.stderr
+    result = run_python(_SECOND_SIGTERM, returncode=143)
     assert result.stdout.splitlines() == ["cleanup finished", "handler restored True"]
 
 

@@ -184,26 +184,36 @@ def test_error_summary_is_the_type_and_the_last_line(error, expected):
     assert summary == (f"{name}: {expected} [2, 3]" if expected else f"{name}: ")
 
 
-def test_a_remote_worker_that_never_serves_has_its_channel_closed(checkpoint, monkeypatch):
-    """A load that gives up on its embedding worker (a failed hot reload, retried by the
-    checkpoint watch) must not leave the worker's gRPC channel open, one per try."""
+def _fake_remote_workers(monkeypatch, *, serving: bool) -> list:
+    """Stands in for RemoteEmbeddingWorker: each made is listed, its ``closed`` says whether
+    it was closed; its wait_for_serving fails unless ``serving``."""
     from embedding_store import worker_client
     from embedding_store.errors import UnavailableError
 
-    made: list[_NeverServing] = []
+    made: list[_FakeWorker] = []
 
-    class _NeverServing:
+    class _FakeWorker:
         def __init__(self, address, config, *, timeout) -> None:
             self.closed = False
             made.append(self)
 
         def wait_for_serving(self, timeout: float) -> None:
-            raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
+            if not serving:
+                raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
 
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(worker_client, "RemoteEmbeddingWorker", _NeverServing)
+    monkeypatch.setattr(worker_client, "RemoteEmbeddingWorker", _FakeWorker)
+    return made
+
+
+def test_a_remote_worker_that_never_serves_has_its_channel_closed(checkpoint, monkeypatch):
+    """A load that gives up on its embedding worker (a failed hot reload, retried by the
+    checkpoint watch) must not leave the worker's gRPC channel open, one per try."""
+    from embedding_store.errors import UnavailableError
+
+    made = _fake_remote_workers(monkeypatch, serving=False)
     with pytest.raises(UnavailableError, match="not serving"):
         load_model(checkpoint, name="m", embedding_workers=["a:1"], startup_timeout=0.1)
     assert [worker.closed for worker in made] == [True]
@@ -211,22 +221,7 @@ def test_a_remote_worker_that_never_serves_has_its_channel_closed(checkpoint, mo
 
 def test_a_load_refused_after_its_worker_answered_closes_the_channel(checkpoint, monkeypatch):
     """Refused for an option it does not know, once connected: the channel is closed too."""
-    from embedding_store import worker_client
-
-    made: list[_Serving] = []
-
-    class _Serving:
-        def __init__(self, address, config, *, timeout) -> None:
-            self.closed = False
-            made.append(self)
-
-        def wait_for_serving(self, timeout: float) -> None:
-            return None
-
-        def close(self) -> None:
-            self.closed = True
-
-    monkeypatch.setattr(worker_client, "RemoteEmbeddingWorker", _Serving)
+    made = _fake_remote_workers(monkeypatch, serving=True)
     for option in ({"output_transform": "softmax"}, {"fallback_policy": "zeros"}):
         with pytest.raises(InvalidArgumentError, match="must be one of"):
             load_model(checkpoint, name="m", embedding_workers=["a:1"], **option)

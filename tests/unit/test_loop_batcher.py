@@ -42,10 +42,12 @@ class Model:
         return ids.astype(np.float32).reshape(-1, 1), "context"
 
 
-def make(model: Model, **limits) -> LoopBatcher:
+def make(run, **options) -> LoopBatcher:
+    """A batcher of ``run`` (a Model or any function of a merged batch): 64 samples, no delay,
+    16 queued, unless ``options`` (those of LoopBatcher, ``on_batch`` say) say otherwise."""
     settings = {"max_batch_size": 64, "max_queue_delay": 0.0, "max_queue_size": 16}
-    settings.update(limits)
-    return LoopBatcher(model, run_lock=threading.Lock(), **settings)
+    settings.update(options)
+    return LoopBatcher(run, run_lock=threading.Lock(), **settings)
 
 
 def test_requests_of_one_loop_iteration_run_as_one_batch_on_the_loop() -> None:
@@ -239,14 +241,7 @@ def test_deadlines_and_queue_time_are_measured_at_the_flush(monkeypatch) -> None
 
 def test_the_batch_size_reported_is_samples_not_requests() -> None:
     seen: list[tuple[int, float]] = []
-    batcher = LoopBatcher(
-        Model(),
-        max_batch_size=64,
-        max_queue_delay=0.0,
-        max_queue_size=8,
-        run_lock=threading.Lock(),
-        on_batch=lambda size, started: seen.append((size, started)),
-    )
+    batcher = make(Model(), on_batch=lambda size, started: seen.append((size, started)))
 
     async def main():
         futures = [batcher.submit(batch_of(1, 2), deadline=FAR)]
@@ -267,9 +262,7 @@ def test_pending_counts_only_the_requests_being_computed() -> None:
         seen.append(batcher.pending)
         return np.zeros((merged.batch_size, 1), np.float32), None
 
-    batcher = LoopBatcher(
-        run, max_batch_size=64, max_queue_delay=0, max_queue_size=8, run_lock=threading.Lock()
-    )
+    batcher = make(run)
 
     async def main():
         gone = batcher.submit(batch_of(1), deadline=FAR)
@@ -294,14 +287,7 @@ def test_a_failed_batch_does_not_stop_the_other_batches_of_its_flush() -> None:
             raise UnavailableError("ID 666 is refused")
         return ids.astype(np.float32).reshape(-1, 1), None
 
-    batcher = LoopBatcher(
-        run,
-        max_batch_size=1,
-        max_queue_delay=0,
-        max_queue_size=8,
-        run_lock=threading.Lock(),
-        on_batch=lambda size, started: sizes.append(size),
-    )
+    batcher = make(run, max_batch_size=1, on_batch=lambda size, started: sizes.append(size))
 
     async def main():
         futures = [batcher.submit(batch_of(i), deadline=FAR) for i in (666, 1, 2)]
@@ -367,14 +353,7 @@ def test_a_failure_after_the_model_ran_fails_its_batch_not_the_others() -> None:
             raise RuntimeError("metrics backend broke")
 
     model = Model()
-    batcher = LoopBatcher(
-        model,
-        max_batch_size=1,
-        max_queue_delay=0,
-        max_queue_size=8,
-        run_lock=threading.Lock(),
-        on_batch=broken_on_batch,
-    )
+    batcher = make(model, max_batch_size=1, on_batch=broken_on_batch)
 
     async def main():
         futures = [batcher.submit(batch_of(i), deadline=FAR) for i in (1, 2)]

@@ -25,6 +25,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_service import ParameterServerServicer
 from embedding_store.shard import EmbeddingShard, RowBlock
+from tests.unit.health_stub import HealthStub
 from tests.unit.test_rpc_errors import FailedCall
 
 #: Nothing listens on port 1: a client of it fails fast if it ever calls.
@@ -216,27 +217,14 @@ def test_a_watched_load_that_fails_raises_the_error_of_its_status() -> None:
     assert stub.timeouts == [90]
 
 
-class _Health:
-    """A health stub answering ``statuses`` in turn (the last one for good)."""
-
-    def __init__(self, *statuses: int) -> None:
-        self.statuses = list(statuses)
-        self.calls = 0
-
-    def Check(self, request, timeout=None):
-        self.calls += 1
-        status = self.statuses[min(self.calls, len(self.statuses)) - 1]
-        return health_pb2.HealthCheckResponse(status=status)
-
-
 def test_wait_for_serving_polls_until_serving_and_names_the_last_status() -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     with RemoteParameterServer(NOWHERE, replica_index=2, timeout=5) as client:
-        client._health = health = _Health(not_serving, not_serving, serving)
+        client._health = health = HealthStub(not_serving, not_serving, serving)
         client.wait_for_serving(30)
         assert health.calls == 3
-        client._health = health = _Health(not_serving)
+        client._health = health = HealthStub(not_serving)
         with pytest.raises(UnavailableError) as never:
             client.wait_for_serving(0)  # no time left: it fails without asking
         assert health.calls == 0

@@ -3,12 +3,15 @@ prediction server's latencies (tens of microseconds)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from embedding_store.ps_service import ParameterServerMetrics
 from embedding_store.rpc_metrics import LATENCY_BUCKETS
 from embedding_store.worker_service import EmbeddingWorkerMetrics
 from serving.metrics import ServingMetrics
+from tests.unit.python_script import run_python
 
 SERVER_BUCKETS = [
     0.000025,
@@ -128,6 +131,12 @@ def test_checkpoint_age_counts_from_its_creation_and_is_never_negative():
     assert metrics.registry.get_sample_value("recserve_checkpoint_age_seconds") == 0.0
 
 
+def _run_multiprocess(script: str, tmp_path):
+    """``script`` in a fresh interpreter in prometheus' multiprocess mode (its files in
+    ``tmp_path``): what several server processes of one host share."""
+    return run_python(script, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+
+
 _MULTIPROCESS_MODEL_INFO = """
 import sys
 
@@ -146,25 +155,7 @@ for family in text_string_to_metric_families(metrics.exposition().decode()):
 
 def test_a_replaced_version_reads_0_in_the_model_info_of_a_workers_server(tmp_path):
     # Several processes keep what they stored: a replaced version stays as 0, not 1.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", _MULTIPROCESS_MODEL_INFO],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_multiprocess(_MULTIPROCESS_MODEL_INFO, tmp_path)
     assert sorted(result.stdout.split("\n")[:-1]) == ["v1 0.0", "v2 1.0"]
 
 
@@ -246,25 +237,7 @@ for family in text_string_to_metric_families(metrics.exposition().decode()):
 
 def test_gauges_of_several_processes_combine_as_their_help_says(tmp_path):
     """Pending requests add up; ready is the minimum; version mismatches the maximum."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", _MULTIPROCESS_GAUGES],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run_multiprocess(_MULTIPROCESS_GAUGES, tmp_path)
     assert sorted(result.stdout.split("\n")[:-1]) == [
         "recserve_embedding_tier_version_mismatch 3.0",
         "recserve_pending_requests 7.0",

@@ -33,6 +33,7 @@ from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker import SlotOutput
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from embedding_store.worker_wire import pack_slots, unpack_grads
+from tests.unit.health_stub import HealthStub
 from tests.unit.test_rpc_errors import FailedCall
 
 #: Nothing listens on port 1; the fake stubs answer instead.
@@ -235,25 +236,14 @@ def test_a_shard_that_did_not_answer_fails_the_status_unless_partial(client) -> 
     assert worker.status().shard_errors == ()  # only a partial status reports them
 
 
-class _Health:
-    def __init__(self, *statuses: int) -> None:
-        self.statuses = list(statuses)
-        self.calls = 0
-
-    def Check(self, request, timeout=None):
-        self.calls += 1
-        status = self.statuses[min(self.calls, len(self.statuses)) - 1]
-        return health_pb2.HealthCheckResponse(status=status)
-
-
 def test_wait_for_serving_waits_for_serving_not_for_any_answer(client) -> None:
     worker, _ = client
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    worker._health = health = _Health(not_serving, serving)
+    worker._health = health = HealthStub(not_serving, serving)
     worker.wait_for_serving(30)
     assert health.calls == 2
-    worker._health = _Health(not_serving)
+    worker._health = HealthStub(not_serving)
     with pytest.raises(
         UnavailableError, match=r"127\.0\.0\.1:1 is not serving after 0\.2 s \(NOT_SERVING\)"
     ):
