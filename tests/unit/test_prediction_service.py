@@ -31,6 +31,7 @@ from serving.service import MAX_WAIT_SECONDS, PredictionService, _share
 from tests.unit.test_onednn_linear import Mlp, _checkpoint
 
 NAME = "m"
+WAIT = 30.0  # s: the bound of any wait for another thread (a slow CI machine)
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +242,17 @@ class _Blocked:
 
     def __call__(self, merged):
         self.started.set()
-        assert self.release.wait(5)
+        assert self.release.wait(WAIT)
         return self.infer(merged)
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    """Polls ``condition`` until it holds; fails after WAIT s (a bound for a slow machine,
+    not a requirement)."""
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold within the wait"
+        time.sleep(0.01)
 
 
 def test_an_answer_not_ready_by_the_timeout_is_deadline_exceeded(checkpoints, make_service):
@@ -407,12 +417,12 @@ def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make
     )
     busy.start()
     try:
-        assert blocked.started.wait(5)
+        assert blocked.started.wait(WAIT)
         with pytest.raises(DeadlineExceededError):
             service.predict(NAME, None, _inputs(1), protocol="http", timeout=0.05)
     finally:
         blocked.release.set()
-        busy.join(5)
+        busy.join(WAIT)
     # A later request runs after the one that timed out would have: it was skipped.
     service.predict(NAME, None, _inputs(3), protocol="http")
     assert sizes == [2, 3]
@@ -551,20 +561,13 @@ def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoint
     service = make_service(model, tier_check_seconds=0.01)
     gauge = service.metrics.registry.get_sample_value
 
-    def wait_for(condition: Callable[[], bool]) -> None:
-        for _ in range(500):
-            if condition():
-                return
-            time.sleep(0.01)
-        raise AssertionError("the tier check did not see the change within 5 s")
-
-    wait_for(lambda: not service.tier_serving)
+    _wait_until(lambda: not service.tier_serving)
     assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
     assert service.foreign_embedding_versions == {2: "other"}
     assert gauge("recserve_embedding_tier_version_mismatch") == 1.0
     assert service.ready()
     tier.serving, tier.versions = (True,) * 4, ("", expected, expected, "")
-    wait_for(lambda: service.tier_serving)
+    _wait_until(lambda: service.tier_serving)
     assert service.last_tier_error is None and service.foreign_embedding_versions == {}
 
 
@@ -620,14 +623,10 @@ def test_close_refuses_new_requests_and_fails_those_still_queued(checkpoints, ma
 
     running = threading.Thread(target=ask, args=("running", 2))
     running.start()
-    assert blocked.started.wait(5)
+    assert blocked.started.wait(WAIT)
     queued = threading.Thread(target=ask, args=("queued", 2))
     queued.start()
-    for _ in range(500):  # bounded: until the second request is queued
-        if service.pending == 2:
-            break
-        time.sleep(0.01)
-    assert service.pending == 2
+    _wait_until(lambda: service.pending == 2)  # the second request is queued
     try:
         service.close(wait=0.05)  # the running batch outlives the wait
         assert not service.ready()
@@ -635,8 +634,8 @@ def test_close_refuses_new_requests_and_fails_those_still_queued(checkpoints, ma
             service.predict(NAME, None, _inputs(), protocol="http")
     finally:
         blocked.release.set()
-        running.join(5)
-        queued.join(5)
+        running.join(WAIT)
+        queued.join(WAIT)
     assert answers["running"].outputs["prediction"].shape == (2, 1)
     assert isinstance(answers["queued"], UnavailableError)
     assert "stopped before this request's batch ran" in answers["queued"].message
@@ -654,7 +653,9 @@ def test_a_request_cancelled_on_the_loop_is_counted_and_not_computed(checkpoints
         return infer(merged)
 
     model.infer = recording_infer  # type: ignore[method-assign]
-    service = make_service(model, max_queue_delay=0.05)
+    # The delay only has to outlast the few loop iterations up to the cancel (0.05 s could
+    # run out on a loaded machine: the flush would take the request before its cancel).
+    service = make_service(model, max_queue_delay=0.5)
 
     async def main():
         gone = asyncio.ensure_future(service.predict_async(NAME, None, _inputs(2), protocol="http"))
@@ -692,18 +693,14 @@ def test_a_reload_closes_the_old_model_only_after_the_batch_running_on_it(
     reloading = threading.Thread(target=service.reload, args=(None,))
     try:
         asking.start()
-        assert blocked.started.wait(5)
+        assert blocked.started.wait(WAIT)
         reloading.start()
-        for _ in range(500):  # bounded: until the new version is swapped in
-            if service.model is not old:
-                break
-            time.sleep(0.01)
-        assert service.model is not old
+        _wait_until(lambda: service.model is not old)  # the new version is swapped in
         reloading.join(0.2)
         assert reloading.is_alive() and closed == []  # waiting for the running batch
     finally:
         blocked.release.set()
-        asking.join(5)
-        reloading.join(5)
+        asking.join(WAIT)
+        reloading.join(WAIT)
     assert closed == [old.version]
     assert answers[0].model_version == old.version
