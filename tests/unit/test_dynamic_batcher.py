@@ -238,7 +238,10 @@ def test_requests_arriving_within_the_delay_are_merged() -> None:
     batcher = DynamicBatcher(model, max_batch_size=3, max_queue_delay=60.0)
     try:
         first = batcher.submit(batch_of(1))
-        time.sleep(0.1)  # the dispatcher has taken it and waits for more
+        deadline = time.monotonic() + WAIT
+        while not batcher._queue.empty():  # until the dispatcher took it and waits for more
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         second = batcher.submit(batch_of(2, 3))
         assert answers([first, second]) == [[1.0], [2.0, 3.0]]
         assert model.calls == [[1, 2, 3]]
