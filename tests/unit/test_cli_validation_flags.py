@@ -500,7 +500,7 @@ def test_embedding_tier_status_exits_1_when_a_shard_did_not_answer(monkeypatch, 
             return self
 
         def __exit__(self, *_exc) -> None:
-            pass
+            """Nothing to close: no channel was opened."""
 
         def status(self, partial: bool) -> TierStatus:
             assert partial

@@ -809,7 +809,7 @@ def test_close_releases_the_transport_once():
     transport = ScriptedTransport([])
     client = _scripted_client(transport)
     with client:
-        pass
+        pass  # entered and left: leaving closes it
     client.close()
     assert transport.closed == 1
 
@@ -818,7 +818,7 @@ def test_close_releases_the_transport_once():
 
     async def close_twice() -> None:
         async with async_client:
-            pass
+            pass  # entered and left: leaving closes it
         await async_client.close()
 
     asyncio.run(close_twice())

@@ -247,7 +247,7 @@ def test_close_closes_the_channel_once() -> None:
     client._channel.close()
     client._channel = channel = _Channel()
     with client:
-        pass
+        pass  # entered and left: leaving closes it
     client.close()
     assert channel.closes == 1
 
