@@ -725,7 +725,8 @@ def test_async_health_is_false_when_the_server_is_unreachable_or_slow_and_raises
         return flags
 
     assert asyncio.run(main()) == [False, False, False]
-    assert len(transport.calls) == 4
+    assert [call[0] for call in transport.calls] == ["live", "ready", "model_ready", "model_ready"]
+    assert transport.calls[-1] == ("model_ready", ("m", 2.0))
 
 
 def test_one_failed_attempt_is_raised_as_it_is_and_more_say_how_many():
@@ -1044,9 +1045,8 @@ def test_retries_that_are_no_integer_are_an_invalid_argument(retries):
 
 
 def test_retries_may_be_a_numpy_integer():
-    client = RecserveClient("http://127.0.0.1:9", model_name="m", retries=np.int64(2))
-    assert client.policy.retries == 2
-    client.close()
+    with RecserveClient("http://127.0.0.1:9", model_name="m", retries=np.int64(2)) as client:
+        assert client.policy.retries == 2 and type(client.policy.retries) is int
 
 
 def test_async_grpc_client_takes_a_new_loop_once_the_first_closed_with_a_call_pending(fake_grpc):

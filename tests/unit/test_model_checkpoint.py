@@ -291,6 +291,7 @@ def test_a_wrapped_model_is_saved_and_loaded_as_the_model_inside(tmp_path: Path)
     other = Wrapper(Tiny())
     model_checkpoint.load_checkpoint(tmp_path / "ckpt", other, None, _tier())
     assert torch.equal(other.module.linear.weight, inner.linear.weight)
+    assert torch.equal(other.module.linear.bias, inner.linear.bias)
 
 
 def test_a_checkpoint_without_optimizer_state_leaves_the_optimizer_alone(

@@ -236,8 +236,9 @@ def test_combined_rounds_keep_the_first_error_and_add_requests():
     [["--users", "0"], ["--users", "513"], ["--seconds", "0"], ["--seconds", "600.5"]],
 )
 def test_runs_are_bounded(flags, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         peers.parse_args(["--batches", "1", *flags])
+    assert exited.value.code == 2
     assert "bounded runs only: 1..512 users, at most 600 s per run" in capsys.readouterr().err
 
 
@@ -258,6 +259,9 @@ def test_a_variant_with_more_than_one_process_is_recognized_in_either_spelling()
     assert not peers.multi_process("--workers=1")
     assert not peers.multi_process("")
     assert not peers.multi_process("--workers")  # no value: the server refuses it, no crash here
+    # The last --workers given is the one the server reads.
+    assert not peers.multi_process("--workers 2 --workers=1")
+    assert peers.multi_process("--workers=1 --workers 3")
 
 
 def test_odd_rounds_measure_in_order_and_even_rounds_in_reverse():
@@ -332,8 +336,9 @@ def test_unclaimed_bytes_or_no_prediction_are_refused(name, extra):
 
 
 def test_a_batch_size_that_is_not_a_number_is_refused_even_with_a_mix(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         peers.parse_args(["--batches", "1,x", "--mix", "8"])
+    assert exited.value.code == 2
     assert "bad batch sizes '1,x': use a comma list of integers >= 1" in capsys.readouterr().err
 
 

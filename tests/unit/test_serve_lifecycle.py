@@ -337,10 +337,12 @@ def test_server_processes_are_single_servers_on_the_reserved_ports(fake_children
     def popen_recording(command, env=None):
         environments.append(env)
         assert os.path.isdir(env[MULTIPROCESS_VARIABLE])
-        return popen(command, env=env)
+        process = popen(command, env=env)
+        if len(environments) == 2:  # both started: stop (no timer racing the start-up)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return process
 
     monkeypatch.setattr(subprocess, "Popen", popen_recording)
-    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
     options = ServeOptions(
         checkpoint="ckpt", http_port=0, grpc_port=0, workers=2, admin_token="s3cr3t"
     )
