@@ -545,6 +545,7 @@ def test_recserve_turns_errors_into_one_line_and_an_exit_code(monkeypatch, capsy
     assert _main_with_handler(monkeypatch, raise_(InvalidArgumentError("bad value"))) == 1
     assert capsys.readouterr().err == "recserve fake: error: bad value\n"
     assert _main_with_handler(monkeypatch, raise_(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == ""  # Ctrl-C: no traceback, no error line
     missing = FileNotFoundError(2, "No such file or directory", "runs/x.yml")
     assert _main_with_handler(monkeypatch, raise_(missing)) == 1
     assert capsys.readouterr().err == (
@@ -552,6 +553,7 @@ def test_recserve_turns_errors_into_one_line_and_an_exit_code(monkeypatch, capsy
     )
     assert _main_with_handler(monkeypatch, lambda _args: 3) == 3
     assert _main_with_handler(monkeypatch, lambda _args: None) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_recserve_without_a_command_prints_help_and_exits_2(capsys) -> None:

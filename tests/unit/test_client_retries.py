@@ -993,7 +993,7 @@ def test_a_grpc_error_without_a_status_code_is_unknown_and_not_retried():
     error = _failure("grpc://h:1", grpc.RpcError("no code"))
     assert not isinstance(error, RetryableError)
     assert type(error) is RecserveError
-    assert error.message.startswith("server grpc://h:1 answered gRPC UNKNOWN: no code")
+    assert error.message == "server grpc://h:1 answered gRPC UNKNOWN: no code"
 
 
 def test_eval_server_scorer_retries_503_with_doubling_waits_and_nothing_else(
