@@ -444,13 +444,19 @@ def test_the_checkpoint_watch_back_off_starts_at_a_poll_and_is_capped(monkeypatc
     def reload(_checkpoint):
         raise CheckpointError("broken")
 
-    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=6.0))
-    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
-    watching._stop = clock
-    with caplog.at_level(logging.WARNING, logger="serving.server"):
-        watching._watch()  # returns once the fake clock passes 1000 s
-    backoffs = [r.args[1] for r in caplog.records if r.msg.startswith("will try version")]
-    assert backoffs == [6.0, 12.0, 24.0, 48.0, 96.0, 192.0, 300.0, 300.0, 300.0]
+    def backoffs(watch_seconds: float) -> list[float]:
+        clock.now = 0.0
+        caplog.clear()
+        watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=watch_seconds))
+        watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+        watching._stop = clock
+        with caplog.at_level(logging.WARNING, logger="serving.server"):
+            watching._watch()  # returns once the fake clock passes 1000 s
+        return [r.args[1] for r in caplog.records if r.msg.startswith("will try version")]
+
+    assert backoffs(6.0) == [6.0, 12.0, 24.0, 48.0, 96.0, 192.0, 300.0, 300.0, 300.0]
+    # A poll shorter than 5 s: the first retry still waits 5 s.
+    assert backoffs(2.0)[:4] == [5.0, 10.0, 20.0, 40.0]
 
 
 def _reloading_server(tmp_path, **options) -> tuple[PredictionServer, list[str | None]]:
