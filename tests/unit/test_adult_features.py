@@ -478,3 +478,26 @@ def test_streamed_batches_span_chunk_boundaries(tmp_path):
     np.testing.assert_array_equal(numeric, whole.numeric)
     labels = np.concatenate([b.label("income").data for b in batches])
     np.testing.assert_array_equal(labels, whole.labels)
+
+
+def test_canonical_number_keeps_every_digit_of_a_fraction():
+    """A value slot's ID is the hash of the exact number: fractions are written with repr
+    (shortest round-trip form), integral values without ``.0``."""
+    assert features.canonical_number(0.1 + 0.2) == "0.30000000000000004"
+    assert features.canonical_number(2174.0001) == "2174.0001"
+    assert features.canonical_number(-3.0) == "-3"
+    assert features.canonical_number(1e20) == "100000000000000000000"
+    assert features.canonical_number("7") == "7"
+
+
+def test_numeric_errors_name_the_first_bad_row_and_column():
+    rows = as_dicts(ROWS_CSV)
+    for row in rows:
+        del row["income"]
+    for value, message in [
+        ("inf", "row 1: column 'age' must be a finite number, got inf"),
+        (1e300, "row 1: column 'age' is out of range, got 1e"),
+    ]:
+        bad = [rows[0], {**rows[1], "age": value}, {**rows[2], "hours-per-week": value}]
+        with pytest.raises(ValueError, match=message):
+            features.rows_to_batch(bad, with_labels=False)
