@@ -501,3 +501,12 @@ def test_numeric_errors_name_the_first_bad_row_and_column():
         bad = [rows[0], {**rows[1], "age": value}, {**rows[2], "hours-per-week": value}]
         with pytest.raises(ValueError, match=message):
             features.rows_to_batch(bad, with_labels=False)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_hparams_build_the_named_embedding_optimizer(name):
+    """--embedding-optimizer as tune.py tries them: the named optimizer, with the given lr
+    and weight decay."""
+    hp = AdultHParams(embedding_optimizer=name, embedding_lr=0.25, embedding_weight_decay=0.5)
+    optimizer = hp.make_embedding_optimizer()
+    assert (optimizer.name, optimizer.lr, optimizer.weight_decay) == (name, 0.25, 0.5)
