@@ -62,6 +62,10 @@ def write_csv(path, lines) -> None:
         path.write_text(text)
 
 
+def as_rows(lines) -> list[list[str]]:
+    return [line.split(",") for line in lines]
+
+
 def as_dicts(lines) -> list[dict[str, str]]:
     keys = HEADER.split(",")
     return [dict(zip(keys, line.split(","))) for line in lines]
@@ -377,3 +381,132 @@ def test_training_smoke():
     test = features.read_encoded(features.TEST_PATH).take(slice(0, 4096))
     aucs, _ = train_and_evaluate(AdultHParams(epochs=1), train, test)
     assert len(aucs) == 1 and aucs[0] > 0.88
+
+
+# ------------------------------------------------------------------------------------------
+# input checks and streaming edge cases
+
+
+def test_labels_accept_only_the_two_classes_with_at_most_one_dot():
+    for text in ("", " ", ".", ">50K..", "<=50K..", ">50k", "50K", "> 50K"):
+        with pytest.raises(ValueError, match="income label must be"):
+            features.parse_label(text)
+
+
+def test_sizes_must_be_positive(tmp_path):
+    path = tmp_path / "adult.csv"
+    write_csv(path, ROWS_CSV)
+    whole = features.read_encoded(path)
+    with pytest.raises(ValueError, match="chunk_rows must be > 0, got 0"):
+        list(features.iter_encoded_chunks(path, chunk_rows=0))
+    with pytest.raises(ValueError, match="batch_size must be > 0, got 0"):
+        list(features.iter_batches(whole, 0))
+    with pytest.raises(ValueError, match="batch_size must be > 0, got -1"):
+        list(features.read_batches(path, -1, shuffle_seed=1))
+
+
+def test_rows_with_a_wrong_number_of_fields_are_refused(tmp_path):
+    path = tmp_path / "adult.csv"
+    for line in (ROWS_CSV[1] + ",extra", ROWS_CSV[1].rsplit(",", 1)[0]):
+        write_csv(path, [ROWS_CSV[0], line])
+        expected = len(line.split(","))
+        with pytest.raises(ValueError, match=f"a row has {expected} fields, expected 15"):
+            list(features.iter_encoded_chunks(path))
+
+
+def test_blank_and_whitespace_lines_are_skipped(tmp_path):
+    plain = tmp_path / "plain.csv"
+    write_csv(plain, ROWS_CSV)
+    spaced = tmp_path / "spaced.csv"
+    write_csv(spaced, [ROWS_CSV[0], "", "   ", ROWS_CSV[1], "\t", ROWS_CSV[2], ""])
+    (expected,) = features.read_batches(plain, 8)
+    (got,) = features.read_batches(spaced, 8)
+    assert got.equals(expected)
+
+
+def test_empty_files_have_no_rows(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert list(features.iter_encoded_chunks(empty)) == []
+    header_only = tmp_path / "header.csv"
+    write_csv(header_only, [])
+    assert list(features.iter_encoded_chunks(header_only)) == []
+    with pytest.raises(ValueError, match=r"header\.csv: no rows"):
+        features.read_encoded(header_only)
+    assert list(features.read_batches(header_only, 4)) == []
+
+
+def test_encode_columns_checks_columns_and_lengths():
+    columns = {k: list(v) for k, v in zip(HEADER.split(","), zip(*as_rows(ROWS_CSV)))}
+    assert len(features.encode_columns(columns)) == 3
+    with pytest.raises(ValueError, match="missing column"):
+        features.encode_columns({k: v for k, v in columns.items() if k != "income"})
+    assert features.encode_columns(columns, with_labels=False).labels is None
+    for values in (columns["race"][:2], [*columns["race"], "White"]):
+        with pytest.raises(ValueError, match=f"column 'race' has {len(values)} values, expected 3"):
+            features.encode_columns({**columns, "race": values})
+    with pytest.raises(ValueError, match="no rows to encode"):
+        features.encode_columns({k: [] for k in columns})
+    with pytest.raises(ValueError, match="at least one row"):
+        features.rows_to_batch([])
+
+
+def test_concat_needs_parts_with_the_same_labelling():
+    columns = {k: list(v) for k, v in zip(HEADER.split(","), zip(*as_rows(ROWS_CSV)))}
+    labelled = features.encode_columns(columns)
+    unlabelled = features.encode_columns(columns, with_labels=False)
+    with pytest.raises(ValueError, match="at least one part"):
+        features.EncodedRows.concat([])
+    with pytest.raises(ValueError, match="with and without labels"):
+        features.EncodedRows.concat([labelled, unlabelled])
+    with pytest.raises(ValueError, match="with and without labels"):
+        features.EncodedRows.concat([unlabelled, labelled])
+    both = features.EncodedRows.concat([unlabelled, unlabelled])
+    assert len(both) == 6 and both.labels is None
+
+
+def test_streamed_batches_span_chunk_boundaries(tmp_path):
+    """read_batches without a seed streams 8192-row chunks; a batch that straddles two chunks
+    is still full, and only the file's last batch is smaller."""
+    path = tmp_path / "big.csv"
+    rows = 8192 + 3
+    write_csv(path, [ROWS_CSV[i % 3].replace("39,", f"{20 + i % 50},", 1) for i in range(rows)])
+    batches = list(features.read_batches(path, 4000))
+    assert [b.batch_size for b in batches] == [4000, 4000, 195]
+    whole = features.read_encoded(path)
+    numeric = np.concatenate([b.non_id_feature("numeric").data for b in batches])
+    np.testing.assert_array_equal(numeric, whole.numeric)
+    labels = np.concatenate([b.label("income").data for b in batches])
+    np.testing.assert_array_equal(labels, whole.labels)
+
+
+def test_canonical_number_keeps_every_digit_of_a_fraction():
+    """A value slot's ID is the hash of the exact number: fractions are written with repr
+    (shortest round-trip form), integral values without ``.0``."""
+    assert features.canonical_number(0.1 + 0.2) == "0.30000000000000004"
+    assert features.canonical_number(2174.0001) == "2174.0001"
+    assert features.canonical_number(-3.0) == "-3"
+    assert features.canonical_number(1e20) == "100000000000000000000"
+    assert features.canonical_number("7") == "7"
+
+
+def test_numeric_errors_name_the_first_bad_row_and_column():
+    rows = as_dicts(ROWS_CSV)
+    for row in rows:
+        del row["income"]
+    for value, message in [
+        ("inf", "row 1: column 'age' must be a finite number, got inf"),
+        (1e300, "row 1: column 'age' is out of range, got 1e"),
+    ]:
+        bad = [rows[0], {**rows[1], "age": value}, {**rows[2], "hours-per-week": value}]
+        with pytest.raises(ValueError, match=message):
+            features.rows_to_batch(bad, with_labels=False)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_hparams_build_the_named_embedding_optimizer(name):
+    """--embedding-optimizer as tune.py tries them: the named optimizer, with the given lr
+    and weight decay."""
+    hp = AdultHParams(embedding_optimizer=name, embedding_lr=0.25, embedding_weight_decay=0.5)
+    optimizer = hp.make_embedding_optimizer()
+    assert (optimizer.name, optimizer.lr, optimizer.weight_decay) == (name, 0.25, 0.5)

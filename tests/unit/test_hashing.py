@@ -5,6 +5,7 @@ the SplitMix64 reference and must never change."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from embedding_store.hashing import shard_of, splitmix64
 
@@ -38,3 +39,14 @@ def test_routing_spreads_ids_evenly():
     ids = np.arange(100_000, dtype=np.uint64)
     counts = np.bincount(shard_of(ids, 4), minlength=4)
     assert counts.min() > 24_000 and counts.max() < 26_000  # sequential IDs spread too
+
+
+def test_shard_of_returns_int64_and_refuses_no_shards():
+    """Shards index arrays and are compared with int64 shard ids: the dtype is part of the
+    contract, for one shard as for many."""
+    for num_shards in (1, 3):
+        shards = shard_of(IDS, num_shards)
+        assert shards.dtype == np.int64 and shards.shape == IDS.shape
+    for num_shards in (0, -2):
+        with pytest.raises(ValueError, match=f"num_shards must be >= 1, got {num_shards}"):
+            shard_of(IDS, num_shards)

@@ -1,0 +1,183 @@
+"""The Adult example's scripts, piece by piece (no training run): train.py's argument checks,
+its data schedule (local_batches) and resume position, and quickstart.py's pure helpers."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from examples.adult_income import features, quickstart, train
+from examples.adult_income.hparams import AdultHParams
+
+# ------------------------------------------------------------------------------------------
+# train.py: refusals said before any training
+
+
+def _main_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """train.main's argparse error (exit status 2) for ``argv``: its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_eval_only_needs_resume_from(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, ["--eval-only", "--device", "cpu"])
+    assert "--eval-only needs --resume-from" in err
+
+
+def test_cuda_refused_where_there_is_none(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _main_error(capsys, ["--device", "cuda"])
+    assert "--device cuda: CUDA is not available on this machine" in err
+
+
+def test_checkpoint_dir_checked_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A checkpoint that could not be saved is refused at once, not after the run."""
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(occupied)])
+    assert f"--checkpoint-dir: checkpoint directory {occupied} already exists" in err
+    # Not a checkpoint: even --overwrite does not replace it.
+    err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(occupied), "--overwrite"])
+    assert "is not a recserve checkpoint" in err
+    assert (occupied / "notes.txt").read_text() == "mine"
+    # The nearest existing parent is a file: nothing can be staged there.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    target = blocker / "run" / "checkpoint"
+    err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(target)])
+    assert f"--checkpoint-dir {target}: cannot write in {blocker}" in err
+
+
+# ------------------------------------------------------------------------------------------
+# train.py: data schedule and resume position
+
+
+def _numbered_rows(count: int) -> features.EncodedRows:
+    """``count`` rows whose numeric features and IDs all equal the row's index."""
+    index = np.arange(count)
+    return features.EncodedRows(
+        ids={slot: index.astype(np.uint64) for slot in features.SLOT_NAMES},
+        numeric=np.repeat(index[:, None], features.NUM_NON_ID_FEATURES, axis=1).astype(np.float32),
+        labels=(index % 2).astype(np.float32).reshape(-1, 1),
+    )
+
+
+def _rows_of(batches: list) -> list[list[int]]:
+    return [[int(v) for v in b.id_feature("workclass").values] for b in batches]
+
+
+def test_local_batches_split_one_shuffled_epoch_between_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batch b of the epoch's permutation goes to rank b % world; every rank runs the same
+    number of steps (the leftover batches are dropped), and the order is drawn from
+    seed * 1000 + epoch."""
+    hp = AdultHParams(batch_size=3, seed=2)
+    rows = _numbered_rows(10)  # batches start at 0, 3, 6, 9: 4 batches
+    order = np.random.default_rng(2 * 1000 + 1).permutation(10).tolist()
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    alone = list(train.local_batches(hp, rows, epoch=1))
+    assert _rows_of(alone) == [order[0:3], order[3:6], order[6:9], order[9:10]]
+    assert all(b.requires_grad for b in alone)
+
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 4 batches, 3 ranks: 1 step each
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        per_rank.append(_rows_of(list(train.local_batches(hp, rows, epoch=1))))
+    assert per_rank == [[order[0:3]], [order[3:6]], [order[6:9]]]
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert _rows_of(list(train.local_batches(hp, rows, epoch=1))) == [order[3:6], order[9:10]]
+    another_epoch = np.random.default_rng(2 * 1000 + 2).permutation(10).tolist()
+    assert _rows_of(list(train.local_batches(hp, rows, epoch=2)))[0] == another_epoch[3:6]
+
+
+def test_resume_position(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    schedule = {"seed": 0, "batch_size": 512, "world_size": 1, "streaming": False}
+    same = {**schedule, "epochs_done": 2}
+    assert train.resume_position(same, schedule, streaming=False) == 2
+    assert capsys.readouterr().err == ""
+    # Streamed runs (now or then): the data loaders decide, the epoch count starts over.
+    assert train.resume_position(same, schedule, streaming=True) == 0
+    assert train.resume_position({**same, "streaming": True}, schedule, streaming=False) == 0
+    # No (or no usable) epochs_done: another script's checkpoint.
+    assert train.resume_position({}, schedule, streaming=False) == 0
+    for bad in (0, -1, "2", 2.0, None):
+        assert train.resume_position({"epochs_done": bad}, schedule, streaming=False) == 0
+    assert capsys.readouterr().err == ""
+    # A different schedule still resumes, with a note naming what changed.
+    changed = {**same, "seed": 3, "batch_size": 256}
+    assert train.resume_position(changed, schedule, streaming=False) == 2
+    assert capsys.readouterr().err == (
+        "note: resuming with another seed 3 -> 0, batch_size 256 -> 512: the data order "
+        "differs from an uninterrupted run's\n"
+    )
+    monkeypatch.setenv("RANK", "1")  # only rank 0 says so
+    assert train.resume_position(changed, schedule, streaming=False) == 2
+    assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------------------
+# quickstart.py helpers
+
+
+class _FakeProcess:
+    """What wait_for_listening asks of a Popen: poll() (None while running)."""
+
+    def __init__(self, returncode: int | None) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def test_wait_for_listening_reads_both_addresses_from_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    log.write_text("starting\nHTTP listening on 127.0.0.1:8000, gRPC listening on 127.0.0.2:8001\n")
+    addresses = quickstart.wait_for_listening(_FakeProcess(None), log, timeout=5)
+    assert addresses == ("127.0.0.1:8000", "127.0.0.2:8001")
+
+
+def test_wait_for_listening_stops_when_the_server_exits_or_never_listens(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "serve.log"
+    log.write_text("error: no checkpoint\n")
+    for returncode in (1, 0, -15):  # an exit with status 0 is early too
+        with pytest.raises(SystemExit, match="recserve serve exited early:\nerror: no checkpoint"):
+            quickstart.wait_for_listening(_FakeProcess(returncode), log, timeout=5)
+    # Still running, never listening: a deadline already past ends the wait at once.
+    with pytest.raises(SystemExit, match="recserve serve did not start within 0 s"):
+        quickstart.wait_for_listening(_FakeProcess(None), log, timeout=0)
+
+
+def test_abort_exits_with_the_shell_status_of_the_signal() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart._abort(signal.SIGTERM, None)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+
+
+def test_sample_row_is_a_valid_instance() -> None:
+    """The row the quickstart sends is accepted by the serving preprocessor."""
+    from examples.adult_income.preprocess import instances_to_batch
+
+    batch = instances_to_batch([quickstart.SAMPLE_ROW])
+    assert batch.batch_size == 1 and batch.label_names == ()
+    assert set(quickstart.SAMPLE_ROW) == {*features.CATEGORICAL_COLUMNS, *features.NUMERIC_COLUMNS}
