@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -578,3 +579,143 @@ def test_rows_may_hold_numpy_values_and_integer_keys_but_not_arbitrary_objects()
 def test_url_schemes_are_case_insensitive():
     assert parse_url("HTTP://h:1/") == parse_url("http://h:1")
     assert parse_url("GRPC://h:2").protocol == "grpc"
+
+
+# --------------------------------------------------------------------------- recserve predict
+def test_parse_value_keeps_signs_and_negative_exponents():
+    assert parse_value("-39") == -39
+    assert isinstance(parse_value("+7"), int) and parse_value("+7") == 7
+    assert parse_value("1e-3") == 0.001
+    assert parse_value("-.5") == -0.5
+
+
+def test_jsonl_lines_must_be_objects_not_any_json_value(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n3\n"x"\n')
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, "jsonl")
+    message = caught.value.message
+    assert "2 bad lines" in message
+    assert "line 2: expected a JSON object, got int" in message
+    assert "line 3: expected a JSON object, got str" in message
+
+
+def test_a_csv_header_with_a_repeated_name_is_refused(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("age,age\n1,2\n")
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, "csv")
+    assert caught.value.message == (
+        f"{path}: 1 bad line:\n  line 1: the header needs non-empty, distinct column names"
+    )
+
+
+def test_csv_lines_of_only_blanks_are_skipped(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("age,workclass\n   \n39,x\n")
+    assert list(iter_batches(path, "csv", 5)) == [([3], [{"age": 39, "workclass": "x"}])]
+
+
+@pytest.mark.parametrize(("bad_lines", "more"), [(20, ""), (21, "\n  ... and 1 more")])
+def test_at_most_twenty_bad_lines_are_listed(tmp_path, bad_lines: int, more: str):
+    """The error lists the first 20 bad lines and counts the rest."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("[]\n" * bad_lines)
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, "jsonl")
+    shown = "\n  ".join(f"line {n}: expected a JSON object, got list" for n in range(1, 21))
+    assert caught.value.message == f"{path}: {bad_lines} bad lines:\n  {shown}{more}"
+
+
+@pytest.mark.parametrize(("text", "fmt"), [("", "jsonl"), ("\n\n", "jsonl"), ("a,b\n", "csv")])
+def test_a_file_without_rows_is_refused(tmp_path, text: str, fmt: str):
+    path = tmp_path / f"rows.{fmt}"
+    path.write_text(text)
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, fmt)
+    assert caught.value.message == f"{path}: no rows"
+
+
+def test_a_truncated_gzip_input_is_an_invalid_argument(tmp_path):
+    import gzip
+
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"a": 1}\n' * 100)[:-12])
+    with pytest.raises(InvalidArgumentError, match="cannot read --input"):
+        check_file(path, "jsonl")
+
+
+def test_locate_leaves_indexes_past_the_batch_alone_and_names_a_single_line():
+    error = InvalidArgumentError("instances[3] and row 0 are bad")
+    located = locate(error, Path("rows.csv"), [7])
+    assert located.message == "rows.csv: rows on line 7: instances[3] and row 0 (line 7) are bad"
+    located = locate(error, Path("rows.csv"), [2, 4, 6])
+    assert located.message == "rows.csv: rows on lines 2-6: instances[3] and row 0 (line 2) are bad"
+
+
+def test_predict_flag_defaults_and_retries_refuse_negative_values(capsys):
+    from embedding_store.cli import build_parser
+
+    args = build_parser().parse_args(["predict", "--input", "rows.jsonl"])
+    assert (args.url, args.model, args.batch_size, args.timeout, args.retries, args.format) == (
+        "http://127.0.0.1:8000",
+        "model",
+        256,
+        30.0,
+        3,
+        None,
+    )
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["predict", "--input", "rows.jsonl", "--retries", "-1"])
+    assert caught.value.code == 2
+    assert "--retries" in capsys.readouterr().err
+
+
+def test_predict_refuses_a_grpc_url_before_reading_the_input(tmp_path):
+    from embedding_store.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["predict", "--url", "grpc://127.0.0.1:8001", "--input", str(tmp_path / "missing.jsonl")]
+    )
+    with pytest.raises(InvalidArgumentError, match="need an HTTP server URL"):
+        args.handler(args)
+
+
+if TYPE_CHECKING:
+    from clients.types import PredictResult
+
+
+class _ShortAnswerClient:
+    """A client whose server answers one prediction fewer than the rows it was sent."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> _ShortAnswerClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        pass
+
+    def predict(self, rows: list[dict]) -> PredictResult:
+        from clients.types import PredictResult
+
+        return PredictResult(np.zeros((len(rows) - 1, 1), np.float32), "m", "v1")
+
+
+def test_predict_refuses_an_answer_with_a_wrong_number_of_predictions(tmp_path, monkeypatch):
+    from clients import client as client_module
+    from embedding_store.cli import build_parser
+    from embedding_store.errors import RecserveError
+
+    monkeypatch.setattr(client_module, "RecserveClient", _ShortAnswerClient)
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3}\n')
+    output = tmp_path / "out.jsonl"
+    args = build_parser().parse_args(["predict", "--input", str(path), "--output", str(output)])
+    with pytest.raises(RecserveError) as caught:
+        args.handler(args)
+    assert caught.value.message == ("server http://127.0.0.1:1 answered 2 predictions for 3 rows")
+    assert not output.exists()
