@@ -882,3 +882,67 @@ def test_bad_rows_are_listed_up_to_twenty_and_kept_up_to_a_hundred(checkpoint, t
     assert err.count("skipped ") == 21 and "skipped 85 more bad rows" in err
     # In-process, AUC ranks the raw model output (a float32 sigmoid may tie distinct logits).
     assert result.report["auc_note"] == "rank-based (exact), on the raw model output"
+
+
+def _eval_options_of(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> tuple[int, EvalOptions]:
+    """The exit code of ``recserve eval ARGV`` and the EvalOptions its flags became (run_eval
+    replaced by a stub answering exit code 3)."""
+    from clients import eval as eval_module
+    from clients.eval import EvalResult
+    from embedding_store.cli import build_parser
+
+    seen: list[EvalOptions] = []
+
+    def fake_run_eval(options: EvalOptions) -> EvalResult:
+        seen.append(options)
+        return EvalResult(rows=0, skipped=0, report={}, exit_code=3)
+
+    monkeypatch.setattr(eval_module, "run_eval", fake_run_eval)
+    args = build_parser().parse_args(["eval", *argv])
+    code = args.handler(args)
+    assert len(seen) == 1
+    return code, seen[0]
+
+
+def test_eval_flags_reach_eval_options_and_its_exit_code_is_run_evals(monkeypatch):
+    """Every `recserve eval` flag lands in the EvalOptions field of its name; the command
+    exits with run_eval's exit code (3: --compare found differences)."""
+    code, options = _eval_options_of(
+        monkeypatch,
+        ["--data", "a.csv", "b.parquet", "--out", "o.csv", "--checkpoint", "ck", "--url",
+         "http://127.0.0.1:9", "--compare", "--mapping", "m.yml", "--no-label", "--report",
+         "rep", "--batch-size", "7", "--bad-rows", "skip", "--model", "m2",
+         "--output-transform", "sigmoid", "--protocol", "friendly", "--tolerance", "0.5",
+         "--calibration-bins", "4", "--timeout", "2.5", "--overwrite", "--quiet"],
+    )  # fmt: skip
+    assert code == 3
+    assert options == EvalOptions(
+        data=(Path("a.csv"), Path("b.parquet")),
+        out=Path("o.csv"),
+        checkpoint=Path("ck"),
+        url="http://127.0.0.1:9",
+        compare=True,
+        mapping=Path("m.yml"),
+        label=None,
+        no_label=True,
+        report=Path("rep"),
+        batch_size=7,
+        bad_rows="skip",
+        model="m2",
+        output_transform="sigmoid",
+        protocol="friendly",
+        tolerance=0.5,
+        overwrite=True,
+        timeout=2.5,
+        calibration_bins=4,
+        progress=False,
+    )
+    _, options = _eval_options_of(
+        monkeypatch, ["--data", "a.csv", "--out", "o.csv", "--label", "y"]
+    )
+    assert options == EvalOptions(data=(Path("a.csv"),), out=Path("o.csv"), label="y")
+    # --compare with an exact match: a tolerance of 0 is allowed.
+    _, options = _eval_options_of(
+        monkeypatch, ["--data", "a.csv", "--out", "o.csv", "--tolerance", "0"]
+    )
+    assert options.tolerance == 0.0
