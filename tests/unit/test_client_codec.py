@@ -613,6 +613,7 @@ def test_a_csv_header_with_a_repeated_name_is_refused(tmp_path):
 def test_csv_lines_of_only_blanks_are_skipped(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_text("age,workclass\n   \n39,x\n")
+    assert check_file(path, "csv") == 1
     assert list(iter_batches(path, "csv", 5)) == [([3], [{"age": 39, "workclass": "x"}])]
 
 
