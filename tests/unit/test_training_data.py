@@ -1,0 +1,114 @@
+"""training.data without a stream: argument checks, routing arithmetic, context exit, the
+equal-steps rule and its defaults (the stream itself: tests/integration/test_data_stream.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from embedding_store.errors import InvalidArgumentError
+from training import data
+from training.data import DataCtx, DataLoader, IterableDataset, StreamingDataset
+
+# Nothing listens here: gRPC channels connect lazily, and these tests send nothing.
+ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+
+
+def test_a_loader_routes_global_batch_numbers_round_robin_over_the_workers():
+    """Loader batch s of replica i is global batch g = s * size + i, sent to worker g % 3."""
+    with DataCtx(ADDRESSES, replica_index=1, replica_size=2) as ctx:
+        ctx.finish = lambda: None  # type: ignore[method-assign]
+        assert [ctx.target_of(s) for s in range(6)] == [1, 0, 2, 1, 0, 2]
+
+
+@pytest.mark.parametrize(("index", "size"), [(2, 2), (-1, 2), (0, 0)])
+def test_a_replica_index_outside_the_replica_size_is_refused(index: int, size: int):
+    with pytest.raises(InvalidArgumentError) as refused:
+        DataCtx(ADDRESSES, replica_index=index, replica_size=size)
+    assert refused.value.message == f"replica index {index} is not within replica size {size}"
+
+
+def test_a_loader_ends_its_stream_on_a_clean_exit_only():
+    """EndOfStream tells the worker all batches were sent: never after a failure (the worker
+    would then end the epoch early instead of noticing the loader stopped)."""
+    finished: list[bool] = []
+    with DataCtx(ADDRESSES) as ctx:
+        ctx.finish = lambda: finished.append(True)  # type: ignore[method-assign]
+    assert finished == [True]
+    with pytest.raises(RuntimeError), DataCtx(ADDRESSES) as ctx:
+        ctx.finish = lambda: finished.append(True)  # type: ignore[method-assign]
+        raise RuntimeError("the loader failed")
+    assert finished == [True]
+
+
+@pytest.mark.parametrize(
+    ("num_loaders", "message"),
+    [
+        (0, "num_loaders must be >= 1 (the data loaders streaming batches), got 0"),
+        (1.5, "num_loaders must be an integer >= 1, got 1.5"),
+        ("2", "num_loaders must be an integer >= 1, got '2'"),
+    ],
+)
+def test_num_loaders_must_be_an_integer_of_at_least_one(num_loaders: object, message: str):
+    with pytest.raises(InvalidArgumentError) as refused:
+        StreamingDataset(port=0, num_loaders=num_loaders)  # type: ignore[arg-type]
+    assert refused.value.message == message
+
+
+def test_num_loaders_takes_numpy_integers_and_a_buffer_of_one():
+    dataset = StreamingDataset(1, port=0, num_loaders=np.int64(3))
+    assert dataset.num_loaders == 3
+    assert type(dataset.num_loaders) is int
+
+
+def test_equal_steps_is_on_by_default_only_for_a_distributed_stream(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert DataLoader(StreamingDataset(port=0)).equal_steps is False
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert DataLoader(StreamingDataset(port=0)).equal_steps is True
+    assert DataLoader(IterableDataset([])).equal_steps is False
+    assert DataLoader(IterableDataset([]), equal_steps=True).equal_steps is True
+
+
+class _OtherRank:
+    """all_agree as seen with one other rank holding ``batches`` batches: the answer is False
+    once that rank has none left (its call then says False)."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+        self.calls: list[bool] = []
+
+    def __call__(self, ok: bool) -> bool:
+        other_ok = len(self.calls) < self.batches
+        self.calls.append(ok)
+        return ok and other_ok
+
+
+def _counted(count: int, read: list[int]) -> Iterator[int]:
+    for number in range(count):
+        read.append(number)
+        yield number
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [(2, 3), (2, 2), (0, 1)])
+def test_a_rank_that_runs_out_first_still_answers_the_last_vote(monkeypatch, mine, theirs):
+    """Every rank calls all_agree the same number of times: the rank out of batches says
+    False once more, or the other rank's last all-reduce would wait for it forever."""
+    other = _OtherRank(theirs)
+    monkeypatch.setattr(data.distributed, "all_agree", other)
+    assert list(data._equal_steps(iter(range(mine)))) == list(range(mine))
+    assert other.calls == [True] * mine + [False]
+
+
+def test_a_rank_with_more_batches_drops_them_after_reading_them_all(monkeypatch, caplog):
+    other = _OtherRank(2)
+    monkeypatch.setattr(data.distributed, "all_agree", other)
+    read: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="training.data"):
+        assert list(data._equal_steps(_counted(5, read))) == [0, 1]
+    assert other.calls == [True, True, True]
+    assert read == [0, 1, 2, 3, 4]  # read to the end, so that its data loaders finish
+    assert "dropped its last 3 batch(es)" in caplog.text
