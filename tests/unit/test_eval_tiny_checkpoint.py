@@ -946,3 +946,26 @@ def test_eval_flags_reach_eval_options_and_its_exit_code_is_run_evals(monkeypatc
         monkeypatch, ["--data", "a.csv", "--out", "o.csv", "--tolerance", "0"]
     )
     assert options.tolerance == 0.0
+
+
+def test_checkpoint_verify_exits_1_when_any_checkpoint_fails_and_json_lists_several(
+    checkpoint, tmp_path, capsys
+):
+    """`recserve checkpoint verify` exits 1 when one of its checkpoints fails; --json prints
+    one object for one checkpoint, a list of them for several."""
+    from embedding_store.cli import main as cli_main
+
+    missing = tmp_path / "nowhere"
+    assert cli_main(["checkpoint", "verify", str(checkpoint)]) == 0
+    capsys.readouterr()
+    assert cli_main(["checkpoint", "verify", str(checkpoint), str(missing)]) == 1
+    assert f"FAILED: checkpoint {missing}: 1 problem(s)" in capsys.readouterr().err
+    assert cli_main(["checkpoint", "verify", "--json", str(missing)]) == 1
+    single = json.loads(capsys.readouterr().out)
+    assert (single["ok"], single["problems"]) == (
+        False,
+        [f"checkpoint {missing} does not exist or is not a directory"],
+    )
+    assert cli_main(["checkpoint", "verify", "--json", str(checkpoint), str(missing)]) == 1
+    several = json.loads(capsys.readouterr().out)
+    assert [report["ok"] for report in several] == [True, False]
