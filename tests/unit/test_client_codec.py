@@ -720,3 +720,17 @@ def test_predict_refuses_an_answer_with_a_wrong_number_of_predictions(tmp_path, 
         args.handler(args)
     assert caught.value.message == ("server http://127.0.0.1:1 answered 2 predictions for 3 rows")
     assert not output.exists()
+
+
+def test_a_missing_input_file_is_an_invalid_argument_naming_it(tmp_path):
+    path = tmp_path / "missing.jsonl"
+    with pytest.raises(InvalidArgumentError) as caught:
+        check_file(path, "jsonl")
+    assert caught.value.message == f"cannot read --input {path}: No such file or directory"
+
+
+def test_csv_header_names_are_stripped_and_ndjson_is_json_lines(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text(" age , workclass\n39,x\n")
+    assert list(iter_batches(path, "csv", 5)) == [([2], [{"age": 39, "workclass": "x"}])]
+    assert detect_format(Path("rows.NDJSON.gz"), None) == "jsonl"
