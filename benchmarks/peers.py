@@ -78,14 +78,8 @@ import numpy as np
 from machine_info import describe_machine
 
 from load_tests import traffic
-from load_tests.run import (
-    LocustRun,
-    ServeProcess,
-    read_stats,
-    stop_process,
-    subprocess_env,
-    workers_of,
-)
+from load_tests.locust_run import LocustRun, read_stats
+from load_tests.stack import ServeProcess, stop_process, subprocess_env, workers_of
 
 HANDLER = Path(__file__).resolve().with_name("peers_handler.py")
 CEILING_CHECKPOINT_ENV = "RECSERVE_CEILING_CHECKPOINT"  # benchmarks/ceiling_server.py reads it

@@ -123,7 +123,8 @@ def _process_index(user: User) -> int:
 
 # --------------------------------------------------------------------------- final stats
 def _stats_row(entry: StatsEntry) -> dict[str, Any]:
-    """One row as load_tests/run.py's ``read_stats`` returns them (percentiles over the run)."""
+    """One row as load_tests/locust_run.py's ``read_stats`` returns them (percentiles over the
+    run)."""
 
     def percentile(fraction: float) -> float | None:
         return float(entry.get_response_time_percentile(fraction)) if entry.num_requests else None

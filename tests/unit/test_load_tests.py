@@ -1,5 +1,5 @@
 """load_tests/locustfile.py's TorchServe users, checked in a subprocess (locust monkey-patches
-the standard library on import), and load_tests/run.py's reading of locust's history CSV."""
+the standard library on import), and load_tests/locust_run.py's reading of locust's history CSV."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _history_row(unix: int, name: str, p50: str, requests: int, failures: int) -
 
 
 def test_read_history_gives_each_interval_its_own_rates(tmp_path):
-    from load_tests.run import read_history
+    from load_tests.locust_run import read_history
 
     lines = [
         _HISTORY_HEADER,
@@ -94,7 +94,7 @@ def test_read_history_gives_each_interval_its_own_rates(tmp_path):
 
 
 def test_read_history_of_a_run_without_history_is_empty(tmp_path):
-    from load_tests.run import read_history
+    from load_tests.locust_run import read_history
 
     assert read_history(tmp_path / "missing") == []
 
@@ -108,7 +108,7 @@ def _soak(
 
 
 def test_memory_verdict_fails_a_steady_leak_the_quartile_rule_let_pass():
-    from load_tests.run import memory_verdict
+    from load_tests.memory import memory_verdict
 
     # The reviewer's case: 30 s soak (0.25 s samples), reload at 15 s, server leaking 1.5 MB/s;
     # the old rule saw +57.8 MB against +70.2 MB allowed: "flat".
@@ -130,7 +130,7 @@ def test_memory_verdict_fails_a_steady_leak_the_quartile_rule_let_pass():
 
 
 def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
-    from load_tests.run import memory_verdict
+    from load_tests.memory import memory_verdict
 
     noise = np.random.default_rng(0).normal(0, 0.5, 201)
 
@@ -163,7 +163,7 @@ def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
 def test_every_sampled_process_gets_a_memory_verdict():
     """Remote tier: the parameter servers and the embedding worker are sampled too; a worker
     leaking 5 MB/s (+40% in 30 s) used to pass because only the server was judged."""
-    from load_tests.run import memory_verdicts
+    from load_tests.memory import memory_verdicts
 
     samples = [
         {
@@ -189,7 +189,8 @@ def test_every_sampled_process_gets_a_memory_verdict():
 
 
 def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path, capsys):
-    from load_tests.run import parse_args, silent_classes, task_exceptions
+    from load_tests.locust_run import silent_classes, task_exceptions
+    from load_tests.run import parse_args
 
     stats = [
         {"name": "v1-predict b1", "requests": 10},
@@ -228,7 +229,7 @@ _STATS_HEADER = (
 
 
 def _locust_run(tmp_path: Path):
-    from load_tests.run import LocustRun
+    from load_tests.locust_run import LocustRun
 
     return LocustRun(
         users=4,
@@ -247,7 +248,7 @@ def test_a_failed_locust_never_reports_an_earlier_runs_numbers(tmp_path):
     earlier run's locust_stats.csv, and die with FileNotFoundError in a fresh one."""
     import time
 
-    from load_tests.run import locust_outcome
+    from load_tests.locust_run import locust_outcome
 
     run = _locust_run(tmp_path)
     earlier = ",Aggregated,10503,0,5,6.0,1,90,100,700.2,0.0,5,6,7,8,9,10,12,14,20,30,90"
@@ -288,7 +289,7 @@ def test_without_locust_nothing_starts(tmp_path, monkeypatch, capsys):
 def test_final_numbers_come_from_the_stats_locust_writes_when_it_quits(tmp_path):
     """locust rewrites locust_stats.csv once a second and not at shutdown: a server killed
     14.9 s into a 15 s run showed 847 failures in locust's own summary, 0 in the CSV."""
-    from load_tests.run import read_stats, task_exceptions
+    from load_tests.locust_run import read_stats, task_exceptions
 
     stale = ",Aggregated,10503,0,5,6.0,1,90,100,700.2,0.0,5,6,7,8,9,10,12,14,20,30,90"
     (tmp_path / "run_stats.csv").write_text(f"{_STATS_HEADER}\n{stale}\n")
@@ -328,7 +329,7 @@ events.quit.fire(exit_code=1)  # what locust's shutdown fires last, after runner
 
 
 def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
-    from load_tests.run import read_final_stats
+    from load_tests.locust_run import read_final_stats
 
     path = tmp_path / "final.json"
     run_python(_FINAL_STATS, str(path))
@@ -348,7 +349,7 @@ def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
 def test_the_history_has_trailing_window_percentiles(tmp_path):
     """Without --csv-full-history locust writes percentiles cumulative since the start into
     the history: the latency plot could not show a change over time."""
-    from load_tests.run import read_history
+    from load_tests.locust_run import read_history
 
     command = _locust_run(tmp_path).command()
     assert "--csv-full-history" in command
@@ -372,7 +373,7 @@ class _NeverReady:
 
     @classmethod
     def make(cls, tmp_path: Path):
-        from load_tests.run import ServeProcess
+        from load_tests.stack import ServeProcess
 
         class Stuck(ServeProcess):
             def command(self) -> list[str]:
@@ -403,7 +404,7 @@ def test_an_interrupted_start_stops_the_server(tmp_path, monkeypatch):
 
 _SIGTERM = """
 import os, signal, subprocess, sys, time
-from load_tests.run import sigterm_exits, stop_process
+from load_tests.stack import sigterm_exits, stop_process
 
 with sigterm_exits():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -426,7 +427,7 @@ def test_sigterm_runs_the_cleanup(tmp_path):
 
 
 def test_a_process_of_the_stack_that_died_is_named(tmp_path):
-    from load_tests.run import dead_processes
+    from load_tests.stack import dead_processes
 
     log = tmp_path / "serve.log"
     log.write_text("starting\nSegmentation fault\n")
@@ -471,7 +472,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
 def test_a_soak_of_a_workers_server_needs_its_watcher(tmp_path, capsys):
     """``recserve serve --workers N`` refuses POST /admin/reload: the soak reloads through
     ``--watch-seconds``, so without it the soak is refused before anything starts."""
-    from load_tests.run import parse_args, watch_seconds_of, workers_of
+    from load_tests.run import parse_args
+    from load_tests.stack import watch_seconds_of, workers_of
 
     common = ["--synthetic", "--soak", "--out", str(tmp_path)]
     for serve_args in ("--workers 2", "--workers=3 --watch-seconds 0"):
@@ -491,7 +493,8 @@ def test_a_soak_of_a_workers_server_needs_its_watcher(tmp_path, capsys):
 def test_each_process_of_a_workers_server_gets_its_own_rss_column():
     """RSS of ``recserve serve --workers N`` was the sum of all its processes in one column;
     now the supervisor and each child are sampled (and judged) on their own."""
-    from load_tests.run import RssSampler, memory_verdicts, rss_bytes, server_pids
+    from load_tests.memory import RssSampler, memory_verdicts, rss_bytes
+    from load_tests.stack import server_pids
 
     parent = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time\n"
@@ -537,7 +540,8 @@ def test_the_watcher_reload_waits_until_every_process_serves_the_new_version(tmp
     import http.server
     import threading
 
-    from load_tests.run import ServeProcess, checkpoint_version, reload_through_watcher
+    from load_tests.checkpoint_reload import checkpoint_version, reload_through_watcher
+    from load_tests.stack import ServeProcess
 
     served = tmp_path / "served"
     served.mkdir()
@@ -839,7 +843,7 @@ def test_a_non_200_answer_without_a_body_counts_as_a_failure():
 
 def test_the_watcher_reload_waits_for_two_of_its_looks():
     """A --watch-seconds of 300 could never reload within a fixed 120 s."""
-    from load_tests.run import watcher_reload_timeout
+    from load_tests.checkpoint_reload import watcher_reload_timeout
 
     assert watcher_reload_timeout(["--workers", "2", "--watch-seconds", "300"]) == 720.0
     assert watcher_reload_timeout(["--watch-seconds", "1"]) == 122.0
@@ -848,7 +852,7 @@ def test_the_watcher_reload_waits_for_two_of_its_looks():
 def test_read_history_gives_a_repeated_timestamp_no_rate(tmp_path):
     """Two history rows in the same second have no interval between them: their rates are 0,
     never a division by zero."""
-    from load_tests.run import read_history
+    from load_tests.locust_run import read_history
 
     lines = [
         _HISTORY_HEADER,
@@ -863,7 +867,7 @@ def test_read_history_gives_a_repeated_timestamp_no_rate(tmp_path):
 
 
 def test_read_stats_from_the_csv_takes_each_percentile_from_its_own_column(tmp_path):
-    from load_tests.run import read_stats
+    from load_tests.locust_run import read_stats
 
     # 50% 5, 66% 6, 75% 7, 80% 8, 90% 9, 95% 10, 98% 12, 99% 14
     row = "POST,v2-json b1,10503,3,5,6.04,1,90,100,700.26,0.0,5,6,7,8,9,10,12,14,20,30,90"
@@ -885,7 +889,7 @@ def test_read_stats_from_the_csv_takes_each_percentile_from_its_own_column(tmp_p
 
 
 def test_final_stats_written_before_the_run_started_are_an_earlier_runs(tmp_path):
-    from load_tests.run import locust_outcome
+    from load_tests.locust_run import locust_outcome
 
     run = _locust_run(tmp_path)
     (tmp_path / "locust.log").write_text("")
@@ -898,7 +902,7 @@ def test_final_stats_written_before_the_run_started_are_an_earlier_runs(tmp_path
 
 
 def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
-    from load_tests.run import write_summary
+    from load_tests.report import write_summary
 
     rows = [
         {"name": "v2-json b1", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
@@ -1264,7 +1268,7 @@ def test_arguments_on_their_bounds_are_accepted(flags, tmp_path):
 def test_serve_flags_are_read_as_recserve_serve_reads_them():
     """The last value given wins, in either spelling; a flag without its value, or a value that
     is not a number, reads as absent (the server itself then refuses it)."""
-    from load_tests.run import preprocessor_of, serve_option, watch_seconds_of, workers_of
+    from load_tests.stack import preprocessor_of, serve_option, watch_seconds_of, workers_of
 
     assert serve_option(["--workers", "2", "--workers=3"], "--workers") == "3"
     assert serve_option(["--workers=3", "--workers", "4"], "--workers") == "4"
@@ -1280,7 +1284,7 @@ def test_serve_flags_are_read_as_recserve_serve_reads_them():
 def test_memory_verdict_bounds_are_inclusive_where_the_rule_says_at_most():
     """Growth at exactly the allowed rate and a reload step of exactly the floor pass; the
     allowed rate never drops under MAX_GROWTH_MB_PER_MIN for a long soak."""
-    from load_tests.run import memory_verdict
+    from load_tests.memory import memory_verdict
 
     # 20-minute soak: allowed max(1, 20 MB / 20 min) = 1 MB/min; growing exactly that passes.
     times, rss = _soak(1200, 10.0, lambda t: 300 + t / 60.0)
@@ -1302,7 +1306,7 @@ def test_memory_verdict_judges_a_segment_from_six_samples_and_keeps_zero_reading
     """A judged segment needs 6 samples: 5 are no verdict. Only negative readings mean "no
     sample"; every kept sample counts, and the levels are medians of quarters (at least one
     sample) of the judged ones."""
-    from load_tests.run import memory_verdict
+    from load_tests.memory import memory_verdict
 
     six = memory_verdict([0, 1, 2, 3, 4, 5], [0.0, 2.0, 0.0, 0.0, 0.0, 4.0], warmup_s=0, run_s=6)
     assert (six.passed, six.samples, six.reason) == (True, 6, "flat")
@@ -1318,7 +1322,7 @@ def test_memory_verdict_judges_a_segment_from_six_samples_and_keeps_zero_reading
 def test_the_reload_step_compares_two_sample_levels_around_the_reload():
     """The level before the reload is the median of its last quarter, after it the median of
     the first quarter of the settled segment, each at least 2 samples (one sample is noise)."""
-    from load_tests.run import memory_verdict
+    from load_tests.memory import memory_verdict
 
     times = [float(t) for t in range(14)]
     rss = [100.0] * 5 + [104.0] + [-1.0] * 2 + [130.0] * 6
@@ -1327,7 +1331,7 @@ def test_the_reload_step_compares_two_sample_levels_around_the_reload():
 
 
 def test_theil_sen_slope_is_the_median_pairwise_slope_of_distinct_times():
-    from load_tests.run import theil_sen_slope
+    from load_tests.memory import theil_sen_slope
 
     assert theil_sen_slope(np.array([1.0, 1.0]), np.array([0.0, 5.0])) is None
     assert theil_sen_slope(np.array([3.0]), np.array([1.0])) is None
@@ -1341,7 +1345,7 @@ def test_theil_sen_slope_is_the_median_pairwise_slope_of_distinct_times():
 def test_a_non_zero_locust_exit_is_explained_by_failures_or_task_errors(tmp_path):
     """locust exits 1 when requests failed or tasks raised: the problem names the exit code,
     and only an exit that nothing explains adds the log's tail."""
-    from load_tests.run import locust_outcome
+    from load_tests.locust_run import locust_outcome
 
     run = _locust_run(tmp_path)
     (tmp_path / "locust.log").write_text("locust said why\n")
@@ -1363,7 +1367,7 @@ def test_a_non_zero_locust_exit_is_explained_by_failures_or_task_errors(tmp_path
 
 
 def test_torn_or_foreign_final_stats_are_absent(tmp_path):
-    from load_tests.run import read_final_stats
+    from load_tests.locust_run import read_final_stats
 
     path = tmp_path / "final.json"
     for text in ('{"stats": [', '["stats"]', '{"exit_code": 0}'):
@@ -1375,7 +1379,7 @@ def test_torn_or_foreign_final_stats_are_absent(tmp_path):
 
 
 def test_task_errors_are_one_line_of_at_most_200_characters(tmp_path):
-    from load_tests.run import task_exceptions
+    from load_tests.locust_run import task_exceptions
 
     message = "  ValueError('" + "x" * 300 + "')\n"
     (tmp_path / "csv_exceptions.csv").write_text(
@@ -1389,7 +1393,7 @@ def test_task_errors_are_one_line_of_at_most_200_characters(tmp_path):
 
 
 def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp_path):
-    from load_tests.run import LOCUSTFILE, LocustRun
+    from load_tests.locust_run import LOCUSTFILE, LocustRun
 
     def command(seconds: float, processes: int) -> list[str]:
         run = LocustRun(
@@ -1411,7 +1415,7 @@ def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp
 
 
 def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
-    from load_tests.run import write_summary
+    from load_tests.report import write_summary
 
     row = {"name": "Aggregated", "requests": 0, "failures": 0, "rps": 0.0, "p50_ms": None,
            "p95_ms": None, "p99_ms": None}  # fmt: skip
@@ -1449,7 +1453,7 @@ def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
-    from load_tests.run import stop_process
+    from load_tests.stack import stop_process
 
     assert stop_process(None) is None
     stubborn = subprocess.Popen(
@@ -1554,7 +1558,7 @@ def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
 
 # --------------------------------------------------------------------------- run.py verdicts
 def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(tmp_path):
-    from load_tests.run import stats_problems
+    from load_tests.locust_run import stats_problems
 
     classes = ["KServeJsonUser", "GrpcUser"]
 
@@ -1580,7 +1584,7 @@ def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(t
 
 
 def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
-    from load_tests.run import memory_verdict, soak_problems
+    from load_tests.memory import memory_verdict, soak_problems
 
     times, flat_rss = _soak(60, 1.0, lambda t: 100.0)
     _, leak_rss = _soak(60, 1.0, lambda t: 100.0 + 2.0 * t)
@@ -1598,16 +1602,16 @@ def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
 
 
 def test_a_log_tail_is_its_last_lines(tmp_path):
-    from load_tests.run import _tail
+    from load_tests.stack import tail
 
     (tmp_path / "a.log").write_text("one\ntwo\nthree\n")
-    assert _tail(tmp_path / "a.log", 2) == "two\nthree"
-    assert _tail(tmp_path / "missing.log") == ""
+    assert tail(tmp_path / "a.log", 2) == "two\nthree"
+    assert tail(tmp_path / "missing.log") == ""
 
 
 _SECOND_SIGTERM = """
 import os, signal
-from load_tests.run import sigterm_exits
+from load_tests.stack import sigterm_exits
 
 try:
     with sigterm_exits():
@@ -1628,7 +1632,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short():
 
 def test_the_rss_columns_wait_for_every_serving_process():
     """Serving processes start one after another: the columns are taken once all N exist."""
-    from load_tests.run import server_pids
+    from load_tests.stack import server_pids
 
     parent = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time\n"
@@ -1657,7 +1661,7 @@ def test_served_versions_are_the_served_models_own(monkeypatch):
     import io
     import urllib.request
 
-    from load_tests.run import served_versions
+    from load_tests.checkpoint_reload import served_versions
 
     text = (
         "# TYPE recserve_model_info gauge\n"

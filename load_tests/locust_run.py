@@ -1,0 +1,266 @@
+"""locust as a subprocess (:class:`LocustRun`), and the reading of what it wrote.
+
+Final numbers come from locust's own totals, written by the locustfile when locust quits
+(``<prefix>_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at
+shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
+its log; so do failed requests, no throughput, a user class that sent nothing and errors
+raised in locust tasks (:func:`stats_problems`).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from load_tests.stack import REPO_ROOT, subprocess_env, tail
+
+LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
+#: The request-name prefix of each user class in locust's stats (load_tests/locustfile.py).
+REQUEST_LABELS = {
+    "KServeBinaryUser": "v2-binary",
+    "KServeJsonUser": "v2-json",
+    "FriendlyJsonUser": "v1-predict",
+    "GrpcUser": "v2-grpc",
+    "TorchServeJsonUser": "torchserve-json",
+    "TorchServeBinaryUser": "torchserve-binary",
+}
+
+
+def locust_installed() -> bool:
+    """Whether ``python -m locust`` can run here (the same interpreter runs it)."""
+    return importlib.util.find_spec("locust") is not None
+
+
+#: Files that one locust run writes next to its ``--csv`` prefix.
+LOCUST_OUTPUTS = (
+    "_stats.csv",
+    "_stats_history.csv",
+    "_failures.csv",
+    "_exceptions.csv",
+    "_final.json",
+)
+
+
+@dataclass
+class LocustRun:
+    users: int
+    spawn_rate: float
+    seconds: float
+    classes: list[str]
+    host: str
+    csv_prefix: Path
+    log_path: Path
+    env: dict[str, str]
+    processes: int = 1
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def final_stats_path(self) -> Path:
+        """Where the locustfile writes the run's final stats when locust quits."""
+        return Path(f"{self.csv_prefix}_final.json")
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "-u",
+            str(self.users),
+            "-r",
+            str(self.spawn_rate),
+            "-t",
+            f"{max(round(self.seconds), 1)}s",
+            "--host",
+            self.host,
+            "--csv",
+            str(self.csv_prefix),
+            # Without it the history's percentiles are cumulative since the start of the run.
+            "--csv-full-history",
+            "--only-summary",
+            "--stop-timeout",
+            "5",
+            "--loglevel",
+            "WARNING",
+        ]
+        if self.processes > 1:
+            args += ["--processes", str(self.processes)]
+        return [*args, *self.classes]
+
+    def clear_outputs(self) -> None:
+        """Delete an earlier run's files at this prefix: what is read afterwards is this run's."""
+        for suffix in LOCUST_OUTPUTS:
+            Path(f"{self.csv_prefix}{suffix}").unlink(missing_ok=True)
+
+    def start(self) -> subprocess.Popen:
+        self.clear_outputs()
+        env = {**self.env, "RECSERVE_LT_FINAL_STATS": str(self.final_stats_path)}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                cwd=REPO_ROOT,
+                env=subprocess_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self.process
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def read_final_stats(path: Path) -> dict[str, Any] | None:
+    """The locustfile's final stats (``exit_code``, ``written_unix``, ``stats`` rows as
+    :func:`read_stats` returns them, ``errors``, ``exceptions``); None when absent or torn."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) and "stats" in document else None
+
+
+def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
+    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max.
+
+    From ``<prefix>_final.json`` (written when locust quits, complete) when there is one, else
+    from locust's ``<prefix>_stats.csv``, which locust rewrites once a second and not at
+    shutdown (its last second is missing)."""
+    final = read_final_stats(Path(f"{csv_prefix}_final.json"))
+    if final is not None:
+        return list(final["stats"])
+    rows = []
+    with open(f"{csv_prefix}_stats.csv", newline="") as handle:
+        for row in csv.DictReader(handle):
+            rows.append(
+                {
+                    "type": row["Type"],
+                    "name": row["Name"],
+                    "requests": int(row["Request Count"]),
+                    "failures": int(row["Failure Count"]),
+                    "rps": round(float(row["Requests/s"]), 2),
+                    "p50_ms": _number(row["50%"]),
+                    "p95_ms": _number(row["95%"]),
+                    "p99_ms": _number(row["99%"]),
+                    "avg_ms": round(float(row["Average Response Time"]), 2),
+                    "max_ms": round(float(row["Max Response Time"]), 2),
+                }
+            )
+    return rows
+
+
+def locust_outcome(
+    run: LocustRun, returncode: int | None, started_unix: float
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """This run's final stats (None when locust wrote none, or an earlier run's) and what
+    went wrong with locust itself: a non-zero exit, missing stats (with the log's tail)."""
+    final = read_final_stats(run.final_stats_path)
+    if final is not None and float(final.get("written_unix", 0.0)) < started_unix:
+        final = None  # not this run's: never report an earlier run's numbers
+    problems = []
+    if final is None:
+        problems.append(
+            f"locust exited with code {returncode} and wrote no final stats "
+            f"({run.final_stats_path.name}); {run.log_path}:\n{tail(run.log_path, 20)}"
+        )
+    elif returncode != 0:
+        total = next((r for r in final["stats"] if r["name"] == "Aggregated"), {})
+        explained = total.get("failures") or final.get("exceptions")
+        problems.append(
+            f"locust exited with code {returncode}"
+            + ("" if explained else f"; {run.log_path}:\n{tail(run.log_path, 20)}")
+        )
+    return final, problems
+
+
+def read_history(csv_prefix: Path) -> list[dict[str, float]]:
+    """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
+
+    ``rps`` and ``failures_per_s`` are this interval's own rates, from the growth of locust's
+    cumulative counts since the row before. (locust's ``Requests/s`` column is a trailing
+    10-second average that reads 0 for the first seconds of a run.) The percentiles are the
+    history's: with ``--csv-full-history`` (:meth:`LocustRun.command`) locust's "current"
+    ones, over the trailing ~10 s window (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0,
+    read as NaN, until that window has data); without the flag locust writes percentiles
+    cumulative since the start of the run, which flatten any change over time.
+    """
+    rows: list[dict[str, float]] = []
+    path = Path(f"{csv_prefix}_stats_history.csv")
+    if not path.exists():
+        return rows
+    previous: tuple[float, int, int] | None = None
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["Name"] != "Aggregated":
+                continue
+            unix = float(row["Timestamp"])
+            requests, failures = int(row["Total Request Count"]), int(row["Total Failure Count"])
+            rps = failures_per_s = 0.0
+            if previous is not None and unix > previous[0]:
+                elapsed = unix - previous[0]
+                rps = (requests - previous[1]) / elapsed
+                failures_per_s = (failures - previous[2]) / elapsed
+            previous = (unix, requests, failures)
+            rows.append(
+                {
+                    "unix": unix,
+                    "users": float(row["User Count"]),
+                    "rps": rps,
+                    "failures_per_s": failures_per_s,
+                    "p50_ms": _number(row["50%"]) or float("nan"),
+                    "p95_ms": _number(row["95%"]) or float("nan"),
+                    "p99_ms": _number(row["99%"]) or float("nan"),
+                }
+            )
+    return rows
+
+
+def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]:
+    """The user classes of ``classes`` without a single request in locust's ``stats`` rows
+    (request names start with the class's label: ``v2-binary b64``)."""
+    sent = {row["name"].split(" ", 1)[0] for row in stats if row["requests"] > 0}
+    return [name for name in classes if REQUEST_LABELS.get(name, name) not in sent]
+
+
+def stats_problems(stats: list[dict[str, Any]], classes: list[str], csv_prefix: Path) -> list[str]:
+    """What fails a run in locust's final ``stats`` rows: any failed request, no throughput, a
+    user class of ``classes`` that sent nothing, and errors raised in locust tasks."""
+    problems = []
+    total = next(row for row in stats if row["name"] == "Aggregated")
+    if total["failures"]:
+        problems.append(f"{total['failures']} failed requests")
+    if total["rps"] <= 0:
+        problems.append("no throughput")
+    silent = silent_classes(classes, stats)
+    if silent:
+        problems.append(f"user classes {silent} sent no requests")
+    problems.extend(f"locust task error: {line}" for line in task_exceptions(csv_prefix))
+    return problems
+
+
+def task_exceptions(csv_prefix: Path) -> list[str]:
+    """Errors raised inside locust tasks: they are not request failures, so the stats alone
+    would not show them. From the final stats when locust wrote them, else from
+    ``<prefix>_exceptions.csv`` (rewritten once a second: the last second is missing)."""
+    final = read_final_stats(Path(f"{csv_prefix}_final.json"))
+    if final is not None:
+        return [f"{e['count']} x {e['msg'].strip()[:200]}" for e in final.get("exceptions", [])]
+    path = Path(f"{csv_prefix}_exceptions.csv")
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return [
+            f"{row.get('Count', '?')} x {row.get('Message', '').strip()[:200]}"
+            for row in csv.DictReader(handle)
+        ]

@@ -1,0 +1,233 @@
+"""The soak's memory verdict: RSS samples of the stack's processes, and the rule judging them.
+
+:class:`RssSampler` samples the RSS of every process of the stack (the server, and in the
+remote tier each parameter server and the embedding worker; with ``recserve serve --workers
+N``, ``server`` is the supervisor holding the ports and each serving process is ``server.1``
+.. ``server.N``), and :func:`memory_verdicts` judges each process on its own by this rule:
+
+* samples of the warm-up (the first 10% of the run, at least min(10 s, 20%)) are left out, and
+  so are those of the ``RELOAD_SETTLE_S`` (60 s) after the reload starts: the server loads the
+  new model next to the old one, then closes the old one and hands its memory back (a margin
+  for a slow load and for the allocator);
+* the rest splits into segments (before the reload; after it settled), each judged on its own:
+  its growth rate is the Theil-Sen slope (median of the pairwise slopes) of each half of the
+  segment, and the *sustained* rate is the smaller of the two halves (a leak grows in both; a
+  one-off allocator step of a few MB only in one);
+* a segment fails when its sustained rate exceeds max(``MAX_GROWTH_MB_PER_MIN`` (1 MB/min),
+  ``GROWTH_FLOOR_MB`` (20 MB) / the soak's minutes): 2 MB/min for a 10-minute soak, 40 MB/min
+  for a 30 s one; and the reload fails memory when the settled level after it is more than
+  ``GROWTH_FLOOR_MB`` above the level before it (an old model never released);
+* a soak too short for a judged segment of 6 samples is no verdict: a failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MB = 1024 * 1024
+#: Seconds after a reload starts whose RSS samples the memory verdict leaves out: both models
+#: are resident while the new one loads and warms up; the old one is freed once it is swapped
+#: out (serving.service.PredictionService.reload).
+RELOAD_SETTLE_S = 60.0
+MAX_GROWTH_MB_PER_MIN = 1.0
+GROWTH_FLOOR_MB = 20.0
+#: Samples per half-segment in a Theil-Sen fit (pairs grow as n**2; more add nothing).
+_FIT_SAMPLES = 200
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of ``pid`` alone (psutil when installed, else /proc/PID/status): the
+    processes of a ``recserve serve --workers N`` server are sampled one by one
+    (:func:`load_tests.stack.child_pids`), so that the one that grows is named and each is
+    judged on its own."""
+    try:
+        import psutil
+
+        try:
+            return int(psutil.Process(pid).memory_info().rss)
+        except psutil.Error:
+            return None
+    except ImportError:
+        pass
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class RssSampler(threading.Thread):
+    """Samples the RSS of named PIDs every ``interval`` seconds until stopped."""
+
+    def __init__(self, pids: dict[str, int], interval: float) -> None:
+        super().__init__(name="rss-sampler", daemon=True)
+        self.pids = pids
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+        self.started_at = time.monotonic()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            sample: dict[str, float] = {
+                "t_s": round(time.monotonic() - self.started_at, 3),
+                "unix": time.time(),
+            }
+            for name, pid in self.pids.items():
+                value = rss_bytes(pid)
+                sample[f"{name}_rss_mb"] = round(value / MB, 2) if value is not None else -1.0
+            self.samples.append(sample)
+            if self._halt.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+
+def theil_sen_slope(times: np.ndarray, values: np.ndarray) -> float | None:
+    """Median of the pairwise slopes (value units per time unit); None under 2 samples.
+
+    Robust to outliers and to a step covering less than ~29% of the pairs; at most
+    ``_FIT_SAMPLES`` evenly spaced samples are used (the pairs grow as n**2)."""
+    times, values = np.asarray(times, np.float64), np.asarray(values, np.float64)
+    if len(times) > _FIT_SAMPLES:
+        keep = np.linspace(0, len(times) - 1, _FIT_SAMPLES).round().astype(np.int64)
+        times, values = times[keep], values[keep]
+    first, second = np.triu_indices(len(times), k=1)
+    elapsed = times[second] - times[first]
+    usable = elapsed > 0
+    if not usable.any():
+        return None
+    return float(np.median((values[second] - values[first])[usable] / elapsed[usable]))
+
+
+@dataclass
+class MemoryVerdict:
+    """The memory verdict of one process (see the module docstring for the rule)."""
+
+    process: str
+    samples: int  # judged: after warm-up, outside the reload's settling window
+    warmup_s: float
+    baseline_mb: float  # median of the first quarter of the judged samples
+    last_mb: float  # median of the last quarter
+    slope_mb_per_min: float | None  # Theil-Sen over each segment's pairs (for the report)
+    sustained_mb_per_min: float | None  # worst segment's smaller half-segment slope
+    allowed_mb_per_min: float
+    reload_step_mb: float | None  # settled level after the reload minus the level before it
+    allowed_step_mb: float
+    passed: bool
+    reason: str
+
+
+def memory_verdict(
+    times: list[float],
+    rss_mb: list[float],
+    *,
+    warmup_s: float,
+    run_s: float,
+    reload_s: float | None = None,
+    settle_s: float = RELOAD_SETTLE_S,
+    max_rate_mb_per_min: float = MAX_GROWTH_MB_PER_MIN,
+    floor_mb: float = GROWTH_FLOOR_MB,
+    process: str = "server",
+) -> MemoryVerdict:
+    """Flat memory of one process: RSS samples (``times`` in seconds since sampling began,
+    ``rss_mb``; negative = no sample) judged as the module docstring says. ``reload_s``: when
+    the reload started, on the same clock; ``run_s``: the soak's length."""
+    t = np.asarray(times, np.float64)
+    v = np.asarray(rss_mb, np.float64)
+    kept = (v >= 0) & (t >= warmup_s)
+    if reload_s is None:
+        masks = [kept]
+    else:
+        masks = [kept & (t < reload_s), kept & (t >= reload_s + settle_s)]
+    segments = [(t[mask], v[mask]) for mask in masks]
+    judged = [(st, sv) for st, sv in segments if len(st) >= 6]
+    allowed = max(max_rate_mb_per_min, floor_mb / max(run_s / 60.0, 1e-9))
+    values = np.concatenate([sv for _, sv in judged]) if judged else np.zeros(0)
+    quarter = max(len(values) // 4, 1)
+    baseline = float(np.median(values[:quarter])) if len(values) else 0.0
+    last = float(np.median(values[-quarter:])) if len(values) else 0.0
+
+    slopes, sustained = [], []
+    for st, sv in judged:
+        slopes.append(theil_sen_slope(st, sv))
+        half = len(st) // 2
+        halves = [theil_sen_slope(st[:half], sv[:half]), theil_sen_slope(st[half:], sv[half:])]
+        valid = [h for h in halves if h is not None]
+        if valid:
+            sustained.append(min(valid))
+    per_min = [60.0 * x for x in slopes if x is not None]
+    slope = round(float(np.median(per_min)), 2) if per_min else None
+    worst = round(60.0 * max(sustained), 2) if sustained else None
+
+    step = None
+    if reload_s is not None and all(len(st) >= 6 for st, _ in segments):
+        (_, before), (_, after) = segments
+        q_before, q_after = max(len(before) // 4, 2), max(len(after) // 4, 2)
+        step = round(float(np.median(after[:q_after]) - np.median(before[-q_before:])), 1)
+
+    if not judged:
+        passed, reason = False, f"too few samples after warm-up ({int(kept.sum())})"
+    elif worst is not None and worst > allowed:
+        passed = False
+        reason = f"grows {worst:g} MB/min in both halves of a segment (allowed {allowed:.1f})"
+    elif step is not None and step > floor_mb:
+        passed, reason = False, f"{step:g} MB more after the reload settled (allowed {floor_mb:g})"
+    else:
+        passed, reason = True, "flat"
+    return MemoryVerdict(
+        process=process,
+        samples=len(values),
+        warmup_s=round(warmup_s, 2),
+        baseline_mb=round(baseline, 1),
+        last_mb=round(last, 1),
+        slope_mb_per_min=slope,
+        sustained_mb_per_min=worst,
+        allowed_mb_per_min=round(allowed, 2),
+        reload_step_mb=step,
+        allowed_step_mb=floor_mb,
+        passed=passed,
+        reason=reason,
+    )
+
+
+def memory_verdicts(
+    samples: list[dict[str, float]], *, warmup_s: float, run_s: float, reload_s: float | None
+) -> dict[str, MemoryVerdict]:
+    """:func:`memory_verdict` of every process sampled by :class:`RssSampler` (each
+    ``<name>_rss_mb`` column: the server, and the parameter servers and embedding worker of
+    the remote tier): any of them growing fails the soak."""
+    columns = samples[0] if samples else {}
+    names = [key[: -len("_rss_mb")] for key in columns if key.endswith("_rss_mb")]
+    times = [s["t_s"] for s in samples]
+    return {
+        name: memory_verdict(
+            times,
+            [s[f"{name}_rss_mb"] for s in samples],
+            warmup_s=warmup_s,
+            run_s=run_s,
+            reload_s=reload_s,
+            process=name,
+        )
+        for name in names
+    }
+
+
+def soak_problems(verdicts: dict[str, MemoryVerdict], reload: dict[str, Any]) -> list[str]:
+    """What fails a soak: each process whose memory is not flat, and a failed reload."""
+    problems = [
+        f"{name} RSS: {verdict.reason}" for name, verdict in verdicts.items() if not verdict.passed
+    ]
+    if not reload.get("ok"):
+        problems.append(f"reload failed: {reload}")
+    return problems

@@ -1,0 +1,124 @@
+"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99,
+failures per request name and aggregated), ``summary.json`` and ``latency.png`` (latency
+percentiles over a trailing ~10 s window and throughput over time, plus RSS in soak mode).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+
+def plot(
+    path: Path,
+    history: list[dict[str, float]],
+    *,
+    title: str,
+    rss: list[dict[str, float]] | None = None,
+    marks: list[tuple[float, str]] = (),
+) -> None:
+    """Latency percentiles and throughput over time (and RSS when given) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if rss else 1
+    figure, axes = plt.subplots(panels, 1, figsize=(10, 4 * panels), squeeze=False)
+    start = history[0]["unix"] if history else (rss[0]["unix"] if rss else 0.0)
+    ax = axes[0][0]
+    if history:
+        t = [row["unix"] - start for row in history]
+        for key, style in (("p50_ms", "-"), ("p95_ms", "--"), ("p99_ms", ":")):
+            ax.plot(t, [row[key] for row in history], style, label=key.replace("_ms", ""))
+        ax.set_ylabel("latency ms (trailing ~10 s window)")
+        steady = [row["p99_ms"] for row in history[len(history) // 10 :] if row["p99_ms"] > 0]
+        if steady:  # the start-up window would flatten everything else
+            ax.set_ylim(0, max(steady) * 1.3)
+        twin = ax.twinx()
+        twin.plot(t, [row["rps"] for row in history], color="grey", alpha=0.6, label="req/s")
+        twin.set_ylabel("requests/s")
+        twin.legend(loc="upper right")
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    if history:  # no history (locust failed): nothing to label
+        ax.legend(loc="upper left")
+    for unix, label in marks:
+        for row in axes:
+            row[0].axvline(unix - start, color="red", alpha=0.5)
+        ax.annotate(label, (unix - start, ax.get_ylim()[1]), color="red", fontsize=8)
+    if rss:
+        ax2 = axes[1][0]
+        for key in [k for k in rss[0] if k.endswith("_rss_mb")]:
+            ax2.plot(
+                [s["unix"] - start for s in rss], [s[key] for s in rss], label=key[: -len("_mb")]
+            )
+        ax2.set_xlabel("seconds")
+        ax2.set_ylabel("RSS (MB)")
+        ax2.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+#: What a run writes into ``--out`` besides locust's files: deleted before a run starts, so a
+#: reused folder never shows an earlier run's verdict.
+REPORT_FILES = ("summary.md", "summary.csv", "summary.json", "latency.png", "rss.csv")
+
+
+def write_summary(out: Path, result: dict[str, Any]) -> None:
+    rows = result["stats"]
+    with open(out / "summary.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(
+            handle,
+            fieldnames=["name", "requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms"],
+            extrasaction="ignore",
+        )
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    lines = [
+        "# recserve load test",
+        "",
+        f"- model: {result['model']} ({result['inputs']})",
+        f"- checkpoint: `{result['checkpoint']}`, tier: {result['tier']}",
+        f"- users: {result['users']} ({', '.join(result['classes'])}), "
+        f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
+        f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
+        f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
+        "",
+        "| request | requests | failures | req/s | p50 ms | p95 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        name = row["name"] if row["name"] != "Aggregated" else "**all**"
+        lines.append(
+            f"| {name} | {row['requests']} | {row['failures']} | {row['rps']:.1f} | "
+            f"{_ms(row['p50_ms'])} | {_ms(row['p95_ms'])} | {_ms(row['p99_ms'])} |"
+        )
+    soak = result.get("soak")
+    if soak:
+        lines += ["", "## Soak", "", f"- reload at {soak['reload_at_s']:.1f} s: {soak['reload']}"]
+        pids = soak.get("pids", {})
+        for memory in soak["memory"].values():
+            step = memory["reload_step_mb"]
+            pid = pids.get(memory["process"])
+            lines.append(
+                f"- {memory['process']}{'' if pid is None else f' (pid {pid})'} RSS: "
+                f"{memory['baseline_mb']} MB -> {memory['last_mb']} "
+                f"MB, slope {memory['slope_mb_per_min']} MB/min, sustained "
+                f"{memory['sustained_mb_per_min']} MB/min (allowed "
+                f"{memory['allowed_mb_per_min']}), after the reload "
+                f"{'-' if step is None else f'{step:+g} MB'}, {memory['samples']} samples "
+                f"after {memory['warmup_s']:.1f} s warm-up: "
+                + ("**flat**" if memory["passed"] else f"**GROWING** ({memory['reason']})")
+            )
+        lines.append("- series: `rss.csv`")
+    lines += ["", "Latency over time: `latency.png`; locust CSVs: `locust_*.csv`.", ""]
+    (out / "summary.md").write_text("\n".join(lines))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
