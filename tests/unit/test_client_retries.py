@@ -505,7 +505,7 @@ def _silent(connection: socket.socket, stop: threading.Event) -> None:
 
 
 def test_eval_does_not_retry_a_timeout_and_calls_it_a_deadline():
-    from clients.eval import ServerScorer
+    from clients.eval_scorers import ServerScorer
 
     server = RawServer(_silent)
     try:
@@ -1001,11 +1001,11 @@ def test_eval_server_scorer_retries_503_with_doubling_waits_and_nothing_else(
 ):
     """``recserve eval --url``: a 503 is retried (waits 0.2 s, 0.4 s, ...) up to ``retries``
     times, then raised; a 400 is raised at once."""
-    from clients.eval import ServerScorer
+    from clients.eval_scorers import ServerScorer
 
     waits: list[float] = []
     # The module's own clock only: the fake server's threads sleep on the real one.
-    monkeypatch.setattr("clients.eval.time", types.SimpleNamespace(sleep=waits.append))
+    monkeypatch.setattr("clients.eval_scorers.time", types.SimpleNamespace(sleep=waits.append))
 
     def scorer(url: str, retries: int) -> ServerScorer:
         instance = object.__new__(ServerScorer)

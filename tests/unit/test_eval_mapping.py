@@ -1,4 +1,5 @@
-"""Feature mappings and encoders of ``recserve eval`` (clients/eval.py)."""
+"""Feature mappings and encoders of ``recserve eval`` (clients/eval_mapping.py,
+clients/eval_encoders.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clients.eval import (
+from clients.eval_encoders import GenericEncoder, PreprocessorEncoder
+from clients.eval_mapping import (
     FeatureMapping,
-    GenericEncoder,
     IdFeatureMapping,
     LabelMapping,
     NonIdFeatureMapping,
-    PreprocessorEncoder,
     default_mapping,
     load_mapping,
-    signature_from_metadata,
 )
+from clients.eval_scorers import signature_from_metadata
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.errors import ConfigError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
@@ -345,7 +345,7 @@ def test_a_batch_the_server_finds_too_large_is_sent_in_smaller_chunks(stated_lim
     # The server takes 2 rows at most. A stated limit below the batch is used for the
     # chunks; one that is not below it (a proxy's rewording, a wrong message) must not
     # send the same batch again for ever: the batch is halved instead.
-    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+    from clients.eval_scorers import Scores, ServerScorer, _BatchTooLargeError
 
     scorer = object.__new__(ServerScorer)
     scorer.protocol, scorer.max_batch_size = "v2", None
@@ -427,7 +427,7 @@ def test_metadata_lengths_inputs_and_integer_matrices():
 def _scripted_scorer(limit: int, errors: list[Exception] | None = None):
     """A ServerScorer whose server takes ``limit`` rows at most (a 400 stating it), answering
     each row with its ID; ``errors`` are raised first, one per call."""
-    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+    from clients.eval_scorers import Scores, ServerScorer, _BatchTooLargeError
 
     scorer = object.__new__(ServerScorer)
     scorer.protocol, scorer.max_batch_size = "v2", None
@@ -465,7 +465,7 @@ def test_the_servers_batch_limit_is_kept_for_the_batches_that_follow():
 def test_a_single_row_too_large_for_the_server_is_an_error_not_a_loop():
     """One row cannot be split: a 400 over the batch limit, or a 413 (CapacityError), for a
     one-row batch is raised as it is."""
-    from clients.eval import _BatchTooLargeError
+    from clients.eval_scorers import _BatchTooLargeError
     from embedding_store.errors import CapacityError
 
     scorer, sent = _scripted_scorer(limit=0)
@@ -485,7 +485,7 @@ def test_a_single_row_too_large_for_the_server_is_an_error_not_a_loop():
 def test_friendly_chunks_send_each_chunks_own_rows():
     """Over the friendly route the rows themselves are sent: a split batch sends each chunk
     its own rows, in order."""
-    from clients.eval import Scores, ServerScorer, _BatchTooLargeError
+    from clients.eval_scorers import Scores, ServerScorer, _BatchTooLargeError
 
     scorer = object.__new__(ServerScorer)
     scorer.protocol, scorer.max_batch_size = "friendly", None
@@ -506,16 +506,16 @@ def test_friendly_chunks_send_each_chunks_own_rows():
 # --------------------------------------------------------------------------- parity, counts and
 # options of run_eval, exact on small inputs
 def test_parity_counts_nan_as_different_and_keeps_the_worst_difference():
-    from clients.eval import SHOWN_DIFFERENCES, _Parity
+    from clients.eval_parity import SHOWN_DIFFERENCES, Parity
 
-    parity = _Parity(0.01)
+    parity = Parity(0.01)
     diff = parity.add(["a:1", "a:2", "a:3"], np.array([0.0, 1.0, 2.0]), np.array([0.5, 1, np.nan]))
     np.testing.assert_array_equal(diff, [0.5, 0.0, np.nan])
     assert (parity.rows, parity.differing, parity.max_diff) == (3, 2, math.inf)
     assert parity.examples[0] == {"where": "a:1", "in_process": 0.0, "server": 0.5, "abs_diff": 0.5}
     assert parity.examples[1]["where"] == "a:3"
 
-    parity = _Parity(0.01)
+    parity = Parity(0.01)
     parity.add(["a:1"], np.array([0.0]), np.array([0.5]))
     parity.add(["a:2"], np.array([1.0]), np.array([1.2]))  # a smaller worst: 0.5 stays
     assert parity.max_diff == 0.5
@@ -535,17 +535,17 @@ def test_parity_counts_nan_as_different_and_keeps_the_worst_difference():
 
 
 def test_parity_text_names_an_output_transform_mismatch():
-    from clients.eval import _Parity
+    from clients.eval_parity import Parity
 
     logits = np.array([-1.0, 0.0, 2.0])
     probabilities = 1.0 / (1.0 + np.exp(-logits))
-    parity = _Parity(1e-6)
+    parity = Parity(1e-6)
     parity.add(["r:1", "r:2", "r:3"], logits, probabilities)
     assert "every server prediction is the sigmoid of the in-process one" in parity.text()
-    parity = _Parity(1e-6)
+    parity = Parity(1e-6)
     parity.add(["r:1", "r:2", "r:3"], probabilities, logits)
     assert "every in-process prediction is the sigmoid of the server's" in parity.text()
-    parity = _Parity(1e-6)
+    parity = Parity(1e-6)
     parity.add(["r:1", "r:2"], np.array([0.25, 0.5]), np.array([0.25, 0.5]))
     assert parity.text() == (
         "parity OK: 2 rows, in-process and server predictions agree within 1e-06 (max abs diff 0)"
@@ -589,7 +589,7 @@ def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, messag
 
 
 def test_a_server_answering_another_number_of_predictions_is_refused():
-    from clients.eval import ServerScorer
+    from clients.eval_scorers import ServerScorer
 
     scorer = object.__new__(ServerScorer)
     scorer.url, scorer.version = "http://h:1", "1"

@@ -528,7 +528,7 @@ def test_eval_url_splits_a_batch_over_the_servers_max_request_batch_size(
     # The server answers a batch over --max-request-batch-size with 400 ("batch size N
     # exceeds this server's max batch size M"), which the scorer used to pass on: eval --url
     # with --batch-size above that limit failed. It now sends chunks of M rows.
-    from clients.eval import ServerScorer
+    from clients.eval_scorers import ServerScorer
     from serving.http_app import create_app
     from serving.model import load_model
     from serving.service import PredictionService
