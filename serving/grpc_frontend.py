@@ -1,6 +1,6 @@
 """gRPC front end: the KServe v2 / Open Inference Protocol ``inference.GRPCInferenceService``.
 
-:class:`InferenceServicer` is thin: it decodes a request with :mod:`serving.tensor_codec`, calls
+:class:`InferenceServicer` is thin: it decodes a request with :mod:`serving.grpc_codec`, calls
 ONE :class:`~serving.core.PredictionCore` method and encodes the answer. Errors abort the call
 with the status code of :func:`grpc_code_name_of` and the public message only (bad input ->
 INVALID_ARGUMENT, unknown model -> NOT_FOUND, not ready / overloaded -> UNAVAILABLE, anything
@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from embedding_store.errors import NotFoundError, UnavailableError
 from embedding_store.grpc_common import parse_request, rpc_errors, server_options
-from serving import tensor_codec as codec
+from serving import grpc_codec
 from serving.core import PredictionCore
 from serving.proto import SERVICE_NAME, V2
 
@@ -94,17 +94,17 @@ class InferenceServicer:
 
     @rpc_errors
     def ServerMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return codec.server_metadata_message(self._core.server_metadata())
+        return grpc_codec.server_metadata_message(self._core.server_metadata())
 
     @rpc_errors
     def ModelMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = self._core.model_metadata(request.name, request.version or None)
-        return codec.model_metadata_message(metadata)
+        return grpc_codec.model_metadata_message(metadata)
 
     @rpc_errors
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            decoded = codec.decode_grpc_request(request)
+            decoded = grpc_codec.decode_grpc_request(request)
         except Exception as error:  # never reached the core: counted there all the same
             if self._record_rejected is not None:
                 self._record_rejected("grpc", request.model_name, error)
@@ -124,7 +124,7 @@ class InferenceServicer:
         except futures.CancelledError:
             # The call is over (the core counted it as cancelled): gRPC sends nothing more.
             return V2.ModelInferResponse()
-        return codec.encode_grpc_response(prediction, decoded)
+        return grpc_codec.encode_grpc_response(prediction, decoded)
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """The unary handlers of the service, keyed by method name. Requests are parsed in

@@ -1,9 +1,9 @@
 """HTTP front end: KServe v2 / Open Inference Protocol REST, plus a friendly JSON route.
 
 Thin by design: a route reads the raw body (size-capped), and one worker-thread call decodes it
-with :mod:`serving.tensor_codec` (orjson + numpy, no per-element pydantic models), calls ONE
-:class:`~serving.core.PredictionCore` method and encodes the answer, so neither parsing nor the
-model ever runs on the event loop. Routes:
+with :mod:`serving.http_decode` (orjson + numpy, no per-element pydantic models), calls ONE
+:class:`~serving.core.PredictionCore` method and encodes the answer (:mod:`serving.http_encode`),
+so neither parsing nor the model ever runs on the event loop. Routes:
 
 * ``GET /v2``, ``GET /v2/health/live``, ``GET /v2/health/ready`` (200 / 400, see
   :data:`HEALTH_FALSE_STATUS`);
@@ -57,7 +57,7 @@ from embedding_store.errors import (
     http_status_of,
     public_message_of,
 )
-from serving import tensor_codec as codec
+from serving import http_decode, http_encode, infer_request
 from serving.core import KSERVE_DTYPES, PredictionCore
 
 log = logging.getLogger(__name__)
@@ -196,8 +196,9 @@ _INFER_OPENAPI = {
             JSON: {"schema": _INFER_REQUEST_SCHEMA},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
-                "description": f"binary tensor extension: JSON header of {codec.HEADER_LENGTH} "
-                "bytes, then the binary_data_size bytes of each binary input in order",
+                "description": "binary tensor extension: JSON header of "
+                f"{http_decode.HEADER_LENGTH} bytes, then the binary_data_size bytes of each "
+                "binary input in order",
             },
         },
     }
@@ -215,8 +216,8 @@ _INFER_RESPONSES = {
                     "parameters": {
                         "type": "object",
                         "properties": {
-                            codec.FALLBACK_IDS: {"type": "integer"},
-                            codec.UNKNOWN_IDS: {"type": "integer"},
+                            infer_request.FALLBACK_IDS: {"type": "integer"},
+                            infer_request.UNKNOWN_IDS: {"type": "integer"},
                         },
                     },
                     "outputs": {"type": "array", "items": _TENSOR_SCHEMA},
@@ -265,8 +266,8 @@ _PREDICT_RESPONSES = {
                     },
                     "model_name": {"type": "string"},
                     "model_version": {"type": "string"},
-                    codec.FALLBACK_IDS: {"type": "integer"},
-                    codec.UNKNOWN_IDS: {"type": "integer"},
+                    infer_request.FALLBACK_IDS: {"type": "integer"},
+                    infer_request.UNKNOWN_IDS: {"type": "integer"},
                 },
             }
         ),
@@ -346,7 +347,7 @@ async def read_chunks(
     # bodies at once. They wait for their turn on the loop, not in a thread: waiting threads
     # would take the pool's tokens from every other route.
     return await anyio.to_thread.run_sync(
-        codec.decode_body,
+        http_decode.decode_body,
         body,
         content_encoding,
         inflated_limit,
@@ -471,7 +472,7 @@ def create_app(
     async def server_metadata() -> Response:
         try:
             metadata = await in_thread(core.server_metadata)
-            return json_response(codec.server_metadata_json(metadata))
+            return json_response(http_encode.server_metadata_json(metadata))
         except Exception as error:
             return error_response(error)
 
@@ -497,7 +498,7 @@ def create_app(
     async def model_metadata(name: str, version: str | None) -> Response:
         try:
             metadata = await in_thread(core.model_metadata, name, _version(version))
-            return json_response(codec.model_metadata_json(metadata))
+            return json_response(http_encode.model_metadata_json(metadata))
         except Exception as error:
             return error_response(error)
 
@@ -534,21 +535,21 @@ def create_app(
         return await model_ready(name, version)
 
     # ---------------------------------------------------------------- inference
-    def infer_response(prediction: Any, request: codec.InferRequest) -> Response:
-        payload, json_size = codec.encode_http_response(prediction, request)
+    def infer_response(prediction: Any, request: infer_request.InferRequest) -> Response:
+        payload, json_size = http_encode.encode_http_response(prediction, request)
         if json_size is None:
             return Response(payload, media_type=JSON)
         return Response(
             payload,
             media_type="application/octet-stream",
-            headers={codec.HEADER_LENGTH: str(json_size)},
+            headers={http_decode.HEADER_LENGTH: str(json_size)},
         )
 
     def infer_sync(
         name: str, version: str | None, body: bytes, header_length: str | None
     ) -> Response:
         try:
-            request = codec.decode_http_request(body, header_length)
+            request = http_decode.decode_http_request(body, header_length)
         except Exception as error:
             return rejected(name, error)
         prediction = core.predict(
@@ -566,7 +567,7 @@ def create_app(
         try:
             if predict_async is not None and len(body) <= SMALL_BODY_BYTES:
                 try:
-                    decoded = codec.decode_http_request(body, header_length)
+                    decoded = http_decode.decode_http_request(body, header_length)
                 except Exception as error:
                     return rejected(name, error)
                 prediction = await predict_async(
@@ -586,7 +587,7 @@ def create_app(
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
             return rejected(name, error)
-        header_length = ", ".join(request.headers.getlist(codec.HEADER_LENGTH)) or None
+        header_length = ", ".join(request.headers.getlist(http_decode.HEADER_LENGTH)) or None
         return await infer_body(body, header_length, name, version)
 
     # The same handler without FastAPI's routing and request objects (see InferFastPath).
@@ -619,11 +620,11 @@ def create_app(
 
     def predict_sync(name: str, body: bytes) -> Response:
         try:
-            instances = codec.decode_instances(body)
+            instances = http_decode.decode_instances(body)
         except Exception as error:
             return rejected(name, error)
         prediction = core.predict_instances(name, instances, protocol="http")
-        return Response(codec.encode_instances_response(prediction), media_type=JSON)
+        return Response(http_encode.encode_instances_response(prediction), media_type=JSON)
 
     @app.post(
         "/v1/models/{name}:predict",
@@ -669,7 +670,7 @@ def create_app(
                 body = await read_body(request, 1024 * 1024)
                 checkpoint = None
                 if body.strip():
-                    document = codec.parse_json(body)
+                    document = http_decode.parse_json(body)
                     if not isinstance(document, dict):
                         raise InvalidArgumentError('body must be {"checkpoint": "<path>"}')
                     checkpoint = document.get("checkpoint")
@@ -786,7 +787,7 @@ class InferFastPath:
         return await self.handler.handle(body, header(_HEADER_LENGTH_KEY), name, version)
 
 
-_HEADER_LENGTH_KEY = codec.HEADER_LENGTH.lower().encode("latin-1")
+_HEADER_LENGTH_KEY = http_decode.HEADER_LENGTH.lower().encode("latin-1")
 
 #: Set (True) by the HTTP protocol on a request's ASGI cycle when it cut the request short
 #: and counted it (serving.http_protocol): the app then does not count it a second time.

@@ -11,7 +11,7 @@ Everything is checked before any lookup: known names, dtypes, non-negative IDs a
 lengths summing to the number of IDs, one batch size, the maximum batch size. Errors are
 InvalidArgumentError naming the input.
 
-Plain JSON bodies arrive as :class:`~serving.tensor_codec.JsonTensors` (raw JSON, not yet
+Plain JSON bodies arrive as :class:`~serving.lazy_tensors.JsonTensors` (raw JSON, not yet
 arrays): a fast builder turns the usual request straight into a Batch (all single-ID inputs in
 one ``np.array`` call; features and Batch built unchecked, their invariants being checked here);
 anything else is converted as the eager decoder did and takes the general path, so the result
@@ -43,7 +43,7 @@ from embedding_store.batch import (
 from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 from serving.core import DTYPE_NAMES, TensorSpec
-from serving.tensor_codec import BinaryEntry, BinaryTensors, JsonTensors
+from serving.lazy_tensors import BinaryEntry, BinaryTensors, JsonTensors
 
 LENGTHS_SUFFIX = ".lengths"
 ID_DATATYPES = ("INT64", "UINT64")
@@ -327,7 +327,7 @@ def _batch_from_json(
     bools is a BOOL array there, refused. Such a list starts with a bool, and every list must
     start with an int here.
 
-    :class:`~serving.tensor_codec.ArrayJsonTensors` entries hold, instead of each list, the
+    :class:`~serving.http_decode.ArrayJsonTensors` entries hold, instead of each list, the
     flat int64 or float64 array those numbers make (see :mod:`serving.json_arrays`): the same
     checks apply to them, and they are joined with one ``np.concatenate``.
     """
@@ -536,7 +536,7 @@ def tensors_to_batch(
 ) -> Batch:
     """Validate named request tensors against ``signature`` and build an inference Batch.
 
-    :class:`~serving.tensor_codec.JsonTensors` (plain JSON bodies) first go through a fast
+    :class:`~serving.lazy_tensors.JsonTensors` (plain JSON bodies) first go through a fast
     builder working on the raw JSON; whatever it does not take is converted eagerly
     (``materialize``, raising what the eager decoder raised) and takes the general path, so
     the Batch and every error are the same either way.

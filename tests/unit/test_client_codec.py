@@ -26,7 +26,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
-from serving import tensor_codec as server_codec
+from serving import grpc_codec, http_decode, http_encode, infer_request
 from serving.core import Prediction
 from serving.proto import V2 as SERVER_V2
 
@@ -161,7 +161,7 @@ def test_a_one_dimensional_dense_feature_is_taken_by_a_model_trained_on_it(sampl
 def test_http_infer_request_decodes_on_the_server():
     tensors = codec.batch_to_tensors(_batch())
     body, headers = codec.encode_http_infer(tensors, timeout=1.5)
-    request = server_codec.decode_http_request(body, headers[codec.HEADER_LENGTH])
+    request = http_decode.decode_http_request(body, headers[codec.HEADER_LENGTH])
     assert request.binary_output is True
     assert request.timeout == pytest.approx(1.5)
     assert set(request.inputs) == set(tensors)
@@ -171,14 +171,14 @@ def test_http_infer_request_decodes_on_the_server():
 
 
 def test_http_infer_response_decodes_binary_and_json():
-    binary = server_codec.InferRequest(inputs={}, binary_output=True)
-    payload, json_size = server_codec.encode_http_response(_prediction(), binary)
+    binary = infer_request.InferRequest(inputs={}, binary_output=True)
+    payload, json_size = http_encode.encode_http_response(_prediction(), binary)
     assert json_size is not None
     result = codec.decode_http_infer(payload, str(json_size))
     np.testing.assert_array_equal(result.predictions, _prediction().outputs["prediction"])
     assert (result.model_version, result.fallback_ids, result.unknown_ids) == ("v7", 2, 5)
-    payload, json_size = server_codec.encode_http_response(
-        _prediction(), server_codec.InferRequest(inputs={})
+    payload, json_size = http_encode.encode_http_response(
+        _prediction(), infer_request.InferRequest(inputs={})
     )
     assert json_size is None
     result = codec.decode_http_infer(payload, None)
@@ -187,7 +187,7 @@ def test_http_infer_response_decodes_binary_and_json():
 
 
 def test_rows_response_decodes():
-    result = codec.decode_rows_response(server_codec.encode_instances_response(_prediction(2)))
+    result = codec.decode_rows_response(http_encode.encode_instances_response(_prediction(2)))
     assert result.predictions.shape == (2, 1) and result.predictions.dtype == np.float32
     assert (result.model_name, result.model_version, result.unknown_ids) == ("m", "v7", 5)
 
@@ -196,13 +196,13 @@ def test_grpc_round_trip_through_the_server_codec():
     tensors = codec.batch_to_tensors(_batch())
     request = codec.encode_grpc_infer("m", tensors)
     on_server = SERVER_V2.ModelInferRequest.FromString(request.SerializeToString())
-    decoded = server_codec.decode_grpc_request(on_server)
+    decoded = grpc_codec.decode_grpc_request(on_server)
     assert decoded.raw
     for name, array in tensors.items():
         np.testing.assert_array_equal(decoded.inputs[name], array)
     for raw in (True, False):
-        answer = server_codec.encode_grpc_response(
-            _prediction(), server_codec.InferRequest(inputs={}, raw=raw)
+        answer = grpc_codec.encode_grpc_response(
+            _prediction(), infer_request.InferRequest(inputs={}, raw=raw)
         )
         response = CLIENT_V2.ModelInferResponse.FromString(answer.SerializeToString())
         result = codec.decode_grpc_infer(response)

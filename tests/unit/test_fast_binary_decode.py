@@ -17,8 +17,7 @@ import pytest
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
-from serving import tensor_codec as codec
-from serving import tensors
+from serving import http_decode, lazy_tensors, tensors
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
 JAGGED = FeatureSignature(
@@ -70,8 +69,8 @@ def _random_inputs(batch: int, rng: np.random.Generator, datatype: str) -> list[
 def _outcome(signature: FeatureSignature, inputs: list[Tensor], *, eager: bool) -> Any:
     body, header_length = _binary_body(inputs, eager=eager)
     try:
-        request = codec.decode_http_request(body, header_length)
-        kind = codec.BinaryTensors if not eager else dict
+        request = http_decode.decode_http_request(body, header_length)
+        kind = lazy_tensors.BinaryTensors if not eager else dict
         assert type(request.inputs) is kind
         return tensors.tensors_to_batch(signature, request.inputs, max_batch_size=MAX_BATCH)
     except RecserveError as error:
@@ -80,8 +79,8 @@ def _outcome(signature: FeatureSignature, inputs: list[Tensor], *, eager: bool) 
 
 def _fast_path_taken(signature: FeatureSignature, inputs: list[Tensor]) -> bool:
     body, header_length = _binary_body(inputs)
-    lazy = codec.decode_http_request(body, header_length).inputs
-    assert isinstance(lazy, codec.BinaryTensors)
+    lazy = http_decode.decode_http_request(body, header_length).inputs
+    assert isinstance(lazy, lazy_tensors.BinaryTensors)
     return tensors._batch_from_binary(signature, lazy, MAX_BATCH) is not None
 
 
@@ -119,7 +118,7 @@ def test_the_fast_batch_holds_the_request_values_without_copying_them():
     inputs.append(_floats("dense", np.arange(12).reshape(2, 6), [2, 6]))
     inputs.append(_floats("age", np.array([30, 40.25]), [2]))
     body, header_length = _binary_body(inputs)
-    request = codec.decode_http_request(body, header_length)
+    request = http_decode.decode_http_request(body, header_length)
     batch = tensors.tensors_to_batch(SINGLE, request.inputs, max_batch_size=MAX_BATCH)
     assert all(isinstance(f, IDTypeFeatureWithSingleID) for f in batch.id_type_features)
     assert batch.id_feature("C3").values.tolist() == [3, 2**63 - 4]
@@ -204,8 +203,8 @@ def test_jagged_signatures_take_the_general_path():
 def test_a_malformed_input_raises_the_eager_error_on_first_touch():
     inputs = [("a", "INT64", [3], np.ones(2, "<i8").tobytes()), ("b", "NOPE", [1], b"x")]
     body, header_length = _binary_body(inputs)
-    lazy = codec.decode_http_request(body, header_length).inputs
-    assert isinstance(lazy, codec.BinaryTensors)
+    lazy = http_decode.decode_http_request(body, header_length).inputs
+    assert isinstance(lazy, lazy_tensors.BinaryTensors)
     with pytest.raises(InvalidArgumentError) as error:
         lazy["b"]
     assert str(error.value) == (
@@ -224,7 +223,7 @@ def test_layout_errors_are_raised_by_the_decoder_as_before(tail, message):
     body, header_length = _binary_body([_ids("a", [1, 2])])
     body = body + tail if tail is not None else body[:-8]
     with pytest.raises(InvalidArgumentError) as error:
-        codec.decode_http_request(body, header_length)
+        http_decode.decode_http_request(body, header_length)
     assert str(error.value) == message
 
 
@@ -238,5 +237,5 @@ def test_a_bad_output_request_reports_the_first_bad_input_first():
     }
     head = orjson.dumps(header)
     with pytest.raises(InvalidArgumentError) as error:
-        codec.decode_http_request(head + inputs[0][3], str(len(head)))
+        http_decode.decode_http_request(head + inputs[0][3], str(len(head)))
     assert "unknown datatype 'NOPE'" in str(error.value)

@@ -25,8 +25,7 @@ from embedding_store.batch import (
 )
 from embedding_store.errors import BatchValidationError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
-from serving import tensor_codec as codec
-from serving import tensors
+from serving import http_decode, infer_request, lazy_tensors, tensors
 from serving.batcher import merge_batches
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
@@ -95,14 +94,14 @@ def _body(inputs: list[dict[str, Any]], **extra: Any) -> bytes:
 def _eager_batch(signature: FeatureSignature, body: bytes, max_batch_size: int) -> Batch:
     """What the code before JsonTensors did: eager decoding (a JSON body whose
     Inference-Header-Content-Length covers all of it) and the general path."""
-    request = codec.decode_http_request(body, str(len(body)))
+    request = http_decode.decode_http_request(body, str(len(body)))
     assert type(request.inputs) is dict
     return tensors.tensors_to_batch(signature, request.inputs, max_batch_size=max_batch_size)
 
 
 def _lazy_batch(signature: FeatureSignature, body: bytes, max_batch_size: int) -> Batch:
-    request = codec.decode_http_request(body)
-    assert isinstance(request.inputs, codec.JsonTensors)
+    request = http_decode.decode_http_request(body)
+    assert isinstance(request.inputs, lazy_tensors.JsonTensors)
     return tensors.tensors_to_batch(signature, request.inputs, max_batch_size=max_batch_size)
 
 
@@ -114,8 +113,8 @@ def _outcome(build: Callable[[], Batch]) -> Batch | Exception:
 
 
 def _fast_path_taken(signature: FeatureSignature, body: bytes, max_batch_size: int) -> bool:
-    inputs = codec.decode_http_request(body).inputs
-    assert isinstance(inputs, codec.JsonTensors)
+    inputs = http_decode.decode_http_request(body).inputs
+    assert isinstance(inputs, lazy_tensors.JsonTensors)
     return tensors._batch_from_json(signature, inputs.raw_entries, max_batch_size) is not None
 
 
@@ -161,7 +160,7 @@ def _assert_outcomes_equal(got: Batch | Exception, expected: Batch | Exception) 
         _assert_batches_equal(got, expected)
 
 
-def _request_options(request: codec.InferRequest) -> tuple[Any, ...]:
+def _request_options(request: infer_request.InferRequest) -> tuple[Any, ...]:
     """Everything a decoded request holds besides its inputs."""
     return (request.id, request.parameters, request.outputs, request.binary_output, request.timeout)
 
@@ -269,7 +268,7 @@ def test_true_and_false_among_numbers_are_refused(tensor, message):
     by_name = {t["name"]: i for i, t in enumerate(inputs)}
     inputs[by_name[tensor["name"]]] = tensor
     with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
-        codec.decode_http_request(_body(inputs))
+        http_decode.decode_http_request(_body(inputs))
     assert "true/false" in str(caught.value)
 
 
@@ -279,7 +278,7 @@ def test_true_and_false_outside_numeric_data_are_left_alone():
     body = orjson.dumps(
         {"inputs": inputs, "parameters": {"binary_data_output": False}, "id": "true false"}
     )
-    request = codec.decode_http_request(body)
+    request = http_decode.decode_http_request(body)
     assert request.binary_output is False
     assert isinstance(tensors.tensors_to_batch(SINGLE, request.inputs, max_batch_size=8), Batch)
 
@@ -701,7 +700,7 @@ def test_a_float64_dense_feature_gets_the_general_paths_float64_batch() -> None:
 
 
 # Neither path warns: numpy's overflow warning on the float32 cast would add a log line per
-# such request (serving.tensor_codec silences it; the refusal names the input).
+# such request (serving.infer_request silences it; the refusal names the input).
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_a_dense_value_beyond_fp32_is_refused_by_the_fast_path_too() -> None:
     """JSON has no NaN: a number beyond FP32's range is what becomes Inf. The fast builder
@@ -734,9 +733,9 @@ def test_a_dense_value_beyond_fp32_is_refused_by_the_fast_path_too() -> None:
 def test_decode_errors_are_raised_by_decode_as_before(inputs):
     body = _body(inputs)
     with pytest.raises(InvalidArgumentError) as expected:
-        codec.decode_http_request(body, str(len(body)))
+        http_decode.decode_http_request(body, str(len(body)))
     with pytest.raises(InvalidArgumentError) as got:
-        codec.decode_http_request(body)
+        http_decode.decode_http_request(body)
     assert str(got.value) == str(expected.value)
 
 
@@ -751,9 +750,9 @@ def test_decode_errors_are_raised_by_decode_as_before(inputs):
 def test_a_malformed_tensor_still_wins_over_later_request_errors(extra):
     body = _body([_tensor("a", "INT64", [1], [1.5])], **extra)
     with pytest.raises(InvalidArgumentError) as expected:
-        codec.decode_http_request(body, str(len(body)))
+        http_decode.decode_http_request(body, str(len(body)))
     with pytest.raises(InvalidArgumentError) as got:
-        codec.decode_http_request(body)
+        http_decode.decode_http_request(body)
     assert (
         str(got.value)
         == str(expected.value)
@@ -761,9 +760,9 @@ def test_a_malformed_tensor_still_wins_over_later_request_errors(extra):
     )
     valid = _body([_tensor("a", "INT64", [1], [1])], **extra)
     with pytest.raises(InvalidArgumentError) as expected:
-        codec.decode_http_request(valid, str(len(valid)))
+        http_decode.decode_http_request(valid, str(len(valid)))
     with pytest.raises(InvalidArgumentError) as got:
-        codec.decode_http_request(valid)
+        http_decode.decode_http_request(valid)
     assert str(got.value) == str(expected.value)
 
 
@@ -774,9 +773,9 @@ def test_request_options_are_decoded_as_before():
         parameters={"timeout": 1500, "binary_data_output": True},
         outputs=[{"name": "prediction", "parameters": {"binary_data": False}}],
     )
-    lazy = codec.decode_http_request(body)
-    eager = codec.decode_http_request(body, str(len(body)))
-    assert isinstance(lazy.inputs, codec.JsonTensors)
+    lazy = http_decode.decode_http_request(body)
+    eager = http_decode.decode_http_request(body, str(len(body)))
+    assert isinstance(lazy.inputs, lazy_tensors.JsonTensors)
     assert _request_options(lazy) == _request_options(eager)
 
 
@@ -794,9 +793,9 @@ def _mapping_body() -> bytes:
 
 def test_json_tensors_behave_like_the_eager_dict():
     body = _mapping_body()
-    lazy = codec.decode_http_request(body).inputs
-    eager = codec.decode_http_request(body, str(len(body))).inputs
-    assert isinstance(lazy, codec.JsonTensors) and type(eager) is dict
+    lazy = http_decode.decode_http_request(body).inputs
+    eager = http_decode.decode_http_request(body, str(len(body))).inputs
+    assert isinstance(lazy, lazy_tensors.JsonTensors) and type(eager) is dict
     assert list(lazy) == list(eager) == ["zeta", "alpha", "mid", "small"]
     assert list(lazy.keys()) == list(eager.keys())
     assert len(lazy) == 4
@@ -816,8 +815,8 @@ def test_json_tensors_behave_like_the_eager_dict():
     assert all(materialized[name] is lazy[name] for name in lazy)
     # Equality as between dicts of arrays (one-element arrays compare as booleans).
     single = _body([_tensor("a", "INT64", [1], [3]), _tensor("b", "FP32", [1], [0.5])])
-    lazy_single = codec.decode_http_request(single).inputs
-    eager_single = codec.decode_http_request(single, str(len(single))).inputs
+    lazy_single = http_decode.decode_http_request(single).inputs
+    eager_single = http_decode.decode_http_request(single, str(len(single))).inputs
     assert lazy_single == eager_single and eager_single == lazy_single
     assert dict(lazy_single) == eager_single
     assert lazy_single != {"a": np.array([4])}
@@ -825,7 +824,7 @@ def test_json_tensors_behave_like_the_eager_dict():
 
 
 def test_json_tensors_are_read_only():
-    lazy = codec.decode_http_request(_mapping_body()).inputs
+    lazy = http_decode.decode_http_request(_mapping_body()).inputs
     with pytest.raises(TypeError):
         lazy["zeta"] = np.zeros(1)  # type: ignore[index]
     with pytest.raises(AttributeError):
@@ -853,9 +852,9 @@ def test_a_malformed_tensor_raises_the_eager_error_on_first_touch(touch):
         ]
     )
     with pytest.raises(InvalidArgumentError) as expected:
-        codec.decode_http_request(body, str(len(body)))
-    lazy = codec.decode_http_request(body).inputs  # decode itself does not convert
-    assert isinstance(lazy, codec.JsonTensors)
+        http_decode.decode_http_request(body, str(len(body)))
+    lazy = http_decode.decode_http_request(body).inputs  # decode itself does not convert
+    assert isinstance(lazy, lazy_tensors.JsonTensors)
     assert list(lazy.raw_entries) == ["a", "b", "c"]
     with pytest.raises(InvalidArgumentError) as got:
         touch(lazy)
@@ -883,10 +882,10 @@ def test_mixed_binary_bodies_and_json_inputs_with_parameters_stay_eager():
             ]
         }
     )
-    request = codec.decode_http_request(header + ids.tobytes(), str(len(header)))
+    request = http_decode.decode_http_request(header + ids.tobytes(), str(len(header)))
     assert type(request.inputs) is dict
     with_parameters = _body([{**_tensor("a", "INT64", [1], [1]), "parameters": {}}])
-    assert type(codec.decode_http_request(with_parameters).inputs) is dict
+    assert type(http_decode.decode_http_request(with_parameters).inputs) is dict
 
 
 # --------------------------------------------------------------------------- trusted batches
@@ -968,7 +967,7 @@ def _decoded_batches(signature: FeatureSignature, sizes: list[int], seed: int) -
     return [
         tensors.tensors_to_batch(
             signature,
-            codec.decode_http_request(_body(_random_inputs(signature, size, rng))).inputs,
+            http_decode.decode_http_request(_body(_random_inputs(signature, size, rng))).inputs,
             max_batch_size=MAX_BATCH,
         )
         for size in sizes

@@ -17,8 +17,7 @@ import orjson
 import pytest
 
 from embedding_store.batch import Batch
-from serving import json_arrays, tensors
-from serving import tensor_codec as codec
+from serving import http_decode, json_arrays, lazy_tensors, tensors
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 from tests.unit.test_fast_json_decode import (
     ERRORS,
@@ -43,8 +42,8 @@ def _large(body: bytes) -> bytes:
 
 def _array_route_taken(signature, body: bytes) -> bool:
     """Whether simdjson parsed ``body`` and the fast batch builder took its arrays."""
-    inputs = codec.decode_http_request(body).inputs
-    if not isinstance(inputs, codec.ArrayJsonTensors):
+    inputs = http_decode.decode_http_request(body).inputs
+    if not isinstance(inputs, http_decode.ArrayJsonTensors):
         return False
     return tensors._batch_from_json(signature, inputs.raw_entries, MAX_BATCH) is not None
 
@@ -53,10 +52,10 @@ def _array_route_taken(signature, body: bytes) -> bool:
 def test_large_bodies_take_simdjson_and_small_ones_orjson():
     body = _body(_random_inputs(SINGLE, 2, np.random.default_rng(1)))
     assert len(body) < json_arrays.LARGE_BODY_BYTES
-    small = codec.decode_http_request(body).inputs
-    assert type(small) is codec.JsonTensors
-    large = codec.decode_http_request(_large(body)).inputs
-    assert type(large) is codec.ArrayJsonTensors
+    small = http_decode.decode_http_request(body).inputs
+    assert type(small) is lazy_tensors.JsonTensors
+    large = http_decode.decode_http_request(_large(body)).inputs
+    assert type(large) is http_decode.ArrayJsonTensors
     entry = large.raw_entries["C1"]
     assert entry["data"].dtype == np.int64 and not entry["data"].flags.writeable
     assert large.raw_entries["dense"]["data"].dtype == np.float64
@@ -85,9 +84,9 @@ def test_parsed_arrays_hold_the_values_sent():
 
 def test_request_options_equal_the_orjson_route():
     body = _large(_body(_random_inputs(SINGLE, 2, np.random.default_rng(2))))
-    array = codec.decode_http_request(body)
-    eager = codec.decode_http_request(body, str(len(body)))
-    assert isinstance(array.inputs, codec.ArrayJsonTensors)
+    array = http_decode.decode_http_request(body)
+    eager = http_decode.decode_http_request(body, str(len(body)))
+    assert isinstance(array.inputs, http_decode.ArrayJsonTensors)
     assert _request_options(array) == _request_options(eager)
 
 
@@ -209,8 +208,10 @@ def test_unusual_large_bodies_are_handed_back_to_orjson(name, body):
     assert json_arrays.parse_number_arrays(body) is None
     # decode_http_request then takes orjson's route: the outcome of the code before.
     _assert_eager_outcome(body)
-    if not isinstance(_outcome(lambda: codec.decode_http_request(body)), Exception):
-        assert not isinstance(codec.decode_http_request(body).inputs, codec.ArrayJsonTensors)
+    if not isinstance(_outcome(lambda: http_decode.decode_http_request(body)), Exception):
+        assert not isinstance(
+            http_decode.decode_http_request(body).inputs, http_decode.ArrayJsonTensors
+        )
 
 
 def _assert_eager_outcome(body: bytes) -> None:
@@ -218,7 +219,7 @@ def _assert_eager_outcome(body: bytes) -> None:
     expected = _outcome(lambda: _eager_batch(SINGLE, body, MAX_BATCH))
     got = _outcome(
         lambda: tensors.tensors_to_batch(
-            SINGLE, codec.decode_http_request(body).inputs, max_batch_size=MAX_BATCH
+            SINGLE, http_decode.decode_http_request(body).inputs, max_batch_size=MAX_BATCH
         )
     )
     _assert_outcomes_equal(got, expected)
@@ -241,8 +242,8 @@ def test_each_thread_parses_with_its_own_parser():
         try:
             for round_ in range(40):
                 index = (offset + round_) % len(bodies)
-                inputs = codec.decode_http_request(bodies[index]).inputs
-                assert isinstance(inputs, codec.ArrayJsonTensors)
+                inputs = http_decode.decode_http_request(bodies[index]).inputs
+                assert isinstance(inputs, http_decode.ArrayJsonTensors)
                 got = tensors.tensors_to_batch(JAGGED, inputs, max_batch_size=MAX_BATCH)
                 _assert_batches_equal(got, expected[index])
         except BaseException as error:  # reported below, with the thread's own traceback
@@ -260,9 +261,9 @@ def test_each_thread_parses_with_its_own_parser():
 # --------------------------------------------------------------------------- the mapping
 def test_array_json_tensors_convert_as_the_eager_decoder_does():
     body = _raw(_random_inputs(JAGGED, 3, np.random.default_rng(8)))
-    lazy = codec.decode_http_request(body).inputs
-    assert isinstance(lazy, codec.ArrayJsonTensors)
-    eager = codec.decode_http_request(body, str(len(body))).inputs
+    lazy = http_decode.decode_http_request(body).inputs
+    assert isinstance(lazy, http_decode.ArrayJsonTensors)
+    eager = http_decode.decode_http_request(body, str(len(body))).inputs
     assert list(lazy) == list(eager)
     for name, array in eager.items():
         assert lazy[name].dtype == array.dtype and np.array_equal(lazy[name], array)
@@ -271,8 +272,8 @@ def test_array_json_tensors_convert_as_the_eager_decoder_does():
 def test_a_tensor_the_builder_refuses_raises_the_eager_error_on_first_touch():
     # Negative IDs parse (int64) but the builder refuses them: the general path names them.
     body = _raw(_single_with(_tensor("C2", "INT64", [2], [4, -3])))
-    inputs = codec.decode_http_request(body).inputs
-    assert isinstance(inputs, codec.ArrayJsonTensors)
+    inputs = http_decode.decode_http_request(body).inputs
+    assert isinstance(inputs, http_decode.ArrayJsonTensors)
     got = _assert_same_outcome(SINGLE, body)
     assert isinstance(got, Exception)
     assert str(got) == "input 'C2': IDs must be non-negative, got -3 at position 1"
@@ -285,7 +286,7 @@ def test_a_large_valid_batch_holds_the_request_values():
     body = _large(_body(inputs))
     assert _array_route_taken(SINGLE, body)
     got = tensors.tensors_to_batch(
-        SINGLE, codec.decode_http_request(body).inputs, max_batch_size=MAX_BATCH
+        SINGLE, http_decode.decode_http_request(body).inputs, max_batch_size=MAX_BATCH
     )
     assert isinstance(got, Batch)
     for tensor in inputs:

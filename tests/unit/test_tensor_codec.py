@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from embedding_store.errors import CapacityError, InvalidArgumentError
-from serving import tensor_codec as codec
+from serving import grpc_codec, http_decode, http_encode, infer_request
 from serving.core import KSERVE_DTYPES, Prediction
 from serving.proto import V2
 
@@ -36,14 +36,14 @@ def _binary_body(header: dict, *blobs: bytes) -> tuple[bytes, int]:
 
 # --------------------------------------------------------------------------- JSON tensors
 def test_json_flat_and_nested_data_decode_to_the_declared_shape():
-    flat = codec.array_from_json("age", "FP32", [2, 2], [1, 2.5, 3, 4])
-    nested = codec.array_from_json("age", "FP32", [2, 2], [[1, 2.5], [3, 4]])
+    flat = infer_request.array_from_json("age", "FP32", [2, 2], [1, 2.5, 3, 4])
+    nested = infer_request.array_from_json("age", "FP32", [2, 2], [[1, 2.5], [3, 4]])
     assert flat.dtype == np.float32 and flat.shape == (2, 2)
     np.testing.assert_array_equal(flat, nested)
-    ids = codec.array_from_json("user", "UINT64", [2], [2**64 - 1, 0])
+    ids = infer_request.array_from_json("user", "UINT64", [2], [2**64 - 1, 0])
     assert ids.dtype == np.uint64 and ids[0] == 2**64 - 1
-    assert codec.array_from_json("b", "BOOL", [2], [True, False]).tolist() == [True, False]
-    empty = codec.array_from_json("user", "INT64", [0], [])
+    assert infer_request.array_from_json("b", "BOOL", [2], [True, False]).tolist() == [True, False]
+    empty = infer_request.array_from_json("user", "INT64", [0], [])
     assert empty.dtype == np.int64 and empty.shape == (0,)
 
 
@@ -81,9 +81,9 @@ def test_json_flat_and_nested_data_decode_to_the_declared_shape():
 )
 def test_json_tensor_errors_name_the_input(datatype, shape, data, message):
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
-        codec.array_from_json("age.lengths", datatype, shape, data)
+        infer_request.array_from_json("age.lengths", datatype, shape, data)
     with pytest.raises(InvalidArgumentError, match=r"input 'age\.lengths'"):
-        codec.array_from_json("age.lengths", datatype, shape, data)
+        infer_request.array_from_json("age.lengths", datatype, shape, data)
 
 
 def test_http_json_request_decodes_options():
@@ -98,10 +98,10 @@ def test_http_json_request_decodes_options():
             "outputs": [{"name": "prediction", "parameters": {"binary_data": False}}],
         }
     )
-    request = codec.decode_http_request(body)
+    request = http_decode.decode_http_request(body)
     assert request.id == "r1" and request.timeout == pytest.approx(0.25)
     assert request.binary_output is True
-    assert request.outputs == (codec.RequestedOutput("prediction", False),)
+    assert request.outputs == (infer_request.RequestedOutput("prediction", False),)
     assert request.inputs["user"].tolist() == [5, 6]
     assert request.inputs["age"].shape == (2, 1)
 
@@ -167,7 +167,7 @@ def test_http_json_request_decodes_options():
 )
 def test_http_request_errors(body, message):
     with pytest.raises(InvalidArgumentError, match=message):
-        codec.decode_http_request(body)
+        http_decode.decode_http_request(body)
 
 
 def test_binary_extension_inputs_are_split_by_header_length():
@@ -194,7 +194,7 @@ def test_binary_extension_inputs_are_split_by_header_length():
         ids.tobytes(),
         age.tobytes(),
     )
-    request = codec.decode_http_request(body, str(size))
+    request = http_decode.decode_http_request(body, str(size))
     np.testing.assert_array_equal(request.inputs["user"], ids)
     np.testing.assert_array_equal(request.inputs["age"], age)
     assert request.inputs["user.lengths"].dtype == np.int32
@@ -234,7 +234,7 @@ def test_binary_extension_errors(declared, blob, header_length, message):
     )
     # Layout errors raise from the decoder; a tensor's own size check on first touch (lazy).
     with pytest.raises(InvalidArgumentError, match=message):
-        dict(codec.decode_http_request(body, header_length or size).inputs)
+        dict(http_decode.decode_http_request(body, header_length or size).inputs)
 
 
 def _one_binary_input() -> tuple[bytes, int]:
@@ -256,10 +256,14 @@ def _one_binary_input() -> tuple[bytes, int]:
 @pytest.mark.parametrize("form", ["+{}", "{}_", " {} ", "0x{}", "{}.0", "\u0661{}"])
 def test_header_length_takes_ascii_digits_only_as_content_length(form):
     body, size = _one_binary_input()
-    assert dict(codec.decode_http_request(body, str(size)).inputs)["user"].tolist() == [0, 1, 2]
+    assert dict(http_decode.decode_http_request(body, str(size)).inputs)["user"].tolist() == [
+        0,
+        1,
+        2,
+    ]
     value = form.format(size) if "_" not in form else f"{str(size)[:1]}_{str(size)[1:]}"
     with pytest.raises(InvalidArgumentError, match="Inference-Header-Content-Length must be an"):
-        codec.decode_http_request(body, value)
+        http_decode.decode_http_request(body, value)
 
 
 def test_a_binary_body_without_its_header_length_says_what_is_missing():
@@ -269,15 +273,15 @@ def test_a_binary_body_without_its_header_length_says_what_is_missing():
         match=r"not valid JSON: .*looks like the binary tensor extension .* send the "
         r"Inference-Header-Content-Length header",
     ):
-        codec.decode_http_request(body, None)
+        http_decode.decode_http_request(body, None)
 
 
 def test_http_response_json_and_binary_outputs():
     prediction = _prediction(
         prediction=np.array([[0.25], [0.75]], np.float32), scores=np.array([1, 2], np.int64)
     )
-    request = codec.InferRequest(inputs={}, id="q")
-    body, size = codec.encode_http_response(prediction, request)
+    request = infer_request.InferRequest(inputs={}, id="q")
+    body, size = http_encode.encode_http_response(prediction, request)
     assert size is None
     document = orjson.loads(body)
     assert document["id"] == "q" and document["model_version"] == "7"
@@ -289,12 +293,15 @@ def test_http_response_json_and_binary_outputs():
         "data": [0.25, 0.75],
     }
 
-    request = codec.InferRequest(
+    request = infer_request.InferRequest(
         inputs={},
-        outputs=(codec.RequestedOutput("scores"), codec.RequestedOutput("prediction", False)),
+        outputs=(
+            infer_request.RequestedOutput("scores"),
+            infer_request.RequestedOutput("prediction", False),
+        ),
         binary_output=True,
     )
-    body, size = codec.encode_http_response(prediction, request)
+    body, size = http_encode.encode_http_response(prediction, request)
     header = orjson.loads(body[:size])
     assert "id" not in header
     assert [o["name"] for o in header["outputs"]] == ["scores", "prediction"]
@@ -303,32 +310,33 @@ def test_http_response_json_and_binary_outputs():
     assert header["outputs"][1]["data"] == [0.25, 0.75]
 
     with pytest.raises(InvalidArgumentError, match="unknown output 'nope'"):
-        codec.encode_http_response(
-            prediction, codec.InferRequest(inputs={}, outputs=(codec.RequestedOutput("nope"),))
+        http_encode.encode_http_response(
+            prediction,
+            infer_request.InferRequest(inputs={}, outputs=(infer_request.RequestedOutput("nope"),)),
         )
 
 
 def test_content_encoding():
     plain = b'{"a": 1}' * 10
-    assert codec.decode_body(gzip.compress(plain), "gzip", 1000) == plain
-    assert codec.decode_body(zlib.compress(plain), "deflate", 1000) == plain
-    assert codec.decode_body(plain, None, 1000) == plain
+    assert http_decode.decode_body(gzip.compress(plain), "gzip", 1000) == plain
+    assert http_decode.decode_body(zlib.compress(plain), "deflate", 1000) == plain
+    assert http_decode.decode_body(plain, None, 1000) == plain
     with pytest.raises(CapacityError):
-        codec.decode_body(gzip.compress(b"0" * 5000), "gzip", 1000)
+        http_decode.decode_body(gzip.compress(b"0" * 5000), "gzip", 1000)
     with pytest.raises(InvalidArgumentError, match="unsupported Content-Encoding"):
-        codec.decode_body(plain, "br", 1000)
+        http_decode.decode_body(plain, "br", 1000)
     with pytest.raises(InvalidArgumentError, match="not valid gzip"):
-        codec.decode_body(plain, "gzip", 1000)
+        http_decode.decode_body(plain, "gzip", 1000)
     with pytest.raises(InvalidArgumentError, match="truncated"):
-        codec.decode_body(gzip.compress(plain)[:-12], "gzip", 1000)
+        http_decode.decode_body(gzip.compress(plain)[:-12], "gzip", 1000)
 
 
 def test_instances():
-    assert codec.decode_instances(b'{"instances": [{"user": [1]}]}') == [{"user": [1]}]
+    assert http_decode.decode_instances(b'{"instances": [{"user": [1]}]}') == [{"user": [1]}]
     for body in (b'{"instances": []}', b"[]", b'{"instances": [1]}'):
         with pytest.raises(InvalidArgumentError):
-            codec.decode_instances(body)
-    document = orjson.loads(codec.encode_instances_response(_prediction()))
+            http_decode.decode_instances(body)
+    document = orjson.loads(http_encode.encode_instances_response(_prediction()))
     assert document["predictions"] == [[0.25], [0.75]]
     assert document["fallback_ids"] == 2 and document["unknown_ids"] == 3
 
@@ -357,7 +365,7 @@ def _grpc_request(raw: bool) -> V2.ModelInferRequest:
 
 @pytest.mark.parametrize("raw", [False, True])
 def test_grpc_request_typed_and_raw(raw):
-    request = codec.decode_grpc_request(_grpc_request(raw))
+    request = grpc_codec.decode_grpc_request(_grpc_request(raw))
     assert request.raw is raw and request.id == "g1"
     assert request.timeout == pytest.approx(0.1)
     assert request.inputs["user"].dtype == np.uint64
@@ -371,13 +379,13 @@ def test_grpc_request_errors():
     request = _grpc_request(False)
     del request.inputs[0].contents.uint64_contents[-1]
     with pytest.raises(InvalidArgumentError, match=r"input 'user': shape \[3\] has 3 elements"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = _grpc_request(False)
     request.inputs[1].contents.Clear()
     request.inputs[1].contents.int64_contents.extend([1, 2, 3])
     with pytest.raises(InvalidArgumentError, match=r"takes contents\.fp32_contents"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     # The right field, complete, plus values in another field: refused, not dropped.
     request = _grpc_request(False)
@@ -387,27 +395,27 @@ def test_grpc_request_errors():
         match=r"input 'age': datatype FP32 takes contents\.fp32_contents only, but "
         r"contents\.int64_contents is also set",
     ):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = _grpc_request(False)
     request.inputs[2].contents.int_contents[0] = 1000
     with pytest.raises(InvalidArgumentError, match="value 1000 is out of range for INT8"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = _grpc_request(True)
     request.raw_input_contents[1] = b"\0" * 8
     with pytest.raises(InvalidArgumentError, match=r"raw_input_contents\[1\] has 8"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = _grpc_request(True)
     del request.raw_input_contents[-1]
     with pytest.raises(InvalidArgumentError, match="raw_input_contents has 2 entries"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = _grpc_request(True)
     request.inputs[0].contents.uint64_contents.append(1)
     with pytest.raises(InvalidArgumentError, match="contents must be empty"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
     request = V2.ModelInferRequest(model_name="tiny")
     request.inputs.add(name="h", datatype="FP16", shape=[1])
@@ -416,10 +424,10 @@ def test_grpc_request_errors():
         match=r"input 'h': FP16 tensors must be sent in raw_input_contents \(and recserve "
         r"models take .* dense features as FP32\)",
     ):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
     request.inputs[0].datatype = "BYTES"
     with pytest.raises(InvalidArgumentError, match="BYTES is not supported"):
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
 
 
 def test_an_output_requested_twice_is_named_as_over_http():
@@ -430,20 +438,20 @@ def test_an_output_requested_twice_is_named_as_over_http():
         }
     )
     with pytest.raises(InvalidArgumentError) as over_http:
-        codec.decode_http_request(body)
+        http_decode.decode_http_request(body)
     request = _grpc_request(False)
     for name in ("p", "q", "p"):
         request.outputs.add(name=name)
     with pytest.raises(InvalidArgumentError) as over_grpc:
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
     assert str(over_grpc.value) == str(over_http.value) == "output 'p' is requested twice"
 
 
 @pytest.mark.parametrize("raw", [False, True])
 def test_grpc_response_raw_iff_request_raw(raw):
     prediction = _prediction()
-    response = codec.encode_grpc_response(
-        prediction, codec.InferRequest(inputs={}, id="z", raw=raw)
+    response = grpc_codec.encode_grpc_response(
+        prediction, infer_request.InferRequest(inputs={}, id="z", raw=raw)
     )
     assert (response.model_name, response.model_version, response.id) == ("tiny", "7", "z")
     assert response.parameters["fallback_ids"].int64_param == 2
@@ -461,9 +469,9 @@ def test_grpc_response_raw_iff_request_raw(raw):
 def test_parameters_round_trip():
     parameter = V2.InferParameter()
     for value in (True, -3, 2**64 - 1, 0.5, "text"):
-        codec.set_parameter(parameter, value)
-        assert codec.parameter_value(parameter) == value
-    assert codec.parameter_value(V2.InferParameter()) is None
+        grpc_codec.set_parameter(parameter, value)
+        assert grpc_codec.parameter_value(parameter) == value
+    assert grpc_codec.parameter_value(V2.InferParameter()) is None
 
 
 # --------------------------------------------------------------------------- property
@@ -487,7 +495,7 @@ def test_every_encoding_round_trips(tensor):
     datatype, array = tensor
     shape = list(array.shape)
     # JSON, flat.
-    decoded = codec.array_from_json("t", datatype, shape, array.reshape(-1).tolist())
+    decoded = infer_request.array_from_json("t", datatype, shape, array.reshape(-1).tolist())
     np.testing.assert_array_equal(decoded, array)
     # HTTP binary extension.
     body, size = _binary_body(
@@ -503,28 +511,28 @@ def test_every_encoding_round_trips(tensor):
         },
         array.astype(array.dtype.newbyteorder("<")).tobytes(),
     )
-    np.testing.assert_array_equal(codec.decode_http_request(body, size).inputs["t"], array)
+    np.testing.assert_array_equal(http_decode.decode_http_request(body, size).inputs["t"], array)
     # gRPC raw, and typed where the protocol has a field for the datatype.
     request = V2.ModelInferRequest()
     request.inputs.add(name="t", datatype=datatype, shape=shape)
     raw = request.__deepcopy__()
     raw.raw_input_contents.append(array.astype(array.dtype.newbyteorder("<")).tobytes())
-    np.testing.assert_array_equal(codec.decode_grpc_request(raw).inputs["t"], array)
+    np.testing.assert_array_equal(grpc_codec.decode_grpc_request(raw).inputs["t"], array)
     if datatype != "FP16":
-        field = codec._CONTENTS[datatype][0]
+        field = grpc_codec._CONTENTS[datatype][0]
         getattr(request.inputs[0].contents, field).extend(array.reshape(-1).tolist())
-        got = codec.decode_grpc_request(request).inputs["t"]
+        got = grpc_codec.decode_grpc_request(request).inputs["t"]
         assert got.dtype == array.dtype
         np.testing.assert_array_equal(got, array)
     # And back out, both ways.
     prediction = Prediction(outputs={"t": array}, model_name="m", model_version="1")
     for raw_out in (False, True):
-        response = codec.encode_grpc_response(
-            prediction, codec.InferRequest(inputs={}, raw=raw_out)
+        response = grpc_codec.encode_grpc_response(
+            prediction, infer_request.InferRequest(inputs={}, raw=raw_out)
         )
         assert response.outputs[0].datatype == datatype
-    body, size = codec.encode_http_response(
-        prediction, codec.InferRequest(inputs={}, binary_output=True)
+    body, size = http_encode.encode_http_response(
+        prediction, infer_request.InferRequest(inputs={}, binary_output=True)
     )
     out = np.frombuffer(body[size:], KSERVE_DTYPES[datatype].newbyteorder("<")).reshape(shape)
     np.testing.assert_array_equal(out, array)
@@ -538,40 +546,42 @@ _ONE_INPUT = b'"inputs": [{"name": "a", "shape": [1], "datatype": "INT64", "data
 def test_a_boolean_timeout_is_refused_not_read_as_1_or_0(value):
     body = b'{"parameters": {"timeout": ' + value + b"}, " + _ONE_INPUT + b"}"
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.decode_http_request(body)
+        http_decode.decode_http_request(body)
     assert raised.value.message == (
         "parameter 'timeout' must be a non-negative integer (microseconds)"
     )
-    assert codec.decode_http_request(body.replace(value, b"1500")).timeout == 0.0015
+    assert http_decode.decode_http_request(body.replace(value, b"1500")).timeout == 0.0015
 
 
 def test_shapes_of_16_dims_are_taken_and_17_refused():
-    assert codec.shape_of("x", [1] * 16) == (1,) * 16
-    array = codec.array_from_json("x", "INT64", [1] * 16, [7])
+    assert infer_request.shape_of("x", [1] * 16) == (1,) * 16
+    array = infer_request.array_from_json("x", "INT64", [1] * 16, [7])
     assert array.shape == (1,) * 16 and array.tolist() == [[[[[[[[[[[[[[[[7]]]]]]]]]]]]]]]]
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.shape_of("x", [1] * 17)
+        infer_request.shape_of("x", [1] * 17)
     assert raised.value.message == (
         "input 'x': 'shape' must be a list of at most 16 non-negative integers"
     )
 
 
 def test_a_shape_of_exactly_2_to_the_40_elements_is_not_too_large():
-    assert codec.shape_of("x", [1 << 20, 1 << 20]) == (1 << 20, 1 << 20)
+    assert infer_request.shape_of("x", [1 << 20, 1 << 20]) == (1 << 20, 1 << 20)
     # The shape passes; the bytes then do not match it.
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.array_from_bytes("x", "UINT8", [1 << 20, 1 << 20], b"", "binary_data_size")
+        infer_request.array_from_bytes("x", "UINT8", [1 << 20, 1 << 20], b"", "binary_data_size")
     assert raised.value.message == (
         f"input 'x': shape [1048576, 1048576] of UINT8 needs {1 << 40} bytes but "
         "binary_data_size has 0"
     )
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.shape_of("x", [1 << 20, (1 << 20) + 1])
+        infer_request.shape_of("x", [1 << 20, (1 << 20) + 1])
     assert raised.value.message == "input 'x': shape [1048576, 1048577] is too large"
 
 
 def test_binary_bool_bytes_other_than_0_are_true():
-    array = codec.array_from_bytes("b", "BOOL", [4], b"\x00\x01\x02\xff", "binary_data_size")
+    array = infer_request.array_from_bytes(
+        "b", "BOOL", [4], b"\x00\x01\x02\xff", "binary_data_size"
+    )
     assert array.tolist() == [False, True, True, True]
 
 
@@ -586,27 +596,27 @@ def test_binary_bool_bytes_other_than_0_are_true():
     ],
 )
 def test_json_integers_at_the_ends_of_their_range_are_taken(datatype, low, high):
-    array = codec.array_from_json("n", datatype, [2], [low, high])
+    array = infer_request.array_from_json("n", datatype, [2], [low, high])
     assert array.dtype == KSERVE_DTYPES[datatype] and array.tolist() == [low, high]
     for bad in (low - 1, high + 1):
         with pytest.raises(InvalidArgumentError) as raised:
-            codec.array_from_json("n", datatype, [2], [0, bad])
+            infer_request.array_from_json("n", datatype, [2], [0, bad])
         assert raised.value.message == f"input 'n': value {bad} is out of range for {datatype}"
 
 
 def test_a_body_that_decompresses_to_exactly_the_limit_is_taken():
     plain = b"x" * 1000
-    assert codec.decode_body(gzip.compress(plain), "gzip", 1000) == plain
-    assert codec.decode_body(zlib.compress(plain), "deflate", 1000) == plain
+    assert http_decode.decode_body(gzip.compress(plain), "gzip", 1000) == plain
+    assert http_decode.decode_body(zlib.compress(plain), "deflate", 1000) == plain
     with pytest.raises(CapacityError) as raised:
-        codec.decode_body(gzip.compress(plain + b"x"), "gzip", 1000)
+        http_decode.decode_body(gzip.compress(plain + b"x"), "gzip", 1000)
     assert raised.value.message == "decompressed request body exceeds 1000 bytes"
 
 
 def test_a_repeated_header_length_is_named_as_repeated():
     body, size = _one_binary_input()
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.decode_http_request(body, f"{size}, {size}")
+        http_decode.decode_http_request(body, f"{size}, {size}")
     assert raised.value.message == (
         f"Inference-Header-Content-Length must be sent once, got '{size}, {size}' (it was repeated)"
     )
@@ -622,7 +632,7 @@ def test_a_negative_binary_data_size_is_refused_even_when_the_sizes_add_up():
     }
     body, size = _binary_body(header, b"\0" * 8)
     with pytest.raises(InvalidArgumentError) as raised:
-        dict(codec.decode_http_request(body, size).inputs)
+        dict(http_decode.decode_http_request(body, size).inputs)
     assert raised.value.message == (
         "input 'a': binary_data_size must be a non-negative integer, got the number -8"
     )
@@ -632,7 +642,7 @@ def test_raw_input_contents_with_an_entry_too_many_are_refused():
     request = _grpc_request(True)
     request.raw_input_contents.append(b"\0" * 8)
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
     assert raised.value.message == "raw_input_contents has 4 entries but the request has 3 inputs"
 
 
@@ -649,27 +659,27 @@ def test_grpc_typed_integers_at_the_ends_of_their_range_are_taken(datatype, fiel
     request = V2.ModelInferRequest(model_name="tiny")
     tensor = request.inputs.add(name="n", datatype=datatype, shape=[2])
     getattr(tensor.contents, field).extend([low, high])
-    assert codec.decode_grpc_request(request).inputs["n"].tolist() == [low, high]
+    assert grpc_codec.decode_grpc_request(request).inputs["n"].tolist() == [low, high]
     getattr(tensor.contents, field)[1] = high + 1
     with pytest.raises(InvalidArgumentError) as raised:
-        codec.decode_grpc_request(request)
+        grpc_codec.decode_grpc_request(request)
     assert raised.value.message == f"input 'n': value {high + 1} is out of range for {datatype}"
 
 
 def test_an_empty_outputs_list_asks_for_every_output():
     body = b'{"outputs": [], ' + _ONE_INPUT + b"}"
-    request = codec.decode_http_request(body)
+    request = http_decode.decode_http_request(body)
     assert request.outputs is None
     prediction = _prediction(a=np.array([1.5], np.float32), b=np.array([2], np.int64))
-    document = orjson.loads(codec.encode_http_response(prediction, request)[0])
+    document = orjson.loads(http_encode.encode_http_response(prediction, request)[0])
     assert [(o["name"], o["data"]) for o in document["outputs"]] == [("a", [1.5]), ("b", [2])]
 
 
 def test_int_parameters_take_int64_up_to_its_max_then_uint64():
     parameter = V2.InferParameter()
-    codec.set_parameter(parameter, 2**63 - 1)
+    grpc_codec.set_parameter(parameter, 2**63 - 1)
     assert parameter.WhichOneof("parameter_choice") == "int64_param"
     assert parameter.int64_param == 2**63 - 1
-    codec.set_parameter(parameter, 2**63)
+    grpc_codec.set_parameter(parameter, 2**63)
     assert parameter.WhichOneof("parameter_choice") == "uint64_param"
     assert parameter.uint64_param == 2**63
