@@ -53,9 +53,9 @@ from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import Adagrad
+from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
-from embedding_store.worker_service import RemoteShardTier
 
 NUM_SHARDS = 2
 CAPACITY = 1_000_000  # rows per shard; each holds ~500k

@@ -138,7 +138,7 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error(f"--metrics-port must differ from --port, both are {args.port}")
 
     from embedding_store.config import load_embedding_config, load_global_config
-    from embedding_store.ps_service import ParameterServerOptions, serve_parameter_server
+    from embedding_store.ps_process import ParameterServerOptions, serve_parameter_server
 
     embedding_config = load_embedding_config(args.embedding_config)
     global_config = load_global_config(args.global_config)

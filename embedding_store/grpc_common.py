@@ -71,6 +71,13 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts in brackets."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 # --------------------------------------------------------------------------- a shared token
 #: Environment variables with the embedding tier's shared token (the value, or a file that
 #: holds it, e.g. a mounted Kubernetes Secret). Every tier process (parameter servers,

@@ -43,7 +43,8 @@ from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_service import SERVICE_NAME, row_block_from_chunk, row_chunks
+from embedding_store.ps_service import SERVICE_NAME
+from embedding_store.ps_wire import row_block_from_chunk, row_chunks
 from embedding_store.shard import RowBlock
 
 #: Default deadline of dump, load, export and import calls (seconds).

@@ -433,7 +433,7 @@ def load_model(
     if embedding_ps:
         # The worker core runs in this process against remote (infer-mode) shards: one gRPC
         # hop fewer than going through an embedding-worker service.
-        from embedding_store.worker_service import RemoteShardTier
+        from embedding_store.remote_tier import RemoteShardTier
 
         tier = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
         try:

@@ -22,7 +22,7 @@ from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
-from embedding_store.ps_service import ParameterServerOptions, ParameterServerProcess
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
 
 CONFIG = EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)})
 TOKEN = "tier-s3cr3t"
@@ -84,7 +84,7 @@ def test_a_token_file_that_cannot_be_read_is_named(monkeypatch, tmp_path):
 _SHARD_SCRIPT = """
 import sys, time
 from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig
-from embedding_store.ps_service import ParameterServerOptions, ParameterServerProcess
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
 shard = ParameterServerProcess(
     EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}), GlobalConfig(),
     ParameterServerOptions(port=0),

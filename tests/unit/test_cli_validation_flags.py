@@ -322,7 +322,7 @@ def _run_parameter_server(monkeypatch, *argv: str) -> list:
     would have run with."""
     started: list = []
     monkeypatch.setattr(
-        "embedding_store.ps_service.serve_parameter_server",
+        "embedding_store.ps_process.serve_parameter_server",
         lambda _config, _global, options: started.append(options) or 0,
     )
     args = build_parser().parse_args(
@@ -380,7 +380,7 @@ def test_parameter_server_flags_that_cannot_work_together_are_refused(monkeypatc
             _run_parameter_server(monkeypatch, *argv)
         assert exited.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
-    from embedding_store.ps_service import ParameterServerOptions
+    from embedding_store.ps_process import ParameterServerOptions
 
     (options,) = _run_parameter_server(
         monkeypatch, "--replica-index", "1", "--replica-size", "2", "--port", "0",

@@ -30,10 +30,9 @@ from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import RemoteParameterServer
-from embedding_store.ps_service import (
-    ParameterServerOptions,
-    ParameterServerProcess,
-    ParameterServerServicer,
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
+from embedding_store.ps_service import ParameterServerServicer
+from embedding_store.ps_wire import (
     check_message_size,
     row_block_from_chunk,
     row_chunks,

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from embedding_store.ps_service import ParameterServerMetrics
+from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.rpc_metrics import LATENCY_BUCKETS
-from embedding_store.worker_service import EmbeddingWorkerMetrics
+from embedding_store.worker_metrics import EmbeddingWorkerMetrics
 from serving.metrics import ServingMetrics
 from tests.unit.python_script import run_python
 

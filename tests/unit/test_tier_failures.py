@@ -34,18 +34,15 @@ from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
-from embedding_store.ps_service import (
-    ParameterServerOptions,
-    ParameterServerProcess,
-    ParameterServerServicer,
-)
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
+from embedding_store.ps_service import ParameterServerServicer
+from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.shard import EmbeddingShard
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker_command import format_status
 from embedding_store.worker_service import (
     SERVICE_NAME,
     EmbeddingWorkerServicer,
-    RemoteShardTier,
     _serve,
     serve_embedding_worker,
 )

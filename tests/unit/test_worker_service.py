@@ -28,10 +28,11 @@ from embedding_store.errors import InvalidArgumentError, NotFoundError, Unavaila
 from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
+from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.shard import EmbeddingShard
 from embedding_store.tier import TierStatus
 from embedding_store.worker_command import format_status
-from embedding_store.worker_service import EmbeddingWorkerServicer, RemoteShardTier
+from embedding_store.worker_service import EmbeddingWorkerServicer
 from embedding_store.worker_wire import pack_grads
 
 DIM = 4

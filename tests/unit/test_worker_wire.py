@@ -16,9 +16,10 @@ from embedding_store.errors import CapacityError, InvalidArgumentError, Recserve
 from embedding_store.grpc_common import MAX_MESSAGE_BYTES
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.worker import SlotOutput
 from embedding_store.worker_client import RemoteEmbeddingWorker
-from embedding_store.worker_service import EmbeddingWorkerServicer, RemoteShardTier
+from embedding_store.worker_service import EmbeddingWorkerServicer
 from embedding_store.worker_wire import (
     check_answer_fits,
     pack_grads,
