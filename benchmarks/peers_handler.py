@@ -23,10 +23,10 @@ HTTP, batching (``batchSize`` / ``maxBatchDelay``) and worker processes:
 
 A malformed request raises ValueError naming the problem (TorchServe then fails the batch).
 
-``recserve_bundle.json`` (an extra file of the archive, written by benchmarks/peers.py) holds
-what the handler needs from the checkpoint's manifests: slot order, prefixes, dims, the dense
-inputs, the output transform and the path of the embeddings directory. This file runs inside
-TorchServe's Python (its own venv): it imports only torch, numpy and safetensors.
+``recserve_bundle.json`` (an extra file of the archive, written by benchmarks/peers_servers.py)
+holds what the handler needs from the checkpoint's manifests: slot order, prefixes, dims, the
+dense inputs, the output transform and the path of the embeddings directory. This file runs
+inside TorchServe's Python (its own venv): it imports only torch, numpy and safetensors.
 """
 
 from __future__ import annotations

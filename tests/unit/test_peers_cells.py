@@ -13,6 +13,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import peers  # noqa: E402
+import peers_crosscheck  # noqa: E402
+import peers_measure  # noqa: E402
+import peers_report  # noqa: E402
 
 
 def test_batches_and_mix_arguments():
@@ -54,15 +57,18 @@ def test_samples_per_second_adds_each_sizes_own_rate():
         _row("v2-json b64", 100.5),
         _row("Aggregated", 1000.5),
     ]
-    assert peers.samples_per_second(rows) == 600 + 8 * 300 + 64 * 100.5
-    assert peers.samples_per_second([_row("v2-binary b64", 10.0), _row("Aggregated", 10.0)]) == 640
-    assert peers.samples_per_second([_row("Aggregated", 10.0)]) == 0
+    assert peers_measure.samples_per_second(rows) == 600 + 8 * 300 + 64 * 100.5
+    assert (
+        peers_measure.samples_per_second([_row("v2-binary b64", 10.0), _row("Aggregated", 10.0)])
+        == 640
+    )
+    assert peers_measure.samples_per_second([_row("Aggregated", 10.0)]) == 0
 
 
 def _measurement(
     server: str, batch: str, rps: float, p99: float, round_number: int = 1
-) -> peers.Measurement:
-    m = peers.Measurement("adult", server, batch, "json", 32, 20.0, round_number)
+) -> peers_measure.Measurement:
+    m = peers_measure.Measurement("adult", server, batch, "json", 32, 20.0, round_number)
     m.rps, m.p99_ms, m.p50_ms, m.samples_per_s = rps, p99, p99 / 2, rps * 2
     return m
 
@@ -74,7 +80,7 @@ def test_report_names_and_pairs_mixed_cells(tmp_path):
         _measurement("recserve:one", "1:6,8:3,64:1", 5000.0, 12.0),
         _measurement("torchserve", "1:6,8:3,64:1", 2000.0, 24.0),
     ]
-    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    summary = peers_report.report(tmp_path, measurements, {"one": ""}, {})
     lines = summary.splitlines()
     assert (
         "| adult | 64 | json | one: `(defaults)` | 1500 | 1000 | 1.5 | 1.5 | 30.0 | 40.0 | 0.75 "
@@ -103,7 +109,7 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
         _measurement("torchserve", "64", 1000.0, 60.0, 3),
     ]
     measurements[1].failures = 2
-    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    summary = peers_report.report(tmp_path, measurements, {"one": ""}, {})
     lines = summary.splitlines()
     # Medians: recserve 1800 req/s, p99 25; TorchServe 1000 req/s, p99 50. Rounds: 1500/1000,
     # 1800/600, 2100/1000.
@@ -117,7 +123,7 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
         ["2", "600"],
         ["3", "1000"],
     ]
-    combined = peers.combine_rounds([m for m in measurements if m.server == "torchserve"])
+    combined = peers_measure.combine_rounds([m for m in measurements if m.server == "torchserve"])
     assert (combined.rps, combined.p99_ms, combined.failures) == (1000.0, 50.0, 2)
     assert combined.round == 0
 
@@ -156,7 +162,9 @@ def test_reference_servers_are_compared_with_torchserve_and_the_best_recserve(tm
         _measurement("model-only", "1", 3000.0, 12.0),
         _measurement("torchserve", "1", 2000.0, 30.0),
     ]
-    lines = peers.report(tmp_path, measurements, {"one": "", "workers2": ""}, {}).splitlines()
+    lines = peers_report.report(
+        tmp_path, measurements, {"one": "", "workers2": ""}, {}
+    ).splitlines()
     header = lines.index(
         "| model | batch | encoding | no-work ceiling req/s | no-work ceiling / TorchServe | "
         "best recserve / no-work ceiling | model-only req/s | model-only / TorchServe | "
@@ -173,7 +181,7 @@ def test_no_reference_table_without_reference_servers(tmp_path):
         _measurement("recserve:one", "64", 1500.0, 30.0),
         _measurement("torchserve", "64", 1000.0, 50.0),
     ]
-    summary = peers.report(tmp_path, measurements, {"one": ""}, {})
+    summary = peers_report.report(tmp_path, measurements, {"one": ""}, {})
     assert "no-work ceiling" not in summary and "model-only" not in summary
 
 
@@ -194,14 +202,14 @@ def test_the_goal_is_met_on_its_bounds_and_only_against_torchserve(tmp_path):
         _measurement("recserve:one", "64", 2000.0, 30.0),
         _measurement("torchserve", "64", 1000.0, 30.0),
     ]
-    lines = peers.report(tmp_path, on_bounds, {"one": ""}, {}).splitlines()
+    lines = peers_report.report(tmp_path, on_bounds, {"one": ""}, {}).splitlines()
     assert (
         "| adult | 64 | json | one: `(defaults)` | 2000 | 1000 | 2.0 | 2.0 | 30.0 | 30.0 | 1.0 "
         "| met |" in lines
     )
     assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
     alone = [_measurement("recserve:one", "64", 2000.0, 30.0)]
-    lines = peers.report(tmp_path, alone, {"one": "--workers 2"}, {}).splitlines()
+    lines = peers_report.report(tmp_path, alone, {"one": "--workers 2"}, {}).splitlines()
     assert (
         "| adult | 64 | json | one: `--workers 2` | 2000 | nan | None | - | 30.0 | - | None "
         "| not met |" in lines
@@ -210,16 +218,16 @@ def test_the_goal_is_met_on_its_bounds_and_only_against_torchserve(tmp_path):
 
 
 def test_ratios_need_two_measured_numbers():
-    assert peers.ratio(3.0, 2.0) == 1.5
-    assert peers.ratio(1.0, 3.0) == 0.33
+    assert peers_report.ratio(3.0, 2.0) == 1.5
+    assert peers_report.ratio(1.0, 3.0) == 0.33
     for a, b in ((0.0, 5.0), (None, 5.0), (5.0, 0.0), (5.0, None)):
-        assert peers.ratio(a, b) is None, (a, b)
+        assert peers_report.ratio(a, b) is None, (a, b)
 
 
 def test_a_cell_is_a_batch_size_or_a_mix():
-    assert peers.batch_label("64") == "64"
-    assert peers.batch_label("8:1") == "mix 8:1"  # what --mix 8 becomes
-    assert peers.batch_label("1:6,8:3") == "mix 1:6,8:3"
+    assert peers_measure.batch_label("64") == "64"
+    assert peers_measure.batch_label("8:1") == "mix 8:1"  # what --mix 8 becomes
+    assert peers_measure.batch_label("1:6,8:3") == "mix 1:6,8:3"
 
 
 def test_combined_rounds_keep_the_first_error_and_add_requests():
@@ -227,7 +235,7 @@ def test_combined_rounds_keep_the_first_error_and_add_requests():
     rounds += [_measurement("torchserve", "64", 9.0, 10.0, 3)]
     rounds[0].requests, rounds[1].requests, rounds[2].requests = 10, 20, 30
     rounds[1].error, rounds[2].error = "no locust stats: first", "no locust stats: second"
-    combined = peers.combine_rounds(rounds)
+    combined = peers_measure.combine_rounds(rounds)
     assert (combined.requests, combined.rps, combined.error) == (60, 7.0, "no locust stats: first")
 
 
@@ -266,7 +274,7 @@ def test_a_variant_with_more_than_one_process_is_recognized_in_either_spelling()
 
 def test_odd_rounds_measure_in_order_and_even_rounds_in_reverse():
     runs = ["recserve:one", "ceiling", "torchserve"]
-    assert [peers.round_order(runs, k) for k in (1, 2, 3)] == [
+    assert [peers_measure.round_order(runs, k) for k in (1, 2, 3)] == [
         ["recserve:one", "ceiling", "torchserve"],
         ["torchserve", "ceiling", "recserve:one"],
         ["recserve:one", "ceiling", "torchserve"],
@@ -282,7 +290,7 @@ def _binary_answer(outputs: list[tuple[dict, bytes]]) -> tuple[bytes, str]:
 def test_answers_are_decoded_from_json_or_the_binary_extension():
     import numpy as np
 
-    document, values = peers.decode_answer(
+    document, values = peers_crosscheck.decode_answer(
         json.dumps({"outputs": [{"name": "other", "data": [9]},
                                 {"name": "prediction", "data": [0.25, 0.5]}]}).encode(),
         None,
@@ -299,12 +307,12 @@ def test_answers_are_decoded_from_json_or_the_binary_extension():
             ({"name": "prediction", "shape": [2, 1], **binary}, prediction),
         ]
     )  # fmt: skip
-    assert peers.decode_answer(body, length)[1].tolist() == [0.75, -1.5]
+    assert peers_crosscheck.decode_answer(body, length)[1].tolist() == [0.75, -1.5]
     # A JSON output inside a binary answer takes no bytes.
     body, length = _binary_answer(
         [({"name": "prediction", "shape": [1], "datatype": "FP32", "data": [0.5]}, b"")]
     )
-    assert peers.decode_answer(body, length)[1].tolist() == [0.5]
+    assert peers_crosscheck.decode_answer(body, length)[1].tolist() == [0.5]
 
 
 @pytest.mark.parametrize(
@@ -320,7 +328,7 @@ def test_answers_are_decoded_from_json_or_the_binary_extension():
 def test_a_malformed_binary_answer_is_refused(outputs, message):
     body, length = _binary_answer(outputs)
     with pytest.raises(ValueError, match=message):
-        peers.decode_answer(body, length)
+        peers_crosscheck.decode_answer(body, length)
 
 
 @pytest.mark.parametrize(("name", "extra"), [("prediction", 4), ("other", 0)])
@@ -332,7 +340,7 @@ def test_unclaimed_bytes_or_no_prediction_are_refused(name, extra):
     body, length = _binary_answer([(output, b"\0" * (4 + extra))])
     claimed = int(length) + 4
     with pytest.raises(ValueError, match=f"binary answer of {claimed + extra} bytes: {claimed} "):
-        peers.decode_answer(body, length)
+        peers_crosscheck.decode_answer(body, length)
 
 
 def test_a_batch_size_that_is_not_a_number_is_refused_even_with_a_mix(capsys):
@@ -348,7 +356,7 @@ def test_the_reference_table_has_columns_only_for_measured_references(tmp_path):
         _measurement("ceiling", "64", 6000.0, 10.0),
         _measurement("torchserve", "64", 1000.0, 50.0),
     ]
-    lines = peers.report(tmp_path, measurements, {"one": ""}, {}).splitlines()
+    lines = peers_report.report(tmp_path, measurements, {"one": ""}, {}).splitlines()
     header = lines.index(
         "| model | batch | encoding | no-work ceiling req/s | no-work ceiling / TorchServe | "
         "best recserve / no-work ceiling |"
@@ -366,5 +374,5 @@ def test_a_cell_without_torchserve_does_not_decide_the_goal(tmp_path):
         _measurement("torchserve", "64", 1000.0, 40.0),
         _measurement("recserve:one", "1", 900.0, 5.0),  # no TorchServe run in this cell
     ]
-    peers.report(tmp_path, measurements, {"one": ""}, {})
+    peers_report.report(tmp_path, measurements, {"one": ""}, {})
     assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True

@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import peers  # noqa: E402
 import peers_handler  # noqa: E402
+import peers_servers  # noqa: E402
 
 HEADER = peers_handler.HEADER_LENGTH
 #: The served inputs of the tiny checkpoint: C2 is turned into a jagged, sqrt-scaled slot (the
@@ -62,7 +63,7 @@ def model(tmp_path_factory):
     checkpoint = build_synthetic_checkpoint(
         root / "checkpoint", vocab=50, num_slots=3, dim=4, batch_size=32, extra_steps=1
     )
-    bundle = peers.handler_bundle(checkpoint, "synthetic", "sigmoid")
+    bundle = peers_servers.handler_bundle(checkpoint, "synthetic", "sigmoid")
     bundle["id_slots"][1].update(single_id=False, sqrt_scaling=True)
     model_dir = root / "model"
     model_dir.mkdir()
@@ -235,7 +236,7 @@ def test_the_handler_answers_what_recserve_answers(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     shutil.copy(checkpoint / "jit_dense.pt", model_dir / "jit_dense.pt")
-    bundle = peers.handler_bundle(checkpoint, "synthetic", "sigmoid")
+    bundle = peers_servers.handler_bundle(checkpoint, "synthetic", "sigmoid")
     (model_dir / peers_handler.BUNDLE_FILE).write_text(json.dumps(bundle))
     handler = peers_handler.RecserveEquivalentHandler()
     handler.initialize(FakeContext(model_dir))
