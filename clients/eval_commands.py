@@ -224,30 +224,30 @@ def _print_json(value: object) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from clients import checkpoint_tool
+    from clients import checkpoint_inspect
 
-    info = checkpoint_tool.inspect(args.directory, load_code=args.load_code)
+    info = checkpoint_inspect.inspect(args.directory, load_code=args.load_code)
     if args.json:
         _print_json(info)
     else:
-        print(checkpoint_tool.format_inspect(info))
+        print(checkpoint_inspect.format_inspect(info))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from clients import checkpoint_tool
+    from clients import checkpoint_inspect
 
     failed = 0
     reports = []
     for directory in args.directories:
-        problems, summary = checkpoint_tool.verify(directory, load_code=args.load_code)
+        problems, summary = checkpoint_inspect.verify(directory, load_code=args.load_code)
         failed += bool(problems)
         if args.json:
             reports.append({**summary, "ok": not problems, "problems": problems})
         elif problems:
             print(
                 f"FAILED: checkpoint {directory}: {len(problems)} problem(s):\n"
-                + checkpoint_tool.iter_problems(problems),
+                + checkpoint_inspect.iter_problems(problems),
                 file=sys.stderr,
             )
         else:
@@ -265,9 +265,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from clients import checkpoint_tool
+    from clients import checkpoint_write
 
-    result = checkpoint_tool.reshard(
+    result = checkpoint_write.reshard(
         args.directory, args.shards, args.out, overwrite=args.overwrite
     )
     print(
@@ -279,20 +279,20 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from clients import checkpoint_tool
+    from clients import checkpoint_diff
 
-    result = checkpoint_tool.diff(args.directory_a, args.directory_b, tolerance=args.tolerance)
+    result = checkpoint_diff.diff(args.directory_a, args.directory_b, tolerance=args.tolerance)
     if args.json:
         _print_json(result)
     else:
-        print(checkpoint_tool.format_diff(result))
+        print(checkpoint_diff.format_diff(result))
     return 1 if args.exit_code and not result["identical"] else 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from clients import checkpoint_tool
+    from clients import checkpoint_write
 
-    result = checkpoint_tool.export_dense(args.directory, args.out, overwrite=args.overwrite)
+    result = checkpoint_write.export_dense(args.directory, args.out, overwrite=args.overwrite)
     print(
         f"exported {args.directory} (version {result['version']}) dense model -> "
         f"{result['path']} ({result['bytes']} bytes, sha256 {result['sha256']})\n"

@@ -708,13 +708,13 @@ def test_a_file_holding_an_id_twice_is_refused_naming_it_before_any_shard_change
 
 
 def test_a_file_holding_an_id_twice_is_reported_by_checkpoint_verify(tmp_path):
-    from clients import checkpoint_tool
+    from clients import checkpoint_inspect
 
     _, shards = trained_worker(1)
     root = tmp_path / "ckpt"
     checkpoint.dump_embeddings(shards, root, CONFIG)
     path, first = _with_duplicate_ids(root, shard=0)
-    problems, _summary = checkpoint_tool.verify(root)
+    problems, _summary = checkpoint_inspect.verify(root)
     assert problems == [
         f"checkpoint file {path} holds duplicate IDs: 2 IDs appear more than once, the "
         f"first being {first} (rows 1 and 5); each ID may appear only once per file"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from clients import checkpoint_tool
+from clients import checkpoint_common, checkpoint_diff, checkpoint_inspect, checkpoint_write
 from clients.eval import EvalOptions, run_eval
 from embedding_store import checkpoint as embedding_checkpoint
 from embedding_store import model_checkpoint
@@ -210,16 +210,18 @@ def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):
 
 # --------------------------------------------------------------------------- checkpoint tools
 def test_inspect_text_and_json(checkpoint):
-    info = checkpoint_tool.inspect(checkpoint)
+    info = checkpoint_inspect.inspect(checkpoint)
     assert info["step"] == 7 and info["kind"] == "model"
     assert info["embeddings"]["rows_per_id_space"] == {"user": 50, "content": 30}
     slots = {s["name"]: s for s in info["embeddings"]["slots"]}
     assert slots["tags"]["id_space"] == slots["item"]["id_space"] == "content"
     assert slots["tags"]["prefix"] == slots["item"]["prefix"] == "0x0100000000000000"
-    text = checkpoint_tool.format_inspect(info)
+    text = checkpoint_inspect.format_inspect(info)
     assert "tags[]" in text and "rows per shard 80" in text
     assert "  forward        not loaded: jit_dense.pt is code (--load-code loads it" in text
-    loaded = checkpoint_tool.format_inspect(checkpoint_tool.inspect(checkpoint, load_code=True))
+    loaded = checkpoint_inspect.format_inspect(
+        checkpoint_inspect.inspect(checkpoint, load_code=True)
+    )
     assert "  forward        forward(" in loaded
 
 
@@ -265,12 +267,12 @@ def test_inspect_and_verify_run_no_code_of_the_checkpoint_unless_asked(checkpoin
         hashlib.sha256(jit.read_bytes()).hexdigest(),
     )
     (planted / "manifest.json").write_text(json.dumps(manifest))
-    assert checkpoint_tool.verify(planted)[0] == []
-    checkpoint_tool.inspect(planted)
-    checkpoint_tool.reshard(planted, 2, tmp_path / "resharded")
-    checkpoint_tool.diff(planted, checkpoint)
+    assert checkpoint_inspect.verify(planted)[0] == []
+    checkpoint_inspect.inspect(planted)
+    checkpoint_write.reshard(planted, 2, tmp_path / "resharded")
+    checkpoint_diff.diff(planted, checkpoint)
     assert not marker.exists()
-    assert checkpoint_tool.verify(planted, load_code=True)[0] == []  # asked: it runs
+    assert checkpoint_inspect.verify(planted, load_code=True)[0] == []  # asked: it runs
     assert marker.read_bytes() == b"!!!"
 
 
@@ -283,11 +285,11 @@ def test_verify_lists_every_problem(checkpoint, tmp_path):
     (broken / "jit_dense.pt").write_bytes(b"junk")
     table = next((broken / "embeddings").rglob("*.safetensors"))
     table.write_bytes(table.read_bytes()[:-1] + b"\x00")
-    problems, _ = checkpoint_tool.verify(broken)
+    problems, _ = checkpoint_inspect.verify(broken)
     assert len(problems) == 2, problems
     assert any("jit_dense.pt has 4 bytes" in p for p in problems)
     assert any("SHA-256 mismatch" in p and "safetensors" in p for p in problems)
-    assert checkpoint_tool.verify(tmp_path / "nowhere")[0] == [
+    assert checkpoint_inspect.verify(tmp_path / "nowhere")[0] == [
         f"checkpoint {tmp_path / 'nowhere'} does not exist or is not a directory"
     ]
 
@@ -295,17 +297,17 @@ def test_verify_lists_every_problem(checkpoint, tmp_path):
 def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
     embeddings = checkpoint / "embeddings"
     three, one = tmp_path / "three", tmp_path / "one"
-    result = checkpoint_tool.reshard(embeddings, 3, three)
+    result = checkpoint_write.reshard(embeddings, 3, three)
     assert result["kind"] == "embedding" and sum(result["rows_per_shard"]) == 80
-    checkpoint_tool.reshard(three, 1, one)
-    assert checkpoint_tool.diff(embeddings, one)["identical"]
+    checkpoint_write.reshard(three, 1, one)
+    assert checkpoint_diff.diff(embeddings, one)["identical"]
     manifest = embedding_checkpoint.read_manifest(one)
     assert manifest.num_shards == 1 and manifest.total_rows == 80
     # The same rows, sharded otherwise: the version stays (shards report it to servers).
     source_version = embedding_checkpoint.read_manifest(embeddings).version
     assert manifest.version == source_version
     assert embedding_checkpoint.read_manifest(three).version == source_version
-    inspected = checkpoint_tool.format_inspect(checkpoint_tool.inspect(three))
+    inspected = checkpoint_inspect.format_inspect(checkpoint_inspect.inspect(three))
     assert f"  embedding version {source_version} (what the shards" in inspected
     # Rows land where the hash routing says (loadable by 3 replicas without moving).
     three_manifest = embedding_checkpoint.read_manifest(three)
@@ -315,16 +317,16 @@ def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
         ids = embedding_checkpoint._read_verified(three_manifest, entry)["ids"]
         assert set(shard_of(ids, 3).tolist()) == {entry.shard}
     with pytest.raises(AlreadyExistsError):
-        checkpoint_tool.reshard(embeddings, 2, three)
+        checkpoint_write.reshard(embeddings, 2, three)
     with pytest.raises(InvalidArgumentError, match="must not be"):
-        checkpoint_tool.reshard(checkpoint, 2, checkpoint / "inside")
+        checkpoint_write.reshard(checkpoint, 2, checkpoint / "inside")
     with pytest.raises(InvalidArgumentError, match="model checkpoint but"):
-        checkpoint_tool.diff(checkpoint, one)
+        checkpoint_diff.diff(checkpoint, one)
 
 
 def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
     other = make_checkpoint(tmp_path / "other", seed=1, users=60)
-    result = checkpoint_tool.diff(checkpoint, other)
+    result = checkpoint_diff.diff(checkpoint, other)
     spaces = {s["id_space"]: s for s in result["embeddings"]["id_spaces"]}
     assert spaces["user"]["added"] == 10 and spaces["user"]["removed"] == 0
     assert spaces["user"]["changed"] == 50 and spaces["user"]["max_abs_diff"] > 0
@@ -332,7 +334,7 @@ def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
     assert not result["identical"]
     assert result["dense"]["max_abs_diff"] > 0
     assert {t["status"] for t in result["dense"]["tensors"]} == {"changed"}
-    assert "checkpoints differ" in checkpoint_tool.format_diff(result)
+    assert "checkpoints differ" in checkpoint_diff.format_diff(result)
 
 
 def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
@@ -351,13 +353,13 @@ def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
     other = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
     other.replace_rows([RowBlock(block.ids, block.weights, state)])
     embedding_checkpoint.dump_embeddings([other], tmp_path / "b", CONFIG)
-    result = checkpoint_tool.diff(tmp_path / "a", tmp_path / "b")
+    result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b")
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["changed"], user["state_changed"]) == (0, 1)
     assert not result["identical"]
-    text = checkpoint_tool.format_diff(result)
+    text = checkpoint_diff.format_diff(result)
     assert "state changed" in text and "checkpoints differ" in text
-    assert checkpoint_tool.diff(tmp_path / "a", tmp_path / "a")["identical"]
+    assert checkpoint_diff.diff(tmp_path / "a", tmp_path / "a")["identical"]
 
     # The dense optimizer's state (opt.pt), with the same dense weights.
     tier = InProcessEmbeddingTier(CONFIG, capacity=100)
@@ -368,10 +370,10 @@ def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
         model_checkpoint.write_checkpoint(
             tmp_path / name, model, optimizer, tier, signature=SIGNATURE
         )
-    result = checkpoint_tool.diff(tmp_path / "m1", tmp_path / "m2")
+    result = checkpoint_diff.diff(tmp_path / "m1", tmp_path / "m2")
     assert result["dense"]["max_abs_diff"] == 0.0 and not result["identical"]
     assert "opt.pt                         differs (compared by checksum)" in (
-        checkpoint_tool.format_diff(result)
+        checkpoint_diff.format_diff(result)
     )
 
 
@@ -396,9 +398,9 @@ def test_diff_counts_config_signature_and_dense_code_as_differences(checkpoint, 
     manifest = json.loads(manifest_path.read_text())
     manifest["embedding_config"]["slots_config"]["tags"]["embedding_summation"] = False
     manifest_path.write_text(json.dumps(manifest))
-    result = checkpoint_tool.diff(checkpoint, tmp_path / "config")
+    result = checkpoint_diff.diff(checkpoint, tmp_path / "config")
     assert not result["embeddings"]["config_identical"] and not result["identical"]
-    text = checkpoint_tool.format_diff(result)
+    text = checkpoint_diff.format_diff(result)
     assert "config DIFFERS" in text and text.endswith("\n  checkpoints differ")
     assert cli_main(["checkpoint", "diff", str(checkpoint), str(tmp_path / "config")]) == 0
     argv = ["checkpoint", "diff", "--exit-code", str(checkpoint), str(tmp_path / "config")]
@@ -420,28 +422,28 @@ def test_diff_counts_config_signature_and_dense_code_as_differences(checkpoint, 
         ("code", twice, SIGNATURE),
     ):
         model_checkpoint.write_checkpoint(tmp_path / name, module, None, tier, signature=signature)
-    assert checkpoint_tool.diff(tmp_path / "base", tmp_path / "same")["identical"]
+    assert checkpoint_diff.diff(tmp_path / "base", tmp_path / "same")["identical"]
 
-    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "signature")
+    result = checkpoint_diff.diff(tmp_path / "base", tmp_path / "signature")
     assert result["dense"]["max_abs_diff"] == 0.0 and not result["dense"]["signature_identical"]
     assert not result["identical"]
-    assert "signature DIFFERS" in checkpoint_tool.format_diff(result)
+    assert "signature DIFFERS" in checkpoint_diff.format_diff(result)
 
-    result = checkpoint_tool.diff(tmp_path / "base", tmp_path / "code")
+    result = checkpoint_diff.diff(tmp_path / "base", tmp_path / "code")
     assert result["dense"]["max_abs_diff"] == 0.0
     assert result["dense"]["files_identical"] == {
         "dense.pt": True,
         "jit_dense.pt": False,
     }
     assert not result["identical"]
-    text = checkpoint_tool.format_diff(result)
+    text = checkpoint_diff.format_diff(result)
     assert "    jit_dense.pt                   differs (compared by checksum)" in text
     assert text.endswith("\n  checkpoints differ")
 
 
 def test_export_dense(checkpoint, tmp_path):
     out = tmp_path / "dense.pt"
-    info = checkpoint_tool.export_dense(checkpoint, out)
+    info = checkpoint_write.export_dense(checkpoint, out)
     assert (
         info["sha256"] == model_checkpoint.read_manifest(checkpoint).files["jit_dense.pt"]["sha256"]
     )
@@ -451,11 +453,11 @@ def test_export_dense(checkpoint, tmp_path):
     output = module([torch.zeros(3, 2)], [torch.zeros(3, 4), torch.zeros(3, 4)])
     assert tuple(output.shape) == (3, 1)
     with pytest.raises(AlreadyExistsError):
-        checkpoint_tool.export_dense(checkpoint, out)
+        checkpoint_write.export_dense(checkpoint, out)
     with pytest.raises(InvalidArgumentError, match="is a directory"):
-        checkpoint_tool.export_dense(checkpoint, tmp_path, overwrite=True)
+        checkpoint_write.export_dense(checkpoint, tmp_path, overwrite=True)
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint_tool.export_dense(tmp_path / "missing", tmp_path / "x.pt")
+        checkpoint_write.export_dense(tmp_path / "missing", tmp_path / "x.pt")
 
 
 def test_the_manifest_binds_its_embedding_snapshot(checkpoint, tmp_path):
@@ -478,7 +480,7 @@ def test_the_manifest_binds_its_embedding_snapshot(checkpoint, tmp_path):
         f"{mixed / 'manifest.json'} was written with {recorded}: the embeddings were replaced "
         "after the dump"
     )
-    assert checkpoint_tool.verify(mixed)[0] == [message]
+    assert checkpoint_inspect.verify(mixed)[0] == [message]
     with pytest.raises(CheckpointError) as caught:
         model_checkpoint.verify(mixed)
     assert caught.value.message == message
@@ -494,7 +496,7 @@ def test_the_manifest_binds_its_embedding_snapshot(checkpoint, tmp_path):
     raw = json.loads((mixed / "manifest.json").read_text())
     del raw["embeddings"]["version"]
     (mixed / "manifest.json").write_text(json.dumps(raw))
-    assert checkpoint_tool.verify(mixed)[0] == []
+    assert checkpoint_inspect.verify(mixed)[0] == []
 
 
 def test_train_state_is_kept_and_checked(tmp_path):
@@ -611,7 +613,7 @@ def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
         shard = EmbeddingShard(100)
         shard.replace_rows([RowBlock(ids, rows, None)])
         embedding_checkpoint.dump_embeddings([shard], tmp_path / name, CONFIG)
-    result = checkpoint_tool.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
+    result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))
     assert not result["identical"]
@@ -637,8 +639,8 @@ USERS = (np.arange(5, dtype=np.uint64), np.arange(20, dtype=np.float32).reshape(
 
 def test_a_directory_of_shard_parts_is_an_embedding_checkpoint(tmp_path):
     (tmp_path / "shard_00000").mkdir()
-    assert checkpoint_tool.checkpoint_kind(tmp_path) == "embedding"
-    problems, summary = checkpoint_tool.verify(tmp_path)
+    assert checkpoint_common.checkpoint_kind(tmp_path) == "embedding"
+    problems, summary = checkpoint_inspect.verify(tmp_path)
     assert summary["kind"] == "embedding"
     assert problems == [
         f"embedding checkpoint {tmp_path} holds shard parts but no embedding_manifest.json: "
@@ -652,9 +654,9 @@ def test_rows_of_an_id_prefix_no_slot_has_are_counted_apart(tmp_path):
     strays = (np.arange(3, dtype=np.uint64) | np.uint64(3 << 56), np.ones((3, 4), np.float32))
     a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
     b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS, 0: strays})
-    embeddings = checkpoint_tool.inspect(b)["embeddings"]
+    embeddings = checkpoint_inspect.inspect(b)["embeddings"]
     assert embeddings["rows_per_id_space"] == {"user": 5, "(unknown prefix)": 3}
-    spaces = {s["id_space"]: s for s in checkpoint_tool.diff(a, b)["embeddings"]["id_spaces"]}
+    spaces = {s["id_space"]: s for s in checkpoint_diff.diff(a, b)["embeddings"]["id_spaces"]}
     assert spaces["(unknown prefix)"]["added"] == 3 and spaces["(unknown prefix)"]["slots"] == []
     assert (spaces["user"]["common"], spaces["user"]["changed"]) == (5, 0)
 
@@ -676,7 +678,7 @@ def test_diff_matches_rows_by_id_space_when_the_prefixes_moved(tmp_path):
     assert CONFIG.index_prefix("user") != wider.index_prefix("user")
     a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
     b = _rows_checkpoint(tmp_path / "b", wider, {"user": USERS})
-    result = checkpoint_tool.diff(a, b)
+    result = checkpoint_diff.diff(a, b)
     spaces = {s["id_space"]: s for s in result["embeddings"]["id_spaces"]}
     assert {k: spaces["user"][k] for k in ("common", "added", "removed", "changed")} == {
         "common": 5,
@@ -692,10 +694,10 @@ def test_diff_counts_another_embedding_optimizer_as_a_difference(tmp_path):
 
     a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS}, optimizer=SGD(lr=0.1))
     b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, optimizer=SGD(lr=0.5))
-    result = checkpoint_tool.diff(a, b)
+    result = checkpoint_diff.diff(a, b)
     assert all(s["changed"] == s["state_changed"] == 0 for s in result["embeddings"]["id_spaces"])
     assert not result["identical"]
-    assert "  embedding optimizer: " in checkpoint_tool.format_diff(result)
+    assert "  embedding optimizer: " in checkpoint_diff.format_diff(result)
 
 
 def test_diff_counts_another_loss_scale_as_a_difference(tmp_path):
@@ -706,11 +708,11 @@ def test_diff_counts_another_loss_scale_as_a_difference(tmp_path):
         scalers.append(scaler)
     a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS}, grad_scaler=scalers[0])
     b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, grad_scaler=scalers[1])
-    result = checkpoint_tool.diff(a, b)
+    result = checkpoint_diff.diff(a, b)
     assert result["dense"]["files_identical"]["scaler.pt"] is False
     assert {t["status"] for t in result["dense"]["tensors"]} == {"same"}
     assert not result["identical"]
-    assert "    scaler.pt" in checkpoint_tool.format_diff(result)
+    assert "    scaler.pt" in checkpoint_diff.format_diff(result)
 
 
 class TinyPlus(Tiny):
@@ -722,31 +724,31 @@ class TinyPlus(Tiny):
 def test_diff_names_dense_tensors_added_and_removed(tmp_path):
     a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS})
     b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, model=TinyPlus)
-    status = {t["name"]: t["status"] for t in checkpoint_tool.diff(a, b)["dense"]["tensors"]}
+    status = {t["name"]: t["status"] for t in checkpoint_diff.diff(a, b)["dense"]["tensors"]}
     assert status == {
         "linear.weight": "same",
         "linear.bias": "same",
         "extra.weight": "added",
         "extra.bias": "added",
     }
-    back = {t["name"]: t["status"] for t in checkpoint_tool.diff(b, a)["dense"]["tensors"]}
+    back = {t["name"]: t["status"] for t in checkpoint_diff.diff(b, a)["dense"]["tensors"]}
     assert back["extra.weight"] == "removed" and back["extra.bias"] == "removed"
 
 
 def test_reshard_a_model_checkpoint_keeps_it_verifiable(checkpoint, tmp_path):
     out = tmp_path / "three"
-    result = checkpoint_tool.reshard(checkpoint, 3, out)
+    result = checkpoint_write.reshard(checkpoint, 3, out)
     assert {k: result[k] for k in ("kind", "rows", "from_shards", "shards")} == {
         "kind": "model",
         "rows": 80,
         "from_shards": 1,
         "shards": 3,
     }
-    assert checkpoint_tool.verify(out)[0] == []
+    assert checkpoint_inspect.verify(out)[0] == []
     manifest = model_checkpoint.read_manifest(out)
     assert (manifest.embedding_rows, manifest.embedding_shards) == (80, 3)
     with pytest.raises(InvalidArgumentError) as refused:
-        checkpoint_tool.reshard(checkpoint, True, tmp_path / "bool")
+        checkpoint_write.reshard(checkpoint, True, tmp_path / "bool")
     assert refused.value.message == "--shards must be an integer >= 1, got True"
 
 
@@ -756,7 +758,7 @@ def test_verify_reports_a_manifest_that_miscounts_its_embedding_rows(checkpoint,
     raw = json.loads((copy / "manifest.json").read_text())
     raw["embeddings"]["rows"] = 81
     (copy / "manifest.json").write_text(json.dumps(raw))
-    problems, _summary = checkpoint_tool.verify(copy)
+    problems, _summary = checkpoint_inspect.verify(copy)
     assert (
         f"{copy / 'manifest.json'} says 81 embedding rows in 1 shards, but "
         f"{copy / 'embeddings'} holds 80 rows in 1 shards"
@@ -765,7 +767,7 @@ def test_verify_reports_a_manifest_that_miscounts_its_embedding_rows(checkpoint,
 
 def test_verify_says_no_code_was_loaded_when_there_is_no_jit_model(tmp_path):
     plain = _rows_checkpoint(tmp_path / "plain", CONFIG, {"user": USERS})
-    problems, summary = checkpoint_tool.verify(plain, load_code=True)
+    problems, summary = checkpoint_inspect.verify(plain, load_code=True)
     assert problems == [] and summary["jit_model"] is False and summary["code_loaded"] is False
 
 
@@ -773,13 +775,13 @@ def test_export_dense_refuses_an_existing_file_before_reading_the_checkpoint(tmp
     out = tmp_path / "dense.pt"
     out.write_bytes(b"mine")
     with pytest.raises(AlreadyExistsError) as refused:
-        checkpoint_tool.export_dense(tmp_path / "missing", out)
+        checkpoint_write.export_dense(tmp_path / "missing", out)
     assert refused.value.message == f"{out} already exists; pass --overwrite to replace it"
     assert out.read_bytes() == b"mine"
 
 
 def test_sizes_are_shown_in_binary_units():
-    human = checkpoint_tool._human_bytes
+    human = checkpoint_inspect._human_bytes
     assert [human(n) for n in (0, 1023, 1024, 1536, 1024**2, 5 * 1024**4, 2048 * 1024**4)] == [
         "0 B",
         "1023 B",
@@ -813,7 +815,7 @@ def test_diff_of_rows_of_other_dims_or_state_widths_counts_every_common_row(tmp_
         embedding_checkpoint.dump_embeddings([shard], tmp_path / name, config)
 
     def user(a, b):
-        result = checkpoint_tool.diff(tmp_path / a, tmp_path / b)
+        result = checkpoint_diff.diff(tmp_path / a, tmp_path / b)
         assert not result["identical"]
         (space,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
         return space
@@ -834,9 +836,9 @@ def test_diff_refuses_an_id_space_holding_rows_of_two_dims_naming_it(tmp_path):
         1: (np.arange(3, 6, dtype=np.uint64) | prefix, np.ones((3, 8), np.float32)),
     }
     mixed = _rows_checkpoint(tmp_path / "mixed", CONFIG, {"user": USERS, **strays})
-    assert checkpoint_tool.verify(mixed)[0] == []
+    assert checkpoint_inspect.verify(mixed)[0] == []
     with pytest.raises(CheckpointError) as refused:
-        checkpoint_tool.diff(mixed, mixed)
+        checkpoint_diff.diff(mixed, mixed)
     assert re.fullmatch(
         rf"{re.escape(str(mixed / 'embeddings'))}: ID space '\(unknown prefix\)' has rows of "
         r"dims \{(4, 8|8, 4)\}",
