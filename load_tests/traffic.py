@@ -1,6 +1,6 @@
 """Realistic request traffic for load tests, built from a served model's KServe v2 metadata.
 
-What a request looks like (see serving/tensors.py for the tensor naming):
+What a request looks like (see serving/tensor_specs.py for the tensor naming):
 
 * batch sizes drawn from a weighted mix (default 1 / 8 / 64 with weights 6 / 3 / 1);
 * IDs Zipf-distributed over each slot's vocabulary: the IDs a checkpoint really holds (see

@@ -111,7 +111,7 @@ class PredictionCore(Protocol):
         protocol: str,
         timeout: float | None = None,
     ) -> Prediction:
-        """Score named input tensors (KServe v2 naming, see serving/tensors.py).
+        """Score named input tensors (KServe v2 naming, see serving/tensor_specs.py).
 
         ``protocol`` labels metrics ("http", "grpc"). Invalid inputs raise
         InvalidArgumentError naming the input; overload/not ready raise UnavailableError.

@@ -4,7 +4,7 @@ JSON bodies are parsed once by orjson (large plain JSON bodies by simdjson, see
 serving/json_arrays.py) and each tensor becomes an array in one ``np.asarray`` call; binary
 tensors are zero-copy ``np.frombuffer`` views, so decoded arrays may be read-only. Plain JSON
 bodies keep their tensors as parsed (:class:`~serving.lazy_tensors.JsonTensors`, converted on
-first touch) so that serving/tensors.py can build the batch from the raw JSON.
+first touch) so that serving/fast_batch.py can build the batch from the raw JSON.
 
 Formats handled:
 
@@ -49,7 +49,7 @@ class ArrayJsonTensors(JsonTensors):
     arrays (:func:`serving.json_arrays.parse_number_arrays`): in :attr:`raw_entries` each
     ``data`` is a flat read-only int64 or float64 array instead of a list.
 
-    :func:`serving.tensors.tensors_to_batch` reads the raw entries. Any other use decodes the
+    :func:`serving.fast_batch.batch_from_json` reads the raw entries. Any other use decodes the
     body again with orjson, as :func:`decode_http_request` does a body simdjson does not take,
     and converts every input from that: the same arrays, and the same first error.
     """

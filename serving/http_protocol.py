@@ -9,11 +9,11 @@ on the one core the event loop has. :func:`infer_protocol` returns a subclass of
 ``POST /v2/models/{name}[/versions/{version}]/infer`` with a ``Content-Length`` body of at
 most ``max_fast_body_bytes``, no ``Content-Encoding``, ``Transfer-Encoding``, ``Expect`` or
 query string, on a connection with no request in progress. Its body is collected as the
-parser hands it over, and one task runs the same :class:`~serving.http_app.InferHandler` as
+parser hands it over, and one task runs the same :class:`~serving.http_fast_path.InferHandler` as
 the ASGI routes, then writes status line, headers and body in one write.
 
 Everything else (other routes, large, compressed or chunked bodies, pipelined requests,
-upgrades) takes uvicorn's ordinary ASGI path, through :class:`~serving.http_app.InferFastPath`
+upgrades) takes uvicorn's ordinary ASGI path, through :class:`~serving.http_fast_path.InferFastPath`
 and the FastAPI app. Keep-alive, pipelining order, graceful shutdown (the task is one of the
 server's tasks; a closing connection answers with ``connection: close``) and client
 disconnects follow uvicorn's own rules, reusing its methods.
@@ -47,7 +47,8 @@ from embedding_store.errors import (
     InvalidArgumentError,
     RecserveError,
 )
-from serving.http_app import REFUSED_MARK, InferHandler, error_response, note_request
+from serving.http_fast_path import REFUSED_MARK, InferHandler
+from serving.http_responses import error_response, note_request
 
 #: The most bytes a request line plus headers may take (431 above it).
 MAX_HEAD_BYTES = 64 * 1024

@@ -2,7 +2,7 @@
 
 serving/http_decode.py keeps the inputs of a plain JSON body as parsed (:class:`JsonTensors`)
 and those of a body whose inputs are all binary as offsets into the body
-(:class:`BinaryTensors`), so that serving/tensors.py can build the batch from the raw entries
+(:class:`BinaryTensors`), so that serving/fast_batch.py can build the batch from the raw entries
 without converting each input; any other use converts every input as the eager decoder does.
 """
 
@@ -68,7 +68,7 @@ class JsonTensors(LazyTensors):
 
     It keeps each raw JSON tensor object (``{"name", "datatype", "shape", "data"}`` as orjson
     parsed it) instead of converting it in :func:`~serving.http_decode.decode_http_request`.
-    Serving's :func:`serving.tensors.tensors_to_batch` reads the raw objects
+    Serving's :func:`serving.fast_batch.batch_from_json` reads the raw objects
     (:attr:`raw_entries`) and builds the batch of 16-27 features in a few numpy calls instead
     of one conversion per input, never touching the mapping itself. Any other use converts
     every input with :func:`~serving.infer_request.array_from_json` (see :class:`LazyTensors`).
@@ -115,7 +115,7 @@ class BinaryTensors(LazyTensors):
     every input with only ``parameters.binary_data_size``, sizes that tile the body after the
     JSON header exactly); each input's datatype, shape and size are checked when it is
     converted (:func:`~serving.infer_request.array_from_bytes`, zero-copy).
-    :func:`serving.tensors.tensors_to_batch` reads :attr:`raw_entries` and :attr:`body` and
+    :func:`serving.fast_batch.batch_from_binary` reads :attr:`raw_entries` and :attr:`body` and
     views all single-ID inputs with one ``np.frombuffer`` when they lie side by side. Any other
     use converts every input (see :class:`LazyTensors`).
     """

@@ -94,7 +94,9 @@ class PredictionServer:
         import torch
 
         from serving.grpc_frontend import build_grpc_server
-        from serving.http_app import SMALL_BODY_BYTES, AdminHooks, InferFastPath, create_app
+        from serving.http_admin import AdminHooks
+        from serving.http_app import SMALL_BODY_BYTES, create_app
+        from serving.http_fast_path import InferFastPath
         from serving.http_protocol import infer_protocol, protocol_is_supported
 
         torch.set_num_threads(self.options.threads)

@@ -33,7 +33,7 @@ from embedding_store.errors import (
 )
 from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
 from embedding_store.tier import InProcessEmbeddingTier
-from serving import tensors
+from serving import instance_inputs, tensor_specs, tensors
 from serving.batcher import BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
 from serving.loop_batcher import LoopBatcher
@@ -291,8 +291,8 @@ class PredictionService:
             name=self.name,
             versions=(model.version,),
             platform="recserve_torchscript",
-            inputs=tensors.input_specs(model.signature),
-            outputs=tensors.output_specs(),
+            inputs=tensor_specs.input_specs(model.signature),
+            outputs=tensor_specs.output_specs(),
             max_batch_size=self.max_request_batch_size,
         )
 
@@ -373,7 +373,7 @@ class PredictionService:
     ) -> Prediction:
         def build(model: LoadedModel) -> Batch:
             if self._preprocessor is None:
-                inputs = tensors.instances_to_inputs(model.signature, instances)
+                inputs = instance_inputs.instances_to_inputs(model.signature, instances)
                 return tensors.tensors_to_batch(
                     model.signature, inputs, max_batch_size=self.max_request_batch_size
                 )
@@ -456,7 +456,7 @@ class PredictionService:
             tensors.require_finite_predictions(result.predictions)
         own_ids = batch.num_ids
         return Prediction(
-            outputs={tensors.OUTPUT_NAME: result.predictions},
+            outputs={tensor_specs.OUTPUT_NAME: result.predictions},
             model_name=self.name,
             model_version=served_version,
             # Every ID of the merged batch fell back, so all of ours did.

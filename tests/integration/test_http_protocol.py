@@ -21,8 +21,9 @@ import pytest
 import uvicorn
 from starlette.responses import Response
 
-from serving.http_app import InferHandler, error_response
+from serving.http_fast_path import InferHandler
 from serving.http_protocol import infer_protocol
+from serving.http_responses import error_response
 
 FAST_LIMIT = 1024
 
@@ -245,7 +246,7 @@ def test_a_failing_handler_answers_500_and_the_connection_stays_usable(server, c
         # The log line names the request; the traceback is attached to it.
         connection.send(_request("/v2/models/adult/infer", b"caught"))
         assert connection.response()[0] == 500
-        failed = [r for r in caplog.records if r.exc_info and r.name == "serving.http_app"]
+        failed = [r for r in caplog.records if r.exc_info and r.name == "serving.http_responses"]
         assert [r.getMessage() for r in failed] == [
             "POST '/v2/models/adult/versions/3/infer' failed",
             "POST '/v2/models/adult/infer' failed",

@@ -23,7 +23,8 @@ from embedding_store.batch import Batch
 from embedding_store.errors import UnavailableError
 from examples.adult_income import features
 from serving.grpc_frontend import InferenceStub, build_grpc_server
-from serving.http_app import SMALL_BODY_BYTES, InferFastPath, create_app
+from serving.http_app import SMALL_BODY_BYTES, create_app
+from serving.http_fast_path import InferFastPath
 from serving.http_protocol import MAX_HEAD_BYTES, infer_protocol
 from serving.model import load_model
 from serving.proto import V2

@@ -17,7 +17,7 @@ import pytest
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
-from serving import http_decode, lazy_tensors, tensors
+from serving import fast_batch, http_decode, lazy_tensors, tensors
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
 JAGGED = FeatureSignature(
@@ -81,7 +81,7 @@ def _fast_path_taken(signature: FeatureSignature, inputs: list[Tensor]) -> bool:
     body, header_length = _binary_body(inputs)
     lazy = http_decode.decode_http_request(body, header_length).inputs
     assert isinstance(lazy, lazy_tensors.BinaryTensors)
-    return tensors._batch_from_binary(signature, lazy, MAX_BATCH) is not None
+    return fast_batch.batch_from_binary(signature, lazy, MAX_BATCH) is not None
 
 
 def _assert_same_outcome(signature: FeatureSignature, inputs: list[Tensor]) -> Any:

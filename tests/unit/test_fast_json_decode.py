@@ -25,7 +25,7 @@ from embedding_store.batch import (
 )
 from embedding_store.errors import BatchValidationError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
-from serving import http_decode, infer_request, lazy_tensors, tensors
+from serving import fast_batch, http_decode, infer_request, lazy_tensors, tensors
 from serving.batcher import merge_batches
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
@@ -115,7 +115,7 @@ def _outcome(build: Callable[[], Batch]) -> Batch | Exception:
 def _fast_path_taken(signature: FeatureSignature, body: bytes, max_batch_size: int) -> bool:
     inputs = http_decode.decode_http_request(body).inputs
     assert isinstance(inputs, lazy_tensors.JsonTensors)
-    return tensors._batch_from_json(signature, inputs.raw_entries, max_batch_size) is not None
+    return fast_batch.batch_from_json(signature, inputs.raw_entries, max_batch_size) is not None
 
 
 def _assert_read_only(array: np.ndarray) -> None:

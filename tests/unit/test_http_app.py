@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from serving.http_app import AdminHooks, InferFastPath, create_app
+from serving.http_admin import AdminHooks
+from serving.http_app import create_app
+from serving.http_fast_path import InferFastPath
 from tests.unit.fake_core import FakeCore, expected_predictions
 
 MAX_BODY = 256 * 1024
@@ -322,7 +324,7 @@ def test_infer_errors_map_to_statuses(server, core, caplog):
     )
     core.is_ready = True
     core.fail_with = RuntimeError("secret internals")
-    with caplog.at_level(logging.ERROR, logger="serving.http_app"):
+    with caplog.at_level(logging.ERROR, logger="serving.http_responses"):
         for path in ("/v2/models/tiny/infer", "/v1/models/tiny:predict"):
             status, payload = server.json(
                 "POST", path, body if "v2" in path else {"instances": [{"user": [1], "age": [1.0]}]}
@@ -330,7 +332,7 @@ def test_infer_errors_map_to_statuses(server, core, caplog):
             assert status == 500 and "secret" not in payload["error"]
             assert payload == {"error": "internal error (details are in the server log)"}
     # Each log line names its request; the traceback with the details is attached to it.
-    failed = [r for r in caplog.records if r.name == "serving.http_app" and r.exc_info]
+    failed = [r for r in caplog.records if r.name == "serving.http_responses" and r.exc_info]
     assert [r.getMessage() for r in failed] == [
         "POST '/v2/models/tiny/infer' failed",
         "POST '/v1/models/tiny:predict' failed",
@@ -637,7 +639,7 @@ def test_fuzzed_bodies_never_cause_a_500(server, route, document, raw, tail, hea
 def test_inflating_waits_for_its_own_two_tokens_not_the_shared_pool(monkeypatch):
     # Waiting inside a pool thread held one of anyio's 40 shared tokens per waiting bomb, and
     # every in_thread route (metadata, large infers, admin) queued behind them.
-    from serving import http_app
+    from serving import http_body
 
     seen = []
     real_run_sync = anyio.to_thread.run_sync
@@ -653,7 +655,7 @@ def test_inflating_waits_for_its_own_two_tokens_not_the_shared_pool(monkeypatch)
             yield gzip.compress(b'{"inputs": []}')
 
         for _ in range(2):
-            body = await http_app.read_chunks(chunks(), None, "gzip", 1 << 20)
+            body = await http_body.read_chunks(chunks(), None, "gzip", 1 << 20)
             assert body == b'{"inputs": []}'
 
     asyncio.run(main())
@@ -663,7 +665,7 @@ def test_inflating_waits_for_its_own_two_tokens_not_the_shared_pool(monkeypatch)
 
 def test_body_limits_are_inclusive_with_or_without_a_content_length():
     from embedding_store.errors import CapacityError
-    from serving.http_app import read_chunks
+    from serving.http_body import read_chunks
 
     async def read(parts: list[bytes], declared: str | None) -> bytes:
         async def chunks():
@@ -683,7 +685,7 @@ def test_body_limits_are_inclusive_with_or_without_a_content_length():
 
 def test_admin_token_scheme_is_case_insensitive_and_mapped_loopback_is_local(admin_server):
     server = admin_server
-    from serving.http_app import _is_loopback
+    from serving.http_admin import _is_loopback
 
     remote = {"X-Forwarded-For": "203.0.113.9"}
     for scheme in ("bearer", "BEARER"):
@@ -742,7 +744,7 @@ def test_a_sent_authorization_must_match_the_token_even_from_loopback():
     credential is accepted (a loopback client must then send no Authorization at all)."""
     from starlette.requests import Request
 
-    from serving.http_app import admin_allowed
+    from serving.http_admin import admin_allowed
 
     def request(authorization: str | None, host: str = "127.0.0.1") -> Request:
         headers = [] if authorization is None else [(b"authorization", authorization.encode())]
@@ -839,7 +841,7 @@ def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: b
     """A disconnect before the body is complete is a cancelled request, reported to the
     core, unless the HTTP protocol cut the request short and counted it itself (it marks
     the request's cycle, whose method ``receive`` is, with REFUSED_MARK)."""
-    from serving.http_app import REFUSED_MARK
+    from serving.http_fast_path import REFUSED_MARK
 
     counting = _CountingCore()
     app = InferFastPath(create_app(counting))
@@ -877,7 +879,7 @@ def test_a_content_length_that_is_not_ascii_digits_is_not_read_as_one(declared: 
     length: the body is counted while it streams. str.isdigit() alone takes "²" (which
     int() then refuses: a 500) and Arabic-Indic digits (which int() reads as 100)."""
     from embedding_store.errors import CapacityError
-    from serving.http_app import read_chunks
+    from serving.http_body import read_chunks
 
     async def read(parts: list[bytes]) -> bytes:
         async def chunks():

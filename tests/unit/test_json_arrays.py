@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from embedding_store.batch import Batch
-from serving import http_decode, json_arrays, lazy_tensors, tensors
+from serving import fast_batch, http_decode, json_arrays, lazy_tensors, tensors
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 from tests.unit.test_fast_json_decode import (
     ERRORS,
@@ -45,7 +45,7 @@ def _array_route_taken(signature, body: bytes) -> bool:
     inputs = http_decode.decode_http_request(body).inputs
     if not isinstance(inputs, http_decode.ArrayJsonTensors):
         return False
-    return tensors._batch_from_json(signature, inputs.raw_entries, MAX_BATCH) is not None
+    return fast_batch.batch_from_json(signature, inputs.raw_entries, MAX_BATCH) is not None
 
 
 # --------------------------------------------------------------------------- the route

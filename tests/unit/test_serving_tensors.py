@@ -14,7 +14,7 @@ import pytest
 from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
-from serving import tensors
+from serving import instance_inputs, tensor_specs, tensors
 from serving.core import TensorSpec
 
 SIGNATURE = FeatureSignature(
@@ -117,7 +117,7 @@ def test_friendly_rows_become_the_named_tensors():
         _row(user=2**64 - 1, history=[], item=[5], dense=[2.5, 3.5]),
         _row(history=[9]),
     ]
-    inputs = tensors.instances_to_inputs(SIGNATURE, rows)
+    inputs = instance_inputs.instances_to_inputs(SIGNATURE, rows)
     assert sorted(inputs) == sorted(["user", "history", "history.lengths", "item", "city", "dense"])
     np.testing.assert_array_equal(inputs["user"], np.array([3, 2**64 - 1, 3], np.uint64))
     assert inputs["user"].dtype == np.uint64
@@ -152,25 +152,25 @@ def test_friendly_rows_become_the_named_tensors():
 )
 def test_a_bad_friendly_row_is_named(row, message):
     with pytest.raises(InvalidArgumentError, match=message):
-        tensors.instances_to_inputs(SIGNATURE, [_row(), _row(**row)])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), _row(**row)])
 
 
 def test_a_missing_or_unknown_friendly_feature_is_named():
     missing = _row()
     del missing["city"]
     with pytest.raises(InvalidArgumentError, match=r"instances\[1\] lacks feature 'city'"):
-        tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), missing])
     with pytest.raises(InvalidArgumentError, match=r"instances\[0\] has unknown feature"):
-        tensors.instances_to_inputs(SIGNATURE, [_row(town=1)])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(town=1)])
 
 
 def test_a_friendly_row_that_is_not_an_object_is_named():
     with pytest.raises(
         InvalidArgumentError, match=r"instances\[1\] must be an object .*, got \[1, 2\] \(list\)"
     ):
-        tensors.instances_to_inputs(SIGNATURE, [_row(), [1, 2]])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), [1, 2]])
     with pytest.raises(InvalidArgumentError, match=r"got 'xxxxx.*\.\.\. \(str\)"):
-        tensors.instances_to_inputs(SIGNATURE, ["x" * 10_000])
+        instance_inputs.instances_to_inputs(SIGNATURE, ["x" * 10_000])
 
 
 def test_a_batch_of_exactly_max_batch_size_is_taken_and_one_more_is_refused() -> None:
@@ -297,7 +297,7 @@ def test_finite_predictions_pass_and_the_first_non_finite_sample_is_named() -> N
 )
 def test_instances_that_are_no_list_of_rows_are_refused(instances: object, message: str) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
-        tensors.instances_to_inputs(SIGNATURE, instances)  # type: ignore[arg-type]
+        instance_inputs.instances_to_inputs(SIGNATURE, instances)  # type: ignore[arg-type]
     assert raised.value.message == message
 
 
@@ -305,7 +305,7 @@ def test_a_row_lacking_a_dense_feature_is_named() -> None:
     missing = _row()
     del missing["dense"]
     with pytest.raises(InvalidArgumentError) as raised:
-        tensors.instances_to_inputs(SIGNATURE, [_row(), missing])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), missing])
     assert raised.value.message == "instances[1] lacks feature 'dense'"
 
 
@@ -313,7 +313,7 @@ def test_a_row_lacking_a_dense_feature_is_named() -> None:
 def test_dense_values_that_are_not_numbers_are_refused(dense: object) -> None:
     """true/false, strings and null are not numbers, even where float32 could read them."""
     with pytest.raises(InvalidArgumentError) as raised:
-        tensors.instances_to_inputs(SIGNATURE, [_row(), _row(dense=dense)])
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), _row(dense=dense)])
     assert raised.value.message == (
         "feature 'dense': every instance needs a number or a list of 2 numbers"
     )
@@ -322,14 +322,14 @@ def test_dense_values_that_are_not_numbers_are_refused(dense: object) -> None:
 def test_a_row_that_is_not_an_object_is_quoted_up_to_80_characters() -> None:
     fits = "x" * 78  # repr: 80 characters
     with pytest.raises(InvalidArgumentError) as raised:
-        tensors.instances_to_inputs(SIGNATURE, [fits])
+        instance_inputs.instances_to_inputs(SIGNATURE, [fits])
     assert (
         raised.value.message
         == f"instances[0] must be an object (feature name -> value), got {fits!r} (str)"
     )
     longer = "x" * 79  # repr: 81 characters, cut to 77 and "..."
     with pytest.raises(InvalidArgumentError) as raised:
-        tensors.instances_to_inputs(SIGNATURE, [longer])
+        instance_inputs.instances_to_inputs(SIGNATURE, [longer])
     assert raised.value.message.endswith(f"got {repr(longer)[:77]}... (str)")
 
 
@@ -337,7 +337,7 @@ def test_metadata_lists_every_input_in_signature_order_and_one_output() -> None:
     """What model metadata reports (KServe v2): IDs INT64 [-1] (UINT64 accepted too), lengths
     after their IDs INT64 [-1] (INT32 accepted too), dense FP32 [-1, *sample_shape]."""
     ids, lengths, floats = ("INT64", "UINT64"), ("INT32", "INT64"), ("FP32",)
-    assert tensors.input_specs(SIGNATURE) == (
+    assert tensor_specs.input_specs(SIGNATURE) == (
         TensorSpec("user", "INT64", (-1,), ids),
         TensorSpec("history", "INT64", (-1,), ids),
         TensorSpec("history.lengths", "INT64", (-1,), lengths),
@@ -345,7 +345,7 @@ def test_metadata_lists_every_input_in_signature_order_and_one_output() -> None:
         TensorSpec("city", "INT64", (-1,), ids),
         TensorSpec("dense", "FP32", (-1, 2), floats),
     )
-    assert tensors.output_specs() == (TensorSpec("prediction", "FP32", (-1, 1), floats),)
+    assert tensor_specs.output_specs() == (TensorSpec("prediction", "FP32", (-1, 1), floats),)
 
 
 def test_the_first_negative_id_is_named_not_the_smallest() -> None:

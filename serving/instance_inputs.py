@@ -1,0 +1,138 @@
+"""Friendly-route rows (``{"instances": [...]}``) -> named KServe v2 request tensors.
+
+An ID feature is an int or a list of ints, a non-ID feature a number or a (nested) list of
+numbers; a wrong value is refused with an InvalidArgumentError naming its row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from embedding_store.errors import InvalidArgumentError
+from embedding_store.signature import FeatureSignature
+from serving.tensor_specs import LENGTHS_SUFFIX
+
+_MISSING = object()
+
+
+def _instance_ids(values: list[Any]) -> np.ndarray | None:
+    """The IDs of friendly rows as uint64 [n], converted and checked for the whole batch at
+    once (Python ints in [0, 2**64): no bools, floats or strings); None if any is not, so the
+    caller finds and names it."""
+    if not values:
+        return np.zeros(0, dtype=np.uint64)
+    if set(map(type, values)) != {int}:  # bools, floats, strings, a missing feature
+        return None
+    try:
+        array = np.array(values, dtype=np.int64)
+    except OverflowError:  # some ID is >= 2**63: only uint64 holds it (and no negative one)
+        try:
+            return np.array(values, dtype=np.uint64)
+        except OverflowError:
+            return None
+    if int(array.min()) < 0:
+        return None
+    return array.view(np.uint64)
+
+
+def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> None:
+    """Name the first row whose value of ID feature ``name`` is wrong (the error path only)."""
+    for index, value in enumerate(raw):
+        if value is _MISSING:
+            raise InvalidArgumentError(f"instances[{index}] lacks feature {name!r}")
+        items = value if type(value) is list else [value]
+        if single_id and len(items) != 1:
+            raise InvalidArgumentError(
+                f"instances[{index}].{name}: exactly one ID expected, got {len(items)}"
+            )
+        for v in items:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise InvalidArgumentError(
+                    f"instances[{index}].{name}: IDs must be integers, got {_short(v)} "
+                    f"({type(v).__name__})"
+                )
+        for v in items:
+            if v < 0 or v >= 2**64:
+                raise InvalidArgumentError(
+                    f"instances[{index}].{name}: IDs must be in [0, 2**64), got {_short(v)}"
+                )
+    raise InvalidArgumentError(f"feature {name!r}: IDs must be integers in [0, 2**64)")
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 80 characters so an error never floods the client."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _holds_bool(values: list[Any]) -> bool:
+    """Whether ``values`` (numbers, or lists of them, nested) holds true or false."""
+    pending = [values]
+    while pending:
+        items = pending.pop()
+        types = set(map(type, items))
+        if bool in types:
+            return True
+        if list in types:
+            pending.extend(item for item in items if type(item) is list)
+    return False
+
+
+def instances_to_inputs(
+    signature: FeatureSignature, instances: Sequence[Mapping[str, Any]]
+) -> dict[str, np.ndarray]:
+    """Friendly JSON rows -> named tensors: an ID feature is an int or a list of ints, a
+    non-ID feature a number or a (nested) list of numbers."""
+    if not isinstance(instances, Sequence) or isinstance(instances, (str, bytes)):
+        raise InvalidArgumentError('"instances" must be a list of objects')
+    if not instances:
+        raise InvalidArgumentError('"instances" is empty')
+    names = {f.name for f in signature.id_features} | {f.name for f in signature.non_id_features}
+    inputs: dict[str, np.ndarray] = {}
+    for index, instance in enumerate(instances):
+        if not isinstance(instance, Mapping):
+            raise InvalidArgumentError(
+                f"instances[{index}] must be an object (feature name -> value), got "
+                f"{_short(instance)} ({type(instance).__name__})"
+            )
+        unknown = sorted(set(instance) - names)
+        if unknown:
+            raise InvalidArgumentError(
+                f"instances[{index}] has unknown feature(s) {unknown}; known: {sorted(names)}"
+            )
+    for feature in signature.id_features:
+        name = feature.name
+        raw = [instance.get(name, _MISSING) for instance in instances]  # one per sample
+        items = [value if type(value) is list else [value] for value in raw]
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        ids = _instance_ids(list(itertools.chain.from_iterable(items)))
+        if ids is None or (feature.single_id and bool((lengths != 1).any())):
+            _raise_instance_id_error(feature.name, feature.single_id, raw)
+        inputs[name] = ids
+        if not feature.single_id:
+            inputs[name + LENGTHS_SUFFIX] = lengths
+    for spec in signature.non_id_features:
+        rows = []
+        for index, instance in enumerate(instances):
+            if spec.name not in instance:
+                raise InvalidArgumentError(f"instances[{index}] lacks feature {spec.name!r}")
+            rows.append(instance[spec.name])
+        try:
+            values = np.asarray(rows)
+        except (TypeError, ValueError, OverflowError):
+            values = None
+        # Strings, nulls and true/false are not numbers (float32 conversion would read
+        # "0.5" as 0.5, null as NaN and true as 1.0).
+        if values is None or values.dtype.kind not in "iuf" or _holds_bool(rows):
+            raise InvalidArgumentError(
+                f"feature {spec.name!r}: every instance needs a number or a list of "
+                f"{int(np.prod(spec.sample_shape))} numbers"
+            ) from None
+        with np.errstate(over="ignore"):
+            array = values.astype(np.float32)
+        inputs[spec.name] = array.reshape(len(instances), -1) if array.ndim == 1 else array
+    return inputs

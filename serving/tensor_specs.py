@@ -1,0 +1,46 @@
+"""The KServe v2 tensors of a model's feature signature: the specs its metadata lists.
+
+KServe v2 tensor naming:
+
+* ID feature ``<slot>`` with a variable number of IDs per sample: input ``<slot>`` (INT64 or
+  UINT64, shape [total_ids]) and ``<slot>.lengths`` (INT32 or INT64, shape [batch]);
+* ID feature with one ID per sample: ``<slot>`` (INT64 or UINT64, shape [batch]), no lengths;
+* non-ID feature ``<name>``: FP32 [batch, *sample_shape].
+"""
+
+from __future__ import annotations
+
+import functools
+
+from embedding_store.signature import FeatureSignature
+from serving.core import TensorSpec
+
+LENGTHS_SUFFIX = ".lengths"
+ID_DATATYPES = ("INT64", "UINT64")
+LENGTH_DATATYPES = ("INT32", "INT64")
+OUTPUT_NAME = "prediction"
+
+
+@functools.lru_cache(maxsize=64)
+def input_specs(signature: FeatureSignature) -> tuple[TensorSpec, ...]:
+    """The model's inputs as KServe v2 tensor specs, in signature order (cached: every
+    request is checked against them)."""
+    specs: list[TensorSpec] = []
+    for feature in signature.id_features:
+        specs.append(TensorSpec(feature.name, "INT64", (-1,), ID_DATATYPES))
+        if not feature.single_id:
+            specs.append(
+                TensorSpec(feature.name + LENGTHS_SUFFIX, "INT64", (-1,), LENGTH_DATATYPES)
+            )
+    for feature in signature.non_id_features:
+        specs.append(TensorSpec(feature.name, "FP32", (-1, *feature.sample_shape), ("FP32",)))
+    return tuple(specs)
+
+
+@functools.lru_cache(maxsize=64)
+def input_names(signature: FeatureSignature) -> frozenset[str]:
+    return frozenset(spec.name for spec in input_specs(signature))
+
+
+def output_specs() -> tuple[TensorSpec, ...]:
+    return (TensorSpec(OUTPUT_NAME, "FP32", (-1, 1), ("FP32",)),)
