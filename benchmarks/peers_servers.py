@@ -57,11 +57,10 @@ def process_tree(pid: int) -> list[Any]:
 
 def handler_bundle(checkpoint: Path, model_name: str, output_transform: str) -> dict[str, Any]:
     """What peers_handler.py needs from the checkpoint's manifests."""
-    from embedding_store import checkpoint as embedding_checkpoint
-    from embedding_store import model_checkpoint
+    from embedding_store import checkpoint_manifest, model_checkpoint
 
     manifest = model_checkpoint.read_manifest(checkpoint)
-    config = embedding_checkpoint.read_manifest(manifest.embeddings_directory).embedding_config
+    config = checkpoint_manifest.read_manifest(manifest.embeddings_directory).embedding_config
     slots = []
     for feature in manifest.signature.id_features:
         slot = config.slot(feature.name)

@@ -1,7 +1,8 @@
 """What the offline checkpoint tools (``recserve checkpoint``) share: which kind a checkpoint
 directory is, a *model checkpoint* (``manifest.json``, dense files, ``embeddings/``, ``DONE``;
 :mod:`embedding_store.model_checkpoint`) or a bare *embedding checkpoint*
-(``embedding_manifest.json``, per-shard safetensors, ``DONE``; :mod:`embedding_store.checkpoint`),
+(``embedding_manifest.json``, per-shard safetensors, ``DONE``;
+:mod:`embedding_store.checkpoint_manifest`),
 where its embeddings lie, a verified read of one embedding file, the ID space of each row, and
 the forward signature of a TorchScript module.
 """
@@ -15,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import checkpoint_load, checkpoint_manifest, model_checkpoint
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import CheckpointError
 
@@ -44,7 +44,7 @@ def checkpoint_kind(directory: str | os.PathLike[str]) -> str:
         raise CheckpointError(f"checkpoint {root} does not exist or is not a directory")
     if (root / model_checkpoint.MANIFEST_NAME).exists():
         return MODEL
-    if (root / embedding_checkpoint.MANIFEST_NAME).exists():
+    if (root / checkpoint_manifest.MANIFEST_NAME).exists():
         return EMBEDDING
     if any(root.glob("shard_*")):
         return EMBEDDING  # shard parts: the embedding reader says what they are
@@ -55,7 +55,7 @@ def checkpoint_kind(directory: str | os.PathLike[str]) -> str:
         )
     raise CheckpointError(
         f"{root} has neither {model_checkpoint.MANIFEST_NAME} (model checkpoint) nor "
-        f"{embedding_checkpoint.MANIFEST_NAME} (embedding checkpoint)"
+        f"{checkpoint_manifest.MANIFEST_NAME} (embedding checkpoint)"
     )
 
 
@@ -68,10 +68,10 @@ def iso(unix: float) -> str:
 
 
 def read_entry(
-    manifest: embedding_checkpoint.EmbeddingManifest, entry: embedding_checkpoint.FileEntry
+    manifest: checkpoint_manifest.EmbeddingManifest, entry: checkpoint_manifest.FileEntry
 ) -> dict[str, np.ndarray]:
-    # embedding_store.checkpoint's own reader: size, SHA-256, safetensors and shapes checked.
-    return embedding_checkpoint._read_verified(manifest, entry)
+    # embedding_store.checkpoint_load's own reader: size, SHA-256, safetensors and shapes checked.
+    return checkpoint_load._read_verified(manifest, entry)
 
 
 def space_names(config: EmbeddingConfig, ids: np.ndarray) -> tuple[np.ndarray, list[str]]:

@@ -21,8 +21,7 @@ from clients.checkpoint_common import (
     space_names,
 )
 from clients.checkpoint_inspect import require_verified
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import checkpoint_manifest, model_checkpoint
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import CheckpointError, InvalidArgumentError
 
@@ -38,7 +37,7 @@ def _slots_of(config: EmbeddingConfig) -> dict[str, list[str]]:
 
 
 def _rows_by_space(
-    manifest: embedding_checkpoint.EmbeddingManifest,
+    manifest: checkpoint_manifest.EmbeddingManifest,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """ID space -> (masked IDs sorted, weights and optimizer state in that order), every
     file verified."""
@@ -81,7 +80,7 @@ def _rows_differing(a: np.ndarray, b: np.ndarray, tolerance: float) -> tuple[int
 
 
 def _diff_embeddings(a: Path, b: Path, tolerance: float) -> dict[str, Any]:
-    ma, mb = embedding_checkpoint.read_manifest(a), embedding_checkpoint.read_manifest(b)
+    ma, mb = checkpoint_manifest.read_manifest(a), checkpoint_manifest.read_manifest(b)
     ra, rb = _rows_by_space(ma), _rows_by_space(mb)
     slots = _slots_of(ma.embedding_config)
     for space, names in _slots_of(mb.embedding_config).items():

@@ -27,8 +27,7 @@ from clients.checkpoint_common import (
     read_entry,
     space_names,
 )
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import checkpoint_manifest, model_checkpoint
 from embedding_store.errors import CheckpointError, RecserveError
 
 __all__ = ["format_inspect", "inspect", "iter_problems", "require_verified", "verify"]
@@ -45,7 +44,7 @@ def _size_on_disk(directory: Path) -> int:
 
 
 def _inspect_embeddings(directory: Path) -> dict[str, Any]:
-    manifest = embedding_checkpoint.read_manifest(directory)
+    manifest = checkpoint_manifest.read_manifest(directory)
     config = manifest.embedding_config
     rows_per_space: dict[str, int] = {}
     problems = []
@@ -266,7 +265,7 @@ def verify(
         expected_rows, expected_shards = manifest.embedding_rows, manifest.embedding_shards
     embedding_dir = embedding_dir_of(root, kind)
     try:
-        emb = embedding_checkpoint.read_manifest(embedding_dir)
+        emb = checkpoint_manifest.read_manifest(embedding_dir)
     except RecserveError as error:
         problems.append(error.message)
         return problems, summary

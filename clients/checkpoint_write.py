@@ -27,8 +27,13 @@ import safetensors.numpy
 from clients import eval_report
 from clients.checkpoint_common import EMBEDDING, embedding_dir_of, forward_signature, iso
 from clients.checkpoint_inspect import require_verified
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import (
+    checkpoint_dump,
+    checkpoint_load,
+    checkpoint_manifest,
+    checkpoint_publish,
+    model_checkpoint,
+)
 from embedding_store.errors import AlreadyExistsError, CheckpointError, InvalidArgumentError
 
 __all__ = ["export_dense", "reshard"]
@@ -36,13 +41,13 @@ __all__ = ["export_dense", "reshard"]
 
 # --------------------------------------------------------------------------- reshard
 def _write_resharded_embeddings(
-    source: embedding_checkpoint.EmbeddingManifest, target: Path, shards: int
-) -> embedding_checkpoint.EmbeddingManifest:
+    source: checkpoint_manifest.EmbeddingManifest, target: Path, shards: int
+) -> checkpoint_manifest.EmbeddingManifest:
     """Write ``source``'s rows as ``shards`` shards into directory ``target`` (which exists)."""
-    saved_optimizer = embedding_checkpoint.optimizer_of(source)  # its state is kept as saved
+    saved_optimizer = checkpoint_load.optimizer_of(source)  # its state is kept as saved
     entries = []
     for shard in range(shards):
-        blocks = embedding_checkpoint.read_rows_for_replica(
+        blocks = checkpoint_load.read_rows_for_replica(
             source, shard, shards, keep_state_of=saved_optimizer
         )
         part = target / f"shard_{shard:05d}"
@@ -59,15 +64,15 @@ def _write_resharded_embeddings(
                     "state": np.ascontiguousarray(state, dtype=np.float32),
                 },
                 metadata={
-                    "format": embedding_checkpoint.FORMAT_NAME,
+                    "format": checkpoint_manifest.FORMAT_NAME,
                     "shard": str(shard),
                     "dim": str(block.dim),
                 },
             )
             relative = f"{part.name}/dim_{block.dim}.safetensors"
-            embedding_checkpoint._write_atomic(target / relative, payload)
+            checkpoint_publish.write_atomic(target / relative, payload)
             entries.append(
-                embedding_checkpoint.FileEntry(
+                checkpoint_manifest.FileEntry(
                     shard=shard,
                     dim=block.dim,
                     path=relative,
@@ -77,7 +82,7 @@ def _write_resharded_embeddings(
                     sha256=hashlib.sha256(payload).hexdigest(),
                 )
             )
-    embedding_checkpoint.finalize_checkpoint(
+    checkpoint_dump.finalize_checkpoint(
         target,
         source.embedding_config,
         shards,
@@ -85,7 +90,7 @@ def _write_resharded_embeddings(
         source.optimizer,
         version=source.version,  # the same rows, sharded otherwise
     )
-    return embedding_checkpoint.read_manifest(target)
+    return checkpoint_manifest.read_manifest(target)
 
 
 def reshard(
@@ -102,11 +107,11 @@ def reshard(
     root, target = Path(directory), Path(out).resolve()
     if target == root.resolve() or root.resolve() in target.parents:
         raise InvalidArgumentError(f"--out {out} must not be {directory} or inside it")
-    embedding_checkpoint.check_target(target, overwrite=overwrite)
+    checkpoint_publish.check_target(target, overwrite=overwrite)
     summary = require_verified(root)
     kind = summary["kind"]
-    source = embedding_checkpoint.read_manifest(embedding_dir_of(root, kind))
-    staging = embedding_checkpoint.staging_directory_for(target)
+    source = checkpoint_manifest.read_manifest(embedding_dir_of(root, kind))
+    staging = checkpoint_publish.staging_directory_for(target)
     try:
         if kind == EMBEDDING:
             written = _write_resharded_embeddings(source, staging, shards)
@@ -118,7 +123,7 @@ def reshard(
             )
             for name in manifest.files:
                 payload = model_checkpoint.read_verified_file(manifest, name)
-                embedding_checkpoint._write_atomic(staging / name, payload)
+                checkpoint_publish.write_atomic(staging / name, payload)
             raw = json.loads((root / model_checkpoint.MANIFEST_NAME).read_text())
             raw["embeddings"] = {
                 **raw.get("embeddings", {}),
@@ -126,10 +131,10 @@ def reshard(
                 "shards": written.num_shards,
             }
             raw["resharded"] = {"from_shards": source.num_shards, "at": iso(time.time())}
-            embedding_checkpoint._write_atomic(
+            checkpoint_publish.write_atomic(
                 staging / model_checkpoint.MANIFEST_NAME, json.dumps(raw, indent=2).encode()
             )
-            embedding_checkpoint._write_atomic(staging / model_checkpoint.DONE_MARKER, b"")
+            checkpoint_publish.write_atomic(staging / model_checkpoint.DONE_MARKER, b"")
         if written.total_rows != source.total_rows:
             raise CheckpointError(
                 f"resharding lost rows: {source.total_rows} in, {written.total_rows} out"
@@ -137,7 +142,7 @@ def reshard(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    embedding_checkpoint.publish_directory(staging, target, overwrite=overwrite)
+    checkpoint_publish.publish_directory(staging, target, overwrite=overwrite)
     return {
         "path": str(target),
         "kind": kind,

@@ -11,7 +11,7 @@ Layout::
     dense.pt        the dense model's state_dict (loaded with weights_only=True)
     jit_dense.pt    torch.jit.script of the dense model (for serving without Python classes)
     opt.pt          the dense optimizer's state_dict
-    embeddings/     the embedding tier's checkpoint (embedding_store.checkpoint format)
+    embeddings/     the embedding tier's checkpoint (embedding_store.checkpoint_manifest format)
     DONE            written last
 
 The whole directory is written under a temporary name and renamed into place, so a reader
@@ -37,7 +37,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from embedding_store import checkpoint as embedding_checkpoint
+from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish
 from embedding_store.errors import CheckpointError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier
@@ -133,7 +133,7 @@ def write_checkpoint(
     ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`)."""
     train_state = check_train_state(train_state, "train_state")
     target = Path(directory).absolute()
-    embedding_checkpoint.check_target(target, overwrite=overwrite)
+    checkpoint_publish.check_target(target, overwrite=overwrite)
     model = model.module if hasattr(model, "module") else model
     payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
     if dense_optimizer is not None:
@@ -148,11 +148,11 @@ def write_checkpoint(
         _quiet_jit(torch.jit.save, scripted, buffer)
         model.train(was_training)
         payloads[JIT_FILE] = buffer.getvalue()
-    staging = embedding_checkpoint.staging_directory_for(target)
+    staging = checkpoint_publish.staging_directory_for(target)
     try:
         embedding_manifest = tier.dump(staging / EMBEDDINGS_DIR)
         for name, payload in payloads.items():
-            embedding_checkpoint._write_atomic(staging / name, payload)
+            checkpoint_publish.write_atomic(staging / name, payload)
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -177,24 +177,24 @@ def write_checkpoint(
             },
             "train_state": train_state,
         }
-        embedding_checkpoint._write_atomic(
+        checkpoint_publish.write_atomic(
             staging / MANIFEST_NAME, json.dumps(manifest, indent=2).encode()
         )
-        embedding_checkpoint._write_atomic(staging / DONE_MARKER, b"")
+        checkpoint_publish.write_atomic(staging / DONE_MARKER, b"")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    embedding_checkpoint.publish_directory(staging, target, overwrite=overwrite)
+    checkpoint_publish.publish_directory(staging, target, overwrite=overwrite)
     return read_manifest(target)
 
 
 def read_manifest(directory: str | Path) -> CheckpointManifest:
     """Parse a checkpoint's manifest; CheckpointError names what is missing or wrong."""
     root = Path(directory)
-    if not embedding_checkpoint.is_directory(root):
+    if not checkpoint_manifest.is_directory(root):
         raise CheckpointError(
             f"checkpoint {root} does not exist or is not a directory"
-            + embedding_checkpoint.interrupted_overwrite_hint(root)
+            + checkpoint_manifest.interrupted_overwrite_hint(root)
         )
     if not (root / DONE_MARKER).exists():
         raise CheckpointError(f"checkpoint {root} is incomplete: no {DONE_MARKER} marker")
@@ -202,7 +202,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
         raw = json.loads((root / MANIFEST_NAME).read_text())
     except FileNotFoundError:
         hint = ""
-        if (root / embedding_checkpoint.MANIFEST_NAME).exists():
+        if (root / checkpoint_manifest.MANIFEST_NAME).exists():
             hint = f": {root} is an embedding checkpoint"
             if (root.parent / MANIFEST_NAME).exists():
                 hint += f", part of the model checkpoint {root.parent}"
@@ -278,7 +278,7 @@ def check_train_state(
 
 
 def check_embeddings_match(
-    manifest: CheckpointManifest, embeddings: embedding_checkpoint.EmbeddingManifest
+    manifest: CheckpointManifest, embeddings: checkpoint_manifest.EmbeddingManifest
 ) -> None:
     """CheckpointError unless ``embeddings`` is the snapshot written with the dense files (a
     directory swapped in by hand would otherwise be served under this version)."""
@@ -310,7 +310,7 @@ def _file_entries(files: Any, where: Path) -> dict[str, dict[str, Any]]:
             raise CheckpointError(
                 f"{where} is malformed: files[{name!r}].bytes must be an integer >= 0, got {size!r}"
             )
-        if not embedding_checkpoint.is_sha256_hex(entry.get("sha256")):
+        if not checkpoint_manifest.is_sha256_hex(entry.get("sha256")):
             raise CheckpointError(
                 f"{where} is malformed: files[{name!r}].sha256 must be 64 hex digits, "
                 f"got {entry.get('sha256')!r}"
@@ -395,7 +395,7 @@ def verify(directory: str | Path) -> CheckpointManifest:
     manifest = read_manifest(directory)
     for name in manifest.files:
         read_verified_file(manifest, name)
-    check_embeddings_match(manifest, embedding_checkpoint.verify(manifest.embeddings_directory))
+    check_embeddings_match(manifest, checkpoint_load.verify(manifest.embeddings_directory))
     return manifest
 
 
@@ -463,7 +463,7 @@ def load_checkpoint(
                 ) from None
         if load_embeddings:
             check_embeddings_match(
-                manifest, embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+                manifest, checkpoint_manifest.read_manifest(manifest.embeddings_directory)
             )
             tier.load(manifest.embeddings_directory)
     except BaseException:

@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedding_store.checkpoint import FileEntry
+from embedding_store.checkpoint_manifest import FileEntry
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,

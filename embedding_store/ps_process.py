@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_publish
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     CheckpointError,
@@ -317,25 +317,25 @@ class ParameterServerProcess:
             )
             return
         if self.options.replica_size == 1:
-            staging = checkpoint.staging_directory_for(target)
+            staging = checkpoint_publish.staging_directory_for(target)
             try:
                 entries = self.servicer.dump_part(str(staging), wait=EXIT_DUMP_WAIT_SECONDS)
                 optimizer = self.shard.optimizer.to_dict() if self.shard.optimizer else None
-                checkpoint.finalize_checkpoint(
+                checkpoint_dump.finalize_checkpoint(
                     staging, self.embedding_config, 1, entries, optimizer
                 )
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            checkpoint.publish_directory(staging, target, overwrite=True)
+            checkpoint_publish.publish_directory(staging, target, overwrite=True)
             log.info("dump on exit published as %s", target)
             return
-        part = target / checkpoint.shard_part_name(self.options.replica_index)
-        staging = checkpoint.staging_directory_for(part)
+        part = target / checkpoint_dump.shard_part_name(self.options.replica_index)
+        staging = checkpoint_publish.staging_directory_for(part)
         try:
             # Written as staging/shard_XXXXX, so only the rename below changes the name.
             self.servicer.dump_part(str(staging), wait=EXIT_DUMP_WAIT_SECONDS)
-            checkpoint.publish_directory(
+            checkpoint_publish.publish_directory(
                 staging / part.name, part, overwrite=True, only_checkpoints=False
             )
             log.info("dump on exit published as %s", part)

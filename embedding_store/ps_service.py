@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig, JobType
 from embedding_store.errors import (
@@ -140,7 +140,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if self._health is not None:
             self._health.enter_graceful_shutdown()
 
-    def _progress(self, hook: checkpoint.ProgressHook | None) -> checkpoint.ProgressHook:
+    def _progress(
+        self, hook: checkpoint_manifest.ProgressHook | None
+    ) -> checkpoint_manifest.ProgressHook:
         """A checkpoint progress hook that stores ``done / total`` (capped to [0, 1]) as the
         running task's progress for Status, then calls ``hook`` (if any)."""
 
@@ -166,7 +168,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         *,
         expected: bool = False,
         adopt_optimizer: bool = False,
-        progress: checkpoint.ProgressHook | None = None,
+        progress: checkpoint_manifest.ProgressHook | None = None,
     ) -> int:
         """Replace the shard's rows by its part of checkpoint ``directory``; rows loaded.
 
@@ -178,7 +180,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if not expected:
             self._checkpoint_task.begin("loading")
         try:
-            checkpoint.load_into_shard(
+            checkpoint_load.load_into_shard(
                 directory,
                 self.shard,
                 self.embedding_config,
@@ -208,9 +210,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self,
         directory: str,
         *,
-        progress: checkpoint.ProgressHook | None = None,
+        progress: checkpoint_manifest.ProgressHook | None = None,
         wait: float = 0.0,
-    ) -> list[checkpoint.FileEntry]:
+    ) -> list[checkpoint_manifest.FileEntry]:
         """Write this shard's part of a checkpoint into ``directory/shard_{index:05d}/``.
 
         ``progress(rows_written, rows_total)`` is called after each file (one per dim), once
@@ -219,7 +221,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """
         self._checkpoint_task.begin("dumping", wait=wait)
         try:
-            entries = checkpoint.write_shard_part(
+            entries = checkpoint_dump.write_shard_part(
                 self.shard,
                 directory,
                 self.shard.replica_index,
@@ -325,7 +327,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
         # A training shard that no trainer configured yet takes the checkpoint's optimizer and
         # saved state, as --load-checkpoint does at start (re-sharding a training tier must not
-        # lose its optimizer state); a configured one keeps its optimizer (checkpoint.state_fits).
+        # lose its optimizer state); a configured one keeps its optimizer
+        # (checkpoint_load.state_fits).
         rows = self.load_checkpoint(
             request.directory,
             adopt_optimizer=not self.shard.read_only,

@@ -23,11 +23,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedding_store import checkpoint
+from embedding_store import (
+    checkpoint_dump,
+    checkpoint_load,
+    checkpoint_manifest,
+    checkpoint_publish,
+)
 from embedding_store.batch import Batch
 from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
+    CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -334,7 +340,7 @@ class RemoteShardTier:
         overwrite: bool = False,
         progress: ProgressCallback | None = None,
         caller_gone: CallerGone | None = None,
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         """Every shard writes its part into a staging directory; the worker then writes the
         manifest and the done-marker and renames the directory into place. If a shard fails,
         nothing is published (no manifest, no done-marker) and the error names the shard.
@@ -359,11 +365,11 @@ class RemoteShardTier:
         overwrite: bool,
         progress: ProgressCallback,
         caller_gone: CallerGone,
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         self._wait_for_gradients(f"dump to {directory}")
         target = Path(directory).absolute()
-        checkpoint.check_target(target, overwrite=overwrite)
-        staging = checkpoint.staging_directory_for(target)
+        checkpoint_publish.check_target(target, overwrite=overwrite)
+        staging = checkpoint_publish.staging_directory_for(target)
         total = len(self.clients)
         done = 0
         lock = threading.Lock()
@@ -372,7 +378,7 @@ class RemoteShardTier:
 
             def dump_one(
                 client: RemoteParameterServer,
-            ) -> tuple[list[checkpoint.FileEntry], dict[str, Any] | None]:
+            ) -> tuple[list[checkpoint_manifest.FileEntry], dict[str, Any] | None]:
                 nonlocal done
                 result = client.dump(str(staging))
                 with lock:
@@ -389,7 +395,7 @@ class RemoteShardTier:
                 ) from None
             entries = [entry for files, _ in results for entry in files]
             optimizer = results[0][1]
-            checkpoint.finalize_checkpoint(
+            checkpoint_dump.finalize_checkpoint(
                 staging, self.embedding_config, total, entries, optimizer
             )
             # The point of no return: a caller told that the dump failed (its deadline passed)
@@ -398,8 +404,8 @@ class RemoteShardTier:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        checkpoint.publish_directory(staging, target, overwrite=overwrite)
-        return checkpoint.read_manifest(target)
+        checkpoint_publish.publish_directory(staging, target, overwrite=overwrite)
+        return checkpoint_manifest.read_manifest(target)
 
     def load(
         self,
@@ -407,7 +413,7 @@ class RemoteShardTier:
         *,
         progress: ProgressCallback | None = None,
         caller_gone: CallerGone | None = None,
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         """Verify the whole checkpoint and every shard's capacity, then have every shard load
         its part (Load RPC): with the same shard count it reads its own files, with another
         count it reads them all and keeps the rows it owns. Each shard replaces its rows only
@@ -430,21 +436,21 @@ class RemoteShardTier:
 
     def _load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback, caller_gone: CallerGone
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         self._wait_for_gradients(f"load of {directory}")
         target = Path(directory).absolute()
-        manifest = checkpoint.read_manifest(target)
-        checkpoint.check_compatible(manifest, self.embedding_config)
+        manifest = checkpoint_manifest.read_manifest(target)
+        checkpoint_load.check_compatible(manifest, self.embedding_config)
         total = len(self.clients)
         progress("load", 0, total)
         # Check everything before any shard changes: every file's checksum (a verified pass
         # that keeps only each shard's row count) and every shard's capacity. The shards then
         # load in parallel, each all-or-nothing; what is left to fail is a shard going away.
         statuses = self.shard_statuses()
-        counts = checkpoint.count_rows_per_replica(manifest, total)
+        counts = checkpoint_load.count_rows_per_replica(manifest, total)
         for index, (rows, status) in enumerate(zip(counts, statuses, strict=True)):
             if rows > status.capacity:
-                raise checkpoint.CheckpointError(
+                raise CheckpointError(
                     f"embedding checkpoint {target} gives shard {index} "
                     f"({self.clients[index].address}) {rows} rows, more than its capacity "
                     f"{status.capacity}"

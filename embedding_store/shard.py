@@ -280,9 +280,9 @@ class EmbeddingShard:
     @property
     def checkpoint_version(self) -> str:
         """The version of the embedding checkpoint the rows were loaded from
-        (:attr:`embedding_store.checkpoint.EmbeddingManifest.version`); ``""`` when none was
-        loaded or the rows changed since (a train lookup inserted, an update, a clear, an
-        import). Servers compare it with their model's to catch mixed versions."""
+        (:attr:`embedding_store.checkpoint_manifest.EmbeddingManifest.version`); ``""`` when
+        none was loaded or the rows changed since (a train lookup inserted, an update, a clear,
+        an import). Servers compare it with their model's to catch mixed versions."""
         return self._checkpoint_version
 
     @property

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.initializer import InitializationConfig
@@ -92,11 +92,11 @@ class EmbeddingTier(Protocol):
         *,
         overwrite: bool = False,
         progress: ProgressCallback | None = None,
-    ) -> checkpoint.EmbeddingManifest: ...
+    ) -> checkpoint_manifest.EmbeddingManifest: ...
 
     def load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
-    ) -> checkpoint.EmbeddingManifest: ...
+    ) -> checkpoint_manifest.EmbeddingManifest: ...
 
     def clear(self) -> None: ...
 
@@ -163,8 +163,8 @@ class InProcessEmbeddingTier:
         *,
         overwrite: bool = False,
         progress: ProgressCallback | None = None,
-    ) -> checkpoint.EmbeddingManifest:
-        manifest = checkpoint.dump_embeddings(
+    ) -> checkpoint_manifest.EmbeddingManifest:
+        manifest = checkpoint_dump.dump_embeddings(
             self.shards, directory, self.embedding_config, overwrite=overwrite
         )
         if progress:
@@ -173,8 +173,8 @@ class InProcessEmbeddingTier:
 
     def load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
-    ) -> checkpoint.EmbeddingManifest:
-        manifest = checkpoint.load_embeddings(directory, self.shards, self.embedding_config)
+    ) -> checkpoint_manifest.EmbeddingManifest:
+        manifest = checkpoint_load.load_embeddings(directory, self.shards, self.embedding_config)
         if progress:
             progress("load", len(self.shards), len(self.shards))
         return manifest

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_manifest
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
@@ -180,19 +180,19 @@ class RemoteEmbeddingWorker:
         *,
         overwrite: bool = False,
         progress: ProgressCallback | None = None,
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         path = os.path.abspath(directory)
         request = pb.WorkerDumpRequest(directory=path, overwrite=overwrite)
         self._stream(self._stub.Dump, request, progress, f"dump to {path}")
-        return checkpoint.read_manifest(path)
+        return checkpoint_manifest.read_manifest(path)
 
     def load(
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
-    ) -> checkpoint.EmbeddingManifest:
+    ) -> checkpoint_manifest.EmbeddingManifest:
         path = os.path.abspath(directory)
         request = pb.WorkerLoadRequest(directory=path)
         self._stream(self._stub.Load, request, progress, f"load of {path}")
-        return checkpoint.read_manifest(path)
+        return checkpoint_manifest.read_manifest(path)
 
     def clear(self) -> None:
         call(self._peer, self._stub.Clear, pb.ClearRequest(), timeout=self.admin_timeout)

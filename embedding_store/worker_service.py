@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_manifest
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
@@ -192,7 +192,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
 
 
 def _with_progress(
-    run: Callable[[ProgressCallback], checkpoint.EmbeddingManifest], final_message: str
+    run: Callable[[ProgressCallback], checkpoint_manifest.EmbeddingManifest], final_message: str
 ) -> Iterator[pb.Progress]:
     """Run ``run(progress)`` in a thread and stream its progress reports as they come."""
     updates: queue.Queue = queue.Queue()

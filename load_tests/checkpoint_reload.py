@@ -26,7 +26,7 @@ from load_tests.stack import ServeProcess, watch_seconds_of
 def publish_new_version(served: Path) -> str:
     """Write a new version of the checkpoint in ``served`` into ``served`` itself: a staged
     copy with a fresh manifest version, moved into place by rename. Returns the version."""
-    from embedding_store.checkpoint import publish_directory
+    from embedding_store.checkpoint_publish import publish_directory
 
     staging = served.with_name(f".{served.name}.staging-{uuid.uuid4().hex[:8]}")
     shutil.copytree(served, staging)

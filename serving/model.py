@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import checkpoint_manifest, model_checkpoint
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
@@ -427,7 +426,7 @@ def load_model(
         )
     dense = model_checkpoint.load_jit_model(manifest)
     dense.eval()
-    embedding_manifest = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
+    embedding_manifest = checkpoint_manifest.read_manifest(manifest.embeddings_directory)
     model_checkpoint.check_embeddings_match(manifest, embedding_manifest)
     embedding_config = embedding_manifest.embedding_config
     if embedding_ps:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch
-from embedding_store.checkpoint import check_target
+from embedding_store.checkpoint_publish import check_target
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError
 from examples.adult_income import features

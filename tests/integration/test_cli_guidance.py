@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_manifest
 from embedding_store.errors import CheckpointError
 from tests.integration.conftest import REPO_ROOT, TRAIN_SCRIPT, _subprocess_env
 
@@ -197,7 +197,7 @@ def test_one_kind_of_checkpoint_given_for_the_other_is_named(adult_checkpoint, t
         f"{embeddings} is an embedding checkpoint, part of the model checkpoint {adult_checkpoint}",
     )
     with pytest.raises(CheckpointError, match=f"its embeddings are in {embeddings}"):
-        checkpoint.read_manifest(adult_checkpoint)
+        checkpoint_manifest.read_manifest(adult_checkpoint)
     # Parts written by several shards' --dump-on-exit: no manifest, never loadable.
     parts = tmp_path / "parts"
     shutil.copytree(embeddings / "shard_00000", parts / "shard_00000")

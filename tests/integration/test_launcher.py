@@ -16,7 +16,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_manifest
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import UnavailableError
 from embedding_store.initializer import InitializationConfig, initial_vectors
@@ -59,7 +59,9 @@ def infer_config(tmp_path: Path, embedding_checkpoint: Path) -> Path:
     return path
 
 
-def two_shard_checkpoint(directory: Path, embedding_config: Path) -> checkpoint.EmbeddingManifest:
+def two_shard_checkpoint(
+    directory: Path, embedding_config: Path
+) -> checkpoint_manifest.EmbeddingManifest:
     """Shard 0 holds 3 rows, shard 1 holds 5 (dim 4): weights = the ID in every column."""
     shards = []
     for ids in (np.arange(3, dtype=np.uint64), np.arange(100, 105, dtype=np.uint64)):
@@ -68,7 +70,7 @@ def two_shard_checkpoint(directory: Path, embedding_config: Path) -> checkpoint.
         shard.import_rows(RowBlock(ids=ids, weights=weights, state=None))
         shards.append(shard)
     config = load_embedding_config(embedding_config)
-    return checkpoint.dump_embeddings(shards, directory, config)
+    return checkpoint_dump.dump_embeddings(shards, directory, config)
 
 
 def test_start_returns_once_infer_shards_have_loaded(embedding_config, tmp_path):

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import FailedPreconditionError, UnavailableError
 from embedding_store.grpc_common import LIVENESS_SERVICE
@@ -231,8 +231,8 @@ def test_lookups_updates_dump_load_and_row_transfer(start_server, tmp_path):
         assert optimizer == OPTIMIZER.to_dict()
         assert sum(e.rows for e in entries) == stats.rows
         config = load_embedding_config(tmp_path / "embedding_config.yml")
-        checkpoint.finalize_checkpoint(ckpt, config, 1, entries, optimizer)
-        assert checkpoint.verify(ckpt).total_rows == stats.rows
+        checkpoint_dump.finalize_checkpoint(ckpt, config, 1, entries, optimizer)
+        assert checkpoint_load.verify(ckpt).total_rows == stats.rows
 
         exported = list(remote.export_rows(max_rows_per_chunk=7))
         assert all(len(block) <= 7 for block in exported)
@@ -369,11 +369,11 @@ def test_sigterm_drains_dumps_and_exits_zero(start_server, tmp_path):
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=10) == 0
     assert time.monotonic() - start < 5
-    manifest = checkpoint.verify(dump_dir)
+    manifest = checkpoint_load.verify(dump_dir)
     assert manifest.total_rows == 12
     assert manifest.optimizer == OPTIMIZER.to_dict()
     assert (dump_dir / "shard_00000" / "dim_8.safetensors").exists()
-    assert json.loads((dump_dir / checkpoint.MANIFEST_NAME).read_text())["num_shards"] == 1
+    assert json.loads((dump_dir / checkpoint_manifest.MANIFEST_NAME).read_text())["num_shards"] == 1
 
 
 def test_killed_server_fails_fast_naming_the_address(start_server):
@@ -398,7 +398,7 @@ def dump_tier(remotes: list[RemoteParameterServer], directory: Path, config_path
         part, optimizer = remote.dump(str(directory))
         entries += part
     config = load_embedding_config(config_path)
-    checkpoint.finalize_checkpoint(directory, config, len(remotes), entries, optimizer)
+    checkpoint_dump.finalize_checkpoint(directory, config, len(remotes), entries, optimizer)
 
 
 def train_rounds(remote: RemoteParameterServer, base: int, rounds: int = 3) -> None:
@@ -492,7 +492,7 @@ def test_sigterm_lets_an_in_flight_rpc_finish_and_refuses_new_ones(start_server,
         train_rounds(remote, base=0)
         rows = remote.status().rows
         dump_tier([remote], ckpt, tmp_path / "embedding_config.yml")
-    blocking = ckpt / checkpoint.read_manifest(ckpt).files[0].path
+    blocking = ckpt / checkpoint_manifest.read_manifest(ckpt).files[0].path
     payload = replace_with_fifo(blocking)
 
     loader = RemoteParameterServer(server.address, timeout=5)

@@ -151,7 +151,7 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(
     server runs the worker core itself; answers equal the embedded server's."""
     import yaml
 
-    from embedding_store.checkpoint import read_manifest as read_embedding_manifest
+    from embedding_store.checkpoint_manifest import read_manifest as read_embedding_manifest
     from embedding_store.launcher import LocalCluster
     from embedding_store.ps_client import RemoteParameterServer
     from serving.infer_ctx import InferCtx

@@ -29,7 +29,7 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_load, checkpoint_manifest
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import RecserveError, UnavailableError
@@ -109,9 +109,9 @@ def exact_rows(address: str) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarr
 
 def checkpoint_rows(directory: Path) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Every row of a checkpoint per dim, by ID, with its saved state (as exact_rows)."""
-    manifest = checkpoint.read_manifest(directory)
-    blocks = checkpoint.read_rows_for_replica(
-        manifest, 0, 1, keep_state_of=checkpoint.optimizer_of(manifest)
+    manifest = checkpoint_manifest.read_manifest(directory)
+    blocks = checkpoint_load.read_rows_for_replica(
+        manifest, 0, 1, keep_state_of=checkpoint_load.optimizer_of(manifest)
     )
     return rows_by_dim(blocks)
 
@@ -171,7 +171,7 @@ def test_loading_into_unconfigured_training_shards_keeps_the_optimizer_and_state
         assert load.returncode == 0, load.stderr
         dump = run_cli("dump", *common, str(tmp_path / "again"))
         assert dump.returncode == 0, dump.stderr
-        manifest = checkpoint.verify(tmp_path / "again")
+        manifest = checkpoint_load.verify(tmp_path / "again")
         assert manifest.num_shards == 2
         assert manifest.optimizer == ADAM.to_dict()
         assert {(e.dim, e.state_width) for e in manifest.files} == {(4, 9), (8, 17)}

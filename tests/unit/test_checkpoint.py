@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_store import checkpoint
+from embedding_store import (
+    checkpoint_dump,
+    checkpoint_load,
+    checkpoint_manifest,
+    checkpoint_publish,
+)
 from embedding_store.batch import Batch, IDTypeFeature
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError, CheckpointError
@@ -76,13 +81,13 @@ def all_rows(shards, dim):
 
 def test_dump_from_two_load_into_three_is_bit_exact(tmp_path):
     worker, shards = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     assert manifest.num_shards == 2
     assert manifest.total_rows == sum(s.size() for s in shards)
     assert (tmp_path / "ckpt" / "DONE").exists()
 
     target = make_shards(3)
-    checkpoint.load_embeddings(tmp_path / "ckpt", target, CONFIG)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", target, CONFIG)
     for dim in (8, 3):
         before, after = all_rows(shards, dim), all_rows(target, dim)
         for x, y in zip(before, after):
@@ -99,9 +104,9 @@ def test_dump_from_two_load_into_three_is_bit_exact(tmp_path):
 
 def test_optimizer_state_kept_so_training_continues_identically(tmp_path):
     _, shards = trained_worker(2)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     restored = make_shards(1)
-    checkpoint.load_embeddings(tmp_path / "ckpt", restored, CONFIG)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", restored, CONFIG)
     original = EmbeddingWorker(CONFIG, shards)
     resumed = EmbeddingWorker(CONFIG, restored)
     batch = random_batch(7)
@@ -115,10 +120,10 @@ def test_optimizer_state_kept_so_training_continues_identically(tmp_path):
 
 def test_refuses_to_overwrite_and_overwrites_when_asked(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     with pytest.raises(AlreadyExistsError, match="already exists"):
-        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
+        checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary leftovers
 
 
@@ -131,7 +136,7 @@ def _loaded_store_is_unchanged(tmp_path, broken_dir, match):
     held_ids = np.concatenate([before[8][0], before[3][0]])
     assert not np.array_equal(np.sort(saved_ids), np.sort(held_ids))
     with pytest.raises(CheckpointError, match=match):
-        checkpoint.load_embeddings(broken_dir, shards, CONFIG)
+        checkpoint_load.load_embeddings(broken_dir, shards, CONFIG)
     for dim in (8, 3):
         for x, y in zip(before[dim], all_rows(shards, dim)):
             assert np.array_equal(x, y)
@@ -148,26 +153,26 @@ def _ids_of(path) -> np.ndarray:
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
     _, shards = trained_worker(2)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     (tmp_path / "ckpt" / "DONE").unlink()
     _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "incomplete: no DONE marker")
 
 
 def test_corrupt_file_is_refused(tmp_path):
     _, shards = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     victim = tmp_path / "ckpt" / manifest.files[-1].path
     payload = bytearray(victim.read_bytes())
     payload[-5] ^= 0xFF
     victim.write_bytes(bytes(payload))
     _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "corrupt: SHA-256 mismatch")
     with pytest.raises(CheckpointError, match="SHA-256"):
-        checkpoint.verify(tmp_path / "ckpt")
+        checkpoint_load.verify(tmp_path / "ckpt")
 
 
 def test_truncated_file_is_refused(tmp_path):
     _, shards = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     victim = tmp_path / "ckpt" / manifest.files[0].path
     victim.write_bytes(victim.read_bytes()[:100])
     _loaded_store_is_unchanged(tmp_path, tmp_path / "ckpt", "truncated or replaced")
@@ -175,43 +180,43 @@ def test_truncated_file_is_refused(tmp_path):
 
 def test_mismatched_dims_are_refused(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     other = embedding_config_from_mapping(
         {"slots_config": {"a": {"dim": 16}, "b": {"dim": 8}, "c": {"dim": 3}}}
     )
     with pytest.raises(CheckpointError, match="slot 'a' has dim 8 in the checkpoint but 16"):
-        checkpoint.load_embeddings(tmp_path / "ckpt", make_shards(1), other)
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", make_shards(1), other)
 
 
 def test_manifest_problems_are_named(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    manifest_path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest_path = tmp_path / "ckpt" / checkpoint_manifest.MANIFEST_NAME
     raw = json.loads(manifest_path.read_text())
     raw["format_version"] = 99
     manifest_path.write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="format version 99"):
-        checkpoint.read_manifest(tmp_path / "ckpt")
+        checkpoint_manifest.read_manifest(tmp_path / "ckpt")
     for num_shards in (10**13, 0, 1.5, "1", True):
-        raw["format_version"] = checkpoint.FORMAT_VERSION
+        raw["format_version"] = checkpoint_manifest.FORMAT_VERSION
         raw["num_shards"] = num_shards
         manifest_path.write_text(json.dumps(raw))
         # 10**13 shards: `recserve checkpoint inspect` listed the rows of each, a MemoryError.
         with pytest.raises(CheckpointError, match=r"num_shards must be an integer in 1\.\.65536"):
-            checkpoint.read_manifest(tmp_path / "ckpt")
+            checkpoint_manifest.read_manifest(tmp_path / "ckpt")
     manifest_path.write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        checkpoint.read_manifest(tmp_path / "ckpt")
+        checkpoint_manifest.read_manifest(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="does not exist"):
-        checkpoint.read_manifest(tmp_path / "missing")
+        checkpoint_manifest.read_manifest(tmp_path / "missing")
 
 
 def test_other_optimizer_drops_state_but_keeps_weights(tmp_path, caplog):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     sgd_shards = make_shards(1, optimizer=SGD(lr=0.1))
-    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint"):
-        checkpoint.load_embeddings(tmp_path / "ckpt", sgd_shards, CONFIG)
+    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint_load"):
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", sgd_shards, CONFIG)
     ids, weights, _ = all_rows(shards, 8)
     ids2, weights2, state2 = all_rows(sgd_shards, 8)
     assert np.array_equal(ids, ids2) and np.array_equal(weights, weights2)
@@ -222,37 +227,37 @@ def test_other_optimizer_drops_state_but_keeps_weights(tmp_path, caplog):
         "does not fit this shard's sgd: the rows load, their optimizer state starts fresh"
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint"):
-        checkpoint.load_embeddings(tmp_path / "ckpt", make_shards(1), CONFIG)  # same kind
+    with caplog.at_level(logging.WARNING, logger="embedding_store.checkpoint_load"):
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", make_shards(1), CONFIG)  # same kind
     assert caplog.records == []
 
 
 def test_capacity_too_small_is_refused_before_loading(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     small = [EmbeddingShard(10, optimizer=Adagrad(lr=0.1))]
     with pytest.raises(CheckpointError, match="more than its capacity 10"):
-        checkpoint.load_embeddings(tmp_path / "ckpt", small, CONFIG)
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", small, CONFIG)
     assert small[0].size() == 0
 
 
 def test_manifest_that_is_not_an_object_is_named(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    manifest_path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest_path = tmp_path / "ckpt" / checkpoint_manifest.MANIFEST_NAME
     for payload, kind in (("[]", "list"), ("null", "NoneType"), ("3", "int")):
         manifest_path.write_text(payload)
         with pytest.raises(CheckpointError, match=f"is malformed: a JSON {kind}, not an object"):
-            checkpoint.read_manifest(tmp_path / "ckpt")
+            checkpoint_manifest.read_manifest(tmp_path / "ckpt")
 
 
 def test_same_optimizer_with_another_state_width_drops_state_but_keeps_weights(tmp_path):
     # Adagrad keeps dim columns of state per row; vectorwise_shared keeps one. The saved
     # state cannot be given to the other: it is dropped and the shard initializes it.
     _, shards = trained_worker(2)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     shared = make_shards(3, optimizer=Adagrad(lr=0.1, vectorwise_shared=True))
-    checkpoint.load_embeddings(tmp_path / "ckpt", shared, CONFIG)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", shared, CONFIG)
     ids, weights, _ = all_rows(shards, 8)
     ids2, weights2, state2 = all_rows(shared, 8)
     assert np.array_equal(ids, ids2) and np.array_equal(weights, weights2)
@@ -262,11 +267,11 @@ def test_same_optimizer_with_another_state_width_drops_state_but_keeps_weights(t
 
 def test_state_fits_needs_the_same_kind_and_width_not_the_same_learning_rate(tmp_path):
     _, shards = trained_worker(1)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    assert checkpoint.state_fits(manifest, Adagrad(lr=0.5))  # a resumed run may change lr
-    assert not checkpoint.state_fits(manifest, Adagrad(lr=0.1, vectorwise_shared=True))
-    assert not checkpoint.state_fits(manifest, SGD(lr=0.1))
-    assert not checkpoint.state_fits(manifest, None)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    assert checkpoint_load.state_fits(manifest, Adagrad(lr=0.5))  # a resumed run may change lr
+    assert not checkpoint_load.state_fits(manifest, Adagrad(lr=0.1, vectorwise_shared=True))
+    assert not checkpoint_load.state_fits(manifest, SGD(lr=0.1))
+    assert not checkpoint_load.state_fits(manifest, None)
 
 
 def test_other_hash_stacking_is_refused(tmp_path):
@@ -291,13 +296,13 @@ def test_other_hash_stacking_is_refused(tmp_path):
     shards = make_shards(1)
     worker = EmbeddingWorker(saved, shards)
     worker.lookup(random_batch(0), train=True)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", saved)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", saved)
     target = make_shards(1)
     for other in (stacked(60), stacked(50, rounds=3), CONFIG):
         with pytest.raises(CheckpointError, match="slot 'a' has hash_stack_config"):
-            checkpoint.load_embeddings(tmp_path / "ckpt", target, other)
+            checkpoint_load.load_embeddings(tmp_path / "ckpt", target, other)
         assert target[0].size() == 0
-    checkpoint.load_embeddings(tmp_path / "ckpt", target, stacked(50))
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", target, stacked(50))
     assert target[0].size() == shards[0].size()
 
 
@@ -306,13 +311,13 @@ def test_overwrite_replaces_the_checkpoint_and_leaves_nothing_behind(
     tmp_path, monkeypatch, atomic_exchange
 ):
     if not atomic_exchange:  # a system without renameat2: two renames
-        monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+        monkeypatch.setattr(checkpoint_publish, "_exchange", lambda first, second: False)
     _, first = trained_worker(1)
-    checkpoint.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
     _, second = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
+    manifest = checkpoint_dump.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
     assert manifest.num_shards == 2
-    assert checkpoint.verify(tmp_path / "ckpt").num_shards == 2
+    assert checkpoint_load.verify(tmp_path / "ckpt").num_shards == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -328,7 +333,7 @@ def _failing_rename(monkeypatch, destination: Path) -> None:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         real_replace(source, to)
 
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(checkpoint_publish.os, "replace", replace)
 
 
 def test_a_failed_publish_is_named_and_leaves_no_staging_directory(tmp_path, monkeypatch):
@@ -339,25 +344,25 @@ def test_a_failed_publish_is_named_and_leaves_no_staging_directory(tmp_path, mon
         match=f"^cannot publish the checkpoint at {re.escape(str(tmp_path / 'ckpt'))}: "
         "Input/output error$",
     ):
-        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+        checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_overwrite_in_two_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     _, first = trained_worker(1)
-    checkpoint.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
-    monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+    checkpoint_dump.dump_embeddings(first, tmp_path / "ckpt", CONFIG)
+    monkeypatch.setattr(checkpoint_publish, "_exchange", lambda first, second: False)
     _failing_rename(monkeypatch, tmp_path / "ckpt")  # the new one's, not the put-back
     _, second = trained_worker(2)
     with pytest.raises(CheckpointError, match=r"cannot publish the checkpoint at .*ckpt"):
-        checkpoint.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
-    assert checkpoint.verify(tmp_path / "ckpt").num_shards == 1  # the old one, put back
+        checkpoint_dump.dump_embeddings(second, tmp_path / "ckpt", CONFIG, overwrite=True)
+    assert checkpoint_load.verify(tmp_path / "ckpt").num_shards == 1  # the old one, put back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_a_checkpoint_left_by_an_interrupted_overwrite_is_named(tmp_path):
     _, shards = trained_worker(1)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     # What a crash between the two renames of an overwrite leaves.
     (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-0123abcd")
     with pytest.raises(
@@ -365,7 +370,7 @@ def test_a_checkpoint_left_by_an_interrupted_overwrite_is_named(tmp_path):
         match=r"does not exist .*interrupted overwrite left the previous checkpoint at "
         r".*\.ckpt\.old-0123abcd: rename it to ckpt",
     ):
-        checkpoint.read_manifest(tmp_path / "ckpt")
+        checkpoint_manifest.read_manifest(tmp_path / "ckpt")
 
 
 def test_files_listed_for_another_shard_are_refused(tmp_path):
@@ -373,15 +378,15 @@ def test_files_listed_for_another_shard_are_refused(tmp_path):
     # checksum holds, but each shard would get rows it never looks up (all unknown IDs).
     _, shards = trained_worker(2)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
-    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
+    manifest = json.loads((root / checkpoint_manifest.MANIFEST_NAME).read_text())
     for entry in manifest["files"]:
         entry["shard"] = 1 - entry["shard"]
-    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (root / checkpoint_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(
         CheckpointError, match=r"was written for shard \d; the manifest lists it for shard \d"
     ):
-        checkpoint.verify(root)
+        checkpoint_load.verify(root)
     _loaded_store_is_unchanged(tmp_path, root, "was written for shard")
 
 
@@ -401,8 +406,8 @@ def test_files_of_other_dtypes_or_shapes_are_refused_naming_the_file(tmp_path, c
 
     _, shards = trained_worker(1)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
-    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
+    manifest = json.loads((root / checkpoint_manifest.MANIFEST_NAME).read_text())
     entry = manifest["files"][0]
     path = root / entry["path"]
     payload = safetensors.numpy.save(
@@ -411,10 +416,10 @@ def test_files_of_other_dtypes_or_shapes_are_refused_naming_the_file(tmp_path, c
     )
     path.write_bytes(payload)
     entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
-    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (root / checkpoint_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
     message = f"checkpoint file {path} does not hold ids (U64"
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        checkpoint.verify(root)
+        checkpoint_load.verify(root)
     _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
 
 
@@ -424,13 +429,13 @@ def test_a_target_that_cannot_be_written_is_named(tmp_path):
     blocker.write_text("")
     for target in (blocker / "ckpt", "/proc/recserve-ckpt"):
         with pytest.raises(CheckpointError, match=f"cannot write a checkpoint to {target}: "):
-            checkpoint.dump_embeddings(shards, target, CONFIG)
+            checkpoint_dump.dump_embeddings(shards, target, CONFIG)
 
 
 def test_version_names_the_rows_and_loaded_shards_report_it(tmp_path):
     _, shards = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    raw = json.loads((tmp_path / "ckpt" / checkpoint.MANIFEST_NAME).read_text())
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    raw = json.loads((tmp_path / "ckpt" / checkpoint_manifest.MANIFEST_NAME).read_text())
     # A digest of the files' names and checksums: it names this checkpoint.
     expected = hashlib.sha256(
         "".join(
@@ -439,23 +444,25 @@ def test_version_names_the_rows_and_loaded_shards_report_it(tmp_path):
     ).hexdigest()[:16]
     assert raw["version"] == manifest.version == expected
     _, others = trained_worker(2, first_batch=5)
-    assert checkpoint.dump_embeddings(others, tmp_path / "other", CONFIG).version != expected
+    assert checkpoint_dump.dump_embeddings(others, tmp_path / "other", CONFIG).version != expected
     # Loaded shards report it, whatever their count.
     target = make_shards(3)
-    checkpoint.load_embeddings(tmp_path / "ckpt", target, CONFIG)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", target, CONFIG)
     assert [s.checkpoint_version for s in target] == [expected] * 3
     single = make_shards(1)[0]
-    checkpoint.load_into_shard(tmp_path / "ckpt", single, CONFIG, replica_index=0, replica_size=1)
+    checkpoint_load.load_into_shard(
+        tmp_path / "ckpt", single, CONFIG, replica_index=0, replica_size=1
+    )
     assert single.checkpoint_version == expected
     # Manifests written before versions existed get the same one; a bad one is named.
-    path = tmp_path / "ckpt" / checkpoint.MANIFEST_NAME
+    path = tmp_path / "ckpt" / checkpoint_manifest.MANIFEST_NAME
     del raw["version"]
     path.write_text(json.dumps(raw))
-    assert checkpoint.read_manifest(tmp_path / "ckpt").version == expected
+    assert checkpoint_manifest.read_manifest(tmp_path / "ckpt").version == expected
     for bad in ("", "UPPER", "a/b", 7, "x" * 65):
         path.write_text(json.dumps({**raw, "version": bad}))
         with pytest.raises(CheckpointError, match=f"version must be 1 to 64 .*got {bad!r}"):
-            checkpoint.read_manifest(tmp_path / "ckpt")
+            checkpoint_manifest.read_manifest(tmp_path / "ckpt")
 
 
 def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
@@ -477,8 +484,8 @@ def test_a_dump_removes_what_killed_dumps_of_this_host_left(tmp_path, caplog):
     for path in (killed, running, reused, elsewhere, older):
         (path / "shard_00000").mkdir(parents=True)
     _, shards = trained_worker(1)
-    with caplog.at_level(logging.INFO, logger="embedding_store.checkpoint"):
-        checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    with caplog.at_level(logging.INFO, logger="embedding_store.checkpoint_publish"):
+        checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["ckpt", running.name, elsewhere.name, older.name]
     )
@@ -502,18 +509,18 @@ def test_overwrite_replaces_only_a_checkpoint(tmp_path):
     (victim / "sub").mkdir(parents=True)
     (victim / "important.txt").write_text("keep me")
     with pytest.raises(AlreadyExistsError, match="is not a recserve checkpoint"):
-        checkpoint.dump_embeddings(shards, victim, CONFIG, overwrite=True)
+        checkpoint_dump.dump_embeddings(shards, victim, CONFIG, overwrite=True)
     assert (victim / "important.txt").read_text() == "keep me" and (victim / "sub").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no staging left
     # Refused before the dump is written (not lost at the end); an empty directory is fine.
     (tmp_path / "empty").mkdir()
-    checkpoint.dump_embeddings(shards, tmp_path / "empty", CONFIG, overwrite=True)
-    checkpoint.read_manifest(tmp_path / "empty")
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "empty", CONFIG, overwrite=True)
+    checkpoint_manifest.read_manifest(tmp_path / "empty")
     (tmp_path / "empty2").mkdir()
-    checkpoint.dump_embeddings(shards, tmp_path / "empty2", CONFIG)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "empty2", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     (tmp_path / "ckpt" / "stale.txt").write_text("x")
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG, overwrite=True)
     assert not (tmp_path / "ckpt" / "stale.txt").exists()  # a checkpoint is replaced
 
 
@@ -535,10 +542,10 @@ def test_a_dump_is_the_shard_at_one_instant_while_training_goes_on(tmp_path):
     shard.lookup(np.arange(10, dtype=np.uint64), 3, train=True)
     shard.lookup(np.arange(100, 102, dtype=np.uint64), 8, train=True)  # 12 rows: full
     rows = {dim: EmbeddingShard.export_rows(shard, dim).ids.tolist() for dim in (3, 8)}
-    manifest = checkpoint.dump_embeddings([shard], tmp_path / "ckpt", CONFIG_3_8)
+    manifest = checkpoint_dump.dump_embeddings([shard], tmp_path / "ckpt", CONFIG_3_8)
     assert manifest.total_rows == 12
     loaded = EmbeddingShard(12, optimizer=SGD(lr=0.1))
-    checkpoint.load_embeddings(tmp_path / "ckpt", [loaded], CONFIG_3_8)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", [loaded], CONFIG_3_8)
     assert {dim: loaded.export_rows(dim).ids.tolist() for dim in (3, 8)} == rows
 
 
@@ -556,47 +563,50 @@ def test_every_file_and_the_directory_it_is_published_in_are_fsynced(tmp_path, m
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {checkpoint.MANIFEST_NAME, checkpoint.DONE_MARKER}
+    assert {p.name for p in files} >= {
+        checkpoint_manifest.MANIFEST_NAME,
+        checkpoint_manifest.DONE_MARKER,
+    }
     for path in [*files, tmp_path]:
         status = path.stat()
         assert (status.st_dev, status.st_ino) in synced, f"{path} was not fsynced"
 
 
 def test_the_done_marker_is_written_only_after_the_manifest(tmp_path, monkeypatch):
-    real_write = checkpoint._write_atomic
+    real_write = checkpoint_dump.write_atomic
 
     def failing_manifest(path, payload):
-        if path.name == checkpoint.MANIFEST_NAME:
+        if path.name == checkpoint_manifest.MANIFEST_NAME:
             raise CheckpointError(f"cannot write {path}: disk full")
         real_write(path, payload)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", failing_manifest)
+    monkeypatch.setattr(checkpoint_dump, "write_atomic", failing_manifest)
     staging = tmp_path / "staging"
     staging.mkdir()
     with pytest.raises(CheckpointError, match="disk full"):
-        checkpoint.finalize_checkpoint(staging, CONFIG, 1, [], None)
-    assert not (staging / checkpoint.DONE_MARKER).exists()
+        checkpoint_dump.finalize_checkpoint(staging, CONFIG, 1, [], None)
+    assert not (staging / checkpoint_manifest.DONE_MARKER).exists()
 
 
 def test_the_version_is_a_digest_of_the_files_whatever_their_order(tmp_path):
     """Shard processes report their files in any order: the version names the set."""
     _, shards = trained_worker(2)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
     files = list(manifest.files)
     assert len(files) == 4
     for order in (files, files[::-1], files[1:] + files[:1]):
-        assert checkpoint.content_version(order) == manifest.version
+        assert checkpoint_manifest.content_version(order) == manifest.version
     moved = [files[0], files[2], files[1], files[3]]
-    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 2, moved, None)
-    assert checkpoint.read_manifest(tmp_path / "ckpt").version == manifest.version
+    checkpoint_dump.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 2, moved, None)
+    assert checkpoint_manifest.read_manifest(tmp_path / "ckpt").version == manifest.version
 
 
 def test_a_shard_one_row_too_small_is_refused_before_any_shard_changes(tmp_path):
     _, shards = trained_worker(1)
-    manifest = checkpoint.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
-    counts = checkpoint.count_rows_per_replica(manifest, 2)
+    manifest = checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    counts = checkpoint_load.count_rows_per_replica(manifest, 2)
 
     def two_shards(second_capacity: int) -> list[EmbeddingShard]:
         return [
@@ -608,10 +618,10 @@ def test_a_shard_one_row_too_small_is_refused_before_any_shard_changes(tmp_path)
 
     short = two_shards(counts[1] - 1)
     with pytest.raises(CheckpointError, match=f"more than its capacity {counts[1] - 1}"):
-        checkpoint.load_embeddings(tmp_path / "ckpt", short, CONFIG)
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", short, CONFIG)
     assert [s.size() for s in short] == [0, 0]
     exact = two_shards(counts[1])
-    checkpoint.load_embeddings(tmp_path / "ckpt", exact, CONFIG)
+    checkpoint_load.load_embeddings(tmp_path / "ckpt", exact, CONFIG)
     assert [s.size() for s in exact] == counts
 
 
@@ -620,7 +630,7 @@ def _with_negative_state(root: Path, shard: int) -> Path:
     match); returns the file's path."""
     import safetensors.numpy
 
-    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    manifest = json.loads((root / checkpoint_manifest.MANIFEST_NAME).read_text())
     entry = [e for e in manifest["files"] if e["shard"] == shard][-1]
     path = root / entry["path"]
     tensors = dict(safetensors.numpy.load(path.read_bytes()))
@@ -629,7 +639,7 @@ def _with_negative_state(root: Path, shard: int) -> Path:
     payload = safetensors.numpy.save(tensors, metadata={"shard": str(entry["shard"])})
     path.write_bytes(payload)
     entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
-    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (root / checkpoint_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
     return path
 
 
@@ -638,7 +648,7 @@ def test_negative_saved_state_is_refused_naming_the_file_before_any_shard_change
     # and the error was a bad argument naming no file.
     _, shards = trained_worker(2)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
     path = _with_negative_state(root, shard=1)
     message = f"checkpoint file {path}: optimizer state: adagrad accumulators must be >= 0"
     _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
@@ -647,11 +657,11 @@ def test_negative_saved_state_is_refused_naming_the_file_before_any_shard_change
 def test_negative_saved_state_leaves_a_shard_without_the_optimizer_it_would_adopt(tmp_path):
     _, shards = trained_worker(1)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
     _with_negative_state(root, shard=0)
     shard = EmbeddingShard(100_000)
     with pytest.raises(CheckpointError, match="adagrad accumulators must be >= 0"):
-        checkpoint.load_into_shard(
+        checkpoint_load.load_into_shard(
             root, shard, CONFIG, replica_index=0, replica_size=1, adopt_optimizer=True
         )
     assert shard.optimizer is None  # "on any error it is unchanged"
@@ -665,7 +675,7 @@ def _with_duplicate_ids(root: Path, shard: int) -> tuple[Path, int]:
     import safetensors.numpy
     from safetensors import safe_open
 
-    manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
+    manifest = json.loads((root / checkpoint_manifest.MANIFEST_NAME).read_text())
     entry = [e for e in manifest["files"] if e["shard"] == shard][-1]
     path = root / entry["path"]
     with safe_open(str(path), framework="numpy") as handle:
@@ -680,7 +690,7 @@ def _with_duplicate_ids(root: Path, shard: int) -> tuple[Path, int]:
     payload = safetensors.numpy.save(tensors, metadata=metadata)
     path.write_bytes(payload)
     entry["bytes"], entry["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
-    (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
+    (root / checkpoint_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
     return path, int(ids[1])
 
 
@@ -688,22 +698,22 @@ def test_a_file_holding_an_id_twice_is_refused_naming_it_before_any_shard_change
     # It loaded silently: the later row won in the shard, the earlier one was lost.
     _, shards = trained_worker(2)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
     path, first = _with_duplicate_ids(root, shard=1)
     message = (
         f"checkpoint file {path} holds duplicate IDs: 2 IDs appear more than once, the "
         f"first being {first} (rows 1 and 5); each ID may appear only once per file"
     )
     with pytest.raises(CheckpointError) as raised:
-        checkpoint.verify(root)
+        checkpoint_load.verify(root)
     assert raised.value.message == message
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        checkpoint.count_rows_per_replica(checkpoint.read_manifest(root), 3)
+        checkpoint_load.count_rows_per_replica(checkpoint_manifest.read_manifest(root), 3)
     # Shard 1's file is read last: shard 0 would have taken its rows already.
     _loaded_store_is_unchanged(tmp_path, root, re.escape(message))
     shard = EmbeddingShard(100_000, optimizer=Adagrad(lr=0.1), replica_index=1, replica_size=2)
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        checkpoint.load_into_shard(root, shard, CONFIG, replica_index=1, replica_size=2)
+        checkpoint_load.load_into_shard(root, shard, CONFIG, replica_index=1, replica_size=2)
     assert shard.size() == 0
 
 
@@ -712,7 +722,7 @@ def test_a_file_holding_an_id_twice_is_reported_by_checkpoint_verify(tmp_path):
 
     _, shards = trained_worker(1)
     root = tmp_path / "ckpt"
-    checkpoint.dump_embeddings(shards, root, CONFIG)
+    checkpoint_dump.dump_embeddings(shards, root, CONFIG)
     path, first = _with_duplicate_ids(root, shard=0)
     problems, _summary = checkpoint_inspect.verify(root)
     assert problems == [
@@ -724,9 +734,9 @@ def test_a_file_holding_an_id_twice_is_reported_by_checkpoint_verify(tmp_path):
 def test_ids_repeated_only_across_files_and_large_ids_are_not_duplicates(tmp_path):
     # Each file is checked on its own; IDs with the top bit set compare as unsigned.
     path = tmp_path / "f.safetensors"
-    checkpoint._check_unique_ids(path, np.array([2**64 - 1, 2**63, 0, 1], dtype=np.uint64))
-    checkpoint._check_unique_ids(path, np.zeros(1, dtype=np.uint64))
-    checkpoint._check_unique_ids(path, np.zeros(0, dtype=np.uint64))
+    checkpoint_load._check_unique_ids(path, np.array([2**64 - 1, 2**63, 0, 1], dtype=np.uint64))
+    checkpoint_load._check_unique_ids(path, np.zeros(1, dtype=np.uint64))
+    checkpoint_load._check_unique_ids(path, np.zeros(0, dtype=np.uint64))
     with pytest.raises(
         CheckpointError,
         match=re.escape(
@@ -734,4 +744,4 @@ def test_ids_repeated_only_across_files_and_large_ids_are_not_duplicates(tmp_pat
             f"first being {2**64 - 1} (rows 1 and 3)"
         ),
     ):
-        checkpoint._check_unique_ids(path, np.array([5, 2**64 - 1, 6, 2**64 - 1], np.uint64))
+        checkpoint_load._check_unique_ids(path, np.array([5, 2**64 - 1, 6, 2**64 - 1], np.uint64))

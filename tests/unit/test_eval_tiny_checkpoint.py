@@ -18,8 +18,7 @@ from torch import nn
 
 from clients import checkpoint_common, checkpoint_diff, checkpoint_inspect, checkpoint_write
 from clients.eval import EvalOptions, run_eval
-from embedding_store import checkpoint as embedding_checkpoint
-from embedding_store import model_checkpoint
+from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest, model_checkpoint
 from embedding_store.batch import (
     Batch,
     IDTypeFeature,
@@ -120,8 +119,8 @@ def test_eval_in_process_with_the_default_mapping(checkpoint, tmp_path, capsys):
     # The same rows scored by hand through the TorchScript model and the embedding table.
     manifest = model_checkpoint.read_manifest(checkpoint)
     dense = model_checkpoint.load_jit_model(manifest)
-    emb = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
-    rows = embedding_checkpoint.read_rows_for_replica(emb, 0, 1, keep_state_of=None)[0]
+    emb = checkpoint_manifest.read_manifest(manifest.embeddings_directory)
+    rows = checkpoint_load.read_rows_for_replica(emb, 0, 1, keep_state_of=None)[0]
     table_of = dict(zip(rows.ids.tolist(), rows.weights))
     zero = np.zeros(4, np.float32)
     expected = []
@@ -301,20 +300,20 @@ def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
     assert result["kind"] == "embedding" and sum(result["rows_per_shard"]) == 80
     checkpoint_write.reshard(three, 1, one)
     assert checkpoint_diff.diff(embeddings, one)["identical"]
-    manifest = embedding_checkpoint.read_manifest(one)
+    manifest = checkpoint_manifest.read_manifest(one)
     assert manifest.num_shards == 1 and manifest.total_rows == 80
     # The same rows, sharded otherwise: the version stays (shards report it to servers).
-    source_version = embedding_checkpoint.read_manifest(embeddings).version
+    source_version = checkpoint_manifest.read_manifest(embeddings).version
     assert manifest.version == source_version
-    assert embedding_checkpoint.read_manifest(three).version == source_version
+    assert checkpoint_manifest.read_manifest(three).version == source_version
     inspected = checkpoint_inspect.format_inspect(checkpoint_inspect.inspect(three))
     assert f"  embedding version {source_version} (what the shards" in inspected
     # Rows land where the hash routing says (loadable by 3 replicas without moving).
-    three_manifest = embedding_checkpoint.read_manifest(three)
+    three_manifest = checkpoint_manifest.read_manifest(three)
     from embedding_store.hashing import shard_of
 
     for entry in three_manifest.files:
-        ids = embedding_checkpoint._read_verified(three_manifest, entry)["ids"]
+        ids = checkpoint_load._read_verified(three_manifest, entry)["ids"]
         assert set(shard_of(ids, 3).tolist()) == {entry.shard}
     with pytest.raises(AlreadyExistsError):
         checkpoint_write.reshard(embeddings, 2, three)
@@ -346,13 +345,13 @@ def test_diff_counts_optimizer_state_as_a_difference(tmp_path):
     weights = np.arange(20, dtype=np.float32).reshape(5, 4)
     shard = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
     shard.import_rows(RowBlock(ids, weights, None))
-    embedding_checkpoint.dump_embeddings([shard], tmp_path / "a", CONFIG)
+    checkpoint_dump.dump_embeddings([shard], tmp_path / "a", CONFIG)
     block = shard.export_rows(4)
     state = block.state.copy()
     state[2, 0] += 0.5
     other = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
     other.replace_rows([RowBlock(block.ids, block.weights, state)])
-    embedding_checkpoint.dump_embeddings([other], tmp_path / "b", CONFIG)
+    checkpoint_dump.dump_embeddings([other], tmp_path / "b", CONFIG)
     result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b")
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["changed"], user["state_changed"]) == (0, 1)
@@ -473,8 +472,8 @@ def test_the_manifest_binds_its_embedding_snapshot(checkpoint, tmp_path):
     shutil.rmtree(mixed / "embeddings")
     shutil.copytree(other / "embeddings", mixed / "embeddings")
     recorded = model_checkpoint.read_manifest(checkpoint).embedding_version
-    assert recorded == embedding_checkpoint.read_manifest(checkpoint / "embeddings").version
-    swapped = embedding_checkpoint.read_manifest(other / "embeddings").version
+    assert recorded == checkpoint_manifest.read_manifest(checkpoint / "embeddings").version
+    swapped = checkpoint_manifest.read_manifest(other / "embeddings").version
     message = (
         f"{mixed / 'embeddings'} holds embedding checkpoint {swapped}, but "
         f"{mixed / 'manifest.json'} was written with {recorded}: the embeddings were replaced "
@@ -612,7 +611,7 @@ def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
             rows[nan_row, 1] = np.nan
         shard = EmbeddingShard(100)
         shard.replace_rows([RowBlock(ids, rows, None)])
-        embedding_checkpoint.dump_embeddings([shard], tmp_path / name, CONFIG)
+        checkpoint_dump.dump_embeddings([shard], tmp_path / name, CONFIG)
     result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))
@@ -812,7 +811,7 @@ def test_diff_of_rows_of_other_dims_or_state_widths_counts_every_common_row(tmp_
     ):
         shard = EmbeddingShard(100, optimizer=optimizer)
         shard.import_rows(RowBlock(ids, np.ones((5, dim), np.float32), None))
-        embedding_checkpoint.dump_embeddings([shard], tmp_path / name, config)
+        checkpoint_dump.dump_embeddings([shard], tmp_path / name, config)
 
     def user(a, b):
         result = checkpoint_diff.diff(tmp_path / a, tmp_path / b)

@@ -175,7 +175,7 @@ def test_a_failed_write_leaves_neither_the_checkpoint_nor_its_staging_directory(
     """The checkpoint appears by one rename of a complete staging directory; a failure part
     way removes the staging directory and publishes nothing."""
     calls = []
-    real = model_checkpoint.embedding_checkpoint._write_atomic
+    real = model_checkpoint.checkpoint_publish.write_atomic
 
     def fail_on_the_manifest(path: Path, payload: bytes) -> None:
         calls.append(path.name)
@@ -183,9 +183,7 @@ def test_a_failed_write_leaves_neither_the_checkpoint_nor_its_staging_directory(
             raise OSError("disk full")
         real(path, payload)
 
-    monkeypatch.setattr(
-        model_checkpoint.embedding_checkpoint, "_write_atomic", fail_on_the_manifest
-    )
+    monkeypatch.setattr(model_checkpoint.checkpoint_publish, "write_atomic", fail_on_the_manifest)
     with pytest.raises(OSError, match="disk full"):
         _write(tmp_path / "ckpt", with_jit_model=False)
     assert calls[-3:] == ["dense.pt", "opt.pt", "manifest.json"]  # after the embeddings
@@ -257,10 +255,10 @@ def test_a_load_that_fails_late_puts_back_weights_optimizer_and_scaler_state(
 def test_embeddings_swapped_after_the_dump_are_refused(checkpoint: Path) -> None:
     """The manifest records the version of the embedding snapshot written with the dense
     files; another snapshot in its place is refused instead of being served as this one."""
-    from embedding_store import checkpoint as embedding_checkpoint
+    from embedding_store import checkpoint_manifest
 
     manifest = read_manifest(checkpoint)
-    actual = embedding_checkpoint.read_manifest(checkpoint / "embeddings").version
+    actual = checkpoint_manifest.read_manifest(checkpoint / "embeddings").version
     assert manifest.embedding_version == actual != ""
     _edit_manifest(checkpoint, lambda m: m["embeddings"].update(version="another-snapshot"))
     with pytest.raises(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_manifest
 from embedding_store.cli import main as cli_main
 from embedding_store.config import (
     EmbeddingConfig,
@@ -198,7 +198,7 @@ def test_inference_shard_serves_only_once_it_has_rows(tmp_path):
     assert not s.serving
     source = EmbeddingShard(10)
     source.import_rows(block)
-    checkpoint.dump_embeddings([source], tmp_path / "ckpt", CONFIG)
+    checkpoint_dump.dump_embeddings([source], tmp_path / "ckpt", CONFIG)
     s.Load(pb.ShardLoadRequest(directory=str(tmp_path / "ckpt")), FakeContext())
     assert s.serving
     answer = s.Lookup(lookup, FakeContext())
@@ -331,7 +331,7 @@ def test_dump_and_load_report_their_progress_in_status(tmp_path):
     # one file per dim, in dim order: 3 of 8 rows after dim 4, all 8 after dim 8
     assert seen == [(3, 8, "dumping", 0.375), (8, 8, "dumping", 1.0)]
     assert task_of(source) == ("", 0.0)
-    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    checkpoint_dump.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
 
     target = servicer(optimizer=ADAGRAD)
     seen.clear()
@@ -357,7 +357,7 @@ def test_a_second_task_is_refused_while_one_runs(tmp_path):
 def test_expected_checkpoint_keeps_a_training_shard_not_serving_until_loaded(tmp_path):
     source = trained()
     entries = source.dump_part(str(tmp_path / "ckpt"))
-    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    checkpoint_dump.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
 
     health_servicer = health.HealthServicer()
     s = servicer(health_servicer=health_servicer)  # no optimizer: a restarted shard
@@ -402,7 +402,7 @@ def test_expected_checkpoint_keeps_a_training_shard_not_serving_until_loaded(tmp
 def test_a_configured_optimizer_is_kept_and_another_ones_state_dropped(tmp_path):
     source = trained()
     entries = source.dump_part(str(tmp_path / "ckpt"))
-    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    checkpoint_dump.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
     s = servicer(optimizer=SGD(lr=0.5))
     s.expect_checkpoint()
     s.load_checkpoint(str(tmp_path / "ckpt"), expected=True, adopt_optimizer=True)
@@ -451,7 +451,7 @@ def test_load_checkpoint_option_is_only_for_training_shards():
 def test_training_process_loads_its_checkpoint_at_start(tmp_path):
     source = trained()
     entries = source.dump_part(str(tmp_path / "ckpt"))
-    checkpoint.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
+    checkpoint_dump.finalize_checkpoint(tmp_path / "ckpt", CONFIG, 1, entries, ADAGRAD.to_dict())
     options = ParameterServerOptions(port=0, load_checkpoint=str(tmp_path / "ckpt"))
     process = ParameterServerProcess(CONFIG, GlobalConfig(), options)
     process.start()
@@ -515,7 +515,7 @@ def test_a_shard_dumps_only_into_a_new_directory(tmp_path):
     s = trained()
     root = tmp_path / "ckpt"
     entries = s.dump_part(str(root))
-    checkpoint.finalize_checkpoint(root, CONFIG, 1, entries, ADAGRAD.to_dict())
+    checkpoint_dump.finalize_checkpoint(root, CONFIG, 1, entries, ADAGRAD.to_dict())
     published = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     failure = aborted(s.Dump, pb.ShardDumpRequest(directory=str(root)))
     assert failure.code == grpc.StatusCode.ALREADY_EXISTS
@@ -524,7 +524,7 @@ def test_a_shard_dumps_only_into_a_new_directory(tmp_path):
         "a new directory"
     )
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == published
-    checkpoint.read_manifest(root)  # still whole
+    checkpoint_manifest.read_manifest(root)  # still whole
     staging = tmp_path / "staging"
     s.dump_part(str(staging))
     failure = aborted(s.Dump, pb.ShardDumpRequest(directory=str(staging)))

@@ -25,7 +25,11 @@ import pytest
 import safetensors.numpy
 from grpc_health.v1 import health_pb2
 
-from embedding_store import checkpoint
+from embedding_store import (
+    checkpoint_dump,
+    checkpoint_load,
+    checkpoint_manifest,
+)
 from embedding_store.cli import main as cli_main
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
 from embedding_store.errors import InvalidArgumentError, UnavailableError
@@ -113,8 +117,8 @@ def rows_of_replica(
     directory: Path, replica_index: int, replica_size: int, optimizer: object | None
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """What a shard holding exactly its part of the checkpoint would export (as exact_rows)."""
-    manifest = checkpoint.read_manifest(directory)
-    blocks = checkpoint.read_rows_for_replica(
+    manifest = checkpoint_manifest.read_manifest(directory)
+    blocks = checkpoint_load.read_rows_for_replica(
         manifest, replica_index, replica_size, keep_state_of=optimizer
     )
     return rows_by_dim(blocks)
@@ -150,7 +154,7 @@ class ShardFailingMidLoad(FakeShardClient):
         def fail(_done: int, _total: int) -> None:
             raise UnavailableError(f"{self.peer} is unavailable: Socket closed")
 
-        checkpoint.load_into_shard(
+        checkpoint_load.load_into_shard(
             directory,
             self.shard,
             CONFIG,
@@ -277,7 +281,7 @@ def adam_checkpoint(directory: Path) -> None:
             source.lookup(ids, dim, train=True)
             grads = np.linspace(-1, 1 + step, ids.shape[0] * dim, dtype=np.float32)
             source.update(ids, grads.reshape(-1, dim))
-    checkpoint.dump_embeddings([source], directory, TWO_DIMS)
+    checkpoint_dump.dump_embeddings([source], directory, TWO_DIMS)
 
 
 @pytest.mark.parametrize("replica", [(0, 1), (1, 2)], ids=["same-layout", "re-shard"])
@@ -343,7 +347,7 @@ def dump_on_exit_process(
 def killed_at_second_file(monkeypatch, check: Callable[[], None]) -> None:
     """Make the dump's second file write run ``check`` (the state a kill -9 at that moment
     would leave) and then fail, as if the process died there."""
-    real_write = checkpoint._write_atomic
+    real_write = checkpoint_dump.write_atomic
     writes = []
 
     def write(path: Path, payload: bytes) -> None:
@@ -353,7 +357,7 @@ def killed_at_second_file(monkeypatch, check: Callable[[], None]) -> None:
             raise RuntimeError("killed mid-dump")
         real_write(path, payload)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", write)
+    monkeypatch.setattr(checkpoint_dump, "write_atomic", write)
 
 
 def files_under(root: Path) -> dict[str, bytes]:
@@ -365,13 +369,13 @@ def files_under(root: Path) -> dict[str, bytes]:
 def test_dump_on_exit_interrupted_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     target = tmp_path / "on_exit"
     dump_on_exit_process(target, np.arange(10, dtype=np.uint64)).stop(grace=0)
-    previous = checkpoint.verify(target)
+    previous = checkpoint_load.verify(target)
     assert previous.total_rows == 20
     previous_files = files_under(target)
 
     def still_whole() -> None:
         assert files_under(target) == previous_files
-        assert checkpoint.verify(target).total_rows == 20
+        assert checkpoint_load.verify(target).total_rows == 20
 
     killed_at_second_file(monkeypatch, still_whole)
     process = dump_on_exit_process(target, np.arange(50, dtype=np.uint64))
@@ -382,7 +386,7 @@ def test_dump_on_exit_interrupted_keeps_the_previous_checkpoint(tmp_path, monkey
 
     monkeypatch.undo()  # an uninterrupted dump replaces it whole
     dump_on_exit_process(target, np.arange(50, dtype=np.uint64)).stop(grace=0)
-    assert checkpoint.verify(target).total_rows == 100
+    assert checkpoint_load.verify(target).total_rows == 100
     assert [p.name for p in tmp_path.iterdir()] == ["on_exit"]
 
 
@@ -567,7 +571,7 @@ def test_dump_on_exit_waits_for_a_running_dump_and_skips_a_running_load(tmp_path
     task.begin("dumping")  # the admin's dump, still writing
     threading.Timer(0.5, task.end).start()
     process.stop(grace=0)
-    assert checkpoint.verify(target).total_rows == 20
+    assert checkpoint_load.verify(target).total_rows == 20
 
     loading = dump_on_exit_process(tmp_path / "mid_load", np.arange(10, dtype=np.uint64))
     loading.servicer._checkpoint_task.begin("loading")

@@ -224,7 +224,7 @@ class SlowTier(InProcessEmbeddingTier):
 
 
 def test_a_checkpoint_holds_every_embedding_update_queued_before_it(tmp_path):
-    from embedding_store import checkpoint as embedding_checkpoint
+    from embedding_store import checkpoint_load, checkpoint_manifest
 
     torch.manual_seed(0)
     model = TinyModel()
@@ -242,8 +242,8 @@ def test_a_checkpoint_holds_every_embedding_update_queued_before_it(tmp_path):
         manifest = ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
         ctx.wait_for_embedding_updates()
         trained = tier.shards[0].export_rows(4)
-    embeddings = embedding_checkpoint.read_manifest(manifest.embeddings_directory)
-    [saved] = embedding_checkpoint.read_rows_for_replica(embeddings, 0, 1, keep_state_of=None)
+    embeddings = checkpoint_manifest.read_manifest(manifest.embeddings_directory)
+    [saved] = checkpoint_load.read_rows_for_replica(embeddings, 0, 1, keep_state_of=None)
     order, saved_order = np.argsort(trained.ids), np.argsort(saved.ids)
     np.testing.assert_array_equal(saved.ids[saved_order], trained.ids[order])
     np.testing.assert_array_equal(saved.weights[saved_order], trained.weights[order])
@@ -421,7 +421,7 @@ def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
 def test_manifest_numbers_json_allows_but_python_cannot_take_are_a_checkpoint_error(tmp_path):
     """Infinity, 1e400 and nesting too deep for the JSON parser: a CheckpointError (the
     hot-reload watcher used to die of the OverflowError, silently and for good)."""
-    from embedding_store import checkpoint as embedding_checkpoint
+    from embedding_store import checkpoint_manifest
 
     with new_ctx() as ctx:
         train_steps(ctx, 1)
@@ -439,7 +439,7 @@ def test_manifest_numbers_json_allows_but_python_cannot_take_are_a_checkpoint_er
             training_checkpoint.verify(tmp_path / "ckpt")
         path.write_text(originals[path])
     with pytest.raises(CheckpointError, match="does not exist or is not a directory"):
-        embedding_checkpoint.read_manifest(tmp_path / ("x" * 300))  # ENAMETOOLONG
+        checkpoint_manifest.read_manifest(tmp_path / ("x" * 300))  # ENAMETOOLONG
 
 
 def test_damaged_embedding_manifest_entries_are_named(tmp_path):

@@ -21,10 +21,15 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedding_store import checkpoint
+from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import embedding_config_from_mapping
-from embedding_store.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from embedding_store.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
@@ -82,7 +87,7 @@ class FakeShardClient:
         try:
             if self.on_dump:
                 self.on_dump()
-            entries = checkpoint.write_shard_part(self.shard, directory, self.index)
+            entries = checkpoint_dump.write_shard_part(self.shard, directory, self.index)
         finally:
             self.task = ""
         return entries, self.shard.optimizer.to_dict()
@@ -92,7 +97,7 @@ class FakeShardClient:
         try:
             if self.on_load:
                 self.on_load()
-            checkpoint.load_into_shard(
+            checkpoint_load.load_into_shard(
                 directory,
                 self.shard,
                 CONFIG,
@@ -376,7 +381,7 @@ def test_a_second_checkpoint_task_is_refused_while_one_runs(make_tier, tmp_path)
     finally:
         release.set()
         first.join(WAIT)
-    assert (tmp_path / "a" / checkpoint.DONE_MARKER).exists()
+    assert (tmp_path / "a" / checkpoint_manifest.DONE_MARKER).exists()
 
 
 def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
@@ -474,7 +479,7 @@ def test_a_failed_shard_dump_publishes_nothing_and_names_the_shard(make_tier, tm
     fakes[0].on_dump = fakes[1].on_dump = None  # the shard is back: the same dump succeeds
     manifest = tier.dump(target)
     assert manifest.num_shards == 2 and manifest.total_rows == 20
-    assert (target / checkpoint.DONE_MARKER).exists()
+    assert (target / checkpoint_manifest.DONE_MARKER).exists()
 
 
 # --------------------------------------------------------------------------- metrics
@@ -552,7 +557,7 @@ def test_reshard_load_gives_every_shard_its_rows(make_tier, tmp_path):
     expected = _trained_checkpoint(make_tier, tmp_path / "ckpt", ids)
     tier, fakes = make_tier(3)
     manifest = tier.load(tmp_path / "ckpt")
-    assert checkpoint.count_rows_per_replica(manifest, 3) == [f.shard.size() for f in fakes]
+    assert checkpoint_load.count_rows_per_replica(manifest, 3) == [f.shard.size() for f in fakes]
     assert sum(f.shard.size() for f in fakes) == 40
     got = tier.lookup(user_batch(ids), train=False).slots[0].embeddings.numpy()
     np.testing.assert_array_equal(got, expected)
@@ -565,7 +570,7 @@ def test_reshard_load_over_capacity_changes_no_shard(make_tier, tmp_path):
     small = EmbeddingShard(5, optimizer=SGD(lr=1.0), replica_index=2, replica_size=3)
     fakes[2].shard = small  # too small for its ~13 rows of the checkpoint
     rows_before = [f.shard.size() for f in fakes]
-    with pytest.raises(checkpoint.CheckpointError, match=r"shard 2 .* more than its capacity 5"):
+    with pytest.raises(CheckpointError, match=r"shard 2 .* more than its capacity 5"):
         tier.load(tmp_path / "ckpt")
     assert [f.shard.size() for f in fakes] == rows_before
     assert [f.clears for f in fakes] == [0, 0, 0]
@@ -596,13 +601,15 @@ def test_verify_shards_checks_the_replica_count_too(make_tier):
 
 def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
     expected = _trained_checkpoint(make_tier, tmp_path / "ckpt", list(range(40)))
-    counts = checkpoint.count_rows_per_replica(checkpoint.read_manifest(tmp_path / "ckpt"), 3)
+    counts = checkpoint_load.count_rows_per_replica(
+        checkpoint_manifest.read_manifest(tmp_path / "ckpt"), 3
+    )
     tier, fakes = make_tier(3)
     fakes[2].shard = EmbeddingShard(
         counts[2] - 1, optimizer=SGD(lr=1.0), replica_index=2, replica_size=3
     )
     with pytest.raises(
-        checkpoint.CheckpointError,
+        CheckpointError,
         match=rf"shard 2 .* {counts[2]} rows, more than its capacity {counts[2] - 1}",
     ):
         tier.load(tmp_path / "ckpt")

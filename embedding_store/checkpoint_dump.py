@@ -1,0 +1,160 @@
+"""Writing embedding checkpoints: shard parts, the manifest, and whole in-process dumps.
+
+A shard writes its rows into a part directory (:func:`write_shard_part`: one safetensors
+file per dim), then the manifest and the done-marker are written last
+(:func:`finalize_checkpoint`). :func:`dump_embeddings` does both for in-process shards in a
+staging directory and publishes it as a unit (:mod:`embedding_store.checkpoint_publish`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from embedding_store.checkpoint_manifest import (
+    DONE_MARKER,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    EmbeddingManifest,
+    FileEntry,
+    ProgressHook,
+    content_version,
+    read_manifest,
+)
+from embedding_store.checkpoint_publish import (
+    check_target,
+    publish_directory,
+    staging_directory_for,
+    write_atomic,
+)
+from embedding_store.config import EmbeddingConfig, embedding_config_to_mapping
+from embedding_store.errors import AlreadyExistsError
+from embedding_store.shard import EmbeddingShard
+
+
+def shard_part_name(shard_index: int) -> str:
+    """The directory that holds shard ``shard_index``'s files: ``shard_00003``."""
+    return f"shard_{shard_index:05d}"
+
+
+def write_shard_part(
+    shard: EmbeddingShard,
+    directory: str | os.PathLike,
+    shard_index: int,
+    *,
+    progress: ProgressHook | None = None,
+) -> list[FileEntry]:
+    """Write one shard's rows into ``directory/shard_{index:05d}/``; returns the file entries.
+
+    Used by :func:`dump_embeddings`, and by each parameter-server process when a dump spans
+    processes (the caller then writes the manifest with :func:`finalize_checkpoint`).
+    ``progress(rows_written, rows_total)`` is called after each file (one per dim). The rows
+    are copied at one instant (:meth:`EmbeddingShard.export_all`): training may go on
+    meanwhile, and the part holds the shard as it was then.
+    """
+    root = Path(directory)
+    part = root / shard_part_name(shard_index)
+    # Only into a new directory (a dump's staging one): never over a published checkpoint,
+    # whose files would change under its manifest (only a whole new checkpoint replaces one,
+    # with overwrite), nor over another dump's part.
+    if (root / DONE_MARKER).exists():
+        raise AlreadyExistsError(
+            f"{root} is a published checkpoint (it has {DONE_MARKER}): a shard writes its "
+            "part only into a new directory"
+        )
+    part.mkdir(parents=True, exist_ok=True)
+    if any(part.iterdir()):
+        raise AlreadyExistsError(f"{part} already holds files: a shard writes only a new part")
+    entries = []
+    blocks = shard.export_all()  # one instant, so never more rows than the capacity
+    rows_total, rows_written = sum(len(block.ids) for block in blocks.values()), 0
+    for dim, block in blocks.items():
+        payload = safetensors.numpy.save(
+            {
+                "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),
+                "weights": np.ascontiguousarray(block.weights, dtype=np.float32),
+                "state": np.ascontiguousarray(block.state, dtype=np.float32),
+            },
+            metadata={"format": FORMAT_NAME, "shard": str(shard_index), "dim": str(dim)},
+        )
+        relative = f"{part.name}/dim_{dim}.safetensors"
+        write_atomic(root / relative, payload)
+        entries.append(
+            FileEntry(
+                shard=shard_index,
+                dim=dim,
+                path=relative,
+                rows=len(block.ids),
+                state_width=int(block.state.shape[1]),
+                bytes=len(payload),
+                sha256=hashlib.sha256(payload).hexdigest(),
+            )
+        )
+        rows_written += len(block.ids)
+        if progress is not None:
+            progress(rows_written, rows_total)
+    return entries
+
+
+def finalize_checkpoint(
+    directory: str | os.PathLike,
+    embedding_config: EmbeddingConfig,
+    num_shards: int,
+    entries: Sequence[FileEntry],
+    optimizer: dict[str, Any] | None,
+    *,
+    version: str | None = None,
+) -> None:
+    """Write the manifest, then the done-marker (last, so its presence means complete).
+
+    ``version``: the rows' version (:attr:`EmbeddingManifest.version`); by default
+    :func:`content_version` of ``entries``. A re-sharded copy passes its source's.
+    """
+    root = Path(directory)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "version": version or content_version(entries),
+        "created_unix": time.time(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "num_shards": num_shards,
+        "embedding_config": embedding_config_to_mapping(embedding_config),
+        "optimizer": optimizer,
+        "files": [entry.to_dict() for entry in sorted(entries, key=lambda e: (e.shard, e.dim))],
+    }
+    write_atomic(root / MANIFEST_NAME, json.dumps(manifest, indent=2).encode())
+    write_atomic(root / DONE_MARKER, b"")
+
+
+def dump_embeddings(
+    shards: Sequence[EmbeddingShard],
+    directory: str | os.PathLike,
+    embedding_config: EmbeddingConfig,
+    *,
+    overwrite: bool = False,
+) -> EmbeddingManifest:
+    """Dump in-process shards (``shards[i]`` is replica i) as one checkpoint, atomically."""
+    target = Path(directory)
+    check_target(target, overwrite=overwrite)
+    staging = staging_directory_for(target)
+    try:
+        entries: list[FileEntry] = []
+        for index, shard in enumerate(shards):
+            entries.extend(write_shard_part(shard, staging, index))
+        optimizer = shards[0].optimizer.to_dict() if shards[0].optimizer else None
+        finalize_checkpoint(staging, embedding_config, len(shards), entries, optimizer)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_directory(staging, target, overwrite=overwrite)
+    return read_manifest(target)
