@@ -160,7 +160,7 @@ class AsyncGrpcBackend:
                 return self._stubs
             old, old_loop = self._channel, self._loop
             busy = old_loop is not None and not old_loop.is_closed()
-            if busy and (old_loop.is_running() or self._in_flight):
+            if busy and old_loop is not None and (old_loop.is_running() or self._in_flight):
                 raise FailedPreconditionError(
                     f"the gRPC client of {self.server} is in use on another event loop "
                     "(running, or with calls pending); use one client per event loop (or "

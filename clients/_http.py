@@ -71,7 +71,7 @@ def _read_before(response: urllib3.BaseHTTPResponse, deadline: float | None) -> 
     (monotonic seconds; None: no bound). TimeoutError once it has passed."""
     if deadline is None:
         return response.read()
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -105,6 +105,8 @@ def _diff_embeddings(a: Path, b: Path, tolerance: float) -> dict[str, Any]:
             "state_changed": 0,
         }
         if common.size:
+            # Common IDs: the space is in both checkpoints, so neither side is the default.
+            assert w_a is not None and w_b is not None and st_a is not None and st_b is not None
             if w_a.shape[1] != w_b.shape[1]:
                 entry.update(changed=int(common.size), max_abs_diff=None)
                 entry["note"] = f"dim {w_a.shape[1]} vs {w_b.shape[1]}"

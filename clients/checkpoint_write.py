@@ -164,7 +164,7 @@ def export_dense(
         raise AlreadyExistsError(f"{target} already exists; pass --overwrite to replace it")
     if target.is_dir():
         raise InvalidArgumentError(f"--out {target} is a directory; give a file name")
-    manifest = model_checkpoint.read_manifest(directory)
+    manifest = model_checkpoint.read_manifest(Path(directory))
     if not manifest.has_jit_model:
         raise CheckpointError(
             f"checkpoint {manifest.directory} has no {model_checkpoint.JIT_FILE} "

@@ -28,7 +28,7 @@ import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -125,7 +125,7 @@ def rows_need_http(url: str) -> InvalidArgumentError:
     )
 
 
-def _is_seconds(value: object) -> bool:
+def _is_seconds(value: object) -> TypeGuard[numbers.Real]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -215,7 +215,8 @@ def _checked_timeout(timeout: object) -> float | None:
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, numbers.Real)
-        or not 0 < timeout <= MAX_TIMEOUT_SECONDS
+        # cast: typeshed's numbers.Real has no __gt__, so `0 < Real` does not type-check.
+        or not 0 < cast(float, timeout) <= MAX_TIMEOUT_SECONDS
     ):
         raise InvalidArgumentError(
             f"timeout must be > 0 and <= {MAX_TIMEOUT_SECONDS:.0f} seconds, or None, "

@@ -154,13 +154,15 @@ def batch_to_tensors(batch: Batch) -> dict[str, np.ndarray]:
             tensors[feature.name + LENGTHS_SUFFIX] = np.ascontiguousarray(
                 feature.lengths, dtype=np.int64
             )
-    for feature in batch.non_id_type_features:
-        data = np.asarray(feature.data)
+    for dense in batch.non_id_type_features:
+        data = np.asarray(dense.data)
         if data.dtype != np.float32:
             data = data.astype(np.float32)
         # As the batch holds it: a model trained on [B] data takes [B] (sample shape ()), and
         # a server takes [B] for sample shape (1,) too; [B, 1] fits only the latter.
-        tensors[feature.name] = np.ascontiguousarray(data)
+        # A Batch names every non-ID feature (positional default), so the name is set.
+        assert dense.name is not None
+        tensors[dense.name] = np.ascontiguousarray(data)
     return tensors
 
 

@@ -28,7 +28,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 
@@ -65,7 +65,8 @@ def detect_format(path: Path, explicit: str | None) -> str:
 def _open(path: Path) -> IO[bytes]:
     try:
         if path.suffix.lower() == ".gz":
-            return gzip.open(path, "rb")
+            # cast: a GzipFile is a binary file, but typeshed does not declare it an IO[bytes].
+            return cast(IO[bytes], gzip.open(path, "rb"))
         return open(path, "rb")
     except OSError as error:
         raise InvalidArgumentError(f"cannot read --input {path}: {error.strerror}") from None

@@ -78,9 +78,8 @@ class EvalOptions:
         """Paths as Python callers give them: ``str`` or ``os.PathLike``, and ``data`` as one
         path or several."""
         data = self.data
-        if isinstance(data, (str, os.PathLike)):
-            data = (data,)
-        object.__setattr__(self, "data", tuple(Path(path) for path in data))
+        paths = (data,) if isinstance(data, (str, os.PathLike)) else data
+        object.__setattr__(self, "data", tuple(Path(path) for path in paths))
         for name in ("out", "checkpoint", "mapping", "report"):
             value = getattr(self, name)
             if value is not None:
@@ -153,7 +152,9 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
             local = InProcessScorer(o.checkpoint, o.output_transform)
         if o.url is not None:
             server = ServerScorer(o.url, o.model, protocol=o.protocol, timeout=o.timeout)
-        signature = (local or server).signature
+        scorer = local or server
+        assert scorer is not None  # _check_options: --checkpoint, --url or both
+        signature = scorer.signature
         if o.mapping is not None:
             mapping = load_mapping(o.mapping)
             source = os.fspath(o.mapping)
@@ -163,6 +164,7 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
         label = _label_of(o, mapping)
         if server is not None:
             server.label_column = label.column if label else None
+        encoder: PreprocessorEncoder | GenericEncoder
         if mapping.preprocessor is not None:
             encoder = PreprocessorEncoder(import_function(mapping.preprocessor, source))
         else:
@@ -196,6 +198,8 @@ def _evaluate(
     raws: list[np.ndarray] = []
     bad_rows: list[str] = []
     rows = 0
+    scorer = local or server
+    assert scorer is not None  # _check_options: --checkpoint, --url or both
     started = time.perf_counter()
     try:
         for chunk in iter_chunks(o.data, o.batch_size):
@@ -241,15 +245,16 @@ def _evaluate(
             if label is not None:
                 data["label"] = np.asarray(good_labels, dtype=np.float64)
                 labels.append(data["label"])
-            primary = (local or server).score(batch, good)
+            primary = scorer.score(batch, good)
             data["prediction"] = primary.predictions
             predictions.append(primary.predictions)
             raws.append(primary.raw if primary.raw is not None else primary.predictions)
             if parity is not None:
+                assert server is not None  # --compare: _check_options wants --url
                 remote = server.score(batch, good)
                 data["server_prediction"] = remote.predictions
-                where = [where_of(chunk.source, chunk.kind, p) for p in positions]
-                data["abs_diff"] = parity.add(where, primary.predictions, remote.predictions)
+                wheres = [where_of(chunk.source, chunk.kind, p) for p in positions]
+                data["abs_diff"] = parity.add(wheres, primary.predictions, remote.predictions)
             writer.write(data)
             rows += len(good)
             progress.update(rows, len(bad_rows))
@@ -305,6 +310,8 @@ def _evaluate(
             line += f"  ECE {metric_block['calibration']['expected_calibration_error']:.6f}"
         print(line, file=out)
     if parity is not None:
+        # --compare: _check_options wants both --checkpoint and --url.
+        assert local is not None and server is not None
         print(parity.text(), file=out)
         if local.version != server.version:
             print(

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from clients.eval_mapping import FeatureMapping
-from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.batch import (
+    Batch,
+    IDFeature,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.errors import ConfigError, InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 
@@ -226,22 +232,22 @@ class GenericEncoder:
                 continue
             for name, values in row_ids.items():
                 ids[name].append(values)
-            for name, values in row_dense.items():
-                dense[name].append(values)
+            for name, floats in row_dense.items():
+                dense[name].append(floats)
         n = len(rows) - len(bad)
         if n == 0:
             return None, bad
-        id_features = []
+        id_features: list[IDFeature] = []
         for name in self.id_order:
             per_row = ids[name]
-            values = np.fromiter(
+            flat = np.fromiter(
                 (v for row in per_row for v in row), dtype=np.uint64, count=sum(map(len, per_row))
             )
             if self.single[name]:
-                id_features.append(IDTypeFeatureWithSingleID(name, values))
+                id_features.append(IDTypeFeatureWithSingleID(name, flat))
             else:
                 lengths = np.fromiter(map(len, per_row), dtype=np.int64, count=n)
-                id_features.append(IDTypeFeature(name, values, lengths))
+                id_features.append(IDTypeFeature(name, flat, lengths))
         non_ids = [
             NonIDTypeFeature(
                 np.asarray(dense[name], dtype=np.float32).reshape(n, *self.shapes[name]), name
@@ -279,13 +285,15 @@ def _check_against_signature(
     unknown = sorted(set(mapping.non_id_features) - set(model_dense))
     if unknown:
         problems.append(f"non_id_features: {unknown} are not non-ID features of the model")
-    for name, entry in mapping.non_id_features.items():
-        spec = model_dense.get(name)
-        if spec is not None and len(entry.columns) != math.prod(spec.sample_shape):
+    for name, dense_entry in mapping.non_id_features.items():
+        dense_spec = model_dense.get(name)
+        if dense_spec is not None and len(dense_entry.columns) != math.prod(
+            dense_spec.sample_shape
+        ):
             problems.append(
-                f"non_id_features.{name}.columns: the model takes {math.prod(spec.sample_shape)} "
-                f"values (sample shape {list(spec.sample_shape)}), got {len(entry.columns)} "
-                "columns"
+                f"non_id_features.{name}.columns: the model takes "
+                f"{math.prod(dense_spec.sample_shape)} values (sample shape "
+                f"{list(dense_spec.sample_shape)}), got {len(dense_entry.columns)} columns"
             )
     if problems:
         raise ConfigError(f"{source}: " + f"; {source}: ".join(problems))

@@ -75,6 +75,8 @@ class PredictionWriter:
             arrays = [
                 self._pa.array(data[c], type=f.type) for c, f in zip(self.columns, self._schema)
             ]
+            # Not csv, so parquet: open until commit()/abort(), and nothing writes after them.
+            assert self._parquet is not None
             self._parquet.write_table(self._pa.Table.from_arrays(arrays, schema=self._schema))
 
     def _close_files(self) -> None:

@@ -111,9 +111,11 @@ def calibration(labels: np.ndarray, probabilities: np.ndarray, bins: int = 10) -
     ece = 0.0
     for b in range(bins):
         count = int(counts[b])
-        mean_p = float(sum_p[b] / count) if count else None
-        rate = float(sum_y[b] / count) if count else None
+        mean_p: float | None = None
+        rate: float | None = None
         if count:
+            mean_p = float(sum_p[b] / count)
+            rate = float(sum_y[b] / count)
             ece += count / max(y.size, 1) * abs(mean_p - rate)
         table.append(
             {
@@ -249,6 +251,8 @@ def _plots(
     auc = report["auc"]
     figure, axes = plt.subplots(figsize=(5, 5))
     if auc is not None:
+        # metrics() computes an AUC only from labels, and the report comes with them.
+        assert labels is not None
         fpr, tpr = roc_curve(labels, ranking)
         axes.plot(fpr, tpr, label=f"model (AUC {auc:.4f})")
     else:

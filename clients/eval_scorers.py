@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.batch import (
+    Batch,
+    IDFeature,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -64,6 +70,7 @@ class InProcessScorer:
         self.output_transform = output_transform
         self._ctx = InferCtx(checkpoint=checkpoint)  # identity: the raw output is kept too
         model = self._ctx.model
+        assert model is not None  # InferCtx loads the model whenever given a checkpoint
         self.signature: FeatureSignature = model.signature
         self.version: str = model.version
         self._shards = list(getattr(model.tier, "shards", ()))
@@ -271,8 +278,10 @@ class ServerScorer:
             if not isinstance(feature, IDTypeFeatureWithSingleID):
                 lengths = np.ascontiguousarray(feature.lengths, dtype="<i8")
                 add(feature.name + ".lengths", "INT64", lengths)
-        for feature in batch.non_id_type_features:
-            add(feature.name, "FP32", np.ascontiguousarray(feature.data, dtype="<f4"))
+        for dense in batch.non_id_type_features:
+            # A Batch names every non-ID feature (positional default), so the name is set.
+            assert dense.name is not None
+            add(dense.name, "FP32", np.ascontiguousarray(dense.data, dtype="<f4"))
         header = orjson.dumps(
             {
                 "inputs": inputs,
@@ -292,6 +301,10 @@ class ServerScorer:
             raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
         size = (output.get("parameters") or {}).get("binary_data_size")
         if size is not None:
+            if not json_size:
+                raise InvalidArgumentError(
+                    f"server {self.url} answered binary data without {_HEADER_LENGTH}"
+                )
             start = int(json_size)
             predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
         else:
@@ -346,7 +359,7 @@ def _batch_limit(message: object) -> int | None:
 
 
 def _slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    id_features = []
+    id_features: list[IDFeature] = []
     for feature in batch.id_type_features:
         if isinstance(feature, IDTypeFeatureWithSingleID):
             id_features.append(IDTypeFeatureWithSingleID(feature.name, feature.values[start:stop]))
