@@ -19,9 +19,9 @@ whoever froze them will not modify them through another reference.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -416,9 +416,9 @@ class IDTypeFeature:
         """Exact equality of kind, name, values and lengths."""
         return (
             type(other) is type(self)
-            and other.name == self._name  # type: ignore[attr-defined]
-            and _equal_arrays(other.values, self._values)  # type: ignore[attr-defined]
-            and _equal_arrays(other.lengths, self._lengths)  # type: ignore[attr-defined]
+            and other.name == self._name
+            and _equal_arrays(other.values, self._values)
+            and _equal_arrays(other.lengths, self._lengths)
         )
 
     def __repr__(self) -> str:
@@ -467,7 +467,7 @@ class IDTypeFeatureWithSingleID:
         rows of one read-only uint64 [features, batch] array), under the same guarantees. One
         call instead of one per feature: serving builds 16-27 of them per request."""
         new = object.__new__
-        features = []
+        features: list[IDTypeFeatureWithSingleID] = []
         append = features.append
         for name, values in zip(names, rows):
             feature = new(cls)
@@ -533,8 +533,8 @@ class IDTypeFeatureWithSingleID:
         """Exact equality of kind, name and values."""
         return (
             type(other) is type(self)
-            and other.name == self._name  # type: ignore[attr-defined]
-            and _equal_arrays(other.values, self._values)  # type: ignore[attr-defined]
+            and other.name == self._name
+            and _equal_arrays(other.values, self._values)
         )
 
     def __repr__(self) -> str:
@@ -617,8 +617,8 @@ class _DenseArray:
         """Exact equality of kind, name, dtype, shape and bytes."""
         return (
             type(other) is type(self)
-            and other.name == self._name  # type: ignore[attr-defined]
-            and _equal_arrays(other.data, self._data)  # type: ignore[attr-defined]
+            and other.name == self._name
+            and _equal_arrays(other.data, self._data)
         )
 
     def __repr__(self) -> str:
@@ -764,8 +764,8 @@ class Batch:
             )
 
         self._ids: tuple[IDFeature, ...] = ids
-        self._dense: tuple[NonIDTypeFeature, ...] = dense  # type: ignore[assignment]
-        self._labels: tuple[Label, ...] = labs  # type: ignore[assignment]
+        self._dense: tuple[NonIDTypeFeature, ...] = dense
+        self._labels: tuple[Label, ...] = labs
         self._batch_size = size
         self._requires_grad = bool(requires_grad)
         self._meta = meta
@@ -826,8 +826,11 @@ class Batch:
     def _kinds(self) -> dict[str, str]:
         """{name: "ID-type feature" | "non-ID feature" | "label"}, in feature order."""
         kinds = dict.fromkeys((f.name for f in self._ids), "ID-type feature")
-        kinds.update(dict.fromkeys((f.name for f in self._dense), "non-ID feature"))
-        kinds.update(dict.fromkeys((f.name for f in self._labels), "label"))
+        # A Batch names every non-ID feature and label (positional default), so no name is None.
+        dense_names = cast("Iterator[str]", (f.name for f in self._dense))
+        label_names = cast("Iterator[str]", (f.name for f in self._labels))
+        kinds.update(dict.fromkeys(dense_names, "non-ID feature"))
+        kinds.update(dict.fromkeys(label_names, "label"))
         return kinds
 
     @cached_property
@@ -912,15 +915,15 @@ class Batch:
 
     def id_feature(self, name: str) -> IDFeature:
         """The ID-type feature called ``name``; BatchValidationError if there is none."""
-        return self._lookup(self._id_index, "ID-type feature", name)  # type: ignore[no-any-return]
+        return self._lookup(self._id_index, "ID-type feature", name)
 
     def non_id_feature(self, name: str) -> NonIDTypeFeature:
         """The non-ID-type feature called ``name``; BatchValidationError if there is none."""
-        return self._lookup(self._dense_index, "non-ID feature", name)  # type: ignore[no-any-return]
+        return self._lookup(self._dense_index, "non-ID feature", name)
 
     def label(self, name: str) -> Label:
         """The label called ``name``; BatchValidationError if there is none."""
-        return self._lookup(self._label_index, "label", name)  # type: ignore[no-any-return]
+        return self._lookup(self._label_index, "label", name)
 
     # comparison and codec --------------------------------------------------------------------
 

@@ -120,7 +120,8 @@ _MIN_FEATURE_BYTES = 1 + 2 + 1
 def _raw(arr: np.ndarray) -> memoryview:
     """The bytes of ``arr`` in C order and little-endian, without copying where possible."""
     le = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-    return memoryview(le.reshape(-1).view(np.uint8))
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12 (mypy checks 3.11).
+    return memoryview(le.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _name_bytes(kind: int, name: str) -> bytes:
@@ -375,9 +376,9 @@ def decode_batch(
     dense = [build() for kind, build in builders if kind == KIND_NON_ID]
     labels = [build() for kind, build in builders if kind == KIND_LABEL]
     return Batch(
-        ids,  # type: ignore[arg-type]
-        dense,  # type: ignore[arg-type]
-        labels,  # type: ignore[arg-type]
+        ids,
+        dense,
+        labels,
         requires_grad=bool(flags & FLAG_REQUIRES_GRAD),
         meta=meta,
         batch_id=batch_id,

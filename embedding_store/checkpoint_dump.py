@@ -79,6 +79,7 @@ def write_shard_part(
     blocks = shard.export_all()  # one instant, so never more rows than the capacity
     rows_total, rows_written = sum(len(block.ids) for block in blocks.values()), 0
     for dim, block in blocks.items():
+        assert block.state is not None  # export_all copies every row's state (width 0 or more)
         payload = safetensors.numpy.save(
             {
                 "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),

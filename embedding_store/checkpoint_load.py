@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import safetensors.numpy
@@ -226,11 +226,13 @@ def read_rows_for_replica(
     for entry in entries:
         tensors = _read_verified(manifest, entry)
         ids = tensors["ids"]
+        picked: slice | np.ndarray
         if same_layout:
             picked = slice(None)  # only this replica's own files were picked above
         else:
             picked = np.flatnonzero(shard_of(ids, replica_size) == replica_index)
         if keep_state:
+            assert keep_state_of is not None  # state_fits is False without a receiver
             _check_saved_state(manifest, entry, tensors["state"], keep_state_of)
         state = tensors["state"][picked] if keep_state else None
         by_dim.setdefault(entry.dim, []).append(
@@ -246,7 +248,9 @@ def read_rows_for_replica(
             RowBlock(
                 ids=np.concatenate([p.ids for p in parts]),
                 weights=np.concatenate([p.weights for p in parts]),
-                state=None if any(s is None for s in states) else np.concatenate(states),
+                state=None
+                if any(s is None for s in states)
+                else np.concatenate(cast("list[np.ndarray]", states)),  # no None: checked
             )
         )
     return blocks

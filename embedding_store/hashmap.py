@@ -103,7 +103,7 @@ def prefetch_row(
 
 
 @njit(cache=True, nogil=True)
-def _home_slot(key: np.uint64, mask: int) -> int:
+def _home_slot(key: np.uint64, mask: int) -> np.int64:
     """Salted SplitMix64 of ``key`` masked to the table: the first slot to probe."""
     z = (key ^ _SALT) + _GOLDEN
     z = (z ^ (z >> _S30)) * _MIX1
@@ -113,7 +113,7 @@ def _home_slot(key: np.uint64, mask: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _probe(table: np.ndarray, key: np.uint64, slot: int, mask: int) -> int:
+def _probe(table: np.ndarray, key: np.uint64, slot: int, mask: int) -> np.int64:
     """Row of ``key`` starting at its home ``slot``, or -1."""
     s = slot
     while True:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from embedding_store.errors import RecserveError, UnavailableError
 
@@ -38,13 +38,13 @@ class ManagedProcess:
     log_path: Path
     process: subprocess.Popen | None = None
     address: str | None = None
-    _log: object = field(default=None, repr=False)
+    _log: IO[bytes] | None = field(default=None, repr=False)
     #: Where this run's output starts in the log (logs are appended to across restarts).
     _log_start: int = field(default=0, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log_start = self._log.tell()  # type: ignore[attr-defined]
+        self._log_start = self._log.tell()
         self.process = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
@@ -94,7 +94,7 @@ class ManagedProcess:
                     self.process.wait(timeout=grace)
             code = self.process.returncode
         if self._log is not None:
-            self._log.close()  # type: ignore[attr-defined]
+            self._log.close()
             self._log = None
         return code
 

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
@@ -134,7 +134,8 @@ def write_checkpoint(
     train_state = check_train_state(train_state, "train_state")
     target = Path(directory).absolute()
     checkpoint_publish.check_target(target, overwrite=overwrite)
-    model = model.module if hasattr(model, "module") else model
+    # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
+    model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
     if dense_optimizer is not None:
         payloads[OPTIMIZER_FILE] = _save_bytes(dense_optimizer.state_dict())
@@ -429,16 +430,21 @@ def load_checkpoint(
         if grad_scaler is not None and grad_scaler.is_enabled() and SCALER_FILE in manifest.files
         else None
     )
-    model = model.module if hasattr(model, "module") else model
+    # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
+    model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     # load_state_dict copies tensor by tensor and reports a mismatch at the end: keep copies.
     previous_weights = {
         name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         for name, value in model.state_dict().items()
     }
-    previous_optimizer = (
-        copy.deepcopy(dense_optimizer.state_dict()) if optimizer_state is not None else None
-    )
-    previous_scaler = grad_scaler.state_dict() if scaler_state is not None else None
+    previous_optimizer = None
+    if optimizer_state is not None:
+        assert dense_optimizer is not None  # optimizer_state is read only with an optimizer
+        previous_optimizer = copy.deepcopy(dense_optimizer.state_dict())
+    previous_scaler = None
+    if scaler_state is not None:
+        assert grad_scaler is not None  # scaler_state is read only with a scaler
+        previous_scaler = grad_scaler.state_dict()
     try:
         try:
             model.load_state_dict(state)
@@ -447,6 +453,7 @@ def load_checkpoint(
                 f"{manifest.directory / DENSE_FILE} does not fit {type(model).__name__}: {error}"
             ) from None
         if optimizer_state is not None:
+            assert dense_optimizer is not None  # optimizer_state is read only with an optimizer
             _check_optimizer_fits(manifest, dense_optimizer, optimizer_state)
             try:
                 dense_optimizer.load_state_dict(optimizer_state)
@@ -455,6 +462,7 @@ def load_checkpoint(
                     f"{manifest.directory / OPTIMIZER_FILE} does not fit the optimizer: {error}"
                 ) from None
         if scaler_state is not None:
+            assert grad_scaler is not None  # scaler_state is read only with a scaler
             try:
                 grad_scaler.load_state_dict(scaler_state)
             except (RuntimeError, KeyError, TypeError, AttributeError) as error:
@@ -469,8 +477,10 @@ def load_checkpoint(
     except BaseException:
         model.load_state_dict(previous_weights)
         if previous_optimizer is not None:
+            assert dense_optimizer is not None  # previous_optimizer is set only with one
             dense_optimizer.load_state_dict(previous_optimizer)
         if previous_scaler is not None:
+            assert grad_scaler is not None  # previous_scaler is set only with one
             grad_scaler.load_state_dict(previous_scaler)
         raise
     return manifest

@@ -36,7 +36,7 @@ def _clamp(w: float, bound: float) -> float:
 
 
 @njit(cache=True, nogil=True)
-def _touch(table: np.ndarray, rows: np.ndarray, j0: int, j1: int) -> float:
+def _touch(table: np.ndarray, rows: np.ndarray, j0: int, j1: int) -> np.float32:
     """Load one value per cache line of ``table[rows[j0:j1]]`` and return their sum.
 
     Rows are scattered across hundreds of MB, so each one is a cache (and TLB) miss. Loading the
@@ -285,8 +285,8 @@ def _check_arrays(
     if rows.ndim != 1:
         raise InvalidArgumentError(f"rows must be 1-D, got shape {list(rows.shape)}")
     if not isinstance(grads, np.ndarray) or grads.dtype != np.float32:
-        actual = grads.dtype if isinstance(grads, np.ndarray) else type(grads).__name__
-        raise InvalidArgumentError(f"grads must be float32, got {actual}")
+        got = grads.dtype if isinstance(grads, np.ndarray) else type(grads).__name__
+        raise InvalidArgumentError(f"grads must be float32, got {got}")
     if grads.shape != (rows.shape[0], dim):
         raise InvalidArgumentError(
             f"grads must have shape [{rows.shape[0]}, {dim}], got {list(grads.shape)}"
@@ -524,7 +524,7 @@ class Adam:
 
 Optimizer = SGD | Adagrad | Adam
 
-_BY_NAME: dict[str, type] = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam}
+_BY_NAME: dict[str, type[Optimizer]] = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam}
 
 
 def optimizer_from_dict(d: dict) -> Optimizer:

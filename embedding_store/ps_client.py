@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -99,6 +99,14 @@ class ShardStatus:
     def optimizer(self) -> dict[str, Any] | None:
         """The optimizer's settings (``optimizer_from_dict`` reads them), or None."""
         return json.loads(self.optimizer_json) if self.optimizer_json else None
+
+
+class _RowChunkStream(Protocol):
+    """A server-streaming gRPC call: an iterator of chunks that can also be cancelled."""
+
+    def __iter__(self) -> Iterator[pb.RowChunk]: ...
+
+    def cancel(self) -> bool: ...
 
 
 def _describe(value: object) -> str:
@@ -306,7 +314,7 @@ class RemoteParameterServer:
         )
         return self._blocks_of(stream)
 
-    def _blocks_of(self, stream: Iterator[pb.RowChunk]) -> Iterator[RowBlock]:
+    def _blocks_of(self, stream: _RowChunkStream) -> Iterator[RowBlock]:
         index = 0
         try:
             for chunk in stream:

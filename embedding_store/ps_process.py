@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -150,7 +151,7 @@ class ParameterServerProcess:
         self.metrics_port: int | None = None
         self.fatal_error: BaseException | None = None
         self.stop_requested = False  # set by signal handlers and fatal errors; no locks there
-        self._metrics_httpd = None
+        self._metrics_httpd: WSGIServer | None = None
         self._stopped = False
 
     @property

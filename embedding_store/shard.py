@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -451,7 +452,8 @@ class EmbeddingShard:
             table, rows = self._rows_locked(ids, dim, train)
             if table is None:
                 return np.zeros((ids.shape[0], dim), dtype=np.float32)
-            return table.gather(rows)
+            # _rows_locked returns rows with every table (None only with a None table).
+            return table.gather(cast(np.ndarray, rows))
 
     @property
     def last_misses(self) -> int:
@@ -706,15 +708,20 @@ class EmbeddingShard:
     def _state_for_import(self, state: np.ndarray | None, n: int, dim: int) -> np.ndarray | None:
         """The state to write for imported rows (None: no state columns)."""
         width = self._width(dim)
+        optimizer = self._optimizer
         if state is not None and state.shape[1] == width:
             if width:
-                self._optimizer.check_state(state, dim)
+                assert optimizer is not None  # width > 0 only with an optimizer (see _width)
+                optimizer.check_state(state, dim)
             return state if width else None
-        if state is None or state.shape[1] == 0 or self._optimizer is None:
-            return None if width == 0 else self._optimizer.initial_state(n, dim)
+        if state is None or state.shape[1] == 0 or optimizer is None:
+            if width == 0:
+                return None
+            assert optimizer is not None  # width > 0 only with an optimizer (see _width)
+            return optimizer.initial_state(n, dim)
         raise InvalidArgumentError(
             f"block.state has {state.shape[1]} columns but the shard's optimizer "
-            f"({self._optimizer.name}) keeps {width} per row of dim {dim}"
+            f"({optimizer.name}) keeps {width} per row of dim {dim}"
         )
 
     def _import_locked(

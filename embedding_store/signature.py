@@ -8,11 +8,11 @@ their order because the dense model receives its embedding tensors in that order
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import BatchValidationError, CheckpointError
 
 
@@ -62,16 +62,19 @@ class FeatureSignature:
 
     @classmethod
     def from_batch(cls, batch: Batch) -> FeatureSignature:
+        # A Batch names every non-ID feature and label (positional default): no name is None.
         return cls(
             id_features=tuple(
                 IdFeatureSpec(f.name, isinstance(f, IDTypeFeatureWithSingleID))
                 for f in batch.id_type_features
             ),
             non_id_features=tuple(
-                NonIdFeatureSpec(f.name, str(f.data.dtype), tuple(int(d) for d in f.data.shape[1:]))
+                NonIdFeatureSpec(
+                    cast(str, f.name), str(f.data.dtype), tuple(int(d) for d in f.data.shape[1:])
+                )
                 for f in batch.non_id_type_features
             ),
-            label_names=tuple(label.name for label in batch.labels),
+            label_names=tuple(cast(str, label.name) for label in batch.labels),
         )
 
     def check(self, batch: Batch) -> None:
@@ -93,16 +96,19 @@ class FeatureSignature:
                     f"ID feature {spec.name!r} is {_id_kind(single_id)} here; the model's is "
                     f"{_id_kind(spec.single_id)}"
                 )
-        by_name = {f.name: f for f in batch.non_id_type_features}
-        for spec in self.non_id_features:
-            feature = by_name.get(spec.name)
-            if feature is None:
-                raise BatchValidationError(f"non-ID feature {spec.name!r} is missing")
-            shape = tuple(feature.data.shape[1:])
-            if shape != spec.sample_shape:
+        # A Batch names every non-ID feature (positional default): no name is None.
+        by_name = cast(
+            "dict[str, NonIDTypeFeature]", {f.name: f for f in batch.non_id_type_features}
+        )
+        for dense_spec in self.non_id_features:
+            dense = by_name.get(dense_spec.name)
+            if dense is None:
+                raise BatchValidationError(f"non-ID feature {dense_spec.name!r} is missing")
+            shape = tuple(dense.data.shape[1:])
+            if shape != dense_spec.sample_shape:
                 raise BatchValidationError(
-                    f"non-ID feature {spec.name!r} has sample shape {list(shape)}; the model "
-                    f"expects {list(spec.sample_shape)}"
+                    f"non-ID feature {dense_spec.name!r} has sample shape {list(shape)}; the "
+                    f"model expects {list(dense_spec.sample_shape)}"
                 )
         extra = set(by_name) - {s.name for s in self.non_id_features}
         if extra:

@@ -513,15 +513,15 @@ class EmbeddingWorker:
         counts = sizes if single else tuple(len(f.values) for f in members)
         cached = spec.layouts.get(counts if single else (sizes, counts))
         if cached is None:
-            layouts = []
+            new_layouts = []
             first_bag = 0
             for feature, config, size in zip(members, spec.plain_configs, sizes):
-                layouts.append(_SlotLayout(feature.name, config, size, first_bag, size, None))
+                new_layouts.append(_SlotLayout(feature.name, config, size, first_bag, size, None))
                 first_bag += size
             per_id_prefix = None
             if self.embedding_config.feature_index_prefix_bit:
                 per_id_prefix = np.repeat(spec.plain_prefixes, counts)
-            cached = (tuple(layouts), per_id_prefix)
+            cached = (tuple(new_layouts), per_id_prefix)
             if len(spec.layouts) >= _LAYOUT_CACHE_SIZE:
                 spec.layouts.clear()
             spec.layouts[counts if single else (sizes, counts)] = cached
@@ -541,7 +541,8 @@ class EmbeddingWorker:
                     for f, c, size in zip(members, spec.plain_configs, sizes)
                 ]
             )
-            weights = bag_weights if single else np.repeat(bag_weights, lengths)
+            # lengths is None exactly when single (one ID per sample)
+            weights = bag_weights if lengths is None else np.repeat(bag_weights, lengths)
         return ids, lengths, weights, layouts
 
     def _special_bags(

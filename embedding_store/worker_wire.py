@@ -39,7 +39,8 @@ def _pack(message: pb.PackedSlots, items: Sequence[tuple[str, np.ndarray, bytes]
     chunks = []
     for name, array, mask in items:
         message.slots.add(name=name, shape=list(array.shape), mask=mask)
-        chunks.append(memoryview(array.reshape(-1)).cast("B"))
+        # numpy's stubs give ndarray __buffer__ only for Python >= 3.12 (mypy checks 3.11).
+        chunks.append(memoryview(array.reshape(-1)).cast("B"))  # type: ignore[arg-type]
     message.data = b"".join(chunks)
 
 

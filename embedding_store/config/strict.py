@@ -34,7 +34,7 @@ import os
 import re
 import types
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -214,7 +214,8 @@ def _build_dataclass(cls: type[T], value: Any, source: str, path: str) -> T:
     if not isinstance(value, Mapping):
         where = "" if path else " at the top level"
         raise _error(source, path, f"expected a mapping{where}, got {describe_value(value)}")
-    hints = _type_hints(cls)
+    # mypy does not see type[T] (a class) as Hashable for functools.cache; it is.
+    hints = _type_hints(cast(type, cls))
     fields = _init_fields(cls)
     names = [f.name for f in fields]
     for key in value:
@@ -520,9 +521,8 @@ class _StrictDumper(yaml.SafeDumper):
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    implicit_tag = _StrictLoader.resolve(  # type: ignore[arg-type]  # class attributes only
-        _StrictLoader, yaml.ScalarNode, value, (True, False)
-    )
+    # resolve() is called on the class: it reads class attributes only.
+    implicit_tag = _StrictLoader.resolve(_StrictLoader, yaml.ScalarNode, value, (True, False))
     style = "'" if implicit_tag != "tag:yaml.org,2002:str" else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
