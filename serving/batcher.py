@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -66,7 +66,8 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
     merged_rows = None
     if any(single) and all(matrix is not None for matrix in matrices):
         # [n_single, batch_size]: row k is the k-th single-ID feature of the merged batch.
-        merged_rows = _frozen(np.concatenate(matrices, axis=1))
+        # The all() above checked every matrix is not None (a check mypy cannot see through).
+        merged_rows = _frozen(np.concatenate(cast("list[np.ndarray]", matrices), axis=1))
         names = [feature.name for feature, is_single in zip(first_ids, single) if is_single]
         singles = IDTypeFeatureWithSingleID.trusted_rows(names, merged_rows)
     id_features: list[IDFeature]
@@ -87,8 +88,11 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
                 lengths = _frozen(np.concatenate(list(map(_lengths_of, column))))
                 id_features.append(IDTypeFeature.trusted(feature.name, values, lengths))
     columns = zip(*[batch.non_id_type_features for batch in batches])
+    # A Batch's non-ID features are all named (it names unnamed ones): name is a str here.
     non_ids = [
-        NonIDTypeFeature.trusted(_frozen(np.concatenate(list(map(_data_of, column)))), feature.name)
+        NonIDTypeFeature.trusted(
+            _frozen(np.concatenate(list(map(_data_of, column)))), cast(str, feature.name)
+        )
         for feature, column in zip(first.non_id_type_features, columns)
     ]
     return Batch._trusted_inference(id_features, non_ids, batch_size, merged_rows)

@@ -18,7 +18,7 @@ import sys
 from array import array as c_array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -219,7 +219,7 @@ def batch_from_json(
     # "not the usual request" (KeyError, TypeError, IndexError): the general path says why.
     try:
         batch_size = 0
-        rows: Sequence[np.ndarray] = ()
+        rows: np.ndarray | tuple[()] = ()  # uint64 [F, B] once there are single-ID inputs
         if plan.single_getter is not None:
             tensors = plan.single_getter(entries)  # KeyError: an input is missing
             batch_size = len(tensors[0]["data"])
@@ -305,12 +305,15 @@ def batch_from_json(
         return None
     singles = IDTypeFeatureWithSingleID.trusted_rows(plan.single_names, rows)
     if plan.id_order is None:
-        id_features: list[IDFeature] = singles
+        id_features: Sequence[IDFeature] = singles
     else:
         id_features = [
             singles[index] if single else jagged[index] for single, index in plan.id_order
         ]
-    return Batch._trusted_inference(id_features, dense, batch_size, rows if singles else None)
+    # Features in singles come from rows: it is the uint64 array whenever singles is not empty.
+    return Batch._trusted_inference(
+        id_features, dense, batch_size, cast(np.ndarray, rows) if singles else None
+    )
 
 
 #: Wire (little-endian) dtypes of the binary fast path; it runs only where they are native.

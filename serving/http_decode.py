@@ -143,9 +143,8 @@ def decode_body(body: bytes, content_encoding: str | None, max_bytes: int) -> by
     return plain
 
 
-def _header_length(value: object, body_size: int) -> int | None:
-    if value is None:
-        return None
+def _header_length(value: object, body_size: int) -> int:
+    """The checked header length ``value`` (not None: the caller handles an absent header)."""
     if isinstance(value, int) and not isinstance(value, bool):  # a caller's own number
         length = value
     else:

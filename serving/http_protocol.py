@@ -235,7 +235,9 @@ def infer_protocol(
             self._head_bytes = 0
             self._messages += 1
 
-        def eof_received(self) -> bool | None:
+        # asyncio.Protocol.eof_received may return True to keep the transport open; uvicorn
+        # annotates its override as returning None, narrower than the protocol it implements.
+        def eof_received(self) -> bool | None:  # type: ignore[override]
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete and self.reading_since is None:
                 # Half-closed after a whole request: keep the socket open to answer it.

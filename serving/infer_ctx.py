@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ import torch
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig, load_embedding_config
 from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
+from embedding_store.tier import EmbeddingTier
 from embedding_store.worker import LookupResult
 from serving import tensors
 from serving.model import LoadedModel, load_model
@@ -68,7 +70,11 @@ class InferCtx:
                 else load_embedding_config(embedding_config)
             )
             self.embedding_config = config
-            self._tier = RemoteEmbeddingWorker(self.addresses[0], config, timeout=timeout)
+            # Built with a config, so its embedding_config is not None as EmbeddingTier wants
+            # (the class also takes None, for admin clients that need no config).
+            self._tier = cast(
+                EmbeddingTier, RemoteEmbeddingWorker(self.addresses[0], config, timeout=timeout)
+            )
         else:
             raise InvalidArgumentError("InferCtx needs a checkpoint or embedding worker addresses")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def _instance_ids(values: list[Any]) -> np.ndarray | None:
     return array.view(np.uint64)
 
 
-def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> None:
+def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> NoReturn:
     """Name the first row whose value of ID feature ``name`` is wrong (the error path only)."""
     for index, value in enumerate(raw):
         if value is _MISSING:

@@ -36,7 +36,7 @@ import numpy as np
 try:
     import simdjson
 except ImportError:  # pragma: no cover - pysimdjson is a dependency; without it, orjson only
-    simdjson = None
+    simdjson = None  # type: ignore[assignment]  # the optional-import idiom: None = not installed
 
 #: Plain JSON bodies from this size on take :func:`parse_number_arrays`. Measured with the
 #: load tests' synthetic model (27 inputs), req/s of one server process under load against
@@ -114,7 +114,12 @@ def _parse(body: bytes) -> dict[str, dict[str, Any]] | None:
             return None
         if type(values) is not _ARRAY or type(shape) is not _ARRAY:
             return None
-        entry = {"name": name, "datatype": datatype, "shape": shape.as_list(), "data": None}
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": datatype,
+            "shape": shape.as_list(),
+            "data": None,
+        }
         entries[name] = entry
         if datatype in _INTEGER_DATATYPES:
             integer_names.append(name)

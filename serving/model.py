@@ -12,12 +12,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
 from embedding_store import checkpoint_manifest, model_checkpoint
-from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.batch import (
+    Batch,
+    IDFeature,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     CheckpointError,
@@ -334,7 +341,7 @@ class LoadedModel:
 
     def example_batch(self, batch_size: int = 2) -> Batch:
         """A syntactically valid batch (IDs 0..n, zeros) for warm-up and checks."""
-        id_features = []
+        id_features: list[IDFeature] = []
         for feature in self.signature.id_features:
             ids = np.arange(batch_size, dtype=np.uint64)
             if feature.single_id:
@@ -429,21 +436,23 @@ def load_model(
     embedding_manifest = checkpoint_manifest.read_manifest(manifest.embeddings_directory)
     model_checkpoint.check_embeddings_match(manifest, embedding_manifest)
     embedding_config = embedding_manifest.embedding_config
+    tier: EmbeddingTier
     if embedding_ps:
         # The worker core runs in this process against remote (infer-mode) shards: one gRPC
         # hop fewer than going through an embedding-worker service.
         from embedding_store.remote_tier import RemoteShardTier
 
-        tier = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
+        shards = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
         try:
-            tier.verify_shards()
+            shards.verify_shards()
         except BaseException:
-            tier.close()
+            shards.close()
             raise
+        tier = shards
     elif embedding_workers:
         from embedding_store.worker_client import RemoteEmbeddingWorker
 
-        tier: EmbeddingTier = RemoteEmbeddingWorker(
+        worker = RemoteEmbeddingWorker(
             embedding_workers[0], embedding_config, timeout=lookup_timeout
         )
         log.info(
@@ -452,10 +461,13 @@ def load_model(
             embedding_workers[0],
         )
         try:
-            tier.wait_for_serving(timeout=startup_timeout)
+            worker.wait_for_serving(timeout=startup_timeout)
         except BaseException:
-            tier.close()
+            worker.close()
             raise
+        # Built with a config, so its embedding_config is not None as EmbeddingTier wants (the
+        # class also takes None, for admin clients that need no config).
+        tier = cast(EmbeddingTier, worker)
     else:
         rows = embedding_manifest.total_rows
         tier = InProcessEmbeddingTier(

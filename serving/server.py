@@ -38,9 +38,11 @@ from serving.processes import _address_family, serve_processes
 from serving.service import PredictionService
 
 if TYPE_CHECKING:
+    import grpc
     from fastapi import FastAPI
 
     from embedding_store.batch import Batch
+    from serving.grpc_frontend import GrpcHealth
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +72,17 @@ class PredictionServer:
         self.grpc_port: int | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._http_thread: threading.Thread | None = None
-        self._grpc = None
-        self._health = None
+        self._grpc: grpc.Server | None = None
+        self._health: GrpcHealth | None = None
         self._stop = threading.Event()  # set from the main thread: the watcher's cue
         self._stop_request = StopRequest()  # what signal handlers set
         self._watcher: threading.Thread | None = None
+
+    def _started(self) -> PredictionService:
+        """The service: start() creates it before anything that calls this can run."""
+        if self.service is None:
+            raise FailedPreconditionError("the prediction server is not started")
+        return self.service
 
     def _load(self, checkpoint: str | None) -> LoadedModel:
         o = self.options
@@ -185,7 +193,7 @@ class PredictionServer:
     def _mount_metrics(self, app: FastAPI) -> None:
         from fastapi import Response
 
-        metrics = self.service.metrics
+        metrics = self._started().metrics
 
         @app.get("/metrics", include_in_schema=False)
         def prometheus_metrics() -> Response:
@@ -209,7 +217,7 @@ class PredictionServer:
                     f"checkpoint {checkpoint} is outside --reload-root {root}; reloads load "
                     "only checkpoints under it"
                 )
-        return self.service.reload(checkpoint)
+        return self._started().reload(checkpoint)
 
     @property
     def reload_root(self) -> Path:
@@ -228,7 +236,8 @@ class PredictionServer:
         :data:`RELOAD_RETRY_MAX_SECONDS`): the failure may pass (files still being copied
         in, an embedding tier that is down), and a broken checkpoint is not retried on
         every poll."""
-        loaded = self.service.model.version  # what start() loaded from this path
+        service = self._started()
+        loaded = service.model.version  # what start() loaded from this path
         failed: str | None = None
         retry_at = backoff = 0.0
         while not self._stop.wait(self.options.watch_seconds):
@@ -242,7 +251,7 @@ class PredictionServer:
             if version == loaded or (version == failed and time.monotonic() < retry_at):
                 continue
             try:
-                self.service.reload(None)
+                service.reload(None)
             except Exception as error:  # a bug must not end the watch either
                 if not isinstance(error, RecserveError):
                     log.exception("reloading version %s failed", version)

@@ -32,8 +32,8 @@ def input_specs(signature: FeatureSignature) -> tuple[TensorSpec, ...]:
             specs.append(
                 TensorSpec(feature.name + LENGTHS_SUFFIX, "INT64", (-1,), LENGTH_DATATYPES)
             )
-    for feature in signature.non_id_features:
-        specs.append(TensorSpec(feature.name, "FP32", (-1, *feature.sample_shape), ("FP32",)))
+    for dense in signature.non_id_features:
+        specs.append(TensorSpec(dense.name, "FP32", (-1, *dense.sample_shape), ("FP32",)))
     return tuple(specs)
 
 

@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import cast
 
 import numpy as np
 
-from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.batch import (
+    Batch,
+    IDFeature,
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+)
 from embedding_store.errors import InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 from serving.core import DTYPE_NAMES
@@ -61,7 +68,8 @@ def _single_ids_at_once(
             or array.shape != first.shape
         ):
             return None
-    stacked = np.stack(arrays)
+    # The loop above checked every array is an ndarray (a check mypy cannot see through).
+    stacked = np.stack(cast("list[np.ndarray]", arrays))
     if first.dtype == np.int64:
         if stacked.size and stacked.min() < 0:
             return None
@@ -164,7 +172,7 @@ def tensors_to_batch(
         names = _single_id_names(signature)
         single_ids = dict(zip(names, stacked, strict=True))
         agree(stacked.shape[1], names[0])
-    id_features = []
+    id_features: list[IDFeature] = []
     for feature in signature.id_features:
         if single_ids is not None and feature.single_id:
             ids = single_ids[feature.name]
@@ -227,7 +235,8 @@ def require_finite_features(batch: Batch) -> None:
     for feature in batch.non_id_type_features:
         with np.errstate(over="ignore", invalid="ignore"):
             array = np.asarray(feature.data, dtype=np.float32)
-        require_finite(feature.name, array)
+        # A Batch's non-ID features are all named (it names unnamed ones): name is a str here.
+        require_finite(cast(str, feature.name), array)
 
 
 def require_finite(name: str, array: np.ndarray) -> None:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -86,7 +86,9 @@ def make_embedding_tier(
         address = embedding_workers[distributed.rank() % len(embedding_workers)]
         client = RemoteEmbeddingWorker(address.strip(), embedding_config)
         client.wait_for_serving(timeout=120)
-        return client
+        # Built with a config, so its embedding_config is not None as EmbeddingTier wants (the
+        # class also takes None, for admin clients that need no config).
+        return cast(EmbeddingTier, client)
     if distributed.world_size() > 1:
         raise FailedPreconditionError(
             "WORLD_SIZE > 1 needs one shared embedding tier: pass embedding_workers or set "
@@ -216,6 +218,10 @@ def _global_config_source(given: GlobalConfig | str | os.PathLike | None) -> str
     return str(path) if path else "the default global config"
 
 
+@overload
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module: ...
+@overload
+def _unwrap(model: None) -> None: ...
 def _unwrap(model: torch.nn.Module | None) -> torch.nn.Module | None:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -229,6 +235,8 @@ class TrainCtx(EmbeddingCtx):
     embedding gradients for Inf/NaN every ``finite_check_every`` steps and backing the scale
     off when they are not finite) and is ignored on CPU, which trains in fp32.
     """
+
+    model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
 
     def __init__(
         self,
@@ -376,7 +384,9 @@ class TrainCtx(EmbeddingCtx):
         names = [slot.name for slot in self._last_lookup.slots]
         if self._pending is not None:  # a forward without backward: give its slot back
             self._in_flight.release()
-        self._pending = (self._last_lookup.ref, names, leaves)
+        ref = self._last_lookup.ref
+        assert ref is not None  # a train lookup always keeps its context (LookupResult.ref)
+        self._pending = (ref, names, leaves)
         return non_ids, leaves, labels
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
