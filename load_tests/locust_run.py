@@ -175,7 +175,7 @@ def locust_outcome(
             f"({run.final_stats_path.name}); {run.log_path}:\n{tail(run.log_path, 20)}"
         )
     elif returncode != 0:
-        total = next((r for r in final["stats"] if r["name"] == "Aggregated"), {})
+        total: dict[str, Any] = next((r for r in final["stats"] if r["name"] == "Aggregated"), {})
         explained = total.get("failures") or final.get("exceptions")
         problems.append(
             f"locust exited with code {returncode}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ def plot(
     *,
     title: str,
     rss: list[dict[str, float]] | None = None,
-    marks: list[tuple[float, str]] = (),
+    marks: Sequence[tuple[float, str]] = (),
 ) -> None:
     """Latency percentiles and throughput over time (and RSS when given) as a PNG."""
     import matplotlib
