@@ -63,11 +63,14 @@ def infer_call(model: str, tensors: Mapping[str, np.ndarray]) -> Call:
     return "ModelInfer", codec.encode_grpc_infer(model, tensors), codec.decode_grpc_infer
 
 
-def _failure(server: str, error: grpc.RpcError) -> RecserveError | RetryableError:
+def _failure(
+    server: str, error: grpc.RpcError, *, secure: bool = False
+) -> RecserveError | RetryableError:
+    """The error a failed call raises; ``secure``: the channel speaks TLS."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    mapped = codec.grpc_error(server, name, details + tls_hint(details or ""))
+    mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
     return RetryableError(mapped) if name == "UNAVAILABLE" else mapped
 
 
@@ -95,6 +98,7 @@ class GrpcBackend:
         tls: ClientTls | None = None,
     ) -> None:
         self.server = server
+        self._tls = tls
         options = channel_options(max_message_bytes)
         self._channel = (
             grpc.insecure_channel(target, options=options)
@@ -108,7 +112,7 @@ class GrpcBackend:
         try:
             response = self._stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error) from None
+            raise _failure(self.server, error, secure=self._tls is not None) from None
         return decode(response)
 
     def live(self, timeout: float | None) -> bool:
@@ -207,7 +211,7 @@ class AsyncGrpcBackend:
         try:
             response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error) from None
+            raise _failure(self.server, error, secure=self._tls is not None) from None
         finally:
             self._in_flight -= 1
         return decode(response)

@@ -97,18 +97,34 @@ def client_tls(
     return ClientTls(ca_pem, cert_pem, key_pem)
 
 
-def tls_hint(message: str) -> str:
-    """What to do about a TLS failure whose message is ``message`` ("" when not TLS)."""
+#: What a client reads when a server that wants client certificates refused its handshake
+#: (a TLS 1.3 client learns it only from the alert, or the connection closing, after it).
+_NO_CLIENT_CERTIFICATE = (
+    "certificate required",
+    "certificate_required",
+    "eof occurred in violation of protocol",
+    "unexpected eof",
+    "unknown ca",
+    "tlsv1 alert",
+)
+
+
+def tls_hint(message: str, *, secure: bool = False) -> str:
+    """What to do about a TLS failure whose message is ``message`` ("" when not TLS).
+    ``secure``: the connection speaks TLS (gRPC reports a handshake the server ended only
+    as "Socket closed")."""
     if "CERTIFICATE_VERIFY_FAILED" in message or "certificate verify failed" in message:
         return (
             " (the server's certificate is not signed by a CA this client trusts: pass "
             "tls_ca / --tls-ca, the CA's PEM file)"
         )
     lowered = message.lower()
-    if "certificate required" in lowered or "certificate_required" in lowered:
+    if any(sign in lowered for sign in _NO_CLIENT_CERTIFICATE) or (
+        secure and "socket closed" in lowered
+    ):
         return (
-            " (the server requires a client certificate: pass tls_cert and tls_key / "
-            "--tls-cert and --tls-key)"
+            " (the server ended the TLS handshake: it may require a client certificate signed "
+            "by a CA it trusts: pass tls_cert and tls_key / --tls-cert and --tls-key)"
         )
     if "wrong version number" in lowered or "record layer failure" in lowered:
         return " (is the server speaking plaintext? use http:// or grpc://)"

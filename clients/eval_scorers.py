@@ -153,6 +153,8 @@ class ServerScorer:
     """
 
     kind = "server"
+    #: TLS settings for an https:// server (None: the system's, or plaintext).
+    _ssl_context: ssl.SSLContext | None = None
 
     def __init__(
         self,
