@@ -32,7 +32,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="score in-process")
-    parser.add_argument("--url", metavar="URL", help="score through a server (http://HOST:PORT)")
+    parser.add_argument("--url", metavar="URL", help="score through a server (http(s)://HOST:PORT)")
     parser.add_argument(
         "--compare",
         action="store_true",
