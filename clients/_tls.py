@@ -105,7 +105,9 @@ _NO_CLIENT_CERTIFICATE = (
     "eof occurred in violation of protocol",
     "unexpected eof",
     "unknown ca",
-    "tlsv1 alert",
+    "unknown_ca",
+    "bad certificate",
+    "bad_certificate",
 )
 
 

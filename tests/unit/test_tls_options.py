@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from clients._tls import client_tls
+from clients._tls import client_tls, tls_hint
 from clients.client import RecserveClient, parse_url
 from clients.eval import EvalOptions, run_eval
 from embedding_store.cli import main
@@ -238,3 +238,20 @@ def test_eval_takes_tls_flags_for_a_server_only(tls, tmp_path):
     with pytest.raises(InvalidArgumentError) as error:
         run_eval(options)
     assert error.value.message == "--tls-ca given without --url: they are for a server"
+
+
+@pytest.mark.parametrize(
+    ("message", "secure", "says"),
+    [
+        ("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed", False, "pass tls_ca"),
+        ("EOF occurred in violation of protocol (_ssl.c:2427)", False, "client certificate"),
+        ("[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca", False, "client certificate"),
+        ("failed to connect to all addresses; Socket closed", True, "client certificate"),
+        ("failed to connect to all addresses; Socket closed", False, None),
+        ("[SSL: WRONG_VERSION_NUMBER] wrong version number", False, "speaking plaintext"),
+        ("Connection refused", False, None),
+    ],
+)
+def test_handshake_failures_say_what_to_do(message, secure, says):
+    hint = tls_hint(message, secure=secure)
+    assert (says in hint) if says else hint == ""
