@@ -19,6 +19,7 @@ import numpy as np
 
 from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
+from clients._tls import ClientTls, tls_hint
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import FailedPreconditionError, RecserveError
@@ -62,11 +63,14 @@ def infer_call(model: str, tensors: Mapping[str, np.ndarray]) -> Call:
     return "ModelInfer", codec.encode_grpc_infer(model, tensors), codec.decode_grpc_infer
 
 
-def _failure(server: str, error: grpc.RpcError) -> RecserveError | RetryableError:
+def _failure(
+    server: str, error: grpc.RpcError, *, secure: bool = False
+) -> RecserveError | RetryableError:
+    """The error a failed call raises; ``secure``: the channel speaks TLS."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    mapped = codec.grpc_error(server, name, details)
+    mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
     return RetryableError(mapped) if name == "UNAVAILABLE" else mapped
 
 
@@ -86,10 +90,21 @@ class GrpcBackend:
     """Blocking calls on one ``grpc`` channel to ``target`` (``host:port``)."""
 
     def __init__(
-        self, target: str, server: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        target: str,
+        server: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: ClientTls | None = None,
     ) -> None:
         self.server = server
-        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._tls = tls
+        options = channel_options(max_message_bytes)
+        self._channel = (
+            grpc.insecure_channel(target, options=options)
+            if tls is None
+            else grpc.secure_channel(target, tls.grpc_credentials(), options=options)
+        )
         self._stubs = _stubs(self._channel)
 
     def _run(self, call: Call, timeout: float | None) -> Any:
@@ -97,7 +112,7 @@ class GrpcBackend:
         try:
             response = self._stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error) from None
+            raise _failure(self.server, error, secure=self._tls is not None) from None
         return decode(response)
 
     def live(self, timeout: float | None) -> bool:
@@ -138,10 +153,16 @@ class AsyncGrpcBackend:
     """
 
     def __init__(
-        self, target: str, server: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        target: str,
+        server: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: ClientTls | None = None,
     ) -> None:
         self.server = server
         self._target = target
+        self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,6 +171,12 @@ class AsyncGrpcBackend:
         # would otherwise both pass the check, each opening a channel.
         self._swap_lock = threading.Lock()
         self._in_flight = 0  # calls awaiting an answer on the current channel
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        options = channel_options(self._max_message_bytes)
+        if self._tls is None:
+            return grpc.aio.insecure_channel(self._target, options=options)
+        return grpc.aio.secure_channel(self._target, self._tls.grpc_credentials(), options=options)
 
     async def _stubs_for_this_loop(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -168,9 +195,7 @@ class AsyncGrpcBackend:
                 )
             # Swap before awaiting anything, so that concurrent first calls on this loop
             # share one new channel.
-            self._channel = grpc.aio.insecure_channel(
-                self._target, options=channel_options(self._max_message_bytes)
-            )
+            self._channel = self._open_channel()
             self._loop = loop
             self._stubs = _stubs(self._channel)
             stubs = self._stubs
@@ -186,7 +211,7 @@ class AsyncGrpcBackend:
         try:
             response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error) from None
+            raise _failure(self.server, error, secure=self._tls is not None) from None
         finally:
             self._in_flight -= 1
         return decode(response)

@@ -18,10 +18,11 @@ from urllib.parse import quote
 
 import numpy as np
 import urllib3
-from urllib3.exceptions import HTTPError, NewConnectionError, ProtocolError
+from urllib3.exceptions import HTTPError, NewConnectionError, ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from clients import codec
+from clients._tls import ClientTls, tls_hint
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
@@ -95,9 +96,16 @@ _HEALTH_FALSE_STATUSES = frozenset((400, 503))
 class HttpBackend:
     """Calls of the KServe v2 REST protocol on ``base_url`` (``http://host:port[/prefix]``)."""
 
-    def __init__(self, base_url: str, *, max_connections: int = 8) -> None:
+    def __init__(
+        self, base_url: str, *, max_connections: int = 8, tls: ClientTls | None = None
+    ) -> None:
         self.server = base_url.rstrip("/")
-        self._pool = urllib3.PoolManager(num_pools=2, maxsize=max_connections, retries=False)
+        self._pool = urllib3.PoolManager(
+            num_pools=2,
+            maxsize=max_connections,
+            retries=False,
+            **(tls.urllib3_options() if tls else {}),
+        )
 
     # ------------------------------------------------------------------ plumbing
     def _request(
@@ -127,6 +135,12 @@ class HttpBackend:
                 data = _read_before(response, deadline)
             finally:
                 response.release_conn()
+        except SSLError as error:
+            # The handshake failed: an untrusted certificate or a refused client
+            # certificate. A retry would fail the same way.
+            raise UnavailableError(
+                f"TLS with server {self.server} failed: {error}{tls_hint(str(error))}"
+            ) from None
         except NewConnectionError as error:
             # Connect phase only: nothing was sent, a retry cannot run the request twice.
             failure = _connect_failure(error)

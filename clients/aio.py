@@ -26,6 +26,7 @@ import numpy as np
 from clients import codec
 from clients._grpc import AsyncGrpcBackend
 from clients._http import HttpBackend
+from clients._tls import ClientTls
 from clients.client import _ClientBase, check_input, rows_need_http
 from clients.retry import RetryableError, exhausted
 from clients.types import ModelInfo, PredictResult
@@ -38,8 +39,8 @@ T = TypeVar("T")
 class _AsyncHttpBackend:
     """The blocking HTTP backend, each call on a worker thread."""
 
-    def __init__(self, base_url: str, max_connections: int) -> None:
-        self.sync = HttpBackend(base_url, max_connections=max_connections)
+    def __init__(self, base_url: str, max_connections: int, tls: ClientTls | None) -> None:
+        self.sync = HttpBackend(base_url, max_connections=max_connections, tls=tls)
         self._executor = ThreadPoolExecutor(
             max_workers=max_connections, thread_name_prefix="recserve-http"
         )
@@ -83,9 +84,9 @@ class AsyncRecserveClient(_ClientBase):
 
     def _make_backend(self) -> _AsyncHttpBackend | AsyncGrpcBackend:
         if self.protocol == "http":
-            return _AsyncHttpBackend(self.endpoint.base, self._max_connections)
+            return _AsyncHttpBackend(self.endpoint.base, self._max_connections, self._tls)
         return AsyncGrpcBackend(
-            self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes
+            self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes, tls=self._tls
         )
 
     async def _retrying(self, call: Callable[..., Awaitable[T]], *args: Any) -> T:

@@ -25,6 +25,7 @@ server.
 from __future__ import annotations
 
 import numbers
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 from clients import codec
 from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend
 from clients._http import HttpBackend
+from clients._tls import client_tls
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -60,16 +62,18 @@ DEFAULT_BACKOFF = (0.05, 1.0)
 @dataclass(frozen=True)
 class Endpoint:
     """A parsed server URL: ``protocol`` "http" or "grpc"; ``base`` the HTTP base URL (with
-    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized."""
+    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized;
+    ``tls`` for ``https://`` and ``grpcs://``."""
 
     protocol: str
     base: str
     url: str
+    tls: bool = False
 
 
 def parse_url(url: str) -> Endpoint:
-    """``http://host:port[/prefix]``, ``https://...`` or ``grpc://host:port`` (a bare
-    ``host:port`` means HTTP)."""
+    """``http://host:port[/prefix]``, ``https://...``, ``grpc://host:port`` or
+    ``grpcs://host:port`` (gRPC over TLS) (a bare ``host:port`` means HTTP)."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
     text = url.strip()
@@ -85,15 +89,15 @@ def parse_url(url: str) -> Endpoint:
         raise InvalidArgumentError(f"server URL {url!r} has an invalid port") from None
     if scheme in ("http", "https"):
         base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        return Endpoint("http", base, base)
-    if scheme == "grpc":
+        return Endpoint("http", base, base, tls=scheme == "https")
+    if scheme in ("grpc", "grpcs"):
         if port is None:
             raise InvalidArgumentError(f"gRPC server URL {url!r} needs a port")
         if parts.path.strip("/"):
             raise InvalidArgumentError(f"gRPC server URL {url!r} cannot have a path")
-        return Endpoint("grpc", parts.netloc, f"grpc://{parts.netloc}")
+        return Endpoint("grpc", parts.netloc, f"{scheme}://{parts.netloc}", tls=scheme == "grpcs")
     raise InvalidArgumentError(
-        f"server URL {url!r}: scheme must be http, https or grpc, got {parts.scheme!r}"
+        f"server URL {url!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
     )
 
 
@@ -157,8 +161,12 @@ class _ClientBase:
         backoff: float | tuple[float, float] = DEFAULT_BACKOFF,
         max_connections: int = 8,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.endpoint = parse_url(url)
+        self._tls = client_tls(self.endpoint.tls, self.endpoint.url, tls_ca, tls_cert, tls_key)
         if not isinstance(model_name, str) or not model_name:
             raise InvalidArgumentError(f"model_name must be a non-empty string, got {model_name!r}")
         self.model_name = model_name
@@ -229,7 +237,8 @@ class RecserveClient(_ClientBase):
     """Blocking client of a recserve server over HTTP or gRPC (chosen by the URL scheme).
 
     Args:
-        url: ``http://host:port`` or ``grpc://host:port``.
+        url: ``http://host:port`` or ``grpc://host:port``; ``https://`` and ``grpcs://`` for
+            TLS.
         model_name: the model to call (``recserve serve --model-name``).
         timeout: seconds per attempt, > 0 and at most :data:`MAX_TIMEOUT_SECONDS` (1e6)
             (None: no limit); over HTTP it is also sent as the request's ``timeout``
@@ -240,6 +249,12 @@ class RecserveClient(_ClientBase):
         backoff: (min, max) seconds of the exponential backoff between attempts (jittered).
         max_connections: HTTP connections kept per host.
         max_message_bytes: gRPC message size limit (both directions).
+        tls_ca: PEM file of the CA(s) to trust for an ``https://`` or ``grpcs://`` server
+            (default: the system's trust store).
+        tls_cert, tls_key: PEM client certificate and its unencrypted key, for a server that
+            requires client certificates (mutual TLS); together or not at all.
+            TLS options with a plaintext URL, and files that are missing, not PEM or not a
+            matching pair, raise InvalidArgumentError naming the option and the file.
 
     Thread-safe; use one client per server and close it (or use it as a context manager).
     """
@@ -248,8 +263,15 @@ class RecserveClient(_ClientBase):
 
     def _make_backend(self) -> HttpBackend | GrpcBackend:
         if self.protocol == "http":
-            return HttpBackend(self.endpoint.base, max_connections=self._max_connections)
-        return GrpcBackend(self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes)
+            return HttpBackend(
+                self.endpoint.base, max_connections=self._max_connections, tls=self._tls
+            )
+        return GrpcBackend(
+            self.endpoint.base,
+            self.url,
+            max_message_bytes=self._max_message_bytes,
+            tls=self._tls,
+        )
 
     # ------------------------------------------------------------------ plumbing
     def _retrying(self, call: Callable[..., T], *args: Any) -> T:

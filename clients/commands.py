@@ -32,6 +32,7 @@ from typing import IO, Any, cast
 
 import orjson
 
+from clients._tls import CLI_NAMES, add_tls_arguments, client_tls
 from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.errors import InvalidArgumentError, RecserveError
 
@@ -219,6 +220,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retries", type=non_negative_int, default=3, help="retries on 503 / refused"
     )
+    add_tls_arguments(parser)
     parser.set_defaults(handler=_predict)
 
 
@@ -229,6 +231,10 @@ def _predict(args: argparse.Namespace) -> int:
     endpoint = parse_url(args.url)
     if endpoint.protocol != "http":
         raise rows_need_http(endpoint.url)
+    # Checked here to name the flags; the client checks the same files again.
+    client_tls(
+        endpoint.tls, endpoint.url, args.tls_ca, args.tls_cert, args.tls_key, names=CLI_NAMES
+    )
     fmt = detect_format(args.input, args.format)
     check_file(args.input, fmt)
     if not args.output:
@@ -254,7 +260,13 @@ def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any
     from clients.client import RecserveClient
 
     with RecserveClient(
-        args.url, model_name=args.model, timeout=args.timeout, retries=args.retries
+        args.url,
+        model_name=args.model,
+        timeout=args.timeout,
+        retries=args.retries,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     ) as client:
         for numbers, rows in iter_batches(args.input, fmt, args.batch_size):
             try:

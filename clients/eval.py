@@ -33,6 +33,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from clients import eval_report
+from clients._tls import CLI_NAMES
 from clients.eval_encoders import GenericEncoder, PreprocessorEncoder, import_function
 from clients.eval_mapping import FeatureMapping, LabelMapping, default_mapping, load_mapping
 from clients.eval_output import PredictionWriter, Progress
@@ -73,6 +74,10 @@ class EvalOptions:
     timeout: float = 60.0
     calibration_bins: int = 10
     progress: bool = True
+    # TLS for an https:// --url: the CA to trust, the client certificate for mutual TLS.
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
         """Paths as Python callers give them: ``str`` or ``os.PathLike``, and ``data`` as one
@@ -80,7 +85,7 @@ class EvalOptions:
         data = self.data
         paths = (data,) if isinstance(data, (str, os.PathLike)) else data
         object.__setattr__(self, "data", tuple(Path(path) for path in paths))
-        for name in ("out", "checkpoint", "mapping", "report"):
+        for name in ("out", "checkpoint", "mapping", "report", "tls_ca", "tls_cert", "tls_key"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, Path(value))
@@ -105,6 +110,9 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError(
             "give --checkpoint DIR (in-process) or --url URL (a server), or both with --compare"
         )
+    tls = [flag for flag, value in zip(CLI_NAMES, (o.tls_ca, o.tls_cert, o.tls_key)) if value]
+    if tls and o.url is None:
+        raise InvalidArgumentError(f"{', '.join(tls)} given without --url: they are for a server")
     if o.output_transform not in OUTPUT_TRANSFORMS:
         raise InvalidArgumentError(
             f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got {o.output_transform!r}"
@@ -151,7 +159,15 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
         if o.checkpoint is not None:
             local = InProcessScorer(o.checkpoint, o.output_transform)
         if o.url is not None:
-            server = ServerScorer(o.url, o.model, protocol=o.protocol, timeout=o.timeout)
+            server = ServerScorer(
+                o.url,
+                o.model,
+                protocol=o.protocol,
+                timeout=o.timeout,
+                tls_ca=o.tls_ca,
+                tls_cert=o.tls_cert,
+                tls_key=o.tls_key,
+            )
         scorer = local or server
         assert scorer is not None  # _check_options: --checkpoint, --url or both
         signature = scorer.signature

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from clients._tls import add_tls_arguments
 from embedding_store.cli_types import non_negative_float, positive_float, positive_int
 
 
@@ -31,7 +32,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="score in-process")
-    parser.add_argument("--url", metavar="URL", help="score through a server (http://HOST:PORT)")
+    parser.add_argument("--url", metavar="URL", help="score through a server (http(s)://HOST:PORT)")
     parser.add_argument(
         "--compare",
         action="store_true",
@@ -105,6 +106,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace existing --out / --report"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    add_tls_arguments(parser)
     parser.set_defaults(handler=_eval)
 
 
@@ -132,6 +134,9 @@ def _eval(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             calibration_bins=args.calibration_bins,
             progress=not args.quiet,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
     )
     return result.exit_code

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
+from clients._tls import CLI_NAMES, client_tls, tls_hint
 from embedding_store.batch import (
     Batch,
     IDFeature,
@@ -150,6 +153,8 @@ class ServerScorer:
     """
 
     kind = "server"
+    #: TLS settings for an https:// server (None: the system's, or plaintext).
+    _ssl_context: ssl.SSLContext | None = None
 
     def __init__(
         self,
@@ -160,10 +165,17 @@ class ServerScorer:
         timeout: float = 60.0,
         label_column: str | None = None,
         retries: int = 3,
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.url = _normalize_url(url)
+        tls = client_tls(
+            self.url.startswith("https://"), self.url, tls_ca, tls_cert, tls_key, names=CLI_NAMES
+        )
+        self._ssl_context = tls.ssl_context() if tls else None
         self.model = model
         self.protocol = protocol
         self.timeout = timeout
@@ -193,7 +205,9 @@ class ServerScorer:
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(
+                    request, timeout=self.timeout, context=self._ssl_context
+                ) as response:
                     return response.read(), response.headers
             except urllib.error.HTTPError as error:
                 payload = error.read()
@@ -209,6 +223,10 @@ class ServerScorer:
                     raise failure from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
                 reason = getattr(error, "reason", error)
+                if isinstance(reason, ssl.SSLError):  # a retry would fail the same way
+                    raise UnavailableError(
+                        f"TLS with server {self.url} failed: {reason}{tls_hint(str(reason))}"
+                    ) from None
                 if isinstance(reason, TimeoutError):
                     # Not retried (as RecserveClient): the server may still be working on it.
                     raise DeadlineExceededError(

@@ -15,6 +15,7 @@ from embedding_store.cli_types import (
     positive_int,
 )
 from embedding_store.errors import InvalidArgumentError
+from serving.tls import server_tls, tls_flags_problem
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -171,6 +172,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="server processes sharing the ports (SO_REUSEPORT); each loads the model",
     )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help="PEM certificate (chain) of the server: HTTPS and gRPC over TLS on both ports "
+        "(with --tls-key)",
+    )
+    parser.add_argument(
+        "--tls-key", type=Path, default=None, help="PEM private key of --tls-cert (unencrypted)"
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help="PEM CA certificate(s): require client certificates signed by it on both ports "
+        "(mutual TLS)",
+    )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -234,7 +252,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         problem = _token_problem(args.admin_token)
         if problem:
             return f"--admin-token {problem}"
-    return None
+    return tls_flags_problem(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -284,6 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
     problem = check_arguments(args)
     if problem:
         args.parser.error(problem)
+    # Before anything binds or loads: a wrong file must not cost a model load to find.
+    server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     workers = _addresses(args.embedding_workers)
     options = ServeOptions(
         checkpoint=args.checkpoint,
@@ -313,6 +333,9 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         preprocessor=args.preprocessor,
         workers=args.workers,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         reuse_port=args.reuse_port,
         supervisor_pid=args.supervisor_pid,
     )

@@ -226,11 +226,13 @@ def build_grpc_server(
     max_request_bytes: int | None = None,
     maximum_concurrent_rpcs: int | None = None,
     reuse_port: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int, GrpcHealth]:
     """A (not yet started) gRPC server with the inference, health and reflection services.
 
     ``max_request_bytes``: the largest request message (RESOURCE_EXHAUSTED above it; default
-    ``max_message_bytes``), as ``--max-body-bytes`` limits HTTP bodies.
+    ``max_message_bytes``), as ``--max-body-bytes`` limits HTTP bodies. ``credentials``
+    (``grpc.ssl_server_credentials``): TLS on the port; None: plaintext.
     Returns ``(server, bound_port, health)``; ``port=0`` picks a free port. Health starts from
     ``core.ready()``; keep it current with ``health.set_serving(...)`` / ``health.refresh(core)``.
     Call ``server.start()``, and ``health.shutdown(); server.stop(grace)`` to stop.
@@ -256,7 +258,10 @@ def build_grpc_server(
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError:  # grpcio raises "Failed to bind to address ..."
         bound = 0
     if not bound:

@@ -27,7 +27,11 @@ On every connection, fast or not, the protocol also guards what uvicorn's leaves
   ``read_timeout`` seconds of its first byte is answered 408 and closed (slow clients would
   otherwise hold their sockets, and the process's file descriptors, forever).
 - Malformed HTTP gets a 400 with a JSON ``{"error": ...}`` naming the parser's complaint.
-- A client that half-closes its side right after a request still gets the answer.
+- A client that half-closes its side right after a request still gets the answer (over
+  plain TCP: asyncio's SSL transport closes a TLS connection on EOF).
+
+Over HTTPS (``recserve serve --tls-cert``) asyncio's SSL transport sits below the protocol;
+every path here reads and writes through ``self.transport`` only, so all of this holds there.
 """
 
 from __future__ import annotations
@@ -238,6 +242,10 @@ def infer_protocol(
         # asyncio.Protocol.eof_received may return True to keep the transport open; uvicorn
         # annotates its override as returning None, narrower than the protocol it implements.
         def eof_received(self) -> bool | None:  # type: ignore[override]
+            if self.scheme == "https":
+                # asyncio's SSL transport closes on EOF whatever this returns (and logs a
+                # warning for True): over TLS a half-close ends the connection.
+                return None
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete and self.reading_since is None:
                 # Half-closed after a whole request: keep the socket open to answer it.

@@ -42,6 +42,11 @@ class ServeOptions:
     threads: int = 1
     preprocessor: str | None = None  # "module:function" turning JSON instances into a Batch
     workers: int = 1  # server processes sharing the ports (SO_REUSEPORT)
+    # TLS (HTTPS and gRPC SSL) when both are given; client certificates signed by the CA
+    # are required on both ports when tls_client_ca is given too (mutual TLS).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     # Set by a multi-process server for each of its processes: bind with SO_REUSEPORT, and
     # stop once the supervisor (this pid) is gone.
     reuse_port: bool = False

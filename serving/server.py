@@ -36,6 +36,7 @@ from serving.model import LoadedModel, load_model
 from serving.options import ServeOptions
 from serving.processes import _address_family, serve_processes
 from serving.service import PredictionService
+from serving.tls import server_tls
 
 if TYPE_CHECKING:
     import grpc
@@ -107,8 +108,11 @@ class PredictionServer:
         from serving.http_fast_path import InferFastPath
         from serving.http_protocol import infer_protocol, protocol_is_supported
 
-        torch.set_num_threads(self.options.threads)
         o = self.options
+        # Checked before the model loads and anything binds (recserve serve checks them
+        # earlier still; this covers servers started from code).
+        tls = server_tls(o.tls_cert, o.tls_key, o.tls_client_ca)
+        torch.set_num_threads(o.threads)
         model = self._load(None)
         self.service = PredictionService(
             model,
@@ -155,6 +159,9 @@ class PredictionServer:
             )
             if protocol_is_supported()
             else "auto",
+            # HTTPS: asyncio's SSL transport sits under the protocol, which reads and
+            # writes only through its transport, so the fast path is the same over TLS.
+            **(tls.uvicorn_options() if tls else {}),
         )
         self._uvicorn = uvicorn.Server(config)
         self._http_thread = threading.Thread(
@@ -167,6 +174,7 @@ class PredictionServer:
             port=o.grpc_port,
             reuse_port=o.reuse_port,
             max_request_bytes=o.max_body_bytes,
+            credentials=tls.grpc_credentials() if tls else None,
         )
         self._grpc.start()
         deadline = time.monotonic() + 30
@@ -185,7 +193,7 @@ class PredictionServer:
         print(
             f"recserve serving model {o.model_name!r} version {model.version}: "
             f"HTTP listening on {o.host}:{self.http_port}, "
-            f"gRPC listening on {o.host}:{self.grpc_port}",
+            f"gRPC listening on {o.host}:{self.grpc_port}" + (f"; {tls.describe()}" if tls else ""),
             flush=True,
         )
         return self

@@ -32,10 +32,12 @@ DOCS = [
 EXTERNAL_FLAGS = {
     "--build",  # docker compose up
     "--build-arg",  # docker build
+    "--cert",  # kubectl create secret tls
     "--check",  # ruff format
     "--entrypoint",  # docker run
     "--from-literal",  # kubectl create secret
     "--gpus",  # docker run
+    "--key",  # kubectl create secret tls
     "--replicas",  # kubectl scale
 }
 #: What a placeholder in a doc's command stands for, where argparse checks the value's type.

@@ -1,0 +1,227 @@
+"""``recserve serve --tls-cert/--tls-key [--tls-client-ca]`` end to end, on loopback: HTTPS
+and gRPC over TLS through the clients and ``recserve predict`` / ``eval``, mutual TLS, and
+what a client that speaks plaintext, or does not trust the CA, gets. A tiny checkpoint
+(tests/unit/test_eval_tiny_checkpoint.py) keeps the servers quick to start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients import AsyncRecserveClient, RecserveClient
+from clients.eval import EvalOptions, run_eval
+from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.errors import RecserveError, UnavailableError
+from serving.infer_ctx import InferCtx
+from tests.integration.conftest import REPO_ROOT, ServeProcess, _subprocess_env
+from tests.tls_files import TlsFiles, write_tls_files
+from tests.unit.test_eval_tiny_checkpoint import make_checkpoint, write_rows
+
+N_ROWS = 5
+ATOL = 1e-6
+CALL_TIMEOUT = 10.0
+TRUSTS_NOT = "not signed by a CA this client trusts"
+NO_CLIENT_CERTIFICATE = "may require a client certificate"
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> TlsFiles:
+    return write_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-tls") / "checkpoint")
+
+
+def rows() -> list[dict]:
+    """Friendly rows keyed by feature name (the server has no preprocessor)."""
+    return [{"user": i, "tags": [100 + i], "dense": [0.5 * i, -0.25]} for i in range(N_ROWS)]
+
+
+def batch() -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", np.arange(N_ROWS, dtype=np.uint64)),
+            IDTypeFeature.from_lists("tags", [[100 + i] for i in range(N_ROWS)]),
+        ],
+        [
+            NonIDTypeFeature(
+                np.array([[0.5 * i, -0.25] for i in range(N_ROWS)], dtype=np.float32), "dense"
+            )
+        ],
+        requires_grad=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> np.ndarray:
+    """What the checkpoint itself answers (in this process, no server)."""
+    with InferCtx(checkpoint=checkpoint) as ctx:
+        return np.asarray(ctx.forward(batch()))
+
+
+def _stopped(server: ServeProcess) -> None:
+    server.terminate()
+    try:
+        server.process.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def tls_server(checkpoint, tls, serve_process) -> Iterator[ServeProcess]:
+    server = serve_process(checkpoint, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key))
+    try:
+        yield server
+    finally:
+        _stopped(server)
+
+
+@pytest.fixture(scope="module")
+def mtls_server(checkpoint, tls, serve_process) -> Iterator[ServeProcess]:
+    server = serve_process(
+        checkpoint,
+        "--tls-cert", str(tls.cert),
+        "--tls-key", str(tls.key),
+        "--tls-client-ca", str(tls.ca),
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        _stopped(server)
+
+
+def _urls(server: ServeProcess) -> dict[str, str]:
+    return {"https": f"https://{server.http_url}", "grpcs": f"grpcs://{server.grpc_url}"}
+
+
+def test_the_start_up_line_says_tls(tls_server, mtls_server):
+    assert "; TLS on (https://, grpcs://; no client certificates)" in tls_server.log()
+    assert "; TLS on (https://, grpcs://; client certificates required)" in mtls_server.log()
+
+
+def test_https_and_grpcs_answer_the_checkpoints_predictions(tls_server, tls, expected):
+    for scheme, url in _urls(tls_server).items():
+        with RecserveClient(url, tls_ca=tls.ca, timeout=CALL_TIMEOUT) as client:
+            assert client.wait_until_ready(30), scheme
+            np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+            if scheme == "https":  # the friendly route (ASGI), besides the fast infer path
+                result = client.predict(rows())
+                np.testing.assert_allclose(result.predictions, expected, atol=ATOL)
+
+        async def predict_async(url: str = url) -> np.ndarray:
+            async with AsyncRecserveClient(url, tls_ca=tls.ca, timeout=CALL_TIMEOUT) as client:
+                return (await client.predict(batch())).predictions
+
+        np.testing.assert_allclose(asyncio.run(predict_async()), expected, atol=ATOL)
+
+
+def test_plaintext_to_the_tls_ports_fails(tls_server):
+    for url in (f"http://{tls_server.http_url}", f"grpc://{tls_server.grpc_url}"):
+        client = RecserveClient(url, retries=0, timeout=CALL_TIMEOUT)
+        with client, pytest.raises(UnavailableError):
+            client.predict(batch())
+
+
+def test_a_client_that_does_not_trust_the_ca_fails_clearly(tls_server, tls):
+    for url in _urls(tls_server).values():
+        for options in ({"tls_ca": tls.other_ca}, {}):  # another CA; the system's store
+            client = RecserveClient(url, retries=0, timeout=CALL_TIMEOUT, **options)
+            with client, pytest.raises(UnavailableError, match=TRUSTS_NOT):
+                client.predict(batch())
+
+
+def test_mutual_tls_wants_a_certificate_signed_by_the_client_ca(mtls_server, tls, expected):
+    for url in _urls(mtls_server).values():
+        client = RecserveClient(url, tls_ca=tls.ca, retries=0, timeout=CALL_TIMEOUT)
+        with client, pytest.raises(RecserveError, match=NO_CLIENT_CERTIFICATE):
+            client.predict(batch())
+        client = RecserveClient(
+            url,
+            tls_ca=tls.ca,
+            tls_cert=tls.other_client_cert,
+            tls_key=tls.other_client_key,
+            retries=0,
+            timeout=CALL_TIMEOUT,
+        )
+        with client, pytest.raises(RecserveError):
+            client.predict(batch())
+        with RecserveClient(
+            url,
+            tls_ca=tls.ca,
+            tls_cert=tls.client_cert,
+            tls_key=tls.client_key,
+            timeout=CALL_TIMEOUT,
+        ) as client:
+            np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+
+
+def test_recserve_predict_over_https(tls_server, tls, expected, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows()))
+    command = [
+        sys.executable, "-m", "embedding_store.cli", "predict",
+        "--url", f"https://{tls_server.http_url}", "--input", str(data), "--tls-ca", str(tls.ca),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=_subprocess_env(), capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    predictions = [json.loads(line)["prediction"] for line in done.stdout.splitlines()]
+    np.testing.assert_allclose(np.asarray(predictions).reshape(-1), expected.reshape(-1), atol=ATOL)
+
+
+def test_recserve_eval_compares_over_https(tls_server, tls, checkpoint, tmp_path):
+    data = tmp_path / "rows.csv"
+    write_rows(data, n=12)
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "predictions.csv",
+        checkpoint=checkpoint,
+        url=f"https://{tls_server.http_url}",
+        compare=True,
+        label="clicked",
+        progress=False,
+        tls_ca=tls.ca,
+    )
+    result = run_eval(options)
+    assert (result.rows, result.exit_code) == (12, 0)
+
+
+def test_two_worker_processes_answer_over_https(checkpoint, tls, serve_process, expected):
+    server = serve_process(
+        checkpoint, "--workers", "2", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)
+    )
+    try:
+        with RecserveClient(f"https://{server.http_url}", tls_ca=tls.ca) as client:
+            assert client.wait_until_ready(60)
+            for _ in range(4):
+                np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+    finally:
+        _stopped(server)
+    assert server.process.returncode == 0, server.log()[-3000:]
+
+
+def test_a_key_that_does_not_match_stops_serve_before_it_starts(checkpoint, tls):
+    command = [
+        sys.executable, "-m", "embedding_store.cli", "serve", "--checkpoint", str(checkpoint),
+        "--http-port", "0", "--grpc-port", "0",
+        "--tls-cert", str(tls.cert), "--tls-key", str(tls.other_key),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=_subprocess_env(), capture_output=True, timeout=120
+    )
+    stderr = done.stderr.decode()
+    assert done.returncode == 1
+    assert stderr == (
+        f"recserve serve: error: --tls-key {tls.other_key}: this private key does not match "
+        f"the certificate in --tls-cert {tls.cert}\n"
+    )

@@ -1,0 +1,257 @@
+"""TLS options, checked before anything binds or connects: ``recserve serve --tls-*``, the
+clients' ``tls_ca`` / ``tls_cert`` / ``tls_key`` and ``recserve predict|eval --tls-*``.
+Every error names the option and the file."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from pathlib import Path
+
+import pytest
+
+from clients._tls import client_tls, tls_hint
+from clients.client import RecserveClient, parse_url
+from clients.eval import EvalOptions, run_eval
+from embedding_store.cli import main
+from embedding_store.errors import InvalidArgumentError
+from serving import commands
+from serving.options import ServeOptions
+from serving.processes import options_to_argv
+from serving.tls import server_tls
+from tests.tls_files import TlsFiles, write_tls_files
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> TlsFiles:
+    return write_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def not_pem(tmp_path) -> Path:
+    path = tmp_path / "not.pem"
+    path.write_text("hello\n")
+    return path
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+    return parser.parse_args(["serve", "--checkpoint", "ckpt", *argv])
+
+
+# --------------------------------------------------------------------------- server
+def test_the_server_files_are_read_and_matched(tls):
+    checked = server_tls(tls.cert, tls.key, tls.ca)
+    assert checked is not None and checked.mutual
+    assert checked.uvicorn_options() == {
+        "ssl_certfile": str(tls.cert),
+        "ssl_keyfile": str(tls.key),
+        "ssl_ca_certs": str(tls.ca),
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
+    assert "BEGIN" not in repr(checked)  # the key's contents stay out of reprs and logs
+    plain = server_tls(tls.cert, tls.key, None)
+    assert plain is not None and not plain.mutual
+    assert plain.uvicorn_options()["ssl_cert_reqs"] == ssl.CERT_NONE
+    assert server_tls(None, None, None) is None
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            ("--tls-cert", "c.pem"),
+            "--tls-cert given without --tls-key: give both (a certificate and its private key)",
+        ),
+        (
+            ("--tls-key", "k.pem"),
+            "--tls-key given without --tls-cert: give both (a certificate and its private key)",
+        ),
+        (
+            ("--tls-client-ca", "ca.pem"),
+            "--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked "
+            "only on TLS connections",
+        ),
+    ],
+)
+def test_the_server_flags_come_together(given, message):
+    assert commands.check_arguments(_parse(*given)) == message
+
+
+def test_a_missing_file_is_named_with_its_flag(tls, tmp_path):
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(missing, tls.key, None)
+    assert error.value.message == f"--tls-cert {missing}: cannot read it: No such file or directory"
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(tls.cert, tls.key, tmp_path)
+    assert error.value.message == f"--tls-client-ca {tmp_path}: cannot read it: Is a directory"
+
+
+def test_files_that_are_not_pem_are_refused(tls, not_pem):
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(not_pem, tls.key, None)
+    assert error.value.message == (
+        f"--tls-cert {not_pem}: not a PEM certificate file (no '-----BEGIN CERTIFICATE-----' line)"
+    )
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(tls.cert, not_pem, None)
+    assert error.value.message == (
+        f"--tls-key {not_pem}: not a PEM private key (no '-----BEGIN ... PRIVATE KEY-----' line)"
+    )
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(tls.cert, tls.key, not_pem)
+    assert error.value.message.startswith(f"--tls-client-ca {not_pem}: not a PEM certificate")
+
+
+def test_a_certificate_block_that_does_not_parse_is_refused(tls, tmp_path):
+    garbled = tmp_path / "garbled.pem"
+    garbled.write_text("-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n")
+    with pytest.raises(InvalidArgumentError, match=rf"^--tls-cert {garbled}: not a valid PEM"):
+        server_tls(garbled, tls.key, None)
+
+
+def test_a_key_that_does_not_match_the_certificate_is_refused(tls):
+    with pytest.raises(InvalidArgumentError) as error:
+        server_tls(tls.cert, tls.other_key, None)
+    assert error.value.message == (
+        f"--tls-key {tls.other_key}: this private key does not match the certificate in "
+        f"--tls-cert {tls.cert}"
+    )
+
+
+def test_an_encrypted_key_is_refused_rather_than_prompting(tls, tmp_path):
+    encrypted = tmp_path / "encrypted.pem"
+    encrypted.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\nabc\n-----END ENCRYPTED ...\n")
+    with pytest.raises(InvalidArgumentError, match=rf"^--tls-key {encrypted}: the private key is"):
+        server_tls(tls.cert, encrypted, None)
+
+
+def test_recserve_serve_reports_a_bad_key_without_a_traceback(tls, capsys):
+    code = main(
+        ["serve", "--checkpoint", "nowhere", "--tls-cert", str(tls.cert),
+         "--tls-key", str(tls.other_key)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == (
+        f"recserve serve: error: --tls-key {tls.other_key}: this private key does not match "
+        f"the certificate in --tls-cert {tls.cert}\n"
+    )
+
+
+def test_worker_processes_get_the_tls_files(tls):
+    options = ServeOptions(
+        checkpoint=Path("ckpt"), tls_cert=tls.cert, tls_key=tls.key, tls_client_ca=tls.ca
+    )
+    argv = options_to_argv(options)
+    assert f"--tls-cert={tls.cert}" in argv
+    assert f"--tls-key={tls.key}" in argv
+    assert f"--tls-client-ca={tls.ca}" in argv
+    parsed = _parse(*argv[1:])
+    assert (parsed.tls_cert, parsed.tls_key, parsed.tls_client_ca) == (tls.cert, tls.key, tls.ca)
+    assert not any("tls" in arg for arg in options_to_argv(ServeOptions(checkpoint=Path("c"))))
+
+
+# --------------------------------------------------------------------------- clients
+def test_grpcs_is_grpc_over_tls():
+    endpoint = parse_url("grpcs://127.0.0.1:8001")
+    assert (endpoint.protocol, endpoint.base, endpoint.url, endpoint.tls) == (
+        "grpc",
+        "127.0.0.1:8001",
+        "grpcs://127.0.0.1:8001",
+        True,
+    )
+    assert parse_url("https://127.0.0.1:8000").tls
+    assert not parse_url("grpc://127.0.0.1:8001").tls
+    assert not parse_url("127.0.0.1:8000").tls
+
+
+def test_client_options_are_checked_when_the_client_is_made(tls, tmp_path):
+    with RecserveClient("https://127.0.0.1:1", tls_ca=tls.ca) as client:
+        assert client.url == "https://127.0.0.1:1"
+    with RecserveClient(
+        "grpcs://127.0.0.1:1", tls_cert=tls.client_cert, tls_key=tls.client_key
+    ) as client:
+        assert client.protocol == "grpc"
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("http://127.0.0.1:1", tls_ca=tls.ca)
+    assert error.value.message == (
+        "tls_ca given for the plaintext URL http://127.0.0.1:1: use https:// or grpcs:// for TLS"
+    )
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("grpc://127.0.0.1:1", tls_cert=tls.client_cert, tls_key=tls.client_key)
+    assert error.value.message.startswith("tls_cert, tls_key given for the plaintext URL grpc://")
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("https://127.0.0.1:1", tls_cert=tls.client_cert)
+    assert error.value.message == (
+        "tls_cert given without tls_key: give both (a certificate and its private key)"
+    )
+    missing = tmp_path / "ca.pem"
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("https://127.0.0.1:1", tls_ca=missing)
+    assert error.value.message == f"tls_ca {missing}: cannot read it: No such file or directory"
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient(
+            "https://127.0.0.1:1", tls_cert=tls.client_cert, tls_key=tls.other_client_key
+        )
+    assert error.value.message == (
+        f"tls_key {tls.other_client_key}: this private key does not match the certificate "
+        f"in tls_cert {tls.client_cert}"
+    )
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("https://127.0.0.1:1", tls_ca=123)  # type: ignore[arg-type]
+    assert error.value.message == "tls_ca must be the path of a PEM file, got 123"
+
+
+def test_the_cli_names_its_flags(tls, not_pem, capsys, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"user": 1}\n')
+    code = main(
+        ["predict", "--url", "https://127.0.0.1:1", "--input", str(rows), "--tls-ca", str(not_pem)]
+    )
+    assert code == 1
+    assert capsys.readouterr().err == (
+        f"recserve predict: error: --tls-ca {not_pem}: not a PEM certificate file "
+        "(no '-----BEGIN CERTIFICATE-----' line)\n"
+    )
+    code = main(
+        ["predict", "--url", "http://127.0.0.1:1", "--input", str(rows), "--tls-ca", str(tls.ca)]
+    )
+    assert code == 1
+    assert capsys.readouterr().err == (
+        "recserve predict: error: --tls-ca given for the plaintext URL http://127.0.0.1:1: use "
+        "https:// or grpcs:// for TLS\n"
+    )
+    assert client_tls(True, "https://x", tls.ca, names=("--tls-ca", "--tls-cert", "--tls-key"))
+
+
+def test_eval_takes_tls_flags_for_a_server_only(tls, tmp_path):
+    options = EvalOptions(
+        data=(tmp_path / "rows.csv",),
+        out=tmp_path / "out.csv",
+        checkpoint=tmp_path,
+        tls_ca=str(tls.ca),  # type: ignore[arg-type]
+    )
+    assert options.tls_ca == tls.ca
+    with pytest.raises(InvalidArgumentError) as error:
+        run_eval(options)
+    assert error.value.message == "--tls-ca given without --url: they are for a server"
+
+
+@pytest.mark.parametrize(
+    ("message", "secure", "says"),
+    [
+        ("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed", False, "pass tls_ca"),
+        ("EOF occurred in violation of protocol (_ssl.c:2427)", False, "client certificate"),
+        ("[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca", False, "client certificate"),
+        ("failed to connect to all addresses; Socket closed", True, "client certificate"),
+        ("failed to connect to all addresses; Socket closed", False, None),
+        ("[SSL: WRONG_VERSION_NUMBER] wrong version number", False, "speaking plaintext"),
+        ("Connection refused", False, None),
+    ],
+)
+def test_handshake_failures_say_what_to_do(message, secure, says):
+    hint = tls_hint(message, secure=secure)
+    assert (says in hint) if says else hint == ""
