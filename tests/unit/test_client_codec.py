@@ -37,6 +37,7 @@ CLIENT_MODULES = (
     "_grpc",
     "_http",
     "_proto",
+    "_tls",
     "_v2_descriptor",
     "aio",
     "client",
@@ -87,6 +88,7 @@ def test_clients_never_import_serving_or_training():
                         "embedding_store.batch",
                         "embedding_store.errors",
                         "embedding_store.cli_types",
+                        "embedding_store.tls",
                     ), name
 
 
