@@ -22,7 +22,7 @@ from urllib3.exceptions import HTTPError, NewConnectionError, ProtocolError, SSL
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from clients import codec
-from clients._tls import ClientTls, tls_hint
+from clients._tls import CLIENT_CERTIFICATE_HINT, ClientTls, tls_hint
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
@@ -100,6 +100,14 @@ class HttpBackend:
         self, base_url: str, *, max_connections: int = 8, tls: ClientTls | None = None
     ) -> None:
         self.server = base_url.rstrip("/")
+        # A TLS 1.3 client completes its handshake before the server checks the client's
+        # certificate, so a server that wants one may just close the connection after the
+        # request, before the client has read its alert: the drop then says nothing of TLS.
+        self._drop_hint = (
+            CLIENT_CERTIFICATE_HINT
+            if self.server.startswith("https://") and (tls is None or tls.cert is None)
+            else ""
+        )
         self._pool = urllib3.PoolManager(
             num_pools=2,
             maxsize=max_connections,
@@ -155,7 +163,9 @@ class HttpBackend:
             # The connection dropped before an answer (a server restarting, an idle pooled
             # connection closed): retried like gRPC's UNAVAILABLE; inference is idempotent.
             raise RetryableError(
-                UnavailableError(f"server {self.server}: {method} {path} failed: {error}")
+                UnavailableError(
+                    f"server {self.server}: {method} {path} failed: {error}{self._drop_hint}"
+                )
             ) from None
         except (HTTPError, OSError) as error:
             raise UnavailableError(

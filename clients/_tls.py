@@ -111,6 +111,12 @@ _NO_CLIENT_CERTIFICATE = (
 )
 
 
+CLIENT_CERTIFICATE_HINT = (
+    " (the server ended the TLS handshake: it may require a client certificate signed "
+    "by a CA it trusts: pass tls_cert and tls_key / --tls-cert and --tls-key)"
+)
+
+
 def tls_hint(message: str, *, secure: bool = False) -> str:
     """What to do about a TLS failure whose message is ``message`` ("" when not TLS).
     ``secure``: the connection speaks TLS (gRPC reports a handshake the server ended only
@@ -124,10 +130,7 @@ def tls_hint(message: str, *, secure: bool = False) -> str:
     if any(sign in lowered for sign in _NO_CLIENT_CERTIFICATE) or (
         secure and "socket closed" in lowered
     ):
-        return (
-            " (the server ended the TLS handshake: it may require a client certificate signed "
-            "by a CA it trusts: pass tls_cert and tls_key / --tls-cert and --tls-key)"
-        )
+        return CLIENT_CERTIFICATE_HINT
     if "wrong version number" in lowered or "record layer failure" in lowered:
         return " (is the server speaking plaintext? use http:// or grpc://)"
     return ""

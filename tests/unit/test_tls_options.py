@@ -5,16 +5,19 @@ Every error names the option and the file."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
 import ssl
+import threading
 from pathlib import Path
 
 import pytest
 
-from clients._tls import client_tls, tls_hint
+from clients._tls import CLIENT_CERTIFICATE_HINT, client_tls, tls_hint
 from clients.client import RecserveClient, parse_url
 from clients.eval import EvalOptions, run_eval
 from embedding_store.cli import main
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import InvalidArgumentError, UnavailableError
 from serving import commands
 from serving.options import ServeOptions
 from serving.processes import options_to_argv
@@ -255,3 +258,57 @@ def test_eval_takes_tls_flags_for_a_server_only(tls, tmp_path):
 def test_handshake_failures_say_what_to_do(message, secure, says):
     hint = tls_hint(message, secure=secure)
     assert (says in hint) if says else hint == ""
+
+
+class _ClosingTlsServer:
+    """A TLS server on 127.0.0.1 that completes each handshake, reads the request head and
+    closes the connection without an answer: what a TLS 1.3 client sees when a server that
+    wants a client certificate drops it before the client has read the server's alert."""
+
+    def __init__(self, tls: TlsFiles) -> None:
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(tls.cert, tls.key)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(10)
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for _ in range(2):  # one connection per client below; bounded
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), self.context.wrap_socket(raw, server_side=True) as c:
+                c.settimeout(10)
+                received = b""
+                while b"\r\n\r\n" not in received and len(received) < 65536:
+                    chunk = c.recv(4096)
+                    if not chunk:
+                        break
+                    received += chunk
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes a pending accept()
+        self.listener.close()
+        self.thread.join(timeout=10)
+
+
+def test_a_dropped_https_connection_hints_at_a_client_certificate_only_without_one(tls):
+    server = _ClosingTlsServer(tls)
+    url = f"https://127.0.0.1:{server.port}"
+    with_certificate = {"tls_cert": tls.client_cert, "tls_key": tls.client_key}
+    messages = []
+    try:
+        for certificate in ({}, with_certificate):
+            client = RecserveClient(url, tls_ca=tls.ca, retries=0, timeout=10, **certificate)
+            with client, pytest.raises(UnavailableError) as error:
+                client.metadata()
+            messages.append(error.value.message)
+    finally:
+        server.close()
+    assert messages[0].endswith(CLIENT_CERTIFICATE_HINT), messages[0]
+    assert "Remote end closed connection without response" in messages[1], messages[1]
+    assert "client certificate" not in messages[1]
