@@ -34,7 +34,7 @@ def cpu_seconds(pid: int) -> float:
             times = process.cpu_times()
             total += times.user + times.system
         except psutil.Error:
-            pass
+            continue  # it ended between the listing and the reading: its time left with it
     return total
 
 

@@ -253,7 +253,7 @@ class TorchServe:
             except psutil.TimeoutExpired:
                 process.kill()
             except psutil.Error:
-                pass
+                continue  # already gone (or not ours to wait for): nothing left to stop
 
 
 @dataclass

@@ -9,6 +9,7 @@ encoded and, for every row that did not, its index and the reason: a *bad row*.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import math
@@ -81,10 +82,9 @@ class PreprocessorEncoder:
     def encode(self, rows: list[dict[str, Any]]) -> tuple[Batch | None, list[tuple[int, str]]]:
         if not rows:
             return None, []
-        try:
+        # A bad row fails the whole chunk: then encode the rows one by one to name each.
+        with contextlib.suppress(*_ENCODE_ERRORS):
             return self._call(rows), []
-        except _ENCODE_ERRORS:
-            pass
         bad: list[tuple[int, str]] = []
         good: list[dict[str, Any]] = []
         for index, row in enumerate(rows):

@@ -355,7 +355,7 @@ class ServerScorer:
         return None
 
     def close(self) -> None:
-        pass
+        """Nothing to release: each request opens and closes its own connection (urllib)."""
 
 
 class _BatchTooLargeError(InvalidArgumentError):

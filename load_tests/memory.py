@@ -22,6 +22,7 @@ N``, ``server`` is the supervisor holding the ports and each serving process is 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -46,15 +47,13 @@ def rss_bytes(pid: int) -> int | None:
     processes of a ``recserve serve --workers N`` server are sampled one by one
     (:func:`load_tests.stack.child_pids`), so that the one that grows is named and each is
     judged on its own."""
-    try:
+    with contextlib.suppress(ImportError):  # without psutil, read /proc below
         import psutil
 
         try:
             return int(psutil.Process(pid).memory_info().rss)
         except psutil.Error:
             return None
-    except ImportError:
-        pass
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):

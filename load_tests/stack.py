@@ -136,12 +136,13 @@ class ServeProcess:
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.http}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
+            # Not listening yet, or not ready (an error status): ask again below.
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(f"{self.http}/v2/health/ready", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"recserve serve exited with {self.process.returncode} before it was "
