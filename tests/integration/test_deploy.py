@@ -5,13 +5,16 @@ schemas, the kustomization lists exactly the manifests, the ConfigMap's files lo
 recserve's own config loaders, every recserve command line in the manifests and in
 docker-compose parses with the real ``recserve`` parser, and the names that tie the pieces
 together (DNS names of the shards, services, ports, config and checkpoint paths, Prometheus
-targets) agree. Live: both Procfiles run under honcho on free loopback ports; the serving
-one answers a prediction for a checkpoint trained here.
+targets) agree. The TLS overlays (deploy/k8s-overlays) change only the server Deployment, into
+one whose TLS flags name files of its mounted Secrets and whose probes speak TLS. Live: both
+Procfiles run under honcho on free loopback ports; the serving one answers a prediction for a
+checkpoint trained here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import json
@@ -493,6 +496,271 @@ def test_optional_servicemonitors_select_services() -> None:
         assert {e["port"] for e in doc["spec"]["endpoints"]} <= ports
 
 
+# --------------------------------------------------------------------------- TLS overlays
+# deploy/k8s-overlays/tls and .../mtls: kustomize overlays of deploy/k8s (beside it: kustomize
+# refuses an overlay inside its base's directory) that turn on TLS in the prediction server.
+# Rendered here in Python (strategic merge and JSON 6902 patches, the subset they use) and,
+# where kubectl is installed, by `kubectl kustomize`, which must agree.
+OVERLAYS = DEPLOY / "k8s-overlays"
+TLS_OVERLAYS = ("tls", "mtls")
+SERVER_TLS_SECRET = "recserve-server-tls"
+CLIENT_CA_SECRET = "recserve-client-ca"
+#: The flags each overlay puts on the server: flag -> (Secret, key) of the file it names.
+TLS_FILES = {
+    "tls": {"tls_cert": (SERVER_TLS_SECRET, "tls.crt"), "tls_key": (SERVER_TLS_SECRET, "tls.key")},
+    "mtls": {
+        "tls_cert": (SERVER_TLS_SECRET, "tls.crt"),
+        "tls_key": (SERVER_TLS_SECRET, "tls.key"),
+        "tls_client_ca": (CLIENT_CA_SECRET, "ca.crt"),
+    },
+}
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+#: Lists a strategic merge patch merges item by item, by this key (kustomize's, for pods).
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "env": "name",
+    "ports": "containerPort",
+}
+
+requires_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl is not installed"
+)
+
+
+def _strategic_merge(base: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _strategic_merge(base[key], value)
+        elif isinstance(value, list) and key in _MERGE_KEYS and isinstance(base.get(key), list):
+            merge_key = _MERGE_KEYS[key]
+            items = {item[merge_key]: item for item in base[key]}
+            added = []
+            for item in value:
+                if item[merge_key] in items:
+                    _strategic_merge(items[item[merge_key]], item)
+                else:
+                    added.append(copy.deepcopy(item))
+            base[key][:0] = added  # kustomize puts new items first
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def _json_patch(doc: dict, operations: list[dict]) -> None:
+    """RFC 6902 add, remove and test (what the overlays use); a missing path raises."""
+    for operation in operations:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"][1:].split("/")]
+        *parents, last = parts
+        target = doc
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        key: int | str = last
+        if isinstance(target, list):
+            key = len(target) if last == "-" else int(last)
+        op = operation["op"]
+        if op == "test":
+            assert target[key] == operation["value"], f"test failed: {operation}"
+        elif op == "add" and isinstance(target, list):
+            target.insert(key, copy.deepcopy(operation["value"]))
+        elif op == "add":
+            target[key] = copy.deepcopy(operation["value"])
+        elif op == "remove":
+            del target[key]
+        else:
+            pytest.fail(f"unsupported JSON patch op {op!r}")
+
+
+def _keyed(docs) -> dict[tuple[str, str], dict]:
+    keyed = {(d["kind"], d["metadata"]["name"]): copy.deepcopy(d) for d in docs}
+    assert len(keyed) == len(docs), "an object is defined twice"
+    return keyed
+
+
+def render_overlay(directory: Path, base: dict[tuple[str, str], dict]) -> dict:
+    """The objects ``kubectl kustomize directory`` makes of ``base`` (deploy/k8s's objects),
+    for overlays made of resources and patches only."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
+    assert set(k) <= {"apiVersion", "kind", "resources", "patches"}, f"{directory}: {set(k)}"
+    (parent,) = k["resources"]
+    parent_dir = (directory / parent).resolve()
+    assert parent_dir.is_dir(), f"{directory}: {parent} is not a directory"
+    docs = _keyed(base.values()) if parent_dir == K8S else render_overlay(parent_dir, base)
+    for patch in k["patches"]:
+        body = yaml.safe_load((directory / patch["path"]).read_text())
+        if isinstance(body, list):  # JSON 6902: the target names the object
+            target = patch["target"]
+            doc = docs[(target["kind"], target["name"])]
+            api = f"{target['group']}/{target['version']}" if target.get("group") else "v1"
+            assert doc["apiVersion"] == api, f"{patch['path']}: {api} != {doc['apiVersion']}"
+            _json_patch(doc, body)
+        else:  # strategic merge: the patch names the object itself
+            assert "target" not in patch, patch
+            key = (body["kind"], body["metadata"]["name"])
+            assert key in docs, f"{directory / patch['path']} patches no object ({key})"
+            doc = docs[key]
+            assert body["apiVersion"] == doc["apiVersion"], patch["path"]
+            assert body["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+            # Every container the patch names exists (a new one would be added silently).
+            for field in ("containers", "initContainers"):
+                names = {c["name"] for c in pod_spec(doc).get(field, [])}
+                for container in body["spec"]["template"]["spec"].get(field, []):
+                    assert container["name"] in names, f"{patch['path']}: {container['name']}"
+            _strategic_merge(doc, body)
+    return docs
+
+
+def check_tls_server(overlay: str, deployment: dict, base_deployment: dict) -> None:
+    """The server Deployment of ``overlay``: its flags parse, name files in the mounted
+    Secrets, and its probes and scrape annotations speak TLS to ports it has."""
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(deployment, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{overlay}: Deployment/server: {error.message}")
+    (container,) = recserve_containers(deployment)
+    (base_container,) = recserve_containers(base_deployment)
+    assert container["args"][: len(base_container["args"])] == base_container["args"]
+    args = parse_recserve(substituted_args(container))
+    assert args.command == "serve"
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(args, flag)
+        if flag not in TLS_FILES[overlay]:
+            assert path is None, f"{overlay}: --{flag.replace('_', '-')} {path}"
+            continue
+        secret, key = TLS_FILES[overlay][flag]
+        assert path is not None, f"{overlay}: no --{flag.replace('_', '-')}"
+        directory, _, name = str(path).rpartition("/")
+        mount = mounts.get(directory)
+        assert mount is not None, f"{overlay}: {path} is in no mounted volume"
+        assert mount.get("readOnly") is True and "subPath" not in mount, mount
+        volume = volumes[mount["name"]]["secret"]
+        assert volume["secretName"] == secret, f"{overlay}: {path} is not from {secret}"
+        assert not volume.get("optional"), "the server must not start without its certificate"
+        assert "items" not in volume and name == key, f"{overlay}: {path}: key {key}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe_name in PROBES:
+        probe, base_probe = container[probe_name], base_container[probe_name]
+        if overlay == "mtls":  # the kubelet has no client certificate
+            assert "httpGet" not in probe and ports[probe["tcpSocket"]["port"]] == args.http_port
+            handler = "tcpSocket"
+        else:
+            get, base_get = probe["httpGet"], base_probe["httpGet"]
+            assert get["scheme"] == "HTTPS", f"{overlay}: {probe_name}"
+            assert get == dict(base_get, scheme="HTTPS"), f"{overlay}: {probe_name}"
+            assert ports[get["port"]] == args.http_port, f"{overlay}: {probe_name}"
+            handler = "httpGet"
+        timing = {k: v for k, v in probe.items() if k != handler}
+        assert timing == {k: v for k, v in base_probe.items() if k != "httpGet"}, probe_name
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scheme"] == "https"
+    assert annotations["prometheus.io/port"] == str(args.http_port)
+    # Nothing else in the pod changed: the other containers, the rest of the server's.
+    spec, base_spec = pod_spec(deployment), pod_spec(base_deployment)
+    assert spec["initContainers"] == base_spec["initContainers"]
+    assert {k: v for k, v in spec.items() if k not in ("containers", "volumes")} == {
+        k: v for k, v in base_spec.items() if k not in ("containers", "volumes")
+    }
+    assert all(volume in spec["volumes"] for volume in base_spec["volumes"])
+    assert all(mount in container["volumeMounts"] for mount in base_container["volumeMounts"])
+    changed = {*PROBES, "args", "volumeMounts"}
+    assert {k: v for k, v in container.items() if k not in changed} == {
+        k: v for k, v in base_container.items() if k not in changed
+    }
+
+
+@pytest.mark.parametrize("overlay", TLS_OVERLAYS)
+def test_tls_overlay_patches_the_server_deployment(overlay: str) -> None:
+    base = _keyed(core_docs())
+    rendered = render_overlay(OVERLAYS / overlay, base)
+    assert rendered.keys() == base.keys()
+    changed = [key for key in base if rendered[key] != base[key]]
+    assert changed == [("Deployment", "server")], changed
+    check_tls_server(overlay, rendered[("Deployment", "server")], base[("Deployment", "server")])
+
+
+def test_tls_overlays_are_beside_the_base() -> None:
+    # kustomize refuses an overlay inside its base's directory (a cycle), and everything under
+    # deploy/k8s is a manifest the base applies or an optional one.
+    assert list(K8S.rglob("kustomization.yaml")) == [K8S / "kustomization.yaml"]
+    assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == sorted(TLS_OVERLAYS)
+    for overlay in TLS_OVERLAYS:
+        k = yaml.safe_load((OVERLAYS / overlay / "kustomization.yaml").read_text())
+        used = {patch["path"] for patch in k["patches"]}
+        present = {p.name for p in (OVERLAYS / overlay).glob("*.yaml")} - {"kustomization.yaml"}
+        apart = {"servicemonitor-patch.yaml"} if overlay == "tls" else set()
+        assert present == used | apart, f"{overlay}: {sorted(present ^ (used | apart))}"
+
+
+def test_tls_servicemonitor_patch_scrapes_https() -> None:
+    monitor = _server_monitor()
+    patch = yaml.safe_load((OVERLAYS / "tls" / "servicemonitor-patch.yaml").read_text())
+    _json_patch(monitor, patch)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]
+    assert endpoint["path"] == "/metrics"
+    # ... on the Service port that reaches the server's HTTP (and TLS) port.
+    service = by_kind("Service")["server"]
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (container,) = recserve_containers(by_kind("Deployment")["server"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == parse_recserve(container["args"]).http_port
+
+
+@functools.cache
+def kubectl_kustomize(directory: Path) -> dict[tuple[str, str], dict]:
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return _keyed([d for d in yaml.safe_load_all(result.stdout) if d is not None])
+
+
+@requires_kubectl
+@pytest.mark.parametrize("overlay", TLS_OVERLAYS)
+def test_tls_overlay_renders_with_kubectl(overlay: str) -> None:
+    base = kubectl_kustomize(K8S)
+    rendered = kubectl_kustomize(OVERLAYS / overlay)
+    assert rendered.keys() == base.keys()
+    changed = [key for key in base if rendered[key] != base[key]]
+    assert changed == [("Deployment", "server")], changed
+    server, base_server = rendered[("Deployment", "server")], base[("Deployment", "server")]
+    check_tls_server(overlay, server, base_server)
+    # The Python rendering above does what kustomize does.
+    assert render_overlay(OVERLAYS / overlay, base)[("Deployment", "server")] == server
+
+
+def _server_monitor() -> dict:
+    (monitor,) = [
+        copy.deepcopy(d)
+        for d in k8s_docs(K8S / "optional" / "servicemonitor.yaml")
+        if d["metadata"]["name"] == "recserve-server"
+    ]
+    return monitor
+
+
+@requires_kubectl
+def test_tls_servicemonitor_patch_applies_with_kubectl(tmp_path: Path) -> None:
+    """The documented `kubectl patch --type=json --patch-file` takes the file (YAML), and
+    does what the Python patch above does."""
+    monitor = _server_monitor()
+    path = tmp_path / "servicemonitor.yaml"
+    path.write_text(yaml.safe_dump(monitor))
+    patch = OVERLAYS / "tls" / "servicemonitor-patch.yaml"
+    command = ["kubectl", "patch", "--local", "-f", str(path), "--type=json"]
+    command += ["--patch-file", str(patch), "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    _json_patch(monitor, yaml.safe_load(patch.read_text()))
+    assert json.loads(result.stdout) == monitor
+
+
 # --------------------------------------------------------------------------- compose
 def compose() -> dict:
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
@@ -855,6 +1123,18 @@ def test_deploy_docs_exist() -> None:
     text = (REPO_ROOT / "docs" / "deploy.md").read_text()
     for needle in ("Procfile.serving", "docker compose", "kubectl apply -k", "pod-index"):
         assert needle in text, needle
+    # The TLS overlays: the commands that create their Secrets and apply them, and the
+    # files the docs name exist.
+    for needle in (
+        f"create secret tls {SERVER_TLS_SECRET} ",
+        f"create secret generic {CLIENT_CA_SECRET} --from-file=ca.crt=",
+        "kubectl apply -k deploy/k8s-overlays/tls",
+        "kubectl apply -k deploy/k8s-overlays/mtls",
+        "--patch-file deploy/k8s-overlays/tls/servicemonitor-patch.yaml",
+    ):
+        assert needle in text, needle
+    for path in set(re.findall(r"deploy/k8s-overlays/[\w./-]*\w", text)):
+        assert (REPO_ROOT / path).exists(), path
 
 
 def test_compose_healthchecks_probe_the_port_each_service_listens_on() -> None:

@@ -35,10 +35,13 @@ EXTERNAL_FLAGS = {
     "--cert",  # kubectl create secret tls
     "--check",  # ruff format
     "--entrypoint",  # docker run
+    "--from-file",  # kubectl create secret generic
     "--from-literal",  # kubectl create secret
     "--gpus",  # docker run
     "--key",  # kubectl create secret tls
+    "--patch-file",  # kubectl patch
     "--replicas",  # kubectl scale
+    "--type",  # kubectl patch
 }
 #: What a placeholder in a doc's command stands for, where argparse checks the value's type.
 PLACEHOLDERS = {"N": "2", "I": "0", "S": "5", "M": "9100"}
