@@ -4,12 +4,17 @@
     python deploy/scripts/healthcheck.py [TARGET ...] [--wait SECONDS]
 
 A TARGET is ``grpc://HOST:PORT`` (standard gRPC health service, overall status ``""``: the
-parameter servers and embedding workers) or ``http://HOST:PORT/PATH`` (``recserve serve``:
-``/v2/health/ready``). Exit 0 when every target is healthy, else 1 (the reason on stderr).
+parameter servers and embedding workers), ``http://HOST:PORT/PATH`` or ``https://...``
+(``recserve serve``: ``/v2/health/ready``; over https the certificate is not verified, as a
+Kubernetes HTTPS probe does not: the check asks the process on this host, by address), or
+``tcp://HOST:PORT`` (the port accepts connections: ``recserve serve --tls-client-ca``, whose
+mutual TLS refuses a client without a certificate). Exit 0 when every target is healthy,
+else 1 (the reason on stderr).
 
 Without TARGETs: ``$RECSERVE_HEALTHCHECK`` (comma-separated targets), else the target is
 derived from this container's main process (PID 1): ``recserve serve`` ->
-``http://127.0.0.1:HTTP_PORT/v2/health/ready``, ``recserve embedding-parameter-server`` and
+``http://127.0.0.1:HTTP_PORT/v2/health/ready`` (``https://`` with ``--tls-cert``,
+``tcp://127.0.0.1:HTTP_PORT`` with ``--tls-client-ca``), ``recserve embedding-parameter-server`` and
 ``embedding-worker`` -> ``grpc://127.0.0.1:PORT``; any other command (train, data-loader)
 has nothing to check and is healthy. The container images have no curl nor grpc_health_probe:
 this needs only the Python packages recserve already depends on.
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import ssl
 import sys
 import time
 import urllib.error
@@ -57,7 +64,10 @@ def targets_from_argv(argv: list[str]) -> list[str]:
         host = "127.0.0.1"
     if command == "serve":
         port = _flag(argv, "--http-port") or str(SERVE_DEFAULT_HTTP_PORT)
-        return [f"http://{host}:{port}/v2/health/ready"]
+        if _flag(argv, "--tls-client-ca"):
+            return [f"tcp://{host}:{port}"]
+        scheme = "https" if _flag(argv, "--tls-cert") else "http"
+        return [f"{scheme}://{host}:{port}/v2/health/ready"]
     port = _flag(argv, "--port")
     return [f"grpc://{host}:{port}"] if port and port != "0" else []
 
@@ -74,11 +84,21 @@ def default_targets() -> list[str]:
     return targets_from_argv(argv)
 
 
+def _unverified_tls() -> ssl.SSLContext:
+    """TLS without verifying the server: its certificate names its service, not the
+    127.0.0.1 this check dials, and the check asks only whether it is ready."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def check(target: str, timeout: float) -> str | None:
     """None when healthy, else why not."""
     if target.startswith(("http://", "https://")):
+        context = _unverified_tls() if target.startswith("https://") else None
         try:
-            with urllib.request.urlopen(target, timeout=timeout) as response:
+            with urllib.request.urlopen(target, timeout=timeout, context=context) as response:
                 return None if response.status == 200 else f"HTTP {response.status}"
         except urllib.error.HTTPError as error:
             return f"HTTP {error.code}"
@@ -99,7 +119,17 @@ def check(target: str, timeout: float) -> str | None:
         if answer.status == health_pb2.HealthCheckResponse.SERVING:
             return None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-    return "unknown target scheme (expected grpc://HOST:PORT or http://HOST:PORT/PATH)"
+    if target.startswith("tcp://"):
+        host, _, port = target[len("tcp://") :].rstrip("/").rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+                return None
+        except (OSError, ValueError) as error:
+            return str(error)
+    return (
+        "unknown target scheme (expected grpc://HOST:PORT, http(s)://HOST:PORT/PATH or "
+        "tcp://HOST:PORT)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

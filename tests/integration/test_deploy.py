@@ -880,6 +880,13 @@ def test_healthcheck_targets_from_command_lines() -> None:
     assert health.targets_from_argv(["recserve", "embedding-worker", "--port", "7100"]) == [
         "grpc://127.0.0.1:7100"
     ]
+    assert health.targets_from_argv(
+        ["recserve", "serve", "--http-port=8443", "--tls-cert", "c.pem", "--tls-key", "k.pem"]
+    ) == ["https://127.0.0.1:8443/v2/health/ready"]
+    # Mutual TLS refuses a client without a certificate: only the port can be checked.
+    assert health.targets_from_argv(
+        ["recserve", "serve", "--tls-cert=c.pem", "--tls-key=k.pem", "--tls-client-ca=ca.pem"]
+    ) == ["tcp://127.0.0.1:8000"]
     assert health.targets_from_argv(["recserve", "train", "--entry", "x.py"]) == []
     assert health.check("grpc://127.0.0.1:1", timeout=0.5) is not None
     assert health.main(["--wait", "0", "http://127.0.0.1:1/v2/health/ready"]) == 1

@@ -21,6 +21,7 @@ from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleI
 from embedding_store.errors import RecserveError, UnavailableError
 from serving.infer_ctx import InferCtx
 from tests.integration.conftest import REPO_ROOT, ServeProcess, _subprocess_env
+from tests.integration.test_deploy import load_healthcheck_module
 from tests.tls_files import TlsFiles, write_tls_files
 from tests.unit.test_eval_tiny_checkpoint import make_checkpoint, write_rows
 
@@ -225,3 +226,26 @@ def test_a_key_that_does_not_match_stops_serve_before_it_starts(checkpoint, tls)
         f"recserve serve: error: --tls-key {tls.other_key}: this private key does not match "
         f"the certificate in --tls-cert {tls.cert}\n"
     )
+
+
+def test_the_container_health_check_probes_tls_servers(tls_server, mtls_server):
+    """deploy/scripts/healthcheck.py (the images' HEALTHCHECK) derives its target from the
+    serve command line: https for --tls-cert (not verified: the certificate names the
+    service, not 127.0.0.1), a TCP connect under mutual TLS (no client certificate)."""
+    health = load_healthcheck_module()
+    https_port = tls_server.http_url.rsplit(":", 1)[1]
+    target = health.targets_from_argv(
+        ["recserve", "serve", f"--http-port={https_port}", "--tls-cert=c", "--tls-key=k"]
+    )
+    assert target == [f"https://127.0.0.1:{https_port}/v2/health/ready"]
+    assert health.main(target) == 0
+    # Plain http to the TLS port is what the check did before it read the TLS flags.
+    assert health.main([f"http://127.0.0.1:{https_port}/v2/health/ready"]) == 1
+    mtls_port = mtls_server.http_url.rsplit(":", 1)[1]
+    target = health.targets_from_argv(
+        ["recserve", "serve", f"--http-port={mtls_port}", "--tls-cert=c", "--tls-key=k",
+         "--tls-client-ca=ca"]
+    )  # fmt: skip
+    assert target == [f"tcp://127.0.0.1:{mtls_port}"]
+    assert health.main(target) == 0
+    assert health.main([f"https://127.0.0.1:{mtls_port}/v2/health/ready"]) == 1
