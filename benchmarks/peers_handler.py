@@ -48,7 +48,7 @@ BUNDLE_FILE = "recserve_bundle.json"
 #: Binary tensor extension: byte length of the JSON part of the body (request and response).
 HEADER_LENGTH = "Inference-Header-Content-Length"
 OUTPUT_NAME = "prediction"
-_DTYPES = {
+_DTYPES: dict[str, np.dtype] = {
     "INT64": np.dtype(np.int64),
     "UINT64": np.dtype(np.uint64),
     "INT32": np.dtype(np.int32),
@@ -113,8 +113,8 @@ def decode_request(
         if datatype not in _DTYPES:
             raise ValueError(f"input {name!r}: unsupported datatype {datatype!r}")
         dtype = _DTYPES[datatype]
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
-        if size is None:
+        nbytes = (tensor.get("parameters") or {}).get("binary_data_size")
+        if nbytes is None:
             tensors[name] = np.asarray(tensor["data"], dtype=dtype).reshape(shape)
             continue
         if header_length is None:
@@ -123,19 +123,19 @@ def decode_request(
                 f"{HEADER_LENGTH} header"
             )
         expected = int(np.prod(shape)) * dtype.itemsize
-        if size != expected:
+        if nbytes != expected:
             raise ValueError(
-                f"input {name!r}: binary_data_size is {size} but shape {shape} of {datatype} "
+                f"input {name!r}: binary_data_size is {nbytes} but shape {shape} of {datatype} "
                 f"takes {expected} bytes"
             )
-        if offset + size > len(binary):
+        if offset + nbytes > len(binary):
             raise ValueError(
-                f"input {name!r}: binary_data_size {size} runs past the end of the body "
+                f"input {name!r}: binary_data_size {nbytes} runs past the end of the body "
                 f"({len(binary) - offset} bytes of binary data left)"
             )
-        little = np.frombuffer(binary[offset : offset + size], dtype=dtype.newbyteorder("<"))
+        little = np.frombuffer(binary[offset : offset + nbytes], dtype=dtype.newbyteorder("<"))
         tensors[name] = little.astype(dtype).reshape(shape)  # a native, writable copy
-        offset += size
+        offset += nbytes
     if offset != len(binary):
         raise ValueError(
             f"{len(binary) - offset} bytes of binary tensor data are not claimed by any input"
@@ -197,9 +197,10 @@ class RecserveEquivalentHandler:
         whether each asks for a binary answer)."""
         decoded, binary = [], []
         for index, row in enumerate(data):
-            tensors, as_binary = decode_request(
-                self._body(row), request_header(context, index, HEADER_LENGTH)
-            )
+            body = self._body(row)
+            if body is None:
+                raise ValueError(f"request {index} has no body")
+            tensors, as_binary = decode_request(body, request_header(context, index, HEADER_LENGTH))
             decoded.append(tensors)
             binary.append(as_binary)
         sizes = []
@@ -280,7 +281,8 @@ class RecserveEquivalentHandler:
     def postprocess(
         self, predictions: np.ndarray, sizes: list[int], binary: list[bool], context: Context
     ) -> list[str | bytes]:
-        answers, start = [], 0
+        answers: list[str | bytes] = []
+        start = 0
         for index, (size, as_binary) in enumerate(zip(sizes, binary)):
             part = predictions[start : start + size]
             start += size

@@ -40,6 +40,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,19 @@ _inputs: list[traffic.ModelInputs] = []
 _environments: list[Environment] = []
 
 
-def model_inputs(host: str) -> traffic.ModelInputs:
-    """The served model's inputs, read once per load-generator process."""
+def model_inputs(host: str | None) -> traffic.ModelInputs:
+    """The served model's inputs, read once per load-generator process (from ``host``, a
+    recserve base URL, unless the metadata variables say otherwise)."""
     if not _inputs and os.environ.get("RECSERVE_LT_METADATA_FILE"):
         metadata = json.loads(Path(os.environ["RECSERVE_LT_METADATA_FILE"]).read_text())
         _inputs.append(traffic.ModelInputs.from_metadata(metadata))
     if not _inputs:
         base = os.environ.get("RECSERVE_LT_METADATA_URL") or host
+        if not base:
+            raise RuntimeError(
+                "the model's inputs need --host, RECSERVE_LT_METADATA_URL or "
+                "RECSERVE_LT_METADATA_FILE"
+            )
         for attempt in range(20):
             try:
                 metadata = traffic.fetch_metadata(base, MODEL)
@@ -89,7 +96,7 @@ def model_inputs(host: str) -> traffic.ModelInputs:
     return _inputs[0]
 
 
-def payload_pool(kind: str, host: str, process_index: int = 0) -> traffic.PayloadPool:
+def payload_pool(kind: str, host: str | None, process_index: int = 0) -> traffic.PayloadPool:
     """A pool of pre-encoded requests of ``kind``, shared by the users of this process, drawn
     from the stream of this kind and process (``process_index``: locust's worker index)."""
     pool = _pools.get(kind)
@@ -144,7 +151,7 @@ def _stats_row(entry: StatsEntry) -> dict[str, Any]:
 
 
 def final_stats(
-    stats: RequestStats, exceptions: dict[Any, dict[str, Any]], exit_code: int
+    stats: RequestStats, exceptions: Mapping[Any, Mapping[str, Any]], exit_code: int
 ) -> dict[str, Any]:
     """The whole run's stats as a JSON-able dict: per request name, then ``Aggregated``."""
     entries = sorted(stats.entries.values(), key=lambda e: (e.name, e.method or ""))
@@ -212,7 +219,8 @@ class _InferUser(FastHttpUser):
         payload = self.pool.pick()
         with self.client.post(
             self.path,
-            data=payload.body,
+            # locust annotates data as str | dict, but sends bytes as they are
+            data=payload.body,  # type: ignore[arg-type]
             headers=self.headers(payload),
             name=f"{self.label} b{payload.batch_size}",
             catch_response=True,
@@ -297,10 +305,13 @@ class GrpcUser(User):
         from embedding_store.errors import RecserveError
 
         payload = self.pool.pick()
+        arrays = payload.arrays
+        if arrays is None:
+            raise RuntimeError("a grpc pool's payload has no tensors")
         started = time.perf_counter()
         length, exception = 0, None
         try:
-            result = self.client.infer(payload.arrays)
+            result = self.client.infer(arrays)
             length = result.predictions.nbytes
         except RecserveError as error:
             exception = error

@@ -346,6 +346,8 @@ def _run(args: argparse.Namespace) -> int:
         }
         if cluster is not None:
             for process in [*cluster.shards, *cluster.workers]:
+                # start_remote_tier returns the cluster started: each process has its Popen
+                assert process.process is not None
                 pids[process.name.replace(" ", "_")] = process.process.pid
                 stack[process.name] = (process.process, process.log_path)
         interval = args.rss_interval or (max(0.25, min(seconds / 200.0, 5.0)) if args.soak else 1)

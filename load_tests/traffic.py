@@ -156,7 +156,9 @@ def vocab_from_checkpoint(checkpoint: str | os.PathLike) -> dict[str, np.ndarray
 
 
 def save_vocab(vocab: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
-    np.savez(path, **{name: np.asarray(ids, dtype=np.uint64) for name, ids in vocab.items()})
+    arrays = {name: np.asarray(ids, dtype=np.uint64) for name, ids in vocab.items()}
+    # numpy's stubs type every **kwds of savez as its allow_pickle: bool as well
+    np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
 def load_vocab(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ and writes ``--metrics-out`` JSON on rank 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -51,12 +52,12 @@ def evaluate(ctx: TrainCtx, test: features.EncodedRows) -> float:
     """Test AUC with read-only lookups (nothing is inserted, hyperparameters untouched)."""
     scores, labels = [], []
     with eval_ctx(ctx) as evaluator:
-        evaluator.model.eval()
+        ctx.model.eval()  # the evaluator shares this model (unwrapped from DDP)
         for batch in features.iter_batches(test, EVAL_BATCH_SIZE, requires_grad=True):
             output, batch_labels = evaluator.forward(batch)
             scores.append(output.float().reshape(-1).cpu().numpy())
             labels.append(batch_labels[0].reshape(-1).cpu().numpy())
-        evaluator.model.train()
+        ctx.model.train()
     return roc_auc(np.concatenate(labels), np.concatenate(scores))
 
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 train = features.read_encoded(features.TRAIN_PATH)
                 for epoch in range(first_epoch, hp.epochs):
-                    source = IterableDataset(lambda e=epoch: local_batches(hp, train, e))
+                    source = IterableDataset(functools.partial(local_batches, hp, train, epoch))
                     for batch in DataLoader(source, prefetch=2):
                         output, labels = ctx.forward(batch)
                         loss = torch.nn.functional.binary_cross_entropy_with_logits(

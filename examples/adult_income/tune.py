@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +69,9 @@ def train_and_evaluate(
     dense_opt = torch.optim.Adam(
         model.parameters(), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
     )
+    if test.labels is None:
+        raise ValueError("the test rows have no labels to score the AUC against")
+    test_labels = test.labels
     loss_fn = torch.nn.BCEWithLogitsLoss()
     aucs = []
     seconds = 0.0
@@ -85,11 +89,18 @@ def train_and_evaluate(
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()
             dense_opt.step()
-            tier.backward(result.ref, {s.name: leaf.grad for s, leaf in zip(result.slots, leaves)})
+            if result.ref is None:
+                raise RuntimeError("a train lookup returned no ref to send its gradients to")
+            grads = {}
+            for output, leaf in zip(result.slots, leaves):
+                if leaf.grad is None:
+                    raise RuntimeError(f"slot {output.name} got no gradient from the loss")
+                grads[output.name] = leaf.grad
+            tier.backward(result.ref, grads)
             total += loss.item() * batch.batch_size
             count += batch.batch_size
         seconds += time.perf_counter() - start
-        auc = roc_auc(test.labels, predict(tier, model, test))
+        auc = roc_auc(test_labels, predict(tier, model, test))
         aucs.append(auc)
         if verbose:
             print(f"  epoch {epoch + 1}: train loss {total / count:.4f}  test AUC {auc:.4f}")
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     test = features.read_encoded(features.TEST_PATH)
     print(f"encoded {len(train)} train / {len(test)} test rows in {time.perf_counter() - t0:.2f}s")
 
-    overrides = {
+    overrides: dict[str, Any] = {
         f.name: (tuple(getattr(args, f.name)) if f.name == "hidden" else getattr(args, f.name))
         for f in dataclasses.fields(AdultHParams)
         if f.name != "seed"

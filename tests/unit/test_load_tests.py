@@ -841,6 +841,24 @@ def test_a_non_200_answer_without_a_body_counts_as_a_failure():
     assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
 
 
+_NO_HOST = """
+from load_tests import locustfile as lf
+
+try:
+    lf.model_inputs(None)
+except RuntimeError as error:
+    print(error)
+"""
+
+
+def test_a_user_without_a_host_or_metadata_variables_is_told_what_to_set():
+    """A GrpcUser run by hand without --host (locust's User needs none) used to fail with an
+    AttributeError on None when it read the model's inputs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECSERVE_LT_METADATA")}
+    result = run_python(_NO_HOST, env=env)
+    assert "--host, RECSERVE_LT_METADATA_URL or RECSERVE_LT_METADATA_FILE" in result.stdout
+
+
 def test_the_watcher_reload_waits_for_two_of_its_looks():
     """A --watch-seconds of 300 could never reload within a fixed 120 s."""
     from load_tests.checkpoint_reload import watcher_reload_timeout

@@ -206,6 +206,12 @@ def test_malformed_binary_requests_raise_naming_the_problem(model, case):
         _handle(model, [({"body": bytearray(body)}, headers)])
 
 
+def test_a_request_without_a_body_raises_naming_it(model):
+    """A row with neither ``body`` nor ``data`` used to reach json.loads(None): a TypeError."""
+    with pytest.raises(ValueError, match="request 0 has no body"):
+        _handle(model, [({"body": None}, {})])
+
+
 def test_encodings_argument():
     assert peers.parse_args([]).encodings == ["json"]
     assert peers.parse_args(["--encodings", "json,binary"]).encodings == ["json", "binary"]
