@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
         def update(i: int) -> None:
             result = worker.lookup(batches[i], train=True)
+            assert result.ref is not None  # a train lookup keeps its forward context
             worker.backward(result.ref, grads)
 
         r = interleaved_rates(
@@ -212,13 +213,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{'ratio':>6} {'baseline upd':>13} {'update':>12} {'ratio':>6}"
     )
     print(header)
-    for r in results:
+    for row in results:
         print(
-            f"{r['batch_size']:>6} {r['baseline_forward_ids_per_s'] / 1e6:>12.1f}M/s "
-            f"{r['infer_ids_per_s'] / 1e6:>10.1f}M/s {r['infer_ratio']:>6.2f} "
-            f"{r['train_lookup_ids_per_s'] / 1e6:>10.1f}M/s {r['train_ratio']:>6.2f} "
-            f"{r['baseline_forward_backward_sgd_ids_per_s'] / 1e6:>11.1f}M/s "
-            f"{r['train_lookup_and_update_ids_per_s'] / 1e6:>10.1f}M/s {r['update_ratio']:>6.2f}"
+            f"{row['batch_size']:>6} {row['baseline_forward_ids_per_s'] / 1e6:>12.1f}M/s "
+            f"{row['infer_ids_per_s'] / 1e6:>10.1f}M/s {row['infer_ratio']:>6.2f} "
+            f"{row['train_lookup_ids_per_s'] / 1e6:>10.1f}M/s {row['train_ratio']:>6.2f} "
+            f"{row['baseline_forward_backward_sgd_ids_per_s'] / 1e6:>11.1f}M/s "
+            f"{row['train_lookup_and_update_ids_per_s'] / 1e6:>10.1f}M/s "
+            f"{row['update_ratio']:>6.2f}"
         )
     print(json.dumps(results))
 

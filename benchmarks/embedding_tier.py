@@ -51,7 +51,7 @@ from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.config import load_embedding_config
-from embedding_store.launcher import LocalCluster
+from embedding_store.launcher import LocalCluster, ManagedProcess
 from embedding_store.optimizers import Adagrad
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
@@ -175,7 +175,14 @@ def summarize(raw: dict, batch_size: int) -> dict:
     }
 
 
-def preload(tier: EmbeddingTier, rng: np.random.Generator) -> None:
+def started_pid(managed: ManagedProcess) -> int:
+    """The pid of a process of a started :class:`LocalCluster`."""
+    if managed.process is None:
+        raise RuntimeError(f"{managed.name} was not started")
+    return managed.process.pid
+
+
+def preload(tier: EmbeddingTier | RemoteEmbeddingWorker, rng: np.random.Generator) -> None:
     """Insert every ID of every slot with train lookups in large batches (IDs shuffled)."""
     order = rng.permutation(VOCAB).astype(np.uint64)
     for start in range(0, VOCAB, PRELOAD_CHUNK):
@@ -314,9 +321,9 @@ def main() -> None:
                         local.lookup(batches[size][0], train=False).slots,
                     )
                 )
-                shard_pids = {f"shard{i}": s.process.pid for i, s in enumerate(cluster.shards)}
+                shard_pids = {f"shard{i}": started_pid(s) for i, s in enumerate(cluster.shards)}
                 pids = {
-                    "remote": {"worker": cluster.workers[0].process.pid, **shard_pids},
+                    "remote": {"worker": started_pid(cluster.workers[0]), **shard_pids},
                     "direct": shard_pids,
                 }
                 tiers = {"in_process": local, "remote": remote}

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                 label="torchserve",
                                 host=torchserve.inference,
                                 user_class=TORCHSERVE_USERS[encoding],
-                                server_pid=torchserve.process.pid,
+                                server_pid=torchserve.pid,
                             )
                         )
                     return runs

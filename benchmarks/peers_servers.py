@@ -60,9 +60,15 @@ def handler_bundle(checkpoint: Path, model_name: str, output_transform: str) -> 
     from embedding_store import checkpoint_manifest, model_checkpoint
 
     manifest = model_checkpoint.read_manifest(checkpoint)
+    signature = manifest.signature
+    if signature is None:
+        raise SystemExit(
+            f"{checkpoint}: the model manifest has no feature signature, which the TorchServe "
+            "handler needs"
+        )
     config = checkpoint_manifest.read_manifest(manifest.embeddings_directory).embedding_config
     slots = []
-    for feature in manifest.signature.id_features:
+    for feature in signature.id_features:
         slot = config.slot(feature.name)
         if not slot.embedding_summation or slot.hash_stack_config.hash_stack_rounds:
             raise SystemExit(
@@ -86,7 +92,7 @@ def handler_bundle(checkpoint: Path, model_name: str, output_transform: str) -> 
         "id_slots": slots,
         "dense_inputs": [
             {"name": f.name, "sample_shape": list(f.sample_shape)}
-            for f in manifest.signature.non_id_features
+            for f in signature.non_id_features
         ],
     }
 
@@ -230,6 +236,11 @@ class TorchServe:
     def _remember_pids(self) -> None:
         if self.process is not None:
             self.pids.update(p.pid for p in process_tree(self.process.pid))
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None  # started
+        return self.process.pid
 
     def stop(self) -> None:
         """SIGTERM the Java frontend (it stops its workers), then the launcher; SIGKILL what

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Any
 
 import grpc
 import numpy as np
@@ -67,10 +68,10 @@ def _arrays(batch: Batch) -> list[tuple[str, str, np.ndarray]]:
         (f.name, "UINT64", np.ascontiguousarray(f.values, dtype="<u8"))
         for f in batch.id_type_features
     ]
-    out += [
-        (f.name, "FP32", np.ascontiguousarray(f.data, dtype="<f4"))
-        for f in batch.non_id_type_features
-    ]
+    for dense in batch.non_id_type_features:
+        if dense.name is None:
+            raise ValueError("every dense feature of a request needs a name")
+        out.append((dense.name, "FP32", np.ascontiguousarray(dense.data, dtype="<f4")))
     return out
 
 
@@ -304,7 +305,7 @@ def measure(
     http_address: tuple[str, int],
     grpc_target: str,
 ) -> dict[tuple[int, str], Stats]:
-    payloads = {}
+    payloads: dict[int, dict[str, list[Any]]] = {}
     for batch_size in args.batch_sizes:
         batches = list(
             islice(

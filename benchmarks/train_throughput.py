@@ -245,14 +245,14 @@ class RecserveTrainer:
     def evaluate(self) -> tuple[float, float]:
         self.sync()
         with eval_ctx(self.ctx) as evaluator:
-            evaluator.model.eval()
+            self.ctx.model.eval()  # the evaluator shares this model
 
             def predict(index: int) -> torch.Tensor:
                 output, _ = evaluator.forward(self.data.test[index][0])
                 return output
 
             result = held_out(predict, self.data)
-            evaluator.model.train()
+            self.ctx.model.train()
         return result
 
     def close(self) -> None:

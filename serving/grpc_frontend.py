@@ -161,6 +161,14 @@ class InferenceStub:
     """A minimal client of the service over our own messages (tests, tools). Each attribute is
     a unary callable: ``stub.ModelInfer(V2.ModelInferRequest(...), timeout=1.0)``."""
 
+    # Set by __init__, one per entry of _METHODS.
+    ServerLive: grpc.UnaryUnaryMultiCallable
+    ServerReady: grpc.UnaryUnaryMultiCallable
+    ModelReady: grpc.UnaryUnaryMultiCallable
+    ServerMetadata: grpc.UnaryUnaryMultiCallable
+    ModelMetadata: grpc.UnaryUnaryMultiCallable
+    ModelInfer: grpc.UnaryUnaryMultiCallable
+
     def __init__(self, channel: grpc.Channel) -> None:
         for name, request_class, response_class in _METHODS:
             setattr(

@@ -212,6 +212,19 @@ def test_a_request_without_a_body_raises_naming_it(model):
         _handle(model, [({"body": None}, {})])
 
 
+def test_a_checkpoint_without_a_signature_is_refused_naming_it(monkeypatch, tmp_path):
+    """A model manifest may have no feature signature: handler_bundle used to fail with an
+    AttributeError on None."""
+    from types import SimpleNamespace
+
+    from embedding_store import model_checkpoint
+
+    manifest = SimpleNamespace(signature=None, embeddings_directory=tmp_path)
+    monkeypatch.setattr(model_checkpoint, "read_manifest", lambda path: manifest)
+    with pytest.raises(SystemExit, match="no feature signature"):
+        peers_servers.handler_bundle(tmp_path, "model", "sigmoid")
+
+
 def test_encodings_argument():
     assert peers.parse_args([]).encodings == ["json"]
     assert peers.parse_args(["--encodings", "json,binary"]).encodings == ["json", "binary"]
