@@ -391,7 +391,7 @@ def test_files_removed_after_they_were_read_are_named(tls, tmp_path):
 
 
 def test_an_empty_path_is_refused_by_name():
-    """ "" is no file (Path("") would be the current directory)."""
+    """An empty string names no file (Path("") would be the current directory)."""
     with pytest.raises(InvalidArgumentError) as error:
         RecserveClient("https://127.0.0.1:1", tls_ca="")
     assert error.value.message == "tls_ca must be the path of a PEM file, got ''"
