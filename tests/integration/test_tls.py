@@ -197,15 +197,28 @@ def test_recserve_eval_compares_over_https(tls_server, tls, checkpoint, tmp_path
     assert (result.rows, result.exit_code) == (12, 0)
 
 
-def test_two_worker_processes_answer_over_https(checkpoint, tls, serve_process, expected):
+def test_two_worker_processes_answer_over_mutual_tls(checkpoint, tls, serve_process, expected):
+    """The supervisor hands every --tls-* file to its worker processes: each one answers over
+    HTTPS, and each one refuses a client without a certificate (--tls-client-ca)."""
     server = serve_process(
-        checkpoint, "--workers", "2", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)
-    )
+        checkpoint,
+        "--workers", "2",
+        "--tls-cert", str(tls.cert),
+        "--tls-key", str(tls.key),
+        "--tls-client-ca", str(tls.ca),
+    )  # fmt: skip
+    url = f"https://{server.http_url}"
     try:
-        with RecserveClient(f"https://{server.http_url}", tls_ca=tls.ca) as client:
+        with RecserveClient(
+            url, tls_ca=tls.ca, tls_cert=tls.client_cert, tls_key=tls.client_key
+        ) as client:
             assert client.wait_until_ready(60)
             for _ in range(4):
                 np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+        for _ in range(4):  # new connections: the kernel spreads them over the processes
+            client = RecserveClient(url, tls_ca=tls.ca, retries=0, timeout=CALL_TIMEOUT)
+            with client, pytest.raises(RecserveError, match=NO_CLIENT_CERTIFICATE):
+                client.predict(batch())
     finally:
         _stopped(server)
     assert server.process.returncode == 0, server.log()[-3000:]
