@@ -275,6 +275,7 @@ class _ClosingServer:
             self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.context.load_cert_chain(tls.cert, tls.key)
         self.connections = connections
+        self.accepted = 0  # connections accepted so far
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(10)
         self.port = self.listener.getsockname()[1]
@@ -287,6 +288,7 @@ class _ClosingServer:
                 raw, _ = self.listener.accept()
             except OSError:
                 return
+            self.accepted += 1
             with contextlib.suppress(OSError), raw:
                 c = raw if self.context is None else self.context.wrap_socket(raw, server_side=True)
                 with c:
@@ -395,6 +397,9 @@ def test_an_empty_path_is_refused_by_name():
     with pytest.raises(InvalidArgumentError) as error:
         RecserveClient("https://127.0.0.1:1", tls_ca="")
     assert error.value.message == "tls_ca must be the path of a PEM file, got ''"
+    with pytest.raises(InvalidArgumentError) as error:
+        RecserveClient("http://127.0.0.1:1", tls_ca="")
+    assert error.value.message.startswith("tls_ca given for the plaintext URL http://")
 
 
 # --------------------------------------------------------------------------- start-up line
@@ -499,3 +504,19 @@ def test_grpcs_to_a_plaintext_grpc_server_hints_at_the_scheme(tls):
         server.stop(grace=None)
     assert "WRONG_VERSION_NUMBER" in error.value.message
     assert error.value.message.endswith(_PLAINTEXT_HINT)
+
+
+def test_a_failed_handshake_is_not_retried(tls):
+    """A server certificate this client does not trust fails the same way on every try: one
+    connection, however many retries are allowed."""
+    server = _ClosingServer(tls, connections=3)
+    try:
+        client = RecserveClient(
+            f"https://127.0.0.1:{server.port}", tls_ca=tls.other_ca, retries=2, backoff=0.01
+        )
+        with client, pytest.raises(UnavailableError) as error:
+            client.metadata()
+    finally:
+        server.close()
+    assert error.value.message.endswith(_TRUST_HINT)
+    assert server.accepted == 1
