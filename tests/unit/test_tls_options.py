@@ -174,6 +174,27 @@ def test_grpcs_is_grpc_over_tls():
     assert not parse_url("127.0.0.1:8000").tls
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("grpcs://127.0.0.1", "gRPC server URL 'grpcs://127.0.0.1' needs a port"),
+        (
+            "grpcs://127.0.0.1:8001/v2",
+            "gRPC server URL 'grpcs://127.0.0.1:8001/v2' cannot have a path",
+        ),
+        (
+            "grpcx://127.0.0.1:8001",
+            "server URL 'grpcx://127.0.0.1:8001': scheme must be http, https, grpc or grpcs, "
+            "got 'grpcx'",
+        ),
+    ],
+)
+def test_a_grpcs_url_is_checked_as_a_grpc_one(url, message):
+    with pytest.raises(InvalidArgumentError) as error:
+        parse_url(url)
+    assert error.value.message == message
+
+
 def test_client_options_are_checked_when_the_client_is_made(tls, tmp_path):
     with RecserveClient("https://127.0.0.1:1", tls_ca=tls.ca) as client:
         assert client.url == "https://127.0.0.1:1"
