@@ -111,6 +111,10 @@ _NO_CLIENT_CERTIFICATE = (
 )
 
 
+#: What a TLS client reads when the server answered its handshake in plaintext.
+_PLAINTEXT_SERVER = ("wrong version number", "wrong_version_number", "record layer failure")
+
+
 CLIENT_CERTIFICATE_HINT = (
     " (the server ended the TLS handshake: it may require a client certificate signed "
     "by a CA it trusts: pass tls_cert and tls_key / --tls-cert and --tls-key)"
@@ -131,7 +135,9 @@ def tls_hint(message: str, *, secure: bool = False) -> str:
         secure and "socket closed" in lowered
     ):
         return CLIENT_CERTIFICATE_HINT
-    if "wrong version number" in lowered or "record layer failure" in lowered:
+    # OpenSSL says "wrong version number" (or "record layer failure" from 3.2), gRPC's
+    # BoringSSL only WRONG_VERSION_NUMBER.
+    if any(sign in lowered for sign in _PLAINTEXT_SERVER):
         return " (is the server speaking plaintext? use http:// or grpc://)"
     return ""
 

@@ -18,6 +18,7 @@ import pytest
 from clients import AsyncRecserveClient, RecserveClient
 from clients.eval import EvalOptions, run_eval
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.cli import main
 from embedding_store.errors import RecserveError, UnavailableError
 from serving.infer_ctx import InferCtx
 from tests.integration.conftest import REPO_ROOT, ServeProcess, _subprocess_env
@@ -197,15 +198,28 @@ def test_recserve_eval_compares_over_https(tls_server, tls, checkpoint, tmp_path
     assert (result.rows, result.exit_code) == (12, 0)
 
 
-def test_two_worker_processes_answer_over_https(checkpoint, tls, serve_process, expected):
+def test_two_worker_processes_answer_over_mutual_tls(checkpoint, tls, serve_process, expected):
+    """The supervisor hands every --tls-* file to its worker processes: each one answers over
+    HTTPS, and each one refuses a client without a certificate (--tls-client-ca)."""
     server = serve_process(
-        checkpoint, "--workers", "2", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)
-    )
+        checkpoint,
+        "--workers", "2",
+        "--tls-cert", str(tls.cert),
+        "--tls-key", str(tls.key),
+        "--tls-client-ca", str(tls.ca),
+    )  # fmt: skip
+    url = f"https://{server.http_url}"
     try:
-        with RecserveClient(f"https://{server.http_url}", tls_ca=tls.ca) as client:
+        with RecserveClient(
+            url, tls_ca=tls.ca, tls_cert=tls.client_cert, tls_key=tls.client_key
+        ) as client:
             assert client.wait_until_ready(60)
             for _ in range(4):
                 np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+        for _ in range(4):  # new connections: the kernel spreads them over the processes
+            client = RecserveClient(url, tls_ca=tls.ca, retries=0, timeout=CALL_TIMEOUT)
+            with client, pytest.raises(RecserveError, match=NO_CLIENT_CERTIFICATE):
+                client.predict(batch())
     finally:
         _stopped(server)
     assert server.process.returncode == 0, server.log()[-3000:]
@@ -249,3 +263,56 @@ def test_the_container_health_check_probes_tls_servers(tls_server, mtls_server):
     assert target == [f"tcp://127.0.0.1:{mtls_port}"]
     assert health.main(target) == 0
     assert health.main([f"https://127.0.0.1:{mtls_port}/v2/health/ready"]) == 1
+
+
+def test_the_async_grpcs_client_hints_at_a_missing_client_certificate(mtls_server, tls):
+    async def predict_without_certificate() -> None:
+        async with AsyncRecserveClient(
+            f"grpcs://{mtls_server.grpc_url}", tls_ca=tls.ca, retries=0, timeout=CALL_TIMEOUT
+        ) as client:
+            await client.predict(batch())
+
+    with pytest.raises(RecserveError, match=NO_CLIENT_CERTIFICATE):
+        asyncio.run(predict_without_certificate())
+
+
+def test_recserve_predict_and_eval_present_a_client_certificate(
+    mtls_server, tls, expected, tmp_path
+):
+    """The --tls-* flags of both commands reach the connection: the server requires a client
+    certificate signed by its --tls-client-ca."""
+    certificate = ["--tls-ca", str(tls.ca), "--tls-cert", str(tls.client_cert),
+                   "--tls-key", str(tls.client_key)]  # fmt: skip
+    url = f"https://{mtls_server.http_url}"
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows()))
+    output = tmp_path / "predictions.jsonl"
+    command = ["predict", "--url", url, "--input", str(data), "--output", str(output)]
+    assert main([*command, *certificate]) == 0
+    predictions = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
+    np.testing.assert_allclose(np.asarray(predictions).reshape(-1), expected.reshape(-1), atol=ATOL)
+
+    csv = tmp_path / "rows.csv"
+    write_rows(csv, n=12)
+    out = tmp_path / "eval.csv"
+    command = ["eval", "--url", url, "--data", str(csv), "--out", str(out), "--label", "clicked"]
+    assert main([*command, "--quiet", *certificate]) == 0
+    assert len(out.read_text().splitlines()) == 1 + 12  # a header and one line per row
+
+
+def test_recserve_eval_says_when_it_does_not_trust_the_server(tls_server, tls, tmp_path):
+    """A handshake failure is not retried, and says what to pass."""
+    data = tmp_path / "rows.csv"
+    write_rows(data, n=4)
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "predictions.csv",
+        url=f"https://{tls_server.http_url}",
+        label="clicked",
+        progress=False,
+        tls_ca=tls.other_ca,
+    )
+    with pytest.raises(UnavailableError) as error:
+        run_eval(options)
+    assert error.value.message.startswith(f"TLS with server https://{tls_server.http_url} failed")
+    assert TRUSTS_NOT in error.value.message
