@@ -19,7 +19,7 @@ import numpy as np
 
 from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
-from clients._tls import ClientTls, tls_hint
+from clients._tls import ClientTls, handshake_refused, tls_hint
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import FailedPreconditionError, RecserveError
@@ -71,7 +71,10 @@ def _failure(
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
-    return RetryableError(mapped) if name == "UNAVAILABLE" else mapped
+    # UNAVAILABLE is retried (a server restarting), but not a refused TLS handshake: it
+    # would fail the same way, only later.
+    retry = name == "UNAVAILABLE" and not handshake_refused(details or "")
+    return RetryableError(mapped) if retry else mapped
 
 
 def _stubs(channel: Any) -> dict[str, Any]:

@@ -142,6 +142,28 @@ def tls_hint(message: str, *, secure: bool = False) -> str:
     return ""
 
 
+#: Signs that the peer refused the handshake itself: a retry would fail the same way. (An
+#: unexpected EOF or a closed socket may also be a server restarting: those stay retryable.)
+_HANDSHAKE_REFUSED = (
+    "certificate_verify_failed",
+    "certificate verify failed",
+    "certificate required",
+    "certificate_required",
+    "unknown ca",
+    "unknown_ca",
+    "bad certificate",
+    "bad_certificate",
+    *_PLAINTEXT_SERVER,
+)
+
+
+def handshake_refused(message: str) -> bool:
+    """Whether ``message`` says the TLS handshake was refused for good (an untrusted
+    certificate, a client certificate refused or missing, a plaintext peer)."""
+    lowered = message.lower()
+    return any(sign in lowered for sign in _HANDSHAKE_REFUSED)
+
+
 #: The flags of ``recserve predict`` and ``recserve eval``.
 CLI_NAMES = ("--tls-ca", "--tls-cert", "--tls-key")
 

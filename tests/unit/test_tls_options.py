@@ -12,12 +12,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
+from clients._grpc import _failure as _grpc_failure
 from clients._tls import CLIENT_CERTIFICATE_HINT, client_tls, tls_hint
 from clients.client import RecserveClient, parse_url
 from clients.eval import EvalOptions, run_eval
 from clients.eval_scorers import ServerScorer
+from clients.retry import RetryableError
 from embedding_store.cli import main
 from embedding_store.errors import InvalidArgumentError, UnavailableError
 from embedding_store.tls import PemFile, check_key_pair, read_certificates
@@ -541,3 +544,39 @@ def test_a_failed_handshake_is_not_retried(tls):
         server.close()
     assert error.value.message.endswith(_TRUST_HINT)
     assert server.accepted == 1
+
+
+class _RpcError(grpc.RpcError):
+    """What a failed gRPC call raises: a status code and its details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    ("details", "retried"),
+    [
+        ("failed to connect to all addresses; last error: Connection refused", True),
+        ("Socket closed", True),  # also a server restarting: retried
+        ("OPENSSL_internal:CERTIFICATE_VERIFY_FAILED", False),
+        ("OPENSSL_internal:WRONG_VERSION_NUMBER", False),
+        ("OPENSSL_internal:TLSV1_ALERT_UNKNOWN_CA", False),
+        ("ssl alert certificate required", False),
+    ],
+)
+def test_grpc_retries_unavailable_but_not_a_refused_handshake(details, retried):
+    """A refused TLS handshake fails the same way on every try: the gRPC client raises it at
+    once, as the HTTP client does, instead of after its retries' back-off."""
+    failure = _grpc_failure(
+        "grpcs://127.0.0.1:1", _RpcError(grpc.StatusCode.UNAVAILABLE, details), secure=True
+    )
+    assert isinstance(failure, RetryableError) is retried
+    error = failure.error if isinstance(failure, RetryableError) else failure
+    assert isinstance(error, UnavailableError)
+    assert details in error.message
