@@ -28,12 +28,14 @@ import grpc
 from embedding_store.batch import Batch
 from embedding_store.errors import InvalidArgumentError, UnavailableError
 from embedding_store.grpc_common import (
+    bind_tier_port,
     call,
     channel_options,
     rpc_errors,
     server_interceptors,
     server_options,
     tier_channel,
+    tier_tls,
 )
 from training import distributed
 from training.env import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
@@ -239,13 +241,14 @@ class StreamingDataset:
     def start(self) -> StreamingDataset:
         """Start listening (iteration starts it too); returns self."""
         if self._server is None:
+            tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is bound
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.num_loaders + 4),
                 options=server_options(),
                 interceptors=server_interceptors(),
             )
             pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
-            bound = server.add_insecure_port(f"{self.host}:{self.port}")
+            bound = bind_tier_port(server, f"{self.host}:{self.port}")
             if bound == 0:
                 raise UnavailableError(f"StreamingDataset cannot listen on {self.host}:{self.port}")
             self.port = bound
