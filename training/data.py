@@ -108,6 +108,12 @@ class DataCtx:
             from embedding_store.grpc_common import error_from_rpc
 
             gone = "" if first else " (it took batches before: has its training stopped?)"
+            if first and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Waiting for it hides why: not started, or a TLS handshake that fails.
+                gone = (
+                    " (never reached: is it started, with the same RECSERVE_TIER_TLS_* "
+                    "settings as this loader?)"
+                )
             raise error_from_rpc(error, f"NN worker {self.addresses[target]}{gone}") from None
         self._sequence += 1
         self._sent[target] += 1
