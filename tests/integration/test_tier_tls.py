@@ -168,8 +168,8 @@ def test_data_loaders_stream_to_a_trainer_under_mutual_tls(tls, monkeypatch):
     try:
         loader = DataCtx([f"127.0.0.1:{other.port}"], replica_index=0, replica_size=1, timeout=2)
         with (
-            loader,
             pytest.raises(DeadlineExceededError, match=r"same RECSERVE_TIER_TLS_\* settings"),
+            loader,
         ):
             loader.send_data(batch_of(0, batch_size=2))
         assert time.monotonic() - started < 10
