@@ -345,7 +345,6 @@ def tls_hint(details: str) -> str:
         sign in lowered
         for sign in (
             "socket closed",
-            "connection reset",
             "unknown ca",
             "unknown_ca",
             "certificate required",
