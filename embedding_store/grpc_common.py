@@ -14,7 +14,9 @@ import functools
 import hmac
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ from google.protobuf.message import DecodeError, Message
 
 from embedding_store.errors import (
     CheckpointError,
+    ConfigError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -32,6 +35,7 @@ from embedding_store.errors import (
     grpc_code_name_of,
     public_message_of,
 )
+from embedding_store.tls import PemFile, check_key_pair, read_certificates, read_private_key
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +217,151 @@ class _CallDetails(
     """A call's details with the token added (grpc gives no public constructor)."""
 
 
+# --------------------------------------------------------------------------- mutual TLS
+#: Environment variables with the embedding tier's TLS files (PEM paths, e.g. a mounted
+#: Kubernetes Secret written by cert-manager: tls.crt, tls.key, ca.crt). All three set: every
+#: tier server requires TLS with a client certificate signed by the CA, and every tier client
+#: presents its certificate and verifies the server's against the same CA (mutual TLS). None
+#: set: plaintext. Anything in between is an error.
+TLS_CERT_VARIABLE = "RECSERVE_TIER_TLS_CERT"
+TLS_KEY_VARIABLE = "RECSERVE_TIER_TLS_KEY"
+TLS_CA_VARIABLE = "RECSERVE_TIER_TLS_CA"
+TLS_VARIABLES = (TLS_CERT_VARIABLE, TLS_KEY_VARIABLE, TLS_CA_VARIABLE)
+
+
+@dataclass(frozen=True)
+class TierTls:
+    """The tier's certificate chain and key (each process presents them, as a server and as
+    a client) and the CA that signed every certificate of the tier."""
+
+    cert: PemFile
+    key: PemFile
+    ca: PemFile
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Client certificates required, signed by the tier's CA."""
+        return grpc.ssl_server_credentials(
+            [(self.key.data, self.cert.data)],
+            root_certificates=self.ca.data,
+            require_client_auth=True,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """The server's certificate checked against the tier's CA; ours presented."""
+        return grpc.ssl_channel_credentials(self.ca.data, self.key.data, self.cert.data)
+
+
+#: Parsed files per (cert, key, ca) paths: read and checked once per process, not per channel.
+_TLS_CACHE: dict[tuple[str, str, str], TierTls] = {}
+_TLS_LOCK = threading.Lock()
+
+
+def _tls_paths() -> dict[str, str]:
+    """The TLS variables that are set (non-empty), by name."""
+    return {name: value for name in TLS_VARIABLES if (value := os.environ.get(name, "").strip())}
+
+
+def tier_tls() -> TierTls | None:
+    """The tier's TLS files from ``RECSERVE_TIER_TLS_CERT``, ``RECSERVE_TIER_TLS_KEY`` and
+    ``RECSERVE_TIER_TLS_CA``, or None when none is set (plaintext). ConfigError, naming the
+    variable and the file, when only some are set or a file is missing, not PEM, an
+    encrypted key, or a key that does not match the certificate. Read once per process (per
+    set of paths): call it at start-up; later calls cost a dictionary lookup."""
+    given = _tls_paths()
+    if not given:
+        return None
+    missing = [name for name in TLS_VARIABLES if name not in given]
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(given)} set without {' and '.join(missing)}: the embedding tier's "
+            f"mutual TLS needs all three of {', '.join(TLS_VARIABLES)} (or none, for plaintext)"
+        )
+    key = (given[TLS_CERT_VARIABLE], given[TLS_KEY_VARIABLE], given[TLS_CA_VARIABLE])
+    with _TLS_LOCK:
+        cached = _TLS_CACHE.get(key)
+        if cached is None:
+            try:
+                cert = read_certificates(TLS_CERT_VARIABLE, key[0])
+                private_key = read_private_key(TLS_KEY_VARIABLE, key[1])
+                ca = read_certificates(TLS_CA_VARIABLE, key[2])
+                check_key_pair(cert, private_key)
+            except InvalidArgumentError as error:
+                raise ConfigError(error.message) from None
+            cached = _TLS_CACHE[key] = TierTls(cert, private_key, ca)
+        return cached
+
+
+def reset_tier_tls_cache() -> None:
+    """Forget the files read by :func:`tier_tls` (tests; certificates rotated in place)."""
+    with _TLS_LOCK:
+        _TLS_CACHE.clear()
+
+
+def bind_tier_port(server: grpc.Server, address: str) -> int:
+    """``server.add_secure_port`` with the tier's mutual TLS when :func:`tier_tls` gives
+    it, else ``add_insecure_port`` (today's plaintext). Returns the port bound (0: none).
+    ConfigError for bad TLS variables, before anything is bound."""
+    tls = tier_tls()
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials())
+
+
+def tier_transport() -> str:
+    """For start-up lines: ``"mutual TLS"`` or ``"plaintext"``."""
+    return "mutual TLS" if tier_tls() is not None else "plaintext"
+
+
 def tier_channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
-    """A channel to a tier service at ``address``: insecure transport (mTLS is the
-    network's, e.g. a service mesh), with the shared token on every call when one is set."""
-    channel = grpc.insecure_channel(address, options=options or channel_options())
+    """A channel to a tier service at ``address``: mutual TLS when the RECSERVE_TIER_TLS_*
+    variables are set (:func:`tier_tls`; ConfigError for bad ones, now rather than at the
+    first call), else insecure; with the shared token on every call when one is set."""
+    tls = tier_tls()
+    options = options or channel_options()
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
     token = tier_token()
     return grpc.intercept_channel(channel, _SendToken(token)) if token else channel
+
+
+def tls_hint(details: str) -> str:
+    """What to check when a tier call failed with ``details`` that read like a TLS failure
+    ("" otherwise), for the RECSERVE_TIER_TLS_* variables of this process or its peer."""
+    lowered = details.lower()
+    secure = bool(_tls_paths())
+    if "certificate_verify_failed" in lowered or "certificate verify failed" in lowered:
+        return (
+            f" (TLS: the peer's certificate is not signed by the CA in {TLS_CA_VARIABLE}, "
+            "or does not name the address dialled)"
+        )
+    if "wrong_version_number" in lowered or "wrong version number" in lowered:
+        return (
+            " (TLS: the peer answered in plaintext: set RECSERVE_TIER_TLS_CERT, _KEY and _CA "
+            "for every tier process, or for none)"
+        )
+    handshake_ended = any(
+        sign in lowered
+        for sign in (
+            "socket closed",
+            "unknown ca",
+            "unknown_ca",
+            "certificate required",
+            "certificate_required",
+            "bad certificate",
+            "bad_certificate",
+            "handshake",
+        )
+    )
+    if not handshake_ended:
+        return ""
+    if secure:
+        return (
+            f" (TLS: the peer ended the handshake: is this process's {TLS_CERT_VARIABLE} "
+            "signed by the CA the peer trusts?)"
+        )
+    return " (if the embedding tier uses TLS, set RECSERVE_TIER_TLS_CERT, _KEY and _CA here too)"
 
 
 # --------------------------------------------------------------------------- packed arrays
@@ -372,7 +515,7 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return UnavailableError(f"{peer} is unavailable: {details}")
+        return UnavailableError(f"{peer} is unavailable: {details}{tls_hint(details)}")
     if code == grpc.StatusCode.CANCELLED:
         # Our clients never cancel a call whose status they read, so the server did: it was
         # stopping while the call arrived. Retryable, like UNAVAILABLE.

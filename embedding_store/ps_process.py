@@ -44,9 +44,11 @@ from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_servicer,
+    bind_tier_port,
     format_address,
     server_interceptors,
     server_options,
+    tier_tls,
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.ps_service import SERVICE_NAME, ParameterServerServicer
@@ -166,6 +168,7 @@ class ParameterServerProcess:
 
     def start(self) -> None:
         opts = self.options
+        tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is made or bound
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
@@ -183,7 +186,7 @@ class ParameterServerProcess:
         )
         requested = format_address(opts.host, opts.port)
         try:
-            port = server.add_insecure_port(requested)
+            port = bind_tier_port(server, requested)
         except RuntimeError as error:
             raise UnavailableError(f"cannot listen on {requested}: {error}") from None
         if not port:

@@ -36,6 +36,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_servicer,
+    bind_tier_port,
     format_address,
     rpc_errors,
     rpc_stream_errors,
@@ -277,7 +278,7 @@ def serve_embedding_worker(
     metrics_httpd = None
     try:
         try:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            bound = bind_tier_port(server, f"{host}:{port}")
             if bound == 0:
                 raise UnavailableError(f"cannot listen on {host}:{port}")
             if metrics_port is not None:

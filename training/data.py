@@ -28,12 +28,14 @@ import grpc
 from embedding_store.batch import Batch
 from embedding_store.errors import InvalidArgumentError, UnavailableError
 from embedding_store.grpc_common import (
+    bind_tier_port,
     call,
     channel_options,
     rpc_errors,
     server_interceptors,
     server_options,
     tier_channel,
+    tier_tls,
 )
 from training import distributed
 from training.env import NN_WORKERS_ENV, NUM_LOADERS_ENV, REPLICA_INDEX_ENV, REPLICA_SIZE_ENV
@@ -106,6 +108,12 @@ class DataCtx:
             from embedding_store.grpc_common import error_from_rpc
 
             gone = "" if first else " (it took batches before: has its training stopped?)"
+            if first and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Waiting for it hides why: not started, or a TLS handshake that fails.
+                gone = (
+                    " (never reached: is it started, with the same RECSERVE_TIER_TLS_* "
+                    "settings as this loader?)"
+                )
             raise error_from_rpc(error, f"NN worker {self.addresses[target]}{gone}") from None
         self._sequence += 1
         self._sent[target] += 1
@@ -239,13 +247,14 @@ class StreamingDataset:
     def start(self) -> StreamingDataset:
         """Start listening (iteration starts it too); returns self."""
         if self._server is None:
+            tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is bound
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.num_loaders + 4),
                 options=server_options(),
                 interceptors=server_interceptors(),
             )
             pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
-            bound = server.add_insecure_port(f"{self.host}:{self.port}")
+            bound = bind_tier_port(server, f"{self.host}:{self.port}")
             if bound == 0:
                 raise UnavailableError(f"StreamingDataset cannot listen on {self.host}:{self.port}")
             self.port = bound

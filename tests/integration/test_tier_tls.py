@@ -1,0 +1,178 @@
+"""The embedding tier under mutual TLS (RECSERVE_TIER_TLS_CERT / _KEY / _CA): 2 parameter
+servers and 1 embedding worker as real subprocesses on 127.0.0.1, every one with one
+certificate for 127.0.0.1 signed by the tier's CA. Lookups equal the in-process tier bit for
+bit; a plaintext client and a client whose certificate another CA signed are refused at
+once, with a message that says what to check."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import yaml
+
+from embedding_store.config import load_embedding_config
+from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.grpc_common import TLS_VARIABLES, reset_tier_tls_cache
+from embedding_store.launcher import LocalCluster
+from embedding_store.ps_client import RemoteParameterServer
+from embedding_store.worker_client import RemoteEmbeddingWorker
+from tests.integration.test_embedding_tier import (
+    EMBEDDING_CONFIG,
+    OPTIMIZER,
+    assert_same_lookup,
+    batch_of,
+    gradients,
+    local_tier,
+)
+from tests.tls_files import TlsFiles, write_tls_files
+from training.data import DataCtx, StreamingDataset
+
+CERT, KEY, CA = TLS_VARIABLES
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> TlsFiles:
+    # Its "server" certificate (127.0.0.1, localhost; client and server usage) serves every
+    # tier process, as server and as client.
+    return write_tls_files(tmp_path_factory.mktemp("tier-tls"))
+
+
+@pytest.fixture(scope="module")
+def config_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    embedding = root / "embedding_config.yml"
+    embedding.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
+    global_config = root / "global_config.yml"
+    global_config.write_text(
+        yaml.safe_dump({"embedding_parameter_server_config": {"capacity": 100_000}})
+    )
+    return embedding, global_config
+
+
+def use_files(monkeypatch: pytest.MonkeyPatch, cert, key, ca) -> None:
+    for name, value in zip(TLS_VARIABLES, (cert, key, ca)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    reset_tier_tls_cache()
+
+
+@pytest.fixture(scope="module")
+def cluster(config_files, tls, tmp_path_factory):
+    embedding, global_config = config_files
+    # The launcher's own health checks and worker waits are tier clients too: the test
+    # process needs the variables as much as the subprocesses (which inherit them).
+    with pytest.MonkeyPatch.context() as patch:
+        use_files(patch, tls.cert, tls.key, tls.ca)
+        with LocalCluster(
+            embedding,
+            global_config,
+            num_shards=2,
+            num_workers=1,
+            log_dir=tmp_path_factory.mktemp("logs"),
+            shard_timeout=3.0,
+        ) as running:
+            yield running
+    reset_tier_tls_cache()
+
+
+@pytest.fixture
+def config(config_files):
+    return load_embedding_config(config_files[0])
+
+
+def test_lookups_under_mutual_tls_equal_the_in_process_tier(
+    cluster, config, config_files, tls, monkeypatch
+):
+    use_files(monkeypatch, tls.cert, tls.key, tls.ca)
+    local = local_tier(config_files)
+    with RemoteEmbeddingWorker(cluster.worker_addresses[0], config, timeout=10) as remote:
+        remote.configure(optimizer=OPTIMIZER)
+        remote.clear()
+        for step in range(2):
+            batch = batch_of(step)
+            got = remote.lookup(batch, train=True)
+            expected = local.lookup(batch, train=True)
+            assert_same_lookup(got, expected)
+            remote.backward(got.ref, gradients(got, step))
+            local.backward(expected.ref, gradients(expected, step))
+            remote.flush()
+        for seed in range(3):
+            assert_same_lookup(
+                remote.lookup(batch_of(seed), train=False),
+                local.lookup(batch_of(seed), train=False),
+            )
+        assert all(rows > 0 for rows in remote.status().rows_per_shard)
+    # The shards themselves, as the admin CLI and trainers reach them.
+    with RemoteParameterServer(cluster.ps_addresses[0], replica_index=0, timeout=5) as shard:
+        assert shard.health() == "SERVING"
+
+
+def _refused(client_factory, expected: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(UnavailableError) as refused, client_factory() as client:
+        client.status()
+    assert time.monotonic() - started < 10  # refused, not waited out
+    assert expected in refused.value.message, refused.value.message
+
+
+def test_a_plaintext_client_is_refused_with_a_hint(cluster, config, monkeypatch):
+    use_files(monkeypatch, None, None, None)
+    worker = cluster.worker_addresses[0]
+    _refused(
+        lambda: RemoteEmbeddingWorker(worker, config, timeout=3),
+        "(if the embedding tier uses TLS, set RECSERVE_TIER_TLS_CERT, _KEY and _CA here too)",
+    )
+    shard = cluster.ps_addresses[1]
+    _refused(
+        lambda: RemoteParameterServer(shard, replica_index=1, timeout=3),
+        f"parameter server {shard} (shard 1) is unavailable",
+    )
+
+
+def test_a_certificate_of_another_ca_is_refused(cluster, config, tls, monkeypatch):
+    worker = cluster.worker_addresses[0]
+    # Our certificate signed by a CA the tier does not trust: the worker ends the handshake.
+    use_files(monkeypatch, tls.other_client_cert, tls.other_client_key, tls.ca)
+    _refused(
+        lambda: RemoteEmbeddingWorker(worker, config, timeout=3),
+        f"is this process's {CERT} signed by the CA the peer trusts?",
+    )
+    # Trusting another CA: the worker's certificate is not accepted either.
+    use_files(monkeypatch, tls.cert, tls.key, tls.other_ca)
+    _refused(
+        lambda: RemoteEmbeddingWorker(worker, config, timeout=3),
+        f"(TLS: the peer's certificate is not signed by the CA in {CA}",
+    )
+
+
+def test_data_loaders_stream_to_a_trainer_under_mutual_tls(tls, monkeypatch):
+    use_files(monkeypatch, tls.cert, tls.key, tls.ca)
+    dataset = StreamingDataset(2, host="127.0.0.1", port=0, num_loaders=1).start()
+    address = f"127.0.0.1:{dataset.port}"
+    received: list = []
+    consumer = threading.Thread(target=lambda: received.extend(dataset), daemon=True)
+    consumer.start()
+    with DataCtx([address], replica_index=0, replica_size=1, timeout=10) as ctx:
+        for step in range(3):
+            ctx.send_data(batch_of(step, batch_size=2))
+    consumer.join(timeout=30)
+    assert len(received) == 3
+    # A plaintext loader never reaches it: it fails at its timeout, saying what to check.
+    other = StreamingDataset(2, host="127.0.0.1", port=0, num_loaders=1).start()
+    use_files(monkeypatch, None, None, None)
+    started = time.monotonic()
+    try:
+        loader = DataCtx([f"127.0.0.1:{other.port}"], replica_index=0, replica_size=1, timeout=2)
+        with (
+            pytest.raises(DeadlineExceededError, match=r"same RECSERVE_TIER_TLS_\* settings"),
+            loader,
+        ):
+            loader.send_data(batch_of(0, batch_size=2))
+        assert time.monotonic() - started < 10
+    finally:
+        dataset.close()
+        other.close()
