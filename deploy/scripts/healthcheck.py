@@ -4,7 +4,8 @@
     python deploy/scripts/healthcheck.py [TARGET ...] [--wait SECONDS]
 
 A TARGET is ``grpc://HOST:PORT`` (standard gRPC health service, overall status ``""``: the
-parameter servers and embedding workers), ``http://HOST:PORT/PATH`` or ``https://...``
+parameter servers and embedding workers; over the tier's mutual TLS when the
+``RECSERVE_TIER_TLS_*`` variables are set), ``http://HOST:PORT/PATH`` or ``https://...``
 (``recserve serve``: ``/v2/health/ready``; over https the certificate is not verified, as a
 Kubernetes HTTPS probe does not: the check asks the process on this host, by address), or
 ``tcp://HOST:PORT`` (the port accepts connections: ``recserve serve --tls-client-ca``, whose
@@ -33,9 +34,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 SERVE_DEFAULT_HTTP_PORT = 8000
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+# The embedding tier's mutual TLS (embedding_store/grpc_common.py reads the same variables).
+TIER_TLS_VARIABLES = ("RECSERVE_TIER_TLS_CERT", "RECSERVE_TIER_TLS_KEY", "RECSERVE_TIER_TLS_CA")
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -84,6 +92,22 @@ def default_targets() -> list[str]:
     return targets_from_argv(argv)
 
 
+def _tier_channel(address: str) -> grpc.Channel:
+    """A channel to a tier service: mutual TLS with the tier's files when the container has
+    the RECSERVE_TIER_TLS_* variables (the services then refuse plaintext), else plaintext.
+    The tier certificate must name the address dialled (127.0.0.1 for this check).
+    OSError for a file that cannot be read, ValueError for a partial set."""
+    import grpc
+
+    paths = [os.environ.get(name, "").strip() for name in TIER_TLS_VARIABLES]
+    if not any(paths):
+        return grpc.insecure_channel(address)
+    if not all(paths):
+        raise ValueError(f"the tier's mutual TLS needs all of {', '.join(TIER_TLS_VARIABLES)}")
+    cert, key, ca = (Path(path).read_bytes() for path in paths)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert))
+
+
 def _unverified_tls() -> ssl.SSLContext:
     """TLS without verifying the server: its certificate names its service, not the
     127.0.0.1 this check dials, and the check asks only whether it is ready."""
@@ -109,7 +133,11 @@ def check(target: str, timeout: float) -> str | None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         address = target[len("grpc://") :].rstrip("/")
-        with grpc.insecure_channel(address) as channel:
+        try:
+            channel = _tier_channel(address)
+        except (OSError, ValueError) as error:
+            return str(error)
+        with channel:
             try:
                 answer = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=timeout

@@ -18,6 +18,7 @@ from embedding_store.grpc_common import TLS_VARIABLES, reset_tier_tls_cache
 from embedding_store.launcher import LocalCluster
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.worker_client import RemoteEmbeddingWorker
+from tests.integration.test_deploy import load_healthcheck_module
 from tests.integration.test_embedding_tier import (
     EMBEDDING_CONFIG,
     OPTIMIZER,
@@ -176,3 +177,23 @@ def test_data_loaders_stream_to_a_trainer_under_mutual_tls(tls, monkeypatch):
     finally:
         dataset.close()
         other.close()
+
+
+def test_the_container_health_check_speaks_the_tiers_tls(cluster, config, tls, monkeypatch):
+    """deploy/scripts/healthcheck.py (the images' HEALTHCHECK, Procfile ordering) checks a
+    shard over the tier's mutual TLS when the container has the RECSERVE_TIER_TLS_*
+    variables; without them the shard refuses its plaintext call."""
+    health = load_healthcheck_module()
+    target = f"grpc://{cluster.ps_addresses[0]}"
+    use_files(monkeypatch, tls.cert, tls.key, tls.ca)
+    with RemoteEmbeddingWorker(cluster.worker_addresses[0], config, timeout=10) as remote:
+        remote.configure(optimizer=OPTIMIZER)  # a training shard serves once configured
+    assert health.check(target, timeout=5) is None
+    assert health.main([target, *(f"grpc://{a}" for a in cluster.worker_addresses)]) == 0
+    use_files(monkeypatch, None, None, None)
+    assert health.check(target, timeout=5) is not None
+    use_files(monkeypatch, tls.cert, None, tls.ca)
+    assert health.check(target, timeout=5) == (
+        "the tier's mutual TLS needs all of RECSERVE_TIER_TLS_CERT, RECSERVE_TIER_TLS_KEY, "
+        "RECSERVE_TIER_TLS_CA"
+    )
