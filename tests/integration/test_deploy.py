@@ -6,7 +6,9 @@ recserve's own config loaders, every recserve command line in the manifests and 
 docker-compose parses with the real ``recserve`` parser, and the names that tie the pieces
 together (DNS names of the shards, services, ports, config and checkpoint paths, Prometheus
 targets) agree. The TLS overlays (deploy/k8s-overlays) change only the server Deployment, into
-one whose TLS flags name files of its mounted Secrets and whose probes speak TLS. Live: both
+one whose TLS flags name files of its mounted Secrets and whose probes speak TLS; the tier-tls
+overlay gives every pod that speaks to the embedding tier the files of its mutual TLS and
+probes that need no plaintext gRPC. Live: both
 Procfiles run under honcho on free loopback ports; the serving one answers a prediction for a
 checkpoint trained here.
 """
@@ -515,6 +517,19 @@ TLS_FILES = {
     },
 }
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+#: deploy/k8s-overlays/tier-tls: the embedding tier's mutual TLS, the Component
+#: components/tier-tls applied to deploy/k8s (docs/deploy.md, "Tier TLS").
+TIER_TLS_OVERLAY = "tier-tls"
+TIER_TLS_COMPONENT = OVERLAYS / "components" / "tier-tls"
+TIER_TLS_SECRET = "recserve-tier-tls"
+#: Variable -> the Secret's key of the file it names (cert-manager's names).
+TIER_TLS_KEYS = {
+    "RECSERVE_TIER_TLS_CERT": "tls.crt",
+    "RECSERVE_TIER_TLS_KEY": "tls.key",
+    "RECSERVE_TIER_TLS_CA": "ca.crt",
+}
+#: The image's health check script (deploy/docker/Dockerfile: the repository at /app).
+IMAGE_HEALTHCHECK = ["python", "/app/deploy/scripts/healthcheck.py"]
 #: Lists a strategic merge patch merges item by item, by this key (kustomize's, for pods).
 _MERGE_KEYS = {
     "containers": "name",
@@ -582,15 +597,26 @@ def _keyed(docs) -> dict[tuple[str, str], dict]:
 
 def render_overlay(directory: Path, base: dict[tuple[str, str], dict]) -> dict:
     """The objects ``kubectl kustomize directory`` makes of ``base`` (deploy/k8s's objects),
-    for overlays made of resources and patches only."""
+    for overlays made of resources, components and patches only."""
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
     assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
-    assert set(k) <= {"apiVersion", "kind", "resources", "patches"}, f"{directory}: {set(k)}"
+    assert set(k) <= {"apiVersion", "kind", "resources", "components", "patches"}, directory
     (parent,) = k["resources"]
     parent_dir = (directory / parent).resolve()
     assert parent_dir.is_dir(), f"{directory}: {parent} is not a directory"
     docs = _keyed(base.values()) if parent_dir == K8S else render_overlay(parent_dir, base)
-    for patch in k["patches"]:
+    for component in k.get("components", []):
+        component_dir = (directory / component).resolve()
+        c = yaml.safe_load((component_dir / "kustomization.yaml").read_text())
+        assert c["apiVersion"] == "kustomize.config.k8s.io/v1alpha1" and c["kind"] == "Component"
+        assert set(c) <= {"apiVersion", "kind", "patches"}, component_dir
+        _apply_patches(component_dir, c["patches"], docs)
+    _apply_patches(directory, k.get("patches", []), docs)
+    return docs
+
+
+def _apply_patches(directory: Path, patches: list[dict], docs: dict) -> None:
+    for patch in patches:
         body = yaml.safe_load((directory / patch["path"]).read_text())
         if isinstance(body, list):  # JSON 6902: the target names the object
             target = patch["target"]
@@ -611,7 +637,6 @@ def render_overlay(directory: Path, base: dict[tuple[str, str], dict]) -> dict:
                 for container in body["spec"]["template"]["spec"].get(field, []):
                     assert container["name"] in names, f"{patch['path']}: {container['name']}"
             _strategic_merge(doc, body)
-    return docs
 
 
 def check_tls_server(overlay: str, deployment: dict, base_deployment: dict) -> None:
@@ -689,13 +714,16 @@ def test_tls_overlays_are_beside_the_base() -> None:
     # kustomize refuses an overlay inside its base's directory (a cycle), and everything under
     # deploy/k8s is a manifest the base applies or an optional one.
     assert list(K8S.rglob("kustomization.yaml")) == [K8S / "kustomization.yaml"]
-    assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == sorted(TLS_OVERLAYS)
-    for overlay in TLS_OVERLAYS:
-        k = yaml.safe_load((OVERLAYS / overlay / "kustomization.yaml").read_text())
-        used = {patch["path"] for patch in k["patches"]}
-        present = {p.name for p in (OVERLAYS / overlay).glob("*.yaml")} - {"kustomization.yaml"}
-        apart = {"servicemonitor-patch.yaml"} if overlay == "tls" else set()
-        assert present == used | apart, f"{overlay}: {sorted(present ^ (used | apart))}"
+    overlays = (*TLS_OVERLAYS, TIER_TLS_OVERLAY)
+    directories = sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir())
+    assert directories == sorted((*overlays, "components"))
+    assert [p.name for p in (OVERLAYS / "components").iterdir()] == [TIER_TLS_COMPONENT.name]
+    for directory in (*(OVERLAYS / o for o in overlays), TIER_TLS_COMPONENT):
+        k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        used = {patch["path"] for patch in k.get("patches", [])}
+        present = {p.name for p in directory.glob("*.yaml")} - {"kustomization.yaml"}
+        apart = {"servicemonitor-patch.yaml"} if directory.name == "tls" else set()
+        assert present == used | apart, f"{directory}: {sorted(present ^ (used | apart))}"
 
 
 def test_tls_servicemonitor_patch_scrapes_https() -> None:
@@ -734,6 +762,183 @@ def test_tls_overlay_renders_with_kubectl(overlay: str) -> None:
     check_tls_server(overlay, server, base_server)
     # The Python rendering above does what kustomize does.
     assert render_overlay(OVERLAYS / overlay, base)[("Deployment", "server")] == server
+
+
+def _dials_the_tier(container: dict) -> bool:
+    """A container that speaks to the tier: ``recserve ...`` (every role does), or a health
+    check of tier gRPC ports (the init containers that wait for the tier)."""
+    command = container.get("command")
+    if command is None:
+        return container["image"].split(":")[0] == IMAGE
+    return any(str(word).startswith("grpc://") for word in command)
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def check_tier_tls(name: str, workload: dict, base_workload: dict) -> None:
+    """One workload of the tier-tls rendering: its tier containers read the three files from
+    a read-only mount of the Secret, no kubelet grpc probe is left, and nothing else moved."""
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(workload, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{name}: {error.message}")
+    spec, base_spec = pod_spec(workload), pod_spec(base_workload)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert all(volume in spec["volumes"] for volume in base_spec["volumes"]), name
+    assert len(spec["volumes"]) == len(base_spec["volumes"]) + 1, name
+    # Outside the containers and volumes, the workload is the base's.
+    strip = ("containers", "initContainers", "volumes")
+    assert {k: v for k, v in spec.items() if k not in strip} == {
+        k: v for k, v in base_spec.items() if k not in strip
+    }, name
+    assert {k: v for k, v in workload["spec"].items() if k != "template"} == {
+        k: v for k, v in base_workload["spec"].items() if k != "template"
+    }, name
+    assert workload["metadata"] == base_workload["metadata"], name
+    assert workload["spec"]["template"]["metadata"] == base_workload["spec"]["template"]["metadata"]
+    dialing = []
+    for field in ("initContainers", "containers"):
+        containers, base_containers = spec.get(field, []), base_spec.get(field, [])
+        assert [c["name"] for c in containers] == [c["name"] for c in base_containers], name
+        for container, base_container in zip(containers, base_containers, strict=True):
+            where = f"{name} {container['name']}"
+            if not _dials_the_tier(base_container):
+                assert container == base_container, f"{where} does not dial the tier"
+                continue
+            dialing.append(container["name"])
+            # The three variables, plain values, each naming its key in a read-only mount
+            # of the whole Secret (no subPath: a renewed Secret reaches the files).
+            env = {e["name"]: e for e in container["env"]}
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            for variable, key in TIER_TLS_KEYS.items():
+                directory, _, file = env[variable]["value"].rpartition("/")
+                assert set(env[variable]) == {"name", "value"}, f"{where}: {variable}"
+                mount = mounts.get(directory)
+                assert mount is not None, f"{where}: {variable} is in no mounted volume"
+                assert mount.get("readOnly") is True and "subPath" not in mount, where
+                secret = volumes[mount["name"]]["secret"]
+                assert secret["secretName"] == TIER_TLS_SECRET, where
+                assert not secret.get("optional"), f"{where}: a tier pod without its files"
+                assert "items" not in secret and file == key, f"{where}: {variable}: {key}"
+                # Not inside another mount (the ConfigMap's, read-only, at /etc/recserve):
+                # the runtime could not make the mount point there.
+                others = [p for p in mounts if p != directory]
+                assert not any(_inside(directory, p) or _inside(p, directory) for p in others)
+            base_env = base_container.get("env", [])
+            assert [e for e in container["env"] if e["name"] not in TIER_TLS_KEYS] == base_env
+            assert len(container["env"]) == len(base_env) + len(TIER_TLS_KEYS), where
+            base_mounts = base_container.get("volumeMounts", [])
+            assert [m for m in container["volumeMounts"] if m["mountPath"] != directory] == (
+                base_mounts
+            ), where
+            # Probes: no kubelet grpc probe (plaintext only); health service "" -> the health
+            # check script on the container's own port; recserve.liveness (which the script
+            # does not ask) -> the port accepting connections. Timings kept.
+            ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            for probe_name in PROBES:
+                probe, base_probe = container.get(probe_name), base_container.get(probe_name)
+                if base_probe is None:
+                    assert probe is None, where
+                    continue
+                assert "grpc" not in probe, f"{where}: {probe_name} is a kubelet grpc probe"
+                if "grpc" not in base_probe:
+                    assert probe == base_probe, f"{where}: {probe_name}"
+                    continue
+                port = base_probe["grpc"]["port"]
+                assert port in ports.values(), f"{where}: {probe_name} on {port}"
+                if base_probe["grpc"].get("service", "") == "":
+                    command = probe["exec"]["command"]
+                    assert command[:2] == IMAGE_HEALTHCHECK, f"{where}: {command}"
+                    assert (REPO_ROOT / command[1].removeprefix("/app/")).is_file()
+                    *options, target = command[2:]
+                    argv = ["recserve", *substituted_args(container)]
+                    own = load_healthcheck_module().targets_from_argv(argv)
+                    assert [target] == own == [f"grpc://127.0.0.1:{port}"], f"{where}: {target}"
+                    (option,) = options  # the script gives up before the kubelet does
+                    assert float(option.removeprefix("--timeout=")) < base_probe.get(
+                        "timeoutSeconds", 1
+                    ), f"{where}: {option}"
+                    handler = "exec"
+                else:
+                    assert base_probe["grpc"]["service"] == LIVENESS_SERVICE
+                    assert probe["tcpSocket"] == {"port": port}, f"{where}: {probe_name}"
+                    handler = "tcpSocket"
+                assert set(probe) - {handler} == set(base_probe) - {"grpc"}, where
+                timing = {k: v for k, v in probe.items() if k != handler}
+                assert timing == {k: v for k, v in base_probe.items() if k != "grpc"}, where
+            changed = {*PROBES, "env", "volumeMounts"}
+            assert {k: v for k, v in container.items() if k not in changed} == {
+                k: v for k, v in base_container.items() if k not in changed
+            }, where
+    assert dialing, f"{name}: no container speaks to the tier"
+
+
+def check_tier_tls_overlay(rendered: dict, base: dict) -> None:
+    assert rendered.keys() == base.keys()
+    changed = {key for key in base if rendered[key] != base[key]}
+    # Every workload speaks to the tier (servers, clients, trainer): all change, nothing else.
+    assert changed == {key for key in base if key[0] in WORKLOAD_KINDS}, sorted(changed)
+    for key in sorted(changed):
+        check_tier_tls(f"{key[0]}/{key[1]}", rendered[key], base[key])
+
+
+def test_tier_tls_overlay_mounts_the_secret_in_every_tier_pod() -> None:
+    base = _keyed(core_docs())
+    check_tier_tls_overlay(render_overlay(OVERLAYS / TIER_TLS_OVERLAY, base), base)
+
+
+def _ordered(doc):
+    """``doc`` with the lists a strategic merge merges by key in key order (where kustomize
+    puts a new item, first or last, is no matter for them; containers keep theirs)."""
+    if isinstance(doc, dict):
+        return {
+            k: sorted((_ordered(i) for i in v), key=lambda i: i[_MERGE_KEYS[k]])
+            if k in ("env", "volumes", "volumeMounts") and isinstance(v, list)
+            else _ordered(v)
+            for k, v in doc.items()
+        }
+    if isinstance(doc, list):
+        return [_ordered(i) for i in doc]
+    return doc
+
+
+@requires_kubectl
+def test_tier_tls_overlay_renders_with_kubectl() -> None:
+    base = kubectl_kustomize(K8S)
+    rendered = kubectl_kustomize(OVERLAYS / TIER_TLS_OVERLAY)
+    check_tier_tls_overlay(rendered, base)
+    # The Python rendering above does what kustomize does.
+    assert _ordered(render_overlay(OVERLAYS / TIER_TLS_OVERLAY, base)) == _ordered(rendered)
+
+
+@requires_kubectl
+@pytest.mark.parametrize("overlay", TLS_OVERLAYS)
+def test_tier_tls_component_composes_with_the_server_tls_overlays(
+    overlay: str, tmp_path: Path
+) -> None:
+    """The documented overlay of both: resources ../<overlay>, components the tier's (paths
+    relative to the overlay's directory: kustomize refuses absolute ones)."""
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(OVERLAYS / overlay, tmp_path)],
+                "components": [os.path.relpath(TIER_TLS_COMPONENT, tmp_path)],
+            }
+        )
+    )
+    both = kubectl_kustomize(tmp_path)
+    server_tls = kubectl_kustomize(OVERLAYS / overlay)
+    tier_tls = kubectl_kustomize(OVERLAYS / TIER_TLS_OVERLAY)
+    server = ("Deployment", "server")
+    assert both.keys() == tier_tls.keys()
+    assert all(both[key] == tier_tls[key] for key in both if key != server)
+    # The server: the front end's TLS over the tier's (the tier's TLS on the server TLS).
+    check_tier_tls("Deployment/server", both[server], server_tls[server])
 
 
 def _server_monitor() -> dict:
@@ -1137,6 +1342,9 @@ def test_deploy_docs_exist() -> None:
         f"create secret generic {CLIENT_CA_SECRET} --from-file=ca.crt=",
         "kubectl apply -k deploy/k8s-overlays/tls",
         "kubectl apply -k deploy/k8s-overlays/mtls",
+        f"kubectl apply -k deploy/k8s-overlays/{TIER_TLS_OVERLAY}",
+        f"secretName: {TIER_TLS_SECRET}",
+        "components/tier-tls",
         "--patch-file deploy/k8s-overlays/tls/servicemonitor-patch.yaml",
     ):
         assert needle in text, needle
