@@ -3,7 +3,8 @@
 
     python deploy/scripts/healthcheck.py [TARGET ...] [--wait SECONDS]
 
-A TARGET is ``grpc://HOST:PORT`` (standard gRPC health service, overall status ``""``: the
+A TARGET is ``grpc://HOST:PORT`` (standard gRPC health service, overall status ``""`` or
+``--service NAME``: the
 parameter servers and embedding workers; over the tier's mutual TLS when the
 ``RECSERVE_TIER_TLS_*`` variables are set), ``http://HOST:PORT/PATH`` or ``https://...``
 (``recserve serve``: ``/v2/health/ready``; over https the certificate is not verified, as a
@@ -117,7 +118,7 @@ def _unverified_tls() -> ssl.SSLContext:
     return context
 
 
-def check(target: str, timeout: float) -> str | None:
+def check(target: str, timeout: float, service: str = "") -> str | None:
     """None when healthy, else why not."""
     if target.startswith(("http://", "https://")):
         context = _unverified_tls() if target.startswith("https://") else None
@@ -140,7 +141,7 @@ def check(target: str, timeout: float) -> str | None:
         with channel:
             try:
                 answer = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
                 )
             except grpc.RpcError as error:
                 return f"{error.code().name}: {error.details()}"
@@ -160,16 +161,28 @@ def check(target: str, timeout: float) -> str | None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET")
     parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--timeout", type=float, default=3.0, help="per check (s)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--service",
+        default="",
+        help='gRPC health service to ask for grpc:// targets (default "", the overall one; '
+        '"recserve.liveness" stays SERVING through a long load or a drain)',
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     targets = args.targets or default_targets()
     deadline = time.monotonic() + args.wait
     while True:
-        problems = {t: p for t in targets if (p := check(t, args.timeout)) is not None}
+        problems = {
+            t: p for t in targets if (p := check(t, args.timeout, args.service)) is not None
+        }
         if not problems:
             return 0
         if time.monotonic() >= deadline:

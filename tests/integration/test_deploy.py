@@ -834,9 +834,8 @@ def check_tier_tls(name: str, workload: dict, base_workload: dict) -> None:
             assert [m for m in container["volumeMounts"] if m["mountPath"] != directory] == (
                 base_mounts
             ), where
-            # Probes: no kubelet grpc probe (plaintext only); health service "" -> the health
-            # check script on the container's own port; recserve.liveness (which the script
-            # does not ask) -> the port accepting connections. Timings kept.
+            # Probes: no kubelet grpc probe (plaintext only): the health check script on the
+            # container's own port, asking the base probe's health service. Timings kept.
             ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
             for probe_name in PROBES:
                 probe, base_probe = container.get(probe_name), base_container.get(probe_name)
@@ -849,23 +848,25 @@ def check_tier_tls(name: str, workload: dict, base_workload: dict) -> None:
                     continue
                 port = base_probe["grpc"]["port"]
                 assert port in ports.values(), f"{where}: {probe_name} on {port}"
-                if base_probe["grpc"].get("service", "") == "":
-                    command = probe["exec"]["command"]
-                    assert command[:2] == IMAGE_HEALTHCHECK, f"{where}: {command}"
-                    assert (REPO_ROOT / command[1].removeprefix("/app/")).is_file()
-                    *options, target = command[2:]
-                    argv = ["recserve", *substituted_args(container)]
-                    own = load_healthcheck_module().targets_from_argv(argv)
-                    assert [target] == own == [f"grpc://127.0.0.1:{port}"], f"{where}: {target}"
-                    (option,) = options  # the script gives up before the kubelet does
-                    assert float(option.removeprefix("--timeout=")) < base_probe.get(
-                        "timeoutSeconds", 1
-                    ), f"{where}: {option}"
-                    handler = "exec"
-                else:
-                    assert base_probe["grpc"]["service"] == LIVENESS_SERVICE
-                    assert probe["tcpSocket"] == {"port": port}, f"{where}: {probe_name}"
-                    handler = "tcpSocket"
+                service = base_probe["grpc"].get("service", "")
+                assert service in ("", LIVENESS_SERVICE), f"{where}: {probe_name}"
+                command = probe["exec"]["command"]
+                assert command[:2] == IMAGE_HEALTHCHECK, f"{where}: {command}"
+                assert (REPO_ROOT / command[1].removeprefix("/app/")).is_file()
+                health = load_healthcheck_module()
+                *options, target = command[2:]
+                argv = ["recserve", *substituted_args(container)]
+                own = health.targets_from_argv(argv)
+                assert [target] == own == [f"grpc://127.0.0.1:{port}"], f"{where}: {target}"
+                # The script gives up before the kubelet does, and asks the same service.
+                timeout, *asked = options
+                assert float(timeout.removeprefix("--timeout=")) < base_probe.get(
+                    "timeoutSeconds", 1
+                ), f"{where}: {timeout}"
+                assert asked == ([f"--service={service}"] if service else []), where
+                parsed = health.parse_args(command[2:])
+                assert (parsed.service, parsed.targets) == (service, [target]), where
+                handler = "exec"
                 assert set(probe) - {handler} == set(base_probe) - {"grpc"}, where
                 timing = {k: v for k, v in probe.items() if k != handler}
                 assert timing == {k: v for k, v in base_probe.items() if k != "grpc"}, where

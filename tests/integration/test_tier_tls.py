@@ -186,6 +186,11 @@ def test_the_container_health_check_speaks_the_tiers_tls(cluster, config, tls, m
     health = load_healthcheck_module()
     target = f"grpc://{cluster.ps_addresses[0]}"
     use_files(monkeypatch, tls.cert, tls.key, tls.ca)
+    # The liveness service answers SERVING whatever the shard's state (the Kubernetes
+    # liveness probes of deploy/k8s-overlays/components/tier-tls ask for it).
+    assert health.main(["--service=recserve.liveness", target]) == 0
+    unknown = health.check(target, timeout=5, service="no.such.service")
+    assert unknown is not None and unknown.startswith("NOT_FOUND")
     with RemoteEmbeddingWorker(cluster.worker_addresses[0], config, timeout=10) as remote:
         remote.configure(optimizer=OPTIMIZER)  # a training shard serves once configured
     assert health.check(target, timeout=5) is None
