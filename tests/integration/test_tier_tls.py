@@ -6,18 +6,26 @@ once, with a message that says what to check."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
+from clients import RecserveClient
 from embedding_store.config import load_embedding_config
 from embedding_store.errors import DeadlineExceededError, UnavailableError
 from embedding_store.grpc_common import TLS_VARIABLES, reset_tier_tls_cache
 from embedding_store.launcher import LocalCluster
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.worker_client import RemoteEmbeddingWorker
+from examples.adult_income import features
+from serving.infer_ctx import InferCtx
+from tests.integration.conftest import _subprocess_env
 from tests.integration.test_deploy import load_healthcheck_module
 from tests.integration.test_embedding_tier import (
     EMBEDDING_CONFIG,
@@ -202,3 +210,52 @@ def test_the_container_health_check_speaks_the_tiers_tls(cluster, config, tls, m
         "the tier's mutual TLS needs all of RECSERVE_TIER_TLS_CERT, RECSERVE_TIER_TLS_KEY, "
         "RECSERVE_TIER_TLS_CA"
     )
+
+
+def test_serve_and_the_admin_cli_reach_an_infer_tier_under_mutual_tls(
+    adult_checkpoint, serve_process, tls, monkeypatch, tmp_path
+):
+    """`recserve serve --embedding-workers` and `recserve embedding-tier status` are tier
+    clients too: with the variables set they speak mutual TLS to a tier that loaded the
+    checkpoint's embeddings, and the predictions equal the embedded (offline) model's."""
+    global_config = tmp_path / "global_config.yml"
+    global_config.write_text(
+        yaml.safe_dump(
+            {
+                "common_config": {
+                    "job_type": "Infer",
+                    "infer_config": {"embedding_checkpoint": str(adult_checkpoint / "embeddings")},
+                },
+                "embedding_parameter_server_config": {"capacity": 100_000},
+            }
+        )
+    )
+    embedding_config = Path(features.__file__).parent / "embedding_config.yml"
+    batch = next(features.read_batches(features.TEST_PATH, 16, requires_grad=False))
+    with InferCtx(checkpoint=adult_checkpoint) as offline:
+        expected = offline.forward(batch)
+    use_files(monkeypatch, tls.cert, tls.key, tls.ca)  # inherited by every subprocess below
+    with LocalCluster(
+        embedding_config, global_config, num_shards=2, num_workers=1, log_dir=tmp_path / "logs"
+    ) as tier:
+        worker = tier.worker_addresses[0]
+        server = serve_process(adult_checkpoint, "--embedding-workers", worker)
+        with RecserveClient(f"http://{server.http_url}") as client:
+            np.testing.assert_allclose(
+                client.predict(batch).predictions, expected, rtol=0, atol=1e-6
+            )
+        status = subprocess.run(
+            [sys.executable, "-m", "embedding_store.cli", "embedding-tier", "status",
+             "--worker", worker, "--timeout", "10"],
+            capture_output=True, text=True, timeout=60, env=_subprocess_env(),
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        plaintext = {k: v for k, v in _subprocess_env().items() if k not in TLS_VARIABLES}
+        refused = subprocess.run(
+            [sys.executable, "-m", "embedding_store.cli", "embedding-tier", "status",
+             "--worker", worker, "--timeout", "5"],
+            capture_output=True, text=True, timeout=60, env=plaintext,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        assert "RECSERVE_TIER_TLS" in refused.stderr and "Traceback" not in refused.stderr
+    reset_tier_tls_cache()
