@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO_ROOT / "examples" / "adult_income" / "train.py"
@@ -219,3 +220,21 @@ def copy_checkpoint(tmp_path) -> Callable[[Path, str], Path]:
         return Path(shutil.copytree(source, tmp_path / name))
 
     return copy
+
+
+def write_infer_global_config(directory: Path, checkpoint: Path) -> Path:
+    """``directory/global_config.yml`` for an Infer tier (read-only shards) that loads
+    ``checkpoint``'s embeddings at start."""
+    path = directory / "global_config.yml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "common_config": {
+                    "job_type": "Infer",
+                    "infer_config": {"embedding_checkpoint": str(checkpoint / "embeddings")},
+                },
+                "embedding_parameter_server_config": {"capacity": 100_000},
+            }
+        )
+    )
+    return path

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -80,9 +81,8 @@ def gradients(result, seed: int) -> dict[str, torch.Tensor]:
     return {s.name: torch.randn(s.embeddings.shape, generator=generator) for s in result.slots}
 
 
-@pytest.fixture(scope="module")
-def config_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("configs")
+def write_tier_configs(root: Path) -> tuple[Path, Path]:
+    """embedding_config.yml (EMBEDDING_CONFIG) and a training global_config.yml in ``root``."""
     embedding = root / "embedding_config.yml"
     embedding.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
     global_config = root / "global_config.yml"
@@ -90,6 +90,11 @@ def config_files(tmp_path_factory):
         yaml.safe_dump({"embedding_parameter_server_config": {"capacity": 100_000}})
     )
     return embedding, global_config
+
+
+@pytest.fixture(scope="module")
+def config_files(tmp_path_factory):
+    return write_tier_configs(tmp_path_factory.mktemp("configs"))
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from clients import RecserveClient
 from embedding_store.errors import UnavailableError
 from examples.adult_income import features
+from tests.integration.conftest import write_infer_global_config
 
 
 def wait_until(condition, message: str, timeout: float = 60.0) -> None:
@@ -149,25 +150,12 @@ def test_serving_with_the_worker_core_in_process_over_remote_shards(
 ):
     """--embedding-ps: infer-mode shards load the checkpoint's embeddings read-only; the
     server runs the worker core itself; answers equal the embedded server's."""
-    import yaml
-
     from embedding_store.checkpoint_manifest import read_manifest as read_embedding_manifest
     from embedding_store.launcher import LocalCluster
     from embedding_store.ps_client import RemoteParameterServer
     from serving.infer_ctx import InferCtx
 
-    global_config = tmp_path / "global_config.yml"
-    global_config.write_text(
-        yaml.safe_dump(
-            {
-                "common_config": {
-                    "job_type": "Infer",
-                    "infer_config": {"embedding_checkpoint": str(adult_checkpoint / "embeddings")},
-                },
-                "embedding_parameter_server_config": {"capacity": 100_000},
-            }
-        )
-    )
+    global_config = write_infer_global_config(tmp_path, adult_checkpoint)
     embedding_config = Path(features.__file__).parent / "embedding_config.yml"
     batch = next(features.read_batches(features.TEST_PATH, 32, requires_grad=False))
     with InferCtx(checkpoint=adult_checkpoint) as offline:

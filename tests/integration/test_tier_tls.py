@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from clients import RecserveClient
 from embedding_store.config import load_embedding_config
@@ -25,15 +24,15 @@ from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from examples.adult_income import features
 from serving.infer_ctx import InferCtx
-from tests.integration.conftest import _subprocess_env
+from tests.integration.conftest import _subprocess_env, write_infer_global_config
 from tests.integration.test_deploy import load_healthcheck_module
 from tests.integration.test_embedding_tier import (
-    EMBEDDING_CONFIG,
     OPTIMIZER,
     assert_same_lookup,
     batch_of,
     gradients,
     local_tier,
+    write_tier_configs,
 )
 from tests.tls_files import TlsFiles, write_tls_files
 from training.data import DataCtx, StreamingDataset
@@ -50,14 +49,7 @@ def tls(tmp_path_factory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def config_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("configs")
-    embedding = root / "embedding_config.yml"
-    embedding.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
-    global_config = root / "global_config.yml"
-    global_config.write_text(
-        yaml.safe_dump({"embedding_parameter_server_config": {"capacity": 100_000}})
-    )
-    return embedding, global_config
+    return write_tier_configs(tmp_path_factory.mktemp("configs"))
 
 
 def use_files(monkeypatch: pytest.MonkeyPatch, cert, key, ca) -> None:
@@ -218,18 +210,7 @@ def test_serve_and_the_admin_cli_reach_an_infer_tier_under_mutual_tls(
     """`recserve serve --embedding-workers` and `recserve embedding-tier status` are tier
     clients too: with the variables set they speak mutual TLS to a tier that loaded the
     checkpoint's embeddings, and the predictions equal the embedded (offline) model's."""
-    global_config = tmp_path / "global_config.yml"
-    global_config.write_text(
-        yaml.safe_dump(
-            {
-                "common_config": {
-                    "job_type": "Infer",
-                    "infer_config": {"embedding_checkpoint": str(adult_checkpoint / "embeddings")},
-                },
-                "embedding_parameter_server_config": {"capacity": 100_000},
-            }
-        )
-    )
+    global_config = write_infer_global_config(tmp_path, adult_checkpoint)
     embedding_config = Path(features.__file__).parent / "embedding_config.yml"
     batch = next(features.read_batches(features.TEST_PATH, 16, requires_grad=False))
     with InferCtx(checkpoint=adult_checkpoint) as offline:

@@ -29,6 +29,7 @@ from serving.options import ServeOptions
 from serving.processes import options_to_argv
 from serving.tls import server_tls
 from tests.tls_files import TlsFiles, write_tls_files
+from tests.unit.test_rpc_errors import FailedCall
 
 
 @pytest.fixture(scope="module")
@@ -546,19 +547,6 @@ def test_a_failed_handshake_is_not_retried(tls):
     assert server.accepted == 1
 
 
-class _RpcError(grpc.RpcError):
-    """What a failed gRPC call raises: a status code and its details."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 @pytest.mark.parametrize(
     ("details", "retried"),
     [
@@ -574,7 +562,7 @@ def test_grpc_retries_unavailable_but_not_a_refused_handshake(details, retried):
     """A refused TLS handshake fails the same way on every try: the gRPC client raises it at
     once, as the HTTP client does, instead of after its retries' back-off."""
     failure = _grpc_failure(
-        "grpcs://127.0.0.1:1", _RpcError(grpc.StatusCode.UNAVAILABLE, details), secure=True
+        "grpcs://127.0.0.1:1", FailedCall(grpc.StatusCode.UNAVAILABLE, details), secure=True
     )
     assert isinstance(failure, RetryableError) is retried
     error = failure.error if isinstance(failure, RetryableError) else failure
