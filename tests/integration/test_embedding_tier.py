@@ -97,17 +97,17 @@ def config_files(tmp_path_factory):
     return write_tier_configs(tmp_path_factory.mktemp("configs"))
 
 
+def two_shards_one_worker(config_files: tuple[Path, Path], log_dir: Path) -> LocalCluster:
+    """The tier these tests run against: 2 parameter servers and 1 embedding worker."""
+    embedding, global_config = config_files
+    return LocalCluster(
+        embedding, global_config, num_shards=2, num_workers=1, log_dir=log_dir, shard_timeout=3.0
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster(config_files, tmp_path_factory):
-    embedding, global_config = config_files
-    with LocalCluster(
-        embedding,
-        global_config,
-        num_shards=2,
-        num_workers=1,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        shard_timeout=3.0,
-    ) as running:
+    with two_shards_one_worker(config_files, tmp_path_factory.mktemp("logs")) as running:
         yield running
 
 

@@ -32,6 +32,7 @@ from tests.integration.test_embedding_tier import (
     batch_of,
     gradients,
     local_tier,
+    two_shards_one_worker,
     write_tier_configs,
 )
 from tests.tls_files import TlsFiles, write_tls_files
@@ -63,19 +64,11 @@ def use_files(monkeypatch: pytest.MonkeyPatch, cert, key, ca) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(config_files, tls, tmp_path_factory):
-    embedding, global_config = config_files
     # The launcher's own health checks and worker waits are tier clients too: the test
     # process needs the variables as much as the subprocesses (which inherit them).
     with pytest.MonkeyPatch.context() as patch:
         use_files(patch, tls.cert, tls.key, tls.ca)
-        with LocalCluster(
-            embedding,
-            global_config,
-            num_shards=2,
-            num_workers=1,
-            log_dir=tmp_path_factory.mktemp("logs"),
-            shard_timeout=3.0,
-        ) as running:
+        with two_shards_one_worker(config_files, tmp_path_factory.mktemp("logs")) as running:
             yield running
     reset_tier_tls_cache()
 
