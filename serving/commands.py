@@ -15,6 +15,7 @@ from embedding_store.cli_types import (
     positive_int,
 )
 from embedding_store.errors import InvalidArgumentError
+from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
 from serving.tls import server_tls, tls_flags_problem
 
 
@@ -189,6 +190,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="PEM CA certificate(s): require client certificates signed by it on both ports "
         "(mutual TLS)",
     )
+    parser.add_argument(
+        "--tls-reload-seconds",
+        type=non_negative_float,
+        default=DEFAULT_RELOAD_SECONDS,
+        help="look at the --tls-* files for a renewal at most every N seconds, on a new "
+        "connection; new connections get renewed files, open ones keep theirs; files that "
+        f"fail to load leave the previous ones in use (0: read at start-up only; default "
+        f"{DEFAULT_RELOAD_SECONDS:g})",
+    )
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -336,6 +346,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        tls_reload_seconds=args.tls_reload_seconds,
         reuse_port=args.reuse_port,
         supervisor_pid=args.supervisor_pid,
     )

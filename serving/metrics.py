@@ -132,6 +132,14 @@ class ServingMetrics:
         )
         for outcome in RELOAD_OUTCOMES:  # at 0: the first failed reload shows in increase()
             self.reloads.labels(outcome)
+        # Labelled at 0 by a server with TLS (serving.server), like reloads above.
+        self.tls_reloads = Counter(
+            "recserve_tls_reloads",
+            "Reloads of changed --tls-* files by outcome (failed: the previous certificate "
+            "stays in use); each process of a --workers server reloads, and counts, its own.",
+            ["outcome"],
+            registry=r,
+        )
         self.model_info = Gauge(
             "recserve_model_info",
             "The served model version (value 1; 0 for a version no process serves now).",

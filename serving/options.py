@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
+
 #: Environment variable read for the admin token when no flag gives one (and how
 #: ``--workers`` hands it to its processes).
 ADMIN_TOKEN_VARIABLE = "RECSERVE_ADMIN_TOKEN"
@@ -47,6 +49,9 @@ class ServeOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
+    # Seconds between two looks (a stat, on a new handshake) at the TLS files for a renewal
+    # (0: read at start-up only).
+    tls_reload_seconds: float = DEFAULT_RELOAD_SECONDS
     # Set by a multi-process server for each of its processes: bind with SO_REUSEPORT, and
     # stop once the supervisor (this pid) is gone.
     reuse_port: bool = False

@@ -31,12 +31,12 @@ from embedding_store.errors import (
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
-from serving.metrics import CONTENT_TYPE
+from serving.metrics import CONTENT_TYPE, RELOAD_OUTCOMES
 from serving.model import LoadedModel, load_model
 from serving.options import ServeOptions
 from serving.processes import _address_family, serve_processes
 from serving.service import PredictionService
-from serving.tls import server_tls
+from serving.tls import reloading_server_tls
 
 if TYPE_CHECKING:
     import grpc
@@ -110,8 +110,12 @@ class PredictionServer:
 
         o = self.options
         # Checked before the model loads and anything binds (recserve serve checks them
-        # earlier still; this covers servers started from code).
-        tls = server_tls(o.tls_cert, o.tls_key, o.tls_client_ca)
+        # earlier still; this covers servers started from code). Both front ends then take
+        # renewed files from it on new handshakes (serving.tls).
+        tls_files = reloading_server_tls(
+            o.tls_cert, o.tls_key, o.tls_client_ca, interval=o.tls_reload_seconds
+        )
+        tls = tls_files.tls if tls_files else None
         torch.set_num_threads(o.threads)
         model = self._load(None)
         self.service = PredictionService(
@@ -131,6 +135,11 @@ class PredictionServer:
             admin=AdminHooks(reload=self._admin_reload, token=o.admin_token),
         )
         self._mount_metrics(app)
+        if tls_files is not None:
+            tls_reloads = self.service.metrics.tls_reloads
+            for outcome in RELOAD_OUTCOMES:  # at 0: the first failure shows in increase()
+                tls_reloads.labels(outcome)
+            tls_files.files.add_listener(lambda outcome: tls_reloads.labels(outcome).inc())
         http_socket = socket.socket(_address_family(o.host), socket.SOCK_STREAM)
         http_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if o.reuse_port:  # the kernel spreads connections over the server processes
@@ -163,6 +172,11 @@ class PredictionServer:
             # writes only through its transport, so the fast path is the same over TLS.
             **(tls.uvicorn_options() if tls else {}),
         )
+        if tls_files is not None:
+            config.load()  # makes uvicorn's SSL context (uvicorn.Server skips a loaded config)
+            if config.ssl is None:
+                raise FailedPreconditionError("uvicorn made no SSL context for --tls-cert")
+            tls_files.attach(config.ssl)
         self._uvicorn = uvicorn.Server(config)
         self._http_thread = threading.Thread(
             target=self._uvicorn.run, kwargs={"sockets": [http_socket]}, daemon=True
@@ -174,7 +188,7 @@ class PredictionServer:
             port=o.grpc_port,
             reuse_port=o.reuse_port,
             max_request_bytes=o.max_body_bytes,
-            credentials=tls.grpc_credentials() if tls else None,
+            credentials=tls_files.grpc_credentials() if tls_files else None,
         )
         self._grpc.start()
         deadline = time.monotonic() + 30

@@ -45,3 +45,28 @@ def write_tls_files(directory: Path) -> TlsFiles:
     other.cert_chain_pems[0].write_to_path(files.other_client_cert)
     other.private_key_pem.write_to_path(files.other_client_key)
     return files
+
+
+def kubelet_files(directory: Path, files: dict[str, bytes]) -> dict[str, Path]:
+    """Lay ``files`` (name -> PEM bytes) out as the kubelet mounts a Secret: each name a
+    symlink into ``..data``, itself a symlink to a timestamped directory. Returns the paths a
+    server is given (``directory/NAME``). Renew them with :func:`kubelet_swap`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kubelet_swap(directory, files)
+    for name in files:
+        (directory / name).symlink_to(Path("..data") / name)
+    return {name: directory / name for name in files}
+
+
+def kubelet_swap(directory: Path, files: dict[str, bytes]) -> None:
+    """Renew a Secret mount made by :func:`kubelet_files` as the kubelet does: write a new
+    timestamped directory, point a fresh symlink at it and rename that over ``..data`` (one
+    atomic step: a reader sees all old files or all new ones)."""
+    versions = sorted(directory.glob("..v*"))
+    version = directory / f"..v{len(versions) + 1:04d}"
+    version.mkdir()
+    for name, data in files.items():
+        (version / name).write_bytes(data)
+    staged = directory / "..data_tmp"
+    staged.symlink_to(version.name)
+    staged.replace(directory / "..data")

@@ -1,0 +1,189 @@
+"""Renewed TLS files taken without a restart (embedding_store.tls_reload): changes seen by a
+stat at most every interval, and a bad renewal keeps the previous files, with one warning
+per change."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from embedding_store.errors import InvalidArgumentError
+from embedding_store.tls import check_key_pair, read_certificates, read_private_key
+from embedding_store.tls_reload import ReloadingTls, file_stamp
+from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
+
+INTERVAL = 10.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory) -> tuple[TlsFiles, TlsFiles]:
+    """Two sets: A (CA 1) and B (CA 2)."""
+    return (
+        write_tls_files(tmp_path_factory.mktemp("a")),
+        write_tls_files(tmp_path_factory.mktemp("b")),
+    )
+
+
+def secret(files: TlsFiles, key: Path | None = None) -> dict[str, bytes]:
+    return {
+        "tls.crt": files.cert.read_bytes(),
+        "tls.key": (key or files.key).read_bytes(),
+        "ca.crt": files.ca.read_bytes(),
+    }
+
+
+class Loads:
+    """A load function that reads and checks the certificate and key (as the servers do)
+    and counts its calls."""
+
+    def __init__(self, paths: dict[str, Path]) -> None:
+        self.paths = paths
+        self.calls = 0
+
+    def __call__(self) -> bytes:
+        self.calls += 1
+        cert = read_certificates("--tls-cert", self.paths["tls.crt"])
+        key = read_private_key("--tls-key", self.paths["tls.key"])
+        check_key_pair(cert, key)
+        return cert.data
+
+
+def reloading(tmp_path: Path, files: TlsFiles) -> tuple[ReloadingTls[bytes], Loads, Clock]:
+    paths = kubelet_files(tmp_path / "secret", secret(files))
+    load, clock = Loads(paths), Clock()
+    reloader = ReloadingTls(
+        [paths["tls.crt"], paths["tls.key"]], load, interval=INTERVAL, what="test", clock=clock
+    )
+    return reloader, load, clock
+
+
+def counted(reloader: ReloadingTls[bytes]) -> list[str]:
+    outcomes: list[str] = []
+    reloader.add_listener(outcomes.append)
+    return outcomes
+
+
+def test_a_kubelet_swap_is_taken_after_the_interval_and_read_only_once(tmp_path, sets):
+    a, b = sets
+    reloader, load, clock = reloading(tmp_path, a)
+    outcomes = counted(reloader)
+    assert reloader.current == (0, a.cert.read_bytes())
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL - 0.5
+    assert reloader.check() == (0, a.cert.read_bytes())  # not looked at before the interval
+    assert load.calls == 1
+    clock.now += 0.5
+    assert reloader.check() == (1, b.cert.read_bytes())
+    for _ in range(3):  # unchanged since: stat only, no read
+        clock.now += INTERVAL
+        assert reloader.check() == (1, b.cert.read_bytes())
+    assert load.calls == 2
+    assert outcomes == ["ok"]
+
+
+def test_a_bad_renewal_keeps_the_previous_files_and_warns_once(tmp_path, sets, caplog):
+    a, b = sets
+    reloader, load, clock = reloading(tmp_path, a)
+    outcomes = counted(reloader)
+    # B's certificate with a key of another certificate.
+    kubelet_swap(tmp_path / "secret", secret(b, key=b.other_key))
+    with caplog.at_level(logging.WARNING, logger="embedding_store.tls_reload"):
+        for _ in range(3):
+            clock.now += INTERVAL
+            assert reloader.check() == (0, a.cert.read_bytes())
+    assert load.calls == 2  # tried once for this change
+    assert outcomes == ["failed"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "test: the changed TLS files were not loaded, the previous certificate stays in use: "
+        f"--tls-key {tmp_path / 'secret' / 'tls.key'}: this private key does not match the "
+        f"certificate in --tls-cert {tmp_path / 'secret' / 'tls.crt'} (tried again when the "
+        "files change)"
+    ]
+    # The next change is tried again.
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL
+    assert reloader.check() == (1, b.cert.read_bytes())
+    assert outcomes == ["failed", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ("half", "not a valid PEM certificate file"),
+        ("not PEM", "not a PEM certificate file (no '-----BEGIN CERTIFICATE-----' line)"),
+        ("missing", "cannot read it: No such file or directory"),
+    ],
+)
+def test_half_written_not_pem_or_missing_files_are_refused(tmp_path, sets, caplog, damage, problem):
+    a, b = sets
+    reloader, _load, clock = reloading(tmp_path, a)
+    outcomes = counted(reloader)
+    cert = b.cert.read_bytes()
+    # Written in place (not as the kubelet does): what a half-done copy leaves.
+    target = (tmp_path / "secret" / "tls.crt").resolve()
+    if damage == "missing":
+        target.unlink()
+    else:
+        target.write_bytes(cert[: len(cert) // 2] if damage == "half" else b"hello\n")
+    clock.now += INTERVAL
+    with caplog.at_level(logging.WARNING, logger="embedding_store.tls_reload"):
+        assert reloader.check() == (0, a.cert.read_bytes())
+    assert outcomes == ["failed"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"--tls-cert {tmp_path / 'secret' / 'tls.crt'}: {problem}" in warning
+
+
+def test_files_changing_while_read_are_read_again_later_without_a_warning(tmp_path, sets, caplog):
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    clock = Clock()
+    reads: list[bytes] = []
+
+    def load() -> bytes:
+        data = paths["tls.crt"].read_bytes()
+        if len(reads) == 1:  # the first reload: the kubelet swaps the files meanwhile
+            kubelet_swap(tmp_path / "secret", secret(a))
+        reads.append(data)
+        return data
+
+    reloader = ReloadingTls([paths["tls.crt"]], load, interval=INTERVAL, what="t", clock=clock)
+    outcomes = counted(reloader)
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL
+    with caplog.at_level(logging.WARNING, logger="embedding_store.tls_reload"):
+        assert reloader.check()[0] == 0  # changed while read: not taken
+        clock.now += INTERVAL
+        assert reloader.check() == (1, a.cert.read_bytes())  # the newest files
+    assert outcomes == ["ok"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_stamp_follows_symlinks_and_zero_interval_never_reloads(tmp_path, sets):
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    before = file_stamp([paths["tls.crt"]])
+    kubelet_swap(tmp_path / "secret", secret(a))  # same bytes, new files
+    assert file_stamp([paths["tls.crt"]]) != before
+    load = Loads(paths)
+    reloader = ReloadingTls([paths["tls.crt"]], load, interval=0, what="t", clock=Clock())
+    kubelet_swap(tmp_path / "secret", secret(b))
+    assert reloader.check() == (0, a.cert.read_bytes())
+    assert load.calls == 1
+
+
+def test_bad_files_at_start_up_raise(tmp_path, sets):
+    a, _ = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a, key=a.other_key))
+    with pytest.raises(InvalidArgumentError, match="does not match the certificate"):
+        ReloadingTls([paths["tls.crt"]], Loads(paths), what="t")
