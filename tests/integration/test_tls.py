@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from embedding_store.errors import RecserveError, UnavailableError
 from serving.infer_ctx import InferCtx
 from tests.integration.conftest import REPO_ROOT, ServeProcess, _subprocess_env
 from tests.integration.test_deploy import load_healthcheck_module
-from tests.tls_files import TlsFiles, write_tls_files
+from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
 from tests.unit.test_eval_tiny_checkpoint import make_checkpoint, write_rows
 
 N_ROWS = 5
@@ -316,3 +317,113 @@ def test_recserve_eval_says_when_it_does_not_trust_the_server(tls_server, tls, t
         run_eval(options)
     assert error.value.message.startswith(f"TLS with server https://{tls_server.http_url} failed")
     assert TRUSTS_NOT in error.value.message
+
+
+# --------------------------------------------------------------------------- renewals
+RENEWAL_WAIT = 20.0  # seconds a renewal may take to be served (0.2 s checks; a loaded CI)
+
+
+def _secret(files: TlsFiles, key: Path | None = None) -> dict[str, bytes]:
+    """A cert-manager Secret's files: the server's certificate and key, and the clients' CA."""
+    return {
+        "tls.crt": files.cert.read_bytes(),
+        "tls.key": (key or files.key).read_bytes(),
+        "ca.crt": files.ca.read_bytes(),
+    }
+
+
+def _client(url: str, files: TlsFiles) -> RecserveClient:
+    """A client that trusts only ``files.ca`` and presents its client certificate."""
+    return RecserveClient(
+        url,
+        tls_ca=files.ca,
+        tls_cert=files.client_cert,
+        tls_key=files.client_key,
+        retries=0,
+        timeout=CALL_TIMEOUT,
+    )
+
+
+def _predicts_on_a_new_connection(url: str, files: TlsFiles, expected: np.ndarray) -> bool:
+    try:
+        with _client(url, files) as client:
+            np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+    except RecserveError:
+        return False
+    return True
+
+
+def _metrics(server: ServeProcess, files: TlsFiles) -> str:
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(files.ca))
+    context.load_cert_chain(files.client_cert, files.client_key)
+    url = f"https://{server.http_url}/metrics"
+    with urllib.request.urlopen(url, context=context, timeout=CALL_TIMEOUT) as answer:
+        return answer.read().decode()
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    checkpoint, serve_process, expected, tmp_path
+):
+    """Serve A (CA 1, mutual TLS), renew the Secret to B (CA 2) as the kubelet does: new
+    connections on both ports get B and its client CA, open ones keep going; a broken renewal
+    (a key that does not match) then leaves B served, with one warning and a failed count."""
+    a = write_tls_files(tmp_path / "a")
+    b = write_tls_files(tmp_path / "b")
+    paths = kubelet_files(tmp_path / "secret", _secret(a))
+    server = serve_process(
+        checkpoint,
+        "--tls-cert", str(paths["tls.crt"]),
+        "--tls-key", str(paths["tls.key"]),
+        "--tls-client-ca", str(paths["ca.crt"]),
+        "--tls-reload-seconds", "0.2",
+    )  # fmt: skip
+    urls = _urls(server)
+    try:
+        opened = {scheme: _client(url, a) for scheme, url in urls.items()}
+        for scheme, client in opened.items():  # connections open before the renewal
+            assert client.wait_until_ready(30), scheme
+            np.testing.assert_allclose(client.predict(batch()).predictions, expected, atol=ATOL)
+
+        def on_open_connections() -> None:
+            # Used all along (never idle for uvicorn's 5 s keep-alive): still A's sessions.
+            for client in opened.values():
+                result = client.predict(batch()).predictions
+                np.testing.assert_allclose(result, expected, atol=ATOL)
+
+        kubelet_swap(tmp_path / "secret", _secret(b))
+        for scheme, url in urls.items():
+            deadline = time.monotonic() + RENEWAL_WAIT
+            while not _predicts_on_a_new_connection(url, b, expected):
+                assert time.monotonic() < deadline, f"{scheme}: B not served\n{server.log()}"
+                on_open_connections()
+                time.sleep(0.1)
+            assert not _predicts_on_a_new_connection(url, a, expected), scheme  # A is gone
+        on_open_connections()
+        for client in opened.values():
+            client.close()
+
+        kubelet_swap(tmp_path / "secret", _secret(a, key=b.key))  # A's certificate, B's key
+        warning = (
+            "the changed TLS files were not loaded, the previous certificate stays in use: "
+            f"--tls-key {paths['tls.key']}: this private key does not match the certificate "
+            f"in --tls-cert {paths['tls.crt']} (tried again when the files change)"
+        )
+        deadline = time.monotonic() + RENEWAL_WAIT
+        while warning not in server.log():  # each new connection may be the one that looks
+            for scheme, url in urls.items():
+                assert _predicts_on_a_new_connection(url, b, expected), scheme
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        for _ in range(3):  # well after the broken renewal was seen: B still
+            for scheme, url in urls.items():
+                assert _predicts_on_a_new_connection(url, b, expected), scheme
+            time.sleep(0.25)
+        assert server.log().count(warning) == 1  # once per change, not per handshake
+        metrics = _metrics(server, b)
+        assert 'recserve_tls_reloads_total{outcome="ok"} 1.0' in metrics
+        assert 'recserve_tls_reloads_total{outcome="failed"} 1.0' in metrics
+    finally:
+        _stopped(server)

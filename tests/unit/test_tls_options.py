@@ -153,15 +153,22 @@ def test_recserve_serve_reports_a_bad_key_without_a_traceback(tls, capsys):
 
 def test_worker_processes_get_the_tls_files(tls):
     options = ServeOptions(
-        checkpoint=Path("ckpt"), tls_cert=tls.cert, tls_key=tls.key, tls_client_ca=tls.ca
+        checkpoint=Path("ckpt"),
+        tls_cert=tls.cert,
+        tls_key=tls.key,
+        tls_client_ca=tls.ca,
+        tls_reload_seconds=0.5,
     )
     argv = options_to_argv(options)
     assert f"--tls-cert={tls.cert}" in argv
     assert f"--tls-key={tls.key}" in argv
     assert f"--tls-client-ca={tls.ca}" in argv
+    assert "--tls-reload-seconds=0.5" in argv  # each process reloads its own files
     parsed = _parse(*argv[1:])
     assert (parsed.tls_cert, parsed.tls_key, parsed.tls_client_ca) == (tls.cert, tls.key, tls.ca)
-    assert not any("tls" in arg for arg in options_to_argv(ServeOptions(checkpoint=Path("c"))))
+    assert parsed.tls_reload_seconds == 0.5
+    plain = options_to_argv(ServeOptions(checkpoint=Path("c")))
+    assert [arg for arg in plain if "tls" in arg] == ["--tls-reload-seconds=10.0"]
 
 
 # --------------------------------------------------------------------------- clients
