@@ -13,6 +13,7 @@ import collections
 import functools
 import hmac
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +37,11 @@ from embedding_store.errors import (
     public_message_of,
 )
 from embedding_store.tls import PemFile, check_key_pair, read_certificates, read_private_key
+from embedding_store.tls_reload import (
+    DEFAULT_RELOAD_SECONDS,
+    ReloadingTls,
+    dynamic_server_credentials,
+)
 
 log = logging.getLogger(__name__)
 
@@ -246,13 +252,24 @@ class TierTls:
             require_client_auth=True,
         )
 
+    def certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """What dynamic server credentials take: the same key, chain and CA."""
+        return grpc.ssl_server_certificate_configuration(
+            [(self.key.data, self.cert.data)], root_certificates=self.ca.data
+        )
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """The server's certificate checked against the tier's CA; ours presented."""
         return grpc.ssl_channel_credentials(self.ca.data, self.key.data, self.cert.data)
 
 
-#: Parsed files per (cert, key, ca) paths: read and checked once per process, not per channel.
-_TLS_CACHE: dict[tuple[str, str, str], TierTls] = {}
+#: Seconds between two looks at the tier's TLS files for a renewal (a stat each, on a new
+#: handshake or a new channel; default DEFAULT_RELOAD_SECONDS; 0: read at start only).
+TLS_RELOAD_VARIABLE = "RECSERVE_TIER_TLS_RELOAD_SECONDS"
+
+#: The files per (cert, key, ca) paths and interval: read and checked once per process, then
+#: again only when they change (embedding_store.tls_reload), not per channel.
+_TLS_CACHE: dict[tuple[str, str, str, float], ReloadingTls[TierTls]] = {}
 _TLS_LOCK = threading.Lock()
 
 
@@ -261,12 +278,38 @@ def _tls_paths() -> dict[str, str]:
     return {name: value for name in TLS_VARIABLES if (value := os.environ.get(name, "").strip())}
 
 
-def tier_tls() -> TierTls | None:
-    """The tier's TLS files from ``RECSERVE_TIER_TLS_CERT``, ``RECSERVE_TIER_TLS_KEY`` and
-    ``RECSERVE_TIER_TLS_CA``, or None when none is set (plaintext). ConfigError, naming the
-    variable and the file, when only some are set or a file is missing, not PEM, an
-    encrypted key, or a key that does not match the certificate. Read once per process (per
-    set of paths): call it at start-up; later calls cost a dictionary lookup."""
+def _tls_reload_seconds() -> float:
+    text = os.environ.get(TLS_RELOAD_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_RELOAD_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(
+            f"{TLS_RELOAD_VARIABLE}={text}: must be a number of seconds >= 0 (0: read the "
+            "TLS files at start only)"
+        )
+    return seconds
+
+
+def _load_tier_tls(cert_path: str, key_path: str, ca_path: str) -> TierTls:
+    try:
+        cert = read_certificates(TLS_CERT_VARIABLE, cert_path)
+        private_key = read_private_key(TLS_KEY_VARIABLE, key_path)
+        ca = read_certificates(TLS_CA_VARIABLE, ca_path)
+        check_key_pair(cert, private_key)
+    except InvalidArgumentError as error:
+        raise ConfigError(error.message) from None
+    return TierTls(cert, private_key, ca)
+
+
+def tier_tls_files() -> ReloadingTls[TierTls] | None:
+    """The tier's TLS files as :func:`tier_tls` finds them, reloaded when they change (at
+    most every ``RECSERVE_TIER_TLS_RELOAD_SECONDS``); None for plaintext. ConfigError as
+    :func:`tier_tls` says, the first time only: a renewal that fails to load later leaves
+    the previous files in use, with a warning (embedding_store.tls_reload)."""
     given = _tls_paths()
     if not given:
         return None
@@ -276,23 +319,34 @@ def tier_tls() -> TierTls | None:
             f"{' and '.join(given)} set without {' and '.join(missing)}: the embedding tier's "
             f"mutual TLS needs all three of {', '.join(TLS_VARIABLES)} (or none, for plaintext)"
         )
-    key = (given[TLS_CERT_VARIABLE], given[TLS_KEY_VARIABLE], given[TLS_CA_VARIABLE])
+    paths = (given[TLS_CERT_VARIABLE], given[TLS_KEY_VARIABLE], given[TLS_CA_VARIABLE])
+    interval = _tls_reload_seconds()
     with _TLS_LOCK:
-        cached = _TLS_CACHE.get(key)
-        if cached is None:
-            try:
-                cert = read_certificates(TLS_CERT_VARIABLE, key[0])
-                private_key = read_private_key(TLS_KEY_VARIABLE, key[1])
-                ca = read_certificates(TLS_CA_VARIABLE, key[2])
-                check_key_pair(cert, private_key)
-            except InvalidArgumentError as error:
-                raise ConfigError(error.message) from None
-            cached = _TLS_CACHE[key] = TierTls(cert, private_key, ca)
-        return cached
+        files = _TLS_CACHE.get((*paths, interval))
+        if files is None:
+            files = _TLS_CACHE[(*paths, interval)] = ReloadingTls(
+                [Path(path) for path in paths],
+                functools.partial(_load_tier_tls, *paths),
+                interval=interval,
+                what="the embedding tier's " + "/".join(TLS_VARIABLES),
+            )
+        return files
+
+
+def tier_tls() -> TierTls | None:
+    """The tier's TLS files from ``RECSERVE_TIER_TLS_CERT``, ``RECSERVE_TIER_TLS_KEY`` and
+    ``RECSERVE_TIER_TLS_CA``, or None when none is set (plaintext). ConfigError, naming the
+    variable and the file, when only some are set or a file is missing, not PEM, an
+    encrypted key, or a key that does not match the certificate. Read once per process (per
+    set of paths): call it at start-up; later calls cost a dictionary lookup, and every
+    ``RECSERVE_TIER_TLS_RELOAD_SECONDS`` a stat of each file, which reads them again when
+    they changed (renewed in place): new channels then use the renewed files."""
+    files = tier_tls_files()
+    return None if files is None else files.check()[1]
 
 
 def reset_tier_tls_cache() -> None:
-    """Forget the files read by :func:`tier_tls` (tests; certificates rotated in place)."""
+    """Forget the files read by :func:`tier_tls` (tests)."""
     with _TLS_LOCK:
         _TLS_CACHE.clear()
 
@@ -300,11 +354,15 @@ def reset_tier_tls_cache() -> None:
 def bind_tier_port(server: grpc.Server, address: str) -> int:
     """``server.add_secure_port`` with the tier's mutual TLS when :func:`tier_tls` gives
     it, else ``add_insecure_port`` (today's plaintext). Returns the port bound (0: none).
-    ConfigError for bad TLS variables, before anything is bound."""
-    tls = tier_tls()
-    if tls is None:
+    ConfigError for bad TLS variables, before anything is bound. Under TLS, new handshakes
+    get renewed files (:func:`tier_tls_files`); open connections keep theirs."""
+    files = tier_tls_files()
+    if files is None:
         return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    credentials = dynamic_server_credentials(
+        files, TierTls.certificate_configuration, require_client_auth=True
+    )
+    return server.add_secure_port(address, credentials)
 
 
 def tier_transport() -> str:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from embedding_store.rpc_metrics import rpc_metrics
+from embedding_store.rpc_metrics import TierTlsReloads, rpc_metrics
 from embedding_store.shard import EmbeddingShard
 
 
@@ -97,6 +97,7 @@ class ParameterServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"replica": str(replica_index), "replicas": str(replica_size)}
         self.latency, self.errors = rpc_metrics(self.registry, "recserve_ps", "ParameterServer")
+        self.registry.register(TierTlsReloads("recserve_ps"))
 
     def watch_shard(self, shard: EmbeddingShard, serving: Callable[[], bool]) -> None:
         self.registry.register(_ShardCollector(shard, serving, self.labels))

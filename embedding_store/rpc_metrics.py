@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from embedding_store.errors import grpc_code_name_of
+from embedding_store.errors import RecserveError, grpc_code_name_of
 
 if TYPE_CHECKING:
     import grpc
@@ -94,6 +96,34 @@ def rpc_metrics(
         for code in PRECREATED_ERROR_CODES:
             errors.labels(method, code)
     return latency, errors
+
+
+class TierTlsReloads(Collector):
+    """``{prefix}_tls_reloads_total{outcome}``: reloads of the tier's renewed TLS files
+    (RECSERVE_TIER_TLS_*) by this process, ok or failed (the previous files stay in use);
+    read at scrape time. Nothing under plaintext."""
+
+    def __init__(self, prefix: str) -> None:
+        self._name = f"{prefix}_tls_reloads"
+
+    def collect(self) -> Iterator[Metric]:
+        from embedding_store.grpc_common import tier_tls_files
+
+        try:
+            files = tier_tls_files()
+        except RecserveError:  # bad variables: the process said so at start
+            return
+        if files is None:
+            return
+        family = CounterMetricFamily(
+            self._name,
+            "Reloads of the changed RECSERVE_TIER_TLS_* files by outcome (failed: the "
+            "previous certificate stays in use).",
+            labels=["outcome"],
+        )
+        for outcome, count in files.counts.items():
+            family.add_metric([outcome], count)
+        yield family
 
 
 class _RpcMetrics(Protocol):

@@ -93,6 +93,8 @@ class ReloadingTls(Generic[T]):
         self._clock = clock
         self._lock = threading.Lock()
         self._listeners: list[Callable[[str], None]] = []
+        #: Reload attempts by outcome since start-up (tier metrics read them at a scrape).
+        self.counts = dict.fromkeys(RELOAD_OUTCOMES, 0)
         stamp = file_stamp(self.paths)
         # (generation, value): one attribute, so a reader never pairs one with another's.
         self._current: tuple[int, T] = (0, load())
@@ -167,6 +169,7 @@ class ReloadingTls(Generic[T]):
         return True
 
     def _tell(self, outcome: str) -> None:
+        self.counts[outcome] += 1
         for listener in self._listeners:
             try:
                 listener(outcome)

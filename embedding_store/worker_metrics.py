@@ -21,7 +21,7 @@ from embedding_store.grpc_common import (
     format_address,
 )
 from embedding_store.remote_tier import RemoteShardTier
-from embedding_store.rpc_metrics import rpc_metrics
+from embedding_store.rpc_metrics import TierTlsReloads, rpc_metrics
 
 
 class _WorkerCollector(Collector):
@@ -106,6 +106,7 @@ class EmbeddingWorkerMetrics:
             "EmbeddingWorker",
             "server side; Dump/Load: whole stream",
         )
+        self.registry.register(TierTlsReloads("recserve_worker"))
 
     def watch_tier(self, tier: RemoteShardTier) -> None:
         self.registry.register(_WorkerCollector(tier))

@@ -6,21 +6,33 @@ once, with a message that says what to check."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from clients import RecserveClient
-from embedding_store.config import load_embedding_config
+from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig, load_embedding_config
 from embedding_store.errors import DeadlineExceededError, UnavailableError
-from embedding_store.grpc_common import TLS_VARIABLES, reset_tier_tls_cache
+from embedding_store.grpc_common import (
+    TLS_RELOAD_VARIABLE,
+    TLS_VARIABLES,
+    reset_tier_tls_cache,
+)
+from embedding_store.initializer import InitializationConfig
 from embedding_store.launcher import LocalCluster
+from embedding_store.optimizers import SGD
 from embedding_store.ps_client import RemoteParameterServer
+from embedding_store.ps_metrics import ParameterServerMetrics
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
 from embedding_store.worker_client import RemoteEmbeddingWorker
 from examples.adult_income import features
 from serving.infer_ctx import InferCtx
@@ -35,7 +47,7 @@ from tests.integration.test_embedding_tier import (
     two_shards_one_worker,
     write_tier_configs,
 )
-from tests.tls_files import TlsFiles, write_tls_files
+from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
 from training.data import DataCtx, StreamingDataset
 
 CERT, KEY, CA = TLS_VARIABLES
@@ -233,3 +245,88 @@ def test_serve_and_the_admin_cli_reach_an_infer_tier_under_mutual_tls(
         assert refused.returncode != 0
         assert "RECSERVE_TIER_TLS" in refused.stderr and "Traceback" not in refused.stderr
     reset_tier_tls_cache()
+
+
+# --------------------------------------------------------------------------- renewals
+def _secret(files: TlsFiles, key: Path | None = None) -> dict[str, bytes]:
+    """What cert-manager writes for a CA issuer: tls.crt, tls.key, ca.crt."""
+    return {
+        "tls.crt": files.cert.read_bytes(),
+        "tls.key": (key or files.key).read_bytes(),
+        "ca.crt": files.ca.read_bytes(),
+    }
+
+
+def _health(address: str, files: TlsFiles) -> str:
+    """The shard's health over a channel of its own that trusts only ``files.ca`` and
+    presents ``files``' client certificate ("refused" when the handshake fails)."""
+    credentials = grpc.ssl_channel_credentials(
+        files.ca.read_bytes(), files.client_key.read_bytes(), files.client_cert.read_bytes()
+    )
+    with grpc.secure_channel(address, credentials) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+        except grpc.RpcError:
+            return "refused"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+
+def test_a_shard_and_its_clients_take_renewed_files(tmp_path, monkeypatch, caplog):
+    """A parameter server under mutual TLS from a Secret mount renewed from A (CA 1) to B
+    (CA 2) as the kubelet does: new handshakes get B, new tier channels use B, an open
+    channel keeps going; a broken renewal then leaves B in use, with one warning."""
+    a = write_tls_files(tmp_path / "a")
+    b = write_tls_files(tmp_path / "b")
+    secret = tmp_path / "secret"
+    paths = kubelet_files(secret, _secret(a))
+    monkeypatch.setenv(TLS_RELOAD_VARIABLE, "0.1")
+    use_files(monkeypatch, paths["tls.crt"], paths["tls.key"], paths["ca.crt"])
+    process = ParameterServerProcess(
+        EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}),
+        GlobalConfig(),
+        ParameterServerOptions(host="127.0.0.1", port=0),
+    )
+    process.start()
+    try:
+        opened = RemoteParameterServer(process.address, timeout=5)  # a channel on A
+        opened.configure(SGD(lr=0.1), InitializationConfig(seed=1))
+        rows = opened.lookup(np.arange(3, dtype=np.uint64), 4, train=True)  # inserts them
+        assert _health(process.address, a) == "SERVING"
+
+        kubelet_swap(secret, _secret(b))
+        deadline = time.monotonic() + 10
+        while _health(process.address, b) != "SERVING":
+            assert time.monotonic() < deadline, "the shard did not take B"
+            time.sleep(0.05)
+        assert _health(process.address, a) == "refused"  # A's CA and client certificate
+        with RemoteParameterServer(process.address, timeout=5) as renewed:  # a new channel: B
+            np.testing.assert_array_equal(
+                renewed.lookup(np.arange(3, dtype=np.uint64), 4, train=False), rows
+            )
+        assert opened.status().rows == 3  # the open channel still works
+        opened.close()
+
+        kubelet_swap(secret, _secret(a, key=b.key))  # A's certificate, B's key
+        warning = (
+            "the changed TLS files were not loaded, the previous certificate stays in use: "
+            f"{KEY} {paths['tls.key']}: this private key does not match the certificate in "
+            f"{CERT} {paths['tls.crt']} (tried again when the files change)"
+        )
+        deadline = time.monotonic() + 10
+        with caplog.at_level(logging.WARNING, logger="embedding_store.tls_reload"):
+            while warning not in caplog.text:
+                with RemoteParameterServer(process.address, timeout=5) as client:
+                    assert client.health() == "SERVING"  # B on both sides, all along
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+            time.sleep(0.3)  # a few checks later: B still, and no second warning
+            assert _health(process.address, b) == "SERVING"
+        assert caplog.text.count(warning) == 1
+        metrics = generate_latest(ParameterServerMetrics(0, 1).registry).decode()
+        assert 'recserve_ps_tls_reloads_total{outcome="ok"} 1.0' in metrics
+        assert 'recserve_ps_tls_reloads_total{outcome="failed"} 1.0' in metrics
+    finally:
+        process.stop(grace=0)
+        reset_tier_tls_cache()

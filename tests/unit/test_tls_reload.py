@@ -5,11 +5,20 @@ per change."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import ConfigError, InvalidArgumentError
+from embedding_store.grpc_common import (
+    TLS_RELOAD_VARIABLE,
+    TLS_VARIABLES,
+    reset_tier_tls_cache,
+    tier_tls,
+)
+from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.tls import check_key_pair, read_certificates, read_private_key
 from embedding_store.tls_reload import ReloadingTls, file_stamp
 from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
@@ -187,3 +196,50 @@ def test_bad_files_at_start_up_raise(tmp_path, sets):
     paths = kubelet_files(tmp_path / "secret", secret(a, key=a.other_key))
     with pytest.raises(InvalidArgumentError, match="does not match the certificate"):
         ReloadingTls([paths["tls.crt"]], Loads(paths), what="t")
+
+
+# --------------------------------------------------------------------------- the tier's files
+def _use_tier_files(monkeypatch, paths: dict[str, Path] | None, seconds: str) -> None:
+    for name, file in zip(TLS_VARIABLES, ("tls.crt", "tls.key", "ca.crt"), strict=True):
+        if paths is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(paths[file]))
+    monkeypatch.setenv(TLS_RELOAD_VARIABLE, seconds)
+    reset_tier_tls_cache()
+
+
+def test_new_tier_channels_use_renewed_files(tmp_path, sets, monkeypatch):
+    """tier_tls() (what tier_channel builds new channels from) notices a renewal by itself,
+    with no server in the process to look."""
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    _use_tier_files(monkeypatch, paths, "0.01")
+    try:
+        first = tier_tls()
+        assert first is not None and first.cert.data == a.cert.read_bytes()
+        kubelet_swap(tmp_path / "secret", secret(b))
+        deadline = time.monotonic() + 5
+        while (renewed := tier_tls()) is first:
+            assert time.monotonic() < deadline, "tier_tls() kept the old files"
+            time.sleep(0.01)
+        assert renewed is not None
+        assert (renewed.cert.data, renewed.key.data, renewed.ca.data) == tuple(secret(b).values())
+    finally:
+        reset_tier_tls_cache()
+
+
+def test_the_tier_reload_interval_is_checked(monkeypatch, tmp_path, sets):
+    a, _ = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    for bad in ("soon", "-1", "nan", "inf"):
+        _use_tier_files(monkeypatch, paths, bad)
+        with pytest.raises(ConfigError) as refused:
+            tier_tls()
+        assert refused.value.message == (
+            f"{TLS_RELOAD_VARIABLE}={bad}: must be a number of seconds >= 0 (0: read the TLS "
+            "files at start only)"
+        )
+    _use_tier_files(monkeypatch, None, "soon")  # plaintext: not read at all
+    assert tier_tls() is None
+    assert b"tls_reloads" not in generate_latest(ParameterServerMetrics(0, 1).registry)
