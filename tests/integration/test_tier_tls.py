@@ -16,10 +16,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
 from clients import RecserveClient
+from embedding_store.batch import Batch, Label
 from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig, load_embedding_config
 from embedding_store.errors import DeadlineExceededError, UnavailableError
 from embedding_store.grpc_common import (
@@ -48,6 +50,7 @@ from tests.integration.test_embedding_tier import (
     write_tier_configs,
 )
 from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
+from training.ctx import TrainCtx
 from training.data import DataCtx, StreamingDataset
 
 CERT, KEY, CA = TLS_VARIABLES
@@ -115,6 +118,72 @@ def test_lookups_under_mutual_tls_equal_the_in_process_tier(
     # The shards themselves, as the admin CLI and trainers reach them.
     with RemoteParameterServer(cluster.ps_addresses[0], replica_index=0, timeout=5) as shard:
         assert shard.health() == "SERVING"
+
+
+class _PooledModel(torch.nn.Module):
+    """Logit of the tier's three slots: user [batch, 8], items [batch, 8] and the raw history
+    sequence [batch, 3, 4], flattened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8 + 8 + 3 * 4, 1)
+
+    def forward(self, non_ids: list[torch.Tensor], embeddings: list[torch.Tensor]):
+        return self.linear(torch.cat([e.flatten(1) for e in embeddings], dim=1))
+
+
+def _labelled(seed: int) -> Batch:
+    unlabelled = batch_of(seed, batch_size=16)
+    target = (np.random.default_rng(seed).random((16, 1)) < 0.5).astype(np.float32)
+    return Batch(unlabelled.id_type_features, [], [Label(target)], requires_grad=True)
+
+
+def _train(ctx_factory, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _PooledModel()
+    with ctx_factory(model) as ctx:
+        losses = []
+        for step in range(steps):
+            output, labels = ctx.forward(_labelled(step))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+            ctx.backward(loss)
+            losses.append(float(loss.detach()))
+        ctx.wait_for_embedding_updates()
+        # The rows as training left them, read back through the same tier.
+        final = ctx.embedding_tier.lookup(batch_of(0, batch_size=16), train=False)
+    return losses, {slot.name: slot.embeddings for slot in final.slots}
+
+
+def test_train_ctx_over_the_remote_tier_under_mutual_tls_equals_the_embedded_tier(
+    cluster, config_files, tls, monkeypatch
+):
+    use_files(monkeypatch, tls.cert, tls.key, tls.ca)
+    embedding_config, global_config = config_files
+    with RemoteEmbeddingWorker(
+        cluster.worker_addresses[0], load_embedding_config(embedding_config), timeout=10
+    ) as worker:
+        worker.clear()  # other tests of this module train on the same tier
+
+    def over(tier_options):
+        return lambda model: TrainCtx(
+            OPTIMIZER,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            embedding_staleness=1,  # each step sees the rows the step before it left
+            embedding_config=embedding_config,
+            global_config=global_config,
+            **tier_options,
+        )
+
+    remote_losses, remote_rows = _train(
+        over({"embedding_workers": [cluster.worker_addresses[0]]}), steps=3
+    )
+    local_losses, local_rows = _train(over({"embedding_tier": local_tier(config_files)}), steps=3)
+    assert remote_losses == local_losses
+    assert remote_losses[0] != remote_losses[2]  # it trained
+    assert remote_rows.keys() == local_rows.keys() == {"user", "items", "history"}
+    for name, rows in remote_rows.items():
+        assert torch.equal(rows, local_rows[name]), name
 
 
 def _refused(client_factory, expected: str) -> None:
