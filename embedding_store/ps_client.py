@@ -30,6 +30,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import (
+    HEALTH_CHECK_METHOD,
     call,
     channel_options,
     error_from_rpc,
@@ -51,6 +52,12 @@ from embedding_store.shard import RowBlock
 DEFAULT_CHECKPOINT_TIMEOUT = 600.0
 #: How often a load asks whether its caller is still there (``load(caller_gone=...)``).
 _CALLER_CHECK_SECONDS = 0.1
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+#: Calls that may reach the shard twice (grpc_common.RenewingTierChannel retries them once
+#: after a TLS renewal): reads. A train lookup inserts the rows it misses, as it would
+#: have the first time; never an update, whose gradient would be applied twice.
+RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,7 @@ class RemoteParameterServer:
         self.peer = f"parameter server {address}" + (
             f" (shard {replica_index})" if replica_index is not None else ""
         )
-        self._channel = tier_channel(address, channel_options())
+        self._channel = tier_channel(address, channel_options(), retry_safe=RETRY_SAFE_METHODS)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._local = threading.local()

@@ -20,7 +20,13 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
-from embedding_store.grpc_common import call, channel_options, error_from_rpc, tier_channel
+from embedding_store.grpc_common import (
+    HEALTH_CHECK_METHOD,
+    call,
+    channel_options,
+    error_from_rpc,
+    tier_channel,
+)
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import Optimizer
@@ -30,6 +36,12 @@ from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, IdFeature, LookupResult, SlotOutput
 from embedding_store.worker_service import SERVICE_NAME
 from embedding_store.worker_wire import pack_grads, unpack_slots
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"].full_name
+#: Calls that may reach the worker twice (grpc_common.RenewingTierChannel retries them once
+#: after a TLS renewal): reads. A train lookup sent twice leaves one forward context unused,
+#: which expires as any other; never a backward, whose gradients would be applied twice.
+RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})
 
 
 class RemoteEmbeddingWorker:
@@ -52,7 +64,7 @@ class RemoteEmbeddingWorker:
         self.timeout = timeout
         self.admin_timeout = admin_timeout
         self._peer = f"embedding worker {address}"
-        self._channel = tier_channel(address, channel_options())
+        self._channel = tier_channel(address, channel_options(), retry_safe=RETRY_SAFE_METHODS)
         self._stub = pb_grpc.EmbeddingWorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

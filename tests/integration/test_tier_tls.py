@@ -399,3 +399,114 @@ def test_a_shard_and_its_clients_take_renewed_files(tmp_path, monkeypatch, caplo
     finally:
         process.stop(grace=0)
         reset_tier_tls_cache()
+
+
+def _shard(port: int = 0) -> ParameterServerProcess:
+    process = ParameterServerProcess(
+        EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}),
+        GlobalConfig(),
+        ParameterServerOptions(host="127.0.0.1", port=port),
+    )
+    process.start()
+    return process
+
+
+def test_long_lived_clients_follow_a_renewal_across_a_shard_restart(tmp_path, monkeypatch):
+    """Clients made under A (CA 1) and kept, as a worker keeps its shards': the Secret is
+    renewed to B (CA 2) and the shard restarts with B, refusing A. The next call of each
+    succeeds on a rebuilt channel presenting B: a client that looks at the files before its
+    calls rebuilds first (even for an update, never sent twice); one whose look is not due
+    finds B when its read fails UNAVAILABLE, and sends that read again on B."""
+    a = write_tls_files(tmp_path / "a")
+    b = write_tls_files(tmp_path / "b")
+    server_secret, client_secret = tmp_path / "server", tmp_path / "client"
+    server_paths = kubelet_files(server_secret, _secret(a))
+    client_paths = kubelet_files(client_secret, _secret(a))
+
+    def files_of(paths: dict[str, Path], reload_seconds: str) -> None:
+        monkeypatch.setenv(TLS_RELOAD_VARIABLE, reload_seconds)
+        use_files(monkeypatch, paths["tls.crt"], paths["tls.key"], paths["ca.crt"])
+
+    files_of(server_paths, "0.05")
+    first = _shard()
+    second = None
+    files_of(client_paths, "3600")  # looks at its files only when a call fails
+    reader = RemoteParameterServer(first.address, timeout=5)
+    files_of(client_paths, "0.05")  # looks before its calls (every 0.05 s)
+    writer = RemoteParameterServer(first.address, timeout=5)
+    try:
+        writer.configure(SGD(lr=1.0), InitializationConfig(seed=1))
+        ids = np.arange(3, dtype=np.uint64)
+        writer.lookup(ids, 4, train=True)
+        assert reader.status().rows == 3
+        first.stop(grace=0)
+
+        kubelet_swap(server_secret, _secret(b))
+        kubelet_swap(client_secret, _secret(b))
+        files_of(server_paths, "0.05")
+        second = _shard(first.port)  # B from the start, on the same address
+        assert _health(second.address, a) == "refused"
+        time.sleep(0.1)  # the writer's next look is due
+
+        started = time.monotonic()
+        assert reader.status().rows == 0  # the restarted shard: one call, retried on B
+        writer.configure(SGD(lr=1.0), InitializationConfig(seed=1))
+        rows = writer.lookup(ids, 4, train=True)
+        assert writer.update(ids, np.ones((3, 4), np.float32)) == 3
+        np.testing.assert_array_equal(reader.lookup(ids, 4, train=False), rows - 1.0)
+        assert time.monotonic() - started < 5  # no reconnect back-off waited out
+        assert reader._channel.generation == writer._channel.generation == 1
+    finally:
+        reader.close()
+        writer.close()
+        first.stop(grace=0)
+        if second is not None:
+            second.stop(grace=0)
+        reset_tier_tls_cache()
+
+
+def test_a_renewal_keeps_calls_in_flight_and_closes_the_old_channel_after(tmp_path, monkeypatch):
+    """A shard reloading B -> C in place: a client's export stream open on B goes on to its
+    end while the client's next call rebuilds the channel with C; the B channel is closed
+    once the stream ended."""
+    b = write_tls_files(tmp_path / "b")
+    c = write_tls_files(tmp_path / "c")
+    secret = tmp_path / "secret"
+    paths = kubelet_files(secret, _secret(b))
+    monkeypatch.setenv(TLS_RELOAD_VARIABLE, "0.05")
+    use_files(monkeypatch, paths["tls.crt"], paths["tls.key"], paths["ca.crt"])
+    process = _shard()
+    try:
+        with RemoteParameterServer(process.address, timeout=5) as client:
+            client.configure(SGD(lr=1.0), InitializationConfig(seed=1))
+            rows = client.lookup(np.arange(3, dtype=np.uint64), 4, train=True)
+            old = client._channel._link.channel
+            stream = client.export_rows(max_rows_per_chunk=1)
+            blocks = [next(stream)]  # in flight on B
+
+            kubelet_swap(secret, _secret(c))
+            deadline = time.monotonic() + 10
+            while _health(process.address, c) != "SERVING":
+                assert time.monotonic() < deadline, "the shard did not take C"
+                time.sleep(0.05)
+            assert client.status().rows == 3  # a rebuilt channel, presenting C
+            assert client._channel.generation == 1
+            blocks += list(stream)  # the B channel stayed open for it
+            got = np.concatenate([block.weights for block in blocks])
+            np.testing.assert_array_equal(
+                got[np.argsort(np.concatenate([block.ids for block in blocks]))], rows
+            )
+            deadline = time.monotonic() + 5
+            while True:  # closed by a thread of its own once the stream ended
+                try:
+                    old.unary_unary("/recserve.Nothing/Nothing")(b"", timeout=0.01)
+                except ValueError:  # "Cannot invoke RPC on closed channel!"
+                    break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, "the replaced channel was not closed"
+                time.sleep(0.02)
+            assert client._channel._retired == []
+    finally:
+        process.stop(grace=0)
+        reset_tier_tls_cache()

@@ -8,14 +8,18 @@ import logging
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 
 from embedding_store.errors import ConfigError, InvalidArgumentError
 from embedding_store.grpc_common import (
+    HEALTH_CHECK_METHOD,
     TLS_RELOAD_VARIABLE,
     TLS_VARIABLES,
+    RenewingTierChannel,
     reset_tier_tls_cache,
+    tier_channel,
     tier_tls,
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
@@ -243,3 +247,24 @@ def test_the_tier_reload_interval_is_checked(monkeypatch, tmp_path, sets):
     _use_tier_files(monkeypatch, None, "soon")  # plaintext: not read at all
     assert tier_tls() is None
     assert b"tls_reloads" not in generate_latest(ParameterServerMetrics(0, 1).registry)
+
+
+def test_only_tier_channels_that_can_see_a_renewal_follow_one(tmp_path, sets, monkeypatch):
+    """Plaintext, and TLS read at start only, keep gRPC's own channel (nothing added per
+    call); TLS with renewals looked for gets a channel that follows them."""
+    a, _ = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    try:
+        _use_tier_files(monkeypatch, None, "10")
+        with tier_channel("127.0.0.1:1") as plain:
+            assert type(plain) is grpc._channel.Channel
+        _use_tier_files(monkeypatch, paths, "0")
+        with tier_channel("127.0.0.1:1") as fixed:
+            assert type(fixed) is grpc._channel.Channel
+        _use_tier_files(monkeypatch, paths, "10")
+        with tier_channel("127.0.0.1:1", retry_safe={HEALTH_CHECK_METHOD}) as renewing:
+            assert isinstance(renewing, RenewingTierChannel)
+            assert renewing.retry_safe == {HEALTH_CHECK_METHOD}
+            assert renewing.generation == 0
+    finally:
+        reset_tier_tls_cache()
