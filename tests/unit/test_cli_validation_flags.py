@@ -677,3 +677,29 @@ def test_a_data_loader_learns_its_replica_index_and_size(launches) -> None:
             "data-loader", "--entry", str(entry), "--replica-index", "-1", "--replica-size", "3"
         )
     assert len(started) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "last_line"),
+    [
+        # A typo in a required flag: argparse names the required one and not the typo.
+        (["serve", "--chekpoint", "runs/click"],
+         "recserve serve: error: the following arguments are required: --checkpoint "
+         "(--chekpoint: did you mean --checkpoint?)"),
+        (["serve", "--checkpoint", "runs/click", "--http-prot", "8000"],
+         "recserve: error: unrecognized arguments: --http-prot 8000 "
+         "(--http-prot: did you mean --http-port?)"),
+        (["checkpoint", "inspect", "runs/click", "--jsn"],
+         "recserve: error: unrecognized arguments: --jsn (--jsn: did you mean --json?)"),
+        (["serve", "--checkpoint", "runs/click", "--max-batch-sise=3", "--no-such-thing"],
+         "recserve: error: unrecognized arguments: --max-batch-sise=3 --no-such-thing "
+         "(--max-batch-sise: did you mean --max-batch-size?)"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_flag_gets_the_flag_it_is_close_to(capsys, argv, last_line) -> None:
+    from embedding_store.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == last_line
