@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import positive_int
+from embedding_store.cli_types import grpc_addresses, positive_int
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -71,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--embedding-workers",
+        type=grpc_addresses,
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
     )
     train.add_argument(

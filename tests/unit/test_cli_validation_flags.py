@@ -703,3 +703,37 @@ def test_a_mistyped_flag_gets_the_flag_it_is_close_to(capsys, argv, last_line) -
         main(argv)
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == last_line
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "value"),
+    [
+        (["embedding-tier", "status", "--worker"], "--worker", "http://127.0.0.1:7201"),
+        (["embedding-worker", "--ps"], "--ps", "127.0.0.1:7101,grpc://127.0.0.1:7102/"),
+        (["train", "--entry", "t.py", "--embedding-workers"], "--embedding-workers",
+         "https://127.0.0.1:7201"),
+    ],
+)  # fmt: skip
+def test_tier_addresses_given_as_urls_say_so(capsys, argv, flag, value) -> None:
+    """gRPC took `--worker http://127.0.0.1:7201` for a host name: "errors resolving
+    http://127.0.0.1:7201: ... Misformatted domain name"."""
+    url = value.split(",")[-1]
+    scheme, _, rest = url.partition("://")
+    message = f"{url!r} is a URL: give HOST:PORT, without {scheme}:// (e.g. {rest.rstrip('/')})"
+    error = usage_error(capsys, [*argv, value])
+    assert error.endswith(f"error: argument {flag}: {message}"), error
+
+
+def test_serve_tier_addresses_given_as_urls_say_so() -> None:
+    from serving.commands import check_arguments
+
+    for flag in ("--embedding-workers", "--embedding-ps"):
+        args = build_parser().parse_args(["serve", "--checkpoint", "c", flag, "http://h:7100"])
+        assert check_arguments(args) == (
+            f"{flag}: 'http://h:7100' is a URL: give HOST:PORT, without http:// (e.g. h:7100)"
+        )
+    # gRPC's own target URIs are no URLs of a prediction server: they pass.
+    args = build_parser().parse_args(
+        ["train", "--entry", "t.py", "--embedding-workers", "dns:///h:1"]
+    )
+    assert args.embedding_workers == "dns:///h:1"
