@@ -608,6 +608,7 @@ def test_train_on_one_node_runs_torchrun_standalone(launches, monkeypatch) -> No
 
     monkeypatch.chdir(launches[0].parent)
     entry, started = launches
+    (entry.parent / "e.yml").write_text("")  # what it holds is the script's to read
     _launch(
         "train", "--entry", str(entry), "--embedding-config", "e.yml", "--num-data-loaders", "3",
         "--nn-worker-addresses", "a:1", "--", "--epochs", "2", "--",
@@ -652,6 +653,15 @@ def test_train_refuses_what_torchrun_cannot_run(launches, capsys) -> None:
             _launch("train", "--entry", str(entry), *argv)
     with pytest.raises(SystemExit, match=f"--entry {entry.parent} is not a file"):
         _launch("train", "--entry", str(entry.parent))
+    # A mistyped config path: each rank's script failed with a traceback once started.
+    for command in (["train"], ["data-loader", "--replica-index", "0", "--replica-size", "1"]):
+        for flag in ("--embedding-config", "--global-config"):
+            with pytest.raises(SystemExit) as refused:
+                _launch(*command, "--entry", str(entry), flag, "embedding_config.ym")
+            assert refused.value.code == (
+                f"recserve {command[0]}: error: {flag} embedding_config.ym is not a file"
+            )
+    assert started == []
     for port in ("0", "65536", "-3"):
         error = usage_error(capsys, ["train", "--entry", str(entry), "--master-port", port])
         assert error == (
