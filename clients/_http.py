@@ -10,6 +10,7 @@ The clients add retries, latency and the sync/async surface.
 from __future__ import annotations
 
 import errno
+import http.client
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,35 @@ def _connect_failure(error: BaseException) -> str | None:
     if "Connection reset by peer" in text or "Broken pipe" in text:
         return "reset the connection while connecting"
     return None
+
+
+def answered_in_http2(error: BaseException) -> bool:
+    """Whether ``error`` (or one along its chain, or in its args: urllib3 wraps it) is the
+    status line of an HTTP/2 frame: a gRPC-only server (``recserve serve --grpc-port``)
+    answers an HTTP/1.1 request with a SETTINGS frame (3 length bytes, type 4), which
+    http.client reads as a bad status line."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, http.client.BadStatusLine):
+            line = str(current.args[0]) if current.args else ""  # the line, as latin-1 text
+            return line[:1] == "\x00" and line[3:4] == "\x04"
+        pending += [a for a in current.args if isinstance(a, BaseException)]
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return False
+
+
+def http2_hint(url: str) -> str:
+    """The message for an HTTP/1.1 request answered in HTTP/2 (see :func:`answered_in_http2`)."""
+    return (
+        f"server {url} answered in HTTP/2, not HTTP/1.1: is that the server's gRPC port? "
+        "HTTP clients use its --http-port (8000 by default), grpc:// URLs its --grpc-port "
+        "(8001)"
+    )
 
 
 @dataclass(frozen=True)
@@ -160,6 +190,8 @@ class HttpBackend:
                 f"server {self.server} did not answer {method} {path} within {timeout} s"
             ) from None
         except (ProtocolError, ConnectionError) as error:
+            if answered_in_http2(error):  # the gRPC port: a retry gets the same frames
+                raise UnavailableError(http2_hint(self.server)) from None
             # The connection dropped before an answer (a server restarting, an idle pooled
             # connection closed): retried like gRPC's UNAVAILABLE; inference is idempotent.
             raise RetryableError(

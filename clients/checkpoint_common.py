@@ -50,8 +50,9 @@ def checkpoint_kind(directory: str | os.PathLike[str]) -> str:
         return EMBEDDING  # shard parts: the embedding reader says what they are
     if not (root / model_checkpoint.DONE_MARKER).exists():
         raise CheckpointError(
-            f"checkpoint {root} is incomplete: no {model_checkpoint.DONE_MARKER} marker and no "
-            "manifest (the write did not finish)"
+            checkpoint_manifest.no_done_marker_message(
+                root, "checkpoint", " and no manifest (the write did not finish)"
+            )
         )
     raise CheckpointError(
         f"{root} has neither {model_checkpoint.MANIFEST_NAME} (model checkpoint) nor "

@@ -231,13 +231,10 @@ def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> Non
 
 
 # --------------------------------------------------------------------------- report
-def _plots(
-    directory: Path,
-    report: dict[str, Any],
-    labels: np.ndarray | None,
-    ranking: np.ndarray,
-    predictions: np.ndarray,
-) -> list[str]:
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display); InvalidArgumentError
+    when matplotlib is not installed (an optional extra). ``recserve eval --report`` asks
+    before it scores anything, so a missing extra costs no scoring run."""
     try:
         import matplotlib
 
@@ -247,6 +244,17 @@ def _plots(
         raise InvalidArgumentError(
             "the eval report's plots need matplotlib (pip install 'recserve[eval]')"
         ) from None
+    return plt
+
+
+def _plots(
+    directory: Path,
+    report: dict[str, Any],
+    labels: np.ndarray | None,
+    ranking: np.ndarray,
+    predictions: np.ndarray,
+) -> list[str]:
+    plt = pyplot()
     written = []
     auc = report["auc"]
     figure, axes = plt.subplots(figsize=(5, 5))

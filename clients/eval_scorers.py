@@ -10,6 +10,7 @@ model and embedding lookups the server runs), so ``recserve eval --url`` never l
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import ssl
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from clients._http import answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
 from embedding_store.batch import (
     Batch,
@@ -234,6 +236,14 @@ class ServerScorer:
                     ) from None
                 if attempt == self.retries:
                     raise UnavailableError(f"cannot reach {self.url}: {reason}") from None
+            except http.client.HTTPException as error:
+                # Not an HTTP/1.1 answer (urllib raises these bare, not as URLError).
+                if answered_in_http2(error):  # the gRPC port: a retry gets the same frames
+                    raise UnavailableError(http2_hint(self.url)) from None
+                if attempt == self.retries:
+                    raise UnavailableError(
+                        f"server {self.url}{path}: not a valid HTTP answer: {error!r}"
+                    ) from None
             time.sleep(delay)
             delay *= 2
         raise UnavailableError(f"cannot reach {self.url}")  # not reached

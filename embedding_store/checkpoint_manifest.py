@@ -147,6 +147,40 @@ def interrupted_overwrite_hint(root: Path) -> str:
     )
 
 
+def checkpoints_inside(root: Path, *, limit: int = 1000) -> list[Path]:
+    """The finished checkpoints (a ``DONE`` marker) directly inside ``root``, by name; hidden
+    ones (staging, retired copies) left out. For the error of a path given one level too
+    high (``--checkpoint runs`` for ``runs/adult``); the first ``limit`` entries are looked
+    at, so a huge directory costs little."""
+    found = []
+    try:
+        for index, entry in enumerate(root.iterdir()):
+            if index >= limit:
+                break
+            if not entry.name.startswith(".") and (entry / DONE_MARKER).is_file():
+                found.append(entry)
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def no_done_marker_message(root: Path, what: str, why: str) -> str:
+    """The error for a directory without a ``DONE`` marker: ``"{what} {root} is incomplete:
+    no DONE marker {why}"``, or, when it holds checkpoints, that it is not one and which
+    ones it holds."""
+    # A checkpoint that lost its marker is incomplete, whatever it holds (a model
+    # checkpoint's embeddings/ has a DONE of its own): model_checkpoint's file names.
+    own_files = (MANIFEST_NAME, "manifest.json", "jit_dense.pt")
+    inside = [] if any((root / n).exists() for n in own_files) else checkpoints_inside(root)
+    if not inside:
+        return f"{what} {root} is incomplete: no {DONE_MARKER} marker{why}"
+    names = ", ".join(str(p) for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
+    return (
+        f"{root} is not a checkpoint (no {DONE_MARKER} marker) but a directory of them: "
+        f"{names}; give one of them"
+    )
+
+
 def is_directory(path: Path) -> bool:
     """``path.is_dir()``, False for a path the system refuses to look at (too long)."""
     try:
@@ -172,8 +206,7 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
                 "checkpoint; take one with `recserve embedding-tier dump`"
             )
         raise CheckpointError(
-            f"embedding checkpoint {root} is incomplete: no {DONE_MARKER} marker "
-            "(the dump did not finish)"
+            no_done_marker_message(root, "embedding checkpoint", " (the dump did not finish)")
         )
     try:
         raw = json.loads((root / MANIFEST_NAME).read_text())

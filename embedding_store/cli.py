@@ -9,12 +9,14 @@ missing optional package only hides its commands.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
 from importlib.metadata import entry_points
+from typing import NoReturn
 
 from embedding_store import __version__
 from embedding_store.errors import RecserveError
@@ -24,9 +26,56 @@ log = logging.getLogger("recserve")
 COMMAND_GROUP = "recserve.commands"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors point out a mistyped flag (``--chekpoint``: "did you
+    mean --checkpoint?"). argparse reports a missing required flag before an unknown one,
+    so without this a typo in a required flag read as "--checkpoint is required"."""
+
+    _seen: Sequence[str] = ()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._seen = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def close_flags(self, tokens: Sequence[str]) -> str:
+        """ " (--chekpoint: did you mean --checkpoint?)" for the flags among ``tokens`` (up
+        to a ``--``) that this parser does not take but has one close to, or ""."""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        hints = []
+        for token in tokens:
+            if token == "--":
+                break  # the --entry script's own arguments follow
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in known:
+                match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+                if match:
+                    hints.append(f"{name}: did you mean {match[0]}?")
+        return f" ({'; '.join(hints)})" if hints else ""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            message += self.close_flags(self._seen)
+        super().error(message)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _Parser | None:
+    """The (sub)parser that took ``args``' command (and action: ``checkpoint inspect``)."""
+    found = None
+    current: argparse.ArgumentParser = parser
+    while True:
+        subparsers = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subparsers[0].dest, None) if subparsers else None
+        if chosen is None or chosen not in subparsers[0].choices:
+            return found
+        current = subparsers[0].choices[chosen]
+        found = current if isinstance(current, _Parser) else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Parser with every registered subcommand attached."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="recserve",
         description="Train and serve deep recommendation models with sharded embedding tables.",
     )
@@ -56,8 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = ""
-        if getattr(args, "command", None) in ("train", "data-loader"):
+        command_parser = _command_parser(parser, args)
+        hint = command_parser.close_flags(unknown) if command_parser else ""
+        if getattr(args, "command", None) in ("train", "data-loader") and not hint:
             hint = (
                 f" (arguments for the --entry script go after --: recserve {args.command} "
                 f"--entry SCRIPT -- {' '.join([*unknown, *getattr(args, 'script_args', [])])})"

@@ -71,3 +71,27 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
     return value
+
+
+#: Schemes of URLs (the prediction server's, the clients') that are no gRPC target.
+_URL_SCHEMES = ("http", "https", "grpc", "grpcs")
+
+
+def url_problem(address: str) -> str | None:
+    """Why ``address`` (one of a gRPC peer list) is a URL rather than HOST:PORT, or None. The
+    tier's gRPC addresses have no scheme; gRPC read ``http://127.0.0.1:7201`` as a host name
+    and failed with "Misformatted domain name". gRPC's own target URIs (``dns:///...``,
+    ``unix://...``) pass."""
+    scheme, separator, rest = address.partition("://")
+    if not separator or scheme.lower() not in _URL_SCHEMES:
+        return None
+    return f"{address!r} is a URL: give HOST:PORT, without {scheme}:// (e.g. {rest.rstrip('/')})"
+
+
+def grpc_addresses(text: str) -> str:
+    """Comma-separated gRPC addresses (HOST:PORT), none of them a URL; the text unchanged."""
+    for address in text.split(","):
+        problem = url_problem(address.strip())
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+    return text

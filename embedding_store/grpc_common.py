@@ -925,7 +925,20 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
         return DeadlineExceededError(f"{peer} did not answer within the deadline: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint" in details.lower():
         return CheckpointError(f"{peer}: {details}")
+    if code == grpc.StatusCode.UNIMPLEMENTED and details == _NO_SUCH_METHOD:
+        # gRPC's own answer for a service the process does not run: the address is another
+        # kind of process (a shard's port given as a worker's, a prediction server's).
+        return error_for_grpc_code(
+            code.name,
+            f"{peer}: the process at that address answers gRPC but not this call ({details}); "
+            "is the address right? Parameter-server shards, embedding workers and prediction "
+            "servers each listen on ports of their own",
+        )
     return error_for_grpc_code(code.name, f"{peer}: {details}")
+
+
+#: The details of gRPC's UNIMPLEMENTED for a method no handler serves (grpcio's server).
+_NO_SUCH_METHOD = "Method not found!"
 
 
 def call(peer: str, method: Callable[..., Any], request: Any, *, timeout: float | None) -> Any:

@@ -198,7 +198,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             + checkpoint_manifest.interrupted_overwrite_hint(root)
         )
     if not (root / DONE_MARKER).exists():
-        raise CheckpointError(f"checkpoint {root} is incomplete: no {DONE_MARKER} marker")
+        raise CheckpointError(checkpoint_manifest.no_done_marker_message(root, "checkpoint", ""))
     try:
         raw = json.loads((root / MANIFEST_NAME).read_text())
     except FileNotFoundError:

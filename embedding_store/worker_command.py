@@ -7,7 +7,13 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from embedding_store.cli_types import non_negative_float, port_number, positive_float
+from embedding_store.cli_types import (
+    grpc_addresses,
+    non_negative_float,
+    port_number,
+    positive_float,
+    url_problem,
+)
 from embedding_store.config import load_embedding_config, load_global_config
 
 if TYPE_CHECKING:  # the tier imports torch: ~1 s that every `recserve` command would pay
@@ -19,6 +25,9 @@ log = logging.getLogger(__name__)
 def _addresses(text: str) -> list[str]:
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     for address in addresses:
+        problem = url_problem(address)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise argparse.ArgumentTypeError(f"{address!r} is not HOST:PORT")
@@ -121,7 +130,12 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         ("clear", "drop every row"),
     ):
         action = actions.add_parser(name, help=help_text)
-        action.add_argument("--worker", required=True, help="HOST:PORT of an embedding worker")
+        action.add_argument(
+            "--worker",
+            required=True,
+            type=grpc_addresses,
+            help="HOST:PORT of an embedding worker",
+        )
         action.add_argument(
             "--embedding-config",
             default=None,

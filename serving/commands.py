@@ -13,6 +13,7 @@ from embedding_store.cli_types import (
     port_number,
     positive_float,
     positive_int,
+    url_problem,
 )
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
@@ -245,6 +246,9 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     ps = _addresses(args.embedding_ps)
     for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):
         for address in addresses:
+            problem = url_problem(address)
+            if problem:
+                return f"{flag}: {problem}"
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 return f"{flag}: {address!r} is not HOST:PORT"

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import positive_int
+from embedding_store.cli_types import grpc_addresses, positive_int
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -71,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--embedding-workers",
+        type=grpc_addresses,
         help="comma-separated embedding-worker addresses (default: embedded, in-process)",
     )
     train.add_argument(
@@ -100,6 +101,13 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
     entry = Path(args.entry)
     if not entry.is_file():
         raise SystemExit(f"recserve {args.command}: error: --entry {entry} is not a file")
+    for flag, path in (
+        ("--embedding-config", args.embedding_config),
+        ("--global-config", args.global_config),
+    ):
+        # Checked here, not by every rank after torchrun started it (a traceback per rank).
+        if path and not Path(path).is_file():
+            raise SystemExit(f"recserve {args.command}: error: {flag} {path} is not a file")
     env = dict(os.environ)
     if args.embedding_config:
         env["RECSERVE_EMBEDDING_CONFIG"] = str(Path(args.embedding_config).absolute())

@@ -332,11 +332,15 @@ class TrainCtx(EmbeddingCtx):
             return
         rows = sum(self.embedding_tier.status().rows_per_shard)
         if rows:
+            # The command as it is typed: the worker's address is a required flag of it.
+            address = getattr(self.embedding_tier, "address", None)
+            worker = f" --worker {address}" if isinstance(address, str) else ""
             log.warning(
                 "the embedding tier already holds %d rows (an earlier run's?): training "
                 "continues from them and their optimizer state unless a checkpoint is loaded; "
-                "for a fresh start run `recserve embedding-tier clear` first",
+                "for a fresh start run `recserve embedding-tier clear%s` first",
                 rows,
+                worker,
             )
 
     def __exit__(self, *exc: object) -> None:

@@ -11,6 +11,7 @@ once with ``--exit``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import signal
@@ -62,6 +63,34 @@ def wait_for_listening(process: subprocess.Popen, log_path: Path, timeout: float
             raise SystemExit(f"recserve serve exited early:\n{log_path.read_text()}")
         time.sleep(0.1)
     raise SystemExit(f"recserve serve did not start within {timeout:.0f} s")
+
+
+#: After --exit the lines below reach no server.
+STOPPED_NOTE = " (the server is stopped: run the quickstart without --exit to keep it up):"
+
+
+def next_steps(http_address: str, grpc_address: str, *, stopped: bool) -> str:
+    """The commands printed for the user to try next (``stopped``: after ``--exit``)."""
+    row = json.dumps({"instances": [SAMPLE_ROW]})
+    environment = Path(sys.prefix)
+    with contextlib.suppress(ValueError):  # as typed from the repository root: .venv
+        environment = environment.relative_to(Path.cwd())
+    lines = [
+        "",
+        "Try it yourself" + (STOPPED_NOTE if stopped else ":"),
+        f"  curl -s http://{http_address}/v2/health/ready",
+        f"  curl -s http://{http_address}/v2/models/adult",
+        f"  curl -s -X POST http://{http_address}/v1/models/adult:predict -d '{row}'",
+        f"  curl -s http://{http_address}/metrics | grep recserve_requests",
+        f"  http://{http_address}/docs in a browser: the OpenAPI page",
+        # `recserve` and the clients are in the environment the quickstart made, not on PATH;
+        # tritonclient (KServe v2 interop) is not installed by the quickstart.
+        f"  source {environment}/bin/activate   (recserve and this environment's python)",
+        "  pip install 'tritonclient[grpc]'",
+        '  python -c "import tritonclient.grpc as g; '
+        f"print(g.InferenceServerClient('{grpc_address}').get_model_metadata('adult'))\"",
+    ]
+    return "\n".join(lines)
 
 
 def _abort(signum: int, _frame: object) -> None:
@@ -146,17 +175,7 @@ def main() -> int:
             f"(version {answer.model_version})"
         )
 
-        row = json.dumps({"instances": [SAMPLE_ROW]})
-        print("\nTry it yourself:")
-        print(f"  curl -s http://{http_address}/v2/health/ready")
-        print(f"  curl -s http://{http_address}/v2/models/adult")
-        print(f"  curl -s -X POST http://{http_address}/v1/models/adult:predict -d '{row}'")
-        print(f"  curl -s http://{http_address}/metrics | grep recserve_requests")
-        print(f"  open http://{http_address}/docs   (OpenAPI)")
-        print(
-            '  python -c "import tritonclient.grpc as g; '
-            f"print(g.InferenceServerClient('{grpc_address}').get_model_metadata('adult'))\""
-        )
+        print(next_steps(http_address, grpc_address, stopped=args.exit))
         if args.exit:
             return 0
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

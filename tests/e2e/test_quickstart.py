@@ -52,4 +52,5 @@ def test_quickstart_trains_serves_and_answers(tmp_path):
     assert len(values) == 3 and max(values) - min(values) < 1e-4  # HTTP x2 and gRPC agree
     assert 0.0 <= values[0] <= 1.0
     assert "curl -s -X POST http://127.0.0.1:" in out
+    assert "  pip install 'tritonclient[grpc]'\n  python -c \"import tritonclient" in out
     assert (tmp_path / "checkpoint" / "DONE").exists()

@@ -181,3 +181,20 @@ def test_sample_row_is_a_valid_instance() -> None:
     batch = instances_to_batch([quickstart.SAMPLE_ROW])
     assert batch.batch_size == 1 and batch.label_names == ()
     assert set(quickstart.SAMPLE_ROW) == {*features.CATEGORICAL_COLUMNS, *features.NUMERIC_COLUMNS}
+
+
+def test_next_steps_work_in_a_fresh_shell(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The quickstart's "Try it yourself" lines: `python -c "import tritonclient..."` failed
+    (tritonclient is not installed, and the quickstart's environment is not on PATH), and
+    after --exit the curl lines reached no server without saying so."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.prefix", str(tmp_path / ".venv"))
+    lines = quickstart.next_steps("127.0.0.1:8000", "127.0.0.1:8001", stopped=False).splitlines()
+    assert lines[1] == "Try it yourself:"
+    activate = lines.index("  source .venv/bin/activate   (recserve and this environment's python)")
+    assert lines[activate + 1] == "  pip install 'tritonclient[grpc]'"
+    assert lines[activate + 2].startswith('  python -c "import tritonclient.grpc as g; ')
+    assert "InferenceServerClient('127.0.0.1:8001')" in lines[activate + 2]
+    assert not any(line.startswith("  open ") for line in lines)  # macOS only
+    stopped = quickstart.next_steps("127.0.0.1:8000", "127.0.0.1:8001", stopped=True)
+    assert stopped.splitlines()[1] == "Try it yourself" + quickstart.STOPPED_NOTE

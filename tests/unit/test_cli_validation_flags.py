@@ -608,6 +608,7 @@ def test_train_on_one_node_runs_torchrun_standalone(launches, monkeypatch) -> No
 
     monkeypatch.chdir(launches[0].parent)
     entry, started = launches
+    (entry.parent / "e.yml").write_text("")  # what it holds is the script's to read
     _launch(
         "train", "--entry", str(entry), "--embedding-config", "e.yml", "--num-data-loaders", "3",
         "--nn-worker-addresses", "a:1", "--", "--epochs", "2", "--",
@@ -652,6 +653,15 @@ def test_train_refuses_what_torchrun_cannot_run(launches, capsys) -> None:
             _launch("train", "--entry", str(entry), *argv)
     with pytest.raises(SystemExit, match=f"--entry {entry.parent} is not a file"):
         _launch("train", "--entry", str(entry.parent))
+    # A mistyped config path: each rank's script failed with a traceback once started.
+    for command in (["train"], ["data-loader", "--replica-index", "0", "--replica-size", "1"]):
+        for flag in ("--embedding-config", "--global-config"):
+            with pytest.raises(SystemExit) as refused:
+                _launch(*command, "--entry", str(entry), flag, "embedding_config.ym")
+            assert refused.value.code == (
+                f"recserve {command[0]}: error: {flag} embedding_config.ym is not a file"
+            )
+    assert started == []
     for port in ("0", "65536", "-3"):
         error = usage_error(capsys, ["train", "--entry", str(entry), "--master-port", port])
         assert error == (
@@ -677,3 +687,63 @@ def test_a_data_loader_learns_its_replica_index_and_size(launches) -> None:
             "data-loader", "--entry", str(entry), "--replica-index", "-1", "--replica-size", "3"
         )
     assert len(started) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "last_line"),
+    [
+        # A typo in a required flag: argparse names the required one and not the typo.
+        (["serve", "--chekpoint", "runs/click"],
+         "recserve serve: error: the following arguments are required: --checkpoint "
+         "(--chekpoint: did you mean --checkpoint?)"),
+        (["serve", "--checkpoint", "runs/click", "--http-prot", "8000"],
+         "recserve: error: unrecognized arguments: --http-prot 8000 "
+         "(--http-prot: did you mean --http-port?)"),
+        (["checkpoint", "inspect", "runs/click", "--jsn"],
+         "recserve: error: unrecognized arguments: --jsn (--jsn: did you mean --json?)"),
+        (["serve", "--checkpoint", "runs/click", "--max-batch-sise=3", "--no-such-thing"],
+         "recserve: error: unrecognized arguments: --max-batch-sise=3 --no-such-thing "
+         "(--max-batch-sise: did you mean --max-batch-size?)"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_flag_gets_the_flag_it_is_close_to(capsys, argv, last_line) -> None:
+    from embedding_store.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == last_line
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "value"),
+    [
+        (["embedding-tier", "status", "--worker"], "--worker", "http://127.0.0.1:7201"),
+        (["embedding-worker", "--ps"], "--ps", "127.0.0.1:7101,grpc://127.0.0.1:7102/"),
+        (["train", "--entry", "t.py", "--embedding-workers"], "--embedding-workers",
+         "https://127.0.0.1:7201"),
+    ],
+)  # fmt: skip
+def test_tier_addresses_given_as_urls_say_so(capsys, argv, flag, value) -> None:
+    """gRPC took `--worker http://127.0.0.1:7201` for a host name: "errors resolving
+    http://127.0.0.1:7201: ... Misformatted domain name"."""
+    url = value.split(",")[-1]
+    scheme, _, rest = url.partition("://")
+    message = f"{url!r} is a URL: give HOST:PORT, without {scheme}:// (e.g. {rest.rstrip('/')})"
+    error = usage_error(capsys, [*argv, value])
+    assert error.endswith(f"error: argument {flag}: {message}"), error
+
+
+def test_serve_tier_addresses_given_as_urls_say_so() -> None:
+    from serving.commands import check_arguments
+
+    for flag in ("--embedding-workers", "--embedding-ps"):
+        args = build_parser().parse_args(["serve", "--checkpoint", "c", flag, "http://h:7100"])
+        assert check_arguments(args) == (
+            f"{flag}: 'http://h:7100' is a URL: give HOST:PORT, without http:// (e.g. h:7100)"
+        )
+    # gRPC's own target URIs are no URLs of a prediction server: they pass.
+    args = build_parser().parse_args(
+        ["train", "--entry", "t.py", "--embedding-workers", "dns:///h:1"]
+    )
+    assert args.embedding_workers == "dns:///h:1"

@@ -1069,3 +1069,26 @@ def test_async_grpc_client_takes_a_new_loop_once_the_first_closed_with_a_call_pe
 
     assert asyncio.run(again()).predictions.ravel().tolist() == [0.5, 0.75]
     del pending
+
+
+def test_http_clients_pointed_at_a_grpc_port_say_so_and_do_not_retry(fake_grpc):
+    """`recserve predict` / `eval --url` given the gRPC port (8001 for 8000): the HTTP/2
+    frames it answers with were a retried "BadStatusLine('\\x00\\x00\\x18\\x04...')" (predict)
+    and a traceback (eval)."""
+    from clients.eval_scorers import ServerScorer
+
+    server = fake_grpc()
+    url = f"http://127.0.0.1:{server.port}"
+    expected = (
+        f"server {url} answered in HTTP/2, not HTTP/1.1: is that the server's gRPC port? "
+        "HTTP clients use its --http-port (8000 by default), grpc:// URLs its --grpc-port (8001)"
+    )
+    with (
+        RecserveClient(url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(UnavailableError) as raised,
+    ):
+        client.predict(_batch())
+    assert raised.value.message == expected  # one attempt: no "(gave up after 4 attempts)"
+    with pytest.raises(UnavailableError) as raised:
+        ServerScorer(url, "m", timeout=5, retries=3)
+    assert raised.value.message == expected

@@ -196,6 +196,40 @@ def _check_script_arguments(doc: str, line: str, args: argparse.Namespace) -> No
         assert f'"{name}"' in source, f"{doc}: `{line}`: {entry} takes no {name}"
 
 
+#: The files a doc's commands read (``recserve ... --input/--data/--mapping/--entry/...``).
+_INPUT_ARGUMENTS = ("input", "data", "mapping", "entry", "embedding_config", "global_config")
+
+
+def _made_by_saved_scripts() -> set[str]:
+    """Files the scripts docs/own_model.md has the user save write (``open("test.csv", "w"``)."""
+    texts = [text for name, text in _saved_files().items() if name.endswith(".py")]
+    return {m for text in texts for m in re.findall(r"""open\(["']([^"']+)["'], ["']w""", text)}
+
+
+def test_files_the_docs_commands_read_exist() -> None:
+    """README.md's commands run from the repository root: a file they read is in the
+    repository (its `recserve predict ... --input rows.jsonl` named none). docs/own_model.md's
+    run in the user's directory: its saved files and what its scripts write; docs/deploy.md
+    may use those too (its TLS example reuses own_model.md's rows.jsonl)."""
+    own = set(_saved_files()) | _made_by_saved_scripts()
+    allowed = {"README.md": set(), "docs/own_model.md": own, "docs/deploy.md": own}
+    missing = []
+    for doc, line in _doc_lines():
+        for argv in _argvs(line):
+            try:
+                args = _parser().parse_args(argv)
+            except _ParseError:
+                continue  # a fragment: test_doc_command_parses judges it
+            for name in _INPUT_ARGUMENTS:
+                values = getattr(args, name, None)
+                for value in values if isinstance(values, list) else [values]:
+                    path = str(value) if value is not None else None
+                    if path is None or (ROOT / path).exists() or path in allowed.get(doc, own):
+                        continue
+                    missing.append(f"{doc}: `{line}`: --{name.replace('_', '-')} {path}")
+    assert not missing, missing
+
+
 def _known_flags() -> set[str]:
     flags = _option_strings(build_parser()) | EXTERNAL_FLAGS
     sources = [

@@ -7,6 +7,7 @@ import io
 import json
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
@@ -180,6 +181,25 @@ def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     assert result.report["auc"] is None and result.report["auc_note"] == "no labels"
     assert f"skipped {data}:3: " in capsys.readouterr().err
     assert (tmp_path / "skip.csv").read_text().count("\n") == 3
+
+
+def test_a_report_without_matplotlib_fails_before_scoring(checkpoint, tmp_path, monkeypatch):
+    """`recserve eval --report` without the eval extra (the quickstart's environment): it
+    scored every row and wrote --out, then failed; the rerun after installing the extra then
+    met its own --out ("already exists") unless given --overwrite."""
+    data = tmp_path / "rows.csv"
+    data.write_text("user,tags,dense_0,dense_1\n1,,0.5,1\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    out = tmp_path / "p.csv"
+    options = EvalOptions(
+        data=(data,), out=out, checkpoint=checkpoint, report=tmp_path / "r", progress=False
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(options)
+    assert caught.value.message == (
+        "the eval report's plots need matplotlib (pip install 'recserve[eval]')"
+    )
+    assert not out.exists() and not (tmp_path / "r").exists()
 
 
 def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):

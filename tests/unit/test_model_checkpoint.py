@@ -90,6 +90,30 @@ def test_a_checkpoint_without_its_done_marker_is_incomplete(checkpoint: Path) ->
         read_manifest(checkpoint)
 
 
+def test_a_directory_of_checkpoints_is_named_so_with_the_ones_it_holds(tmp_path: Path) -> None:
+    """`recserve serve --checkpoint runs` (or `checkpoint verify runs`) for runs/adult: each
+    said "checkpoint runs is incomplete: no DONE marker (the write did not finish)"."""
+    from clients.checkpoint_common import checkpoint_kind
+    from embedding_store import checkpoint_manifest
+
+    runs = tmp_path / "runs"
+    for name in ("click", "adult", ".adult.old-1", "notes"):
+        (runs / name).mkdir(parents=True)
+    for name in ("click", "adult", ".adult.old-1"):  # a hidden retired copy is not offered
+        (runs / name / "DONE").touch()
+    expected = (
+        f"{runs} is not a checkpoint (no DONE marker) but a directory of them: "
+        f"{runs / 'adult'}, {runs / 'click'}; give one of them"
+    )
+    for read in (read_manifest, checkpoint_manifest.read_manifest, checkpoint_kind):
+        with pytest.raises(CheckpointError) as raised:
+            read(runs)
+        assert raised.value.message == expected
+    with pytest.raises(CheckpointError) as raised:  # nothing finished inside: incomplete
+        read_manifest(runs / "notes")
+    assert raised.value.message == f"checkpoint {runs / 'notes'} is incomplete: no DONE marker"
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

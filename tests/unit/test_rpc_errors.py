@@ -51,6 +51,14 @@ class FailedCall(grpc.RpcError):
         (grpc.StatusCode.FAILED_PRECONDITION, "checkpoint is corrupt", CheckpointError,
          "shard 0: checkpoint is corrupt"),
         (grpc.StatusCode.INTERNAL, "boom", RecserveError, "shard 0: boom"),
+        # gRPC's answer for a service the process does not run (`--worker` given a shard's
+        # port): was "Method not found!" alone.
+        (grpc.StatusCode.UNIMPLEMENTED, "Method not found!", RecserveError,
+         "shard 0: the process at that address answers gRPC but not this call (Method not "
+         "found!); is the address right? Parameter-server shards, embedding workers and "
+         "prediction servers each listen on ports of their own"),
+        (grpc.StatusCode.UNIMPLEMENTED, "row imports are refused", RecserveError,
+         "shard 0: row imports are refused"),
     ],
 )  # fmt: skip
 def test_each_status_becomes_its_error(code, details, error_class, message):

@@ -830,3 +830,25 @@ def test_dump_checkpoint_refuses_an_existing_checkpoint_unless_told_to_overwrite
         second = ctx.dump_checkpoint(target, with_jit_model=False, overwrite=True)
     assert training_checkpoint.read_manifest(target).step == 2
     assert second.version != first.version
+
+
+def test_the_warning_about_rows_left_in_the_tier_gives_the_whole_clear_command(caplog) -> None:
+    """It said "run `recserve embedding-tier clear` first", a command that then refuses to
+    run without its required --worker."""
+    import types
+
+    from embedding_store.tier import TierStatus
+
+    class LeftRows:
+        address = "127.0.0.1:7201"
+
+        def status(self) -> TierStatus:
+            return TierStatus((180, 194), (1000, 1000), 0, 0, 0)
+
+    with caplog.at_level("WARNING", logger="training.ctx"):
+        TrainCtx._warn_if_tier_holds_rows(types.SimpleNamespace(embedding_tier=LeftRows()))
+    assert caplog.messages == [
+        "the embedding tier already holds 374 rows (an earlier run's?): training continues "
+        "from them and their optimizer state unless a checkpoint is loaded; for a fresh start "
+        "run `recserve embedding-tier clear --worker 127.0.0.1:7201` first"
+    ]
