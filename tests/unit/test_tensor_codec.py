@@ -397,6 +397,19 @@ def test_grpc_request_errors():
     ):
         grpc_codec.decode_grpc_request(request)
 
+    # An empty tensor (shape [0]) whose values sit in another field than its datatype's:
+    # refused naming the field, not accepted with the values dropped.
+    request = _grpc_request(False)
+    request.inputs[0].shape[:] = [0]
+    request.inputs[0].contents.Clear()
+    request.inputs[0].contents.bytes_contents.append(b"7")
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^input 'user': datatype UINT64 takes contents\.uint64_contents, got "
+        r"contents\.bytes_contents$",
+    ):
+        grpc_codec.decode_grpc_request(request)
+
     request = _grpc_request(False)
     request.inputs[2].contents.int_contents[0] = 1000
     with pytest.raises(InvalidArgumentError, match="value 1000 is out of range for INT8"):
