@@ -157,6 +157,8 @@ def infer_protocol(
             self._cycle_of = 0  # which request (by _messages) self.cycle is for
             self._eof = False
             self._upgrading = False  # the request being parsed asks to switch protocols
+            self._in_body = False  # between a request's head and its end (it has a cycle)
+            self._refusal: tuple[int, str] | None = None  # waiting for earlier answers
             self._ignored_upgrade: bytes | None = None  # its head without that, to read again
             # Idle until the first request as after a response: uvicorn's keep-alive timer.
             self.timeout_keep_alive_task = self.loop.call_later(
@@ -166,6 +168,8 @@ def infer_protocol(
 
         def data_received(self, data: bytes) -> None:
             # uvicorn's, with JSON errors and the head counted.
+            if self._refusal is not None:
+                return  # the connection ends with that refusal: nothing more is parsed
             self._unset_keepalive_if_required()
             in_head, messages = self._in_head, self._messages
             try:
@@ -233,7 +237,7 @@ def infer_protocol(
             """Answer ``status`` with ``{"error": message}`` and close the connection. An
             infer request cut short this way is counted as refused (``record_rejected``)."""
             in_request, self.reading_since = self.reading_since is not None, None
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._refusal is not None:
                 return
             if self._answered_already():
                 # The app answered before the body was in (a 405 on a route that takes no
@@ -246,6 +250,18 @@ def infer_protocol(
                 if self._cycle_of == self._messages and not isinstance(cycle, _FastCycle):
                     # The app is reading this request's body: it must not count it again.
                     setattr(cycle, REFUSED_MARK, True)
+            cycle = self.cycle
+            if not self._in_body and cycle is not None and not cycle.response_complete:
+                # Refused in its head, pipelined behind requests not answered yet: answers
+                # go out in request order, or the client would read this one as theirs.
+                # Written once they are (on_response_complete); nothing more is read.
+                self._refusal = (status, message)
+                self.flow.pause_reading()
+                return
+            self._write_refusal(status, message)
+
+        def _write_refusal(self, status: int, message: str) -> None:
+            """Write ``status`` with ``{"error": message}`` and close the connection."""
             body = orjson.dumps({"error": message})
             content: list[bytes] = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
@@ -299,6 +315,16 @@ def infer_protocol(
         def on_response_complete(self) -> None:
             super().on_response_complete()
             cycle = self.cycle
+            if (
+                self._refusal is not None
+                and cycle.response_complete
+                and not self.transport.is_closing()
+            ):
+                # Every request before the refused one is answered (self.cycle is the last
+                # of them, and answers complete in order): its refusal goes out now.
+                status, message = self._refusal
+                self._write_refusal(status, message)
+                return
             if self._eof and not self.transport.is_closing() and cycle.response_complete:
                 self.transport.close()
 
@@ -313,6 +339,7 @@ def infer_protocol(
                 self._upgrading = True
                 return
             self._cycle_of = self._messages  # the request self.cycle belongs to
+            self._in_body = True
             cycle = self._fast_cycle()
             if cycle is None:
                 super().on_headers_complete()
@@ -366,6 +393,7 @@ def infer_protocol(
             if self._upgrading:
                 return  # not all in: it is read again (_parse_without_upgrade)
             self.reading_since = None
+            self._in_body = False
             cycle = self.cycle
             if type(cycle) is not _FastCycle:
                 super().on_message_complete()

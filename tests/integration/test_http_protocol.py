@@ -438,3 +438,40 @@ def test_connect_is_refused_with_405(server):
         assert headers["connection"] == "close"
         assert json.loads(body) == {"error": "method CONNECT is not supported"}
         assert connection.closed_by_server()
+
+
+@pytest.mark.parametrize(
+    ("first", "answer"),
+    [
+        # The fast path, answered after 0.3 s.
+        (
+            _request("/v2/models/adult/infer", b"slow"),
+            {
+                "via": "fast",
+                "name": "adult",
+                "version": None,
+                "body": "slow",
+                "header_length": None,
+            },
+        ),
+        (
+            _request("/v2/models/adult/infer", b"slow", headers={"Content-Encoding": "identity"}),
+            {"via": "asgi", "path": "/v2/models/adult/infer", "body_bytes": 4},
+        ),
+    ],
+    ids=["fast", "asgi"],
+)
+def test_a_malformed_request_pipelined_behind_a_valid_one_is_refused_after_its_answer(
+    server, first, answer
+):
+    # Answers go out in request order: the 400 of the malformed second request used to be
+    # written at once, so the client read it as the answer to its valid first request, whose
+    # answer was then dropped.
+    with _Connection(server) as connection:
+        connection.send(first + b"NOT HTTP\r\n\r\n")
+        status, _, body = connection.response()
+        assert status == 200 and json.loads(body) == answer
+        status, headers, body = connection.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body) == {"error": "malformed HTTP request: Invalid method encountered"}
+        assert connection.closed_by_server()
