@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import re
 import zlib
@@ -57,6 +58,14 @@ def test_json_flat_and_nested_data_decode_to_the_declared_shape():
             "input 'age.lengths': shape [3] has 3 elements but data has 2",
         ),
         ("INT64", [2], [[1, 2], [3]], "ragged"),
+        # Regular, but deeper than numpy's 64 dimensions: not called ragged.
+        (
+            "INT64",
+            [1],
+            functools.reduce(lambda inner, _: [inner], range(100), [7]),
+            "input 'age.lengths': 'data' nests lists 101 deep; nest them at most 1 deep (one "
+            "level per dimension of its shape), or send them flat",
+        ),
         ("INT64", [2], [1.5, 2], "INT64 data must be integers"),
         ("INT64", [2], ["1", "2"], "INT64 data must be integers"),
         ("INT8", [2], [1, 300], "value 300 is out of range for INT8"),
