@@ -347,6 +347,14 @@ def test_friendly_rows_fill_scalar_and_one_value_features_in_either_form() -> No
     assert uniform["age"].tolist() == [2.0] and uniform["score"].tolist() == [[7.0]]
 
 
+def test_a_scalar_feature_sent_as_a_column_is_refused_naming_its_shape() -> None:
+    inputs = {"user": np.array([1, 2], np.int64), "age": np.ones((2, 1), np.float32)}
+    inputs["score"] = np.ones((2, 1), np.float32)
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(_SCALARS, inputs, max_batch_size=8)
+    assert raised.value.message == "input 'age' has shape [2, 1]; expected [batch]"
+
+
 @pytest.mark.parametrize(
     ("dense", "message"),
     [
