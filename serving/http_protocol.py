@@ -67,6 +67,10 @@ _INFER_PATH = re.compile(rb"/v2/models/([^/?%]+)(?:/versions/([^/?%]+))?/infer")
 _HEADER_LENGTH = b"inference-header-content-length"
 # Request headers that send a request down the ASGI path (it handles them in full).
 _NOT_FAST = frozenset((b"content-encoding", b"transfer-encoding", b"expect", b"upgrade"))
+_HTTP2_HERE = (
+    "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection preface: send "
+    "HTTP/1.1 here, and gRPC to the server's gRPC port"
+)
 #: The error class a refusal of this layer is counted as (outcome label of an infer request):
 #: these statuses are the HTTP layer's own, with no class of their own in the error table.
 _REFUSED_AS: dict[int, type[RecserveError]] = {
@@ -179,7 +183,12 @@ def infer_protocol(
                 return
             except httptools.HttpParserError as error:
                 if not self.transport.is_closing():  # a callback may have answered already
-                    self.reject(400, f"malformed HTTP request: {error}")
+                    if self.parser.get_method() == b"PRI":
+                        # The HTTP/2 connection preface: a gRPC client (or an HTTP/2 one)
+                        # on the HTTP port. llhttp's own words are "Pause on PRI/Upgrade".
+                        self.reject(400, _HTTP2_HERE)
+                    else:
+                        self.reject(400, f"malformed HTTP request: {error}")
                 return
             # Count only chunks that were head from start to end (a chunk that also ended
             # the previous request is not counted: off by less than one chunk, never over).

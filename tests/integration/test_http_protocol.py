@@ -475,3 +475,16 @@ def test_a_malformed_request_pipelined_behind_a_valid_one_is_refused_after_its_a
         assert status == 400 and headers["connection"] == "close"
         assert json.loads(body) == {"error": "malformed HTTP request: Invalid method encountered"}
         assert connection.closed_by_server()
+
+
+def test_an_http2_preface_is_told_this_port_speaks_http_1_1(server):
+    # What a gRPC client (or curl --http2-prior-knowledge) sends first; llhttp's own words
+    # were "malformed HTTP request: Pause on PRI/Upgrade".
+    with _Connection(server) as connection:
+        connection.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        status, headers, body = connection.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body) == {
+            "error": "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection "
+            "preface: send HTTP/1.1 here, and gRPC to the server's gRPC port"
+        }
