@@ -84,18 +84,18 @@ def _grpc_tensor(name: str, tensor: Any) -> np.ndarray:
     field, wire_dtype = _CONTENTS[datatype]
     values = getattr(tensor.contents, field)
     count = math.prod(dims)
+    present = [descriptor.name for descriptor, _ in tensor.contents.ListFields()]
+    if present and field not in present:
+        # Checked before the count: values in another field are data the caller meant to
+        # send, also when the shape holds no element (a count of 0 would match and drop them).
+        raise InvalidArgumentError(
+            f"input {name!r}: datatype {datatype} takes contents.{field}, got contents.{present[0]}"
+        )
     if len(values) != count:
-        present = [descriptor.name for descriptor, _ in tensor.contents.ListFields()]
-        if present and field not in present:
-            raise InvalidArgumentError(
-                f"input {name!r}: datatype {datatype} takes contents.{field}, got "
-                f"contents.{present[0]}"
-            )
         raise InvalidArgumentError(count_mismatch(name, dims, len(values), f"contents.{field}"))
-    fields = tensor.contents.ListFields()
-    if len(fields) > 1:
+    if len(present) > 1:
         # A second typed field is data the caller meant to send: never drop it silently.
-        others = sorted(descriptor.name for descriptor, _ in fields if descriptor.name != field)
+        others = sorted(other for other in present if other != field)
         raise InvalidArgumentError(
             f"input {name!r}: datatype {datatype} takes contents.{field} only, but "
             f"{', '.join('contents.' + other for other in others)} is also set"

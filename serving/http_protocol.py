@@ -12,8 +12,8 @@ query string, on a connection with no request in progress. Its body is collected
 parser hands it over, and one task runs the same :class:`~serving.http_fast_path.InferHandler` as
 the ASGI routes, then writes status line, headers and body in one write.
 
-Everything else (other routes, large, compressed or chunked bodies, pipelined requests,
-upgrades) takes uvicorn's ordinary ASGI path, through :class:`~serving.http_fast_path.InferFastPath`
+Everything else (other routes, large, compressed or chunked bodies, pipelined requests)
+takes uvicorn's ordinary ASGI path, through :class:`~serving.http_fast_path.InferFastPath`
 and the FastAPI app. Keep-alive, pipelining order, graceful shutdown (the task is one of the
 server's tasks; a closing connection answers with ``connection: close``) and client
 disconnects follow uvicorn's own rules, reusing its methods.
@@ -29,6 +29,9 @@ On every connection, fast or not, the protocol also guards what uvicorn's leaves
 - Malformed HTTP gets a 400 with a JSON ``{"error": ...}`` naming the parser's complaint.
 - A client that half-closes its side right after a request still gets the answer (over
   plain TCP: asyncio's SSL transport closes a TLS connection on EOF).
+- A request asking to switch protocols (``Connection: upgrade`` with ``Upgrade: h2c`` from
+  ``curl --http2``, or ``websocket``) is answered over HTTP/1.1 as if it had not asked, body
+  included (llhttp would drop the body and every later byte); CONNECT is answered 405.
 
 Over HTTPS (``recserve serve --tls-cert``) asyncio's SSL transport sits below the protocol;
 every path here reads and writes through ``self.transport`` only, so all of this holds there.
@@ -37,6 +40,7 @@ every path here reads and writes through ``self.transport`` only, so all of this
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from typing import Any
 
@@ -63,6 +67,10 @@ _INFER_PATH = re.compile(rb"/v2/models/([^/?%]+)(?:/versions/([^/?%]+))?/infer")
 _HEADER_LENGTH = b"inference-header-content-length"
 # Request headers that send a request down the ASGI path (it handles them in full).
 _NOT_FAST = frozenset((b"content-encoding", b"transfer-encoding", b"expect", b"upgrade"))
+_HTTP2_HERE = (
+    "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection preface: send "
+    "HTTP/1.1 here, and gRPC to the server's gRPC port"
+)
 #: The error class a refusal of this layer is counted as (outcome label of an infer request):
 #: these statuses are the HTTP layer's own, with no class of their own in the error table.
 _REFUSED_AS: dict[int, type[RecserveError]] = {
@@ -152,6 +160,10 @@ def infer_protocol(
             self._messages = 0
             self._cycle_of = 0  # which request (by _messages) self.cycle is for
             self._eof = False
+            self._upgrading = False  # the request being parsed asks to switch protocols
+            self._in_body = False  # between a request's head and its end (it has a cycle)
+            self._refusal: tuple[int, str] | None = None  # waiting for earlier answers
+            self._ignored_upgrade: bytes | None = None  # its head without that, to read again
             # Idle until the first request as after a response: uvicorn's keep-alive timer.
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -160,19 +172,23 @@ def infer_protocol(
 
         def data_received(self, data: bytes) -> None:
             # uvicorn's, with JSON errors and the head counted.
+            if self._refusal is not None:
+                return  # the connection ends with that refusal: nothing more is parsed
             self._unset_keepalive_if_required()
             in_head, messages = self._in_head, self._messages
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
+            except httptools.HttpParserUpgrade as upgrade:
+                self._parse_without_upgrade(data, upgrade)
                 return
             except httptools.HttpParserError as error:
                 if not self.transport.is_closing():  # a callback may have answered already
-                    self.reject(400, f"malformed HTTP request: {error}")
+                    if self.parser.get_method() == b"PRI":
+                        # The HTTP/2 connection preface: a gRPC client (or an HTTP/2 one)
+                        # on the HTTP port. llhttp's own words are "Pause on PRI/Upgrade".
+                        self.reject(400, _HTTP2_HERE)
+                    else:
+                        self.reject(400, f"malformed HTTP request: {error}")
                 return
             # Count only chunks that were head from start to end (a chunk that also ended
             # the previous request is not counted: off by less than one chunk, never over).
@@ -184,6 +200,45 @@ def infer_protocol(
                         f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
                     )
 
+        # ------------------------------------------------------------ upgrades
+        def _should_upgrade(self) -> bool:
+            """Never: this server speaks HTTP/1.1 only (no WebSocket route, no h2c)."""
+            return False
+
+        def _head_without_upgrade(self) -> bytes:
+            """The head of the request being parsed, minus ``Upgrade`` and the ``upgrade``
+            token of ``Connection``: what a fresh parser reads as a plain HTTP/1.1 request."""
+            version = self.parser.get_http_version().encode("ascii")
+            lines = [self.parser.get_method() + b" " + self.url + b" HTTP/" + version]
+            for name, value in self.headers:
+                if name == b"upgrade":
+                    continue
+                if name == b"connection":
+                    tokens = [t.strip() for t in value.split(b",")]
+                    value = b", ".join(t for t in tokens if t and t.lower() != b"upgrade")
+                    if not value:
+                        continue
+                lines.append(name + b": " + value)
+            return b"\r\n".join(lines) + b"\r\n\r\n"
+
+        def _parse_without_upgrade(self, data: bytes, upgrade: httptools.HttpParserUpgrade) -> None:
+            """llhttp stops at the head of a request that asks to switch protocols
+            (``Connection: upgrade`` plus ``Upgrade``, e.g. h2c from ``curl --http2``, or
+            CONNECT): it completes the message without its body and takes every later byte
+            for the new protocol. The server switches to none: as RFC 9110 7.8 allows, it
+            ignores the header, and a fresh parser reads the request again without it, then
+            its body and whatever follows. CONNECT is refused (405)."""
+            head, self._ignored_upgrade = self._ignored_upgrade, None
+            if head is None:  # CONNECT (or nothing to read again)
+                method = self.parser.get_method().decode("latin-1")
+                self.reject(405, f"method {method} is not supported")
+                return
+            self.parser = httptools.HttpRequestParser(self)
+            with contextlib.suppress(AttributeError):  # httptools < 0.6.3, as uvicorn
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            offset = upgrade.args[0] if upgrade.args else len(data)
+            self.data_received(head + data[offset:])
+
         def send_400_response(self, msg: str) -> None:
             self.reject(400, msg)
 
@@ -191,7 +246,7 @@ def infer_protocol(
             """Answer ``status`` with ``{"error": message}`` and close the connection. An
             infer request cut short this way is counted as refused (``record_rejected``)."""
             in_request, self.reading_since = self.reading_since is not None, None
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._refusal is not None:
                 return
             if self._answered_already():
                 # The app answered before the body was in (a 405 on a route that takes no
@@ -204,6 +259,18 @@ def infer_protocol(
                 if self._cycle_of == self._messages and not isinstance(cycle, _FastCycle):
                     # The app is reading this request's body: it must not count it again.
                     setattr(cycle, REFUSED_MARK, True)
+            cycle = self.cycle
+            if not self._in_body and cycle is not None and not cycle.response_complete:
+                # Refused in its head, pipelined behind requests not answered yet: answers
+                # go out in request order, or the client would read this one as theirs.
+                # Written once they are (on_response_complete); nothing more is read.
+                self._refusal = (status, message)
+                self.flow.pause_reading()
+                return
+            self._write_refusal(status, message)
+
+        def _write_refusal(self, status: int, message: str) -> None:
+            """Write ``status`` with ``{"error": message}`` and close the connection."""
             body = orjson.dumps({"error": message})
             content: list[bytes] = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
@@ -233,6 +300,7 @@ def infer_protocol(
                 handler.record_rejected(match[1].decode("latin-1"), refused_as(message))
 
         def on_message_begin(self) -> None:
+            self._upgrading = False
             super().on_message_begin()
             self.reading_since = self.loop.time()
             self._in_head = True
@@ -256,13 +324,31 @@ def infer_protocol(
         def on_response_complete(self) -> None:
             super().on_response_complete()
             cycle = self.cycle
+            if (
+                self._refusal is not None
+                and cycle.response_complete
+                and not self.transport.is_closing()
+            ):
+                # Every request before the refused one is answered (self.cycle is the last
+                # of them, and answers complete in order): its refusal goes out now.
+                status, message = self._refusal
+                self._write_refusal(status, message)
+                return
             if self._eof and not self.transport.is_closing() and cycle.response_complete:
                 self.transport.close()
 
         # ------------------------------------------------------------ fast infer path
         def on_headers_complete(self) -> None:
             self._in_head = False
+            if self.parser.should_upgrade():
+                # Read again without the upgrade (_parse_without_upgrade): nothing starts
+                # now, and llhttp's bodiless completion of this message is ignored.
+                connect = self.parser.get_method() == b"CONNECT"
+                self._ignored_upgrade = None if connect else self._head_without_upgrade()
+                self._upgrading = True
+                return
             self._cycle_of = self._messages  # the request self.cycle belongs to
+            self._in_body = True
             cycle = self._fast_cycle()
             if cycle is None:
                 super().on_headers_complete()
@@ -304,6 +390,8 @@ def infer_protocol(
             return cycle
 
         def on_body(self, body: bytes) -> None:
+            if self._upgrading:
+                return
             cycle = self.cycle
             if type(cycle) is _FastCycle:
                 cycle.body += body  # at most body_limit bytes: Content-Length framed it
@@ -311,7 +399,10 @@ def infer_protocol(
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self._upgrading:
+                return  # not all in: it is read again (_parse_without_upgrade)
             self.reading_since = None
+            self._in_body = False
             cycle = self.cycle
             if type(cycle) is not _FastCycle:
                 super().on_message_complete()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -128,6 +128,12 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
     try:
         values = np.asarray(data)
     except (ValueError, TypeError, OverflowError, RecursionError):
+        depth = _nesting_depth(data)
+        if depth > _MAX_DIMS:  # regular maybe, but beyond numpy's 64 dimensions
+            raise InvalidArgumentError(
+                f"input {name!r}: 'data' nests lists {depth} deep; nest them at most "
+                f"{len(dims)} deep (one level per dimension of its shape), or send them flat"
+            ) from None
         raise InvalidArgumentError(
             f"input {name!r}: 'data' is ragged or mixes lists and numbers"
         ) from None
@@ -164,6 +170,15 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
     with np.errstate(over="ignore"):
         values = values.astype(native, copy=False)
     return values if values.shape == dims else values.reshape(dims)
+
+
+def _nesting_depth(data: list) -> int:
+    """How deep lists nest along the first items of ``data`` (1 for a flat list)."""
+    depth, item = 0, cast(Any, data)
+    while type(item) is list:
+        depth += 1
+        item = item[0] if item else None
+    return depth
 
 
 def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:

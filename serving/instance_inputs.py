@@ -7,6 +7,7 @@ numbers; a wrong value is refused with an InvalidArgumentError naming its row.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -121,18 +122,55 @@ def instances_to_inputs(
             if spec.name not in instance:
                 raise InvalidArgumentError(f"instances[{index}] lacks feature {spec.name!r}")
             rows.append(instance[spec.name])
-        try:
-            values = np.asarray(rows)
-        except (TypeError, ValueError, OverflowError):
-            values = None
-        # Strings, nulls and true/false are not numbers (float32 conversion would read
-        # "0.5" as 0.5, null as NaN and true as 1.0).
-        if values is None or values.dtype.kind not in "iuf" or _holds_bool(rows):
-            raise InvalidArgumentError(
-                f"feature {spec.name!r}: every instance needs a number or a list of "
-                f"{int(np.prod(spec.sample_shape))} numbers"
-            ) from None
+        values = _dense_values(spec.name, spec.sample_shape, rows)
         with np.errstate(over="ignore"):
-            array = values.astype(np.float32)
-        inputs[spec.name] = array.reshape(len(instances), -1) if array.ndim == 1 else array
+            inputs[spec.name] = values.astype(np.float32)
     return inputs
+
+
+def _numbers(values: Any) -> np.ndarray | None:
+    """``values`` (a number or (nested) lists of them) as a numeric array, or None if they
+    are ragged or hold anything but numbers: strings, nulls and true/false are not numbers
+    (float32 conversion would read "0.5" as 0.5, null as NaN and true as 1.0)."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        return None
+    if array.dtype.kind not in "iuf" or _holds_bool([values]):
+        return None
+    return array
+
+
+def _dense_values(name: str, sample_shape: tuple[int, ...], rows: list[Any]) -> np.ndarray:
+    """The values of non-ID feature ``name`` in friendly rows as a numeric array
+    [len(rows), *sample_shape]. A row gives its sample nested as ``sample_shape`` (a flat list
+    for one dimension), or, for a one-value sample (shape () or (1,)), a number or a list of
+    one number. The whole batch converts in one call when the rows agree; rows that mix
+    forms are converted one by one, and the first wrong row is named."""
+    one_value = math.prod(sample_shape) == 1 and len(sample_shape) <= 1
+    values = _numbers(rows)
+    if values is not None:
+        if values.shape[1:] == sample_shape:
+            return values
+        if one_value and values.shape[1:] in ((), (1,)):
+            return values.reshape(len(rows), *sample_shape)
+    samples = []
+    for index, row in enumerate(rows):
+        sample = _numbers(row)
+        if sample is None:
+            raise InvalidArgumentError(
+                f"feature {name!r}: every instance needs a number or a list of "
+                f"{math.prod(sample_shape)} numbers"
+            )
+        if sample.shape != sample_shape and not (one_value and sample.shape in ((), (1,))):
+            if one_value:
+                form = "a number"
+            elif len(sample_shape) == 1:
+                form = f"a list of {sample_shape[0]} numbers"
+            else:
+                form = f"lists of numbers nested as {list(sample_shape)}"
+            raise InvalidArgumentError(
+                f"instances[{index}].{name}: expected {form}, got {_short(row)}"
+            )
+        samples.append(sample.reshape(sample_shape))
+    return np.stack(samples)

@@ -204,7 +204,7 @@ def tensors_to_batch(
         if tuple(array.shape[1:]) != spec.sample_shape or array.ndim < 1:
             raise InvalidArgumentError(
                 f"input {spec.name!r} has shape {list(array.shape)}; expected "
-                f"[batch, {', '.join(str(d) for d in spec.sample_shape)}]"
+                f"[{', '.join(['batch', *(str(d) for d in spec.sample_shape)])}]"
             )
         agree(array.shape[0], spec.name)
         with np.errstate(over="ignore", invalid="ignore"):

@@ -386,3 +386,105 @@ def test_a_client_that_half_closes_with_nothing_to_answer_is_closed_at_once(serv
             connection.send(sent)
         connection.socket.shutdown(socket.SHUT_WR)
         assert connection.socket.recv(1024) == b""  # closed, no answer (not after a timeout)
+
+
+@pytest.mark.parametrize(
+    "upgrade",
+    [
+        # What `curl --http2 http://...` sends.
+        {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABk"},
+        {"Connection": "Upgrade", "Upgrade": "websocket"},
+    ],
+    ids=["h2c", "websocket"],
+)
+def test_an_upgrade_the_server_does_not_make_is_ignored_and_the_body_is_read(server, upgrade):
+    # llhttp stops parsing at an Upgrade request's head, so its body used to be lost (an
+    # infer request answered 400 "empty document") and the connection went deaf. The server
+    # speaks HTTP/1.1 only: it ignores the header (RFC 9110 7.8) and answers as without it.
+    with _Connection(server) as connection:
+        connection.send(
+            _request("/v2/models/adult/infer", b"fast-body", headers=upgrade)
+            + _request("/v2/models/adult/infer", b"y" * (FAST_LIMIT + 1), headers=upgrade)
+            + _request("/v2/models/adult/infer", b"after")
+        )
+        answers = [connection.response() for _ in range(3)]
+        assert [status for status, _, _ in answers] == [200, 200, 200]
+        assert "upgrade" not in answers[0][1] and "connection" not in answers[0][1]
+        assert json.loads(answers[0][2]) == {
+            "via": "fast",
+            "name": "adult",
+            "version": None,
+            "body": "fast-body",
+            "header_length": None,
+        }
+        assert json.loads(answers[1][2]) == {
+            "via": "asgi",
+            "path": "/v2/models/adult/infer",
+            "body_bytes": FAST_LIMIT + 1,
+        }
+        # Pipelined behind the others: the ASGI path took it.
+        assert json.loads(answers[2][2]) == {
+            "via": "asgi",
+            "path": "/v2/models/adult/infer",
+            "body_bytes": 5,
+        }
+
+
+def test_connect_is_refused_with_405(server):
+    with _Connection(server) as connection:
+        connection.send(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        status, headers, body = connection.response()
+        assert status == 405
+        assert headers["connection"] == "close"
+        assert json.loads(body) == {"error": "method CONNECT is not supported"}
+        assert connection.closed_by_server()
+
+
+@pytest.mark.parametrize(
+    ("first", "answer"),
+    [
+        # The fast path, answered after 0.3 s.
+        (
+            _request("/v2/models/adult/infer", b"slow"),
+            {
+                "via": "fast",
+                "name": "adult",
+                "version": None,
+                "body": "slow",
+                "header_length": None,
+            },
+        ),
+        (
+            _request("/v2/models/adult/infer", b"slow", headers={"Content-Encoding": "identity"}),
+            {"via": "asgi", "path": "/v2/models/adult/infer", "body_bytes": 4},
+        ),
+    ],
+    ids=["fast", "asgi"],
+)
+def test_a_malformed_request_pipelined_behind_a_valid_one_is_refused_after_its_answer(
+    server, first, answer
+):
+    # Answers go out in request order: the 400 of the malformed second request used to be
+    # written at once, so the client read it as the answer to its valid first request, whose
+    # answer was then dropped.
+    with _Connection(server) as connection:
+        connection.send(first + b"NOT HTTP\r\n\r\n")
+        status, _, body = connection.response()
+        assert status == 200 and json.loads(body) == answer
+        status, headers, body = connection.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body) == {"error": "malformed HTTP request: Invalid method encountered"}
+        assert connection.closed_by_server()
+
+
+def test_an_http2_preface_is_told_this_port_speaks_http_1_1(server):
+    # What a gRPC client (or curl --http2-prior-knowledge) sends first; llhttp's own words
+    # were "malformed HTTP request: Pause on PRI/Upgrade".
+    with _Connection(server) as connection:
+        connection.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        status, headers, body = connection.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body) == {
+            "error": "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection "
+            "preface: send HTTP/1.1 here, and gRPC to the server's gRPC port"
+        }

@@ -319,6 +319,56 @@ def test_dense_values_that_are_not_numbers_are_refused(dense: object) -> None:
     )
 
 
+_SCALARS = FeatureSignature(
+    id_features=(IdFeatureSpec("user", True),),
+    non_id_features=(
+        NonIdFeatureSpec("age", "float32", ()),  # a 1-D feature [batch] in training
+        NonIdFeatureSpec("score", "float32", (1,)),
+    ),
+)
+
+
+def test_friendly_rows_fill_scalar_and_one_value_features_in_either_form() -> None:
+    """A one-value feature is a number or a list of one number in each row, mixed freely;
+    a feature of sample shape () becomes float32 [batch] (it was [batch, 1], which the batch
+    refused for every request), one of (1,) float32 [batch, 1]."""
+    rows = [
+        {"user": 1, "age": 3, "score": [0.5]},
+        {"user": 2, "age": [4.5], "score": 0.25},
+        {"user": 3, "age": 6.0, "score": [1]},
+    ]
+    inputs = instance_inputs.instances_to_inputs(_SCALARS, rows)
+    assert inputs["age"].dtype == np.float32 and inputs["age"].tolist() == [3.0, 4.5, 6.0]
+    assert inputs["score"].dtype == np.float32
+    assert inputs["score"].tolist() == [[0.5], [0.25], [1.0]]
+    batch = tensors.tensors_to_batch(_SCALARS, inputs, max_batch_size=8)
+    assert batch.batch_size == 3
+    uniform = instance_inputs.instances_to_inputs(_SCALARS, [{"user": 1, "age": 2, "score": 7}])
+    assert uniform["age"].tolist() == [2.0] and uniform["score"].tolist() == [[7.0]]
+
+
+def test_a_scalar_feature_sent_as_a_column_is_refused_naming_its_shape() -> None:
+    inputs = {"user": np.array([1, 2], np.int64), "age": np.ones((2, 1), np.float32)}
+    inputs["score"] = np.ones((2, 1), np.float32)
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(_SCALARS, inputs, max_batch_size=8)
+    assert raised.value.message == "input 'age' has shape [2, 1]; expected [batch]"
+
+
+@pytest.mark.parametrize(
+    ("dense", "message"),
+    [
+        ([0.5], "instances[1].dense: expected a list of 2 numbers, got [0.5]"),
+        ([[0.5, 1.5]], "instances[1].dense: expected a list of 2 numbers, got [[0.5, 1.5]]"),
+        (0.5, "instances[1].dense: expected a list of 2 numbers, got 0.5"),
+    ],
+)
+def test_a_dense_value_of_the_wrong_shape_is_named_with_its_row(dense, message) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        instance_inputs.instances_to_inputs(SIGNATURE, [_row(), _row(dense=dense)])
+    assert raised.value.message == message
+
+
 def test_a_row_that_is_not_an_object_is_quoted_up_to_80_characters() -> None:
     fits = "x" * 78  # repr: 80 characters
     with pytest.raises(InvalidArgumentError) as raised:

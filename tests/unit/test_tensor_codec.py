@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import re
 import zlib
@@ -57,6 +58,14 @@ def test_json_flat_and_nested_data_decode_to_the_declared_shape():
             "input 'age.lengths': shape [3] has 3 elements but data has 2",
         ),
         ("INT64", [2], [[1, 2], [3]], "ragged"),
+        # Regular, but deeper than numpy's 64 dimensions: not called ragged.
+        (
+            "INT64",
+            [1],
+            functools.reduce(lambda inner, _: [inner], range(100), [7]),
+            "input 'age.lengths': 'data' nests lists 101 deep; nest them at most 1 deep (one "
+            "level per dimension of its shape), or send them flat",
+        ),
         ("INT64", [2], [1.5, 2], "INT64 data must be integers"),
         ("INT64", [2], ["1", "2"], "INT64 data must be integers"),
         ("INT8", [2], [1, 300], "value 300 is out of range for INT8"),
@@ -394,6 +403,19 @@ def test_grpc_request_errors():
         InvalidArgumentError,
         match=r"input 'age': datatype FP32 takes contents\.fp32_contents only, but "
         r"contents\.int64_contents is also set",
+    ):
+        grpc_codec.decode_grpc_request(request)
+
+    # An empty tensor (shape [0]) whose values sit in another field than its datatype's:
+    # refused naming the field, not accepted with the values dropped.
+    request = _grpc_request(False)
+    request.inputs[0].shape[:] = [0]
+    request.inputs[0].contents.Clear()
+    request.inputs[0].contents.bytes_contents.append(b"7")
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^input 'user': datatype UINT64 takes contents\.uint64_contents, got "
+        r"contents\.bytes_contents$",
     ):
         grpc_codec.decode_grpc_request(request)
 
