@@ -81,6 +81,16 @@ class RemoteEmbeddingWorker:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
             except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    # A worker marks its services NOT_SERVING before its port opens, so a
+                    # health service that does not know them belongs to another process:
+                    # waiting out the timeout would not change the answer.
+                    raise UnavailableError(
+                        f"{self._peer} is not an embedding worker: its health service does "
+                        f"not know {SERVICE_NAME} (is it a parameter-server shard's or a "
+                        "prediction server's port? Embedding workers, shards and prediction "
+                        "servers each listen on ports of their own)"
+                    ) from None
                 last = error.details() or str(error.code())
             time.sleep(0.1)
         raise UnavailableError(f"{self._peer} is not serving after {timeout:g} s ({last})")

@@ -248,3 +248,27 @@ def test_wait_for_serving_waits_for_serving_not_for_any_answer(client) -> None:
         UnavailableError, match=r"127\.0\.0\.1:1 is not serving after 0\.2 s \(NOT_SERVING\)"
     ):
         worker.wait_for_serving(0.2)
+
+
+class _UnknownServiceHealth:
+    """A health service that does not know the worker's service (another process's port)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def Check(self, request, timeout=None):
+        self.calls += 1
+        raise FailedCall(grpc.StatusCode.NOT_FOUND, "unknown service")
+
+
+def test_wait_for_serving_fails_at_once_on_a_port_that_is_no_worker(client) -> None:
+    worker, _ = client
+    worker._health = health = _UnknownServiceHealth()
+    with pytest.raises(UnavailableError) as refused:
+        worker.wait_for_serving(30)  # would wait 30 s for an answer that cannot change
+    assert health.calls == 1
+    assert refused.value.message.startswith(
+        "embedding worker 127.0.0.1:1 is not an embedding worker: its health service does not "
+        "know recserve.embedding.v1.EmbeddingWorker (is it a parameter-server shard's or a "
+        "prediction server's port?"
+    )
