@@ -48,7 +48,8 @@ class InferCtx:
         if checkpoint is not None:
             self.model = load_model(
                 Path(checkpoint),
-                name="model",
+                # Only log lines show it: name them after the checkpoint they came from.
+                name=Path(checkpoint).resolve().name or "model",
                 embedding_workers=self.addresses or None,
                 output_transform=output_transform,
                 lookup_timeout=timeout,
