@@ -20,17 +20,21 @@ from serving.options import ServeOptions
 from serving.processes import serve_processes
 from serving.server import PredictionServer
 
+#: What every stand-in prints once its signal handlers are in place (see _when_ready).
+READY = "print('ready', flush=True); "
+
 #: A stand-in server process: exits 0 on SIGTERM, as a drained `recserve serve` does.
 CHILD = (
     "import signal, sys, time; "
-    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"
+    f"signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); {READY}time.sleep(60)"
 )
 
 
 #: A stand-in that takes 1.5 s to drain after SIGTERM.
 SLOW_CHILD = (
     "import signal, sys, time; "
-    "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0))); time.sleep(60)"
+    "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0))); "
+    f"{READY}time.sleep(60)"
 )
 
 
@@ -43,7 +47,7 @@ def fake_children(monkeypatch):
 
     def popen(command, env=None):
         commands.append(command)
-        processes.append(real_popen([sys.executable, "-c", child_code[0]]))
+        processes.append(real_popen([sys.executable, "-c", child_code[0]], stdout=subprocess.PIPE))
         return processes[-1]
 
     child_code = [CHILD]
@@ -57,12 +61,35 @@ def fake_children(monkeypatch):
         if process.poll() is None:
             process.kill()
             process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def _after(seconds: float, action) -> None:
     timer = threading.Timer(seconds, action)
     timer.daemon = True
     timer.start()
+
+
+def _when_ready(processes: list[subprocess.Popen], action, count: int = 2) -> list[float]:
+    """Run ``action`` (in a thread) once ``count`` stand-ins have started and installed their
+    signal handlers (each prints READY's line; a fixed delay used to stand in for that).
+    Returns a list that gets the monotonic time the action ran at. Bounded: after 30 s it
+    acts anyway, and a stand-in that died gives EOF, not a wait."""
+    acted: list[float] = []
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 30
+        while len(processes) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for process in processes[:count]:
+            if process.stdout is not None:
+                process.stdout.readline()  # its handlers are in place (or it is gone)
+        acted.append(time.monotonic())
+        action()
+
+    threading.Thread(target=wait_then_act, daemon=True).start()
+    return acted
 
 
 def _options() -> ServeOptions:
@@ -73,7 +100,7 @@ def test_a_crashed_server_process_stops_the_others_and_the_server_fails(fake_chi
     """Left alone, a `--workers 2` server whose process died would serve on with half its
     cores and never be restarted: it must stop the other and exit non-zero."""
     _commands, processes, _code = fake_children
-    _after(1.0, lambda: os.kill(processes[0].pid, signal.SIGKILL))
+    _when_ready(processes, lambda: os.kill(processes[0].pid, signal.SIGKILL))
     started = time.monotonic()
     assert serve_processes(_options()) == 128 + signal.SIGKILL
     assert time.monotonic() - started < 10
@@ -82,7 +109,7 @@ def test_a_crashed_server_process_stops_the_others_and_the_server_fails(fake_chi
 
 def test_a_stop_asked_for_is_forwarded_and_a_clean_drain_exits_0(fake_children):
     _commands, processes, _code = fake_children
-    _after(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _when_ready(processes, lambda: os.kill(os.getpid(), signal.SIGTERM))
     assert serve_processes(_options()) == 0
     assert [p.returncode for p in processes] == [0, 0]
 
@@ -90,9 +117,9 @@ def test_a_stop_asked_for_is_forwarded_and_a_clean_drain_exits_0(fake_children):
 def test_the_supervisor_sleeps_while_its_processes_drain(fake_children):
     """Waiting for draining processes must not spin a core they need (it polled flat out
     once the stop flag was set)."""
-    _commands, _processes, child_code = fake_children
+    _commands, processes, child_code = fake_children
     child_code[0] = SLOW_CHILD
-    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _when_ready(processes, lambda: os.kill(os.getpid(), signal.SIGTERM))
     cpu = time.process_time()
     started = time.monotonic()
     assert serve_processes(_options()) == 0
@@ -101,12 +128,12 @@ def test_the_supervisor_sleeps_while_its_processes_drain(fake_children):
 
 
 def test_server_processes_log_at_the_level_given_to_recserve(fake_children):
-    commands, _processes, _code = fake_children
+    commands, processes, _code = fake_children
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.WARNING)
     try:
-        _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        _when_ready(processes, lambda: os.kill(os.getpid(), signal.SIGTERM))
         serve_processes(_options())
     finally:
         root.setLevel(level)
@@ -206,7 +233,9 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
 
 
 #: A stand-in that ignores SIGTERM: a wedged server process.
-WEDGED_CHILD = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+WEDGED_CHILD = (
+    f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {READY}time.sleep(60)"
+)
 
 
 def _kill_all_after(seconds: float, processes: list[subprocess.Popen]) -> None:
@@ -220,14 +249,13 @@ def test_a_wedged_server_process_is_killed_after_the_grace_period(fake_children,
     _commands, processes, child_code = fake_children
     child_code[0] = WEDGED_CHILD
     monkeypatch.setattr("serving.processes.STOP_MARGIN_SECONDS", 1.0)
-    _after(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    stopped = _when_ready(processes, lambda: os.kill(os.getpid(), signal.SIGTERM))
     _kill_all_after(20, processes)
-    started = time.monotonic()
     options = ServeOptions(
         checkpoint="ckpt", http_port=0, grpc_port=0, workers=2, grace_seconds=0.5
     )
     assert serve_processes(options) == 128 + signal.SIGKILL
-    assert 2.0 <= time.monotonic() - started < 10  # 0.5 s + grace 0.5 s + margin 1 s
+    assert 1.5 <= time.monotonic() - stopped[0] < 10  # grace 0.5 s + margin 1 s after the stop
     assert [p.returncode for p in processes] == [-signal.SIGKILL, -signal.SIGKILL]
 
 
@@ -255,7 +283,7 @@ def test_a_crash_of_any_server_process_stops_the_others(fake_children):
     """Not only the first: the supervisor looked at the processes only up to the first one
     still running, so the second one's crash went unseen while the first served on."""
     _commands, processes, _code = fake_children
-    _after(1.0, lambda: os.kill(processes[1].pid, signal.SIGKILL))
+    _when_ready(processes, lambda: os.kill(processes[1].pid, signal.SIGKILL))
     _kill_all_after(20, processes)
     started = time.monotonic()
     assert serve_processes(_options()) == 128 + signal.SIGKILL
@@ -266,14 +294,14 @@ def test_a_crash_of_any_server_process_stops_the_others(fake_children):
 #: A stand-in still starting when Ctrl-C comes: the CLI turns KeyboardInterrupt into 130.
 INTERRUPTED_CHILD = (
     "import signal, sys, time; "
-    "signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(60)"
+    f"signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); {READY}time.sleep(60)"
 )
 
 
 def test_a_ctrl_c_that_interrupts_the_start_is_a_clean_stop(fake_children):
     _commands, processes, child_code = fake_children
     child_code[0] = INTERRUPTED_CHILD
-    _after(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    _when_ready(processes, lambda: os.kill(os.getpid(), signal.SIGINT))
     _kill_all_after(20, processes)
     assert serve_processes(_options()) == 0
     assert [p.returncode for p in processes] == [130, 130]
@@ -283,7 +311,8 @@ def test_a_server_process_that_exits_0_unasked_fails_the_server(fake_children):
     """Exiting 0 while nobody asked it to stop is still a crash: the server exits 1, or its
     supervisor would take the stop as a clean one and never restart it."""
     _commands, processes, _code = fake_children
-    _after(1.0, lambda: os.kill(processes[0].pid, signal.SIGTERM))  # it exits 0 on its own
+    # It exits 0 on its own.
+    _when_ready(processes, lambda: os.kill(processes[0].pid, signal.SIGTERM))
     assert serve_processes(_options()) == 1
     assert [p.returncode for p in processes] == [0, 0]
 
