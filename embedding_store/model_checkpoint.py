@@ -143,11 +143,14 @@ def write_checkpoint(
         payloads[SCALER_FILE] = _save_bytes(grad_scaler.state_dict())
     if with_jit_model:
         buffer = io.BytesIO()
+        # Each module's own mode is put back, not the root's with train(mode): that would
+        # switch a part the trainer keeps in eval mode (a frozen layer) to training.
+        modes = [(module, module.training) for module in model.modules()]
         scripted = script_model(model)
-        was_training = model.training
         scripted.eval()
         _quiet_jit(torch.jit.save, scripted, buffer)
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
         payloads[JIT_FILE] = buffer.getvalue()
     staging = checkpoint_publish.staging_directory_for(target)
     try:
