@@ -30,7 +30,6 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import (
-    HEALTH_CHECK_METHOD,
     call,
     channel_options,
     error_from_rpc,
@@ -46,6 +45,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_service import SERVICE_NAME
 from embedding_store.ps_wire import row_block_from_chunk, row_chunks
+from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
 from embedding_store.shard import RowBlock
 
 #: Default deadline of dump, load, export and import calls (seconds).
@@ -54,7 +54,7 @@ DEFAULT_CHECKPOINT_TIMEOUT = 600.0
 _CALLER_CHECK_SECONDS = 0.1
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-#: Calls that may reach the shard twice (grpc_common.RenewingTierChannel retries them once
+#: Calls that may reach the shard twice (renewing_channel.RenewingTierChannel retries them once
 #: after a TLS renewal): reads. A train lookup inserts the rows it misses, as it would
 #: have the first time; never an update, whose gradient would be applied twice.
 RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})

@@ -21,7 +21,6 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import (
-    HEALTH_CHECK_METHOD,
     call,
     channel_options,
     error_from_rpc,
@@ -32,13 +31,14 @@ from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import BackwardStats, IdFeature, LookupResult, SlotOutput
 from embedding_store.worker_service import SERVICE_NAME
 from embedding_store.worker_wire import pack_grads, unpack_slots
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"].full_name
-#: Calls that may reach the worker twice (grpc_common.RenewingTierChannel retries them once
+#: Calls that may reach the worker twice (renewing_channel.RenewingTierChannel retries them once
 #: after a TLS renewal): reads. A train lookup sent twice leaves one forward context unused,
 #: which expires as any other; never a backward, whose gradients would be applied twice.
 RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})

@@ -14,15 +14,14 @@ from prometheus_client import generate_latest
 
 from embedding_store.errors import ConfigError, InvalidArgumentError
 from embedding_store.grpc_common import (
-    HEALTH_CHECK_METHOD,
     TLS_RELOAD_VARIABLE,
     TLS_VARIABLES,
-    RenewingTierChannel,
     reset_tier_tls_cache,
     tier_channel,
     tier_tls,
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
+from embedding_store.renewing_channel import HEALTH_CHECK_METHOD, RenewingTierChannel
 from embedding_store.tls import check_key_pair, read_certificates, read_private_key
 from embedding_store.tls_reload import ReloadingTls, file_stamp
 from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
