@@ -311,6 +311,10 @@ class PredictionServer:
             if self._health is not None:
                 self._health.set_serving(False)
             drained = self.service.drain(self.options.grace_seconds)
+            if not drained:
+                # Out of grace: what is still queued gets 503 / UNAVAILABLE now, while both
+                # front ends can still send it (after them, its connection would just close).
+                self.service.fail_queued()
         if self._grpc is not None:
             self._grpc.stop(grace=min(1.0, max(0.1, remaining()))).wait()
         if self._uvicorn is not None:

@@ -252,13 +252,25 @@ class PredictionService:
             time.sleep(0.01)
         return True
 
+    def fail_queued(self) -> None:
+        """Refuse new requests and answer those still queued, on every path, with
+        UnavailableError (503 / UNAVAILABLE) now: what a stop does when its drain ran out of
+        grace, before its front ends close (their connections would otherwise be cut, or
+        the HTTP server's cancelled handlers answered 500). Batches being computed finish."""
+        self._accepting = False
+        self._batcher.fail_queued()
+        for loop, batcher in list(self._loop_batchers.items()):
+            error = UnavailableError("the server stopped before this request's batch ran")
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing waits on it
+                loop.call_soon_threadsafe(batcher.fail_waiting, error)
+
     def close(self, wait: float = CLOSE_WAIT_SECONDS) -> None:
         """Refuse new requests on every path, stop the background work, close the models
         (replaced ones are closed by the reload that replaced them). A batch still running
         (a slow tier, past the drain) gets up to ``wait`` seconds to finish before its
         model's channels close under it; requests still queued fail (UnavailableError)."""
         deadline = time.monotonic() + wait
-        self._accepting = False
+        self.fail_queued()
         self._stop_checks.set()
         self._batcher.close(timeout=wait)
         if self._run_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
