@@ -291,16 +291,33 @@ class DynamicBatcher:
     def fail_queued(self) -> None:
         """Take no more requests and fail those still queued (UnavailableError) at once,
         without waiting: a stop whose drain gave up answers them before its front ends
-        close. The batch running now (if any) still finishes; the dispatcher then ends."""
+        close, even while the dispatcher is stuck in a batch (which still finishes; the
+        dispatcher then ends)."""
         self._accepting = False
         self._closing = True
+        failed = 0
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if request is None:
+                self._sentinel_sent = False  # taken out: queued again below
+                continue
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(
+                    UnavailableError("the server stopped before this request's batch ran")
+                )
+            failed += 1
+        if failed:
+            self._finished(failed)
         if not self._sentinel_sent:
             try:
                 # Wakes the dispatcher out of its max_queue_delay wait: what it collected so
-                # far fails at once, rather than when the delay ends.
+                # far fails at once (it sees _closing), rather than when the delay ends.
                 self._queue.put_nowait(None)
                 self._sentinel_sent = True
-            except queue.Full:  # each queued request's batch fails as it is taken
+            except queue.Full:  # a submit raced in: close() queues it, or the next call
                 pass
 
     def close(self, timeout: float = 10.0) -> None:

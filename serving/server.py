@@ -311,10 +311,12 @@ class PredictionServer:
             if self._health is not None:
                 self._health.set_serving(False)
             drained = self.service.drain(self.options.grace_seconds)
-            if not drained:
-                # Out of grace: what is still queued gets 503 / UNAVAILABLE now, while both
-                # front ends can still send it (after them, its connection would just close).
-                self.service.fail_queued()
+            # Before the front ends stop, so that what is left when the grace runs out gets
+            # its answer while they can still send it (after them, its connection would
+            # just close): requests still queued get 503 / UNAVAILABLE at once, and a batch
+            # still running (a stalled embedding tier) gets a second more, then its model
+            # closes, which fails its lookups with UNAVAILABLE.
+            self.service.close(wait=max(1.0, remaining()))
         if self._grpc is not None:
             self._grpc.stop(grace=min(1.0, max(0.1, remaining()))).wait()
         if self._uvicorn is not None:
@@ -325,8 +327,6 @@ class PredictionServer:
                 if self._http_thread.is_alive():
                     self._uvicorn.force_exit = True  # close the connections left open
                     self._http_thread.join(timeout=2.0)
-        if self.service is not None:
-            self.service.close(wait=max(1.0, remaining()))
         return drained
 
 

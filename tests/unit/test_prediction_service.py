@@ -755,13 +755,15 @@ def test_fail_queued_answers_the_requests_still_queued_on_every_path_at_once(
     assert _requests(service, service.model.version, "UnavailableError", "http") == 1.0
 
 
-def test_a_stop_out_of_grace_answers_queued_requests_503_before_its_front_ends_close(
+def test_a_stop_out_of_grace_answers_every_request_left_before_its_front_ends_close(
     checkpoints, monkeypatch
 ):
-    """SIGTERM's stop when requests cannot finish within --grace-seconds (held here by a
-    30 s batching delay): each still gets an answer, 503 / UNAVAILABLE naming why, over
-    HTTP (a small body batched on the event loop, a large one on the dispatcher thread) and
-    gRPC. They used to get a cut connection, a 500 and gRPC's "Cancelling all calls"."""
+    """SIGTERM's stop when requests cannot finish within --grace-seconds: each still gets an
+    answer, 503 / UNAVAILABLE naming why, over HTTP (a small body batched on the event loop,
+    a large one on the dispatcher thread) and gRPC. Queued ones (held by a 30 s batching
+    delay) are refused at once; one whose batch is stuck in the model (a stalled embedding
+    tier) gets its model's error once the model is closed. They used to get a cut
+    connection, a 500, and gRPC's "Cancelling all calls"."""
     import http.client
     import json
 
@@ -780,12 +782,24 @@ def test_a_stop_out_of_grace_answers_queued_requests_503_before_its_front_ends_c
         grpc_port=0,
         grace_seconds=0.5,
         max_queue_delay_ms=30_000.0,
-        max_batch_size=100_000,
+        max_batch_size=4,  # a request of 4 rows runs at once; those of 2 wait for the delay
         request_timeout=60.0,
         threads=torch.get_num_threads(),
     )
     serving = PredictionServer(options).start()
-    inputs = _inputs()
+    service = serving.service
+    assert service is not None
+    model = service.model
+    started, closed = threading.Event(), threading.Event()
+    close = model.close
+
+    def stalled_infer(merged):  # what a lookup on a stalled remote tier does
+        started.set()
+        assert closed.wait(WAIT)
+        raise UnavailableError("embedding tier closed while looking up")
+
+    model.infer = stalled_infer  # type: ignore[method-assign]
+    model.close = lambda: (closed.set(), close())  # type: ignore[method-assign]
     body = json.dumps(
         {
             "inputs": [
@@ -808,36 +822,40 @@ def test_a_stop_out_of_grace_answers_queued_requests_503_before_its_front_ends_c
         finally:
             connection.close()
 
-    def over_grpc() -> None:
+    def over_grpc(key: str, rows: int) -> None:
         url = f"grpc://127.0.0.1:{serving.grpc_port}"
         with RecserveClient(url, model_name=NAME, retries=0, timeout=WAIT) as client:
             try:
-                answers["grpc"] = client.infer(inputs)
+                answers[key] = client.infer(_inputs(rows))
             except Exception as error:
-                answers["grpc"] = error
+                answers[key] = error
 
+    running = threading.Thread(target=over_grpc, args=("running", 4))
     askers = [
+        running,
+        threading.Thread(target=over_grpc, args=("grpc", 2)),
         threading.Thread(target=over_http, args=("small", body)),
         # Past 64 KiB (trailing JSON whitespace): decoded and batched on the dispatcher.
         threading.Thread(target=over_http, args=("large", body + b" " * 70_000)),
-        threading.Thread(target=over_grpc),
     ]
     try:
-        for asker in askers:
+        running.start()
+        assert started.wait(WAIT)
+        for asker in askers[1:]:
             asker.start()
-        service = serving.service
-        assert service is not None
-        _wait_until(lambda: service.pending == 3)
-        started = time.monotonic()
+        _wait_until(lambda: service.pending == 4)
+        began = time.monotonic()
         assert serving.stop() is False  # not drained: the grace period ended first
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - began < 5.0
     finally:
-        if serving._stop.is_set() is False:
+        closed.set()
+        if not serving._stop.is_set():
             serving.stop()
         for asker in askers:
             asker.join(WAIT)
     refusal = "the server stopped before this request's batch ran"
     assert answers["small"] == (503, {"error": refusal})
     assert answers["large"] == (503, {"error": refusal})
-    assert isinstance(answers["grpc"], UnavailableError), answers["grpc"]
-    assert answers["grpc"].message.endswith(f"answered gRPC UNAVAILABLE: {refusal}")
+    for key, message in (("grpc", refusal), ("running", "embedding tier closed while looking up")):
+        assert isinstance(answers[key], UnavailableError), answers[key]
+        assert answers[key].message.endswith(f"answered gRPC UNAVAILABLE: {message}")

@@ -132,9 +132,6 @@ def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
             time.sleep(seconds)  # a request stuck in the model all along
             return False
 
-        def fail_queued(self) -> None:  # before the front ends stop: they send the 503s
-            calls.append("fail_queued")
-
         def close(self, wait: float) -> None:
             calls.append("close")
             assert 1.0 <= wait <= 1.5  # at least 1 s, however long the drain took
@@ -154,7 +151,7 @@ def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
     took = time.monotonic() - started
     assert grace <= took < grace + 1.5, took
     assert uvicorn.should_exit and uvicorn.force_exit
-    assert calls == ["stop_accepting", "fail_queued", "close"]
+    assert calls == ["stop_accepting", "close"]
     assert not stopping._http_thread.is_alive()
 
 
