@@ -275,6 +275,8 @@ class PredictionServer:
             try:
                 service.reload(None)
             except Exception as error:  # a bug must not end the watch either
+                if self._stop.is_set():
+                    return  # stopping: close() refused to serve what it loaded
                 if not isinstance(error, RecserveError):
                     log.exception("reloading version %s failed", version)
                 backoff = (
@@ -327,7 +329,14 @@ class PredictionServer:
                 if self._http_thread.is_alive():
                     self._uvicorn.force_exit = True  # close the connections left open
                     self._http_thread.join(timeout=2.0)
+        if self.service is not None and not self.service.wait_for_reload(max(0.5, remaining())):
+            log.warning("a reload is still loading a checkpoint; exiting without waiting for it")
         return drained
+
+    @property
+    def reloading(self) -> bool:
+        """A reload is still running (see :meth:`PredictionService.wait_for_reload`)."""
+        return self.service is not None and self.service.reloading
 
 
 #: Seconds before the watcher tries a version that failed to load again (then doubling).
@@ -383,5 +392,13 @@ def serve(options: ServeOptions) -> int:
     drained = server.stop()
     if not drained:
         log.warning("grace period ended with requests still in flight")
-        return 1
-    return 0
+    code = 0 if drained else 1
+    if server.reloading:
+        # Interpreter shutdown would end the reload's thread inside torch's native code,
+        # which aborts the process (SIGABRT, "terminate called without an active
+        # exception"): leave without it, the stop being done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

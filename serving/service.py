@@ -109,6 +109,7 @@ class PredictionService:
         with self._series_lock:
             self._create_series(model.version)
         self._accepting = True
+        self._closed = False  # close() ran: a reload that ends after it serves nothing
         self._reload_lock = threading.Lock()
         self.last_reload_error: str | None = None
         # One model call at a time, whichever batcher (thread or event loop) makes it.
@@ -277,7 +278,24 @@ class PredictionService:
             self._run_lock.release()
         else:
             log.warning("closing the model while a batch still runs (after %.1f s)", wait)
-        self._model.close()
+        with self._series_lock:  # one step with a reload's swap: each model closed once
+            self._closed = True
+            model = self._model
+        model.close()
+
+    @property
+    def reloading(self) -> bool:
+        """A reload (the watcher's, an admin request's) is loading or swapping now."""
+        return self._reload_lock.locked()
+
+    def wait_for_reload(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a reload in progress to end; True when none runs.
+        A process must not exit while one loads: interpreter shutdown ends its thread
+        inside torch's native code, which aborts the process (SIGABRT)."""
+        if not self._reload_lock.acquire(timeout=max(0.0, timeout)):
+            return False
+        self._reload_lock.release()
+        return True
 
     # ------------------------------------------------------------------ metadata
     def server_metadata(self) -> ServerMetadata:
@@ -669,8 +687,15 @@ class PredictionService:
                 log.error("reload failed, still serving %s: %s", old.version, error.message)
                 raise
             with self._series_lock:  # one step for _forget_version of a reload before
-                self._create_series(new.version)  # at 0 before its first request
-                self._model = new
+                stopping = self._closed
+                if not stopping:
+                    self._create_series(new.version)  # at 0 before its first request
+                    self._model = new
+            if stopping:  # close() ran while it loaded: nothing serves it any more
+                new.close()
+                raise UnavailableError(
+                    f"the server is stopping: version {new.version} was loaded but is not served"
+                )
             # The new model lives as long as the old one did: keep it out of collections too
             # (no collection first: that would stall every request for ~100 ms).
             freeze_long_lived_objects(collect=False)

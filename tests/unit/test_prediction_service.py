@@ -859,3 +859,46 @@ def test_a_stop_out_of_grace_answers_every_request_left_before_its_front_ends_cl
     for key, message in (("grpc", refusal), ("running", "embedding tier closed while looking up")):
         assert isinstance(answers[key], UnavailableError), answers[key]
         assert answers[key].message.endswith(f"answered gRPC UNAVAILABLE: {message}")
+
+
+def test_a_reload_that_ends_after_close_is_not_served_and_each_model_closes_once(
+    checkpoints, make_service
+):
+    """SIGTERM while a reload loads: close() closes the served model; the reload then
+    refuses to swap in what it loaded (UnavailableError), closes it, and the server may
+    exit once wait_for_reload says it ended."""
+    first, second = checkpoints
+    closed: list[str] = []
+    loading, release = threading.Event(), threading.Event()
+
+    def loader(_path):
+        loading.set()
+        assert release.wait(WAIT)
+        return _closing_recorded(_load(second), closed)
+
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=loader)
+    errors: list[BaseException] = []
+
+    def reload() -> None:
+        try:
+            service.reload(None)
+        except Exception as error:
+            errors.append(error)
+
+    reloading = threading.Thread(target=reload)
+    reloading.start()
+    try:
+        assert loading.wait(WAIT)
+        service.close(wait=1.0)
+        assert closed == [old.version]
+        assert service.reloading and not service.wait_for_reload(0.05)
+    finally:
+        release.set()
+        reloading.join(WAIT)
+    assert service.wait_for_reload(0.0) and not service.reloading
+    (error,) = errors
+    assert isinstance(error, UnavailableError)
+    assert "the server is stopping" in error.message and "is not served" in error.message
+    assert len(closed) == 2 and closed[0] == old.version and closed[1] != old.version
+    assert service.model is old
