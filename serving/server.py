@@ -251,8 +251,9 @@ class PredictionServer:
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.
 
-        It compares the path's version with the last one loaded from there, not with the
-        served one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served
+        It compares the path's version with the last one loaded from there (what that
+        reload loaded, which may be newer than what the poll read), not with the served
+        one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served
         until the watched path itself changes. A version that fails to load is tried again
         after a back-off (:data:`RELOAD_RETRY_SECONDS`, doubling up to
         :data:`RELOAD_RETRY_MAX_SECONDS`): the failure may pass (files still being copied
@@ -273,7 +274,9 @@ class PredictionServer:
             if version == loaded or (version == failed and time.monotonic() < retry_at):
                 continue
             try:
-                service.reload(None)
+                # The version it loads, not the one read above: another may have been
+                # published meanwhile, and this one published again later must be loaded.
+                served = service.reload(None)["version"]
             except Exception as error:  # a bug must not end the watch either
                 if self._stop.is_set():
                     return  # stopping: close() refused to serve what it loaded
@@ -287,7 +290,7 @@ class PredictionServer:
                 failed, retry_at = version, time.monotonic() + backoff
                 log.warning("will try version %s again in %.0f s", version, backoff)
                 continue
-            loaded, failed = version, None
+            loaded, failed = served, None
 
     def wait(self) -> None:
         """Until a stop is asked for (:meth:`request_stop`, a signal)."""

@@ -199,7 +199,8 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
     reloaded = threading.Event()
     watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
     watching.service = SimpleNamespace(
-        model=SimpleNamespace(version="v1"), reload=lambda _checkpoint: reloaded.set()
+        model=SimpleNamespace(version="v1"),
+        reload=lambda _checkpoint: reloaded.set() or {"version": "v2"},
     )
     watcher = threading.Thread(target=watching._watch, daemon=True)
     watcher.start()
@@ -208,6 +209,38 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
     finally:
         watching._stop.set()
         watcher.join(5)
+
+
+def test_the_checkpoint_watch_follows_the_version_its_reload_loaded(monkeypatch):
+    """v3 is published while the watcher's reload of v2 loads, so v3 is what it loads; then
+    v2 is published again (a rollback): the watcher must load it. It used to note the
+    version it read before loading (v2) and serve v3 on, the path holding v2."""
+    from embedding_store import model_checkpoint
+
+    monkeypatch.setattr(
+        model_checkpoint, "read_manifest", lambda _path: SimpleNamespace(version="v2")
+    )
+    loads = iter(["v3", "v2"])
+    reloads: list[str] = []
+    again = threading.Event()
+
+    def reload(_checkpoint):
+        reloads.append(next(loads, "v2"))
+        if len(reloads) == 2:
+            again.set()
+        return {"version": reloads[-1]}
+
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.01))
+    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+    watcher = threading.Thread(target=watching._watch, daemon=True)
+    watcher.start()
+    try:
+        assert again.wait(5), reloads
+        time.sleep(0.1)  # ten polls more: v2 is served now, nothing else to load
+    finally:
+        watching._stop.set()
+        watcher.join(5)
+    assert reloads == ["v3", "v2"]
 
 
 #: A stand-in that ignores SIGTERM: a wedged server process.
@@ -311,6 +344,7 @@ def test_the_checkpoint_watch_retries_a_failed_version_after_a_doubling_back_off
         if len(attempts) < 3:
             raise CheckpointError("files still being copied in")
         loaded.set()
+        return {"version": "v2"}
 
     watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
     watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
