@@ -162,6 +162,7 @@ class DynamicBatcher:
         self._on_batch = on_batch
         self._accepting = True
         self._closing = False  # close() called: queued requests fail rather than run
+        self._sentinel_sent = False  # the None that ends the dispatcher is queued
         self._in_flight = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -287,13 +288,46 @@ class DynamicBatcher:
                 self._idle.wait(remaining)
         return True
 
+    def fail_queued(self) -> None:
+        """Take no more requests and fail those still queued (UnavailableError) at once,
+        without waiting: a stop whose drain gave up answers them before its front ends
+        close, even while the dispatcher is stuck in a batch (which still finishes; the
+        dispatcher then ends)."""
+        self._accepting = False
+        self._closing = True
+        failed = 0
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if request is None:
+                self._sentinel_sent = False  # taken out: queued again below
+                continue
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(
+                    UnavailableError("the server stopped before this request's batch ran")
+                )
+            failed += 1
+        if failed:
+            self._finished(failed)
+        if not self._sentinel_sent:
+            try:
+                # Wakes the dispatcher out of its max_queue_delay wait: what it collected so
+                # far fails at once (it sees _closing), rather than when the delay ends.
+                self._queue.put_nowait(None)
+                self._sentinel_sent = True
+            except queue.Full:  # a submit raced in: close() queues it, or the next call
+                pass
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop: requests still queued (a drain that gave up) fail with UnavailableError;
         waits up to ``timeout`` s for the dispatcher (and the batch it runs) to end."""
-        self._accepting = False
-        self._closing = True
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:  # the dispatcher is stuck in a batch: it sees _closing after it
-            return
+        self.fail_queued()
+        if not self._sentinel_sent:
+            try:
+                self._queue.put(None, timeout=timeout)
+                self._sentinel_sent = True
+            except queue.Full:  # the dispatcher is stuck in a batch: it sees _closing after it
+                return
         self._thread.join(timeout=timeout)

@@ -99,6 +99,18 @@ class LoopBatcher:
                 self._flush_handle = loop.call_soon(self._flush)
         return future
 
+    def fail_waiting(self, error: BaseException) -> None:
+        """Answer every request still waiting for its flush with ``error`` (call on the
+        loop): a stop whose drain gave up, so that they get an answer before the HTTP
+        server closes their connections. A batch being computed is not interrupted."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        waiting, self._waiting, self._samples = self._waiting, [], 0
+        for request in waiting:
+            if not request.future.done():
+                request.future.set_exception(error)
+
     def _flush(self) -> None:
         self._flush_handle = None
         waiting, self._waiting, self._samples = self._waiting, [], 0

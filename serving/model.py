@@ -473,7 +473,20 @@ def load_model(
         tier = InProcessEmbeddingTier(
             embedding_config, capacity=capacity or max(rows, 1), read_only=True
         )
-        tier.load(manifest.embeddings_directory)
+        try:
+            loaded = tier.load(manifest.embeddings_directory)
+            if loaded.version != embedding_manifest.version:
+                # The load reads the directory again by its path: a new version published
+                # there meanwhile (renamed into place) would be served under this one's name,
+                # with the other's embeddings. The watcher tries the path again later.
+                raise CheckpointError(
+                    f"checkpoint {manifest.directory} changed while it was loaded: its "
+                    f"embeddings are now {loaded.version}, its manifest named "
+                    f"{embedding_manifest.version}"
+                )
+        except BaseException:
+            tier.close()
+            raise
     try:
         model = LoadedModel(
             name=name,

@@ -251,8 +251,9 @@ class PredictionServer:
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.
 
-        It compares the path's version with the last one loaded from there, not with the
-        served one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served
+        It compares the path's version with the last one loaded from there (what that
+        reload loaded, which may be newer than what the poll read), not with the served
+        one: a checkpoint loaded by ``POST /admin/reload`` from elsewhere stays served
         until the watched path itself changes. A version that fails to load is tried again
         after a back-off (:data:`RELOAD_RETRY_SECONDS`, doubling up to
         :data:`RELOAD_RETRY_MAX_SECONDS`): the failure may pass (files still being copied
@@ -273,8 +274,12 @@ class PredictionServer:
             if version == loaded or (version == failed and time.monotonic() < retry_at):
                 continue
             try:
-                service.reload(None)
+                # The version it loads, not the one read above: another may have been
+                # published meanwhile, and this one published again later must be loaded.
+                served = service.reload(None)["version"]
             except Exception as error:  # a bug must not end the watch either
+                if self._stop.is_set():
+                    return  # stopping: close() refused to serve what it loaded
                 if not isinstance(error, RecserveError):
                     log.exception("reloading version %s failed", version)
                 backoff = (
@@ -285,7 +290,7 @@ class PredictionServer:
                 failed, retry_at = version, time.monotonic() + backoff
                 log.warning("will try version %s again in %.0f s", version, backoff)
                 continue
-            loaded, failed = version, None
+            loaded, failed = served, None
 
     def wait(self) -> None:
         """Until a stop is asked for (:meth:`request_stop`, a signal)."""
@@ -311,6 +316,12 @@ class PredictionServer:
             if self._health is not None:
                 self._health.set_serving(False)
             drained = self.service.drain(self.options.grace_seconds)
+            # Before the front ends stop, so that what is left when the grace runs out gets
+            # its answer while they can still send it (after them, its connection would
+            # just close): requests still queued get 503 / UNAVAILABLE at once, and a batch
+            # still running (a stalled embedding tier) gets a second more, then its model
+            # closes, which fails its lookups with UNAVAILABLE.
+            self.service.close(wait=max(1.0, remaining()))
         if self._grpc is not None:
             self._grpc.stop(grace=min(1.0, max(0.1, remaining()))).wait()
         if self._uvicorn is not None:
@@ -321,9 +332,14 @@ class PredictionServer:
                 if self._http_thread.is_alive():
                     self._uvicorn.force_exit = True  # close the connections left open
                     self._http_thread.join(timeout=2.0)
-        if self.service is not None:
-            self.service.close(wait=max(1.0, remaining()))
+        if self.service is not None and not self.service.wait_for_reload(max(0.5, remaining())):
+            log.warning("a reload is still loading a checkpoint; exiting without waiting for it")
         return drained
+
+    @property
+    def reloading(self) -> bool:
+        """A reload is still running (see :meth:`PredictionService.wait_for_reload`)."""
+        return self.service is not None and self.service.reloading
 
 
 #: Seconds before the watcher tries a version that failed to load again (then doubling).
@@ -379,5 +395,13 @@ def serve(options: ServeOptions) -> int:
     drained = server.stop()
     if not drained:
         log.warning("grace period ended with requests still in flight")
-        return 1
-    return 0
+    code = 0 if drained else 1
+    if server.reloading:
+        # Interpreter shutdown would end the reload's thread inside torch's native code,
+        # which aborts the process (SIGABRT, "terminate called without an active
+        # exception"): leave without it, the stop being done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

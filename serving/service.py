@@ -109,6 +109,7 @@ class PredictionService:
         with self._series_lock:
             self._create_series(model.version)
         self._accepting = True
+        self._closed = False  # close() ran: a reload that ends after it serves nothing
         self._reload_lock = threading.Lock()
         self.last_reload_error: str | None = None
         # One model call at a time, whichever batcher (thread or event loop) makes it.
@@ -252,20 +253,49 @@ class PredictionService:
             time.sleep(0.01)
         return True
 
+    def fail_queued(self) -> None:
+        """Refuse new requests and answer those still queued, on every path, with
+        UnavailableError (503 / UNAVAILABLE) now: what a stop does when its drain ran out of
+        grace, before its front ends close (their connections would otherwise be cut, or
+        the HTTP server's cancelled handlers answered 500). Batches being computed finish."""
+        self._accepting = False
+        self._batcher.fail_queued()
+        for loop, batcher in list(self._loop_batchers.items()):
+            error = UnavailableError("the server stopped before this request's batch ran")
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing waits on it
+                loop.call_soon_threadsafe(batcher.fail_waiting, error)
+
     def close(self, wait: float = CLOSE_WAIT_SECONDS) -> None:
         """Refuse new requests on every path, stop the background work, close the models
         (replaced ones are closed by the reload that replaced them). A batch still running
         (a slow tier, past the drain) gets up to ``wait`` seconds to finish before its
         model's channels close under it; requests still queued fail (UnavailableError)."""
         deadline = time.monotonic() + wait
-        self._accepting = False
+        self.fail_queued()
         self._stop_checks.set()
         self._batcher.close(timeout=wait)
         if self._run_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._run_lock.release()
         else:
             log.warning("closing the model while a batch still runs (after %.1f s)", wait)
-        self._model.close()
+        with self._series_lock:  # one step with a reload's swap: each model closed once
+            self._closed = True
+            model = self._model
+        model.close()
+
+    @property
+    def reloading(self) -> bool:
+        """A reload (the watcher's, an admin request's) is loading or swapping now."""
+        return self._reload_lock.locked()
+
+    def wait_for_reload(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a reload in progress to end; True when none runs.
+        A process must not exit while one loads: interpreter shutdown ends its thread
+        inside torch's native code, which aborts the process (SIGABRT)."""
+        if not self._reload_lock.acquire(timeout=max(0.0, timeout)):
+            return False
+        self._reload_lock.release()
+        return True
 
     # ------------------------------------------------------------------ metadata
     def server_metadata(self) -> ServerMetadata:
@@ -657,8 +687,15 @@ class PredictionService:
                 log.error("reload failed, still serving %s: %s", old.version, error.message)
                 raise
             with self._series_lock:  # one step for _forget_version of a reload before
-                self._create_series(new.version)  # at 0 before its first request
-                self._model = new
+                stopping = self._closed
+                if not stopping:
+                    self._create_series(new.version)  # at 0 before its first request
+                    self._model = new
+            if stopping:  # close() ran while it loaded: nothing serves it any more
+                new.close()
+                raise UnavailableError(
+                    f"the server is stopping: version {new.version} was loaded but is not served"
+                )
             # The new model lives as long as the old one did: keep it out of collections too
             # (no collection first: that would stall every request for ~100 ms).
             freeze_long_lived_objects(collect=False)

@@ -260,3 +260,30 @@ def test_close_ends_a_dispatcher_that_is_collecting_a_batch() -> None:
     with pytest.raises(UnavailableError, match="the server stopped"):
         waiting.result(WAIT)
     assert model.calls == []
+
+
+def test_fail_queued_answers_requests_queued_behind_a_stuck_batch_at_once() -> None:
+    """A stop out of grace while a batch is stuck (a stalled embedding tier): the requests
+    queued behind it are refused now, not once that batch ends; it still gets its answer."""
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=1, max_queue_delay=0.0)
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        queued = [batcher.submit(batch_of(2)), batcher.submit(batch_of(3))]
+        assert batcher.pending == 3
+        batcher.fail_queued()
+        for future in queued:
+            with pytest.raises(UnavailableError, match="stopped before this request's batch ran"):
+                future.result(timeout=0)  # answered already: the stuck batch still runs
+        assert batcher.pending == 1 and not running.done()
+        with pytest.raises(UnavailableError, match="shutting down"):
+            batcher.submit(batch_of(4))
+        release.set()
+        assert answers([running]) == [[1.0]]
+        assert batcher.drain(WAIT)
+        assert model.calls == [[1]]
+    finally:
+        release.set()
+        batcher.close(timeout=WAIT)

@@ -226,3 +226,38 @@ def test_a_load_refused_after_its_worker_answered_closes_the_channel(checkpoint,
         with pytest.raises(InvalidArgumentError, match="must be one of"):
             load_model(checkpoint, name="m", embedding_workers=["a:1"], **option)
     assert [worker.closed for worker in made] == [True, True]
+
+
+def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, monkeypatch):
+    """A new version renamed into the watched path between the embedding manifest's check
+    and the load of its rows: the load reads the path again, and used to serve the new
+    version's embeddings under the old version's name (predictions of neither)."""
+    from embedding_store.shard import RowBlock
+    from tests.unit.test_onednn_linear import DIM
+
+    served = _checkpoint(tmp_path / "served", Mlp())
+    other = tmp_path / "other"
+    tier = InProcessEmbeddingTier(CONFIG, capacity=1000)
+    ids = np.concatenate(
+        [CONFIG.prefix_ids(name, np.arange(50, dtype=np.uint64)) for name in ("user", "item")]
+    )
+    weights = np.full((ids.size, DIM), 0.5, np.float32)  # other rows than _checkpoint's
+    tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    model_checkpoint.write_checkpoint(other, Mlp(), None, tier, step=2, signature=SIGNATURE)
+    load = InProcessEmbeddingTier.load
+
+    def load_after_a_publish(self, directory, **kwargs):
+        if other.exists():  # the trainer publishes: staged next to it, then renamed
+            served.rename(tmp_path / "previous")
+            other.rename(served)
+        return load(self, directory, **kwargs)
+
+    monkeypatch.setattr(InProcessEmbeddingTier, "load", load_after_a_publish)
+    with pytest.raises(CheckpointError, match="changed while it was loaded"):
+        load_model(served, name="m", warm_up=False, onednn_min_rows=0)
+    model = load_model(served, name="m", warm_up=False, onednn_min_rows=0)  # tried again
+    try:
+        assert model.version == model_checkpoint.read_manifest(served).version
+        assert model.embedding_version == model.tier.status().shard_checkpoint_versions[0]
+    finally:
+        model.close()

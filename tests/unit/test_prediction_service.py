@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import (
@@ -704,3 +705,200 @@ def test_a_reload_closes_the_old_model_only_after_the_batch_running_on_it(
         reloading.join(WAIT)
     assert closed == [old.version]
     assert answers[0].model_version == old.version
+
+
+def test_fail_queued_answers_the_requests_still_queued_on_every_path_at_once(
+    checkpoints, make_service
+):
+    """A stop whose drain ran out of grace: requests still waiting for their merged batch,
+    on the dispatcher thread and on an event loop, are answered UnavailableError (503 /
+    UNAVAILABLE) at once, not when the batching delay ends."""
+    service = make_service(_load(checkpoints[0]), max_queue_delay=30.0, max_batch_size=1000)
+    answers: dict[str, object] = {}
+
+    def on_the_dispatcher() -> None:
+        try:
+            answers["thread"] = service.predict(NAME, None, _inputs(), protocol="grpc", timeout=60)
+        except Exception as error:
+            answers["thread"] = error
+
+    def on_a_loop() -> None:
+        async def ask():
+            return await service.predict_async(NAME, None, _inputs(3), protocol="http", timeout=60)
+
+        try:
+            answers["loop"] = asyncio.run(ask())
+        except Exception as error:
+            answers["loop"] = error
+
+    askers = [threading.Thread(target=on_the_dispatcher), threading.Thread(target=on_a_loop)]
+    for asker in askers:
+        asker.start()
+    try:
+        _wait_until(lambda: service.pending == 2)
+        assert service.drain(0.05) is False
+        started = time.monotonic()
+        service.fail_queued()
+        for asker in askers:
+            asker.join(WAIT)
+        assert time.monotonic() - started < 10.0  # not after the 30 s delay
+    finally:
+        service.close(wait=1.0)
+        for asker in askers:
+            asker.join(WAIT)
+    assert sorted(answers) == ["loop", "thread"]
+    for answer in answers.values():
+        assert isinstance(answer, UnavailableError), answer
+        assert answer.message == "the server stopped before this request's batch ran"
+    assert not service.ready()
+    assert _requests(service, service.model.version, "UnavailableError", "grpc") == 1.0
+    assert _requests(service, service.model.version, "UnavailableError", "http") == 1.0
+
+
+def test_a_stop_out_of_grace_answers_every_request_left_before_its_front_ends_close(
+    checkpoints, monkeypatch
+):
+    """SIGTERM's stop when requests cannot finish within --grace-seconds: each still gets an
+    answer, 503 / UNAVAILABLE naming why, over HTTP (a small body batched on the event loop,
+    a large one on the dispatcher thread) and gRPC. Queued ones (held by a 30 s batching
+    delay) are refused at once; one whose batch is stuck in the model (a stalled embedding
+    tier) gets its model's error once the model is closed. They used to get a cut
+    connection, a 500, and gRPC's "Cancelling all calls"."""
+    import http.client
+    import json
+
+    from clients import RecserveClient
+    from serving import server as server_module
+    from serving.options import ServeOptions
+    from serving.server import PredictionServer
+
+    # Not in the test process: a frozen heap and spaced-out collections for every later test.
+    monkeypatch.setattr(server_module, "freeze_long_lived_objects", lambda: None)
+    monkeypatch.setattr(server_module, "space_out_young_collections", lambda: None)
+    options = ServeOptions(
+        checkpoint=checkpoints[0],
+        model_name=NAME,
+        http_port=0,
+        grpc_port=0,
+        grace_seconds=0.5,
+        max_queue_delay_ms=30_000.0,
+        max_batch_size=4,  # a request of 4 rows runs at once; those of 2 wait for the delay
+        request_timeout=60.0,
+        threads=torch.get_num_threads(),
+    )
+    serving = PredictionServer(options).start()
+    service = serving.service
+    assert service is not None
+    model = service.model
+    started, closed = threading.Event(), threading.Event()
+    close = model.close
+
+    def stalled_infer(merged):  # what a lookup on a stalled remote tier does
+        started.set()
+        assert closed.wait(WAIT)
+        raise UnavailableError("embedding tier closed while looking up")
+
+    model.infer = stalled_infer  # type: ignore[method-assign]
+    model.close = lambda: (closed.set(), close())  # type: ignore[method-assign]
+    body = json.dumps(
+        {
+            "inputs": [
+                {"name": "user", "shape": [2], "datatype": "UINT64", "data": [0, 1]},
+                {"name": "item", "shape": [2], "datatype": "UINT64", "data": [1, 0]},
+                {"name": "dense", "shape": [2, 3], "datatype": "FP32", "data": [0.5] * 6},
+            ]
+        }
+    ).encode()
+    answers: dict[str, object] = {}
+
+    def over_http(key: str, payload: bytes) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", serving.http_port, timeout=WAIT)
+        try:
+            connection.request("POST", f"/v2/models/{NAME}/infer", body=payload)
+            response = connection.getresponse()
+            answers[key] = (response.status, json.loads(response.read()))
+        except Exception as error:
+            answers[key] = error
+        finally:
+            connection.close()
+
+    def over_grpc(key: str, rows: int) -> None:
+        url = f"grpc://127.0.0.1:{serving.grpc_port}"
+        with RecserveClient(url, model_name=NAME, retries=0, timeout=WAIT) as client:
+            try:
+                answers[key] = client.infer(_inputs(rows))
+            except Exception as error:
+                answers[key] = error
+
+    running = threading.Thread(target=over_grpc, args=("running", 4))
+    askers = [
+        running,
+        threading.Thread(target=over_grpc, args=("grpc", 2)),
+        threading.Thread(target=over_http, args=("small", body)),
+        # Past 64 KiB (trailing JSON whitespace): decoded and batched on the dispatcher.
+        threading.Thread(target=over_http, args=("large", body + b" " * 70_000)),
+    ]
+    try:
+        running.start()
+        assert started.wait(WAIT)
+        for asker in askers[1:]:
+            asker.start()
+        _wait_until(lambda: service.pending == 4)
+        began = time.monotonic()
+        assert serving.stop() is False  # not drained: the grace period ended first
+        assert time.monotonic() - began < 5.0
+    finally:
+        closed.set()
+        if not serving._stop.is_set():
+            serving.stop()
+        for asker in askers:
+            asker.join(WAIT)
+    refusal = "the server stopped before this request's batch ran"
+    assert answers["small"] == (503, {"error": refusal})
+    assert answers["large"] == (503, {"error": refusal})
+    for key, message in (("grpc", refusal), ("running", "embedding tier closed while looking up")):
+        assert isinstance(answers[key], UnavailableError), answers[key]
+        assert answers[key].message.endswith(f"answered gRPC UNAVAILABLE: {message}")
+
+
+def test_a_reload_that_ends_after_close_is_not_served_and_each_model_closes_once(
+    checkpoints, make_service
+):
+    """SIGTERM while a reload loads: close() closes the served model; the reload then
+    refuses to swap in what it loaded (UnavailableError), closes it, and the server may
+    exit once wait_for_reload says it ended."""
+    first, second = checkpoints
+    closed: list[str] = []
+    loading, release = threading.Event(), threading.Event()
+
+    def loader(_path):
+        loading.set()
+        assert release.wait(WAIT)
+        return _closing_recorded(_load(second), closed)
+
+    old = _closing_recorded(_load(first), closed)
+    service = make_service(old, loader=loader)
+    errors: list[BaseException] = []
+
+    def reload() -> None:
+        try:
+            service.reload(None)
+        except Exception as error:
+            errors.append(error)
+
+    reloading = threading.Thread(target=reload)
+    reloading.start()
+    try:
+        assert loading.wait(WAIT)
+        service.close(wait=1.0)
+        assert closed == [old.version]
+        assert service.reloading and not service.wait_for_reload(0.05)
+    finally:
+        release.set()
+        reloading.join(WAIT)
+    assert service.wait_for_reload(0.0) and not service.reloading
+    (error,) = errors
+    assert isinstance(error, UnavailableError)
+    assert "the server is stopping" in error.message and "is not served" in error.message
+    assert len(closed) == 2 and closed[0] == old.version and closed[1] != old.version
+    assert service.model is old

@@ -163,6 +163,11 @@ def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
             calls.append("close")
             assert 1.0 <= wait <= 1.5  # at least 1 s, however long the drain took
 
+        def wait_for_reload(self, timeout: float) -> bool:
+            calls.append("wait_for_reload")
+            assert 0.5 <= timeout <= 1.0  # what is left of the grace, at least 0.5 s
+            return True
+
     uvicorn = SimpleNamespace(should_exit=False, force_exit=False)
 
     def http_server() -> None:  # uvicorn waiting on a connection that never completes
@@ -178,7 +183,7 @@ def test_a_stop_takes_one_grace_period_not_one_per_step(monkeypatch):
     took = time.monotonic() - started
     assert grace <= took < grace + 1.5, took
     assert uvicorn.should_exit and uvicorn.force_exit
-    assert calls == ["stop_accepting", "close"]
+    assert calls == ["stop_accepting", "close", "wait_for_reload"]
     assert not stopping._http_thread.is_alive()
 
 
@@ -221,7 +226,8 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
     reloaded = threading.Event()
     watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
     watching.service = SimpleNamespace(
-        model=SimpleNamespace(version="v1"), reload=lambda _checkpoint: reloaded.set()
+        model=SimpleNamespace(version="v1"),
+        reload=lambda _checkpoint: reloaded.set() or {"version": "v2"},
     )
     watcher = threading.Thread(target=watching._watch, daemon=True)
     watcher.start()
@@ -230,6 +236,38 @@ def test_the_checkpoint_watch_survives_a_manifest_it_cannot_read(monkeypatch):
     finally:
         watching._stop.set()
         watcher.join(5)
+
+
+def test_the_checkpoint_watch_follows_the_version_its_reload_loaded(monkeypatch):
+    """v3 is published while the watcher's reload of v2 loads, so v3 is what it loads; then
+    v2 is published again (a rollback): the watcher must load it. It used to note the
+    version it read before loading (v2) and serve v3 on, the path holding v2."""
+    from embedding_store import model_checkpoint
+
+    monkeypatch.setattr(
+        model_checkpoint, "read_manifest", lambda _path: SimpleNamespace(version="v2")
+    )
+    loads = iter(["v3", "v2"])
+    reloads: list[str] = []
+    again = threading.Event()
+
+    def reload(_checkpoint):
+        reloads.append(next(loads, "v2"))
+        if len(reloads) == 2:
+            again.set()
+        return {"version": reloads[-1]}
+
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.01))
+    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+    watcher = threading.Thread(target=watching._watch, daemon=True)
+    watcher.start()
+    try:
+        assert again.wait(5), reloads
+        time.sleep(0.1)  # ten polls more: v2 is served now, nothing else to load
+    finally:
+        watching._stop.set()
+        watcher.join(5)
+    assert reloads == ["v3", "v2"]
 
 
 #: A stand-in that ignores SIGTERM: a wedged server process.
@@ -335,6 +373,7 @@ def test_the_checkpoint_watch_retries_a_failed_version_after_a_doubling_back_off
         if len(attempts) < 3:
             raise CheckpointError("files still being copied in")
         loaded.set()
+        return {"version": "v2"}
 
     watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.02))
     watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
@@ -454,6 +493,9 @@ class _FakeClock:
 
     def wait(self, seconds: float) -> bool:
         self.now += seconds
+        return self.is_set()
+
+    def is_set(self) -> bool:
         return self.now > self.until
 
 
@@ -486,6 +528,30 @@ def test_the_checkpoint_watch_back_off_starts_at_a_poll_and_is_capped(monkeypatc
     assert backoffs(6.0) == [6.0, 12.0, 24.0, 48.0, 96.0, 192.0, 300.0, 300.0, 300.0]
     # A poll shorter than 5 s: the first retry still waits 5 s.
     assert backoffs(2.0)[:4] == [5.0, 10.0, 20.0, 40.0]
+
+
+def test_a_reload_refused_because_the_server_stops_ends_the_watch_quietly(monkeypatch, caplog):
+    """The watcher's reload that ends after the stop closed the service (which refuses to
+    serve what it loaded) is not "tried again later": the watch ends."""
+    from embedding_store import model_checkpoint
+    from embedding_store.errors import UnavailableError
+
+    monkeypatch.setattr(
+        model_checkpoint, "read_manifest", lambda _path: SimpleNamespace(version="v2")
+    )
+    watching = PredictionServer(ServeOptions(checkpoint="ckpt", watch_seconds=0.01))
+    calls: list[str] = []
+
+    def reload(_checkpoint):
+        calls.append("reload")
+        watching._stop.set()  # SIGTERM came while it loaded
+        raise UnavailableError("the server is stopping: version v2 was loaded but is not served")
+
+    watching.service = SimpleNamespace(model=SimpleNamespace(version="v1"), reload=reload)
+    with caplog.at_level(logging.WARNING, logger="serving.server"):
+        watching._watch()  # returns: the stop is set
+    assert calls == ["reload"]
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 def _reloading_server(tmp_path, **options) -> tuple[PredictionServer, list[str | None]]:
@@ -568,10 +634,11 @@ def test_a_stop_turns_readiness_off_before_draining():
         stop_accepting=lambda: events.append("stop_accepting"),
         drain=lambda seconds: events.append(f"drain {seconds:g}") or True,
         close=lambda wait: events.append("close"),
+        wait_for_reload=lambda timeout: events.append("wait_for_reload") or True,
     )
     stopping._health = SimpleNamespace(set_serving=lambda up: events.append(f"serving {up}"))
     assert stopping.stop() is True
-    assert events == ["stop_accepting", "serving False", "drain 1", "close"]
+    assert events == ["stop_accepting", "serving False", "drain 1", "close", "wait_for_reload"]
 
 
 class _FakeServer:
@@ -580,6 +647,7 @@ class _FakeServer:
 
     on_start: Callable[[], None] = staticmethod(lambda: None)
     drained = True
+    reloading = False  # a reload still loading once stop() returned
     instances: list[_FakeServer] = []
 
     def __init__(self, options: ServeOptions) -> None:
@@ -617,6 +685,32 @@ def test_serve_exits_0_after_a_clean_drain_and_1_when_requests_were_cut(fake_ser
     monkeypatch.setattr(fake_server, "drained", False)
     assert server.serve(ServeOptions(checkpoint="ckpt")) == 1
     assert [s.calls for s in fake_server.instances] == [["start", "wait", "stop"]] * 2
+
+
+def test_serve_leaves_without_interpreter_shutdown_while_a_reload_still_loads(
+    fake_server, monkeypatch
+):
+    """SIGTERM while the watcher loads a checkpoint: interpreter shutdown would end that
+    thread inside torch's native code and abort the process (SIGABRT, exit 134), so serve
+    exits at once with the stop's own code instead."""
+    exits: list[int] = []
+
+    class Exited(BaseException):
+        pass
+
+    def exit_now(code: int) -> None:
+        exits.append(code)
+        raise Exited
+
+    monkeypatch.setattr(server.os, "_exit", exit_now)
+    monkeypatch.setattr(fake_server, "reloading", True)
+    for drained, code in ((True, 0), (False, 1)):
+        monkeypatch.setattr(fake_server, "drained", drained)
+        with pytest.raises(Exited):
+            server.serve(ServeOptions(checkpoint="ckpt"))
+        assert exits.pop() == code
+    monkeypatch.setattr(fake_server, "reloading", False)
+    assert server.serve(ServeOptions(checkpoint="ckpt")) == 1 and exits == []  # returns
 
 
 def test_a_stop_during_start_up_is_a_clean_exit(fake_server, monkeypatch):
