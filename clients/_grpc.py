@@ -72,8 +72,10 @@ def _failure(
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
     # UNAVAILABLE is retried (a server restarting), but not a refused TLS handshake: it
-    # would fail the same way, only later.
-    retry = name == "UNAVAILABLE" and not handshake_refused(details or "")
+    # would fail the same way, only later. CANCELLED comes from the server here (these
+    # clients never cancel a call): grpc cancels the calls still open when a server stops,
+    # and every call of the protocol is a read, safe to send again.
+    retry = name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "")
     return RetryableError(mapped) if retry else mapped
 
 

@@ -14,9 +14,9 @@
 
 The client speaks only the wire protocol (KServe v2 REST with the binary tensor extension, or
 KServe v2 gRPC with raw contents). It reuses connections (one urllib3 pool / one gRPC channel)
-and retries only what the server could not take (HTTP 503, gRPC UNAVAILABLE, connections
-refused or reset while connecting, connections dropped before an answer) with exponential
-backoff and jitter. Errors are :mod:`embedding_store.errors`
+and retries only what the server could not take (HTTP 503, gRPC UNAVAILABLE or CANCELLED,
+connections refused or reset while connecting, connections dropped before an answer) with
+exponential backoff and jitter. Errors are :mod:`embedding_store.errors`
 classes chosen by status (400 -> InvalidArgumentError, 404 -> NotFoundError, 413 ->
 CapacityError, 503 -> UnavailableError, 504 -> DeadlineExceededError, ...); messages name the
 server.
@@ -244,8 +244,9 @@ class RecserveClient(_ClientBase):
             (None: no limit); over HTTP it is also sent as the request's ``timeout``
             parameter, over gRPC as the call deadline. Anything else (NaN, inf, 0, a bool)
             raises InvalidArgumentError naming it, here or in a call's own ``timeout``.
-        retries: extra attempts after HTTP 503 / gRPC UNAVAILABLE / connections refused or
-            reset while connecting / connections dropped before an answer.
+        retries: extra attempts after HTTP 503 / gRPC UNAVAILABLE or CANCELLED (a stopping
+            server) / connections refused or reset while connecting / connections dropped
+            before an answer.
         backoff: (min, max) seconds of the exponential backoff between attempts (jittered).
         max_connections: HTTP connections kept per host.
         max_message_bytes: gRPC message size limit (both directions).

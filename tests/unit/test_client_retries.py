@@ -394,8 +394,13 @@ def fake_grpc() -> Iterator[callable]:
         server.stop()
 
 
-def test_grpc_unavailable_is_retried_until_success(fake_grpc):
-    server = fake_grpc([grpc.StatusCode.UNAVAILABLE] * 2)
+@pytest.mark.parametrize(
+    "code",
+    # CANCELLED: what grpc answers the calls still open when a server stops (a drain).
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED],
+)
+def test_grpc_unavailable_is_retried_until_success(fake_grpc, code):
+    server = fake_grpc([code] * 2)
     with RecserveClient(server.url, model_name="m", retries=3, **FAST) as client:
         result = client.predict(_batch())
     assert server.requests == 3
