@@ -271,39 +271,18 @@ class _Multi:
 
 
 class _UnaryUnary(_Multi):
-    def __call__(
-        self,
-        request: Any,
-        timeout: float | None = None,
-        metadata: Any = None,
-        credentials: Any = None,
-        wait_for_ready: bool | None = None,
-        compression: Any = None,
-    ) -> Any:
-        extra = dict(
-            metadata=metadata,
-            credentials=credentials,
-            wait_for_ready=wait_for_ready,
-            compression=compression,
-        )
-        return self.owner._blocking(self, "__call__", request, timeout, extra)
+    def __call__(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._blocking("__call__", request, args, kwargs)
 
-    def with_call(
-        self,
-        request: Any,
-        timeout: float | None = None,
-        metadata: Any = None,
-        credentials: Any = None,
-        wait_for_ready: bool | None = None,
-        compression: Any = None,
+    def with_call(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._blocking("with_call", request, args, kwargs)
+
+    def _blocking(
+        self, how: str, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        extra = dict(
-            metadata=metadata,
-            credentials=credentials,
-            wait_for_ready=wait_for_ready,
-            compression=compression,
-        )
-        return self.owner._blocking(self, "with_call", request, timeout, extra)
+        extra = _keywords(args, kwargs)
+        timeout = extra.pop("timeout", None)
+        return self.owner._blocking(self, how, request, timeout, extra)
 
     def future(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         return self.owner._streamed(self, "future", request, _keywords(args, kwargs))
