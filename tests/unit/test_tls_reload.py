@@ -428,3 +428,24 @@ def test_the_grpc_fetcher_answers_a_new_generation_once(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
         "t: fetching the TLS configuration failed"
     ]
+
+
+def test_the_grpc_fetcher_never_goes_back_to_an_older_generation(monkeypatch):
+    """Two handshakes fetching at once: the one whose check read generation 1 just before
+    another reloaded generation 2 answers last; gRPC keeps 2 (new connections must not get
+    the replaced files back)."""
+    made: list[object] = []
+    monkeypatch.setattr(
+        grpc,
+        "dynamic_ssl_server_credentials",
+        lambda initial, fetch, require_client_authentication: made.append(fetch),
+    )
+    files = _Files()
+    dynamic_server_credentials(files, lambda value: f"config {value}", require_client_auth=False)  # type: ignore[arg-type]
+    (fetch,) = made
+    files.due = (2, "C")
+    assert fetch() == "config C"
+    files.current = (1, "B")  # what the late check had read
+    assert fetch() is None
+    files.current = (2, "C")
+    assert fetch() is None
