@@ -190,13 +190,18 @@ def dynamic_server_credentials(
 
     generation, value = files.current
     sent = [generation]
+    lock = threading.Lock()
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
         try:
             generation, value = files.check()
-            if generation == sent[0]:
-                return None
-            sent[0] = generation
+            # Two handshakes may fetch at once, and a check that read the files' current
+            # generation just before a reload answers after it: never hand gRPC an older
+            # generation than it has (new connections would get the replaced files).
+            with lock:
+                if generation <= sent[0]:
+                    return None
+                sent[0] = generation
             return configuration(value)
         except Exception:  # raised into gRPC's core it would fail the handshake
             log.exception("%s: fetching the TLS configuration failed", files.what)

@@ -94,8 +94,9 @@ class ServerTls:
 
     def ssl_context(self) -> ssl.SSLContext:
         """An HTTPS server context from the files, for the listener's SNI callback to move a
-        new connection to: only its certificate, key, verify mode and CA store are used
-        (SSL_set_SSL_CTX keeps the connection's protocol and ciphers, uvicorn's)."""
+        new connection to: only its certificate, key and CA store are used
+        (SSL_set_SSL_CTX keeps the connection's protocol, ciphers and verify mode, uvicorn's:
+        the same verify mode, as ``--tls-client-ca`` cannot come or go without a restart)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         # A password callback: an encrypted key must fail here, never prompt on a terminal.
         context.load_cert_chain(self.cert.path, self.key.path, password=lambda: b"")

@@ -5,6 +5,7 @@ per change."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from embedding_store.grpc_common import (
 from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.renewing_channel import HEALTH_CHECK_METHOD, RenewingTierChannel
 from embedding_store.tls import check_key_pair, read_certificates, read_private_key
-from embedding_store.tls_reload import ReloadingTls, file_stamp
+from embedding_store.tls_reload import ReloadingTls, dynamic_server_credentials, file_stamp
 from tests.tls_files import TlsFiles, kubelet_files, kubelet_swap, write_tls_files
 
 INTERVAL = 10.0
@@ -267,3 +268,184 @@ def test_only_tier_channels_that_can_see_a_renewal_follow_one(tmp_path, sets, mo
             assert renewing.generation == 0
     finally:
         reset_tier_tls_cache()
+
+
+# --------------------------------------------------------------------------- found by mutation
+def test_a_check_while_another_reloads_answers_at_once_without_reading(tmp_path, sets):
+    """A handshake does not queue behind a reload in another thread, nor read the files a
+    second time: it answers what is loaded now."""
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    clock, reading, go_on, reads = Clock(), threading.Event(), threading.Event(), []
+
+    def load() -> bytes:
+        reads.append(threading.current_thread().name)
+        if len(reads) == 2:  # the first reload: held until told
+            reading.set()
+            assert go_on.wait(5)
+        return paths["tls.crt"].read_bytes()
+
+    reloader = ReloadingTls([paths["tls.crt"]], load, interval=INTERVAL, what="t", clock=clock)
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL
+    answers: dict[str, tuple[int, bytes]] = {}
+    first = threading.Thread(target=lambda: answers.update(first=reloader.check()), name="first")
+    first.start()
+    assert reading.wait(5)
+    clock.now += INTERVAL  # due again: only the lock keeps this check out
+    second = threading.Thread(target=lambda: answers.update(second=reloader.check()))
+    second.start()
+    try:
+        second.join(5)
+        assert answers == {"second": (0, a.cert.read_bytes())}  # not waited for
+    finally:
+        go_on.set()
+        first.join(5)
+    assert answers["first"] == (1, b.cert.read_bytes())
+    assert reads == ["MainThread", "first"]
+
+
+def test_a_change_right_after_a_look_waits_for_the_interval(tmp_path, sets):
+    a, b = sets
+    reloader, load, clock = reloading(tmp_path, a)
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL
+    assert reloader.check() == (1, b.cert.read_bytes())
+    kubelet_swap(tmp_path / "secret", secret(a))
+    clock.now += INTERVAL - 0.5
+    assert reloader.check() == (1, b.cert.read_bytes())  # looked 9.5 s ago: not yet
+    clock.now += 0.5
+    assert reloader.check() == (2, a.cert.read_bytes())
+    assert load.calls == 3
+
+
+def test_a_load_that_fails_while_the_files_change_is_tried_again_without_a_warning(
+    tmp_path, sets, caplog
+):
+    """A renewal read half-way through the kubelet's swap may fail to parse: that is no
+    bad renewal, and the next check reads the files again."""
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    clock, calls = Clock(), []
+
+    def load() -> bytes:
+        calls.append(1)
+        if len(calls) == 2:  # the first reload: fails, and the swap goes on meanwhile
+            kubelet_swap(tmp_path / "secret", secret(b))
+            raise InvalidArgumentError("--tls-cert: not a valid PEM certificate file")
+        return paths["tls.crt"].read_bytes()
+
+    reloader = ReloadingTls([paths["tls.crt"]], load, interval=INTERVAL, what="t", clock=clock)
+    outcomes = counted(reloader)
+    kubelet_swap(tmp_path / "secret", secret(a))
+    clock.now += INTERVAL
+    with caplog.at_level(logging.WARNING, logger="embedding_store.tls_reload"):
+        assert reloader.check() == (0, a.cert.read_bytes())
+        clock.now += INTERVAL
+        assert reloader.check() == (1, b.cert.read_bytes())
+    assert outcomes == ["ok"]
+    assert reloader.counts == {"ok": 1, "failed": 0}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_files_changed_during_the_start_up_read_are_read_again(tmp_path, sets):
+    a, b = sets
+    paths = kubelet_files(tmp_path / "secret", secret(a))
+    clock, reads = Clock(), []
+
+    def load() -> bytes:
+        data = paths["tls.crt"].read_bytes()
+        if not reads:  # renewed just after the start-up read
+            kubelet_swap(tmp_path / "secret", secret(b))
+        reads.append(data)
+        return data
+
+    reloader = ReloadingTls([paths["tls.crt"]], load, interval=INTERVAL, what="t", clock=clock)
+    assert reloader.current == (0, a.cert.read_bytes())
+    clock.now += INTERVAL
+    assert reloader.check() == (1, b.cert.read_bytes())
+
+
+def test_a_listener_that_fails_breaks_neither_the_reload_nor_the_others(tmp_path, sets, caplog):
+    a, b = sets
+    reloader, _load, clock = reloading(tmp_path, a)
+
+    def broken(outcome: str) -> None:
+        raise RuntimeError("metric down")
+
+    reloader.add_listener(broken)
+    outcomes = counted(reloader)
+    kubelet_swap(tmp_path / "secret", secret(b))
+    clock.now += INTERVAL
+    with caplog.at_level(logging.ERROR, logger="embedding_store.tls_reload"):
+        assert reloader.check() == (1, b.cert.read_bytes())
+    assert outcomes == ["ok"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "TLS reload listener failed"
+    ]
+
+
+class _Files:
+    """A ReloadingTls stand-in for the gRPC fetcher: ``check()`` takes ``due`` if set."""
+
+    what = "t"
+
+    def __init__(self) -> None:
+        self.current: tuple[int, str] = (0, "A")
+        self.due: tuple[int, str] | None = None
+
+    def check(self) -> tuple[int, str]:
+        if self.due is not None:
+            self.current, self.due = self.due, None
+        return self.current
+
+
+def test_the_grpc_fetcher_answers_a_new_generation_once(monkeypatch, caplog):
+    made: list[tuple[object, object, bool]] = []
+    monkeypatch.setattr(
+        grpc,
+        "dynamic_ssl_server_credentials",
+        lambda initial, fetch, require_client_authentication: made.append(
+            (initial, fetch, require_client_authentication)
+        ),
+    )
+    files = _Files()
+
+    def configuration(value: str) -> str:
+        if value == "broken":
+            raise RuntimeError("no configuration")
+        return f"config {value}"
+
+    dynamic_server_credentials(files, configuration, require_client_auth=True)  # type: ignore[arg-type]
+    ((initial, fetch, required),) = made
+    assert (initial, required) == ("config A", True)
+    assert fetch() is None  # unchanged: gRPC keeps what it has
+    files.due = (1, "B")  # a check that is due finds B
+    assert [fetch(), fetch()] == ["config B", None]
+    files.due = (2, "broken")
+    with caplog.at_level(logging.ERROR, logger="embedding_store.tls_reload"):
+        assert fetch() is None  # a failure never reaches gRPC's core (a failed handshake)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "t: fetching the TLS configuration failed"
+    ]
+
+
+def test_the_grpc_fetcher_never_goes_back_to_an_older_generation(monkeypatch):
+    """Two handshakes fetching at once: the one whose check read generation 1 just before
+    another reloaded generation 2 answers last; gRPC keeps 2 (new connections must not get
+    the replaced files back)."""
+    made: list[object] = []
+    monkeypatch.setattr(
+        grpc,
+        "dynamic_ssl_server_credentials",
+        lambda initial, fetch, require_client_authentication: made.append(fetch),
+    )
+    files = _Files()
+    dynamic_server_credentials(files, lambda value: f"config {value}", require_client_auth=False)  # type: ignore[arg-type]
+    (fetch,) = made
+    files.due = (2, "C")
+    assert fetch() == "config C"
+    files.current = (1, "B")  # what the late check had read
+    assert fetch() is None
+    files.current = (2, "C")
+    assert fetch() is None
