@@ -189,6 +189,12 @@ class DynamicBatcher:
             raise UnavailableError(
                 f"overloaded: {self._queue.maxsize} requests are already queued; retry later"
             ) from None
+        if self._closing:
+            # A stop's fail_queued() ran between the check above and the put: the request
+            # may sit behind the sentinel that ended the dispatcher, where nothing would
+            # answer it before its deadline. _closing is set before fail_queued() empties
+            # the queue, so whichever of the two runs last finds and fails it.
+            self._fail_queue_contents()
         return request.future
 
     def _finished(self, count: int) -> None:
@@ -295,6 +301,11 @@ class DynamicBatcher:
         dispatcher then ends)."""
         self._accepting = False
         self._closing = True
+        self._fail_queue_contents()
+
+    def _fail_queue_contents(self) -> None:
+        """Fail every request in the queue now (UnavailableError) and queue the sentinel
+        again if it was taken out with them (it wakes or ends the dispatcher)."""
         failed = 0
         while True:
             try:

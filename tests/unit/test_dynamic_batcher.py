@@ -287,3 +287,64 @@ def test_fail_queued_answers_requests_queued_behind_a_stuck_batch_at_once() -> N
     finally:
         release.set()
         batcher.close(timeout=WAIT)
+
+
+def test_a_request_queued_as_a_stop_fails_it_is_answered_not_left_behind_the_sentinel() -> None:
+    """A submit that passed its accepting check just before a stop's fail_queued() and
+    queues after it: its request lands behind the None that ends the dispatcher, where
+    nothing would answer it; it is refused (UnavailableError) at once instead, and the
+    dispatcher still ends once the batch it runs is done."""
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=1, max_queue_delay=0.0)
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        put_nowait = batcher._queue.put_nowait
+
+        def stop_first(item):  # the stop runs between submit's check and its put
+            if item is not None:
+                batcher.fail_queued()
+            put_nowait(item)
+
+        batcher._queue.put_nowait = stop_first  # type: ignore[method-assign]
+        late = batcher.submit(batch_of(7))
+        with pytest.raises(UnavailableError, match="stopped before this request's batch ran"):
+            late.result(timeout=0)
+        assert batcher.pending == 1
+        release.set()
+        assert answers([running]) == [[1.0]]
+        batcher._thread.join(WAIT)
+        assert not batcher._thread.is_alive()
+        assert batcher.pending == 0 and model.calls == [[1]]
+    finally:
+        release.set()
+        batcher.close(timeout=WAIT)
+
+
+def test_fail_queued_twice_skips_a_request_given_up_and_still_ends_the_dispatcher() -> None:
+    """Behind a stuck batch: a queued request its caller gave up (cancelled) stays
+    cancelled and is counted done; a second fail_queued (the stop's close() after it)
+    takes the sentinel out and queues it again, so the dispatcher ends after the batch."""
+    release = threading.Event()
+    model = SlowModel(release)
+    batcher = DynamicBatcher(model, max_batch_size=1, max_queue_delay=0.0)
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        gone, queued = batcher.submit(batch_of(2)), batcher.submit(batch_of(3))
+        assert gone.cancel()
+        batcher.fail_queued()
+        assert gone.cancelled()
+        with pytest.raises(UnavailableError, match="stopped before this request's batch ran"):
+            queued.result(timeout=0)
+        assert batcher.pending == 1
+        batcher.fail_queued()
+        release.set()
+        assert answers([running]) == [[1.0]]
+        batcher._thread.join(WAIT)
+        assert not batcher._thread.is_alive()
+        assert batcher.pending == 0 and model.calls == [[1]]
+    finally:
+        release.set()
+        batcher.close(timeout=WAIT)
