@@ -672,6 +672,11 @@ class PredictionService:
         if self._loader is None:
             raise UnavailableError("this server was started without a checkpoint loader")
         with self._reload_lock:
+            if self._closed:
+                # Started after close() (the watcher's poll that was under way when the stop
+                # came): it would load a model nothing serves, after the stop's
+                # wait_for_reload, while the interpreter shuts down (SIGABRT in torch).
+                raise UnavailableError("the server is stopping: it loads no new version")
             old = self._model
             try:
                 new = self._load_for_reload(checkpoint_dir)

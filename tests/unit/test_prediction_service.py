@@ -902,3 +902,16 @@ def test_a_reload_that_ends_after_close_is_not_served_and_each_model_closes_once
     assert "the server is stopping" in error.message and "is not served" in error.message
     assert len(closed) == 2 and closed[0] == old.version and closed[1] != old.version
     assert service.model is old
+
+
+def test_a_reload_asked_for_after_close_loads_nothing(checkpoints, make_service):
+    """The watcher's poll under way when the stop came reloads after close() (and after
+    the stop's wait_for_reload): it is refused before loading, so no model loads (in
+    torch) while the process exits."""
+    first, _second = checkpoints
+    loads: list[str | None] = []
+    service = make_service(_load(first), loader=lambda path: loads.append(path) or _load(first))
+    service.close(wait=1.0)
+    with pytest.raises(UnavailableError, match="the server is stopping: it loads no new version"):
+        service.reload(None)
+    assert loads == [] and not service.reloading
