@@ -252,9 +252,18 @@ def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, mo
             other.rename(served)
         return load(self, directory, **kwargs)
 
+    closed: list[InProcessEmbeddingTier] = []
+    close = InProcessEmbeddingTier.close
+
+    def close_recorded(self):
+        closed.append(self)
+        return close(self)
+
     monkeypatch.setattr(InProcessEmbeddingTier, "load", load_after_a_publish)
+    monkeypatch.setattr(InProcessEmbeddingTier, "close", close_recorded)
     with pytest.raises(CheckpointError, match="changed while it was loaded"):
         load_model(served, name="m", warm_up=False, onednn_min_rows=0)
+    assert len(closed) == 1 and closed[0] is not tier  # the refused load's tier is closed
     model = load_model(served, name="m", warm_up=False, onednn_min_rows=0)  # tried again
     try:
         assert model.version == model_checkpoint.read_manifest(served).version

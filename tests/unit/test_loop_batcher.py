@@ -364,3 +364,28 @@ def test_a_failure_after_the_model_ran_fails_its_batch_not_the_others() -> None:
     assert fine.predictions.ravel().tolist() == [2.0]
     assert model.calls == [[1], [2]]
     assert batcher.pending == 0
+
+
+def test_fail_waiting_answers_the_waiting_requests_and_computes_none_of_them() -> None:
+    """A stop out of grace: requests waiting for their flush get the error now (one its
+    caller gave up stays cancelled), none is computed, none is left pending; a request
+    queued later is counted from zero samples (waits its own delay, is computed)."""
+    model = Model()
+    batcher = make(model, max_batch_size=8, max_queue_delay=0.05)
+    error = UnavailableError("the server stopped before this request's batch ran")
+
+    async def main():
+        waiting = [batcher.submit(batch_of(1, 2), deadline=FAR)]
+        waiting.append(batcher.submit(batch_of(3), deadline=FAR))
+        gone = batcher.submit(batch_of(4), deadline=FAR)
+        gone.cancel()
+        batcher.fail_waiting(error)
+        assert batcher.pending == 0 and gone.cancelled()
+        assert [f.exception() for f in waiting] == [error, error]
+        later = batcher.submit(batch_of(5, 6, 7, 8), deadline=FAR)  # 4 of 8 samples
+        await asyncio.sleep(0.01)
+        assert not later.done()  # its own delay: 4 samples do not fill a batch
+        return (await later).predictions.ravel().tolist()
+
+    assert asyncio.run(main()) == [5.0, 6.0, 7.0, 8.0]
+    assert model.calls == [[5, 6, 7, 8]]
