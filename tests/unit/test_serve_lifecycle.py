@@ -713,6 +713,39 @@ def test_serve_leaves_without_interpreter_shutdown_while_a_reload_still_loads(
     assert server.serve(ServeOptions(checkpoint="ckpt")) == 1 and exits == []  # returns
 
 
+def test_serve_leaving_by_os_exit_flushes_the_log_first(fake_server, monkeypatch):
+    """os._exit skips interpreter shutdown, and with it logging's: serve shuts logging
+    down itself first, or the stop's last lines (a file handler's buffer) are lost."""
+    steps: list[str] = []
+
+    class Exited(BaseException):
+        pass
+
+    def exit_now(code: int) -> None:
+        steps.append(f"exit {code}")
+        raise Exited
+
+    monkeypatch.setattr(server.os, "_exit", exit_now)
+    monkeypatch.setattr(server.logging, "shutdown", lambda: steps.append("logging.shutdown"))
+    monkeypatch.setattr(fake_server, "reloading", True)
+    with pytest.raises(Exited):
+        server.serve(ServeOptions(checkpoint="ckpt"))
+    assert steps == ["logging.shutdown", "exit 0"]
+
+
+def test_the_server_is_reloading_while_its_service_is():
+    """What serve() reads to leave by os._exit: the service's reload lock, False before a
+    service exists."""
+    from types import SimpleNamespace
+
+    prediction_server = server.PredictionServer(ServeOptions(checkpoint="ckpt"))
+    assert prediction_server.reloading is False
+    prediction_server.service = SimpleNamespace(reloading=True)  # type: ignore[assignment]
+    assert prediction_server.reloading is True
+    prediction_server.service = SimpleNamespace(reloading=False)  # type: ignore[assignment]
+    assert prediction_server.reloading is False
+
+
 def test_a_stop_during_start_up_is_a_clean_exit(fake_server, monkeypatch):
     """SIGTERM while loading the checkpoint stops there (exit 0), without waiting for the
     start-up to end; afterwards a signal only asks the server to stop."""
