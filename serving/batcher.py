@@ -8,6 +8,7 @@ once (UnavailableError -> 503 / UNAVAILABLE) instead of growing without bound.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import queue
@@ -323,13 +324,12 @@ class DynamicBatcher:
         if failed:
             self._finished(failed)
         if not self._sentinel_sent:
-            try:
-                # Wakes the dispatcher out of its max_queue_delay wait: what it collected so
-                # far fails at once (it sees _closing), rather than when the delay ends.
+            # Wakes the dispatcher out of its max_queue_delay wait: what it collected so far
+            # fails at once (it sees _closing), rather than when the delay ends. Full: a
+            # submit raced in, and close() queues the sentinel, or the next call does.
+            with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)
                 self._sentinel_sent = True
-            except queue.Full:  # a submit raced in: close() queues it, or the next call
-                pass
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop: requests still queued (a drain that gave up) fail with UnavailableError;

@@ -135,9 +135,10 @@ def assert_same_lookup(a, b):
             assert torch.equal(x.mask, y.mask)
 
 
-def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files):
-    local = local_tier(config_files)
-    for step in range(4):
+def train_both(remote, local, steps: int) -> None:
+    """``steps`` train lookups and updates on the remote and the in-process tier, each
+    lookup equal on both."""
+    for step in range(steps):
         batch = batch_of(step)
         got = remote.lookup(batch, train=True)
         expected = local.lookup(batch, train=True)
@@ -145,6 +146,11 @@ def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files):
         remote.backward(got.ref, gradients(got, step))
         local.backward(expected.ref, gradients(expected, step))
         remote.flush()  # the remote tier applies gradients asynchronously (bounded staleness)
+
+
+def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files):
+    local = local_tier(config_files)
+    train_both(remote, local, steps=4)
     for seed in range(4):
         assert_same_lookup(
             remote.lookup(batch_of(seed), train=False), local.lookup(batch_of(seed), train=False)

@@ -44,8 +44,8 @@ from tests.integration.test_embedding_tier import (
     OPTIMIZER,
     assert_same_lookup,
     batch_of,
-    gradients,
     local_tier,
+    train_both,
     two_shards_one_worker,
     write_tier_configs,
 )
@@ -101,14 +101,7 @@ def test_lookups_under_mutual_tls_equal_the_in_process_tier(
     with RemoteEmbeddingWorker(cluster.worker_addresses[0], config, timeout=10) as remote:
         remote.configure(optimizer=OPTIMIZER)
         remote.clear()
-        for step in range(2):
-            batch = batch_of(step)
-            got = remote.lookup(batch, train=True)
-            expected = local.lookup(batch, train=True)
-            assert_same_lookup(got, expected)
-            remote.backward(got.ref, gradients(got, step))
-            local.backward(expected.ref, gradients(expected, step))
-            remote.flush()
+        train_both(remote, local, steps=2)
         for seed in range(3):
             assert_same_lookup(
                 remote.lookup(batch_of(seed), train=False),

@@ -696,7 +696,7 @@ def test_serve_leaves_without_interpreter_shutdown_while_a_reload_still_loads(
     exits: list[int] = []
 
     class Exited(BaseException):
-        pass
+        """Raised by the stand-in os._exit: the test goes on past it."""
 
     def exit_now(code: int) -> None:
         exits.append(code)
@@ -719,7 +719,7 @@ def test_serve_leaving_by_os_exit_flushes_the_log_first(fake_server, monkeypatch
     steps: list[str] = []
 
     class Exited(BaseException):
-        pass
+        """Raised by the stand-in os._exit: the test goes on past it."""
 
     def exit_now(code: int) -> None:
         steps.append(f"exit {code}")
