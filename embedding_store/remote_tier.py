@@ -71,7 +71,8 @@ class WorkerStats:
     lookup (eval and inference). ``unknown_ids`` are IDs answered with zeros (see
     :attr:`LookupResult.unknown_ids`). The gradient counters count what the pusher applied:
     batches, unique rows sent to the shards, rows dropped for NaN/Inf, and batches whose push
-    failed (their gradients are lost; :meth:`RemoteShardTier.flush` reports them).
+    failed (their gradients are lost on the shards that failed, and applied on the others:
+    nothing is rolled back; :meth:`RemoteShardTier.flush` reports them).
     """
 
     train_lookups: int
@@ -95,7 +96,8 @@ class RemoteShardTier:
     ``forward_buffer_size`` gradient batches wait; a further ``backward`` blocks until one
     leaves (backpressure instead of unbounded memory). Every shard call has a deadline
     (``shard_timeout``), so the queue always drains: a push to a dead shard fails after the
-    deadline, is counted, and is reported by :meth:`flush`.
+    deadline, is counted, and is reported by :meth:`flush`; the shards that answered keep
+    their part of that batch, and the pusher goes on only once every shard's call ended.
 
     One checkpoint task (dump or load) runs at a time; :meth:`status` reports it and its
     progress, along with what each shard reports. ``connect(address, index)`` builds the

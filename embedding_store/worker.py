@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from concurrent.futures import wait as wait_for_all
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -282,7 +283,11 @@ class EmbeddingWorker:
 
     def _for_each_shard(self, task: Callable[[int], None]) -> None:
         """Run ``task(shard_index)`` for every shard: shards 1.. on the executor, shard 0 on
-        the calling thread, which would otherwise only wait (one pool hand-off saved)."""
+        the calling thread, which would otherwise only wait (one pool hand-off saved).
+
+        Returns, or raises the first failure in replica order, only once every shard's task
+        ended. Shards that did not fail keep what they did: an update pushed to several
+        shards is applied in part when one of them fails (none is rolled back)."""
         if self._executor is None:
             for s in range(len(self.shards)):
                 task(s)
@@ -291,8 +296,15 @@ class EmbeddingWorker:
         try:
             task(0)
         finally:
-            for future in futures:
-                future.result()  # re-raises the shard's error (it names the shard)
+            # Every shard's call ends (each has its deadline) before this returns or raises:
+            # a caller told of one shard's failure goes on (the pusher's next batch, a load
+            # or clear after the failed push), and must not race another shard's call still
+            # applying its part.
+            wait_for_all(futures)
+        for future in futures:  # shard 0's error, if any, is already raised: replica order
+            error = future.exception()
+            if error is not None:
+                raise error  # it names the shard
 
     # ------------------------------------------------------------------ backward
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:

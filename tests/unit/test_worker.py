@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, Label
 from embedding_store.config import embedding_config_from_mapping
-from embedding_store.errors import BatchValidationError, InvalidArgumentError, NotFoundError
+from embedding_store.errors import (
+    BatchValidationError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from embedding_store.hashing import shard_of
 from embedding_store.optimizers import SGD, Adam
 from embedding_store.shard import EmbeddingShard
@@ -664,3 +672,73 @@ def test_a_deduplicating_worker_sends_one_shard_each_distinct_id_once():
     np.testing.assert_allclose(
         result.slot("user").embeddings[1].numpy(), rows[1] + rows[0] + rows[2], rtol=1e-6, atol=1e-7
     )
+
+
+class _HookedShard:
+    """An in-process shard whose updates first run ``before_update`` (set by the test)."""
+
+    def __init__(self, shard: EmbeddingShard) -> None:
+        self.shard = shard
+        self.before_update = lambda: None
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        return self.shard.lookup(ids, dim, train=train)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        self.before_update()
+        return self.shard.update(ids, grads)
+
+
+def test_a_failed_shard_call_returns_only_once_every_shards_call_ended():
+    """One shard down must not let the worker go on (the pusher's next batch, a load or
+    clear after the failed push) while another shard still applies its part: the error
+    comes once every shard's call ended, and it is the first failure in replica order."""
+    config = make_config()
+    shards = [
+        EmbeddingShard(1000, optimizer=SGD(lr=1.0), replica_index=i, replica_size=3)
+        for i in range(3)
+    ]
+    hooked = [_HookedShard(shard) for shard in shards]
+    executor = ThreadPoolExecutor(max_workers=2)
+    worker = EmbeddingWorker(config, hooked, executor=executor, deduplicate=True)
+    batch = Batch([IDTypeFeature.from_lists("user", [list(range(30))])], requires_grad=False)
+    ids = table_ids(config, "user", np.arange(30, dtype=np.uint64))
+    assert set(shard_of(ids, 3).tolist()) == {0, 1, 2}
+    result = worker.lookup(batch, train=True)
+    entered, release, applied = threading.Event(), threading.Event(), []
+
+    def down(index: int):
+        def fail() -> None:
+            raise UnavailableError(f"shard {index} is down")
+
+        return fail
+
+    def slow() -> None:
+        entered.set()
+        release.wait(10)
+        applied.append(2)
+
+    hooked[0].before_update = down(0)
+    hooked[1].before_update = down(1)
+    hooked[2].before_update = slow
+    raised: list[tuple[str, list[int]]] = []
+
+    def push() -> None:
+        try:
+            worker.backward(result.ref, {"user": torch.ones(1, DIM)})
+        except UnavailableError as error:
+            raised.append((error.message, list(applied)))  # what shard 2 had done by then
+
+    pusher = threading.Thread(target=push)
+    try:
+        pusher.start()
+        assert entered.wait(10)
+        pusher.join(0.5)
+        assert pusher.is_alive()  # shard 2's update still runs: no answer yet
+        release.set()
+        pusher.join(10)
+        assert raised == [("shard 0 is down", [2])]
+        assert shards[2].stats().updates == int(np.count_nonzero(shard_of(ids, 3) == 2))
+    finally:
+        release.set()
+        executor.shutdown(wait=True)
