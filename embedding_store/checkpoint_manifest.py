@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
-from embedding_store.errors import CheckpointError, RecserveError
+from embedding_store.errors import CheckpointError, ConfigError, RecserveError
 
 FORMAT_NAME = "recserve-embedding-checkpoint"
 FORMAT_VERSION = 1
@@ -251,13 +251,27 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
         config = embedding_config_from_mapping(
             raw["embedding_config"], source=str(root / MANIFEST_NAME)
         )
+        optimizer = raw.get("optimizer")
+        if optimizer is not None:
+            # Writers put None or an optimizer's to_dict() here: anything else would fail
+            # later, in whoever reads it (an AttributeError of state_fits, a ConfigError of
+            # a shard adopting it), naming no file. Imported here, not at the top: optimizers
+            # brings numba's ~0.3 s import, which this format module otherwise does without.
+            from embedding_store.optimizers import optimizer_from_dict
+
+            try:
+                optimizer_from_dict(optimizer)
+            except ConfigError as error:
+                raise CheckpointError(
+                    f"{root / MANIFEST_NAME} is malformed: {error.message}"
+                ) from None
         manifest = EmbeddingManifest(
             directory=root,
             format_version=version,
             created_unix=float(raw["created_unix"]),
             num_shards=num_shards,
             embedding_config=config,
-            optimizer=raw.get("optimizer"),
+            optimizer=optimizer,
             files=files,
             version=rows_version,
         )

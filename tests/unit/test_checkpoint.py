@@ -251,6 +251,47 @@ def test_manifest_that_is_not_an_object_is_named(tmp_path):
             checkpoint_manifest.read_manifest(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "problem"),
+    [
+        ("adagrad", "optimizer must be a mapping, got str"),
+        (["adagrad"], "optimizer must be a mapping, got list"),
+        (
+            {"name": "rmsprop"},
+            "optimizer.name must be one of ['adagrad', 'adam', 'sgd'], got 'rmsprop'",
+        ),
+        ({"name": "adagrad", "lr": "fast"}, "adagrad.lr must be a number, got 'fast'"),
+    ],
+)
+def test_a_manifest_optimizer_no_writer_writes_is_named_before_any_shard_changes(
+    tmp_path, optimizer, problem
+):
+    """Writers put None or an optimizer's to_dict() in the manifest. Anything else was an
+    AttributeError of a load into a configured shard (a bare 500 / INTERNAL), or a
+    ConfigError naming no file when a shard adopted it."""
+    _, shards = trained_worker(1)
+    checkpoint_dump.dump_embeddings(shards, tmp_path / "ckpt", CONFIG)
+    manifest_path = tmp_path / "ckpt" / checkpoint_manifest.MANIFEST_NAME
+    raw = json.loads(manifest_path.read_text())
+    raw["optimizer"] = optimizer
+    manifest_path.write_text(json.dumps(raw))
+    expected = f"{manifest_path} is malformed: {problem}"
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint_manifest.read_manifest(tmp_path / "ckpt")
+    assert raised.value.message == expected
+    configured = make_shards(1)
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint_load.load_embeddings(tmp_path / "ckpt", configured, CONFIG)
+    assert raised.value.message == expected
+    bare = EmbeddingShard(100_000)
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint_load.load_into_shard(
+            tmp_path / "ckpt", bare, CONFIG, replica_index=0, replica_size=1, adopt_optimizer=True
+        )
+    assert raised.value.message == expected
+    assert configured[0].size() == bare.size() == 0 and bare.optimizer is None
+
+
 def test_same_optimizer_with_another_state_width_drops_state_but_keeps_weights(tmp_path):
     # Adagrad keeps dim columns of state per row; vectorwise_shared keeps one. The saved
     # state cannot be given to the other: it is dropped and the shard initializes it.
