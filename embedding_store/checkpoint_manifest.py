@@ -279,12 +279,19 @@ def read_manifest(directory: str | os.PathLike) -> EmbeddingManifest:
         raise
     except (KeyError, TypeError, ValueError, OverflowError) as error:  # int(Infinity)
         raise CheckpointError(f"{root / MANIFEST_NAME} is malformed: {error!r}") from error
+    listed: set[Path] = set()
     for entry in files:
+        path = Path(entry.path)  # "a/./b" and "a//b" are "a/b"
+        if path in listed:
+            # Its rows would load twice: counted twice against a shard's capacity, and
+            # written twice into one file by a re-shard, which no load then takes.
+            raise CheckpointError(f"{root / MANIFEST_NAME}: file {entry.path} is listed twice")
+        listed.add(path)
         if not 0 <= entry.shard < num_shards:
             raise CheckpointError(
                 f"{root / MANIFEST_NAME}: file {entry.path} names shard {entry.shard} "
                 f"of {num_shards}"
             )
-        if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
+        if path.is_absolute() or ".." in path.parts:
             raise CheckpointError(f"{root / MANIFEST_NAME}: file path {entry.path!r} escapes it")
     return manifest

@@ -123,6 +123,18 @@ def _first_file(raw: dict) -> dict:
             "embedding_manifest.json: file shard_00001/dim_3.safetensors names shard 1 of 1",
         ),
         (
+            # Its rows would load twice: counted twice against the capacity, and written
+            # twice into one file by `recserve checkpoint reshard`, which then no load takes.
+            lambda m: m["files"].append(dict(_first_file(m))),
+            "embedding_manifest.json: file shard_00000/dim_3.safetensors is listed twice",
+        ),
+        (
+            lambda m: m["files"].append(
+                {**_first_file(m), "path": "shard_00000/./dim_3.safetensors"}
+            ),
+            "embedding_manifest.json: file shard_00000/./dim_3.safetensors is listed twice",
+        ),
+        (
             lambda m: _first_file(m).update(path="../ckpt/shard_00000/dim_3.safetensors"),
             "embedding_manifest.json: file path '../ckpt/shard_00000/dim_3.safetensors' escapes it",
         ),
