@@ -107,7 +107,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT write this shard's rows into DIR/shard_{I:05d}/ "
         "(with N = 1 also the manifest, so DIR is a complete checkpoint; with N > 1 the parts "
         "are a last-resort copy, not a loadable checkpoint: take those with "
-        "`recserve embedding-tier dump`)",
+        "`recserve embedding-tier dump`; a DIR that holds a checkpoint is then refused)",
     )
     parser.add_argument(
         "--load-checkpoint",

@@ -33,8 +33,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from embedding_store import checkpoint_dump, checkpoint_publish
+from embedding_store.checkpoint_manifest import DONE_MARKER
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
+    AlreadyExistsError,
     CheckpointError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -169,6 +171,8 @@ class ParameterServerProcess:
     def start(self) -> None:
         opts = self.options
         tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is made or bound
+        if opts.dump_on_exit:  # now, not when the rows are to be saved at exit
+            self._refuse_part_in_checkpoint(Path(opts.dump_on_exit).absolute())
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
@@ -334,6 +338,7 @@ class ParameterServerProcess:
             checkpoint_publish.publish_directory(staging, target, overwrite=True)
             log.info("dump on exit published as %s", target)
             return
+        self._refuse_part_in_checkpoint(target)  # one may have been written there since
         part = target / checkpoint_dump.shard_part_name(self.options.replica_index)
         staging = checkpoint_publish.staging_directory_for(part)
         try:
@@ -345,6 +350,23 @@ class ParameterServerProcess:
             log.info("dump on exit published as %s", part)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def _refuse_part_in_checkpoint(self, target: Path) -> None:
+        """AlreadyExistsError when this shard is one of several and ``target`` (its
+        ``--dump-on-exit``) is a published checkpoint: its part, renamed over
+        ``target/shard_{index:05d}``, would change files under that checkpoint's manifest,
+        whose checksums every load then refuses (a checkpoint lost). A single shard replaces
+        the whole checkpoint, manifest included."""
+        opts = self.options
+        if opts.replica_size == 1 or not (target / DONE_MARKER).exists():
+            return
+        part = target / checkpoint_dump.shard_part_name(opts.replica_index)
+        raise AlreadyExistsError(
+            f"--dump-on-exit {target} is a published checkpoint (it has {DONE_MARKER}): shard "
+            f"{opts.replica_index} of {opts.replica_size} would replace {part} under its "
+            "manifest, and no load would take it any more; give --dump-on-exit a directory "
+            "of its own"
+        )
 
 
 #: How long a stopping shard waits for a checkpoint dump still running (an admin's

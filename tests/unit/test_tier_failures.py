@@ -32,7 +32,7 @@ from embedding_store import (
 )
 from embedding_store.cli import main as cli_main
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
-from embedding_store.errors import InvalidArgumentError, UnavailableError
+from embedding_store.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
@@ -452,6 +452,31 @@ def test_dump_on_exit_of_one_of_several_shards_replaces_its_part_whole(tmp_path,
     for dim in (4, 8):
         saved = safetensors.numpy.load_file(str(part / f"dim_{dim}.safetensors"))
         np.testing.assert_array_equal(np.sort(saved["ids"]), np.sort(more[shard_of(more, 2) == 1]))
+
+
+def test_dump_on_exit_of_one_of_several_shards_never_changes_a_published_checkpoint(tmp_path):
+    """A part renamed into a checkpoint changed files under its manifest: every load of it
+    then failed its checksums, and the checkpoint was lost (`--load-checkpoint DIR
+    --dump-on-exit DIR`, or DIR written whole by one shard before the tier grew). Refused
+    when the shard starts, and at exit if a checkpoint appeared there meanwhile."""
+    target = tmp_path / "ckpt"
+    dump_on_exit_process(target, np.arange(10, dtype=np.uint64)).stop(grace=0)  # one shard
+    before = files_under(target)
+    message = (
+        f"--dump-on-exit {target.absolute()} is a published checkpoint (it has DONE): shard 0 "
+        f"of 2 would replace {target.absolute() / 'shard_00000'} under its manifest, and no "
+        "load would take it any more; give --dump-on-exit a directory of its own"
+    )
+    ids = np.arange(40, dtype=np.uint64)
+    process = dump_on_exit_process(target, ids[shard_of(ids, 2) == 0], 0, 2)
+    with pytest.raises(AlreadyExistsError) as raised:
+        process.start()
+    assert raised.value.message == message and process.server is None
+    with pytest.raises(AlreadyExistsError) as raised:
+        process.stop(grace=0)
+    assert raised.value.message == message
+    assert files_under(target) == before
+    assert checkpoint_load.verify(target).total_rows == 20
 
 
 # --------------------------------------------------------------------------- readiness
