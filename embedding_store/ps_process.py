@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from embedding_store import checkpoint_dump, checkpoint_publish
-from embedding_store.checkpoint_manifest import DONE_MARKER
+from embedding_store.checkpoint_manifest import DONE_MARKER, MANIFEST_NAME
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType
 from embedding_store.errors import (
     AlreadyExistsError,
@@ -172,7 +172,7 @@ class ParameterServerProcess:
         opts = self.options
         tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is made or bound
         if opts.dump_on_exit:  # now, not when the rows are to be saved at exit
-            self._refuse_part_in_checkpoint(Path(opts.dump_on_exit).absolute())
+            self._check_dump_target(Path(opts.dump_on_exit).absolute())
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
@@ -324,6 +324,7 @@ class ParameterServerProcess:
                 target,
             )
             return
+        self._check_dump_target(target)  # a checkpoint may have been written there since
         if self.options.replica_size == 1:
             staging = checkpoint_publish.staging_directory_for(target)
             try:
@@ -338,7 +339,6 @@ class ParameterServerProcess:
             checkpoint_publish.publish_directory(staging, target, overwrite=True)
             log.info("dump on exit published as %s", target)
             return
-        self._refuse_part_in_checkpoint(target)  # one may have been written there since
         part = target / checkpoint_dump.shard_part_name(self.options.replica_index)
         staging = checkpoint_publish.staging_directory_for(part)
         try:
@@ -351,22 +351,30 @@ class ParameterServerProcess:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _refuse_part_in_checkpoint(self, target: Path) -> None:
-        """AlreadyExistsError when this shard is one of several and ``target`` (its
-        ``--dump-on-exit``) is a published checkpoint: its part, renamed over
-        ``target/shard_{index:05d}``, would change files under that checkpoint's manifest,
-        whose checksums every load then refuses (a checkpoint lost). A single shard replaces
-        the whole checkpoint, manifest included."""
+    def _check_dump_target(self, target: Path) -> None:
+        """AlreadyExistsError when the dump on exit into ``target`` would destroy a published
+        checkpoint there. One shard of several renames its part over
+        ``target/shard_{index:05d}``: inside a checkpoint, that changes files under its
+        manifest, whose checksums every load then refuses. A single shard replaces the
+        whole directory: an embedding checkpoint by a newer one, but never a checkpoint of
+        another kind (a model checkpoint's dense model would be deleted with it)."""
         opts = self.options
-        if opts.replica_size == 1 or not (target / DONE_MARKER).exists():
+        if not (target / DONE_MARKER).exists():
             return
-        part = target / checkpoint_dump.shard_part_name(opts.replica_index)
-        raise AlreadyExistsError(
-            f"--dump-on-exit {target} is a published checkpoint (it has {DONE_MARKER}): shard "
-            f"{opts.replica_index} of {opts.replica_size} would replace {part} under its "
-            "manifest, and no load would take it any more; give --dump-on-exit a directory "
-            "of its own"
-        )
+        if opts.replica_size > 1:
+            part = target / checkpoint_dump.shard_part_name(opts.replica_index)
+            raise AlreadyExistsError(
+                f"--dump-on-exit {target} is a published checkpoint (it has {DONE_MARKER}): "
+                f"shard {opts.replica_index} of {opts.replica_size} would replace {part} under "
+                "its manifest, and no load would take it any more; give --dump-on-exit a "
+                "directory of its own"
+            )
+        if not (target / MANIFEST_NAME).exists():
+            raise AlreadyExistsError(
+                f"--dump-on-exit {target} holds a checkpoint that is not an embedding checkpoint "
+                f"(it has {DONE_MARKER} but no {MANIFEST_NAME}: a model checkpoint?), which the "
+                "dump on exit would replace whole; give --dump-on-exit a directory of its own"
+            )
 
 
 #: How long a stopping shard waits for a checkpoint dump still running (an admin's

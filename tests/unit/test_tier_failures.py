@@ -479,6 +479,30 @@ def test_dump_on_exit_of_one_of_several_shards_never_changes_a_published_checkpo
     assert checkpoint_load.verify(target).total_rows == 20
 
 
+def test_dump_on_exit_of_a_single_shard_never_replaces_a_model_checkpoint(tmp_path):
+    """A single shard renames a whole embedding checkpoint over DIR: over a model checkpoint
+    (`--dump-on-exit runs/adult`) that deleted its dense model, optimizer and all."""
+    target = tmp_path / "adult"
+    target.mkdir()
+    model_files = {"manifest.json": b"{}", "jit_dense.pt": b"model", "DONE": b""}
+    for name, payload in model_files.items():
+        (target / name).write_bytes(payload)
+    message = (
+        f"--dump-on-exit {target.absolute()} holds a checkpoint that is not an embedding "
+        "checkpoint (it has DONE but no embedding_manifest.json: a model checkpoint?), which "
+        "the dump on exit would replace whole; give --dump-on-exit a directory of its own"
+    )
+    process = dump_on_exit_process(target, np.arange(10, dtype=np.uint64))
+    with pytest.raises(AlreadyExistsError) as raised:
+        process.start()
+    assert raised.value.message == message and process.server is None
+    with pytest.raises(AlreadyExistsError) as raised:
+        process.stop(grace=0)
+    assert raised.value.message == message
+    assert files_under(target) == model_files
+    assert [p.name for p in tmp_path.iterdir()] == ["adult"]  # no staging directory left
+
+
 # --------------------------------------------------------------------------- readiness
 class NotServingShard(FakeShardClient):
     """A shard that answers but cannot serve yet (an inference shard still loading)."""
