@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from clients._http import answered_in_http2, http2_hint
+from clients._http import DeadlineHTTPResponse, answer_within, answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
 from embedding_store.batch import (
     Batch,
@@ -120,6 +120,35 @@ def _normalize_url(url: str) -> str:
     return url
 
 
+class _HTTPConnection(http.client.HTTPConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        super().__init__(context=context)
+        self._tls_context = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPSConnection, req, context=self._tls_context)
+
+
+def _opener(context: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
+    """urllib's opener, whose answers are read within the deadline of
+    :func:`clients._http.answer_within` (status line and headers too: urlopen's timeout
+    bounds each socket read alone)."""
+    return urllib.request.build_opener(_HTTPHandler(), _HTTPSHandler(context))
+
+
 def signature_from_metadata(metadata: Mapping[str, Any]) -> FeatureSignature:
     """The feature signature a server reports as KServe v2 model metadata inputs."""
     try:
@@ -204,12 +233,16 @@ class ServerScorer:
         request = urllib.request.Request(
             self.url + path, data=body, method=method, headers=dict(headers or {})
         )
+        opener = _opener(self._ssl_context)
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(
-                    request, timeout=self.timeout, context=self._ssl_context
-                ) as response:
+                # --timeout bounds the whole attempt: a server that sends its answer a byte at
+                # a time cannot stretch it (urlopen's timeout bounds each read alone).
+                with (
+                    answer_within(self.timeout),
+                    opener.open(request, timeout=self.timeout) as response,
+                ):
                     return response.read(), response.headers
             except urllib.error.HTTPError as error:
                 payload = error.read()

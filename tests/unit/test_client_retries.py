@@ -251,6 +251,50 @@ def test_http_timeout_bounds_the_whole_answer_not_each_read():
         server.close()
 
 
+def _drip_headers(connection: socket.socket, stop: threading.Event) -> None:
+    connection.recv(65536)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for byte in answer:  # one byte every 0.1 s: 7 s for the status line and headers
+        if stop.wait(0.1):
+            return
+        try:
+            connection.sendall(bytes([byte]))
+        except OSError:
+            return
+
+
+def test_http_timeout_bounds_the_status_line_and_headers_too():
+    # Each read of the status line and headers used to get the whole timeout: a server that
+    # dripped them a byte at a time held a 0.5 s call for the 7 s they took.
+    server = RawServer(_drip_headers)
+    try:
+        with RecserveClient(server.url, model_name="m", timeout=0.5, retries=3, **FAST) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"GET /v2/models/m within 0\.5 s"):
+                client.metadata()
+            assert time.monotonic() - started < 1.5
+        assert server.connections == 1  # a timeout is not retried
+    finally:
+        server.close()
+
+
+def test_eval_timeout_bounds_the_whole_answer_not_each_read():
+    """``recserve eval --url --timeout``: the same for the eval job's own HTTP calls (urllib,
+    whose timeout bounds each socket read alone)."""
+    from clients.eval_scorers import ServerScorer
+
+    for behaviour in (_drip_headers, _drip):
+        server = RawServer(behaviour)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"did not answer within 0\.5 s"):
+                ServerScorer(server.url, "m", timeout=0.5, retries=3)
+            assert time.monotonic() - started < 1.5
+            assert server.connections == 1
+        finally:
+            server.close()
+
+
 def test_http_connection_dropped_before_an_answer_is_retried_like_grpc_unavailable():
     server = RawServer(_hang_up)
     try:
