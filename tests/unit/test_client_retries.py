@@ -899,6 +899,31 @@ def test_model_name_must_be_a_non_empty_string(model_name):
         RecserveClient("http://127.0.0.1:9", model_name=model_name)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "bound"),
+    [
+        ("max_connections", 0, ">= 1"),
+        ("max_connections", -1, ">= 1"),
+        ("max_connections", "8", ">= 1"),
+        ("max_connections", True, ">= 1"),
+        ("max_message_bytes", 0, "between 1 and 2147483647"),
+        ("max_message_bytes", 2**31, "between 1 and 2147483647"),
+        ("max_message_bytes", 1.5, "between 1 and 2147483647"),
+    ],
+)
+def test_connection_and_message_limits_must_be_positive_integers(option, value, bound):
+    # They used to be taken as given and fail later, raw or not at all: the asyncio HTTP
+    # client's thread pool raised ValueError for 0, gRPC took a 0-byte limit that no message
+    # fits and overflowed its C int on 2**31.
+    for client_class in (RecserveClient, AsyncRecserveClient):
+        for url in ("http://127.0.0.1:9", "grpc://127.0.0.1:9"):
+            with pytest.raises(InvalidArgumentError) as caught:
+                client_class(url, model_name="m", **{option: value})
+            assert caught.value.message == f"{option} must be an integer {bound}, got {value!r}"
+    with RecserveClient("grpc://127.0.0.1:9", max_connections=np.int64(1)) as client:
+        assert client._max_connections == 1 and type(client._max_connections) is int
+
+
 @pytest.mark.parametrize("rows", [[], ()])
 def test_predict_of_no_rows_is_an_invalid_argument(rows):
     with (
