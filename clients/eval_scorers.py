@@ -10,6 +10,7 @@ model and embedding lookups the server runs), so ``recserve eval --url`` never l
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -18,7 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,10 +216,13 @@ class ServerScorer:
         #: The server's max request batch size, once an over-size batch taught it.
         self.max_batch_size: int | None = None
         quoted = urllib.parse.quote(model, safe="")
-        metadata = orjson.loads(self._call("GET", f"/v2/models/{quoted}")[0])
-        self.signature = signature_from_metadata(metadata)
-        versions = metadata.get("versions") or []
-        self.version: str | None = str(versions[0]) if versions else None
+        metadata_path = f"/v2/models/{quoted}"
+        answer, _ = self._call("GET", metadata_path)
+        with self._malformed(metadata_path):
+            metadata = _json_object(answer)
+            self.signature = signature_from_metadata(metadata)
+            versions = metadata.get("versions") or []
+            self.version: str | None = str(versions[0]) if versions else None
         self._infer_path = f"/v2/models/{quoted}/infer"
         self._predict_path = f"/v1/models/{quoted}:predict"
 
@@ -355,22 +359,23 @@ class ServerScorer:
             b"".join([header, *blobs]),
             {"Content-Type": "application/octet-stream", _HEADER_LENGTH: str(len(header))},
         )
-        json_size = headers.get(_HEADER_LENGTH)
-        document = orjson.loads(body[: int(json_size)] if json_size else body)
-        output = next((o for o in document["outputs"] if o["name"] == "prediction"), None)
-        if output is None:
-            raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
-        size = (output.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            if not json_size:
-                raise InvalidArgumentError(
-                    f"server {self.url} answered binary data without {_HEADER_LENGTH}"
-                )
-            start = int(json_size)
-            predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
-        else:
-            predictions = np.asarray(output["data"], dtype=np.float32)
-        return self._checked(predictions, batch.batch_size, document.get("model_version"))
+        with self._malformed(self._infer_path):
+            json_size = headers.get(_HEADER_LENGTH)
+            document = _json_object(body[: int(json_size)] if json_size else body)
+            output = next((o for o in document["outputs"] if o["name"] == "prediction"), None)
+            if output is None:
+                raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
+            size = (output.get("parameters") or {}).get("binary_data_size")
+            if size is not None:
+                if not json_size:
+                    raise InvalidArgumentError(
+                        f"server {self.url} answered binary data without {_HEADER_LENGTH}"
+                    )
+                start = int(json_size)
+                predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
+            else:
+                predictions = np.asarray(output["data"], dtype=np.float32)
+            return self._checked(predictions, batch.batch_size, document.get("model_version"))
 
     def _friendly(self, rows: Sequence[Mapping[str, Any]]) -> Scores:
         instances = [{k: v for k, v in row.items() if k != self.label_column} for row in rows]
@@ -380,9 +385,24 @@ class ServerScorer:
             orjson.dumps({"instances": instances}),
             {"Content-Type": "application/json"},
         )
-        document = orjson.loads(body)
-        predictions = np.asarray(document["predictions"], dtype=np.float32)
-        return self._checked(predictions, len(rows), document.get("model_version"))
+        with self._malformed(self._predict_path):
+            document = _json_object(body)
+            predictions = np.asarray(document["predictions"], dtype=np.float32)
+            return self._checked(predictions, len(rows), document.get("model_version"))
+
+    @contextlib.contextmanager
+    def _malformed(self, path: str) -> Iterator[None]:
+        """An answer that is not what a recserve server sends (not JSON, a field missing or
+        of another type: a proxy's page, another service on the port) as an
+        InvalidArgumentError naming the server, not a raw Python error with a traceback."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            detail = f"{type(error).__name__}: {error}"
+            raise InvalidArgumentError(
+                f"server {self.url}{path} answered something other than a recserve (KServe v2) "
+                f"answer ({detail}); is --url a recserve server?"
+            ) from None
 
     def _checked(self, predictions: np.ndarray, n: int, version: str | None) -> Scores:
         predictions = predictions.reshape(-1).astype(np.float32, copy=True)
@@ -417,6 +437,14 @@ def _batch_limit(message: object) -> int | None:
     """M of the server's "batch size N exceeds this server's max batch size M", or None."""
     match = _BATCH_LIMIT.match(message) if isinstance(message, str) else None
     return int(match.group(2)) if match else None
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object; ValueError otherwise."""
+    document = orjson.loads(body)  # orjson.JSONDecodeError is a ValueError
+    if not isinstance(document, dict):
+        raise ValueError(f"expected a JSON object, got {type(document).__name__}")
+    return document
 
 
 def _slice_batch(batch: Batch, start: int, stop: int) -> Batch:
