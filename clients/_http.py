@@ -277,6 +277,11 @@ class HttpBackend:
                 )
             try:
                 data = _read_before(response, deadline)
+            except BaseException:
+                # Close the connection: the rest of this answer, still on its way, must not be
+                # read as the answer of the next request that reuses it from the pool.
+                response.close()
+                raise
             finally:
                 response.release_conn()
         except SSLError as error:

@@ -1008,6 +1008,7 @@ class _FakeResponse:
         self.sock = _FakeSocket()
         self.connection = type("Connection", (), {"sock": self.sock})()
         self.released = 0
+        self.closed = 0
         self.status = 200
         self.headers: dict[str, str] = {}
 
@@ -1022,6 +1023,9 @@ class _FakeResponse:
 
     def release_conn(self) -> None:
         self.released += 1
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 def test_http_reads_are_bounded_by_the_time_left_until_the_deadline(monkeypatch):
@@ -1057,6 +1061,9 @@ def test_http_connections_go_back_to_the_pool_even_when_the_read_fails(monkeypat
     with pytest.raises(DeadlineExceededError, match=r"did not answer GET /v2/health/ready"):
         backend.ready(timeout=2.0)
     assert [response.released for response in responses] == [1, 1]
+    # The abandoned answer's connection is closed, so that no later request reads the rest
+    # of it as its own answer; the one read to the end stays open for reuse.
+    assert [response.closed for response in responses] == [0, 1]
     backend.close()
 
 
