@@ -17,8 +17,12 @@ import uvicorn
 from clients import AsyncRecserveClient, RecserveClient
 from embedding_store.batch import Batch, IDTypeFeature, NonIDTypeFeature
 from embedding_store.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    RecserveError,
     UnavailableError,
 )
 from serving.grpc_frontend import build_grpc_server
@@ -274,3 +278,38 @@ def test_async_client(urls, core, protocol):
         np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
     assert info.name == MODEL
     assert len(core.calls) == 4 + 3
+
+
+@pytest.mark.parametrize(
+    ("error", "expected_class", "http_status", "grpc_code"),
+    [
+        (DeadlineExceededError("lookup too slow"), DeadlineExceededError, 504, "DEADLINE_EXCEEDED"),
+        (CapacityError("batch too big"), CapacityError, 413, "RESOURCE_EXHAUSTED"),
+        (FailedPreconditionError("draining"), FailedPreconditionError, 409, "FAILED_PRECONDITION"),
+        (RuntimeError("secret detail"), RecserveError, 500, "INTERNAL"),
+    ],
+)
+def test_every_client_raises_the_same_class_for_a_server_error(
+    urls, core, error, expected_class, http_status, grpc_code
+):
+    """Sync and async, HTTP and gRPC: one class per server error, a message naming the server
+    and what it answered, and none of an internal error's own text."""
+    core.fail_with = error
+
+    async def call_async(url: str) -> None:
+        async with AsyncRecserveClient(url, model_name=MODEL, **FAST) as client:
+            await client.predict(_batch())
+
+    for protocol, url in urls.items():
+        answered = f"HTTP {http_status}" if protocol == "http" else f"gRPC {grpc_code}"
+        for run in ("sync", "async"):
+            with pytest.raises(RecserveError) as caught:
+                if run == "sync":
+                    with RecserveClient(url, model_name=MODEL, **FAST) as client:
+                        client.predict(_batch())
+                else:
+                    asyncio.run(call_async(url))
+            assert type(caught.value) is expected_class, (protocol, run)
+            assert caught.value.message.startswith(f"server {url} answered {answered}: ")
+            assert "secret detail" not in caught.value.message
+    assert len(core.calls) == 4  # none of them is retried
