@@ -148,6 +148,24 @@ def answer_deadline(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+#: When the attempt being made on this thread began (monotonic seconds), if before it reached
+#: the thread: set by :func:`attempt_started` (the asyncio client's calls wait for a thread).
+_ATTEMPT_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "recserve_http_attempt_started", default=None
+)
+
+
+@contextlib.contextmanager
+def attempt_started(started: float) -> Iterator[None]:
+    """Count the timeout of the calls made inside from ``started`` (monotonic seconds), not
+    from when they run: a call that waited for a free worker thread has that much less."""
+    token = _ATTEMPT_STARTED.set(started)
+    try:
+        yield
+    finally:
+        _ATTEMPT_STARTED.reset(token)
+
+
 def answer_within(timeout: float | None) -> contextlib.AbstractContextManager[None]:
     """:func:`answer_deadline` ``timeout`` seconds from now (None: no bound)."""
     return answer_deadline(None if timeout is None else time.monotonic() + timeout)
@@ -229,6 +247,7 @@ class HttpBackend:
         self, base_url: str, *, max_connections: int = 8, tls: ClientTls | None = None
     ) -> None:
         self.server = base_url.rstrip("/")
+        self._max_connections = max_connections
         # A TLS 1.3 client completes its handshake before the server checks the client's
         # certificate, so a server that wants one may just close the connection after the
         # request, before the client has read its alert: the drop then says nothing of TLS.
@@ -261,7 +280,15 @@ class HttpBackend:
     ) -> _Answer:
         """One attempt, within ``timeout`` seconds in all (connect, headers and body: a server
         that sends its answer a byte at a time cannot stretch it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        started = _ATTEMPT_STARTED.get()
+        deadline = None if timeout is None else (now if started is None else started) + timeout
+        if deadline is not None and deadline <= now:  # spent waiting for a worker thread
+            raise DeadlineExceededError(
+                f"server {self.server} did not answer {method} {path} within {timeout} s: the "
+                f"call waited all that time for one of the client's {self._max_connections} "
+                "connections (max_connections)"
+            )
         try:
             # The answer's reads (status line and headers too) are bounded by the deadline.
             with answer_deadline(deadline):
@@ -270,7 +297,7 @@ class HttpBackend:
                     self.server + path,
                     body=body,
                     headers=dict(headers or {}),
-                    timeout=urllib3.Timeout(total=timeout),
+                    timeout=urllib3.Timeout(total=None if deadline is None else deadline - now),
                     retries=False,
                     redirect=False,
                     preload_content=False,
