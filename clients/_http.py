@@ -9,16 +9,21 @@ The clients add retries, latency and the sync/async surface.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import http.client
+import io
+import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import numpy as np
 import urllib3
+import urllib3.connection
 from urllib3.exceptions import HTTPError, NewConnectionError, ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
@@ -123,6 +128,118 @@ _CHUNK_BYTES = 1 << 16
 _HEALTH_FALSE_STATUSES = frozenset((400, 503))
 
 
+# --------------------------------------------------------------------------- deadlines
+#: When the answer being read must be complete (monotonic seconds), for the connections of
+#: this thread; None: no bound. Set by :func:`answer_deadline` around one request.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "recserve_http_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def answer_deadline(deadline: float | None) -> Iterator[None]:
+    """Bound every read of the answers of the requests made inside (status line, headers and
+    body, on connections of :class:`DeadlineHTTPResponse`) by ``deadline`` (monotonic
+    seconds; None: no bound)."""
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+#: When the attempt being made on this thread began (monotonic seconds), if before it reached
+#: the thread: set by :func:`attempt_started` (the asyncio client's calls wait for a thread).
+_ATTEMPT_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "recserve_http_attempt_started", default=None
+)
+
+
+@contextlib.contextmanager
+def attempt_started(started: float) -> Iterator[None]:
+    """Count the timeout of the calls made inside from ``started`` (monotonic seconds), not
+    from when they run: a call that waited for a free worker thread has that much less."""
+    token = _ATTEMPT_STARTED.set(started)
+    try:
+        yield
+    finally:
+        _ATTEMPT_STARTED.reset(token)
+
+
+def answer_within(timeout: float | None) -> contextlib.AbstractContextManager[None]:
+    """:func:`answer_deadline` ``timeout`` seconds from now (None: no bound)."""
+    return answer_deadline(None if timeout is None else time.monotonic() + timeout)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's raw reader whose every read gets the time left until ``deadline`` as its
+    socket timeout (TimeoutError once it has passed)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        # The socket's own reader (makefile counts it, so that the connection closing its
+        # socket after a "Connection: close" answer leaves it open until the body is read).
+        self._raw = sock.makefile("rb", buffering=0)
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed while reading the answer")
+        self._sock.settimeout(left)
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """What :class:`http.client.HTTPResponse` takes from a socket (``makefile``), with reads
+    bounded by a deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class DeadlineHTTPResponse(http.client.HTTPResponse):
+    """An answer read within the deadline of :func:`answer_deadline`, status line and headers
+    included: a socket timeout alone bounds each read, so a server that drips its headers a
+    byte at a time used to stretch a call's timeout without end."""
+
+    def __init__(self, sock: Any, *args: Any, **kwargs: Any) -> None:
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            # cast: http.client reads nothing from its socket but makefile("rb").
+            sock = cast(socket.socket, _DeadlineSocket(sock, deadline))
+        super().__init__(sock, *args, **kwargs)
+
+
+class _HTTPConnection(urllib3.connection.HTTPConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPSConnection(urllib3.connection.HTTPSConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPConnectionPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSConnectionPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
 class HttpBackend:
     """Calls of the KServe v2 REST protocol on ``base_url`` (``http://host:port[/prefix]``)."""
 
@@ -130,6 +247,7 @@ class HttpBackend:
         self, base_url: str, *, max_connections: int = 8, tls: ClientTls | None = None
     ) -> None:
         self.server = base_url.rstrip("/")
+        self._max_connections = max_connections
         # A TLS 1.3 client completes its handshake before the server checks the client's
         # certificate, so a server that wants one may just close the connection after the
         # request, before the client has read its alert: the drop then says nothing of TLS.
@@ -144,6 +262,11 @@ class HttpBackend:
             retries=False,
             **(tls.urllib3_options() if tls else {}),
         )
+        # Connections whose answers are read within each call's deadline, headers included.
+        self._pool.pool_classes_by_scheme = {
+            "http": _HTTPConnectionPool,
+            "https": _HTTPSConnectionPool,
+        }
 
     # ------------------------------------------------------------------ plumbing
     def _request(
@@ -157,20 +280,35 @@ class HttpBackend:
     ) -> _Answer:
         """One attempt, within ``timeout`` seconds in all (connect, headers and body: a server
         that sends its answer a byte at a time cannot stretch it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            response = self._pool.request(
-                method,
-                self.server + path,
-                body=body,
-                headers=dict(headers or {}),
-                timeout=urllib3.Timeout(total=timeout),
-                retries=False,
-                redirect=False,
-                preload_content=False,
+        now = time.monotonic()
+        started = _ATTEMPT_STARTED.get()
+        deadline = None if timeout is None else (now if started is None else started) + timeout
+        if deadline is not None and deadline <= now:  # spent waiting for a worker thread
+            raise DeadlineExceededError(
+                f"server {self.server} did not answer {method} {path} within {timeout} s: the "
+                f"call waited all that time for one of the client's {self._max_connections} "
+                "connections (max_connections)"
             )
+        try:
+            # The answer's reads (status line and headers too) are bounded by the deadline.
+            with answer_deadline(deadline):
+                response = self._pool.request(
+                    method,
+                    self.server + path,
+                    body=body,
+                    headers=dict(headers or {}),
+                    timeout=urllib3.Timeout(total=None if deadline is None else deadline - now),
+                    retries=False,
+                    redirect=False,
+                    preload_content=False,
+                )
             try:
                 data = _read_before(response, deadline)
+            except BaseException:
+                # Close the connection: the rest of this answer, still on its way, must not be
+                # read as the answer of the next request that reuses it from the pool.
+                response.close()
+                raise
             finally:
                 response.release_conn()
         except SSLError as error:

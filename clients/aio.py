@@ -4,9 +4,10 @@
 gRPC uses ``grpc.aio`` (one channel, opened inside the running loop on first use, and
 reopened when a call comes from another loop after that one stopped, e.g. a second
 ``asyncio.run()``). HTTP runs the blocking urllib3 backend in a small thread pool of its own
-(one attempt per hop to a thread), while retries wait with ``asyncio.sleep``, so the event loop
-never blocks. Use a client from one event loop at a time (gRPC raises FailedPreconditionError
-for a call from a second loop while the first still runs)::
+(one attempt per hop to a thread; at most ``max_connections`` at a time, and an attempt's
+``timeout`` counts its wait for a thread), while retries wait with ``asyncio.sleep``, so the
+event loop never blocks. Use a client from one event loop at a time (gRPC raises
+FailedPreconditionError for a call from a second loop while the first still runs)::
 
     async with AsyncRecserveClient("grpc://127.0.0.1:8001", model_name="adult") as client:
         result = await client.predict(batch)
@@ -25,7 +26,7 @@ import numpy as np
 
 from clients import codec
 from clients._grpc import AsyncGrpcBackend
-from clients._http import HttpBackend
+from clients._http import HttpBackend, attempt_started
 from clients._tls import ClientTls
 from clients.client import _ClientBase, check_input, rows_need_http
 from clients.retry import RetryableError, exhausted
@@ -34,6 +35,12 @@ from embedding_store.batch import Batch
 from embedding_store.errors import DeadlineExceededError, UnavailableError
 
 T = TypeVar("T")
+
+
+def _run_attempt(started: float, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` on a worker thread, its timeout counted from ``started``."""
+    with attempt_started(started):
+        return function(*args)
 
 
 class _AsyncHttpBackend:
@@ -47,7 +54,13 @@ class _AsyncHttpBackend:
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+        # The attempt's timeout runs from now: with more calls than worker threads, a call
+        # waits for one, and its timeout used to start only then (a 1.5 s call, queued behind
+        # slow ones, answered after 3 s).
+        started = time.monotonic()
+        return await loop.run_in_executor(
+            self._executor, functools.partial(_run_attempt, started, function, *args)
+        )
 
     async def live(self, timeout: float | None) -> bool:
         return await self._run(self.sync.live, timeout)

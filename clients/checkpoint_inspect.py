@@ -105,6 +105,8 @@ def inspect(directory: str | os.PathLike[str], *, load_code: bool = False) -> di
     if kind == EMBEDDING:
         info["embeddings"] = _inspect_embeddings(root)
         info["created_at"] = info["embeddings"]["created_at"]
+        # At the top, as for a model checkpoint: format_inspect prints these.
+        info["problems"] = list(info["embeddings"]["problems"])
         return info
     manifest = model_checkpoint.read_manifest(root)
     info.update(

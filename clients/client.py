@@ -57,6 +57,8 @@ DEFAULT_TIMEOUT = 10.0
 #: clock arithmetic of urllib3 and gRPC (the same limit as the CLI's duration flags).
 MAX_TIMEOUT_SECONDS = MAX_FLOAT_VALUE
 DEFAULT_BACKOFF = (0.05, 1.0)
+#: The largest ``max_message_bytes``: gRPC takes its message limits as a C int.
+MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,10 @@ class _ClientBase:
         self.model_name = model_name
         self.timeout = _checked_timeout(timeout)
         self.policy = RetryPolicy(retries, *_resolve_backoff(backoff))
-        self._max_connections = max_connections
-        self._max_message_bytes = max_message_bytes
+        self._max_connections = _checked_count("max_connections", max_connections)
+        self._max_message_bytes = _checked_count(
+            "max_message_bytes", max_message_bytes, MAX_MESSAGE_BYTES
+        )
         self._transport = self._make_backend()
         self._closed = False
 
@@ -233,6 +237,21 @@ def _checked_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
+def _checked_count(name: str, value: object, maximum: int | None = None) -> int:
+    """``value`` as an integer in [1, ``maximum``]; InvalidArgumentError naming ``name``
+    otherwise (0 or a string used to fail later, raw: the asyncio HTTP client's thread pool
+    refused 0 with a ValueError, gRPC took 0 bytes as a limit no message fits, and a limit
+    over 2**31 - 1 overflowed its C int)."""
+    valid = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+    if valid:
+        number = int(cast(int, value))
+        valid = number >= 1 and (maximum is None or number <= maximum)
+    if not valid:
+        bound = f"between 1 and {maximum}" if maximum is not None else ">= 1"
+        raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
+    return number
+
+
 class RecserveClient(_ClientBase):
     """Blocking client of a recserve server over HTTP or gRPC (chosen by the URL scheme).
 
@@ -248,8 +267,9 @@ class RecserveClient(_ClientBase):
             server) / connections refused or reset while connecting / connections dropped
             before an answer.
         backoff: (min, max) seconds of the exponential backoff between attempts (jittered).
-        max_connections: HTTP connections kept per host.
-        max_message_bytes: gRPC message size limit (both directions).
+        max_connections: HTTP connections kept per host (an integer >= 1).
+        max_message_bytes: gRPC message size limit (both directions), an integer in
+            [1, 2**31 - 1].
         tls_ca: PEM file of the CA(s) to trust for an ``https://`` or ``grpcs://`` server
             (default: the system's trust store).
         tls_cert, tls_key: PEM client certificate and its unencrypted key, for a server that

@@ -235,6 +235,9 @@ def _predict(args: argparse.Namespace) -> int:
     client_tls(
         endpoint.tls, endpoint.url, args.tls_ca, args.tls_cert, args.tls_key, names=CLI_NAMES
     )
+    if args.output is not None and args.output.resolve() == args.input.resolve():
+        # --output is always replaced: it would replace the rows it is computed from.
+        raise InvalidArgumentError(f"--output {args.output} is the --input file")
     fmt = detect_format(args.input, args.format)
     check_file(args.input, fmt)
     if not args.output:

@@ -132,6 +132,11 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError("--data needs at least one file")
     for path in o.data:  # before any file is scored or written
         check_data_file(path)
+    inputs = {path.resolve() for path in o.data}
+    for flag, output in (("--out", o.out), ("--report", o.report)):
+        # With --overwrite the output would replace the data it is computed from.
+        if output is not None and output.resolve() in inputs:
+            raise InvalidArgumentError(f"{flag} {output} is one of the --data files")
     eval_report.refuse_existing(o.out, overwrite=o.overwrite)
     if o.report is not None:
         eval_report.refuse_existing(o.report, overwrite=o.overwrite)

@@ -186,11 +186,15 @@ def metrics(
 def atomic_file(path: str | os.PathLike[str], *, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it is renamed to ``path``.
 
-    An existing ``path`` is refused (AlreadyExistsError) unless ``overwrite``. On any error the
-    temporary file is removed and ``path`` is untouched.
+    An existing ``path`` is refused (AlreadyExistsError) unless ``overwrite``, and a directory
+    always (InvalidArgumentError, before anything is written: the rename at the end would fail
+    on it, after the work). On any error the temporary file is removed and ``path`` is
+    untouched.
     """
     target = Path(path)
     refuse_existing(target, overwrite=overwrite)
+    if target.is_dir():
+        raise InvalidArgumentError(f"output {target} is a directory; expected a file name")
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
     try:
@@ -217,7 +221,10 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterat
             retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
             os.replace(target, retired)
             os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
+            if retired.is_dir():
+                shutil.rmtree(retired, ignore_errors=True)
+            else:  # a file replaced by the directory (rmtree leaves files alone)
+                retired.unlink()
         else:
             os.replace(staging, target)
     finally:

@@ -10,6 +10,7 @@ model and embedding lookups the server runs), so ``recserve eval --url`` never l
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -18,7 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from clients._http import answered_in_http2, http2_hint
+from clients._http import DeadlineHTTPResponse, answer_within, answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
 from embedding_store.batch import (
     Batch,
@@ -120,6 +121,35 @@ def _normalize_url(url: str) -> str:
     return url
 
 
+class _HTTPConnection(http.client.HTTPConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    response_class = DeadlineHTTPResponse
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        super().__init__(context=context)
+        self._tls_context = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_HTTPSConnection, req, context=self._tls_context)
+
+
+def _opener(context: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
+    """urllib's opener, whose answers are read within the deadline of
+    :func:`clients._http.answer_within` (status line and headers too: urlopen's timeout
+    bounds each socket read alone)."""
+    return urllib.request.build_opener(_HTTPHandler(), _HTTPSHandler(context))
+
+
 def signature_from_metadata(metadata: Mapping[str, Any]) -> FeatureSignature:
     """The feature signature a server reports as KServe v2 model metadata inputs."""
     try:
@@ -186,10 +216,13 @@ class ServerScorer:
         #: The server's max request batch size, once an over-size batch taught it.
         self.max_batch_size: int | None = None
         quoted = urllib.parse.quote(model, safe="")
-        metadata = orjson.loads(self._call("GET", f"/v2/models/{quoted}")[0])
-        self.signature = signature_from_metadata(metadata)
-        versions = metadata.get("versions") or []
-        self.version: str | None = str(versions[0]) if versions else None
+        metadata_path = f"/v2/models/{quoted}"
+        answer, _ = self._call("GET", metadata_path)
+        with self._malformed(metadata_path):
+            metadata = _json_object(answer)
+            self.signature = signature_from_metadata(metadata)
+            versions = metadata.get("versions") or []
+            self.version: str | None = str(versions[0]) if versions else None
         self._infer_path = f"/v2/models/{quoted}/infer"
         self._predict_path = f"/v1/models/{quoted}:predict"
 
@@ -204,12 +237,16 @@ class ServerScorer:
         request = urllib.request.Request(
             self.url + path, data=body, method=method, headers=dict(headers or {})
         )
+        opener = _opener(self._ssl_context)
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
-                with urllib.request.urlopen(
-                    request, timeout=self.timeout, context=self._ssl_context
-                ) as response:
+                # --timeout bounds the whole attempt: a server that sends its answer a byte at
+                # a time cannot stretch it (urlopen's timeout bounds each read alone).
+                with (
+                    answer_within(self.timeout),
+                    opener.open(request, timeout=self.timeout) as response,
+                ):
                     return response.read(), response.headers
             except urllib.error.HTTPError as error:
                 payload = error.read()
@@ -322,22 +359,23 @@ class ServerScorer:
             b"".join([header, *blobs]),
             {"Content-Type": "application/octet-stream", _HEADER_LENGTH: str(len(header))},
         )
-        json_size = headers.get(_HEADER_LENGTH)
-        document = orjson.loads(body[: int(json_size)] if json_size else body)
-        output = next((o for o in document["outputs"] if o["name"] == "prediction"), None)
-        if output is None:
-            raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
-        size = (output.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            if not json_size:
-                raise InvalidArgumentError(
-                    f"server {self.url} answered binary data without {_HEADER_LENGTH}"
-                )
-            start = int(json_size)
-            predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
-        else:
-            predictions = np.asarray(output["data"], dtype=np.float32)
-        return self._checked(predictions, batch.batch_size, document.get("model_version"))
+        with self._malformed(self._infer_path):
+            json_size = headers.get(_HEADER_LENGTH)
+            document = _json_object(body[: int(json_size)] if json_size else body)
+            output = next((o for o in document["outputs"] if o["name"] == "prediction"), None)
+            if output is None:
+                raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
+            size = (output.get("parameters") or {}).get("binary_data_size")
+            if size is not None:
+                if not json_size:
+                    raise InvalidArgumentError(
+                        f"server {self.url} answered binary data without {_HEADER_LENGTH}"
+                    )
+                start = int(json_size)
+                predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
+            else:
+                predictions = np.asarray(output["data"], dtype=np.float32)
+            return self._checked(predictions, batch.batch_size, document.get("model_version"))
 
     def _friendly(self, rows: Sequence[Mapping[str, Any]]) -> Scores:
         instances = [{k: v for k, v in row.items() if k != self.label_column} for row in rows]
@@ -347,9 +385,24 @@ class ServerScorer:
             orjson.dumps({"instances": instances}),
             {"Content-Type": "application/json"},
         )
-        document = orjson.loads(body)
-        predictions = np.asarray(document["predictions"], dtype=np.float32)
-        return self._checked(predictions, len(rows), document.get("model_version"))
+        with self._malformed(self._predict_path):
+            document = _json_object(body)
+            predictions = np.asarray(document["predictions"], dtype=np.float32)
+            return self._checked(predictions, len(rows), document.get("model_version"))
+
+    @contextlib.contextmanager
+    def _malformed(self, path: str) -> Iterator[None]:
+        """An answer that is not what a recserve server sends (not JSON, a field missing or
+        of another type: a proxy's page, another service on the port) as an
+        InvalidArgumentError naming the server, not a raw Python error with a traceback."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            detail = f"{type(error).__name__}: {error}"
+            raise InvalidArgumentError(
+                f"server {self.url}{path} answered something other than a recserve (KServe v2) "
+                f"answer ({detail}); is --url a recserve server?"
+            ) from None
 
     def _checked(self, predictions: np.ndarray, n: int, version: str | None) -> Scores:
         predictions = predictions.reshape(-1).astype(np.float32, copy=True)
@@ -384,6 +437,14 @@ def _batch_limit(message: object) -> int | None:
     """M of the server's "batch size N exceeds this server's max batch size M", or None."""
     match = _BATCH_LIMIT.match(message) if isinstance(message, str) else None
     return int(match.group(2)) if match else None
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object; ValueError otherwise."""
+    document = orjson.loads(body)  # orjson.JSONDecodeError is a ValueError
+    if not isinstance(document, dict):
+        raise ValueError(f"expected a JSON object, got {type(document).__name__}")
+    return document
 
 
 def _slice_batch(batch: Batch, start: int, stop: int) -> Batch:

@@ -684,6 +684,22 @@ def test_predict_refuses_a_grpc_url_before_reading_the_input(tmp_path):
         args.handler(args)
 
 
+def test_predict_refuses_to_write_its_output_over_its_input(tmp_path):
+    # --output is replaced without asking: the predictions used to replace the rows.
+    from embedding_store.cli import build_parser
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"user": 1}\n')
+    same = tmp_path / "sub" / ".." / "rows.jsonl"
+    args = build_parser().parse_args(
+        ["predict", "--url", "http://127.0.0.1:9", "--input", str(rows), "--output", str(same)]
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        args.handler(args)
+    assert caught.value.message == f"--output {same} is the --input file"
+    assert rows.read_text() == '{"user": 1}\n'
+
+
 if TYPE_CHECKING:
     from clients.types import PredictResult
 

@@ -17,8 +17,12 @@ import uvicorn
 from clients import AsyncRecserveClient, RecserveClient
 from embedding_store.batch import Batch, IDTypeFeature, NonIDTypeFeature
 from embedding_store.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    RecserveError,
     UnavailableError,
 )
 from serving.grpc_frontend import build_grpc_server
@@ -274,3 +278,88 @@ def test_async_client(urls, core, protocol):
         np.testing.assert_allclose(result.predictions, expected_predictions(USERS, AGES), atol=1e-6)
     assert info.name == MODEL
     assert len(core.calls) == 4 + 3
+
+
+@pytest.mark.parametrize(
+    ("error", "expected_class", "http_status", "grpc_code"),
+    [
+        (DeadlineExceededError("lookup too slow"), DeadlineExceededError, 504, "DEADLINE_EXCEEDED"),
+        (CapacityError("batch too big"), CapacityError, 413, "RESOURCE_EXHAUSTED"),
+        (FailedPreconditionError("draining"), FailedPreconditionError, 409, "FAILED_PRECONDITION"),
+        (RuntimeError("secret detail"), RecserveError, 500, "INTERNAL"),
+    ],
+)
+def test_every_client_raises_the_same_class_for_a_server_error(
+    urls, core, error, expected_class, http_status, grpc_code
+):
+    """Sync and async, HTTP and gRPC: one class per server error, a message naming the server
+    and what it answered, and none of an internal error's own text."""
+    core.fail_with = error
+
+    async def call_async(url: str) -> None:
+        async with AsyncRecserveClient(url, model_name=MODEL, **FAST) as client:
+            await client.predict(_batch())
+
+    for protocol, url in urls.items():
+        answered = f"HTTP {http_status}" if protocol == "http" else f"gRPC {grpc_code}"
+        for run in ("sync", "async"):
+            with pytest.raises(RecserveError) as caught:
+                if run == "sync":
+                    with RecserveClient(url, model_name=MODEL, **FAST) as client:
+                        client.predict(_batch())
+                else:
+                    asyncio.run(call_async(url))
+            assert type(caught.value) is expected_class, (protocol, run)
+            assert caught.value.message.startswith(f"server {url} answered {answered}: ")
+            assert "secret detail" not in caught.value.message
+    assert len(core.calls) == 4  # none of them is retried
+
+
+def test_async_http_timeout_counts_the_wait_for_a_connection(urls, core, monkeypatch):
+    # The asyncio HTTP client runs at most max_connections calls at a time; the others wait
+    # for a worker thread, and their timeout used to start only when they got one: with one
+    # connection and a server taking 0.3 s, three 0.5 s calls answered at 0.3, 0.6 and 0.9 s.
+    answer = core.predict
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(core, "predict", slow)
+
+    async def main() -> list[tuple[str, float]]:
+        async with AsyncRecserveClient(
+            urls["http"], model_name=MODEL, timeout=0.5, retries=0, max_connections=1
+        ) as client:
+            started = time.monotonic()
+
+            async def one() -> tuple[str, float]:
+                try:
+                    await client.predict(_batch())
+                    outcome = "ok"
+                except DeadlineExceededError as error:
+                    outcome = error.message
+                return outcome, time.monotonic() - started
+
+            return await asyncio.gather(*(one() for _ in range(3)))
+
+    outcomes = asyncio.run(main())
+    assert outcomes[0][0] == "ok"
+    for message, _ in outcomes[1:]:  # the second runs out of time; the third never runs
+        assert message.startswith(
+            f"server {urls['http']} did not answer POST /v2/models/tiny/infer within 0.5 s"
+        )
+    assert all(seconds < 0.75 for _, seconds in outcomes)
+
+
+def test_an_attempt_that_waited_out_its_timeout_for_a_thread_is_not_sent():
+    from clients._http import HttpBackend, attempt_started
+
+    backend = HttpBackend("http://127.0.0.1:9", max_connections=2)  # nothing listens there
+    with attempt_started(time.monotonic() - 0.6), pytest.raises(DeadlineExceededError) as caught:
+        backend.ready(timeout=0.5)
+    assert caught.value.message == (
+        "server http://127.0.0.1:9 did not answer GET /v2/health/ready within 0.5 s: the call "
+        "waited all that time for one of the client's 2 connections (max_connections)"
+    )
+    backend.close()

@@ -251,6 +251,50 @@ def test_http_timeout_bounds_the_whole_answer_not_each_read():
         server.close()
 
 
+def _drip_headers(connection: socket.socket, stop: threading.Event) -> None:
+    connection.recv(65536)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for byte in answer:  # one byte every 0.1 s: 7 s for the status line and headers
+        if stop.wait(0.1):
+            return
+        try:
+            connection.sendall(bytes([byte]))
+        except OSError:
+            return
+
+
+def test_http_timeout_bounds_the_status_line_and_headers_too():
+    # Each read of the status line and headers used to get the whole timeout: a server that
+    # dripped them a byte at a time held a 0.5 s call for the 7 s they took.
+    server = RawServer(_drip_headers)
+    try:
+        with RecserveClient(server.url, model_name="m", timeout=0.5, retries=3, **FAST) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"GET /v2/models/m within 0\.5 s"):
+                client.metadata()
+            assert time.monotonic() - started < 1.5
+        assert server.connections == 1  # a timeout is not retried
+    finally:
+        server.close()
+
+
+def test_eval_timeout_bounds_the_whole_answer_not_each_read():
+    """``recserve eval --url --timeout``: the same for the eval job's own HTTP calls (urllib,
+    whose timeout bounds each socket read alone)."""
+    from clients.eval_scorers import ServerScorer
+
+    for behaviour in (_drip_headers, _drip):
+        server = RawServer(behaviour)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"did not answer within 0\.5 s"):
+                ServerScorer(server.url, "m", timeout=0.5, retries=3)
+            assert time.monotonic() - started < 1.5
+            assert server.connections == 1
+        finally:
+            server.close()
+
+
 def test_http_connection_dropped_before_an_answer_is_retried_like_grpc_unavailable():
     server = RawServer(_hang_up)
     try:
@@ -855,6 +899,31 @@ def test_model_name_must_be_a_non_empty_string(model_name):
         RecserveClient("http://127.0.0.1:9", model_name=model_name)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "bound"),
+    [
+        ("max_connections", 0, ">= 1"),
+        ("max_connections", -1, ">= 1"),
+        ("max_connections", "8", ">= 1"),
+        ("max_connections", True, ">= 1"),
+        ("max_message_bytes", 0, "between 1 and 2147483647"),
+        ("max_message_bytes", 2**31, "between 1 and 2147483647"),
+        ("max_message_bytes", 1.5, "between 1 and 2147483647"),
+    ],
+)
+def test_connection_and_message_limits_must_be_positive_integers(option, value, bound):
+    # They used to be taken as given and fail later, raw or not at all: the asyncio HTTP
+    # client's thread pool raised ValueError for 0, gRPC took a 0-byte limit that no message
+    # fits and overflowed its C int on 2**31.
+    for client_class in (RecserveClient, AsyncRecserveClient):
+        for url in ("http://127.0.0.1:9", "grpc://127.0.0.1:9"):
+            with pytest.raises(InvalidArgumentError) as caught:
+                client_class(url, model_name="m", **{option: value})
+            assert caught.value.message == f"{option} must be an integer {bound}, got {value!r}"
+    with RecserveClient("grpc://127.0.0.1:9", max_connections=np.int64(1)) as client:
+        assert client._max_connections == 1 and type(client._max_connections) is int
+
+
 @pytest.mark.parametrize("rows", [[], ()])
 def test_predict_of_no_rows_is_an_invalid_argument(rows):
     with (
@@ -939,6 +1008,7 @@ class _FakeResponse:
         self.sock = _FakeSocket()
         self.connection = type("Connection", (), {"sock": self.sock})()
         self.released = 0
+        self.closed = 0
         self.status = 200
         self.headers: dict[str, str] = {}
 
@@ -953,6 +1023,9 @@ class _FakeResponse:
 
     def release_conn(self) -> None:
         self.released += 1
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 def test_http_reads_are_bounded_by_the_time_left_until_the_deadline(monkeypatch):
@@ -988,6 +1061,9 @@ def test_http_connections_go_back_to_the_pool_even_when_the_read_fails(monkeypat
     with pytest.raises(DeadlineExceededError, match=r"did not answer GET /v2/health/ready"):
         backend.ready(timeout=2.0)
     assert [response.released for response in responses] == [1, 1]
+    # The abandoned answer's connection is closed, so that no later request reads the rest
+    # of it as its own answer; the one read to the end stays open for reuse.
+    assert [response.closed for response in responses] == [0, 1]
     backend.close()
 
 

@@ -572,6 +572,9 @@ def test_positives_are_labels_above_one_half():
         # write the predictions and then fail with numpy's "'list' argument must have no
         # negative elements".
         ({"calibration_bins": 0}, "--calibration-bins must be > 0, got 0"),
+        # With --overwrite the output replaced the data file it was computed from.
+        ({"out": "DATA", "overwrite": True}, r"--out \S+/rows.csv is one of the --data files"),
+        ({"report": "DATA", "overwrite": True}, r"--report \S+rows.csv is one of the --data"),
     ],
 )
 def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, message):
@@ -582,7 +585,10 @@ def test_eval_options_are_checked_before_anything_runs(tmp_path, changes, messag
     out = tmp_path / "p.csv"
     if changes.get("report") == "SAME":
         changes = {"report": tmp_path / "." / "p.csv"}
-    options = EvalOptions(data=data, out=out, checkpoint=tmp_path, **changes)
+    for key in ("out", "report"):
+        if changes.get(key) == "DATA":
+            changes = {**changes, key: tmp_path / "sub" / ".." / "rows.csv"}
+    options = EvalOptions(data=data, **{"out": out, **changes}, checkpoint=tmp_path)
     with pytest.raises(InvalidArgumentError, match=message):
         _check_options(options)
     _check_options(EvalOptions(data=data, out=out, checkpoint=tmp_path, timeout=1e6))

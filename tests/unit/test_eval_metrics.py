@@ -339,3 +339,27 @@ def test_summary_numbers_and_sections():
     assert "| AUC | 1.000000 |" in text and "| log loss | " in text
     assert "skipped rows (first ones)" not in text and "parity" not in text
     assert "unknown-ID ratio" not in text
+
+
+def test_a_directory_where_an_output_file_goes_is_refused_before_anything_is_written(tmp_path):
+    # With --overwrite the rename at the end used to fail on it, after the whole scoring
+    # run, with a message naming the temporary file instead of the output.
+    target = tmp_path / "out.csv"
+    target.mkdir()
+    entered = []
+    with (
+        pytest.raises(InvalidArgumentError) as caught,
+        eval_report.atomic_file(target, overwrite=True),
+    ):
+        entered.append(True)
+    assert caught.value.message == f"output {target} is a directory; expected a file name"
+    assert entered == [] and [p.name for p in tmp_path.iterdir()] == ["out.csv"]
+
+
+def test_a_report_directory_over_an_existing_file_leaves_no_old_copy(tmp_path):
+    target = tmp_path / "report"
+    target.write_text("an old file")
+    with eval_report.atomic_directory(target, overwrite=True) as staging:
+        (staging / "report.json").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no .report.old-* file left
+    assert [p.name for p in target.iterdir()] == ["report.json"]

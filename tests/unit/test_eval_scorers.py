@@ -40,3 +40,54 @@ def test_binary_predictions_follow_the_json_header() -> None:
     body = header + np.array([0.25, 0.5], dtype="<f4").tobytes()
     scores = _scorer(body, {"Inference-Header-Content-Length": str(len(header))})._v2(_batch())
     np.testing.assert_array_equal(scores.predictions, np.array([0.25, 0.5], dtype=np.float32))
+
+
+_NOT_RECSERVE = "answered something other than a recserve (KServe v2) answer"
+
+
+@pytest.mark.parametrize(
+    ("answer", "detail"),
+    [
+        (b"<html>a proxy's page</html>", "JSONDecodeError: unexpected character"),
+        (b"[1, 2]", "ValueError: expected a JSON object, got list"),
+        (b'{"outputs": [{"datatype": "FP32"}]}', "KeyError: 'name'"),
+        (b'{"outputs": 3}', "TypeError: 'int' object is not iterable"),
+        (b'{"outputs": [{"name": "prediction", "data": ["a", "b"]}]}', "ValueError: could not"),
+    ],
+)
+def test_an_infer_answer_no_recserve_server_sends_names_the_server(answer, detail) -> None:
+    # `recserve eval --url` at another service used to die with a raw JSONDecodeError,
+    # KeyError or TypeError and its traceback.
+    with pytest.raises(InvalidArgumentError) as caught:
+        _scorer(answer, {})._v2(_batch())
+    assert caught.value.message.startswith(
+        f"server http://server/v2/models/model/infer {_NOT_RECSERVE} ({detail}"
+    )
+    assert caught.value.message.endswith("); is --url a recserve server?")
+
+
+@pytest.mark.parametrize(
+    ("answer", "detail"),
+    [
+        (b"not json", "JSONDecodeError"),
+        (b'"a string"', "ValueError: expected a JSON object, got str"),
+        (b'{"predictions": {"a": 1}}', "TypeError"),
+    ],
+)
+def test_a_metadata_or_friendly_answer_no_recserve_server_sends_names_the_server(
+    monkeypatch, answer, detail
+) -> None:
+    if not answer.startswith(b"{"):  # an object without "inputs" has its own message
+        monkeypatch.setattr(ServerScorer, "_call", lambda *args, **kwargs: (answer, {}))
+        with pytest.raises(InvalidArgumentError) as caught:
+            ServerScorer("http://server", "m")
+        assert caught.value.message.startswith(
+            f"server http://server/v2/models/m {_NOT_RECSERVE} ({detail}"
+        )
+    scorer = _scorer(answer, {})
+    scorer._predict_path, scorer.label_column = "/v1/models/m:predict", None
+    with pytest.raises(InvalidArgumentError) as caught:
+        scorer._friendly([{"x": 1}])
+    assert caught.value.message.startswith(
+        f"server http://server/v1/models/m:predict {_NOT_RECSERVE} ({detail}"
+    )

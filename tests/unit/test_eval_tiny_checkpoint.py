@@ -990,3 +990,18 @@ def test_checkpoint_verify_exits_1_when_any_checkpoint_fails_and_json_lists_seve
     assert cli_main(["checkpoint", "verify", "--json", str(checkpoint), str(missing)]) == 1
     several = json.loads(capsys.readouterr().out)
     assert [report["ok"] for report in several] == [True, False]
+
+
+def test_inspect_of_an_embedding_checkpoint_prints_its_damaged_files(tmp_path):
+    # A bare embedding checkpoint kept its unreadable files in info["embeddings"]["problems"]
+    # only, which format_inspect never printed: the text showed 0 rows in every ID space and
+    # no PROBLEM line, as for an intact checkpoint of empty spaces.
+    embeddings = _rows_checkpoint(tmp_path / "model", CONFIG, {"user": USERS}) / "embeddings"
+    part = embeddings / "shard_00000" / "dim_4.safetensors"
+    part.write_bytes(b"not safetensors")
+    info = checkpoint_inspect.inspect(embeddings)
+    assert info["kind"] == "embedding" and info["embeddings"]["rows_per_id_space"] == {}
+    assert len(info["problems"]) == 1
+    assert info["problems"][0].startswith("shard_00000/dim_4.safetensors: ")
+    lines = checkpoint_inspect.format_inspect(info).splitlines()
+    assert [line for line in lines if "PROBLEM" in line] == [f"  PROBLEM: {info['problems'][0]}"]
