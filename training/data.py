@@ -31,6 +31,7 @@ from embedding_store.grpc_common import (
     bind_tier_port,
     call,
     channel_options,
+    format_address,
     rpc_errors,
     server_interceptors,
     server_options,
@@ -254,10 +255,10 @@ class StreamingDataset:
                 interceptors=server_interceptors(),
             )
             pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
-            bound = bind_tier_port(server, f"{self.host}:{self.port}")
-            if bound == 0:
-                raise UnavailableError(f"StreamingDataset cannot listen on {self.host}:{self.port}")
-            self.port = bound
+            try:
+                self.port = bind_tier_port(server, format_address(self.host, self.port))
+            except UnavailableError as error:
+                raise UnavailableError(f"StreamingDataset {error.message}") from None
             server.start()
             self._server = server
         return self
