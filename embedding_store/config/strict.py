@@ -33,7 +33,7 @@ import math
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
@@ -88,9 +88,39 @@ class ConfigFieldError(ConfigError):
 # Message helpers
 
 
+def _repr_pieces(value: Any) -> Iterator[str]:
+    """``repr(value)`` in pieces, lazily: lists, tuples and dicts piece by piece, so a caller
+    can stop after a few. A YAML alias bomb (``&a [x, x, ...]``, ``&b [*a, *a, ...]``, ...)
+    is small in memory (its lists are shared) but its full repr has billions of characters."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        yield "[" if kind is list else "("
+        for i, item in enumerate(value):
+            if i:
+                yield ", "
+            yield from _repr_pieces(item)
+        yield "]" if kind is list else ("," if len(value) == 1 else "") + ")"
+    elif kind is dict:
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _repr_pieces(key)
+            yield ": "
+            yield from _repr_pieces(item)
+        yield "}"
+    else:
+        yield repr(value)
+
+
 def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+    """``repr(value)``, cut to :data:`_MAX_REPR` characters (ending in ``...``) when longer;
+    only as much of it is made as is shown."""
+    text = ""
+    for piece in _repr_pieces(value):
+        text += piece
+        if len(text) > _MAX_REPR:
+            return text[: _MAX_REPR - 3] + "..."
+    return text
 
 
 def describe_value(value: Any) -> str:

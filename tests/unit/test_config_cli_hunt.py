@@ -79,3 +79,53 @@ def test_embedding_worker_binds_an_ipv6_host_in_brackets(monkeypatch) -> None:
             load_embedding_config(EMBEDDING_CONFIG), ["127.0.0.1:1"], host="::1", port=7
         )
     assert bound == ["[::1]:7"]
+
+
+# --------------------------------------------------------------------------- config messages
+def _alias_bomb(levels: int) -> str:
+    """A YAML list of ``9**levels`` strings in ``levels + 1`` short lines: each level an
+    anchored list of nine aliases of the level below (the lists are shared once loaded)."""
+    anchors = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    anchors += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "[" + ", ".join(anchors) + "]"
+
+
+def test_a_yaml_alias_bomb_is_refused_without_writing_out_its_repr(tmp_path) -> None:
+    """The message showed ``repr`` of the bad value cut to 80 characters, but made all of it
+    first: for an alias bomb (small on disk and in memory) that is gigabytes and hangs the
+    loader. Now only what is shown is made."""
+    import tracemalloc
+
+    from embedding_store.config import EmbeddingConfig, from_mapping, read_yaml_mapping
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "embedding_config.yml"
+    path.write_text(
+        f"slots_config: {{s: {{dim: 8}}}}\nfeature_index_prefix_bit: {_alias_bomb(6)}\n"
+    )
+    data = read_yaml_mapping(path)  # 9**6 = 531441 strings, their full repr ~2.6 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as caught:
+            from_mapping(EmbeddingConfig, data, source=str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.message == (
+        f"{path}: feature_index_prefix_bit: expected an integer, got "
+        "[['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x'], [['x', 'x', 'x', 'x', 'x', 'x... (list)"
+    )
+    assert peak < 200_000  # bytes: a message, not the repr of half a million strings
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[1, (2,), (), {"a": [1, "x"]}], (1, 2), {}, [], {1: None, "b": 2.5}, "x" * 100,
+     [[1] * 40] * 3, ("t",)],
+)  # fmt: skip
+def test_values_in_messages_read_as_their_repr_cut_to_80_characters(value) -> None:
+    from embedding_store.config.strict import describe_value
+
+    text = repr(value)
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    assert describe_value(value).rsplit(" (", 1)[0] == shown
