@@ -95,3 +95,20 @@ def grpc_addresses(text: str) -> str:
         if problem:
             raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def host_port_addresses(text: str) -> str:
+    """Comma-separated HOST:PORT addresses with a port in 1..65535, at least one, none a URL
+    (what a process listens on and its peers dial: gRPC target URIs do not do for both);
+    the text unchanged."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        problem = url_problem(address)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        host, _, port = address.rpartition(":")
+        if not (host and port.isdigit() and port.isascii() and 0 < int(port) < 65536):
+            raise argparse.ArgumentTypeError(f"{address!r} is not HOST:PORT")
+    if not addresses:
+        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
+    return text

@@ -129,3 +129,64 @@ def test_values_in_messages_read_as_their_repr_cut_to_80_characters(value) -> No
     text = repr(value)
     shown = text if len(text) <= 80 else text[:77] + "..."
     assert describe_value(value).rsplit(" (", 1)[0] == shown
+
+
+# --------------------------------------------------------------------------- training processes
+@pytest.mark.parametrize("command", ["train", "data-loader"])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("http://10.0.0.5:7000",
+         "'http://10.0.0.5:7000' is a URL: give HOST:PORT, without http:// (e.g. 10.0.0.5:7000)"),
+        ("10.0.0.5", "'10.0.0.5' is not HOST:PORT"),
+        ("a:1,:7000", "':7000' is not HOST:PORT"),
+        ("a:70000", "'a:70000' is not HOST:PORT"),
+        (" , ", "give at least one HOST:PORT"),
+    ],
+)  # fmt: skip
+def test_nn_worker_addresses_are_host_port(capsys, command, value, message) -> None:
+    """They went to the script unchecked: each NN worker then failed to listen (int() of a
+    missing port, in a traceback) and each loader to dial, once torchrun had started them."""
+    argv = [command, "--entry", "t.py", "--nn-worker-addresses", value]
+    if command == "data-loader":
+        argv += ["--replica-index", "0", "--replica-size", "1"]
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"recserve {command}: error: argument --nn-worker-addresses: {message}"
+    )
+    argv[4] = "10.0.0.5:7000, 10.0.0.6:7000"
+    assert cli.build_parser().parse_args(argv).nn_worker_addresses == argv[4]
+
+
+@pytest.mark.parametrize("name", ["RECSERVE_REPLICA_INDEX", "RECSERVE_REPLICA_SIZE"])
+def test_a_data_loader_replica_variable_that_is_no_integer_is_named(monkeypatch, name) -> None:
+    """It was a bare ValueError ("invalid literal for int() with base 10: 'one'")."""
+    from embedding_store.errors import InvalidArgumentError
+    from training.data import DataCtx
+
+    monkeypatch.setenv(name, "one")
+    with pytest.raises(InvalidArgumentError) as caught:
+        DataCtx(["127.0.0.1:1"])
+    assert caught.value.message == f"{name} must be an integer, got 'one'"
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.5", "10.0.0.5:", "10.0.0.5:x", "10.0.0.5:0"])
+def test_an_nn_worker_entry_without_a_port_is_named(monkeypatch, entry) -> None:
+    """Its port was read with int(): a bare ValueError, or port 0 (any free port, which no
+    loader dials)."""
+    from embedding_store.errors import InvalidArgumentError
+    from training.data import StreamingDataset
+
+    for variable in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", entry)
+    with pytest.raises(InvalidArgumentError) as caught:
+        StreamingDataset()
+    assert caught.value.message == (
+        f"RECSERVE_NN_WORKER_ADDRESSES: {entry!r} is not HOST:PORT with a port in 1..65535"
+    )
+    monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", "127.0.0.1:7000")
+    dataset = StreamingDataset()
+    assert (dataset.host, dataset.port) == ("127.0.0.1", 7000)
