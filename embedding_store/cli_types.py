@@ -33,6 +33,13 @@ def _at_most(value: float, text: str) -> float:
     return value
 
 
+def non_empty(text: str) -> str:
+    """Any text with something besides spaces (an unset shell variable gives "")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
+
+
 def positive_int(text: str) -> int:
     """An integer > 0."""
     value = _number(text, int, "an integer")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from embedding_store.cli_types import non_negative_float
+from embedding_store.cli_types import non_empty, non_negative_float
 from embedding_store.config import (
     EMBEDDING_CONFIG_ENV,
     EMBEDDING_CONFIG_FLAG,
@@ -32,12 +32,6 @@ def _int_in(low: int, high: int | None) -> Callable[[str], int]:
         return value
 
     return parse
-
-
-def _non_empty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a non-empty value")
-    return text
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +83,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--host",
-        type=_non_empty,
+        type=non_empty,
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
     )
@@ -103,7 +97,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dump-on-exit",
         metavar="DIR",
-        type=_non_empty,
+        type=non_empty,
         help="on SIGTERM/SIGINT write this shard's rows into DIR/shard_{I:05d}/ "
         "(with N = 1 also the manifest, so DIR is a complete checkpoint; with N > 1 the parts "
         "are a last-resort copy, not a loadable checkpoint: take those with "
@@ -112,7 +106,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--load-checkpoint",
         metavar="DIR",
-        type=_non_empty,
+        type=non_empty,
         help="job_type Train only: at start, load this shard's part of the embedding "
         "checkpoint DIR (re-sharded if DIR has another shard count) with its optimizer and "
         "optimizer state when none is configured yet; NOT_SERVING until loaded, exit 1 if "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from embedding_store.cli_types import (
     grpc_addresses,
     host_port_addresses,
+    non_empty,
     non_negative_float,
     port_number,
     positive_float,
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: infer_config.servers of the global config)",
     )
     parser.add_argument("--port", type=port_number, default=0, help="gRPC port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--metrics-port",
         type=port_number,

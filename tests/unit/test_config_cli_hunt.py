@@ -190,3 +190,26 @@ def test_an_nn_worker_entry_without_a_port_is_named(monkeypatch, entry) -> None:
     monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", "127.0.0.1:7000")
     dataset = StreamingDataset()
     assert (dataset.host, dataset.port) == ("127.0.0.1", 7000)
+
+
+# --------------------------------------------------------------------------- listening hosts
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--checkpoint", "runs/x"],
+        ["embedding-worker"],
+        ["embedding-parameter-server", "--replica-index", "0", "--replica-size", "1",
+         "--port", "0"],
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_listening_host_is_refused(capsys, argv, host) -> None:
+    """``--host "$HOST"`` with HOST unset: serve bound its HTTP port on every interface ("")
+    and then failed on gRPC as if its port were taken; the worker ended in a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*argv, "--host", host])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"recserve {argv[0]}: error: argument --host: expected a non-empty value"
+    )
+    assert cli.build_parser().parse_args([*argv, "--host", "0.0.0.0"]).host == "0.0.0.0"
