@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T", int, float)
@@ -70,6 +71,19 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return _at_most(value, text)
+
+
+def int_in_range(low: int, high: int | None) -> Callable[[str], int]:
+    """The type of an integer in ``[low, high]`` (``high`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int, "an integer")
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
+        return value
+
+    return parse
 
 
 def port_number(text: str) -> int:

@@ -213,3 +213,40 @@ def test_an_empty_listening_host_is_refused(capsys, argv, host) -> None:
         f"recserve {argv[0]}: error: argument --host: expected a non-empty value"
     )
     assert cli.build_parser().parse_args([*argv, "--host", "0.0.0.0"]).host == "0.0.0.0"
+
+
+# --------------------------------------------------------------------------- shard counts
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["checkpoint", "reshard", "ckpt", "--out", "out", "--shards"], "--shards"),
+        (["embedding-parameter-server", "--replica-index", "0", "--port", "0",
+          "--replica-size"], "--replica-size"),
+    ],
+)  # fmt: skip
+def test_shard_counts_are_at_most_what_a_manifest_holds(capsys, argv, flag) -> None:
+    """A manifest holds at most 65536 shards (its readers refuse more): ``checkpoint reshard
+    --shards 100000000`` read the source once per shard for hours and then wrote a manifest
+    no reader takes, and a tier of more shards dumped such checkpoints."""
+    from embedding_store.checkpoint_manifest import MAX_SHARDS
+
+    assert MAX_SHARDS == 65536
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*argv, "65537"])
+    assert exited.value.code == 2
+    command = " ".join(argv[:2]) if argv[0] == "checkpoint" else argv[0]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"recserve {command}: error: argument {flag}: expected an integer in 1..65536, got 65537"
+    )
+    parsed = cli.build_parser().parse_args([*argv, "65536"])
+    assert getattr(parsed, flag.lstrip("-").replace("-", "_")) == 65536
+
+
+def test_reshard_refuses_more_shards_than_a_manifest_holds(tmp_path) -> None:
+    from clients import checkpoint_write
+    from embedding_store.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as refused:
+        checkpoint_write.reshard(tmp_path / "missing", 65537, tmp_path / "out")
+    assert refused.value.message == "--shards must be an integer in 1..65536, got 65537"
+    assert list(tmp_path.iterdir()) == []  # refused before anything is read or written
