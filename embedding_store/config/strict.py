@@ -214,6 +214,21 @@ def _hint(value: Any) -> str:
     return ""
 
 
+def _string_hint(value: Any) -> str:
+    """How to write a string that YAML read as a boolean or a number, or "".
+
+    A feature named ``no`` or ``on``, or a column named ``2024``, reads as False, True or an
+    integer: the message shows that value, not what was typed, so it says why."""
+    if isinstance(value, bool):
+        return (
+            ": YAML reads unquoted yes/no/on/off/true/false as booleans; quote it for a "
+            "string (e.g. 'no')"
+        )
+    if isinstance(value, (int, float)):
+        return ": quote it for a string"
+    return ""
+
+
 # ----------------------------------------------------------------------------------------------
 # Mapping -> dataclass
 
@@ -315,7 +330,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        raise _error(source, path, f"expected a string, got {describe_value(value)}")
+        raise _error(
+            source, path, f"expected a string, got {describe_value(value)}{_string_hint(value)}"
+        )
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if isinstance(value, tp):
             return value
@@ -346,7 +363,8 @@ def _convert_union(args: tuple[Any, ...], value: Any, source: str, path: str) ->
     names = " or ".join(getattr(a, "__name__", repr(a)) for a in arms)
     if none_type in args:
         names += " or null"
-    raise _error(source, path, f"expected {names}, got {describe_value(value)}")
+    hint = _string_hint(value) if str in arms else ""
+    raise _error(source, path, f"expected {names}, got {describe_value(value)}{hint}")
 
 
 def _convert_sequence(
@@ -378,7 +396,11 @@ def _convert_dict(args: tuple[Any, ...], value: Any, source: str, path: str) -> 
         if isinstance(key, LeadingZeroInteger):
             raise _error(source, path, f"key {key.detail()}")
         if key_type is str and not isinstance(key, str):
-            raise _error(source, path, f"keys must be strings, got key {describe_value(key)}")
+            raise _error(
+                source,
+                path,
+                f"keys must be strings, got key {describe_value(key)}{_string_hint(key)}",
+            )
         sub = join_path(path, str(key))
         out[_convert(key_type, key, source, sub)] = _convert(value_type, item, source, sub)
     return out

@@ -964,7 +964,9 @@ def test_yes_is_refused_where_a_string_is_expected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_global_config(path)
     assert info.value.message == (
-        f"{path}: common_config.metrics_config.job_name: expected a string, got True (boolean)"
+        f"{path}: common_config.metrics_config.job_name: expected a string, got True (boolean): "
+        "YAML reads unquoted yes/no/on/off/true/false as booleans; quote it for a string "
+        "(e.g. 'no')"
     )
 
 

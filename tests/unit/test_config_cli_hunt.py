@@ -250,3 +250,53 @@ def test_reshard_refuses_more_shards_than_a_manifest_holds(tmp_path) -> None:
         checkpoint_write.reshard(tmp_path / "missing", 65537, tmp_path / "out")
     assert refused.value.message == "--shards must be an integer in 1..65536, got 65537"
     assert list(tmp_path.iterdir()) == []  # refused before anything is read or written
+
+
+# --------------------------------------------------------------------------- YAML 1.1 words
+_QUOTE_BOOLEAN = (
+    ": YAML reads unquoted yes/no/on/off/true/false as booleans; quote it for a string (e.g. 'no')"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "quoted"),
+    [
+        # A feature named "no": the message showed "False", which nobody typed.
+        ("slots_config: {no: {dim: 8}}\n",
+         "slots_config: keys must be strings, got key False (boolean)" + _QUOTE_BOOLEAN,
+         "slots_config: {'no': {dim: 8}}\n"),
+        ("slots_config: {'On': {dim: 8}}\nfeature_groups: {g: [On]}\n",
+         "feature_groups.g[0]: expected a string, got True (boolean)" + _QUOTE_BOOLEAN,
+         "slots_config: {'On': {dim: 8}}\nfeature_groups: {g: ['On']}\n"),
+        ("slots_config: {2024: {dim: 8}}\n",
+         "slots_config: keys must be strings, got key 2024 (integer): quote it for a string",
+         "slots_config: {'2024': {dim: 8}}\n"),
+    ],
+)  # fmt: skip
+def test_a_name_yaml_read_as_a_boolean_or_number_says_to_quote_it(
+    tmp_path, text, expected, quoted
+) -> None:
+    from embedding_store.config import load_embedding_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "embedding_config.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_embedding_config(path)
+    assert caught.value.message == f"{path}: {expected}"
+    path.write_text(quoted)  # what the hint says to write loads
+    assert len(load_embedding_config(path).slot_names) == 1
+
+
+def test_a_label_value_yaml_read_as_a_boolean_says_to_quote_it(tmp_path) -> None:
+    """``positive`` takes a string or a list of them (a union): the hint is given there too."""
+    from clients.eval_mapping import load_mapping
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "feature_mapping.yml"
+    path.write_text("preprocessor: m:f\nlabel: {column: y, positive: yes}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_mapping(path)
+    assert caught.value.message == (
+        f"{path}: label.positive: expected str or list or null, got True (boolean)" + _QUOTE_BOOLEAN
+    )
