@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from embedding_store.cli_types import url_problem
 from embedding_store.config.strict import (
     ConfigFieldError,
     from_mapping,
@@ -60,6 +61,9 @@ def _check_server_address(key: str, value: Any) -> None:
     expected = "expected a 'host:port' address"
     if not isinstance(value, str):
         raise ConfigFieldError(key, f"{expected}, got {value!r} ({type(value).__name__})")
+    problem = url_problem(value)
+    if problem:  # else refused below as an IPv6 host without brackets
+        raise ConfigFieldError(key, f"{expected}: {problem}")
     host, sep, port = value.rpartition(":")
     if not sep or not host.strip() or host != host.strip():
         raise ConfigFieldError(key, f"{expected}, got {value!r}")

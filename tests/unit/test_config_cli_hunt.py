@@ -300,3 +300,43 @@ def test_a_label_value_yaml_read_as_a_boolean_says_to_quote_it(tmp_path) -> None
     assert caught.value.message == (
         f"{path}: label.positive: expected str or list or null, got True (boolean)" + _QUOTE_BOOLEAN
     )
+
+
+# --------------------------------------------------------------------------- URLs as addresses
+def test_an_embedding_worker_url_in_the_environment_is_refused_at_once(monkeypatch) -> None:
+    """``recserve train --embedding-workers`` refuses a URL; RECSERVE_EMBEDDING_WORKERS set
+    by hand took it, and the trainer failed two minutes later with "Misformatted domain
+    name"."""
+    from embedding_store.config import GlobalConfig, load_embedding_config
+    from embedding_store.errors import InvalidArgumentError
+    from training.ctx import make_embedding_tier
+
+    config = load_embedding_config(EMBEDDING_CONFIG)
+    monkeypatch.setenv("RECSERVE_EMBEDDING_WORKERS", "http://worker-0:7201/")
+    with pytest.raises(InvalidArgumentError) as caught:
+        make_embedding_tier(config, GlobalConfig(), None)
+    assert caught.value.message == (
+        "RECSERVE_EMBEDDING_WORKERS: 'http://worker-0:7201/' is a URL: give HOST:PORT, "
+        "without http:// (e.g. worker-0:7201)"
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        make_embedding_tier(config, GlobalConfig(), ["grpc://worker-0:7201"])
+    assert caught.value.message == (
+        "embedding_workers: 'grpc://worker-0:7201' is a URL: give HOST:PORT, without grpc:// "
+        "(e.g. worker-0:7201)"
+    )
+
+
+def test_a_url_among_the_infer_servers_is_named_a_url(tmp_path) -> None:
+    """It was refused as an IPv6 host without brackets ("write IPv6 hosts as [addr]:port")."""
+    from embedding_store.config import load_global_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "global_config.yml"
+    path.write_text("common_config: {infer_config: {servers: ['ps-0:7000', 'http://ps-1:7000']}}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_global_config(path)
+    assert caught.value.message == (
+        f"{path}: common_config.infer_config.servers[1]: expected a 'host:port' address: "
+        "'http://ps-1:7000' is a URL: give HOST:PORT, without http:// (e.g. ps-1:7000)"
+    )
