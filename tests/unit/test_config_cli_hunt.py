@@ -340,3 +340,28 @@ def test_a_url_among_the_infer_servers_is_named_a_url(tmp_path) -> None:
         f"{path}: common_config.infer_config.servers[1]: expected a 'host:port' address: "
         "'http://ps-1:7000' is a URL: give HOST:PORT, without http:// (e.g. ps-1:7000)"
     )
+
+
+# --------------------------------------------------------------------------- serve's preprocessor
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # Not callable: every friendly request got 400 "instances could not be preprocessed:
+        # 'str' object is not callable", blaming the client for the server's flag.
+        ("os:sep", "--preprocessor 'os:sep' is not a function: got a str"),
+        ("no_such_module_here:f",
+         "cannot import preprocessor 'no_such_module_here:f': No module named "
+         "'no_such_module_here'"),
+    ],
+)  # fmt: skip
+def test_a_bad_preprocessor_is_refused_before_the_model_loads(tmp_path, spec, message) -> None:
+    """The checkpoint here does not exist: the preprocessor is refused first (it was
+    imported after the model load, which can take minutes, in every --workers process)."""
+    from embedding_store.errors import InvalidArgumentError
+    from serving.options import ServeOptions
+    from serving.server import PredictionServer
+
+    options = ServeOptions(checkpoint=tmp_path / "missing", preprocessor=spec, http_port=0)
+    with pytest.raises(InvalidArgumentError) as caught:
+        PredictionServer(options).start()
+    assert caught.value.message == message
