@@ -365,3 +365,35 @@ def test_a_bad_preprocessor_is_refused_before_the_model_loads(tmp_path, spec, me
     with pytest.raises(InvalidArgumentError) as caught:
         PredictionServer(options).start()
     assert caught.value.message == message
+
+
+# --------------------------------------------------------------------------- eval's mapping
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("id_features: {user: {colum: u}}\n",
+         "id_features.user.colum: unknown key; did you mean 'column'? (allowed keys: column, "
+         "hash, separator)"),
+        ("preprocessor: no_such_module_here:f\n",
+         "preprocessor: cannot import 'no_such_module_here:f': No module named "
+         "'no_such_module_here'"),
+    ],
+)  # fmt: skip
+def test_eval_reads_its_mapping_before_the_model_loads(tmp_path, text, message) -> None:
+    """The checkpoint here does not exist: the mapping is refused first (it was read after
+    the model loaded and the server was asked for its metadata)."""
+    from clients.eval import EvalOptions, run_eval
+    from embedding_store.errors import ConfigError
+
+    data = tmp_path / "rows.csv"
+    data.write_text("u,y\n1,0\n")
+    mapping = tmp_path / "feature_mapping.yml"
+    mapping.write_text(text)
+    options = EvalOptions(
+        data=(data,), out=tmp_path / "preds.csv", checkpoint=tmp_path / "missing",
+        mapping=mapping, progress=False,
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        run_eval(options)
+    assert caught.value.message == f"{mapping}: {message}"
+    assert not (tmp_path / "preds.csv").exists()
