@@ -110,11 +110,16 @@ def url_problem(address: str) -> str | None:
 
 
 def grpc_addresses(text: str) -> str:
-    """Comma-separated gRPC addresses (HOST:PORT), none of them a URL; the text unchanged."""
-    for address in text.split(","):
-        problem = url_problem(address.strip())
+    """Comma-separated gRPC addresses (HOST:PORT), at least one, none of them a URL; the
+    text unchanged. ("" from an unset shell variable: gRPC failed on the empty target with
+    its own trace, or a trainer silently used its embedded tier.)"""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        problem = url_problem(address)
         if problem:
             raise argparse.ArgumentTypeError(problem)
+    if not addresses:
+        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
     return text
 
 

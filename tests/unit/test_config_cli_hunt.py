@@ -397,3 +397,24 @@ def test_eval_reads_its_mapping_before_the_model_loads(tmp_path, text, message) 
         run_eval(options)
     assert caught.value.message == f"{mapping}: {message}"
     assert not (tmp_path / "preds.csv").exists()
+
+
+# --------------------------------------------------------------------------- empty peer lists
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["embedding-tier", "status", "--worker"],
+        ["train", "--entry", "t.py", "--embedding-workers"],
+    ],
+)
+@pytest.mark.parametrize("value", ["", " , "])
+def test_an_empty_grpc_address_list_is_refused(capsys, argv, value) -> None:
+    """``--worker "$WORKER"`` with WORKER unset: gRPC failed on the empty target with a C++
+    source trace; a trainer took "" for no flag and trained its embedded tier alone."""
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*argv, value])
+    assert exited.value.code == 2
+    command = " ".join(argv[:2]) if argv[0] == "embedding-tier" else argv[0]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"recserve {command}: error: argument {argv[-1]}: give at least one HOST:PORT"
+    )
