@@ -418,3 +418,48 @@ def test_an_empty_grpc_address_list_is_refused(capsys, argv, value) -> None:
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"recserve {command}: error: argument {argv[-1]}: give at least one HOST:PORT"
     )
+
+
+# --------------------------------------------------------------------------- shipped configs
+def test_every_shipped_config_loads_with_the_strict_loaders(tmp_path) -> None:
+    """Every config file in the repository, and each file of the Kubernetes ConfigMap, reads
+    with recserve's own loaders (duplicate keys and YAML 1.1 number quirks refused), not
+    only with ``yaml.safe_load``, which keeps the last of two duplicate keys."""
+    import yaml
+
+    from clients.eval_mapping import load_mapping
+    from embedding_store.config import load_embedding_config, load_global_config
+
+    loaders = {
+        "embedding_config": load_embedding_config,
+        "global_config": load_global_config,
+        "feature_mapping": load_mapping,
+    }
+    files = sorted(
+        path
+        for pattern in ("examples/**/*.yml", "deploy/configs/*.yml")
+        for path in ROOT.glob(pattern)
+    )
+    loaded = []
+    for path in files:
+        kind = next(kind for kind in loaders if path.name.startswith(kind))
+        loaders[kind](path)
+        loaded.append(str(path.relative_to(ROOT)))
+    configmap = yaml.safe_load((ROOT / "deploy/k8s/configmap.yaml").read_text())
+    for name, text in sorted(configmap["data"].items()):
+        copy = tmp_path / name
+        copy.write_text(text)
+        loaders[name.split(".")[0]](copy)
+        loaded.append(f"ConfigMap {name}")
+    assert loaded == [
+        "deploy/configs/embedding_config.yml",
+        "deploy/configs/global_config.infer.yml",
+        "deploy/configs/global_config.train.yml",
+        "examples/adult_income/embedding_config.yml",
+        "examples/adult_income/feature_mapping.yml",
+        "examples/configs/embedding_config.yml",
+        "examples/configs/global_config.yml",
+        "ConfigMap embedding_config.yml",
+        "ConfigMap global_config.infer.yml",
+        "ConfigMap global_config.train.yml",
+    ]
