@@ -588,6 +588,10 @@ def dump_yaml(data: Any, **options: Any) -> str:
     return yaml.dump(data, Dumper=_StrictDumper, **options)
 
 
+#: The largest config file read: configs are kilobytes (a thousand slots take ~100 KiB).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML file whose top level is a mapping (an empty file reads as ``{}``).
 
@@ -597,16 +601,23 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            # Bounded: a mistyped path can name a checkpoint's gigabytes, or /dev/zero.
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{source}: config file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{source}: is a directory, expected a YAML config file") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{source}: not valid UTF-8 text ({err.reason})") from None
     except OSError as err:
         raise ConfigError(f"{source}: cannot read config file: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, expected a YAML config file"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source}: not valid UTF-8 text ({err.reason})") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
     except yaml.MarkedYAMLError as err:

@@ -463,3 +463,27 @@ def test_every_shipped_config_loads_with_the_strict_loaders(tmp_path) -> None:
         "ConfigMap global_config.infer.yml",
         "ConfigMap global_config.train.yml",
     ]
+
+
+# --------------------------------------------------------------------------- config file size
+def test_a_config_path_that_names_a_huge_file_is_refused_unread(tmp_path) -> None:
+    """A mistyped path (a checkpoint's safetensors file, /dev/zero) was read whole into
+    memory before it failed to decode or parse; /dev/zero never ended."""
+    from embedding_store.config import load_embedding_config, load_global_config
+    from embedding_store.config.strict import MAX_CONFIG_BYTES
+    from embedding_store.errors import ConfigError
+
+    assert MAX_CONFIG_BYTES == 16 * 2**20
+    huge = tmp_path / "dim_16.safetensors"
+    with open(huge, "wb") as handle:
+        handle.truncate(MAX_CONFIG_BYTES + 1)  # sparse: no disk written
+    with pytest.raises(ConfigError) as caught:
+        load_embedding_config(huge)
+    assert caught.value.message == f"{huge}: larger than 16 MiB, expected a YAML config file"
+    with pytest.raises(ConfigError) as caught:
+        load_global_config("/dev/zero")
+    assert caught.value.message == "/dev/zero: larger than 16 MiB, expected a YAML config file"
+    # Windows line ends and a byte-order mark read as before the bounded read.
+    crlf = tmp_path / "embedding_config.yml"
+    crlf.write_bytes(b"\xef\xbb\xbfslots_config:\r\n  a: {dim: 8}\r\n")
+    assert load_embedding_config(crlf).slot("a").dim == 8
