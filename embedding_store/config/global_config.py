@@ -221,9 +221,11 @@ def global_config_to_mapping(config: GlobalConfig) -> dict[str, Any]:
 
 
 def load_global_config(path: str | os.PathLike[str] | None = None) -> GlobalConfig:
-    """Load ``global_config.yml`` from ``path``, else ``$RECSERVE_GLOBAL_CONFIG``, else defaults."""
-    if path is None:
-        path = os.environ.get(GLOBAL_CONFIG_ENV) or None
-        if path is None:
-            return GlobalConfig()
-    return load_yaml(GlobalConfig, path)
+    """Load ``global_config.yml`` from ``path``, else ``$RECSERVE_GLOBAL_CONFIG`` (its errors
+    then name the variable too), else defaults."""
+    if path is not None:
+        return load_yaml(GlobalConfig, path)
+    from_env = os.environ.get(GLOBAL_CONFIG_ENV) or None
+    if from_env is None:
+        return GlobalConfig()
+    return load_yaml(GlobalConfig, from_env, source=f"{from_env} (from {GLOBAL_CONFIG_ENV})")

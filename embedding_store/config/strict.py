@@ -592,14 +592,14 @@ def dump_yaml(data: Any, **options: Any) -> str:
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
-def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_yaml_mapping(path: str | os.PathLike[str], *, source: str | None = None) -> dict[str, Any]:
     """Read a YAML file whose top level is a mapping (an empty file reads as ``{}``).
 
     Numbers resolve by the YAML 1.2 core schema (see :class:`_StrictLoader`). Missing or
     unreadable files, syntax errors (with line and column), duplicate keys and a non-mapping
-    top level are :class:`ConfigError` naming the file.
+    top level are :class:`ConfigError` naming the file (``source``, by default the path).
     """
-    source = os.fspath(path)
+    source = os.fspath(path) if source is None else source
     try:
         with open(path, "rb") as handle:
             # Bounded: a mistyped path can name a checkpoint's gigabytes, or /dev/zero.
@@ -640,6 +640,8 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
-    """Read the YAML file at ``path`` and build dataclass ``cls`` from it strictly."""
-    return from_mapping(cls, read_yaml_mapping(path), source=os.fspath(path))
+def load_yaml(cls: type[T], path: str | os.PathLike[str], *, source: str | None = None) -> T:
+    """Read the YAML file at ``path`` and build dataclass ``cls`` from it strictly; errors
+    name ``source`` (by default the path)."""
+    source = os.fspath(path) if source is None else source
+    return from_mapping(cls, read_yaml_mapping(path, source=source), source=source)

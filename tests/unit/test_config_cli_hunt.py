@@ -487,3 +487,34 @@ def test_a_config_path_that_names_a_huge_file_is_refused_unread(tmp_path) -> Non
     crlf = tmp_path / "embedding_config.yml"
     crlf.write_bytes(b"\xef\xbb\xbfslots_config:\r\n  a: {dim: 8}\r\n")
     assert load_embedding_config(crlf).slot("a").dim == 8
+
+
+# --------------------------------------------------------------------------- configs by variable
+def test_a_config_given_by_its_variable_is_named_with_it(tmp_path, monkeypatch) -> None:
+    """A bad file that no flag named came from RECSERVE_EMBEDDING_CONFIG or
+    RECSERVE_GLOBAL_CONFIG (set in a shell or an .env file long ago): its errors name the
+    variable as well as the file, key and value. A path given explicitly reads as before."""
+    from embedding_store.config import load_embedding_config, load_global_config
+    from embedding_store.errors import ConfigError
+
+    embedding = tmp_path / "embedding_config.yml"
+    embedding.write_text("slots_config: {a: {dim: 0}}\n")
+    glob = tmp_path / "global_config.yml"
+    glob.write_text("embedding_worker_config: {forward_buffer_sise: 7}\n")
+    monkeypatch.setenv("RECSERVE_EMBEDDING_CONFIG", str(embedding))
+    monkeypatch.setenv("RECSERVE_GLOBAL_CONFIG", str(glob))
+    with pytest.raises(ConfigError) as caught:
+        load_embedding_config()
+    assert caught.value.message == (
+        f"{embedding} (from RECSERVE_EMBEDDING_CONFIG): slots_config.a.dim: expected a "
+        "positive integer, got 0"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_global_config()
+    assert caught.value.message == (
+        f"{glob} (from RECSERVE_GLOBAL_CONFIG): embedding_worker_config.forward_buffer_sise: "
+        "unknown key; did you mean 'forward_buffer_size'? (allowed keys: forward_buffer_size)"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_embedding_config(embedding)
+    assert caught.value.message.startswith(f"{embedding}: slots_config.a.dim: ")
