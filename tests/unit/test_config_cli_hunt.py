@@ -518,3 +518,38 @@ def test_a_config_given_by_its_variable_is_named_with_it(tmp_path, monkeypatch) 
     with pytest.raises(ConfigError) as caught:
         load_embedding_config(embedding)
     assert caught.value.message.startswith(f"{embedding}: slots_config.a.dim: ")
+
+
+# --------------------------------------------------------------------------- deploy scripts
+def _healthcheck_module():
+    import importlib.util
+
+    path = ROOT / "deploy" / "scripts" / "healthcheck.py"
+    spec = importlib.util.spec_from_file_location("recserve_healthcheck_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # No time is >= a NaN deadline: it retried every 0.5 s forever.
+        (["--wait", "nan"], "argument --wait: expected a finite number of seconds >= 0, got 'nan'"),
+        (["--wait", "-1"], "argument --wait: expected a finite number of seconds >= 0, got '-1'"),
+        (["--timeout", "0"],
+         "argument --timeout: expected a finite number of seconds > 0, got '0'"),
+        (["--timeout", "inf"],
+         "argument --timeout: expected a finite number of seconds > 0, got 'inf'"),
+        (["--wait", "2m"], "argument --wait: expected a finite number of seconds >= 0, got '2m'"),
+    ],
+)  # fmt: skip
+def test_healthcheck_seconds_are_finite(capsys, argv, message) -> None:
+    health = _healthcheck_module()
+    with pytest.raises(SystemExit) as exited:
+        health.parse_args(["tcp://127.0.0.1:1", *argv])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[1] == message
+    args = health.parse_args(["tcp://127.0.0.1:1", "--wait", "120", "--timeout", "0.5"])
+    assert (args.wait, args.timeout) == (120.0, 0.5)
