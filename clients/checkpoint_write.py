@@ -34,6 +34,7 @@ from embedding_store import (
     checkpoint_publish,
     model_checkpoint,
 )
+from embedding_store.checkpoint_manifest import MAX_SHARDS
 from embedding_store.errors import AlreadyExistsError, CheckpointError, InvalidArgumentError
 
 __all__ = ["export_dense", "reshard"]
@@ -102,8 +103,11 @@ def reshard(
 ) -> dict[str, Any]:
     """Rewrite the embedding part with ``shards`` shards into ``out`` (dense files copied,
     same version); the source is verified first and ``out`` appears complete or not at all."""
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise InvalidArgumentError(f"--shards must be an integer >= 1, got {shards!r}")
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        # Above MAX_SHARDS it wrote for hours a checkpoint whose manifest no reader takes.
+        raise InvalidArgumentError(
+            f"--shards must be an integer in 1..{MAX_SHARDS}, got {shards!r}"
+        )
     root, target = Path(directory), Path(out).resolve()
     if target == root.resolve() or root.resolve() in target.parents:
         raise InvalidArgumentError(f"--out {out} must not be {directory} or inside it")

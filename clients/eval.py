@@ -160,6 +160,13 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
     """Run ``recserve eval``; messages on ``out`` (stdout), progress and bad rows on stderr."""
     out = out or sys.stdout
     _check_options(o)
+    # The mapping file and its preprocessor before the model loads or the server is asked:
+    # a typo in either must not cost a model load to find.
+    explicit = load_mapping(o.mapping) if o.mapping is not None else None
+    source = os.fspath(o.mapping) if o.mapping is not None else "the default mapping (no --mapping)"
+    preprocess = None
+    if explicit is not None and explicit.preprocessor is not None:
+        preprocess = import_function(explicit.preprocessor, source)
     local = server = None
     try:
         if o.checkpoint is not None:
@@ -177,18 +184,13 @@ def run_eval(o: EvalOptions, *, out: TextIO | None = None) -> EvalResult:
         scorer = local or server
         assert scorer is not None  # _check_options: --checkpoint, --url or both
         signature = scorer.signature
-        if o.mapping is not None:
-            mapping = load_mapping(o.mapping)
-            source = os.fspath(o.mapping)
-        else:
-            mapping = default_mapping(signature)
-            source = "the default mapping (no --mapping)"
+        mapping = explicit if explicit is not None else default_mapping(signature)
         label = _label_of(o, mapping)
         if server is not None:
             server.label_column = label.column if label else None
         encoder: PreprocessorEncoder | GenericEncoder
-        if mapping.preprocessor is not None:
-            encoder = PreprocessorEncoder(import_function(mapping.preprocessor, source))
+        if preprocess is not None:
+            encoder = PreprocessorEncoder(preprocess)
         else:
             encoder = GenericEncoder(mapping, signature, source)
         return _evaluate(o, encoder, label, local, server, out)

@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 
 from clients._tls import add_tls_arguments
-from embedding_store.cli_types import non_negative_float, positive_float, positive_int
+from embedding_store.checkpoint_manifest import MAX_SHARDS
+from embedding_store.cli_types import (
+    int_in_range,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 
 
 # --------------------------------------------------------------------------- eval
@@ -182,7 +188,11 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
     reshard.add_argument("directory", type=Path, metavar="DIR")
     reshard.add_argument(
-        "--shards", type=positive_int, required=True, metavar="N", help="shards to write"
+        "--shards",
+        type=int_in_range(1, MAX_SHARDS),  # what a manifest may hold: a larger one never loads
+        required=True,
+        metavar="N",
+        help=f"shards to write (at most {MAX_SHARDS})",
     )
     reshard.add_argument(
         "--out", type=Path, required=True, metavar="DIR2", help="the resharded checkpoint"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T", int, float)
@@ -31,6 +32,13 @@ def _at_most(value: float, text: str) -> float:
             f"expected a number <= {MAX_FLOAT_VALUE:.0f}, got {text!r}"
         )
     return value
+
+
+def non_empty(text: str) -> str:
+    """Any text with something besides spaces (an unset shell variable gives "")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
 
 
 def positive_int(text: str) -> int:
@@ -65,6 +73,19 @@ def non_negative_float(text: str) -> float:
     return _at_most(value, text)
 
 
+def int_in_range(low: int, high: int | None) -> Callable[[str], int]:
+    """The type of an integer in ``[low, high]`` (``high`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int, "an integer")
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0..65535 (0: let the system pick a free one)."""
     value = _number(text, int, "an integer")
@@ -89,9 +110,31 @@ def url_problem(address: str) -> str | None:
 
 
 def grpc_addresses(text: str) -> str:
-    """Comma-separated gRPC addresses (HOST:PORT), none of them a URL; the text unchanged."""
-    for address in text.split(","):
-        problem = url_problem(address.strip())
+    """Comma-separated gRPC addresses (HOST:PORT), at least one, none of them a URL; the
+    text unchanged. ("" from an unset shell variable: gRPC failed on the empty target with
+    its own trace, or a trainer silently used its embedded tier.)"""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        problem = url_problem(address)
         if problem:
             raise argparse.ArgumentTypeError(problem)
+    if not addresses:
+        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
+    return text
+
+
+def host_port_addresses(text: str) -> str:
+    """Comma-separated HOST:PORT addresses with a port in 1..65535, at least one, none a URL
+    (what a process listens on and its peers dial: gRPC target URIs do not do for both);
+    the text unchanged."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        problem = url_problem(address)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        host, _, port = address.rpartition(":")
+        if not (host and port.isdigit() and port.isascii() and 0 < int(port) < 65536):
+            raise argparse.ArgumentTypeError(f"{address!r} is not HOST:PORT")
+    if not addresses:
+        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
     return text

@@ -7,37 +7,15 @@ Server modules are imported inside the handlers, so ``recserve --help`` stays fa
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
-from embedding_store.cli_types import non_negative_float
+from embedding_store.checkpoint_manifest import MAX_SHARDS
+from embedding_store.cli_types import int_in_range, non_empty, non_negative_float
 from embedding_store.config import (
     EMBEDDING_CONFIG_ENV,
     EMBEDDING_CONFIG_FLAG,
     GLOBAL_CONFIG_ENV,
     GLOBAL_CONFIG_FLAG,
 )
-
-
-def _int_in(low: int, high: int | None) -> Callable[[str], int]:
-    """An integer in [low, high] (argparse names the flag in its message)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in {low}..{high}"
-            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def _non_empty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a non-empty value")
-    return text
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,34 +46,35 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     _add_config_flags(parser)
     parser.add_argument(
         "--replica-index",
-        type=_int_in(0, None),
+        type=int_in_range(0, None),
         required=True,
         metavar="I",
         help="this shard's index, 0 <= I < N",
     )
     parser.add_argument(
         "--replica-size",
-        type=_int_in(1, None),
+        # At most what a checkpoint manifest holds: a larger tier's dumps would not load.
+        type=int_in_range(1, MAX_SHARDS),
         required=True,
         metavar="N",
-        help="number of parameter-server shards",
+        help=f"number of parameter-server shards (at most {MAX_SHARDS})",
     )
     parser.add_argument(
         "--port",
-        type=_int_in(0, 65535),
+        type=int_in_range(0, 65535),
         required=True,
         metavar="P",
         help="gRPC port (0: pick a free one and print it)",
     )
     parser.add_argument(
         "--host",
-        type=_non_empty,
+        type=non_empty,
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)",
     )
     parser.add_argument(
         "--metrics-port",
-        type=_int_in(0, 65535),
+        type=int_in_range(0, 65535),
         metavar="M",
         help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port; "
         "absent: none)",
@@ -103,7 +82,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dump-on-exit",
         metavar="DIR",
-        type=_non_empty,
+        type=non_empty,
         help="on SIGTERM/SIGINT write this shard's rows into DIR/shard_{I:05d}/ "
         "(with N = 1 also the manifest, so DIR is a complete checkpoint; with N > 1 the parts "
         "are a last-resort copy, not a loadable checkpoint: take those with "
@@ -112,7 +91,7 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--load-checkpoint",
         metavar="DIR",
-        type=_non_empty,
+        type=non_empty,
         help="job_type Train only: at start, load this shard's part of the embedding "
         "checkpoint DIR (re-sharded if DIR has another shard count) with its optimizer and "
         "optimizer state when none is configured yet; NOT_SERVING until loaded, exit 1 if "

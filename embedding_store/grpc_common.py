@@ -354,16 +354,28 @@ def reset_tier_tls_cache() -> None:
 
 def bind_tier_port(server: grpc.Server, address: str) -> int:
     """``server.add_secure_port`` with the tier's mutual TLS when :func:`tier_tls` gives
-    it, else ``add_insecure_port`` (today's plaintext). Returns the port bound (0: none).
-    ConfigError for bad TLS variables, before anything is bound. Under TLS, new handshakes
-    get renewed files (:func:`tier_tls_files`); open connections keep theirs."""
+    it, else ``add_insecure_port`` (today's plaintext). Returns the port bound (> 0).
+    ConfigError for bad TLS variables, before anything is bound; UnavailableError naming
+    ``address`` when it cannot be bound (grpcio raises a bare RuntimeError, older ones
+    returned 0). Under TLS, new handshakes get renewed files (:func:`tier_tls_files`); open
+    connections keep theirs."""
     files = tier_tls_files()
-    if files is None:
-        return server.add_insecure_port(address)
-    credentials = dynamic_server_credentials(
-        files, TierTls.certificate_configuration, require_client_auth=True
-    )
-    return server.add_secure_port(address, credentials)
+    try:
+        if files is None:
+            bound = server.add_insecure_port(address)
+        else:
+            credentials = dynamic_server_credentials(
+                files, TierTls.certificate_configuration, require_client_auth=True
+            )
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:  # "Failed to bind to address ...": the cause is only in gRPC's log
+        bound = 0
+    if not bound:
+        raise UnavailableError(
+            f"cannot listen on {address}: the port is in use, or the host is not an address "
+            "of this machine (port 0 picks a free port)"
+        )
+    return bound
 
 
 def tier_transport() -> str:

@@ -189,13 +189,7 @@ class ParameterServerProcess:
             server,
         )
         requested = format_address(opts.host, opts.port)
-        try:
-            port = bind_tier_port(server, requested)
-        except RuntimeError as error:
-            raise UnavailableError(f"cannot listen on {requested}: {error}") from None
-        if not port:
-            raise UnavailableError(f"cannot listen on {requested} (address in use?)")
-        self.port = port
+        self.port = bind_tier_port(server, requested)  # UnavailableError naming it
         self._start_metrics()
         directory, adopt_optimizer = self._checkpoint_at_start()
         if directory is not None:

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 from embedding_store.cli_types import (
     grpc_addresses,
+    host_port_addresses,
+    non_empty,
     non_negative_float,
     port_number,
     positive_float,
-    url_problem,
 )
 from embedding_store.config import load_embedding_config, load_global_config
 
@@ -23,17 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def _addresses(text: str) -> list[str]:
-    addresses = [a.strip() for a in text.split(",") if a.strip()]
-    for address in addresses:
-        problem = url_problem(address)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"{address!r} is not HOST:PORT")
-    if not addresses:
-        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
-    return addresses
+    return [a.strip() for a in host_port_addresses(text).split(",") if a.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: infer_config.servers of the global config)",
     )
     parser.add_argument("--port", type=port_number, default=0, help="gRPC port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--metrics-port",
         type=port_number,

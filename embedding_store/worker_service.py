@@ -278,9 +278,8 @@ def serve_embedding_worker(
     metrics_httpd = None
     try:
         try:
-            bound = bind_tier_port(server, f"{host}:{port}")
-            if bound == 0:
-                raise UnavailableError(f"cannot listen on {host}:{port}")
+            # format_address: an IPv6 host in brackets ("::1:0" is no address to gRPC).
+            bound = bind_tier_port(server, format_address(host, port))
             if metrics_port is not None:
                 metrics_httpd = start_metrics_server(metrics, host, metrics_port)
                 print(
@@ -295,7 +294,7 @@ def serve_embedding_worker(
             raise
         freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
         space_out_young_collections()
-        print(f"embedding worker listening on {host}:{bound}", flush=True)
+        print(f"embedding worker listening on {format_address(host, bound)}", flush=True)
         return _serve(
             tier,
             server,

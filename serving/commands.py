@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from embedding_store.cli_types import (
+    non_empty,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -29,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory")
     parser.add_argument("--model-name", default="model", help="name clients use (default model)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    # Not empty: Python binds "" to every interface (HTTP), gRPC refuses it.
+    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--http-port", type=port_number, default=8000, help="HTTP port (0: any free)"
     )

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import uvicorn
 
@@ -58,9 +58,14 @@ def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
     if not module_name or not attribute:
         raise InvalidArgumentError(f"--preprocessor must be MODULE:FUNCTION, got {spec!r}")
     try:
-        return getattr(importlib.import_module(module_name), attribute)
+        function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise InvalidArgumentError(f"cannot import preprocessor {spec!r}: {error}") from None
+    if not callable(function):  # else every friendly request failed with a TypeError
+        raise InvalidArgumentError(
+            f"--preprocessor {spec!r} is not a function: got a {type(function).__name__}"
+        )
+    return cast("Callable[[list[Mapping[str, Any]]], Batch]", function)
 
 
 class PredictionServer:
@@ -116,6 +121,9 @@ class PredictionServer:
             o.tls_cert, o.tls_key, o.tls_client_ca, interval=o.tls_reload_seconds
         )
         tls = tls_files.tls if tls_files else None
+        # Before the model loads, as the TLS files: a mistyped --preprocessor must not cost
+        # a model load (of every --workers process) to find.
+        preprocessor = load_preprocessor(o.preprocessor) if o.preprocessor else None
         torch.set_num_threads(o.threads)
         model = self._load(None)
         self.service = PredictionService(
@@ -126,7 +134,7 @@ class PredictionServer:
             max_queue_delay=o.max_queue_delay_ms / 1000.0,
             max_queue_size=o.max_queue_size,
             default_timeout=o.request_timeout,
-            preprocessor=load_preprocessor(o.preprocessor) if o.preprocessor else None,
+            preprocessor=preprocessor,
         )
         app = create_app(
             self.service,

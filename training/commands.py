@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import grpc_addresses, positive_int
+from embedding_store.cli_types import grpc_addresses, host_port_addresses, positive_int
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -40,6 +40,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-config", help="global_config.yml (for the script)")
     parser.add_argument(
         "--nn-worker-addresses",
+        type=host_port_addresses,  # each rank listens on its entry's port, loaders dial them
         help="comma-separated HOST:PORT of the NN workers' data receivers, rank order",
     )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments after --")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch
+from embedding_store.cli_types import url_problem
 from embedding_store.config import (
     GLOBAL_CONFIG_ENV,
     EmbeddingConfig,
@@ -76,9 +77,17 @@ def make_embedding_tier(
 ) -> EmbeddingTier:
     """The embedding tier: remote when worker addresses are given (or in the environment),
     else in-process (the embedded default)."""
+    source = "embedding_workers"
     if embedding_workers is None:
         from_env = os.environ.get(EMBEDDING_WORKERS_ENV, "")
         embedding_workers = [a for a in from_env.split(",") if a.strip()]
+        source = EMBEDDING_WORKERS_ENV
+    for address in embedding_workers:
+        # As `recserve train --embedding-workers` checks it: gRPC would take the scheme for
+        # a host name and fail only after wait_for_serving's two minutes.
+        problem = url_problem(address.strip())
+        if problem:
+            raise InvalidArgumentError(f"{source}: {problem}")
     if embedding_workers:
         from embedding_store.worker_client import RemoteEmbeddingWorker
 

@@ -31,6 +31,7 @@ from embedding_store.grpc_common import (
     bind_tier_port,
     call,
     channel_options,
+    format_address,
     rpc_errors,
     server_interceptors,
     server_options,
@@ -47,6 +48,27 @@ log = logging.getLogger(__name__)
 
 def _addresses_from_env() -> list[str]:
     return [a.strip() for a in os.environ.get(NN_WORKERS_ENV, "").split(",") if a.strip()]
+
+
+def _replica_from_env(name: str, default: str) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset);
+    InvalidArgumentError naming the variable and its text when it is not one."""
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _own_port(address: str) -> tuple[str, int]:
+    """(host, port) of ``address``, this rank's ``HOST:PORT`` entry of NN_WORKERS_ENV;
+    InvalidArgumentError naming the variable and the entry unless the port is 1..65535."""
+    host, _, port = address.rpartition(":")
+    if not (port.isdigit() and port.isascii() and 0 < int(port) < 65536):
+        raise InvalidArgumentError(
+            f"{NN_WORKERS_ENV}: {address!r} is not HOST:PORT with a port in 1..65535"
+        )
+    return host, int(port)
 
 
 class DataCtx:
@@ -72,11 +94,13 @@ class DataCtx:
             raise InvalidArgumentError(
                 f"no NN worker addresses: pass nn_worker_addresses or set {NN_WORKERS_ENV}"
             )
-        self.replica_index = int(
-            os.environ.get(REPLICA_INDEX_ENV, "0") if replica_index is None else replica_index
+        self.replica_index = (
+            _replica_from_env(REPLICA_INDEX_ENV, "0")
+            if replica_index is None
+            else int(replica_index)
         )
-        self.replica_size = int(
-            os.environ.get(REPLICA_SIZE_ENV, "1") if replica_size is None else replica_size
+        self.replica_size = (
+            _replica_from_env(REPLICA_SIZE_ENV, "1") if replica_size is None else int(replica_size)
         )
         if not 0 <= self.replica_index < self.replica_size:
             raise InvalidArgumentError(
@@ -228,8 +252,7 @@ class StreamingDataset:
                 raise InvalidArgumentError(
                     f"StreamingDataset needs a port: pass port= or set {NN_WORKERS_ENV}"
                 )
-            own_host, _, own_port = addresses[rank % len(addresses)].rpartition(":")
-            port = int(own_port)
+            own_host, port = _own_port(addresses[rank % len(addresses)])
             host = host or (own_host if own_host.startswith("127.") else "0.0.0.0")
             world = len(addresses)
         self.host = host or "127.0.0.1"
@@ -254,10 +277,10 @@ class StreamingDataset:
                 interceptors=server_interceptors(),
             )
             pb_grpc.add_DataReceiverServicer_to_server(_Receiver(self), server)
-            bound = bind_tier_port(server, f"{self.host}:{self.port}")
-            if bound == 0:
-                raise UnavailableError(f"StreamingDataset cannot listen on {self.host}:{self.port}")
-            self.port = bound
+            try:
+                self.port = bind_tier_port(server, format_address(self.host, self.port))
+            except UnavailableError as error:
+                raise UnavailableError(f"StreamingDataset {error.message}") from None
             server.start()
             self._server = server
         return self

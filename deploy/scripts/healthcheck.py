@@ -28,6 +28,7 @@ ordering: start ``recserve serve`` once the shards have loaded their checkpoint)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import ssl
@@ -35,6 +36,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,11 +163,31 @@ def check(target: str, timeout: float, service: str = "") -> str | None:
     )
 
 
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    """A finite number of seconds, >= 0 (> 0 with ``minimum_exclusive``). ``--wait nan``
+    retried forever (no time is >= a NaN deadline); a NaN or negative ``--timeout`` failed
+    every check with a message about the socket, not the flag."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0):
+            bound = "> 0" if minimum_exclusive else ">= 0"
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number of seconds {bound}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET")
-    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
-    parser.add_argument("--timeout", type=float, default=3.0, help="per check (s)")
+    parser.add_argument("--wait", type=_seconds(False), default=0.0, metavar="SECONDS")
+    parser.add_argument("--timeout", type=_seconds(True), default=3.0, help="per check (s)")
     parser.add_argument(
         "--service",
         default="",

@@ -315,15 +315,19 @@ def embedding_config_to_mapping(config: EmbeddingConfig) -> dict[str, Any]:
 
 
 def load_embedding_config(path: str | os.PathLike[str] | None = None) -> EmbeddingConfig:
-    """Load ``embedding_config.yml`` from ``path``, else from ``$RECSERVE_EMBEDDING_CONFIG``.
+    """Load ``embedding_config.yml`` from ``path``, else from ``$RECSERVE_EMBEDDING_CONFIG``
+    (its errors then name the variable too).
 
     There is no default embedding config: with neither given this is a :class:`ConfigError`.
     """
-    if path is None:
-        path = os.environ.get(EMBEDDING_CONFIG_ENV) or None
-        if path is None:
-            raise ConfigError(
-                f"no embedding config given: pass {EMBEDDING_CONFIG_FLAG} PATH or set the "
-                f"{EMBEDDING_CONFIG_ENV} environment variable to the embedding_config.yml path"
-            )
-    return load_yaml(EmbeddingConfig, path)
+    if path is not None:
+        return load_yaml(EmbeddingConfig, path)
+    from_env = os.environ.get(EMBEDDING_CONFIG_ENV) or None
+    if from_env is None:
+        raise ConfigError(
+            f"no embedding config given: pass {EMBEDDING_CONFIG_FLAG} PATH or set the "
+            f"{EMBEDDING_CONFIG_ENV} environment variable to the embedding_config.yml path"
+        )
+    # Named with the variable: a path set in a shell or an .env file long ago is not where a
+    # user looks when no flag names it.
+    return load_yaml(EmbeddingConfig, from_env, source=f"{from_env} (from {EMBEDDING_CONFIG_ENV})")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from embedding_store.cli_types import url_problem
 from embedding_store.config.strict import (
     ConfigFieldError,
     from_mapping,
@@ -60,6 +61,9 @@ def _check_server_address(key: str, value: Any) -> None:
     expected = "expected a 'host:port' address"
     if not isinstance(value, str):
         raise ConfigFieldError(key, f"{expected}, got {value!r} ({type(value).__name__})")
+    problem = url_problem(value)
+    if problem:  # else refused below as an IPv6 host without brackets
+        raise ConfigFieldError(key, f"{expected}: {problem}")
     host, sep, port = value.rpartition(":")
     if not sep or not host.strip() or host != host.strip():
         raise ConfigFieldError(key, f"{expected}, got {value!r}")
@@ -217,9 +221,11 @@ def global_config_to_mapping(config: GlobalConfig) -> dict[str, Any]:
 
 
 def load_global_config(path: str | os.PathLike[str] | None = None) -> GlobalConfig:
-    """Load ``global_config.yml`` from ``path``, else ``$RECSERVE_GLOBAL_CONFIG``, else defaults."""
-    if path is None:
-        path = os.environ.get(GLOBAL_CONFIG_ENV) or None
-        if path is None:
-            return GlobalConfig()
-    return load_yaml(GlobalConfig, path)
+    """Load ``global_config.yml`` from ``path``, else ``$RECSERVE_GLOBAL_CONFIG`` (its errors
+    then name the variable too), else defaults."""
+    if path is not None:
+        return load_yaml(GlobalConfig, path)
+    from_env = os.environ.get(GLOBAL_CONFIG_ENV) or None
+    if from_env is None:
+        return GlobalConfig()
+    return load_yaml(GlobalConfig, from_env, source=f"{from_env} (from {GLOBAL_CONFIG_ENV})")

@@ -33,7 +33,7 @@ import math
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
@@ -88,9 +88,39 @@ class ConfigFieldError(ConfigError):
 # Message helpers
 
 
+def _repr_pieces(value: Any) -> Iterator[str]:
+    """``repr(value)`` in pieces, lazily: lists, tuples and dicts piece by piece, so a caller
+    can stop after a few. A YAML alias bomb (``&a [x, x, ...]``, ``&b [*a, *a, ...]``, ...)
+    is small in memory (its lists are shared) but its full repr has billions of characters."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        yield "[" if kind is list else "("
+        for i, item in enumerate(value):
+            if i:
+                yield ", "
+            yield from _repr_pieces(item)
+        yield "]" if kind is list else ("," if len(value) == 1 else "") + ")"
+    elif kind is dict:
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _repr_pieces(key)
+            yield ": "
+            yield from _repr_pieces(item)
+        yield "}"
+    else:
+        yield repr(value)
+
+
 def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+    """``repr(value)``, cut to :data:`_MAX_REPR` characters (ending in ``...``) when longer;
+    only as much of it is made as is shown."""
+    text = ""
+    for piece in _repr_pieces(value):
+        text += piece
+        if len(text) > _MAX_REPR:
+            return text[: _MAX_REPR - 3] + "..."
+    return text
 
 
 def describe_value(value: Any) -> str:
@@ -181,6 +211,21 @@ def _hint(value: Any) -> str:
     if re.fullmatch(r"[-+]?[0-9][0-9_:]*", text) and ("_" in text or ":" in text):
         # YAML 1.1 read 1_000 as 1000 and 1:00 as 60; YAML 1.2 (this loader) reads strings.
         return ": integers are written in plain decimal digits (no '_' or ':')"
+    return ""
+
+
+def _string_hint(value: Any) -> str:
+    """How to write a string that YAML read as a boolean or a number, or "".
+
+    A feature named ``no`` or ``on``, or a column named ``2024``, reads as False, True or an
+    integer: the message shows that value, not what was typed, so it says why."""
+    if isinstance(value, bool):
+        return (
+            ": YAML reads unquoted yes/no/on/off/true/false as booleans; quote it for a "
+            "string (e.g. 'no')"
+        )
+    if isinstance(value, (int, float)):
+        return ": quote it for a string"
     return ""
 
 
@@ -285,7 +330,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        raise _error(source, path, f"expected a string, got {describe_value(value)}")
+        raise _error(
+            source, path, f"expected a string, got {describe_value(value)}{_string_hint(value)}"
+        )
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if isinstance(value, tp):
             return value
@@ -316,7 +363,8 @@ def _convert_union(args: tuple[Any, ...], value: Any, source: str, path: str) ->
     names = " or ".join(getattr(a, "__name__", repr(a)) for a in arms)
     if none_type in args:
         names += " or null"
-    raise _error(source, path, f"expected {names}, got {describe_value(value)}")
+    hint = _string_hint(value) if str in arms else ""
+    raise _error(source, path, f"expected {names}, got {describe_value(value)}{hint}")
 
 
 def _convert_sequence(
@@ -348,7 +396,11 @@ def _convert_dict(args: tuple[Any, ...], value: Any, source: str, path: str) -> 
         if isinstance(key, LeadingZeroInteger):
             raise _error(source, path, f"key {key.detail()}")
         if key_type is str and not isinstance(key, str):
-            raise _error(source, path, f"keys must be strings, got key {describe_value(key)}")
+            raise _error(
+                source,
+                path,
+                f"keys must be strings, got key {describe_value(key)}{_string_hint(key)}",
+            )
         sub = join_path(path, str(key))
         out[_convert(key_type, key, source, sub)] = _convert(value_type, item, source, sub)
     return out
@@ -536,25 +588,36 @@ def dump_yaml(data: Any, **options: Any) -> str:
     return yaml.dump(data, Dumper=_StrictDumper, **options)
 
 
-def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+#: The largest config file read: configs are kilobytes (a thousand slots take ~100 KiB).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def read_yaml_mapping(path: str | os.PathLike[str], *, source: str | None = None) -> dict[str, Any]:
     """Read a YAML file whose top level is a mapping (an empty file reads as ``{}``).
 
     Numbers resolve by the YAML 1.2 core schema (see :class:`_StrictLoader`). Missing or
     unreadable files, syntax errors (with line and column), duplicate keys and a non-mapping
-    top level are :class:`ConfigError` naming the file.
+    top level are :class:`ConfigError` naming the file (``source``, by default the path).
     """
-    source = os.fspath(path)
+    source = os.fspath(path) if source is None else source
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            # Bounded: a mistyped path can name a checkpoint's gigabytes, or /dev/zero.
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{source}: config file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{source}: is a directory, expected a YAML config file") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{source}: not valid UTF-8 text ({err.reason})") from None
     except OSError as err:
         raise ConfigError(f"{source}: cannot read config file: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, expected a YAML config file"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source}: not valid UTF-8 text ({err.reason})") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: safe
     except yaml.MarkedYAMLError as err:
@@ -577,6 +640,8 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
-    """Read the YAML file at ``path`` and build dataclass ``cls`` from it strictly."""
-    return from_mapping(cls, read_yaml_mapping(path), source=os.fspath(path))
+def load_yaml(cls: type[T], path: str | os.PathLike[str], *, source: str | None = None) -> T:
+    """Read the YAML file at ``path`` and build dataclass ``cls`` from it strictly; errors
+    name ``source`` (by default the path)."""
+    source = os.fspath(path) if source is None else source
+    return from_mapping(cls, read_yaml_mapping(path, source=source), source=source)

@@ -338,7 +338,7 @@ def _run_parameter_server(monkeypatch, *argv: str) -> list:
     [
         (
             ["--replica-index", "0", "--replica-size", "0", "--port", "0"],
-            "argument --replica-size: expected an integer >= 1, got 0",
+            "argument --replica-size: expected an integer in 1..65536, got 0",
         ),
         (
             ["--replica-index", "-1", "--replica-size", "1", "--port", "0"],

@@ -629,8 +629,11 @@ def test_no_path_no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_env_var_pointing_to_bad_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(GLOBAL_CONFIG_ENV, str(tmp_path / "missing.yml"))
-    with pytest.raises(ConfigError, match=r"missing\.yml: config file not found"):
+    with pytest.raises(ConfigError) as info:
         load_global_config()
+    assert info.value.message == (
+        f"{tmp_path / 'missing.yml'} (from RECSERVE_GLOBAL_CONFIG): config file not found"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -964,7 +967,9 @@ def test_yes_is_refused_where_a_string_is_expected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_global_config(path)
     assert info.value.message == (
-        f"{path}: common_config.metrics_config.job_name: expected a string, got True (boolean)"
+        f"{path}: common_config.metrics_config.job_name: expected a string, got True (boolean): "
+        "YAML reads unquoted yes/no/on/off/true/false as booleans; quote it for a string "
+        "(e.g. 'no')"
     )
 
 
