@@ -217,6 +217,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 MAX_BODY_BYTES = 2**31 - 1
 #: The most torch threads a process may ask for (beyond the cores they only contend).
 MAX_THREADS = 1024
+#: The most server processes (--workers): each loads the model, so beyond the cores they
+#: only cost memory.
+MAX_WORKERS = 256
+#: The shortest checkpoint poll (--watch-seconds): each poll reads the checkpoint's marker
+#: files, and a shorter interval only spins a core for nothing.
+MIN_WATCH_SECONDS = 0.1
 #: A model name: what clients put in /v2/models/NAME/...: no "/", whitespace or control
 #: characters, so every route reaches it.
 _MODEL_NAME = re.compile(r"[^\s/\x00-\x1f\x7f]{1,255}")
@@ -244,6 +250,18 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} {getattr(args, flag)}: at most {MAX_BODY_BYTES}"
     if args.threads > MAX_THREADS:
         return f"--threads {args.threads}: at most {MAX_THREADS}"
+    if args.workers > MAX_WORKERS:
+        return f"--workers {args.workers}: at most {MAX_WORKERS} (each process loads the model)"
+    if 0 < args.watch_seconds < MIN_WATCH_SECONDS:
+        return (
+            f"--watch-seconds {args.watch_seconds:g}: 0 (off) or at least "
+            f"{MIN_WATCH_SECONDS:g} s (each poll reads the checkpoint's files)"
+        )
+    if args.reload_root is not None and not args.reload_root.is_dir():
+        return (
+            f"--reload-root {args.reload_root}: no such directory (POST /admin/reload loads "
+            "only checkpoints under it)"
+        )
     workers = _addresses(args.embedding_workers)
     ps = _addresses(args.embedding_ps)
     for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):

@@ -106,6 +106,13 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
             "--max-decompressed-bytes 2147483648: at most 2147483647",
         ),
         (["--embedding-workers", ":7000"], "--embedding-workers: ':7000' is not HOST:PORT"),
+        (["--workers", "257"], "--workers 257: at most 256 (each process loads the model)"),
+        (["--watch-seconds", "1e-9"], "--watch-seconds 1e-09: 0 (off) or at least 0.1 s"),
+        (["--watch-seconds", "0.09"], "--watch-seconds 0.09: 0 (off) or at least 0.1 s"),
+        (
+            ["--reload-root", "/nonexistent/recserve-root"],
+            "--reload-root /nonexistent/recserve-root: no such directory",
+        ),
     ],
 )
 def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
@@ -127,8 +134,10 @@ def test_arguments_at_their_limits_pass_the_checks():
         "--model-name", "...", "--embedding-workers", "w:65535", "--threads", "1024",
         "--max-queue-delay-ms", "1999", "--request-timeout", "2",
         "--max-body-bytes", "2147483647", "--max-decompressed-bytes", "2147483647",
+        "--workers", "256", "--watch-seconds", "0.1", "--reload-root", "/",
     )  # fmt: skip
     assert commands.check_arguments(args) is None
+    assert commands.check_arguments(_parse("--watch-seconds", "0")) is None
     assert commands.check_arguments(_parse("--model-name", "m" * 255)) is None
 
 
@@ -205,7 +214,7 @@ def _serve_and_capture(monkeypatch, argv: list[str]) -> tuple[str, ServeOptions]
     return called[0]
 
 
-def test_worker_processes_are_started_with_exactly_the_supervisors_options(monkeypatch):
+def test_worker_processes_are_started_with_exactly_the_supervisors_options(monkeypatch, tmp_path):
     """options_to_argv must reproduce every option: what a server process parses from its
     command line (and its token from the environment) equals what the supervisor had."""
     monkeypatch.setenv("RECSERVE_ADMIN_TOKEN", "s3cr3t")
@@ -216,7 +225,7 @@ def test_worker_processes_are_started_with_exactly_the_supervisors_options(monke
         request_timeout=3.5, lookup_timeout=1.5, startup_timeout=7.0,
         fallback_policy="default", output_transform="sigmoid", onednn_min_rows=0,
         max_body_bytes=1000, max_decompressed_bytes=2000, read_timeout_seconds=4.0,
-        watch_seconds=0.25, admin_token="s3cr3t", reload_root=Path("runs"), grace_seconds=0.0,
+        watch_seconds=0.25, admin_token="s3cr3t", reload_root=tmp_path, grace_seconds=0.0,
         threads=3, preprocessor="pkg.mod:fn", workers=1, reuse_port=True, supervisor_pid=4321,
     )  # fmt: skip
     assert _serve_and_capture(monkeypatch, options_to_argv(options)) == ("serve", options)
