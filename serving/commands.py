@@ -144,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--watch-seconds",
         type=non_negative_float,
         default=0.0,
-        help="poll the checkpoint for a new version every N seconds (0: off)",
+        help="poll the checkpoint for a new version every N seconds (0: off; else at least 0.1)",
     )
     parser.add_argument(
         "--reload-root",
