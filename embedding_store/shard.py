@@ -609,7 +609,8 @@ class EmbeddingShard:
     # ------------------------------------------------------------------ bulk transfer
 
     def export_rows(self, dim: int) -> RowBlock:
-        """Copies of all rows of width ``dim`` (compacted, in row order)."""
+        """Copies of all rows of width ``dim``, least recently used first (see
+        :meth:`export_all`)."""
         dim = _check_dim(dim)
         with self._lock:
             return self._copy_rows(dim)
@@ -618,7 +619,13 @@ class EmbeddingShard:
         """Copies of every row, by dim, taken at one instant: what a dump writes. Dims
         exported one at a time could hold, together, more rows than ``capacity`` (training
         evicts rows of a dim already copied for rows of one not yet copied), which no shard
-        could load back. Holds a copy of the shard's rows in memory until written."""
+        could load back. Holds a copy of the shard's rows in memory until written.
+
+        Each dim's rows come least recently used first: :meth:`replace_rows` and
+        :meth:`import_rows` stamp rows in block order, so a resumed shard evicts the rows
+        this one would have (row order alone is insertion order, and a resumed run evicted
+        other rows than an uninterrupted one). Across dims the order is not kept: a shard
+        with rows of several dims loads them dim by dim."""
         with self._lock:
             return {dim: self._copy_rows(dim) for dim in sorted(self._tables)}
 
@@ -632,10 +639,12 @@ class EmbeddingShard:
                 state=np.zeros((0, self._width(dim)), dtype=np.float32),
             )
         n = table.size
+        # Stamps are unique, so this order is the exact LRU order (fancy indexing copies).
+        order = np.argsort(table.stamps[:n])
         return RowBlock(
-            ids=table.ids[:n].copy(),
-            weights=table.weights[:n].copy(),
-            state=table.state[:n].copy(),
+            ids=table.ids[:n][order],
+            weights=table.weights[:n][order],
+            state=table.state[:n][order],
         )
 
     def import_rows(self, block: RowBlock) -> None:

@@ -295,6 +295,62 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
         torch.testing.assert_close(scripted(non_ids, embeddings), expected, rtol=0, atol=0)
 
 
+def _adam_ctx(capacity: int) -> TrainCtx:
+    """A synchronous TrainCtx with Adam for embeddings (per-row moments and step counts) and
+    for the dense model (its moments), over a tier of ``capacity`` rows."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        Adam(lr=0.05),
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=global_config_from_mapping(
+            {"embedding_parameter_server_config": {"capacity": capacity}}
+        ),
+    )
+
+
+def _training_state(ctx: TrainCtx) -> tuple[dict, dict, dict]:
+    """(dense weights, dense optimizer state, {id: (row, optimizer state)}) of ``ctx``."""
+    rows = {}
+    for shard in ctx.embedding_tier.shards:
+        for dim in shard.dims():
+            block = shard.export_rows(dim)
+            for i, row_id in enumerate(block.ids.tolist()):
+                rows[row_id] = (block.weights[i].tolist(), block.state[i].tolist())
+    dense = {k: v.clone() for k, v in ctx.dense_model.state_dict().items()}
+    return dense, ctx.dense_optimizer.state_dict()["state"], rows
+
+
+def test_a_resumed_run_evicts_and_trains_exactly_as_an_uninterrupted_one(tmp_path):
+    """20 steps, a checkpoint, 20 more steps equals the same 20 more steps after resuming
+    the checkpoint in a fresh TrainCtx, bit for bit: dense weights, dense Adam moments,
+    embedding rows with their Adam moments and step counts, and which rows the LRU evicted.
+    The 150 distinct IDs do not fit the 100 rows, so rows are evicted after the checkpoint
+    (a checkpoint used to keep rows in insertion order, and a resumed shard evicted others
+    than the LRU ones: different rows, then different weights everywhere)."""
+    with _adam_ctx(capacity=100) as ctx:
+        train_steps(ctx, 20)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+        evictions_before = ctx.embedding_tier.shards[0].stats().evictions
+        train_steps(ctx, 20, offset=20)
+        assert ctx.embedding_tier.shards[0].stats().evictions > evictions_before
+        dense, dense_state, rows = _training_state(ctx)
+    with _adam_ctx(capacity=100) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        train_steps(resumed, 20, offset=20)
+        resumed_dense, resumed_dense_state, resumed_rows = _training_state(resumed)
+    assert sorted(resumed_rows) == sorted(rows)
+    assert resumed_rows == rows
+    for name, tensor in dense.items():
+        assert torch.equal(resumed_dense[name], tensor), name
+    for index, state in dense_state.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed_dense_state[index][key], state[key]), (index, key)
+
+
 def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 3)
