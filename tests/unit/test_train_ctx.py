@@ -537,6 +537,41 @@ def test_nonfinite_embedding_gradients_skip_the_update():
             assert torch.equal(x.embeddings, y.embeddings)
 
 
+def test_a_nan_label_skips_the_step_and_training_goes_on(caplog):
+    """One NaN label makes the loss and every gradient NaN. On CPU (fp32, no GradScaler) the
+    dense step used to run: every dense weight became NaN, and so did every later loss and
+    embedding gradient (all later embedding updates skipped, silently). Now the whole step
+    is skipped, said in the log, and the next batches train as before."""
+    with new_ctx() as ctx, new_ctx() as clean:
+        train_steps(ctx, 2)
+        train_steps(clean, 2)
+        good = make_batch(5)
+        labels = good.labels[0].data.copy()
+        labels[3, 0] = np.nan
+        poisoned = Batch(good.id_type_features, good.non_id_type_features, [Label(labels)])
+        before = ctx.embedding_tier.lookup(good, train=True)  # inserts the new IDs first
+        weight = ctx.dense_model.linear.weight.detach().clone()
+        with caplog.at_level(logging.WARNING, logger="training.ctx"):
+            output, batch_labels = ctx.forward(poisoned)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(output, batch_labels[0])
+            ctx.backward(loss)
+        assert torch.isnan(loss)
+        assert torch.equal(ctx.dense_model.linear.weight, weight)
+        assert (ctx.step, ctx.nonfinite_dense_steps, ctx.nonfinite_embedding_steps) == (3, 1, 1)
+        after = ctx.embedding_tier.lookup(good, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+        assert [r.getMessage() for r in caplog.records] == [
+            "step 2: non-finite gradients (NaN or Inf: check the batch's labels and features), "
+            f"its {what} was skipped (1 skipped so far)"
+            for what in ("dense step", "embedding update")
+        ]
+        # The skipped step changed nothing: the next steps train exactly as in a run
+        # without the poisoned batch.
+        assert train_steps(ctx, 3, offset=10) == train_steps(clean, 3, offset=10)
+        assert torch.equal(ctx.dense_model.linear.weight, clean.dense_model.linear.weight)
+
+
 def test_a_batch_with_one_nonfinite_slot_moves_no_row_of_any_slot():
     """The whole batch's embedding update is skipped, the finite slot's rows included."""
     with new_ctx(staleness=1) as ctx:
