@@ -558,7 +558,12 @@ class TrainCtx(EmbeddingCtx):
     def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
         """Resume from a checkpoint: dense weights and optimizer state on every rank; the
         embeddings once (rank 0) into the shared tier, the other ranks wait for it. Returns
-        the manifest: ``step`` and the loop's own ``train_state`` tell where to go on."""
+        the manifest: ``step`` and the loop's own ``train_state`` tell where to go on.
+
+        A torch LR scheduler is the loop's, not in the checkpoint: ``opt.pt`` gives the param
+        groups back with their current ``lr``, and the scheduler goes on from there once its
+        ``last_epoch`` is the number of times it had stepped (``manifest.step`` for one
+        step per batch), set before its next ``step()``."""
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()

@@ -351,6 +351,44 @@ def test_a_resumed_run_evicts_and_trains_exactly_as_an_uninterrupted_one(tmp_pat
             assert torch.equal(resumed_dense_state[index][key], state[key]), (index, key)
 
 
+def test_a_resumed_lr_schedule_goes_on_as_documented(tmp_path):
+    """The recipe of TrainCtx.load_checkpoint: opt.pt restores the current lr (StepLR halves
+    it every 2 steps: 0.1, 0.05, 0.025 ...) and the scheduler's last_epoch is set to the
+    manifest's step; steps 4-6 then have the uninterrupted run's rates and weights."""
+
+    def run(resume_from=None) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyModel()
+        dense = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(dense, step_size=2, gamma=0.5)
+        rates = []
+        with TrainCtx(
+            SGD(lr=0.5),
+            dense,
+            model,
+            embedding_staleness=1,
+            embedding_config=CONFIG,
+            global_config=GLOBAL,
+        ) as ctx:
+            start = 0
+            if resume_from is not None:
+                start = ctx.load_checkpoint(resume_from).step
+                schedule.last_epoch = start
+            for step in range(start, 6):
+                train_steps(ctx, 1, offset=step)
+                schedule.step()
+                rates.append(dense.param_groups[0]["lr"])
+                if step == 2 and resume_from is None:
+                    ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        return rates, model.linear.weight.detach().clone()
+
+    rates, weight = run()
+    assert rates == [0.1, 0.05, 0.05, 0.025, 0.025, 0.0125]
+    resumed_rates, resumed_weight = run(tmp_path / "ckpt")
+    assert resumed_rates == rates[3:]
+    assert torch.equal(resumed_weight, weight)
+
+
 def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 3)
