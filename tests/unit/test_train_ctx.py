@@ -295,17 +295,29 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
         torch.testing.assert_close(scripted(non_ids, embeddings), expected, rtol=0, atol=0)
 
 
-def _adam_ctx(capacity: int) -> TrainCtx:
+class WideTinyModel(TinyModel):
+    """TinyModel for an "item" slot of dim ``item_dim``."""
+
+    def __init__(self, item_dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4 + item_dim + 2, 1)
+
+
+def _adam_ctx(capacity: int, item_dim: int) -> TrainCtx:
     """A synchronous TrainCtx with Adam for embeddings (per-row moments and step counts) and
-    for the dense model (its moments), over a tier of ``capacity`` rows."""
+    for the dense model (its moments), over a tier of ``capacity`` rows; "user" rows have
+    dim 4 and "item" rows ``item_dim``."""
     torch.manual_seed(0)
-    model = TinyModel()
+    model = WideTinyModel(item_dim)
+    config = embedding_config_from_mapping(
+        {"slots_config": {"user": {"dim": 4}, "item": {"dim": item_dim, "sqrt_scaling": True}}}
+    )
     return TrainCtx(
         Adam(lr=0.05),
         torch.optim.Adam(model.parameters(), lr=0.01),
         model,
         embedding_staleness=1,
-        embedding_config=CONFIG,
+        embedding_config=config,
         global_config=global_config_from_mapping(
             {"embedding_parameter_server_config": {"capacity": capacity}}
         ),
@@ -324,21 +336,23 @@ def _training_state(ctx: TrainCtx) -> tuple[dict, dict, dict]:
     return dense, ctx.dense_optimizer.state_dict()["state"], rows
 
 
-def test_a_resumed_run_evicts_and_trains_exactly_as_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("item_dim", [4, 8])
+def test_a_resumed_run_evicts_and_trains_exactly_as_an_uninterrupted_one(tmp_path, item_dim):
     """20 steps, a checkpoint, 20 more steps equals the same 20 more steps after resuming
     the checkpoint in a fresh TrainCtx, bit for bit: dense weights, dense Adam moments,
     embedding rows with their Adam moments and step counts, and which rows the LRU evicted.
     The 150 distinct IDs do not fit the 100 rows, so rows are evicted after the checkpoint
     (a checkpoint used to keep rows in insertion order, and a resumed shard evicted others
-    than the LRU ones: different rows, then different weights everywhere)."""
-    with _adam_ctx(capacity=100) as ctx:
+    than the LRU ones: different rows, then different weights everywhere). With item_dim 8
+    the rows live in two dim tables, whose LRU order is one over both."""
+    with _adam_ctx(capacity=100, item_dim=item_dim) as ctx:
         train_steps(ctx, 20)
-        ctx.dump_checkpoint(tmp_path / "ckpt")
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
         evictions_before = ctx.embedding_tier.shards[0].stats().evictions
         train_steps(ctx, 20, offset=20)
         assert ctx.embedding_tier.shards[0].stats().evictions > evictions_before
         dense, dense_state, rows = _training_state(ctx)
-    with _adam_ctx(capacity=100) as resumed:
+    with _adam_ctx(capacity=100, item_dim=item_dim) as resumed:
         resumed.load_checkpoint(tmp_path / "ckpt")
         train_steps(resumed, 20, offset=20)
         resumed_dense, resumed_dense_state, resumed_rows = _training_state(resumed)
