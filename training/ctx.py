@@ -476,7 +476,8 @@ class TrainCtx(EmbeddingCtx):
             # Skip this batch's embedding update: no gradients just drop the lookup's context
             # (no row moves). The GradScaler already backed off its scale.
             self.nonfinite_embedding_steps += 1
-            _warn_skipped("embedding update", self.nonfinite_embedding_steps, self.step - 1)
+            if not self.mixed_precision:  # fp16 overflows while the loss scale backs off
+                _warn_skipped("embedding update", self.nonfinite_embedding_steps, self.step - 1)
             self._backward_queue.put((ref, {}))
         else:
             self._backward_queue.put((ref, grads))
