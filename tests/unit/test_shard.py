@@ -922,3 +922,59 @@ def test_rows_without_recency_are_used_in_block_order_and_bad_recency_is_refused
         shard.replace_rows([RowBlock(u64(5, 6), weights, None, np.zeros(2, np.float32))])
     assert str(refused.value) == "block.recency must be None or an int64 [2] array, got float32[2]"
     assert _held_ids(shard) == {6, 7, 8}
+
+
+class _ReferenceLru:
+    """The shard's documented LRU, written plainly: stamps ``clock + position`` per train
+    lookup (the last position of a repeated ID wins); when new IDs do not fit, evict the
+    ``max(ceil(capacity / 10), needed)`` least recently used rows not in this lookup."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows: dict[int, tuple[int, np.ndarray]] = {}  # ID -> (stamp, initial vector)
+        self.clock = 0
+
+    def lookup(self, ids: list[int], dim: int) -> np.ndarray:
+        base, self.clock = self.clock, self.clock + len(ids)
+        new = [i for i in dict.fromkeys(ids) if i not in self.rows]
+        if new and len(self.rows) + len(new) > self.capacity:
+            held = sum(1 for stamp, _ in self.rows.values() if stamp >= base)
+            held += len({i for i in ids if i in self.rows and self.rows[i][0] < base})
+            if held + len(new) > self.capacity:
+                raise CapacityError("too many distinct IDs")
+            old = sorted((stamp, i) for i, (stamp, _) in self.rows.items() if i not in ids)
+            k = max(-(-self.capacity // 10), len(self.rows) + len(new) - self.capacity)
+            for _, i in old[:k]:
+                del self.rows[i]
+        for position, i in enumerate(ids):
+            vector = self.rows[i][1] if i in self.rows else None
+            if vector is None:
+                vector = initial_vectors(np.array([i], dtype=np.uint64), dim)[0]
+            self.rows[i] = (base + position, vector)
+        return np.stack([self.rows[i][1] for i in ids])
+
+
+def test_lru_eviction_matches_a_reference_also_across_checkpoint_round_trips():
+    """Random train lookups of two dims on small shards, now and then replaced by a fresh
+    shard loaded from its own export (as a resumed run is): rows read and rows held always
+    equal the reference's. A round trip used to forget the LRU order."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        capacity = int(rng.integers(5, 40))
+        shard, reference = EmbeddingShard(capacity, optimizer=SGD(lr=0.1)), _ReferenceLru(capacity)
+        for _ in range(60):
+            dim = int(rng.choice([4, 8]))
+            ids = rng.integers(0, 40, int(rng.integers(1, 8))) * 2 + (dim == 8)  # disjoint
+            try:
+                rows = shard.lookup(ids.astype(np.uint64), dim, train=True)
+            except CapacityError:
+                with pytest.raises(CapacityError):
+                    reference.lookup(ids.tolist(), dim)
+                break
+            assert np.array_equal(rows, reference.lookup(ids.tolist(), dim))
+            held = {int(i) for d in shard.dims() for i in shard.export_rows(d).ids}
+            assert held == set(reference.rows)
+            if rng.random() < 0.1:
+                blocks = list(shard.export_all().values())
+                shard = EmbeddingShard(capacity, optimizer=SGD(lr=0.1))
+                shard.replace_rows(blocks)
