@@ -357,6 +357,22 @@ def test_a_file_with_a_malformed_recency_is_named(checkpoint: Path, recency, hel
     assert raised.value.message == message
 
 
+def test_recency_is_read_for_training_shards_only(written: Path) -> None:
+    """Shard 1's rows (dim 8: 11-30, then dim 3: 106-108) were put in one block after the
+    other, so their LRU ranks follow that order; a read-only shard never evicts and reads
+    none."""
+    manifest = checkpoint_manifest.read_manifest(written)
+    read = checkpoint_load.read_rows_for_replica(manifest, 1, 2, keep_state_of=None)
+    assert [(b.dim, b.recency.tolist()) for b in read] == [
+        (3, [20, 21, 22]),
+        (8, list(range(20))),
+    ]
+    skipped = checkpoint_load.read_rows_for_replica(
+        manifest, 1, 2, keep_state_of=None, keep_recency=False
+    )
+    assert [b.recency for b in skipped] == [None, None]
+
+
 def test_files_without_recency_load_as_before(checkpoint: Path) -> None:
     """Checkpoints written before files held each row's LRU recency still load, whole."""
     for shard in ("shard_00000", "shard_00001"):
