@@ -434,8 +434,10 @@ def rows_to_batch(
 
 def _open_text(path: str | os.PathLike[str]) -> io.TextIOBase:
     if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is no part of the first column's
+    # name ("header lacks column(s) age" otherwise), as recserve eval reads it too
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def iter_encoded_chunks(

@@ -446,6 +446,17 @@ def test_a_bad_row_in_a_file_is_named_by_file_and_line(tmp_path, column, value, 
     assert str(refused.value) == f"{path}: line 7: {reason}"
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    """Excel's "CSV UTF-8" starts with a BOM: the header's first column is "age", as for
+    recserve eval (it used to be "\ufeffage", and the file was refused for lacking age)."""
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    write_csv(plain, ROWS_CSV)
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert features.rows_to_batch(as_dicts(ROWS_CSV)).equals(
+        features.read_encoded(marked).to_batch()
+    )
+
+
 def test_blank_and_whitespace_lines_are_skipped(tmp_path):
     plain = tmp_path / "plain.csv"
     write_csv(plain, ROWS_CSV)
