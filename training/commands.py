@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import grpc_addresses, positive_int, url_problem
+from embedding_store.cli_types import grpc_addresses, positive_int
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -34,29 +34,12 @@ def _rendezvous_port(text: str) -> int:
     return value
 
 
-def _nn_worker_addresses(text: str) -> str:
-    """Comma-separated HOST:PORT, one per NN worker in rank order; the text unchanged. Each
-    worker listens on its own entry's port, so a port must be a number (checked here, not
-    as a traceback from every rank and loader once started)."""
-    for address in (a.strip() for a in text.split(",")):
-        problem = url_problem(address)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        host, separator, port = address.rpartition(":")
-        if not (separator and host and port.isdigit() and 1 <= int(port) <= 65535):
-            raise argparse.ArgumentTypeError(
-                f"expected HOST:PORT with a port in 1..65535, got {address!r}"
-            )
-    return text
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entry", required=True, help="the Python script to run")
     parser.add_argument("--embedding-config", help="embedding_config.yml (for the script)")
     parser.add_argument("--global-config", help="global_config.yml (for the script)")
     parser.add_argument(
         "--nn-worker-addresses",
-        type=_nn_worker_addresses,
         help="comma-separated HOST:PORT of the NN workers' data receivers, rank order",
     )
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments after --")

@@ -228,13 +228,7 @@ class StreamingDataset:
                 raise InvalidArgumentError(
                     f"StreamingDataset needs a port: pass port= or set {NN_WORKERS_ENV}"
                 )
-            own = addresses[rank % len(addresses)]
-            own_host, _, own_port = own.rpartition(":")
-            if not own_port.isdigit():
-                raise InvalidArgumentError(
-                    f"{NN_WORKERS_ENV}: entry {rank % len(addresses)} (this rank's) is "
-                    f"{own!r}; expected HOST:PORT"
-                )
+            own_host, _, own_port = addresses[rank % len(addresses)].rpartition(":")
             port = int(own_port)
             host = host or (own_host if own_host.startswith("127.") else "0.0.0.0")
             world = len(addresses)

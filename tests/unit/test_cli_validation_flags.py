@@ -122,41 +122,6 @@ def test_train_needs_at_least_one_data_loader(capsys, value) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "command", [["train"], ["data-loader", "--replica-index", "0", "--replica-size", "1"]]
-)
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("127.0.0.1", "expected HOST:PORT with a port in 1..65535, got '127.0.0.1'"),
-        ("h:1,h:abc", "expected HOST:PORT with a port in 1..65535, got 'h:abc'"),
-        (":7500", "expected HOST:PORT with a port in 1..65535, got ':7500'"),
-        ("h:0", "expected HOST:PORT with a port in 1..65535, got 'h:0'"),
-        ("h:65536", "expected HOST:PORT with a port in 1..65535, got 'h:65536'"),
-        ("http://h:1", "'http://h:1' is a URL: give HOST:PORT, without http:// (e.g. h:1)"),
-    ],
-)
-def test_nn_worker_addresses_need_a_port_each(capsys, command, value, message) -> None:
-    """Each NN worker listens on its entry's port: a bad one was a traceback from int() in
-    every rank (and a loader that could not reach it) once started."""
-    argv = [*command, "--entry", "t.py", "--nn-worker-addresses", value]
-    error = usage_error(capsys, argv)
-    assert error == f"recserve {command[0]}: error: argument --nn-worker-addresses: {message}"
-
-
-def test_streaming_dataset_names_a_bad_entry_of_its_own_address(monkeypatch) -> None:
-    from training.data import StreamingDataset
-    from training.env import NN_WORKERS_ENV
-
-    monkeypatch.setenv(NN_WORKERS_ENV, "127.0.0.1:7500,127.0.0.1:x")
-    monkeypatch.setenv("RANK", "1")
-    with pytest.raises(InvalidArgumentError) as caught:
-        StreamingDataset()
-    assert caught.value.message == (
-        f"{NN_WORKERS_ENV}: entry 1 (this rank's) is '127.0.0.1:x'; expected HOST:PORT"
-    )
-
-
 def test_streaming_dataset_refuses_fewer_than_one_loader(monkeypatch) -> None:
     from training.data import StreamingDataset
     from training.env import NUM_LOADERS_ENV
