@@ -59,11 +59,7 @@ def _write_resharded_embeddings(
                 continue
             state = block.state if block.state is not None else np.zeros((n, 0), np.float32)
             payload = safetensors.numpy.save(
-                {
-                    "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),
-                    "weights": np.ascontiguousarray(block.weights, dtype=np.float32),
-                    "state": np.ascontiguousarray(state, dtype=np.float32),
-                },
+                checkpoint_dump.row_tensors(block.ids, block.weights, state, block.recency),
                 metadata={
                     "format": checkpoint_manifest.FORMAT_NAME,
                     "shard": str(shard),

@@ -47,6 +47,23 @@ def shard_part_name(shard_index: int) -> str:
     return f"shard_{shard_index:05d}"
 
 
+def row_tensors(
+    ids: np.ndarray, weights: np.ndarray, state: np.ndarray, recency: np.ndarray | None
+) -> dict[str, np.ndarray]:
+    """The tensors of one embedding file: ``ids`` uint64 [n], ``weights`` float32 [n, dim],
+    ``state`` float32 [n, w] and, when known, ``recency`` int64 [n] (each row's place in its
+    shard's least-recently-used order over all dims, which a load restores; readers that
+    predate it ignore it)."""
+    tensors: dict[str, np.ndarray] = {
+        "ids": np.ascontiguousarray(ids, dtype=np.uint64),
+        "weights": np.ascontiguousarray(weights, dtype=np.float32),
+        "state": np.ascontiguousarray(state, dtype=np.float32),
+    }
+    if recency is not None:
+        tensors["recency"] = np.ascontiguousarray(recency, dtype=np.int64)
+    return tensors
+
+
 def write_shard_part(
     shard: EmbeddingShard,
     directory: str | os.PathLike,
@@ -81,11 +98,7 @@ def write_shard_part(
     for dim, block in blocks.items():
         assert block.state is not None  # export_all copies every row's state (width 0 or more)
         payload = safetensors.numpy.save(
-            {
-                "ids": np.ascontiguousarray(block.ids, dtype=np.uint64),
-                "weights": np.ascontiguousarray(block.weights, dtype=np.float32),
-                "state": np.ascontiguousarray(block.state, dtype=np.float32),
-            },
+            row_tensors(block.ids, block.weights, block.state, block.recency),
             metadata={"format": FORMAT_NAME, "shard": str(shard_index), "dim": str(dim)},
         )
         relative = f"{part.name}/dim_{dim}.safetensors"

@@ -94,6 +94,12 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
             f"[{entry.rows}, {entry.dim}]) and state (F32 [{entry.rows}, {entry.state_width}]) "
             f"as its manifest says; it holds {_tensor_summary(tensors)}"
         )
+    recency = tensors.get("recency")
+    if recency is not None and (recency.dtype != np.int64 or recency.shape != (entry.rows,)):
+        raise CheckpointError(
+            f"checkpoint file {path} holds recency ({recency.dtype} {list(recency.shape)}); "
+            f"it must be I64 [{entry.rows}], one per row"
+        )
     _check_unique_ids(path, ids)
     return tensors
 
@@ -198,9 +204,13 @@ def read_rows_for_replica(
     replica_size: int,
     *,
     keep_state_of: Optimizer | None,
+    keep_recency: bool = True,
     progress: ProgressHook | None = None,
 ) -> list[RowBlock]:
     """Verified rows that replica ``replica_index`` of ``replica_size`` owns, per dim.
+
+    ``keep_recency``: keep the rows' saved LRU ``recency`` (when the files have it); a
+    read-only shard never evicts, and leaves it out (8 bytes per row while loading).
 
     ``keep_state_of``: the optimizer of the receiving shard. The saved optimizer state is kept
     only when it fits that optimizer (see :func:`state_fits`), else it is dropped (None rows
@@ -235,8 +245,14 @@ def read_rows_for_replica(
             assert keep_state_of is not None  # state_fits is False without a receiver
             _check_saved_state(manifest, entry, tensors["state"], keep_state_of)
         state = tensors["state"][picked] if keep_state else None
+        recency = tensors.get("recency") if keep_recency else None
         by_dim.setdefault(entry.dim, []).append(
-            RowBlock(ids=ids[picked], weights=tensors["weights"][picked], state=state)
+            RowBlock(
+                ids=ids[picked],
+                weights=tensors["weights"][picked],
+                state=state,
+                recency=None if recency is None else recency[picked],
+            )
         )
         rows_read += entry.rows
         if progress is not None:
@@ -244,6 +260,7 @@ def read_rows_for_replica(
     blocks = []
     for _dim, parts in sorted(by_dim.items()):
         states = [p.state for p in parts]
+        recencies = [p.recency for p in parts]
         blocks.append(
             RowBlock(
                 ids=np.concatenate([p.ids for p in parts]),
@@ -251,6 +268,10 @@ def read_rows_for_replica(
                 state=None
                 if any(s is None for s in states)
                 else np.concatenate(cast("list[np.ndarray]", states)),  # no None: checked
+                # Re-sharded, the old shards' orders interleave by rank (ties: shard order).
+                recency=None
+                if any(r is None for r in recencies)
+                else np.concatenate(cast("list[np.ndarray]", recencies)),
             )
         )
     return blocks
@@ -315,6 +336,7 @@ def load_into_shard(
         replica_index,
         replica_size,
         keep_state_of=receiver,
+        keep_recency=not shard.read_only,
         progress=progress,
     )
     _check_capacity(manifest, shard, blocks)
@@ -337,7 +359,13 @@ def load_embeddings(
     check_compatible(manifest, embedding_config)
     staged = []
     for index, shard in enumerate(shards):
-        blocks = read_rows_for_replica(manifest, index, len(shards), keep_state_of=shard.optimizer)
+        blocks = read_rows_for_replica(
+            manifest,
+            index,
+            len(shards),
+            keep_state_of=shard.optimizer,
+            keep_recency=not shard.read_only,
+        )
         _check_capacity(manifest, shard, blocks)
         staged.append(blocks)
     for shard, blocks in zip(shards, staged):

@@ -94,11 +94,16 @@ class RowBlock:
     """Rows of one dim: ids uint64 [n], weights float32 [n, dim], optimizer state float32 [n, w].
 
     ``state=None`` (import only) means "no saved state": the shard initializes it.
+    ``recency`` (int64 [n] or None): each row's place in its shard's least-recently-used
+    order over all dims (smaller: used longer ago), as :meth:`EmbeddingShard.export_all`
+    gives it; :meth:`EmbeddingShard.replace_rows` restores that order from it. None: unknown
+    (the rows count as used in block order).
     """
 
     ids: np.ndarray
     weights: np.ndarray
     state: np.ndarray | None
+    recency: np.ndarray | None = None
 
     @property
     def dim(self) -> int:
@@ -609,7 +614,8 @@ class EmbeddingShard:
     # ------------------------------------------------------------------ bulk transfer
 
     def export_rows(self, dim: int) -> RowBlock:
-        """Copies of all rows of width ``dim`` (compacted, in row order)."""
+        """Copies of all rows of width ``dim``, least recently used first (see
+        :meth:`export_all`)."""
         dim = _check_dim(dim)
         with self._lock:
             return self._copy_rows(dim)
@@ -618,25 +624,52 @@ class EmbeddingShard:
         """Copies of every row, by dim, taken at one instant: what a dump writes. Dims
         exported one at a time could hold, together, more rows than ``capacity`` (training
         evicts rows of a dim already copied for rows of one not yet copied), which no shard
-        could load back. Holds a copy of the shard's rows in memory until written."""
+        could load back. Holds a copy of the shard's rows in memory until written.
+
+        Each dim's rows come least recently used first, and each block's ``recency`` places
+        its rows in the shard's LRU order over all dims: :meth:`replace_rows` restores that
+        order, so a resumed shard evicts the rows this one would have (a checkpoint in
+        insertion order made a resumed run evict other rows than an uninterrupted one)."""
         with self._lock:
-            return {dim: self._copy_rows(dim) for dim in sorted(self._tables)}
+            copies = {dim: self._copy_rows_stamped(dim) for dim in sorted(self._tables)}
+        if not copies:
+            return {}
+        # Ranks of the (unique) stamps over all dims, in each block's (sorted) row order.
+        every = np.concatenate([stamps for _, stamps in copies.values()])
+        ranks = np.empty(every.shape[0], dtype=np.int64)
+        ranks[np.argsort(every)] = np.arange(every.shape[0], dtype=np.int64)
+        out, start = {}, 0
+        for dim, (block, _) in copies.items():
+            n = len(block)
+            out[dim] = RowBlock(block.ids, block.weights, block.state, ranks[start : start + n])
+            start += n
+        return out
 
     def _copy_rows(self, dim: int) -> RowBlock:
-        """Copies of the rows of width ``dim``; the caller holds ``_lock``."""
+        """Copies of the rows of width ``dim``, least recently used first; the caller holds
+        ``_lock``."""
+        return self._copy_rows_stamped(dim)[0]
+
+    def _copy_rows_stamped(self, dim: int) -> tuple[RowBlock, np.ndarray]:
+        """:meth:`_copy_rows` and the rows' LRU stamps (int64 [n], ascending); the caller
+        holds ``_lock``."""
         table = self._tables.get(dim)
         if table is None:
-            return RowBlock(
+            block = RowBlock(
                 ids=np.zeros(0, dtype=np.uint64),
                 weights=np.zeros((0, dim), dtype=np.float32),
                 state=np.zeros((0, self._width(dim)), dtype=np.float32),
             )
+            return block, np.zeros(0, dtype=np.int64)
         n = table.size
-        return RowBlock(
-            ids=table.ids[:n].copy(),
-            weights=table.weights[:n].copy(),
-            state=table.state[:n].copy(),
+        # Stamps are unique, so this order is the exact LRU order (fancy indexing copies).
+        order = np.argsort(table.stamps[:n])
+        block = RowBlock(
+            ids=table.ids[:n][order],
+            weights=table.weights[:n][order],
+            state=table.state[:n][order],
         )
+        return block, table.stamps[:n][order]
 
     def import_rows(self, block: RowBlock) -> None:
         """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.
@@ -675,9 +708,12 @@ class EmbeddingShard:
         All-or-nothing: blocks are validated first (shapes, state widths, total rows against
         ``capacity``) and any error leaves the shard unchanged. Allowed on read-only shards.
         ``checkpoint_version``: the checkpoint the blocks come from (see
-        :attr:`checkpoint_version`).
+        :attr:`checkpoint_version`). When every block has a ``recency``, the rows take that
+        least-recently-used order (ties: in block order); else they count as used in block
+        order, one block after the other.
         """
         checked = [_check_block(b) for b in blocks]
+        recencies = [_check_recency(b) for b in blocks]
         dims = [c[3] for c in checked]
         if len(set(dims)) != len(dims):
             raise InvalidArgumentError(f"replace_rows needs one block per dim, got dims {dims}")
@@ -697,6 +733,8 @@ class EmbeddingShard:
                 for (ids, weights, _, dim), state in zip(checked, states):
                     if ids.shape[0]:
                         self._import_locked(ids, weights, state, dim)
+                if recencies and all(r is not None for r in recencies):
+                    self._restamp(checked, cast("list[np.ndarray]", recencies))
             except BaseException:
                 self._tables, self._rows, self._inserts = saved
                 raise
@@ -704,6 +742,28 @@ class EmbeddingShard:
             self._rows_loaded += self._rows
             self._checkpoint_version = checkpoint_version
             self._modified = False
+
+    def _restamp(
+        self,
+        checked: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]],
+        recencies: list[np.ndarray],
+    ) -> None:
+        """Stamp the rows just imported from ``checked`` blocks in the LRU order their
+        ``recencies`` (int64 [n] each) give, over all dims; the caller holds ``_lock``."""
+        every = np.concatenate(recencies)
+        if every.shape[0] == 0:
+            return
+        stamps = np.empty(every.shape[0], dtype=np.int64)
+        stamps[np.argsort(every, kind="stable")] = self._clock + np.arange(every.shape[0])
+        self._clock += every.shape[0]
+        start = 0
+        for ids, _, _, dim in checked:
+            n = ids.shape[0]
+            if n:
+                table = self._tables[dim]
+                # Repeated IDs: the last one's stamp wins, as when the block was imported.
+                table.stamps[table.index.lookup(ids)] = stamps[start : start + n]
+            start += n
 
     def _state_for_import(self, state: np.ndarray | None, n: int, dim: int) -> np.ndarray | None:
         """The state to write for imported rows (None: no state columns)."""
@@ -743,6 +803,19 @@ class EmbeddingShard:
         table.weights[rows] = weights
         if state is not None:
             table.state[rows] = state
+
+
+def _check_recency(block: RowBlock) -> np.ndarray | None:
+    """``block.recency`` (None, or int64 [n] for the block's n rows), checked."""
+    recency = block.recency
+    n = block.ids.shape[0]
+    if recency is not None and (
+        not isinstance(recency, np.ndarray) or recency.dtype != np.int64 or recency.shape != (n,)
+    ):
+        raise InvalidArgumentError(
+            f"block.recency must be None or an int64 [{n}] array, got {_describe(recency)}"
+        )
+    return recency
 
 
 def _check_block(block: object) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:

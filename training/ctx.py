@@ -235,6 +235,31 @@ def _unwrap(model: torch.nn.Module | None) -> torch.nn.Module | None:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient of ``optimizer``'s parameters is finite (None counts as
+    finite)."""
+    flags = [
+        torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    return not flags or bool(torch.stack(flags).all())
+
+
+def _warn_skipped(what: str, count: int, step: int) -> None:
+    """Log a skipped non-finite step: the 1st, 2nd, 4th, 8th, ... (a broken data set makes
+    every step non-finite, and one line per step would bury the rest of the log)."""
+    if count & (count - 1) == 0:
+        log.warning(
+            "step %d: non-finite gradients (NaN or Inf: check the batch's labels and "
+            "features), its %s was skipped (%d skipped so far)",
+            step,
+            what,
+            count,
+        )
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -243,6 +268,13 @@ class TrainCtx(EmbeddingCtx):
     parameters. ``mixed_precision`` uses torch.amp with a GradScaler on CUDA (checking the
     embedding gradients for Inf/NaN every ``finite_check_every`` steps and backing the scale
     off when they are not finite) and is ignored on CPU, which trains in fp32.
+
+    A step whose gradients are not finite (a NaN label or feature, an overflowing loss) moves
+    nothing it would corrupt for good: its embedding update is skipped (counted in
+    ``nonfinite_embedding_steps``) and, without mixed precision, so is its dense step when
+    the dense gradients are not finite (``nonfinite_dense_steps``; the GradScaler skips it
+    with mixed precision). Both are checked every ``finite_check_every`` steps; the dense
+    gradients are the allreduced ones, so every DDP rank skips the same steps.
     """
 
     model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
@@ -309,6 +341,7 @@ class TrainCtx(EmbeddingCtx):
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
+        self.nonfinite_dense_steps = 0
         self.distributed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -435,7 +468,13 @@ class TrainCtx(EmbeddingCtx):
                 if check and not bool(torch.isfinite(grad).all()):
                     finite = False
                 grads[name] = grad
-            self.grad_scaler.step(self.dense_optimizer)
+            if self.mixed_precision or not check or _grads_finite(self.dense_optimizer):
+                self.grad_scaler.step(self.dense_optimizer)
+            else:
+                # fp32 has no GradScaler to skip it: one NaN step would make every dense
+                # weight NaN, and every later step's loss and embedding gradients with it.
+                self.nonfinite_dense_steps += 1
+                _warn_skipped("dense step", self.nonfinite_dense_steps, self.step)
             self.grad_scaler.update()
             self.dense_optimizer.zero_grad(set_to_none=True)
         except BaseException:
@@ -446,6 +485,8 @@ class TrainCtx(EmbeddingCtx):
             # Skip this batch's embedding update: no gradients just drop the lookup's context
             # (no row moves). The GradScaler already backed off its scale.
             self.nonfinite_embedding_steps += 1
+            if not self.mixed_precision:  # fp16 overflows while the loss scale backs off
+                _warn_skipped("embedding update", self.nonfinite_embedding_steps, self.step - 1)
             self._backward_queue.put((ref, {}))
         else:
             self._backward_queue.put((ref, grads))
@@ -527,7 +568,12 @@ class TrainCtx(EmbeddingCtx):
     def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
         """Resume from a checkpoint: dense weights and optimizer state on every rank; the
         embeddings once (rank 0) into the shared tier, the other ranks wait for it. Returns
-        the manifest: ``step`` and the loop's own ``train_state`` tell where to go on."""
+        the manifest: ``step`` and the loop's own ``train_state`` tell where to go on.
+
+        A torch LR scheduler is the loop's, not in the checkpoint: ``opt.pt`` gives the param
+        groups back with their current ``lr``, and the scheduler goes on from there once its
+        ``last_epoch`` is the number of times it had stepped (``manifest.step`` for one
+        step per batch), set before its next ``step()``."""
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 
+from embedding_store.cli_types import non_negative_int, positive_int
 from examples.adult_income import features
 from examples.adult_income.hparams import AdultHParams
 from training.data import DataCtx
@@ -22,9 +23,9 @@ from training.data import DataCtx
 def main() -> int:
     defaults = AdultHParams()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--epochs", type=non_negative_int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
     args = parser.parse_args()
     train = features.read_encoded(features.TRAIN_PATH)
     with DataCtx() as ctx:

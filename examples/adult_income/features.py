@@ -52,6 +52,7 @@ __all__ = [
     "TRAIN_PATH",
     "VALUE_SLOTS",
     "EncodedRows",
+    "RowError",
     "canonical_number",
     "embedding_config_mapping",
     "encode_columns",
@@ -294,8 +295,25 @@ def parse_label(value: str) -> float:
     )
 
 
+class RowError(ValueError):
+    """A value of one row is refused: ``row`` is its index in the encoded rows (0-based),
+    ``reason`` what is wrong; the message is ``row {row}: {reason}``. A file reader turns the
+    index into the file's line."""
+
+    def __init__(self, row: int, reason: str) -> None:
+        super().__init__(f"row {row}: {reason}")
+        self.row = row
+        self.reason = reason
+
+
 def _labels(values: Sequence[str]) -> np.ndarray:
-    cache = {v: parse_label(v) for v in dict.fromkeys(values)}
+    cache = {}
+    for i, value in enumerate(values):
+        if value not in cache:
+            try:
+                cache[value] = parse_label(value)
+            except ValueError as error:
+                raise RowError(i, str(error)) from None
     out = np.fromiter(map(cache.__getitem__, values), dtype=np.float32, count=len(values))
     return out.reshape(-1, 1)
 
@@ -305,11 +323,17 @@ def _floats(column: str, values: Sequence[Any]) -> np.ndarray:
     for i, (value, text) in enumerate(zip(values, texts)):
         # float() would read True as 1 and "1_000" as 1000: neither is a number in a row.
         if isinstance(value, bool) or "_" in text:
-            raise ValueError(f"row {i}: column {column!r} must be a number, got {value!r}")
+            raise RowError(i, f"column {column!r} must be a number, got {value!r}")
     try:
         return np.asarray(texts).astype(np.float64)
-    except ValueError as e:
-        raise ValueError(f"column {column!r}: not a number: {e}") from None
+    except ValueError:
+        pass
+    for i, (value, text) in enumerate(zip(values, texts)):  # the error path: which row
+        try:
+            float(text)
+        except ValueError:
+            raise RowError(i, f"column {column!r}: not a number, got {value!r}") from None
+    raise ValueError(f"column {column!r}: not a number")  # numpy refused what float() took
 
 
 def _strings(column: str, values: Sequence[Any]) -> list[str]:
@@ -317,7 +341,7 @@ def _strings(column: str, values: Sequence[Any]) -> list[str]:
     number or list would otherwise be hashed as its ``str()``, silently another category)."""
     if not all(type(v) is str for v in values):
         i, value = next((i, v) for i, v in enumerate(values) if type(v) is not str)
-        raise ValueError(f"row {i}: column {column!r} must be a string, got {value!r}")
+        raise RowError(i, f"column {column!r} must be a string, got {value!r}")
     return [v.strip() for v in values]
 
 
@@ -350,7 +374,7 @@ def encode_columns(
         column = NUMERIC_COLUMNS[j]
         need = " >= 0" if column in LOG1P_COLUMNS else ""
         got = float(raw[column][i])
-        raise ValueError(f"row {i}: column {column!r} must be a finite number{need}, got {got!r}")
+        raise RowError(i, f"column {column!r} must be a finite number{need}, got {got!r}")
     with np.errstate(over="ignore"):
         numeric = ((numeric - np.asarray(NUMERIC_MEAN)) / np.asarray(NUMERIC_STD)).astype(
             np.float32
@@ -360,7 +384,7 @@ def encode_columns(
         i, j = (int(k) for k in np.argwhere(bad)[0])
         column = NUMERIC_COLUMNS[j]
         got = float(raw[column][i])
-        raise ValueError(f"row {i}: column {column!r} is out of range, got {got!r}")
+        raise RowError(i, f"column {column!r} is out of range, got {got!r}")
 
     ids: dict[str, np.ndarray] = {
         c: _hash_strings(_strings(c, columns[c])) for c in CATEGORICAL_COLUMNS
@@ -410,8 +434,10 @@ def rows_to_batch(
 
 def _open_text(path: str | os.PathLike[str]) -> io.TextIOBase:
     if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is no part of the first column's
+    # name ("header lacks column(s) age" otherwise), as recserve eval reads it too
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def iter_encoded_chunks(
@@ -432,24 +458,29 @@ def iter_encoded_chunks(
         if missing:
             raise ValueError(f"{path}: header lacks column(s) {', '.join(missing)}")
         chunk: list[list[str]] = []
+        lines: list[int] = []  # the file line each row of the chunk ends on (1-based)
 
         def encode(rows: list[list[str]]) -> EncodedRows:
-            for row in rows:
-                if len(row) != len(header):
-                    raise ValueError(
-                        f"{path}: line {reader.line_num}: a row has {len(row)} fields, "
-                        f"expected {len(header)}"
-                    )
             cols = list(zip(*rows))
-            return encode_columns({c: cols[index[c]] for c in needed}, with_labels=with_labels)
+            try:
+                return encode_columns({c: cols[index[c]] for c in needed}, with_labels=with_labels)
+            except RowError as error:  # its row index is the chunk's: name the file's line
+                raise ValueError(f"{path}: line {lines[error.row]}: {error.reason}") from None
 
         for row in reader:
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue  # blank line
+            if len(row) != len(header):
+                # Checked as each row is read: the reader's line is this row's.
+                raise ValueError(
+                    f"{path}: line {reader.line_num}: a row has {len(row)} fields, "
+                    f"expected {len(header)}"
+                )
             chunk.append(row)
+            lines.append(reader.line_num)
             if len(chunk) == chunk_rows:
                 yield encode(chunk)
-                chunk = []
+                chunk, lines = [], []
         if chunk:
             yield encode(chunk)
 

@@ -35,6 +35,7 @@ import torch
 
 from embedding_store.batch import Batch
 from embedding_store.checkpoint_publish import check_target
+from embedding_store.cli_types import non_negative_int, positive_int
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError
 from examples.adult_income import features
@@ -98,16 +99,19 @@ def resume_position(saved: dict[str, Any], schedule: dict[str, Any], streaming: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = AdultHParams()
+    # Checked here: a batch size of 0 was a traceback from range(), a negative one or a
+    # negative epoch count trained nothing and still wrote a checkpoint, a negative seed
+    # failed after the data was read.
     parser.add_argument(
         "--epochs",
-        type=int,
+        type=non_negative_int,
         default=defaults.epochs,
         help="epochs in all: with --resume-from, training goes on from the epochs the "
         "checkpoint has done, in the same data order as one uninterrupted run",
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--embedding-staleness", type=int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--embedding-staleness", type=positive_int, default=4)
     parser.add_argument(
         "--reproducible", action="store_true", help="staleness 1 and a fixed data order"
     )

@@ -53,6 +53,8 @@ OPEN_AND_CLOSE_SCRIPT = textwrap.dedent(
 
 # One TrainCtx step on each rank, on a batch that differs per rank; each rank saves its dense
 # state before and after the step (after DDP's initial broadcast, so "before" is shared).
+# Then a step where rank 1's batch has a NaN label: the allreduced dense gradients are NaN on
+# both ranks, and both must skip the dense step (state "after-nan", skip counts "skips").
 ONE_STEP_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -111,6 +113,16 @@ ONE_STEP_SCRIPT = textwrap.dedent(
         ctx.wait_for_embedding_updates()
         torch.save(ctx.dense_model.state_dict(), out / f"after-{rank}.pt")
         (out / f"loss-{rank}.txt").write_text(repr(float(loss)))
+        labels = batch.labels[0].data.copy()
+        if rank == 1:
+            labels[5, 0] = float("nan")
+        poisoned = Batch(batch.id_type_features, batch.non_id_type_features, [Label(labels)])
+        output, labels = ctx.forward(poisoned)
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        ctx.wait_for_embedding_updates()
+        torch.save(ctx.dense_model.state_dict(), out / f"after-nan-{rank}.pt")
+        skips = (ctx.nonfinite_dense_steps, ctx.nonfinite_embedding_steps)
+        (out / f"skips-{rank}.txt").write_text(repr(skips))
     distributed.shutdown_distributed()
     """
 )
@@ -309,6 +321,13 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_p
         assert torch.equal(before[0][name], before[1][name]), name
         assert torch.equal(after[0][name], after[1][name]), name
         assert not torch.equal(after[0][name], before[0][name]), name
+    # Rank 1's NaN label: both ranks skipped the dense step (it used to make every dense
+    # weight NaN on both); only rank 1's embedding gradients were not finite.
+    after_nan = [torch.load(out / f"after-nan-{r}.pt", weights_only=True) for r in range(2)]
+    for name in after[0]:
+        assert torch.equal(after_nan[0][name], after[0][name]), name
+        assert torch.equal(after_nan[1][name], after[0][name]), name
+    assert [(out / f"skips-{r}.txt").read_text() for r in range(2)] == ["(1, 0)", "(1, 1)"]
 
 
 def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(cluster, tmp_path):

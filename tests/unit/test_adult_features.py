@@ -414,6 +414,49 @@ def test_rows_with_a_wrong_number_of_fields_are_refused(tmp_path):
             list(features.iter_encoded_chunks(path))
 
 
+@pytest.mark.parametrize(
+    ("column", "value", "reason"),
+    [
+        ("age", "forty", "column 'age': not a number, got 'forty'"),
+        ("age", "nan", "column 'age' must be a finite number, got nan"),
+        ("age", "1e300", "column 'age' is out of range, got 1e+300"),
+        ("capital-gain", "-5", "column 'capital-gain' must be a finite number >= 0, got -5.0"),
+        (
+            "income",
+            "maybe",
+            "income label must be '>50K' or '<=50K' (optionally with a dot), got 'maybe'",
+        ),
+        ("native-country", "Cuba,extra", "a row has 16 fields, expected 15"),
+    ],
+)
+def test_a_bad_row_in_a_file_is_named_by_file_and_line(tmp_path, column, value, reason):
+    """The error names the file and the bad row's line (header and blank lines counted):
+    it used to give the row's index within its chunk and no file (or, for a wrong field
+    count, the line the chunk ended on)."""
+    keys = HEADER.split(",")
+    fields = ROWS_CSV[0].split(",")
+    fields[keys.index(column)] = value
+    # Lines: 1 header, 2-3 rows, 4 blank, 5-6 rows, 7 the bad row, 8 a row. Chunks of two
+    # rows: the bad row is the first of the third chunk.
+    lines = [ROWS_CSV[0], ROWS_CSV[1], "", ROWS_CSV[2], ROWS_CSV[0], ",".join(fields), ROWS_CSV[1]]
+    path = tmp_path / "adult.csv"
+    write_csv(path, lines)
+    with pytest.raises(ValueError) as refused:
+        list(features.iter_encoded_chunks(path, chunk_rows=2))
+    assert str(refused.value) == f"{path}: line 7: {reason}"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    """Excel's "CSV UTF-8" starts with a BOM: the header's first column is "age", as for
+    recserve eval (it used to be "\ufeffage", and the file was refused for lacking age)."""
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    write_csv(plain, ROWS_CSV)
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert features.rows_to_batch(as_dicts(ROWS_CSV)).equals(
+        features.read_encoded(marked).to_batch()
+    )
+
+
 def test_blank_and_whitespace_lines_are_skipped(tmp_path):
     plain = tmp_path / "plain.csv"
     write_csv(plain, ROWS_CSV)

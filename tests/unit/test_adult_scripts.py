@@ -30,6 +30,27 @@ def test_eval_only_needs_resume_from(capsys: pytest.CaptureFixture[str]) -> None
     assert "--eval-only needs --resume-from" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # A traceback from range() after the data was read:
+        (["--batch-size", "0"], "argument --batch-size: expected an integer > 0, got 0"),
+        # Trained nothing and still wrote a checkpoint saying its 3 epochs were done:
+        (["--batch-size", "-5"], "argument --batch-size: expected an integer > 0, got -5"),
+        (["--epochs", "-1"], "argument --epochs: expected an integer >= 0, got -1"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+        (
+            ["--embedding-staleness", "0"],
+            "argument --embedding-staleness: expected an integer > 0, got 0",
+        ),
+    ],
+)
+def test_sizes_counts_and_seed_are_checked_before_training(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert message in _main_error(capsys, [*argv, "--device", "cpu"])
+
+
 def test_cuda_refused_where_there_is_none(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -290,15 +290,17 @@ def test_a_dump_that_fails_part_way_leaves_no_staging_directory(tmp_path, monkey
 
 
 # --------------------------------------------------------------------------- load
-def _rewrite(root: Path, change) -> Path:
-    """Rewrite shard 0's dim-8 file with ``change(tensors)``, its metadata kept and its
-    manifest entry's size and checksum to match (every other check holds); returns it."""
+def _rewrite(root: Path, change, path: Path | None = None) -> Path:
+    """Rewrite shard 0's dim-8 file (or ``path``) with ``change(tensors)``, its metadata kept
+    and its manifest entry's size and checksum to match (every other check holds); returns
+    it."""
     import hashlib
 
     import safetensors.numpy
     from safetensors import safe_open
 
-    path = root / "shard_00000" / "dim_8.safetensors"
+    path = path or root / "shard_00000" / "dim_8.safetensors"
+    relative = path.relative_to(root).as_posix()
     with safe_open(str(path), framework="numpy") as handle:
         metadata = handle.metadata()
     payload = safetensors.numpy.save(
@@ -307,7 +309,7 @@ def _rewrite(root: Path, change) -> Path:
     path.write_bytes(payload)
 
     def entry(raw: dict) -> None:
-        (item,) = [e for e in raw["files"] if e["path"] == "shard_00000/dim_8.safetensors"]
+        (item,) = [e for e in raw["files"] if e["path"] == relative]
         item["bytes"], item["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
 
     _edit_manifest(root, entry)
@@ -319,19 +321,23 @@ def _rewrite(root: Path, change) -> Path:
     [
         (
             lambda t: dict(t, ids=t["ids"].astype(np.int64)),
-            "ids (int64 [10]), state (float32 [10, 8]), weights (float32 [10, 8])",
+            "ids (int64 [10]), recency (int64 [10]), "
+            "state (float32 [10, 8]), weights (float32 [10, 8])",
         ),
         (
             lambda t: dict(t, weights=t["weights"][:, :4].copy()),
-            "ids (uint64 [10]), state (float32 [10, 8]), weights (float32 [10, 4])",
+            "ids (uint64 [10]), recency (int64 [10]), "
+            "state (float32 [10, 8]), weights (float32 [10, 4])",
         ),
         (
             lambda t: dict(t, state=t["state"][:, :1].copy()),
-            "ids (uint64 [10]), state (float32 [10, 1]), weights (float32 [10, 8])",
+            "ids (uint64 [10]), recency (int64 [10]), "
+            "state (float32 [10, 1]), weights (float32 [10, 8])",
         ),
         (
             lambda t: dict(t, state=t["state"][:9].copy()),
-            "ids (uint64 [10]), state (float32 [9, 8]), weights (float32 [10, 8])",
+            "ids (uint64 [10]), recency (int64 [10]), "
+            "state (float32 [9, 8]), weights (float32 [10, 8])",
         ),
     ],
 )
@@ -349,6 +355,53 @@ def test_a_file_whose_tensors_differ_from_its_entry_is_named(checkpoint: Path, c
         checkpoint_load.load_embeddings(checkpoint, shards, CONFIG)
     assert raised.value.message == message
     assert shards[0].size() == 0
+
+
+@pytest.mark.parametrize(
+    ("recency", "held"),
+    [(np.arange(10, dtype=np.float32), "float32 [10]"), (np.arange(9), "int64 [9]")],
+)
+def test_a_file_with_a_malformed_recency_is_named(checkpoint: Path, recency, held) -> None:
+    path = _rewrite(checkpoint, lambda t: dict(t, recency=recency))
+    message = f"checkpoint file {path} holds recency ({held}); it must be I64 [10], one per row"
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint_load.verify(checkpoint)
+    assert raised.value.message == message
+
+
+def test_recency_is_read_for_training_shards_only(written: Path) -> None:
+    """Shard 1's rows (dim 8: 11-30, then dim 3: 106-108) were put in one block after the
+    other, so their LRU ranks follow that order; a read-only shard never evicts and reads
+    none."""
+    manifest = checkpoint_manifest.read_manifest(written)
+    read = checkpoint_load.read_rows_for_replica(manifest, 1, 2, keep_state_of=None)
+    assert [(b.dim, b.recency.tolist()) for b in read] == [
+        (3, [20, 21, 22]),
+        (8, list(range(20))),
+    ]
+    skipped = checkpoint_load.read_rows_for_replica(
+        manifest, 1, 2, keep_state_of=None, keep_recency=False
+    )
+    assert [b.recency for b in skipped] == [None, None]
+
+
+def test_files_without_recency_load_as_before(checkpoint: Path) -> None:
+    """Checkpoints written before files held each row's LRU recency still load, whole."""
+    for shard in ("shard_00000", "shard_00001"):
+        for dim in (8, 3):
+            path = checkpoint / shard / f"dim_{dim}.safetensors"
+            _rewrite(checkpoint, lambda t: {k: v for k, v in t.items() if k != "recency"}, path)
+    shards = [
+        EmbeddingShard(1000, optimizer=Adagrad(lr=0.1), replica_index=i, replica_size=2)
+        for i in range(2)
+    ]
+    checkpoint_load.load_embeddings(checkpoint, shards, CONFIG)
+    for index, by_dim in ROWS.items():
+        for dim, ids in by_dim.items():
+            block = shards[index].export_rows(dim)
+            expected = _block(ids, dim)
+            assert block.ids.tolist() == expected.ids.tolist()
+            assert np.array_equal(block.weights, expected.weights)
 
 
 def test_a_file_of_two_rows_with_one_id_is_refused(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from embedding_store.errors import NotFoundError, RecserveError
 from embedding_store.initializer import InitializationConfig
-from embedding_store.optimizers import SGD
+from embedding_store.optimizers import SGD, Adam
 from embedding_store.tier import InProcessEmbeddingTier
 from tests.unit.test_worker_service import CONFIG, DIM, ones, user_batch
 
@@ -92,3 +92,28 @@ def test_status_counts_train_lookups_waiting_for_their_gradients_up_to_the_buffe
             tier.backward(refs[0], ones(1))
         tier.backward(refs[2], ones(1))
         assert tier.status().pending_backward == 1
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_an_id_twice_in_a_batch_gets_one_adam_step_with_the_summed_gradient(num_shards):
+    """ID 5 in samples 0 and 1 (gradients 1 and 2) and ID 7 in sample 2 (gradient 4): one
+    Adam step each (t=1, not one per occurrence), with g = 3 and g = 4. With eps = 1:
+    w -= lr * g / (|g| + 1), i.e. 0.75 and 0.8 times lr."""
+    adam = Adam(lr=0.5, betas=(0.5, 0.75), eps=1.0)
+    with InProcessEmbeddingTier(CONFIG, num_shards=num_shards, optimizer=adam) as tier:
+        batch = user_batch([5, 5, 7])
+        before = tier.lookup(batch, train=True)
+        grads = torch.tensor([1.0, 2.0, 4.0]).repeat_interleave(DIM).reshape(3, DIM)
+        tier.backward(before.ref, {"user": grads})
+        after = tier.lookup(batch, train=False).slots[0].embeddings
+        start = before.slots[0].embeddings
+        expected = start - 0.5 * torch.tensor([[0.75], [0.75], [0.8]])
+        torch.testing.assert_close(after, expected, rtol=0, atol=1e-7)
+        states = [
+            row.tolist()
+            for shard in tier.shards
+            for dim in shard.dims()
+            for row in shard.export_rows(dim).state
+        ]
+    # [m (DIM) | v (DIM) | t] per row: m = 0.5 g, v = 0.25 g^2, t = 1
+    assert sorted(states) == [[1.5] * DIM + [2.25] * DIM + [1.0], [2.0] * DIM + [4.0] * DIM + [1.0]]

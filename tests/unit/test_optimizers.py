@@ -348,3 +348,32 @@ def test_non_mapping_optimizer_and_string_betas_are_refused() -> None:
         optimizer_from_dict(["sgd"])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"adam\.betas must be a pair of numbers, got '09'"):
         Adam(betas="09")  # type: ignore[arg-type]
+
+
+def test_adagrad_and_adam_by_hand_with_eps_outside_the_square_root() -> None:
+    """Worked by hand with eps = 1 (so its placement shows): Adagrad accumulates first, then
+    divides by sqrt(acc) + eps (not PERSIA's sqrt(acc_before + eps)); Adam divides by
+    sqrt(v_hat) + eps with each row bias-corrected by its own step count."""
+    one = np.array([0])
+    weights, state = np.ones((1, 1), np.float32), np.zeros((1, 1), np.float32)
+    adagrad = Adagrad(lr=1.0, initial_accumulator_value=0.0, eps=1.0)
+    adagrad.apply(weights, state, one, np.array([[3.0]], np.float32))
+    assert (weights[0, 0], state[0, 0]) == (0.25, 9.0)  # 1 - 3 / (sqrt(9) + 1)
+    adagrad.apply(weights, state, one, np.array([[4.0]], np.float32))
+    assert (weights[0, 0], state[0, 0]) == (np.float32(0.25 - 4 / 6), 25.0)
+
+    adam = Adam(lr=1.0, betas=(0.5, 0.75), eps=1.0)
+    weights, state = np.ones((2, 1), np.float32), adam.initial_state(2, 1)
+    two = np.array([[2.0]], np.float32)
+    # t=1: m=1, v=1, m_hat=2, v_hat=4: w = 1 - 2 / (2 + 1)
+    adam.apply(weights, state, one, two)
+    assert weights[0, 0] == np.float32(1 / 3) and state[0].tolist() == [1.0, 1.0, 1.0]
+    # t=2: m=1.5, v=1.75, m_hat=2, v_hat=4: w = 1/3 - 2 / (2 + 1) (from the float32 1/3
+    # stored); row 1 (untouched so far) takes its first step in the same call,
+    # bias-corrected with its own t=1
+    adam.apply(weights, state, np.array([0, 1]), np.array([[2.0], [2.0]], np.float32))
+    assert weights[:, 0].tolist() == [
+        np.float32(float(np.float32(1 / 3)) - 2 / 3),
+        np.float32(1 / 3),
+    ]
+    assert state.tolist() == [[1.5, 1.75, 2.0], [1.0, 1.0, 1.0]]

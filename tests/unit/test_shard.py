@@ -883,3 +883,98 @@ def test_importing_a_single_new_row_inserts_it_and_leaves_the_others() -> None:
     np.testing.assert_array_equal(after.weights[3], [3.5, 3.5, 3.5, 3.5])
     np.testing.assert_array_equal(after.state[3], [0.25, 0.25, 0.25, 0.25])
     assert shard.stats().inserts == 4
+
+
+def _held_ids(shard: EmbeddingShard) -> set[int]:
+    return {int(i) for dim in shard.dims() for i in shard.export_rows(dim).ids}
+
+
+def test_exported_rows_carry_the_lru_order_over_dims_and_replace_rows_restores_it():
+    """Used in the order 1, 2 (dim 4), 3 (dim 8), 1 again: least recently used first that
+    is 2, 3, 1. A shard refilled from the export evicts 2 and 3 for five new rows, as the
+    original does (loading dim by dim in row order used to evict 2 and 1)."""
+    u64 = lambda *ids: np.array(ids, dtype=np.uint64)  # noqa: E731
+    shard = EmbeddingShard(6, optimizer=SGD(lr=0.1))
+    shard.lookup(u64(1, 2), 4, train=True)
+    shard.lookup(u64(3), 8, train=True)
+    shard.lookup(u64(1), 4, train=True)
+    blocks = shard.export_all()
+    assert {dim: (b.ids.tolist(), b.recency.tolist()) for dim, b in blocks.items()} == {
+        4: ([2, 1], [0, 2]),
+        8: ([3], [1]),
+    }
+    restored = EmbeddingShard(6, optimizer=SGD(lr=0.1))
+    restored.replace_rows(list(blocks.values()))
+    for held in (shard, restored):
+        held.lookup(u64(10, 11, 12, 13, 14), 8, train=True)
+        assert held.stats().evictions == 2
+        assert _held_ids(held) == {1, 10, 11, 12, 13, 14}
+
+
+def test_rows_without_recency_are_used_in_block_order_and_bad_recency_is_refused():
+    u64 = lambda *ids: np.array(ids, dtype=np.uint64)  # noqa: E731
+    weights = np.zeros((2, 4), dtype=np.float32)
+    shard = EmbeddingShard(3, optimizer=SGD(lr=0.1))
+    shard.replace_rows([RowBlock(u64(5, 6), weights, None)])  # as older checkpoints hold
+    shard.lookup(u64(7, 8), 4, train=True)  # evicts the first row of the block
+    assert _held_ids(shard) == {6, 7, 8}
+    with pytest.raises(InvalidArgumentError) as refused:
+        shard.replace_rows([RowBlock(u64(5, 6), weights, None, np.zeros(2, np.float32))])
+    assert str(refused.value) == "block.recency must be None or an int64 [2] array, got float32[2]"
+    assert _held_ids(shard) == {6, 7, 8}
+
+
+class _ReferenceLru:
+    """The shard's documented LRU, written plainly: stamps ``clock + position`` per train
+    lookup (the last position of a repeated ID wins); when new IDs do not fit, evict the
+    ``max(ceil(capacity / 10), needed)`` least recently used rows not in this lookup."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows: dict[int, tuple[int, np.ndarray]] = {}  # ID -> (stamp, initial vector)
+        self.clock = 0
+
+    def lookup(self, ids: list[int], dim: int) -> np.ndarray:
+        base, self.clock = self.clock, self.clock + len(ids)
+        new = [i for i in dict.fromkeys(ids) if i not in self.rows]
+        if new and len(self.rows) + len(new) > self.capacity:
+            held = sum(1 for stamp, _ in self.rows.values() if stamp >= base)
+            held += len({i for i in ids if i in self.rows and self.rows[i][0] < base})
+            if held + len(new) > self.capacity:
+                raise CapacityError("too many distinct IDs")
+            old = sorted((stamp, i) for i, (stamp, _) in self.rows.items() if i not in ids)
+            k = max(-(-self.capacity // 10), len(self.rows) + len(new) - self.capacity)
+            for _, i in old[:k]:
+                del self.rows[i]
+        for position, i in enumerate(ids):
+            vector = self.rows[i][1] if i in self.rows else None
+            if vector is None:
+                vector = initial_vectors(np.array([i], dtype=np.uint64), dim)[0]
+            self.rows[i] = (base + position, vector)
+        return np.stack([self.rows[i][1] for i in ids])
+
+
+def test_lru_eviction_matches_a_reference_also_across_checkpoint_round_trips():
+    """Random train lookups of two dims on small shards, now and then replaced by a fresh
+    shard loaded from its own export (as a resumed run is): rows read and rows held always
+    equal the reference's. A round trip used to forget the LRU order."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        capacity = int(rng.integers(5, 40))
+        shard, reference = EmbeddingShard(capacity, optimizer=SGD(lr=0.1)), _ReferenceLru(capacity)
+        for _ in range(60):
+            dim = int(rng.choice([4, 8]))
+            ids = rng.integers(0, 40, int(rng.integers(1, 8))) * 2 + (dim == 8)  # disjoint
+            try:
+                rows = shard.lookup(ids.astype(np.uint64), dim, train=True)
+            except CapacityError:
+                with pytest.raises(CapacityError):
+                    reference.lookup(ids.tolist(), dim)
+                break
+            assert np.array_equal(rows, reference.lookup(ids.tolist(), dim))
+            held = {int(i) for d in shard.dims() for i in shard.export_rows(d).ids}
+            assert held == set(reference.rows)
+            if rng.random() < 0.1:
+                blocks = list(shard.export_all().values())
+                shard = EmbeddingShard(capacity, optimizer=SGD(lr=0.1))
+                shard.replace_rows(blocks)

@@ -295,6 +295,114 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
         torch.testing.assert_close(scripted(non_ids, embeddings), expected, rtol=0, atol=0)
 
 
+class WideTinyModel(TinyModel):
+    """TinyModel for an "item" slot of dim ``item_dim``."""
+
+    def __init__(self, item_dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4 + item_dim + 2, 1)
+
+
+def _adam_ctx(capacity: int, item_dim: int) -> TrainCtx:
+    """A synchronous TrainCtx with Adam for embeddings (per-row moments and step counts) and
+    for the dense model (its moments), over a tier of ``capacity`` rows; "user" rows have
+    dim 4 and "item" rows ``item_dim``."""
+    torch.manual_seed(0)
+    model = WideTinyModel(item_dim)
+    config = embedding_config_from_mapping(
+        {"slots_config": {"user": {"dim": 4}, "item": {"dim": item_dim, "sqrt_scaling": True}}}
+    )
+    return TrainCtx(
+        Adam(lr=0.05),
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model,
+        embedding_staleness=1,
+        embedding_config=config,
+        global_config=global_config_from_mapping(
+            {"embedding_parameter_server_config": {"capacity": capacity}}
+        ),
+    )
+
+
+def _training_state(ctx: TrainCtx) -> tuple[dict, dict, dict]:
+    """(dense weights, dense optimizer state, {id: (row, optimizer state)}) of ``ctx``."""
+    rows = {}
+    for shard in ctx.embedding_tier.shards:
+        for dim in shard.dims():
+            block = shard.export_rows(dim)
+            for i, row_id in enumerate(block.ids.tolist()):
+                rows[row_id] = (block.weights[i].tolist(), block.state[i].tolist())
+    dense = {k: v.clone() for k, v in ctx.dense_model.state_dict().items()}
+    return dense, ctx.dense_optimizer.state_dict()["state"], rows
+
+
+@pytest.mark.parametrize("item_dim", [4, 8])
+def test_a_resumed_run_evicts_and_trains_exactly_as_an_uninterrupted_one(tmp_path, item_dim):
+    """20 steps, a checkpoint, 20 more steps equals the same 20 more steps after resuming
+    the checkpoint in a fresh TrainCtx, bit for bit: dense weights, dense Adam moments,
+    embedding rows with their Adam moments and step counts, and which rows the LRU evicted.
+    The 150 distinct IDs do not fit the 100 rows, so rows are evicted after the checkpoint
+    (a checkpoint used to keep rows in insertion order, and a resumed shard evicted others
+    than the LRU ones: different rows, then different weights everywhere). With item_dim 8
+    the rows live in two dim tables, whose LRU order is one over both."""
+    with _adam_ctx(capacity=100, item_dim=item_dim) as ctx:
+        train_steps(ctx, 20)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        evictions_before = ctx.embedding_tier.shards[0].stats().evictions
+        train_steps(ctx, 20, offset=20)
+        assert ctx.embedding_tier.shards[0].stats().evictions > evictions_before
+        dense, dense_state, rows = _training_state(ctx)
+    with _adam_ctx(capacity=100, item_dim=item_dim) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        train_steps(resumed, 20, offset=20)
+        resumed_dense, resumed_dense_state, resumed_rows = _training_state(resumed)
+    assert sorted(resumed_rows) == sorted(rows)
+    assert resumed_rows == rows
+    for name, tensor in dense.items():
+        assert torch.equal(resumed_dense[name], tensor), name
+    for index, state in dense_state.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed_dense_state[index][key], state[key]), (index, key)
+
+
+def test_a_resumed_lr_schedule_goes_on_as_documented(tmp_path):
+    """The recipe of TrainCtx.load_checkpoint: opt.pt restores the current lr (StepLR halves
+    it every 2 steps: 0.1, 0.05, 0.025 ...) and the scheduler's last_epoch is set to the
+    manifest's step; steps 4-6 then have the uninterrupted run's rates and weights."""
+
+    def run(resume_from=None) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyModel()
+        dense = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(dense, step_size=2, gamma=0.5)
+        rates = []
+        with TrainCtx(
+            SGD(lr=0.5),
+            dense,
+            model,
+            embedding_staleness=1,
+            embedding_config=CONFIG,
+            global_config=GLOBAL,
+        ) as ctx:
+            start = 0
+            if resume_from is not None:
+                start = ctx.load_checkpoint(resume_from).step
+                schedule.last_epoch = start
+            for step in range(start, 6):
+                train_steps(ctx, 1, offset=step)
+                schedule.step()
+                rates.append(dense.param_groups[0]["lr"])
+                if step == 2 and resume_from is None:
+                    ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        return rates, model.linear.weight.detach().clone()
+
+    rates, weight = run()
+    assert rates == [0.1, 0.05, 0.05, 0.025, 0.025, 0.0125]
+    resumed_rates, resumed_weight = run(tmp_path / "ckpt")
+    assert resumed_rates == rates[3:]
+    assert torch.equal(resumed_weight, weight)
+
+
 def test_corrupt_dense_file_is_refused_and_nothing_changes(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 3)
@@ -479,6 +587,41 @@ def test_nonfinite_embedding_gradients_skip_the_update():
         after = ctx.embedding_tier.lookup(batch, train=False)
         for x, y in zip(before.slots, after.slots):
             assert torch.equal(x.embeddings, y.embeddings)
+
+
+def test_a_nan_label_skips_the_step_and_training_goes_on(caplog):
+    """One NaN label makes the loss and every gradient NaN. On CPU (fp32, no GradScaler) the
+    dense step used to run: every dense weight became NaN, and so did every later loss and
+    embedding gradient (all later embedding updates skipped, silently). Now the whole step
+    is skipped, said in the log, and the next batches train as before."""
+    with new_ctx() as ctx, new_ctx() as clean:
+        train_steps(ctx, 2)
+        train_steps(clean, 2)
+        good = make_batch(5)
+        labels = good.labels[0].data.copy()
+        labels[3, 0] = np.nan
+        poisoned = Batch(good.id_type_features, good.non_id_type_features, [Label(labels)])
+        before = ctx.embedding_tier.lookup(good, train=True)  # inserts the new IDs first
+        weight = ctx.dense_model.linear.weight.detach().clone()
+        with caplog.at_level(logging.WARNING, logger="training.ctx"):
+            output, batch_labels = ctx.forward(poisoned)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(output, batch_labels[0])
+            ctx.backward(loss)
+        assert torch.isnan(loss)
+        assert torch.equal(ctx.dense_model.linear.weight, weight)
+        assert (ctx.step, ctx.nonfinite_dense_steps, ctx.nonfinite_embedding_steps) == (3, 1, 1)
+        after = ctx.embedding_tier.lookup(good, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+        assert [r.getMessage() for r in caplog.records] == [
+            "step 2: non-finite gradients (NaN or Inf: check the batch's labels and features), "
+            f"its {what} was skipped (1 skipped so far)"
+            for what in ("dense step", "embedding update")
+        ]
+        # The skipped step changed nothing: the next steps train exactly as in a run
+        # without the poisoned batch.
+        assert train_steps(ctx, 3, offset=10) == train_steps(clean, 3, offset=10)
+        assert torch.equal(ctx.dense_model.linear.weight, clean.dense_model.linear.weight)
 
 
 def test_a_batch_with_one_nonfinite_slot_moves_no_row_of_any_slot():
