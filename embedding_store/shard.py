@@ -614,11 +614,14 @@ class EmbeddingShard:
     # ------------------------------------------------------------------ bulk transfer
 
     def export_rows(self, dim: int) -> RowBlock:
-        """Copies of all rows of width ``dim``, least recently used first (see
-        :meth:`export_all`)."""
+        """Copies of all rows of width ``dim``, least recently used first: an importer that
+        takes them in order (:meth:`import_rows`) keeps their relative recency."""
         dim = _check_dim(dim)
         with self._lock:
-            return self._copy_rows(dim)
+            block, stamps = self._copy_rows_stamped(dim)
+        # Sorted after the lock is released: lookups and updates wait only for the copies.
+        order = np.argsort(stamps)
+        return RowBlock(block.ids[order], block.weights[order], block.state[order])
 
     def export_all(self) -> dict[int, RowBlock]:
         """Copies of every row, by dim, taken at one instant: what a dump writes. Dims
@@ -626,15 +629,16 @@ class EmbeddingShard:
         evicts rows of a dim already copied for rows of one not yet copied), which no shard
         could load back. Holds a copy of the shard's rows in memory until written.
 
-        Each dim's rows come least recently used first, and each block's ``recency`` places
-        its rows in the shard's LRU order over all dims: :meth:`replace_rows` restores that
-        order, so a resumed shard evicts the rows this one would have (a checkpoint in
-        insertion order made a resumed run evict other rows than an uninterrupted one)."""
+        Rows come in the shard's row order, and each block's ``recency`` places its rows in
+        the shard's LRU order over all dims: :meth:`replace_rows` restores that order, so a
+        resumed shard evicts the rows this one would have (a checkpoint that kept no order
+        made a resumed run evict other rows than an uninterrupted one)."""
         with self._lock:
             copies = {dim: self._copy_rows_stamped(dim) for dim in sorted(self._tables)}
         if not copies:
             return {}
-        # Ranks of the (unique) stamps over all dims, in each block's (sorted) row order.
+        # Ranks of the (unique) stamps over all dims, computed after the lock is released
+        # (an argsort of millions of stamps would stall lookups and updates meanwhile).
         every = np.concatenate([stamps for _, stamps in copies.values()])
         ranks = np.empty(every.shape[0], dtype=np.int64)
         ranks[np.argsort(every)] = np.arange(every.shape[0], dtype=np.int64)
@@ -645,14 +649,9 @@ class EmbeddingShard:
             start += n
         return out
 
-    def _copy_rows(self, dim: int) -> RowBlock:
-        """Copies of the rows of width ``dim``, least recently used first; the caller holds
-        ``_lock``."""
-        return self._copy_rows_stamped(dim)[0]
-
     def _copy_rows_stamped(self, dim: int) -> tuple[RowBlock, np.ndarray]:
-        """:meth:`_copy_rows` and the rows' LRU stamps (int64 [n], ascending); the caller
-        holds ``_lock``."""
+        """Copies of the rows of width ``dim`` in row order, and their LRU stamps (int64
+        [n], unique: larger is used more recently); the caller holds ``_lock``."""
         table = self._tables.get(dim)
         if table is None:
             block = RowBlock(
@@ -662,14 +661,12 @@ class EmbeddingShard:
             )
             return block, np.zeros(0, dtype=np.int64)
         n = table.size
-        # Stamps are unique, so this order is the exact LRU order (fancy indexing copies).
-        order = np.argsort(table.stamps[:n])
         block = RowBlock(
-            ids=table.ids[:n][order],
-            weights=table.weights[:n][order],
-            state=table.state[:n][order],
+            ids=table.ids[:n].copy(),
+            weights=table.weights[:n].copy(),
+            state=table.state[:n].copy(),
         )
-        return block, table.stamps[:n][order]
+        return block, table.stamps[:n].astype(np.int64, copy=True)
 
     def import_rows(self, block: RowBlock) -> None:
         """Insert or overwrite ``block``'s rows bit-exactly, evicting LRU rows as needed.

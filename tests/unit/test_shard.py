@@ -898,11 +898,12 @@ def test_exported_rows_carry_the_lru_order_over_dims_and_replace_rows_restores_i
     shard.lookup(u64(1, 2), 4, train=True)
     shard.lookup(u64(3), 8, train=True)
     shard.lookup(u64(1), 4, train=True)
-    blocks = shard.export_all()
+    blocks = shard.export_all()  # rows in row order, recency their LRU rank over all dims
     assert {dim: (b.ids.tolist(), b.recency.tolist()) for dim, b in blocks.items()} == {
-        4: ([2, 1], [0, 2]),
+        4: ([1, 2], [2, 0]),
         8: ([3], [1]),
     }
+    assert shard.export_rows(4).ids.tolist() == [2, 1]  # least recently used first
     restored = EmbeddingShard(6, optimizer=SGD(lr=0.1))
     restored.replace_rows(list(blocks.values()))
     for held in (shard, restored):
