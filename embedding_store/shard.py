@@ -621,6 +621,7 @@ class EmbeddingShard:
             block, stamps = self._copy_rows_stamped(dim)
         # Sorted after the lock is released: lookups and updates wait only for the copies.
         order = np.argsort(stamps)
+        assert block.state is not None  # copies always hold the state (width 0 or more)
         return RowBlock(block.ids[order], block.weights[order], block.state[order])
 
     def export_all(self) -> dict[int, RowBlock]:
