@@ -151,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
     hp = AdultHParams(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     torch.manual_seed(hp.seed)
-    torch.set_num_threads(1)  # the MLP ops are tiny: more threads only add overhead here
+    torch.set_num_threads(hp.torch_threads)  # 1: the MLP's ops are tiny (see AdultHParams)
     config = embedding_config_from_mapping(features.embedding_config_mapping(), source="adult")
     dims = [config.slot(name).dim for name in features.SLOT_NAMES]
     model = AdultDNN(dims, features.NUM_NON_ID_FEATURES, hidden=hp.hidden)
-    dense_optimizer = torch.optim.Adam(model.parameters(), lr=hp.dense_lr)
+    dense_optimizer = torch.optim.Adam(
+        model.parameters(), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
+    )
     staleness = 1 if args.reproducible else args.embedding_staleness
     test = features.read_encoded(features.TEST_PATH)
     # What fixes the data order: a resumed run that differs cannot continue the same schedule.
