@@ -311,3 +311,31 @@ def test_doc_checks_see_the_docs() -> None:
     """The checks above read every doc (none renamed away) and the packages they import."""
     assert set(_docs()) >= {"README.md", "docs/deploy.md", "docs/own_model.md"}
     assert all(isinstance(importlib.import_module(p), ModuleType) for p in _PACKAGES)
+
+
+def _routes() -> list[re.Pattern[str]]:
+    """The HTTP routes the server declares (FastAPI's ``{name}`` as one path segment)."""
+    source = "\n".join(
+        (ROOT / "serving" / name).read_text(encoding="utf-8")
+        for name in ("http_app.py", "server.py")
+    )
+    templates = set(re.findall(r'"(/(?:v1|v2|admin|metrics)[^"]*)"', source))
+    assert "/v2/models/{name}/infer" in templates and "/metrics" in templates
+    return [re.compile(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(t))) for t in templates]
+
+
+def test_every_http_route_the_docs_give_exists() -> None:
+    routes = _routes()
+    paths = {
+        (doc, path)
+        for doc, text in _docs().items()
+        for path in re.findall(r"(/(?:v1/models|v2|admin)/[\w/.:<>-]*)", text)
+    }
+    assert ("docs/own_model.md", "/v2/models/click/infer") in paths
+    # "/admin/": the prefix a proxy should block.
+    wrong = [
+        f"{doc}: {path}"
+        for doc, path in sorted(paths)
+        if path != "/admin/" and not any(route.fullmatch(path) for route in routes)
+    ]
+    assert not wrong, wrong
