@@ -214,11 +214,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--input", required=True, type=Path, help="rows: .jsonl or .csv (optionally .gz)"
     )
     parser.add_argument("--format", choices=FORMATS, default=None, help="override the extension")
-    parser.add_argument("--batch-size", type=positive_int, default=256, help="rows per request")
-    parser.add_argument("--output", type=Path, default=None, help="write JSON lines here")
-    parser.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per request")
     parser.add_argument(
-        "--retries", type=non_negative_int, default=3, help="retries on 503 / refused"
+        "--batch-size", type=positive_int, default=256, help="rows per request (default 256)"
+    )
+    parser.add_argument("--output", type=Path, default=None, help="write JSON lines here")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=30.0, help="seconds per request (default 30)"
+    )
+    parser.add_argument(
+        "--retries", type=non_negative_int, default=3, help="retries on 503 / refused (default 3)"
     )
     add_tls_arguments(parser)
     parser.set_defaults(handler=_predict)

@@ -41,8 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated HOST:PORT of the shards, replica 0 first "
         "(default: infer_config.servers of the global config)",
     )
-    parser.add_argument("--port", type=port_number, default=0, help="gRPC port (0: any free port)")
-    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port", type=port_number, default=0, help="gRPC port (0: any free port, the default)"
+    )
+    parser.add_argument(
+        "--host",
+        type=non_empty,
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1)",
+    )
     parser.add_argument(
         "--metrics-port",
         type=port_number,
@@ -51,20 +58,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics on http://HOST:M/metrics (0: pick a free port; "
         "absent: no metrics)",
     )
-    parser.add_argument("--embedding-config", default=None, help="embedding_config.yml")
-    parser.add_argument("--global-config", default=None, help="global_config.yml")
+    parser.add_argument(
+        "--embedding-config",
+        default=None,
+        help="embedding_config.yml (default: $RECSERVE_EMBEDDING_CONFIG)",
+    )
+    parser.add_argument(
+        "--global-config",
+        default=None,
+        help="global_config.yml (default: $RECSERVE_GLOBAL_CONFIG, else all defaults)",
+    )
     # Checked types: a NaN or negative value would wait forever, or not at all.
     parser.add_argument(
-        "--shard-timeout", type=positive_float, default=10.0, help="deadline of each shard call (s)"
+        "--shard-timeout",
+        type=positive_float,
+        default=10.0,
+        help="deadline of each shard call (s; default 10)",
     )
     parser.add_argument(
         "--startup-timeout",
         type=non_negative_float,
         default=60.0,
-        help="wait this long for the shards (s)",
+        help="wait this long for the shards (s; default 60)",
     )
     parser.add_argument(
-        "--grace-seconds", type=non_negative_float, default=5.0, help="drain time on SIGTERM (s)"
+        "--grace-seconds",
+        type=non_negative_float,
+        default=5.0,
+        help="drain time on SIGTERM (s; default 5)",
     )
     parser.set_defaults(handler=_run)
     register_admin(subparsers)
@@ -133,7 +154,9 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
             help="embedding_config.yml: only checked to be valid, not needed (the worker dumps "
             "with its own config and checks a checkpoint it loads against it)",
         )
-        action.add_argument("--timeout", type=positive_float, default=600.0, help="deadline (s)")
+        action.add_argument(
+            "--timeout", type=positive_float, default=600.0, help="deadline (s; default 600)"
+        )
         if name in ("dump", "load"):
             action.add_argument("directory", help="checkpoint directory")
         if name == "dump":

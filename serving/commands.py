@@ -31,12 +31,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory")
     parser.add_argument("--model-name", default="model", help="name clients use (default model)")
     # Not empty: Python binds "" to every interface (HTTP), gRPC refuses it.
-    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help="address to listen on")
     parser.add_argument(
-        "--http-port", type=port_number, default=8000, help="HTTP port (0: any free)"
+        "--host",
+        type=non_empty,
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1)",
     )
     parser.add_argument(
-        "--grpc-port", type=port_number, default=8001, help="gRPC port (0: any free)"
+        "--http-port", type=port_number, default=8000, help="HTTP port (0: any free; default 8000)"
+    )
+    parser.add_argument(
+        "--grpc-port", type=port_number, default=8001, help="gRPC port (0: any free; default 8001)"
     )
     parser.add_argument(
         "--embedding-workers",
@@ -103,13 +108,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--fallback-policy",
         choices=["fail", "default"],
         default="fail",
-        help="when embedding lookups time out: fail the request, or use default vectors",
+        help="when embedding lookups time out: fail the request (the default), or use default "
+        "vectors",
     )
     parser.add_argument(
         "--output-transform",
         choices=["identity", "sigmoid"],
         default="identity",
-        help="applied to the dense model's output (sigmoid turns logits into probabilities)",
+        help="applied to the dense model's output (sigmoid turns logits into probabilities; "
+        "default identity)",
     )
     parser.add_argument(
         "--onednn-min-rows",
@@ -144,7 +151,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--watch-seconds",
         type=non_negative_float,
         default=0.0,
-        help="poll the checkpoint for a new version every N seconds (0: off; else at least 0.1)",
+        help="poll the checkpoint for a new version every N seconds (0: off, the default; "
+        "else at least 0.1)",
     )
     parser.add_argument(
         "--reload-root",
@@ -167,14 +175,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="file holding the admin bearer token (e.g. a mounted Kubernetes Secret)",
     )
     parser.add_argument(
-        "--grace-seconds", type=non_negative_float, default=10.0, help="drain time on SIGTERM"
+        "--grace-seconds",
+        type=non_negative_float,
+        default=10.0,
+        help="drain time on SIGTERM (s; default 10)",
     )
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument(
         "--workers",
         type=positive_int,
         default=1,
-        help="server processes sharing the ports (SO_REUSEPORT); each loads the model",
+        help="server processes sharing the ports (SO_REUSEPORT); each loads the model (default 1)",
     )
     parser.add_argument(
         "--tls-cert",

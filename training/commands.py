@@ -53,8 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run a training script (which uses training.ctx.TrainCtx) under torchrun.",
     )
     _common(train)
-    train.add_argument("--nproc-per-node", type=int, default=1, help="NN workers on this node")
-    train.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    train.add_argument(
+        "--nproc-per-node", type=int, default=1, help="NN workers on this node (default 1)"
+    )
+    train.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     train.add_argument(
         "--node-rank", type=int, default=0, help="this node's index in the job (default 0)"
     )

@@ -302,7 +302,8 @@ def test_defaults_the_help_texts_state_are_the_defaults() -> None:
             checked += verdict is not None
             if verdict:
                 flag = action.option_strings[0]
-                wrong.append(f"{command} {flag}: says {value} {unit}, is {action.default!r}")
+                stated = f"{value} {unit}".strip()
+                wrong.append(f"{command} {flag}: says {stated}, is {action.default!r}")
     assert checked > 15, checked
     assert not wrong, wrong
 
