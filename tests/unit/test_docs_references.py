@@ -340,3 +340,24 @@ def test_every_http_route_the_docs_give_exists() -> None:
         if path != "/admin/" and not any(route.fullmatch(path) for route in routes)
     ]
     assert not wrong, wrong
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    """`deploy/k8s/server.yaml`, `examples/configs/`, `embedding_store/shard.py`: a path
+    whose first folder is one of the repository's (or, in deploy.md, of deploy/'s) exists."""
+    top = {p.name for p in ROOT.iterdir() if p.is_dir()}
+    deploy = {p.name for p in (ROOT / "deploy").iterdir() if p.is_dir()}
+    checked, missing = 0, []
+    for doc, text in _docs().items():
+        for path in set(re.findall(r"`([\w.-]+(?:/[\w.-]+)+/?)`", text)):
+            first = path.split("/")[0]
+            bases = [ROOT] if first in top else []
+            if doc == "docs/deploy.md" and first in deploy:  # `k8s/`, `scripts/healthcheck.py`
+                bases.append(ROOT / "deploy")
+            if not bases:
+                continue  # a user's file (runs/click), a label (apps.kubernetes.io/pod-index)
+            checked += 1
+            if not any((base / path).exists() for base in bases):
+                missing.append(f"{doc}: {path}")
+    assert checked > 30, checked
+    assert not missing, missing
