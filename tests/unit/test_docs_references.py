@@ -17,6 +17,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 import embedding_store.grpc_common
@@ -361,3 +362,61 @@ def test_every_repository_path_the_docs_name_exists() -> None:
                 missing.append(f"{doc}: {path}")
     assert checked > 30, checked
     assert not missing, missing
+
+
+#: The kinds deploy.md's table of deploy/k8s names, as it writes them.
+_K8S_KINDS = {
+    "namespace": "Namespace",
+    "ConfigMap": "ConfigMap",
+    "PVC": "PersistentVolumeClaim",
+    "Service": "Service",
+    "StatefulSet": "StatefulSet",
+    "PDB": "PodDisruptionBudget",
+    "Deployment": "Deployment",
+    "Job": "Job",
+    "HorizontalPodAutoscaler": "HorizontalPodAutoscaler",
+    "NetworkPolicies": "NetworkPolicy",
+}
+
+
+def _metadata_names(node: object) -> set[str]:
+    """Every ``metadata.name`` in a manifest (volume claim templates' too)."""
+    names: set[str] = set()
+    if isinstance(node, dict):
+        metadata = node.get("metadata")
+        if isinstance(metadata, dict) and isinstance(metadata.get("name"), str):
+            names.add(metadata["name"])
+        for value in node.values():
+            names |= _metadata_names(value)
+    elif isinstance(node, list):
+        for value in node:
+            names |= _metadata_names(value)
+    return names
+
+
+def test_deploy_k8s_table_lists_what_the_manifests_create() -> None:
+    """deploy.md's "What `kubectl apply -k deploy/k8s` creates": the kustomization's files,
+    each with the kinds of its objects (all of them) and their names."""
+    k8s = ROOT / "deploy" / "k8s"
+    text = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    table = text.split("What `kubectl apply -k deploy/k8s` creates", 1)[1].split("\n\n")[1]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    listed, wrong = [], []
+    for files_cell, objects_cell in rows:
+        files = re.findall(r"`([\w.-]+\.yaml)`", files_cell)
+        listed += files
+        objects = [
+            o for f in files for o in yaml.safe_load_all((k8s / f).read_text()) if o is not None
+        ]
+        kinds = {_K8S_KINDS[w] for w in re.findall(r"\w+", objects_cell) if w in _K8S_KINDS}
+        if kinds != {o["kind"] for o in objects}:
+            wrong.append(
+                f"{files}: says {sorted(kinds)}, holds {sorted(o['kind'] for o in objects)}"
+            )
+        names = _metadata_names(objects)
+        for name in re.findall(r"`([\w.-]+)`", objects_cell):
+            if name not in names:
+                wrong.append(f"{files}: no object named {name}")
+    resources = yaml.safe_load((k8s / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(resources)
+    assert not wrong, wrong
