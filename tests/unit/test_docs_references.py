@@ -420,3 +420,34 @@ def test_deploy_k8s_table_lists_what_the_manifests_create() -> None:
     resources = yaml.safe_load((k8s / "kustomization.yaml").read_text())["resources"]
     assert sorted(listed) == sorted(resources)
     assert not wrong, wrong
+
+
+#: CamelCase words the docs put in code that are not recserve's (a Kubernetes pod state).
+_NOT_OURS = {"ContainerCreating"}
+
+
+def test_every_class_the_docs_name_exists() -> None:
+    """`TrainCtx`, `RemoteShardTier`, `CapacityError`, `PackedSlots`, `TierStatus.shard_errors`:
+    each is defined in a package (a class, function or name) or a .proto message, and an
+    attribute given after it is one of its own."""
+    folders = [ROOT / p for p in _PACKAGES]
+    source = "\n".join(p.read_text(encoding="utf-8") for f in folders for p in f.rglob("*.py"))
+    protos = "\n".join(p.read_text(encoding="utf-8") for f in folders for p in f.rglob("*.proto"))
+    defined = set(re.findall(r"^\s*(?:class|def)\s+(\w+)", source, re.M))
+    defined |= set(re.findall(r"^(\w+)\s*[:=]", source, re.M))
+    defined |= set(re.findall(r"^\s*(?:message|service)\s+(\w+)", protos, re.M))
+    pattern = re.compile(r"`([A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+)(?:\.(\w+))?[^`]*`")
+    checked, missing = 0, []
+    for doc, text in _docs().items():
+        for name, attribute in set(pattern.findall(text)):
+            if name in _NOT_OURS:
+                continue
+            checked += 1
+            if name not in defined:
+                missing.append(f"{doc}: {name}")
+            elif attribute:
+                body = re.search(rf"^class {name}\b.*?(?=^\S)", source + "\nEND", re.M | re.S)
+                if body is None or not re.search(rf"\b{attribute}\b", body.group(0)):
+                    missing.append(f"{doc}: {name}.{attribute}")
+    assert checked > 25, checked
+    assert not missing, missing
