@@ -451,3 +451,31 @@ def test_every_class_the_docs_name_exists() -> None:
                     missing.append(f"{doc}: {name}.{attribute}")
     assert checked > 25, checked
     assert not missing, missing
+
+
+#: "`--flag` (60)", "`--flag` rows or more (default 256", "`--flag` (64 MiB": a default the
+#: docs give for a flag (not "`--max-body-bytes` (413: ..."): a number that closes the
+#: parenthesis, has a unit, or follows "default".
+_DOC_DEFAULT = re.compile(
+    r"`(--[a-z][a-z-]*)`[^`(\n]{0,30}\("
+    r"(?:default:?\s+(\d[\d.]*)(?:\s*(KiB|MiB|GiB)\b)?|(\d[\d.]*)\s*(KiB|MiB|GiB)\b|(\d[\d.]*)\))"
+)
+
+
+def test_defaults_the_docs_give_for_flags_are_the_defaults() -> None:
+    defaults: dict[str, set[object]] = {}
+    for _, action in _options(build_parser()):
+        for flag in action.option_strings:
+            defaults.setdefault(flag, set()).add(action.default)
+    checked, wrong = 0, []
+    for doc, text in _docs().items():
+        for match in _DOC_DEFAULT.finditer(" ".join(text.split())):
+            flag = match.group(1)
+            value = match.group(2) or match.group(4) or match.group(6)
+            unit = match.group(3) or match.group(5) or ""
+            stated = float(value) * _UNITS.get(unit, 1)
+            checked += 1
+            if defaults.get(flag) != {stated}:  # one default, whichever command has the flag
+                wrong.append(f"{doc}: {match.group(0)}: the default is {defaults.get(flag)}")
+    assert checked >= 5, checked
+    assert not wrong, wrong
