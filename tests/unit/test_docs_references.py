@@ -479,3 +479,30 @@ def test_defaults_the_docs_give_for_flags_are_the_defaults() -> None:
                 wrong.append(f"{doc}: {match.group(0)}: the default is {defaults.get(flag)}")
     assert checked >= 5, checked
     assert not wrong, wrong
+
+
+def _help_texts(parser: argparse.ArgumentParser) -> list[str]:
+    """The description and every option's help of ``parser`` and its subcommands."""
+    texts = [parser.description or ""]
+    for action in parser._actions:
+        texts.append(str(action.help or ""))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                texts += _help_texts(sub)
+    return texts
+
+
+def test_every_python_name_the_help_texts_give_exists() -> None:
+    """`recserve train --help` names training.ctx.TrainCtx, `serve --help` a --preprocessor
+    example (MODULE:FUNCTION): each imports."""
+    text = "\n".join(_help_texts(build_parser()))
+    packages = "|".join((*_PACKAGES, "examples"))
+    names = set(re.findall(rf"\b((?:{packages})(?:\.\w+)+(?::\w+)?)", text))
+    assert {"training.ctx.TrainCtx", "training.data.DataCtx"} <= names, names
+    missing = []
+    for name in sorted(names):
+        try:
+            _import_attribute(name.replace(":", "."))
+        except (ImportError, AttributeError) as error:
+            missing.append(f"{name}: {error}")
+    assert not missing, missing
