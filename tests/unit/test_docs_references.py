@@ -1,6 +1,8 @@
 """What the user-facing docs name exists in the code: metrics (names, labels, types), RECSERVE_*
-environment variables, Python names (``serving.infer_ctx.InferCtx``), config key paths
-(``infer_config.embedding_checkpoint``), and the defaults the ``--help`` texts state.
+environment variables, Python names (``serving.infer_ctx.InferCtx``, ``TierStatus``), config
+key paths (``infer_config.embedding_checkpoint``), HTTP routes, repository paths, the objects
+of deploy/k8s, and defaults, both those the docs give for flags and those the ``--help`` texts
+state (and the Python names the help texts give import).
 
 The docs are README.md and docs/*.md but docs/BENCHMARKS.md (a measurement log), as in
 test_docs_commands.py, whose command checks these complete.
