@@ -1699,3 +1699,53 @@ def test_served_versions_are_the_served_models_own(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     assert served_versions("http://127.0.0.1:9", "model") == {"v2": 1.0, "v1": 0.0}
     assert opened == ["http://127.0.0.1:9/metrics"]
+
+
+# --------------------------------------------------------------------------- report files
+def _summary_result(**changes) -> dict:
+    row = {"name": "Aggregated", "requests": 10, "failures": 0, "rps": 5.0, "p50_ms": 3.0,
+           "p95_ms": 4.0, "p99_ms": 5.0}  # fmt: skip
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 2, "classes": ["KServeJsonUser"], "seconds": 10.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": True, "verdict": "no failures",
+    }  # fmt: skip
+    return result | changes
+
+
+def test_without_matplotlib_the_summary_says_why_there_is_no_plot(tmp_path, monkeypatch):
+    """The load extra brings locust, not matplotlib: plot() raised ImportError after the run,
+    so run.py wrote no summary at all and the run's verdict was lost."""
+    from load_tests.report import NO_MATPLOTLIB, plot, write_summary
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    history = [{"unix": 1000.0 + t, "users": 2.0, "rps": 5.0, "failures_per_s": 0.0,
+                "p50_ms": 3.0, "p95_ms": 4.0, "p99_ms": 5.0} for t in range(3)]  # fmt: skip
+    note = plot(tmp_path / "latency.png", history, title="t")
+    assert note == NO_MATPLOTLIB and "pip install matplotlib" in note
+    assert not (tmp_path / "latency.png").exists()
+    write_summary(tmp_path, _summary_result(plot=note))
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert f"Latency over time: none ({NO_MATPLOTLIB}); locust CSVs: `locust_*.csv`." in lines
+    assert json.loads((tmp_path / "summary.json").read_text())["plot"] == NO_MATPLOTLIB
+    write_summary(tmp_path, _summary_result(plot=None))
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert "Latency over time: `latency.png`; locust CSVs: `locust_*.csv`." in lines
+
+
+def test_a_summary_that_cannot_be_rendered_leaves_no_partial_report(tmp_path):
+    """summary.csv and summary.json used to be written before summary.md was rendered: a
+    failure there left two files of three; and each file is renamed into place whole."""
+    from load_tests.report import write_summary
+
+    broken = _summary_result()
+    del broken["verdict"]
+    with pytest.raises(KeyError):
+        write_summary(tmp_path, broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    write_summary(tmp_path, _summary_result())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "summary.csv", "summary.json", "summary.md",
+    ]  # fmt: skip
+    table = (tmp_path / "summary.csv").read_text().splitlines()
+    assert table[1] == "Aggregated,10,0,5.0,3.0,4.0,5.0"
