@@ -115,7 +115,7 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
     # 1800/600, 2100/1000.
     assert (
         "| adult | 64 | json | one: `(defaults)` | 1800 | 1000 | 1.8 | 1.5 / 3.0 / 2.1 | 25.0 "
-        "| 50.0 | 0.5 | not met |" in lines
+        "| 50.0 | 0.5 | not met (failed requests or no stats) |" in lines
     )
     detail = [line for line in lines if line.startswith("| adult | 64 | json | torchserve |")]
     assert [line.split(" | ")[4:6] for line in detail] == [
@@ -376,3 +376,32 @@ def test_a_cell_without_torchserve_does_not_decide_the_goal(tmp_path):
     ]
     peers_report.report(tmp_path, measurements, {"one": ""}, {})
     assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
+
+
+def test_the_goal_is_judged_on_unrounded_ratios_of_runs_without_failures(tmp_path):
+    """1999 req/s against 1000 shows as 2.0 and was "met", as was a p99 of 30.1 ms against
+    30.0 (1.0 rounded); and a recserve failing 500 requests fast counted as twice as fast."""
+
+    def goal(recserve: tuple[float, float], torchserve: tuple[float, float], **changes) -> str:
+        ours = _measurement("recserve:one", "64", *recserve)
+        peer = _measurement("torchserve", "64", *torchserve)
+        for name, value in changes.items():
+            side, _, field = name.partition("_")
+            setattr(ours if side == "ours" else peer, field, value)
+        lines = peers_report.report(tmp_path, [ours, peer], {"one": ""}, {}).splitlines()
+        row = next(line for line in lines if line.startswith("| adult | 64 | json | one:"))
+        met = json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"]
+        assert met == (row.rsplit(" | ", 1)[1] == "met |"), row
+        return row
+
+    assert goal((1999.0, 30.0), (1000.0, 30.0)).endswith(
+        "| 2.0 | 2.0 | 30.0 | 30.0 | 1.0 | not met |"
+    )
+    assert goal((2000.0, 30.1), (1000.0, 30.0)).endswith(
+        "| 2.0 | 2.0 | 30.1 | 30.0 | 1.0 | not met |"
+    )
+    assert goal((2000.0, 30.0), (1000.0, 30.0)).endswith("| 1.0 | met |")
+    for changes in ({"ours_failures": 500}, {"peer_failures": 1}, {"peer_error": "no stats"}):
+        assert goal((5000.0, 10.0), (1000.0, 30.0), **changes).endswith(
+            "| 0.33 | not met (failed requests or no stats) |"
+        ), changes
