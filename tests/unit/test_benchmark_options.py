@@ -1,0 +1,113 @@
+"""benchmarks/serve_throughput.py, train_throughput.py and embedding_tier.py: options that
+would measure nothing are refused before anything starts (they used to end in a
+ZeroDivisionError or StatisticsError after the whole run), and serve_throughput's HTTP
+clients count a request that failed in transport as an error."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import embedding_tier  # noqa: E402
+import serve_throughput  # noqa: E402
+import train_throughput  # noqa: E402
+
+
+def _refused(parse, argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse(argv)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "argument --rounds: expected an integer > 0, got 0"),
+        (["--seconds", "0"], "argument --seconds: expected a number > 0, got '0'"),
+        (["--seconds", "nan"], "argument --seconds: expected a finite number, got 'nan'"),
+        (["--clients", "0"], "argument --clients: expected an integer > 0, got 0"),
+        (["--batch-sizes", "1", "0"], "argument --batch-sizes: expected an integer > 0, got 0"),
+        (["--batch-sizes", "1025"], "--batch-sizes: at most 1024 (16 batches of Adult test "
+         "rows each), got 1025"),
+        (["--server-threads", "0"], "argument --server-threads: expected an integer > 0, got 0"),
+        (["--max-queue-delay-ms", "-1"],
+         "argument --max-queue-delay-ms: expected a number >= 0, got '-1'"),
+        (["--rounds", "101"], "bounded runs only: at most 600 --seconds, 100 --rounds, "
+         "256 --clients"),
+        (["--checkpoint", "/nonexistent/ckpt"], "--checkpoint /nonexistent/ckpt: no such "
+         "directory"),
+    ],
+)  # fmt: skip
+def test_serve_throughput_refuses_runs_that_measure_nothing(argv, message, capsys):
+    _refused(serve_throughput.parse_args, argv, message, capsys)
+
+
+def test_serve_throughput_accepts_its_bounds():
+    args = serve_throughput.parse_args(
+        ["--batch-sizes", "1", "1024", "--rounds", "100", "--seconds", "600",
+         "--clients", "256", "--max-queue-delay-ms", "0"]
+    )  # fmt: skip
+    assert (args.batch_sizes, args.rounds, args.seconds, args.clients) == ([1, 1024], 100, 600, 256)
+    assert args.max_queue_delay_ms == 0.0
+    defaults = serve_throughput.parse_args([])
+    assert (defaults.batch_sizes, defaults.rounds, defaults.seconds) == ([1, 64], 2, 3.0)
+
+
+def test_a_request_that_fails_in_transport_is_an_error_not_a_dead_thread():
+    """Nothing listens: every attempt is refused. The client threads raised
+    ConnectionRefusedError and ended, taking their counts along: 0 requests, 0 errors."""
+    with socket.socket() as probe:  # a free port, closed again: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        address = probe.getsockname()
+    stats = serve_throughput.run_clients(
+        address, serve_throughput._http_client, [(b"{}", "2")], 1, clients=2, seconds=0.2
+    )
+    assert stats.requests > 0 and stats.errors == stats.requests == len(stats.latencies)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "argument --rounds: expected an integer > 0, got 0"),
+        (["--steps-per-round", "0"],
+         "argument --steps-per-round: expected an integer > 0, got 0"),
+        (["--test-batches", "0"], "argument --test-batches: expected an integer > 0, got 0"),
+        (["--staleness", "0"], "argument --staleness: expected an integer > 0, got 0"),
+        (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+        (["--max-seconds", "inf"], "argument --max-seconds: expected a finite number, got 'inf'"),
+        (["--batch-size", "65536"], "--batch-size x (--train-batches + --test-batches) is "
+         "8,912,896 samples; at most 4,194,304"),
+    ],
+)  # fmt: skip
+def test_train_throughput_refuses_runs_that_measure_nothing(argv, message, capsys):
+    _refused(train_throughput.parse_args, argv, message, capsys)
+
+
+def test_train_throughput_defaults_and_bounds():
+    args = train_throughput.parse_args([])
+    assert (args.batch_size, args.rounds, args.steps_per_round, args.warmup) == (1024, 10, 30, 3)
+    assert (args.staleness, args.train_batches, args.test_batches, args.threads) == (10, 128, 8, 0)
+    largest = train_throughput.parse_args(["--batch-size", "32768", "--train-batches", "120"])
+    assert largest.batch_size * (largest.train_batches + largest.test_batches) == 1 << 22
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seconds", "0"], "argument --seconds: expected a number > 0, got '0'"),
+        (["--seconds", "601"], "--seconds must be at most 600, got 601"),
+        (["--torch-threads", "0"], "argument --torch-threads: expected an integer > 0, got 0"),
+        (["--rounds", "0"], "--rounds must be in 1..100"),
+    ],
+)
+def test_embedding_tier_refuses_runs_that_measure_nothing(argv, message, capsys):
+    _refused(embedding_tier.parse_args, argv, message, capsys)
+    args = embedding_tier.parse_args(["--seconds", "600"])
+    assert (args.seconds, args.threads, args.rounds, args.torch_threads) == (600.0, 2, 3, 1)
