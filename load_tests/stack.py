@@ -124,11 +124,14 @@ class ServeProcess:
                     return self
                 if self.process.poll() is not None:
                     raise RuntimeError(
-                        f"recserve serve exited with {self.process.returncode}:\n"
-                        f"{tail(self.log_path)}"
+                        f"recserve serve exited with {self.process.returncode} before it "
+                        f"listened; {self.log_path}:\n{tail(self.log_path)}"
                     )
                 time.sleep(0.1)
-            raise RuntimeError(f"recserve serve did not listen within {timeout:.0f} s")
+            raise RuntimeError(
+                f"recserve serve did not listen within {timeout:.0f} s; {self.log_path}:\n"
+                f"{tail(self.log_path)}"
+            )
         except BaseException:
             self.stop()
             raise
@@ -146,10 +149,13 @@ class ServeProcess:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"recserve serve exited with {self.process.returncode} before it was "
-                    f"ready:\n{tail(self.log_path)}"
+                    f"ready; {self.log_path}:\n{tail(self.log_path)}"
                 )
             time.sleep(0.1)
-        raise RuntimeError(f"{self.http} is not ready after {timeout:.0f} s")
+        raise RuntimeError(
+            f"recserve serve at {self.http} is not ready after {timeout:.0f} s; "
+            f"{self.log_path}:\n{tail(self.log_path)}"
+        )
 
     @property
     def pid(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -385,9 +386,40 @@ class _NeverReady:
 
 def test_a_server_that_never_becomes_ready_is_stopped(tmp_path):
     server = _NeverReady.make(tmp_path)
-    with pytest.raises(RuntimeError, match="is not ready"):
+    with pytest.raises(RuntimeError) as caught:
         server.start(timeout=1.5)
     assert server.process.poll() is not None  # was left running (PPID 1 after run.py exits)
+    log = tmp_path / "serve.log"
+    head, _, rest = str(caught.value).partition(" s; ")  # waited what the listening left: ~1 s
+    assert re.fullmatch(r"recserve serve at http://127\.0\.0\.1:9 is not ready after [12]", head)
+    assert rest == f"{log}:\n{_NeverReady.LINE}"
+
+
+def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path):
+    """run.py prints "the stack did not start: <this>": it quoted the log's tail without
+    saying which file it was, and a server that never listened said nothing else at all."""
+    from load_tests.stack import ServeProcess
+
+    class Script(ServeProcess):
+        script = ""
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", self.script]
+
+    log = tmp_path / "serve.log"
+    crashing = Script(tmp_path, log)
+    crashing.script = "import sys; print('error: bad flag', flush=True); sys.exit(2)"
+    with pytest.raises(RuntimeError) as caught:
+        crashing.start(timeout=30)
+    assert str(caught.value) == (
+        f"recserve serve exited with 2 before it listened; {log}:\nerror: bad flag"
+    )
+    silent = Script(tmp_path, log)
+    silent.script = "import time; print('loading', flush=True); time.sleep(60)"
+    with pytest.raises(RuntimeError) as caught:
+        silent.start(timeout=0.5)
+    assert silent.process.poll() is not None
+    assert str(caught.value) == f"recserve serve did not listen within 0 s; {log}:\nloading"
 
 
 def test_an_interrupted_start_stops_the_server(tmp_path, monkeypatch):
