@@ -82,6 +82,7 @@ from load_tests.stack import (  # noqa: E402
     ServeProcess,
     dead_processes,
     preprocessor_of,
+    run_cleanups,
     server_pids,
     sigterm_exits,
     start_remote_tier,
@@ -449,19 +450,15 @@ def _run(args: argparse.Namespace) -> int:
         write_summary(out, result)
         print((out / "summary.md").read_text())
         return 0 if not problems else 1
-    finally:  # each step on its own, so one failure does not leave processes behind
-        for cleanup in (
-            sampler.stop if sampler is not None else None,
-            (lambda: stop_process(run.process)) if run is not None else None,
-            server.stop if server is not None else None,
-            cluster.stop if cluster is not None else None,
-        ):
-            if cleanup is None:
-                continue
-            try:
-                cleanup()
-            except Exception as error:  # keep cleaning up
-                print(f"warning: cleanup failed: {error!r}", file=sys.stderr)
+    finally:  # each step on its own, so one failure (or a second Ctrl-C) leaves none behind
+        run_cleanups(
+            [
+                sampler.stop if sampler is not None else None,
+                (lambda: stop_process(run.process)) if run is not None else None,
+                server.stop if server is not None else None,
+                cluster.stop if cluster is not None else None,
+            ]
+        )
 
 
 if __name__ == "__main__":

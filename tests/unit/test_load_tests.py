@@ -1680,6 +1680,35 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short():
     assert result.stdout.splitlines() == ["cleanup finished", "handler restored True"]
 
 
+_SECOND_CTRL_C = """
+import os, signal
+from load_tests.stack import run_cleanups
+
+def stop_locust():
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while locust is being stopped
+    print("locust stopped", flush=True)
+
+def stop_sampler():
+    raise OSError("gone")
+
+try:
+    try:
+        raise KeyboardInterrupt  # the first Ctrl-C
+    finally:
+        run_cleanups([stop_sampler, None, stop_locust, lambda: print("server stopped")])
+except KeyboardInterrupt:
+    print("interrupted", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short():
+    """run.py's cleanup caught Exception per step: a KeyboardInterrupt while it waited for
+    locust to quit ended it there, and the server and the remote tier were left running."""
+    result = run_python(_SECOND_CTRL_C)
+    assert result.stdout.splitlines() == ["locust stopped", "server stopped", "interrupted True"]
+    assert result.stderr.splitlines() == ["warning: cleanup failed: OSError('gone')"]
+
+
 def test_the_rss_columns_wait_for_every_serving_process():
     """Serving processes start one after another: the columns are taken once all N exist."""
     from load_tests.stack import server_pids
