@@ -405,3 +405,26 @@ def test_the_goal_is_judged_on_unrounded_ratios_of_runs_without_failures(tmp_pat
         assert goal((5000.0, 10.0), (1000.0, 30.0), **changes).endswith(
             "| 0.33 | not met (failed requests or no stats) |"
         ), changes
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--models", "adult,synthtic"],
+         "--models: unknown model(s) synthtic: use a comma list of adult, synthetic"),
+        (["--models", " , "], "--models: unknown model(s) (none given)"),
+        (["--ts-workers", "0"], "--ts-workers must be within 1..64, got 0"),
+        (["--ts-batch-size", "0"], "--ts-batch-size must be within 1..4096, got 0"),
+        (["--ts-max-batch-delay-ms", "-1"], "--ts-max-batch-delay-ms must be within 0..10000"),
+    ],
+)  # fmt: skip
+def test_models_and_torchserve_settings_are_checked_before_anything_starts(flags, message, capsys):
+    """A misspelt second model was found after the first one's checkpoint was trained (up to
+    10 minutes); TorchServe settings it refuses only after its JVM started."""
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--out", "x", "--batches", "1", *flags])
+    assert message in capsys.readouterr().err
+    args = peers.parse_args(["--models", " synthetic, adult,synthetic", "--ts-max-batch-delay-ms",
+                             "0"])  # fmt: skip
+    assert (args.models, args.ts_max_batch_delay_ms) == (["synthetic", "adult"], 0)
+    assert peers.parse_args([]).models == ["adult", "synthetic"]
