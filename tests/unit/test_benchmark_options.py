@@ -1,10 +1,12 @@
 """benchmarks/serve_throughput.py, train_throughput.py and embedding_tier.py: options that
 would measure nothing are refused before anything starts (they used to end in a
-ZeroDivisionError or StatisticsError after the whole run), and serve_throughput's HTTP
-clients count a request that failed in transport as an error."""
+ZeroDivisionError or StatisticsError after the whole run), serve_throughput's HTTP clients
+count a request that failed in transport as an error, and grpc_floor.py's timed window ends
+with the last answer."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import embedding_tier  # noqa: E402
+import grpc_floor  # noqa: E402
 import serve_throughput  # noqa: E402
 import train_throughput  # noqa: E402
 
@@ -111,3 +114,28 @@ def test_embedding_tier_refuses_runs_that_measure_nothing(argv, message, capsys)
     _refused(embedding_tier.parse_args, argv, message, capsys)
     args = embedding_tier.parse_args(["--seconds", "600"])
     assert (args.seconds, args.threads, args.rounds, args.torch_threads) == (600.0, 2, 3, 1)
+
+
+def test_a_grpc_floor_call_does_not_pay_for_closing_the_channel(monkeypatch):
+    """The aio measurement read the clock after asyncio.run() returned: closing the channel
+    and the event loop's teardown counted as calls (the sync one stopped inside the channel,
+    so the aio / sync ratio compared different things). Here the close takes 0.5 s."""
+    import grpc
+
+    real = grpc.aio.insecure_channel
+
+    class SlowToClose:
+        def __init__(self, channel: grpc.aio.Channel) -> None:
+            self.channel = channel
+
+        async def __aenter__(self) -> grpc.aio.Channel:
+            return await self.channel.__aenter__()
+
+        async def __aexit__(self, *exc: object) -> None:
+            await asyncio.sleep(0.5)
+            await self.channel.__aexit__(*exc)
+
+    monkeypatch.setattr(grpc.aio, "insecure_channel", lambda *a, **k: SlowToClose(real(*a, **k)))
+    row = grpc_floor.measure("aio", 1000, 10)
+    assert (row["server"], row["calls"]) == ("aio", 10)
+    assert row["wall_ms"] * 10 < 450  # 10 calls on loopback, without the 0.5 s close
