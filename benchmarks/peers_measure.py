@@ -21,7 +21,6 @@ from typing import Any
 from peers_servers import process_tree
 
 from load_tests.locust_run import LocustRun, read_stats
-from load_tests.stack import stop_process
 
 
 def cpu_seconds(pid: int) -> float:
@@ -163,7 +162,7 @@ def measure(
             locust_cpu = max(locust_cpu, cpu_seconds(pid))
             time.sleep(0.5)
     finally:
-        stop_process(locust)
+        run.stop()
     wall = time.monotonic() - started
     result.server_cores = round((cpu_seconds(server_pid) - server_cpu) / wall, 2)
     result.locust_cores = round(locust_cpu / wall, 2)

@@ -9,16 +9,21 @@ raised in locust tasks (:func:`stats_problems`).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from load_tests.stack import REPO_ROOT, subprocess_env, tail
+from load_tests.stack import REPO_ROOT, stop_process, subprocess_env, tail
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 #: The request-name prefix of each user class in locust's stats (load_tests/locustfile.py).
@@ -58,6 +63,10 @@ class LocustRun:
     log_path: Path
     env: dict[str, str]
     processes: int = 1
+    #: With ``processes`` > 1, the port the master listens on for its worker processes, on
+    #: 127.0.0.1: picked free by :meth:`start` (locust's default is 5557 on every interface,
+    #: so a second such run on the machine, or anything else on 5557, stopped it).
+    master_port: int = 0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
@@ -93,6 +102,9 @@ class LocustRun:
         ]
         if self.processes > 1:
             args += ["--processes", str(self.processes)]
+            if self.master_port:
+                args += ["--master-bind-host", "127.0.0.1", "--master-bind-port",
+                         str(self.master_port), "--master-port", str(self.master_port)]  # fmt: skip
         return [*args, *self.classes]
 
     def clear_outputs(self) -> None:
@@ -102,6 +114,8 @@ class LocustRun:
 
     def start(self) -> subprocess.Popen:
         self.clear_outputs()
+        if self.processes > 1 and not self.master_port:
+            self.master_port = free_port()  # just before locust binds it: a short race
         env = {**self.env, "RECSERVE_LT_FINAL_STATS": str(self.final_stats_path)}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -110,8 +124,36 @@ class LocustRun:
                 env=subprocess_env(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # With --processes, a process group of its own: the workers it forks are
+                # found through it (see stop()) even once the master is gone.
+                start_new_session=self.processes > 1,
             )
         return self.process
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """Stop locust by its PID (SIGTERM: it still writes its final stats; SIGKILL after
+        ``grace``) and, with ``processes`` > 1, then every worker process it forked that is
+        left in its process group: a master that failed to start (its port taken) or was
+        killed left its workers running, orphaned. Returns the master's exit code."""
+        code = stop_process(self.process, grace)
+        if self.process is None or self.processes <= 1:
+            return code
+        group = self.process.pid  # its own session's: only processes locust forked
+        with contextlib.suppress(ProcessLookupError):  # none left: nothing to do
+            os.killpg(group, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                os.killpg(group, 0)  # ProcessLookupError once every member exited
+                time.sleep(0.05)
+            os.killpg(group, signal.SIGKILL)
+        return code
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _number(text: str) -> float | None:

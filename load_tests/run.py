@@ -454,7 +454,7 @@ def _run(args: argparse.Namespace) -> int:
         run_cleanups(
             [
                 sampler.stop if sampler is not None else None,
-                (lambda: stop_process(run.process)) if run is not None else None,
+                run.stop if run is not None else None,
                 server.stop if server is not None else None,
                 cluster.stop if cluster is not None else None,
             ]

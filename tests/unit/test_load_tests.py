@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1462,6 +1463,78 @@ def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp
     short = command(0.3, 1)
     assert short[short.index("-t") + 1] == "1s"  # never "0s"
     assert command(5, 3)[-4:] == ["--processes", "3", "KServeJsonUser", "GrpcUser"]
+
+
+def test_locust_processes_talk_over_a_free_loopback_port(tmp_path, monkeypatch):
+    """locust's master listened for its --processes workers on *:5557: on every interface,
+    and a second such run on the machine (or anything on 5557) failed with "Socket bind
+    failure: Address already in use", leaving the workers it had forked running."""
+    from load_tests import locust_run
+
+    started: list[list[str]] = []
+
+    class Recorder:
+        def __init__(self, command: list[str], **kwargs) -> None:
+            started.append(command)
+            assert kwargs["start_new_session"] is True
+
+    monkeypatch.setattr(locust_run.subprocess, "Popen", Recorder)
+    run = locust_run.LocustRun(
+        users=4, spawn_rate=4, seconds=5, classes=["GrpcUser"], host="http://127.0.0.1:1",
+        csv_prefix=tmp_path / "locust", log_path=tmp_path / "locust.log", env={}, processes=2,
+    )  # fmt: skip
+    run.start()
+    port = run.master_port
+    assert started[0][-9:] == [
+        "--processes", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
+        "--master-port", str(port), "GrpcUser",
+    ]  # fmt: skip
+    with socket.socket() as probe:  # free when picked
+        probe.bind(("127.0.0.1", port))
+
+
+_ORPHANING_MASTER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(worker.pid, flush=True)
+sys.exit(1)  # as locust's master does when its port is taken: its workers live on
+"""
+
+
+def test_stopping_locust_stops_the_workers_it_left_behind(tmp_path):
+    from load_tests.locust_run import LocustRun
+
+    class Orphaning(LocustRun):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", _ORPHANING_MASTER]
+
+    run = Orphaning(
+        users=2, spawn_rate=2, seconds=5, classes=["GrpcUser"], host="http://127.0.0.1:1",
+        csv_prefix=tmp_path / "locust", log_path=tmp_path / "locust.log", env={}, processes=2,
+    )  # fmt: skip
+    master = run.start()
+    worker = 0
+    try:
+        assert master.wait(timeout=30) == 1
+        worker = int((tmp_path / "locust.log").read_text().split()[0])
+        assert _running(worker)
+        assert run.stop(grace=5) == 1
+        deadline = time.monotonic() + 10
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(worker)
+    finally:
+        if worker and _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting for its (new) parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
