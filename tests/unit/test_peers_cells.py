@@ -428,3 +428,33 @@ def test_models_and_torchserve_settings_are_checked_before_anything_starts(flags
                              "0"])  # fmt: skip
     assert (args.models, args.ts_max_batch_delay_ms) == (["synthetic", "adult"], 0)
     assert peers.parse_args([]).models == ["adult", "synthetic"]
+
+
+def test_an_interrupted_ceiling_server_start_stops_it(tmp_path, monkeypatch):
+    """peers.py turns SIGTERM into SystemExit: raised while the ceiling (or model-only)
+    server was still loading, it left uvicorn running, since peers.py held no handle yet."""
+    import subprocess
+
+    import peers_servers
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs) -> subprocess.Popen:  # uvicorn, loading
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+        return started[-1]
+
+    def live(url: str, body: bytes | None, timeout: float) -> None:
+        raise SystemExit("stopped by signal 15")
+
+    monkeypatch.setattr(peers_servers.subprocess, "Popen", popen)
+    monkeypatch.setattr(peers_servers, "http_json", live)
+    server = peers_servers.CeilingServer(1, tmp_path / "ceiling.log")
+    try:
+        with pytest.raises(SystemExit):
+            server.start(timeout=30)
+        assert started[0].poll() == -15  # SIGTERM, by its PID
+    finally:
+        if started and started[0].poll() is None:
+            started[0].kill()
+            started[0].wait(timeout=10)
