@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -57,6 +58,9 @@ from embedding_store.optimizers import Adagrad
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # load_tests/ is not installed
+from load_tests.stack import sigterm_exits
 
 NUM_SHARDS = 2
 CAPACITY = 1_000_000  # rows per shard; each holds ~500k
@@ -280,6 +284,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the cluster started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     load_before = os.getloadavg()[0]

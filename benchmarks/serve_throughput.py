@@ -54,6 +54,7 @@ from machine_info import describe_machine
 from embedding_store.batch import Batch
 from embedding_store.cli_types import non_negative_float, positive_float, positive_int
 from examples.adult_income import features
+from load_tests.stack import sigterm_exits
 from serving.grpc_frontend import InferenceStub
 from serving.model import LoadedModel, load_model
 from serving.proto import V2
@@ -258,17 +259,21 @@ def start_server(
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        match = _SERVING_LINE.search(log_path.read_text(errors="replace"))
-        if match:
-            return process, (match[1], int(match[2])), f"{match[3]}:{match[4]}"
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    if process.poll() is None:
-        os.kill(process.pid, signal.SIGKILL)
-    raise RuntimeError(f"recserve serve did not start:\n{log_path.read_text()[-3000:]}")
+    try:  # the caller holds no handle yet: whatever ends the wait stops the server here
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            match = _SERVING_LINE.search(log_path.read_text(errors="replace"))
+            if match:
+                return process, (match[1], int(match[2])), f"{match[3]}:{match[4]}"
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"recserve serve did not start:\n{log_path.read_text()[-3000:]}")
+    except BaseException:  # Ctrl-C and SIGTERM (SystemExit) too
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        raise
 
 
 def machine() -> dict:
@@ -319,6 +324,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the server started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
 
     torch.set_num_threads(args.server_threads)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -51,6 +52,9 @@ from embedding_store.initializer import InitializationConfig
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import Adagrad
 from training.ctx import TrainCtx, eval_ctx
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # load_tests/ is not installed
+from load_tests.stack import sigterm_exits
 
 NUM_SLOTS = 26
 NUM_DENSE = 13
@@ -306,6 +310,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the cluster started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,13 +1,15 @@
 """benchmarks/serve_throughput.py, train_throughput.py and embedding_tier.py: options that
 would measure nothing are refused before anything starts (they used to end in a
 ZeroDivisionError or StatisticsError after the whole run), serve_throughput's HTTP clients
-count a request that failed in transport as an error, and grpc_floor.py's timed window ends
-with the last answer."""
+count a request that failed in transport as an error, grpc_floor.py's timed window ends with
+the last answer, and SIGTERM or Ctrl-C leave no server of theirs running."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -139,3 +141,53 @@ def test_a_grpc_floor_call_does_not_pay_for_closing_the_channel(monkeypatch):
     row = grpc_floor.measure("aio", 1000, 10)
     assert (row["server"], row["calls"]) == ("aio", 10)
     assert row["wall_ms"] * 10 < 450  # 10 calls on loopback, without the 0.5 s close
+
+
+@pytest.mark.parametrize("name", ["serve_throughput", "embedding_tier", "train_throughput",
+                                  "grpc_floor"])  # fmt: skip
+def test_sigterm_unwinds_a_benchmark_so_its_processes_are_stopped(name, monkeypatch):
+    """Without a handler SIGTERM (``timeout``, a CI job's end) ended the script on the spot:
+    no ``finally`` ran, and its server, cluster or gRPC servers lived on."""
+    module = sys.modules[name]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def sigterm(*_args: object) -> None:  # what the script runs first, hit by SIGTERM
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler  # SIG_DFL: the process ends, no finally runs
+        handler(signal.SIGTERM, None)
+
+    if name == "grpc_floor":  # main() reads sys.argv, then measures
+        monkeypatch.setattr(sys, "argv", ["grpc_floor.py"])
+        monkeypatch.setattr(module, "benchmark", sigterm)
+    else:
+        monkeypatch.setattr(module, "parse_args", sigterm)
+    with pytest.raises(SystemExit) as caught:
+        module.main() if name == "grpc_floor" else module.main([])
+    assert caught.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_an_interrupted_server_start_kills_the_server(tmp_path, monkeypatch):
+    """serve_throughput's caller holds no handle to the server until start_server returns:
+    Ctrl-C while it loaded left it running."""
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs) -> subprocess.Popen:  # recserve serve, loading
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+        return started[-1]
+
+    class Interrupted:
+        def search(self, text: str) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_throughput.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve_throughput, "_SERVING_LINE", Interrupted())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            serve_throughput.start_server(tmp_path, tmp_path / "serve.log", 1, 2.0)
+        assert started[0].poll() == -signal.SIGKILL
+    finally:
+        if started and started[0].poll() is None:
+            started[0].kill()
+            started[0].wait(timeout=10)
