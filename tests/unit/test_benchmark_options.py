@@ -191,3 +191,51 @@ def test_an_interrupted_server_start_kills_the_server(tmp_path, monkeypatch):
         if started and started[0].poll() is None:
             started[0].kill()
             started[0].wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- ratio arithmetic
+def test_embedding_core_ratios_are_medians_of_same_round_ratios():
+    import embedding_core
+
+    # Per-round ratios 2, 1, 3: median 2. (Medians of each side would give 4 / 3.)
+    assert embedding_core.median_ratio([2.0, 4.0, 9.0], [1.0, 4.0, 3.0]) == 2.0
+
+
+def test_serve_throughput_reports_median_rps_and_pooled_latencies(capsys):
+    import argparse
+    import json
+
+    def stats(rps: list[float], latencies_s: list[float], errors: int = 0):
+        return serve_throughput.Stats(
+            requests=len(latencies_s), errors=errors, seconds=1.0, latencies=latencies_s,
+            rps_per_round=rps,
+        )  # fmt: skip
+
+    results = {
+        (1, "in-process"): stats([100.0, 300.0, 200.0], [0.001, 0.002, 0.003]),
+        (1, "http"): stats([50.0, 40.0, 90.0], [0.010, 0.020, 0.030, 0.040, 0.050], errors=1),
+    }
+    args = argparse.Namespace(seconds=3.0, rounds=3, clients=8, server_threads=1,
+                              max_queue_delay_ms=2.0)  # fmt: skip
+    serve_throughput.report(args, Path("/c"), results)
+    document = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    base, http = document["results"]
+    assert (base["rps"], base["rps_vs_in_process"], base["clients"]) == (200.0, 1.0, 1)
+    assert (http["rps"], http["samples_per_s"], http["clients"], http["errors"]) == (
+        50.0,
+        50.0,
+        8,
+        1,
+    )
+    assert http["rps_vs_in_process"] == 0.25  # median 50 over median 200
+    assert http["p50_ms"] == pytest.approx(30.0) and http["p99_ms"] == pytest.approx(49.6)
+    assert http["p50_vs_in_process"] == pytest.approx(15.0)  # 30 ms over 2 ms
+
+
+def test_embedding_tier_summary_rates_and_cpu_per_call():
+    raw = {"calls": 50, "seconds": 2.0, "latencies": [0.01] * 49 + [0.11],
+           "cpu": {"client": 0.5, "worker": 1.0}}  # fmt: skip
+    summary = embedding_tier.summarize(raw, 64)
+    assert summary["ids_per_s"] == 26 * 64 * 25 and summary["samples_per_s"] == 64 * 25
+    assert summary["p50_ms"] == pytest.approx(10.0) and summary["p99_ms"] == pytest.approx(61.0)
+    assert summary["cpu_ms_per_call"] == {"client": 10.0, "worker": 20.0}
