@@ -4,7 +4,8 @@ Final numbers come from locust's own totals, written by the locustfile when locu
 (``<prefix>_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at
 shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
 its log; so do failed requests, no throughput, a user class that sent nothing and errors
-raised in locust tasks (:func:`stats_problems`).
+raised in locust tasks (:func:`stats_problems`), and seconds in which no request completed
+(:func:`stall_problems`: a hung server's pending requests are never counted as failed).
 """
 
 from __future__ import annotations
@@ -266,6 +267,44 @@ def read_history(csv_prefix: Path) -> list[dict[str, float]]:
                 }
             )
     return rows
+
+
+#: Seconds in which not one request completed (a failed one counts as completed) while users
+#: ran that fail a run: see :func:`stall_problems`.
+STALL_S = 5.0
+
+
+def stall_problems(history: list[dict[str, float]], limit_s: float = STALL_S) -> list[str]:
+    """Stretches of at least ``limit_s`` seconds of the run's ``history`` (:func:`read_history`)
+    in which no request completed while users ran, after the first one did.
+
+    A server that stops answering fails no request until a client times out (60 s over HTTP):
+    locust ends its users at ``-t`` with their requests still pending, and counts none of
+    them, so a server hung for the last seconds of a run passed with 0 failures. A stretch is
+    measured over history rows that show no growth; a load generator too busy to write rows
+    (no rows at all) is not taken for a server that stopped."""
+    problems = []
+    start = history[0]["unix"] if history else 0.0
+    grew: float | None = None  # the last row whose interval completed requests
+    quiet: float | None = None  # the last row after it that completed none
+
+    def close() -> None:
+        if grew is not None and quiet is not None and quiet - grew >= limit_s:
+            problems.append(
+                f"no request completed for {quiet - grew:.0f} s while users ran (from "
+                f"{grew - start:.0f} s into the run): the server stopped answering"
+            )
+
+    for row in history:
+        if row["users"] <= 0:  # before the users start or once they stopped
+            continue
+        if row["rps"] > 0:
+            close()
+            grew, quiet = row["unix"], None
+        elif grew is not None:
+            quiet = row["unix"]
+    close()
+    return problems
 
 
 def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]:

@@ -35,7 +35,8 @@ name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles ove
 ``load`` extra does not bring: without it the summary says so and the verdict stands),
 ``rss.csv`` (soak), locust's ``locust_*`` files and the logs of every process. Exit status: 0
 when every check passed, 1 when one failed (request failures, a locust failure, a process of
-the stack that died, no throughput, memory growth, a failed reload), 2 when the stack could not
+the stack that died, no throughput, 5 s or more in which no request completed, memory growth,
+a failed reload), 2 when the stack could not
 start (bad arguments, a missing checkpoint, locust not installed), 130 on Ctrl-C and 143 on
 SIGTERM.
 
@@ -74,6 +75,7 @@ from load_tests.locust_run import (  # noqa: E402
     locust_installed,
     locust_outcome,
     read_history,
+    stall_problems,
     stats_problems,
 )
 from load_tests.memory import RssSampler, memory_verdicts, soak_problems  # noqa: E402
@@ -401,6 +403,7 @@ def _run(args: argparse.Namespace) -> int:
         history = read_history(run.csv_prefix)
         if final is not None:
             problems.extend(stats_problems(stats, classes, run.csv_prefix))
+            problems.extend(stall_problems(history))
         if soak is not None:
             samples = sampler.samples
             if samples:

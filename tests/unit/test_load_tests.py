@@ -1920,3 +1920,36 @@ def test_the_pools_are_built_before_the_run_starts(tmp_path):
     assert out["built"] == ["binary", "grpc"]  # TorchServe's binary user shares the binary pool
     assert out["sizes"] == {"binary": {"1": 3, "8": 3}, "grpc": {"1": 3, "8": 3}}
     assert (out["by_a_worker"], out["left"]) == ([], [])
+
+
+def test_a_server_that_stops_answering_fails_the_run(tmp_path):
+    """A server hung 8 s into a 14 s run: locust ended its users with their requests pending
+    and counted none of them: 342 requests, 0 failures, exit 0, a PASS. Its history shows it."""
+    from load_tests.locust_run import read_history, stall_problems
+
+    def history(counts: list[tuple[int, int]]) -> list[dict[str, float]]:
+        lines = [_HISTORY_HEADER] + [
+            _history_row(1000 + t, "Aggregated", "5", total, 0).replace(",8,,", f",{users},,", 1)
+            for t, (users, total) in enumerate(counts)
+        ]
+        (tmp_path / "h_stats_history.csv").write_text("\n".join(lines) + "\n")
+        return read_history(tmp_path / "h")
+
+    answering = [(0, 0), (2, 0), (2, 46), (2, 92), (2, 137)]  # users start; 1 s to the first
+    hung = answering + [(2, 160)] + [(2, 160)] * 6 + [(0, 160)] * 3  # stopping: users 0
+    assert stall_problems(history(hung)) == [
+        "no request completed for 6 s while users ran (from 5 s into the run): the server "
+        "stopped answering"
+    ]
+    assert stall_problems(history(hung), limit_s=7.0) == []
+    # 4 quiet seconds, then answers again: under the 5 s limit; then one of exactly 5 s.
+    recovered = answering + [(2, 137)] * 4 + [(2, 180)] + [(2, 180)] * 5 + [(2, 200)]
+    assert stall_problems(history(recovered)) == [
+        "no request completed for 5 s while users ran (from 9 s into the run): the server "
+        "stopped answering"
+    ]
+    # A load generator too busy to write its rows for 8 s is no stall: its rows all grow.
+    busy = [*answering, (2, 300)]
+    rows = history(busy)
+    rows[-1]["unix"] += 8.0
+    assert stall_problems(rows) == [] and stall_problems([]) == []
