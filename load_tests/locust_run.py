@@ -143,11 +143,25 @@ class LocustRun:
         with contextlib.suppress(ProcessLookupError):  # none left: nothing to do
             os.killpg(group, signal.SIGTERM)
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                os.killpg(group, 0)  # ProcessLookupError once every member exited
+            while _group_running(group) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            os.killpg(group, signal.SIGKILL)
+            if _group_running(group):
+                os.killpg(group, signal.SIGKILL)
         return code
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of process group ``group`` still runs: one that is not a zombie
+    (an orphan's zombie waits for whoever adopted it, and no signal ends it)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while we looked
+        # After the command: state, ppid, pgrp (proc(5)).
+        if len(fields) > 2 and fields[2] == str(group) and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def free_port() -> int:
