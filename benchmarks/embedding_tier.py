@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -50,12 +51,16 @@ from embedding_core import DIM, DISTINCT_IDS, NUM_SLOTS, VOCAB, zipf_ids
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.cli_types import positive_float, positive_int
 from embedding_store.config import load_embedding_config
 from embedding_store.launcher import LocalCluster, ManagedProcess
 from embedding_store.optimizers import Adagrad
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # load_tests/ is not installed
+from load_tests.stack import sigterm_exits
 
 NUM_SHARDS = 2
 CAPACITY = 1_000_000  # rows per shard; each holds ~500k
@@ -242,9 +247,12 @@ def versions() -> dict:
     return info
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; argparse error (exit 2) before the cluster starts for a value that
+    would measure nothing (0 seconds: 0 calls, a ratio of 0 / 0 after the whole run) or run
+    unbounded."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    parser.add_argument("--seconds", type=positive_float, default=3.0, help="time per measurement")
     parser.add_argument("--threads", type=int, default=2, help="concurrent client threads")
     parser.add_argument(
         "--rounds",
@@ -254,7 +262,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--torch-threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="torch intra-op threads, here and in the cluster's processes (OMP_NUM_THREADS)",
     )
@@ -265,11 +273,25 @@ def main() -> None:
         help="skip the worker-core-in-this-process measurement (RemoteShardTier)",
     )
     parser.add_argument("--log-dir", default=None, help="cluster logs (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 1 <= args.threads <= 16:
         parser.error("--threads must be in 1..16")
     if not 1 <= args.rounds <= 100:
         parser.error("--rounds must be in 1..100")
+    if args.seconds > 600:
+        parser.error(f"--seconds must be at most 600, got {args.seconds:g}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the cluster started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     load_before = os.getloadavg()[0]
     cluster_env = {"OMP_NUM_THREADS": str(args.torch_threads)}

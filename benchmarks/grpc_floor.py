@@ -41,6 +41,9 @@ from pathlib import Path
 
 import grpc
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # load_tests/ is not installed
+from load_tests.stack import sigterm_exits
+
 REQUEST_BYTES = 200_000  # a batch-1024 request of 26 single-ID slots
 ANSWER_BYTES = {"1KB": 1_000, "0.44MB": 440_000, "1.7MB": 1_700_000}
 OPTIONS = [
@@ -134,6 +137,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _usage(pid: int) -> tuple[float, float, float]:
+    """(wall clock, this process's CPU, ``pid``'s CPU), in seconds: read before and after a
+    timed window."""
+    return time.perf_counter(), time.process_time(), _cpu_seconds(pid)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -154,32 +163,31 @@ def measure(kind: str, answer_bytes: int, calls: int) -> dict:
         _wait_ready(port)
         request = os.urandom(REQUEST_BYTES)
         target = f"127.0.0.1:{port}"
+        # The timed window ends with the last answer, inside the channel: closing it (and,
+        # for aio, the event loop's teardown) is no part of a call's cost.
         if kind == "sync":
             with grpc.insecure_channel(target, options=OPTIONS) as channel:
                 call = channel.unary_unary("/bench.Floor/Call", _identity, _identity)
                 for _ in range(WARMUP_CALLS):
                     call(request, timeout=30)
-                server0, client0 = _cpu_seconds(pid), time.process_time()
-                wall0 = time.perf_counter()
+                start = _usage(pid)
                 for _ in range(calls):
                     call(request, timeout=30)
-                wall = time.perf_counter() - wall0
+                end = _usage(pid)
         else:
 
-            async def run() -> tuple[float, float, float]:
+            async def run() -> tuple[tuple[float, float, float], tuple[float, float, float]]:
                 async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
                     call = channel.unary_unary("/bench.Floor/Call", _identity, _identity)
                     for _ in range(WARMUP_CALLS):
                         await call(request, timeout=30)
-                    start = (_cpu_seconds(pid), time.process_time(), time.perf_counter())
+                    start = _usage(pid)
                     for _ in range(calls):
                         await call(request, timeout=30)
-                    return start
+                    return start, _usage(pid)
 
-            server0, client0, wall0 = asyncio.run(run())
-            wall = time.perf_counter() - wall0
-        client = time.process_time() - client0
-        server = _cpu_seconds(pid) - server0
+            start, end = asyncio.run(run())
+        wall, client, server = (after - before for after, before in zip(end, start, strict=True))
     finally:
         child.kill()
         child.wait(timeout=30)
@@ -324,6 +332,14 @@ def main() -> None:
         parser.error("--calls must be in 10..100000")
     if not 0.5 <= args.seconds <= 120:
         parser.error("--seconds must be in 0.5..120")
+    # SIGTERM (``timeout``, a CI job's end) unwinds as SystemExit(143): the servers started
+    # here are killed by the measurements' ``finally`` (they used to live on, up to 300 s).
+    with sigterm_exits():
+        benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """Every measurement of the command line ``args``, printed (and written to ``--json``)."""
     results = []
     print(f"python {platform.python_version()}, grpcio {grpc.__version__}, nproc {os.cpu_count()}")
     print(

@@ -86,6 +86,8 @@ ADULT_TRAIN = REPO_ROOT / "examples" / "adult_income" / "train.py"
 RECSERVE_USERS = {"json": "KServeJsonUser", "binary": "KServeBinaryUser"}
 TORCHSERVE_USERS = {"json": "TorchServeJsonUser", "binary": "TorchServeBinaryUser"}
 ENCODINGS = tuple(RECSERVE_USERS)
+#: The models ``--models`` may name.
+MODELS = ("adult", "synthetic")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -169,7 +171,9 @@ def encodings_argument(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("peers-out"))
-    parser.add_argument("--models", default="adult,synthetic")
+    parser.add_argument(
+        "--models", default="adult,synthetic", help=f"a comma list of {', '.join(MODELS)}"
+    )
     parser.add_argument("--adult-checkpoint", type=Path, default=None)
     parser.add_argument("--synthetic-checkpoint", type=Path, default=None)
     parser.add_argument(
@@ -245,6 +249,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--warmup-seconds must be within 0..120, got {args.warmup_seconds:g}")
     if not args.batches and not args.mix:
         parser.error("nothing to measure: give --batches or --mix")
+    # Checked here, not when its turn comes: the models before it were trained by then.
+    args.models = list(dict.fromkeys(m.strip() for m in args.models.split(",") if m.strip()))
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        parser.error(
+            f"--models: unknown model(s) {', '.join(unknown) or '(none given)'}: use a comma "
+            f"list of {', '.join(MODELS)}"
+        )
+    for flag, value, low, high in (
+        ("--ts-workers", args.ts_workers, 1, 64),
+        ("--ts-batch-size", args.ts_batch_size, 1, 4096),
+        ("--ts-max-batch-delay-ms", args.ts_max_batch_delay_ms, 0, 10_000),
+    ):
+        if not low <= value <= high:  # TorchServe would refuse the model after its start-up
+            parser.error(f"{flag} must be within {low}..{high}, got {value}")
     return args
 
 
@@ -267,15 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "locust").mkdir(parents=True, exist_ok=True)
     variants = dict(v.partition("=")[::2] for v in (args.variant or ["default="]))
     batches = [str(size) for size in args.batches] + args.mix
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
     checkpoints = {}
-    for name in names:
+    for name in args.models:  # parse_args refused any other name
         if name == "adult":
             checkpoints[name] = adult_checkpoint(out, args.adult_checkpoint)
-        elif name == "synthetic":
-            checkpoints[name] = synthetic_checkpoint(out, args.synthetic_checkpoint)
         else:
-            raise SystemExit(f"unknown model {name!r}: adult or synthetic")
+            checkpoints[name] = synthetic_checkpoint(out, args.synthetic_checkpoint)
     info: dict[str, Any] = {
         "machine": machine_description(),
         "users": args.users,

@@ -21,7 +21,6 @@ from typing import Any
 from peers_servers import process_tree
 
 from load_tests.locust_run import LocustRun, read_stats
-from load_tests.stack import stop_process
 
 
 def cpu_seconds(pid: int) -> float:
@@ -89,17 +88,20 @@ class Measurement:
 
 def combine_rounds(rounds: list[Measurement]) -> Measurement:
     """One server's measurements of one cell, one per round, as one: the median of every rate,
-    latency and per-batch figure, the sum of requests and failures, the first error."""
+    latency and per-batch figure over the rounds that measured them (a round without locust
+    stats, ``error`` set, measured nothing: its 0 req/s would pull the median down), the sum
+    of requests and failures, the first error."""
     first = rounds[0]
     combined = Measurement(first.model, first.server, first.batch, first.encoding, first.users,
                            first.seconds, round=0)  # fmt: skip
     combined.requests = sum(m.requests for m in rounds)
     combined.failures = sum(m.failures for m in rounds)
+    measured = [m for m in rounds if not m.error]
     for name in (
         "rps", "p50_ms", "p99_ms", "server_cores", "locust_cores", "mean_merged_batch",
         "lookup_ms_per_batch", "compute_ms_per_batch", "queue_ms_per_request", "samples_per_s",
     ):  # fmt: skip
-        values = [getattr(m, name) for m in rounds if getattr(m, name) is not None]
+        values = [getattr(m, name) for m in measured if getattr(m, name) is not None]
         if values:
             setattr(combined, name, statistics.median(values))
     combined.error = next((m.error for m in rounds if m.error), "")
@@ -163,7 +165,7 @@ def measure(
             locust_cpu = max(locust_cpu, cpu_seconds(pid))
             time.sleep(0.5)
     finally:
-        stop_process(locust)
+        run.stop()
     wall = time.monotonic() - started
     result.server_cores = round((cpu_seconds(server_pid) - server_cpu) / wall, 2)
     result.locust_cores = round(locust_cpu / wall, 2)

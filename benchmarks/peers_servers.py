@@ -291,17 +291,22 @@ class CeilingServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.http = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ceiling server exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                http_json(f"{self.http}/v2/live", None, timeout=2.0)
-                return self
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"ceiling server did not answer within {timeout:g} s")
+        try:  # the caller holds no handle yet: whatever ends the wait stops the server here
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"ceiling server exited: {self.log_path.read_text()[-2000:]}"
+                    )
+                try:
+                    http_json(f"{self.http}/v2/live", None, timeout=2.0)
+                    return self
+                except OSError:
+                    time.sleep(0.2)
+            raise RuntimeError(f"ceiling server did not answer within {timeout:g} s")
+        except BaseException:  # SIGTERM (SystemExit in peers.py) and Ctrl-C too
+            self.stop()
+            raise
 
     @property
     def pid(self) -> int:

@@ -52,7 +52,9 @@ from google.protobuf.message import Message
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch
+from embedding_store.cli_types import non_negative_float, positive_float, positive_int
 from examples.adult_income import features
+from load_tests.stack import sigterm_exits
 from serving.grpc_frontend import InferenceStub
 from serving.model import LoadedModel, load_model
 from serving.proto import V2
@@ -122,24 +124,34 @@ def _http_client(
     stop_at: float,
     out: Stats,
 ) -> None:
+    """One client thread: binary-extension requests back to back until ``stop_at``. A
+    request that fails in transport (refused, reset, timed out) is an error like a wrong
+    answer, and the next one opens a new connection: an exception must not end the thread,
+    which took its requests and errors with it (a server that died read as 0 errors)."""
     connection = http.client.HTTPConnection(*address, timeout=30)
     latencies, errors, i = [], 0, 0
     headers = {"Content-Type": "application/octet-stream"}
-    while time.perf_counter() < stop_at:
-        body, header_length = bodies[i % len(bodies)]
-        i += 1
-        headers["Inference-Header-Content-Length"] = header_length
-        started = time.perf_counter()
-        connection.request("POST", f"/v2/models/{MODEL}/infer", body=body, headers=headers)
-        response = connection.getresponse()
-        payload = response.read()
-        latencies.append(time.perf_counter() - started)
-        json_size = int(response.getheader("Inference-Header-Content-Length") or -1)
-        if response.status != 200 or len(payload) - json_size != 4 * batch_size:
-            errors += 1
-    connection.close()
-    out.latencies.extend(latencies)
-    out.errors += errors
+    try:
+        while time.perf_counter() < stop_at:
+            body, header_length = bodies[i % len(bodies)]
+            i += 1
+            headers["Inference-Header-Content-Length"] = header_length
+            started = time.perf_counter()
+            try:
+                connection.request("POST", f"/v2/models/{MODEL}/infer", body=body, headers=headers)
+                response = connection.getresponse()
+                payload = response.read()
+                json_size = int(response.getheader("Inference-Header-Content-Length") or -1)
+                ok = response.status == 200 and len(payload) - json_size == 4 * batch_size
+            except (OSError, http.client.HTTPException, ValueError):
+                connection.close()  # reopened by the next request
+                ok = False
+            latencies.append(time.perf_counter() - started)
+            errors += not ok
+    finally:
+        connection.close()
+        out.latencies.extend(latencies)
+        out.errors += errors
 
 
 def _grpc_client(
@@ -154,7 +166,8 @@ def _grpc_client(
             started = time.perf_counter()
             try:
                 response = infer(request, timeout=30)
-                ok = len(response.raw_output_contents[0]) == 4 * batch_size
+                contents = response.raw_output_contents
+                ok = len(contents) == 1 and len(contents[0]) == 4 * batch_size
             except grpc.RpcError:
                 ok = False
             latencies.append(time.perf_counter() - started)
@@ -246,17 +259,21 @@ def start_server(
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        match = _SERVING_LINE.search(log_path.read_text(errors="replace"))
-        if match:
-            return process, (match[1], int(match[2])), f"{match[3]}:{match[4]}"
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    if process.poll() is None:
-        os.kill(process.pid, signal.SIGKILL)
-    raise RuntimeError(f"recserve serve did not start:\n{log_path.read_text()[-3000:]}")
+    try:  # the caller holds no handle yet: whatever ends the wait stops the server here
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            match = _SERVING_LINE.search(log_path.read_text(errors="replace"))
+            if match:
+                return process, (match[1], int(match[2])), f"{match[3]}:{match[4]}"
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"recserve serve did not start:\n{log_path.read_text()[-3000:]}")
+    except BaseException:  # Ctrl-C and SIGTERM (SystemExit) too
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        raise
 
 
 def machine() -> dict:
@@ -267,18 +284,54 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1000 if values else float("nan")
 
 
-def main() -> None:
+#: The largest batch size: DISTINCT_BATCHES of it must come from the Adult test set (16,281
+#: rows), or a mode would have no request to send.
+MAX_BATCH_SIZE = 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; argparse error (exit 2) before anything starts for a value that
+    would measure nothing (0 rounds, seconds, clients; a batch size with no test batch) or
+    run unbounded."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: train one")
-    parser.add_argument("--seconds", type=float, default=3.0, help="per mode, batch and round")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--clients", type=int, default=8, help="concurrent client threads")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--server-threads", type=int, default=1, help="torch threads (both)")
     parser.add_argument(
-        "--max-queue-delay-ms", type=float, default=2.0, help="the server's batching window"
+        "--seconds", type=positive_float, default=3.0, help="per mode, batch and round"
     )
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--clients", type=positive_int, default=8, help="concurrent client threads")
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--server-threads", type=positive_int, default=1, help="torch threads (both)"
+    )
+    parser.add_argument(
+        "--max-queue-delay-ms",
+        type=non_negative_float,
+        default=2.0,
+        help="the server's batching window",
+    )
+    args = parser.parse_args(argv)
+    if args.seconds > 600 or args.rounds > 100 or args.clients > 256:
+        parser.error("bounded runs only: at most 600 --seconds, 100 --rounds, 256 --clients")
+    if max(args.batch_sizes) > MAX_BATCH_SIZE:
+        parser.error(
+            f"--batch-sizes: at most {MAX_BATCH_SIZE} ({DISTINCT_BATCHES} batches of Adult "
+            f"test rows each), got {max(args.batch_sizes)}"
+        )
+    if args.checkpoint is not None and not args.checkpoint.is_dir():
+        parser.error(f"--checkpoint {args.checkpoint}: no such directory")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the server started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     torch.set_num_threads(args.server_threads)
     with tempfile.TemporaryDirectory(prefix="recserve-bench-") as scratch:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -45,11 +46,15 @@ import yaml
 from machine_info import describe_machine
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature
+from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
 from embedding_store.initializer import InitializationConfig
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import Adagrad
 from training.ctx import TrainCtx, eval_ctx
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # load_tests/ is not installed
+from load_tests.stack import sigterm_exits
 
 NUM_SLOTS = 26
 NUM_DENSE = 13
@@ -60,6 +65,8 @@ EMBEDDING_LR = 0.05
 DENSE_LR = 1e-3
 INIT_BOUND = 0.01
 SLOT_NAMES = [f"C{i + 1}" for i in range(NUM_SLOTS)]
+#: The most samples the synthetic data may hold (~2 GB; the defaults hold 139,264).
+MAX_SAMPLES = 1 << 22
 
 
 class MLP(torch.nn.Module):
@@ -265,20 +272,52 @@ def machine() -> dict:
     return info
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; argparse error (exit 2) before the data is built for a value that
+    would measure nothing (0 rounds, steps or test batches: a ratio of nothing, found only
+    after every trainer ran) or that TrainCtx refuses (staleness 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps-per-round", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per trainer")
-    parser.add_argument("--max-seconds", type=float, default=240.0, help="stop rounds after")
-    parser.add_argument("--staleness", type=int, default=10, help="embedding staleness")
-    parser.add_argument("--train-batches", type=int, default=128, help="distinct batches, cycled")
-    parser.add_argument("--test-batches", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--batch-size", type=positive_int, default=1024)
+    parser.add_argument("--rounds", type=positive_int, default=10)
+    parser.add_argument("--steps-per-round", type=positive_int, default=30)
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed steps per trainer"
+    )
+    parser.add_argument(
+        "--max-seconds", type=positive_float, default=240.0, help="stop rounds after"
+    )
+    parser.add_argument(
+        "--staleness", type=positive_int, default=10, help="embedding staleness (>= 1)"
+    )
+    parser.add_argument(
+        "--train-batches", type=positive_int, default=128, help="distinct batches, cycled"
+    )
+    parser.add_argument("--test-batches", type=positive_int, default=8)
+    parser.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch threads (0: default)"
+    )
     parser.add_argument("--no-remote", action="store_true", help="skip the 2-shard cluster")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    samples = args.batch_size * (args.train_batches + args.test_batches)
+    if samples > MAX_SAMPLES:
+        # built up front and held in memory, twice (Batches and tensors): ~0.5 KB a sample
+        parser.error(
+            f"--batch-size x (--train-batches + --test-batches) is {samples:,} samples; at "
+            f"most {MAX_SAMPLES:,}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print its results. SIGTERM (``timeout``, a CI job's end) unwinds
+    it as SystemExit(143), so the cluster started here is stopped: it used to live on."""
+    with sigterm_exits():
+        benchmark(argv)
+
+
+def benchmark(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     # torch.optim.Adagrad builds its sparse update with invariant checks off and says so.
@@ -292,14 +331,15 @@ def main() -> None:
     mapping = {"slots_config": {name: {"dim": DIM} for name in SLOT_NAMES}}
     config = embedding_config_from_mapping(mapping, source="benchmark")
 
-    trainers: list = [
-        PlainTrainer(data, initial_mlp),
-        RecserveTrainer("embedded", data, initial_mlp, config, staleness=args.staleness),
-        RecserveTrainer("embedded-sync", data, initial_mlp, config, staleness=1),
-    ]
+    trainers: list = []
     cluster = None
     workdir = tempfile.TemporaryDirectory(prefix="recserve-bench-training-")
-    try:
+    try:  # trainers started inside: one that fails to start must not leave the others open
+        trainers.append(PlainTrainer(data, initial_mlp))
+        trainers.append(
+            RecserveTrainer("embedded", data, initial_mlp, config, staleness=args.staleness)
+        )
+        trainers.append(RecserveTrainer("embedded-sync", data, initial_mlp, config, staleness=1))
         if not args.no_remote:
             config_path = Path(workdir.name) / "embedding_config.yml"
             config_path.write_text(yaml.safe_dump(mapping))

@@ -4,21 +4,27 @@ Final numbers come from locust's own totals, written by the locustfile when locu
 (``<prefix>_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at
 shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
 its log; so do failed requests, no throughput, a user class that sent nothing and errors
-raised in locust tasks (:func:`stats_problems`).
+raised in locust tasks (:func:`stats_problems`), and seconds in which no request completed
+(:func:`stall_problems`: a hung server's pending requests are never counted as failed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from load_tests.stack import REPO_ROOT, subprocess_env, tail
+from load_tests.stack import REPO_ROOT, stop_process, subprocess_env, tail
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 #: The request-name prefix of each user class in locust's stats (load_tests/locustfile.py).
@@ -58,6 +64,10 @@ class LocustRun:
     log_path: Path
     env: dict[str, str]
     processes: int = 1
+    #: With ``processes`` > 1, the port the master listens on for its worker processes, on
+    #: 127.0.0.1: picked free by :meth:`start` (locust's default is 5557 on every interface,
+    #: so a second such run on the machine, or anything else on 5557, stopped it).
+    master_port: int = 0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @property
@@ -93,6 +103,9 @@ class LocustRun:
         ]
         if self.processes > 1:
             args += ["--processes", str(self.processes)]
+            if self.master_port:
+                args += ["--master-bind-host", "127.0.0.1", "--master-bind-port",
+                         str(self.master_port), "--master-port", str(self.master_port)]  # fmt: skip
         return [*args, *self.classes]
 
     def clear_outputs(self) -> None:
@@ -102,6 +115,8 @@ class LocustRun:
 
     def start(self) -> subprocess.Popen:
         self.clear_outputs()
+        if self.processes > 1 and not self.master_port:
+            self.master_port = free_port()  # just before locust binds it: a short race
         env = {**self.env, "RECSERVE_LT_FINAL_STATS": str(self.final_stats_path)}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -110,8 +125,50 @@ class LocustRun:
                 env=subprocess_env(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # With --processes, a process group of its own: the workers it forks are
+                # found through it (see stop()) even once the master is gone.
+                start_new_session=self.processes > 1,
             )
         return self.process
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """Stop locust by its PID (SIGTERM: it still writes its final stats; SIGKILL after
+        ``grace``) and, with ``processes`` > 1, then every worker process it forked that is
+        left in its process group: a master that failed to start (its port taken) or was
+        killed left its workers running, orphaned. Returns the master's exit code."""
+        code = stop_process(self.process, grace)
+        if self.process is None or self.processes <= 1:
+            return code
+        group = self.process.pid  # its own session's: only processes locust forked
+        with contextlib.suppress(ProcessLookupError):  # none left: nothing to do
+            os.killpg(group, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while _group_running(group) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _group_running(group):
+                os.killpg(group, signal.SIGKILL)
+        return code
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of process group ``group`` still runs: one that is not a zombie
+    (an orphan's zombie waits for whoever adopted it, and no signal ends it)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended while we looked
+        # After the command: state, ppid, pgrp (proc(5)).
+        if len(fields) > 2 and fields[2] == str(group) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _number(text: str) -> float | None:
@@ -224,6 +281,44 @@ def read_history(csv_prefix: Path) -> list[dict[str, float]]:
                 }
             )
     return rows
+
+
+#: Seconds in which not one request completed (a failed one counts as completed) while users
+#: ran that fail a run: see :func:`stall_problems`.
+STALL_S = 5.0
+
+
+def stall_problems(history: list[dict[str, float]], limit_s: float = STALL_S) -> list[str]:
+    """Stretches of at least ``limit_s`` seconds of the run's ``history`` (:func:`read_history`)
+    in which no request completed while users ran, after the first one did.
+
+    A server that stops answering fails no request until a client times out (60 s over HTTP):
+    locust ends its users at ``-t`` with their requests still pending, and counts none of
+    them, so a server hung for the last seconds of a run passed with 0 failures. A stretch is
+    measured over history rows that show no growth; a load generator too busy to write rows
+    (no rows at all) is not taken for a server that stopped."""
+    problems = []
+    start = history[0]["unix"] if history else 0.0
+    grew: float | None = None  # the last row whose interval completed requests
+    quiet: float | None = None  # the last row after it that completed none
+
+    def close() -> None:
+        if grew is not None and quiet is not None and quiet - grew >= limit_s:
+            problems.append(
+                f"no request completed for {quiet - grew:.0f} s while users ran (from "
+                f"{grew - start:.0f} s into the run): the server stopped answering"
+            )
+
+    for row in history:
+        if row["users"] <= 0:  # before the users start or once they stopped
+            continue
+        if row["rps"] > 0:
+            close()
+            grew, quiet = row["unix"], None
+        elif grew is not None:
+            quiet = row["unix"]
+    close()
+    return problems
 
 
 def silent_classes(classes: list[str], stats: list[dict[str, Any]]) -> list[str]:

@@ -1,15 +1,41 @@
 """The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99,
 failures per request name and aggregated), ``summary.json`` and ``latency.png`` (latency
 percentiles over a trailing ~10 s window and throughput over time, plus RSS in soak mode).
+
+Each file is written whole or not at all (a temporary file in ``--out``, then a rename): a
+reader never sees half a report. ``latency.png`` needs matplotlib, which the ``load`` extra
+does not bring; without it the run's verdict and numbers are reported all the same, and the
+summary says why there is no plot.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+#: What the summary says when matplotlib is not importable (see :func:`plot`).
+NO_MATPLOTLIB = (
+    "latency.png not written: matplotlib is not installed (pip install matplotlib, or the "
+    "eval extra: pip install -e '.[eval]')"
+)
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """``data`` into ``path`` whole: a temporary file next to it, then a rename."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if isinstance(data, bytes):
+            temporary.write_bytes(data)
+        else:
+            temporary.write_text(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def plot(
@@ -19,9 +45,15 @@ def plot(
     title: str,
     rss: list[dict[str, float]] | None = None,
     marks: Sequence[tuple[float, str]] = (),
-) -> None:
-    """Latency percentiles and throughput over time (and RSS when given) as a PNG."""
-    import matplotlib
+) -> str | None:
+    """Latency percentiles and throughput over time (and RSS when given) as a PNG.
+
+    Returns None once ``path`` is written, else why it is not (:data:`NO_MATPLOTLIB`): the
+    picture is no part of the run's verdict, so its absence must not cost the summary."""
+    try:
+        import matplotlib
+    except ImportError:
+        return NO_MATPLOTLIB
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -60,8 +92,11 @@ def plot(
         ax2.set_ylabel("RSS (MB)")
         ax2.legend(loc="upper left")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
     plt.close(figure)
+    write_atomically(path, image.getvalue())
+    return None
 
 
 #: What a run writes into ``--out`` besides locust's files: deleted before a run starts, so a
@@ -70,16 +105,18 @@ REPORT_FILES = ("summary.md", "summary.csv", "summary.json", "latency.png", "rss
 
 
 def write_summary(out: Path, result: dict[str, Any]) -> None:
+    """``summary.csv``, ``summary.json`` and ``summary.md`` of a run's ``result`` (what
+    load_tests/run.py gathers; ``result["plot"]``: why ``latency.png`` is missing, if it is).
+    All three are rendered before any is written, and each is written whole."""
     rows = result["stats"]
-    with open(out / "summary.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(
-            handle,
-            fieldnames=["name", "requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms"],
-            extrasaction="ignore",
-        )
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.json").write_text(json.dumps(result, indent=2, default=str))
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(
+        table,
+        fieldnames=["name", "requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms"],
+        extrasaction="ignore",
+    )
+    writer.writeheader()
+    writer.writerows(rows)
     lines = [
         "# recserve load test",
         "",
@@ -117,8 +154,15 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
                 + ("**flat**" if memory["passed"] else f"**GROWING** ({memory['reason']})")
             )
         lines.append("- series: `rss.csv`")
-    lines += ["", "Latency over time: `latency.png`; locust CSVs: `locust_*.csv`.", ""]
-    (out / "summary.md").write_text("\n".join(lines))
+    plotted = "`latency.png`" if not result.get("plot") else f"none ({result['plot']})"
+    lines += ["", f"Latency over time: {plotted}; locust CSVs: `locust_*.csv`.", ""]
+    files = {
+        "summary.csv": table.getvalue(),
+        "summary.json": json.dumps(result, indent=2, default=str),
+        "summary.md": "\n".join(lines),
+    }
+    for name, text in files.items():
+        write_atomically(out / name, text)
 
 
 def _ms(value: float | None) -> str:

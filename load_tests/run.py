@@ -31,11 +31,14 @@ shutdown. A locust that exits non-zero or writes no final stats fails the run, w
 
 Output in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99, failures per request
 name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles over a trailing
-~10 s window and throughput over time, plus RSS in soak mode), ``rss.csv`` (soak), locust's
-``locust_*`` files and the logs of every process. Exit status: 0 when every check passed, 1
-when one failed (request failures, a locust failure, a process of the stack that died, no
-throughput, memory growth, a failed reload), 2 when the stack could not start (bad arguments,
-a missing checkpoint, locust not installed), 130 on Ctrl-C and 143 on SIGTERM.
+~10 s window and throughput over time, plus RSS in soak mode; it needs matplotlib, which the
+``load`` extra does not bring: without it the summary says so and the verdict stands),
+``rss.csv`` (soak), locust's ``locust_*`` files and the logs of every process. Exit status: 0
+when every check passed, 1 when one failed (request failures, a locust failure, a process of
+the stack that died, no throughput, 5 s or more in which no request completed, memory growth,
+a failed reload), 2 when the stack could not
+start (bad arguments, a missing checkpoint, locust not installed), 130 on Ctrl-C and 143 on
+SIGTERM.
 
 Every process is started here and ended by its PID, also on Ctrl-C and SIGTERM; loads are
 bounded by ``--users`` and ``--seconds`` (``--minutes`` with ``--soak``).
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 import secrets
 import shlex
@@ -71,14 +75,16 @@ from load_tests.locust_run import (  # noqa: E402
     locust_installed,
     locust_outcome,
     read_history,
+    stall_problems,
     stats_problems,
 )
 from load_tests.memory import RssSampler, memory_verdicts, soak_problems  # noqa: E402
-from load_tests.report import REPORT_FILES, plot, write_summary  # noqa: E402
+from load_tests.report import REPORT_FILES, plot, write_atomically, write_summary  # noqa: E402
 from load_tests.stack import (  # noqa: E402
     ServeProcess,
     dead_processes,
     preprocessor_of,
+    run_cleanups,
     server_pids,
     sigterm_exits,
     start_remote_tier,
@@ -397,13 +403,15 @@ def _run(args: argparse.Namespace) -> int:
         history = read_history(run.csv_prefix)
         if final is not None:
             problems.extend(stats_problems(stats, classes, run.csv_prefix))
+            problems.extend(stall_problems(history))
         if soak is not None:
             samples = sampler.samples
             if samples:
-                with open(out / "rss.csv", "w", newline="") as handle:
-                    writer = csv.DictWriter(handle, fieldnames=list(samples[0]))
-                    writer.writeheader()
-                    writer.writerows(samples)
+                series = io.StringIO(newline="")
+                writer = csv.DictWriter(series, fieldnames=list(samples[0]))
+                writer.writeheader()
+                writer.writerows(samples)
+                write_atomically(out / "rss.csv", series.getvalue())
             verdicts = memory_verdicts(
                 samples,
                 warmup_s=max(0.1 * seconds, min(10.0, 0.2 * seconds)),
@@ -413,13 +421,15 @@ def _run(args: argparse.Namespace) -> int:
             soak["pids"] = dict(pids)
             soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
             problems.extend(soak_problems(verdicts, soak["reload"]))
-        plot(
+        no_plot = plot(
             out / "latency.png",
             history,
             title=f"recserve {args.tier}, {args.users} users ({args.user_classes})",
             rss=sampler.samples if args.soak else None,
             marks=marks,
         )
+        if no_plot:  # the verdict and the numbers do not need the picture
+            print(f"warning: {no_plot}", file=sys.stderr)
         result = {
             "model": args.model_name,
             "inputs": traffic.describe(inputs),
@@ -438,23 +448,20 @@ def _run(args: argparse.Namespace) -> int:
             "soak": soak,
             "passed": not problems,
             "verdict": "; ".join(problems) or "no failures" + (", memory flat" if soak else ""),
+            "plot": no_plot,
         }
         write_summary(out, result)
         print((out / "summary.md").read_text())
         return 0 if not problems else 1
-    finally:  # each step on its own, so one failure does not leave processes behind
-        for cleanup in (
-            sampler.stop if sampler is not None else None,
-            (lambda: stop_process(run.process)) if run is not None else None,
-            server.stop if server is not None else None,
-            cluster.stop if cluster is not None else None,
-        ):
-            if cleanup is None:
-                continue
-            try:
-                cleanup()
-            except Exception as error:  # keep cleaning up
-                print(f"warning: cleanup failed: {error!r}", file=sys.stderr)
+    finally:  # each step on its own, so one failure (or a second Ctrl-C) leaves none behind
+        run_cleanups(
+            [
+                sampler.stop if sampler is not None else None,
+                run.stop if run is not None else None,
+                server.stop if server is not None else None,
+                cluster.stop if cluster is not None else None,
+            ]
+        )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 for readiness), the remote tier (LocalCluster: 2 parameter servers in Infer mode loading the
 checkpoint's embeddings read-only + 1 embedding worker), the PIDs of the processes of a
 ``recserve serve --workers N`` server, the values of ``recserve serve`` flags, which processes
-of the stack died, and SIGTERM turned into SystemExit so that ``finally`` blocks stop every
-process (on Ctrl-C too).
+of the stack died, SIGTERM turned into SystemExit so that ``finally`` blocks stop every
+process (on Ctrl-C too), and the cleanup that does so, which a second signal cannot cut short.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,11 +124,14 @@ class ServeProcess:
                     return self
                 if self.process.poll() is not None:
                     raise RuntimeError(
-                        f"recserve serve exited with {self.process.returncode}:\n"
-                        f"{tail(self.log_path)}"
+                        f"recserve serve exited with {self.process.returncode} before it "
+                        f"listened; {self.log_path}:\n{tail(self.log_path)}"
                     )
                 time.sleep(0.1)
-            raise RuntimeError(f"recserve serve did not listen within {timeout:.0f} s")
+            raise RuntimeError(
+                f"recserve serve did not listen within {timeout:.0f} s; {self.log_path}:\n"
+                f"{tail(self.log_path)}"
+            )
         except BaseException:
             self.stop()
             raise
@@ -146,10 +149,13 @@ class ServeProcess:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"recserve serve exited with {self.process.returncode} before it was "
-                    f"ready:\n{tail(self.log_path)}"
+                    f"ready; {self.log_path}:\n{tail(self.log_path)}"
                 )
             time.sleep(0.1)
-        raise RuntimeError(f"{self.http} is not ready after {timeout:.0f} s")
+        raise RuntimeError(
+            f"recserve serve at {self.http} is not ready after {timeout:.0f} s; "
+            f"{self.log_path}:\n{tail(self.log_path)}"
+        )
 
     @property
     def pid(self) -> int:
@@ -277,6 +283,28 @@ def sigterm_exits() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_cleanups(steps: Sequence[Callable[[], object] | None]) -> None:
+    """Run every cleanup step (None: nothing to clean), in order, each on its own: one that
+    raises is reported on stderr and the next still runs. Ctrl-C (SIGINT) and SIGTERM are
+    ignored meanwhile (in the main thread; every step is bounded by its own grace periods):
+    a second Ctrl-C while locust was being stopped ended the cleanup there, and the server
+    and the remote tier were left running."""
+    main = threading.current_thread() is threading.main_thread()
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in held} if main else {}
+    try:
+        for step in steps:
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as error:  # keep cleaning up
+                print(f"warning: cleanup failed: {error!r}", file=sys.stderr)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # --------------------------------------------------------------------------- serve flags

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -385,9 +387,40 @@ class _NeverReady:
 
 def test_a_server_that_never_becomes_ready_is_stopped(tmp_path):
     server = _NeverReady.make(tmp_path)
-    with pytest.raises(RuntimeError, match="is not ready"):
+    with pytest.raises(RuntimeError) as caught:
         server.start(timeout=1.5)
     assert server.process.poll() is not None  # was left running (PPID 1 after run.py exits)
+    log = tmp_path / "serve.log"
+    head, _, rest = str(caught.value).partition(" s; ")  # waited what the listening left: ~1 s
+    assert re.fullmatch(r"recserve serve at http://127\.0\.0\.1:9 is not ready after [12]", head)
+    assert rest == f"{log}:\n{_NeverReady.LINE}"
+
+
+def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path):
+    """run.py prints "the stack did not start: <this>": it quoted the log's tail without
+    saying which file it was, and a server that never listened said nothing else at all."""
+    from load_tests.stack import ServeProcess
+
+    class Script(ServeProcess):
+        script = ""
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", self.script]
+
+    log = tmp_path / "serve.log"
+    crashing = Script(tmp_path, log)
+    crashing.script = "import sys; print('error: bad flag', flush=True); sys.exit(2)"
+    with pytest.raises(RuntimeError) as caught:
+        crashing.start(timeout=30)
+    assert str(caught.value) == (
+        f"recserve serve exited with 2 before it listened; {log}:\nerror: bad flag"
+    )
+    silent = Script(tmp_path, log)
+    silent.script = "import time; print('loading', flush=True); time.sleep(60)"
+    with pytest.raises(RuntimeError) as caught:
+        silent.start(timeout=0.5)
+    assert silent.process.poll() is not None
+    assert str(caught.value) == f"recserve serve did not listen within 0 s; {log}:\nloading"
 
 
 def test_an_interrupted_start_stops_the_server(tmp_path, monkeypatch):
@@ -1432,6 +1465,78 @@ def test_the_locust_command_runs_whole_seconds_and_processes_only_when_asked(tmp
     assert command(5, 3)[-4:] == ["--processes", "3", "KServeJsonUser", "GrpcUser"]
 
 
+def test_locust_processes_talk_over_a_free_loopback_port(tmp_path, monkeypatch):
+    """locust's master listened for its --processes workers on *:5557: on every interface,
+    and a second such run on the machine (or anything on 5557) failed with "Socket bind
+    failure: Address already in use", leaving the workers it had forked running."""
+    from load_tests import locust_run
+
+    started: list[list[str]] = []
+
+    class Recorder:
+        def __init__(self, command: list[str], **kwargs) -> None:
+            started.append(command)
+            assert kwargs["start_new_session"] is True
+
+    monkeypatch.setattr(locust_run.subprocess, "Popen", Recorder)
+    run = locust_run.LocustRun(
+        users=4, spawn_rate=4, seconds=5, classes=["GrpcUser"], host="http://127.0.0.1:1",
+        csv_prefix=tmp_path / "locust", log_path=tmp_path / "locust.log", env={}, processes=2,
+    )  # fmt: skip
+    run.start()
+    port = run.master_port
+    assert started[0][-9:] == [
+        "--processes", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
+        "--master-port", str(port), "GrpcUser",
+    ]  # fmt: skip
+    with socket.socket() as probe:  # free when picked
+        probe.bind(("127.0.0.1", port))
+
+
+_ORPHANING_MASTER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(worker.pid, flush=True)
+sys.exit(1)  # as locust's master does when its port is taken: its workers live on
+"""
+
+
+def test_stopping_locust_stops_the_workers_it_left_behind(tmp_path):
+    from load_tests.locust_run import LocustRun
+
+    class Orphaning(LocustRun):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", _ORPHANING_MASTER]
+
+    run = Orphaning(
+        users=2, spawn_rate=2, seconds=5, classes=["GrpcUser"], host="http://127.0.0.1:1",
+        csv_prefix=tmp_path / "locust", log_path=tmp_path / "locust.log", env={}, processes=2,
+    )  # fmt: skip
+    master = run.start()
+    worker = 0
+    try:
+        assert master.wait(timeout=30) == 1
+        worker = int((tmp_path / "locust.log").read_text().split()[0])
+        assert _running(worker)
+        assert run.stop(grace=5) == 1
+        deadline = time.monotonic() + 10
+        while _running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(worker)
+    finally:
+        if worker and _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting for its (new) parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
     from load_tests.report import write_summary
 
@@ -1648,6 +1753,35 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short():
     assert result.stdout.splitlines() == ["cleanup finished", "handler restored True"]
 
 
+_SECOND_CTRL_C = """
+import os, signal
+from load_tests.stack import run_cleanups
+
+def stop_locust():
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while locust is being stopped
+    print("locust stopped", flush=True)
+
+def stop_sampler():
+    raise OSError("gone")
+
+try:
+    try:
+        raise KeyboardInterrupt  # the first Ctrl-C
+    finally:
+        run_cleanups([stop_sampler, None, stop_locust, lambda: print("server stopped")])
+except KeyboardInterrupt:
+    print("interrupted", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short():
+    """run.py's cleanup caught Exception per step: a KeyboardInterrupt while it waited for
+    locust to quit ended it there, and the server and the remote tier were left running."""
+    result = run_python(_SECOND_CTRL_C)
+    assert result.stdout.splitlines() == ["locust stopped", "server stopped", "interrupted True"]
+    assert result.stderr.splitlines() == ["warning: cleanup failed: OSError('gone')"]
+
+
 def test_the_rss_columns_wait_for_every_serving_process():
     """Serving processes start one after another: the columns are taken once all N exist."""
     from load_tests.stack import server_pids
@@ -1699,3 +1833,123 @@ def test_served_versions_are_the_served_models_own(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     assert served_versions("http://127.0.0.1:9", "model") == {"v2": 1.0, "v1": 0.0}
     assert opened == ["http://127.0.0.1:9/metrics"]
+
+
+# --------------------------------------------------------------------------- report files
+def _summary_result(**changes) -> dict:
+    row = {"name": "Aggregated", "requests": 10, "failures": 0, "rps": 5.0, "p50_ms": 3.0,
+           "p95_ms": 4.0, "p99_ms": 5.0}  # fmt: skip
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 2, "classes": ["KServeJsonUser"], "seconds": 10.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": True, "verdict": "no failures",
+    }  # fmt: skip
+    return result | changes
+
+
+def test_without_matplotlib_the_summary_says_why_there_is_no_plot(tmp_path, monkeypatch):
+    """The load extra brings locust, not matplotlib: plot() raised ImportError after the run,
+    so run.py wrote no summary at all and the run's verdict was lost."""
+    from load_tests.report import NO_MATPLOTLIB, plot, write_summary
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    history = [{"unix": 1000.0 + t, "users": 2.0, "rps": 5.0, "failures_per_s": 0.0,
+                "p50_ms": 3.0, "p95_ms": 4.0, "p99_ms": 5.0} for t in range(3)]  # fmt: skip
+    note = plot(tmp_path / "latency.png", history, title="t")
+    assert note == NO_MATPLOTLIB and "pip install matplotlib" in note
+    assert not (tmp_path / "latency.png").exists()
+    write_summary(tmp_path, _summary_result(plot=note))
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert f"Latency over time: none ({NO_MATPLOTLIB}); locust CSVs: `locust_*.csv`." in lines
+    assert json.loads((tmp_path / "summary.json").read_text())["plot"] == NO_MATPLOTLIB
+    write_summary(tmp_path, _summary_result(plot=None))
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert "Latency over time: `latency.png`; locust CSVs: `locust_*.csv`." in lines
+
+
+def test_a_summary_that_cannot_be_rendered_leaves_no_partial_report(tmp_path):
+    """summary.csv and summary.json used to be written before summary.md was rendered: a
+    failure there left two files of three; and each file is renamed into place whole."""
+    from load_tests.report import write_summary
+
+    broken = _summary_result()
+    del broken["verdict"]
+    with pytest.raises(KeyError):
+        write_summary(tmp_path, broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    write_summary(tmp_path, _summary_result())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "summary.csv", "summary.json", "summary.md",
+    ]  # fmt: skip
+    table = (tmp_path / "summary.csv").read_text().splitlines()
+    assert table[1] == "Aggregated,10,0,5.0,3.0,4.0,5.0"
+
+
+_PREBUILT = """
+import json
+from locust import events
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+classes = [lf.KServeBinaryUser, lf.GrpcUser, lf.TorchServeBinaryUser]
+env = Environment(user_classes=classes, events=events, host="http://127.0.0.1:9")
+events.init.fire(environment=env, runner=env.create_local_runner(), web_ui=None)
+out = {"built": sorted(lf._pools),
+       "sizes": {k: {s: len(p) for s, p in pool.by_size.items()} for k, pool in lf._pools.items()}}
+lf._pools.clear()
+env.runner = type("Worker", (lf.WorkerRunner,), {"__init__": lambda self: None})()
+out["by_a_worker"] = lf.prebuild_pools(env)
+out["left"] = sorted(lf._pools)
+print(json.dumps(out))
+"""
+
+
+def test_the_pools_are_built_before_the_run_starts(tmp_path):
+    """Built in the users' on_start, the pools took the first ~0.5-1 s of the run, which
+    locust's req/s (requests / time since the start) counted: a 6 s run read 711 req/s of a
+    server answering ~820. A worker of --processes does not know its stream yet: not there."""
+    (tmp_path / "metadata.json").write_text(json.dumps(_ONE_SLOT))
+    env = {
+        **os.environ,
+        "RECSERVE_LT_METADATA_FILE": str(tmp_path / "metadata.json"),
+        "RECSERVE_LT_POOL": "3",
+        "RECSERVE_LT_BATCHES": "1:1,8:2",
+        "RECSERVE_LT_SEED": "2",
+    }
+    out = last_json_line(run_python(_PREBUILT, env=env))
+    assert out["built"] == ["binary", "grpc"]  # TorchServe's binary user shares the binary pool
+    assert out["sizes"] == {"binary": {"1": 3, "8": 3}, "grpc": {"1": 3, "8": 3}}
+    assert (out["by_a_worker"], out["left"]) == ([], [])
+
+
+def test_a_server_that_stops_answering_fails_the_run(tmp_path):
+    """A server hung 8 s into a 14 s run: locust ended its users with their requests pending
+    and counted none of them: 342 requests, 0 failures, exit 0, a PASS. Its history shows it."""
+    from load_tests.locust_run import read_history, stall_problems
+
+    def history(counts: list[tuple[int, int]]) -> list[dict[str, float]]:
+        lines = [_HISTORY_HEADER] + [
+            _history_row(1000 + t, "Aggregated", "5", total, 0).replace(",8,,", f",{users},,", 1)
+            for t, (users, total) in enumerate(counts)
+        ]
+        (tmp_path / "h_stats_history.csv").write_text("\n".join(lines) + "\n")
+        return read_history(tmp_path / "h")
+
+    answering = [(0, 0), (2, 0), (2, 46), (2, 92), (2, 137)]  # users start; 1 s to the first
+    hung = answering + [(2, 160)] + [(2, 160)] * 6 + [(0, 160)] * 3  # stopping: users 0
+    assert stall_problems(history(hung)) == [
+        "no request completed for 6 s while users ran (from 5 s into the run): the server "
+        "stopped answering"
+    ]
+    assert stall_problems(history(hung), limit_s=7.0) == []
+    # 4 quiet seconds, then answers again: under the 5 s limit; then one of exactly 5 s.
+    recovered = answering + [(2, 137)] * 4 + [(2, 180)] + [(2, 180)] * 5 + [(2, 200)]
+    assert stall_problems(history(recovered)) == [
+        "no request completed for 5 s while users ran (from 9 s into the run): the server "
+        "stopped answering"
+    ]
+    # A load generator too busy to write its rows for 8 s is no stall: its rows all grow.
+    busy = [*answering, (2, 300)]
+    rows = history(busy)
+    rows[-1]["unix"] += 8.0
+    assert stall_problems(rows) == [] and stall_problems([]) == []

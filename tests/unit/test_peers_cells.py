@@ -115,7 +115,7 @@ def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
     # 1800/600, 2100/1000.
     assert (
         "| adult | 64 | json | one: `(defaults)` | 1800 | 1000 | 1.8 | 1.5 / 3.0 / 2.1 | 25.0 "
-        "| 50.0 | 0.5 | not met |" in lines
+        "| 50.0 | 0.5 | not met (failed requests or no stats) |" in lines
     )
     detail = [line for line in lines if line.startswith("| adult | 64 | json | torchserve |")]
     assert [line.split(" | ")[4:6] for line in detail] == [
@@ -236,7 +236,25 @@ def test_combined_rounds_keep_the_first_error_and_add_requests():
     rounds[0].requests, rounds[1].requests, rounds[2].requests = 10, 20, 30
     rounds[1].error, rounds[2].error = "no locust stats: first", "no locust stats: second"
     combined = peers_measure.combine_rounds(rounds)
-    assert (combined.requests, combined.rps, combined.error) == (60, 7.0, "no locust stats: first")
+    # Only round 1 measured: the medians are its own.
+    assert (combined.requests, combined.rps, combined.error) == (60, 5.0, "no locust stats: first")
+
+
+def test_a_round_without_locust_stats_is_no_zero_in_the_medians():
+    """measure() returns 0 req/s and no p99 for a round whose locust wrote no stats: counted,
+    rounds of 1500 and 1700 req/s with one such round gave a median of 1500, and with two
+    rounds, one failed, a median of 750."""
+    measured = [
+        _measurement("recserve:one", "64", rps, 20.0, k) for k, rps in ((1, 1500.0), (3, 1700.0))
+    ]
+    empty = peers_measure.Measurement("adult", "recserve:one", "64", "json", 32, 20.0, 2)
+    empty.error = "no locust stats: FileNotFoundError()"
+    combined = peers_measure.combine_rounds([measured[0], empty, measured[1]])
+    assert (combined.rps, combined.p99_ms, combined.samples_per_s) == (1600.0, 20.0, 3200.0)
+    assert combined.error == "no locust stats: FileNotFoundError()"
+    assert peers_measure.combine_rounds([measured[0], empty]).rps == 1500.0
+    alone = peers_measure.combine_rounds([empty])
+    assert (alone.rps, alone.p99_ms, alone.error) == (0.0, None, empty.error)
 
 
 @pytest.mark.parametrize(
@@ -376,3 +394,89 @@ def test_a_cell_without_torchserve_does_not_decide_the_goal(tmp_path):
     ]
     peers_report.report(tmp_path, measurements, {"one": ""}, {})
     assert json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"] is True
+
+
+def test_the_goal_is_judged_on_unrounded_ratios_of_runs_without_failures(tmp_path):
+    """1999 req/s against 1000 shows as 2.0 and was "met", as was a p99 of 30.1 ms against
+    30.0 (1.0 rounded); and a recserve failing 500 requests fast counted as twice as fast."""
+
+    def goal(recserve: tuple[float, float], torchserve: tuple[float, float], **changes) -> str:
+        ours = _measurement("recserve:one", "64", *recserve)
+        peer = _measurement("torchserve", "64", *torchserve)
+        for name, value in changes.items():
+            side, _, field = name.partition("_")
+            setattr(ours if side == "ours" else peer, field, value)
+        lines = peers_report.report(tmp_path, [ours, peer], {"one": ""}, {}).splitlines()
+        row = next(line for line in lines if line.startswith("| adult | 64 | json | one:"))
+        met = json.loads((tmp_path / "peers.json").read_text())["goal_met_everywhere"]
+        assert met == (row.rsplit(" | ", 1)[1] == "met |"), row
+        return row
+
+    assert goal((1999.0, 30.0), (1000.0, 30.0)).endswith(
+        "| 2.0 | 2.0 | 30.0 | 30.0 | 1.0 | not met |"
+    )
+    assert goal((2000.0, 30.1), (1000.0, 30.0)).endswith(
+        "| 2.0 | 2.0 | 30.1 | 30.0 | 1.0 | not met |"
+    )
+    assert goal((2000.0, 30.0), (1000.0, 30.0)).endswith("| 1.0 | met |")
+    for changes in ({"ours_failures": 500}, {"peer_failures": 1}):
+        assert goal((5000.0, 10.0), (1000.0, 30.0), **changes).endswith(
+            "| 0.33 | not met (failed requests or no stats) |"
+        ), changes
+    # A TorchServe run without locust stats (its numbers unmeasured): nothing to compare.
+    assert goal((5000.0, 10.0), (1000.0, 30.0), peer_error="no locust stats").endswith(
+        "| None | not met (failed requests or no stats) |"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--models", "adult,synthtic"],
+         "--models: unknown model(s) synthtic: use a comma list of adult, synthetic"),
+        (["--models", " , "], "--models: unknown model(s) (none given)"),
+        (["--ts-workers", "0"], "--ts-workers must be within 1..64, got 0"),
+        (["--ts-batch-size", "0"], "--ts-batch-size must be within 1..4096, got 0"),
+        (["--ts-max-batch-delay-ms", "-1"], "--ts-max-batch-delay-ms must be within 0..10000"),
+    ],
+)  # fmt: skip
+def test_models_and_torchserve_settings_are_checked_before_anything_starts(flags, message, capsys):
+    """A misspelt second model was found after the first one's checkpoint was trained (up to
+    10 minutes); TorchServe settings it refuses only after its JVM started."""
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--out", "x", "--batches", "1", *flags])
+    assert message in capsys.readouterr().err
+    args = peers.parse_args(["--models", " synthetic, adult,synthetic", "--ts-max-batch-delay-ms",
+                             "0"])  # fmt: skip
+    assert (args.models, args.ts_max_batch_delay_ms) == (["synthetic", "adult"], 0)
+    assert peers.parse_args([]).models == ["adult", "synthetic"]
+
+
+def test_an_interrupted_ceiling_server_start_stops_it(tmp_path, monkeypatch):
+    """peers.py turns SIGTERM into SystemExit: raised while the ceiling (or model-only)
+    server was still loading, it left uvicorn running, since peers.py held no handle yet."""
+    import subprocess
+
+    import peers_servers
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs) -> subprocess.Popen:  # uvicorn, loading
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+        return started[-1]
+
+    def live(url: str, body: bytes | None, timeout: float) -> None:
+        raise SystemExit("stopped by signal 15")
+
+    monkeypatch.setattr(peers_servers.subprocess, "Popen", popen)
+    monkeypatch.setattr(peers_servers, "http_json", live)
+    server = peers_servers.CeilingServer(1, tmp_path / "ceiling.log")
+    try:
+        with pytest.raises(SystemExit):
+            server.start(timeout=30)
+        assert started[0].poll() == -15  # SIGTERM, by its PID
+    finally:
+        if started and started[0].poll() is None:
+            started[0].kill()
+            started[0].wait(timeout=10)
