@@ -35,10 +35,10 @@ name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles ove
 ``load`` extra does not bring: without it the summary says so and the verdict stands),
 ``rss.csv`` (soak), locust's ``locust_*`` files and the logs of every process. Exit status: 0
 when every check passed, 1 when one failed (request failures, a locust failure, a process of
-the stack that died, no throughput, 5 s or more in which no request completed, memory growth,
-a failed reload), 2 when the stack could not
-start (bad arguments, a missing checkpoint, locust not installed), 130 on Ctrl-C and 143 on
-SIGTERM.
+the stack that died, a locust still running 90 s after the end of its load (stopped), no
+throughput, 5 s or more in which no request completed, memory growth, a failed reload), 2
+when the stack could not start (bad arguments, a missing checkpoint, locust not installed),
+130 on Ctrl-C and 143 on SIGTERM.
 
 Every process is started here and ended by its PID, also on Ctrl-C and SIGTERM; loads are
 bounded by ``--users`` and ``--seconds`` (``--minutes`` with ``--soak``).
@@ -104,6 +104,9 @@ USER_CLASSES = {
 #: The Adult example's preprocessor (README): it reads raw Adult rows on the friendly route.
 ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
 ADULT_ROWS = REPO_ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
+#: Seconds past the end of its load that locust gets to end its users (``--stop-timeout 5``)
+#: and write its stats; one still running then is stopped, and that fails the run.
+LOCUST_OVERRUN_S = 90.0
 
 
 def finite_float(text: str) -> float:
@@ -275,6 +278,20 @@ def _wait_while_running(
     return bool(dead_processes(stack))
 
 
+def _stop_overrun(locust: subprocess.Popen, seconds: float) -> list[str]:
+    """Stop ``locust`` if it still runs once its deadline passed (SIGTERM: it still writes its
+    stats); the problem that fails the run when it did. A locust that hangs past its end
+    (a user stuck in a call, a worker that never reports) must not pass on the numbers it
+    wrote before it hung."""
+    if locust.poll() is not None:
+        return []
+    code = stop_process(locust)
+    return [
+        f"locust was still running {LOCUST_OVERRUN_S:.0f} s after the end of its "
+        f"{seconds:g} s load and was stopped (exit code {code}): its numbers may be incomplete"
+    ]
+
+
 def _run(args: argparse.Namespace) -> int:
     out = args.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +379,7 @@ def _run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         started_unix = time.time()
         locust = run.start()
-        deadline = started + seconds + 90
+        deadline = started + seconds + LOCUST_OVERRUN_S
         soak: dict[str, Any] | None = None
         marks: list[tuple[float, str]] = []
         reload_s: float | None = None
@@ -394,11 +411,10 @@ def _run(args: argparse.Namespace) -> int:
                 soak = {"reload_at_s": -1.0, "reload": {"ok": False, "error": "not reached"}}
         if not died:
             died = _wait_while_running(locust, deadline, stack)
-        if locust.poll() is None:  # past the deadline: SIGTERM, locust still writes its stats
-            stop_process(locust)
+        overrun = _stop_overrun(locust, seconds)
         sampler.stop()
         final, problems = locust_outcome(run, locust.returncode, started_unix)
-        problems[:0] = dead_processes(stack)  # the cause before its symptoms
+        problems[:0] = [*dead_processes(stack), *overrun]  # the causes before their symptoms
         stats = list(final["stats"]) if final is not None else []
         history = read_history(run.csv_prefix)
         if final is not None:

@@ -1417,6 +1417,27 @@ def test_a_non_zero_locust_exit_is_explained_by_failures_or_task_errors(tmp_path
     assert outcome(0, [], 0) == []
 
 
+def test_a_locust_still_running_past_its_deadline_is_stopped_and_fails_the_run():
+    """A locust still running 90 s after the end of its load was stopped silently: the run
+    passed on whatever it had written."""
+    from load_tests.run import _stop_overrun
+
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        problems = _stop_overrun(hung, 12.5)
+    finally:
+        hung.kill()
+        hung.wait(timeout=30)
+    assert problems == [
+        "locust was still running 90 s after the end of its 12.5 s load and was stopped "
+        "(exit code -15): its numbers may be incomplete"
+    ]
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(timeout=30)
+    assert _stop_overrun(done, 12.5) == []
+    assert done.returncode == 0
+
+
 def test_torn_or_foreign_final_stats_are_absent(tmp_path):
     from load_tests.locust_run import read_final_stats
 
