@@ -5,7 +5,9 @@ closed loop, for ``--seconds`` seconds, one batch size (or one batch mix) at a t
 locust's req/s, samples/s and p50/p99 it records the CPU each process group used (server,
 locust; in cores) and, from recserve's ``/metrics``, its merged batch size and per-batch
 lookup/compute times. ``--rounds N`` measures every server of a cell N times, in order on odd
-rounds and reversed on even ones (``round_order``); ``combine_rounds`` gives the medians.
+rounds and reversed on even ones (``round_order``); ``combine_rounds`` gives the medians. A
+round whose locust crashed (no final stats), exited non-zero for no failed request, or still
+ran a minute after its end measured nothing: its ``error`` says why (``round_stats``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from typing import Any
 
 from peers_servers import process_tree
 
-from load_tests.locust_run import LocustRun, read_stats
+from load_tests.locust_run import LocustRun, locust_outcome
+
+#: Seconds past the end of its load that a round's locust gets to stop and write its final
+#: stats; one still running then is stopped, and the round is an error.
+LOCUST_OVERRUN_S = 60.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -157,24 +163,25 @@ def measure(
     result = Measurement(model, label, batch, encoding, args.users, seconds, round_number)
     before = metric_totals(metrics_url) if metrics_url else {}
     server_cpu = cpu_seconds(server_pid)
-    started = time.monotonic()
+    started, started_unix = time.monotonic(), time.time()
     locust = run.start()
     locust_cpu, pid = 0.0, locust.pid
     try:
-        while locust.poll() is None and time.monotonic() - started < seconds + 60:
+        while locust.poll() is None and time.monotonic() - started < seconds + LOCUST_OVERRUN_S:
             locust_cpu = max(locust_cpu, cpu_seconds(pid))
             time.sleep(0.5)
+        overran = locust.poll() is None
     finally:
-        run.stop()
+        code = run.stop()
     wall = time.monotonic() - started
     result.server_cores = round((cpu_seconds(server_pid) - server_cpu) / wall, 2)
     result.locust_cores = round(locust_cpu / wall, 2)
-    try:
-        rows = read_stats(run.csv_prefix)
-        total = next(row for row in rows if row["name"] == "Aggregated")
-    except (OSError, StopIteration) as error:
-        result.error = f"no locust stats: {error!r}"
+    rows, result.error = round_stats(run, code, started_unix, overran)
+    run_name = f"r{round_number}" if round_number else "warm-up"
+    if result.error:
+        print(f"  {run_name} {model} {label}: {result.error}", flush=True)
         return result
+    total = next(row for row in rows if row["name"] == "Aggregated")
     result.requests, result.failures = total["requests"], total["failures"]
     result.rps, result.p50_ms, result.p99_ms = total["rps"], total["p50_ms"], total["p99_ms"]
     result.samples_per_s = samples_per_second(rows)
@@ -198,7 +205,6 @@ def measure(
             result.queue_ms_per_request = round(
                 1000 * delta("recserve_queue_latency_seconds_sum") / queued, 3
             )
-    run_name = f"r{round_number}" if round_number else "warm-up"
     print(
         f"  {run_name} {model:9s} {result.batch_label:5s} {encoding:6s} {label:24s} "
         f"{result.rps:9.1f} req/s  "
@@ -207,6 +213,32 @@ def measure(
         flush=True,
     )
     return result
+
+
+def round_stats(
+    run: LocustRun, returncode: int | None, started_unix: float, overran: bool
+) -> tuple[list[dict[str, Any]], str]:
+    """The stats rows of one round's locust run (``read_stats``' rows, with ``Aggregated``)
+    and why they measure nothing (``""`` when they do): a locust still running
+    :data:`LOCUST_OVERRUN_S` after the end of its load (stopped), or one that wrote no final
+    stats (it crashed: its per-second CSV misses the end of the run, whatever its numbers),
+    or exited non-zero for a reason no failed request or task error explains. Exit code 1
+    with failed requests is locust's verdict on the server: the round's numbers stand and its
+    failures are reported."""
+    final, problems = locust_outcome(run, returncode, started_unix)
+    if overran:
+        return [], (
+            f"locust was still running {LOCUST_OVERRUN_S:g} s after the end of its "
+            f"{run.seconds:g} s load and was stopped (exit code {returncode})"
+        )
+    if final is None:
+        return [], problems[0]
+    total = next((row for row in final["stats"] if row["name"] == "Aggregated"), None)
+    if total is None:
+        return [], f"locust's final stats ({run.final_stats_path}) have no Aggregated row"
+    if returncode != 0 and not (total["failures"] or final.get("exceptions")):
+        return [], problems[0]  # locust_outcome's, with the tail of its log
+    return list(final["stats"]), ""
 
 
 def round_order(runs: list[Any], round_number: int) -> list[Any]:

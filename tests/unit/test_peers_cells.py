@@ -480,3 +480,78 @@ def test_an_interrupted_ceiling_server_start_stops_it(tmp_path, monkeypatch):
         if started and started[0].poll() is None:
             started[0].kill()
             started[0].wait(timeout=10)
+
+
+_STATS_CSV = (
+    "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,"
+    "Min Response Time,Max Response Time,Average Content Size,Requests/s,Failures/s,50%,66%,"
+    "75%,80%,90%,95%,98%,99%,99.9%,99.99%,100%\n"
+    ",Aggregated,900,0,5,6.0,1,90,100,300.0,0.0,5,6,7,8,9,10,12,14,20,30,90\n"
+)
+#: A stand-in for ``python -m locust``: writes the per-second stats CSV, then, as told by
+#: its argument, crashes (exit 3) or writes its final stats and exits 0, 1 or 2 (with
+#: ``failures`` failed requests), or hangs.
+_FAKE_LOCUST = """
+import json, os, sys, time
+prefix, how = sys.argv[1], sys.argv[2]
+open(prefix + "_stats.csv", "w").write(sys.argv[3])
+print("locust log line")
+if how == "crash":
+    sys.exit(3)
+code, failures = (int(x) for x in how.split(":")) if how != "hang" else (0, 0)
+total = {"name": "Aggregated", "requests": 1000, "failures": failures, "rps": 333.0,
+         "p50_ms": 5.0, "p99_ms": 15.0}
+row = {**total, "name": "v2-json b64"}
+document = {"written_unix": time.time(), "exit_code": code, "stats": [row, total],
+            "exceptions": []}
+open(os.environ["RECSERVE_LT_FINAL_STATS"], "w").write(json.dumps(document))
+if how == "hang":
+    time.sleep(60)
+sys.exit(code)
+"""
+
+
+def test_a_locust_that_crashed_or_hung_is_a_round_with_an_error(tmp_path, monkeypatch):
+    """A locust that crashed mid-run (no final stats) got numbers from its per-second CSV
+    (which misses the end of the run) with no error, and one still running past its end was
+    stopped silently; its exit code was never read."""
+    import argparse
+    import os
+
+    monkeypatch.setattr(peers_measure, "LOCUST_OVERRUN_S", 0.5)
+    how = ["crash"]
+    monkeypatch.setattr(
+        peers_measure.LocustRun,
+        "command",
+        lambda run: [sys.executable, "-c", _FAKE_LOCUST, str(run.csv_prefix), how[0], _STATS_CSV],
+    )
+    (tmp_path / "locust").mkdir()
+    args = argparse.Namespace(seconds=0.2, users=2)
+
+    def measure(kind: str) -> peers_measure.Measurement:
+        how[0] = kind
+        return peers_measure.measure(
+            label="torchserve", model="adult", batch="64", encoding="json", host="http://x",
+            user_class="TorchServeJsonUser", server_pid=os.getpid(), env={}, args=args,
+            out=tmp_path,
+        )  # fmt: skip
+
+    log = tmp_path / "locust" / "adult-torchserve-json-b64-r1.log"
+    crashed = measure("crash")
+    assert crashed.error == (
+        f"locust exited with code 3 and wrote no final stats "
+        f"(adult-torchserve-json-b64-r1_final.json); {log}:\nlocust log line"
+    )
+    assert (crashed.rps, crashed.requests, crashed.p99_ms) == (0.0, 0, None)
+    unexplained = measure("2:0")
+    assert unexplained.error == f"locust exited with code 2; {log}:\nlocust log line"
+    assert unexplained.rps == 0.0
+    hung = measure("hang")
+    assert hung.error == (
+        "locust was still running 0.5 s after the end of its 0.2 s load and was stopped "
+        "(exit code -15)"
+    )
+    assert hung.rps == 0.0
+    failed = measure("1:7")  # locust's exit 1 for failed requests: the numbers stand
+    assert (failed.error, failed.rps, failed.failures, failed.p99_ms) == ("", 333.0, 7, 15.0)
+    assert (failed.samples_per_s, failed.requests) == (333.0 * 64, 1000)
