@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--user-classes",
         default="binary,json,friendly,grpc",
-        help=f"comma-separated, from {', '.join(USER_CLASSES)}",
+        help=f"comma-separated, from {', '.join(USER_CLASSES)} (each runs once)",
     )
     parser.add_argument("--batches", default="1:6,8:3,64:1", help="batch mix SIZE:WEIGHT,...")
     parser.add_argument(
@@ -217,9 +217,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(names) - set(USER_CLASSES)
     if unknown:
         parser.error(f"unknown user classes {sorted(unknown)}")
-    if args.users < len(set(names)):
+    # A class named twice is one class (the users split over the classes, not the names):
+    # locust is given it once.
+    names = list(dict.fromkeys(names))
+    args.user_classes = ",".join(names)
+    if args.users < len(names):
         parser.error(
-            f"--users {args.users} is fewer than the {len(set(names))} user classes "
+            f"--users {args.users} is fewer than the {len(names)} user classes "
             f"({args.user_classes}): locust starts whole users, so some class would send "
             "nothing"
         )

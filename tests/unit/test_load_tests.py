@@ -215,6 +215,9 @@ def test_a_user_class_that_sent_nothing_fails_the_run(tmp_path, capsys):
             parse_args([*bad, *common])
         assert message in capsys.readouterr().err
     assert parse_args(["--batches", "64", *common]).batches == "64"
+    # A class named twice reached locust twice: it is one class, given once.
+    repeated = parse_args(["--user-classes", "json,grpc,json,grpc,binary", *common])
+    assert repeated.user_classes == "json,grpc,binary"
     (tmp_path / "run_exceptions.csv").write_text(
         "Count,Message,Traceback,Nodes\n3,ValueError('bad batch size'),tb,local\n"
     )
