@@ -32,6 +32,9 @@ Settings (environment):
 * ``RECSERVE_LT_METADATA_FILE`` / ``RECSERVE_LT_METADATA_URL``: the model metadata JSON (a
   file, or a recserve base URL) when ``--host`` is not a recserve server (TorchServe);
 * ``RECSERVE_LT_TS_MODEL``: TorchServe model name (default: ``RECSERVE_LT_MODEL``).
+
+An empty variable is an unset one; a value that is not what the variable takes (a number that
+does not parse or is out of range) stops locust with an error naming the variable and value.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the grpci
 from load_tests import traffic
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
-WAIT = float(os.environ.get("RECSERVE_LT_WAIT", "0"))
-POOL_PER_SIZE = int(os.environ.get("RECSERVE_LT_POOL", "0")) or None
+WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
+POOL_PER_SIZE = (
+    traffic.env_number("RECSERVE_LT_POOL", 0, int, lambda n: n >= 0, "an integer >= 0") or None
+)
 
 _pools: dict[str, traffic.PayloadPool] = {}
 _inputs: list[traffic.ModelInputs] = []

@@ -34,12 +34,13 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -54,6 +55,33 @@ PAYLOAD_KINDS = ("json", "binary", "friendly", "grpc")
 #: Rows per batch size that a pool pre-builds by default (see :func:`pool_payloads`).
 POOL_ROWS = 8192
 _NUMPY_DTYPES = {"INT64": np.int64, "UINT64": np.uint64, "INT32": np.int32, "FP32": np.float32}
+
+_Number = TypeVar("_Number", int, float)
+
+
+def env_number(
+    name: str,
+    default: _Number,
+    parse: Callable[[str], _Number],
+    valid: Callable[[_Number], bool],
+    rule: str,
+    environ: Mapping[str, str] | None = None,
+) -> _Number:
+    """The number in variable ``name`` read by ``parse`` (``int`` or ``float``), or
+    ``default`` when it is unset or empty; one that does not parse, is not finite or fails
+    ``valid`` raises a ValueError naming the variable, its value and ``rule`` (what it must
+    be), rather than a bare ``float()`` error from deep inside locust's start-up."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = parse(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not valid(value):
+        raise ValueError(f"{name}={raw!r}: expected {rule}")
+    return value
 
 
 # --------------------------------------------------------------------------- model inputs
@@ -194,13 +222,22 @@ class TrafficProfile:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrafficProfile:
         """Settings from ``RECSERVE_LT_*`` variables (what load_tests/run.py exports)."""
         env = os.environ if environ is None else environ
-        sizes, weights = parse_batch_mix(env.get("RECSERVE_LT_BATCHES", "1:6,8:3,64:1"))
+        mix = env.get("RECSERVE_LT_BATCHES", "").strip() or "1:6,8:3,64:1"
+        try:
+            sizes, weights = parse_batch_mix(mix)
+        except ValueError as error:  # int("x") too: name the variable
+            raise ValueError(f"RECSERVE_LT_BATCHES={mix!r}: {error}") from None
         return cls(
             batch_sizes=sizes,
             batch_weights=weights,
-            zipf_exponent=float(env.get("RECSERVE_LT_ZIPF", "1.1")),
-            unknown_share=float(env.get("RECSERVE_LT_UNKNOWN", "0.02")),
-            seed=int(env.get("RECSERVE_LT_SEED") or "0"),  # empty: unset, as stream_key reads it
+            zipf_exponent=env_number(
+                "RECSERVE_LT_ZIPF", 1.1, float, lambda s: s >= 0, "a number >= 0", env
+            ),
+            unknown_share=env_number(
+                "RECSERVE_LT_UNKNOWN", 0.02, float, lambda p: 0 <= p < 1, "a number in [0, 1)", env
+            ),
+            # empty: unset, as stream_key reads it
+            seed=env_number("RECSERVE_LT_SEED", 0, int, lambda n: n >= 0, "an integer >= 0", env),
         )
 
 

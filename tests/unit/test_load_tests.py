@@ -752,6 +752,65 @@ def test_the_profile_reads_every_load_test_variable():
     assert traffic.TrafficProfile.from_env({}) == traffic.TrafficProfile()
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("RECSERVE_LT_ZIPF", "fast", "RECSERVE_LT_ZIPF='fast': expected a number >= 0"),
+        ("RECSERVE_LT_ZIPF", "nan", "RECSERVE_LT_ZIPF='nan': expected a number >= 0"),
+        ("RECSERVE_LT_UNKNOWN", "1", "RECSERVE_LT_UNKNOWN='1': expected a number in [0, 1)"),
+        ("RECSERVE_LT_UNKNOWN", "2%", "RECSERVE_LT_UNKNOWN='2%': expected a number in [0, 1)"),
+        ("RECSERVE_LT_SEED", "1.5", "RECSERVE_LT_SEED='1.5': expected an integer >= 0"),
+        ("RECSERVE_LT_SEED", "-3", "RECSERVE_LT_SEED='-3': expected an integer >= 0"),
+        (
+            "RECSERVE_LT_BATCHES",
+            "8:x",
+            "RECSERVE_LT_BATCHES='8:x': could not convert string to float: 'x'",
+        ),
+        (
+            "RECSERVE_LT_BATCHES",
+            "0",
+            "RECSERVE_LT_BATCHES='0': bad batch mix '0': use SIZE[:WEIGHT],...",
+        ),
+    ],
+)
+def test_a_bad_load_test_variable_is_named_with_its_value(name, value, message):
+    """A bare float()/int() said only "could not convert string to float: 'fast'"."""
+    from load_tests import traffic
+
+    with pytest.raises(ValueError) as error:
+        traffic.TrafficProfile.from_env({name: value})
+    assert str(error.value) == message
+    # Empty is unset, as for RECSERVE_LT_SEED before.
+    assert traffic.TrafficProfile.from_env({name: " "}) == traffic.TrafficProfile()
+
+
+_BAD_LOCUSTFILE_VARIABLES = """
+import os, sys
+import locust  # monkey-patches the standard library first, as locust itself does
+
+for name, value in (("RECSERVE_LT_WAIT", "0.1s"), ("RECSERVE_LT_WAIT", "-1"),
+                    ("RECSERVE_LT_POOL", "1e3"), ("RECSERVE_LT_WAIT", "0.25")):
+    os.environ[name] = value
+    sys.modules.pop("load_tests.locustfile", None)
+    try:
+        from load_tests import locustfile
+        print("imported", locustfile.WAIT, locustfile.POOL_PER_SIZE)
+    except ValueError as error:
+        print(error)
+    del os.environ[name]
+"""
+
+
+def test_the_locustfile_names_a_bad_wait_or_pool_variable():
+    result = run_python(_BAD_LOCUSTFILE_VARIABLES)
+    assert result.stdout.splitlines() == [
+        "RECSERVE_LT_WAIT='0.1s': expected seconds >= 0",
+        "RECSERVE_LT_WAIT='-1': expected seconds >= 0",
+        "RECSERVE_LT_POOL='1e3': expected an integer >= 0",
+        "imported 0.25 None",
+    ]
+
+
 def test_zipf_ranks_have_probability_one_over_rank_to_the_exponent():
     from load_tests import traffic
 
