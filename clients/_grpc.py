@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,20 @@ def metadata_call(model: str) -> Call:
 
 def infer_call(model: str, tensors: Mapping[str, np.ndarray]) -> Call:
     return "ModelInfer", codec.encode_grpc_infer(model, tensors), codec.decode_grpc_infer
+
+
+#: The clock of :func:`time_left` (monotonic seconds).
+_clock = time.monotonic
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (a :data:`_clock` reading; None: no limit), or 0.0
+    once it passed."""
+    return None if deadline is None else max(deadline - _clock(), 0.0)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else _clock() + timeout
 
 
 def _failure(
@@ -127,9 +142,15 @@ class GrpcBackend:
         return self._run(ready_call(), timeout)
 
     def model_ready(self, model: str, timeout: float | None) -> bool:
+        """Whether ``model`` is ready; NotFoundError for an unknown one. Both calls it may
+        take share one ``timeout`` (the second used to get a whole one of its own)."""
+        deadline = _deadline(timeout)
         ready = self._run(model_ready_call(model), timeout)
-        if not ready:  # the server answers false for an unknown model too (as Triton does)
-            self._run(metadata_call(model), timeout)  # NotFoundError for an unknown one
+        left = time_left(deadline)
+        # The server answers false for an unknown model too (as Triton does): the metadata
+        # call tells NotFoundError apart, if time is left for it (not ready, either way).
+        if not ready and (left is None or left > 0):
+            self._run(metadata_call(model), left)
         return ready
 
     def metadata(self, model: str, timeout: float | None) -> ModelInfo:
@@ -228,9 +249,12 @@ class AsyncGrpcBackend:
         return await self._run(ready_call(), timeout)
 
     async def model_ready(self, model: str, timeout: float | None) -> bool:
+        """As :meth:`GrpcBackend.model_ready`: both calls share one ``timeout``."""
+        deadline = _deadline(timeout)
         ready = await self._run(model_ready_call(model), timeout)
-        if not ready:  # the server answers false for an unknown model too (as Triton does)
-            await self._run(metadata_call(model), timeout)  # NotFoundError for an unknown one
+        left = time_left(deadline)
+        if not ready and (left is None or left > 0):  # NotFoundError for an unknown model
+            await self._run(metadata_call(model), left)
         return ready
 
     async def metadata(self, model: str, timeout: float | None) -> ModelInfo:

@@ -1173,3 +1173,72 @@ def test_http_clients_pointed_at_a_grpc_port_say_so_and_do_not_retry(fake_grpc):
     with pytest.raises(UnavailableError) as raised:
         ServerScorer(url, "m", timeout=5, retries=3)
     assert raised.value.message == expected
+
+
+class _ClockedStubs:
+    """gRPC stubs of a ModelReady that answers false after ``ready_s`` seconds of a fake
+    clock, and a ModelMetadata that records the timeout it was given."""
+
+    def __init__(self, ready_s: float) -> None:
+        self.now, self.ready_s = 100.0, ready_s
+        self.metadata_timeouts: list[float | None] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def model_ready(self, request, timeout=None):
+        self.now += self.ready_s
+        return V2.ModelReadyResponse(ready=False)
+
+    def metadata(self, request, timeout=None):
+        self.metadata_timeouts.append(timeout)
+        return V2.ModelMetadataResponse(name=request.name)
+
+    def stubs(self, wrap=lambda f: f) -> dict:
+        return {"ModelReady": wrap(self.model_ready), "ModelMetadata": wrap(self.metadata)}
+
+
+@pytest.mark.parametrize(
+    ("ready_s", "timeout", "metadata_timeouts"),
+    [
+        (1.5, 2.0, [0.5]),  # the metadata call gets what is left of the one timeout
+        (2.0, 2.0, []),  # none left: not ready, and no second call
+        (2.5, 2.0, []),
+        (1.5, None, [None]),  # no limit: none for either call
+    ],
+)
+def test_grpc_model_ready_takes_one_timeout_for_both_of_its_calls(
+    monkeypatch, ready_s, timeout, metadata_timeouts
+):
+    """A model that answered "not ready" got a second call (to tell an unknown model apart)
+    with a whole timeout of its own: up to twice the timeout in all."""
+    import clients._grpc as grpc_backend
+
+    stubs = _ClockedStubs(ready_s)
+    monkeypatch.setattr(grpc_backend, "_clock", stubs.clock)
+    backend = grpc_backend.GrpcBackend("127.0.0.1:9", "grpc://127.0.0.1:9")
+    backend._stubs = stubs.stubs()
+    try:
+        assert backend.model_ready("m", timeout) is False
+    finally:
+        backend.close()
+    assert stubs.metadata_timeouts == metadata_timeouts
+
+    async_stubs = _ClockedStubs(ready_s)
+    monkeypatch.setattr(grpc_backend, "_clock", async_stubs.clock)
+    async_backend = grpc_backend.AsyncGrpcBackend("127.0.0.1:9", "grpc://127.0.0.1:9")
+
+    def awaitable(function):
+        async def call(request, timeout=None):
+            return function(request, timeout=timeout)
+
+        return call
+
+    async def main() -> bool:
+        async_backend._channel = types.SimpleNamespace(close=lambda: None)  # no real channel
+        async_backend._loop = asyncio.get_running_loop()
+        async_backend._stubs = async_stubs.stubs(awaitable)
+        return await async_backend.model_ready("m", timeout)
+
+    assert asyncio.run(main()) is False
+    assert async_stubs.metadata_timeouts == metadata_timeouts
