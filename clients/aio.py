@@ -32,7 +32,11 @@ from clients.client import _ClientBase, check_input, rows_need_http
 from clients.retry import RetryableError, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
-from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    UnavailableError,
+)
 
 T = TypeVar("T")
 
@@ -44,23 +48,50 @@ def _run_attempt(started: float, function: Callable[..., T], *args: Any) -> T:
 
 
 class _AsyncHttpBackend:
-    """The blocking HTTP backend, each call on a worker thread."""
+    """The blocking HTTP backend, each call on a worker thread; ``client`` names the client
+    in the error of a call that :meth:`close` stopped."""
 
-    def __init__(self, base_url: str, max_connections: int, tls: ClientTls | None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        max_connections: int,
+        tls: ClientTls | None,
+        client: str = "AsyncRecserveClient",
+    ) -> None:
         self.sync = HttpBackend(base_url, max_connections=max_connections, tls=tls)
         self._executor = ThreadPoolExecutor(
             max_workers=max_connections, thread_name_prefix="recserve-http"
         )
+        self._client = client
+        self._closed = False
+
+    def _closed_error(self, what: str) -> FailedPreconditionError:
+        return FailedPreconditionError(f"{self._client} {what}; create a new client")
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
+        if self._closed:  # an attempt after close(): a retry that was waiting out its delay
+            raise self._closed_error("is closed")
         # The attempt's timeout runs from now: with more calls than worker threads, a call
         # waits for one, and its timeout used to start only then (a 1.5 s call, queued behind
         # slow ones, answered after 3 s).
         started = time.monotonic()
-        return await loop.run_in_executor(
-            self._executor, functools.partial(_run_attempt, started, function, *args)
-        )
+        future = self._executor.submit(functools.partial(_run_attempt, started, function, *args))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # close() cancels the calls still waiting for a worker thread (they used to be
+            # sent once a thread was free, after the client was closed): each fails now,
+            # unsent. A cancellation of the caller's own task stays one (Python 3.10 cannot
+            # tell them apart: there, one that raced close() gets this error).
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)
+            by_caller = cancelling is not None and cancelling() > 0
+            if self._closed and future.cancelled() and not by_caller:
+                raise self._closed_error(
+                    "was closed while this call waited for one of its connections "
+                    "(max_connections): it was not sent"
+                ) from None
+            raise
 
     async def live(self, timeout: float | None) -> bool:
         return await self._run(self.sync.live, timeout)
@@ -85,7 +116,8 @@ class _AsyncHttpBackend:
         return await self._run(self.sync.predict_rows, model, rows, timeout)
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False)
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
 
 
@@ -97,7 +129,9 @@ class AsyncRecserveClient(_ClientBase):
 
     def _make_backend(self) -> _AsyncHttpBackend | AsyncGrpcBackend:
         if self.protocol == "http":
-            return _AsyncHttpBackend(self.endpoint.base, self._max_connections, self._tls)
+            return _AsyncHttpBackend(
+                self.endpoint.base, self._max_connections, self._tls, client=repr(self)
+            )
         return AsyncGrpcBackend(
             self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes, tls=self._tls
         )
@@ -174,7 +208,8 @@ class AsyncRecserveClient(_ClientBase):
         return codec.with_latency(result, time.perf_counter() - started)
 
     async def close(self) -> None:
-        """Release the connections; later calls raise FailedPreconditionError. Idempotent."""
+        """Release the connections; later calls raise FailedPreconditionError, and so do the
+        HTTP calls still waiting for a connection (at once, unsent). Idempotent."""
         transport = self._close_transport()
         if transport is not None:
             await transport.close()

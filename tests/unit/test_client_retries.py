@@ -1242,3 +1242,42 @@ def test_grpc_model_ready_takes_one_timeout_for_both_of_its_calls(
 
     assert asyncio.run(main()) is False
     assert async_stubs.metadata_timeouts == metadata_timeouts
+
+
+def test_closing_the_async_http_client_fails_the_calls_waiting_for_a_connection(fake_http):
+    """Calls queued for the asyncio HTTP client's worker threads ran after close(), sent to
+    the server once a thread was free; now each fails at once, unsent, and says why."""
+    from embedding_store.errors import FailedPreconditionError
+
+    server = fake_http([(200, 0.8)])  # the first call holds the one connection 0.8 s
+
+    async def main() -> list[tuple[str, float]]:
+        client = AsyncRecserveClient(server.url, model_name="m", retries=0, max_connections=1)
+
+        async def one() -> tuple[str, float]:
+            try:
+                await client.predict(_batch())
+                outcome = "ok"
+            except FailedPreconditionError as error:
+                outcome = error.message
+            return outcome, time.monotonic()
+
+        calls = [asyncio.create_task(one()) for _ in range(3)]
+        await asyncio.sleep(0.2)  # the first is sent; the two others wait for its thread
+        closed = time.monotonic()
+        await client.close()
+        results = await asyncio.gather(*calls)
+        with pytest.raises(FailedPreconditionError, match="is closed; create a new client"):
+            await client._transport.infer("m", {}, 1.0)  # a retry's later attempt
+        return [(outcome, at - closed) for outcome, at in results]
+
+    first, *queued = asyncio.run(main())
+    message = (
+        f"AsyncRecserveClient({server.url!r}, model_name='m') was closed while this call "
+        "waited for one of its connections (max_connections): it was not sent; create a new "
+        "client"
+    )
+    assert [outcome for outcome, _ in queued] == [message, message]
+    assert all(seconds < 0.4 for _, seconds in queued)  # at once, not after the first call
+    assert first[0] == "ok"  # the one already sent is answered
+    assert server.requests == 1
