@@ -15,7 +15,9 @@ Pipeline, one chunk of ``--batch-size`` rows at a time (files never sit in memor
    agree;
 4. predictions go to a temporary file renamed into place at the end
    (:mod:`clients.eval_output`); labels and scores are kept (a few bytes per row) for the exact
-   metrics of :mod:`clients.eval_report`.
+   metrics of :mod:`clients.eval_report`;
+5. with ``--report``, the report is rendered into a staging directory, then the predictions
+   and the report are moved into place: a run that fails leaves neither behind.
 
 This module holds the options, the result and the orchestration; the in-process path loads
 ``serving`` lazily (see :mod:`clients.eval_scorers` for the import rule).
@@ -23,6 +25,7 @@ This module holds the options, the result and the orchestration; the in-process 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -287,40 +290,56 @@ def _evaluate(
             raise InvalidArgumentError(
                 f"no rows scored ({len(bad_rows)} bad rows) in {', '.join(map(str, o.data))}"
             )
-        writer.commit()
+        seconds = time.perf_counter() - started
+        all_labels = np.concatenate(labels) if label is not None else None
+        all_predictions = np.concatenate(predictions)
+        ranking = np.concatenate(raws)
+        metric_block = eval_report.metrics(
+            all_labels,
+            all_predictions,
+            ranking if local is not None else None,
+            bins=o.calibration_bins,
+        )
+        report: dict[str, Any] = {
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": _describe_model(o, local, server),
+            "data": [os.fspath(p) for p in o.data],
+            "output_transform": o.output_transform,
+            "counts": {
+                "rows": rows,
+                "positives": _count(all_labels, positive=True),
+                "negatives": _count(all_labels, positive=False),
+                "skipped_rows": len(bad_rows),
+            },
+            **metric_block,
+            "unknown_ids": local.unknown_ids() if local is not None else None,
+            "seconds": seconds,
+            "bad_rows": bad_rows[:100],
+            "compare": parity.summary() if parity is not None else None,
+        }
+        # All or nothing: the report is rendered (into a staging directory) before the
+        # predictions are committed, then moved into place; a report that fails leaves no
+        # --out behind (it used to, and a rerun then needed --overwrite).
+        staged = (
+            eval_report.staged_report(
+                o.report,
+                report,
+                labels=all_labels,
+                predictions=all_predictions,
+                ranking_scores=ranking,
+                all_bad_rows=bad_rows,
+                overwrite=o.overwrite,
+            )
+            if o.report is not None
+            else contextlib.nullcontext()
+        )
+        with staged:
+            writer.commit()
     except BaseException:
         writer.abort()
         raise
-    seconds = time.perf_counter() - started
     if len(bad_rows) > SHOWN_BAD_ROWS:
         print(f"skipped {len(bad_rows) - SHOWN_BAD_ROWS} more bad rows", file=sys.stderr)
-
-    all_labels = np.concatenate(labels) if label is not None else None
-    all_predictions = np.concatenate(predictions)
-    ranking = np.concatenate(raws)
-    metric_block = eval_report.metrics(
-        all_labels,
-        all_predictions,
-        ranking if local is not None else None,
-        bins=o.calibration_bins,
-    )
-    report: dict[str, Any] = {
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": _describe_model(o, local, server),
-        "data": [os.fspath(p) for p in o.data],
-        "output_transform": o.output_transform,
-        "counts": {
-            "rows": rows,
-            "positives": _count(all_labels, positive=True),
-            "negatives": _count(all_labels, positive=False),
-            "skipped_rows": len(bad_rows),
-        },
-        **metric_block,
-        "unknown_ids": local.unknown_ids() if local is not None else None,
-        "seconds": seconds,
-        "bad_rows": bad_rows[:100],
-        "compare": parity.summary() if parity is not None else None,
-    }
     exit_code = EXIT_OK
     print(
         f"scored {rows} rows in {seconds:.1f} s ({rows / max(seconds, 1e-9):,.0f} rows/s), "
@@ -346,15 +365,6 @@ def _evaluate(
         if parity.differing:
             exit_code = EXIT_PREDICTIONS_DIFFER
     if o.report is not None:
-        eval_report.write_report(
-            o.report,
-            report,
-            labels=all_labels,
-            predictions=all_predictions,
-            ranking_scores=ranking,
-            all_bad_rows=bad_rows,
-            overwrite=o.overwrite,
-        )
         print(f"report: {o.report}", file=out)
     return EvalResult(rows, len(bad_rows), report, exit_code, bad_rows)
 

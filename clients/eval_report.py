@@ -36,6 +36,7 @@ __all__ = [
     "metrics",
     "roc_auc",
     "roc_curve",
+    "staged_report",
     "write_report",
 ]
 
@@ -372,7 +373,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
+@contextlib.contextmanager
+def staged_report(
     path: str | os.PathLike[str],
     report: dict[str, Any],
     *,
@@ -381,8 +383,10 @@ def write_report(
     ranking_scores: np.ndarray,
     all_bad_rows: list[str],
     overwrite: bool,
-) -> Path:
-    """Write the report directory atomically; returns its path."""
+) -> Iterator[Path]:
+    """Render the report directory into a staging directory, yield its final path, then move
+    it into place (an error inside the block leaves no report). ``recserve eval`` commits its
+    predictions inside the block: a report that cannot be rendered leaves neither behind."""
     target = Path(path)
     with atomic_directory(target, overwrite=overwrite) as staging:
         files = _plots(staging, report, labels, ranking_scores, predictions)
@@ -395,4 +399,27 @@ def write_report(
         (staging / "report.json").write_bytes(
             orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
         )
-    return target
+        yield target
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    report: dict[str, Any],
+    *,
+    labels: np.ndarray | None,
+    predictions: np.ndarray,
+    ranking_scores: np.ndarray,
+    all_bad_rows: list[str],
+    overwrite: bool,
+) -> Path:
+    """Write the report directory atomically; returns its path."""
+    with staged_report(
+        path,
+        report,
+        labels=labels,
+        predictions=predictions,
+        ranking_scores=ranking_scores,
+        all_bad_rows=all_bad_rows,
+        overwrite=overwrite,
+    ) as target:
+        return target

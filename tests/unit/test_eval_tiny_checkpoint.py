@@ -202,6 +202,30 @@ def test_a_report_without_matplotlib_fails_before_scoring(checkpoint, tmp_path, 
     assert not out.exists() and not (tmp_path / "r").exists()
 
 
+def test_a_report_that_fails_leaves_no_predictions_behind(checkpoint, tmp_path, monkeypatch):
+    """The predictions file was committed before the report was written: a report that
+    failed left --out behind, and the rerun met it ("already exists") without --overwrite.
+    Now the report is rendered first and both are committed, or neither."""
+    from clients import eval_report
+
+    data = tmp_path / "rows.csv"
+    write_rows(data, n=8)
+    out, report = tmp_path / "p.csv", tmp_path / "r"
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(eval_report, "_plots", broken)
+    options = EvalOptions(
+        data=(data,), out=out, checkpoint=checkpoint, label="clicked", report=report,
+        progress=False,
+    )  # fmt: skip
+    with pytest.raises(OSError, match="No space left on device"):
+        run_eval(options)
+    # Neither output nor a temporary one: a rerun needs no --overwrite.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.csv"]
+
+
 def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):
     """A new user's CSV: a JSON list in the multi-ID column and the dense values in one
     column. Each error says what the default layout expects."""
