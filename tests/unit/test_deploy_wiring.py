@@ -808,3 +808,27 @@ def test_image_exposes_every_port_of_the_conventions_and_ships_every_package() -
         ignore = (DEPLOY / "docker" / f"{dockerfile}.dockerignore").read_text().splitlines()
         kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
         assert packages <= kept, f"{dockerfile}: {sorted(packages - kept)} left out"
+
+
+def test_k8s_replicated_workloads_have_a_disruption_budget_and_spread() -> None:
+    """A workload of several pods (or autoscaled) that a node drain could empty at once: a
+    PodDisruptionBudget limits the evictions, and a spreading rule keeps its pods apart."""
+    autoscaled = {
+        h["spec"]["scaleTargetRef"]["name"] for h in of_kind("HorizontalPodAutoscaler").values()
+    }
+    budgets = of_kind("PodDisruptionBudget")
+    for name, workload in workloads().items():
+        if workload["kind"] == "Job":
+            continue
+        if workload["spec"].get("replicas", 1) < 2 and name not in autoscaled:
+            continue
+        labels = pod_labels(workload)
+        covering = [
+            b for b in budgets.values() if label_selector_matches(b["spec"]["selector"], labels)
+        ]
+        assert len(covering) == 1, f"{name}: {len(covering)} PodDisruptionBudgets"
+        spec = pod_spec(workload)
+        spread = spec.get("topologySpreadConstraints", []) or spec.get("affinity", {}).get(
+            "podAntiAffinity"
+        )
+        assert spread, f"{name}: nothing keeps its pods on different nodes"
