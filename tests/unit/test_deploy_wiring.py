@@ -233,6 +233,20 @@ def train_script_parser() -> argparse.ArgumentParser:
     return build_train_parser()
 
 
+@functools.cache
+def recserve_sources() -> str:
+    """The text of recserve's packages (where the variables it reads are named)."""
+    return "\n".join(
+        p.read_text()
+        for package in ("embedding_store", "training", "serving", "clients")
+        for p in (REPO_ROOT / package).rglob("*.py")
+    )
+
+
+#: Variables read by the runtime, not by recserve: torch's threads, Python's buffering.
+EXTERNAL_VARIABLES = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+
+
 # --------------------------------------------------------------------------- Kubernetes
 def test_k8s_containers_declare_exactly_the_ports_their_process_listens_on() -> None:
     for name, workload in workloads().items():
@@ -493,12 +507,8 @@ def test_k8s_paths_the_processes_use_are_mounted_with_the_access_they_need() -> 
 def test_k8s_env_set_is_env_used() -> None:
     """Every variable a container sets is either expanded in its args or read by the code
     (recserve's sources, torch's OMP_NUM_THREADS), and every $(VAR) is set."""
-    sources = "\n".join(
-        p.read_text()
-        for package in ("embedding_store", "training", "serving", "clients")
-        for p in (REPO_ROOT / package).rglob("*.py")
-    )
-    external = {"OMP_NUM_THREADS"}
+    sources = recserve_sources()
+    external = EXTERNAL_VARIABLES
     for name, workload in workloads().items():
         for container in all_containers(workload):
             words = " ".join([*container.get("args", []), *container.get("command", [])])
@@ -832,3 +842,22 @@ def test_k8s_replicated_workloads_have_a_disruption_budget_and_spread() -> None:
             "podAntiAffinity"
         )
         assert spread, f"{name}: nothing keeps its pods on different nodes"
+
+
+def test_compose_and_procfile_variables_are_used() -> None:
+    """A variable set for a process and read by nothing is a misspelling, or a setting that
+    silently does nothing."""
+    sources = recserve_sources()
+    for name, service in compose()["services"].items():
+        words = [*service.get("entrypoint", []), *service.get("command", [])]
+        text = " ".join(words).replace("$$", "$")
+        for variable in service.get("environment", {}):
+            used = re.search(rf"\$\{{?{variable}\b", text) is not None
+            read = variable in EXTERNAL_VARIABLES or f'"{variable}"' in sources
+            assert used or read, f"compose {name}: nothing reads {variable}"
+    for procfile, env in (("Procfile", ".env"), ("Procfile.serving", ".env.serving")):
+        text = (DEPLOY / procfile).read_text()
+        for variable in env_file(DEPLOY / env):
+            used = re.search(rf"\$\{{?{variable}\b", text) is not None
+            read = variable in EXTERNAL_VARIABLES or f'"{variable}"' in sources
+            assert used or read, f"{env}: nothing reads {variable}"
