@@ -645,10 +645,16 @@ def procfile_commands(procfile: str, env: str) -> Iterator[tuple[str, list[list[
 @pytest.mark.parametrize(
     ("procfile", "env"), [("Procfile", ".env"), ("Procfile.serving", ".env.serving")]
 )
-def test_procfile_commands_parse_and_wire_the_tier(procfile: str, env: str) -> None:
+def test_procfile_commands_parse_and_wire_the_tier(
+    procfile: str, env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedding_store.model_checkpoint import EMBEDDINGS_DIR
+
+    monkeypatch.chdir(REPO_ROOT)  # honcho -d . : relative paths are the repository's
     parsed: dict[str, argparse.Namespace] = {}
     waits: dict[str, list[str]] = {}
     rendered: dict[str, str] = {}
+    loads: dict[str, str | None] = {}
     for name, steps in procfile_commands(procfile, env):
         *before, main = steps
         assert main[0] == "recserve", f"{procfile} {name}: {main}"
@@ -663,6 +669,13 @@ def test_procfile_commands_parse_and_wire_the_tier(procfile: str, env: str) -> N
                 out = step[step.index("--out") + 1]
                 rendered[name] = out
                 assert args.global_config == out, f"{name} renders {out}, reads elsewhere"
+                # The script itself, writing here: the config the shard will load.
+                render = load_script(REPO_ROOT / step[1], "recserve_deploy_render")
+                here = tmp_path / f"{name}.yml"
+                assert render.main([*step[2:], "--out", str(here)]) == 0
+                config = load_global_config(here).common_config
+                assert config.job_type.value == "Infer", name
+                loads[name] = config.infer_config.embedding_checkpoint
             else:
                 pytest.fail(f"{procfile} {name}: unknown step {step}")
     shards = sorted(n for n, a in parsed.items() if a.command == "embedding-parameter-server")
@@ -677,6 +690,9 @@ def test_procfile_commands_parse_and_wire_the_tier(procfile: str, env: str) -> N
     for server in servers:
         address = f"127.0.0.1:{parsed[worker].port}"
         assert parsed[server].embedding_workers == address
+        # Every shard loads the embeddings of the checkpoint the server serves.
+        embeddings = (REPO_ROOT / parsed[server].checkpoint / EMBEDDINGS_DIR).absolute()
+        assert {n: loads.get(n) for n in shards} == dict.fromkeys(shards, str(embeddings))
         assert check_arguments(parsed[server]) is None
         # It starts once every shard and the worker are SERVING.
         expected = [f"grpc://127.0.0.1:{parsed[n].port}" for n in [*shards, worker]]
