@@ -96,7 +96,9 @@ def resume_position(saved: dict[str, Any], schedule: dict[str, Any], streaming: 
     return epochs_done if isinstance(epochs_done, int) and epochs_done > 0 else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's command line (tests/unit/test_deploy_wiring.py parses the deploy files'
+    training commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = AdultHParams()
     # Checked here: a batch size of 0 was a traceback from range(), a negative one or a
@@ -128,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the dense model's device: cuda is this process's GPU (LOCAL_RANK; DDP then uses "
         "nccl); auto is cuda when CUDA is available, else cpu",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
