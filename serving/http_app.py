@@ -146,6 +146,10 @@ def create_app(
     app.openapi = functools.partial(openapi_without_head, app)  # type: ignore[method-assign]
 
     # ---------------------------------------------------------------- health and metadata
+    # The spec's text names this route "v2", and its OpenAPI documents (the OIP's
+    # open_inference_rest.yaml, KServe's rest_predict_v2.yaml) "/v2/": a client generated from
+    # them asks for "/v2/". Both answer; every other trailing slash stays a 404.
+    @get("/v2/", include_in_schema=False)
     @get("/v2", summary="Server metadata", responses=errors())
     async def server_metadata() -> Response:
         try:

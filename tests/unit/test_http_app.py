@@ -131,10 +131,10 @@ AGES = [0.5, 1.0, -2.0]
 
 # --------------------------------------------------------------------------- health, metadata
 def test_health_and_server_metadata(server, core):
-    assert server.json("GET", "/v2") == (
-        200,
-        {"name": "recserve-fake", "version": "0.1.0", "extensions": ["binary_tensor_data"]},
-    )
+    metadata = {"name": "recserve-fake", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+    assert server.json("GET", "/v2") == (200, metadata)
+    # The path of the spec's OpenAPI documents (open_inference_rest.yaml: "/v2/").
+    assert server.json("GET", "/v2/") == (200, metadata)
     assert server.json("GET", "/v2/health/live") == (200, {"live": True})
     assert server.json("GET", "/v2/health/ready") == (200, {"ready": True})
     core.is_ready = False
@@ -441,6 +441,7 @@ def test_without_admin_hooks_there_is_no_admin_route(core):
     "path",
     [
         "/v2",
+        "/v2/",
         "/v2/health/live",
         "/v2/health/ready",
         "/v2/models/tiny",
@@ -459,7 +460,11 @@ def test_every_get_route_answers_head_with_the_get_status_and_no_body(server, pa
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/v2/"), ("GET", "/v2/models/tiny/"), ("POST", "/v2/models/tiny/infer/")],
+    [
+        ("GET", "/v2/health/ready/"),
+        ("GET", "/v2/models/tiny/"),
+        ("POST", "/v2/models/tiny/infer/"),
+    ],
 )
 def test_a_trailing_slash_is_not_found_not_redirected(server, method, path):
     status, headers, body = server.request(method, path, body=b"{}" if method == "POST" else None)
