@@ -17,6 +17,7 @@ import numpy as np
 from embedding_store.errors import InvalidArgumentError
 from serving.core import ModelMetadata, Prediction, ServerMetadata
 from serving.infer_request import (
+    SHARED_MEMORY_REGION,
     InferRequest,
     RequestedOutput,
     array_from_bytes,
@@ -28,6 +29,7 @@ from serving.infer_request import (
     response_parameters,
     select_outputs,
     shape_of,
+    shared_memory_error,
 )
 from serving.proto import V2
 
@@ -115,7 +117,22 @@ def _grpc_tensor(name: str, tensor: Any) -> np.ndarray:
 
 
 def decode_grpc_request(request: Any) -> InferRequest:
-    """A ``ModelInferRequest`` (typed contents or raw_input_contents) -> :class:`InferRequest`."""
+    """A ``ModelInferRequest`` (typed contents or raw_input_contents) -> :class:`InferRequest`.
+
+    An input that names a shared-memory region carries no data, so its request fails to
+    decode; the error then says why (the parameter is looked for only then: ~7 us a request
+    for 27 inputs, a tenth of decoding them)."""
+    try:
+        return _decode_grpc_request(request)
+    except InvalidArgumentError:
+        for tensor in request.inputs:
+            if SHARED_MEMORY_REGION in tensor.parameters:
+                raise shared_memory_error(f"input {tensor.name!r}", output=False) from None
+        raise
+
+
+def _decode_grpc_request(request: Any) -> InferRequest:
+    """:func:`decode_grpc_request` but for the shared-memory error."""
     raw = request.raw_input_contents
     if not request.inputs:
         raise InvalidArgumentError("the request has no inputs")
@@ -158,6 +175,8 @@ def decode_grpc_request(request: Any) -> InferRequest:
                 raise InvalidArgumentError(
                     f"output {output.name!r}: the classification extension is not supported"
                 )
+            if SHARED_MEMORY_REGION in output.parameters:
+                raise shared_memory_error(f"output {output.name!r}", output=True)
         outputs = tuple(RequestedOutput(name) for name in names)
     return InferRequest(
         inputs=inputs,

@@ -31,11 +31,13 @@ import orjson
 
 from embedding_store.errors import CapacityError, InvalidArgumentError
 from serving.infer_request import (
+    SHARED_MEMORY_REGION,
     InferRequest,
     RequestedOutput,
     array_from_bytes,
     array_from_json,
     request_timeout,
+    shared_memory_error,
 )
 from serving.json_arrays import LARGE_BODY_BYTES, parse_number_arrays
 from serving.lazy_tensors import BinaryEntry, BinaryTensors, JsonTensors, LazyTensors
@@ -210,6 +212,8 @@ def _requested_outputs_json(outputs: object) -> tuple[RequestedOutput, ...] | No
         parameters = _parameters_of(output, owner)
         if parameters.get("classification"):
             raise InvalidArgumentError(f"{owner}: the classification extension is not supported")
+        if SHARED_MEMORY_REGION in parameters:
+            raise shared_memory_error(owner, output=True)
         requested.append(RequestedOutput(name, _bool_parameter(parameters, "binary_data", owner)))
     return tuple(requested)
 
@@ -425,8 +429,11 @@ def _decode_json_request(body: bytes, json_size: int | None) -> InferRequest:
         name = tensor["name"]
         if name in inputs:
             raise InvalidArgumentError(f"input {name!r} is given twice")
-        size = _parameters_of(tensor, f"input {name!r}").get("binary_data_size")
+        parameters_of_input = _parameters_of(tensor, f"input {name!r}")
+        size = parameters_of_input.get("binary_data_size")
         if size is None:
+            if SHARED_MEMORY_REGION in parameters_of_input:
+                raise shared_memory_error(f"input {name!r}", output=False)
             if "data" not in tensor:
                 raise InvalidArgumentError(
                     f"input {name!r} has neither 'data' nor parameters.binary_data_size"

@@ -27,6 +27,10 @@ from serving.core import KSERVE_DTYPES, Prediction
 #: Response parameters every inference answer carries.
 FALLBACK_IDS = "fallback_ids"
 UNKNOWN_IDS = "unknown_ids"
+#: The tensor parameter of Triton's shared-memory extensions (system and CUDA), which this
+#: server does not implement: it registers no region (``/v2/systemsharedmemory``,
+#: ``/v2/cudasharedmemory`` and their gRPC methods do not exist here).
+SHARED_MEMORY_REGION = "shared_memory_region"
 
 _MAX_DIMS = 16
 _MAX_ELEMENTS = 1 << 40  # bound on the product of the non-zero dimensions
@@ -246,6 +250,21 @@ def datatype_of(array: np.ndarray) -> str:
 def little_endian_bytes(array: np.ndarray) -> bytes:
     dtype = array.dtype if array.dtype.byteorder in "<|" else array.dtype.newbyteorder("<")
     return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def shared_memory_error(owner: str, output: bool) -> InvalidArgumentError:
+    """The refusal of a tensor that names a shared-memory region (``owner``: "input 'x'" or
+    "output 'x'"). An input there holds no data; an output would come back in the response
+    while the client reads the region: refused, never answered as if it were not named."""
+    where = (
+        "it comes back in the response"
+        if output
+        else "send its data in the request (JSON 'data', binary data or raw contents)"
+    )
+    return InvalidArgumentError(
+        f"{owner}: parameter {SHARED_MEMORY_REGION!r}: the shared-memory extensions are not "
+        f"supported (this server registers no region); {where}"
+    )
 
 
 def request_timeout(parameters: Mapping[str, Any]) -> float | None:

@@ -420,3 +420,29 @@ def test_an_ipv6_host_is_bracketed_and_a_failed_bind_is_unavailable(core) -> Non
     with pytest.raises(UnavailableError) as refused:
         build_grpc_server(core, host="2001:db8::1", port=0)
     assert refused.value.message.startswith("cannot listen for gRPC on [2001:db8::1]:0 (")
+
+
+def test_tensors_naming_a_shared_memory_region_are_refused_saying_so(triton, core) -> None:
+    # tritonclient's shared-memory API: the input's data would be in a region (none can be
+    # registered here), the output would be written to one. An output answered in the
+    # response instead would leave the client reading a region nobody wrote.
+    inputs = _triton_inputs()
+    inputs[2].set_shared_memory("age_region", 12)
+    with pytest.raises(InferenceServerException) as error:
+        triton.infer("tiny", inputs)
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.value.message() == (
+        "input 'age': parameter 'shared_memory_region': the shared-memory extensions are not "
+        "supported (this server registers no region); send its data in the request (JSON "
+        "'data', binary data or raw contents)"
+    )
+    output = triton_grpc.InferRequestedOutput("prediction")
+    output.set_shared_memory("out_region", 12)
+    with pytest.raises(InferenceServerException) as error:
+        triton.infer("tiny", _triton_inputs(), outputs=[output])
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.value.message() == (
+        "output 'prediction': parameter 'shared_memory_region': the shared-memory extensions "
+        "are not supported (this server registers no region); it comes back in the response"
+    )
+    assert core.calls == []  # refused before the core

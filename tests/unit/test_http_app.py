@@ -541,6 +541,37 @@ def test_tritonclient_http(server, core):
         client.close()
 
 
+def test_tritonclient_http_tensors_naming_a_shared_memory_region_are_refused(server, core):
+    # An output answered in the response while the client reads the region it named would
+    # be a silent wrong answer; an input's data would be in a region none can register here.
+    client = triton_http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    try:
+        output = triton_http.InferRequestedOutput("prediction")
+        output.set_shared_memory("out_region", 12)
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("tiny", _triton_inputs(True), outputs=[output])
+        assert error.value.status() == "400"
+        assert error.value.message() == (
+            "output 'prediction': parameter 'shared_memory_region': the shared-memory "
+            "extensions are not supported (this server registers no region); it comes back in "
+            "the response"
+        )
+        for binary in (False, True):
+            inputs = _triton_inputs(binary)
+            inputs[1].set_shared_memory("lengths_region", 12)
+            with pytest.raises(InferenceServerException) as error:
+                client.infer("tiny", inputs)
+            assert error.value.status() == "400"
+            assert error.value.message() == (
+                "input 'user.lengths': parameter 'shared_memory_region': the shared-memory "
+                "extensions are not supported (this server registers no region); send its "
+                "data in the request (JSON 'data', binary data or raw contents)"
+            )
+        assert core.calls == []
+    finally:
+        client.close()
+
+
 # --------------------------------------------------------------------------- fuzz
 _scalars = st.one_of(
     st.none(),
