@@ -446,3 +446,19 @@ def test_tensors_naming_a_shared_memory_region_are_refused_saying_so(triton, cor
         "are not supported (this server registers no region); it comes back in the response"
     )
     assert core.calls == []  # refused before the core
+
+
+def test_tritonclient_grpc_outputs_and_timeout_parameter(triton, core) -> None:
+    # Outputs named by the client come back; an unknown one is refused naming it. tritonclient's
+    # `timeout` is the request parameter, in microseconds, as Triton reads it.
+    outputs = [triton_grpc.InferRequestedOutput("prediction")]
+    result = triton.infer("tiny", _triton_inputs(), outputs=outputs, timeout=1_500_000)
+    assert [output.name for output in result.get_response().outputs] == ["prediction"]
+    np.testing.assert_allclose(
+        result.as_numpy("prediction"), expected_predictions(USERS, AGES), rtol=1e-6
+    )
+    assert core.calls[0]["timeout"] == 1.5
+    with pytest.raises(InferenceServerException) as error:
+        triton.infer("tiny", _triton_inputs(), outputs=[triton_grpc.InferRequestedOutput("p")])
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.value.message() == "unknown output 'p'; the model has outputs ['prediction']"
