@@ -257,9 +257,9 @@ def shared_memory_error(owner: str, output: bool) -> InvalidArgumentError:
     "output 'x'"). An input there holds no data; an output would come back in the response
     while the client reads the region: refused, never answered as if it were not named."""
     where = (
-        "it comes back in the response"
+        "ask for the output without one: it comes back in the response"
         if output
-        else "send its data in the request (JSON 'data', binary data or raw contents)"
+        else "send the input's data in the request (JSON 'data', binary data or raw contents)"
     )
     return InvalidArgumentError(
         f"{owner}: parameter {SHARED_MEMORY_REGION!r}: the shared-memory extensions are not "

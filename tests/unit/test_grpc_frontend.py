@@ -433,8 +433,8 @@ def test_tensors_naming_a_shared_memory_region_are_refused_saying_so(triton, cor
     assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert error.value.message() == (
         "input 'age': parameter 'shared_memory_region': the shared-memory extensions are not "
-        "supported (this server registers no region); send its data in the request (JSON "
-        "'data', binary data or raw contents)"
+        "supported (this server registers no region); send the input's data in the request "
+        "(JSON 'data', binary data or raw contents)"
     )
     output = triton_grpc.InferRequestedOutput("prediction")
     output.set_shared_memory("out_region", 12)
@@ -443,7 +443,8 @@ def test_tensors_naming_a_shared_memory_region_are_refused_saying_so(triton, cor
     assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert error.value.message() == (
         "output 'prediction': parameter 'shared_memory_region': the shared-memory extensions "
-        "are not supported (this server registers no region); it comes back in the response"
+        "are not supported (this server registers no region); ask for the output without "
+        "one: it comes back in the response"
     )
     assert core.calls == []  # refused before the core
 

@@ -553,8 +553,8 @@ def test_tritonclient_http_tensors_naming_a_shared_memory_region_are_refused(ser
         assert error.value.status() == "400"
         assert error.value.message() == (
             "output 'prediction': parameter 'shared_memory_region': the shared-memory "
-            "extensions are not supported (this server registers no region); it comes back in "
-            "the response"
+            "extensions are not supported (this server registers no region); ask for the "
+            "output without one: it comes back in the response"
         )
         for binary in (False, True):
             inputs = _triton_inputs(binary)
@@ -564,8 +564,8 @@ def test_tritonclient_http_tensors_naming_a_shared_memory_region_are_refused(ser
             assert error.value.status() == "400"
             assert error.value.message() == (
                 "input 'user.lengths': parameter 'shared_memory_region': the shared-memory "
-                "extensions are not supported (this server registers no region); send its "
-                "data in the request (JSON 'data', binary data or raw contents)"
+                "extensions are not supported (this server registers no region); send the "
+                "input's data in the request (JSON 'data', binary data or raw contents)"
             )
         assert core.calls == []
     finally:
