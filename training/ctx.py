@@ -68,6 +68,25 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def _device(device_id: int | None) -> torch.device:
+    """The dense model's device: ``cuda:<device_id>``, or CPU for None. A GPU that does not
+    exist is refused here, with the count: torch would only fail at the first tensor moved
+    there ("invalid device ordinal"), and a torchrun job with more ranks per node than GPUs
+    (device_id = LOCAL_RANK) would fail that way in some of its ranks only."""
+    if device_id is None:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device_id={device_id} given but CUDA is not available")
+    count = torch.cuda.device_count()
+    if not 0 <= device_id < count:
+        raise InvalidArgumentError(
+            f"device_id={device_id} but this machine has {count} CUDA device(s) "
+            f"(0..{count - 1}, as CUDA_VISIBLE_DEVICES shows them): one GPU per NN worker, so "
+            f"run at most {count} worker(s) per node (recserve train --nproc-per-node)"
+        )
+    return torch.device("cuda", device_id)
+
+
 def make_embedding_tier(
     embedding_config: EmbeddingConfig,
     global_config: GlobalConfig,
@@ -145,9 +164,7 @@ class EmbeddingCtx:
         self._embedding_workers = embedding_workers
         self._tier = embedding_tier
         self._owns_tier = embedding_tier is None
-        self.device = torch.device(f"cuda:{device_id}" if device_id is not None else "cpu")
-        if device_id is not None and not torch.cuda.is_available():
-            raise InvalidArgumentError(f"device_id={device_id} given but CUDA is not available")
+        self.device = _device(device_id)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> EmbeddingCtx:
@@ -247,6 +264,24 @@ def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
     return not flags or bool(torch.stack(flags).all())
 
 
+def _embedding_gradients(
+    names: Sequence[str], leaves: Sequence[torch.Tensor], scale: float
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The embedding gradients for the tier, by slot name: float32 on CPU, in each leaf's
+    shape, divided by the loss ``scale`` (1.0 without mixed precision); and all of them
+    flattened into one float32 tensor (for one finiteness check). A slot the loss does not
+    use has no gradient and no entry (its rows stay put).
+
+    They come off the GPU in one copy: ``.cpu()`` per slot would wait for the GPU once per
+    slot."""
+    used = [(name, leaf.grad) for name, leaf in zip(names, leaves) if leaf.grad is not None]
+    if not used:
+        return {}, torch.zeros(0)
+    flat = torch.cat([(grad.float() / scale).reshape(-1) for _, grad in used]).cpu()
+    parts = flat.split([grad.numel() for _, grad in used])
+    return {name: part.view(grad.shape) for (name, grad), part in zip(used, parts)}, flat
+
+
 def _warn_skipped(what: str, count: int, step: int) -> None:
     """Log a skipped non-finite step: the 1st, 2nd, 4th, 8th, ... (a broken data set makes
     every step non-finite, and one line per step would bury the rest of the log)."""
@@ -265,16 +300,20 @@ class TrainCtx(EmbeddingCtx):
 
     ``embedding_optimizer`` (SGD/Adagrad/Adam from ``embedding_store.optimizers``) is applied
     on the parameter servers; ``dense_optimizer`` is a torch optimizer over ``model``'s
-    parameters. ``mixed_precision`` uses torch.amp with a GradScaler on CUDA (checking the
-    embedding gradients for Inf/NaN every ``finite_check_every`` steps and backing the scale
-    off when they are not finite) and is ignored on CPU, which trains in fp32.
+    parameters. ``mixed_precision`` uses torch.amp (fp16 autocast) with a GradScaler on
+    CUDA and is ignored on CPU, which trains in fp32. ``device_id``: the GPU of the dense
+    model (LOCAL_RANK under torchrun, one GPU per rank), made the current CUDA device on
+    enter; None trains on CPU. With a GPU the default DDP backend is nccl, else gloo.
 
     A step whose gradients are not finite (a NaN label or feature, an overflowing loss) moves
     nothing it would corrupt for good: its embedding update is skipped (counted in
     ``nonfinite_embedding_steps``) and, without mixed precision, so is its dense step when
-    the dense gradients are not finite (``nonfinite_dense_steps``; the GradScaler skips it
-    with mixed precision). Both are checked every ``finite_check_every`` steps; the dense
-    gradients are the allreduced ones, so every DDP rank skips the same steps.
+    the dense gradients are not finite (``nonfinite_dense_steps``). Both are checked every
+    ``finite_check_every`` steps; the dense gradients are the allreduced ones, so every DDP
+    rank skips the same steps. With mixed precision the GradScaler checks the dense
+    gradients every step and a step it skips sends no embedding gradients either; embedding
+    gradients that are not finite on a checked step skip the whole step on every rank and
+    back the loss scale off (see :meth:`_amp_step`).
     """
 
     model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
@@ -346,7 +385,7 @@ class TrainCtx(EmbeddingCtx):
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> TrainCtx:
-        self.distributed = distributed.init_distributed(self.distributed_option)
+        self.distributed = distributed.init_distributed(self.distributed_option, self.device)
         self.model.to(self.device)
         if self.distributed:
             self.model = torch.nn.parallel.DistributedDataParallel(
@@ -458,24 +497,18 @@ class TrainCtx(EmbeddingCtx):
         try:
             scaled.backward()
             scale = self.grad_scaler.get_scale() if self.mixed_precision else 1.0
-            grads = {}
-            finite = True
             check = self.step % self.finite_check_every == 0
-            for name, leaf in zip(names, leaves):
-                if leaf.grad is None:  # the loss does not use this slot: its rows stay put
-                    continue
-                grad = (leaf.grad.float() / scale).cpu()
-                if check and not bool(torch.isfinite(grad).all()):
-                    finite = False
-                grads[name] = grad
-            if self.mixed_precision or not check or _grads_finite(self.dense_optimizer):
-                self.grad_scaler.step(self.dense_optimizer)
+            grads, flat = _embedding_gradients(names, leaves, scale)
+            finite = not check or bool(torch.isfinite(flat).all())
+            if self.mixed_precision:
+                finite = self._amp_step(finite, check, scale)
+            elif not check or _grads_finite(self.dense_optimizer):
+                self.grad_scaler.step(self.dense_optimizer)  # disabled: a plain step()
             else:
                 # fp32 has no GradScaler to skip it: one NaN step would make every dense
                 # weight NaN, and every later step's loss and embedding gradients with it.
                 self.nonfinite_dense_steps += 1
                 _warn_skipped("dense step", self.nonfinite_dense_steps, self.step)
-            self.grad_scaler.update()
             self.dense_optimizer.zero_grad(set_to_none=True)
         except BaseException:
             self._in_flight.release()
@@ -493,6 +526,30 @@ class TrainCtx(EmbeddingCtx):
         if self.embedding_staleness == 1:
             self.wait_for_embedding_updates()
         return scaled
+
+    def _amp_step(self, finite: bool, check: bool, scale: float) -> bool:
+        """The mixed-precision dense step and loss-scale update; whether this step's
+        embedding gradients may go to the tier.
+
+        ``finite``: whether this rank's embedding gradients were finite (True when not
+        checked). The GradScaler sees only the dense gradients: when it finds Inf/NaN there
+        (fp16 overflow, the usual first steps while the scale comes down from 65536) it
+        skips the dense step, and the embedding gradients of that backward are not sent
+        either, checked or not (they overflowed with it, or are scaled by a scale that was
+        too large). When only the embedding gradients overflow, the whole step is skipped
+        and the scale backed off as the GradScaler would: on every DDP rank alike (an
+        all-reduce of the flag), or the ranks would go on with different scales and their
+        averaged dense gradients be unscaled wrongly."""
+        if check:
+            finite = distributed.all_agree(finite)
+        if not finite:
+            backoff = self.grad_scaler.get_backoff_factor()
+            self.grad_scaler.update(new_scale=scale * backoff)  # no dense step
+            return False
+        self.grad_scaler.step(self.dense_optimizer)
+        self.grad_scaler.update()
+        # update() backs the scale off exactly when step() found Inf/NaN and skipped.
+        return self.grad_scaler.get_scale() >= scale
 
     def _backward_loop(self) -> None:
         while True:

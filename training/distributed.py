@@ -92,12 +92,30 @@ def exit_with_launcher() -> None:
     stop_when_parent_exits(launcher, "the launcher (torchrun)")
 
 
-def init_distributed(option: DDPOption) -> bool:
+def init_distributed(option: DDPOption, device: torch.device | None = None) -> bool:
     """Join the process group when WORLD_SIZE > 1; returns whether it is distributed.
-    A rank that torchrun started ends with it (:func:`exit_with_launcher`)."""
+    A rank that torchrun started ends with it (:func:`exit_with_launcher`).
+
+    ``device``: where this rank's dense model runs. A CUDA device becomes the current one
+    (``torch.cuda.set_device``) before the group exists, even in a single process: NCCL
+    collectives that are not given a tensor's device (barrier, :func:`all_agree`) use the
+    current device, which is GPU 0 in every rank otherwise (NCCL then fails with
+    "Duplicate GPU detected", or hangs). With nccl the device is also ``device_id``: the
+    communicator forms at once, bound to this rank's GPU."""
     exit_with_launcher()
+    on_gpu = device is not None and device.type == "cuda"
+    if on_gpu:
+        assert device is not None  # on_gpu says so (for mypy)
+        torch.cuda.set_device(device)
     if world_size() <= 1:
         return False
+    if option.backend == "nccl" and not on_gpu:
+        # DDP would fail at its first allreduce with "No backend type associated with
+        # device type cpu", after the rendezvous.
+        raise ConfigError(
+            "DDPOption.backend 'nccl' needs the dense model on this rank's GPU (device_id, "
+            "usually LOCAL_RANK); a model on CPU trains with 'gloo'"
+        )
     if not dist.is_initialized():
         from datetime import timedelta
 
@@ -105,6 +123,7 @@ def init_distributed(option: DDPOption) -> bool:
             backend=option.backend,
             init_method=option.init_method,
             timeout=timedelta(seconds=option.timeout_seconds),
+            device_id=device if option.backend == "nccl" else None,
         )
     return True
 

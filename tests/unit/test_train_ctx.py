@@ -995,3 +995,91 @@ def test_the_warning_about_rows_left_in_the_tier_gives_the_whole_clear_command(c
         "from them and their optimizer state unless a checkpoint is loaded; for a fresh start "
         "run `recserve embedding-tier clear --worker 127.0.0.1:7201` first"
     ]
+
+
+def test_a_device_id_beyond_the_machines_gpus_is_refused_with_the_count(monkeypatch):
+    """device_id is LOCAL_RANK: a third rank on a two-GPU node is told why, at once (torch
+    would only fail at the first tensor moved there, "invalid device ordinal")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(InvalidArgumentError) as refused:
+        new_ctx(device_id=2)
+    assert str(refused.value) == (
+        "device_id=2 but this machine has 2 CUDA device(s) (0..1, as CUDA_VISIBLE_DEVICES "
+        "shows them): one GPU per NN worker, so run at most 2 worker(s) per node "
+        "(recserve train --nproc-per-node)"
+    )
+    assert new_ctx(device_id=1).device == torch.device("cuda", 1)  # nothing moves before enter
+
+
+def _amp_ctx(finite_check_every: int) -> TrainCtx:
+    """An entered-to-be TrainCtx whose mixed precision runs on CPU (fp16 autocast and a
+    GradScaler starting at 1024): the CUDA code path, device-generic, on this machine."""
+    ctx = new_ctx(staleness=1, finite_check_every=finite_check_every)
+    ctx.mixed_precision = True
+    ctx.grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    return ctx
+
+
+def test_an_overflow_the_loss_scaler_skips_sends_no_embedding_gradients_unchecked_either():
+    """With mixed precision the GradScaler skips a step whose dense gradients overflowed;
+    that step's embedding gradients (Inf here) used to reach the tier on the steps
+    finite_check_every does not check, and made its rows Inf/NaN for good."""
+    with _amp_ctx(finite_check_every=2) as ctx:
+        train_steps(ctx, 1)  # step 0, checked
+        assert ctx.grad_scaler.get_scale() == 1024.0
+        batch = make_batch(7)
+        before = ctx.embedding_tier.lookup(batch, train=True)
+        bias = ctx.dense_model.linear.bias.detach().clone()
+        output, _ = ctx.forward(batch)  # step 1: not checked
+        ctx.backward((output.float() * float("inf")).sum())
+        assert ctx.grad_scaler.get_scale() == 512.0  # the scaler found the overflow
+        assert torch.equal(ctx.dense_model.linear.bias, bias)
+        assert ctx.nonfinite_embedding_steps == 1
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+        train_steps(ctx, 2, offset=20)  # and training goes on at the lower scale
+        assert ctx.grad_scaler.get_scale() == 512.0 and ctx.nonfinite_embedding_steps == 1
+
+
+def test_an_overflow_in_the_embedding_gradients_only_backs_the_loss_scale_off():
+    """The GradScaler sees only the dense gradients: when only the embedding gradients
+    overflow, the step is skipped (dense and embeddings) and the scale halved, as the
+    GradScaler does; it used to stay where it overflowed, every such update skipped."""
+    with _amp_ctx(finite_check_every=1) as ctx:
+        batch = make_batch(7)
+        before = ctx.embedding_tier.lookup(batch, train=True)
+        with torch.no_grad():  # inputs: user [0:4], item [4:8], dense [8:10]
+            ctx.dense_model.linear.weight[:, 4:8] = float("inf")
+        bias = ctx.dense_model.linear.bias.detach().clone()
+        output, _ = ctx.forward(batch)
+        ctx.backward(output.sum())  # dense gradients finite, item's gradient is not
+        assert ctx.grad_scaler.get_scale() == 512.0
+        assert torch.equal(ctx.dense_model.linear.bias, bias)
+        assert (ctx.step, ctx.nonfinite_embedding_steps) == (1, 1)
+        after = ctx.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(before.slots, after.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+
+
+def test_with_mixed_precision_every_rank_skips_when_one_ranks_embeddings_overflowed(
+    monkeypatch,
+):
+    """DDP ranks must keep one loss scale (their allreduced dense gradients are unscaled by
+    it) and take the same dense steps: the embedding gradients' verdict is all-reduced, and
+    a rank whose own gradients are finite skips with the one whose are not."""
+    agreed: list[bool] = []
+
+    def another_rank_overflowed(ok: bool) -> bool:
+        agreed.append(ok)
+        return False
+
+    with _amp_ctx(finite_check_every=1) as ctx:
+        monkeypatch.setattr("training.distributed.all_agree", another_rank_overflowed)
+        bias = ctx.dense_model.linear.bias.detach().clone()
+        train_steps(ctx, 1)
+        assert agreed == [True]  # this rank's own gradients were finite
+        assert ctx.grad_scaler.get_scale() == 512.0
+        assert torch.equal(ctx.dense_model.linear.bias, bias)
+        assert ctx.nonfinite_embedding_steps == 1

@@ -63,3 +63,50 @@ def test_a_single_process_is_not_distributed_and_agrees_with_itself(monkeypatch)
     assert distributed.all_agree(True) is True
     assert distributed.all_agree(False) is False
     distributed.barrier()  # nothing to wait for
+
+
+def _record_joining(monkeypatch) -> list[tuple]:
+    """Run init_distributed as rank 1 of 2 without a group: set_device and
+    init_process_group only record their calls, in order."""
+    calls: list[tuple] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set", device)))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        distributed.dist,
+        "init_process_group",
+        lambda **kwargs: calls.append(("init", kwargs["backend"], kwargs["device_id"])),
+    )
+    return calls
+
+
+def test_a_gpu_rank_makes_its_gpu_current_before_joining_and_binds_nccl_to_it(monkeypatch):
+    """Without set_device every rank's current device is GPU 0, where NCCL runs the
+    collectives that name no tensor (barrier, all_agree): "Duplicate GPU detected"."""
+    calls = _record_joining(monkeypatch)
+    gpu = torch.device("cuda", 1)
+    assert distributed.init_distributed(DDPOption(backend="nccl"), gpu) is True
+    assert calls == [("set", gpu), ("init", "nccl", gpu)]
+    calls.clear()
+    assert distributed.init_distributed(DDPOption(backend="gloo"), gpu) is True
+    assert calls == [("set", gpu), ("init", "gloo", None)]  # device_id is NCCL's
+    calls.clear()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process on a GPU: current too, no group
+    assert distributed.init_distributed(DDPOption(backend="nccl"), gpu) is False
+    assert calls == [("set", gpu)]
+
+
+def test_nccl_with_the_model_on_cpu_is_refused_before_the_rendezvous(monkeypatch):
+    calls = _record_joining(monkeypatch)
+    for device in (None, torch.device("cpu")):
+        with pytest.raises(ConfigError) as refused:
+            distributed.init_distributed(DDPOption(backend="nccl"), device)
+        assert str(refused.value) == (
+            "DDPOption.backend 'nccl' needs the dense model on this rank's GPU (device_id, "
+            "usually LOCAL_RANK); a model on CPU trains with 'gloo'"
+        )
+    assert calls == []
+    assert distributed.init_distributed(DDPOption(), torch.device("cpu")) is True
+    assert calls == [("init", "gloo", None)]
