@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import re
 import threading
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -1083,3 +1086,82 @@ def test_with_mixed_precision_every_rank_skips_when_one_ranks_embeddings_overflo
         assert ctx.grad_scaler.get_scale() == 512.0
         assert torch.equal(ctx.dense_model.linear.bias, bias)
         assert ctx.nonfinite_embedding_steps == 1
+
+
+# How torch.save and torch.jit.save (pickle protocol 2) write a storage's location.
+_ON_CPU, _ON_GPU = b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0"
+
+
+def _as_if_saved_on_a_gpu(directory) -> list[str]:
+    """Rewrite a checkpoint's dense files as a GPU-trained run writes them: every tensor
+    storage says cuda:0 (torch.load without map_location then fails on a CPU-only machine,
+    as torch.jit.load does). The manifest's sizes and SHA-256 follow. Returns the files
+    that had tensors."""
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    rewritten = []
+    for name in manifest["files"]:
+        path = directory / name
+        source = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as target:
+            for info in source.infolist():
+                data = source.read(info.filename)
+                if info.filename.endswith("/data.pkl") and _ON_CPU in data:
+                    data = data.replace(_ON_CPU, _ON_GPU)
+                    rewritten.append(name)
+                target.writestr(info.filename, data)
+        path.write_bytes(out.getvalue())
+        manifest["files"][name].update(
+            bytes=len(out.getvalue()), sha256=hashlib.sha256(out.getvalue()).hexdigest()
+        )
+    manifest_path.write_text(json.dumps(manifest))
+    return rewritten
+
+
+def _adam_dense_ctx() -> TrainCtx:
+    """A TrainCtx over a TinyModel seeded with 0 whose dense optimizer (Adam) keeps
+    tensors in its state."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_and_serves_on_a_cpu_only_machine(tmp_path):
+    """Every dense file is loaded with map_location="cpu": dense.pt and opt.pt on resume,
+    jit_dense.pt for serving (TorchScript: the model as it was on the GPU)."""
+    from serving.model import load_model
+
+    with _adam_dense_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt")
+        batch = make_batch(9, labels=False)
+        with eval_ctx(ctx) as evaluator:
+            expected, _ = evaluator.forward(batch)
+        weight = ctx.dense_model.linear.weight.detach().clone()
+        moments = ctx.dense_optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    written = _as_if_saved_on_a_gpu(tmp_path / "ckpt")
+    assert sorted(written) == ["dense.pt", "jit_dense.pt", "opt.pt"]
+    with pytest.raises(RuntimeError, match="CUDA"):  # what a load without map_location does
+        torch.load(tmp_path / "ckpt" / "dense.pt", weights_only=True)
+
+    model = load_model(tmp_path / "ckpt", name="m", warm_up=False, onednn_min_rows=0)
+    try:
+        assert model.dense.linear.weight.device == torch.device("cpu")
+        predictions = model.infer(batch).predictions
+    finally:
+        model.close()
+    np.testing.assert_allclose(predictions, expected.numpy(), rtol=0, atol=1e-6)
+
+    with _adam_dense_ctx() as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert torch.equal(resumed.dense_model.linear.weight, weight)
+        state = resumed.dense_optimizer.state_dict()["state"][0]["exp_avg"]
+        assert state.device == torch.device("cpu") and torch.equal(state, moments)
