@@ -38,9 +38,11 @@ EXTERNAL_FLAGS = {
     "--from-file",  # kubectl create secret generic
     "--from-literal",  # kubectl create secret
     "--gpus",  # docker run
+    "--ipc",  # docker run
     "--key",  # kubectl create secret tls
     "--patch-file",  # kubectl patch
     "--replicas",  # kubectl scale
+    "--shm-size",  # docker run
     "--type",  # kubectl patch
 }
 #: What a placeholder in a doc's command stands for, where argparse checks the value's type.
