@@ -139,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and distributed.local_rank() >= torch.cuda.device_count():
+        # One GPU per process (cuda:LOCAL_RANK): said by this rank now, not after it joined.
+        parser.error(
+            f"--device {args.device}: this process (LOCAL_RANK {distributed.local_rank()}) has "
+            f"no GPU of its own: this machine has {torch.cuda.device_count()}; start at most "
+            "that many processes per node (--nproc-per-node), or pass --device cpu"
+        )
     if args.eval_only and args.resume_from is None:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
     if args.checkpoint_dir is not None:

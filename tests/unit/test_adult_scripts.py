@@ -59,6 +59,22 @@ def test_cuda_refused_where_there_is_none(
     assert "--device cuda: CUDA is not available on this machine" in err
 
 
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_process_without_a_gpu_of_its_own_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """The third of three processes on a two-GPU node (torchrun's LOCAL_RANK 2)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    err = _main_error(capsys, ["--device", device])
+    assert (
+        f"--device {device}: this process (LOCAL_RANK 2) has no GPU of its own: this machine "
+        "has 2; start at most that many processes per node (--nproc-per-node), or pass "
+        "--device cpu"
+    ) in err
+
+
 def test_checkpoint_dir_checked_before_training(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
