@@ -542,9 +542,10 @@ class TrainCtx(EmbeddingCtx):
         averaged dense gradients be unscaled wrongly."""
         if check:
             finite = distributed.all_agree(finite)
-        if not finite:
-            backoff = self.grad_scaler.get_backoff_factor()
-            self.grad_scaler.update(new_scale=scale * backoff)  # no dense step
+        if not finite:  # no dense step; the scale as update() leaves it after an overflow:
+            state = self.grad_scaler.state_dict()  # backed off, the growth count back to 0
+            state.update(scale=scale * state["backoff_factor"], _growth_tracker=0)
+            self.grad_scaler.load_state_dict(state)
             return False
         self.grad_scaler.step(self.dense_optimizer)
         self.grad_scaler.update()

@@ -1051,6 +1051,8 @@ def test_an_overflow_in_the_embedding_gradients_only_backs_the_loss_scale_off():
     overflow, the step is skipped (dense and embeddings) and the scale halved, as the
     GradScaler does; it used to stay where it overflowed, every such update skipped."""
     with _amp_ctx(finite_check_every=1) as ctx:
+        train_steps(ctx, 2)
+        assert ctx.grad_scaler.state_dict()["_growth_tracker"] == 2  # steps without overflow
         batch = make_batch(7)
         before = ctx.embedding_tier.lookup(batch, train=True)
         with torch.no_grad():  # inputs: user [0:4], item [4:8], dense [8:10]
@@ -1058,9 +1060,10 @@ def test_an_overflow_in_the_embedding_gradients_only_backs_the_loss_scale_off():
         bias = ctx.dense_model.linear.bias.detach().clone()
         output, _ = ctx.forward(batch)
         ctx.backward(output.sum())  # dense gradients finite, item's gradient is not
-        assert ctx.grad_scaler.get_scale() == 512.0
+        state = ctx.grad_scaler.state_dict()
+        assert (state["scale"], state["_growth_tracker"]) == (512.0, 0)
         assert torch.equal(ctx.dense_model.linear.bias, bias)
-        assert (ctx.step, ctx.nonfinite_embedding_steps) == (1, 1)
+        assert (ctx.step, ctx.nonfinite_embedding_steps) == (3, 1)
         after = ctx.embedding_tier.lookup(batch, train=False)
         for x, y in zip(before.slots, after.slots):
             assert torch.equal(x.embeddings, y.embeddings), x.name
