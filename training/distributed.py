@@ -97,11 +97,12 @@ def init_distributed(option: DDPOption, device: torch.device | None = None) -> b
     A rank that torchrun started ends with it (:func:`exit_with_launcher`).
 
     ``device``: where this rank's dense model runs. A CUDA device becomes the current one
-    (``torch.cuda.set_device``) before the group exists, even in a single process: NCCL
-    collectives that are not given a tensor's device (barrier, :func:`all_agree`) use the
-    current device, which is GPU 0 in every rank otherwise (NCCL then fails with
-    "Duplicate GPU detected", or hangs). With nccl the device is also ``device_id``: the
-    communicator forms at once, bound to this rank's GPU."""
+    (``torch.cuda.set_device``) before the group exists, even in a single process:
+    :func:`all_agree` puts its flag on the current device, which is GPU 0 in every rank
+    otherwise (NCCL then fails with "Duplicate GPU detected", or hangs), and so does
+    anything else that allocates on "cuda" without an index. With nccl the device is also
+    ``device_id``: the communicator forms at once, bound to this rank's GPU, and
+    :func:`barrier` runs there instead of on a GPU torch guesses from the rank."""
     exit_with_launcher()
     on_gpu = device is not None and device.type == "cuda"
     if on_gpu:
