@@ -31,6 +31,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import (
     call,
+    call_with_retries,
     channel_options,
     error_from_rpc,
     pack_f32,
@@ -141,7 +142,10 @@ class RemoteParameterServer:
 
     ``replica_index`` only names the shard in error messages. ``timeout`` is the deadline of
     the data-path and control calls; ``checkpoint_timeout`` that of dump, load, export and
-    import (each also takes its own ``timeout=``). Thread-safe: gRPC channels are.
+    import (each also takes its own ``timeout=``). ``update_retry_seconds``: how long a
+    gradient update is sent again while the shard cannot be reached (the embedding worker's
+    pushes ride out a shard restart; an update that reached the shard is never resent).
+    Thread-safe: gRPC channels are.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class RemoteParameterServer:
         replica_index: int | None = None,
         timeout: float = 10.0,
         checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
+        update_retry_seconds: float = 0.0,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise InvalidArgumentError(f"address must be a non-empty 'host:port', got {address!r}")
@@ -163,6 +168,7 @@ class RemoteParameterServer:
         self.replica_index = replica_index
         self.timeout = float(timeout)
         self.checkpoint_timeout = float(checkpoint_timeout)
+        self.update_retry_seconds = float(update_retry_seconds)
         self.peer = f"parameter server {address}" + (
             f" (shard {replica_index})" if replica_index is not None else ""
         )
@@ -238,7 +244,17 @@ class RemoteParameterServer:
         request = pb.UpdateRequest(
             ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
         )
-        return int(self._call(self._stub.Update, request).rows_updated)
+        # Sent again only while it cannot leave this process (the shard restarting): an
+        # update that reached the shard may have been applied, and twice would be wrong.
+        answer = call_with_retries(
+            self.peer,
+            self._stub.Update,
+            request,
+            timeout=self.timeout,
+            retry_seconds=self.update_retry_seconds,
+            resend=False,
+        )
+        return int(answer.rows_updated)
 
     # ------------------------------------------------------------------ control
     def configure(

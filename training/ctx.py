@@ -51,6 +51,11 @@ from training.env import EMBEDDING_WORKERS_ENV
 
 log = logging.getLogger(__name__)
 
+#: How long training's calls to a remote embedding worker are retried while it (or one of its
+#: parameter-server shards) cannot be reached, before the run fails naming it: long enough
+#: for a restarted shard or worker to come back, short against a run.
+TIER_RETRY_SECONDS = 30.0
+
 
 class PreprocessMode(Enum):
     """What lookups are for: TRAIN inserts and keeps gradients, EVAL/INFERENCE never insert."""
@@ -93,7 +98,9 @@ def make_embedding_tier(
 
         # Each NN worker talks to one embedding worker, spread by rank.
         address = embedding_workers[distributed.rank() % len(embedding_workers)]
-        client = RemoteEmbeddingWorker(address.strip(), embedding_config)
+        client = RemoteEmbeddingWorker(
+            address.strip(), embedding_config, retry_seconds=TIER_RETRY_SECONDS
+        )
         client.wait_for_serving(timeout=120)
         # Built with a config, so its embedding_config is not None as EmbeddingTier wants (the
         # class also takes None, for admin clients that need no config).

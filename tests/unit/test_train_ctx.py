@@ -855,6 +855,21 @@ def test_a_distributed_run_without_embedding_workers_is_refused(monkeypatch):
     )
 
 
+def test_training_retries_calls_to_a_remote_worker_it_cannot_reach(monkeypatch):
+    """A shard or worker restarting mid-run must not end the run at its first refused call
+    (embedding_store.worker_client's retries; serving and admin clients do not retry)."""
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+    from training.ctx import TIER_RETRY_SECONDS, make_embedding_tier
+
+    monkeypatch.setattr(RemoteEmbeddingWorker, "wait_for_serving", lambda self, timeout: None)
+    tier = make_embedding_tier(CONFIG, GLOBAL, ["127.0.0.1:1"])
+    try:
+        assert isinstance(tier, RemoteEmbeddingWorker)
+        assert tier.retry_seconds == TIER_RETRY_SECONDS == 30.0
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("job_type", ["Eval", "Infer"])
 def test_a_train_ctx_refuses_a_global_config_object_that_does_not_train(job_type):
     config = global_config_from_mapping({"common_config": {"job_type": job_type}})
