@@ -584,7 +584,8 @@ class TrainCtx(EmbeddingCtx):
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()
-        distributed.barrier()  # no rank's late updates may land on the loaded embeddings
+        # No rank's late updates may land on the loaded embeddings.
+        distributed.checkpoint_barrier()
         failure: BaseException | None = None
         try:
             manifest = load_checkpoint(
@@ -597,7 +598,7 @@ class TrainCtx(EmbeddingCtx):
             )
         except BaseException as error:
             failure = error
-        if not distributed.all_agree(failure is None):  # every rank resumes, or none does
+        if not distributed.checkpoint_agree(failure is None):  # all resume, or none does
             if failure is not None:
                 raise failure
             raise CheckpointError(
