@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 #: parameter-server shards) cannot be reached, before the run fails naming it: long enough
 #: for a restarted shard or worker to come back, short against a run.
 TIER_RETRY_SECONDS = 30.0
+#: How long a TrainCtx left on an exception waits for an embedding update under way.
+_STOP_JOIN_SECONDS = 2.0
 
 
 class PreprocessMode(Enum):
@@ -344,6 +346,7 @@ class TrainCtx(EmbeddingCtx):
         self._backward_workers: list[threading.Thread] = []
         self._backward_workers_size = backward_workers_size
         self._backward_error: BaseException | None = None
+        self._stopping = False  # leaving on an exception: queued updates are dropped
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
@@ -366,6 +369,7 @@ class TrainCtx(EmbeddingCtx):
             optimizer=self.embedding_optimizer, initialization=self.initialization
         )
         self._warn_if_tier_holds_rows()
+        self._stopping = False
         for index in range(self._backward_workers_size):
             thread = threading.Thread(
                 target=self._backward_loop, name=f"embedding-backward-{index}", daemon=True
@@ -393,6 +397,10 @@ class TrainCtx(EmbeddingCtx):
             )
 
     def __exit__(self, *exc: object) -> None:
+        exc_type = exc[0] if exc else None
+        if isinstance(exc_type, type):
+            self._stop_after_failure(exc_type)
+            return
         try:
             self.wait_for_embedding_updates()
         finally:
@@ -402,6 +410,39 @@ class TrainCtx(EmbeddingCtx):
                 thread.join(timeout=30)
             self._backward_workers.clear()
             super().__exit__(*exc)
+
+    def _stop_after_failure(self, exc_type: type) -> None:
+        """Leave on an exception (a failed tier call, a loader gone, Ctrl-C) without applying
+        the embedding updates still queued: each is a tier call with its own deadline and
+        retries (30 s for a worker that cannot be reached), so waiting for them held a failed
+        run up for minutes, and their own error then replaced the one that stopped it."""
+        self._stopping = True
+        dropped = 0
+        while True:
+            try:
+                item = self._backward_queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                dropped += 1
+                self._in_flight.release()
+            self._backward_queue.task_done()
+        if dropped:
+            log.warning(
+                "training stopped (%s): %d queued embedding update(s) not applied",
+                exc_type.__name__,
+                dropped,
+            )
+        for _ in self._backward_workers:
+            try:
+                self._backward_queue.put_nowait(None)
+            except queue.Full:  # workers busy in a tier call: daemon threads, left behind
+                break
+        workers, self._backward_workers = self._backward_workers, []
+        # Closing the tier ends a call under way (a closed channel fails it at once).
+        super().__exit__(exc_type)
+        for thread in workers:
+            thread.join(timeout=_STOP_JOIN_SECONDS)
 
     @property
     def dense_model(self) -> torch.nn.Module:
@@ -515,7 +556,8 @@ class TrainCtx(EmbeddingCtx):
                 self.embedding_tier.flush()
             except BaseException as error:
                 self._backward_error = error
-                log.error("embedding update failed: %s", error)
+                if not self._stopping:  # else a call cut short by the closed tier
+                    log.error("embedding update failed: %s", error)
             finally:
                 if item is not None:
                     self._in_flight.release()
