@@ -670,6 +670,7 @@ def call_with_retries(
     timeout: float | None,
     retry_seconds: float,
     resend: bool,
+    not_applied: Callable[[grpc.RpcError], bool] | None = None,
 ) -> Any:
     """:func:`call`, sent again with backoff while its peer is unreachable, for up to
     ``retry_seconds`` (a peer restarting, a network blip) before the error is raised, naming
@@ -678,8 +679,9 @@ def call_with_retries(
     ``resend=True`` (reads, and calls that are the same sent twice): any UNAVAILABLE or
     CANCELLED (a stopping server) is retried. ``resend=False`` (gradient pushes, a flush whose
     answer reports lost pushes as UNAVAILABLE): only calls that were never sent
-    (:func:`never_sent`). Each attempt has its own ``timeout``; a deadline is never retried
-    (the peer may still be at work on it)."""
+    (:func:`never_sent`), or whose answer ``not_applied`` knows to be given before anything
+    was done. Each attempt has its own ``timeout``; a deadline is never retried (the peer may
+    still be at work on it)."""
     start = time.monotonic()
     pause = RETRY_FIRST_PAUSE_SECONDS
     attempts = 0
@@ -689,8 +691,10 @@ def call_with_retries(
             return method(request, timeout=timeout)
         except grpc.RpcError as error:
             code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-            retryable = never_sent(error) or (
-                resend and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            retryable = (
+                never_sent(error)
+                or (resend and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED))
+                or (not_applied is not None and not_applied(error))
             )
             elapsed = time.monotonic() - start
             if not retryable or elapsed + pause > retry_seconds:

@@ -44,7 +44,7 @@ from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_service import SERVICE_NAME
+from embedding_store.ps_service import NOT_LOADED_YET, SERVICE_NAME
 from embedding_store.ps_wire import row_block_from_chunk, row_chunks
 from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
 from embedding_store.shard import RowBlock
@@ -135,6 +135,13 @@ def _check_dim(dim: object) -> int:
     if dim >= 2**32:
         raise InvalidArgumentError(f"dim must be < 2**32, got {dim!r}")
     return int(dim)
+
+
+def _still_loading(error: grpc.RpcError) -> bool:
+    """Whether ``error`` is a shard's answer that it has yet to load its checkpoint (a
+    restarted ``--load-checkpoint`` shard): the update was refused before it was applied."""
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and NOT_LOADED_YET in details
 
 
 class RemoteParameterServer:
@@ -244,8 +251,9 @@ class RemoteParameterServer:
         request = pb.UpdateRequest(
             ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
         )
-        # Sent again only while it cannot leave this process (the shard restarting): an
-        # update that reached the shard may have been applied, and twice would be wrong.
+        # Sent again only while it cannot leave this process (the shard restarting) or the
+        # shard says it is still loading its checkpoint: an update that reached a serving
+        # shard may have been applied, and twice would be wrong.
         answer = call_with_retries(
             self.peer,
             self._stub.Update,
@@ -253,6 +261,7 @@ class RemoteParameterServer:
             timeout=self.timeout,
             retry_seconds=self.update_retry_seconds,
             resend=False,
+            not_applied=_still_loading,
         )
         return int(answer.rows_updated)
 

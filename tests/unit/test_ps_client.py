@@ -344,12 +344,16 @@ def test_an_update_is_resent_while_the_shard_cannot_be_reached_never_once_it_may
 ) -> None:
     """The embedding worker's pushes ride out a shard restart: an update that found no
     connection never left and is sent again (within ``update_retry_seconds``); one that failed
-    in flight may have been applied, and applying it twice would be wrong."""
+    in flight may have been applied, and applying it twice would be wrong. A shard restarted
+    with --load-checkpoint refuses updates until loaded, before applying them: resent too."""
     monkeypatch.setattr("embedding_store.grpc_common.RETRY_FIRST_PAUSE_SECONDS", 0.001)
     refused = "failed to connect to all addresses; last error: Connection refused"
+    loading = "this training parameter server has not loaded its embedding checkpoint yet"
     ids, grads = np.arange(3, dtype=np.uint64), np.ones((3, 2), np.float32)
     with RemoteParameterServer(NOWHERE, replica_index=1, update_retry_seconds=5) as client:
-        client._stub = stub = _FlakyUpdateStub(*[(grpc.StatusCode.UNAVAILABLE, refused)] * 2)
+        client._stub = stub = _FlakyUpdateStub(
+            (grpc.StatusCode.UNAVAILABLE, refused), (grpc.StatusCode.UNAVAILABLE, loading)
+        )
         assert client.update(ids, grads) == 3
         assert stub.updates == 3
         client._stub = stub = _FlakyUpdateStub((grpc.StatusCode.UNAVAILABLE, "Socket closed"))
