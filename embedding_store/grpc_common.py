@@ -659,7 +659,9 @@ def never_sent(error: grpc.RpcError) -> bool:
     one that failed in flight ("Socket closed", "Stream removed") may have been applied."""
     code = error.code() if hasattr(error, "code") else None
     details = (error.details() if hasattr(error, "details") else None) or ""
-    return code == grpc.StatusCode.UNAVAILABLE and _NOT_SENT in details.lower()
+    # gRPC's own words start the details; a peer's answer may quote them further on (a
+    # worker's report of pushes lost to a shard it could not reach), and was sent.
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(_NOT_SENT)
 
 
 def call_with_retries(

@@ -363,7 +363,10 @@ def test_a_backward_or_flush_is_resent_only_when_it_never_left(retrying) -> None
         "embedding worker 127.0.0.1:1 is unavailable: Socket closed ("  # (a TLS hint)
     )
     assert len(stub.requests) == 1
-    lost = "1 gradient batch(es) could not be applied since the last flush; last error: x"
+    lost = (
+        "1 gradient batch(es) could not be applied since the last flush; last error: "
+        f"parameter server 127.0.0.1:2 (shard 1) is unavailable: {NOT_CONNECTED}"
+    )  # the worker quotes its shard's connection failure: its own answer was sent
     worker._stub = stub = FlakyStub((grpc.StatusCode.UNAVAILABLE, lost))
     with pytest.raises(UnavailableError) as failed:
         worker.flush()
