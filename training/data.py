@@ -170,7 +170,7 @@ class DataCtx:
                     timeout=_ABORT_TIMEOUT_SECONDS,
                 )
             except RecserveError as error:
-                log.warning("could not tell it that this loader failed: %s", error.message)
+                log.warning("could not report this loader's failure: %s", error.message)
 
     def __enter__(self) -> DataCtx:
         return self
@@ -194,6 +194,9 @@ class DataCtx:
 
 #: Seconds a failing loader gives each NN worker to take the news (DataCtx.abort).
 _ABORT_TIMEOUT_SECONDS = 5.0
+
+#: How often a receiver waiting for room in a full buffer checks that the dataset is open.
+_PUT_POLL_SECONDS = 0.1
 
 #: Seconds a StreamingDataset waits for the next batch before it gives up on its loaders.
 DEFAULT_IDLE_TIMEOUT = 300.0
@@ -309,13 +312,17 @@ class StreamingDataset:
         self._lock = threading.Condition()
         self._next_global = self._rank  # reproducible mode: the next global batch number
         self._server: grpc.Server | None = None
+        self._executor: ThreadPoolExecutor | None = None  # the receiver's handler threads
+        self._closed = threading.Event()  # the consumer is gone: handlers stop waiting
 
     def start(self) -> StreamingDataset:
         """Start listening (iteration starts it too); returns self."""
         if self._server is None:
             tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is bound
+            self._closed.clear()
+            self._executor = ThreadPoolExecutor(max_workers=self.num_loaders + 4)
             server = grpc.server(
-                ThreadPoolExecutor(max_workers=self.num_loaders + 4),
+                self._executor,
                 options=server_options(),
                 interceptors=server_interceptors(),
             )
@@ -348,11 +355,11 @@ class StreamingDataset:
                 # The next number may be an ended loader's: skip it, or every later batch
                 # would wait for one that never comes.
                 self._skip_ended_loaders()
-                self._buffer.put(batch)
+                self._put(batch)
                 self._received[loader] = self._received.get(loader, 0) + 1
                 self._lock.notify_all()
             return
-        self._buffer.put(batch)
+        self._put(batch)
         with self._lock:
             self._received[loader] = self._received.get(loader, 0) + 1
 
@@ -363,7 +370,7 @@ class StreamingDataset:
             # the idle timeout instead).
             with self._lock:
                 received = self._received.get(loader, 0)
-            self._buffer.put(
+            self._put(
                 _LoaderFailed(
                     UnavailableError(
                         f"data loader {loader} ({peer or 'unknown peer'}) failed after "
@@ -384,7 +391,7 @@ class StreamingDataset:
                 # Other loaders' later batches no longer wait for this one's.
                 self._skip_ended_loaders()
                 self._lock.notify_all()
-        self._buffer.put(_END)
+        self._put(_END)
 
     def _skip_ended_loaders(self) -> None:
         while (self._next_global % self.num_loaders) in self._ended and len(
@@ -425,7 +432,23 @@ class StreamingDataset:
             f"({self.host}:{self.port})"
         )
 
+    def _put(self, item: object) -> None:
+        """Queue ``item``, waiting while the buffer is full (backpressure) until the dataset
+        closes. A handler blocked in a plain put outlived the closed server (the consumer
+        broke out or failed): the executor's thread is joined at interpreter exit, and the
+        NN worker never exited."""
+        while True:
+            try:
+                self._buffer.put(item, timeout=_PUT_POLL_SECONDS)
+                return
+            except queue.Full:
+                if self._closed.is_set():
+                    raise UnavailableError(
+                        f"the NN worker ({self.host}:{self.port}) stopped reading batches"
+                    ) from None
+
     def close(self) -> None:
+        self._closed.set()
         if self._server is not None:
             self._server.stop(grace=1.0)
             self._server = None

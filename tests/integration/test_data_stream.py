@@ -302,6 +302,35 @@ def test_a_loader_that_never_connects_is_named_as_such():
     )
 
 
+def test_leaving_a_stream_early_frees_the_receiver_waiting_for_room():
+    """A training loop that stops reading (a break, an error) while a loader waits for room:
+    the receiver's handler stayed blocked in its put after the server closed, and the
+    interpreter, which joins the server's threads at exit, never ended (the NN worker hung)."""
+    port = free_port()
+    dataset = StreamingDataset(1, port=port, num_loaders=1).start()
+    handlers = dataset._executor
+    failures: list[BaseException] = []
+
+    def loader() -> None:
+        try:
+            run_loader([f"127.0.0.1:{port}"], 0, 1, 10)
+        except UnavailableError as error:
+            failures.append(error)
+
+    sending = threading.Thread(target=loader, daemon=True)
+    sending.start()
+    for _ in dataset:
+        time.sleep(0.3)  # the buffer fills, a handler waits for room
+        break
+    sending.join(10)
+    assert len(failures) == 1 and "has its training stopped?" in failures[0].message
+    # Every handler ends: what the interpreter's exit waits for.
+    shutdown = threading.Thread(target=handlers.shutdown, daemon=True)
+    shutdown.start()
+    shutdown.join(5)
+    assert not shutdown.is_alive()
+
+
 def test_a_loader_whose_worker_has_gone_fails_at_once_not_after_its_timeout():
     """The NN worker took batches, then its training ended (Ctrl-C): the next send fails in
     seconds naming it. It used to wait for the worker's return for the whole timeout."""
