@@ -201,8 +201,8 @@ EQUAL_STEPS_SCRIPT = textwrap.dedent(
 )
 
 
-# Rank 0 takes 1.5 s to write, then to load, a checkpoint: longer than the process group's
-# collectives wait (0.5 s, set once the ranks have met: a start-up that short could fail on a
+# Rank 0 takes 1 s to write, then to load, a checkpoint: longer than the process group's
+# collectives wait (0.3 s, set once the ranks have met: a start-up that short could fail on a
 # loaded machine). Each rank has its own in-process tier (no cluster needed: only rank 0's is
 # written and loaded).
 SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
@@ -228,7 +228,7 @@ SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
 
     def slowly(function):
         def call(*args, **kwargs):
-            time.sleep(1.5)
+            time.sleep(1.0)
             return function(*args, **kwargs)
 
         return call
@@ -246,7 +246,7 @@ SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
         embedding_tier=InProcessEmbeddingTier(config, capacity=100),
         mixed_precision=False,
     ) as ctx:
-        _set_pg_timeout(timedelta(seconds=0.5), None)  # the default group's collectives
+        _set_pg_timeout(timedelta(seconds=0.3), None)  # the default group's collectives
         ctx.step = 7
         ctx.dump_checkpoint(out / "checkpoint", with_jit_model=False)
         ctx.step = 0
