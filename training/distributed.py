@@ -114,7 +114,7 @@ def init_distributed(option: DDPOption) -> bool:
             init_method=option.init_method,
             timeout=timedelta(seconds=option.timeout_seconds),
         )
-    if not _checkpoint_group:
+    if not _checkpoint_group and dist.is_initialized():
         # Every rank makes it here, in the same order (new_group is collective). gloo on
         # CPU whatever the backend: it carries one flag.
         wait = max(CHECKPOINT_WAIT_SECONDS, option.timeout_seconds)
