@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -642,3 +643,76 @@ def call(peer: str, method: Callable[..., Any], request: Any, *, timeout: float 
         return method(request, timeout=timeout)
     except grpc.RpcError as error:
         raise error_from_rpc(error, peer) from None
+
+
+#: First pause between attempts of :func:`call_with_retries` (doubling up to the maximum).
+RETRY_FIRST_PAUSE_SECONDS = 0.1
+RETRY_MAX_PAUSE_SECONDS = 1.0
+#: What gRPC answers when it found no connection to send a call on (the peer refused it, is
+#: down or unreachable): the call never left this process.
+_NOT_SENT = "failed to connect to all addresses"
+
+
+def never_sent(error: grpc.RpcError) -> bool:
+    """Whether a failed call is known not to have reached its server: gRPC had no connection
+    to send it on. Such a call may be sent again whatever it does (a gradient push too);
+    one that failed in flight ("Socket closed", "Stream removed") may have been applied."""
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    # gRPC's own words start the details; a peer's answer may quote them further on (a
+    # worker's report of pushes lost to a shard it could not reach), and was sent.
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(_NOT_SENT)
+
+
+def call_with_retries(
+    peer: str,
+    method: Callable[..., Any],
+    request: Any,
+    *,
+    timeout: float | None,
+    retry_seconds: float,
+    resend: bool,
+    not_applied: Callable[[grpc.RpcError], bool] | None = None,
+) -> Any:
+    """:func:`call`, sent again with backoff while its peer is unreachable, for up to
+    ``retry_seconds`` (a peer restarting, a network blip) before the error is raised, naming
+    the peer and the attempts.
+
+    ``resend=True`` (reads, and calls that are the same sent twice): any UNAVAILABLE or
+    CANCELLED (a stopping server) is retried. ``resend=False`` (gradient pushes, a flush whose
+    answer reports lost pushes as UNAVAILABLE): only calls that were never sent
+    (:func:`never_sent`), or whose answer ``not_applied`` knows to be given before anything
+    was done. Each attempt has its own ``timeout``; a deadline is never retried (the peer may
+    still be at work on it)."""
+    start = time.monotonic()
+    pause = RETRY_FIRST_PAUSE_SECONDS
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as error:
+            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            retryable = (
+                never_sent(error)
+                or (resend and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED))
+                or (not_applied is not None and not_applied(error))
+            )
+            elapsed = time.monotonic() - start
+            if not retryable or elapsed + pause > retry_seconds:
+                failure = error_from_rpc(error, peer)
+                if attempts > 1:
+                    failure = type(failure)(
+                        f"{failure.message} (gave up after {attempts} attempts over "
+                        f"{elapsed:.1f} s)"
+                    )
+                raise failure from None
+            if attempts == 1:
+                log.warning(
+                    "%s failed (%s): trying again for up to %g s",
+                    peer,
+                    (error.details() if hasattr(error, "details") else None) or code.name,
+                    retry_seconds,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, RETRY_MAX_PAUSE_SECONDS)

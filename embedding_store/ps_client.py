@@ -31,6 +31,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import (
     call,
+    call_with_retries,
     channel_options,
     error_from_rpc,
     pack_f32,
@@ -43,7 +44,7 @@ from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_service import SERVICE_NAME
+from embedding_store.ps_service import NOT_LOADED_YET, SERVICE_NAME
 from embedding_store.ps_wire import row_block_from_chunk, row_chunks
 from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
 from embedding_store.shard import RowBlock
@@ -136,12 +137,22 @@ def _check_dim(dim: object) -> int:
     return int(dim)
 
 
+def _still_loading(error: grpc.RpcError) -> bool:
+    """Whether ``error`` is a shard's answer that it has yet to load its checkpoint (a
+    restarted ``--load-checkpoint`` shard): the update was refused before it was applied."""
+    details = (error.details() if hasattr(error, "details") else None) or ""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and NOT_LOADED_YET in details
+
+
 class RemoteParameterServer:
     """One remote parameter-server shard at ``address`` (``host:port``).
 
     ``replica_index`` only names the shard in error messages. ``timeout`` is the deadline of
     the data-path and control calls; ``checkpoint_timeout`` that of dump, load, export and
-    import (each also takes its own ``timeout=``). Thread-safe: gRPC channels are.
+    import (each also takes its own ``timeout=``). ``update_retry_seconds``: how long a
+    gradient update is sent again while the shard cannot be reached (the embedding worker's
+    pushes ride out a shard restart; an update that reached the shard is never resent).
+    Thread-safe: gRPC channels are.
     """
 
     def __init__(
@@ -151,6 +162,7 @@ class RemoteParameterServer:
         replica_index: int | None = None,
         timeout: float = 10.0,
         checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
+        update_retry_seconds: float = 0.0,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise InvalidArgumentError(f"address must be a non-empty 'host:port', got {address!r}")
@@ -163,6 +175,7 @@ class RemoteParameterServer:
         self.replica_index = replica_index
         self.timeout = float(timeout)
         self.checkpoint_timeout = float(checkpoint_timeout)
+        self.update_retry_seconds = float(update_retry_seconds)
         self.peer = f"parameter server {address}" + (
             f" (shard {replica_index})" if replica_index is not None else ""
         )
@@ -238,7 +251,19 @@ class RemoteParameterServer:
         request = pb.UpdateRequest(
             ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
         )
-        return int(self._call(self._stub.Update, request).rows_updated)
+        # Sent again only while it cannot leave this process (the shard restarting) or the
+        # shard says it is still loading its checkpoint: an update that reached a serving
+        # shard may have been applied, and twice would be wrong.
+        answer = call_with_retries(
+            self.peer,
+            self._stub.Update,
+            request,
+            timeout=self.timeout,
+            retry_seconds=self.update_retry_seconds,
+            resend=False,
+            not_applied=_still_loading,
+        )
+        return int(answer.rows_updated)
 
     # ------------------------------------------------------------------ control
     def configure(

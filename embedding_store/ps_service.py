@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 #: Full name of the gRPC service (health checks and reflection use it).
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+#: How a shard that has yet to load its --load-checkpoint answers (UNAVAILABLE) a lookup or an
+#: update, before it applies anything: clients may send an update again once it is loaded.
+NOT_LOADED_YET = "has not loaded its embedding checkpoint yet"
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
@@ -119,9 +122,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _require_loaded(self) -> None:
         if self.needs_checkpoint and not self._loaded:
             kind = "inference" if self.shard.read_only else "training"
-            raise UnavailableError(
-                f"this {kind} parameter server has not loaded its embedding checkpoint yet"
-            )
+            raise UnavailableError(f"this {kind} parameter server {NOT_LOADED_YET}")
 
     def _refresh_health(self) -> None:
         if self._health is None or self._shutting_down:

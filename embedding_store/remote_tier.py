@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 #: :class:`RemoteParameterServer`; tests pass fakes with the same methods.
 ShardClientFactory = Callable[[str, int], RemoteParameterServer]
 
+#: How long the pusher sends a batch's update again to a shard that cannot be reached (a
+#: restarting shard) before it counts the push as failed: the trainers' lookups ride out the
+#: same outage (training.ctx.TIER_RETRY_SECONDS), and their run goes on once it is back.
+PUSH_RETRY_SECONDS = 30.0
+
 #: True once whoever asked for a dump or load is gone (its deadline passed, it disconnected):
 #: the task then stops before it changes anything (see :meth:`RemoteShardTier.dump`).
 CallerGone = Callable[[], bool]
@@ -95,8 +100,10 @@ class RemoteShardTier:
     pusher thread scatters them and sends them to the shards in order. At most
     ``forward_buffer_size`` gradient batches wait; a further ``backward`` blocks until one
     leaves (backpressure instead of unbounded memory). Every shard call has a deadline
-    (``shard_timeout``), so the queue always drains: a push to a dead shard fails after the
-    deadline, is counted, and is reported by :meth:`flush`; the shards that answered keep
+    (``shard_timeout``), so the queue always drains: a push to a shard that cannot be reached
+    is sent again for up to :data:`PUSH_RETRY_SECONDS` (it never left: a restarting shard
+    gets it once back), and one that still fails, or fails in flight, is counted and
+    reported by :meth:`flush`; the shards that answered keep
     their part of that batch, and the pusher goes on only once every shard's call ended.
 
     One checkpoint task (dump or load) runs at a time; :meth:`status` reports it and its
@@ -118,7 +125,12 @@ class RemoteShardTier:
         if connect is None:
 
             def connect(address: str, index: int) -> RemoteParameterServer:
-                return RemoteParameterServer(address, replica_index=index, timeout=shard_timeout)
+                return RemoteParameterServer(
+                    address,
+                    replica_index=index,
+                    timeout=shard_timeout,
+                    update_retry_seconds=PUSH_RETRY_SECONDS,
+                )
 
         self.embedding_config = embedding_config
         self.shard_addresses = tuple(shard_addresses)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,6 +23,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import (
     call,
+    call_with_retries,
     channel_options,
     error_from_rpc,
     tier_channel,
@@ -48,7 +50,13 @@ class RemoteEmbeddingWorker:
     """An embedding worker reached over gRPC; same interface as InProcessEmbeddingTier.
 
     Every call has a deadline (``timeout`` seconds; dumps and loads ``admin_timeout``), and
-    failures raise recserve errors naming the worker's address.
+    failures raise recserve errors naming the worker's address. With ``retry_seconds`` > 0
+    (training sets it) the training path (lookup, backward, flush, configure, status) rides
+    out an unreachable worker, or a worker whose shard is unreachable, for up to that long:
+    a restarted shard or a network blip must not end a run that would go on once it is back
+    (a lookup is sent again on any UNAVAILABLE; a backward or flush only when it never left
+    this process, since one that reached the worker may have been applied, and a flush's
+    UNAVAILABLE reports lost pushes).
     """
 
     def __init__(
@@ -58,8 +66,10 @@ class RemoteEmbeddingWorker:
         *,
         timeout: float = 30.0,
         admin_timeout: float = 600.0,
+        retry_seconds: float = 0.0,
     ) -> None:
         self.address = address
+        self.retry_seconds = retry_seconds
         self.embedding_config = embedding_config
         self.timeout = timeout
         self.admin_timeout = admin_timeout
@@ -102,7 +112,7 @@ class RemoteEmbeddingWorker:
             # Only ID features travel to the embedding tier.
             batch = Batch(list(batch.id_type_features), requires_grad=False)
         request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
-        response = call(self._peer, self._stub.Lookup, request, timeout=self.timeout)
+        response = self._retried(self._stub.Lookup, request, self.timeout, resend=True)
         try:
             slots = unpack_slots(response.slots)
             self._check_answer(batch.id_type_features, slots)
@@ -152,14 +162,26 @@ class RemoteEmbeddingWorker:
         queues them (``rows_pushed`` counts rows queued); :meth:`flush` waits until applied."""
         request = pb.BackwardRequest(ref=ref)
         pack_grads(request.grads, grads)
-        response = call(self._peer, self._stub.Backward, request, timeout=self.timeout)
+        response = self._retried(self._stub.Backward, request, self.timeout, resend=False)
         return BackwardStats(
             rows_pushed=response.rows_queued,
             nonfinite_rows_skipped=response.nonfinite_rows_skipped,
         )
 
+    def _retried(
+        self, method: Callable[..., Any], request: Any, timeout: float, *, resend: bool
+    ) -> Any:
+        return call_with_retries(
+            self._peer,
+            method,
+            request,
+            timeout=timeout,
+            retry_seconds=self.retry_seconds,
+            resend=resend,
+        )
+
     def flush(self) -> None:
-        call(self._peer, self._stub.Flush, pb.FlushRequest(), timeout=self.admin_timeout)
+        self._retried(self._stub.Flush, pb.FlushRequest(), self.admin_timeout, resend=False)
 
     def configure(
         self,
@@ -168,7 +190,7 @@ class RemoteEmbeddingWorker:
         initialization: InitializationConfig | None = None,
     ) -> None:
         request = settings_to_configure_request(optimizer, initialization)
-        call(self._peer, self._stub.Configure, request, timeout=self.timeout)
+        self._retried(self._stub.Configure, request, self.timeout, resend=True)
 
     def _admin_error(self, error: grpc.RpcError, what: str) -> RecserveError:
         """The error of a failed admin call; past its deadline, what the caller can do: the
@@ -222,8 +244,8 @@ class RemoteEmbeddingWorker:
     def status(self, *, partial: bool = False) -> TierStatus:
         """The tier's status, asked of the worker. A shard that did not answer the worker
         raises UnavailableError naming it; with ``partial``, it is in ``shard_errors``."""
-        response = call(
-            self._peer, self._stub.Status, pb.WorkerStatusRequest(), timeout=self.timeout
+        response = self._retried(
+            self._stub.Status, pb.WorkerStatusRequest(), self.timeout, resend=True
         )
         failed = [
             f"shard {index}: {error}" for index, error in enumerate(response.shard_errors) if error

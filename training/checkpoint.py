@@ -49,9 +49,9 @@ def dump_checkpoint(
     applied (``TrainCtx.dump_checkpoint`` flushes first): the barrier here makes rank 0 wait
     for all of them, so the checkpoint holds every rank's updates. If rank 0 fails to write,
     every rank raises."""
-    distributed.barrier()
+    distributed.checkpoint_barrier()
     if distributed.rank() != 0:
-        if not distributed.all_agree(True):
+        if not distributed.checkpoint_agree(True):
             raise CheckpointError(
                 f"rank 0 failed to write checkpoint {directory}; its log has the error"
             )
@@ -70,7 +70,7 @@ def dump_checkpoint(
             train_state=train_state,
         )
     except BaseException:
-        distributed.all_agree(False)
+        distributed.checkpoint_agree(False)
         raise
-    distributed.all_agree(True)
+    distributed.checkpoint_agree(True)
     return manifest

@@ -51,6 +51,13 @@ from training.env import EMBEDDING_WORKERS_ENV
 
 log = logging.getLogger(__name__)
 
+#: How long training's calls to a remote embedding worker are retried while it (or one of its
+#: parameter-server shards) cannot be reached, before the run fails naming it: long enough
+#: for a restarted shard or worker to come back, short against a run.
+TIER_RETRY_SECONDS = 30.0
+#: How long a TrainCtx left on an exception waits for an embedding update under way.
+_STOP_JOIN_SECONDS = 2.0
+
 
 class PreprocessMode(Enum):
     """What lookups are for: TRAIN inserts and keeps gradients, EVAL/INFERENCE never insert."""
@@ -112,7 +119,9 @@ def make_embedding_tier(
 
         # Each NN worker talks to one embedding worker, spread by rank.
         address = embedding_workers[distributed.rank() % len(embedding_workers)]
-        client = RemoteEmbeddingWorker(address.strip(), embedding_config)
+        client = RemoteEmbeddingWorker(
+            address.strip(), embedding_config, retry_seconds=TIER_RETRY_SECONDS
+        )
         client.wait_for_serving(timeout=120)
         # Built with a config, so its embedding_config is not None as EmbeddingTier wants (the
         # class also takes None, for admin clients that need no config).
@@ -376,6 +385,7 @@ class TrainCtx(EmbeddingCtx):
         self._backward_workers: list[threading.Thread] = []
         self._backward_workers_size = backward_workers_size
         self._backward_error: BaseException | None = None
+        self._stopping = False  # leaving on an exception: queued updates are dropped
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
@@ -398,6 +408,7 @@ class TrainCtx(EmbeddingCtx):
             optimizer=self.embedding_optimizer, initialization=self.initialization
         )
         self._warn_if_tier_holds_rows()
+        self._stopping = False
         for index in range(self._backward_workers_size):
             thread = threading.Thread(
                 target=self._backward_loop, name=f"embedding-backward-{index}", daemon=True
@@ -425,6 +436,10 @@ class TrainCtx(EmbeddingCtx):
             )
 
     def __exit__(self, *exc: object) -> None:
+        exc_type = exc[0] if exc else None
+        if isinstance(exc_type, type):
+            self._stop_after_failure(exc_type)
+            return
         try:
             self.wait_for_embedding_updates()
         finally:
@@ -434,6 +449,39 @@ class TrainCtx(EmbeddingCtx):
                 thread.join(timeout=30)
             self._backward_workers.clear()
             super().__exit__(*exc)
+
+    def _stop_after_failure(self, exc_type: type) -> None:
+        """Leave on an exception (a failed tier call, a loader gone, Ctrl-C) without applying
+        the embedding updates still queued: each is a tier call with its own deadline and
+        retries (30 s for a worker that cannot be reached), so waiting for them held a failed
+        run up for minutes, and their own error then replaced the one that stopped it."""
+        self._stopping = True
+        dropped = 0
+        while True:
+            try:
+                item = self._backward_queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                dropped += 1
+                self._in_flight.release()
+            self._backward_queue.task_done()
+        if dropped:
+            log.warning(
+                "training stopped (%s): %d queued embedding update(s) not applied",
+                exc_type.__name__,
+                dropped,
+            )
+        for _ in self._backward_workers:
+            try:
+                self._backward_queue.put_nowait(None)
+            except queue.Full:  # workers busy in a tier call: daemon threads, left behind
+                break
+        workers, self._backward_workers = self._backward_workers, []
+        # Closing the tier ends a call under way (a closed channel fails it at once).
+        super().__exit__(exc_type)
+        for thread in workers:
+            thread.join(timeout=_STOP_JOIN_SECONDS)
 
     @property
     def dense_model(self) -> torch.nn.Module:
@@ -566,7 +614,8 @@ class TrainCtx(EmbeddingCtx):
                 self.embedding_tier.flush()
             except BaseException as error:
                 self._backward_error = error
-                log.error("embedding update failed: %s", error)
+                if not self._stopping:  # else a call cut short by the closed tier
+                    log.error("embedding update failed: %s", error)
             finally:
                 if item is not None:
                     self._in_flight.release()
@@ -635,7 +684,8 @@ class TrainCtx(EmbeddingCtx):
         from training.checkpoint import load_checkpoint
 
         self.wait_for_embedding_updates()
-        distributed.barrier()  # no rank's late updates may land on the loaded embeddings
+        # No rank's late updates may land on the loaded embeddings.
+        distributed.checkpoint_barrier()
         failure: BaseException | None = None
         try:
             manifest = load_checkpoint(
@@ -648,7 +698,7 @@ class TrainCtx(EmbeddingCtx):
             )
         except BaseException as error:
             failure = error
-        if not distributed.all_agree(failure is None):  # every rank resumes, or none does
+        if not distributed.checkpoint_agree(failure is None):  # all resume, or none does
             if failure is not None:
                 raise failure
             raise CheckpointError(

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from embedding_store.batch import Batch
-from embedding_store.errors import InvalidArgumentError, UnavailableError
+from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
 from embedding_store.grpc_common import (
     bind_tier_port,
     call,
@@ -150,21 +150,64 @@ class DataCtx:
             )
             call(f"NN worker {self.addresses[index]}", stub.EndOfStream, request, timeout=60)
 
+    def abort(self, failure: str) -> None:
+        """Tell every NN worker that this loader stopped on ``failure`` (called on context
+        exit by an exception): each fails its iteration at once, naming this loader and the
+        error, rather than wait ``idle_timeout`` for batches that will never come. Best
+        effort: a worker that cannot be told within a few seconds is logged, and falls back
+        on its idle timeout."""
+        for index, stub in enumerate(self._stubs):
+            request = pb.EndOfStreamRequest(
+                loader_index=self.replica_index,
+                batches_sent=self._sent[index],
+                failure=failure or "unknown error",
+            )
+            try:
+                call(
+                    f"NN worker {self.addresses[index]}",
+                    stub.EndOfStream,
+                    request,
+                    timeout=_ABORT_TIMEOUT_SECONDS,
+                )
+            except RecserveError as error:
+                log.warning("could not report this loader's failure: %s", error.message)
+
     def __enter__(self) -> DataCtx:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None = None,
+        *rest: object,
+    ) -> None:
         try:
             if exc_type is None:
                 self.finish()
+            else:
+                what = getattr(exc, "message", None) or str(exc or "")
+                self.abort(f"{exc_type.__name__}: {what}" if what else exc_type.__name__)
         finally:
             for channel in self._channels:
                 channel.close()
 
 
+#: Seconds a failing loader gives each NN worker to take the news (DataCtx.abort).
+_ABORT_TIMEOUT_SECONDS = 5.0
+
+#: How often a receiver waiting for room in a full buffer checks that the dataset is open.
+_PUT_POLL_SECONDS = 0.1
+
 #: Seconds a StreamingDataset waits for the next batch before it gives up on its loaders.
 DEFAULT_IDLE_TIMEOUT = 300.0
 _END = object()
+
+
+class _LoaderFailed:
+    """Queued by a loader's EndOfStream with a failure: the iteration raises it."""
+
+    def __init__(self, error: UnavailableError) -> None:
+        self.error = error
 
 
 class _Receiver(pb_grpc.DataReceiverServicer):
@@ -185,7 +228,9 @@ class _Receiver(pb_grpc.DataReceiverServicer):
     def EndOfStream(
         self, request: pb.EndOfStreamRequest, context: grpc.ServicerContext
     ) -> pb.EndOfStreamResponse:
-        self.dataset._end(request.loader_index, request.batches_sent)
+        self.dataset._end(
+            request.loader_index, request.batches_sent, request.failure, context.peer()
+        )
         return pb.EndOfStreamResponse()
 
 
@@ -263,16 +308,21 @@ class StreamingDataset:
         self._buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._ended: dict[int, int] = {}
         self._received: dict[int, int] = {}
+        self._peers: dict[int, str] = {}  # each loader's last gRPC peer ("ipv4:HOST:PORT")
         self._lock = threading.Condition()
         self._next_global = self._rank  # reproducible mode: the next global batch number
         self._server: grpc.Server | None = None
+        self._executor: ThreadPoolExecutor | None = None  # the receiver's handler threads
+        self._closed = threading.Event()  # the consumer is gone: handlers stop waiting
 
     def start(self) -> StreamingDataset:
         """Start listening (iteration starts it too); returns self."""
         if self._server is None:
             tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is bound
+            self._closed.clear()
+            self._executor = ThreadPoolExecutor(max_workers=self.num_loaders + 4)
             server = grpc.server(
-                ThreadPoolExecutor(max_workers=self.num_loaders + 4),
+                self._executor,
                 options=server_options(),
                 interceptors=server_interceptors(),
             )
@@ -293,6 +343,7 @@ class StreamingDataset:
                 f"SendBatchRequest.loader_index {loader} is not below num_loaders "
                 f"{self.num_loaders}"
             )
+        self._peers[loader] = context.peer()  # named when it stalls or fails
         if self.reproducible:
             number = sequence * self.num_loaders + loader
             with self._lock:
@@ -304,15 +355,31 @@ class StreamingDataset:
                 # The next number may be an ended loader's: skip it, or every later batch
                 # would wait for one that never comes.
                 self._skip_ended_loaders()
-                self._buffer.put(batch)
+                self._put(batch)
                 self._received[loader] = self._received.get(loader, 0) + 1
                 self._lock.notify_all()
             return
-        self._buffer.put(batch)
+        self._put(batch)
         with self._lock:
             self._received[loader] = self._received.get(loader, 0) + 1
 
-    def _end(self, loader: int, batches_sent: int) -> None:
+    def _end(self, loader: int, batches_sent: int, failure: str = "", peer: str = "") -> None:
+        if failure:
+            # Not the end of its data: the run cannot be complete, so the iteration fails
+            # once the batches before it are read (a crash that said nothing is caught by
+            # the idle timeout instead).
+            with self._lock:
+                received = self._received.get(loader, 0)
+            self._put(
+                _LoaderFailed(
+                    UnavailableError(
+                        f"data loader {loader} ({peer or 'unknown peer'}) failed after "
+                        f"sending {batches_sent} batch(es) to this NN worker "
+                        f"({self.host}:{self.port}, {received} arrived): {failure}"
+                    )
+                )
+            )
+            return
         with self._lock:
             if self._received.get(loader, 0) != batches_sent:
                 raise InvalidArgumentError(
@@ -324,7 +391,7 @@ class StreamingDataset:
                 # Other loaders' later batches no longer wait for this one's.
                 self._skip_ended_loaders()
                 self._lock.notify_all()
-        self._buffer.put(_END)
+        self._put(_END)
 
     def _skip_ended_loaders(self) -> None:
         while (self._next_global % self.num_loaders) in self._ended and len(
@@ -344,6 +411,8 @@ class StreamingDataset:
                 if item is _END:
                     ended += 1
                     continue
+                if isinstance(item, _LoaderFailed):
+                    raise item.error
                 yield item
         finally:
             self.close()
@@ -352,14 +421,34 @@ class StreamingDataset:
         with self._lock:
             waiting = [i for i in range(self.num_loaders) if i not in self._ended]
             received = {i: self._received.get(i, 0) for i in waiting}
+            peers = {i: self._peers[i] for i in waiting if i in self._peers}
+        never = [i for i in waiting if i not in peers]
+        seen = f"; last seen from: {peers}" if peers else ""
+        unseen = f"; never connected: {never}" if never else ""
         return UnavailableError(
             f"no batch from the data loaders for {self.idle_timeout:g} s, and loader(s) "
-            f"{waiting} have not ended their stream (batches received from each: {received}): "
-            "a loader stopped or cannot reach this NN worker "
+            f"{waiting} have not ended their stream (batches received from each: {received}"
+            f"{seen}{unseen}): a loader stopped or cannot reach this NN worker "
             f"({self.host}:{self.port})"
         )
 
+    def _put(self, item: object) -> None:
+        """Queue ``item``, waiting while the buffer is full (backpressure) until the dataset
+        closes. A handler blocked in a plain put outlived the closed server (the consumer
+        broke out or failed): the executor's thread is joined at interpreter exit, and the
+        NN worker never exited."""
+        while True:
+            try:
+                self._buffer.put(item, timeout=_PUT_POLL_SECONDS)
+                return
+            except queue.Full:
+                if self._closed.is_set():
+                    raise UnavailableError(
+                        f"the NN worker ({self.host}:{self.port}) stopped reading batches"
+                    ) from None
+
     def close(self) -> None:
+        self._closed.set()
         if self._server is not None:
             self._server.stop(grace=1.0)
             self._server = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,14 @@ def local_rank() -> int:
 
 _watching: list[int] = []  # the launcher's PID, once watched
 
+#: How long the ranks wait for one another around a checkpoint (rank 0 writing or loading
+#: it, every rank flushing its embedding updates first). The process group's collectives
+#: give up after ``DDPOption.timeout_seconds`` (300 s by default), and a dump or load of a
+#: large remote tier takes longer (the embedding worker allows it 600 s): the waiting ranks
+#: failed in the middle of a checkpoint that was going well.
+CHECKPOINT_WAIT_SECONDS = 3600.0
+_checkpoint_group: list[Any] = []  # the gloo group with that timeout, once made
+
 
 def exit_with_launcher() -> None:
     """When torchrun started this process, end it (SIGTERM) once torchrun is gone.
@@ -118,14 +128,17 @@ def init_distributed(option: DDPOption, device: torch.device | None = None) -> b
             "usually LOCAL_RANK); a model on CPU trains with 'gloo'"
         )
     if not dist.is_initialized():
-        from datetime import timedelta
-
         dist.init_process_group(
             backend=option.backend,
             init_method=option.init_method,
             timeout=timedelta(seconds=option.timeout_seconds),
             device_id=device if option.backend == "nccl" else None,
         )
+    if not _checkpoint_group and dist.is_initialized():
+        # Every rank makes it here, in the same order (new_group is collective). gloo on
+        # CPU whatever the backend: it carries one flag.
+        wait = max(CHECKPOINT_WAIT_SECONDS, option.timeout_seconds)
+        _checkpoint_group.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=wait)))
     return True
 
 
@@ -136,8 +149,8 @@ def barrier() -> None:
 
 def all_agree(ok: bool) -> bool:
     """Whether every rank passed ``ok=True`` (an all-reduce MIN of one flag; every rank must
-    call it). ``ok`` itself when not distributed. Ranks use it to fail together when one of
-    them failed a step that all depend on (rank 0 writing or loading a checkpoint)."""
+    call it). ``ok`` itself when not distributed. Ranks use it to stop together when one of
+    them ran out of batches; around a checkpoint, :func:`checkpoint_agree`."""
     if not (dist.is_available() and dist.is_initialized()):
         return ok
     on_gpu = dist.get_backend() == "nccl"
@@ -147,6 +160,38 @@ def all_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _long_group() -> Any:
+    """The checkpoint group (:data:`CHECKPOINT_WAIT_SECONDS`), else the default group (a
+    process group that :func:`init_distributed` did not set up)."""
+    return _checkpoint_group[0] if _checkpoint_group else None
+
+
+def checkpoint_barrier() -> None:
+    """:func:`barrier` that waits up to :data:`CHECKPOINT_WAIT_SECONDS` (ranks flushing their
+    embedding updates before a checkpoint)."""
+    if dist.is_available() and dist.is_initialized():
+        group = _long_group()
+        if group is None:
+            dist.barrier()
+        else:
+            # gloo's barrier is an all-reduce on CPU; a flag says the same and needs no
+            # device (a nccl default group's barrier would want one).
+            checkpoint_agree(True)
+
+
+def checkpoint_agree(ok: bool) -> bool:
+    """:func:`all_agree` that waits up to :data:`CHECKPOINT_WAIT_SECONDS`: the ranks fail
+    together when rank 0 failed to write or load a checkpoint, and wait for it as long as a
+    dump of a large tier takes when it did not."""
+    group = _long_group()
+    if group is None or not dist.is_initialized():
+        return all_agree(ok)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
+        _checkpoint_group.clear()
         dist.destroy_process_group()

@@ -4,6 +4,7 @@ end of stream, and the ``recserve data-loader`` command."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -238,12 +239,10 @@ def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
     addresses = [f"127.0.0.1:{port}"]
     run_loader(addresses, 0, 2, 3)  # loader 0: batches 0, 2, 4, then EndOfStream
 
-    class LoaderDiedError(Exception):
-        pass
-
-    with pytest.raises(LoaderDiedError), DataCtx(addresses, replica_index=1, replica_size=2) as ctx:
-        ctx.send_data(numbered_batch(1))  # loader 1: one batch, then it dies (no EndOfStream)
-        raise LoaderDiedError
+    ctx = DataCtx(addresses, replica_index=1, replica_size=2)
+    ctx.send_data(numbered_batch(1))  # loader 1: one batch, then it is killed: it says nothing
+    for channel in ctx._channels:
+        channel.close()
     received = []
     started = time.monotonic()
     with pytest.raises(UnavailableError) as stalled:
@@ -254,10 +253,82 @@ def test_a_loader_that_stops_without_ending_fails_the_iteration_naming_it():
     message = str(stalled.value)
     assert "no batch from the data loaders for 0.5 s" in message
     assert "loader(s) [1] have not ended their stream" in message
-    assert "(batches received from each: {1: 1})" in message
+    assert re.search(
+        r"\(batches received from each: \{1: 1\}; last seen from: \{1: 'ipv4:127\.0\.0\.1:\d+'\}\)",
+        message,
+    ), message
     assert 0.5 <= waited < 10
     with pytest.raises(InvalidArgumentError, match="idle_timeout must be a number > 0, got 0"):
         StreamingDataset(4, port=port, idle_timeout=0)
+
+
+def test_a_loader_that_fails_ends_the_iteration_at_once_naming_it_and_its_error():
+    """A loader whose script raised used to say nothing, like a killed one: the NN worker
+    waited out its idle timeout (300 s) and then could only guess. Its error now travels with
+    its end of stream, and is not taken for the end of its data."""
+    port = free_port()
+    dataset = StreamingDataset(8, port=port, num_loaders=2, idle_timeout=60).start()
+    addresses = [f"127.0.0.1:{port}"]
+    run_loader(addresses, 0, 2, 2)  # loader 0: batches 0, 2, then its end of stream
+
+    with pytest.raises(OSError), DataCtx(addresses, replica_index=1, replica_size=2) as ctx:
+        ctx.send_data(numbered_batch(1))
+        raise OSError("data/part-3.csv: No such file or directory")
+    received = []
+    started = time.monotonic()
+    with pytest.raises(UnavailableError) as failed:
+        for batch in dataset:
+            received.append(number_of(batch))
+    assert time.monotonic() - started < 5  # not the 60 s idle timeout
+    assert sorted(received) == [0, 1, 2]  # what it sent before failing is still trained on
+    assert re.fullmatch(
+        r"data loader 1 \(ipv4:127\.0\.0\.1:\d+\) failed after sending 1 batch\(es\) to this "
+        rf"NN worker \(127\.0\.0\.1:{port}, 1 arrived\): OSError: data/part-3\.csv: No such "
+        r"file or directory",
+        failed.value.message,
+    ), failed.value.message
+
+
+def test_a_loader_that_never_connects_is_named_as_such():
+    port = free_port()
+    dataset = StreamingDataset(2, port=port, num_loaders=2, idle_timeout=0.3).start()
+    run_loader([f"127.0.0.1:{port}"], 1, 2, 1)  # loader 1 sends and ends; loader 0 never comes
+    with pytest.raises(UnavailableError) as stalled:
+        list(dataset)
+    assert stalled.value.message == (
+        "no batch from the data loaders for 0.3 s, and loader(s) [0] have not ended their "
+        "stream (batches received from each: {0: 0}; never connected: [0]): a loader stopped "
+        f"or cannot reach this NN worker (127.0.0.1:{port})"
+    )
+
+
+def test_leaving_a_stream_early_frees_the_receiver_waiting_for_room():
+    """A training loop that stops reading (a break, an error) while a loader waits for room:
+    the receiver's handler stayed blocked in its put after the server closed, and the
+    interpreter, which joins the server's threads at exit, never ended (the NN worker hung)."""
+    port = free_port()
+    dataset = StreamingDataset(1, port=port, num_loaders=1).start()
+    handlers = dataset._executor
+    failures: list[BaseException] = []
+
+    def loader() -> None:
+        try:
+            run_loader([f"127.0.0.1:{port}"], 0, 1, 10)
+        except UnavailableError as error:
+            failures.append(error)
+
+    sending = threading.Thread(target=loader, daemon=True)
+    sending.start()
+    for _ in dataset:
+        time.sleep(0.3)  # the buffer fills, a handler waits for room
+        break
+    sending.join(10)
+    assert len(failures) == 1 and "has its training stopped?" in failures[0].message
+    # Every handler ends: what the interpreter's exit waits for.
+    shutdown = threading.Thread(target=handlers.shutdown, daemon=True)
+    shutdown.start()
+    shutdown.join(5)
+    assert not shutdown.is_alive()
 
 
 def test_a_loader_whose_worker_has_gone_fails_at_once_not_after_its_timeout():

@@ -201,6 +201,62 @@ EQUAL_STEPS_SCRIPT = textwrap.dedent(
 )
 
 
+# Rank 0 takes 1 s to write, then to load, a checkpoint: longer than the process group's
+# collectives wait (0.3 s, set once the ranks have met: a start-up that short could fail on a
+# loaded machine). Each rank has its own in-process tier (no cluster needed: only rank 0's is
+# written and loaded).
+SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from embedding_store.config import embedding_config_from_mapping
+    from embedding_store.optimizers import SGD
+    from embedding_store.tier import InProcessEmbeddingTier
+    from training import checkpoint, distributed
+    from training.ctx import TrainCtx
+
+    out = Path(sys.argv[1])
+    config = embedding_config_from_mapping({"slots_config": {"user": {"dim": 2}}})
+    write, load = checkpoint.write_checkpoint, checkpoint.load_checkpoint
+
+
+    def slowly(function):
+        def call(*args, **kwargs):
+            time.sleep(1.0)
+            return function(*args, **kwargs)
+
+        return call
+
+
+    if distributed.rank() == 0:
+        checkpoint.write_checkpoint = slowly(write)
+        checkpoint.load_checkpoint = slowly(load)
+    dense = torch.nn.Linear(2, 1)
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(dense.parameters(), lr=0.1),
+        dense,
+        embedding_config=config,
+        embedding_tier=InProcessEmbeddingTier(config, capacity=100),
+        mixed_precision=False,
+    ) as ctx:
+        _set_pg_timeout(timedelta(seconds=0.3), None)  # the default group's collectives
+        ctx.step = 7
+        ctx.dump_checkpoint(out / "checkpoint", with_jit_model=False)
+        ctx.step = 0
+        step = ctx.load_checkpoint(out / "checkpoint").step
+        (out / f"rank-{distributed.rank()}.txt").write_text(f"{step} {ctx.step}")
+    distributed.shutdown_distributed()
+    """
+)
+
+
 def recserve(*args: str) -> list[str]:
     """The ``recserve`` console script of this interpreter's environment (or ``-m`` fallback)."""
     script = shutil.which("recserve", path=str(Path(sys.executable).parent))
@@ -209,9 +265,11 @@ def recserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "embedding_store.cli", *args]
 
 
-def run_in_session(args: list[str], log: Path, timeout: float = TIMEOUT) -> str:
+def run_in_session(
+    args: list[str], log: Path, timeout: float = TIMEOUT, *, env: dict[str, str] | None = None
+) -> str:
     """Run ``args`` in a new session; on timeout or failure, kill its process group."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     with open(log, "wb") as out:
         process = subprocess.Popen(
             args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -337,3 +395,21 @@ def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together
     assert "rank 0 dropped its last 1 batch(es)" in log
     assert results[0][1].startswith("AlreadyExistsError")
     assert results[1][1].startswith("CheckpointError: rank 0 failed to write checkpoint")
+
+
+def test_ranks_wait_for_a_checkpoint_longer_than_the_process_groups_timeout(tmp_path):
+    """Rank 0 writing (then loading) a checkpoint for longer than DDPOption.timeout_seconds:
+    the other rank used to give up in its all-reduce ("Timed out waiting 300000ms") and the
+    job died in the middle of a checkpoint that was going well (a large remote tier dumps for
+    longer than the default 300 s). It waits, and both agree on the step."""
+    script = tmp_path / "slow_checkpoint.py"
+    script.write_text(SLOW_CHECKPOINT_SCRIPT)
+    torchrun = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=2"]
+    run_in_session(
+        [*torchrun, str(script), str(tmp_path)],
+        tmp_path / "slow_checkpoint.log",
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this tree's training package
+    )
+    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)] == ["7 7", "7 7"]
+    assert json.loads((tmp_path / "checkpoint" / "manifest.json").read_text())["step"] == 7

@@ -354,3 +354,53 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
                 "the worker reaches every shard again",
             )
             assert client.status().shard_serving == (True, False)
+
+
+def test_training_rides_out_a_shard_restarted_from_its_checkpoint(config_files, tmp_path, caplog):
+    """A shard killed mid-run and started again with ``--load-checkpoint``: the worker's
+    gradient push (sent again while it cannot reach the shard, then while the shard loads)
+    waits for it, and so do training's lookups; the run goes on with no update lost. Each
+    used to fail at the first refused call."""
+    from embedding_store.config import GlobalConfig
+    from training.ctx import make_embedding_tier
+
+    embedding, train_config, _ = config_files
+    config = load_embedding_config(embedding)
+    root = str(Path(__file__).resolve().parents[2])  # the worker's pushes: this tree's code
+    with (
+        LocalCluster(
+            embedding, train_config, log_dir=tmp_path / "logs", extra_env={"PYTHONPATH": root}
+        ) as tier,
+        make_embedding_tier(config, GlobalConfig(), tier.worker_addresses) as client,
+    ):
+        client.configure(optimizer=ADAGRAD)
+        train(client, range(3))
+        client.dump(tmp_path / "ckpt")
+        looked_up = client.lookup(batch_of(3), train=True)
+        port = tier.ps_addresses[1].rsplit(":", 1)[1]
+        tier.kill_shard(1)
+
+        def start_again() -> None:
+            time.sleep(0.5)  # the push below finds it down first
+            shard = tier._shard_process(1, int(port))
+            shard.args += ["--load-checkpoint", str(tmp_path / "ckpt")]
+            shard.start(tier.env)
+            tier.shards[1] = shard
+
+        restart = threading.Thread(target=start_again)
+        restart.start()
+        try:
+            grads = {s.name: torch.ones(s.embeddings.shape) for s in looked_up.slots}
+            client.backward(looked_up.ref, grads)
+            client.flush()  # raised "1 gradient batch(es) could not be applied"
+            tier.kill_shard(1)
+            start_again()  # the lookups below find it starting, then loading
+            train(client, range(4, 8))
+        finally:
+            restart.join()
+        assert client.status().shard_serving == (True, True)
+        worker_log = tier.workers[0].log_path.read_text()
+    shard = f"parameter server 127.0.0.1:{port} (shard 1)"
+    assert "gradient push failed" not in worker_log and f"{shard} failed (" in worker_log
+    retried = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert retried and f"{shard} is unavailable" in retried[0], retried

@@ -323,3 +323,40 @@ def test_eval_lookups_of_unknown_ids_answer_zeros_and_count_misses(shard_server)
         assert shard.size() == 2 and client.last_misses == 0
         status = client.status()
         assert (status.rows, status.lookups, status.ids_looked_up) == (2, 2, 5)
+
+
+class _FlakyUpdateStub:
+    """Fails Update with each of ``failures`` (code, details) in turn, then applies it."""
+
+    def __init__(self, *failures: tuple[grpc.StatusCode, str]) -> None:
+        self.failures = list(failures)
+        self.updates = 0
+
+    def Update(self, request, timeout=None):
+        self.updates += 1
+        if self.failures:
+            raise FailedCall(*self.failures.pop(0))
+        return pb.UpdateResponse(rows_updated=len(request.ids) // 8)
+
+
+def test_an_update_is_resent_while_the_shard_cannot_be_reached_never_once_it_may_have_landed(
+    monkeypatch,
+) -> None:
+    """The embedding worker's pushes ride out a shard restart: an update that found no
+    connection never left and is sent again (within ``update_retry_seconds``); one that failed
+    in flight may have been applied, and applying it twice would be wrong. A shard restarted
+    with --load-checkpoint refuses updates until loaded, before applying them: resent too."""
+    monkeypatch.setattr("embedding_store.grpc_common.RETRY_FIRST_PAUSE_SECONDS", 0.001)
+    refused = "failed to connect to all addresses; last error: Connection refused"
+    loading = "this training parameter server has not loaded its embedding checkpoint yet"
+    ids, grads = np.arange(3, dtype=np.uint64), np.ones((3, 2), np.float32)
+    with RemoteParameterServer(NOWHERE, replica_index=1, update_retry_seconds=5) as client:
+        client._stub = stub = _FlakyUpdateStub(
+            (grpc.StatusCode.UNAVAILABLE, refused), (grpc.StatusCode.UNAVAILABLE, loading)
+        )
+        assert client.update(ids, grads) == 3
+        assert stub.updates == 3
+        client._stub = stub = _FlakyUpdateStub((grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+        with pytest.raises(UnavailableError, match=r"^parameter server 127\.0\.0\.1:1 \(shard 1\)"):
+            client.update(ids, grads)
+        assert stub.updates == 1

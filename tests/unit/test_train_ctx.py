@@ -858,6 +858,21 @@ def test_a_distributed_run_without_embedding_workers_is_refused(monkeypatch):
     )
 
 
+def test_training_retries_calls_to_a_remote_worker_it_cannot_reach(monkeypatch):
+    """A shard or worker restarting mid-run must not end the run at its first refused call
+    (embedding_store.worker_client's retries; serving and admin clients do not retry)."""
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+    from training.ctx import TIER_RETRY_SECONDS, make_embedding_tier
+
+    monkeypatch.setattr(RemoteEmbeddingWorker, "wait_for_serving", lambda self, timeout: None)
+    tier = make_embedding_tier(CONFIG, GLOBAL, ["127.0.0.1:1"])
+    try:
+        assert isinstance(tier, RemoteEmbeddingWorker)
+        assert tier.retry_seconds == TIER_RETRY_SECONDS == 30.0
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("job_type", ["Eval", "Infer"])
 def test_a_train_ctx_refuses_a_global_config_object_that_does_not_train(job_type):
     config = global_config_from_mapping({"common_config": {"job_type": job_type}})
@@ -942,6 +957,56 @@ def test_a_failed_last_embedding_update_is_raised_when_the_ctx_exits():
     with pytest.raises(RuntimeError, match=r"^shard 0 is gone$"), ctx:
         train_steps(ctx, 1)
     assert ctx._backward_workers == []
+
+
+class StuckTier(InProcessEmbeddingTier):
+    """A tier whose embedding updates hang (a worker that cannot be reached, its calls
+    retried) until the tier is closed, or ``limit`` seconds."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+        self.limit = limit
+        self.closed = threading.Event()
+        self.updates = 0
+
+    def backward(self, ref, grads):
+        self.closed.wait(self.limit)
+        self.updates += 1
+        return super().backward(ref, grads)
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_ctx_left_on_an_exception_drops_the_queued_updates_and_keeps_that_exception(
+    monkeypatch, caplog
+):
+    """A run that failed (here the loop's own error) used to wait for every queued update, a
+    tier call each (30 s of retries for a worker that cannot be reached): minutes before it
+    ended, and then with the tier's error instead of its own."""
+    monkeypatch.setattr("training.ctx._STOP_JOIN_SECONDS", 0.2)
+    tier = StuckTier(limit=1.0)
+    ctx = new_ctx(staleness=4, embedding_tier=tier)
+    started = time.monotonic()
+    with pytest.raises(ZeroDivisionError, match=r"^the loop's own error$"), ctx:
+        train_steps(ctx, 3)  # 3 updates queued: the first one taken and stuck in the tier
+        for _ in range(200):
+            if ctx._backward_queue.qsize() == 2:
+                break
+            time.sleep(0.01)
+        started = time.monotonic()
+        raise ZeroDivisionError("the loop's own error")
+    assert time.monotonic() - started < 0.8  # not 3 x 1 s
+    assert ctx._backward_workers == [] and tier.updates == 0
+    assert "training stopped (ZeroDivisionError): 2 queued embedding update(s) not applied" in (
+        caplog.text
+    )
+    assert ctx._in_flight._value == 3  # the dropped updates' staleness slots given back
+    for _ in range(300):  # the update under way ends by itself, and gives its slot back
+        if ctx._in_flight._value == 4:
+            break
+        time.sleep(0.01)
+    assert (tier.updates, ctx._in_flight._value) == (1, 4)
 
 
 # --------------------------------------------------------------------- TrainCtx.dump_checkpoint

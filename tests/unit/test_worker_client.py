@@ -1,6 +1,6 @@
 """RemoteEmbeddingWorker (the gRPC client of an embedding worker) against fake stubs: what a
 lookup sends and returns, gradient stats, deadlines of admin calls, progress reports, partial
-status and readiness polling."""
+status, readiness polling, and the retries of training's calls."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from embedding_store import grpc_common
 from embedding_store.batch import (
     Batch,
     IDTypeFeature,
@@ -272,3 +273,112 @@ def test_wait_for_serving_fails_at_once_on_a_port_that_is_no_worker(client) -> N
         "know recserve.embedding.v1.EmbeddingWorker (is it a parameter-server shard's or a "
         "prediction server's port?"
     )
+
+
+# ------------------------------------------------------------------ retries (training)
+#: What gRPC answers for a call it had no connection to send on (the call never left).
+NOT_CONNECTED = (
+    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
+    "Failed to connect to remote host: Connection refused"
+)
+
+
+class FakeClock:
+    """grpc_common's ``time`` module: sleeping advances ``now`` (no real waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FlakyStub(FakeWorkerStub):
+    """Fails each call with the next of ``failures`` (code, details), then answers."""
+
+    def __init__(self, *failures: tuple[grpc.StatusCode, str]) -> None:
+        super().__init__()
+        self.failures = list(failures)
+
+    def _record(self, name: str, request: object, timeout: float | None) -> None:
+        self.requests.append((name, request, timeout))
+        if self.failures:
+            raise FailedCall(*self.failures.pop(0))
+
+
+@pytest.fixture
+def retrying(monkeypatch) -> Iterator[tuple[RemoteEmbeddingWorker, FakeClock]]:
+    """A worker client as training makes it (calls retried for 2 s), on a fake clock."""
+    clock = FakeClock()
+    monkeypatch.setattr(grpc_common, "time", clock)
+    with RemoteEmbeddingWorker(NOWHERE, CONFIG, timeout=3, retry_seconds=2) as worker:
+        yield worker, clock
+
+
+def test_a_training_lookup_rides_out_a_worker_or_shard_that_comes_back(retrying) -> None:
+    """A restarting shard (the worker answers UNAVAILABLE naming it), then the worker's
+    connection dropped mid-call: both resent, and the lookup answers."""
+    worker, clock = retrying
+    worker._stub = stub = FlakyStub(
+        (grpc.StatusCode.UNAVAILABLE, "parameter server 127.0.0.1:2 (shard 1) is unavailable"),
+        (grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+    )
+    stub.slots = _answer()
+    assert worker.lookup(_batch(requires_grad=False), train=True).ref == 7
+    assert [name for name, _, _ in stub.requests] == ["Lookup"] * 3
+    assert clock.sleeps == [0.1, 0.2]
+
+
+def test_a_training_lookup_gives_up_after_the_retry_window_naming_the_peer(retrying) -> None:
+    worker, clock = retrying
+    worker._stub = FlakyStub(*[(grpc.StatusCode.UNAVAILABLE, NOT_CONNECTED)] * 10)
+    with pytest.raises(UnavailableError) as failed:
+        worker.lookup(_batch(requires_grad=False), train=True)
+    # Pauses 0.1, 0.2, 0.4, 0.8: the next (1 s) would end past the 2 s window.
+    assert clock.sleeps == [0.1, 0.2, 0.4, 0.8]
+    assert failed.value.message == (
+        f"embedding worker 127.0.0.1:1 is unavailable: {NOT_CONNECTED} (gave up after 5 "
+        "attempts over 1.5 s)"
+    )
+
+
+def test_a_backward_or_flush_is_resent_only_when_it_never_left(retrying) -> None:
+    """Gradients that reached the worker may have been applied: a call that failed in flight
+    is not sent twice. A flush's UNAVAILABLE is the worker's report of lost pushes: resent,
+    the next flush would answer OK and the loss would go unreported."""
+    worker, _ = retrying
+    grads = {"user": torch.ones(2, 4)}
+    worker._stub = stub = FlakyStub((grpc.StatusCode.UNAVAILABLE, NOT_CONNECTED))
+    assert worker.backward(9, grads).rows_pushed == 5
+    assert [name for name, _, _ in stub.requests] == ["Backward", "Backward"]
+    worker._stub = stub = FlakyStub((grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    with pytest.raises(UnavailableError) as failed:
+        worker.backward(9, grads)
+    assert failed.value.message.startswith(
+        "embedding worker 127.0.0.1:1 is unavailable: Socket closed ("  # (a TLS hint)
+    )
+    assert len(stub.requests) == 1
+    lost = (
+        "1 gradient batch(es) could not be applied since the last flush; last error: "
+        f"parameter server 127.0.0.1:2 (shard 1) is unavailable: {NOT_CONNECTED}"
+    )  # the worker quotes its shard's connection failure: its own answer was sent
+    worker._stub = stub = FlakyStub((grpc.StatusCode.UNAVAILABLE, lost))
+    with pytest.raises(UnavailableError) as failed:
+        worker.flush()
+    assert failed.value.message == f"embedding worker 127.0.0.1:1 is unavailable: {lost}"
+    assert len(stub.requests) == 1
+
+
+def test_without_a_retry_window_nothing_is_resent(client) -> None:
+    """Serving and administration keep failing at once (their callers have their own
+    deadlines and fallbacks)."""
+    worker, _ = client
+    worker._stub = stub = FlakyStub((grpc.StatusCode.UNAVAILABLE, NOT_CONNECTED))
+    with pytest.raises(UnavailableError):
+        worker.lookup(_batch(requires_grad=False), train=False)
+    assert len(stub.requests) == 1

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n training/proto/data_stream.proto\x12\x14recserve.training.v1\"I\n\x10SendBatchRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x0c\"\x13\n\x11SendBatchResponse\"@\n\x12\x45ndOfStreamRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tches_sent\x18\x02 \x01(\x04\"\x15\n\x13\x45ndOfStreamResponse2\xd0\x01\n\x0c\x44\x61taReceiver\x12\\\n\tSendBatch\x12&.recserve.training.v1.SendBatchRequest\x1a\'.recserve.training.v1.SendBatchResponse\x12\x62\n\x0b\x45ndOfStream\x12(.recserve.training.v1.EndOfStreamRequest\x1a).recserve.training.v1.EndOfStreamResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n training/proto/data_stream.proto\x12\x14recserve.training.v1\"I\n\x10SendBatchRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x0c\"\x13\n\x11SendBatchResponse\"Q\n\x12\x45ndOfStreamRequest\x12\x14\n\x0cloader_index\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tches_sent\x18\x02 \x01(\x04\x12\x0f\n\x07\x66\x61ilure\x18\x03 \x01(\t\"\x15\n\x13\x45ndOfStreamResponse2\xd0\x01\n\x0c\x44\x61taReceiver\x12\\\n\tSendBatch\x12&.recserve.training.v1.SendBatchRequest\x1a\'.recserve.training.v1.SendBatchResponse\x12\x62\n\x0b\x45ndOfStream\x12(.recserve.training.v1.EndOfStreamRequest\x1a).recserve.training.v1.EndOfStreamResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SENDBATCHRESPONSE']._serialized_start=133
   _globals['_SENDBATCHRESPONSE']._serialized_end=152
   _globals['_ENDOFSTREAMREQUEST']._serialized_start=154
-  _globals['_ENDOFSTREAMREQUEST']._serialized_end=218
-  _globals['_ENDOFSTREAMRESPONSE']._serialized_start=220
-  _globals['_ENDOFSTREAMRESPONSE']._serialized_end=241
-  _globals['_DATARECEIVER']._serialized_start=244
-  _globals['_DATARECEIVER']._serialized_end=452
+  _globals['_ENDOFSTREAMREQUEST']._serialized_end=235
+  _globals['_ENDOFSTREAMRESPONSE']._serialized_start=237
+  _globals['_ENDOFSTREAMRESPONSE']._serialized_end=258
+  _globals['_DATARECEIVER']._serialized_start=261
+  _globals['_DATARECEIVER']._serialized_end=469
 # @@protoc_insertion_point(module_scope)

@@ -19,12 +19,14 @@ class SendBatchResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EndOfStreamRequest(_message.Message):
-    __slots__ = ("loader_index", "batches_sent")
+    __slots__ = ("loader_index", "batches_sent", "failure")
     LOADER_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     loader_index: int
     batches_sent: int
-    def __init__(self, loader_index: _Optional[int] = ..., batches_sent: _Optional[int] = ...) -> None: ...
+    failure: str
+    def __init__(self, loader_index: _Optional[int] = ..., batches_sent: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class EndOfStreamResponse(_message.Message):
     __slots__ = ()
