@@ -421,11 +421,23 @@ class PredictionService:
                 raise InvalidArgumentError(
                     f"instances could not be preprocessed: {error}"
                 ) from None
+            if not isinstance(batch, Batch):
+                # The preprocessor's bug, not the client's: a 500, its message in the log.
+                raise TypeError(f"the preprocessor returned a {type(batch).__name__}, not a Batch")
             if batch.batch_size > self.max_request_batch_size:
                 # A property of the request, not of the server's load: 400, never retried.
                 raise InvalidArgumentError(
                     f"batch size {batch.batch_size} exceeds this server's max batch size "
                     f"{self.max_request_batch_size}"
+                )
+            if batch.batch_size != len(instances):
+                # Answers are matched to instances by position: a row dropped or added
+                # would give every later instance another one's prediction, with a 200.
+                # The preprocessor's bug, not the client's: a 500, its message in the log.
+                raise ValueError(
+                    f"the preprocessor returned a batch of {batch.batch_size} sample(s) for "
+                    f"{len(instances)} instance(s); it must give one sample per instance, in "
+                    "order"
                 )
             model.signature.check(batch)
             tensors.require_finite_features(batch)

@@ -24,6 +24,7 @@ from embedding_store.errors import (
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
+    http_status_of,
 )
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from serving import service as service_module
@@ -485,6 +486,30 @@ def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make
         )
         with pytest.raises(InvalidArgumentError, match=expected[name]):
             service.predict_instances(NAME, _rows(2), protocol="http")
+
+
+def test_a_preprocessor_that_drops_adds_or_returns_no_batch_is_its_own_bug(
+    checkpoints, make_service
+):
+    """Answers are matched to instances by position: a preprocessor that drops or adds a
+    sample (within the request limit) gave the later instances other rows' predictions with a
+    200. It, or one that returns no Batch, is the server's bug: a 500 (not the client's 400),
+    and the server goes on answering."""
+    outputs = {
+        "drops": (lambda rows: _rows_to_batch(rows[1:]), ValueError, "batch of 2 sample"),
+        "adds": (lambda rows: _rows_to_batch(rows + rows[:1]), ValueError, "batch of 4 sample"),
+        "dict": (lambda rows: {"user": [1]}, TypeError, "returned a dict, not a Batch"),
+    }
+    for preprocessor, kind, message in outputs.values():
+        service = make_service(
+            _load(checkpoints[0]), max_request_batch_size=8, preprocessor=preprocessor
+        )
+        with pytest.raises(kind, match=message) as raised:
+            service.predict_instances(NAME, _rows(3), protocol="http")
+        assert http_status_of(raised.value) == 500
+        assert _requests(service, service.model.version, "error") == 1
+        answer = service.predict(NAME, None, _inputs(), protocol="http")
+        assert answer.outputs["prediction"].shape == (2, 1)
 
 
 # --------------------------------------------------------------------------- drain, tier
