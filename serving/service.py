@@ -491,8 +491,17 @@ class PredictionService:
             self._loop_batchers[loop] = batcher
         return batcher
 
-    def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
+    def _answer(self, batch: Batch, result: BatchOutcome, version: str | None = None) -> Prediction:
         served_version, merged_fallback, merged_unknown, merged_ids, all_finite = result.context
+        if version and served_version != version:
+            # The request named a version (.../versions/V/infer) and a reload swapped in
+            # another while it waited for its batch: V no longer serves, and another
+            # version's answer is not what was asked for.
+            raise NotFoundError(
+                f"model {self.name!r} version {version!r} was replaced by version "
+                f"{served_version!r} while this request waited; the served version is "
+                f"{served_version!r}"
+            )
         self.metrics.queue_latency.observe(result.queue_seconds)
         if not all_finite:
             tensors.require_finite_predictions(result.predictions)
@@ -626,7 +635,7 @@ class PredictionService:
                 if gone[0] >= deadline - _DEADLINE_SLACK_SECONDS:
                     raise _deadline(wait)
                 raise CancelledError
-            answered.append(self._answer(batch, result))
+            answered.append(self._answer(batch, result, version))
         return answered[0]
 
     async def predict_async(
@@ -661,7 +670,7 @@ class PredictionService:
                     result = await asyncio.wait_for(queued, timeout=wait)
                 except TimeoutError:
                     raise _deadline(wait) from None
-            prediction = self._answer(batch, result)
+            prediction = self._answer(batch, result, version)
             served = prediction.model_version
             outcome = "ok"
             return prediction

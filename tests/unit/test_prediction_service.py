@@ -402,6 +402,40 @@ def test_a_request_is_counted_under_the_version_that_answered_it(checkpoints, ma
     assert _requests(service, answering.version, "ok", "grpc") == 1.0
 
 
+def test_a_request_for_a_version_replaced_while_it_waited_is_not_found(checkpoints, make_service):
+    """A request naming version A that a reload replaced by B before its batch ran: B's
+    answer is not what it asked for (404, on both paths); one naming no version takes B's."""
+    first, second = checkpoints
+    old, new = _load(first), _load(second)
+    assert old.version != new.version
+    service = make_service(old)
+    with service._series_lock:
+        service._create_series(new.version)  # as reload does before its swap
+    build = service._tensor_builder
+
+    def build_then_swap(inputs):
+        def swapping(model):
+            batch = build(inputs)(model)
+            service._model = new  # what reload's swap does while the request waits
+            return batch
+
+        return swapping
+
+    service._tensor_builder = build_then_swap  # type: ignore[method-assign]
+    message = f"version '{old.version}' was replaced by version '{new.version}' while"
+    with pytest.raises(NotFoundError, match=message):
+        service.predict(NAME, old.version, _inputs(), protocol="http")
+    service._model = old
+    with pytest.raises(NotFoundError, match=message):
+        asyncio.run(service.predict_async(NAME, old.version, _inputs(), protocol="grpc"))
+    service._model = old
+    unpinned = service.predict(NAME, None, _inputs(), protocol="http")
+    assert unpinned.model_version == new.version
+    assert _requests(service, new.version, "NotFoundError", "grpc") == 1.0
+    service._model = old  # the fixture closes it
+    new.close()
+
+
 def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make_service):
     model = _load(checkpoints[0])
     blocked = _Blocked(model)
