@@ -500,7 +500,11 @@ class TrainCtx(EmbeddingCtx):
         """Model output (with autograd; the dense model's shape, e.g. float32 [batch, 1]) and
         the label tensors (one per label, [batch, ...], in the label's own dtype: float64
         becomes float32, integer class labels stay integers) of one training batch."""
-        self.model.train()
+        if not self.dense_model.training:  # under DDP, eval() may be the wrapped model's
+            # Only a model switched to eval as a whole (for an evaluation) is switched back: a
+            # part its trainer keeps in eval mode (a frozen batch norm, a frozen dropout)
+            # stays so, as the checkpoint's TorchScript model keeps it.
+            self.model.train()
         non_ids, embeddings, labels = self.prepare_features(batch)
         with torch.autocast(
             device_type=self.device.type, dtype=torch.float16, enabled=self.mixed_precision

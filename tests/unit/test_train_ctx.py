@@ -310,6 +310,28 @@ def test_eval_ctx_scores_in_eval_mode_as_the_server_does(tmp_path):
     np.testing.assert_array_equal(first.numpy(), served)
 
 
+def test_training_keeps_a_part_kept_in_eval_mode_so():
+    """TrainCtx.forward switched every module to training on every step, so a layer its
+    trainer froze in eval mode (here a dropout) trained with it on. Only a model switched to
+    eval as a whole is switched back."""
+    torch.manual_seed(0)
+    model = DropoutModel()
+    model.frozen.eval()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        train_steps(ctx, 1)
+        assert model.training and model.dropout.training and not model.frozen.training
+        model.eval()  # an evaluation, by hand: the next step trains the whole model again
+        train_steps(ctx, 1)
+        assert model.training and model.dropout.training and model.frozen.training
+
+
 def test_backward_without_forward_and_unlabeled_batches_are_refused():
     with new_ctx() as ctx:
         with pytest.raises(FailedPreconditionError, match="without a forward"):
