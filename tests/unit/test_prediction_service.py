@@ -12,12 +12,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
 from types import SimpleNamespace
+from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
 
 import numpy as np
 import pytest
 import torch
 
+from embedding_store import model_checkpoint
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
@@ -26,11 +29,15 @@ from embedding_store.errors import (
     UnavailableError,
     http_status_of,
 )
+from embedding_store.shard import RowBlock
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from embedding_store.tier import InProcessEmbeddingTier
 from serving import service as service_module
+from serving.infer_ctx import InferCtx
 from serving.model import LoadedModel, load_model
 from serving.service import MAX_WAIT_SECONDS, PredictionService, _share
-from tests.unit.test_onednn_linear import Mlp, _checkpoint
+from serving.tensors import tensors_to_batch
+from tests.unit.test_onednn_linear import SIGNATURE, Mlp, _checkpoint
 
 NAME = "m"
 WAIT = 30.0  # s: the bound of any wait for another thread (a slow CI machine)
@@ -145,6 +152,50 @@ def test_forgetting_a_version_served_again_keeps_its_series(checkpoints, make_se
     service._forget_version(version)
     service.predict(NAME, None, _inputs(), protocol="http")
     assert _requests(service, version, "ok") == 1.0
+
+
+class _Wide(torch.nn.Module):
+    """The signature of Mlp's checkpoints over 8-dim embeddings instead of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2 * 8 + 3, 1)
+
+    def forward(self, non_id_tensors: List[torch.Tensor], embedding_tensors: List[torch.Tensor]):  # noqa: UP006
+        return self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def test_a_reload_to_other_embedding_dims_answers_wholly_from_the_new_checkpoint(
+    checkpoints, make_service, tmp_path
+):
+    """Same inputs, other embedding dims (and so another dense model): the reload swaps the
+    pair at once, and answers are the new checkpoint's own, bit for bit, named by its
+    version."""
+    config = embedding_config_from_mapping(
+        {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": 8}, "item": {"dim": 8}}}
+    )
+    tier = InProcessEmbeddingTier(config, capacity=1000)
+    ids = np.concatenate(
+        [config.prefix_ids(n, np.arange(50, dtype=np.uint64)) for n in ("user", "item")]
+    )
+    weights = np.random.default_rng(1).normal(size=(ids.size, 8)).astype(np.float32)
+    tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    torch.manual_seed(1)
+    wide = tmp_path / "wide"
+    try:
+        model_checkpoint.write_checkpoint(wide, _Wide(), None, tier, step=3, signature=SIGNATURE)
+    finally:
+        tier.close()
+    service = make_service(_load(checkpoints[0]), loader=lambda path: _load(Path(path)))
+    service.reload(str(wide))
+    answer = service.predict(NAME, None, _inputs(3), protocol="http")
+    with InferCtx(checkpoint=wide) as offline:
+        expected = offline.forward(
+            tensors_to_batch(offline.model.signature, _inputs(3), max_batch_size=8)
+        )
+        version = offline.model.version
+    assert answer.model_version == version
+    np.testing.assert_array_equal(answer.outputs["prediction"], expected)
 
 
 def test_without_a_loader_reload_is_unavailable(checkpoints, make_service) -> None:
