@@ -701,7 +701,11 @@ class PredictionService:
             old = self._model
             try:
                 new = self._load_for_reload(checkpoint_dir)
-                if new.signature != old.signature:
+                # The inputs only: requests are validated against them (and a batch built
+                # for one version may run on the other), while label names are training's
+                # business, and a model retrained with its label renamed serves the same.
+                served = (old.signature.id_features, old.signature.non_id_features)
+                if (new.signature.id_features, new.signature.non_id_features) != served:
                     new.close()
                     raise CheckpointError(
                         "the new checkpoint's feature signature differs from the served one; "

@@ -229,6 +229,24 @@ def test_a_reload_that_changes_the_signature_is_refused_and_the_old_version_serv
     assert service.predict(NAME, None, _inputs(), protocol="http").model_version == old.version
 
 
+def test_a_reload_whose_label_names_differ_swaps(checkpoints, make_service) -> None:
+    """A model retrained with its label renamed takes the same inputs: not refused as a
+    change of signature."""
+    first, second = checkpoints
+
+    def loader(path: str | None) -> LoadedModel:
+        model = _load(second)
+        model.signature = dataclasses.replace(model.signature, label_names=("clicked",))
+        return model
+
+    service = make_service(_load(first), loader=loader)
+    previous = service.model.version
+    swapped = service.reload(None)
+    assert swapped["previous_version"] == previous != swapped["version"] == service.model.version
+    answer = service.predict(NAME, None, _inputs(), protocol="http")
+    assert answer.model_version == swapped["version"]
+
+
 def test_a_loader_that_raises_anything_is_a_checkpoint_error(checkpoints, make_service) -> None:
     def loader(path: str | None) -> LoadedModel:
         if path is None:
