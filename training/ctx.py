@@ -213,7 +213,7 @@ class EmbeddingCtx:
         its label tensors ([batch, ...] each, in their own dtype; float64 becomes float32); no
         gradients outside TrainCtx.
 
-        Outside TrainCtx (EVAL, INFERENCE) the model runs in eval mode, as the checkpoint's
+        Outside TrainCtx (whose forward trains) the model runs in eval mode, as the checkpoint's
         TorchScript model is saved and served: dropout off, batch norm on its running
         statistics. Each module's own mode is put back afterwards. (A TrainCtx leaves its
         model in training mode, and an ``eval_ctx`` sharing it would otherwise score with
