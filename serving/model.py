@@ -376,6 +376,36 @@ class LoadedModel:
                     f"{list(output.shape)} for a batch of {batch_size}; expected "
                     f"[{batch_size}, 1]"
                 )
+        self._warn_if_rows_depend_on_each_other()
+
+    def _warn_if_rows_depend_on_each_other(self, rows: int = 8) -> None:
+        """Log a warning when the dense model answers a row differently alone than among
+        others (on random inputs, beyond rounding): a model that mixes its batch's rows
+        (normalizes over the batch, a batch norm left in training mode) gives each client an
+        answer that depends on the requests dynamic batching merged with it, and on none of
+        them in training's eval. It is still served, as loaded."""
+        non_ids, embeddings = self._random_dense_inputs(rows, seed=1)
+        try:
+            with torch.inference_mode():
+                whole = self.dense(non_ids, embeddings)
+                alone = [
+                    self.dense([t[i : i + 1] for t in non_ids], [t[i : i + 1] for t in embeddings])
+                    for i in range(rows)
+                ]
+            together = whole.reshape(rows, -1).to(torch.float32)
+            single = torch.cat([a.reshape(1, -1).to(torch.float32) for a in alone])
+        except Exception:  # random inputs it cannot take: warm-up passed, requests decide
+            return
+        if not onednn_linear.outputs_match(single, together):
+            log.warning(
+                "model %s version %s: the dense model answers a row differently alone than in "
+                "a batch of %d: each answer depends on the other requests merged with it "
+                "(--max-batch-size, --max-queue-delay-ms) and the rows of its own request; "
+                "does it normalize over the batch, or hold a batch norm in training mode?",
+                self.name,
+                self.version,
+                rows,
+            )
 
     def close(self) -> None:
         if self.owns_tier:

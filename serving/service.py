@@ -421,11 +421,23 @@ class PredictionService:
                 raise InvalidArgumentError(
                     f"instances could not be preprocessed: {error}"
                 ) from None
+            if not isinstance(batch, Batch):
+                # The preprocessor's bug, not the client's: a 500, its message in the log.
+                raise TypeError(f"the preprocessor returned a {type(batch).__name__}, not a Batch")
             if batch.batch_size > self.max_request_batch_size:
                 # A property of the request, not of the server's load: 400, never retried.
                 raise InvalidArgumentError(
                     f"batch size {batch.batch_size} exceeds this server's max batch size "
                     f"{self.max_request_batch_size}"
+                )
+            if batch.batch_size != len(instances):
+                # Answers are matched to instances by position: a row dropped or added
+                # would give every later instance another one's prediction, with a 200.
+                # The preprocessor's bug, not the client's: a 500, its message in the log.
+                raise ValueError(
+                    f"the preprocessor returned a batch of {batch.batch_size} sample(s) for "
+                    f"{len(instances)} instance(s); it must give one sample per instance, in "
+                    "order"
                 )
             model.signature.check(batch)
             tensors.require_finite_features(batch)
@@ -479,8 +491,17 @@ class PredictionService:
             self._loop_batchers[loop] = batcher
         return batcher
 
-    def _answer(self, batch: Batch, result: BatchOutcome) -> Prediction:
+    def _answer(self, batch: Batch, result: BatchOutcome, version: str | None = None) -> Prediction:
         served_version, merged_fallback, merged_unknown, merged_ids, all_finite = result.context
+        if version and served_version != version:
+            # The request named a version (.../versions/V/infer) and a reload swapped in
+            # another while it waited for its batch: V no longer serves, and another
+            # version's answer is not what was asked for.
+            raise NotFoundError(
+                f"model {self.name!r} version {version!r} was replaced by version "
+                f"{served_version!r} while this request waited; the served version is "
+                f"{served_version!r}"
+            )
         self.metrics.queue_latency.observe(result.queue_seconds)
         if not all_finite:
             tensors.require_finite_predictions(result.predictions)
@@ -614,7 +635,7 @@ class PredictionService:
                 if gone[0] >= deadline - _DEADLINE_SLACK_SECONDS:
                     raise _deadline(wait)
                 raise CancelledError
-            answered.append(self._answer(batch, result))
+            answered.append(self._answer(batch, result, version))
         return answered[0]
 
     async def predict_async(
@@ -649,7 +670,7 @@ class PredictionService:
                     result = await asyncio.wait_for(queued, timeout=wait)
                 except TimeoutError:
                     raise _deadline(wait) from None
-            prediction = self._answer(batch, result)
+            prediction = self._answer(batch, result, version)
             served = prediction.model_version
             outcome = "ok"
             return prediction
@@ -680,7 +701,11 @@ class PredictionService:
             old = self._model
             try:
                 new = self._load_for_reload(checkpoint_dir)
-                if new.signature != old.signature:
+                # The inputs only: requests are validated against them (and a batch built
+                # for one version may run on the other), while label names are training's
+                # business, and a model retrained with its label renamed serves the same.
+                served = (old.signature.id_features, old.signature.non_id_features)
+                if (new.signature.id_features, new.signature.non_id_features) != served:
                     new.close()
                     raise CheckpointError(
                         "the new checkpoint's feature signature differs from the served one; "

@@ -12,11 +12,12 @@ order).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, cast, overload
@@ -219,13 +220,34 @@ class EmbeddingCtx:
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Model output for ``batch`` (the dense model's shape, e.g. float32 [batch, 1]) and
         its label tensors ([batch, ...] each, in their own dtype; float64 becomes float32); no
-        gradients outside TrainCtx."""
+        gradients outside TrainCtx.
+
+        Outside TrainCtx (whose forward trains) the model runs in eval mode, as the checkpoint's
+        TorchScript model is saved and served: dropout off, batch norm on its running
+        statistics. Each module's own mode is put back afterwards. (A TrainCtx leaves its
+        model in training mode, and an ``eval_ctx`` sharing it would otherwise score with
+        dropout: other numbers than the server gives for the same rows, and different ones
+        on every call.)"""
         if self.model is None:
             raise FailedPreconditionError(f"{type(self).__name__} was created without a model")
         non_ids, embeddings, labels = self.prepare_features(batch)
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(self.model):
             output = self.model(non_ids, embeddings)
         return output, labels
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block; then each module's own mode as it was (not the
+    root's with ``train(mode)``, which would also switch a part kept in eval mode, such as a
+    frozen layer, to training)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> EmbeddingCtx:
@@ -526,7 +548,11 @@ class TrainCtx(EmbeddingCtx):
         """Model output (with autograd; the dense model's shape, e.g. float32 [batch, 1]) and
         the label tensors (one per label, [batch, ...], in the label's own dtype: float64
         becomes float32, integer class labels stay integers) of one training batch."""
-        self.model.train()
+        if not self.dense_model.training:  # under DDP, eval() may be the wrapped model's
+            # Only a model switched to eval as a whole (for an evaluation) is switched back: a
+            # part its trainer keeps in eval mode (a frozen batch norm, a frozen dropout)
+            # stays so, as the checkpoint's TorchScript model keeps it.
+            self.model.train()
         non_ids, embeddings, labels = self.prepare_features(batch)
         with torch.autocast(
             device_type=self.device.type, dtype=torch.float16, enabled=self.mixed_precision

@@ -334,8 +334,17 @@ def test_a_model_whose_rows_depend_on_each_other_is_not_chunked(tmp_path, caplog
     try:
         assert model.large_batch_dense is None
         assert "outputs differ from the loaded model's on 53 rows; not used" in caplog.text
+        # Dynamic batching makes each answer depend on the other requests: said at load.
+        assert "answers a row differently alone than in a batch of 8" in caplog.text
     finally:
         model.close()
+
+
+def test_a_model_whose_rows_are_independent_loads_without_that_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="serving.model"):
+        model = load_model(_checkpoint(tmp_path / "mlp", Mlp()), name="m", onednn_min_rows=0)
+    model.close()
+    assert "differently alone" not in caplog.text
 
 
 def test_without_onednn_every_batch_runs_the_loaded_model(checkpoint, monkeypatch, caplog):

@@ -12,24 +12,32 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
 from types import SimpleNamespace
+from typing import List  # noqa: UP035  (TorchScript reads the forward signature)
 
 import numpy as np
 import pytest
 import torch
 
+from embedding_store import model_checkpoint
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
+from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
+    http_status_of,
 )
+from embedding_store.shard import RowBlock
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from embedding_store.tier import InProcessEmbeddingTier
 from serving import service as service_module
+from serving.infer_ctx import InferCtx
 from serving.model import LoadedModel, load_model
 from serving.service import MAX_WAIT_SECONDS, PredictionService, _share
-from tests.unit.test_onednn_linear import Mlp, _checkpoint
+from serving.tensors import tensors_to_batch
+from tests.unit.test_onednn_linear import SIGNATURE, Mlp, _checkpoint
 
 NAME = "m"
 WAIT = 30.0  # s: the bound of any wait for another thread (a slow CI machine)
@@ -146,6 +154,50 @@ def test_forgetting_a_version_served_again_keeps_its_series(checkpoints, make_se
     assert _requests(service, version, "ok") == 1.0
 
 
+class _Wide(torch.nn.Module):
+    """The signature of Mlp's checkpoints over 8-dim embeddings instead of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2 * 8 + 3, 1)
+
+    def forward(self, non_id_tensors: List[torch.Tensor], embedding_tensors: List[torch.Tensor]):  # noqa: UP006
+        return self.linear(torch.cat(embedding_tensors + non_id_tensors, dim=1))
+
+
+def test_a_reload_to_other_embedding_dims_answers_wholly_from_the_new_checkpoint(
+    checkpoints, make_service, tmp_path
+):
+    """Same inputs, other embedding dims (and so another dense model): the reload swaps the
+    pair at once, and answers are the new checkpoint's own, bit for bit, named by its
+    version."""
+    config = embedding_config_from_mapping(
+        {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": 8}, "item": {"dim": 8}}}
+    )
+    tier = InProcessEmbeddingTier(config, capacity=1000)
+    ids = np.concatenate(
+        [config.prefix_ids(n, np.arange(50, dtype=np.uint64)) for n in ("user", "item")]
+    )
+    weights = np.random.default_rng(1).normal(size=(ids.size, 8)).astype(np.float32)
+    tier.shards[0].import_rows(RowBlock(ids, weights, None))
+    torch.manual_seed(1)
+    wide = tmp_path / "wide"
+    try:
+        model_checkpoint.write_checkpoint(wide, _Wide(), None, tier, step=3, signature=SIGNATURE)
+    finally:
+        tier.close()
+    service = make_service(_load(checkpoints[0]), loader=lambda path: _load(Path(path)))
+    service.reload(str(wide))
+    answer = service.predict(NAME, None, _inputs(3), protocol="http")
+    with InferCtx(checkpoint=wide) as offline:
+        expected = offline.forward(
+            tensors_to_batch(offline.model.signature, _inputs(3), max_batch_size=8)
+        )
+        version = offline.model.version
+    assert answer.model_version == version
+    np.testing.assert_array_equal(answer.outputs["prediction"], expected)
+
+
 def test_without_a_loader_reload_is_unavailable(checkpoints, make_service) -> None:
     service = make_service(_load(checkpoints[0]))
     with pytest.raises(UnavailableError, match="started without a checkpoint loader"):
@@ -175,6 +227,24 @@ def test_a_reload_that_changes_the_signature_is_refused_and_the_old_version_serv
     assert service.last_reload_error is not None
     assert "feature signature differs" in service.last_reload_error
     assert service.predict(NAME, None, _inputs(), protocol="http").model_version == old.version
+
+
+def test_a_reload_whose_label_names_differ_swaps(checkpoints, make_service) -> None:
+    """A model retrained with its label renamed takes the same inputs: not refused as a
+    change of signature."""
+    first, second = checkpoints
+
+    def loader(path: str | None) -> LoadedModel:
+        model = _load(second)
+        model.signature = dataclasses.replace(model.signature, label_names=("clicked",))
+        return model
+
+    service = make_service(_load(first), loader=loader)
+    previous = service.model.version
+    swapped = service.reload(None)
+    assert swapped["previous_version"] == previous != swapped["version"] == service.model.version
+    answer = service.predict(NAME, None, _inputs(), protocol="http")
+    assert answer.model_version == swapped["version"]
 
 
 def test_a_loader_that_raises_anything_is_a_checkpoint_error(checkpoints, make_service) -> None:
@@ -401,6 +471,40 @@ def test_a_request_is_counted_under_the_version_that_answered_it(checkpoints, ma
     assert _requests(service, answering.version, "ok", "grpc") == 1.0
 
 
+def test_a_request_for_a_version_replaced_while_it_waited_is_not_found(checkpoints, make_service):
+    """A request naming version A that a reload replaced by B before its batch ran: B's
+    answer is not what it asked for (404, on both paths); one naming no version takes B's."""
+    first, second = checkpoints
+    old, new = _load(first), _load(second)
+    assert old.version != new.version
+    service = make_service(old)
+    with service._series_lock:
+        service._create_series(new.version)  # as reload does before its swap
+    build = service._tensor_builder
+
+    def build_then_swap(inputs):
+        def swapping(model):
+            batch = build(inputs)(model)
+            service._model = new  # what reload's swap does while the request waits
+            return batch
+
+        return swapping
+
+    service._tensor_builder = build_then_swap  # type: ignore[method-assign]
+    message = f"version '{old.version}' was replaced by version '{new.version}' while"
+    with pytest.raises(NotFoundError, match=message):
+        service.predict(NAME, old.version, _inputs(), protocol="http")
+    service._model = old
+    with pytest.raises(NotFoundError, match=message):
+        asyncio.run(service.predict_async(NAME, old.version, _inputs(), protocol="grpc"))
+    service._model = old
+    unpinned = service.predict(NAME, None, _inputs(), protocol="http")
+    assert unpinned.model_version == new.version
+    assert _requests(service, new.version, "NotFoundError", "grpc") == 1.0
+    service._model = old  # the fixture closes it
+    new.close()
+
+
 def test_a_request_that_timed_out_while_queued_is_not_computed(checkpoints, make_service):
     model = _load(checkpoints[0])
     blocked = _Blocked(model)
@@ -485,6 +589,30 @@ def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make
         )
         with pytest.raises(InvalidArgumentError, match=expected[name]):
             service.predict_instances(NAME, _rows(2), protocol="http")
+
+
+def test_a_preprocessor_that_drops_adds_or_returns_no_batch_is_its_own_bug(
+    checkpoints, make_service
+):
+    """Answers are matched to instances by position: a preprocessor that drops or adds a
+    sample (within the request limit) gave the later instances other rows' predictions with a
+    200. It, or one that returns no Batch, is the server's bug: a 500 (not the client's 400),
+    and the server goes on answering."""
+    outputs = {
+        "drops": (lambda rows: _rows_to_batch(rows[1:]), ValueError, "batch of 2 sample"),
+        "adds": (lambda rows: _rows_to_batch(rows + rows[:1]), ValueError, "batch of 4 sample"),
+        "dict": (lambda rows: {"user": [1]}, TypeError, "returned a dict, not a Batch"),
+    }
+    for preprocessor, kind, message in outputs.values():
+        service = make_service(
+            _load(checkpoints[0]), max_request_batch_size=8, preprocessor=preprocessor
+        )
+        with pytest.raises(kind, match=message) as raised:
+            service.predict_instances(NAME, _rows(3), protocol="http")
+        assert http_status_of(raised.value) == 500
+        assert _requests(service, service.model.version, "error") == 1
+        answer = service.predict(NAME, None, _inputs(), protocol="http")
+        assert answer.outputs["prediction"].shape == (2, 1)
 
 
 # --------------------------------------------------------------------------- drain, tier

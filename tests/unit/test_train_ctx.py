@@ -266,6 +266,72 @@ def test_eval_ctx_keeps_embedding_hyperparameters():
         train_steps(ctx, 2, offset=10)  # training continues with the same tier
 
 
+class DropoutModel(torch.nn.Module):
+    """Dropout after the first layer; ``frozen`` is one a test puts in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4 + 4 + 2, 16)
+        self.dropout = torch.nn.Dropout(0.5)
+        self.frozen = torch.nn.Dropout(0.5)
+        self.last = torch.nn.Linear(16, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        x = torch.relu(self.first(torch.cat(embedding_tensors + non_id_tensors, dim=1)))
+        return self.last(self.frozen(self.dropout(x)))
+
+
+def test_eval_ctx_scores_in_eval_mode_as_the_server_does(tmp_path):
+    """TrainCtx leaves its model in training mode: an eval_ctx sharing it scored with dropout
+    on (different numbers on every call, and not the server's). It must score as the
+    checkpoint's served model does, and leave each module's mode as it was."""
+    from serving.infer_ctx import InferCtx
+
+    torch.manual_seed(0)
+    model = DropoutModel()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "checkpoint")
+        model.frozen.eval()  # the modes as they were come back, module by module
+        batch = make_batch(100, labels=False)
+        first, _ = eval_ctx(ctx).forward(batch)
+        second, _ = eval_ctx(ctx).forward(batch)
+        assert torch.equal(first, second)
+        assert model.training and model.dropout.training and not model.frozen.training
+    with InferCtx(checkpoint=tmp_path / "checkpoint") as infer:
+        served = infer.forward(batch)
+    np.testing.assert_array_equal(first.numpy(), served)
+
+
+def test_training_keeps_a_part_kept_in_eval_mode_so():
+    """TrainCtx.forward switched every module to training on every step, so a layer its
+    trainer froze in eval mode (here a dropout) trained with it on. Only a model switched to
+    eval as a whole is switched back."""
+    torch.manual_seed(0)
+    model = DropoutModel()
+    model.frozen.eval()
+    with TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        train_steps(ctx, 1)
+        assert model.training and model.dropout.training and not model.frozen.training
+        model.eval()  # an evaluation, by hand: the next step trains the whole model again
+        train_steps(ctx, 1)
+        assert model.training and model.dropout.training and model.frozen.training
+
+
 def test_backward_without_forward_and_unlabeled_batches_are_refused():
     with new_ctx() as ctx:
         with pytest.raises(FailedPreconditionError, match="without a forward"):
