@@ -418,6 +418,9 @@ class PredictionService:
             except RecserveError:
                 raise
             except (KeyError, TypeError, ValueError) as error:
+                # The client's rows, most likely (a 400); the traceback at debug level for an
+                # operator whose own preprocessor is at fault (recserve --log-level debug).
+                log.debug("the preprocessor refused %d instance(s)", len(instances), exc_info=True)
                 raise InvalidArgumentError(
                     f"instances could not be preprocessed: {error}"
                 ) from None

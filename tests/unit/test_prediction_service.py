@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -568,9 +569,11 @@ def test_rows_up_to_the_request_limit_are_preprocessed_and_answered(checkpoints,
     assert seen == [3]  # the 4 rows were refused before the preprocessor ran
 
 
-def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make_service):
+def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make_service, caplog):
     """A preprocessor's KeyError/TypeError/ValueError, a batch larger than the limit or one
-    that does not match the model's signature: InvalidArgumentError (a 400), never a 500."""
+    that does not match the model's signature: InvalidArgumentError (a 400), never a 500.
+    The preprocessor's own traceback goes to the debug log (its operator may be at fault)."""
+    caplog.set_level(logging.DEBUG, logger="serving.service")
     outputs = {
         "raises": lambda rows: _rows_to_batch([{**row, "dense": "x"} for row in rows]),
         "grows": lambda rows: _rows_to_batch(rows * 2),
@@ -589,6 +592,9 @@ def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make
         )
         with pytest.raises(InvalidArgumentError, match=expected[name]):
             service.predict_instances(NAME, _rows(2), protocol="http")
+    logged = [r for r in caplog.records if r.name == "serving.service"]
+    assert [r.getMessage() for r in logged] == ["the preprocessor refused 2 instance(s)"]
+    assert logged[0].levelno == logging.DEBUG and logged[0].exc_info[0] is ValueError
 
 
 def test_a_preprocessor_that_drops_adds_or_returns_no_batch_is_its_own_bug(
