@@ -7,6 +7,7 @@ their order because the dense model receives its embedding tensors in that order
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -14,6 +15,17 @@ import numpy as np
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import BatchValidationError, CheckpointError
+
+_FLOAT64 = np.dtype(np.float64)
+_FLOAT32 = np.dtype(np.float32)
+
+
+def model_dtype(dtype: np.dtype | str) -> np.dtype:
+    """The dtype the dense model receives a non-ID feature of ``dtype`` in, in training
+    (``training.ctx``) and serving alike: float64 becomes float32, any other dtype stays (an
+    int64 timestamp reaches the model as int64, so ``ts // 3600`` answers the same in both)."""
+    dtype = np.dtype(dtype)
+    return _FLOAT32 if dtype == _FLOAT64 else dtype
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,12 @@ class FeatureSignature:
     id_features: tuple[IdFeatureSpec, ...]
     non_id_features: tuple[NonIdFeatureSpec, ...]
     label_names: tuple[str, ...] = ()
+
+    @property
+    def model_dtypes(self) -> tuple[np.dtype, ...]:
+        """:func:`model_dtype` of each non-ID feature, in order (cached per signature: read
+        on every merged batch)."""
+        return _model_dtypes(self)
 
     def __hash__(self) -> int:
         # Serving keys per-signature caches by the signature on every request; hashing 16-27
@@ -150,3 +168,9 @@ class FeatureSignature:
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{source}: malformed feature signature: {error!r}") from None
         return signature
+
+
+@functools.lru_cache(maxsize=64)
+def _model_dtypes(signature: FeatureSignature) -> tuple[np.dtype, ...]:
+    # Keyed by the signature, whose hash is cached: a hit costs one dict lookup.
+    return tuple(model_dtype(spec.dtype) for spec in signature.non_id_features)

@@ -18,6 +18,7 @@ import torch
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig, load_embedding_config
 from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
+from embedding_store.signature import model_dtype
 from embedding_store.tier import EmbeddingTier
 from embedding_store.worker import LookupResult
 from serving import tensors
@@ -102,8 +103,9 @@ class InferCtx:
         if self.model is not None:
             self.model.signature.check(batch)
         lookup = self.get_embedding_from_data(batch)
+        # In the dtypes training hands the model (float64 -> float32, integers as they are).
         non_ids = [
-            torch.from_numpy(np.array(f.data, dtype=np.float32, copy=True))
+            torch.from_numpy(np.array(f.data, dtype=model_dtype(f.data.dtype), copy=True))
             for f in batch.non_id_type_features
         ]
         labels = [torch.from_numpy(np.array(label.data, copy=True)) for label in batch.labels]

@@ -169,10 +169,17 @@ class LoadedModel:
         return LookupResult(slots=tuple(slots))
 
     def forward(self, batch: Batch, lookup: LookupResult) -> np.ndarray:
-        """Dense model on looked-up embeddings: float32 [batch, 1] after the output transform."""
+        """Dense model on looked-up embeddings: float32 [batch, 1] after the output transform.
+
+        Each non-ID feature reaches the model in the dtype training handed it
+        (:attr:`FeatureSignature.model_dtypes`: float32 for float32/float64 data, an integer
+        feature as its integer dtype), in one copy per feature (the batch's arrays are
+        read-only), as before for float32."""
         non_ids = [
-            torch.from_numpy(np.array(f.data, dtype=np.float32, copy=True))
-            for f in batch.non_id_type_features
+            torch.from_numpy(np.array(f.data, dtype=dtype, copy=True))
+            for f, dtype in zip(
+                batch.non_id_type_features, self.signature.model_dtypes, strict=True
+            )
         ]
         embeddings = [slot.embeddings for slot in lookup.slots]
         with torch.inference_mode():
@@ -317,8 +324,13 @@ class LoadedModel:
         batch = self.example_batch(rows)
         lookup = self.default_lookup(batch)  # shapes only: no call to the embedding tier
         generator = torch.Generator().manual_seed(seed)
+        # In the dtypes served (an integer feature's N(0, 1) draws truncated, as serving
+        # truncates what a client sends for it).
         non_ids = [
-            torch.randn(np.shape(f.data), generator=generator) for f in batch.non_id_type_features
+            torch.randn(np.shape(f.data), generator=generator).to(_torch_dtype(dtype))
+            for f, dtype in zip(
+                batch.non_id_type_features, self.signature.model_dtypes, strict=True
+            )
         ]
         embeddings = [
             torch.randn(slot.embeddings.shape, generator=generator) for slot in lookup.slots
@@ -410,6 +422,11 @@ class LoadedModel:
     def close(self) -> None:
         if self.owns_tier:
             self.tier.close()
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """torch's dtype for numpy ``dtype``."""
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
 def error_summary(error: BaseException) -> str:

@@ -44,7 +44,7 @@ from embedding_store.errors import (
 from embedding_store.initializer import InitializationConfig
 from embedding_store.model_checkpoint import CheckpointManifest
 from embedding_store.optimizers import Optimizer
-from embedding_store.signature import FeatureSignature
+from embedding_store.signature import FeatureSignature, model_dtype
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from training import distributed
 from training.distributed import DDPOption
@@ -69,10 +69,9 @@ class PreprocessMode(Enum):
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A numpy array (possibly read-only) as a tensor on ``device``; float64 becomes float32."""
-    tensor = torch.from_numpy(np.array(array, copy=True))
-    if tensor.dtype == torch.float64:
-        tensor = tensor.float()
+    """A numpy array (possibly read-only) as a tensor on ``device``; float64 becomes float32,
+    other dtypes stay (:func:`model_dtype`, the rule serving follows too)."""
+    tensor = torch.from_numpy(np.array(array, dtype=model_dtype(array.dtype), copy=True))
     return tensor.to(device, non_blocking=True)
 
 
