@@ -32,7 +32,7 @@ from embedding_store.checkpoint_manifest import (
     read_manifest,
 )
 from embedding_store.checkpoint_publish import (
-    check_target,
+    check_embedding_target,
     publish_directory,
     staging_directory_for,
     write_atomic,
@@ -159,7 +159,7 @@ def dump_embeddings(
 ) -> EmbeddingManifest:
     """Dump in-process shards (``shards[i]`` is replica i) as one checkpoint, atomically."""
     target = Path(directory)
-    check_target(target, overwrite=overwrite)
+    check_embedding_target(target, overwrite=overwrite)
     staging = staging_directory_for(target)
     try:
         entries: list[FileEntry] = []

@@ -98,6 +98,27 @@ def check_target(target: Path, *, overwrite: bool, only_checkpoints: bool = True
         )
 
 
+#: What only a model checkpoint (:mod:`embedding_store.model_checkpoint`) holds at its top
+#: level: its manifest and dense files. Named here, not imported: model_checkpoint imports
+#: this module.
+MODEL_CHECKPOINT_FILES = ("manifest.json", "dense.pt", "jit_dense.pt", "opt.pt", "scaler.pt")
+
+
+def check_embedding_target(target: Path, *, overwrite: bool) -> None:
+    """:func:`check_target` for an embedding-only checkpoint, which also refuses a model
+    checkpoint's directory, ``overwrite`` or not: replacing it would delete the dense model
+    (an embedding dump belongs in a directory of its own)."""
+    if target.is_dir():
+        found = [name for name in MODEL_CHECKPOINT_FILES if (target / name).exists()]
+        if found:
+            raise AlreadyExistsError(
+                f"{target} is a model checkpoint (it holds {', '.join(found)}): an embedding "
+                "dump there would replace it and delete its dense model, --overwrite or not; "
+                "dump to a different directory"
+            )
+    check_target(target, overwrite=overwrite)
+
+
 def _replace_in_two_renames(staging: Path, target: Path) -> None:
     """Where paths cannot be swapped atomically: ``target`` renamed away, ``staging`` renamed
     to it. A crash between the two leaves the old checkpoint at ``retired``, which

@@ -382,7 +382,7 @@ class RemoteShardTier:
     ) -> checkpoint_manifest.EmbeddingManifest:
         self._wait_for_gradients(f"dump to {directory}")
         target = Path(directory).absolute()
-        checkpoint_publish.check_target(target, overwrite=overwrite)
+        checkpoint_publish.check_embedding_target(target, overwrite=overwrite)
         staging = checkpoint_publish.staging_directory_for(target)
         total = len(self.clients)
         done = 0

@@ -556,3 +556,48 @@ def test_reshard_to_a_taken_target_is_refused_before_reading(written, tmp_path, 
     with pytest.raises(AlreadyExistsError, match="already exists; refusing to overwrite"):
         checkpoint_write.reshard(written, 3, taken)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def _model_checkpoint_files(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def test_an_embedding_dump_never_replaces_a_model_checkpoint(tmp_path: Path) -> None:
+    """A model checkpoint holds a DONE marker too: --overwrite used to replace it by an
+    embedding-only one, deleting its dense model. Refused, in process and from a remote tier
+    (``recserve embedding-tier dump``), naming the directory, and left as it was."""
+    from embedding_store import model_checkpoint
+    from embedding_store.remote_tier import RemoteShardTier
+    from tests.unit.test_eval_tiny_checkpoint import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "model")
+    before = _model_checkpoint_files(model)
+    assert {"manifest.json", "dense.pt", "jit_dense.pt"} <= set(before)
+    message = (
+        rf"^{re.escape(str(model))} is a model checkpoint \(it holds manifest.json, dense.pt, "
+        r"jit_dense.pt\): .* dump to a different directory$"
+    )
+    with pytest.raises(AlreadyExistsError, match=message):
+        checkpoint_dump.dump_embeddings(_shards(), model, CONFIG, overwrite=True)
+    # The remote tier's dump checks before it asks any shard: no client is needed to see it.
+    remote = RemoteShardTier.__new__(RemoteShardTier)
+    remote._wait_for_gradients = lambda what: None  # type: ignore[method-assign]
+    with pytest.raises(AlreadyExistsError, match=message):
+        remote._dump(model, overwrite=True, progress=lambda *a: None, caller_gone=lambda: False)
+    assert _model_checkpoint_files(model) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+    model_checkpoint.read_manifest(model)
+
+
+def test_the_model_checkpoint_files_named_for_the_guard_are_model_checkpoints() -> None:
+    from embedding_store import model_checkpoint as mc
+
+    assert checkpoint_publish.MODEL_CHECKPOINT_FILES == (
+        mc.MANIFEST_NAME,
+        mc.DENSE_FILE,
+        mc.JIT_FILE,
+        mc.OPTIMIZER_FILE,
+        mc.SCALER_FILE,
+    )
