@@ -38,6 +38,7 @@ from embedding_store.errors import (
     public_message_of,
 )
 from embedding_store.renewing_channel import RenewingTierChannel
+from embedding_store.small_files import MAX_TOKEN_FILE_BYTES, read_small_file
 from embedding_store.tls import PemFile, check_key_pair, read_certificates, read_private_key
 from embedding_store.tls_reload import (
     DEFAULT_RELOAD_SECONDS,
@@ -106,7 +107,7 @@ def tier_token() -> str | None:
     """The shared token from ``RECSERVE_TIER_TOKEN`` or the file ``RECSERVE_TIER_TOKEN_FILE``
     names, or None (no authentication: the tier's ports must then be reachable only by its
     own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable, empty
-    or non-UTF-8 file."""
+    or non-UTF-8 file, or one over 1 MiB (MAX_TOKEN_FILE_BYTES: the wrong file)."""
     token = os.environ.get(TOKEN_VARIABLE, "").strip()  # `echo` and --from-file add "\n"
     where = TOKEN_VARIABLE
     if not token:
@@ -115,7 +116,8 @@ def tier_token() -> str | None:
             return None
         where = f"{TOKEN_FILE_VARIABLE}={path}"
         try:
-            token = Path(path).read_text(encoding="utf-8").strip()
+            raw = read_small_file(path, where, "a token", MAX_TOKEN_FILE_BYTES)
+            token = raw.decode("utf-8").strip()
         except UnicodeDecodeError:
             raise InvalidArgumentError(f"{where}: not valid UTF-8 text") from None
         except OSError as error:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from embedding_store.errors import InvalidArgumentError
+from embedding_store.small_files import MAX_PEM_FILE_BYTES, read_small_file
 
 _CERTIFICATE_BEGIN = b"-----BEGIN CERTIFICATE-----"
 _KEY_BEGIN = re.compile(rb"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----")
@@ -49,7 +50,7 @@ def _path_of(option: str, path: object) -> Path:
 def _read(option: str, path: object) -> PemFile:
     where = _path_of(option, path)
     try:
-        data = where.read_bytes()
+        data = read_small_file(where, f"{option} {where}", "a PEM file", MAX_PEM_FILE_BYTES)
     except OSError as error:
         raise InvalidArgumentError(
             f"{option} {where}: cannot read it: {error.strerror or error}"

@@ -318,6 +318,7 @@ def _token_problem(token: str) -> str | None:
 
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin token from --admin-token, --admin-token-file or RECSERVE_ADMIN_TOKEN."""
+    from embedding_store.small_files import MAX_TOKEN_FILE_BYTES, read_small_file
     from serving.options import ADMIN_TOKEN_VARIABLE
 
     if args.admin_token is not None:
@@ -325,7 +326,8 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     if args.admin_token_file is not None:
         source = f"--admin-token-file {args.admin_token_file}"
         try:
-            token = args.admin_token_file.read_text(encoding="utf-8").strip()
+            raw = read_small_file(args.admin_token_file, source, "a token", MAX_TOKEN_FILE_BYTES)
+            token = raw.decode("utf-8").strip()
         except OSError as error:
             raise InvalidArgumentError(f"{source}: {error.strerror or error}") from None
         except UnicodeDecodeError:
