@@ -137,15 +137,16 @@ def test_rank_0_writes_after_every_rank_and_its_failure_fails_every_rank(
 
     events: list = []
     monkeypatch.setattr(training_checkpoint.distributed, "rank", lambda: rank)
+    # The checkpoint's own barrier and agreement (on the long-timeout group).
     monkeypatch.setattr(
-        training_checkpoint.distributed, "barrier", lambda: events.append("barrier")
+        training_checkpoint.distributed, "checkpoint_barrier", lambda: events.append("barrier")
     )
 
     def all_agree(ok: bool) -> bool:
         events.append(("all_agree", ok))
         return ok and others_agree
 
-    monkeypatch.setattr(training_checkpoint.distributed, "all_agree", all_agree)
+    monkeypatch.setattr(training_checkpoint.distributed, "checkpoint_agree", all_agree)
 
     def write_checkpoint(directory, *args, **kwargs):
         events.append("write")
