@@ -314,10 +314,10 @@ def test_a_request_answered_by_a_replaced_version_never_brings_its_series_back(
     answered, reloaded = threading.Event(), threading.Event()
     answer = service._answer
 
-    def late_answer(batch: Batch, result: Any) -> Any:
+    def late_answer(batch: Batch, result: Any, version: str | None = None) -> Any:
         answered.set()
         assert reloaded.wait(30)
-        return answer(batch, result)
+        return answer(batch, result, version)
 
     service._answer = late_answer  # type: ignore[method-assign]
     versions: list[str] = []
