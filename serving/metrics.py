@@ -5,7 +5,9 @@ reaches any one of them: they keep their metrics in prometheus_client's multipro
 (:data:`MULTIPROCESS_VARIABLE`, a fresh directory the parent gives its processes), and each
 answers ``/metrics`` with every process's counters and histograms summed. Gauges combine
 as their help says: pending requests add up, ready and tier serving are their minimum, the
-checkpoint age and version mismatches their maximum.
+checkpoint age and version mismatches their maximum. The series of a version that no process
+serves any more are left out of the answer (:class:`_ServedVersionsOnly`), as one process
+removes them.
 """
 
 from __future__ import annotations
