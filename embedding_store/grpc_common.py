@@ -503,16 +503,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def parse_request(
-    request_class: type[Message], payload: bytes, context: grpc.ServicerContext
+    request_class: type[Message],
+    payload: bytes,
+    context: grpc.ServicerContext,
+    on_malformed: Callable[[InvalidArgumentError], None] | None = None,
 ) -> Any:
     """``payload`` parsed as ``request_class``; aborts INVALID_ARGUMENT naming the message if
-    it is malformed. Services parse in their handlers, not in gRPC's deserializer, because
-    gRPC answers INTERNAL when a deserializer fails: a client's garbage is the client's
-    error."""
+    it is malformed, after telling ``on_malformed`` (which counts it: the call never reaches
+    the method whose decorators count failures). Services parse in their handlers, not in
+    gRPC's deserializer, because gRPC answers INTERNAL when a deserializer fails: a client's
+    garbage is the client's error."""
     try:
         return request_class.FromString(payload)
     except DecodeError as error:
         problem = InvalidArgumentError(f"malformed {request_class.__name__}: {error}")
+        if on_malformed is not None:
+            on_malformed(problem)
         context.abort(status_code_of(problem), public_message_of(problem))
 
 
@@ -527,10 +533,22 @@ def _parsed_stream(request_class: type[Message], payloads: Iterator[bytes]) -> I
 Implementation = Callable[[Any, grpc.ServicerContext], Any]
 
 
+def _error_counter(errors: Any, method: str) -> Callable[[InvalidArgumentError], None]:
+    """Counts a malformed request of ``method`` in ``errors`` (a Counter by method, code)."""
+    child = errors.labels(method, grpc_code_name_of(InvalidArgumentError("")))
+    return lambda _problem: child.inc()
+
+
 def _parsing_handler(
-    call: Implementation, request_class: type[Message], *, streamed: bool
+    call: Implementation,
+    request_class: type[Message],
+    *,
+    streamed: bool,
+    on_malformed: Callable[[InvalidArgumentError], None] | None = None,
 ) -> Implementation:
-    """``call`` taking raw request bytes (or, ``streamed``, an iterator of them)."""
+    """``call`` taking raw request bytes (or, ``streamed``, an iterator of them).
+    ``on_malformed`` is told of a unary request that does not parse (a malformed message of
+    a stream fails inside ``call``, which counts it)."""
     if streamed:
 
         def parse_each(payloads: Iterator[bytes], context: grpc.ServicerContext) -> Any:
@@ -539,7 +557,7 @@ def _parsing_handler(
         return parse_each
 
     def parse_one(payload: bytes, context: grpc.ServicerContext) -> Any:
-        return call(parse_request(request_class, payload, context), context)
+        return call(parse_request(request_class, payload, context, on_malformed), context)
 
     return parse_one
 
@@ -551,6 +569,10 @@ def add_servicer(server: grpc.Server, servicer: object, service_name: str) -> No
     from embedding_store.proto import embedding_tier_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name[service_name]
+    # A servicer with RPC metrics (embedding_store.rpc_metrics) counts the failures of its
+    # methods there; a unary request that does not parse never reaches them, so it is
+    # counted here (rpc_errors_total{code="INVALID_ARGUMENT"}, not timed).
+    errors = getattr(getattr(servicer, "metrics", None), "errors", None)
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb, method.input_type.name)
@@ -562,7 +584,10 @@ def add_servicer(server: grpc.Server, servicer: object, service_name: str) -> No
         else:
             factory = grpc.unary_unary_rpc_method_handler
         handler = _parsing_handler(
-            getattr(servicer, method.name), request_class, streamed=method.client_streaming
+            getattr(servicer, method.name),
+            request_class,
+            streamed=method.client_streaming,
+            on_malformed=None if errors is None else _error_counter(errors, method.name),
         )
         handlers[method.name] = factory(
             handler, response_serializer=response_class.SerializeToString

@@ -6,7 +6,7 @@ manifest version, then rename) and loaded via ``POST /admin/reload``
 POST (it would reach one process of N), so its soak reloads through the ``--watch-seconds``
 watcher: it publishes the new version into the watched ``--checkpoint`` and polls ``/metrics``
 (at most 120 s plus two ``--watch-seconds``) until ``recserve_model_info`` reads 1 for it and
-0 for the old version (every process moved).
+not for the old version (every process moved).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def checkpoint_version(served: Path) -> str:
 def served_versions(http: str, model: str, timeout: float = 5.0) -> dict[str, float]:
     """``recserve_model_info`` of ``model`` in ``http``'s ``/metrics``, by version. A
     ``--workers`` server answers for all its processes: a version reads 1 while any process
-    serves it and 0 once none does (prometheus_client's ``livemax``)."""
+    serves it and no series once none does."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{http}/metrics", timeout=timeout) as response:
@@ -70,7 +70,7 @@ def reload_through_watcher(
     """The soak's reload of a ``recserve serve --workers N --watch-seconds S`` server, which
     refuses ``POST /admin/reload`` (it would reach one process of N): publish a new version
     into ``served`` (the watched ``--checkpoint``), then poll ``/metrics`` until
-    ``recserve_model_info`` reads 1 for the new version and 0 for the old one, i.e. every
+    ``recserve_model_info`` reads 1 for the new version and not for the old one, i.e. every
     process serves the new one. RuntimeError when that takes more than ``timeout`` seconds
     or the server exits meanwhile."""
     previous = checkpoint_version(served)

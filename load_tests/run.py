@@ -18,7 +18,7 @@ POST (it would reach one process of N), so such a soak needs ``--watch-seconds S
 ``--serve-args`` (refused up front without it) and reloads through the watcher: it publishes
 the new version into the watched ``--checkpoint`` and polls ``/metrics`` (at most 120 s plus
 two ``--watch-seconds``) until
-``recserve_model_info`` reads 1 for it and 0 for the old version (every process moved). Its
+``recserve_model_info`` reads 1 for it and not for the old version (every process moved). Its
 RSS is sampled per process: ``server`` (the supervisor holding the ports) and each serving
 process ``server.1`` .. ``server.N``. Each process is judged on its own by the rule that
 ``load_tests/memory.py`` describes: the warm-up and the reload's settling are left out, and

@@ -132,20 +132,32 @@ class InferenceServicer:
         naming it, where a failing deserializer makes gRPC answer INTERNAL."""
         return {
             name: grpc.unary_unary_rpc_method_handler(
-                _parsed(getattr(self, name), request_class),
+                _parsed(getattr(self, name), request_class, self._malformed_hook(name)),
                 response_serializer=response_class.SerializeToString,
             )
             for name, request_class, response_class in _METHODS
         }
 
+    def _malformed_hook(self, method: str) -> Callable[[BaseException], None] | None:
+        """What counts a ``method`` request that does not parse: an infer request, in
+        ``recserve_requests_total`` as HTTP counts an undecodable body (its model name
+        unread: ``unknown``)."""
+        record = self._record_rejected
+        if method != "ModelInfer" or record is None:
+            return None
+        return lambda problem: record("grpc", "", problem)
+
 
 def _parsed(
-    method: Callable[[Any, grpc.ServicerContext], Any], request_class: type
+    method: Callable[[Any, grpc.ServicerContext], Any],
+    request_class: type,
+    on_malformed: Callable[[BaseException], None] | None = None,
 ) -> Callable[[bytes, grpc.ServicerContext], Any]:
-    """``method`` taking the raw request bytes: parsed here, INVALID_ARGUMENT if malformed."""
+    """``method`` taking the raw request bytes: parsed here, INVALID_ARGUMENT if malformed
+    (after telling ``on_malformed``)."""
 
     def handler(payload: bytes, context: grpc.ServicerContext) -> Any:
-        return method(parse_request(request_class, payload, context), context)
+        return method(parse_request(request_class, payload, context, on_malformed), context)
 
     return handler
 

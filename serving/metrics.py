@@ -5,7 +5,9 @@ reaches any one of them: they keep their metrics in prometheus_client's multipro
 (:data:`MULTIPROCESS_VARIABLE`, a fresh directory the parent gives its processes), and each
 answers ``/metrics`` with every process's counters and histograms summed. Gauges combine
 as their help says: pending requests add up, ready and tier serving are their minimum, the
-checkpoint age and version mismatches their maximum.
+checkpoint age and version mismatches their maximum. The series of a version that no process
+serves any more are left out of the answer (:class:`_ServedVersionsOnly`), as one process
+removes them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from embedding_store.rpc_metrics import LATENCY_BUCKETS
 
@@ -142,7 +146,7 @@ class ServingMetrics:
         )
         self.model_info = Gauge(
             "recserve_model_info",
-            "The served model version (value 1; 0 for a version no process serves now).",
+            "The served model version (value 1).",
             ["model", "version"],
             registry=r,
             multiprocess_mode="livemax",
@@ -193,7 +197,8 @@ class ServingMetrics:
     def set_model(self, model: str, version: str) -> None:
         if self.multiprocess_directory is None:
             self.model_info.clear()
-        elif self._served is not None:  # stored values cannot be removed: 0 says "not now"
+        elif self._served is not None:  # stored values cannot be removed: 0 says "not now",
+            # and the exposition drops such a version's series (_ServedVersionsOnly)
             self.model_info.labels(*self._served).set(0)
         self.model_info.labels(model=model, version=version).set(1)
         self._served = (model, version)
@@ -207,11 +212,9 @@ class ServingMetrics:
     def exposition(self) -> bytes:
         if self.multiprocess_directory is None:
             return generate_latest(self.registry)
-        from prometheus_client import multiprocess
-
         self._refresh()
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=self.multiprocess_directory)
+        registry.register(_ServedVersionsOnly(self.multiprocess_directory))
         return generate_latest(registry)
 
     def _refresh(self) -> None:
@@ -225,3 +228,42 @@ class ServingMetrics:
                 self._refresh()
             except Exception:  # a value read mid-reload: the next round gets it
                 continue
+
+
+class _ServedVersionsOnly(Collector):
+    """Every process's metrics (prometheus_client's multiprocess files in ``path``), less
+    the series of versions that no process serves any more.
+
+    A process cannot remove what it stored in its file, so each reload would otherwise leave
+    its replaced version's ``recserve_model_info`` (at 0) and its 14+ request series in every
+    scrape for the server's life: one more set per reload, without bound. They are dropped
+    here, as one process removes them (:meth:`ServingMetrics.forget`): a version is served
+    while ``recserve_model_info`` reads 1 for it (the maximum over the live processes).
+    """
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client import multiprocess
+
+        self._collector = multiprocess.MultiProcessCollector(None, path=path)
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self._collector.collect())
+        served = {
+            sample.labels.get("version")
+            for family in families
+            if family.name == _MODEL_INFO
+            for sample in family.samples
+            if sample.value > 0
+        }
+        for family in families:
+            if family.name == _MODEL_INFO:
+                family.samples = [sample for sample in family.samples if sample.value > 0]
+            elif family.name == _REQUESTS:
+                family.samples = [
+                    sample for sample in family.samples if sample.labels.get("version") in served
+                ]
+            yield family
+
+
+_MODEL_INFO = "recserve_model_info"
+_REQUESTS = "recserve_requests"

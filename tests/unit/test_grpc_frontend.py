@@ -368,6 +368,19 @@ def test_the_servicer_passes_cancellation_and_reports_undecodable_requests() -> 
     assert core.rejected == [("grpc", "m7", "InvalidArgumentError")]
 
 
+def test_an_infer_message_that_does_not_parse_is_counted_as_refused() -> None:
+    """As HTTP counts a body it cannot decode: the model name unread, so ``""`` (the core
+    labels it ``unknown``). Other methods count no prediction request."""
+    core = _ServiceLikeCore()
+    handlers = InferenceServicer(core).method_handlers()
+    for method in ("ModelInfer", "ModelMetadata"):
+        context = _Context()
+        with pytest.raises(_AbortedError):
+            handlers[method].unary_unary(b"\x0a\xff", context)
+        assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert core.rejected == [("grpc", "", "InvalidArgumentError")]
+
+
 def test_server_live_answers_what_the_core_says() -> None:
     core = _ServiceLikeCore()
     servicer = InferenceServicer(core)

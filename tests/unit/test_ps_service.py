@@ -504,6 +504,12 @@ def test_malformed_protobufs_are_invalid_argument_not_internal():
                 good.SerializeToString(), timeout=10
             )
             assert len(pb.LookupResponse.FromString(answer).rows) == 3 * 4 * 4
+        # Each counted once in rpc_errors_total, as the method's own failures are (the
+        # unary one fails before the method, the streamed one inside it).
+        value = process.servicer.metrics.registry.get_sample_value
+        for method in ("Lookup", "ImportRows"):
+            errors = {"method": method, "code": "INVALID_ARGUMENT"}
+            assert value("recserve_ps_rpc_errors_total", errors) == 1.0, method
     finally:
         process.stop(grace=0)
 

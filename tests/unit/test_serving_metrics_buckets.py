@@ -137,26 +137,69 @@ def _run_multiprocess(script: str, tmp_path):
     return run_python(script, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
 
 
-_MULTIPROCESS_MODEL_INFO = """
+_MULTIPROCESS_RELOADS = """
+from prometheus_client.parser import text_string_to_metric_families
+from serving.metrics import ServingMetrics
+
+metrics = ServingMetrics()
+for number in range(100):  # 100 reloads, each version answering one request
+    metrics.set_model("m", f"v{number}")
+    metrics.requests.labels("http", "m", f"v{number}", "ok").inc()
+    metrics.requests.labels("grpc", "unknown", f"v{number}", "NotFoundError").inc()
+for family in text_string_to_metric_families(metrics.exposition().decode()):
+    for sample in family.samples:
+        if sample.name in ("recserve_model_info", "recserve_requests_total"):
+            print(sample.name, sorted(sample.labels.items()), sample.value)
+"""
+
+
+def test_replaced_versions_leave_no_series_in_the_metrics_of_a_workers_server(tmp_path):
+    # Several processes keep what they stored (a replaced version at 0 in model_info), but a
+    # scrape shows only the series of versions some process serves: 100 reloads must not
+    # leave 100 versions' series behind.
+    result = _run_multiprocess(_MULTIPROCESS_RELOADS, tmp_path)
+    assert sorted(result.stdout.split("\n")[:-1]) == [
+        "recserve_model_info [('model', 'm'), ('version', 'v99')] 1.0",
+        "recserve_requests_total [('model', 'm'), ('outcome', 'ok'), ('protocol', 'http'), "
+        "('version', 'v99')] 1.0",
+        "recserve_requests_total [('model', 'unknown'), ('outcome', 'NotFoundError'), "
+        "('protocol', 'grpc'), ('version', 'v99')] 1.0",
+    ]
+
+
+_MULTIPROCESS_TWO_VERSIONS = """
 import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 from serving.metrics import ServingMetrics
 
 metrics = ServingMetrics()
-metrics.set_model("m", "v1")
-metrics.set_model("m", "v2")
-for family in text_string_to_metric_families(metrics.exposition().decode()):
-    for sample in family.samples:
-        if sample.name == "recserve_model_info":
-            print(sample.labels["version"], sample.value)
+metrics.set_model("m", sys.argv[1])
+metrics.requests.labels("http", "m", sys.argv[1], "ok").inc()
+if len(sys.argv) > 2:  # the second process: report what a scrape sees
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            if sample.name in ("recserve_model_info", "recserve_requests_total"):
+                print(sample.labels["version"], sample.name, sample.value)
 """
 
 
-def test_a_replaced_version_reads_0_in_the_model_info_of_a_workers_server(tmp_path):
-    # Several processes keep what they stored: a replaced version stays as 0, not 1.
-    result = _run_multiprocess(_MULTIPROCESS_MODEL_INFO, tmp_path)
-    assert sorted(result.stdout.split("\n")[:-1]) == ["v1 0.0", "v2 1.0"]
+def test_every_version_some_process_serves_keeps_its_series(tmp_path):
+    # Mid-rollout: one process still serves v1 while another serves v2.
+    run_python(
+        _MULTIPROCESS_TWO_VERSIONS, "v1",
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )  # fmt: skip
+    result = run_python(
+        _MULTIPROCESS_TWO_VERSIONS, "v2", "scrape",
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert sorted(result.stdout.split("\n")[:-1]) == [
+        "v1 recserve_model_info 1.0",
+        "v1 recserve_requests_total 1.0",
+        "v2 recserve_model_info 1.0",
+        "v2 recserve_requests_total 1.0",
+    ]
 
 
 def test_batch_size_buckets_are_powers_of_two_up_to_4096() -> None:
