@@ -242,11 +242,15 @@ class PredictionServer:
             # A checkpoint's TorchScript model is code: only directories under the root the
             # operator chose are loaded (symlinks resolved first).
             root = self.reload_root
-            if not Path(checkpoint).resolve().is_relative_to(root):
+            resolved = Path(checkpoint).resolve()
+            if not resolved.is_relative_to(root):
                 raise PermissionDeniedError(
                     f"checkpoint {checkpoint} is outside --reload-root {root}; reloads load "
                     "only checkpoints under it"
                 )
+            # The path that was checked is the one loaded: a symlink the request named, swapped
+            # to point elsewhere between the check and the load, must not be followed again.
+            checkpoint = str(resolved)
         return self._started().reload(checkpoint)
 
     @property

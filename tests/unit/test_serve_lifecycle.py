@@ -584,6 +584,18 @@ def test_admin_reloads_load_only_under_the_reload_root(tmp_path):
     assert len(reloads) == 2
 
 
+def test_admin_reloads_load_the_path_that_was_checked(tmp_path):
+    """A symlink under the root is resolved once: the load gets its target, so a link swapped
+    to point outside the root between the check and the load is not followed again."""
+    reloading, reloads = _reloading_server(tmp_path)
+    (tmp_path / "v3").mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "v3")
+    reloading._admin_reload(str(link))
+    reloading._admin_reload(str(tmp_path / "v3" / ".." / "v4"))
+    assert reloads == [str((tmp_path / "v3").resolve()), str((tmp_path / "v4").resolve())]
+
+
 def test_an_explicit_reload_root_replaces_the_default(tmp_path):
     from embedding_store.errors import PermissionDeniedError
 
