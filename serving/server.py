@@ -52,8 +52,11 @@ def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
     """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
     import importlib
 
-    if os.getcwd() not in sys.path:  # like uvicorn's --app-dir: modules of the current folder
-        sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:
+        # Modules of the current folder (as uvicorn's --app-dir), but after the standard
+        # library and installed packages: a server started in a folder others can write to
+        # (/tmp) must not import their json.py or uvloop.py in place of the real ones.
+        sys.path.append(os.getcwd())
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise InvalidArgumentError(f"--preprocessor must be MODULE:FUNCTION, got {spec!r}")

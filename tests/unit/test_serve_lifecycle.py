@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -625,6 +626,34 @@ def test_a_preprocessor_must_be_module_colon_function(spec):
 
     with pytest.raises(InvalidArgumentError, match="--preprocessor must be MODULE:FUNCTION"):
         server.load_preprocessor(spec)
+
+
+def _eval_import(spec: str) -> Callable[..., object]:
+    from clients.eval_encoders import import_function
+
+    return import_function(spec, "mapping.yaml")
+
+
+@pytest.mark.parametrize("load", [server.load_preprocessor, _eval_import])
+def test_a_preprocessor_from_the_current_folder_shadows_no_installed_module(
+    load, tmp_path, monkeypatch
+):
+    """The current folder is searched after installed modules (serve --preprocessor, eval's
+    mapping): its own modules load, but a planted module named like an installed one (not
+    imported yet) is not imported."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local_pre_h87.py").write_text("def f(rows):\n    return rows\n")
+    (tmp_path / "tabnanny.py").write_text("def check(path):\n    return 'planted'\n")
+    try:
+        assert load("local_pre_h87:f")([1]) == [1]
+        sys.modules.pop("tabnanny", None)
+        check = load("tabnanny:check")
+        assert Path(sys.modules["tabnanny"].__file__).parent != tmp_path
+        assert check is sys.modules["tabnanny"].check
+    finally:
+        for name in ("local_pre_h87", "tabnanny"):
+            sys.modules.pop(name, None)
 
 
 def test_a_preprocessor_that_cannot_be_imported_is_named():
