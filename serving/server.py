@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -117,6 +118,9 @@ class PredictionServer:
         from serving.http_protocol import infer_protocol, protocol_is_supported
 
         o = self.options
+        warning = self.reload_root_warning()
+        if warning:
+            log.warning("%s", warning)
         # Checked before the model loads and anything binds (recserve serve checks them
         # earlier still; this covers servers started from code). Both front ends then take
         # renewed files from it on new handshakes (serving.tls).
@@ -262,6 +266,26 @@ class PredictionServer:
         directory that holds ``--checkpoint`` (where new versions are written next to it)."""
         root = self.options.reload_root or Path(self.options.checkpoint).resolve().parent
         return Path(root).resolve()
+
+    def reload_root_warning(self) -> str | None:
+        """What to warn about at start-up when every user of the host may write to the
+        reload root (``/tmp``, or a mode 0777 folder): any of them could put a checkpoint
+        there, whose TorchScript is code, and have it loaded from loopback, which needs no
+        token. None when the root is not world-writable or reloads are off (``--workers``)."""
+        if self.options.reuse_port:
+            return None
+        root = self.reload_root
+        try:
+            mode = root.stat().st_mode
+        except OSError:
+            return None  # nothing there yet: reloads of it fail on their own
+        if not mode & stat.S_IWOTH:
+            return None
+        return (
+            f"--reload-root {root} is writable by every user of this host: any of them could "
+            "put a checkpoint (its TorchScript is code) there for POST /admin/reload to load, "
+            "and loopback clients need no token; use a directory only your trainers can write"
+        )
 
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.

@@ -609,6 +609,23 @@ def test_an_explicit_reload_root_replaces_the_default(tmp_path):
     assert reloads == [str(tmp_path / "root" / "v2")]
 
 
+def test_a_reload_root_every_user_can_write_is_warned_about(tmp_path):
+    """Any local user could plant a checkpoint (code) there, and loopback needs no token."""
+    reloading, _ = _reloading_server(tmp_path)
+    assert reloading.reload_root_warning() is None  # pytest's tmp_path: 0700
+    tmp_path.chmod(0o777)
+    assert reloading.reload_root_warning() == (
+        f"--reload-root {tmp_path.resolve()} is writable by every user of this host: any of "
+        "them could put a checkpoint (its TorchScript is code) there for POST /admin/reload "
+        "to load, and loopback clients need no token; use a directory only your trainers can "
+        "write"
+    )
+    (tmp_path / "w").mkdir(mode=0o777)
+    (tmp_path / "w").chmod(0o777)  # past the umask
+    workers, _ = _reloading_server(tmp_path / "w", reuse_port=True)  # reloads refused there
+    assert workers.reload_root_warning() is None
+
+
 def test_a_process_of_a_workers_server_refuses_admin_reloads(tmp_path):
     """A reload reaching one of several processes would leave two versions served."""
     from embedding_store.errors import FailedPreconditionError
