@@ -271,16 +271,18 @@ class PredictionServer:
         """What to warn about at start-up when every user of the host may write to the
         reload root (``/tmp``, or a mode 0777 folder): any of them could put a checkpoint
         there, whose TorchScript is code, and have it loaded from loopback, which needs no
-        token. None when the root is not world-writable or reloads are off (``--workers``)."""
+        token. None when the root is not world-writable, is on a read-only mount, or reloads
+        are off (``--workers``)."""
         if self.options.reuse_port:
             return None
         root = self.reload_root
         try:
-            mode = root.stat().st_mode
+            if not root.stat().st_mode & stat.S_IWOTH:
+                return None
+            if os.statvfs(root).f_flag & os.ST_RDONLY:
+                return None  # a read-only mount (Kubernetes' /checkpoints): mode 0777 or not
         except OSError:
             return None  # nothing there yet: reloads of it fail on their own
-        if not mode & stat.S_IWOTH:
-            return None
         return (
             f"--reload-root {root} is writable by every user of this host: any of them could "
             "put a checkpoint (its TorchScript is code) there for POST /admin/reload to load, "
