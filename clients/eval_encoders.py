@@ -49,7 +49,9 @@ def import_function(spec: str, source: str) -> Callable[[list[dict[str, Any]]], 
     """``module:function``; modules of the current directory are importable (as for
     ``recserve serve --preprocessor``)."""
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        # After installed modules, as for serve: a module planted in a folder others can
+        # write to shadows none of them.
+        sys.path.append(os.getcwd())
     module_name, _, attribute = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), attribute)

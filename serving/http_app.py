@@ -347,7 +347,8 @@ def create_app(
             try:
                 if not admin_allowed(request, admin.token):
                     raise PermissionDeniedError(
-                        "admin routes need a loopback client or a valid token"
+                        "admin routes need a loopback client (not a browser page: no Origin "
+                        "header) or a valid token"
                     )
                 body = await read_body(request, 1024 * 1024)
                 checkpoint = None

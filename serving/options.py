@@ -3,7 +3,7 @@ supervisor of a ``--workers`` server does not load what only its server processe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
@@ -38,7 +38,8 @@ class ServeOptions:
     max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
     read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
-    admin_token: str | None = None
+    # A secret: out of repr, so a logged or printed ServeOptions never shows it.
+    admin_token: str | None = field(default=None, repr=False)
     reload_root: Path | None = None  # POST /admin/reload loads only under it
     grace_seconds: float = 10.0
     threads: int = 1

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -52,8 +53,11 @@ def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
     """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
     import importlib
 
-    if os.getcwd() not in sys.path:  # like uvicorn's --app-dir: modules of the current folder
-        sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:
+        # Modules of the current folder (as uvicorn's --app-dir), but after the standard
+        # library and installed packages: a server started in a folder others can write to
+        # (/tmp) must not import their json.py or uvloop.py in place of the real ones.
+        sys.path.append(os.getcwd())
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise InvalidArgumentError(f"--preprocessor must be MODULE:FUNCTION, got {spec!r}")
@@ -114,6 +118,9 @@ class PredictionServer:
         from serving.http_protocol import infer_protocol, protocol_is_supported
 
         o = self.options
+        warning = self.reload_root_warning()
+        if warning:
+            log.warning("%s", warning)
         # Checked before the model loads and anything binds (recserve serve checks them
         # earlier still; this covers servers started from code). Both front ends then take
         # renewed files from it on new handshakes (serving.tls).
@@ -242,11 +249,15 @@ class PredictionServer:
             # A checkpoint's TorchScript model is code: only directories under the root the
             # operator chose are loaded (symlinks resolved first).
             root = self.reload_root
-            if not Path(checkpoint).resolve().is_relative_to(root):
+            resolved = Path(checkpoint).resolve()
+            if not resolved.is_relative_to(root):
                 raise PermissionDeniedError(
                     f"checkpoint {checkpoint} is outside --reload-root {root}; reloads load "
                     "only checkpoints under it"
                 )
+            # The path that was checked is the one loaded: a symlink the request named, swapped
+            # to point elsewhere between the check and the load, must not be followed again.
+            checkpoint = str(resolved)
         return self._started().reload(checkpoint)
 
     @property
@@ -255,6 +266,28 @@ class PredictionServer:
         directory that holds ``--checkpoint`` (where new versions are written next to it)."""
         root = self.options.reload_root or Path(self.options.checkpoint).resolve().parent
         return Path(root).resolve()
+
+    def reload_root_warning(self) -> str | None:
+        """What to warn about at start-up when every user of the host may write to the
+        reload root (``/tmp``, or a mode 0777 folder): any of them could put a checkpoint
+        there, whose TorchScript is code, and have it loaded from loopback, which needs no
+        token. None when the root is not world-writable, is on a read-only mount, or reloads
+        are off (``--workers``)."""
+        if self.options.reuse_port:
+            return None
+        root = self.reload_root
+        try:
+            if not root.stat().st_mode & stat.S_IWOTH:
+                return None
+            if os.statvfs(root).f_flag & os.ST_RDONLY:
+                return None  # a read-only mount (Kubernetes' /checkpoints): mode 0777 or not
+        except OSError:
+            return None  # nothing there yet: reloads of it fail on their own
+        return (
+            f"--reload-root {root} is writable by every user of this host: any of them could "
+            "put a checkpoint (its TorchScript is code) there for POST /admin/reload to load, "
+            "and loopback clients need no token; use a directory only your trainers can write"
+        )
 
     def _watch(self) -> None:
         """Poll the checkpoint directory; load a new complete version when one appears.

@@ -417,6 +417,15 @@ def test_admin_reload_from_loopback_or_with_token(admin_server):
     )
     assert server.json("POST", "/admin/reload")[0] == 200
     assert server.reloads == ["/ckpt/7", None]
+    # A web page open on this host posting to loopback (a form: no CORS preflight): its
+    # browser's Origin header keeps it out, and only the token would let it in.
+    page = {"Origin": "http://attacker.example", "Content-Type": "text/plain"}
+    status, body = server.json("POST", "/admin/reload", {"checkpoint": "/ckpt/6"}, page)
+    assert status == 403 and body == {
+        "error": "admin routes need a loopback client (not a browser page: no Origin header) or "
+        "a valid token"
+    }
+    assert server.reloads == ["/ckpt/7", None]
     wrong = {"Authorization": "Bearer wrong"}
     assert server.json("POST", "/admin/reload", {}, wrong)[0] == 403
     # A remote client (uvicorn trusts X-Forwarded-For from loopback proxies) needs the token.

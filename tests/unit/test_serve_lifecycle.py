@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -584,6 +585,18 @@ def test_admin_reloads_load_only_under_the_reload_root(tmp_path):
     assert len(reloads) == 2
 
 
+def test_admin_reloads_load_the_path_that_was_checked(tmp_path):
+    """A symlink under the root is resolved once: the load gets its target, so a link swapped
+    to point outside the root between the check and the load is not followed again."""
+    reloading, reloads = _reloading_server(tmp_path)
+    (tmp_path / "v3").mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "v3")
+    reloading._admin_reload(str(link))
+    reloading._admin_reload(str(tmp_path / "v3" / ".." / "v4"))
+    assert reloads == [str((tmp_path / "v3").resolve()), str((tmp_path / "v4").resolve())]
+
+
 def test_an_explicit_reload_root_replaces_the_default(tmp_path):
     from embedding_store.errors import PermissionDeniedError
 
@@ -594,6 +607,23 @@ def test_an_explicit_reload_root_replaces_the_default(tmp_path):
     with pytest.raises(PermissionDeniedError, match="outside --reload-root"):
         reloading._admin_reload(str(tmp_path / "v2"))  # under the default root, not this one
     assert reloads == [str(tmp_path / "root" / "v2")]
+
+
+def test_a_reload_root_every_user_can_write_is_warned_about(tmp_path):
+    """Any local user could plant a checkpoint (code) there, and loopback needs no token."""
+    reloading, _ = _reloading_server(tmp_path)
+    assert reloading.reload_root_warning() is None  # pytest's tmp_path: 0700
+    tmp_path.chmod(0o777)
+    assert reloading.reload_root_warning() == (
+        f"--reload-root {tmp_path.resolve()} is writable by every user of this host: any of "
+        "them could put a checkpoint (its TorchScript is code) there for POST /admin/reload "
+        "to load, and loopback clients need no token; use a directory only your trainers can "
+        "write"
+    )
+    (tmp_path / "w").mkdir(mode=0o777)
+    (tmp_path / "w").chmod(0o777)  # past the umask
+    workers, _ = _reloading_server(tmp_path / "w", reuse_port=True)  # reloads refused there
+    assert workers.reload_root_warning() is None
 
 
 def test_a_process_of_a_workers_server_refuses_admin_reloads(tmp_path):
@@ -613,6 +643,34 @@ def test_a_preprocessor_must_be_module_colon_function(spec):
 
     with pytest.raises(InvalidArgumentError, match="--preprocessor must be MODULE:FUNCTION"):
         server.load_preprocessor(spec)
+
+
+def _eval_import(spec: str) -> Callable[..., object]:
+    from clients.eval_encoders import import_function
+
+    return import_function(spec, "mapping.yaml")
+
+
+@pytest.mark.parametrize("load", [server.load_preprocessor, _eval_import])
+def test_a_preprocessor_from_the_current_folder_shadows_no_installed_module(
+    load, tmp_path, monkeypatch
+):
+    """The current folder is searched after installed modules (serve --preprocessor, eval's
+    mapping): its own modules load, but a planted module named like an installed one (not
+    imported yet) is not imported."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local_pre_h87.py").write_text("def f(rows):\n    return rows\n")
+    (tmp_path / "tabnanny.py").write_text("def check(path):\n    return 'planted'\n")
+    try:
+        assert load("local_pre_h87:f")([1]) == [1]
+        sys.modules.pop("tabnanny", None)
+        check = load("tabnanny:check")
+        assert Path(sys.modules["tabnanny"].__file__).parent != tmp_path
+        assert check is sys.modules["tabnanny"].check
+    finally:
+        for name in ("local_pre_h87", "tabnanny"):
+            sys.modules.pop(name, None)
 
 
 def test_a_preprocessor_that_cannot_be_imported_is_named():

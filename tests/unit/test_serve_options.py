@@ -60,6 +60,12 @@ def test_worker_processes_get_every_option_but_the_token_on_their_command_line()
     assert argv[:2] == ["serve", "--checkpoint=ckpt"]
 
 
+def test_the_admin_token_stays_out_of_the_options_repr():
+    options = ServeOptions(checkpoint="ckpt", admin_token="s3cr3t")
+    assert "s3cr3t" not in repr(options) and "admin_token" not in repr(options)
+    assert options.admin_token == "s3cr3t"
+
+
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
