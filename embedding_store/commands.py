@@ -7,6 +7,7 @@ Server modules are imported inside the handlers, so ``recserve --help`` stays fa
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from embedding_store.checkpoint_manifest import MAX_SHARDS
 from embedding_store.cli_types import int_in_range, non_empty, non_negative_float
@@ -98,6 +99,24 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
         "the load fails (Infer shards load infer_config.embedding_checkpoint)",
     )
     parser.add_argument(
+        "--dump-root",
+        metavar="DIR",
+        type=non_empty,
+        help="Dump RPCs (`recserve embedding-tier dump`, through the worker) write only into "
+        "directories under DIR (symlinks resolved; others: PERMISSION_DENIED). Default: any "
+        "directory this user can write, with a warning at start; set it to the checkpoint "
+        "volume. --dump-on-exit is not bound by it",
+    )
+    parser.add_argument(
+        "--load-root",
+        metavar="DIR",
+        type=non_empty,
+        help="Load RPCs (`recserve embedding-tier load`, through the worker) read only from "
+        "directories under DIR (symlinks resolved; others: PERMISSION_DENIED). Default: any "
+        "directory this user can read, with a warning at start; set it to the checkpoint "
+        "volume. --load-checkpoint and infer_config.embedding_checkpoint are not bound by it",
+    )
+    parser.add_argument(
         "--grace-seconds",
         type=non_negative_float,
         default=5.0,
@@ -115,6 +134,9 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
         )
     if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
         parser.error(f"--metrics-port must differ from --port, both are {args.port}")
+    for flag, root in (("--dump-root", args.dump_root), ("--load-root", args.load_root)):
+        if root is not None and not Path(root).is_dir():
+            parser.error(f"{flag} {root}: no such directory")
 
     from embedding_store.config import load_embedding_config, load_global_config
     from embedding_store.ps_process import ParameterServerOptions, serve_parameter_server
@@ -129,6 +151,8 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
         metrics_port=args.metrics_port,
         dump_on_exit=args.dump_on_exit,
         load_checkpoint=args.load_checkpoint,
+        dump_root=args.dump_root,
+        load_root=args.load_root,
         grace_seconds=args.grace_seconds,
     )
     return serve_parameter_server(embedding_config, global_config, options)

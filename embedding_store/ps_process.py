@@ -71,6 +71,10 @@ class ParameterServerOptions:
     dump_on_exit: str | None = None
     #: Training shards: at start, load this replica's part of this embedding checkpoint.
     load_checkpoint: str | None = None
+    #: Dump / Load RPCs take only directories under these (None: any, with a warning at
+    #: start). The dump on exit and the load at start above are the operator's: not bound.
+    dump_root: str | None = None
+    load_root: str | None = None
     grace_seconds: float = 5.0
     max_workers: int = 16
 
@@ -91,6 +95,10 @@ class ParameterServerOptions:
             raise InvalidArgumentError(
                 f"load_checkpoint must be a non-empty path, got {self.load_checkpoint!r}"
             )
+        for name in ("dump_root", "load_root"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise InvalidArgumentError(f"{name} must be a non-empty path, got {value!r}")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
@@ -149,6 +157,8 @@ class ParameterServerProcess:
             job_type=self.job_type,
             metrics=self.metrics,
             health_servicer=self.health,
+            dump_root=self.options.dump_root,
+            load_root=self.options.load_root,
         )
         self.server: grpc.Server | None = None
         self.port: int | None = None
@@ -171,6 +181,8 @@ class ParameterServerProcess:
     def start(self) -> None:
         opts = self.options
         tier_tls()  # bad RECSERVE_TIER_TLS_* fail here, before anything is made or bound
+        for warning in self.root_warnings():
+            log.warning("%s", warning)
         if opts.dump_on_exit:  # now, not when the rows are to be saved at exit
             self._check_dump_target(Path(opts.dump_on_exit).absolute())
         server = grpc.server(
@@ -207,6 +219,23 @@ class ParameterServerProcess:
         )
         if directory is not None:
             self._start_load(directory, adopt_optimizer=adopt_optimizer)
+
+    def root_warnings(self) -> list[str]:
+        """What to warn about at start: a Dump or Load RPC that may name any directory
+        (no ``--dump-root`` / ``--load-root``). Unrestricted stays the default so that
+        existing setups (``embedding-tier dump DIR`` anywhere) keep working; the deploy
+        manifests set both roots to the checkpoint volume."""
+        servicer = self.servicer
+        return [
+            f"no {flag}: {rpc} RPCs {what} any directory this process's user can "
+            f"{access} (given by any peer that passes the tier token and network policy); "
+            f"set {flag} to the checkpoint volume"
+            for flag, root, rpc, what, access in (
+                ("--dump-root", servicer.dump_root, "Dump", "write into", "write"),
+                ("--load-root", servicer.load_root, "Load", "read from", "read"),
+            )
+            if root is None
+        ]
 
     def _start_metrics(self) -> None:
         opts = self.options

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -33,6 +35,7 @@ from embedding_store.config import EmbeddingConfig, JobType
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
+    PermissionDeniedError,
     UnavailableError,
 )
 from embedding_store.grpc_common import (
@@ -65,10 +68,40 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 NOT_LOADED_YET = "has not loaded its embedding checkpoint yet"
 
 
+def directory_under_root(
+    directory: str, root: Path | None, *, field: str, flag: str, verb: str
+) -> str:
+    """The directory a Dump or Load RPC named, resolved (symlinks and ``..`` followed), if
+    it lies under ``root`` (the root itself included); PermissionDeniedError naming the root
+    otherwise. ``root`` None: any directory (the shard was started without that flag).
+
+    The resolved path is the one to use: a symlink in the request's path, swapped to point
+    elsewhere between this check and the files' writes or reads, is not followed again.
+    """
+    if root is None:
+        return directory
+    resolved = Path(directory).resolve()
+    if not resolved.is_relative_to(root):
+        raise PermissionDeniedError(
+            f"{field} {directory} is outside {flag} {root}; this parameter server {verb} "
+            f"only directories under it"
+        )
+    return str(resolved)
+
+
+def resolve_root(root: str | os.PathLike[str] | None) -> Path | None:
+    """A ``--dump-root`` / ``--load-root`` as compared with requests' paths: resolved once,
+    at start (None stays None: unrestricted)."""
+    return None if root is None else Path(root).resolve()
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """The ``ParameterServer`` service over one :class:`EmbeddingShard`.
 
-    ``health`` (optional) is kept in step with :attr:`serving`. Dump and Load run one at a time;
+    ``health`` (optional) is kept in step with :attr:`serving`. ``dump_root`` / ``load_root``
+    (optional): the Dump / Load RPCs take only directories under them (symlinks resolved,
+    PERMISSION_DENIED otherwise); the process's own dump on exit and load at start, which the
+    operator named, are not restricted. Dump and Load run one at a time;
     a second one while one runs is refused with UNAVAILABLE (retry later). While one runs,
     Status reports its task (``"dumping"`` / ``"loading"``) and its progress: the fraction of
     the rows written / read so far, advanced after each file.
@@ -82,8 +115,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         job_type: JobType = JobType.TRAIN,
         metrics: ParameterServerMetrics | None = None,
         health_servicer: health.HealthServicer | None = None,
+        dump_root: str | os.PathLike[str] | None = None,
+        load_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self.shard = shard
+        # Where Dump writes and Load reads (None: anywhere): the directories come from the
+        # network, and a shard's user may be able to write (or read) far more than the
+        # checkpoint volume.
+        self.dump_root = resolve_root(dump_root)
+        self.load_root = resolve_root(load_root)
         self.embedding_config = embedding_config
         # The row widths peers may use: a made-up dim would make the shard allocate a table
         # for it (1024 rows at least, kept for good), or fail to allocate one at all.
@@ -302,7 +342,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.ShardDumpResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardDumpRequest.directory must be a non-empty path")
-        entries = self.dump_part(request.directory)
+        directory = directory_under_root(
+            request.directory,
+            self.dump_root,
+            field="ShardDumpRequest.directory",
+            flag="--dump-root",
+            verb="dumps into",
+        )
+        entries = self.dump_part(directory)
         return pb.ShardDumpResponse(
             files=[pb.CheckpointFile(**entry.to_dict()) for entry in entries],
             optimizer_json=self._optimizer_json(),
@@ -315,6 +362,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.ShardLoadResponse:
         if not request.directory:
             raise InvalidArgumentError("ShardLoadRequest.directory must be a non-empty path")
+        directory = directory_under_root(
+            request.directory,
+            self.load_root,
+            field="ShardLoadRequest.directory",
+            flag="--load-root",
+            verb="loads from",
+        )
 
         def stop_if_caller_gone(_done: int, _total: int) -> None:
             # Called after each file read, so also after the last one, just before the rows
@@ -331,7 +385,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # lose its optimizer state); a configured one keeps its optimizer
         # (checkpoint_load.state_fits).
         rows = self.load_checkpoint(
-            request.directory,
+            directory,
             adopt_optimizer=not self.shard.read_only,
             progress=stop_if_caller_gone,
         )
