@@ -105,7 +105,8 @@ def _register_parameter_server(subparsers: argparse._SubParsersAction) -> None:
         help="Dump RPCs (`recserve embedding-tier dump`, through the worker) write only into "
         "directories under DIR (symlinks resolved; others: PERMISSION_DENIED). Default: any "
         "directory this user can write, with a warning at start; set it to the checkpoint "
-        "volume. --dump-on-exit is not bound by it",
+        "volume. --dump-on-exit is not bound by it. A DIR not there yet is resolved as it "
+        "would be, with a warning",
     )
     parser.add_argument(
         "--load-root",
@@ -135,8 +136,10 @@ def _run_parameter_server(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.metrics_port is not None and args.metrics_port != 0 and args.metrics_port == args.port:
         parser.error(f"--metrics-port must differ from --port, both are {args.port}")
     for flag, root in (("--dump-root", args.dump_root), ("--load-root", args.load_root)):
-        if root is not None and not Path(root).is_dir():
-            parser.error(f"{flag} {root}: no such directory")
+        # A missing root is allowed (a fresh checkout's runs/, made by the first dump): it
+        # binds requests all the same (resolved as it would be), and start-up warns of it.
+        if root is not None and Path(root).exists() and not Path(root).is_dir():
+            parser.error(f"{flag} {root}: not a directory")
 
     from embedding_store.config import load_embedding_config, load_global_config
     from embedding_store.ps_process import ParameterServerOptions, serve_parameter_server

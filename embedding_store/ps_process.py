@@ -222,20 +222,27 @@ class ParameterServerProcess:
 
     def root_warnings(self) -> list[str]:
         """What to warn about at start: a Dump or Load RPC that may name any directory
-        (no ``--dump-root`` / ``--load-root``). Unrestricted stays the default so that
+        (no ``--dump-root`` / ``--load-root``), or a root that is no directory (yet). Unrestricted stays the default so that
         existing setups (``embedding-tier dump DIR`` anywhere) keep working; the deploy
         manifests set both roots to the checkpoint volume."""
         servicer = self.servicer
-        return [
-            f"no {flag}: {rpc} RPCs {what} any directory this process's user can "
-            f"{access} (given by any peer that passes the tier token and network policy); "
-            f"set {flag} to the checkpoint volume"
-            for flag, root, rpc, what, access in (
-                ("--dump-root", servicer.dump_root, "Dump", "write into", "write"),
-                ("--load-root", servicer.load_root, "Load", "read from", "read"),
-            )
-            if root is None
-        ]
+        warnings = []
+        for flag, root, rpc, what, access in (
+            ("--dump-root", servicer.dump_root, "Dump", "write into", "write"),
+            ("--load-root", servicer.load_root, "Load", "read from", "read"),
+        ):
+            if root is None:
+                warnings.append(
+                    f"no {flag}: {rpc} RPCs {what} any directory this process's user can "
+                    f"{access} (given by any peer that passes the tier token and network "
+                    f"policy); set {flag} to the checkpoint volume"
+                )
+            elif not root.is_dir():
+                warnings.append(
+                    f"{flag} {root} is not a directory (yet; a typo?): {rpc} RPCs take "
+                    "only directories under it all the same"
+                )
+        return warnings
 
     def _start_metrics(self) -> None:
         opts = self.options

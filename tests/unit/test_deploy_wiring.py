@@ -489,6 +489,12 @@ def test_k8s_paths_the_processes_use_are_mounted_with_the_access_they_need() -> 
                 writes.append(config.embedding_parameter_server_config.incremental_dir)
             if args.dump_on_exit:
                 writes.append(args.dump_on_exit)
+            # Load and Dump RPCs are bound to the checkpoint volume: a training shard's
+            # dumps must be able to write there (an inference shard's may not).
+            assert args.load_root == args.dump_root == "/checkpoints", name
+            reads.append(args.load_root)
+            if common.job_type.value == "Train":
+                writes.append(args.dump_root)
         if args.command == "serve":
             reads.append(str(args.checkpoint))
         if args.command == "train":
@@ -605,6 +611,8 @@ def test_compose_paths_the_processes_use_are_mounted() -> None:
         if args.command == "embedding-parameter-server":
             config = load_global_config(CONFIGS / Path(args.global_config).name)
             reads.append(config.common_config.infer_config.embedding_checkpoint)
+            assert args.load_root == args.dump_root == "/checkpoints", name
+            reads.append(args.load_root)
         for path in filter(None, reads):
             assert _compose_mount_of(mounts, path) is not None, f"{name} reads {path}"
         ports = listening_ports(args)
@@ -681,6 +689,9 @@ def test_procfile_commands_parse_and_wire_the_tier(
     shards = sorted(n for n, a in parsed.items() if a.command == "embedding-parameter-server")
     assert [parsed[n].replica_index for n in shards] == list(range(len(shards)))
     assert {parsed[n].replica_size for n in shards} == {len(shards)}
+    # Load and Dump RPCs are bound to one root, under which the checkpoints lie.
+    roots = {(parsed[n].dump_root, parsed[n].load_root) for n in shards}
+    assert roots == {("runs", "runs")}, roots
     (worker,) = [n for n, a in parsed.items() if a.command == "embedding-worker"]
     assert parsed[worker].ps == [f"127.0.0.1:{parsed[n].port}" for n in shards]
     ports = [p for a in parsed.values() for p in listening_ports(a).values()]
@@ -693,6 +704,7 @@ def test_procfile_commands_parse_and_wire_the_tier(
         # Every shard loads the embeddings of the checkpoint the server serves.
         embeddings = (REPO_ROOT / parsed[server].checkpoint / EMBEDDINGS_DIR).absolute()
         assert {n: loads.get(n) for n in shards} == dict.fromkeys(shards, str(embeddings))
+        assert embeddings.is_relative_to((REPO_ROOT / "runs").absolute())  # a reload's too
         assert check_arguments(parsed[server]) is None
         # It starts once every shard and the worker are SERVING.
         expected = [f"grpc://127.0.0.1:{parsed[n].port}" for n in [*shards, worker]]

@@ -118,13 +118,18 @@ def test_a_process_without_roots_warns_and_passes_its_roots_on(tmp_path):
     options = ParameterServerOptions(dump_root=str(link), load_root=str(tmp_path))
     bound = ParameterServerProcess(CONFIG, GlobalConfig(), options)
     assert bound.root_warnings() == []
+    missing = ParameterServerOptions(dump_root=str(tmp_path / "runs"), load_root=str(tmp_path))
+    assert ParameterServerProcess(CONFIG, GlobalConfig(), missing).root_warnings() == [
+        f"--dump-root {tmp_path / 'runs'} is not a directory (yet; a typo?): Dump RPCs take "
+        "only directories under it all the same"
+    ]
     assert bound.servicer.dump_root == tmp_path / "root"
     assert bound.servicer.load_root == tmp_path
     with pytest.raises(InvalidArgumentError, match="dump_root must be a non-empty path"):
         ParameterServerOptions(dump_root="")
 
 
-def test_cli_passes_the_roots_on_and_refuses_missing_ones(tmp_path, monkeypatch, capsys):
+def test_cli_passes_the_roots_on_and_refuses_files(tmp_path, monkeypatch, capsys):
     import embedding_store.ps_process as ps_process
 
     seen: list[ParameterServerOptions | None] = []
@@ -142,8 +147,10 @@ def test_cli_passes_the_roots_on_and_refuses_missing_ones(tmp_path, monkeypatch,
     assert cli_main([*base, f"--dump-root={tmp_path}", f"--load-root={tmp_path}"]) == 0
     assert seen[0] is not None
     assert (seen[0].dump_root, seen[0].load_root) == (str(tmp_path), str(tmp_path))
+    file = tmp_path / "file"
+    file.write_text("")
     for flag in ("--dump-root", "--load-root"):
         with pytest.raises(SystemExit) as exit_:
-            cli_main([*base, f"{flag}={tmp_path / 'nope'}"])
+            cli_main([*base, f"{flag}={file}"])
         assert exit_.value.code == 2
-        assert f"{flag} {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+        assert f"{flag} {file}: not a directory" in capsys.readouterr().err
