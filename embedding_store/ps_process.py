@@ -222,9 +222,10 @@ class ParameterServerProcess:
 
     def root_warnings(self) -> list[str]:
         """What to warn about at start: a Dump or Load RPC that may name any directory
-        (no ``--dump-root`` / ``--load-root``), or a root that is no directory (yet). Unrestricted stays the default so that
-        existing setups (``embedding-tier dump DIR`` anywhere) keep working; the deploy
-        manifests set both roots to the checkpoint volume."""
+        (no ``--dump-root`` / ``--load-root``), or a root that is no directory (yet).
+        Unrestricted stays the default so that existing setups (``embedding-tier dump DIR``
+        anywhere) keep working; the deploy manifests set both roots to the checkpoint
+        volume."""
         servicer = self.servicer
         warnings = []
         for flag, root, rpc, what, access in (
