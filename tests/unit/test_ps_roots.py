@@ -154,3 +154,44 @@ def test_cli_passes_the_roots_on_and_refuses_files(tmp_path, monkeypatch, capsys
             cli_main([*base, f"{flag}={file}"])
         assert exit_.value.code == 2
         assert f"{flag} {file}: not a directory" in capsys.readouterr().err
+
+
+def test_a_worker_dump_outside_the_shards_root_writes_no_rows(tmp_path):
+    """``recserve embedding-tier dump`` through a worker: the shard (real gRPC, in this
+    process) refuses the staging directory outside its root; the worker passes
+    PERMISSION_DENIED on, writes no manifest and leaves no staging directory."""
+    from concurrent import futures
+
+    from embedding_store import checkpoint_manifest
+    from embedding_store.errors import PermissionDeniedError
+    from embedding_store.grpc_common import add_servicer, server_options
+    from embedding_store.remote_tier import RemoteShardTier
+
+    tmp_path = tmp_path.resolve()
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    servicer = rooted(trained(), dump_root=root, load_root=root)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=server_options())
+    add_servicer(server, servicer, "ParameterServer")
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tier = RemoteShardTier(CONFIG, [f"127.0.0.1:{port}"], shard_timeout=10.0)
+    try:
+        with pytest.raises(PermissionDeniedError) as refused:
+            tier.dump(outside / "ckpt")
+        message = refused.value.message
+        assert message.startswith(f"checkpoint {outside / 'ckpt'} not written (no manifest"), (
+            message
+        )
+        assert message.endswith(
+            f"is outside --dump-root {root}; this parameter server dumps into only directories "
+            "under it"
+        ), message
+        assert files_under(outside) == []
+        manifest = tier.dump(root / "ckpt")
+        assert sum(f.rows for f in manifest.files) == 8
+        checkpoint_manifest.read_manifest(root / "ckpt")
+    finally:
+        tier.close()
+        server.stop(None)
