@@ -119,6 +119,19 @@ def test_the_admin_token_stays_out_of_the_options_repr():
             ["--reload-root", "/nonexistent/recserve-root"],
             "--reload-root /nonexistent/recserve-root: no such directory",
         ),
+        (["--max-connections", "1048577"], "--max-connections 1048577: at most 1048576"),
+        (
+            ["--max-concurrent-rpcs", "2147483648"],
+            "--max-concurrent-rpcs 2147483648: at most 2147483647",
+        ),
+        (
+            ["--max-body-bytes", "1000", "--max-body-bytes-in-flight", "999"],
+            "--max-body-bytes-in-flight 999 is below --max-body-bytes 1000: the largest",
+        ),
+        (
+            ["--max-body-bytes-in-flight", "67108863"],
+            "--max-body-bytes-in-flight 67108863 is below --max-body-bytes 67108864",
+        ),
     ],
 )
 def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
@@ -145,6 +158,39 @@ def test_arguments_at_their_limits_pass_the_checks():
     assert commands.check_arguments(args) is None
     assert commands.check_arguments(_parse("--watch-seconds", "0")) is None
     assert commands.check_arguments(_parse("--model-name", "m" * 255)) is None
+    capped = _parse(
+        "--max-connections", "1048576", "--max-concurrent-rpcs", "2147483647",
+        "--max-body-bytes", "1000", "--max-body-bytes-in-flight", "1000",
+    )  # fmt: skip
+    assert commands.check_arguments(capped) is None
+
+
+@pytest.mark.parametrize("flag", ["--max-connections", "--max-concurrent-rpcs",
+                                  "--max-body-bytes-in-flight"])  # fmt: skip
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_the_caps_take_positive_integers_only(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        _parse(flag, value)
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_the_caps_default_to_the_queue_size_and_four_largest_bodies_and_reach_workers():
+    args = _parse()
+    assert (args.max_connections, args.max_concurrent_rpcs) == (1024, 1024)
+    assert args.max_body_bytes_in_flight is None
+    assert ServeOptions(checkpoint=Path("c")).body_bytes_in_flight() == 4 * 64 * 1024 * 1024
+    assert ServeOptions(checkpoint=Path("c"), max_body_bytes=10).body_bytes_in_flight() == 40
+    options = ServeOptions(
+        checkpoint=Path("c"), max_connections=3, max_concurrent_rpcs=5, max_body_bytes_in_flight=7
+    )
+    argv = options_to_argv(options)
+    assert {"--max-connections=3", "--max-concurrent-rpcs=5", "--max-body-bytes-in-flight=7"} <= (
+        set(argv)
+    )
+    again = _parse(*argv[2:])  # without "serve --checkpoint=c"
+    assert (again.max_connections, again.max_concurrent_rpcs) == (3, 5)
+    assert again.max_body_bytes_in_flight == 7
+    assert "--max-body-bytes-in-flight" not in " ".join(options_to_argv(ServeOptions(Path("c"))))
 
 
 @pytest.mark.parametrize(
