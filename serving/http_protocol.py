@@ -510,8 +510,10 @@ def infer_protocol(
         def on_message_complete(self) -> None:
             if self._upgrading:
                 return  # not all in: it is read again (_parse_without_upgrade)
-            if self._body_reserved:
-                self._release_body()
+            reserved = self._body_reserved
+            if reserved:  # the body is in: what it holds now is the queue's to bound
+                budget.used -= reserved
+                self._body_reserved = 0
             self.reading_since = None
             self._in_body = False
             cycle = self.cycle
