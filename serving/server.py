@@ -400,6 +400,34 @@ RELOAD_RETRY_SECONDS = 5.0
 RELOAD_RETRY_MAX_SECONDS = 300.0
 
 
+#: Open files a server process needs besides its HTTP connections and gRPC calls: the model's
+#: and checkpoint's files, listeners, pipes, the embedding tier's channels.
+SPARE_OPEN_FILES = 256
+
+
+def raise_open_files_limit(needed: int) -> str | None:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) to ``needed``, as far as
+    its hard limit allows: containers often start at a soft 1024, which would fail accepts
+    (EMFILE) before ``--max-connections`` answers anything. Returns a warning when the hard
+    limit is lower than ``needed``, else None."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        return (
+            f"open files are limited to {target} (hard RLIMIT_NOFILE), below the {needed} "
+            "that --max-connections and --max-concurrent-rpcs may need: connections beyond "
+            "it fail to be accepted instead of being answered 503 (raise the limit, or "
+            "lower the caps)"
+        )
+    return None
+
+
 class _StopDuringStartup(BaseException):
     """SIGTERM/SIGINT while the server was still starting (loading, waiting for its tier)."""
 
@@ -414,6 +442,11 @@ def serve(options: ServeOptions) -> int:
         return serve_processes(options)
     if options.supervisor_pid is not None:  # one process of a --workers server
         stop_when_parent_exits(options.supervisor_pid, "the --workers supervisor")
+    warning = raise_open_files_limit(
+        options.max_connections + options.max_concurrent_rpcs + SPARE_OPEN_FILES
+    )
+    if warning:
+        log.warning("%s", warning)
     server = PredictionServer(options)
     interrupted: list[str] = []
 

@@ -345,3 +345,35 @@ def test_a_workers_server_on_a_taken_port_names_the_flag_and_starts_nothing(monk
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize(
+    ("limits", "needed", "set_to", "warns"),
+    [
+        ((1024, 524288), 2304, (2304, 524288), False),  # containerd 2's soft 1024: raised
+        ((1024, 2000), 2304, (2000, 2000), True),  # as far as the hard limit, with a warning
+        ((4096, 4096), 2304, None, False),  # already enough: untouched
+        ((1024, -1), 2304, (2304, -1), False),  # hard RLIM_INFINITY
+        ((1024, 1024), 2304, None, True),  # nothing to raise: only the warning
+    ],
+)
+def test_the_open_files_limit_is_raised_for_the_caps(monkeypatch, limits, needed, set_to, warns):
+    import resource
+
+    from serving.server import raise_open_files_limit
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "RLIM_INFINITY", -1)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits)
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: calls.append(value))
+    warning = raise_open_files_limit(needed)
+    assert calls == ([] if set_to is None else [set_to])
+    if warns:
+        assert warning == (
+            f"open files are limited to {min(limits[1], needed)} (hard RLIMIT_NOFILE), below "
+            f"the {needed} that --max-connections and --max-concurrent-rpcs may need: "
+            "connections beyond it fail to be accepted instead of being answered 503 (raise "
+            "the limit, or lower the caps)"
+        )
+    else:
+        assert warning is None
