@@ -350,7 +350,7 @@ def test_a_workers_server_on_a_taken_port_names_the_flag_and_starts_nothing(monk
 @pytest.mark.parametrize(
     ("limits", "needed", "set_to", "warns"),
     [
-        ((1024, 524288), 2304, (2304, 524288), False),  # containerd 2's soft 1024: raised
+        ((1024, 524288), 2304, (2304, 524288), False),  # a soft 1024, as some runtimes give: raised
         ((1024, 2000), 2304, (2000, 2000), True),  # as far as the hard limit, with a warning
         ((4096, 4096), 2304, None, False),  # already enough: untouched
         ((1024, -1), 2304, (2304, -1), False),  # hard RLIM_INFINITY
