@@ -1,8 +1,8 @@
 """gRPC backends (sync ``grpc`` and ``grpc.aio``): one attempt per call over one channel.
 
 Messages come from :data:`clients._proto.V2` (a private descriptor pool). A failed call raises
-:class:`~clients.retry.RetryableError` for UNAVAILABLE (which covers refused connections), the
-matching recserve error for any other status.
+:class:`~clients.retry.RetryableError` for UNAVAILABLE (which covers refused connections) and
+for a server's limit of concurrent calls, the matching recserve error for any other status.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - _clock(), 0.0)
 
 
+#: What grpcio answers, with RESOURCE_EXHAUSTED, a call beyond a server's
+#: ``maximum_concurrent_rpcs`` (``recserve serve --max-concurrent-rpcs``): the server could not
+#: take it now, as an HTTP 503, unlike a message over the size limit (same code, not retried).
+CONCURRENT_RPC_LIMIT = "Concurrent RPC limit exceeded!"
+
+
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else _clock() + timeout
 
@@ -90,7 +96,9 @@ def _failure(
     # would fail the same way, only later. CANCELLED comes from the server here (these
     # clients never cancel a call): grpc cancels the calls still open when a server stops,
     # and every call of the protocol is a read, safe to send again.
-    retry = name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "")
+    retry = (name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "")) or (
+        name == "RESOURCE_EXHAUSTED" and details == CONCURRENT_RPC_LIMIT
+    )
     return RetryableError(mapped) if retry else mapped
 
 

@@ -1,7 +1,8 @@
 """Retry policy of the clients: exponential backoff with jitter, on transient failures only.
 
 A call is retried only when the server could not take it: HTTP 503, gRPC UNAVAILABLE (or
-CANCELLED by a stopping server), or a refused connection. Never on 4xx / INVALID_ARGUMENT and
+CANCELLED by a stopping server, or RESOURCE_EXHAUSTED for a server's limit of concurrent
+calls), or a refused connection. Never on 4xx / INVALID_ARGUMENT and
 the like (resending cannot help), nor on a timeout (the server may still be working on the
 request).
 """

@@ -141,6 +141,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "it; inflated off the event loop, two at a time) (default 8 MiB)",
     )
     parser.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open HTTP connections one server process holds at once; a connection beyond "
+        "them is answered 503 and closed (per process of --workers; default "
+        f"{DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--max-body-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        help="bytes of HTTP request bodies one server process reads at once, counted from "
+        "Content-Length (a chunked body counts as --max-body-bytes) when its headers arrive; "
+        "a request beyond them is answered 503 (at least --max-body-bytes; default 4 x "
+        "--max-body-bytes)",
+    )
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=positive_int,
+        default=DEFAULT_MAX_CONCURRENT_RPCS,
+        help="gRPC calls one server process holds at once, health checks included; a call "
+        "beyond them is answered RESOURCE_EXHAUSTED (per process of --workers; default "
+        f"{DEFAULT_MAX_CONCURRENT_RPCS})",
+    )
+    parser.add_argument(
         "--read-timeout-seconds",
         type=positive_float,
         default=60.0,
@@ -224,6 +249,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_serve, parser=parser)
 
 
+#: Defaults of --max-connections and --max-concurrent-rpcs: --max-queue-size's, so that the
+#: queue (503 / UNAVAILABLE beyond it) is what a busy but honest load meets first.
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_CONCURRENT_RPCS = 1024
+#: The most --max-connections: each holds a file descriptor, and the soft limit of open files
+#: is rarely above this.
+MAX_CONNECTIONS = 1 << 20
 #: The largest --max-body-bytes / --max-decompressed-bytes: gRPC message limits are int32.
 MAX_BODY_BYTES = 2**31 - 1
 #: The most torch threads a process may ask for (beyond the cores they only contend).
@@ -259,6 +291,16 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     for flag in ("max_body_bytes", "max_decompressed_bytes"):
         if getattr(args, flag) > MAX_BODY_BYTES:
             return f"--{flag.replace('_', '-')} {getattr(args, flag)}: at most {MAX_BODY_BYTES}"
+    if args.max_connections > MAX_CONNECTIONS:
+        return f"--max-connections {args.max_connections}: at most {MAX_CONNECTIONS}"
+    if args.max_concurrent_rpcs > MAX_BODY_BYTES:  # grpc takes an int32
+        return f"--max-concurrent-rpcs {args.max_concurrent_rpcs}: at most {MAX_BODY_BYTES}"
+    in_flight = args.max_body_bytes_in_flight
+    if in_flight is not None and in_flight < args.max_body_bytes:
+        return (
+            f"--max-body-bytes-in-flight {in_flight} is below --max-body-bytes "
+            f"{args.max_body_bytes}: the largest request allowed could never be read"
+        )
     if args.threads > MAX_THREADS:
         return f"--threads {args.threads}: at most {MAX_THREADS}"
     if args.workers > MAX_WORKERS:
@@ -373,6 +415,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_decompressed_bytes=args.max_decompressed_bytes,
         read_timeout_seconds=args.read_timeout_seconds,
+        max_connections=args.max_connections,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         watch_seconds=args.watch_seconds,
         admin_token=_admin_token(args),
         reload_root=args.reload_root,

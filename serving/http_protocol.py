@@ -26,6 +26,13 @@ On every connection, fast or not, the protocol also guards what uvicorn's leaves
   one is after a response; a request whose head and body are not all in within
   ``read_timeout`` seconds of its first byte is answered 408 and closed (slow clients would
   otherwise hold their sockets, and the process's file descriptors, forever).
+- Beyond ``max_connections`` open connections, a new one is answered 503 at its first bytes
+  and closed (nothing of it is parsed); beyond ``max_body_bytes_in_flight`` bytes of bodies
+  being read, counted from ``Content-Length`` when a request's head is in (a chunked body
+  counts as the largest allowed), a request is answered 503 without its body being kept
+  (the rest of it is read and dropped). Together with ``max_body_bytes`` they bound the
+  memory clients can make one process hold; each costs a comparison and a counter per
+  connection or request.
 - Malformed HTTP gets a 400 with a JSON ``{"error": ...}`` naming the parser's complaint.
 - A client that half-closes its side right after a request still gets the answer (over
   plain TCP: asyncio's SSL transport closes a TLS connection on EOF).
@@ -42,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -54,6 +62,7 @@ from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
+    UnavailableError,
 )
 from serving.http_fast_path import REFUSED_MARK, InferHandler
 from serving.http_responses import error_response, note_request
@@ -77,7 +86,10 @@ _REFUSED_AS: dict[int, type[RecserveError]] = {
     400: InvalidArgumentError,  # malformed HTTP
     408: DeadlineExceededError,  # not all in within the read timeout
     431: CapacityError,  # head too large
+    503: UnavailableError,  # over max_body_bytes_in_flight
 }
+#: ``on_refused``'s reasons: over ``max_connections``, over ``max_body_bytes_in_flight``.
+REFUSED_REASONS = ("connections", "body_bytes")
 
 
 class _NoEvent:
@@ -137,18 +149,65 @@ class _ReadDeadlines:
         loop.call_later(self._period, self._tick, loop)
 
 
+class _BodyBudget:
+    """Bytes of request bodies being read by one server (its connections share one loop)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+def _refusal_app(status: int, message: str) -> Callable[..., Any]:
+    """An ASGI app answering every request ``status`` with ``{"error": message}``, without
+    reading its body (uvicorn drops what arrives once the response is complete)."""
+    body = orjson.dumps({"error": message})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+    ]
+
+    async def refuse(scope: dict, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return refuse
+
+
 def infer_protocol(
     handler: InferHandler,
     max_fast_body_bytes: int,
     *,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_connections: int | None = None,
+    max_body_bytes_in_flight: int | None = None,
+    on_refused: Callable[[str], None] | None = None,
 ) -> type[HttpToolsProtocol]:
     """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) that answers small infer
     requests with ``handler`` directly; bodies over ``max_fast_body_bytes`` (or the handler's
     own limit) go through the ASGI app. ``read_timeout``: seconds a request may take to
-    arrive, from its first byte (408 after it)."""
+    arrive, from its first byte (408 after it). ``max_connections``: open connections of the
+    server (a new one beyond them is answered 503 and closed); ``max_body_bytes_in_flight``:
+    bytes of bodies being read at once (a request beyond them is answered 503); None: no
+    limit. ``on_refused(reason)`` is called for each refusal of these two (a reason of
+    :data:`REFUSED_REASONS`)."""
     body_limit = min(max_fast_body_bytes, handler.max_body_bytes)
     deadlines = _ReadDeadlines(read_timeout)
+    # Bodies over the handler's limit are refused at once (413), never held: they reserve
+    # nothing, and chunked ones (their size unknown) reserve the most one may hold.
+    largest_body = handler.max_body_bytes
+    budget = _BodyBudget(max_body_bytes_in_flight or 2**62)
+    too_many_connections = (
+        f"this server process has its limit of {max_connections} connections open "
+        "(--max-connections); the connection is closed: retry later, or on another server"
+    )
+    too_many_bytes = (
+        f"the request bodies this server process is reading would exceed "
+        f"{max_body_bytes_in_flight} bytes at once (--max-body-bytes-in-flight): retry "
+        "later, or on another server"
+    )
+    busy_app = _refusal_app(503, too_many_bytes)
 
     class InferHttpToolsProtocol(HttpToolsProtocol):
         # ------------------------------------------------------------ connection guards
@@ -164,6 +223,16 @@ def infer_protocol(
             self._in_body = False  # between a request's head and its end (it has a cycle)
             self._refusal: tuple[int, str] | None = None  # waiting for earlier answers
             self._ignored_upgrade: bytes | None = None  # its head without that, to read again
+            self._body_reserved = 0  # bytes of the budget the request being read holds
+            self._refused_on_arrival = False
+            if max_connections is not None and len(self.connections) > max_connections:
+                # Answered at its first bytes (a response before any request would reach
+                # the client as an unsolicited one), and parsed no further; an idle one is
+                # closed by the keep-alive timer below.
+                self._refusal = (503, too_many_connections)
+                self._refused_on_arrival = True
+                if on_refused is not None:
+                    on_refused("connections")
             # Idle until the first request as after a response: uvicorn's keep-alive timer.
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -173,7 +242,10 @@ def infer_protocol(
         def data_received(self, data: bytes) -> None:
             # uvicorn's, with JSON errors and the head counted.
             if self._refusal is not None:
-                return  # the connection ends with that refusal: nothing more is parsed
+                # The connection ends with that refusal: nothing more is parsed.
+                if self._refused_on_arrival and not self.transport.is_closing():
+                    self._write_refusal(*self._refusal)
+                return
             self._unset_keepalive_if_required()
             in_head, messages = self._in_head, self._messages
             try:
@@ -350,10 +422,46 @@ def infer_protocol(
             self._cycle_of = self._messages  # the request self.cycle belongs to
             self._in_body = True
             cycle = self._fast_cycle()
+            reserve = self._fast_length if cycle is not None else self._body_reservation()
+            if reserve:
+                if budget.used + reserve > budget.limit:
+                    self._refuse_body()
+                    return
+                budget.used += reserve
+                self._body_reserved = reserve
             if cycle is None:
                 super().on_headers_complete()
             else:
                 self.cycle = cycle  # type: ignore[assignment]
+
+        def _body_reservation(self) -> int:
+            """Bytes the body of the request whose head is in may hold: its Content-Length,
+            the most allowed when chunked, 0 when over that (refused at once, 413)."""
+            length = 0
+            for name, value in self.headers:
+                if name == b"content-length":
+                    length = int(value) if value.isdigit() else 0
+                elif name == b"transfer-encoding":
+                    return largest_body
+            return length if length <= largest_body else 0
+
+        def _refuse_body(self) -> None:
+            """Answer the request whose head is in 503 (over the body budget), through the
+            ASGI path: uvicorn keeps answers in request order and drops the body."""
+            if on_refused is not None:
+                on_refused("body_bytes")
+            if handler.record_rejected is not None:
+                self._count_refused(503, too_many_bytes)
+            app, self.app = self.app, busy_app
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+
+        def _release_body(self) -> None:
+            """Give back the budget the request being read holds (it is in, or gone)."""
+            budget.used -= self._body_reserved
+            self._body_reserved = 0
 
         def _fast_cycle(self) -> _FastCycle | None:
             """A cycle for a request this protocol answers itself, else None."""
@@ -382,6 +490,7 @@ def infer_protocol(
                 return None
             version = self.parser.get_http_version()
             cycle = _FastCycle(version != "1.0" and self.parser.should_keep_alive())
+            self._fast_length = length
             self._fast_request = (
                 match[1].decode("ascii"),
                 None if match[2] is None else match[2].decode("ascii"),
@@ -401,6 +510,10 @@ def infer_protocol(
         def on_message_complete(self) -> None:
             if self._upgrading:
                 return  # not all in: it is read again (_parse_without_upgrade)
+            reserved = self._body_reserved
+            if reserved:  # the body is in: what it holds now is the queue's to bound
+                budget.used -= reserved
+                self._body_reserved = 0
             self.reading_since = None
             self._in_body = False
             cycle = self.cycle
@@ -416,6 +529,8 @@ def infer_protocol(
             cycle.task = task
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._body_reserved:  # cut short while its body came in
+                self._release_body()
             cycle = self.cycle
             if type(cycle) is _FastCycle and not cycle.response_complete and cycle.task:
                 # Nobody is left to answer: a request still queued is dropped before its

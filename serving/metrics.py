@@ -144,6 +144,14 @@ class ServingMetrics:
             ["outcome"],
             registry=r,
         )
+        # Labelled at 0 by the server (serving.server), like reloads above.
+        self.http_refused = Counter(
+            "recserve_http_refused",
+            "HTTP connections refused over --max-connections (reason connections) and "
+            "requests refused over --max-body-bytes-in-flight (reason body_bytes), with 503.",
+            ["reason"],
+            registry=r,
+        )
         self.model_info = Gauge(
             "recserve_model_info",
             "The served model version (value 1).",

@@ -11,6 +11,8 @@ from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
 #: Environment variable read for the admin token when no flag gives one (and how
 #: ``--workers`` hands it to its processes).
 ADMIN_TOKEN_VARIABLE = "RECSERVE_ADMIN_TOKEN"
+#: ``--max-body-bytes-in-flight`` when not given: this many bodies of ``--max-body-bytes``.
+DEFAULT_BODIES_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ class ServeOptions:
     max_body_bytes: int = 64 * 1024 * 1024
     max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
     read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte
+    # What one process holds at once (each bounds memory the others do not): open HTTP
+    # connections (503 beyond), bytes of HTTP bodies being read (503 beyond; None: 4 x
+    # max_body_bytes) and gRPC calls in progress (RESOURCE_EXHAUSTED beyond).
+    max_connections: int = 1024
+    max_body_bytes_in_flight: int | None = None
+    max_concurrent_rpcs: int = 1024
     watch_seconds: float = 0.0  # poll the checkpoint for a new version (0: off)
     # A secret: out of repr, so a logged or printed ServeOptions never shows it.
     admin_token: str | None = field(default=None, repr=False)
@@ -57,3 +65,9 @@ class ServeOptions:
     # stop once the supervisor (this pid) is gone.
     reuse_port: bool = False
     supervisor_pid: int | None = None
+
+    def body_bytes_in_flight(self) -> int:
+        """``max_body_bytes_in_flight``, or its default: four bodies of ``max_body_bytes``."""
+        if self.max_body_bytes_in_flight is not None:
+            return self.max_body_bytes_in_flight
+        return DEFAULT_BODIES_IN_FLIGHT * self.max_body_bytes

@@ -115,7 +115,7 @@ class PredictionServer:
         from serving.http_admin import AdminHooks
         from serving.http_app import SMALL_BODY_BYTES, create_app
         from serving.http_fast_path import InferFastPath
-        from serving.http_protocol import infer_protocol, protocol_is_supported
+        from serving.http_protocol import REFUSED_REASONS, infer_protocol, protocol_is_supported
 
         o = self.options
         warning = self.reload_root_warning()
@@ -169,6 +169,9 @@ class PredictionServer:
             ) from None
         self.http_port = http_socket.getsockname()[1]
         fast_path = InferFastPath(app)
+        http_refused = self.service.metrics.http_refused
+        for reason in REFUSED_REASONS:  # at 0: the first refusal shows in increase()
+            http_refused.labels(reason)
         config = uvicorn.Config(
             fast_path,
             log_level="warning",
@@ -179,10 +182,18 @@ class PredictionServer:
             proxy_headers=False,
             # Small infer requests skip the ASGI cycle (serving.http_protocol).
             http=infer_protocol(
-                fast_path.handler, SMALL_BODY_BYTES, read_timeout=o.read_timeout_seconds
+                fast_path.handler,
+                SMALL_BODY_BYTES,
+                read_timeout=o.read_timeout_seconds,
+                max_connections=o.max_connections,
+                max_body_bytes_in_flight=o.body_bytes_in_flight(),
+                on_refused=lambda reason: http_refused.labels(reason).inc(),
             )
             if protocol_is_supported()
             else "auto",
+            # Only for uvicorn's own protocol (an unsupported uvicorn): it answers 503
+            # beyond this many connections or requests, and has no body budget.
+            limit_concurrency=None if protocol_is_supported() else o.max_connections,
             # HTTPS: asyncio's SSL transport sits under the protocol, which reads and
             # writes only through its transport, so the fast path is the same over TLS.
             **(tls.uvicorn_options() if tls else {}),
@@ -203,6 +214,7 @@ class PredictionServer:
             port=o.grpc_port,
             reuse_port=o.reuse_port,
             max_request_bytes=o.max_body_bytes,
+            maximum_concurrent_rpcs=o.max_concurrent_rpcs,
             credentials=tls_files.grpc_credentials() if tls_files else None,
         )
         self._grpc.start()
@@ -388,6 +400,34 @@ RELOAD_RETRY_SECONDS = 5.0
 RELOAD_RETRY_MAX_SECONDS = 300.0
 
 
+#: Open files a server process needs besides its HTTP connections and gRPC calls: the model's
+#: and checkpoint's files, listeners, pipes, the embedding tier's channels.
+SPARE_OPEN_FILES = 256
+
+
+def raise_open_files_limit(needed: int) -> str | None:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) to ``needed``, as far as
+    its hard limit allows: containers often start at a soft 1024, which would fail accepts
+    (EMFILE) before ``--max-connections`` answers anything. Returns a warning when the hard
+    limit is lower than ``needed``, else None."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        return (
+            f"open files are limited to {target} (hard RLIMIT_NOFILE), below the {needed} "
+            "that --max-connections and --max-concurrent-rpcs may need: connections beyond "
+            "it fail to be accepted instead of being answered 503 (raise the limit, or "
+            "lower the caps)"
+        )
+    return None
+
+
 class _StopDuringStartup(BaseException):
     """SIGTERM/SIGINT while the server was still starting (loading, waiting for its tier)."""
 
@@ -402,6 +442,11 @@ def serve(options: ServeOptions) -> int:
         return serve_processes(options)
     if options.supervisor_pid is not None:  # one process of a --workers server
         stop_when_parent_exits(options.supervisor_pid, "the --workers supervisor")
+    warning = raise_open_files_limit(
+        options.max_connections + options.max_concurrent_rpcs + SPARE_OPEN_FILES
+    )
+    if warning:
+        log.warning("%s", warning)
     server = PredictionServer(options)
     interrupted: list[str] = []
 

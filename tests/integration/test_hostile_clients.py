@@ -39,6 +39,7 @@ from tests.integration.test_serving import (
 INFER = f"/v2/models/{MODEL}/infer"
 READ_TIMEOUT = 1.0
 KEEP_ALIVE = 5.0  # uvicorn's default keep-alive timeout
+MAX_CONNECTIONS = 32  # above what the other tests hold at once
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,8 @@ def server(serve_process, adult_checkpoint):
         ADULT_PREPROCESSOR,
         "--read-timeout-seconds",
         str(READ_TIMEOUT),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
     )
 
 
@@ -366,4 +369,52 @@ def test_a_repeated_inference_header_content_length_is_refused(server, arrays, g
         f"Inference-Header-Content-Length must be sent once, got '{len(head)}, {len(head)}' "
         "(it was repeated)"
     )
+    _assert_serving(server, arrays)
+
+
+def _refused_connections(server) -> tuple[int, float]:
+    """(status of GET /metrics, its count of connections refused; -1 when not 200)."""
+    status, body = request(server.http_url, "GET", "/metrics")
+    if status != 200:
+        return status, -1.0
+    for line in body.decode().splitlines():
+        if line.startswith('recserve_http_refused_total{reason="connections"}'):
+            return status, float(line.split()[-1])
+    raise AssertionError("no recserve_http_refused_total for connections in /metrics")
+
+
+def test_connections_beyond_max_connections_get_503_and_the_server_serves_on(server, arrays):
+    """--max-connections 32: connections held open one by one, each answered, until one is
+    refused (the 33rd at the latest; earlier when others are still open): a 503 naming the
+    flag, then closed. Once they are closed, the server serves again, and /metrics counted
+    every refusal."""
+    _, refused_before = _refused_connections(server)
+    held: list[socket.socket] = []
+    raw = b""
+    try:
+        for _ in range(MAX_CONNECTIONS + 1):
+            sock = _connect(server)
+            held.append(sock)
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            raw = sock.recv(65536)
+            if not raw.startswith(b"HTTP/1.1 200"):
+                break
+        status, message = _status_and_error(raw + _read_until_closed(held[-1]))
+        assert status == 503
+        assert message == (
+            f"this server process has its limit of {MAX_CONNECTIONS} connections open "
+            "(--max-connections); the connection is closed: retry later, or on another server"
+        )
+    finally:
+        for sock in held:
+            sock.close()
+    refused = 1
+    for _ in range(100):  # the server sees the closes a moment later
+        status, count = _refused_connections(server)
+        if status == 200:
+            break
+        assert status == 503
+        refused += 1
+        time.sleep(0.02)
+    assert count == refused_before + refused
     _assert_serving(server, arrays)

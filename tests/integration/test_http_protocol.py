@@ -488,3 +488,130 @@ def test_an_http2_preface_is_told_this_port_speaks_http_1_1(server):
             "error": "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection "
             "preface: send HTTP/1.1 here, and gRPC to the server's gRPC port"
         }
+
+
+# ------------------------------------------------------------------ caps on what is held
+CAPPED_CONNECTIONS = 2
+CAPPED_BODY_BYTES = 6000  # bytes of bodies being read at once
+REFUSED: list[str] = []  # on_refused's reasons, in order
+
+
+@pytest.fixture(scope="module")
+def capped_server() -> Iterator[tuple[str, int]]:
+    handler = InferHandler(_handle, max_body_bytes=8192)
+    config = uvicorn.Config(
+        _asgi_app,
+        host="127.0.0.1",
+        port=0,
+        log_level="critical",
+        lifespan="off",
+        http=infer_protocol(
+            handler,
+            FAST_LIMIT,
+            max_connections=CAPPED_CONNECTIONS,
+            max_body_bytes_in_flight=CAPPED_BODY_BYTES,
+            on_refused=REFUSED.append,
+        ),
+    )
+    instance = uvicorn.Server(config)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=instance.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not instance.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert instance.started
+    yield listener.getsockname()
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+def _served(connection: _Connection, body: bytes = b"ok") -> dict:
+    connection.send(_request("/v2/models/adult/infer", body))
+    status, _, answer = connection.response()
+    assert status == 200, answer
+    return json.loads(answer)
+
+
+def test_a_connection_beyond_max_connections_gets_503_and_is_closed(capped_server):
+    REFUSED.clear()
+    with _Connection(capped_server) as first, _Connection(capped_server) as second:
+        # Answered: both are open on the server before the third arrives.
+        assert _served(first)["via"] == _served(second)["via"] == "fast"
+        with _Connection(capped_server) as third:
+            third.send(_request("/v2/models/adult/infer", b"ok"))
+            status, headers, answer = third.response()
+            assert status == 503
+            assert headers["connection"] == "close"
+            assert json.loads(answer) == {
+                "error": "this server process has its limit of 2 connections open "
+                "(--max-connections); the connection is closed: retry later, or on another "
+                "server"
+            }
+            assert third.closed_by_server()
+        assert REFUSED == ["connections"]
+        assert _served(first)["body"] == "ok"  # the open ones keep being served
+    # Once they are closed, new connections are served again (the server sees the closes
+    # a moment later: a few tries, each refused at once).
+    for _ in range(50):
+        with _Connection(capped_server) as fourth:
+            fourth.send(_request("/v2/models/adult/infer", b"again"))
+            status, _, answer = fourth.response()
+        if status == 200:
+            break
+        time.sleep(0.02)
+    assert status == 200 and json.loads(answer)["body"] == "again"
+
+
+def test_a_request_beyond_the_body_budget_gets_503_and_the_connection_stays_usable(
+    capped_server,
+):
+    REFUSED.clear()
+    expected = {
+        "error": "the request bodies this server process is reading would exceed 6000 bytes "
+        "at once (--max-body-bytes-in-flight): retry later, or on another server"
+    }
+    with _Connection(capped_server) as slow, _Connection(capped_server) as other:
+        # 5500 bytes declared, 10 sent: the budget holds 5500 until the rest is in.
+        slow.send(_request("/v2/models/adult/infer", b"s" * 5500)[:-5490])
+        # 600 more would exceed 6000: refused on the fast path's route, body dropped. The
+        # server reads the slow head first a moment after it was sent: a few tries.
+        for _ in range(50):
+            other.send(_request("/v2/models/adult/infer", b"f" * 600))
+            status, headers, answer = other.response()
+            if status == 503:
+                break
+            time.sleep(0.02)
+        assert status == 503 and json.loads(answer) == expected
+        assert "connection" not in headers  # kept alive: the body was read and dropped
+        # 500 more fit (6000 in all), on the same connection.
+        assert _served(other, b"f" * 500) == {
+            "via": "fast",
+            "name": "adult",
+            "version": None,
+            "body": "f" * 500,
+            "header_length": None,
+        }
+        slow.send(b"s" * 5490)
+        status, _, answer = slow.response()
+        assert status == 200 and json.loads(answer)["body_bytes"] == 5500
+        # The budget is given back once a body is in: 600 fits now.
+        assert _served(other, b"f" * 600)["via"] == "fast"
+    assert REFUSED[0] == "body_bytes" and set(REFUSED) == {"body_bytes"}
+
+
+def test_a_request_cut_short_gives_its_body_budget_back(capped_server):
+    REFUSED.clear()
+    with _Connection(capped_server) as gone:
+        gone.send(_request("/v1/models/adult:predict", b"x" * 5800)[:-5000])
+        time.sleep(0.05)
+    # Its 5800 bytes are released when the server sees the close: 5800 more then fit.
+    for _ in range(50):
+        with _Connection(capped_server) as next_one:
+            next_one.send(_request("/v1/models/adult:predict", b"y" * 5800))
+            status, _, answer = next_one.response()
+        if status == 200:
+            break
+        time.sleep(0.02)
+    assert status == 200 and json.loads(answer)["body_bytes"] == 5800

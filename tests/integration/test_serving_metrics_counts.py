@@ -6,6 +6,7 @@ from start-up and after a reload, and a replaced version's series never come bac
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -61,14 +62,15 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(service: PredictionService) -> Iterator[Served]:
-    """``service`` behind the HTTP and gRPC front ends, as ``recserve serve`` runs them."""
+def serve(service: PredictionService, **caps: Any) -> Iterator[Served]:
+    """``service`` behind the HTTP and gRPC front ends, as ``recserve serve`` runs them;
+    ``caps``: more keyword arguments of ``infer_protocol`` (``max_connections``, ...)."""
     fast_path = InferFastPath(create_app(service, max_body_bytes=MAX_BODY_BYTES))
     config = uvicorn.Config(
         fast_path,
         log_level="critical",
         lifespan="off",
-        http=infer_protocol(fast_path.handler, SMALL_BODY_BYTES, read_timeout=READ_TIMEOUT),
+        http=infer_protocol(fast_path.handler, SMALL_BODY_BYTES, read_timeout=READ_TIMEOUT, **caps),
     )
     http_server = uvicorn.Server(config)
     listener = socket.socket()
@@ -191,6 +193,24 @@ def test_requests_refused_before_the_core_are_counted(adult_checkpoint):
         assert served.count("http", "ok") == 0 and served.count("grpc", "ok") == 0
         # Never reached the core: not timed.
         assert served.timed("http") is None and served.timed("grpc") is None
+
+
+def test_an_infer_request_over_the_body_budget_is_counted_as_unavailable(adult_checkpoint):
+    service = PredictionService(load_model(adult_checkpoint, name=MODEL, warm_up=False))
+    infer = f"/v2/models/{MODEL}/infer"
+    with serve(service, max_body_bytes_in_flight=MAX_BODY_BYTES) as served:
+        host, port = served.http.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as holding:
+            # Declares the whole budget and sends a byte of it: the budget is taken.
+            holding.sendall(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+                % (infer.encode(), MAX_BODY_BYTES)
+            )
+            time.sleep(0.1)  # one read for the server
+            status, body = request(served.http, "POST", infer, b"{}")
+        assert status == 503 and "--max-body-bytes-in-flight" in json.loads(body)["error"]
+        assert served.count("http", "UnavailableError") == 1
+        assert served.timed("http") is None  # never reached the core
 
 
 # --------------------------------------------------------------------------- cancelled gRPC

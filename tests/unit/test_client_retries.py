@@ -24,6 +24,7 @@ from clients import AsyncRecserveClient, RecserveClient
 from clients._proto import METHODS, SERVICE_NAME, V2
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import (
+    CapacityError,
     DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
@@ -1281,3 +1282,26 @@ def test_closing_the_async_http_client_fails_the_calls_waiting_for_a_connection(
     assert all(seconds < 0.4 for _, seconds in queued)  # at once, not after the first call
     assert first[0] == "ok"  # the one already sent is answered
     assert server.requests == 1
+
+
+@pytest.mark.parametrize(
+    ("details", "retried"),
+    [
+        ("Concurrent RPC limit exceeded!", True),  # grpcio, over --max-concurrent-rpcs
+        ("Received message larger than max (70000000 vs. 67108864)", False),
+        ("request of 9000 samples exceeds the limit of 4096", False),
+    ],
+)
+def test_grpc_retries_a_servers_concurrent_call_limit_but_no_other_resource_exhausted(
+    details, retried
+):
+    from clients._grpc import _failure
+    from clients.retry import RetryableError
+    from tests.unit.test_rpc_errors import FailedCall
+
+    failure = _failure(
+        "grpc://127.0.0.1:1", FailedCall(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    )
+    assert isinstance(failure, RetryableError) is retried
+    error = failure.error if isinstance(failure, RetryableError) else failure
+    assert isinstance(error, CapacityError) and details in error.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -476,3 +477,42 @@ def test_tritonclient_grpc_outputs_and_timeout_parameter(triton, core) -> None:
         triton.infer("tiny", _triton_inputs(), outputs=[triton_grpc.InferRequestedOutput("p")])
     assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert error.value.message() == "unknown output 'p'; the model has outputs ['prediction']"
+
+
+class _BlockingCore(FakeCore):
+    """Holds every predict call until :attr:`release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def predict(self, *args, **kwargs):
+        self.entered.set()
+        self.release.wait(10)
+        return super().predict(*args, **kwargs)
+
+
+def test_calls_beyond_maximum_concurrent_rpcs_are_resource_exhausted() -> None:
+    """--max-concurrent-rpcs: with one call in progress, another (even a health check) is
+    refused at once with RESOURCE_EXHAUSTED; once it ends, calls are answered again."""
+    core = _BlockingCore()
+    server, port, health = build_grpc_server(
+        core, host="127.0.0.1", port=0, max_workers=4, maximum_concurrent_rpcs=1
+    )
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = InferenceStub(channel)
+            held = stub.ModelInfer.future(_typed_request(), timeout=10)
+            assert core.entered.wait(5)
+            code, details = _code_and_details(stub.ServerLive, V2.ServerLiveRequest())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details == "Concurrent RPC limit exceeded!"  # grpcio's own words
+            core.release.set()
+            assert len(held.result(timeout=10).outputs) == 1
+            assert stub.ServerLive(V2.ServerLiveRequest(), timeout=5).live
+    finally:
+        core.release.set()
+        health.shutdown()
+        server.stop(None)

@@ -119,6 +119,19 @@ def test_the_admin_token_stays_out_of_the_options_repr():
             ["--reload-root", "/nonexistent/recserve-root"],
             "--reload-root /nonexistent/recserve-root: no such directory",
         ),
+        (["--max-connections", "1048577"], "--max-connections 1048577: at most 1048576"),
+        (
+            ["--max-concurrent-rpcs", "2147483648"],
+            "--max-concurrent-rpcs 2147483648: at most 2147483647",
+        ),
+        (
+            ["--max-body-bytes", "1000", "--max-body-bytes-in-flight", "999"],
+            "--max-body-bytes-in-flight 999 is below --max-body-bytes 1000: the largest",
+        ),
+        (
+            ["--max-body-bytes-in-flight", "67108863"],
+            "--max-body-bytes-in-flight 67108863 is below --max-body-bytes 67108864",
+        ),
     ],
 )
 def test_arguments_that_cannot_work_together_are_refused_before_anything_starts(argv, problem):
@@ -145,6 +158,39 @@ def test_arguments_at_their_limits_pass_the_checks():
     assert commands.check_arguments(args) is None
     assert commands.check_arguments(_parse("--watch-seconds", "0")) is None
     assert commands.check_arguments(_parse("--model-name", "m" * 255)) is None
+    capped = _parse(
+        "--max-connections", "1048576", "--max-concurrent-rpcs", "2147483647",
+        "--max-body-bytes", "1000", "--max-body-bytes-in-flight", "1000",
+    )  # fmt: skip
+    assert commands.check_arguments(capped) is None
+
+
+@pytest.mark.parametrize("flag", ["--max-connections", "--max-concurrent-rpcs",
+                                  "--max-body-bytes-in-flight"])  # fmt: skip
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_the_caps_take_positive_integers_only(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        _parse(flag, value)
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_the_caps_default_to_the_queue_size_and_four_largest_bodies_and_reach_workers():
+    args = _parse()
+    assert (args.max_connections, args.max_concurrent_rpcs) == (1024, 1024)
+    assert args.max_body_bytes_in_flight is None
+    assert ServeOptions(checkpoint=Path("c")).body_bytes_in_flight() == 4 * 64 * 1024 * 1024
+    assert ServeOptions(checkpoint=Path("c"), max_body_bytes=10).body_bytes_in_flight() == 40
+    options = ServeOptions(
+        checkpoint=Path("c"), max_connections=3, max_concurrent_rpcs=5, max_body_bytes_in_flight=7
+    )
+    argv = options_to_argv(options)
+    assert {"--max-connections=3", "--max-concurrent-rpcs=5", "--max-body-bytes-in-flight=7"} <= (
+        set(argv)
+    )
+    again = _parse(*argv[2:])  # without "serve --checkpoint=c"
+    assert (again.max_connections, again.max_concurrent_rpcs) == (3, 5)
+    assert again.max_body_bytes_in_flight == 7
+    assert "--max-body-bytes-in-flight" not in " ".join(options_to_argv(ServeOptions(Path("c"))))
 
 
 @pytest.mark.parametrize(
@@ -299,3 +345,35 @@ def test_a_workers_server_on_a_taken_port_names_the_flag_and_starts_nothing(monk
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize(
+    ("limits", "needed", "set_to", "warns"),
+    [
+        ((1024, 524288), 2304, (2304, 524288), False),  # a soft 1024, as some runtimes give: raised
+        ((1024, 2000), 2304, (2000, 2000), True),  # as far as the hard limit, with a warning
+        ((4096, 4096), 2304, None, False),  # already enough: untouched
+        ((1024, -1), 2304, (2304, -1), False),  # hard RLIM_INFINITY
+        ((1024, 1024), 2304, None, True),  # nothing to raise: only the warning
+    ],
+)
+def test_the_open_files_limit_is_raised_for_the_caps(monkeypatch, limits, needed, set_to, warns):
+    import resource
+
+    from serving.server import raise_open_files_limit
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "RLIM_INFINITY", -1)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits)
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: calls.append(value))
+    warning = raise_open_files_limit(needed)
+    assert calls == ([] if set_to is None else [set_to])
+    if warns:
+        assert warning == (
+            f"open files are limited to {min(limits[1], needed)} (hard RLIMIT_NOFILE), below "
+            f"the {needed} that --max-connections and --max-concurrent-rpcs may need: "
+            "connections beyond it fail to be accepted instead of being answered 503 (raise "
+            "the limit, or lower the caps)"
+        )
+    else:
+        assert warning is None
