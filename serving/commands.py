@@ -154,8 +154,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="bytes of HTTP request bodies one server process reads at once, counted from "
         "Content-Length (a chunked body counts as --max-body-bytes) when its headers arrive; "
-        "a request beyond them is answered 503 (at least --max-body-bytes; default 4 x "
-        "--max-body-bytes)",
+        "a request beyond them is answered 503 (at least --max-body-bytes; when not given, "
+        "four times --max-body-bytes)",
     )
     parser.add_argument(
         "--max-concurrent-rpcs",
