@@ -1,6 +1,6 @@
 """``recserve eval`` and ``recserve checkpoint ...`` run as a user runs them (subprocesses).
 
-One Adult checkpoint is trained per module (one epoch). Checked:
+The session's Adult checkpoint (one epoch; tests/conftest.py) is used, never changed. Checked:
 
 * eval of the test split reproduces the AUC the training run reported, exactly;
 * ``eval --compare`` passes against a real ``recserve serve`` of the same checkpoint (KServe v2
@@ -36,7 +36,6 @@ import pytest
 import safetensors.numpy
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = ROOT / "examples" / "adult_income" / "train.py"
 MAPPING = ROOT / "examples" / "adult_income" / "feature_mapping.yml"
 TEST_DATA = ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
 TEST_ROWS = 16281
@@ -73,20 +72,10 @@ def ok(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("eval-adult")
-    checkpoint, metrics = root / "checkpoint", root / "metrics.json"
-    result = subprocess.run(
-        [sys.executable, str(TRAIN), "--epochs", "1", "--checkpoint-dir", str(checkpoint),
-         "--metrics-out", str(metrics)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )  # fmt: skip
-    ok(result)
-    return checkpoint, json.loads(metrics.read_text())
+def trained(adult_checkpoint, adult_checkpoint_metrics) -> tuple[Path, dict]:
+    """(checkpoint, what its training reported): the session's Adult checkpoint (one epoch,
+    seed 0, tests/conftest.py), shared with the integration tests; read only here."""
+    return adult_checkpoint, adult_checkpoint_metrics
 
 
 def perturbed_copy(source: Path, target: Path, delta: float = 0.05) -> Path:
