@@ -223,10 +223,10 @@ def test_serving_from_an_unreachable_worker_says_it_waits_and_gives_up_in_time(
     started = time.monotonic()
     result = recserve(
         "serve", "--checkpoint", adult_checkpoint, "--http-port", "0", "--grpc-port", "0",
-        "--embedding-workers", f"127.0.0.1:{port}", "--startup-timeout", "2",
+        "--embedding-workers", f"127.0.0.1:{port}", "--startup-timeout", "1",
     )  # fmt: skip
-    assert_refused(result, 1, f"waiting up to 2 s for embedding worker 127.0.0.1:{port}")
-    assert f"127.0.0.1:{port} is not serving after 2 s" in result.stderr
+    assert_refused(result, 1, f"waiting up to 1 s for embedding worker 127.0.0.1:{port}")
+    assert f"127.0.0.1:{port} is not serving after 1 s" in result.stderr
     assert time.monotonic() - started < 40
 
 
