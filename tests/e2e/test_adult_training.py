@@ -119,25 +119,7 @@ def printed_auc(output: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def synchronous_runs(tmp_path_factory, processes) -> dict[str, tuple[subprocess.Popen, Path]]:
-    """Fully synchronous runs (``--reproducible``: staleness 1, fixed data order, seed 0),
-    started at once in the background: ``"three"`` (3 epochs, metrics in ``three.json``) and
-    ``"two"`` (2 epochs, checkpoint ``two-epochs``). Name -> (process, log); wait with
-    ``wait_all``. Each trains on one thread, so they overlap the launcher's run in ``trained``."""
-    work = tmp_path_factory.mktemp("synchronous")
-    common = [sys.executable, str(TRAIN), "--reproducible", "--seed", "0"]
-    commands = {
-        "three": [*common, "--metrics-out", str(work / "three.json")],
-        "two": [*common, "--epochs", "2", "--checkpoint-dir", str(work / "two-epochs")],
-    }
-    return {
-        name: (processes.start(command, work / f"{name}.log"), work / f"{name}.log")
-        for name, command in commands.items()
-    }
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, processes, synchronous_runs):
+def trained(tmp_path_factory, processes):
     """One embedded ``recserve train`` run (default staleness 4, seed 0) shared by the tests."""
     work = tmp_path_factory.mktemp("adult")
     checkpoint, metrics = work / "checkpoint", work / "metrics.json"
@@ -209,6 +191,27 @@ def test_checkpoint_loaded_in_a_fresh_process_gives_the_same_auc(trained, proces
     # Without the checkpoint the model is untrained: the AUC above really came from loading.
     assert abs(fresh["test_auc"] - 0.5) < 0.15, fresh
     assert fresh["dense_weight_checksum"] != loaded["dense_weight_checksum"]
+
+
+@pytest.fixture(scope="module")
+def synchronous_runs(trained, processes) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Fully synchronous runs (``--reproducible``: staleness 1, fixed data order, seed 0),
+    started at once in the background: ``"three"`` (3 epochs, metrics in ``three.json``) and
+    ``"two"`` (2 epochs, checkpoint ``two-epochs``). Name -> (process, log); wait with
+    ``wait_all``. Each trains on one thread and gives the same result however the CPU is
+    shared; they start only once ``trained`` has ended, whose hybrid (staleness 4) AUC
+    depends on timing: run beside them it moved by more than the 0.002 compared below."""
+    work = trained["dir"] / "synchronous"
+    work.mkdir()
+    common = [sys.executable, str(TRAIN), "--reproducible", "--seed", "0"]
+    commands = {
+        "three": [*common, "--metrics-out", str(work / "three.json")],
+        "two": [*common, "--epochs", "2", "--checkpoint-dir", str(work / "two-epochs")],
+    }
+    return {
+        name: (processes.start(command, work / f"{name}.log"), work / f"{name}.log")
+        for name, command in commands.items()
+    }
 
 
 @pytest.fixture(scope="module")
