@@ -194,23 +194,32 @@ def test_checkpoint_loaded_in_a_fresh_process_gives_the_same_auc(trained, proces
 
 
 @pytest.fixture(scope="module")
-def reproducible(trained, processes) -> dict:
+def synchronous_runs(trained, processes) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Fully synchronous runs (``--reproducible``: staleness 1, fixed data order, seed 0),
+    started at once in the background: ``"three"`` (3 epochs, metrics in ``three.json``) and
+    ``"two"`` (2 epochs, checkpoint ``two-epochs``). Name -> (process, log); wait with
+    ``wait_all``. Each trains on one thread and gives the same result however the CPU is
+    shared; they start only once ``trained`` has ended, whose hybrid (staleness 4) AUC
+    depends on timing: run beside them it moved by more than the 0.002 compared below."""
+    work = trained["dir"] / "synchronous"
+    work.mkdir()
+    common = [sys.executable, str(TRAIN), "--reproducible", "--seed", "0"]
+    commands = {
+        "three": [*common, "--metrics-out", str(work / "three.json")],
+        "two": [*common, "--epochs", "2", "--checkpoint-dir", str(work / "two-epochs")],
+    }
+    return {
+        name: (processes.start(command, work / f"{name}.log"), work / f"{name}.log")
+        for name, command in commands.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def reproducible(synchronous_runs) -> dict:
     """The metrics of one fully synchronous run (staleness 1, fixed data order), 3 epochs."""
-    work = trained["dir"]
-    metrics = work / "reproducible.json"
-    processes.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "--reproducible",
-            "--seed",
-            "0",
-            "--metrics-out",
-            str(metrics),
-        ],
-        work / "reproducible.log",
-    )
-    return json.loads(metrics.read_text())
+    process, log = synchronous_runs["three"]
+    wait_all([process], [log])
+    return json.loads((log.parent / "three.json").read_text())
 
 
 def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, reproducible):
@@ -226,13 +235,16 @@ def test_fully_synchronous_and_hybrid_training_reach_the_same_auc(trained, repro
     assert gap < 0.002
 
 
-def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(trained, reproducible, processes):
+def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(
+    trained, reproducible, synchronous_runs, processes
+):
     # 2 epochs, then a resumed run to 3 in all: the same data order, optimizer states and
     # rows as the uninterrupted 3-epoch run, so the very same weights and AUC.
     work = trained["dir"]
-    first, metrics = work / "two-epochs", work / "resumed-to-three.json"
+    process, log = synchronous_runs["two"]
+    wait_all([process], [log])
+    first, metrics = log.parent / "two-epochs", work / "resumed-to-three.json"
     common = [sys.executable, str(TRAIN), "--reproducible", "--seed", "0"]
-    processes.run([*common, "--epochs", "2", "--checkpoint-dir", str(first)], work / "two.log")
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["train_state"] == {
         "seed": 0,
@@ -241,20 +253,26 @@ def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(trained, reproducibl
         "streaming": False,
         "epochs_done": 2,
     }
-    output = processes.run(
-        [*common, "--resume-from", str(first), "--epochs", "3", "--metrics-out", str(metrics)],
-        work / "resumed.log",
-    )
+    # Both resumed runs at once (each trains on one thread; --resume-from only reads).
+    logs = [work / "resumed.log", work / "other-batch-size.log"]
+    runs = [
+        processes.start(
+            [*common, "--resume-from", str(first), "--epochs", "3", "--metrics-out", str(metrics)],
+            logs[0],
+        ),
+        # Another batch size cannot continue the same order: said, and training goes on.
+        processes.start(
+            [*common, "--resume-from", str(first), "--epochs", "3", "--batch-size", "256"],
+            logs[1],
+        ),
+    ]
+    wait_all(runs, logs)
+    output, other = (log.read_text(errors="replace") for log in logs)
     resumed = json.loads(metrics.read_text())
     assert resumed["steps"] == reproducible["steps"] // 3  # one epoch
     assert resumed["dense_weight_checksum"] == reproducible["dense_weight_checksum"]
     assert resumed["test_auc"] == reproducible["test_auc"]
     assert "note:" not in output
-    # Another batch size cannot continue the same order: said, and training goes on.
-    other = processes.run(
-        [*common, "--resume-from", str(first), "--epochs", "3", "--batch-size", "256"],
-        work / "other-batch-size.log",
-    )
     assert "note: resuming with another batch_size 512 -> 256: the data order differs" in other
 
 

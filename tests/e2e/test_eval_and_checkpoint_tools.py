@@ -1,6 +1,6 @@
 """``recserve eval`` and ``recserve checkpoint ...`` run as a user runs them (subprocesses).
 
-One Adult checkpoint is trained per module (one epoch). Checked:
+The session's Adult checkpoint (one epoch; tests/conftest.py) is used, never changed. Checked:
 
 * eval of the test split reproduces the AUC the training run reported, exactly;
 * ``eval --compare`` passes against a real ``recserve serve`` of the same checkpoint (KServe v2
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,6 @@ import pytest
 import safetensors.numpy
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = ROOT / "examples" / "adult_income" / "train.py"
 MAPPING = ROOT / "examples" / "adult_income" / "feature_mapping.yml"
 TEST_DATA = ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
 TEST_ROWS = 16281
@@ -58,26 +59,23 @@ def recserve(*args: object, timeout: float = TIMEOUT) -> subprocess.CompletedPro
     )
 
 
+def recserve_all(*commands: Sequence[object]) -> list[subprocess.CompletedProcess]:
+    """``recserve(*command)`` for each command, two at a time (each process spends most of its
+    ~1.5 s importing torch, on one core); results in the order given."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda command: recserve(*command), commands))
+
+
 def ok(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("eval-adult")
-    checkpoint, metrics = root / "checkpoint", root / "metrics.json"
-    result = subprocess.run(
-        [sys.executable, str(TRAIN), "--epochs", "1", "--checkpoint-dir", str(checkpoint),
-         "--metrics-out", str(metrics)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )  # fmt: skip
-    ok(result)
-    return checkpoint, json.loads(metrics.read_text())
+def trained(adult_checkpoint, adult_checkpoint_metrics) -> tuple[Path, dict]:
+    """(checkpoint, what its training reported): the session's Adult checkpoint (one epoch,
+    seed 0, tests/conftest.py), shared with the integration tests; read only here."""
+    return adult_checkpoint, adult_checkpoint_metrics
 
 
 def perturbed_copy(source: Path, target: Path, delta: float = 0.05) -> Path:
@@ -197,28 +195,24 @@ def test_compare_passes_against_the_same_checkpoint_and_fails_against_a_perturbe
         good_url, bad_url = good.wait_url(), bad.wait_url()
         common = ["--checkpoint", checkpoint, "--data", TEST_DATA, "--mapping", MAPPING,
                   "--output-transform", "sigmoid", "--quiet"]  # fmt: skip
-        # KServe v2 binary tensors (rows encoded by the client): identical predictions.
-        result = recserve(
-            "eval", "--compare", "--url", good_url, *common, "--out", tmp_path / "same.csv"
-        )
-        assert "parity OK: 16281 rows" in ok(result), result.stdout
         # Without the server's --output-transform the comparison fails, and says why.
         plain = [a for a in common if a not in ("--output-transform", "sigmoid")]
         rows_30 = tmp_path / "rows30.csv"
         with gzip.open(TEST_DATA, "rt", newline="") as handle:
             rows_30.write_text("".join(next(handle) for _ in range(31)))  # header + 30 rows
-        result = recserve(
-            "eval", "--compare", "--url", good_url, *plain, "--data", rows_30,
-            "--out", tmp_path / "logits.csv",
+        same, logits, result = recserve_all(
+            # KServe v2 binary tensors (rows encoded by the client): identical predictions.
+            ["eval", "--compare", "--url", good_url, *common, "--out", tmp_path / "same.csv"],
+            ["eval", "--compare", "--url", good_url, *plain, "--data", rows_30,
+             "--out", tmp_path / "logits.csv"],
+            # Friendly route (raw rows, encoded by the server's preprocessor), perturbed model.
+            ["eval", "--compare", "--url", bad_url, "--protocol", "friendly", *common,
+             "--out", tmp_path / "differ.parquet", "--report", tmp_path / "differ-report"],
         )  # fmt: skip
-        assert result.returncode == 3, result.stdout + result.stderr
-        assert "the server runs --output-transform sigmoid; pass it" in result.stdout
+        assert "parity OK: 16281 rows" in ok(same), same.stdout
+        assert logits.returncode == 3, logits.stdout + logits.stderr
+        assert "the server runs --output-transform sigmoid; pass it" in logits.stdout
 
-        # Friendly route (raw rows, encoded by the server's preprocessor), perturbed model.
-        result = recserve(
-            "eval", "--compare", "--url", bad_url, "--protocol", "friendly", *common,
-            "--out", tmp_path / "differ.parquet", "--report", tmp_path / "differ-report",
-        )  # fmt: skip
         assert result.returncode == 3, result.stdout + result.stderr
         assert "parity FAILED" in result.stdout
         assert re.search(r"test\.csv\.gz:\d+: in-process [\d.e-]+ +server [\d.e-]+", result.stdout)
@@ -253,8 +247,11 @@ def test_bad_rows_are_reported_by_line_and_skipped_or_fatal(trained, tmp_path):
     good_rows, bad_lines = _bad_rows_csv(data)
     common = ["eval", "--checkpoint", checkpoint, "--data", data, "--mapping", MAPPING, "--quiet"]
 
-    result = recserve(*common, "--out", tmp_path / "skip.csv", "--report", tmp_path / "report",
-                      "--bad-rows", "skip")  # fmt: skip
+    result, failed = recserve_all(
+        [*common, "--out", tmp_path / "skip.csv", "--report", tmp_path / "report",
+         "--bad-rows", "skip"],
+        [*common, "--out", tmp_path / "fail.csv"],  # --bad-rows fail: the default
+    )  # fmt: skip
     ok(result)
     for line in bad_lines:
         assert f"{data}:{line}: " in result.stderr, result.stderr
@@ -267,7 +264,7 @@ def test_bad_rows_are_reported_by_line_and_skipped_or_fatal(trained, tmp_path):
     with open(tmp_path / "skip.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == good_rows
 
-    result = recserve(*common, "--out", tmp_path / "fail.csv")  # --bad-rows fail: the default
+    result = failed
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{data}:6: " in result.stderr and "--bad-rows skip" in result.stderr
     assert not (tmp_path / "fail.csv").exists()
@@ -277,20 +274,6 @@ def test_bad_rows_are_reported_by_line_and_skipped_or_fatal(trained, tmp_path):
 # --------------------------------------------------------------------------- checkpoint tools
 def test_checkpoint_tools_on_good_and_damaged_checkpoints(trained, tmp_path):
     checkpoint, metrics = trained
-
-    info = json.loads(ok(recserve("checkpoint", "inspect", checkpoint, "--json")))
-    assert info["forward_signature"] is None and not info["code_loaded"]  # not without asking
-    info = json.loads(ok(recserve("checkpoint", "inspect", checkpoint, "--json", "--load-code")))
-    assert info["version"] == metrics["checkpoint_version"] and info["step"] > 0
-    assert info["forward_signature"].startswith("forward(")
-    assert "Tensor[] embedding_tensors" in info["forward_signature"]
-    assert info["feature_signature"]["non_id_features"][0]["sample_shape"] == [6]
-    assert info["dense_parameter_count"] > 0
-    emb = info["embeddings"]
-    assert emb["num_shards"] == 1 and emb["rows_per_shard"] == [emb["rows"]]
-    assert {s["name"]: s["dim"] for s in emb["slots"]}["capital_gain_value"] == 8
-    assert sum(emb["rows_per_id_space"].values()) == emb["rows"]
-    assert info["size_bytes"] > 0 and not info["problems"]
 
     # Damaged copies: each fails verification with a message that names the problem.
     damaged = {}
@@ -304,7 +287,41 @@ def test_checkpoint_tools_on_good_and_damaged_checkpoints(trained, tmp_path):
     payload[len(payload) // 2] ^= 0xFF
     dense.write_bytes(bytes(payload))
     (damaged["incomplete"] / "DONE").unlink()
-    result = recserve("checkpoint", "verify", checkpoint, *damaged.values())
+    perturbed = perturbed_copy(checkpoint, tmp_path / "perturbed")
+    three, exported = tmp_path / "three", tmp_path / "model.pt"
+    # The commands that read only the checkpoint and the copies above, two at a time; what
+    # each one checks follows in order.
+    inspected, inspected_code, verified, from_damaged, resharded, perturbed_diff, export = (
+        recserve_all(
+            ["checkpoint", "inspect", checkpoint, "--json"],
+            ["checkpoint", "inspect", checkpoint, "--json", "--load-code"],
+            ["checkpoint", "verify", checkpoint, *damaged.values()],
+            # Nothing is written from a damaged source, and nothing partial is left behind.
+            ["checkpoint", "reshard", damaged["truncated"], "--shards", "2",
+             "--out", tmp_path / "from-damaged"],
+            # Reshard 1 -> 3 (verified, same version).
+            ["checkpoint", "reshard", checkpoint, "--shards", "3", "--out", three],
+            ["checkpoint", "diff", checkpoint, perturbed, "--json", "--exit-code"],
+            # export-dense: a loadable TorchScript file.
+            ["checkpoint", "export-dense", checkpoint, "--out", exported],
+        )
+    )  # fmt: skip
+
+    info = json.loads(ok(inspected))
+    assert info["forward_signature"] is None and not info["code_loaded"]  # not without asking
+    info = json.loads(ok(inspected_code))
+    assert info["version"] == metrics["checkpoint_version"] and info["step"] > 0
+    assert info["forward_signature"].startswith("forward(")
+    assert "Tensor[] embedding_tensors" in info["forward_signature"]
+    assert info["feature_signature"]["non_id_features"][0]["sample_shape"] == [6]
+    assert info["dense_parameter_count"] > 0
+    emb = info["embeddings"]
+    assert emb["num_shards"] == 1 and emb["rows_per_shard"] == [emb["rows"]]
+    assert {s["name"]: s["dim"] for s in emb["slots"]}["capital_gain_value"] == 8
+    assert sum(emb["rows_per_id_space"].values()) == emb["rows"]
+    assert info["size_bytes"] > 0 and not info["problems"]
+
+    result = verified
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"OK: checkpoint {checkpoint}" in result.stdout
     expected = {
@@ -315,40 +332,46 @@ def test_checkpoint_tools_on_good_and_damaged_checkpoints(trained, tmp_path):
     for kind, message in expected.items():
         assert f"FAILED: checkpoint {damaged[kind]}: 1 problem(s):\n  - " in result.stderr, kind
         assert message in result.stderr, (kind, result.stderr)
-    # Nothing is written from a damaged source, and nothing partial is left behind.
-    result = recserve("checkpoint", "reshard", damaged["truncated"], "--shards", "2",
-                      "--out", tmp_path / "from-damaged")  # fmt: skip
+    result = from_damaged
     assert result.returncode == 1 and "failed verification" in result.stderr
     assert not (tmp_path / "from-damaged").exists()
 
-    # Reshard 1 -> 3 (verified, same version), then diff: no row added, removed or changed.
-    three = tmp_path / "three"
-    ok(recserve("checkpoint", "reshard", checkpoint, "--shards", "3", "--out", three))
-    result = json.loads(ok(recserve("checkpoint", "diff", checkpoint, three, "--json")))
+    # The 3-shard copy against the original: no row added, removed or changed.
+    ok(resharded)
+    before = sorted(str(p.relative_to(three)) for p in three.rglob("*"))
+    truncated_jit = damaged["incomplete"]  # verified above: now another damage
+    (truncated_jit / "DONE").write_bytes(b"")
+    jit = truncated_jit / "jit_dense.pt"
+    jit.write_bytes(jit.read_bytes()[:-10])
+    ok(export)
+    three_diff, overwrite_three, overwrite_export, bad_export = recserve_all(
+        ["checkpoint", "diff", checkpoint, three, "--json"],
+        # Refusal to overwrite leaves the existing checkpoint as it was.
+        ["checkpoint", "reshard", checkpoint, "--shards", "2", "--out", three],
+        # export-dense never writes over a file unless asked.
+        ["checkpoint", "export-dense", checkpoint, "--out", exported],
+        ["checkpoint", "export-dense", truncated_jit, "--out", tmp_path / "bad.pt"],
+    )
+    result = json.loads(ok(three_diff))
     assert result["identical"] and result["embeddings"]["shards"] == [1, 3]
     for space in result["embeddings"]["id_spaces"]:
         assert (space["added"], space["removed"], space["changed"]) == (0, 0, 0), space
     assert result["dense"]["max_abs_diff"] == 0.0
     assert result["dense"]["versions"] == [info["version"], info["version"]]
 
-    # Refusal to overwrite leaves the existing checkpoint as it was.
-    before = sorted(str(p.relative_to(three)) for p in three.rglob("*"))
-    result = recserve("checkpoint", "reshard", checkpoint, "--shards", "2", "--out", three)
+    result = overwrite_three
     assert result.returncode == 1 and "already exists" in result.stderr
     assert sorted(str(p.relative_to(three)) for p in three.rglob("*")) == before
     no_temporaries(tmp_path)
 
     # diff sees perturbed embedding rows (and --exit-code says so).
-    perturbed = perturbed_copy(checkpoint, tmp_path / "perturbed")
-    result = recserve("checkpoint", "diff", checkpoint, perturbed, "--json", "--exit-code")
+    result = perturbed_diff
     assert result.returncode == 1
     spaces = json.loads(result.stdout)["embeddings"]["id_spaces"]
     assert sum(s["changed"] for s in spaces) > 0
     assert max(s["max_abs_diff"] for s in spaces) == pytest.approx(0.05, abs=1e-3)
 
-    # export-dense: a loadable TorchScript file, never written over unless asked.
-    exported = tmp_path / "model.pt"
-    ok(recserve("checkpoint", "export-dense", checkpoint, "--out", exported))
+    # The exported file loads, and was not written over.
     import torch
 
     with warnings.catch_warnings():
@@ -356,12 +379,8 @@ def test_checkpoint_tools_on_good_and_damaged_checkpoints(trained, tmp_path):
         model = torch.jit.load(str(exported))
     output = model([torch.zeros(2, 6)], [torch.zeros(2, 8) for _ in range(15)])
     assert tuple(output.shape) == (2, 1)
-    result = recserve("checkpoint", "export-dense", checkpoint, "--out", exported)
+    result = overwrite_export
     assert result.returncode == 1 and "already exists" in result.stderr
-    truncated_jit = damaged["incomplete"]
-    (truncated_jit / "DONE").write_bytes(b"")
-    jit = truncated_jit / "jit_dense.pt"
-    jit.write_bytes(jit.read_bytes()[:-10])
-    result = recserve("checkpoint", "export-dense", truncated_jit, "--out", tmp_path / "bad.pt")
+    result = bad_export
     assert result.returncode == 1 and "truncated" in result.stderr
     assert not (tmp_path / "bad.pt").exists()

@@ -1,5 +1,6 @@
-"""Shared fixtures of the integration tests: trained Adult checkpoints, ``recserve serve``
-subprocesses on loopback (killed by PID at teardown)."""
+"""Shared fixtures of the integration tests: ``recserve serve`` subprocesses on loopback
+(killed by PID at teardown). The trained Adult checkpoints (``adult_checkpoint``,
+``adult_checkpoint_b``) are session fixtures of ``tests/conftest.py``, shared with tests/e2e."""
 
 from __future__ import annotations
 
@@ -19,89 +20,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = REPO_ROOT / "examples" / "adult_income" / "train.py"
+# Re-exported: test modules import them from here.
+from tests.conftest import REPO_ROOT as REPO_ROOT
+from tests.conftest import TRAIN_SCRIPT as TRAIN_SCRIPT
+from tests.conftest import _subprocess_env as _subprocess_env
+
 ADULT_PREPROCESSOR = "examples.adult_income.preprocess:instances_to_batch"
 _SERVING_LINE = re.compile(
     r"recserve serving model '(?P<model>[^']+)' version (?P<version>\S+): "
     r"HTTP listening on (?P<http_host>[^\s,]+):(?P<http_port>\d+), "
     r"gRPC listening on (?P<grpc_host>[^\s,]+):(?P<grpc_port>\d+)"
 )
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-# --------------------------------------------------------------------------- checkpoints
-class _Training:
-    """``examples/adult_income/train.py`` in a subprocess; ``result()`` waits for the checkpoint."""
-
-    def __init__(self, directory: Path, *, seed: int, epochs: int = 1) -> None:
-        self.directory = directory
-        self.log = directory.with_name(directory.name + ".log")
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(TRAIN_SCRIPT),
-                    "--checkpoint-dir",
-                    str(directory),
-                    "--epochs",
-                    str(epochs),
-                    "--seed",
-                    str(seed),
-                ],
-                cwd=REPO_ROOT,
-                env=_subprocess_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def result(self, timeout: float = 180.0) -> Path:
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        if code != 0 or not (self.directory / "DONE").exists():
-            raise RuntimeError(
-                f"training {self.directory} failed (exit {code}):\n{self.log.read_text()[-3000:]}"
-            )
-        return self.directory
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-
-@pytest.fixture(scope="session")
-def _adult_trainings(tmp_path_factory) -> Iterator[dict[str, _Training]]:
-    """Both checkpoints train concurrently (seed 0 and seed 1, one epoch each)."""
-    root = tmp_path_factory.mktemp("adult-checkpoints")
-    jobs = {
-        "a": _Training(root / "seed0", seed=0),
-        "b": _Training(root / "seed1", seed=1),
-    }
-    yield jobs
-    for job in jobs.values():
-        job.kill()
-
-
-@pytest.fixture(scope="session")
-def adult_checkpoint(_adult_trainings) -> Path:
-    """A small Adult checkpoint (1 epoch, seed 0). Treat it as read-only."""
-    return _adult_trainings["a"].result()
-
-
-@pytest.fixture(scope="session")
-def adult_checkpoint_b(_adult_trainings) -> Path:
-    """A second Adult checkpoint (1 epoch, seed 1): same signature, another version."""
-    return _adult_trainings["b"].result()
 
 
 # --------------------------------------------------------------------------- servers

@@ -33,6 +33,13 @@ def recserve(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def recserve_all(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess]:
+    """``recserve(*command)`` for each command, two at a time (each process spends its ~1.5 s
+    mostly importing torch, on one core); results in the order given."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda command: recserve(*command), commands))
+
+
 def start_training(entry: Path, *, stderr: int) -> subprocess.Popen:
     """`recserve train --entry ENTRY` in the background, its stdout piped (text)."""
     env = _subprocess_env()
@@ -190,19 +197,21 @@ def test_a_reader_that_leaves_early_is_not_an_error(adult_checkpoint):
 
 def test_one_kind_of_checkpoint_given_for_the_other_is_named(adult_checkpoint, tmp_path):
     embeddings = adult_checkpoint / "embeddings"
-    result = recserve("checkpoint", "export-dense", "--out", tmp_path / "d.pt", embeddings)
+    # Parts written by several shards' --dump-on-exit: no manifest, never loadable.
+    parts = tmp_path / "parts"
+    shutil.copytree(embeddings / "shard_00000", parts / "shard_00000")
+    exported, verified = recserve_all(
+        ("checkpoint", "export-dense", "--out", tmp_path / "d.pt", embeddings),
+        ("checkpoint", "verify", parts),
+    )
     assert_refused(
-        result,
+        exported,
         1,
         f"{embeddings} is an embedding checkpoint, part of the model checkpoint {adult_checkpoint}",
     )
     with pytest.raises(CheckpointError, match=f"its embeddings are in {embeddings}"):
         checkpoint_manifest.read_manifest(adult_checkpoint)
-    # Parts written by several shards' --dump-on-exit: no manifest, never loadable.
-    parts = tmp_path / "parts"
-    shutil.copytree(embeddings / "shard_00000", parts / "shard_00000")
-    result = recserve("checkpoint", "verify", parts)
-    assert_refused(result, 1, "holds shard parts but no", "recserve embedding-tier dump")
+    assert_refused(verified, 1, "holds shard parts but no", "recserve embedding-tier dump")
 
 
 def test_serving_from_an_unreachable_worker_says_it_waits_and_gives_up_in_time(
@@ -214,10 +223,10 @@ def test_serving_from_an_unreachable_worker_says_it_waits_and_gives_up_in_time(
     started = time.monotonic()
     result = recserve(
         "serve", "--checkpoint", adult_checkpoint, "--http-port", "0", "--grpc-port", "0",
-        "--embedding-workers", f"127.0.0.1:{port}", "--startup-timeout", "2",
+        "--embedding-workers", f"127.0.0.1:{port}", "--startup-timeout", "1",
     )  # fmt: skip
-    assert_refused(result, 1, f"waiting up to 2 s for embedding worker 127.0.0.1:{port}")
-    assert f"127.0.0.1:{port} is not serving after 2 s" in result.stderr
+    assert_refused(result, 1, f"waiting up to 1 s for embedding worker 127.0.0.1:{port}")
+    assert f"127.0.0.1:{port} is not serving after 1 s" in result.stderr
     assert time.monotonic() - started < 40
 
 
@@ -238,7 +247,7 @@ def test_a_checkpoint_whose_parts_do_not_fit_is_refused_in_one_line(adult_checkp
 
 
 def test_paths_that_cannot_be_written_are_one_line_errors(adult_checkpoint):
-    for args, needle in (
+    cases = (
         (("checkpoint", "export-dense", "--out", "/proc/x.pt", adult_checkpoint), "/proc/.x.pt"),
         (
             (
@@ -252,5 +261,7 @@ def test_paths_that_cannot_be_written_are_one_line_errors(adult_checkpoint):
             ),
             "cannot write a checkpoint to /proc/x",
         ),
-    ):
-        assert_refused(recserve(*args), 1, needle)
+    )
+    results = recserve_all(*(args for args, _ in cases))
+    for result, (_, needle) in zip(results, cases, strict=True):
+        assert_refused(result, 1, needle)

@@ -367,8 +367,19 @@ def run_on_two_ranks(cluster, tmp_path: Path, name: str, source: str) -> tuple[P
     return out, log
 
 
-def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_path):
-    out, _ = run_on_two_ranks(cluster, tmp_path, "one_step", ONE_STEP_SCRIPT)
+@pytest.fixture(scope="module")
+def two_rank_run(cluster, tmp_path_factory) -> tuple[Path, str]:
+    """ONE_STEP_SCRIPT, then EQUAL_STEPS_SCRIPT, in one ``recserve train --nproc-per-node 2``
+    run (a launcher and two ranks take seconds to start; the second part's TrainCtx joins
+    the process group the first made): (output directory, the run's log)."""
+    shutdown = "distributed.shutdown_distributed()\n"
+    assert ONE_STEP_SCRIPT.endswith(shutdown)
+    script = ONE_STEP_SCRIPT.removesuffix(shutdown) + EQUAL_STEPS_SCRIPT
+    return run_on_two_ranks(cluster, tmp_path_factory.mktemp("two-ranks"), "two_ranks", script)
+
+
+def test_dense_parameters_are_identical_across_ranks_after_a_step(two_rank_run):
+    out, _ = two_rank_run
     before = [torch.load(out / f"before-{r}.pt", weights_only=True) for r in range(2)]
     after = [torch.load(out / f"after-{r}.pt", weights_only=True) for r in range(2)]
     losses = [float((out / f"loss-{r}.txt").read_text()) for r in range(2)]
@@ -388,8 +399,8 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(cluster, tmp_p
     assert [(out / f"skips-{r}.txt").read_text() for r in range(2)] == ["(1, 0)", "(1, 1)"]
 
 
-def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(cluster, tmp_path):
-    out, log = run_on_two_ranks(cluster, tmp_path, "equal_steps", EQUAL_STEPS_SCRIPT)
+def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(two_rank_run):
+    out, log = two_rank_run
     results = [(out / f"result-{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert [steps for steps, _ in results] == ["2", "2"]
     assert "rank 0 dropped its last 1 batch(es)" in log

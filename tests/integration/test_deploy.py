@@ -1260,32 +1260,11 @@ def test_procfile_embedding_tier_comes_up(tmp_path: Path) -> None:
     assert process.poll() is not None
 
 
-def _train_adult(directory: Path) -> Path:
-    log = directory.with_name("train.log")
-    with open(log, "wb") as out:
-        code = subprocess.call(
-            [
-                sys.executable,
-                str(REPO_ROOT / "examples" / "adult_income" / "train.py"),
-                "--epochs",
-                "1",
-                "--checkpoint-dir",
-                str(directory),
-            ],
-            cwd=REPO_ROOT,
-            env=_process_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=240,
-        )
-    assert code == 0 and (directory / "DONE").exists(), log.read_text()[-3000:]
-    return directory
-
-
-def test_procfile_serving_answers_predictions(tmp_path: Path) -> None:
-    """deploy/Procfile.serving on a fresh checkpoint: Infer shards load its embeddings, the
-    server comes up ready and answers a friendly-JSON prediction with a probability."""
-    checkpoint = _train_adult(tmp_path / "adult")
+def test_procfile_serving_answers_predictions(tmp_path: Path, adult_checkpoint: Path) -> None:
+    """deploy/Procfile.serving on a trained Adult checkpoint (1 epoch, the session's, which
+    it only reads): Infer shards load its embeddings, the server comes up ready and answers a
+    friendly-JSON prediction with a probability."""
+    checkpoint = adult_checkpoint
     ps0, ps1, m0, m1, worker, worker_metrics, http, grpc_port = free_ports(8)
     _write_env(
         tmp_path / "serving.env",

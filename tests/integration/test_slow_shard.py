@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 import yaml
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
-from embedding_store.config import load_embedding_config
+from embedding_store.config import EmbeddingConfig, load_embedding_config
 from embedding_store.errors import DeadlineExceededError, UnavailableError
 from embedding_store.launcher import LocalCluster
 from embedding_store.optimizers import SGD
@@ -31,21 +32,34 @@ def _batch() -> Batch:
     )
 
 
-@pytest.fixture()
-def stalled_cluster(tmp_path):
-    embedding = tmp_path / "embedding_config.yml"
+@pytest.fixture(scope="module")
+def _cluster(tmp_path_factory) -> Iterator[tuple[LocalCluster, EmbeddingConfig]]:
+    """One tier for the module (starting one takes seconds): each test stalls a shard and
+    lets it run again; both train the same 64 IDs with the same optimizer."""
+    root = tmp_path_factory.mktemp("slow-shard")
+    embedding = root / "embedding_config.yml"
     embedding.write_text(yaml.safe_dump({"slots_config": {"user": {"dim": 4}}}))
     cluster = LocalCluster(
-        embedding, num_shards=2, log_dir=tmp_path / "logs", shard_timeout=SHARD_DEADLINE
+        embedding, num_shards=2, log_dir=root / "logs", shard_timeout=SHARD_DEADLINE
     )
     cluster.start(timeout=120)
+    try:
+        yield cluster, load_embedding_config(embedding)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture()
+def stalled_cluster(_cluster):
+    """(cluster, embedding config, PIDs the test stopped): whatever the test stopped runs
+    again when it ends."""
+    cluster, config = _cluster
     stopped: list[int] = []
     try:
-        yield cluster, load_embedding_config(embedding), stopped
+        yield cluster, config, stopped
     finally:
         for pid in stopped:  # never leave a stopped process behind
             os.kill(pid, signal.SIGCONT)
-        cluster.stop()
 
 
 @pytest.mark.timeout(120)

@@ -195,8 +195,9 @@ def test_a_load_or_dump_past_its_deadline_changes_nothing_afterwards(config_file
             train(client, range(6))
             before = [exact_rows(address) for address in tier.ps_addresses]
 
-            # The load holds in the worker's verification pass (the FIFO) past the deadline.
-            load = run_cli("load", "--worker", worker, "--timeout", "2", str(tmp_path / "other"))
+            # The load holds in the worker's verification pass (the FIFO) past the deadline
+            # (1 s: only waited for to pass; the held read never ends by itself).
+            load = run_cli("load", "--worker", worker, "--timeout", "1", str(tmp_path / "other"))
             assert load.returncode == 1
             feed(held_file, payload)  # the verification ends; the caller is long gone
             restore(held_file, payload)  # nothing holds a later read
@@ -204,7 +205,7 @@ def test_a_load_or_dump_past_its_deadline_changes_nothing_afterwards(config_file
             for address, rows in zip(tier.ps_addresses, before, strict=True):
                 assert_same_rows(exact_rows(address), rows)
             assert (
-                f"did not finish the load of {tmp_path / 'other'} within the deadline (2 s); it "
+                f"did not finish the load of {tmp_path / 'other'} within the deadline (1 s); it "
                 "may still complete on the worker: check `recserve embedding-tier status "
                 f"--worker {worker}`"
             ) in load.stderr
@@ -215,7 +216,7 @@ def test_a_load_or_dump_past_its_deadline_changes_nothing_afterwards(config_file
             shard = tier.shards[1].process
             os.kill(shard.pid, signal.SIGSTOP)
             try:
-                dump = run_cli("dump", "--worker", worker, "--timeout", "2", str(root / "d6"))
+                dump = run_cli("dump", "--worker", worker, "--timeout", "1", str(root / "d6"))
             finally:
                 os.kill(shard.pid, signal.SIGCONT)
             assert dump.returncode == 1

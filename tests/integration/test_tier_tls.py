@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -287,23 +288,27 @@ def test_serve_and_the_admin_cli_reach_an_infer_tier_under_mutual_tls(
         embedding_config, global_config, num_shards=2, num_workers=1, log_dir=tmp_path / "logs"
     ) as tier:
         worker = tier.worker_addresses[0]
-        server = serve_process(adult_checkpoint, "--embedding-workers", worker)
-        with RecserveClient(f"http://{server.http_url}") as client:
-            np.testing.assert_allclose(
-                client.predict(batch).predictions, expected, rtol=0, atol=1e-6
-            )
-        status = subprocess.run(
-            [sys.executable, "-m", "embedding_store.cli", "embedding-tier", "status",
-             "--worker", worker, "--timeout", "10"],
-            capture_output=True, text=True, timeout=60, env=_subprocess_env(),
-        )  # fmt: skip
-        assert status.returncode == 0, status.stderr
         plaintext = {k: v for k, v in _subprocess_env().items() if k not in TLS_VARIABLES}
-        refused = subprocess.run(
-            [sys.executable, "-m", "embedding_store.cli", "embedding-tier", "status",
-             "--worker", worker, "--timeout", "5"],
-            capture_output=True, text=True, timeout=60, env=plaintext,
-        )  # fmt: skip
+
+        def tier_status(timeout: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "embedding_store.cli", "embedding-tier", "status",
+                 "--worker", worker, "--timeout", timeout],
+                capture_output=True, text=True, timeout=60, env=env,
+            )  # fmt: skip
+
+        # The two `status` runs go on while the server starts (each process spends its
+        # seconds mostly importing, on one core).
+        with ThreadPoolExecutor(2) as pool:
+            status_call = pool.submit(tier_status, "10", _subprocess_env())
+            refused_call = pool.submit(tier_status, "5", plaintext)
+            server = serve_process(adult_checkpoint, "--embedding-workers", worker)
+            with RecserveClient(f"http://{server.http_url}") as client:
+                np.testing.assert_allclose(
+                    client.predict(batch).predictions, expected, rtol=0, atol=1e-6
+                )
+            status, refused = status_call.result(), refused_call.result()
+        assert status.returncode == 0, status.stderr
         assert refused.returncode != 0
         assert "RECSERVE_TIER_TLS" in refused.stderr and "Traceback" not in refused.stderr
     reset_tier_tls_cache()
