@@ -67,17 +67,20 @@ async def _asgi_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": answer})
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, int]]:
-    handler = InferHandler(_handle, max_body_bytes=64 * 1024)
-    config = uvicorn.Config(
+def _config(protocol: type) -> uvicorn.Config:
+    """The test app on 127.0.0.1 behind ``protocol`` (an :func:`infer_protocol` class)."""
+    return uvicorn.Config(
         _asgi_app,
         host="127.0.0.1",
         port=0,
         log_level="critical",
         lifespan="off",
-        http=infer_protocol(handler, FAST_LIMIT),
+        http=protocol,
     )
+
+
+def _running(config: uvicorn.Config) -> Iterator[tuple[str, int]]:
+    """Serve ``config`` on a free loopback port in a thread; yield its address, then stop."""
     instance = uvicorn.Server(config)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -90,6 +93,12 @@ def server() -> Iterator[tuple[str, int]]:
     yield listener.getsockname()
     instance.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, int]]:
+    protocol = infer_protocol(InferHandler(_handle, max_body_bytes=64 * 1024), FAST_LIMIT)
+    yield from _running(_config(protocol))
 
 
 def _request(path: str, body: bytes, *, version: str = "1.1", headers: dict | None = None) -> bytes:
@@ -498,33 +507,14 @@ REFUSED: list[str] = []  # on_refused's reasons, in order
 
 @pytest.fixture(scope="module")
 def capped_server() -> Iterator[tuple[str, int]]:
-    handler = InferHandler(_handle, max_body_bytes=8192)
-    config = uvicorn.Config(
-        _asgi_app,
-        host="127.0.0.1",
-        port=0,
-        log_level="critical",
-        lifespan="off",
-        http=infer_protocol(
-            handler,
-            FAST_LIMIT,
-            max_connections=CAPPED_CONNECTIONS,
-            max_body_bytes_in_flight=CAPPED_BODY_BYTES,
-            on_refused=REFUSED.append,
-        ),
+    protocol = infer_protocol(
+        InferHandler(_handle, max_body_bytes=8192),
+        FAST_LIMIT,
+        max_connections=CAPPED_CONNECTIONS,
+        max_body_bytes_in_flight=CAPPED_BODY_BYTES,
+        on_refused=REFUSED.append,
     )
-    instance = uvicorn.Server(config)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=instance.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not instance.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert instance.started
-    yield listener.getsockname()
-    instance.should_exit = True
-    thread.join(timeout=10)
+    yield from _running(_config(protocol))
 
 
 def _served(connection: _Connection, body: bytes = b"ok") -> dict:
