@@ -69,10 +69,14 @@ def iso(unix: float) -> str:
 
 
 def read_entry(
-    manifest: checkpoint_manifest.EmbeddingManifest, entry: checkpoint_manifest.FileEntry
+    manifest: checkpoint_manifest.EmbeddingManifest,
+    entry: checkpoint_manifest.FileEntry,
+    *,
+    check_values: bool = True,
 ) -> dict[str, np.ndarray]:
-    # embedding_store.checkpoint_load's own reader: size, SHA-256, safetensors and shapes checked.
-    return checkpoint_load._read_verified(manifest, entry)
+    # embedding_store.checkpoint_load's own reader: size, SHA-256, safetensors and shapes
+    # checked, and (check_values) no NaN or Inf weights, no NaN state.
+    return checkpoint_load._read_verified(manifest, entry, check_values=check_values)
 
 
 def space_names(config: EmbeddingConfig, ids: np.ndarray) -> tuple[np.ndarray, list[str]]:

@@ -97,8 +97,25 @@ def _inspect_embeddings(directory: Path) -> dict[str, Any]:
     }
 
 
-def inspect(directory: str | os.PathLike[str], *, load_code: bool = False) -> dict[str, Any]:
-    """What a checkpoint holds (manifests, shapes and the dense model's signatures)."""
+def inspect(
+    directory: str | os.PathLike[str], *, load_code: bool = False, verify_all: bool = False
+) -> dict[str, Any]:
+    """What a checkpoint holds (manifests, shapes and the dense model's signatures).
+
+    ``info["problems"]`` lists what it met on the way (a dense file that does not load, one
+    holding NaN); it reads only the embedding files' IDs. ``verify_all``: also run
+    :func:`verify` (every file read and checked: sizes, checksums, shapes, finiteness,
+    signature against embedding config) and add its problems (``info["verified"]``)."""
+    info = _inspect(directory, load_code=load_code)
+    if verify_all:
+        problems, _summary = verify(directory, load_code=load_code)
+        # Both read the dense files: a problem met by both is listed once.
+        info["problems"] = list(dict.fromkeys([*info["problems"], *problems]))
+        info["verified"] = True
+    return info
+
+
+def _inspect(directory: str | os.PathLike[str], *, load_code: bool) -> dict[str, Any]:
     root = Path(directory)
     kind = checkpoint_kind(root)
     info: dict[str, Any] = {"path": str(root), "kind": kind, "size_bytes": _size_on_disk(root)}
@@ -218,6 +235,11 @@ def format_inspect(info: dict[str, Any]) -> str:
             )
     for problem in info.get("problems") or ():
         lines.append(f"  PROBLEM: {problem}")
+    if info.get("verified") and not info.get("problems"):
+        lines.append(
+            "  verified       every file read: sizes, checksums, shapes, finite values"
+            + ("" if info.get("code_loaded", True) else " (jit_dense.pt by checksum)")
+        )
     return "\n".join(lines)
 
 
@@ -227,14 +249,18 @@ LOAD_CODE_HINT = "--load-code loads it, running code from the checkpoint: truste
 
 
 def verify(
-    directory: str | os.PathLike[str], *, load_code: bool = False
+    directory: str | os.PathLike[str], *, load_code: bool = False, check_values: bool = True
 ) -> tuple[list[str], dict[str, Any]]:
     """Check everything; returns (problems, summary). No exception for a bad checkpoint:
     every problem found is listed (a missing manifest or marker stops the check early).
 
     ``jit_dense.pt`` is TorchScript, which runs code of the checkpoint's author when loaded
     (its ``__setstate__``): it is checked against its size and checksum only, and loaded
-    only with ``load_code`` (a checkpoint you trust: your own, before serving it)."""
+    only with ``load_code`` (a checkpoint you trust: your own, before serving it).
+
+    ``check_values``: NaN or Inf in embedding weights, NaN in embedding optimizer state or
+    in a dense file are problems (and, with ``load_code``, NaN or Inf in a TorchScript
+    parameter); ``diff`` checks without, to compare checkpoints that went bad."""
     root = Path(directory)
     problems: list[str] = []
     summary: dict[str, Any] = {"path": str(root)}
@@ -257,7 +283,8 @@ def verify(
                 continue
             try:
                 if name != model_checkpoint.JIT_FILE:
-                    model_checkpoint.load_state(manifest, name)  # tensors only, no code
+                    # tensors only, no code
+                    model_checkpoint.load_state(manifest, name, check_values=check_values)
                 elif load_code:
                     model_checkpoint.load_jit_model(manifest)
             except RecserveError as error:
@@ -274,7 +301,7 @@ def verify(
     summary.update(embedding_files=len(emb.files), rows=emb.total_rows, shards=emb.num_shards)
     for entry in emb.files:
         try:
-            read_entry(emb, entry)
+            read_entry(emb, entry, check_values=check_values)
         except RecserveError as error:
             problems.append(error.message)
     if kind == MODEL and (emb.total_rows, emb.num_shards) != (expected_rows, expected_shards):
@@ -288,11 +315,34 @@ def verify(
             model_checkpoint.check_embeddings_match(manifest, emb)
         except RecserveError as error:
             problems.append(error.message)
+        problem = _signature_problem(manifest, emb)
+        if problem:
+            problems.append(problem)
     return problems, summary
 
 
-def require_verified(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    problems, summary = verify(directory)
+def _signature_problem(
+    manifest: model_checkpoint.CheckpointManifest, emb: checkpoint_manifest.EmbeddingManifest
+) -> str | None:
+    """What is wrong between the feature signature and the embedding config, if anything:
+    an ID feature with no slot loads, and then every request fails at its lookup."""
+    if manifest.signature is None:
+        return None
+    slots = emb.embedding_config.slots_config
+    missing = [f.name for f in manifest.signature.id_features if f.name not in slots]
+    if not missing:
+        return None
+    return (
+        f"{manifest.directory / model_checkpoint.MANIFEST_NAME}: the feature signature's ID "
+        f"feature(s) {missing} have no slot in the embedding config of "
+        f"{emb.directory} (its slots: {list(emb.embedding_config.slot_names)})"
+    )
+
+
+def require_verified(
+    directory: str | os.PathLike[str], *, check_values: bool = True
+) -> dict[str, Any]:
+    problems, summary = verify(directory, check_values=check_values)
     if problems:
         raise CheckpointError(
             f"checkpoint {directory} failed verification:\n  - " + "\n  - ".join(problems)

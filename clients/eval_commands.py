@@ -165,11 +165,23 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    inspect = actions.add_parser("inspect", help="version, step, slots, shards, signatures")
+    inspect = actions.add_parser(
+        "inspect",
+        help="version, step, slots, shards, signatures",
+        description="What a checkpoint holds. Exits 1 when it lists a problem (a dense file "
+        "that does not load or holds NaN, an unreadable embedding file); --verify also reads "
+        "and checks every file.",
+    )
     inspect.add_argument("directory", type=Path, metavar="DIR")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
         "--load-code", action="store_true", help=_LOAD_CODE_HELP + " (shows its forward signature)"
+    )
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read and check every file, as `checkpoint verify` (sizes, checksums, "
+        "shapes, NaN/Inf in weights, the feature signature against the embedding config)",
     )
     inspect.set_defaults(handler=_inspect)
 
@@ -177,8 +189,10 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "verify",
         help="check completeness and every checksum",
         description="Check a checkpoint's files against its manifests (sizes, SHA-256), load "
-        "its tensors and compare embeddings and manifest. Its TorchScript (jit_dense.pt) is "
-        "checked by checksum only: loading it runs code of whoever wrote the checkpoint.",
+        "its tensors (shapes, dtypes, rows; NaN or Inf in embedding rows, NaN in the dense "
+        "files) and compare embeddings, manifest and feature signature. Its TorchScript "
+        "(jit_dense.pt) is checked by checksum only: loading it runs code of whoever wrote "
+        "the checkpoint (--load-code also checks its parameters for NaN and Inf).",
     )
     verify.add_argument("directories", type=Path, nargs="+", metavar="DIR")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
@@ -241,12 +255,15 @@ def _print_json(value: object) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from clients import checkpoint_inspect
 
-    info = checkpoint_inspect.inspect(args.directory, load_code=args.load_code)
+    info = checkpoint_inspect.inspect(
+        args.directory, load_code=args.load_code, verify_all=args.verify
+    )
     if args.json:
         _print_json(info)
     else:
         print(checkpoint_inspect.format_inspect(info))
-    return 0
+    # A script that gates on `inspect` must not take a checkpoint with problems for good.
+    return 1 if info.get("problems") else 0
 
 
 def _verify(args: argparse.Namespace) -> int:

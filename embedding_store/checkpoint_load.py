@@ -20,6 +20,7 @@ from typing import Any, cast
 import numpy as np
 import safetensors.numpy
 
+from embedding_store import nonfinite
 from embedding_store.checkpoint_manifest import (
     EmbeddingManifest,
     FileEntry,
@@ -47,8 +48,13 @@ def _safetensors_metadata(payload: bytes) -> dict[str, str]:
     return metadata if isinstance(metadata, dict) else {}
 
 
-def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, np.ndarray]:
-    """Read one file once, check size and SHA-256, decode it, and check its tensors."""
+def _read_verified(
+    manifest: EmbeddingManifest, entry: FileEntry, *, check_values: bool = True
+) -> dict[str, np.ndarray]:
+    """Read one file once, check size and SHA-256, decode it, and check its tensors.
+
+    ``check_values``: refuse NaN or Inf weights and NaN state (:func:`_check_finite`);
+    only ``recserve checkpoint diff`` reads without, to show which rows went bad."""
     path = manifest.directory / entry.path
     try:
         payload = path.read_bytes()
@@ -100,8 +106,32 @@ def _read_verified(manifest: EmbeddingManifest, entry: FileEntry) -> dict[str, n
             f"checkpoint file {path} holds recency ({recency.dtype} {list(recency.shape)}); "
             f"it must be I64 [{entry.rows}], one per row"
         )
+    if check_values:
+        _check_finite(path, "weights", weights, ids, nan_only=False)
+        # Optimizer state: NaN only. +Inf is an Adagrad accumulator past ~1.8e19, which its
+        # kernel stores for a finite gradient (the row then stays as it is): check_state.
+        _check_finite(path, "state", state, ids, nan_only=True)
     _check_unique_ids(path, ids)
     return tensors
+
+
+def _check_finite(
+    path: Path, name: str, values: np.ndarray, ids: np.ndarray, *, nan_only: bool
+) -> None:
+    """CheckpointError naming the file, the tensor, the first bad row's ID and value unless
+    ``values`` (float32 [rows, width], the file's ``name`` tensor) holds no NaN or Inf (no
+    NaN with ``nan_only``). Such a row would load and be served: every prediction that
+    looks it up comes out NaN, blamed on the request. One pass in chunks (see
+    :mod:`embedding_store.nonfinite`), cheap beside the SHA-256 of the same bytes."""
+    first = nonfinite.first_bad_index(values, nan_only=nan_only)
+    if first is None:
+        return
+    row = first // max(values.shape[1], 1)
+    raise CheckpointError(
+        f"checkpoint file {path} is corrupt: its {name} tensor holds "
+        f"{nonfinite.describe(values.reshape(-1), first, values.shape, nan_only=nan_only)} "
+        f"(the row of ID {int(ids[row])})"
+    )
 
 
 def _check_unique_ids(path: Path, ids: np.ndarray) -> None:

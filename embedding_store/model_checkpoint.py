@@ -24,20 +24,21 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import itertools
 import json
 import math
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 
-from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish
+from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish, nonfinite
 from embedding_store.errors import CheckpointError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier
@@ -342,13 +343,71 @@ def read_verified_file(manifest: CheckpointManifest, name: str) -> bytes:
     return payload
 
 
-def load_state(manifest: CheckpointManifest, name: str) -> Any:
-    """A dense file's contents via ``torch.load(weights_only=True)`` (no arbitrary pickle)."""
+def load_state(manifest: CheckpointManifest, name: str, *, check_values: bool = True) -> Any:
+    """A dense file's contents via ``torch.load(weights_only=True)`` (no arbitrary pickle).
+
+    CheckpointError naming the file and the tensor when a tensor anywhere in it holds NaN
+    (see :func:`check_no_nan`), unless not ``check_values`` (``recserve checkpoint diff``,
+    which shows what went bad)."""
     payload = read_verified_file(manifest, name)
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{manifest.directory / name} cannot be loaded: {error}") from None
+    if check_values:
+        check_no_nan(state, manifest.directory / name)
+    return state
+
+
+def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) of every tensor in a loaded state (nested dicts, lists and
+    tuples, as an optimizer's ``{"state": {0: {"exp_avg": ...}}}``), in order."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{index}" if prefix else str(index))
+
+
+def _nonfinite_error(
+    where: Path, name: str, tensor: torch.Tensor, first: int, nan_only: bool
+) -> CheckpointError:
+    """The error for tensor ``name`` of ``where``, whose flat value ``first`` is bad."""
+    values = tensor.detach().reshape(-1).to(torch.float64).numpy()
+    return CheckpointError(
+        f"{where} is corrupt: tensor {name!r} holds "
+        f"{nonfinite.describe(values, first, tuple(tensor.shape), nan_only=nan_only)}"
+    )
+
+
+def check_no_nan(state: Any, where: Path) -> None:
+    """CheckpointError naming ``where`` (a dense file), the tensor and its first NaN unless
+    no tensor of ``state`` holds NaN. NaN is never a trained value: a model or optimizer
+    that holds one answers NaN (or trains to NaN) from then on. +-Inf is refused only in
+    parameters (:func:`check_finite_parameters`): a buffer may hold it on purpose (an
+    attention mask of -inf), and a state dict alone does not tell buffers from parameters."""
+    for name, tensor in _tensors(state):
+        first = nonfinite.first_bad_index_torch(tensor, nan_only=True)
+        if first is not None:
+            raise _nonfinite_error(where, name, tensor, first, nan_only=True)
+
+
+def check_finite_parameters(
+    parameters: Iterable[tuple[str, torch.Tensor]],
+    buffers: Iterable[tuple[str, torch.Tensor]],
+    where: Path,
+) -> None:
+    """CheckpointError naming ``where``, the tensor and its first bad value unless every
+    parameter is finite and no buffer holds NaN (buffers may hold +-Inf: a mask)."""
+    for (name, tensor), nan_only in itertools.chain(
+        ((item, False) for item in parameters), ((item, True) for item in buffers)
+    ):
+        first = nonfinite.first_bad_index_torch(tensor, nan_only=nan_only)
+        if first is not None:
+            raise _nonfinite_error(where, name, tensor, first, nan_only=nan_only)
 
 
 def _class_name(value: object) -> str:
@@ -387,11 +446,16 @@ def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
     """The TorchScript dense model of a checkpoint, verified first."""
     payload = read_verified_file(manifest, JIT_FILE)
     try:
-        return _quiet_jit(torch.jit.load, io.BytesIO(payload), map_location="cpu")
+        module = _quiet_jit(torch.jit.load, io.BytesIO(payload), map_location="cpu")
     except Exception as error:
         raise CheckpointError(
             f"{manifest.directory / JIT_FILE} cannot be loaded: {error}"
         ) from None
+    # What serving runs: NaN or Inf in a weight would answer NaN for every request.
+    check_finite_parameters(
+        module.named_parameters(), module.named_buffers(), manifest.directory / JIT_FILE
+    )
+    return module
 
 
 def verify(directory: str | Path) -> CheckpointManifest:
@@ -435,6 +499,17 @@ def load_checkpoint(
     )
     # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
+    # Refused, not warned about: from NaN or Inf weights every step's gradients are NaN,
+    # which the non-finite step guard skips, so the run would go on learning nothing.
+    # (NaN anywhere was refused by load_state; Inf is refused in parameters only.)
+    parameter_names = {name for name, _ in model.named_parameters()}
+    check_finite_parameters(
+        ((name, value) for name, value in state.items() if name in parameter_names)
+        if isinstance(state, dict)
+        else (),
+        (),
+        manifest.directory / DENSE_FILE,
+    )
     # load_state_dict copies tensor by tensor and reports a mismatch at the end: keep copies.
     previous_weights = {
         name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
