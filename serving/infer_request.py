@@ -15,7 +15,7 @@ BYTES tensors are not supported. Malformed tensors raise InvalidArgumentError na
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -156,9 +156,7 @@ def array_from_json(name: str, datatype: object, shape: object, data: object) ->
             # numpy promotes a mix of ints below and above 2**63 to float64: reparse exactly.
             values = _exact_uint64(name, data, values)
         elif kind not in "iu":
-            raise InvalidArgumentError(
-                f"input {name!r}: {datatype} data must be integers within its range"
-            )
+            raise _not_integers(name, datatype, data, dtype)
         if values.dtype != dtype:
             info = np.iinfo(dtype)
             low, high = int(values.min()), int(values.max())
@@ -199,10 +197,46 @@ def _exact_uint64(name: str, data: list, approximate: np.ndarray) -> np.ndarray:
         or not _only_ints(data)
         or not np.array_equal(exact.astype(np.float64), approximate)
     ):
-        raise InvalidArgumentError(
-            f"input {name!r}: UINT64 data must be integers within its range"
-        ) from None
+        raise _not_integers(name, "UINT64", data, np.dtype(np.uint64)) from None
     return exact
+
+
+def _not_integers(name: str, datatype: object, data: list, dtype: np.dtype) -> InvalidArgumentError:
+    """The error for integer ``data`` (a JSON list, flat or nested, that numpy read as
+    floats): its first value that is a float or an int beyond ``dtype``'s range, named as
+    out of range when it is a whole number beyond that range, else the data called no
+    integers. orjson reads an integer literal beyond 64 bits (2**64, -2**63 - 1) as a
+    float, and numpy reads ints past int64 mixed with negative ones as floats: the client
+    sent an integer, too large. The error path only: one walk over the list."""
+    info = np.iinfo(dtype)
+    first = next(_suspects(data, info.min, info.max), None)
+    if first is not None and (
+        type(first) is int  # only out-of-range ints are suspects
+        # A float at -2**63 is beyond it too: orjson reads that integer itself as an int.
+        or (math.isfinite(first) and first.is_integer() and not info.min < first < info.max)
+    ):
+        shown = first if type(first) is int else f"{first:.17g}"
+        # As the range check of integer data: "value -3 is out of range for UINT64".
+        return InvalidArgumentError(f"input {name!r}: value {shown} is out of range for {datatype}")
+    return InvalidArgumentError(
+        f"input {name!r}: {datatype} data must be integers within its range"
+    )
+
+
+def _suspects(data: list, low: int, high: int) -> Iterator[int | float]:
+    """The floats of (nested) list ``data`` and its ints outside [low, high], in row-major
+    order."""
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            kind = type(item)
+            if kind is list:
+                stack.append(iter(item))
+                break
+            if kind is float or (kind is int and not low <= item <= high):
+                yield item
+        else:
+            stack.pop()
 
 
 def _only_ints(data: list) -> bool:

@@ -51,6 +51,12 @@ def _raise_instance_id_error(name: str, single_id: bool, raw: list[Any]) -> NoRe
                 f"instances[{index}].{name}: exactly one ID expected, got {len(items)}"
             )
         for v in items:
+            if type(v) is float and v.is_integer() and not 0 <= v < 2**64:
+                # An integer literal beyond 64 bits, which the JSON parser (orjson) read as
+                # a float: out of range, not "no integer".
+                raise InvalidArgumentError(
+                    f"instances[{index}].{name}: ID {v:.17g} is out of the uint64 range [0, 2**64)"
+                )
             if not isinstance(v, int) or isinstance(v, bool):
                 raise InvalidArgumentError(
                     f"instances[{index}].{name}: IDs must be integers, got {_short(v)} "

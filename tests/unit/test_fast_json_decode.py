@@ -9,6 +9,7 @@ Batch, or exactly the same exception type and message.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from embedding_store.errors import BatchValidationError, InvalidArgumentError
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 from serving import fast_batch, http_decode, infer_request, lazy_tensors, tensors
 from serving.batcher import merge_batches
+from serving.json_arrays import LARGE_BODY_BYTES
 from tests.unit.fast_path_signatures import MAX_BATCH, SINGLE
 
 #: Single-ID and jagged features interleaved, and dense ones.
@@ -1040,3 +1042,28 @@ def test_merge_of_jagged_only_batches():
         merged.id_feature("history").lengths.tolist()
         == np.concatenate([b.id_feature("history").lengths for b in batches]).tolist()
     )
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "shown"),
+    [
+        # orjson reads an integer literal beyond 64 bits as a float: still an integer sent.
+        ("INT64", [5, 2**64], "1.8446744073709552e+19"),
+        ("UINT64", [5, 2**64], "1.8446744073709552e+19"),
+        ("INT64", [5, -(2**63) - 1], "-9.2233720368547758e+18"),
+        # numpy reads -1 and 2**63 together as floats: the int beyond the range is named.
+        ("INT64", [2**63, -1], "9223372036854775808"),
+        ("UINT64", [-1, 2**63], "-1"),
+    ],
+)
+@pytest.mark.parametrize("batch", [2, MAX_BATCH])  # MAX_BATCH: a large body (simdjson first)
+def test_an_integer_beyond_its_datatype_is_named_out_of_range(datatype, data, shown, batch):
+    inputs = _random_inputs(SINGLE, batch, np.random.default_rng(3))
+    (tensor,) = [t for t in inputs if t["name"] == "C2"]
+    tensor["datatype"] = datatype
+    tensor["data"][: len(data)] = data
+    body = json.dumps({"inputs": inputs}).encode()  # orjson cannot write 2**64
+    assert (len(body) >= LARGE_BODY_BYTES) == (batch == MAX_BATCH)
+    got = _assert_same_outcome(SINGLE, body)
+    assert type(got) is InvalidArgumentError
+    assert str(got) == f"input 'C2': value {shown} is out of range for {datatype}"

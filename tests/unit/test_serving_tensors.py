@@ -6,9 +6,11 @@ length; anything unusual falls back to the per-input checks, whose errors name t
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
+import orjson
 import pytest
 
 from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
@@ -153,6 +155,23 @@ def test_friendly_rows_become_the_named_tensors():
 def test_a_bad_friendly_row_is_named(row, message):
     with pytest.raises(InvalidArgumentError, match=message):
         instance_inputs.instances_to_inputs(SIGNATURE, [_row(), _row(**row)])
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"user": 2**64}, "instances[1].user: ID 1.8446744073709552e+19"),
+        ({"history": [1, -(2**64)]}, "instances[1].history: ID -1.8446744073709552e+19"),
+        ({"user": 10**30}, "instances[1].user: ID 1e+30"),
+    ],
+)
+def test_a_friendly_id_beyond_64_bits_is_named_out_of_range(row, message):
+    """The server parses bodies with orjson, which reads an integer beyond 64 bits as a
+    float: the ID is still named as out of range, not as no integer."""
+    rows = orjson.loads(json.dumps([_row(), _row(**row)]))
+    with pytest.raises(InvalidArgumentError) as raised:
+        instance_inputs.instances_to_inputs(SIGNATURE, rows)
+    assert str(raised.value) == f"{message} is out of the uint64 range [0, 2**64)"
 
 
 def test_a_missing_or_unknown_friendly_feature_is_named():
