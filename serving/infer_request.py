@@ -210,12 +210,14 @@ def _not_integers(name: str, datatype: object, data: list, dtype: np.dtype) -> I
     sent an integer, too large. The error path only: one walk over the list."""
     info = np.iinfo(dtype)
     first = next(_suspects(data, info.min, info.max), None)
-    if first is not None and (
-        type(first) is int  # only out-of-range ints are suspects
+    shown: str | None = None
+    if isinstance(first, float):
         # A float at -2**63 is beyond it too: orjson reads that integer itself as an int.
-        or (math.isfinite(first) and first.is_integer() and not info.min < first < info.max)
-    ):
-        shown = first if type(first) is int else f"{first:.17g}"
+        if math.isfinite(first) and first.is_integer() and not info.min < first < info.max:
+            shown = f"{first:.17g}"
+    elif first is not None:
+        shown = str(first)  # only out-of-range ints are suspects
+    if shown is not None:
         # As the range check of integer data: "value -3 is out of range for UINT64".
         return InvalidArgumentError(f"input {name!r}: value {shown} is out of range for {datatype}")
     return InvalidArgumentError(
