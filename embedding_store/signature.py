@@ -28,6 +28,27 @@ def model_dtype(dtype: np.dtype | str) -> np.dtype:
     return _FLOAT32 if dtype == _FLOAT64 else dtype
 
 
+def first_inexact(data: np.ndarray, target: np.dtype) -> int | None:
+    """The flat index of the first value of ``data`` (a numeric or bool array) that does
+    not convert exactly to the integer dtype ``target`` (NaN, +-Inf, a fraction, or out of
+    its range), or None when all do. The caller runs it only when ``data``'s dtype is not
+    ``target`` and cannot be cast to it safely: a few numpy passes, not on the usual path."""
+    info = np.iinfo(target)
+    flat = data.reshape(-1)
+    if flat.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            # In float64, [min, max + 1) is exact for every integer dtype's bounds (+-2**k).
+            wide = flat.astype(np.float64)
+            bad = ~((wide == np.trunc(wide)) & (wide >= info.min) & (wide < float(info.max) + 1))
+    else:  # integers of another width or signedness (bools cast safely: never here)
+        # The target's bounds clipped to what the data's dtype holds, in that dtype.
+        have = np.iinfo(flat.dtype)
+        low = flat.dtype.type(max(info.min, have.min))
+        high = flat.dtype.type(min(info.max, have.max))
+        bad = (flat < low) | (flat > high)
+    return int(np.argmax(bad)) if bad.any() else None
+
+
 @dataclass(frozen=True)
 class IdFeatureSpec:
     """An ID feature: jagged (``single_id`` False) or exactly one ID per sample."""
@@ -118,7 +139,7 @@ class FeatureSignature:
         by_name = cast(
             "dict[str, NonIDTypeFeature]", {f.name: f for f in batch.non_id_type_features}
         )
-        for dense_spec in self.non_id_features:
+        for dense_spec, target in zip(self.non_id_features, self.model_dtypes, strict=True):
             dense = by_name.get(dense_spec.name)
             if dense is None:
                 raise BatchValidationError(f"non-ID feature {dense_spec.name!r} is missing")
@@ -128,6 +149,7 @@ class FeatureSignature:
                     f"non-ID feature {dense_spec.name!r} has sample shape {list(shape)}; the "
                     f"model expects {list(dense_spec.sample_shape)}"
                 )
+            _check_dtype(dense_spec.name, target, dense.data)
         extra = set(by_name) - {s.name for s in self.non_id_features}
         if extra:
             raise BatchValidationError(f"unknown non-ID feature(s): {sorted(extra)}")
@@ -168,6 +190,26 @@ class FeatureSignature:
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{source}: malformed feature signature: {error!r}") from None
         return signature
+
+
+def _check_dtype(name: str, target: np.dtype, data: np.ndarray) -> None:
+    """BatchValidationError unless ``data`` (the batch's array of feature ``name``) converts
+    exactly to ``target``, the dtype the model takes it in: an integer feature (the model
+    may index with it) takes integers of any width and whole numbers in its range, never
+    3.7 (which would be cut to 3), NaN or 1e30 (arbitrary integers); a float feature takes
+    any number (float64 -> float32 as in training). One dtype comparison when they match."""
+    if data.dtype == target or target.kind not in "iu" or np.can_cast(data.dtype, target):
+        return
+    first = first_inexact(data, target)
+    if first is None:
+        return
+    index = [int(i) for i in np.unravel_index(first, data.shape)]
+    raise BatchValidationError(
+        f"non-ID feature {name!r} is an integer feature of the model ({target}), given "
+        f"as {data.dtype}: value {data.reshape(-1)[first]!s} at sample {index[0]}"
+        + (f", position {index[1:]}" if len(index) > 1 else "")
+        + f" is not a whole number in the range of {target}"
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -100,13 +100,17 @@ class InferCtx:
         """(non-ID tensors, embedding tensors, label tensors) for the dense model: the
         model's inputs by position, so with a checkpoint the batch must match its signature
         (BatchValidationError names the first feature that does not)."""
+        features = batch.non_id_type_features
+        # In the dtypes training hands the model (float64 -> float32, integers as they are):
+        # the signature's with a checkpoint (check: only exact conversions, as serving).
+        dtypes = [model_dtype(f.data.dtype) for f in features]
         if self.model is not None:
             self.model.signature.check(batch)
+            dtypes = list(self.model.signature.model_dtypes)
         lookup = self.get_embedding_from_data(batch)
-        # In the dtypes training hands the model (float64 -> float32, integers as they are).
         non_ids = [
-            torch.from_numpy(np.array(f.data, dtype=model_dtype(f.data.dtype), copy=True))
-            for f in batch.non_id_type_features
+            torch.from_numpy(np.array(f.data, dtype=dtype, copy=True))
+            for f, dtype in zip(features, dtypes, strict=True)
         ]
         labels = [torch.from_numpy(np.array(label.data, copy=True)) for label in batch.labels]
         return non_ids, [s.embeddings for s in lookup.slots], labels

@@ -27,7 +27,7 @@ from embedding_store.batch import (
     NonIDTypeFeature,
 )
 from embedding_store.errors import InvalidArgumentError, RecserveError
-from embedding_store.signature import FeatureSignature
+from embedding_store.signature import FeatureSignature, first_inexact
 from serving.core import DTYPE_NAMES
 from serving.fast_batch import batch_from_binary, batch_from_json, json_plan, lengths_total
 from serving.lazy_tensors import BinaryTensors, JsonTensors
@@ -207,8 +207,15 @@ def tensors_to_batch(
                 f"[{', '.join(['batch', *(str(d) for d in spec.sample_shape)])}]"
             )
         agree(array.shape[0], spec.name)
+        target = np.dtype(spec.dtype)
+        if target.kind in "iu":
+            # An integer feature (the model may index with it) travels as FP32 (the
+            # metadata's datatype): NaN, 3.7 or 1e30 would be cast to 3 or to an arbitrary
+            # integer, answered with a 200. Checked on the FP32 values, before the cast.
+            require_finite(spec.name, array)
+            require_whole(spec.name, array, target)
         with np.errstate(over="ignore", invalid="ignore"):
-            array = array.astype(spec.dtype, copy=False)
+            array = array.astype(target, copy=False)
         require_finite(spec.name, array)
         non_id_features.append(NonIDTypeFeature(array, spec.name))
     if not batch_size:
@@ -237,6 +244,22 @@ def require_finite_features(batch: Batch) -> None:
             array = np.asarray(feature.data, dtype=np.float32)
         # A Batch's non-ID features are all named (it names unnamed ones): name is a str here.
         require_finite(cast(str, feature.name), array)
+
+
+def require_whole(name: str, array: np.ndarray, target: np.dtype) -> None:
+    """InvalidArgumentError naming the input, the sample and the value unless every value
+    of ``array`` (float32 [batch, ...], finite) is a whole number in the range of the
+    integer dtype ``target``, the dtype the model takes input ``name`` in."""
+    first = first_inexact(array, target)
+    if first is None:
+        return
+    index = [int(i) for i in np.unravel_index(first, array.shape)]
+    raise InvalidArgumentError(
+        f"input {name!r} is an integer feature of the model ({target}): value "
+        f"{array.reshape(-1)[first]!s} at sample {index[0]}"
+        + (f", position {index[1:]}" if len(index) > 1 else "")
+        + f" is not a whole number in the range of {target}"
+    )
 
 
 def require_finite(name: str, array: np.ndarray) -> None:

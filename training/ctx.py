@@ -68,10 +68,12 @@ class PreprocessMode(Enum):
     INFERENCE = "inference"
 
 
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A numpy array (possibly read-only) as a tensor on ``device``; float64 becomes float32,
-    other dtypes stay (:func:`model_dtype`, the rule serving follows too)."""
-    tensor = torch.from_numpy(np.array(array, dtype=model_dtype(array.dtype), copy=True))
+def _tensor(array: np.ndarray, device: torch.device, dtype: np.dtype | None = None) -> torch.Tensor:
+    """A numpy array (possibly read-only) as a tensor on ``device``, in ``dtype`` (given:
+    the signature's, see :meth:`EmbeddingCtx.non_id_dtypes`), else float64 becomes float32
+    and other dtypes stay (:func:`model_dtype`, the rule serving follows too)."""
+    dtype = model_dtype(array.dtype) if dtype is None else dtype
+    tensor = torch.from_numpy(np.array(array, dtype=dtype, copy=True))
     return tensor.to(device, non_blocking=True)
 
 
@@ -212,9 +214,20 @@ class EmbeddingCtx:
         result = self.embedding_tier.lookup(batch, train=train)
         self._last_lookup = result
         embeddings = [slot.embeddings.to(self.device) for slot in result.slots]
-        non_ids = [_tensor(f.data, self.device) for f in batch.non_id_type_features]
+        dtypes = self.non_id_dtypes(batch)
+        non_ids = [
+            _tensor(f.data, self.device, dtype)
+            for f, dtype in zip(batch.non_id_type_features, dtypes, strict=True)
+        ]
         labels = [_tensor(label.data, self.device) for label in batch.labels]
         return non_ids, embeddings, labels
+
+    def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
+        """The dtype each non-ID feature of ``batch`` reaches the dense model in (None: its
+        own, by :func:`model_dtype`). :class:`TrainCtx` gives its recorded signature's, so a
+        later batch that sends an integer feature as whole floats (a pandas column with a
+        missing value becomes float64) trains on the integers its first batches had."""
+        return [None] * len(batch.non_id_type_features)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Model output for ``batch`` (the dense model's shape, e.g. float32 [batch, 1]) and
@@ -525,6 +538,8 @@ class TrainCtx(EmbeddingCtx):
             )
         self._raise_backward_error()
         if self.signature is not None:
+            # Also its dtypes: a float for an integer feature only as a whole number in
+            # range, converted to the recorded dtype (non_id_dtypes), never cut (3.7 -> 3).
             self.signature.check(batch)
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
@@ -542,6 +557,13 @@ class TrainCtx(EmbeddingCtx):
         assert ref is not None  # a train lookup always keeps its context (LookupResult.ref)
         self._pending = (ref, names, leaves)
         return non_ids, leaves, labels
+
+    def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
+        """The recorded signature's dtypes (checked by :meth:`prepare_features`), or each
+        feature's own before the first batch set the signature."""
+        if self.signature is None:
+            return super().non_id_dtypes(batch)
+        return self.signature.model_dtypes
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Model output (with autograd; the dense model's shape, e.g. float32 [batch, 1]) and

@@ -422,3 +422,46 @@ def test_the_first_negative_id_is_named_not_the_smallest() -> None:
     with pytest.raises(InvalidArgumentError) as raised:
         tensors.tensors_to_batch(SIGNATURE, inputs, max_batch_size=8)
     assert raised.value.message == "input 'city': IDs must be non-negative, got -1 at position 0"
+
+
+#: A model that takes "hour" as int64 (an index, say); the wire carries it as FP32.
+HOURS = FeatureSignature((IdFeatureSpec("user", True),), (NonIdFeatureSpec("hour", "int64", (1,)),))
+
+
+def _hours(hour: float) -> dict[str, np.ndarray]:
+    return {
+        "user": np.array([1, 2], np.uint64),
+        "hour": np.array([[3.0], [hour]], np.float32),
+    }
+
+
+def test_an_integer_feature_sent_as_fp32_is_converted_when_whole() -> None:
+    batch = tensors.tensors_to_batch(HOURS, _hours(23.0), max_batch_size=8)
+    (hour,) = batch.non_id_type_features
+    assert (hour.data.dtype, hour.data.tolist()) == (np.dtype(np.int64), [[3], [23]])
+
+
+@pytest.mark.parametrize(
+    ("hour", "message"),
+    [
+        (
+            3.5,  # was cut to 3
+            "input 'hour' is an integer feature of the model (int64): value 3.5 at sample 1, "
+            "position [0] is not a whole number in the range of int64",
+        ),
+        (
+            1e30,  # was cast to an arbitrary int64
+            "input 'hour' is an integer feature of the model (int64): value 1e+30 at sample "
+            "1, position [0] is not a whole number in the range of int64",
+        ),
+        (
+            float("nan"),  # was cast to -2**63, which the finiteness check of int64 passed
+            "input 'hour' has 1 non-finite value(s) (NaN, Inf, or beyond FP32's range of "
+            "+-3.4e38), the first at sample 1, position [0]",
+        ),
+    ],
+)
+def test_an_integer_feature_sent_as_fp32_is_refused_unless_whole(hour, message) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        tensors.tensors_to_batch(HOURS, _hours(hour), max_batch_size=8)
+    assert str(raised.value) == message

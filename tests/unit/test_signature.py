@@ -131,3 +131,67 @@ def test_id_features_in_another_order_are_refused() -> None:
         match=r"ID features \['history', 'user'\] do not match the model's \['user', 'history'\]",
     ):
         SIGNATURE.check(swapped)
+
+
+def _hour_batch(hour: np.ndarray) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID.from_ids("user", [1, 2])],
+        non_id_type_features=[NonIDTypeFeature(hour, name="hour")],
+        requires_grad=False,
+    )
+
+
+#: The model takes "hour" as int64 (it may index an embedding table with it).
+HOURS = FeatureSignature.from_batch(_hour_batch(np.array([[3], [4]], dtype=np.int64)))
+
+
+@pytest.mark.parametrize(
+    "hour",
+    [
+        np.array([[3], [23]], dtype=np.int32),  # an integer that casts safely
+        np.array([[3], [23]], dtype=np.uint64),  # another signedness, values in range
+        np.array([[3.0], [23.0]], dtype=np.float64),  # whole numbers: converted exactly
+        np.array([[True], [False]]),
+    ],
+)
+def test_an_integer_feature_takes_what_converts_exactly(hour: np.ndarray) -> None:
+    HOURS.check(_hour_batch(hour))
+
+
+@pytest.mark.parametrize(
+    ("hour", "shown"),
+    [
+        (np.array([[3.0], [3.5]], dtype=np.float64), "float64: value 3.5 at sample 1"),
+        (np.array([[np.nan], [3.0]], dtype=np.float32), "float32: value nan at sample 0"),
+        (
+            np.array([[3.0], [2.0**63]], dtype=np.float64),
+            "float64: value 9.223372036854776e+18 at sample 1",
+        ),
+        (
+            np.array([[2**63], [1]], dtype=np.uint64),
+            "uint64: value 9223372036854775808 at sample 0",
+        ),
+    ],
+)
+def test_an_integer_feature_refuses_what_would_change(hour: np.ndarray, shown: str) -> None:
+    """3.5 would be cut to 3, NaN and 2**63 become arbitrary int64 values: the model would
+    answer for another input than the one sent."""
+    with pytest.raises(BatchValidationError) as raised:
+        HOURS.check(_hour_batch(hour))
+    assert str(raised.value) == (
+        f"non-ID feature 'hour' is an integer feature of the model (int64), given as {shown}, "
+        "position [0] is not a whole number in the range of int64"
+    )
+
+
+def test_a_float_feature_takes_any_number() -> None:
+    SIGNATURE.check(
+        Batch(
+            _batch().id_type_features,
+            [
+                NonIDTypeFeature(np.array([[1], [2]], dtype=np.int64), name="price"),
+                NonIDTypeFeature(np.array([[0.5], [1e300]], dtype=np.float64), name="age"),
+            ],
+            requires_grad=False,
+        )
+    )
