@@ -459,10 +459,16 @@ def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
 
 
 def verify(directory: str | Path) -> CheckpointManifest:
-    """Check every dense file and every embedding file against the manifests."""
+    """Check every dense file and every embedding file against the manifests, and their
+    values (no NaN in a dense file's tensors, see :func:`load_state`; none in embeddings,
+    see :func:`embedding_store.checkpoint_load.verify`). ``jit_dense.pt`` is code: checked
+    by checksum only."""
     manifest = read_manifest(directory)
     for name in manifest.files:
-        read_verified_file(manifest, name)
+        if name == JIT_FILE:
+            read_verified_file(manifest, name)
+        else:
+            load_state(manifest, name)  # verified first, then loaded with weights_only
     check_embeddings_match(manifest, checkpoint_load.verify(manifest.embeddings_directory))
     return manifest
 

@@ -222,3 +222,14 @@ def test_verify_names_an_id_feature_the_embedding_config_has_no_slot_for(
         f"{checkpoint / 'manifest.json'}: the feature signature's ID feature(s) ['item'] have "
         f"no slot in the embedding config of {checkpoint / 'embeddings'} (its slots: ['user'])"
     ]
+
+
+def test_the_training_side_verify_checks_dense_values(checkpoint: Path) -> None:
+    model_checkpoint.verify(checkpoint)
+    _poison_dense(checkpoint, "linear.weight", (0, 0), float("nan"))
+    with pytest.raises(CheckpointError) as raised:
+        model_checkpoint.verify(checkpoint)
+    assert raised.value.message == (
+        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.weight' holds 1 NaN value(s), "
+        "the first at [0, 0]: nan"
+    )
