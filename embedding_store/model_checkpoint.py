@@ -376,10 +376,12 @@ def _nonfinite_error(
     where: Path, name: str, tensor: torch.Tensor, first: int, nan_only: bool
 ) -> CheckpointError:
     """The error for tensor ``name`` of ``where``, whose flat value ``first`` is bad."""
-    values = tensor.detach().reshape(-1).to(torch.float64).numpy()
+    stored = nonfinite.stored_values(tensor)  # a sparse tensor: its stored values
+    values = stored.reshape(-1).to(torch.float64).numpy()
     return CheckpointError(
         f"{where} is corrupt: tensor {name!r} holds "
-        f"{nonfinite.describe(values, first, tuple(tensor.shape), nan_only=nan_only)}"
+        f"{nonfinite.describe(values, first, tuple(stored.shape), nan_only=nan_only)}"
+        + ("" if tensor.layout == torch.strided else " (among its stored values)")
     )
 
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["CHUNK", "describe", "first_bad_index", "first_bad_index_torch", "position"]
+__all__ = [
+    "CHUNK",
+    "describe",
+    "first_bad_index",
+    "first_bad_index_torch",
+    "position",
+    "stored_values",
+]
 
 #: Values checked per step: 1 MiB of float32, and a 256 KiB bool temporary (stays in cache).
 CHUNK = 1 << 18
@@ -38,10 +45,11 @@ def first_bad_index(array: np.ndarray, *, nan_only: bool = False) -> int | None:
 
 def first_bad_index_torch(tensor: torch.Tensor, *, nan_only: bool = False) -> int | None:
     """:func:`first_bad_index` of a torch tensor (any float dtype, bfloat16 included);
-    None for a tensor that is not floating point (integers cannot hold NaN or Inf)."""
+    None for a tensor that is not floating point (integers cannot hold NaN or Inf). Of a
+    sparse tensor, the index among its stored values."""
     if not tensor.is_floating_point():
         return None
-    flat = tensor.detach().reshape(-1)
+    flat = stored_values(tensor).reshape(-1)
     for start in range(0, flat.shape[0], CHUNK):
         chunk = flat[start : start + CHUNK]
         bad = torch.isnan(chunk) if nan_only else ~torch.isfinite(chunk)
@@ -53,6 +61,16 @@ def first_bad_index_torch(tensor: torch.Tensor, *, nan_only: bool = False) -> in
 def position(first: int, shape: tuple[int, ...]) -> list[int]:
     """The index ``[i, j, ...]`` in an array of ``shape`` of flat index ``first``."""
     return [int(i) for i in np.unravel_index(first, shape)] if shape else []
+
+
+def stored_values(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (detached), or of a sparse tensor its stored values (1-d)."""
+    tensor = tensor.detach()
+    if tensor.layout == torch.sparse_coo:
+        return tensor.coalesce().values()
+    if tensor.layout != torch.strided:
+        return tensor.values()  # compressed layouts (CSR, CSC, ...)
+    return tensor
 
 
 def describe(values: np.ndarray, first: int, shape: tuple[int, ...], *, nan_only: bool) -> str:

@@ -233,3 +233,26 @@ def test_the_training_side_verify_checks_dense_values(checkpoint: Path) -> None:
         f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.weight' holds 1 NaN value(s), "
         "the first at [0, 0]: nan"
     )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: sparse invariant checks are off
+def test_nan_is_found_in_nested_and_sparse_tensors() -> None:
+    """An optimizer's state nests its tensors; a sparse tensor is checked by its values."""
+    nested = {"state": {0: {"exp_avg": torch.tensor([[0.0, float("nan")]])}}, "lr": 0.1}
+    with pytest.raises(CheckpointError) as raised:
+        model_checkpoint.check_no_nan(nested, Path("ckpt/opt.pt"))
+    assert raised.value.message == (
+        "ckpt/opt.pt is corrupt: tensor 'state.0.exp_avg' holds 1 NaN value(s), the first at "
+        "[0, 1]: nan"
+    )
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([1.0, 2.0]))
+    model_checkpoint.check_no_nan({"table": sparse}, Path("ckpt/dense.pt"))
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2], [1, 0]]), torch.tensor([1.0, float("nan")])
+    )
+    with pytest.raises(CheckpointError) as raised:
+        model_checkpoint.check_no_nan({"table": sparse}, Path("ckpt/dense.pt"))
+    assert raised.value.message == (
+        "ckpt/dense.pt is corrupt: tensor 'table' holds 1 NaN value(s), the first at [1]: nan "
+        "(among its stored values)"
+    )
