@@ -1,8 +1,9 @@
 """Reading verified embedding checkpoints and loading them into shards.
 
 Loading verifies the done-marker, the manifest, every file's size and checksum, its tensors
-(dtypes, shapes, distinct IDs) and the config (slot dims, ID prefixes and hash stacking)
-*before* touching the running store, and re-shards rows by
+(dtypes, shapes, distinct IDs, finite weights, no NaN optimizer state) and the config
+(slot dims, ID prefixes and hash stacking) *before* touching the running store, and
+re-shards rows by
 :func:`embedding_store.hashing.shard_of` when the shard count differs. Saved optimizer state
 is kept only when it fits the receiving shard's optimizer.
 """
@@ -169,7 +170,8 @@ def _tensor_summary(tensors: dict[str, np.ndarray]) -> str:
 
 
 def verify(directory: str | os.PathLike) -> EmbeddingManifest:
-    """Check completeness and every checksum; raises CheckpointError naming the problem."""
+    """Check completeness, every checksum and every file's tensors (shapes, distinct IDs,
+    finite weights, no NaN state); raises CheckpointError naming the problem."""
     manifest = read_manifest(directory)
     for entry in manifest.files:
         _read_verified(manifest, entry)
