@@ -3,9 +3,8 @@
 Loading verifies the done-marker, the manifest, every file's size and checksum, its tensors
 (dtypes, shapes, distinct IDs, finite weights, no NaN optimizer state) and the config
 (slot dims, ID prefixes and hash stacking) *before* touching the running store, and
-re-shards rows by
-:func:`embedding_store.hashing.shard_of` when the shard count differs. Saved optimizer state
-is kept only when it fits the receiving shard's optimizer.
+re-shards rows by :func:`embedding_store.hashing.shard_of` when the shard count differs.
+Saved optimizer state is kept only when it fits the receiving shard's optimizer.
 """
 
 from __future__ import annotations
