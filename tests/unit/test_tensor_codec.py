@@ -71,7 +71,7 @@ def test_json_flat_and_nested_data_decode_to_the_declared_shape():
         ("INT8", [2], [1, 300], "value 300 is out of range for INT8"),
         ("UINT64", [2], [-1, 2], "value -1 is out of range for UINT64"),
         ("UINT64", [2], [2**63, 1.5], "UINT64 data must be integers"),
-        ("UINT64", [2], [2**63, -1], "UINT64 data must be integers"),
+        ("UINT64", [2], [2**63, -1], "value -1 is out of range for UINT64"),
         # Floats of integer value: refused as for INT64 (they were taken as IDs).
         ("UINT64", [2], [1.0, 2], "UINT64 data must be integers"),
         ("UINT64", [2], [1000.0, 2**64 - 1], "UINT64 data must be integers"),
