@@ -12,21 +12,32 @@ that was ~25% of a process's throughput. :class:`LoopBatcher` keeps everything o
 - The flush runs ``run(merged)`` on the loop: one lookup and one model call per merged batch,
   under ``run_lock``, which the thread batcher of the same model shares. The model is never
   called from two threads at once.
-- Requests whose deadline passed before the flush get DeadlineExceededError. More than
-  ``max_queue_size`` waiting requests are refused at once (UnavailableError: 503 /
-  UNAVAILABLE).
+- A flush runs one merged batch (the oldest requests, up to ``max_batch_size`` samples) and,
+  if requests are left, the next flush runs once the loop has had its turn: answers go out
+  batch by batch, and disconnects and new requests are seen between batches.
+- A request whose handler gives up (its future is cancelled: the client went away) frees its
+  place in the queue at once and is skipped when its batch is formed (never computed). It is
+  left in the queue as a marker; the markers are swept out once they outnumber
+  ``max_queue_size`` (O(1) amortized per request).
+- A request whose deadline passes while it waits is answered DeadlineExceededError then (one
+  timer per loop, armed for the earliest deadline: a comparison per request), not when its
+  batch would have started, and frees its place. More than ``max_queue_size`` waiting
+  requests are refused at once (UnavailableError: 503 / UNAVAILABLE).
+- ``on_drop(reason)`` is told of each request dropped before its batch ran: ``"cancelled"`` or
+  ``"deadline"``.
 - A batch whose model call or answering fails gives each of its requests the error (they
-  await with no timeout of their own); the flush goes on with its next batch.
+  await with no timeout of their own); the next batch still runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,17 +49,48 @@ from serving.batcher import deliver_outcomes, merge_batches
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Waiting:
-    batch: Batch
-    future: asyncio.Future
-    deadline: float
-    enqueued: float
+# States of a waiting request (_Waiting.state); they change on the loop only.
+_QUEUED = 0  # in the queue, holding a place
+_GONE = 1  # still in the queue but answered or given up: its place is free, flushes skip it
+_TAKEN = 2  # taken out by a flush
+
+
+class _Waiting(asyncio.Future):
+    """A queued request and the future of its BatchOutcome in one object: cancelling it (its
+    handler's task was cancelled) frees its place at once, with no callback per request."""
+
+    def __init__(
+        self,
+        batcher: LoopBatcher,
+        batch: Batch,
+        deadline: float,
+        enqueued: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        super().__init__(loop=loop)
+        self.batcher: LoopBatcher | None = batcher
+        self.batch = batch
+        self.deadline = deadline
+        self.enqueued = enqueued
+        self.state = _QUEUED
+
+    @property
+    def future(self) -> asyncio.Future:
+        return self
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        batcher = self.batcher
+        if batcher is not None:
+            batcher._gone(self, "cancelled")
+        return True
 
 
 class LoopBatcher:
     """Merges requests submitted on one event loop. ``run(merged) -> (predictions [n, k],
-    context)``; ``on_batch(merged_batch_size, started)`` is told of every batch run."""
+    context)``; ``on_batch(merged_batch_size, started)`` is told of every batch run;
+    ``on_drop(reason)`` of every request dropped before its batch ran."""
 
     def __init__(
         self,
@@ -59,6 +101,7 @@ class LoopBatcher:
         max_queue_size: int,
         run_lock: threading.Lock,
         on_batch: Callable[[int, float], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("max_batch_size, max_queue_size must be >= 1, delay >= 0")
@@ -68,26 +111,36 @@ class LoopBatcher:
         self.max_queue_size = max_queue_size
         self._run_lock = run_lock
         self._on_batch = on_batch
-        self._waiting: list[_Waiting] = []
-        self._samples = 0
+        self._on_drop = on_drop
+        self._queue: deque[_Waiting] = deque()
+        self._queued = 0  # requests in _queue that hold a place (_QUEUED)
+        self._markers = 0  # requests in _queue that no longer do (_GONE)
+        self._samples = 0  # samples of the _QUEUED requests
         self._flush_handle: asyncio.Handle | None = None
+        self._expiry_handle: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf  # when _expiry_handle fires (inf: no timer)
         self._running = 0  # requests of the batch being computed now
 
     @property
     def pending(self) -> int:
         """Requests waiting or being computed (read from any thread: a plain sum)."""
-        return len(self._waiting) + self._running
+        return self._queued + self._running
 
     def submit(self, batch: Batch, *, deadline: float) -> asyncio.Future:
         """Queue ``batch`` (call on the running loop); the future yields a BatchOutcome."""
-        if len(self._waiting) >= self.max_queue_size:
+        if self._queued >= self.max_queue_size:
             raise UnavailableError(
                 f"overloaded: {self.max_queue_size} requests are already queued; retry later"
             )
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._waiting.append(_Waiting(batch, future, deadline, time.monotonic()))
+        request = _Waiting(self, batch, deadline, time.monotonic(), loop)
+        self._queue.append(request)
+        self._queued += 1
         self._samples += batch.batch_size
+        if deadline < self._expiry_at:
+            # Most requests come with the same timeout, so later ones expire later: the
+            # timer is armed again only for a request that expires before the others.
+            self._arm_expiry(loop, deadline)
         if self._samples >= self.max_batch_size:
             if self._flush_handle is not None:
                 self._flush_handle.cancel()
@@ -97,66 +150,124 @@ class LoopBatcher:
                 self._flush_handle = loop.call_later(self.max_queue_delay, self._flush)
             else:
                 self._flush_handle = loop.call_soon(self._flush)
-        return future
+        return request
 
     def fail_waiting(self, error: BaseException) -> None:
         """Answer every request still waiting for its flush with ``error`` (call on the
         loop): a stop whose drain gave up, so that they get an answer before the HTTP
         server closes their connections. A batch being computed is not interrupted."""
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        waiting, self._waiting, self._samples = self._waiting, [], 0
+        for handle in (self._flush_handle, self._expiry_handle):
+            if handle is not None:
+                handle.cancel()
+        self._flush_handle = self._expiry_handle = None
+        self._expiry_at = math.inf
+        waiting, self._queue = self._queue, deque()
+        self._queued = self._markers = self._samples = 0
         for request in waiting:
-            if not request.future.done():
-                request.future.set_exception(error)
+            request.batcher = None
+            if request.state == _QUEUED:
+                request.state = _TAKEN
+                request.set_exception(error)
 
-    def _flush(self) -> None:
-        self._flush_handle = None
-        waiting, self._waiting, self._samples = self._waiting, [], 0
-        while waiting:
-            # Take requests up to max_batch_size samples (always at least one).
-            size, count = waiting[0].batch.batch_size, 1
-            while count < len(waiting) and size + waiting[count].batch.batch_size <= (
-                self.max_batch_size
-            ):
-                size += waiting[count].batch.batch_size
-                count += 1
-            self._run_batch(waiting[:count])
-            waiting = waiting[count:]
+    def _gone(self, request: _Waiting, reason: str) -> None:
+        """``request`` left the queue's count (cancelled, or answered past its deadline): its
+        place is free now; a flush skips its marker."""
+        if request.state != _QUEUED:
+            return
+        request.state = _GONE
+        request.batcher = None
+        self._queued -= 1
+        self._samples -= request.batch.batch_size
+        self._markers += 1
+        if self._markers > self.max_queue_size:
+            self._queue = deque(r for r in self._queue if r.state == _QUEUED)
+            self._markers = 0
+        if self._on_drop is not None:
+            self._on_drop(reason)
 
-    def _run_batch(self, requests: list[_Waiting]) -> None:
+    def _arm_expiry(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._expiry_handle is not None:
+            self._expiry_handle.cancel()
+        self._expiry_at = at
+        self._expiry_handle = loop.call_later(max(0.0, at - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        """Answer the waiting requests whose deadline passed (DeadlineExceededError) and arm
+        the timer for the earliest deadline left."""
+        self._expiry_handle = None
+        self._expiry_at = math.inf
         now = time.monotonic()
-        live = []
-        for request in requests:
-            if request.future.done():  # its handler gave up (client gone, cancelled)
+        earliest = math.inf
+        for request in list(self._queue):
+            if request.state != _QUEUED:
                 continue
-            if now > request.deadline:
-                request.future.set_exception(
+            if now >= request.deadline:
+                self._gone(request, "deadline")
+                request.set_exception(
                     DeadlineExceededError("the request's deadline passed while it was queued")
                 )
+            elif request.deadline < earliest:
+                earliest = request.deadline
+        if earliest < math.inf:
+            self._arm_expiry(asyncio.get_running_loop(), earliest)
+
+    def _flush(self) -> None:
+        """Run one merged batch of the oldest requests (up to max_batch_size samples, at
+        least one request); the rest wait for the next flush, once the loop had its turn."""
+        self._flush_handle = None
+        queue = self._queue
+        now = time.monotonic()
+        live: list[_Waiting] = []
+        size = 0
+        while queue:
+            request = queue[0]
+            if request.state != _QUEUED:  # its place was freed when it went
+                queue.popleft()
+                self._markers -= 1
+                continue
+            samples = request.batch.batch_size
+            if live and size + samples > self.max_batch_size:
+                break
+            queue.popleft()
+            request.state = _TAKEN
+            request.batcher = None
+            self._queued -= 1
+            self._samples -= samples
+            if now > request.deadline:
+                request.set_exception(
+                    DeadlineExceededError("the request's deadline passed while it was queued")
+                )
+                if self._on_drop is not None:
+                    self._on_drop("deadline")
                 continue
             live.append(request)
-        if not live:
-            return
-        self._running = len(live)
+            size += samples
+        if live:
+            self._run_batch(live, now)
+        if self._queue and self._flush_handle is None:
+            # Requests left from before this flush are due: next, after what the loop has
+            # ready (answers to write, disconnects, new requests, which join at the back).
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _run_batch(self, requests: list[_Waiting], now: float) -> None:
+        self._running = len(requests)
         try:
-            merged = merge_batches([r.batch for r in live])
+            merged = merge_batches([r.batch for r in requests])
             with self._run_lock:
                 predictions, context = self._run(merged)
         except Exception as error:
-            for request in live:
-                if not request.future.done():
-                    request.future.set_exception(error)
+            for request in requests:
+                if not request.done():
+                    request.set_exception(error)
             return
         finally:
             self._running = 0
         try:
             if self._on_batch is not None:
                 self._on_batch(merged.batch_size, now)
-            deliver_outcomes(live, predictions, context, merged.batch_size, now)
+            deliver_outcomes(requests, predictions, context, merged.batch_size, now)
         except Exception as error:  # the requests await with no timeout: answer them
             log.exception("loop batcher: answering a merged batch failed")
-            for request in live:
-                if not request.future.done():
-                    request.future.set_exception(error)
+            for request in requests:
+                if not request.done():
+                    request.set_exception(error)
