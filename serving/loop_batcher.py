@@ -32,12 +32,14 @@ that was ~25% of a process's throughput. :class:`LoopBatcher` keeps everything o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,13 @@ from serving.batcher import deliver_outcomes, merge_batches
 
 log = logging.getLogger(__name__)
 
+
+#: What _compute returns: (merged batch size, predictions, context) or the exception.
+_Computed = tuple[int, np.ndarray, Any] | Exception
+
+#: How long a helper holding the run lock waits for the loop to form its batch before it lets
+#: the lock go (the requests stay queued): a loop that has stopped must not keep the model.
+HAND_OVER_SECONDS = 1.0
 
 # States of a waiting request (_Waiting.state); they change on the loop only.
 _QUEUED = 0  # in the queue, holding a place
@@ -120,6 +129,7 @@ class LoopBatcher:
         self._expiry_handle: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf  # when _expiry_handle fires (inf: no timer)
         self._running = 0  # requests of the batch being computed now
+        self._helper_waits = False  # a helper thread waits for the run lock (_run_when_free)
 
     @property
     def pending(self) -> int:
@@ -213,8 +223,43 @@ class LoopBatcher:
 
     def _flush(self) -> None:
         """Run one merged batch of the oldest requests (up to max_batch_size samples, at
-        least one request); the rest wait for the next flush, once the loop had its turn."""
+        least one request); the rest wait for the next flush, once the loop had its turn.
+
+        When the model is busy (the thread batcher's batch, a reload's swap hold the run
+        lock) the loop does not wait for it: a helper thread does (:meth:`_run_when_free`),
+        and the loop meanwhile answers deadlines, frees the places of requests given up and
+        serves everything else; the batch is formed once the lock is taken."""
         self._flush_handle = None
+        if self._helper_waits or not self._queue:
+            return  # the helper has the loop form the next batch once it holds the lock
+        if not self._run_lock.acquire(blocking=False):
+            loop = asyncio.get_running_loop()
+            try:
+                loop.run_in_executor(None, self._run_when_free, loop)
+            except RuntimeError:  # the loop's executor is shut down: its loop is ending
+                self._run_lock.acquire()
+            else:
+                self._helper_waits = True
+                return
+        try:
+            requests, now = self._take_batch()
+            outcome = self._compute(requests) if requests else None
+        finally:
+            self._run_lock.release()
+        if requests:
+            self._answer(requests, now, outcome)
+        self._flush_again()
+
+    def _flush_again(self) -> None:
+        if self._queue and self._flush_handle is None:
+            # Requests left from before this flush are due: next, after what the loop has
+            # ready (answers to write, disconnects, new requests, which join at the back).
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _take_batch(self) -> tuple[list[_Waiting], float]:
+        """Take the next merged batch's requests out of the queue (on the loop): the oldest
+        live ones up to max_batch_size samples; markers are dropped and requests past their
+        deadline answered DeadlineExceededError. Returns (requests, now)."""
         queue = self._queue
         now = time.monotonic()
         live: list[_Waiting] = []
@@ -242,32 +287,71 @@ class LoopBatcher:
                 continue
             live.append(request)
             size += samples
-        if live:
-            self._run_batch(live, now)
-        if self._queue and self._flush_handle is None:
-            # Requests left from before this flush are due: next, after what the loop has
-            # ready (answers to write, disconnects, new requests, which join at the back).
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+        self._running = len(live)
+        return live, now
 
-    def _run_batch(self, requests: list[_Waiting], now: float) -> None:
-        self._running = len(requests)
+    def _compute(self, requests: list[_Waiting]) -> _Computed:
+        """Merge and run ``requests`` (the caller holds the run lock): (merged batch size,
+        predictions [n, k], context), or the exception that stopped it."""
         try:
             merged = merge_batches([r.batch for r in requests])
-            with self._run_lock:
-                predictions, context = self._run(merged)
+            predictions, context = self._run(merged)
         except Exception as error:
+            return error
+        return merged.batch_size, predictions, context
+
+    def _answer(self, requests: list[_Waiting], now: float, outcome: _Computed | None) -> None:
+        """Answer a computed batch's requests (on the loop): their rows, or its error."""
+        self._running = 0
+        if outcome is None or isinstance(outcome, Exception):
+            error = outcome if outcome is not None else RuntimeError("batch not computed")
             for request in requests:
                 if not request.done():
                     request.set_exception(error)
             return
-        finally:
-            self._running = 0
+        size, predictions, context = outcome
         try:
             if self._on_batch is not None:
-                self._on_batch(merged.batch_size, now)
-            deliver_outcomes(requests, predictions, context, merged.batch_size, now)
+                self._on_batch(size, now)
+            deliver_outcomes(requests, predictions, context, size, now)
         except Exception as error:  # the requests await with no timeout: answer them
             log.exception("loop batcher: answering a merged batch failed")
             for request in requests:
                 if not request.done():
                     request.set_exception(error)
+
+    def _run_when_free(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In a helper thread: take the run lock (waiting for the batch that holds it), have
+        the loop form the next merged batch, compute it here and have the loop answer it.
+        The lock is taken and released in this thread; if the loop does not take its turn
+        within :data:`HAND_OVER_SECONDS` the requests stay queued for a later flush."""
+        requests: list[_Waiting] = []
+        now = 0.0
+        outcome: _Computed | None = None
+        try:
+            with self._run_lock:
+                formed: Future[tuple[list[_Waiting], float]] = Future()
+                loop.call_soon_threadsafe(self._form_for_helper, formed)
+                try:
+                    requests, now = formed.result(timeout=HAND_OVER_SECONDS)
+                except TimeoutError:
+                    if not formed.cancel():  # the loop is forming it right now
+                        requests, now = formed.result()
+                if requests:
+                    outcome = self._compute(requests)
+        except RuntimeError:  # the loop is closed: nothing waits on it any more
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody to answer
+            loop.call_soon_threadsafe(self._computed_by_helper, requests, now, outcome)
+
+    def _form_for_helper(self, formed: Future[tuple[list[_Waiting], float]]) -> None:
+        if formed.set_running_or_notify_cancel():  # not given up by the helper
+            formed.set_result(self._take_batch())
+
+    def _computed_by_helper(
+        self, requests: list[_Waiting], now: float, outcome: _Computed | None
+    ) -> None:
+        self._helper_waits = False
+        if requests:
+            self._answer(requests, now, outcome)
+        self._flush_again()

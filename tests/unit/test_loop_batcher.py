@@ -489,3 +489,49 @@ def test_a_flush_runs_one_batch_per_loop_turn_so_requests_gone_meanwhile_are_ski
     assert second.predictions.ravel().tolist() == [2.0]
     assert isinstance(third, asyncio.CancelledError)
     assert model.calls == [[1], [2]]
+
+
+def test_while_the_model_is_busy_elsewhere_the_loop_answers_deadlines_and_keeps_serving():
+    """The run lock is held (the thread batcher's slow batch): the loop does not block on
+    it. A request with a 50 ms deadline is answered DeadlineExceededError at its deadline,
+    one whose client went away meanwhile is dropped, the loop runs other work, and the
+    request still wanted runs once the lock is free (in a helper thread), never the others."""
+    model = Model()
+    lock = threading.Lock()
+    drops: list[str] = []
+    batcher = LoopBatcher(
+        model,
+        max_batch_size=8,
+        max_queue_delay=0.0,
+        max_queue_size=8,
+        run_lock=lock,
+        on_drop=drops.append,
+    )
+    assert lock.acquire()
+    release = threading.Timer(0.4, lock.release)
+
+    async def main():
+        start = time.monotonic()
+        release.start()
+        wanted = batcher.submit(batch_of(1), deadline=FAR)
+        late = batcher.submit(batch_of(2), deadline=start + 0.05)
+        gone = batcher.submit(batch_of(3), deadline=FAR)
+        await asyncio.sleep(0.01)  # the loop is not blocked: this returns
+        ticked = time.monotonic() - start
+        gone.cancel()
+        with pytest.raises(DeadlineExceededError, match="deadline passed while it was queued"):
+            await asyncio.wait_for(late, 5)
+        late_at = time.monotonic() - start
+        outcome = await asyncio.wait_for(wanted, 5)
+        return ticked, late_at, time.monotonic() - start, outcome
+
+    try:
+        ticked, late_at, wanted_at, outcome = asyncio.run(main())
+    finally:
+        release.join(5)
+    assert ticked < 0.35 and 0.05 <= late_at < 0.35  # not after the 0.4 s the lock is held
+    assert wanted_at >= 0.4
+    assert outcome.predictions.ravel().tolist() == [1.0]
+    assert model.calls == [[1]] and model.thread_ids != {threading.get_ident()}
+    assert drops == ["cancelled", "deadline"]
+    assert batcher.pending == 0 and not lock.locked()
