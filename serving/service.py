@@ -409,7 +409,10 @@ class PredictionService:
         *,
         protocol: str,
         timeout: float | None = None,
+        on_cancel: CancelHook | None = None,
     ) -> Prediction:
+        """Predictions for friendly rows (``on_cancel`` as in :meth:`predict`)."""
+
         def build(model: LoadedModel) -> Batch:
             if self._preprocessor is None:
                 inputs = instance_inputs.instances_to_inputs(model.signature, instances)
@@ -455,7 +458,9 @@ class PredictionService:
             tensors.require_finite_features(batch)
             return batch
 
-        return self._predict(name, None, build, protocol=protocol, timeout=timeout)
+        return self._predict(
+            name, None, build, protocol=protocol, timeout=timeout, on_cancel=on_cancel
+        )
 
     def _prepare(
         self,

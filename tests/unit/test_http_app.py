@@ -860,11 +860,16 @@ def test_the_fast_path_reads_a_body_message_without_more_body_as_the_last() -> N
     """ASGI: ``more_body`` defaults to false, so a body message without it ends the body."""
     app = InferFastPath(create_app(FakeCore()))
     body = orjson.dumps({"inputs": _tensors(USERS, AGES)})
-    messages = [{"type": "http.request", "body": body}, {"type": "http.disconnect"}]
+    messages = [{"type": "http.request", "body": body}]
     sent: list[dict] = []
 
     async def receive() -> dict:
-        return messages.pop(0)
+        if messages:
+            return messages.pop(0)
+        # As uvicorn: nothing more until the connection is lost (an http.disconnect before
+        # the answer is a client gone, whose answer is not sent) or the response is sent.
+        await asyncio.Event().wait()
+        raise AssertionError("not reached: waited for until cancelled")
 
     async def send(message: dict) -> None:
         sent.append(message)
