@@ -337,15 +337,20 @@ class LoopBatcher:
                     if not formed.cancel():  # the loop is forming it right now
                         requests, now = formed.result()
                 if requests:
-                    outcome = self._compute(requests)
-        except RuntimeError:  # the loop is closed: nothing waits on it any more
-            return
-        with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody to answer
+                    outcome = self._compute(requests)  # never raises
+        except Exception:  # the loop is closed, or forming the batch failed (the loop logs it)
+            requests = []
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
             loop.call_soon_threadsafe(self._computed_by_helper, requests, now, outcome)
 
     def _form_for_helper(self, formed: Future[tuple[list[_Waiting], float]]) -> None:
-        if formed.set_running_or_notify_cancel():  # not given up by the helper
+        if not formed.set_running_or_notify_cancel():  # given up by the helper
+            return
+        try:
             formed.set_result(self._take_batch())
+        except BaseException as error:  # the helper, holding the model's lock, must hear
+            formed.set_exception(error)
+            raise
 
     def _computed_by_helper(
         self, requests: list[_Waiting], now: float, outcome: _Computed | None

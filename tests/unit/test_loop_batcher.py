@@ -535,3 +535,34 @@ def test_while_the_model_is_busy_elsewhere_the_loop_answers_deadlines_and_keeps_
     assert model.calls == [[1]] and model.thread_ids != {threading.get_ident()}
     assert drops == ["cancelled", "deadline"]
     assert batcher.pending == 0 and not lock.locked()
+
+
+def test_a_helper_whose_loop_does_not_take_its_turn_lets_the_model_lock_go(monkeypatch):
+    """The helper holds the model's lock while the loop forms its batch; a loop that does
+    not take its turn within HAND_OVER_SECONDS (busy, or stopped) must not keep the model
+    from the thread batcher: the helper lets the lock go, and the requests run at a later
+    flush, once, on the loop."""
+    monkeypatch.setattr("serving.loop_batcher.HAND_OVER_SECONDS", 0.05)
+    model = Model()
+    lock = threading.Lock()
+    batcher = LoopBatcher(
+        model, max_batch_size=8, max_queue_delay=0.0, max_queue_size=8, run_lock=lock
+    )
+    free_again: list[bool] = []
+    assert lock.acquire()
+
+    async def main():
+        waiting = batcher.submit(batch_of(5), deadline=FAR)
+        await asyncio.sleep(0.02)  # the flush found the lock held: a helper waits for it
+        lock.release()
+        time.sleep(0.3)  # the loop is busy: the helper takes the lock, then lets it go
+        free_again.append(lock.acquire(blocking=False))
+        if free_again[-1]:
+            lock.release()
+        return await asyncio.wait_for(waiting, 5)
+
+    outcome = asyncio.run(main())
+    assert free_again == [True]
+    assert outcome.predictions.ravel().tolist() == [5.0]
+    assert model.calls == [[5]] and model.thread_ids == {threading.get_ident()}
+    assert batcher.pending == 0 and not lock.locked()
