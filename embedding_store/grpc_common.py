@@ -641,9 +641,9 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
     if code == grpc.StatusCode.UNAVAILABLE:
         return UnavailableError(f"{peer} is unavailable: {details}{tls_hint(details)}")
     if code == grpc.StatusCode.CANCELLED:
-        # Our clients never cancel a call whose status they read, so the server did: it was
-        # stopping while the call arrived. Retryable, like UNAVAILABLE.
-        return UnavailableError(f"{peer} cancelled the call (shutting down?): {details}")
+        # Retryable, like UNAVAILABLE; the message says who cancelled it (grpcio's details
+        # tell this process's own cancels from the peer's), never guessing at a shutdown.
+        return UnavailableError(_cancelled_message(peer, details))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(f"{peer} did not answer within the deadline: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint" in details.lower():
@@ -658,6 +658,28 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
             "servers each listen on ports of their own",
         )
     return error_for_grpc_code(code.name, f"{peer}: {details}")
+
+
+#: grpcio's details of a call that this process ended itself: its channel was closed while the
+#: call was in flight (a reload closing a replaced model's tier, a client closed), or the call
+#: was cancelled (a streaming call whose caller gave up).
+_CLOSED_HERE = "Channel closed!"
+_CANCELLED_HERE = "Locally cancelled by application!"
+
+
+def _cancelled_message(peer: str, details: str) -> str:
+    """What a CANCELLED call from ``peer`` was: ended by this process or by the other side."""
+    if details == _CLOSED_HERE:
+        return (
+            f"call to {peer} cancelled by this process: its channel was closed while the call "
+            f"was in flight ({details})"
+        )
+    if details == _CANCELLED_HERE:
+        return f"call to {peer} cancelled by this process: its caller gave up ({details})"
+    return (
+        f"{peer} cancelled the call (the server, or a proxy between, ended it before "
+        f"answering): {details}"
+    )
 
 
 #: The details of gRPC's UNIMPLEMENTED for a method no handler serves (grpcio's server).

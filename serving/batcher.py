@@ -4,11 +4,17 @@ Requests wait in a bounded queue; one dispatcher thread takes the oldest, keeps 
 until ``max_batch_size`` samples or ``max_queue_delay`` seconds, drops requests whose deadline
 passed, runs the merged batch and hands every request its slice. A full queue is refused at
 once (UnavailableError -> 503 / UNAVAILABLE) instead of growing without bound.
+
+A request whose caller gives up (its future is cancelled: a gRPC call cancelled or past its
+deadline, a caller's wait that timed out) frees its place in the queue at once, not when the
+dispatcher reaches it: under overload, requests nobody waits for would otherwise hold the
+queue full and live ones would be refused. It stays in the queue as a marker the dispatcher
+skips (never computed, never counted in a merged batch's samples); the markers are swept out
+once there are more of them than ``max_queue_size``, so they cost O(1) amortized per request.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 import queue
@@ -99,12 +105,53 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
     return Batch._trusted_inference(id_features, non_ids, batch_size, merged_rows)
 
 
-@dataclass
-class _Request:
-    batch: Batch
-    future: Future
-    deadline: float | None
-    enqueued: float
+#: A cancel within this many seconds of a request's deadline is its deadline passing, not its
+#: caller leaving: gRPC ends a call at the client's deadline a hair before the server's own
+#: wait for it runs out.
+DEADLINE_SLACK_SECONDS = 0.005
+
+#: Why a request was dropped before its merged batch ran (``on_drop``'s argument).
+DROP_REASONS = ("cancelled", "deadline")
+
+# States of a queued request (_Request.state), changed under DynamicBatcher._lock.
+_QUEUED = 0  # in the queue, holding a place
+_DROPPED = 1  # still in the queue, but given up: its place is free, the dispatcher skips it
+_TAKEN = 2  # taken out by the dispatcher (or by a stop that fails it)
+
+
+def drop_reason(deadline: float | None, now: float) -> str:
+    """``"deadline"`` when a request given up at ``now`` gave up at its deadline, else
+    ``"cancelled"`` (its caller went away)."""
+    if deadline is not None and now >= deadline - DEADLINE_SLACK_SECONDS:
+        return "deadline"
+    return "cancelled"
+
+
+class _Request(Future):
+    """A queued request and the future of its :class:`BatchOutcome` in one object: cancelling
+    it while it is queued frees its place (no callback, no reference cycle per request)."""
+
+    def __init__(
+        self, batcher: DynamicBatcher, batch: Batch, deadline: float | None, enqueued: float
+    ) -> None:
+        super().__init__()
+        self.batcher: DynamicBatcher | None = batcher
+        self.batch = batch
+        self.deadline = deadline
+        self.enqueued = enqueued
+        self.state = _QUEUED
+
+    @property
+    def future(self) -> Future:
+        return self
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        batcher = self.batcher
+        if batcher is not None:
+            batcher._dropped(self)
+        return True
 
 
 @dataclass(frozen=True)
@@ -153,14 +200,21 @@ class DynamicBatcher:
         max_queue_delay: float = 0.002,
         max_queue_size: int = 1024,
         on_batch: Callable[[int, float], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("max_batch_size, max_queue_size must be >= 1, delay >= 0")
         self._run = run
         self.max_batch_size = max_batch_size
         self.max_queue_delay = max_queue_delay
-        self._queue: queue.Queue[_Request | None] = queue.Queue(maxsize=max_queue_size)
+        self.max_queue_size = max_queue_size
+        # Unbounded: the bound is _queued (requests holding a place), which a request given
+        # up leaves at once while its marker stays in here until skipped or swept.
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._queued = 0  # requests in _queue that hold a place
+        self._markers = 0  # requests in _queue given up (_DROPPED)
         self._on_batch = on_batch
+        self._on_drop = on_drop
         self._accepting = True
         self._closing = False  # close() called: queued requests fail rather than run
         self._sentinel_sent = False  # the None that ends the dispatcher is queued
@@ -180,16 +234,15 @@ class DynamicBatcher:
         """Queue ``batch``; the future yields a :class:`BatchOutcome`."""
         if not self._accepting:
             raise UnavailableError("the server is shutting down and takes no new requests")
-        request = _Request(batch, Future(), deadline, time.monotonic())
+        request = _Request(self, batch, deadline, time.monotonic())
         with self._lock:
+            if self._queued >= self.max_queue_size:
+                raise UnavailableError(
+                    f"overloaded: {self.max_queue_size} requests are already queued; retry later"
+                )
+            self._queued += 1
             self._in_flight += 1
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            self._finished(1)
-            raise UnavailableError(
-                f"overloaded: {self._queue.maxsize} requests are already queued; retry later"
-            ) from None
+        self._queue.put_nowait(request)
         if self._closing:
             # A stop's fail_queued() ran between the check above and the put: the request
             # may sit behind the sentinel that ended the dispatcher, where nothing would
@@ -204,13 +257,55 @@ class DynamicBatcher:
             if self._in_flight == 0:
                 self._idle.notify_all()
 
+    def _dropped(self, request: _Request) -> None:
+        """``request`` was cancelled (its caller gave up): if it is still queued, its place is
+        free now and it is done (``pending``, drain); the dispatcher will skip its marker."""
+        with self._lock:
+            if request.state != _QUEUED:
+                return  # taken already: the dispatcher sees it cancelled and skips it
+            request.state = _DROPPED
+            request.batcher = None
+            self._queued -= 1
+            self._markers += 1
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+            if self._markers > self.max_queue_size:
+                self._sweep_markers()
+        if self._on_drop is not None:
+            self._on_drop(drop_reason(request.deadline, time.monotonic()))
+
+    def _sweep_markers(self) -> None:
+        """Remove the markers of dropped requests from the queue (the caller holds _lock):
+        run once they outnumber max_queue_size, so a flood of requests given up behind a
+        slow batch cannot grow the queue without bound."""
+        with self._queue.mutex:  # queue.Queue's own lock: no get or put meanwhile
+            items = self._queue.queue
+            kept = [item for item in items if item is None or item.state != _DROPPED]
+            # A marker a get() just took is not in here: _take() still counts it out.
+            self._markers -= len(items) - len(kept)
+            items.clear()
+            items.extend(kept)
+
+    def _take(self, request: _Request) -> bool:
+        """Take ``request`` out of the queue's count; False for a marker (skip it)."""
+        with self._lock:
+            if request.state == _DROPPED:
+                self._markers -= 1
+                return False
+            request.state = _TAKEN
+            self._queued -= 1
+            return True
+
     def _loop(self) -> None:
         carry: _Request | None = None
         while True:
             first = carry if carry is not None else self._queue.get()
-            carry = None
             if first is None:
                 return
+            if carry is None and not self._take(first):
+                continue  # given up while queued: its place is free already
+            carry = None
             requests = [first]
             samples = first.batch.batch_size
             until = time.monotonic() + self.max_queue_delay
@@ -227,6 +322,8 @@ class DynamicBatcher:
                 if item is None:
                     stop = True
                     break
+                if not self._take(item):
+                    continue
                 if samples + item.batch.batch_size > self.max_batch_size:
                     carry = item  # starts the next merged batch
                     break
@@ -245,11 +342,15 @@ class DynamicBatcher:
             # A caller that gave up has cancelled its future: skip it. Claiming the others
             # (RUNNING) first means no later cancel() can race with the answers set below.
             if not request.future.set_running_or_notify_cancel():
+                if self._on_drop is not None:
+                    self._on_drop(drop_reason(request.deadline, now))
                 continue
             if request.deadline is not None and now > request.deadline:
                 request.future.set_exception(
                     DeadlineExceededError("the request's deadline passed while it was queued")
                 )
+                if self._on_drop is not None:
+                    self._on_drop("deadline")
             else:
                 live.append(request)
         if self._closing:  # the drain gave up on them: answer now rather than run late
@@ -316,6 +417,8 @@ class DynamicBatcher:
             if request is None:
                 self._sentinel_sent = False  # taken out: queued again below
                 continue
+            if not self._take(request):
+                continue  # given up while queued: counted done when it was
             if request.future.set_running_or_notify_cancel():
                 request.future.set_exception(
                     UnavailableError("the server stopped before this request's batch ran")
@@ -325,20 +428,12 @@ class DynamicBatcher:
             self._finished(failed)
         if not self._sentinel_sent:
             # Wakes the dispatcher out of its max_queue_delay wait: what it collected so far
-            # fails at once (it sees _closing), rather than when the delay ends. Full: a
-            # submit raced in, and close() queues the sentinel, or the next call does.
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(None)
-                self._sentinel_sent = True
+            # fails at once (it sees _closing), rather than when the delay ends.
+            self._queue.put_nowait(None)
+            self._sentinel_sent = True
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop: requests still queued (a drain that gave up) fail with UnavailableError;
         waits up to ``timeout`` s for the dispatcher (and the batch it runs) to end."""
-        self.fail_queued()
-        if not self._sentinel_sent:
-            try:
-                self._queue.put(None, timeout=timeout)
-                self._sentinel_sent = True
-            except queue.Full:  # the dispatcher is stuck in a batch: it sees _closing after it
-                return
+        self.fail_queued()  # queues the sentinel (the queue has no bound to refuse it)
         self._thread.join(timeout=timeout)

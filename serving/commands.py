@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-queue-size",
         type=positive_int,
         default=1024,
-        help="requests waiting for a batch before new ones are refused (503 / UNAVAILABLE) "
+        help="requests waiting for a batch before new ones are refused (503 / UNAVAILABLE); "
+        "one whose client went away or whose deadline passed frees its place at once "
         "(default 1024)",
     )
     parser.add_argument(

@@ -25,7 +25,9 @@ exceptions are logged with their traceback and answered 500 with a generic messa
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 import anyio
@@ -42,7 +44,12 @@ from serving import http_decode, http_encode, infer_request
 from serving.core import PredictionCore
 from serving.http_admin import AdminHooks, admin_allowed
 from serving.http_body import DEFAULT_MAX_DECOMPRESSED_BYTES, read_body
-from serving.http_fast_path import InferHandler
+from serving.http_fast_path import (
+    ClientGone,
+    InferHandler,
+    answer_unless_gone,
+    client_gone_response,
+)
 from serving.http_openapi import (
     INFER_OPENAPI,
     INFER_RESPONSES,
@@ -95,6 +102,16 @@ SMALL_BODY_BYTES = 64 * 1024
 
 def _version(version: str | None) -> str | None:
     return version or None
+
+
+def _takes_on_cancel(method: Callable[..., Any]) -> bool:
+    return "on_cancel" in inspect.signature(method).parameters
+
+
+def told_when(gone: ClientGone | None, cancellable: bool) -> dict[str, Any]:
+    """The ``on_cancel`` keyword of a core call that ``gone`` tells of the client's
+    disconnect (none for a core that does not take it)."""
+    return {"on_cancel": gone.add_callback} if gone is not None and cancellable else {}
 
 
 def create_app(
@@ -228,23 +245,41 @@ def create_app(
         )
 
     def infer_sync(
-        name: str, version: str | None, body: bytes, header_length: str | None
+        name: str,
+        version: str | None,
+        body: bytes,
+        header_length: str | None,
+        gone: ClientGone | None = None,
     ) -> Response:
         try:
             request = http_decode.decode_http_request(body, header_length)
         except Exception as error:
             return rejected(name, error)
         prediction = core.predict(
-            name, version, request.inputs, protocol="http", timeout=request.timeout
+            name,
+            version,
+            request.inputs,
+            protocol="http",
+            timeout=request.timeout,
+            **told_when(gone, predict_cancellable),
         )
         return infer_response(prediction, request)
+
+    # A core that takes on_cancel (PredictionService) drops a request whose client went away
+    # before its batch ran (serving.http_fast_path.answer_unless_gone tells it).
+    predict_cancellable = _takes_on_cancel(core.predict)
+    instances_cancellable = _takes_on_cancel(core.predict_instances)
 
     # A core that can be awaited (PredictionService) answers small requests without a thread
     # hop: decoding them on the loop costs less than the hop, and no thread waits per request.
     predict_async = getattr(core, "predict_async", None)
 
     async def infer_body(
-        body: bytes, header_length: str | None, name: str, version: str | None
+        body: bytes,
+        header_length: str | None,
+        name: str,
+        version: str | None,
+        gone: ClientGone | None = None,
     ) -> Response:
         try:
             if predict_async is not None and len(body) <= SMALL_BODY_BYTES:
@@ -260,7 +295,9 @@ def create_app(
                     timeout=decoded.timeout,
                 )
                 return infer_response(prediction, decoded)
-            return await in_thread(infer_sync, name, _version(version), body, header_length)
+            return await in_thread(infer_sync, name, _version(version), body, header_length, gone)
+        except CancelledError:  # the client went away (counted by the core): not a 500
+            return client_gone_response()
         except Exception as error:
             return error_response(error)
 
@@ -270,7 +307,9 @@ def create_app(
         except Exception as error:
             return rejected(name, error)
         header_length = ", ".join(request.headers.getlist(http_decode.HEADER_LENGTH)) or None
-        return await infer_body(body, header_length, name, version)
+        return await answer_unless_gone(
+            request.receive, lambda gone: infer_body(body, header_length, name, version, gone)
+        )
 
     # The same handler without FastAPI's routing and request objects (see InferFastPath).
     app.state.infer_handler = InferHandler(
@@ -300,13 +339,23 @@ def create_app(
     async def post_infer_version(request: Request, name: str, version: str) -> Response:
         return await infer(request, name, version)
 
-    def predict_sync(name: str, body: bytes) -> Response:
+    def predict_sync(name: str, body: bytes, gone: ClientGone | None = None) -> Response:
         try:
             instances = http_decode.decode_instances(body)
         except Exception as error:
             return rejected(name, error)
-        prediction = core.predict_instances(name, instances, protocol="http")
+        prediction = core.predict_instances(
+            name, instances, protocol="http", **told_when(gone, instances_cancellable)
+        )
         return Response(http_encode.encode_instances_response(prediction), media_type=JSON)
+
+    async def predict_body(name: str, body: bytes, gone: ClientGone) -> Response:
+        try:
+            return await in_thread(predict_sync, name, body, gone)
+        except CancelledError:  # the client went away (counted by the core): not a 500
+            return client_gone_response()
+        except Exception as error:
+            return error_response(error)
 
     @app.post(
         "/v1/models/{name}:predict",
@@ -319,10 +368,9 @@ def create_app(
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
             return rejected(name, error)
-        try:
-            return await in_thread(predict_sync, name, body)
-        except Exception as error:
-            return error_response(error)
+        return await answer_unless_gone(
+            request.receive, lambda gone: predict_body(name, body, gone)
+        )
 
     # ---------------------------------------------------------------- admin
     if admin is not None:

@@ -7,7 +7,9 @@ routes share one :class:`InferHandler`.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -21,15 +23,89 @@ from serving.http_body import DEFAULT_MAX_DECOMPRESSED_BYTES, read_chunks
 from serving.http_responses import error_response, json_response, note_request
 
 
+class ClientGone:
+    """What gRPC's ``context.add_callback`` is to the core (:data:`serving.service.CancelHook`),
+    for an HTTP request: :meth:`add_callback` registers a callback run once the client has
+    disconnected (False when it already has); :meth:`disconnected` runs them. Thread-safe:
+    callbacks are registered from the thread that waits for the core."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self.gone = False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self.gone:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def disconnected(self) -> None:
+        with self._lock:
+            if self.gone:
+                return
+            self.gone = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    """Return once the client has disconnected. The request's body was read in full, so what
+    ``receive`` gives next is ``http.disconnect`` (uvicorn: when the connection is lost, or
+    once the response is sent, by when this is cancelled); anything else means this server
+    cannot tell, and this waits to be cancelled."""
+    message = await receive()
+    if message["type"] != "http.disconnect":
+        await asyncio.get_running_loop().create_future()  # never done: cancelled
+
+
+async def answer_unless_gone(
+    receive: Receive, answer: Callable[[ClientGone], Awaitable[Response]]
+) -> Response:
+    """``await answer(gone)`` while watching ``receive`` for the client's disconnect: if it
+    goes first, ``gone`` runs its callbacks (a request queued for the dispatcher thread is
+    dropped) and the answer's task is cancelled (one queued on the event loop is); the
+    response returned then is never sent. For the ASGI path, where uvicorn does not cancel a
+    request's task when its connection is lost (the fast protocol does)."""
+    gone = ClientGone()
+    work = asyncio.ensure_future(answer(gone))
+    watch = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # this task was cancelled (a shutdown): so are both
+        watch.cancel()
+        work.cancel()
+        raise
+    if watch.done():
+        if not watch.cancelled():
+            watch.exception()  # retrieved: a receive that failed means the client is gone
+    else:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    gone.disconnected()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)  # ends once the core let it go
+    return client_gone_response()
+
+
+def client_gone_response() -> Response:
+    """What a request whose client went away before its answer returns (never sent)."""
+    return json_response({"error": "the client disconnected before its answer"}, 400)
+
+
 @dataclass(frozen=True)
 class InferHandler:
     """What the infer routes do after reading the body: ``handle(body, header_length, name,
-    version) -> Response`` (never raises: errors become their ``{"error": ...}`` answers).
+    version[, gone]) -> Response`` (never raises: errors become their ``{"error": ...}``
+    answers; ``gone``, a :class:`ClientGone`, tells the core when the client disconnected).
     ``record_rejected(name, error)``, when given, counts a request for model ``name`` refused
     before ``handle`` (its body or head could not be read, or was too large) as the core
     counts the requests it refuses."""
 
-    handle: Callable[[bytes, str | None, str, str | None], Awaitable[Response]]
+    handle: Callable[..., Awaitable[Response]]
     max_body_bytes: int
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
     record_rejected: Callable[[str, BaseException], None] | None = None
@@ -109,7 +185,11 @@ class InferFastPath:
             if self.handler.record_rejected is not None:
                 self.handler.record_rejected(name, error)
             return error_response(error)
-        return await self.handler.handle(body, header(_HEADER_LENGTH_KEY), name, version)
+        header_length = header(_HEADER_LENGTH_KEY)
+        handle = self.handler.handle
+        return await answer_unless_gone(
+            receive, lambda gone: handle(body, header_length, name, version, gone)
+        )
 
 
 _HEADER_LENGTH_KEY = http_decode.HEADER_LENGTH.lower().encode("latin-1")

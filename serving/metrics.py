@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from embedding_store.rpc_metrics import LATENCY_BUCKETS
+from serving.batcher import DROP_REASONS
 
 #: Set (by ``serve --workers``) to the directory where each process keeps its metrics.
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
@@ -152,6 +153,16 @@ class ServingMetrics:
             ["reason"],
             registry=r,
         )
+        self.dropped_requests = Counter(
+            "recserve_dropped_requests",
+            "Requests dropped from a batcher's queue before their merged batch ran, never "
+            "computed, by reason: cancelled (the client went away: HTTP connection closed, "
+            "gRPC call cancelled) or deadline (their deadline passed while they were queued).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DROP_REASONS:  # at 0: the first drop shows in increase()
+            self.dropped_requests.labels(reason)
         self.model_info = Gauge(
             "recserve_model_info",
             "The served model version (value 1).",

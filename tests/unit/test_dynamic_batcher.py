@@ -348,3 +348,61 @@ def test_fail_queued_twice_skips_a_request_given_up_and_still_ends_the_dispatche
     finally:
         release.set()
         batcher.close(timeout=WAIT)
+
+
+def test_a_request_given_up_while_queued_frees_its_place_at_once() -> None:
+    """Behind a stuck batch, with room for one queued request: the queued one is cancelled
+    (its gRPC call was, or its caller's wait timed out), so a live request is taken at once
+    instead of refused as overload; the cancelled one is never computed nor counted in the
+    merged batch, and pending counts only what is still wanted."""
+    release = threading.Event()
+    model = SlowModel(release)
+    drops: list[str] = []
+    batcher = DynamicBatcher(
+        model, max_batch_size=2, max_queue_delay=0.0, max_queue_size=1, on_drop=drops.append
+    )
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        gone = batcher.submit(batch_of(2, 3))
+        assert gone.cancel()
+        assert batcher.pending == 1 and drops == ["cancelled"]
+        live = batcher.submit(batch_of(4))  # was: UnavailableError, 1 request already queued
+        with pytest.raises(UnavailableError, match="overloaded: 1 requests are already queued"):
+            batcher.submit(batch_of(5))  # the live one holds the place
+        release.set()
+        assert answers([running, live]) == [[1.0], [4.0]]
+        assert model.calls == [[1], [4]]
+        assert live.result().merged_batch_size == 1
+        assert drops == ["cancelled"] and batcher.pending == 0
+    finally:
+        release.set()
+        batcher.close()
+
+
+def test_requests_given_up_at_their_deadline_are_dropped_as_such_and_their_markers_swept():
+    """A flood of requests given up behind a stuck batch leaves at most max_queue_size
+    markers in the queue (they are swept), each counted once: at its deadline as
+    ``deadline``, before it as ``cancelled``."""
+    release = threading.Event()
+    model = SlowModel(release)
+    drops: list[str] = []
+    batcher = DynamicBatcher(
+        model, max_batch_size=8, max_queue_delay=0.0, max_queue_size=2, on_drop=drops.append
+    )
+    try:
+        running = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        for i in range(10):
+            batcher.submit(batch_of(100 + i), deadline=time.monotonic() - 1).cancel()
+            assert batcher._queue.qsize() <= 3
+        batcher.submit(batch_of(200)).cancel()
+        assert drops == ["deadline"] * 10 + ["cancelled"]
+        later = batcher.submit(batch_of(7))
+        release.set()
+        assert answers([running, later]) == [[1.0], [7.0]]
+        assert model.calls == [[1], [7]]
+        assert len(drops) == 11 and batcher.pending == 0
+    finally:
+        release.set()
+        batcher.close()

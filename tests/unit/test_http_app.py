@@ -22,6 +22,7 @@ import tritonclient.http as triton_http
 import uvicorn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from starlette.responses import Response
 from tritonclient.utils import InferenceServerException
 
 from serving.http_admin import AdminHooks
@@ -860,11 +861,16 @@ def test_the_fast_path_reads_a_body_message_without_more_body_as_the_last() -> N
     """ASGI: ``more_body`` defaults to false, so a body message without it ends the body."""
     app = InferFastPath(create_app(FakeCore()))
     body = orjson.dumps({"inputs": _tensors(USERS, AGES)})
-    messages = [{"type": "http.request", "body": body}, {"type": "http.disconnect"}]
+    messages = [{"type": "http.request", "body": body}]
     sent: list[dict] = []
 
     async def receive() -> dict:
-        return messages.pop(0)
+        if messages:
+            return messages.pop(0)
+        # As uvicorn: nothing more until the connection is lost (an http.disconnect before
+        # the answer is a client gone, whose answer is not sent) or the response is sent.
+        await asyncio.Event().wait()
+        raise AssertionError("not reached: waited for until cancelled")
 
     async def send(message: dict) -> None:
         sent.append(message)
@@ -936,3 +942,47 @@ def test_a_content_length_that_is_not_ascii_digits_is_not_read_as_one(declared: 
     assert asyncio.run(read([b"12345", b"6789"])) == b"123456789"
     with pytest.raises(CapacityError, match=r"^request body exceeds the limit of 10 bytes$"):
         asyncio.run(read([b"12345", b"678901"]))
+
+
+def test_answer_unless_gone_tells_the_core_and_cancels_the_answer_when_the_client_goes():
+    """The ASGI path: uvicorn's receive() gives http.disconnect once the connection is lost.
+    Then the registered callbacks run (what drops a request queued for the dispatcher), the
+    answer's task is cancelled (what drops one queued on the loop) and no answer is made; an
+    answer ready first is returned, the watch ended, the callbacks never run."""
+    from serving.http_fast_path import answer_unless_gone
+
+    async def main():
+        told: list[str] = []
+        lost = asyncio.Event()
+
+        async def receive() -> dict:
+            await lost.wait()
+            return {"type": "http.disconnect"}
+
+        async def slow_answer(gone) -> Response:
+            assert gone.add_callback(lambda: told.append("gone"))
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                told.append("cancelled")
+                raise
+            raise AssertionError("not reached")
+
+        asyncio.get_running_loop().call_later(0.05, lost.set)
+        left = await asyncio.wait_for(answer_unless_gone(receive, slow_answer), 5)
+        gone_told = list(told)
+        told.clear()
+
+        async def quick_answer(gone) -> Response:
+            assert gone.add_callback(lambda: told.append("gone"))
+            return Response(b"fine")
+
+        lost.clear()
+        answered = await asyncio.wait_for(answer_unless_gone(receive, quick_answer), 5)
+        return left, gone_told, answered, told
+
+    left, gone_told, answered, told = asyncio.run(main())
+    assert gone_told == ["gone", "cancelled"]
+    assert left.status_code == 400
+    assert orjson.loads(left.body) == {"error": "the client disconnected before its answer"}
+    assert answered.body == b"fine" and told == []

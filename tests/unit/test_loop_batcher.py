@@ -327,9 +327,11 @@ def test_one_delay_timer_per_merged_batch_cancelled_by_a_size_flush() -> None:
         loop = asyncio.get_running_loop()
         call_later = loop.call_later
 
-        def recording_call_later(*args, **kwargs):
-            timers.append(call_later(*args, **kwargs))
-            return timers[-1]
+        def recording_call_later(delay, callback, *args, **kwargs):
+            handle = call_later(delay, callback, *args, **kwargs)
+            if callback == batcher._flush:  # not the deadline timer
+                timers.append(handle)
+            return handle
 
         loop.call_later = recording_call_later  # type: ignore[method-assign]
         futures = [batcher.submit(batch_of(i), deadline=FAR) for i in range(3)]
@@ -389,3 +391,178 @@ def test_fail_waiting_answers_the_waiting_requests_and_computes_none_of_them() -
 
     assert asyncio.run(main()) == [5.0, 6.0, 7.0, 8.0]
     assert model.calls == [[5, 6, 7, 8]]
+
+
+def test_a_request_given_up_while_waiting_frees_its_place_at_once() -> None:
+    """A handler that gives up (its client went away) frees its place in the queue when it
+    does, not at the flush: with room for one request, the next one is taken instead of
+    refused as overload; the one given up is counted once and never computed."""
+    model = Model()
+    drops: list[str] = []
+    batcher = make(model, max_queue_size=1, max_queue_delay=0.05, on_drop=drops.append)
+
+    async def main():
+        gone = batcher.submit(batch_of(7), deadline=FAR)
+        gone.cancel()
+        assert batcher.pending == 0 and drops == ["cancelled"]
+        live = batcher.submit(batch_of(8), deadline=FAR)  # was: 1 request already queued
+        with pytest.raises(UnavailableError, match="overloaded: 1 requests are already queued"):
+            batcher.submit(batch_of(9), deadline=FAR)
+        return await asyncio.wait_for(live, 5)
+
+    assert asyncio.run(main()).predictions.ravel().tolist() == [8.0]
+    assert model.calls == [[8]]
+    assert drops == ["cancelled"]
+
+
+def test_markers_of_requests_given_up_are_swept_out_of_the_queue() -> None:
+    """A flood of requests given up within one delay leaves at most max_queue_size markers
+    behind (the queue does not grow with them)."""
+    model = Model()
+    batcher = make(model, max_queue_size=2, max_queue_delay=10.0)
+
+    async def main():
+        for i in range(10):
+            batcher.submit(batch_of(i), deadline=FAR).cancel()
+            assert len(batcher._queue) <= 3
+        batcher.max_batch_size = 1  # the next request flushes at once
+        return await asyncio.wait_for(batcher.submit(batch_of(42), deadline=FAR), 5)
+
+    assert asyncio.run(main()).predictions.ravel().tolist() == [42.0]
+    assert model.calls == [[42]]
+    assert batcher.pending == 0 and len(batcher._queue) == 0
+
+
+def test_a_request_is_answered_at_its_deadline_not_at_the_flush() -> None:
+    """With a flush far away (a 10 s delay), a request with a 50 ms deadline gets
+    DeadlineExceededError at its deadline and frees its place; the others keep waiting, and
+    a later, earlier deadline is kept too."""
+    model = Model()
+    drops: list[str] = []
+    batcher = make(model, max_queue_size=3, max_queue_delay=10.0, on_drop=drops.append)
+
+    async def main():
+        start = time.monotonic()
+        waiting = batcher.submit(batch_of(1), deadline=FAR)
+        slow = batcher.submit(batch_of(2), deadline=start + 0.2)
+        fast = batcher.submit(batch_of(3), deadline=start + 0.05)
+        with pytest.raises(DeadlineExceededError, match="deadline passed while it was queued"):
+            await asyncio.wait_for(fast, 5)
+        fast_at = time.monotonic() - start
+        assert batcher.pending == 2 and not slow.done()
+        with pytest.raises(DeadlineExceededError):
+            await asyncio.wait_for(slow, 5)
+        slow_at = time.monotonic() - start
+        assert batcher.pending == 1 and not waiting.done()
+        batcher.max_batch_size = 1
+        rest = batcher.submit(batch_of(4), deadline=FAR)  # flushes the one left, then this
+        return fast_at, slow_at, await asyncio.wait_for(asyncio.gather(waiting, rest), 5)
+
+    fast_at, slow_at, outcomes = asyncio.run(main())
+    assert 0.05 <= fast_at < 1.0  # at its deadline (bounded for a loaded machine), not 10 s
+    assert 0.2 <= slow_at < 1.2
+    assert [o.predictions.ravel().tolist() for o in outcomes] == [[1.0], [4.0]]
+    assert model.calls == [[1], [4]]
+    assert drops == ["deadline", "deadline"]
+
+
+def test_a_flush_runs_one_batch_per_loop_turn_so_requests_gone_meanwhile_are_skipped() -> None:
+    """The flush runs the oldest merged batch, then lets the loop run before the next: a
+    client that went away while the first batch ran (its cancel is a callback the loop runs
+    after the batch) is skipped, never computed."""
+    model = Model()
+    queued: list[asyncio.Future] = []
+
+    def run(merged: Batch):
+        if not model.calls:  # first batch: the third request's client disconnects now
+            asyncio.get_running_loop().call_soon(queued[2].cancel)
+        return model(merged)
+
+    batcher = make(run, max_batch_size=1)
+
+    async def main():
+        queued.extend(batcher.submit(batch_of(i), deadline=FAR) for i in (1, 2, 3))
+        return await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), 5)
+
+    first, second, third = asyncio.run(main())
+    assert first.predictions.ravel().tolist() == [1.0]
+    assert second.predictions.ravel().tolist() == [2.0]
+    assert isinstance(third, asyncio.CancelledError)
+    assert model.calls == [[1], [2]]
+
+
+def test_while_the_model_is_busy_elsewhere_the_loop_answers_deadlines_and_keeps_serving():
+    """The run lock is held (the thread batcher's slow batch): the loop does not block on
+    it. A request with a 50 ms deadline is answered DeadlineExceededError at its deadline,
+    one whose client went away meanwhile is dropped, the loop runs other work, and the
+    request still wanted runs once the lock is free (in a helper thread), never the others."""
+    model = Model()
+    lock = threading.Lock()
+    drops: list[str] = []
+    batcher = LoopBatcher(
+        model,
+        max_batch_size=8,
+        max_queue_delay=0.0,
+        max_queue_size=8,
+        run_lock=lock,
+        on_drop=drops.append,
+    )
+    assert lock.acquire()
+    release = threading.Timer(0.4, lock.release)
+
+    async def main():
+        start = time.monotonic()
+        release.start()
+        wanted = batcher.submit(batch_of(1), deadline=FAR)
+        late = batcher.submit(batch_of(2), deadline=start + 0.05)
+        gone = batcher.submit(batch_of(3), deadline=FAR)
+        await asyncio.sleep(0.01)  # the loop is not blocked: this returns
+        ticked = time.monotonic() - start
+        gone.cancel()
+        with pytest.raises(DeadlineExceededError, match="deadline passed while it was queued"):
+            await asyncio.wait_for(late, 5)
+        late_at = time.monotonic() - start
+        outcome = await asyncio.wait_for(wanted, 5)
+        return ticked, late_at, time.monotonic() - start, outcome
+
+    try:
+        ticked, late_at, wanted_at, outcome = asyncio.run(main())
+    finally:
+        release.join(5)
+    assert ticked < 0.35 and 0.05 <= late_at < 0.35  # not after the 0.4 s the lock is held
+    assert wanted_at >= 0.4
+    assert outcome.predictions.ravel().tolist() == [1.0]
+    assert model.calls == [[1]] and model.thread_ids != {threading.get_ident()}
+    assert drops == ["cancelled", "deadline"]
+    assert batcher.pending == 0 and not lock.locked()
+
+
+def test_a_helper_whose_loop_does_not_take_its_turn_lets_the_model_lock_go(monkeypatch):
+    """The helper holds the model's lock while the loop forms its batch; a loop that does
+    not take its turn within HAND_OVER_SECONDS (busy, or stopped) must not keep the model
+    from the thread batcher: the helper lets the lock go, and the requests run at a later
+    flush, once, on the loop."""
+    monkeypatch.setattr("serving.loop_batcher.HAND_OVER_SECONDS", 0.05)
+    model = Model()
+    lock = threading.Lock()
+    batcher = LoopBatcher(
+        model, max_batch_size=8, max_queue_delay=0.0, max_queue_size=8, run_lock=lock
+    )
+    free_again: list[bool] = []
+    assert lock.acquire()
+
+    async def main():
+        waiting = batcher.submit(batch_of(5), deadline=FAR)
+        await asyncio.sleep(0.02)  # the flush found the lock held: a helper waits for it
+        lock.release()
+        time.sleep(0.3)  # the loop is busy: the helper takes the lock, then lets it go
+        free_again.append(lock.acquire(blocking=False))
+        if free_again[-1]:
+            lock.release()
+        return await asyncio.wait_for(waiting, 5)
+
+    outcome = asyncio.run(main())
+    assert free_again == [True]
+    assert outcome.predictions.ravel().tolist() == [5.0]
+    assert model.calls == [[5]] and model.thread_ids == {threading.get_ident()}
+    assert batcher.pending == 0 and not lock.locked()

@@ -318,10 +318,10 @@ class _Blocked:
         return self.infer(merged)
 
 
-def _wait_until(condition: Callable[[], bool]) -> None:
-    """Polls ``condition`` until it holds; fails after WAIT s (a bound for a slow machine,
-    not a requirement)."""
-    deadline = time.monotonic() + WAIT
+def _wait_until(condition: Callable[[], bool], within: float = WAIT) -> None:
+    """Polls ``condition`` until it holds; fails after ``within`` s (by default WAIT: a bound
+    for a slow machine, not a requirement)."""
+    deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, "the condition did not hold within the wait"
         time.sleep(0.01)
@@ -1049,3 +1049,149 @@ def test_a_reload_asked_for_after_close_loads_nothing(checkpoints, make_service)
     with pytest.raises(UnavailableError, match="the server is stopping: it loads no new version"):
         service.reload(None)
     assert loads == [] and not service.reloading
+
+
+def test_requests_given_up_or_past_their_deadline_free_their_place_and_are_never_computed(
+    checkpoints, monkeypatch
+):
+    """A real server, queues of one request, a model held on purpose: a request whose
+    client left (a reset HTTP connection, small or large body) or whose deadline passed (a
+    gRPC deadline, an HTTP timeout parameter) frees its place when that happens, not when its
+    batch would have run, so the next live request is taken instead of refused 503 /
+    UNAVAILABLE; it is never computed; an HTTP request of a 50 ms timeout behind the held
+    batch is answered 504 at its deadline, not after the batch. /metrics counts each."""
+    import http.client
+    import json
+    import socket
+    import struct
+
+    from clients import RecserveClient
+    from serving import server as server_module
+    from serving.options import ServeOptions
+    from serving.server import PredictionServer
+
+    monkeypatch.setattr(server_module, "freeze_long_lived_objects", lambda: None)
+    monkeypatch.setattr(server_module, "space_out_young_collections", lambda: None)
+    options = ServeOptions(
+        checkpoint=checkpoints[0],
+        model_name=NAME,
+        http_port=0,
+        grpc_port=0,
+        grace_seconds=0.5,
+        max_queue_delay_ms=30_000.0,  # only 4 rows run at once: 2 wait for the delay
+        max_batch_size=4,
+        max_queue_size=1,
+        request_timeout=10.0,
+        onednn_min_rows=0,
+        threads=torch.get_num_threads(),
+    )
+    serving = PredictionServer(options).start()
+    service = serving.service
+    assert service is not None
+    model = service.model
+    infer = model.infer
+    sizes: list[int] = []
+    held, started = threading.Event(), threading.Event()
+
+    def recorded_infer(merged):
+        sizes.append(merged.batch_size)
+        if not held.is_set():  # the first batch is held until the test lets it go
+            started.set()
+            assert held.wait(WAIT)
+        return infer(merged)
+
+    model.infer = recorded_infer  # type: ignore[method-assign]
+
+    def body(rows: int, **parameters) -> bytes:
+        inputs = [
+            {"name": name, "shape": list(array.shape), "datatype": datatype}
+            | {"data": array.ravel().tolist()}
+            for (name, array), datatype in zip(
+                _inputs(rows).items(), ("UINT64", "UINT64", "FP32"), strict=True
+            )
+        ]
+        return json.dumps({"inputs": inputs, "parameters": parameters}).encode()
+
+    def post(payload: bytes) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", serving.http_port, timeout=WAIT)
+        try:
+            connection.request("POST", f"/v2/models/{NAME}/infer", body=payload)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    def post_then_reset(payload: bytes, queued: Callable[[], bool]) -> None:
+        """Send a request, wait until it is queued, then reset the connection (a FIN alone
+        is a half-close, which still gets its answer)."""
+        sock = socket.create_connection(("127.0.0.1", serving.http_port), timeout=WAIT)
+        head = f"POST /v2/models/{NAME}/infer HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        _wait_until(queued)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+    grpc_url = f"grpc://127.0.0.1:{serving.grpc_port}"
+    answers: dict[str, object] = {}
+    prompt = 3.0  # s: "at once" on a loaded machine; the held batch and the delay last longer
+
+    def over_grpc(key: str, rows: int, timeout: float = WAIT) -> None:
+        with RecserveClient(grpc_url, model_name=NAME, retries=0, timeout=timeout) as client:
+            try:
+                answers[key] = client.infer(_inputs(rows)).predictions.shape
+            except Exception as error:
+                answers[key] = error
+
+    thread_queue = service._batcher
+    holding = threading.Thread(target=over_grpc, args=("held", 4))
+    live = threading.Thread(target=over_grpc, args=("live", 4))
+    try:
+        holding.start()
+        assert started.wait(WAIT)  # the dispatcher runs it, holding the model
+        # HTTP, on the event loop, 50 ms: answered at its deadline, not after the batch.
+        began = time.monotonic()
+        status, answer = post(body(4, timeout=50_000))
+        took = time.monotonic() - began
+        assert (status, answer) == (
+            504,
+            {"error": "the request's deadline passed while it was queued"},
+        )
+        assert took < 1.0  # the held batch lasts until the test ends it
+        # gRPC behind the held batch, a 0.2 s deadline: its place is free once it passes.
+        over_grpc("late", 2, timeout=0.2)
+        assert isinstance(answers["late"], DeadlineExceededError)
+        _wait_until(lambda: thread_queue.pending == 1, within=prompt)  # was: after the batch
+        # A large body (over 64 KiB: the dispatcher's queue) whose client resets.
+        large = body(2) + b" " * 70_000
+        post_then_reset(large, lambda: thread_queue.pending == 2)
+        # At once (a bound for a slow machine), not at its 10 s deadline nor after the batch.
+        _wait_until(lambda: thread_queue.pending == 1, within=prompt)
+        live.start()
+        _wait_until(lambda: thread_queue.pending == 2)  # taken: was UNAVAILABLE, queue full
+        held.set()
+        live.join(WAIT)
+        holding.join(WAIT)
+        assert answers["held"] == answers["live"] == (4, 1)
+        # A small body on the event loop (held by the 30 s delay) whose client resets.
+        post_then_reset(body(2), lambda: service.pending == 1)
+        _wait_until(lambda: service.pending == 0, within=prompt)  # was: until the 30 s delay
+        assert post(body(4))[0] == 200  # 4 rows run at once; was 503, queue full
+    finally:
+        held.set()
+        serving.stop()
+        for thread in (holding, live):
+            thread.join(WAIT)
+    assert sizes == [4, 4, 4]  # the held batch, then the live gRPC and HTTP ones
+    metrics = service.metrics.registry
+    dropped = {
+        reason: metrics.get_sample_value("recserve_dropped_requests_total", {"reason": reason})
+        for reason in ("cancelled", "deadline")
+    }
+    assert dropped == {"cancelled": 2.0, "deadline": 2.0}
+    version = model.version
+    assert _requests(service, version, "cancelled", "http") == 2.0
+    assert _requests(service, version, "DeadlineExceededError", "http") == 1.0
+    assert _requests(service, version, "DeadlineExceededError", "grpc") == 1.0
+    assert _requests(service, version, "ok", "grpc") == 2.0
+    assert _requests(service, version, "ok", "http") == 1.0
+    assert _requests(service, version, "UnavailableError", "grpc") == 0.0

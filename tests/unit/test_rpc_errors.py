@@ -3,6 +3,9 @@ recserve error of that status, naming the peer."""
 
 from __future__ import annotations
 
+import threading
+from concurrent import futures
+
 import grpc
 import numpy as np
 import pytest
@@ -41,9 +44,17 @@ class FailedCall(grpc.RpcError):
     [
         (grpc.StatusCode.UNAVAILABLE, "connection refused", UnavailableError,
          "shard 0 is unavailable: connection refused"),
-        # A call the server cancelled while it stopped: retryable like UNAVAILABLE.
+        # CANCELLED is retryable like UNAVAILABLE; the message says who ended the call (was
+        # "cancelled the call (shutting down?)" whatever the cause).
         (grpc.StatusCode.CANCELLED, "Cancelled", UnavailableError,
-         "shard 0 cancelled the call (shutting down?): Cancelled"),
+         "shard 0 cancelled the call (the server, or a proxy between, ended it before "
+         "answering): Cancelled"),
+        (grpc.StatusCode.CANCELLED, "Channel closed!", UnavailableError,
+         "call to shard 0 cancelled by this process: its channel was closed while the call "
+         "was in flight (Channel closed!)"),
+        (grpc.StatusCode.CANCELLED, "Locally cancelled by application!", UnavailableError,
+         "call to shard 0 cancelled by this process: its caller gave up (Locally cancelled by "
+         "application!)"),
         (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", DeadlineExceededError,
          "shard 0 did not answer within the deadline: Deadline Exceeded"),
         (grpc.StatusCode.INVALID_ARGUMENT, "dim must be >= 1", InvalidArgumentError,
@@ -143,3 +154,61 @@ def test_servicer_errors_answer_their_code_and_hide_unexpected_details(caplog):
         grpc.StatusCode.INVALID_ARGUMENT,
         "dim must be > 0, got 0",
     )
+
+
+def test_calls_this_process_cancels_are_named_as_such_with_grpcio_s_own_details():
+    """The details error_from_rpc tells apart are grpcio's: a channel closed under a call in
+    flight, and a streaming call cancelled by its caller; what the server ends is the peer's."""
+    started = threading.Event()
+    release = threading.Event()
+
+    def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
+        if request == b"abort":
+            context.abort(grpc.StatusCode.CANCELLED, "the handler gave up")
+        started.set()
+        release.wait(5)
+        return b"late"
+
+    def stream(request: bytes, context: grpc.ServicerContext):
+        yield b"first"
+        release.wait(5)
+
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    messages = []
+    try:
+        target = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(target) as channel:
+            with pytest.raises(grpc.RpcError) as aborted:
+                channel.unary_unary("/t.S/Unary")(b"abort", timeout=5)
+            messages.append(error_from_rpc(aborted.value, "shard 0").message)
+            chunks = channel.unary_stream("/t.S/Stream")(b"", timeout=5)
+            assert next(chunks) == b"first"
+            chunks.cancel()
+            with pytest.raises(grpc.RpcError) as given_up:
+                next(chunks)
+            messages.append(error_from_rpc(given_up.value, "shard 0").message)
+        channel = grpc.insecure_channel(target)
+        call = channel.unary_unary("/t.S/Unary").future(b"wait", timeout=5)
+        assert started.wait(5)
+        channel.close()
+        with pytest.raises(grpc.RpcError) as closed:
+            call.result(5)
+        messages.append(error_from_rpc(closed.value, "shard 0").message)
+    finally:
+        release.set()
+        server.stop(None)
+    assert messages == [
+        "shard 0 cancelled the call (the server, or a proxy between, ended it before "
+        "answering): the handler gave up",
+        "call to shard 0 cancelled by this process: its caller gave up (Locally cancelled by "
+        "application!)",
+        "call to shard 0 cancelled by this process: its channel was closed while the call was "
+        "in flight (Channel closed!)",
+    ]
