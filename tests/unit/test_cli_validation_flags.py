@@ -284,7 +284,8 @@ def test_serve_help_gives_the_batching_flags_units_and_defaults(
     text = " ".join(capsys.readouterr().out.split())
     assert "how long the first request of a merged batch waits for others, in ms" in text
     assert "0 merges what arrives together (default 2;" in text
-    assert "(503 / UNAVAILABLE) (default 1024)" in text
+    assert "refused (503 / UNAVAILABLE);" in text
+    assert "frees its place at once (default 1024)" in text
     assert "(504 / DEADLINE_EXCEEDED after it; default 10)" in text
 
 
