@@ -116,13 +116,13 @@ def test_start_fails_naming_a_shard_that_never_serves(embedding_config, tmp_path
     )
     try:
         with pytest.raises(UnavailableError) as failure:
-            cluster.start(timeout=4)
+            cluster.start(timeout=6)  # a loaded machine takes >4 s to import
         assert all(not shard.alive for shard in cluster.shards)  # the launcher stopped them
     finally:
         cluster.stop()  # no-op when the launcher did; else no shard outlives a failed test
     message = failure.value.message
     assert message.startswith(
-        f"parameter server 0 ({cluster.ps_addresses[0]}) did not become SERVING within 4 s "
+        f"parameter server 0 ({cluster.ps_addresses[0]}) did not become SERVING within 6 s "
         f"(health: NOT_SERVING); log {tmp_path / 'logs' / 'ps-0.log'}:\n"
     )
     assert "parameter server replica 0/2 listening on" in message  # the log's tail
