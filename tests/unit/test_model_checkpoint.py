@@ -339,3 +339,27 @@ def test_a_checkpoint_without_optimizer_state_leaves_the_optimizer_alone(
     after = adam.state_dict()["state"][0]
     for key, value in before.items():
         assert torch.equal(torch.as_tensor(after[key]), torch.as_tensor(value)), key
+
+
+class Spliced(Tiny):
+    """A forward TorchScript refuses (`*` splices a list of unknown length)."""
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([*embedding_tensors, *non_id_tensors], dim=1))
+
+
+def test_a_model_torchscript_refuses_is_told_what_the_way_out_costs(tmp_path):
+    """The error names the contract and says what with_jit_model=False gives up: serving (the
+    server's own error then sends the user back to with_jit_model=True)."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        write_checkpoint(tmp_path / "ckpt", Spliced(), None, _tier())
+    message = refused.value.message
+    assert message.startswith("cannot TorchScript Spliced: ")
+    assert message.endswith(
+        "The dense model's forward must be `forward(self, non_id_tensors: List[Tensor], "
+        'embedding_tensors: List[Tensor])` and scriptable (docs/own_model.md, "The model '
+        'contract"). with_jit_model=False writes the checkpoint without jit_dense.pt: training '
+        "resumes from it, but recserve serve and InferCtx, which run the TorchScript model, "
+        "cannot load it"
+    )
+    assert not (tmp_path / "ckpt").exists()
