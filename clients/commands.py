@@ -44,8 +44,9 @@ _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
 #: The friendly route's answers to rows that are not keyed by feature name, or hold a string
-#: where the feature takes IDs or numbers: what a CSV in recserve eval's layout gets.
-_CSV_LAYOUT_ERROR = re.compile(r"unknown feature\(s\)|, got '")
+#: where the feature takes IDs or numbers: what a CSV in recserve eval's layout gets. An empty
+#: cell (``got ''``) is a missing value, no matter of layout.
+_CSV_LAYOUT_ERROR = re.compile(r"unknown feature\(s\)|, got '(?!')")
 CSV_LAYOUT_HINT = (
     " (a CSV column is one feature, one value per row: a number, else a string. Without a "
     "--preprocessor, a feature that takes a list of IDs or of numbers needs JSON lines, e.g. "

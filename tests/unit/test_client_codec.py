@@ -471,6 +471,12 @@ class _FriendlyRoute:
             False,
         ),
         (
+            "empty.csv",
+            "user_id,hist_items,dense\n,10,0.5\n",
+            "instances[0] (line 2).user_id: IDs must be integers, got '' (str)",
+            False,
+        ),
+        (
             "negative.csv",
             "user_id,hist_items,dense\n-1,10,0.5\n",
             "instances[0] (line 2).user_id: IDs must be in [0, 2**64), got -1",
