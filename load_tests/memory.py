@@ -32,6 +32,9 @@ from typing import Any
 import numpy as np
 
 MB = 1024 * 1024
+#: The soak's reload when it never happened: the load ended (or a process of the stack died)
+#: before half-way.
+NO_RELOAD = "never happened: the load ended, or a process of the stack died, before half-way"
 #: Seconds after a reload starts whose RSS samples the memory verdict leaves out: both models
 #: are resident while the new one loads and warms up; the old one is freed once it is swapped
 #: out (serving.service.PredictionService.reload).
@@ -223,10 +226,40 @@ def memory_verdicts(
 
 
 def soak_problems(verdicts: dict[str, MemoryVerdict], reload: dict[str, Any]) -> list[str]:
-    """What fails a soak: each process whose memory is not flat, and a failed reload."""
+    """What fails a soak: each process whose memory is not flat, and a reload that failed,
+    never happened, or after which the server does not serve the published version."""
     problems = [
         f"{name} RSS: {verdict.reason}" for name, verdict in verdicts.items() if not verdict.passed
     ]
-    if not reload.get("ok"):
-        problems.append(f"reload failed: {reload}")
+    if not verdicts:  # no process sampled: nothing says the memory is flat
+        problems.append("no RSS samples: the memory was not judged")
+    problem = reload_problem(reload)
+    if problem is not None:
+        problems.append(problem)
     return problems
+
+
+def reload_problem(reload: dict[str, Any]) -> str | None:
+    """Why the soak's reload (:func:`load_tests.checkpoint_reload.soak_reload`'s result)
+    fails the soak, in words; None when it passed."""
+    if reload.get("ok") is True:
+        return None
+    published, loaded = reload.get("published"), reload.get("version")
+    serves = reload.get("serves")
+    if reload.get("error") == NO_RELOAD:
+        return f"reload {NO_RELOAD}"
+    if "error" in reload:
+        return f"reload failed: {reload['error']}"
+    if published is not None and loaded != published:
+        return (
+            f"reload failed: the server loaded version {loaded!r}, not the published {published!r}"
+        )
+    if isinstance(serves, dict) and "error" in serves:
+        return f"reload not verified: asking the server what it serves failed: {serves['error']}"
+    if isinstance(serves, dict) and not serves.get("ok"):
+        return (
+            f"reload not served: after it the model's metadata lists versions "
+            f"{serves.get('metadata_versions')} and an inference answered version "
+            f"{serves.get('answered_version')!r}, not the published {published!r}"
+        )
+    return f"reload failed: {reload}"

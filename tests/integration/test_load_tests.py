@@ -146,6 +146,12 @@ def test_short_soak_with_reload(tmp_path):
     soak = summary["soak"]
     assert soak["reload"]["ok"], soak["reload"]
     assert soak["reload"]["version"] != soak["reload"]["previous_version"]
+    # What the server serves after it, not only what its reload answered.
+    assert soak["reload"]["serves"] == {
+        "ok": True,
+        "metadata_versions": [soak["reload"]["version"]],
+        "answered_version": soak["reload"]["version"],
+    }
     assert list(soak["memory"]) == ["server"]
     assert soak["memory"]["server"]["passed"], soak["memory"]
     assert (out / "rss.csv").read_text().count("\n") > 10
@@ -168,6 +174,7 @@ def test_short_soak_with_reload_through_the_watcher_of_a_workers_server(tmp_path
     reload = soak["reload"]
     assert reload["ok"] and reload["via"] == "watcher", reload
     assert reload["version"] == reload["published"] != reload["previous_version"]
+    assert reload["serves"]["answered_version"] == reload["version"], reload
     log = (out / "serve.log").read_text()
     assert log.count(f"now serving model version {reload['version']}") == 2, log[-3000:]
     assert list(soak["memory"]) == ["server", "server.1", "server.2"]

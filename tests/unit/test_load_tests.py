@@ -1790,7 +1790,7 @@ def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(t
 
 
 def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
-    from load_tests.memory import memory_verdict, soak_problems
+    from load_tests.memory import NO_RELOAD, memory_verdict, soak_problems
 
     times, flat_rss = _soak(60, 1.0, lambda t: 100.0)
     _, leak_rss = _soak(60, 1.0, lambda t: 100.0 + 2.0 * t)
@@ -1800,11 +1800,130 @@ def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
     assert soak_problems({"server": flat, "worker": leak}, {"ok": True}) == [
         "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)"
     ]
-    reload = {"ok": False, "error": "not reached"}
-    assert soak_problems({"server": flat}, reload) == [f"reload failed: {reload}"]
+    # Each way a reload fails the soak, with its reason in words.
+    never = {"ok": False, "error": NO_RELOAD}
+    assert soak_problems({"server": flat}, never) == [
+        "reload never happened: the load ended, or a process of the stack died, before half-way"
+    ]
+    refused = {"ok": False, "error": "HTTPError(500)"}
+    assert soak_problems({"server": flat, "worker": leak}, refused) == [
+        "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)",
+        "reload failed: HTTPError(500)",
+    ]
     # The server answered, but with another version than the one published: not ok either.
     stale = {"ok": False, "published": "00000002-bb", "version": "00000001-aa"}
-    assert soak_problems({"server": flat}, stale) == [f"reload failed: {stale}"]
+    assert soak_problems({"server": flat}, stale) == [
+        "reload failed: the server loaded version '00000001-aa', not the published '00000002-bb'"
+    ]
+    # The reload said it loaded the new version, but an inference still answers the old one.
+    unserved = {"ok": False, "published": "00000002-bb", "version": "00000002-bb",
+                "serves": {"ok": False, "metadata_versions": ["00000002-bb"],
+                           "answered_version": "00000001-aa"}}  # fmt: skip
+    assert soak_problems({"server": flat}, unserved) == [
+        "reload not served: after it the model's metadata lists versions ['00000002-bb'] and "
+        "an inference answered version '00000001-aa', not the published '00000002-bb'"
+    ]
+    unverified = {**unserved, "serves": {"ok": False, "error": "URLError('refused')"}}
+    assert soak_problems({"server": flat}, unverified) == [
+        "reload not verified: asking the server what it serves failed: URLError('refused')"
+    ]
+    # No "ok" (nor a version) is no pass; nor is a soak whose memory nobody sampled.
+    assert soak_problems({"server": flat}, {"published": "x"}) == [
+        "reload failed: the server loaded version None, not the published 'x'"
+    ]
+    assert soak_problems({}, {"ok": True}) == ["no RSS samples: the memory was not judged"]
+
+
+def test_the_soak_reload_is_checked_against_what_the_server_answers(tmp_path):
+    """The reload half-way through a soak passes only when the server loaded the published
+    version, its metadata lists it and an inference answers with it (a server that says it
+    reloaded but answers with the old model fails, as does one whose reload errs)."""
+    import http.server
+    import threading
+
+    from load_tests.checkpoint_reload import checkpoint_version, soak_reload
+    from load_tests.memory import reload_problem
+    from load_tests.stack import ServeProcess
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "manifest.json").write_text(json.dumps({"step": 3, "version": "00000003-aa"}))
+    (served / "DONE").write_text("")
+    # What the stand-in answers: "new" is the version in the served directory now.
+    state = {"reload": "new", "metadata": "new", "answer": "new", "status": 200}
+    seen: list[tuple[str, str, bytes]] = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def _answer(self, document: dict) -> None:
+            body = json.dumps(document).encode()
+            self.send_response(state["status"] if self.path == "/admin/reload" else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _version(self, which: str) -> str:
+            return checkpoint_version(served) if state[which] == "new" else "00000003-aa"
+
+        def do_GET(self) -> None:
+            seen.append(("GET", self.path, b""))
+            self._answer({"name": "model", "versions": [self._version("metadata")]})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path, body))
+            key = "reload" if self.path == "/admin/reload" else "answer"
+            field = "version" if key == "reload" else "model_version"
+            self._answer({field: self._version(key)})
+
+        def log_message(self, *args: object) -> None:
+            pass  # a quiet stand-in: no access log on the test's stderr
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    server = ServeProcess(served, tmp_path / "serve.log")
+    server.http = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    def reload() -> dict:
+        seen.clear()
+        return soak_reload(server, served, workers=1, watcher_timeout=1.0, infer_body=b'{"q":1}')
+
+    try:
+        good = reload()
+        version = checkpoint_version(served)
+        assert good["ok"] and good["published"] == good["version"] == version != "00000003-aa"
+        assert good["serves"] == {"ok": True, "metadata_versions": [version],
+                                  "answered_version": version}  # fmt: skip
+        assert [(method, path) for method, path, _ in seen] == [
+            ("POST", "/admin/reload"),
+            ("GET", "/v2/models/model"),
+            ("POST", "/v2/models/model/infer"),
+        ]
+        assert seen[2][2] == b'{"q":1}' and reload_problem(good) is None
+        # Reloaded, says so, lists the new version, but the model that answers is the old one.
+        state["answer"] = "old"
+        unserved = reload()
+        assert not unserved["ok"] and unserved["serves"]["answered_version"] == "00000003-aa"
+        assert reload_problem(unserved) == (
+            f"reload not served: after it the model's metadata lists versions "
+            f"['{unserved['published']}'] and an inference answered version '00000003-aa', "
+            f"not the published '{unserved['published']}'"
+        )
+        # The reload itself loaded the old version.
+        state.update(answer="new", reload="old")
+        stale = reload()
+        assert not stale["ok"] and reload_problem(stale) == (
+            "reload failed: the server loaded version '00000003-aa', not the published "
+            f"'{stale['published']}'"
+        )
+        # The reload is refused: nothing is checked after it.
+        state.update(reload="new", status=500)
+        refused = reload()
+        assert refused == {"ok": False, "error": refused["error"]}
+        assert "HTTPError 500" in refused["error"] and len(seen) == 1
+        assert reload_problem(refused) == f"reload failed: {refused['error']}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_log_tail_is_its_last_lines(tmp_path):
