@@ -43,10 +43,14 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
-#: The friendly route's answers to rows that are not keyed by feature name, or hold a string
-#: where the feature takes IDs or numbers: what a CSV in recserve eval's layout gets. An empty
-#: cell (``got ''``) is a missing value, no matter of layout.
-_CSV_LAYOUT_ERROR = re.compile(r"unknown feature\(s\)|, got '(?!')")
+#: The friendly route's answers (without a preprocessor) to rows that are not keyed by
+#: feature name, or hold a string where the feature takes IDs or numbers: what a CSV in
+#: recserve eval's layout gets. An empty cell (``got ''``) is a missing value, no matter of
+#: layout; a preprocessor's errors (``instances could not be preprocessed: ...``) are its own.
+_CSV_LAYOUT_ERROR = re.compile(
+    r"unknown feature\(s\)|(?:IDs must be integers|: expected [^']*), got '(?!')"
+)
+_PREPROCESSOR_ERROR = "instances could not be preprocessed"
 CSV_LAYOUT_HINT = (
     " (a CSV column is one feature, one value per row: a number, else a string. Without a "
     "--preprocessor, a feature that takes a list of IDs or of numbers needs JSON lines, e.g. "
@@ -290,7 +294,11 @@ def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any
                 result = client.predict(rows)
             except RecserveError as error:
                 located = locate(error, args.input, numbers)
-                if fmt == "csv" and _CSV_LAYOUT_ERROR.search(error.message):
+                if (
+                    fmt == "csv"
+                    and _CSV_LAYOUT_ERROR.search(error.message)
+                    and _PREPROCESSOR_ERROR not in error.message
+                ):
                     located = type(error)(located.message + CSV_LAYOUT_HINT)
                 raise located from None
             if len(result) != len(rows):

@@ -437,6 +437,11 @@ class _FriendlyRoute:
         pass
 
     def predict(self, rows: list[dict]) -> None:
+        if "age" in rows[0]:  # a preprocessor's raw row, refused as the Adult one refuses it
+            raise InvalidArgumentError(
+                "server answered HTTP 400: instances could not be preprocessed: row 0: column "
+                f"'age' must be a number, got {rows[0]['age']!r}"
+            )
         try:
             instance_inputs.instances_to_inputs(self.signature, rows)
         except InvalidArgumentError as error:
@@ -468,6 +473,21 @@ class _FriendlyRoute:
             "named.jsonl",
             '{"user_id": 1, "hist_items": "10 11", "dense": [0.1, 1.0, 0.5]}\n',
             "instances[0] (line 1).hist_items: IDs must be integers, got '10 11' (str)",
+            False,
+        ),
+        # Numbers for a [3] feature as one cell.
+        (
+            "dense.csv",
+            "user_id,hist_items,dense\n1,10,0.1 1.0 0.5\n",
+            "instances[0] (line 2).dense: expected a list of 3 numbers, got '0.1 1.0 0.5'",
+            True,
+        ),
+        # Raw rows for a preprocessor: its errors are its own.
+        (
+            "raw.csv",
+            "user_id,hist_items,dense,age\n1,10,0.5,abc\n",
+            "instances could not be preprocessed: row 0 (line 2): column 'age' must be a number, "
+            "got 'abc'",
             False,
         ),
         (
