@@ -440,7 +440,7 @@ class _FriendlyRoute:
         if "age" in rows[0]:  # a preprocessor's raw row, refused as the Adult one refuses it
             raise InvalidArgumentError(
                 "server answered HTTP 400: instances could not be preprocessed: row 0: column "
-                f"'age' must be a number, got {rows[0]['age']!r}"
+                f"'age': expected a number, got {rows[0]['age']!r}"
             )
         try:
             instance_inputs.instances_to_inputs(self.signature, rows)
@@ -486,8 +486,8 @@ class _FriendlyRoute:
         (
             "raw.csv",
             "user_id,hist_items,dense,age\n1,10,0.5,abc\n",
-            "instances could not be preprocessed: row 0 (line 2): column 'age' must be a number, "
-            "got 'abc'",
+            "instances could not be preprocessed: row 0 (line 2): column 'age': expected a "
+            "number, got 'abc'",
             False,
         ),
         (
