@@ -460,7 +460,8 @@ def _run(args: argparse.Namespace) -> int:
             "stats": stats,
             "soak": soak,
             "passed": not problems,
-            "verdict": "; ".join(problems) or "no failures" + (", memory flat" if soak else ""),
+            "verdict": "; ".join(problems)
+            or "no failures" + (", memory flat, reload served" if soak else ""),
             "plot": no_plot,
         }
         write_summary(out, result)

@@ -143,6 +143,7 @@ def test_short_soak_with_reload(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
+    assert summary["verdict"] == "no failures, memory flat, reload served", summary["verdict"]
     soak = summary["soak"]
     assert soak["reload"]["ok"], soak["reload"]
     assert soak["reload"]["version"] != soak["reload"]["previous_version"]
