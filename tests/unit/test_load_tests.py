@@ -162,6 +162,40 @@ def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
     assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0, run_s=3).passed
 
 
+def test_a_soak_too_short_to_judge_after_its_reload_says_so(tmp_path):
+    """The 60 s after the reload are left out, so a soak under ~2 minutes never judges the
+    memory after it: even the replaced model never released (+200 MB) passes. The pass says
+    what it did not cover, in the summary too."""
+    from dataclasses import asdict
+
+    from load_tests.memory import memory_verdict
+    from load_tests.report import write_summary
+
+    times, rss = _soak(30, 0.25, lambda t: 430 + (200 if t >= 15 else 0))
+    short = memory_verdict(times, rss, warmup_s=6.0, run_s=30.0, reload_s=15.0)
+    assert short.passed and short.reload_step_mb is None
+    assert short.reason == (
+        "flat before the reload; not judged after it (under 6 samples past the 60 s it "
+        "settles: a longer soak judges it)"
+    )
+    # Long enough: the same step fails.
+    times, rss = _soak(150, 1.0, lambda t: 430 + (200 if t >= 60 else 0))
+    long = memory_verdict(times, rss, warmup_s=15.0, run_s=150.0, reload_s=60.0)
+    assert not long.passed and long.reload_step_mb == 200.0
+    row = {"name": "Aggregated", "requests": 1, "failures": 0, "rps": 1.0, "p50_ms": 1.0,
+           "p95_ms": 1.0, "p99_ms": 1.0}  # fmt: skip
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 1, "classes": ["GrpcUser"], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": True, "verdict": "no failures",
+        "soak": {"reload_at_s": 15.0, "reload": {"ok": True}, "pids": {},
+                 "memory": {"server": asdict(short)}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    text = (tmp_path / "summary.md").read_text()
+    assert text.count(f"**flat** ({short.reason})") == 1
+
+
 def test_every_sampled_process_gets_a_memory_verdict():
     """Remote tier: the parameter servers and the embedding worker are sampled too; a worker
     leaking 5 MB/s (+40% in 30 s) used to pass because only the server was judged."""
