@@ -1199,6 +1199,31 @@ def test_friendly_encoding_gives_each_row_its_own_list_and_values():
     assert [row["history"] for row in rows] == [[], [7, 8, 9]]
 
 
+def test_friendly_encoding_nests_a_multi_dimensional_sample_as_the_route_takes_it():
+    """A [2, 3] dense input is two lists of 3 per row, as the friendly route takes it: a flat
+    list of 6 failed every friendly request of a soak of such a model (HTTP 400)."""
+    from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+    from load_tests import traffic
+    from serving.instance_inputs import instances_to_inputs
+
+    metadata = {"name": "m", "inputs": [
+        {"name": "item", "datatype": "INT64", "shape": [-1]},
+        {"name": "grid", "datatype": "FP32", "shape": [-1, 2, 3]},
+    ]}  # fmt: skip
+    inputs = traffic.ModelInputs.from_metadata(metadata)
+    grid = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
+    body = traffic.encode_friendly_json(inputs, {"item": np.array([3, 4]), "grid": grid})
+    instances = json.loads(body)["instances"]
+    assert instances == [
+        {"item": 3, "grid": [[0, 1, 2], [3, 4, 5]]},
+        {"item": 4, "grid": [[6, 7, 8], [9, 10, 11]]},
+    ]
+    signature = FeatureSignature(
+        (IdFeatureSpec("item", True),), (NonIdFeatureSpec("grid", "float32", (2, 3)),)
+    )
+    np.testing.assert_array_equal(instances_to_inputs(signature, instances)["grid"], grid)
+
+
 def test_raw_rows_are_read_up_to_the_limit_from_csv_json_lines_and_gzip(tmp_path):
     import gzip
 
