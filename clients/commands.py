@@ -33,6 +33,7 @@ from typing import IO, Any, cast
 import orjson
 
 from clients._tls import CLI_NAMES, add_tls_arguments, client_tls
+from clients.codec import rows_not_feature_keyed
 from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.errors import InvalidArgumentError, RecserveError
 
@@ -43,14 +44,6 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
-#: The friendly route's answers (without a preprocessor) to rows that are not keyed by
-#: feature name, or hold a string where the feature takes IDs or numbers: what a CSV in
-#: recserve eval's layout gets. An empty cell (``got ''``) is a missing value, no matter of
-#: layout; a preprocessor's errors (``instances could not be preprocessed: ...``) are its own.
-_CSV_LAYOUT_ERROR = re.compile(
-    r"unknown feature\(s\)|(?:IDs must be integers|: expected [^']*), got '(?!')"
-)
-_PREPROCESSOR_ERROR = "instances could not be preprocessed"
 CSV_LAYOUT_HINT = (
     " (a CSV column is one feature, one value per row: a number, else a string. Without a "
     "--preprocessor, a feature that takes a list of IDs or of numbers needs JSON lines, e.g. "
@@ -294,11 +287,7 @@ def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any
                 result = client.predict(rows)
             except RecserveError as error:
                 located = locate(error, args.input, numbers)
-                if (
-                    fmt == "csv"
-                    and _CSV_LAYOUT_ERROR.search(error.message)
-                    and _PREPROCESSOR_ERROR not in error.message
-                ):
+                if fmt == "csv" and rows_not_feature_keyed(error.message):
                     located = type(error)(located.message + CSV_LAYOUT_HINT)
                 raise located from None
             if len(result) != len(rows):
