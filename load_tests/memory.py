@@ -235,6 +235,34 @@ def memory_verdicts(
     }
 
 
+def soak_warmup_s(seconds: float) -> float:
+    """The warm-up a soak of ``seconds`` leaves out of its memory verdicts: 10% of the run,
+    at least min(10 s, 20%)."""
+    return max(0.1 * seconds, min(10.0, 0.2 * seconds))
+
+
+def judge_soak(
+    samples: list[dict[str, float]],
+    *,
+    seconds: float,
+    reload_s: float | None,
+    reload: dict[str, Any],
+) -> tuple[dict[str, MemoryVerdict], list[str]]:
+    """A soak's verdicts: :class:`RssSampler`'s ``samples`` judged per process (``reload_s``
+    on the sampler's clock, None when the reload never started) and the reload's result
+    (:func:`load_tests.checkpoint_reload.soak_reload`); returns the verdicts and what fails
+    the soak (:func:`soak_problems`)."""
+    verdicts = memory_verdicts(
+        samples, warmup_s=soak_warmup_s(seconds), run_s=seconds, reload_s=reload_s
+    )
+    return verdicts, soak_problems(verdicts, reload)
+
+
+def verdict_text(problems: list[str], *, soak: bool) -> str:
+    """The summary's verdict: every problem, or what passed."""
+    return "; ".join(problems) or "no failures" + (", memory flat, reload served" if soak else "")
+
+
 def soak_problems(verdicts: dict[str, MemoryVerdict], reload: dict[str, Any]) -> list[str]:
     """What fails a soak: each process whose memory is not flat, and a reload that failed,
     never happened, or after which the server does not serve the published version."""

@@ -76,7 +76,7 @@ from load_tests.locust_run import (  # noqa: E402
     stall_problems,
     stats_problems,
 )
-from load_tests.memory import NO_RELOAD, RssSampler, memory_verdicts, soak_problems  # noqa: E402
+from load_tests.memory import NO_RELOAD, RssSampler, judge_soak, verdict_text  # noqa: E402
 from load_tests.report import REPORT_FILES, plot, write_atomically, write_summary  # noqa: E402
 from load_tests.stack import (  # noqa: E402
     ServeProcess,
@@ -425,15 +425,12 @@ def _run(args: argparse.Namespace) -> int:
                 writer.writeheader()
                 writer.writerows(samples)
                 write_atomically(out / "rss.csv", series.getvalue())
-            verdicts = memory_verdicts(
-                samples,
-                warmup_s=max(0.1 * seconds, min(10.0, 0.2 * seconds)),
-                run_s=seconds,
-                reload_s=reload_s,
+            verdicts, failed = judge_soak(
+                samples, seconds=seconds, reload_s=reload_s, reload=soak["reload"]
             )
             soak["pids"] = dict(pids)
             soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
-            problems.extend(soak_problems(verdicts, soak["reload"]))
+            problems.extend(failed)
         no_plot = plot(
             out / "latency.png",
             history,
@@ -460,8 +457,7 @@ def _run(args: argparse.Namespace) -> int:
             "stats": stats,
             "soak": soak,
             "passed": not problems,
-            "verdict": "; ".join(problems)
-            or "no failures" + (", memory flat, reload served" if soak else ""),
+            "verdict": verdict_text(problems, soak=soak is not None),
             "plot": no_plot,
         }
         write_summary(out, result)

@@ -1893,6 +1893,55 @@ def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
     assert soak_problems({}, {"ok": True}) == ["no RSS samples: the memory was not judged"]
 
 
+def test_a_soaks_verdict_fails_with_each_reason_from_synthetic_samples(tmp_path):
+    """What run.py judges at the end of a soak, from RssSampler's samples (server flat, the
+    embedding worker leaking 1 MB/s), locust's final rows (3 failures) and the reload's
+    result: FAIL, with every reason in the summary; the same soak without them passes."""
+    from dataclasses import asdict
+
+    from load_tests.locust_run import stats_problems
+    from load_tests.memory import NO_RELOAD, judge_soak, soak_warmup_s, verdict_text
+    from load_tests.report import write_summary
+
+    assert (soak_warmup_s(30.0), soak_warmup_s(600.0), soak_warmup_s(20.0)) == (6.0, 60.0, 4.0)
+
+    def samples(leak_mb_per_s: float) -> list[dict[str, float]]:
+        return [
+            {"t_s": t, "unix": 1000.0 + t, "server_rss_mb": 430.0 + (t % 1.0),
+             "embedding_worker_0_rss_mb": 380.0 + leak_mb_per_s * t}
+            for t in np.arange(0, 30.25, 0.25).tolist()
+        ]  # fmt: skip
+
+    def rows(failures: int) -> list[dict]:
+        return [{"name": "Aggregated", "requests": 900, "failures": failures, "rps": 30.0,
+                 "p50_ms": 3.0, "p95_ms": 6.0, "p99_ms": 9.0}]  # fmt: skip
+
+    served = {"ok": True, "published": "2-b", "version": "2-b", "serves": {"ok": True}}
+    verdicts, problems = judge_soak(samples(0.0), seconds=30.0, reload_s=15.0, reload=served)
+    problems = stats_problems(rows(0), [], tmp_path / "none") + problems
+    assert problems == [] and all(v.passed for v in verdicts.values())
+    assert verdict_text(problems, soak=True) == "no failures, memory flat, reload served"
+
+    never = {"ok": False, "error": NO_RELOAD}
+    verdicts, problems = judge_soak(samples(1.0), seconds=30.0, reload_s=None, reload=never)
+    problems = stats_problems(rows(3), [], tmp_path / "none") + problems
+    verdict = verdict_text(problems, soak=True)
+    assert verdict == (
+        "3 failed requests; embedding_worker_0 RSS: grows 60 MB/min in both halves of a "
+        "segment (allowed 40.0); reload never happened: the load ended, or a process of the "
+        "stack died, before half-way"
+    )
+    result = {
+        "stats": rows(3), "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "remote",
+        "users": 2, "classes": [], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": not problems, "verdict": verdict,
+        "soak": {"reload_at_s": -1.0, "reload": never, "pids": {},
+                 "memory": {name: asdict(v) for name, v in verdicts.items()}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    assert f"- verdict: **FAIL** ({verdict})" in (tmp_path / "summary.md").read_text()
+
+
 def test_the_soak_reload_is_checked_against_what_the_server_answers(tmp_path):
     """The reload half-way through a soak passes only when the server loaded the published
     version, its metadata lists it and an inference answers with it (a server that says it
