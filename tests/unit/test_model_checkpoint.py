@@ -112,6 +112,15 @@ def test_a_directory_of_checkpoints_is_named_so_with_the_ones_it_holds(tmp_path:
     with pytest.raises(CheckpointError) as raised:  # nothing finished inside: incomplete
         read_manifest(runs / "notes")
     assert raised.value.message == f"checkpoint {runs / 'notes'} is incomplete: no DONE marker"
+    # One level higher still (`--checkpoint .` where runs/ holds them): said "incomplete".
+    expected = (
+        f"{tmp_path} is not a checkpoint (no DONE marker, no manifest); checkpoints below it: "
+        f"{runs / 'adult'}, {runs / 'click'}; give one of them"
+    )
+    for read in (read_manifest, checkpoint_manifest.read_manifest, checkpoint_kind):
+        with pytest.raises(CheckpointError) as raised:
+            read(tmp_path)
+        assert raised.value.message == expected
 
 
 @pytest.mark.parametrize(
