@@ -338,8 +338,12 @@ def _run(args: argparse.Namespace) -> int:
             metadata = traffic.fetch_metadata(server.http, args.model_name)
             inputs = traffic.ModelInputs.from_metadata(metadata)
             # The soak's check that the reloaded version answers: one row of the traffic.
-            infer_body = traffic.encode_kserve_json(
-                traffic.TrafficGenerator(inputs, vocab=traffic.load_vocab(vocab_path)).arrays(1)
+            infer_body = (
+                traffic.encode_kserve_json(
+                    traffic.TrafficGenerator(inputs, vocab=traffic.load_vocab(vocab_path)).arrays(1)
+                )
+                if args.soak
+                else b""
             )
         except Exception as error:
             print(f"error: the stack did not start: {error}", file=sys.stderr)
