@@ -173,6 +173,25 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def csv_columns(signature: dict[str, Any]) -> str:
+    """The columns ``recserve eval`` reads without ``--mapping`` for a checkpoint's feature
+    ``signature`` (its manifest's dict), from :func:`clients.eval_mapping.default_mapping`:
+    a multi-ID feature's IDs are separated by spaces, and the columns of a non-ID feature
+    wider than 3 are shown as a range."""
+    from clients.eval_mapping import default_mapping
+    from embedding_store.signature import FeatureSignature
+
+    mapping = default_mapping(FeatureSignature.from_dict(signature))
+    shown = [
+        spec.column + ("" if spec.separator is None else " (IDs separated by spaces)")
+        for spec in mapping.id_features.values()
+    ]
+    for spec in mapping.non_id_features.values():
+        columns = spec.columns
+        shown.extend(columns if len(columns) <= 3 else [f"{columns[0]} .. {columns[-1]}"])
+    return ", ".join(shown) + " (recserve eval without --mapping)"
+
+
 def format_inspect(info: dict[str, Any]) -> str:
     lines = [f"checkpoint {info['path']} ({info['kind']} checkpoint)"]
     if info["kind"] == MODEL:
@@ -215,6 +234,7 @@ def format_inspect(info: dict[str, Any]) -> str:
             lines.append(f"  ID features    {ids}")
             lines.append(f"  non-ID         {dense or '(none)'}")
             lines.append(f"  labels         {', '.join(signature['label_names']) or '(none)'}")
+            lines.append(f"  CSV columns    {csv_columns(signature)}")
         else:
             lines.append("  feature signature: none recorded")
     emb = info.get("embeddings")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -347,6 +348,22 @@ def decode_http_infer(body: bytes, header_length: str | None) -> PredictResult:
         document.get("model_name", ""),
         document.get("model_version", ""),
         document.get("parameters") or {},
+    )
+
+
+#: The friendly route's answers (without a --preprocessor) to rows that are not keyed by
+#: feature name, or hold a string where a feature takes IDs or numbers: what raw CSV rows get.
+#: An empty cell (``got ''``) is a missing value, no matter of layout.
+_NOT_FEATURE_KEYED = re.compile(
+    r"unknown feature\(s\)|(?:IDs must be integers|: expected [^']*), got '(?!')"
+)
+
+
+def rows_not_feature_keyed(message: str) -> bool:
+    """Whether a server's refusal of friendly rows says they are not rows keyed by feature
+    name (a preprocessor's own errors, ``instances could not be preprocessed: ...``, never)."""
+    return bool(_NOT_FEATURE_KEYED.search(message)) and (
+        "instances could not be preprocessed" not in message
     )
 
 

@@ -33,6 +33,7 @@ from typing import IO, Any, cast
 import orjson
 
 from clients._tls import CLI_NAMES, add_tls_arguments, client_tls
+from clients.codec import rows_not_feature_keyed
 from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.errors import InvalidArgumentError, RecserveError
 
@@ -43,6 +44,12 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
+CSV_LAYOUT_HINT = (
+    " (a CSV column is one feature, one value per row: a number, else a string. Without a "
+    "--preprocessor, a feature that takes a list of IDs or of numbers needs JSON lines, e.g. "
+    '{"FEATURE": [10, 11]}, and a label column is an unknown feature; recserve eval --data '
+    "reads CSVs with labels, IDs separated by spaces and columns NAME_0 .. NAME_(k-1))"
+)
 
 #: (line number, row or None, error message or None)
 Line = tuple[int, "dict[str, Any] | None", "str | None"]
@@ -279,7 +286,10 @@ def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any
             try:
                 result = client.predict(rows)
             except RecserveError as error:
-                raise locate(error, args.input, numbers) from None
+                located = locate(error, args.input, numbers)
+                if fmt == "csv" and rows_not_feature_keyed(error.message):
+                    located = type(error)(located.message + CSV_LAYOUT_HINT)
+                raise located from None
             if len(result) != len(rows):
                 raise RecserveError(
                     f"server {client.url} answered {len(result)} predictions for {len(rows)} rows"

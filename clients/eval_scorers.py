@@ -29,6 +29,7 @@ import orjson
 
 from clients._http import DeadlineHTTPResponse, answer_within, answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
+from clients.codec import rows_not_feature_keyed
 from embedding_store.batch import (
     Batch,
     IDFeature,
@@ -48,6 +49,11 @@ from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeat
 __all__ = ["InProcessScorer", "Scores", "ServerScorer", "signature_from_metadata"]
 
 PROTOCOLS = ("v2", "friendly")
+FRIENDLY_WITHOUT_PREPROCESSOR = (
+    " (--protocol friendly sends the raw rows for the server's --preprocessor to encode; a "
+    "server without one takes rows keyed by feature name: score these rows with --protocol "
+    "v2, the default, which encodes them here)"
+)
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
@@ -379,12 +385,19 @@ class ServerScorer:
 
     def _friendly(self, rows: Sequence[Mapping[str, Any]]) -> Scores:
         instances = [{k: v for k, v in row.items() if k != self.label_column} for row in rows]
-        body, _ = self._call(
-            "POST",
-            self._predict_path,
-            orjson.dumps({"instances": instances}),
-            {"Content-Type": "application/json"},
-        )
+        try:
+            body, _ = self._call(
+                "POST",
+                self._predict_path,
+                orjson.dumps({"instances": instances}),
+                {"Content-Type": "application/json"},
+            )
+        except InvalidArgumentError as error:
+            # Raw rows reached a server without a --preprocessor, which takes rows keyed by
+            # feature name: the rows' own layout is --protocol v2's business.
+            if type(error) is InvalidArgumentError and rows_not_feature_keyed(error.message):
+                raise InvalidArgumentError(error.message + FRIENDLY_WITHOUT_PREPROCESSOR) from None
+            raise
         with self._malformed(self._predict_path):
             document = _json_object(body)
             predictions = np.asarray(document["predictions"], dtype=np.float32)

@@ -171,14 +171,43 @@ def no_done_marker_message(root: Path, what: str, why: str) -> str:
     # A checkpoint that lost its marker is incomplete, whatever it holds (a model
     # checkpoint's embeddings/ has a DONE of its own): model_checkpoint's file names.
     own_files = (MANIFEST_NAME, "manifest.json", "jit_dense.pt")
-    inside = [] if any((root / n).exists() for n in own_files) else checkpoints_inside(root)
-    if not inside:
+    if any((root / n).exists() for n in own_files):
         return f"{what} {root} is incomplete: no {DONE_MARKER} marker{why}"
-    names = ", ".join(str(p) for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
-    return (
-        f"{root} is not a checkpoint (no {DONE_MARKER} marker) but a directory of them: "
-        f"{names}; give one of them"
-    )
+    inside = checkpoints_inside(root)
+    if inside:
+        names = ", ".join(str(p) for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
+        return (
+            f"{root} is not a checkpoint (no {DONE_MARKER} marker) but a directory of them: "
+            f"{names}; give one of them"
+        )
+    # One level further (`--checkpoint .` in the directory whose runs/ holds them): only
+    # the first few subdirectories are looked into, so a big tree costs little.
+    deeper = [
+        found
+        for sub in sorted(p for p in _subdirectories(root) if not p.name.startswith("."))[:20]
+        for found in checkpoints_inside(sub, limit=200)
+    ]
+    if deeper:
+        names = ", ".join(str(p) for p in deeper[:5]) + (", ..." if len(deeper) > 5 else "")
+        return (
+            f"{root} is not a checkpoint (no {DONE_MARKER} marker, no manifest); checkpoints "
+            f"below it: {names}; give one of them"
+        )
+    return f"{what} {root} is incomplete: no {DONE_MARKER} marker{why}"
+
+
+def _subdirectories(root: Path, limit: int = 1000) -> list[Path]:
+    """The first ``limit`` entries of ``root`` that are directories ([] when unreadable)."""
+    found = []
+    try:
+        for index, entry in enumerate(root.iterdir()):
+            if index >= limit:
+                break
+            if entry.is_dir():
+                found.append(entry)
+    except OSError:
+        return []
+    return found
 
 
 def is_directory(path: Path) -> bool:

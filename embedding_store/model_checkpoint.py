@@ -110,7 +110,9 @@ def script_model(model: torch.nn.Module) -> torch.jit.ScriptModule:
         raise InvalidArgumentError(
             f"cannot TorchScript {type(model).__name__}: {error}. The dense model's forward must "
             "be `forward(self, non_id_tensors: List[Tensor], embedding_tensors: List[Tensor])` "
-            "and scriptable; or dump with with_jit_model=False"
+            'and scriptable (docs/own_model.md, "The model contract"). with_jit_model=False '
+            "writes the checkpoint without jit_dense.pt: training resumes from it, but recserve "
+            "serve and InferCtx, which run the TorchScript model, cannot load it"
         ) from None
 
 

@@ -84,7 +84,8 @@ def directory_under_root(
     if not resolved.is_relative_to(root):
         raise PermissionDeniedError(
             f"{field} {directory} is outside {flag} {root}; this parameter server {verb} "
-            f"only directories under it"
+            f"only directories under it (name one under {root}, or start the parameter "
+            f"servers with a {flag} that holds this one)"
         )
     return str(resolved)
 

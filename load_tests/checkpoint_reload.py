@@ -99,6 +99,65 @@ def reload_through_watcher(
         time.sleep(poll)
 
 
+def served_after_reload(
+    http: str, model: str, version: str, infer_body: bytes, timeout: float = 10.0
+) -> dict[str, Any]:
+    """What the server serves once a reload said it is done: the versions its metadata lists
+    and the ``model_version`` of an answer to ``infer_body`` (a KServe v2 JSON request).
+    ``ok`` only when both are ``version``: the reload's own answer is the server's claim, an
+    inference is what clients get (with ``--workers N`` one process answers it; the watcher
+    reload already waited for every process through ``/metrics``)."""
+    found: dict[str, Any] = {"ok": False, "metadata_versions": None, "answered_version": None}
+    base = http.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{base}/v2/models/{model}", timeout=timeout) as response:
+            found["metadata_versions"] = json.loads(response.read()).get("versions")
+        request = urllib.request.Request(
+            f"{base}/v2/models/{model}/infer",
+            data=infer_body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            found["answered_version"] = json.loads(response.read()).get("model_version")
+    except (OSError, ValueError, AttributeError) as error:  # URLError and HTTPError: OSError
+        found["error"] = repr(error)
+        return found
+    found["ok"] = found["metadata_versions"] == [version] and found["answered_version"] == version
+    return found
+
+
+def soak_reload(
+    server: ServeProcess,
+    served: Path,
+    *,
+    workers: int,
+    watcher_timeout: float,
+    infer_body: bytes,
+) -> dict[str, Any]:
+    """The reload half-way through a soak: publish a new version into ``served``, load it
+    (``POST /admin/reload``, or through the watcher of a ``--workers`` server), then check
+    what the server serves (:func:`served_after_reload`, under ``"serves"``). Never raises:
+    ``ok`` is false when any step failed (``error`` then says why), which fails the soak
+    (:func:`load_tests.memory.soak_problems`)."""
+    started = time.time()
+    try:
+        if workers > 1:  # POST /admin/reload is refused: the watcher reloads
+            result = reload_through_watcher(server, served, timeout=watcher_timeout)
+        else:
+            version = publish_new_version(served)
+            answer = server.reload()
+            result = {"ok": answer.get("version") == version, "published": version, **answer}
+        result["seconds"] = round(time.time() - started, 3)
+        result["serves"] = served_after_reload(
+            server.http, server.model_name, str(result["published"]), infer_body
+        )
+    except Exception as error:  # reported in the summary; the verdict fails
+        return {"ok": False, "error": repr(error)}
+    result["ok"] = bool(result["ok"]) and bool(result["serves"]["ok"])
+    return result
+
+
 def watcher_reload_timeout(serve_args: list[str]) -> float:
     """Seconds the soak waits for a ``--workers`` server's watcher to serve a new version:
     120, plus two of its ``--watch-seconds`` looks (it looks only every that many seconds)."""

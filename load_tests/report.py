@@ -151,7 +151,11 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
                 f"{memory['allowed_mb_per_min']}), after the reload "
                 f"{'-' if step is None else f'{step:+g} MB'}, {memory['samples']} samples "
                 f"after {memory['warmup_s']:.1f} s warm-up: "
-                + ("**flat**" if memory["passed"] else f"**GROWING** ({memory['reason']})")
+                + (
+                    ("**flat**" if memory["reason"] == "flat" else f"**flat** ({memory['reason']})")
+                    if memory["passed"]
+                    else f"**GROWING** ({memory['reason']})"
+                )
             )
         lines.append("- series: `rss.csv`")
     plotted = "`latency.png`" if not result.get("plot") else f"none ({result['plot']})"

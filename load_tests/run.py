@@ -12,8 +12,10 @@ embeddings read-only + 1 embedding worker; ``recserve serve --embedding-workers`
 Soak (bounded): ``--soak --minutes 10`` samples the RSS of every process of the stack (the
 server, and in the remote tier each parameter server and the embedding worker), writes a new
 checkpoint version into the served directory (atomically: staged copy, then rename) and
-reloads it via ``POST /admin/reload`` half-way, and fails unless no request failed and every
-process's memory is flat. A server run with ``--serve-args "--workers N ..."`` refuses that
+reloads it via ``POST /admin/reload`` half-way, and fails unless no request failed, every
+process's memory is flat and the reload is served (the server's metadata lists the published
+version and an inference answers with it; ``checkpoint_reload.soak_reload``). A server run
+with ``--serve-args "--workers N ..."`` refuses that
 POST (it would reach one process of N), so such a soak needs ``--watch-seconds S`` in
 ``--serve-args`` (refused up front without it) and reloads through the watcher: it publishes
 the new version into the watched ``--checkpoint`` and polls ``/metrics`` (at most 120 s plus
@@ -64,11 +66,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from load_tests import traffic  # noqa: E402
-from load_tests.checkpoint_reload import (  # noqa: E402
-    publish_new_version,
-    reload_through_watcher,
-    watcher_reload_timeout,
-)
+from load_tests.checkpoint_reload import soak_reload, watcher_reload_timeout  # noqa: E402
 from load_tests.locust_run import (  # noqa: E402
     LOCUST_OUTPUTS,
     LocustRun,
@@ -78,7 +76,7 @@ from load_tests.locust_run import (  # noqa: E402
     stall_problems,
     stats_problems,
 )
-from load_tests.memory import RssSampler, memory_verdicts, soak_problems  # noqa: E402
+from load_tests.memory import NO_RELOAD, RssSampler, judge_soak, verdict_text  # noqa: E402
 from load_tests.report import REPORT_FILES, plot, write_atomically, write_summary  # noqa: E402
 from load_tests.stack import (  # noqa: E402
     ServeProcess,
@@ -339,6 +337,14 @@ def _run(args: argparse.Namespace) -> int:
             server.start()
             metadata = traffic.fetch_metadata(server.http, args.model_name)
             inputs = traffic.ModelInputs.from_metadata(metadata)
+            # The soak's check that the reloaded version answers: one row of the traffic.
+            infer_body = (
+                traffic.encode_kserve_json(
+                    traffic.TrafficGenerator(inputs, vocab=traffic.load_vocab(vocab_path)).arrays(1)
+                )
+                if args.soak
+                else b""
+            )
         except Exception as error:
             print(f"error: the stack did not start: {error}", file=sys.stderr)
             return 2
@@ -393,26 +399,17 @@ def _run(args: argparse.Namespace) -> int:
             if not died and locust.poll() is None:
                 reload_unix = time.time()
                 reload_s = time.monotonic() - sampler.started_at
-                try:
-                    if workers > 1:  # POST /admin/reload is refused: the watcher reloads
-                        reload_result: dict[str, Any] = reload_through_watcher(
-                            server, served, timeout=watcher_reload_timeout(serve_args)
-                        )
-                    else:
-                        version = publish_new_version(served)
-                        answer = server.reload()
-                        reload_result = {
-                            "ok": answer.get("version") == version,
-                            "published": version,
-                            **answer,
-                        }
-                    reload_result["seconds"] = round(time.time() - reload_unix, 3)
-                except Exception as error:  # report it; the verdict fails
-                    reload_result = {"ok": False, "error": repr(error)}
+                reload_result = soak_reload(
+                    server,
+                    served,
+                    workers=workers,
+                    watcher_timeout=watcher_reload_timeout(serve_args),
+                    infer_body=infer_body,
+                )
                 marks.append((reload_unix, "reload"))
                 soak = {"reload_at_s": reload_unix - started_unix, "reload": reload_result}
             else:
-                soak = {"reload_at_s": -1.0, "reload": {"ok": False, "error": "not reached"}}
+                soak = {"reload_at_s": -1.0, "reload": {"ok": False, "error": NO_RELOAD}}
         if not died:
             died = _wait_while_running(locust, deadline, stack)
         overrun = _stop_overrun(locust, seconds)
@@ -432,15 +429,12 @@ def _run(args: argparse.Namespace) -> int:
                 writer.writeheader()
                 writer.writerows(samples)
                 write_atomically(out / "rss.csv", series.getvalue())
-            verdicts = memory_verdicts(
-                samples,
-                warmup_s=max(0.1 * seconds, min(10.0, 0.2 * seconds)),
-                run_s=seconds,
-                reload_s=reload_s,
+            verdicts, failed = judge_soak(
+                samples, seconds=seconds, reload_s=reload_s, reload=soak["reload"]
             )
             soak["pids"] = dict(pids)
             soak["memory"] = {name: asdict(verdict) for name, verdict in verdicts.items()}
-            problems.extend(soak_problems(verdicts, soak["reload"]))
+            problems.extend(failed)
         no_plot = plot(
             out / "latency.png",
             history,
@@ -467,7 +461,7 @@ def _run(args: argparse.Namespace) -> int:
             "stats": stats,
             "soak": soak,
             "passed": not problems,
-            "verdict": "; ".join(problems) or "no failures" + (", memory flat" if soak else ""),
+            "verdict": verdict_text(problems, soak=soak is not None),
             "plot": no_plot,
         }
         write_summary(out, result)

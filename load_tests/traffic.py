@@ -425,8 +425,9 @@ def encode_friendly_json(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) 
         else:
             columns[slot.name] = ids
     for dense in inputs.dense:
-        values = arrays[dense.name].reshape(size, -1).tolist()
-        columns[dense.name] = [v[0] for v in values] if dense.sample_shape == () else values
+        # Each row nested as the sample shape: the route takes a [2, 3] sample as two lists
+        # of 3, not one of 6; a shape () sample is a number.
+        columns[dense.name] = arrays[dense.name].reshape(size, *dense.sample_shape).tolist()
     instances = [{name: column[i] for name, column in columns.items()} for i in range(size)]
     return json.dumps({"instances": instances}, separators=(",", ":")).encode()
 

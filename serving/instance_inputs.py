@@ -147,6 +147,15 @@ def _numbers(values: Any) -> np.ndarray | None:
     return array
 
 
+def _dense_form(sample_shape: tuple[int, ...]) -> str:
+    """What one friendly row gives for a non-ID feature of ``sample_shape`` (error messages)."""
+    if math.prod(sample_shape) == 1 and len(sample_shape) <= 1:
+        return "a number"
+    if len(sample_shape) == 1:
+        return f"a list of {sample_shape[0]} numbers"
+    return f"lists of numbers nested as {list(sample_shape)}"
+
+
 def _dense_values(name: str, sample_shape: tuple[int, ...], rows: list[Any]) -> np.ndarray:
     """The values of non-ID feature ``name`` in friendly rows as a numeric array
     [len(rows), *sample_shape]. A row gives its sample nested as ``sample_shape`` (a flat list
@@ -163,20 +172,14 @@ def _dense_values(name: str, sample_shape: tuple[int, ...], rows: list[Any]) -> 
     samples = []
     for index, row in enumerate(rows):
         sample = _numbers(row)
-        if sample is None:
+        # Not numbers (a string, null, true), or numbers of another shape: the row is named
+        # with the one form its sample takes.
+        if sample is None or (
+            sample.shape != sample_shape and not (one_value and sample.shape in ((), (1,)))
+        ):
             raise InvalidArgumentError(
-                f"feature {name!r}: every instance needs a number or a list of "
-                f"{math.prod(sample_shape)} numbers"
-            )
-        if sample.shape != sample_shape and not (one_value and sample.shape in ((), (1,))):
-            if one_value:
-                form = "a number"
-            elif len(sample_shape) == 1:
-                form = f"a list of {sample_shape[0]} numbers"
-            else:
-                form = f"lists of numbers nested as {list(sample_shape)}"
-            raise InvalidArgumentError(
-                f"instances[{index}].{name}: expected {form}, got {_short(row)}"
+                f"instances[{index}].{name}: expected {_dense_form(sample_shape)}, got "
+                f"{_short(row)}"
             )
         samples.append(sample.reshape(sample_shape))
     return np.stack(samples)

@@ -476,7 +476,10 @@ def load_model(
         )
     if not manifest.has_jit_model:
         raise CheckpointError(
-            f"checkpoint {manifest.directory} has no jit_dense.pt; dump it with with_jit_model=True"
+            f"checkpoint {manifest.directory} has no jit_dense.pt (dumped with "
+            "with_jit_model=False): serving runs the TorchScript model; dump the checkpoint "
+            "with with_jit_model=True (the default), which needs a scriptable forward "
+            '(docs/own_model.md, "The model contract")'
         )
     dense = model_checkpoint.load_jit_model(manifest)
     dense.eval()

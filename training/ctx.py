@@ -43,7 +43,7 @@ from embedding_store.errors import (
 )
 from embedding_store.initializer import InitializationConfig
 from embedding_store.model_checkpoint import CheckpointManifest
-from embedding_store.optimizers import Optimizer
+from embedding_store.optimizers import SGD, Adagrad, Adam, Optimizer
 from embedding_store.signature import FeatureSignature, model_dtype
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
 from training import distributed
@@ -338,6 +338,38 @@ def _warn_skipped(what: str, count: int, step: int) -> None:
         )
 
 
+def _qualified(value: object) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def _check_optimizers(embedding_optimizer: object, dense_optimizer: object) -> None:
+    """TrainCtx's two optimizers, each of its own kind: both libraries name one ``Adam``, so
+    a swap or a torch optimizer for the embeddings is easy to write and, unchecked, fails
+    late (at the tier's configure, or at the first step) with a message naming neither."""
+    if not isinstance(embedding_optimizer, (SGD, Adagrad, Adam)):
+        hint = (
+            " (a torch optimizer is the dense one, TrainCtx's second argument)"
+            if isinstance(embedding_optimizer, torch.optim.Optimizer)
+            else ""
+        )
+        raise InvalidArgumentError(
+            "TrainCtx's first argument, the embedding optimizer, must be SGD, Adagrad or Adam "
+            f"from embedding_store.optimizers, got {_qualified(embedding_optimizer)}{hint}"
+        )
+    if not isinstance(dense_optimizer, torch.optim.Optimizer):
+        hint = (
+            " (embedding_store.optimizers' optimizers are for the embeddings, TrainCtx's "
+            "first argument)"
+            if isinstance(dense_optimizer, (SGD, Adagrad, Adam))
+            else ""
+        )
+        raise InvalidArgumentError(
+            "TrainCtx's second argument, the dense optimizer, must be a torch.optim.Optimizer "
+            f"over the model's parameters, got {_qualified(dense_optimizer)}{hint}"
+        )
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -380,6 +412,7 @@ class TrainCtx(EmbeddingCtx):
         initialization: InitializationConfig | None = None,
         finite_check_every: int = 1,
     ) -> None:
+        _check_optimizers(embedding_optimizer, dense_optimizer)
         super().__init__(
             PreprocessMode.TRAIN,
             model,

@@ -143,9 +143,16 @@ def test_short_soak_with_reload(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
+    assert summary["verdict"] == "no failures, memory flat, reload served", summary["verdict"]
     soak = summary["soak"]
     assert soak["reload"]["ok"], soak["reload"]
     assert soak["reload"]["version"] != soak["reload"]["previous_version"]
+    # What the server serves after it, not only what its reload answered.
+    assert soak["reload"]["serves"] == {
+        "ok": True,
+        "metadata_versions": [soak["reload"]["version"]],
+        "answered_version": soak["reload"]["version"],
+    }
     assert list(soak["memory"]) == ["server"]
     assert soak["memory"]["server"]["passed"], soak["memory"]
     assert (out / "rss.csv").read_text().count("\n") > 10
@@ -168,6 +175,7 @@ def test_short_soak_with_reload_through_the_watcher_of_a_workers_server(tmp_path
     reload = soak["reload"]
     assert reload["ok"] and reload["via"] == "watcher", reload
     assert reload["version"] == reload["published"] != reload["previous_version"]
+    assert reload["serves"]["answered_version"] == reload["version"], reload
     log = (out / "serve.log").read_text()
     assert log.count(f"now serving model version {reload['version']}") == 2, log[-3000:]
     assert list(soak["memory"]) == ["server", "server.1", "server.2"]

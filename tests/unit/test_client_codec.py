@@ -26,7 +26,8 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
-from serving import grpc_codec, http_decode, http_encode, infer_request
+from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+from serving import grpc_codec, http_decode, http_encode, infer_request, instance_inputs
 from serving.core import Prediction
 from serving.proto import V2 as SERVER_V2
 
@@ -415,6 +416,113 @@ def test_locate_names_input_lines():
         "rows.jsonl: rows on lines 3-9: server s answered HTTP 400: instances[1] (line 5) lacks "
         "feature 'age'"
     )
+
+
+class _FriendlyRoute:
+    """A RecserveClient whose server is the friendly route of the own_model walk-through's
+    model (no --preprocessor): rows answer as the real route answers them."""
+
+    signature = FeatureSignature(
+        id_features=(IdFeatureSpec("user_id", True), IdFeatureSpec("hist_items", False)),
+        non_id_features=(NonIdFeatureSpec("dense", "float32", (3,)),),
+    )
+
+    def __init__(self, url: str, **_options: object) -> None:
+        self.url = url
+
+    def __enter__(self) -> _FriendlyRoute:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        pass
+
+    def predict(self, rows: list[dict]) -> None:
+        if "age" in rows[0]:  # a preprocessor's raw row, refused as the Adult one refuses it
+            raise InvalidArgumentError(
+                "server answered HTTP 400: instances could not be preprocessed: row 0: column "
+                f"'age': expected a number, got {rows[0]['age']!r}"
+            )
+        try:
+            instance_inputs.instances_to_inputs(self.signature, rows)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"server answered HTTP 400: {error.message}") from None
+        raise AssertionError("every row of these tests is refused")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "server_message", "hint"),
+    [
+        # recserve eval's layout (the walk-through's test.csv): columns per dense value, a
+        # label column.
+        (
+            "eval.csv",
+            "user_id,hist_items,dense_0,dense_1,dense_2,click\n1,10 11,0.1,1.0,0.5,1\n",
+            "instances[0] (line 2) has unknown feature(s) ['click', 'dense_0', 'dense_1', "
+            "'dense_2']; known: ['dense', 'hist_items', 'user_id']",
+            True,
+        ),
+        # Keyed by feature name, but a list of IDs is one string in a CSV cell.
+        (
+            "named.csv",
+            "user_id,hist_items,dense\n1,10 11,0.5\n",
+            "instances[0] (line 2).hist_items: IDs must be integers, got '10 11' (str)",
+            True,
+        ),
+        # The same rows as JSON lines are no CSV matter; nor is a bad value in a CSV.
+        (
+            "named.jsonl",
+            '{"user_id": 1, "hist_items": "10 11", "dense": [0.1, 1.0, 0.5]}\n',
+            "instances[0] (line 1).hist_items: IDs must be integers, got '10 11' (str)",
+            False,
+        ),
+        # Numbers for a [3] feature as one cell.
+        (
+            "dense.csv",
+            "user_id,hist_items,dense\n1,10,0.1 1.0 0.5\n",
+            "instances[0] (line 2).dense: expected a list of 3 numbers, got '0.1 1.0 0.5'",
+            True,
+        ),
+        # Raw rows for a preprocessor: its errors are its own.
+        (
+            "raw.csv",
+            "user_id,hist_items,dense,age\n1,10,0.5,abc\n",
+            "instances could not be preprocessed: row 0 (line 2): column 'age': expected a "
+            "number, got 'abc'",
+            False,
+        ),
+        (
+            "empty.csv",
+            "user_id,hist_items,dense\n,10,0.5\n",
+            "instances[0] (line 2).user_id: IDs must be integers, got '' (str)",
+            False,
+        ),
+        (
+            "negative.csv",
+            "user_id,hist_items,dense\n-1,10,0.5\n",
+            "instances[0] (line 2).user_id: IDs must be in [0, 2**64), got -1",
+            False,
+        ),
+    ],
+)
+def test_recserve_predict_tells_a_csv_user_what_the_friendly_route_takes(
+    name, text, server_message, hint, tmp_path, monkeypatch, capsys
+):
+    """A CSV that is not keyed by single-valued features gets the server's error and what to
+    do instead (JSON lines, or recserve eval for its own CSV layout)."""
+    import clients.client
+    from clients.commands import CSV_LAYOUT_HINT
+    from embedding_store.cli import main
+
+    monkeypatch.setattr(clients.client, "RecserveClient", _FriendlyRoute)
+    rows = tmp_path / name
+    rows.write_text(text)
+    assert main(["predict", "--url", "http://127.0.0.1:9", "--input", str(rows)]) == 1
+    lines = "line 2" if name.endswith(".csv") else "line 1"
+    expected = (
+        f"recserve predict: error: {rows}: rows on {lines}: server answered HTTP 400: "
+        f"{server_message}{CSV_LAYOUT_HINT if hint else ''}\n"
+    )
+    assert capsys.readouterr().err == expected
 
 
 @pytest.mark.parametrize(

@@ -91,3 +91,36 @@ def test_a_metadata_or_friendly_answer_no_recserve_server_sends_names_the_server
     assert caught.value.message.startswith(
         f"server http://server/v1/models/m:predict {_NOT_RECSERVE} ({detail}"
     )
+
+
+@pytest.mark.parametrize(
+    ("refusal", "hinted"),
+    [
+        # The route without a --preprocessor, given the CSV's raw columns.
+        ("instances[0] has unknown feature(s) ['dense_0', 'dense_1']; known: ['dense']", True),
+        ("instances[0].hist_items: IDs must be integers, got '10 11' (str)", True),
+        # A preprocessor's own refusal, a missing value: no layout matter.
+        ("instances could not be preprocessed: row 0: column 'age': expected a number, got 'x'",
+         False),
+        ("instances[0].user: IDs must be integers, got '' (str)", False),
+    ],
+)  # fmt: skip
+def test_friendly_rows_a_server_without_a_preprocessor_refuses_point_to_protocol_v2(
+    refusal, hinted
+) -> None:
+    """`recserve eval --protocol friendly` against a server without --preprocessor (the
+    own_model walk-through's) sent the CSV's columns as they are, and the 400 said only which
+    features were unknown."""
+    from clients.eval_scorers import FRIENDLY_WITHOUT_PREPROCESSOR
+
+    message = f"server http://server/v1/models/m:predict: {refusal}"
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise InvalidArgumentError(message)
+
+    scorer = _scorer(b"", {})
+    scorer._call = refuse  # type: ignore[method-assign]
+    scorer._predict_path, scorer.label_column = "/v1/models/m:predict", "click"
+    with pytest.raises(InvalidArgumentError) as caught:
+        scorer._friendly([{"dense_0": 1, "click": 1}])
+    assert caught.value.message == message + (FRIENDLY_WITHOUT_PREPROCESSOR if hinted else "")

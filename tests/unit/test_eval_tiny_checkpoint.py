@@ -262,6 +262,19 @@ def test_inspect_text_and_json(checkpoint):
     text = checkpoint_inspect.format_inspect(info)
     assert "tags[]" in text and "rows per shard 80" in text
     assert "  forward        not loaded: jit_dense.pt is code (--load-code loads it" in text
+    # The columns recserve eval reads without --mapping, as README.md says inspect lists them.
+    assert (
+        "  CSV columns    user, tags (IDs separated by spaces), dense_0, dense_1 (recserve eval "
+        "without --mapping)"
+    ) in text.splitlines()
+    # A non-ID feature of more than 3 values is shown as a range: [2, 3] -> grid_0 .. grid_5.
+    wide = FeatureSignature(
+        (IdFeatureSpec("user", True),),
+        (NonIdFeatureSpec("grid", "float32", (2, 3)), NonIdFeatureSpec("age", "float32", ())),
+    )
+    assert checkpoint_inspect.csv_columns(wide.to_dict()) == (
+        "user, grid_0 .. grid_5, age (recserve eval without --mapping)"
+    )
     loaded = checkpoint_inspect.format_inspect(
         checkpoint_inspect.inspect(checkpoint, load_code=True)
     )

@@ -162,6 +162,40 @@ def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
     assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0, run_s=3).passed
 
 
+def test_a_soak_too_short_to_judge_after_its_reload_says_so(tmp_path):
+    """The 60 s after the reload are left out, so a soak under ~2 minutes never judges the
+    memory after it: even the replaced model never released (+200 MB) passes. The pass says
+    what it did not cover, in the summary too."""
+    from dataclasses import asdict
+
+    from load_tests.memory import memory_verdict
+    from load_tests.report import write_summary
+
+    times, rss = _soak(30, 0.25, lambda t: 430 + (200 if t >= 15 else 0))
+    short = memory_verdict(times, rss, warmup_s=6.0, run_s=30.0, reload_s=15.0)
+    assert short.passed and short.reload_step_mb is None
+    assert short.reason == (
+        "flat before the reload; not judged after it (under 6 samples past the 60 s it "
+        "settles: a longer soak judges it)"
+    )
+    # Long enough: the same step fails.
+    times, rss = _soak(150, 1.0, lambda t: 430 + (200 if t >= 60 else 0))
+    long = memory_verdict(times, rss, warmup_s=15.0, run_s=150.0, reload_s=60.0)
+    assert not long.passed and long.reload_step_mb == 200.0
+    row = {"name": "Aggregated", "requests": 1, "failures": 0, "rps": 1.0, "p50_ms": 1.0,
+           "p95_ms": 1.0, "p99_ms": 1.0}  # fmt: skip
+    result = {
+        "stats": [row], "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "embedded",
+        "users": 1, "classes": ["GrpcUser"], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": True, "verdict": "no failures",
+        "soak": {"reload_at_s": 15.0, "reload": {"ok": True}, "pids": {},
+                 "memory": {"server": asdict(short)}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    text = (tmp_path / "summary.md").read_text()
+    assert text.count(f"**flat** ({short.reason})") == 1
+
+
 def test_every_sampled_process_gets_a_memory_verdict():
     """Remote tier: the parameter servers and the embedding worker are sampled too; a worker
     leaking 5 MB/s (+40% in 30 s) used to pass because only the server was judged."""
@@ -1165,6 +1199,31 @@ def test_friendly_encoding_gives_each_row_its_own_list_and_values():
     assert [row["history"] for row in rows] == [[], [7, 8, 9]]
 
 
+def test_friendly_encoding_nests_a_multi_dimensional_sample_as_the_route_takes_it():
+    """A [2, 3] dense input is two lists of 3 per row, as the friendly route takes it: a flat
+    list of 6 failed every friendly request of a soak of such a model (HTTP 400)."""
+    from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
+    from load_tests import traffic
+    from serving.instance_inputs import instances_to_inputs
+
+    metadata = {"name": "m", "inputs": [
+        {"name": "item", "datatype": "INT64", "shape": [-1]},
+        {"name": "grid", "datatype": "FP32", "shape": [-1, 2, 3]},
+    ]}  # fmt: skip
+    inputs = traffic.ModelInputs.from_metadata(metadata)
+    grid = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
+    body = traffic.encode_friendly_json(inputs, {"item": np.array([3, 4]), "grid": grid})
+    instances = json.loads(body)["instances"]
+    assert instances == [
+        {"item": 3, "grid": [[0, 1, 2], [3, 4, 5]]},
+        {"item": 4, "grid": [[6, 7, 8], [9, 10, 11]]},
+    ]
+    signature = FeatureSignature(
+        (IdFeatureSpec("item", True),), (NonIdFeatureSpec("grid", "float32", (2, 3)),)
+    )
+    np.testing.assert_array_equal(instances_to_inputs(signature, instances)["grid"], grid)
+
+
 def test_raw_rows_are_read_up_to_the_limit_from_csv_json_lines_and_gzip(tmp_path):
     import gzip
 
@@ -1790,7 +1849,7 @@ def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(t
 
 
 def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
-    from load_tests.memory import memory_verdict, soak_problems
+    from load_tests.memory import NO_RELOAD, memory_verdict, soak_problems
 
     times, flat_rss = _soak(60, 1.0, lambda t: 100.0)
     _, leak_rss = _soak(60, 1.0, lambda t: 100.0 + 2.0 * t)
@@ -1800,11 +1859,179 @@ def test_a_soak_fails_on_any_growing_process_or_a_failed_reload():
     assert soak_problems({"server": flat, "worker": leak}, {"ok": True}) == [
         "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)"
     ]
-    reload = {"ok": False, "error": "not reached"}
-    assert soak_problems({"server": flat}, reload) == [f"reload failed: {reload}"]
+    # Each way a reload fails the soak, with its reason in words.
+    never = {"ok": False, "error": NO_RELOAD}
+    assert soak_problems({"server": flat}, never) == [
+        "reload never happened: the load ended, or a process of the stack died, before half-way"
+    ]
+    refused = {"ok": False, "error": "HTTPError(500)"}
+    assert soak_problems({"server": flat, "worker": leak}, refused) == [
+        "worker RSS: grows 120 MB/min in both halves of a segment (allowed 20.0)",
+        "reload failed: HTTPError(500)",
+    ]
     # The server answered, but with another version than the one published: not ok either.
     stale = {"ok": False, "published": "00000002-bb", "version": "00000001-aa"}
-    assert soak_problems({"server": flat}, stale) == [f"reload failed: {stale}"]
+    assert soak_problems({"server": flat}, stale) == [
+        "reload failed: the server loaded version '00000001-aa', not the published '00000002-bb'"
+    ]
+    # The reload said it loaded the new version, but an inference still answers the old one.
+    unserved = {"ok": False, "published": "00000002-bb", "version": "00000002-bb",
+                "serves": {"ok": False, "metadata_versions": ["00000002-bb"],
+                           "answered_version": "00000001-aa"}}  # fmt: skip
+    assert soak_problems({"server": flat}, unserved) == [
+        "reload not served: after it the model's metadata lists versions ['00000002-bb'] and "
+        "an inference answered version '00000001-aa', not the published '00000002-bb'"
+    ]
+    unverified = {**unserved, "serves": {"ok": False, "error": "URLError('refused')"}}
+    assert soak_problems({"server": flat}, unverified) == [
+        "reload not verified: asking the server what it serves failed: URLError('refused')"
+    ]
+    # No "ok" (nor a version) is no pass; nor is a soak whose memory nobody sampled.
+    assert soak_problems({"server": flat}, {"published": "x"}) == [
+        "reload failed: the server loaded version None, not the published 'x'"
+    ]
+    assert soak_problems({}, {"ok": True}) == ["no RSS samples: the memory was not judged"]
+
+
+def test_a_soaks_verdict_fails_with_each_reason_from_synthetic_samples(tmp_path):
+    """What run.py judges at the end of a soak, from RssSampler's samples (server flat, the
+    embedding worker leaking 1 MB/s), locust's final rows (3 failures) and the reload's
+    result: FAIL, with every reason in the summary; the same soak without them passes."""
+    from dataclasses import asdict
+
+    from load_tests.locust_run import stats_problems
+    from load_tests.memory import NO_RELOAD, judge_soak, soak_warmup_s, verdict_text
+    from load_tests.report import write_summary
+
+    assert (soak_warmup_s(30.0), soak_warmup_s(600.0), soak_warmup_s(20.0)) == (6.0, 60.0, 4.0)
+
+    def samples(leak_mb_per_s: float) -> list[dict[str, float]]:
+        return [
+            {"t_s": t, "unix": 1000.0 + t, "server_rss_mb": 430.0 + (t % 1.0),
+             "embedding_worker_0_rss_mb": 380.0 + leak_mb_per_s * t}
+            for t in np.arange(0, 30.25, 0.25).tolist()
+        ]  # fmt: skip
+
+    def rows(failures: int) -> list[dict]:
+        return [{"name": "Aggregated", "requests": 900, "failures": failures, "rps": 30.0,
+                 "p50_ms": 3.0, "p95_ms": 6.0, "p99_ms": 9.0}]  # fmt: skip
+
+    served = {"ok": True, "published": "2-b", "version": "2-b", "serves": {"ok": True}}
+    verdicts, problems = judge_soak(samples(0.0), seconds=30.0, reload_s=15.0, reload=served)
+    problems = stats_problems(rows(0), [], tmp_path / "none") + problems
+    assert problems == [] and all(v.passed for v in verdicts.values())
+    assert verdict_text(problems, soak=True) == "no failures, memory flat, reload served"
+
+    never = {"ok": False, "error": NO_RELOAD}
+    verdicts, problems = judge_soak(samples(1.0), seconds=30.0, reload_s=None, reload=never)
+    problems = stats_problems(rows(3), [], tmp_path / "none") + problems
+    verdict = verdict_text(problems, soak=True)
+    assert verdict == (
+        "3 failed requests; embedding_worker_0 RSS: grows 60 MB/min in both halves of a "
+        "segment (allowed 40.0); reload never happened: the load ended, or a process of the "
+        "stack died, before half-way"
+    )
+    result = {
+        "stats": rows(3), "model": "m", "inputs": "x", "checkpoint": "/c", "tier": "remote",
+        "users": 2, "classes": [], "seconds": 30.0, "batches": "1", "seed": 1,
+        "serve_args": [], "passed": not problems, "verdict": verdict,
+        "soak": {"reload_at_s": -1.0, "reload": never, "pids": {},
+                 "memory": {name: asdict(v) for name, v in verdicts.items()}},
+    }  # fmt: skip
+    write_summary(tmp_path, result)
+    assert f"- verdict: **FAIL** ({verdict})" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_soak_reload_is_checked_against_what_the_server_answers(tmp_path):
+    """The reload half-way through a soak passes only when the server loaded the published
+    version, its metadata lists it and an inference answers with it (a server that says it
+    reloaded but answers with the old model fails, as does one whose reload errs)."""
+    import http.server
+    import threading
+
+    from load_tests.checkpoint_reload import checkpoint_version, soak_reload
+    from load_tests.memory import reload_problem
+    from load_tests.stack import ServeProcess
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "manifest.json").write_text(json.dumps({"step": 3, "version": "00000003-aa"}))
+    (served / "DONE").write_text("")
+    # What the stand-in answers: "new" is the version in the served directory now.
+    state = {"reload": "new", "metadata": "new", "answer": "new", "status": 200}
+    seen: list[tuple[str, str, bytes]] = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def _answer(self, document: dict) -> None:
+            body = json.dumps(document).encode()
+            self.send_response(state["status"] if self.path == "/admin/reload" else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _version(self, which: str) -> str:
+            return checkpoint_version(served) if state[which] == "new" else "00000003-aa"
+
+        def do_GET(self) -> None:
+            seen.append(("GET", self.path, b""))
+            self._answer({"name": "model", "versions": [self._version("metadata")]})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("POST", self.path, body))
+            key = "reload" if self.path == "/admin/reload" else "answer"
+            field = "version" if key == "reload" else "model_version"
+            self._answer({field: self._version(key)})
+
+        def log_message(self, *args: object) -> None:
+            pass  # a quiet stand-in: no access log on the test's stderr
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    server = ServeProcess(served, tmp_path / "serve.log")
+    server.http = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    def reload() -> dict:
+        seen.clear()
+        return soak_reload(server, served, workers=1, watcher_timeout=1.0, infer_body=b'{"q":1}')
+
+    try:
+        good = reload()
+        version = checkpoint_version(served)
+        assert good["ok"] and good["published"] == good["version"] == version != "00000003-aa"
+        assert good["serves"] == {"ok": True, "metadata_versions": [version],
+                                  "answered_version": version}  # fmt: skip
+        assert [(method, path) for method, path, _ in seen] == [
+            ("POST", "/admin/reload"),
+            ("GET", "/v2/models/model"),
+            ("POST", "/v2/models/model/infer"),
+        ]
+        assert seen[2][2] == b'{"q":1}' and reload_problem(good) is None
+        # Reloaded, says so, lists the new version, but the model that answers is the old one.
+        state["answer"] = "old"
+        unserved = reload()
+        assert not unserved["ok"] and unserved["serves"]["answered_version"] == "00000003-aa"
+        assert reload_problem(unserved) == (
+            f"reload not served: after it the model's metadata lists versions "
+            f"['{unserved['published']}'] and an inference answered version '00000003-aa', "
+            f"not the published '{unserved['published']}'"
+        )
+        # The reload itself loaded the old version.
+        state.update(answer="new", reload="old")
+        stale = reload()
+        assert not stale["ok"] and reload_problem(stale) == (
+            "reload failed: the server loaded version '00000003-aa', not the published "
+            f"'{stale['published']}'"
+        )
+        # The reload is refused: nothing is checked after it.
+        state.update(reload="new", status=500)
+        refused = reload()
+        assert refused == {"ok": False, "error": refused["error"]}
+        assert "HTTPError 500" in refused["error"] and len(seen) == 1
+        assert reload_problem(refused) == f"reload failed: {refused['error']}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_log_tail_is_its_last_lines(tmp_path):

@@ -115,10 +115,14 @@ def test_checkpoints_that_cannot_be_served_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="unsigned has no feature signature"):
         load_model(unsigned, name="m", onednn_min_rows=0)
     no_jit = _bare_checkpoint(tmp_path / "nojit", signature=SIGNATURE, with_jit_model=False)
-    with pytest.raises(
-        CheckpointError, match=r"nojit has no jit_dense\.pt; dump it with with_jit_model=True"
-    ):
+    with pytest.raises(CheckpointError) as refused:
         load_model(no_jit, name="m", onednn_min_rows=0)
+    # What to do, and that it needs a scriptable forward (the reason for the flag).
+    assert refused.value.message == (
+        f"checkpoint {no_jit} has no jit_dense.pt (dumped with with_jit_model=False): serving "
+        "runs the TorchScript model; dump the checkpoint with with_jit_model=True (the "
+        'default), which needs a scriptable forward (docs/own_model.md, "The model contract")'
+    )
 
 
 def test_one_embedding_tier_per_model(checkpoint):

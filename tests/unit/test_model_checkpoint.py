@@ -112,6 +112,15 @@ def test_a_directory_of_checkpoints_is_named_so_with_the_ones_it_holds(tmp_path:
     with pytest.raises(CheckpointError) as raised:  # nothing finished inside: incomplete
         read_manifest(runs / "notes")
     assert raised.value.message == f"checkpoint {runs / 'notes'} is incomplete: no DONE marker"
+    # One level higher still (`--checkpoint .` where runs/ holds them): said "incomplete".
+    expected = (
+        f"{tmp_path} is not a checkpoint (no DONE marker, no manifest); checkpoints below it: "
+        f"{runs / 'adult'}, {runs / 'click'}; give one of them"
+    )
+    for read in (read_manifest, checkpoint_manifest.read_manifest, checkpoint_kind):
+        with pytest.raises(CheckpointError) as raised:
+            read(tmp_path)
+        assert raised.value.message == expected
 
 
 @pytest.mark.parametrize(
@@ -339,3 +348,27 @@ def test_a_checkpoint_without_optimizer_state_leaves_the_optimizer_alone(
     after = adam.state_dict()["state"][0]
     for key, value in before.items():
         assert torch.equal(torch.as_tensor(after[key]), torch.as_tensor(value)), key
+
+
+class Spliced(Tiny):
+    """A forward TorchScript refuses (`*` splices a list of unknown length)."""
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([*embedding_tensors, *non_id_tensors], dim=1))
+
+
+def test_a_model_torchscript_refuses_is_told_what_the_way_out_costs(tmp_path):
+    """The error names the contract and says what with_jit_model=False gives up: serving (the
+    server's own error then sends the user back to with_jit_model=True)."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        write_checkpoint(tmp_path / "ckpt", Spliced(), None, _tier())
+    message = refused.value.message
+    assert message.startswith("cannot TorchScript Spliced: ")
+    assert message.endswith(
+        "The dense model's forward must be `forward(self, non_id_tensors: List[Tensor], "
+        'embedding_tensors: List[Tensor])` and scriptable (docs/own_model.md, "The model '
+        'contract"). with_jit_model=False writes the checkpoint without jit_dense.pt: training '
+        "resumes from it, but recserve serve and InferCtx, which run the TorchScript model, "
+        "cannot load it"
+    )
+    assert not (tmp_path / "ckpt").exists()

@@ -45,7 +45,8 @@ def test_dump_writes_only_under_the_dump_root(tmp_path):
         assert failure.code == grpc.StatusCode.PERMISSION_DENIED
         assert failure.details == (
             f"ShardDumpRequest.directory {asked} is outside --dump-root {root}; this "
-            "parameter server dumps into only directories under it"
+            f"parameter server dumps into only directories under it (name one under {root}, or "
+            "start the parameter servers with a --dump-root that holds this one)"
         )
     assert files_under(outside) == []  # nothing made, not even the directory
 
@@ -89,7 +90,8 @@ def test_load_reads_only_under_the_load_root(tmp_path):
         assert failure.code == grpc.StatusCode.PERMISSION_DENIED
         assert failure.details == (
             f"ShardLoadRequest.directory {asked} is outside --load-root {root}; this "
-            "parameter server loads from only directories under it"
+            f"parameter server loads from only directories under it (name one under {root}, "
+            "or start the parameter servers with a --load-root that holds this one)"
         )
     assert target.shard.size() == 0
     loaded = target.Load(pb.ShardLoadRequest(directory=str(root / "ckpt")), FakeContext())
@@ -186,7 +188,8 @@ def test_a_worker_dump_outside_the_shards_root_writes_no_rows(tmp_path):
         )
         assert message.endswith(
             f"is outside --dump-root {root}; this parameter server dumps into only directories "
-            "under it"
+            f"under it (name one under {root}, or start the parameter servers with a "
+            "--dump-root that holds this one)"
         ), message
         assert files_under(outside) == []
         manifest = tier.dump(root / "ckpt")

@@ -330,12 +330,31 @@ def test_a_row_lacking_a_dense_feature_is_named() -> None:
 
 @pytest.mark.parametrize("dense", [[0.5, True], True, [False, False], ["0.5", 1.0], [None, 1.0]])
 def test_dense_values_that_are_not_numbers_are_refused(dense: object) -> None:
-    """true/false, strings and null are not numbers, even where float32 could read them."""
+    """true/false, strings and null are not numbers, even where float32 could read them: the
+    row is named with the one form its sample takes (a number alone is no 2-value sample)."""
     with pytest.raises(InvalidArgumentError) as raised:
         instance_inputs.instances_to_inputs(SIGNATURE, [_row(), _row(dense=dense)])
-    assert raised.value.message == (
-        "feature 'dense': every instance needs a number or a list of 2 numbers"
+    expected = f"instances[1].dense: expected a list of 2 numbers, got {dense!r}"
+    assert raised.value.message == expected
+
+
+def test_a_string_for_a_multi_dimensional_dense_feature_names_its_nested_form() -> None:
+    """A CSV cell (one string) for a [2, 3] feature: the error says the nested lists it takes,
+    not "a number or a list of 6 numbers" (neither of which it takes)."""
+    grid = FeatureSignature(
+        id_features=(IdFeatureSpec("user", True),),
+        non_id_features=(NonIdFeatureSpec("grid", "float32", (2, 3)),),
     )
+    good = {"user": 1, "grid": [[1, 2, 3], [4, 5, 6]]}
+    np.testing.assert_array_equal(
+        instance_inputs.instances_to_inputs(grid, [good])["grid"], [[[1, 2, 3], [4, 5, 6]]]
+    )
+    for value in ("1 2 3 4 5 6", 0.5):
+        with pytest.raises(InvalidArgumentError) as raised:
+            instance_inputs.instances_to_inputs(grid, [good, {"user": 2, "grid": value}])
+        assert raised.value.message == (
+            f"instances[1].grid: expected lists of numbers nested as [2, 3], got {value!r}"
+        )
 
 
 _SCALARS = FeatureSignature(

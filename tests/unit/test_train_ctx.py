@@ -1299,3 +1299,30 @@ def test_a_checkpoint_written_on_a_gpu_resumes_and_serves_on_a_cpu_only_machine(
         assert torch.equal(resumed.dense_model.linear.weight, weight)
         state = resumed.dense_optimizer.state_dict()["state"][0]["exp_avg"]
         assert state.device == torch.device("cpu") and torch.equal(state, moments)
+
+
+def test_optimizers_in_each_others_place_are_refused_by_name():
+    """Both libraries name one Adam: torch's as the embedding optimizer used to fail at the
+    tier's configure ("must be an SGD, Adagrad or Adam instance, got Adam"), and the
+    embeddings' Adam as the dense one was accepted, failing at the first step with an
+    AttributeError. Both are refused as TrainCtx is made, saying which goes where."""
+    model = TinyModel()
+    torch_adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    options = {"embedding_config": CONFIG, "global_config": GLOBAL}
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(torch_adam, torch_adam, model, **options)
+    assert refused.value.message == (
+        "TrainCtx's first argument, the embedding optimizer, must be SGD, Adagrad or Adam from "
+        "embedding_store.optimizers, got torch.optim.adam.Adam (a torch optimizer is the dense "
+        "one, TrainCtx's second argument)"
+    )
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(Adam(lr=0.1), Adam(lr=0.1), model, **options)
+    assert refused.value.message == (
+        "TrainCtx's second argument, the dense optimizer, must be a torch.optim.Optimizer over "
+        "the model's parameters, got embedding_store.optimizers.Adam (embedding_store."
+        "optimizers' optimizers are for the embeddings, TrainCtx's first argument)"
+    )
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx("adam", torch_adam, model, **options)  # type: ignore[arg-type]
+    assert refused.value.message.endswith("from embedding_store.optimizers, got str")
