@@ -10,6 +10,7 @@ health checking, server reflection and (``metrics_port``) Prometheus metrics
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from embedding_store import checkpoint_manifest
 from embedding_store.batch import Batch
-from embedding_store.config import EmbeddingConfig
+from embedding_store.config import EmbeddingConfig, embedding_config_to_mapping
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -74,6 +75,10 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         self.tier = tier
         self.metrics = metrics or EmbeddingWorkerMetrics()
         self.metrics.watch_tier(tier)
+        # Sent with every Status: servers check it against their checkpoint's config.
+        self._config_json = json.dumps(
+            embedding_config_to_mapping(tier.embedding_config), sort_keys=True
+        )
 
     @rpc_errors
     @observed
@@ -189,6 +194,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             task=status.task,
             task_progress=status.task_progress,
             shard_errors=list(status.shard_errors),
+            embedding_config_json=self._config_json,
         )
 
 

@@ -17,7 +17,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from embedding_store import checkpoint_manifest, model_checkpoint
+from embedding_store import checkpoint_load, checkpoint_manifest, model_checkpoint
 from embedding_store.batch import (
     Batch,
     IDFeature,
@@ -29,6 +29,7 @@ from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
@@ -438,6 +439,54 @@ def error_summary(error: BaseException) -> str:
     return f"{kind}{reason.removeprefix(kind)}"
 
 
+def worker_config_mismatch(
+    worker: str, reported: EmbeddingConfig | None, model_config: EmbeddingConfig, checkpoint: Path
+) -> FailedPreconditionError | None:
+    """The error to raise when the embedding worker ``worker`` (an address) reported an
+    embedding config (``reported``; None: it did not say) under which the model's slots
+    (``model_config``, its checkpoint's) would be read from other rows or pooled otherwise;
+    None when they would not. The shards check their own config against the checkpoint
+    they load, but only the worker routes and pools IDs: one started with another
+    embedding_config.yml (another feature_index_prefix_bit, say) answers every ID with
+    zeros, as unknown, and the model gives wrong predictions that no error reports."""
+    if reported is None:
+        return None
+    names = model_config.slot_names
+    problems = [
+        f"slot {name!r} is not in the worker's config"
+        for name in names
+        if name not in reported.slots_config
+    ]
+    shared = [name for name in names if name in reported.slots_config]
+    problems += checkpoint_load.slot_mismatches(
+        model_config, reported, shared, saved_as="in the checkpoint", config_as="at the worker"
+    )
+    for name in shared:
+        ours, theirs = model_config.slots_config[name], reported.slots_config[name]
+        pooling = ("embedding_summation", "sqrt_scaling", "sample_fixed_size")
+        if ours.dim == theirs.dim and any(
+            getattr(ours, key) != getattr(theirs, key) for key in pooling
+        ):
+            problems.append(
+                f"slot {name!r} is pooled otherwise at the worker ("
+                + ", ".join(
+                    f"{key} {getattr(ours, key)} in the checkpoint, {getattr(theirs, key)} "
+                    "at the worker"
+                    for key in pooling
+                    if getattr(ours, key) != getattr(theirs, key)
+                )
+                + ")"
+            )
+    if not problems:
+        return None
+    return FailedPreconditionError(
+        f"embedding worker {worker} serves another embedding config than checkpoint "
+        f"{checkpoint}: {'; '.join(problems[:8])}"
+        + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        + " (start the worker with the checkpoint's embedding_config.yml)"
+    )
+
+
 def load_model(
     checkpoint_dir: str | Path,
     *,
@@ -509,6 +558,14 @@ def load_model(
         )
         try:
             worker.wait_for_serving(timeout=startup_timeout)
+            mismatch = worker_config_mismatch(
+                embedding_workers[0],
+                worker.status(partial=True).embedding_config,
+                embedding_config,
+                manifest.directory,
+            )
+            if mismatch is not None:
+                raise mismatch
         except BaseException:
             worker.close()
             raise

@@ -184,11 +184,13 @@ def test_error_summary_is_the_type_and_the_last_line(error, expected):
     assert summary == (f"{name}: {expected} [2, 3]" if expected else f"{name}: ")
 
 
-def _fake_remote_workers(monkeypatch, *, serving: bool) -> list:
+def _fake_remote_workers(monkeypatch, *, serving: bool, reports=None) -> list:
     """Stands in for RemoteEmbeddingWorker: each made is listed, its ``closed`` says whether
-    it was closed; its wait_for_serving fails unless ``serving``."""
+    it was closed; its wait_for_serving fails unless ``serving``; its status reports the
+    embedding config ``reports`` (None: none, as a worker that predates the field)."""
     from embedding_store import worker_client
     from embedding_store.errors import UnavailableError
+    from embedding_store.tier import TierStatus
 
     made: list[_FakeWorker] = []
 
@@ -200,6 +202,9 @@ def _fake_remote_workers(monkeypatch, *, serving: bool) -> list:
         def wait_for_serving(self, timeout: float) -> None:
             if not serving:
                 raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
+
+        def status(self, *, partial: bool = False) -> TierStatus:
+            return TierStatus((1,), (10,), 0, 0, 0, embedding_config=reports)
 
         def close(self) -> None:
             self.closed = True
@@ -226,6 +231,50 @@ def test_a_load_refused_after_its_worker_answered_closes_the_channel(checkpoint,
         with pytest.raises(InvalidArgumentError, match="must be one of"):
             load_model(checkpoint, name="m", embedding_workers=["a:1"], **option)
     assert [worker.closed for worker in made] == [True, True]
+
+
+def test_a_worker_with_another_embedding_config_is_refused_naming_what_differs(
+    checkpoint, monkeypatch
+):
+    """A worker started with another embedding_config.yml than the checkpoint's answered
+    every ID as unknown (zeros: another ID prefix) or pooled otherwise, and the server served
+    those predictions; the load now refuses it, naming the worker and each slot."""
+    from embedding_store.config import embedding_config_from_mapping
+    from embedding_store.errors import FailedPreconditionError
+
+    dim = CONFIG.slots_config["user"].dim
+    others = {
+        "another prefix width": (
+            {"feature_index_prefix_bit": 10, "slots_config": {"user": {"dim": dim}}},
+            "slot 'item' is not in the worker's config; slot 'user' has another ID prefix "
+            "in the checkpoint (feature groups or feature_index_prefix_bit changed)",
+        ),
+        "other pooling": (
+            {
+                "feature_index_prefix_bit": 8,
+                "slots_config": {"user": {"dim": dim}, "item": {"dim": dim, "sqrt_scaling": True}},
+            },
+            "slot 'item' is pooled otherwise at the worker (sqrt_scaling False in the "
+            "checkpoint, True at the worker)",
+        ),
+    }
+    for mapping, problems in others.values():
+        made = _fake_remote_workers(
+            monkeypatch, serving=True, reports=embedding_config_from_mapping(mapping)
+        )
+        with pytest.raises(FailedPreconditionError) as refused:
+            load_model(checkpoint, name="m", embedding_workers=["a:1"])
+        assert refused.value.message == (
+            f"embedding worker a:1 serves another embedding config than checkpoint "
+            f"{checkpoint}: {problems} (start the worker with the checkpoint's "
+            "embedding_config.yml)"
+        )
+        assert [worker.closed for worker in made] == [True]
+    # The checkpoint's own config passes the check: the load goes on (to the option it
+    # refuses next).
+    _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
 
 
 def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, monkeypatch):

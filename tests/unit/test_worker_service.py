@@ -408,6 +408,36 @@ def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
     assert status.shard_tasks == ("", "", "")
 
 
+def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
+    """Servers check the config a worker routes and pools IDs by against their checkpoint's
+    (serving.model.worker_config_mismatch): it travels in Status, parsed once per text."""
+    from embedding_store.errors import RecserveError
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    tier, _ = make_tier()
+    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), None)
+
+    class Stub:
+        response = answer
+
+        def Status(self, request, timeout=None):
+            return self.response
+
+    with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
+        client._stub = stub = Stub()
+        reported = client.status().embedding_config
+        assert reported == CONFIG
+        assert client.status().embedding_config is reported  # parsed once
+        stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
+        assert client.status().embedding_config is None
+        stub.response = pb.WorkerStatusResponse(embedding_config_json='{"slots_config": 3}')
+        with pytest.raises(RecserveError) as malformed:
+            client.status()
+        assert malformed.value.message.startswith(
+            "embedding worker 127.0.0.1:1 sent a malformed answer: "
+        )
+
+
 def test_format_status_shows_tasks_of_shards_and_worker():
     status = TierStatus(
         rows_per_shard=(5, 7),
