@@ -75,10 +75,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         self.tier = tier
         self.metrics = metrics or EmbeddingWorkerMetrics()
         self.metrics.watch_tier(tier)
-        # Sent with every Status: servers check it against their checkpoint's config.
-        self._config_json = json.dumps(
-            embedding_config_to_mapping(tier.embedding_config), sort_keys=True
-        )
+        # Sent with every Status: servers check it against their checkpoint's config. Keys
+        # in the config's order, never sorted: the slots' order gives their ID prefixes.
+        self._config_json = json.dumps(embedding_config_to_mapping(tier.embedding_config))
 
     @rpc_errors
     @observed

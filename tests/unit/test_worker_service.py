@@ -427,6 +427,11 @@ def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
         client._stub = stub = Stub()
         reported = client.status().embedding_config
         assert reported == CONFIG
+        # The slots' order gives their ID prefixes ("items" sorts before "user").
+        assert reported.slot_names == CONFIG.slot_names == ("user", "items")
+        assert [reported.index_prefix(name) for name in CONFIG.slot_names] == [
+            CONFIG.index_prefix(name) for name in CONFIG.slot_names
+        ]
         assert client.status().embedding_config is reported  # parsed once
         stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
         assert client.status().embedding_config is None
