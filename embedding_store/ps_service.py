@@ -11,7 +11,8 @@ reports ``NOT_SERVING`` until the shard can answer: a training shard once an opt
 configured, an inference shard (``job_type: Infer``, read-only) once its checkpoint is loaded.
 A training shard expecting a checkpoint (:meth:`ParameterServerServicer.expect_checkpoint`)
 serves only once the load finished. While a shard waits for its checkpoint, its lookups are
-answered ``UNAVAILABLE`` rather than with zeros (a training shard's updates too). Status
+answered ``UNAVAILABLE`` rather than with zeros (a training shard's updates too), and so are
+a training shard's lookups until it has an optimizer (one restarted empty). Status
 reports a running dump or load and its progress (fraction of rows written or read, per
 file). The process around it (gRPC server, metrics, signals, dump on exit) is
 :mod:`embedding_store.ps_process`.
@@ -164,6 +165,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             kind = "inference" if self.shard.read_only else "training"
             raise UnavailableError(f"this {kind} parameter server {NOT_LOADED_YET}")
 
+    def _require_configured(self) -> None:
+        """Lookups of a training shard wait for its optimizer (NOT_SERVING until then). A
+        shard restarted empty in place of one that held rows would answer every ID with
+        zeros, as unknown: a server would serve predictions from them, reporting nothing
+        but unknown IDs. Updates without an optimizer fail on their own."""
+        if not self.shard.read_only and self.shard.optimizer is None:
+            raise UnavailableError(
+                "this training parameter server has no optimizer configured yet "
+                "(NOT_SERVING: started or restarted empty; a trainer's Configure, "
+                "`recserve embedding-tier load` or --load-checkpoint sets one), so it has "
+                "no rows to answer with"
+            )
+
     def _refresh_health(self) -> None:
         if self._health is None or self._shutting_down:
             return
@@ -301,6 +315,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
         self._require_loaded()
+        self._require_configured()
         with self._lookup_lock:
             before = self.shard.stats()
             rows = self.shard.lookup(ids, dim, train=request.train)

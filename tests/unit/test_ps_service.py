@@ -127,10 +127,20 @@ def test_lookup_reports_misses_and_admission_rejections():
 def test_configure_update_and_serving_state():
     s = servicer()
     assert not s.serving
+    ids = pack_u64(np.array([3], np.uint64))
+    # Not configured (a shard restarted empty, say): its zeros would pass for embeddings.
+    for train in (False, True):
+        refused = aborted(s.Lookup, pb.LookupRequest(ids=ids, dim=4, train=train))
+        assert (refused.code, refused.details) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "this training parameter server has no optimizer configured yet (NOT_SERVING: "
+            "started or restarted empty; a trainer's Configure, `recserve embedding-tier "
+            "load` or --load-checkpoint sets one), so it has no rows to answer with",
+        )
+    assert s.shard.size() == 0
     request = pb.ConfigureRequest(sgd=pb.Sgd(lr=0.5))
     s.Configure(request, FakeContext())
     assert s.serving and s.shard.optimizer == SGD(lr=0.5)
-    ids = pack_u64(np.array([3], np.uint64))
     s.Lookup(pb.LookupRequest(ids=ids, dim=4, train=True), FakeContext())
     before = s.shard.export_rows(4).weights.copy()
     grads = pack_f32(np.ones((1, 4), np.float32))
@@ -499,6 +509,7 @@ def test_malformed_protobufs_are_invalid_argument_not_internal():
                 )
             assert imported.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert imported.value.details().startswith("malformed RowChunk: ")
+            process.servicer.shard.configure(optimizer=SGD())  # a training shard's lookups wait
             good = pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4)
             answer = channel.unary_unary(f"{service}/Lookup", **raw)(
                 good.SerializeToString(), timeout=10
