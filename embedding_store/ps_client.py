@@ -10,6 +10,7 @@ one long-lived channel; every call has a deadline, and every failure is raised a
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import time
@@ -53,6 +54,17 @@ from embedding_store.shard import RowBlock
 DEFAULT_CHECKPOINT_TIMEOUT = 600.0
 #: How often a load asks whether its caller is still there (``load(caller_gone=...)``).
 _CALLER_CHECK_SECONDS = 0.1
+
+#: The deadline (a ``time.monotonic()`` value) of the call this context serves, when it has
+#: one: shard lookups made for it get at most the time left (an embedding worker sets it
+#: from its caller's deadline, a little earlier). A shard that hangs then fails the lookup
+#: as DEADLINE_EXCEEDED naming the shard, in time for the caller to be told; a longer shard
+#: deadline than the caller's would leave it only "the worker did not answer".
+caller_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "recserve_caller_deadline", default=None
+)
+#: The least deadline a shard lookup gets when its caller's is (nearly) past.
+MIN_LOOKUP_SECONDS = 0.01
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 #: Calls that may reach the shard twice (renewing_channel.RenewingTierChannel retries them once
@@ -220,8 +232,14 @@ class RemoteParameterServer:
         """Rows of ``ids`` (uint64 [n]) -> (float32 [n, dim], IDs answered with zeros)."""
         ids = _check_ids(ids)
         dim = _check_dim(dim)
+        timeout = self.timeout
+        deadline = caller_deadline.get()
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), MIN_LOOKUP_SECONDS))
         response = self._call(
-            self._stub.Lookup, pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train))
+            self._stub.Lookup,
+            pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train)),
+            timeout,
         )
         try:
             rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")

@@ -47,6 +47,7 @@ from embedding_store.grpc_common import (
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.ps_client import caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.rpc_metrics import observed, observed_stream
 from embedding_store.stop_signal import StopRequest
@@ -64,6 +65,9 @@ SHARDS_SERVICE = "recserve.shards"
 SHARD_CHECK_INTERVAL_SECONDS = 2.0
 #: Deadline of each shard's Status call in that check (at most the worker's shard timeout).
 SHARD_CHECK_TIMEOUT_SECONDS = 2.0
+#: How long before its caller's deadline a lookup's shard calls end (at most; a tenth of the
+#: caller's time when shorter): the worker's answer naming a hung shard must still arrive.
+LOOKUP_ANSWER_MARGIN_SECONDS = 0.25
 
 
 class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
@@ -86,7 +90,20 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         check_answer_fits(batch, self.tier.embedding_config)
-        result = self.tier.lookup(batch, train=request.train)
+        # The shard calls end before the caller's deadline, so a shard that hangs is named
+        # to the caller (DEADLINE_EXCEEDED from here) instead of the caller's own deadline
+        # passing on this worker: a server's --lookup-timeout (5 s) is shorter than the
+        # worker's --shard-timeout (10 s).
+        remaining = context.time_remaining()
+        token = None
+        if remaining is not None:
+            margin = min(LOOKUP_ANSWER_MARGIN_SECONDS, 0.1 * remaining)
+            token = caller_deadline.set(time.monotonic() + remaining - margin)
+        try:
+            result = self.tier.lookup(batch, train=request.train)
+        finally:
+            if token is not None:
+                caller_deadline.reset(token)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
         pack_slots(response.slots, result.slots)
         return response

@@ -145,6 +145,44 @@ def test_calls_take_the_deadline_they_are_given_else_their_default() -> None:
     assert stub.timeouts == [0.5, 7.0, 2.5, 90.0]
 
 
+def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
+    """An embedding worker serving a lookup sets its caller's deadline (ps_client.
+    caller_deadline): the shard call must end first, so a hung shard is named to the caller."""
+    import time
+
+    from embedding_store import ps_client
+
+    class Stub:
+        timeouts: list[float] = []
+
+        def Lookup(self, request, timeout=None):
+            self.timeouts.append(timeout)
+            return pb.LookupResponse(rows=pack_f32(np.zeros((1, 4), np.float32)))
+
+    ids = np.arange(1, dtype=np.uint64)
+    with RemoteParameterServer(NOWHERE, timeout=7) as client:
+        client._stub = stub = Stub()
+        client.lookup(ids, 4, train=False)
+        token = ps_client.caller_deadline.set(time.monotonic() + 2.0)
+        try:
+            client.lookup(ids, 4, train=False)
+        finally:
+            ps_client.caller_deadline.reset(token)
+        token = ps_client.caller_deadline.set(time.monotonic() - 1.0)  # already past
+        try:
+            client.lookup(ids, 4, train=False)
+        finally:
+            ps_client.caller_deadline.reset(token)
+        token = ps_client.caller_deadline.set(time.monotonic() + 60.0)  # later than its own
+        try:
+            client.lookup(ids, 4, train=False)
+        finally:
+            ps_client.caller_deadline.reset(token)
+    default, left, past, later = stub.timeouts
+    assert default == 7.0 and 1.5 < left <= 2.0
+    assert past == ps_client.MIN_LOOKUP_SECONDS and later == 7.0
+
+
 def test_a_dump_returns_the_shards_file_entries_and_optimizer() -> None:
     with RemoteParameterServer(NOWHERE, timeout=7) as client:
         client._stub = _MalformedStub()

@@ -147,11 +147,16 @@ class AbortedRpcError(Exception):
 
 
 class FakeContext:
+    remaining: float | None = None  # seconds before the caller's deadline (None: no deadline)
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise AbortedRpcError(code, details)
 
     def is_active(self) -> bool:
         return True
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
 
 
 @pytest.fixture
@@ -515,6 +520,45 @@ def test_a_failed_shard_dump_publishes_nothing_and_names_the_shard(make_tier, tm
     manifest = tier.dump(target)
     assert manifest.num_shards == 2 and manifest.total_rows == 20
     assert (target / checkpoint_manifest.DONE_MARKER).exists()
+
+
+def test_a_lookups_shard_calls_end_before_the_callers_deadline(make_tier):
+    """A server's lookup deadline (--lookup-timeout 5 s) is shorter than the worker's shard
+    deadline (10 s): a hung shard left the server only "the worker did not answer". The
+    shard calls, on this thread and on the pool's, now see the caller's deadline less a
+    margin (ps_client.caller_deadline, which RemoteParameterServer.lookup honours)."""
+    import time
+
+    from embedding_store import ps_client
+
+    tier, fakes = make_tier(num_shards=2)
+    seen: dict[int, float | None] = {}
+    for fake in fakes:
+
+        def lookup(ids, dim, *, train, fake=fake):
+            seen[fake.index] = ps_client.caller_deadline.get()
+            return fake.shard.lookup(ids, dim, train=train)
+
+        fake.lookup = lookup
+    servicer = EmbeddingWorkerServicer(tier)
+    request = pb.WorkerLookupRequest(batch=user_batch(list(range(16))).to_bytes())
+    context = FakeContext()
+    context.remaining = 2.0
+    before = time.monotonic()
+    servicer.Lookup(request, context)
+    after = time.monotonic()
+    assert sorted(seen) == [0, 1]  # both shards were asked
+    for deadline in seen.values():  # 2 s less a tenth (under the 0.25 s cap)
+        assert deadline is not None and before + 1.8 <= deadline <= after + 1.8
+    assert ps_client.caller_deadline.get() is None  # reset after the call
+    context.remaining = 60.0
+    servicer.Lookup(request, context)
+    for deadline in seen.values():  # the margin is capped
+        assert deadline is not None and after + 59.75 <= deadline <= time.monotonic() + 59.75
+    seen.clear()
+    context.remaining = None  # no deadline: the shard clients' own
+    servicer.Lookup(request, context)
+    assert seen == {0: None, 1: None}
 
 
 # --------------------------------------------------------------------------- metrics
