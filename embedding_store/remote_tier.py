@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_all
@@ -61,6 +62,9 @@ ShardClientFactory = Callable[[str, int], RemoteParameterServer]
 #: restarting shard) before it counts the push as failed: the trainers' lookups ride out the
 #: same outage (training.ctx.TIER_RETRY_SECONDS), and their run goes on once it is back.
 PUSH_RETRY_SECONDS = 30.0
+
+#: Deadline of each shard's Status call while :meth:`RemoteShardTier.wait_for_serving` polls.
+SERVING_POLL_TIMEOUT_SECONDS = 2.0
 
 #: True once whoever asked for a dump or load is gone (its deadline passed, it disconnected):
 #: the task then stops before it changes anything (see :meth:`RemoteShardTier.dump`).
@@ -173,10 +177,11 @@ class RemoteShardTier:
         self._pusher.start()
 
     # ------------------------------------------------------------------ readiness
-    def verify_shards(self, *, timeout: float | None = None) -> None:
+    def verify_shards(self, *, timeout: float | None = None) -> list[ShardStatus]:
         """Check that shard i answers as replica i of N; raises naming the first mismatch or
         the first shard that does not answer (within ``timeout`` s each; None: the shard
-        timeout). The shards are asked at once, so a dead one costs one deadline, not N."""
+        timeout). The shards are asked at once, so a dead one costs one deadline, not N.
+        Returns what each shard reported, in replica order."""
         size = len(self.clients)
         if timeout is None:
             statuses = self._each(lambda c: c.status(), self._status_executor)
@@ -187,8 +192,38 @@ class RemoteShardTier:
                 raise InvalidArgumentError(
                     f"parameter server {client.address} answers as replica "
                     f"{status.replica_index} of {status.replica_size}, but was given as "
-                    f"replica {index} of {size} (check the order of --ps addresses)"
+                    f"replica {index} of {size} (check the order of the shard addresses: "
+                    "the worker's --ps, or serve's --embedding-ps)"
                 )
+        return statuses
+
+    def wait_for_serving(self, timeout: float) -> None:
+        """Block until every shard answers as its replica and serves (an inference shard
+        has loaded its checkpoint): a server started before its shards, or while they load,
+        waits for them as it waits for an embedding worker. UnavailableError naming the
+        shards still waited for after ``timeout`` s; a shard at the wrong place in the list
+        (or a process that is no shard) fails at once, as waiting would not change it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                statuses = self.verify_shards(
+                    timeout=max(0.05, min(remaining, SERVING_POLL_TIMEOUT_SECONDS))
+                )
+            except (UnavailableError, DeadlineExceededError) as error:
+                last = error.message
+            else:
+                waiting = [
+                    f"{client.peer}" + (f" ({status.task})" if status.task else "")
+                    for client, status in zip(self.clients, statuses, strict=True)
+                    if not status.serving
+                ]
+                if not waiting:
+                    return
+                last = "not serving yet: " + ", ".join(waiting)
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"embedding shards not serving after {timeout:g} s ({last})")
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:

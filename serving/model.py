@@ -507,7 +507,8 @@ def load_model(
 
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
     when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
-    A remote embedding worker gets ``startup_timeout`` seconds to report SERVING."""
+    A remote embedding worker, or the remote shards, get ``startup_timeout`` seconds to
+    report SERVING."""
     if embedding_workers and embedding_ps:
         raise InvalidArgumentError(
             "give embedding_workers or embedding_ps, not both: a model uses one tier"
@@ -539,8 +540,14 @@ def load_model(
         from embedding_store.remote_tier import RemoteShardTier
 
         shards = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
+        log.info(
+            "waiting up to %.0f s for %d embedding shard(s) to serve: %s",
+            startup_timeout,
+            len(embedding_ps),
+            ", ".join(embedding_ps),
+        )
         try:
-            shards.verify_shards()
+            shards.wait_for_serving(startup_timeout)
         except BaseException:
             shards.close()
             raise

@@ -277,6 +277,24 @@ def test_a_worker_with_another_embedding_config_is_refused_naming_what_differs(
         load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
 
 
+def test_remote_shards_get_the_startup_timeout_to_serve(checkpoint, monkeypatch):
+    """serve --embedding-ps started before its shards (or while they load) waits for them as
+    long as for an embedding worker; it used to fail at once."""
+    from embedding_store.errors import UnavailableError
+    from embedding_store.remote_tier import RemoteShardTier
+
+    waits: list[float] = []
+
+    def wait_for_serving(self, timeout: float) -> None:
+        waits.append(timeout)
+        raise UnavailableError("embedding shards not serving after 7 s (...)")
+
+    monkeypatch.setattr(RemoteShardTier, "wait_for_serving", wait_for_serving)
+    with pytest.raises(UnavailableError, match="not serving after 7 s"):
+        load_model(checkpoint, name="m", embedding_ps=["127.0.0.1:1"], startup_timeout=7)
+    assert waits == [7]
+
+
 def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, monkeypatch):
     """A new version renamed into the watched path between the embedding manifest's check
     and the load of its rows: the load reads the path again, and used to serve the new

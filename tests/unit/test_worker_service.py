@@ -12,6 +12,7 @@ import dataclasses
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -62,6 +63,8 @@ class FakeShardClient:
         self.on_update: Callable[[], None] | None = None
         self.on_dump: Callable[[], None] | None = None
         self.on_load: Callable[[], None] | None = None
+        self.on_status: Callable[[], None] | None = None
+        self.serving = True
         self.updates = 0
         self.clears = 0
         self.task = ""
@@ -119,7 +122,9 @@ class FakeShardClient:
             rows += len(block.ids)
         return rows
 
-    def status(self) -> ShardStatus:
+    def status(self, *, timeout: float | None = None) -> ShardStatus:
+        if self.on_status:
+            self.on_status()
         stats = self.shard.stats()
         return ShardStatus(
             replica_index=self.shard.replica_index,
@@ -129,7 +134,7 @@ class FakeShardClient:
             read_only=False,
             job_type="Train",
             optimizer_json="",
-            serving=True,
+            serving=self.serving,
             lookups=stats.lookups,
             ids_looked_up=stats.ids_looked_up,
             misses=stats.misses,
@@ -676,6 +681,43 @@ def test_verify_shards_checks_the_replica_count_too(make_tier):
         "parameter server fake-1:7000 answers as replica 1 of 3, but was given as replica 1 of 2"
         in refused.value.message
     )
+
+
+def test_wait_for_serving_waits_for_shards_to_answer_and_serve_and_names_them(make_tier):
+    """serve --embedding-ps waits for its shards as --embedding-workers waits for its worker
+    (it failed at once when started before them, and a shard still loading failed its
+    warm-up); a shard at the wrong place fails at once."""
+    tier, fakes = make_tier(2)
+    fakes[1].serving, fakes[1].task = False, "loading"
+    down = [True]
+
+    def unreachable() -> None:
+        if down[0]:
+            raise UnavailableError(f"{fakes[0].peer} is unavailable: connection refused")
+
+    fakes[0].on_status = unreachable
+    with pytest.raises(UnavailableError) as waited:
+        tier.wait_for_serving(0.3)
+    assert waited.value.message == (
+        "embedding shards not serving after 0.3 s (parameter server fake-0:7000 (shard 0) is "
+        "unavailable: connection refused)"
+    )
+    down[0] = False
+    with pytest.raises(UnavailableError) as waited:
+        tier.wait_for_serving(0.3)
+    assert waited.value.message == (
+        "embedding shards not serving after 0.3 s (not serving yet: parameter server "
+        "fake-1:7000 (shard 1) (loading))"
+    )
+    threading.Timer(0.3, lambda: setattr(fakes[1], "serving", True)).start()
+    started = time.monotonic()
+    tier.wait_for_serving(WAIT)
+    assert 0.25 < time.monotonic() - started < WAIT
+    fakes[1].shard = EmbeddingShard(10, replica_index=0, replica_size=2)
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="answers as replica 0 of 2"):
+        tier.wait_for_serving(WAIT)
+    assert time.monotonic() - started < 1.0  # at once, not after WAIT
 
 
 def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
