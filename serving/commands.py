@@ -102,8 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--startup-timeout",
         type=positive_float,
         default=60.0,
-        help="wait this long (s) for --embedding-workers, or every --embedding-ps shard, "
-        "to report serving (default 60)",
+        help="wait this long (s) for the remote embedding tier to serve: the "
+        "--embedding-workers worker and each of its shards, or each --embedding-ps shard "
+        "(default 60)",
     )
     parser.add_argument(
         "--fallback-policy",

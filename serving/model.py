@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -35,9 +35,12 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.signature import FeatureSignature
-from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
+from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier, TierStatus
 from embedding_store.worker import LookupResult, SlotOutput
 from serving import onednn_linear
+
+if TYPE_CHECKING:
+    from embedding_store.worker_client import RemoteEmbeddingWorker
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +490,34 @@ def worker_config_mismatch(
     )
 
 
+def _wait_for_worker_shards(
+    worker: RemoteEmbeddingWorker, address: str, deadline: float, timeout: float
+) -> TierStatus:
+    """The embedding worker's status once each of its shards serves. A worker is ready once
+    it reaches its shards, loaded or not (readiness must not follow the shared tier), so a
+    server started while an inference shard still loads its checkpoint would fail its
+    warm-up on that shard. UnavailableError naming the shards still waited for at
+    ``deadline`` (``timeout`` s after the start)."""
+    while True:
+        status = worker.status(partial=True)
+        waiting = []
+        for index, serving in enumerate(status.shard_serving):
+            error = status.shard_errors[index] if status.shard_errors else ""
+            task = status.shard_tasks[index] if status.shard_tasks else ""
+            if error:
+                waiting.append(f"shard {index}: {error}")
+            elif not serving:
+                waiting.append(f"shard {index}: not serving yet" + (f" ({task})" if task else ""))
+        if not waiting:
+            return status
+        if time.monotonic() >= deadline:
+            raise UnavailableError(
+                f"embedding worker {address}: its shards are not serving after {timeout:g} s "
+                f"({'; '.join(waiting)})"
+            )
+        time.sleep(0.1)
+
+
 def load_model(
     checkpoint_dir: str | Path,
     *,
@@ -564,12 +595,13 @@ def load_model(
             embedding_workers[0],
         )
         try:
+            deadline = time.monotonic() + startup_timeout
             worker.wait_for_serving(timeout=startup_timeout)
+            status = _wait_for_worker_shards(
+                worker, embedding_workers[0], deadline, startup_timeout
+            )
             mismatch = worker_config_mismatch(
-                embedding_workers[0],
-                worker.status(partial=True).embedding_config,
-                embedding_config,
-                manifest.directory,
+                embedding_workers[0], status.embedding_config, embedding_config, manifest.directory
             )
             if mismatch is not None:
                 raise mismatch

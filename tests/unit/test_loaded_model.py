@@ -184,10 +184,14 @@ def test_error_summary_is_the_type_and_the_last_line(error, expected):
     assert summary == (f"{name}: {expected} [2, 3]" if expected else f"{name}: ")
 
 
-def _fake_remote_workers(monkeypatch, *, serving: bool, reports=None) -> list:
+def _fake_remote_workers(
+    monkeypatch, *, serving: bool, reports=None, loading_for: int | None = 0
+) -> list:
     """Stands in for RemoteEmbeddingWorker: each made is listed, its ``closed`` says whether
     it was closed; its wait_for_serving fails unless ``serving``; its status reports the
-    embedding config ``reports`` (None: none, as a worker that predates the field)."""
+    embedding config ``reports`` (None: none, as a worker that predates the field) and
+    shard 1 still loading its checkpoint for the first ``loading_for`` status calls (None:
+    for good)."""
     from embedding_store import worker_client
     from embedding_store.errors import UnavailableError
     from embedding_store.tier import TierStatus
@@ -197,6 +201,7 @@ def _fake_remote_workers(monkeypatch, *, serving: bool, reports=None) -> list:
     class _FakeWorker:
         def __init__(self, address, config, *, timeout) -> None:
             self.closed = False
+            self.statuses = 0
             made.append(self)
 
         def wait_for_serving(self, timeout: float) -> None:
@@ -204,7 +209,19 @@ def _fake_remote_workers(monkeypatch, *, serving: bool, reports=None) -> list:
                 raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
 
         def status(self, *, partial: bool = False) -> TierStatus:
-            return TierStatus((1,), (10,), 0, 0, 0, embedding_config=reports)
+            self.statuses += 1
+            loading = loading_for is None or self.statuses <= loading_for
+            return TierStatus(
+                (1, 0),
+                (10, 10),
+                0,
+                0,
+                0,
+                shard_tasks=("", "loading" if loading else ""),
+                shard_serving=(True, not loading),
+                shard_errors=("", ""),
+                embedding_config=reports,
+            )
 
         def close(self) -> None:
             self.closed = True
@@ -275,6 +292,25 @@ def test_a_worker_with_another_embedding_config_is_refused_naming_what_differs(
     _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG)
     with pytest.raises(InvalidArgumentError, match="must be one of"):
         load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
+
+
+def test_a_remote_workers_shards_still_loading_are_waited_for(checkpoint, monkeypatch):
+    """A worker is ready once it reaches its shards, loaded or not: a server started while an
+    inference shard loaded its checkpoint failed its warm-up on that shard. It now waits for
+    them, up to the start-up timeout, then names them."""
+    from embedding_store.errors import UnavailableError
+
+    made = _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=2)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):  # got past the wait
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
+    assert made[0].statuses == 3
+    _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=None)
+    with pytest.raises(UnavailableError) as waited:
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], startup_timeout=0.2)
+    assert waited.value.message == (
+        "embedding worker a:1: its shards are not serving after 0.2 s (shard 1: not serving "
+        "yet (loading))"
+    )
 
 
 def test_remote_shards_get_the_startup_timeout_to_serve(checkpoint, monkeypatch):
