@@ -159,11 +159,14 @@ def _still_loading(error: grpc.RpcError) -> bool:
 class RemoteParameterServer:
     """One remote parameter-server shard at ``address`` (``host:port``).
 
-    ``replica_index`` only names the shard in error messages. ``timeout`` is the deadline of
-    the data-path and control calls; ``checkpoint_timeout`` that of dump, load, export and
-    import (each also takes its own ``timeout=``). ``update_retry_seconds``: how long a
-    gradient update is sent again while the shard cannot be reached (the embedding worker's
-    pushes ride out a shard restart; an update that reached the shard is never resent).
+    ``replica_index`` names the shard in error messages; with ``replica_size`` too, lookups
+    and updates say which replica of how many they are for, and a shard that is another
+    refuses them (UNAVAILABLE) instead of answering from another part of the table.
+    ``timeout`` is the deadline of the data-path and control calls; ``checkpoint_timeout``
+    that of dump, load, export and import (each also takes its own ``timeout=``).
+    ``update_retry_seconds``: how long a gradient update is sent again while the shard cannot
+    be reached (the embedding worker's pushes ride out a shard restart; an update that
+    reached the shard is never resent).
     Thread-safe: gRPC channels are.
     """
 
@@ -172,6 +175,7 @@ class RemoteParameterServer:
         address: str,
         *,
         replica_index: int | None = None,
+        replica_size: int | None = None,
         timeout: float = 10.0,
         checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
         update_retry_seconds: float = 0.0,
@@ -185,6 +189,13 @@ class RemoteParameterServer:
             )
         self.address = address
         self.replica_index = replica_index
+        self.replica_size = replica_size
+        # Sent with every lookup and update when both are known (replica_size 0: not said).
+        self._replica = (
+            {"replica_index": replica_index, "replica_size": replica_size}
+            if replica_index is not None and replica_size is not None
+            else {}
+        )
         self.timeout = float(timeout)
         self.checkpoint_timeout = float(checkpoint_timeout)
         self.update_retry_seconds = float(update_retry_seconds)
@@ -238,7 +249,7 @@ class RemoteParameterServer:
             timeout = min(timeout, max(deadline - time.monotonic(), MIN_LOOKUP_SECONDS))
         response = self._call(
             self._stub.Lookup,
-            pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train)),
+            pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train), **self._replica),
             timeout,
         )
         try:
@@ -267,7 +278,10 @@ class RemoteParameterServer:
                 f"got {list(grads.shape)}"
             )
         request = pb.UpdateRequest(
-            ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
+            ids=pack_u64(ids),
+            grads=pack_f32(grads),
+            dim=_check_dim(grads.shape[1]),
+            **self._replica,
         )
         # Sent again only while it cannot leave this process (the shard restarting) or the
         # shard says it is still loading its checkpoint: an update that reached a serving

@@ -165,6 +165,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             kind = "inference" if self.shard.read_only else "training"
             raise UnavailableError(f"this {kind} parameter server {NOT_LOADED_YET}")
 
+    def _require_replica(self, index: int, size: int) -> None:
+        """Refuse a lookup or update meant for another replica (``size`` 0: the client did
+        not say). A shard restarted with another --replica-index, or listed at another place
+        in the worker's --ps, holds another part of the table: it would answer every ID as
+        unknown, with zeros, and train rows that are not its own."""
+        ours = (self.shard.replica_index, self.shard.replica_size)
+        if size and (index, size) != ours:
+            raise UnavailableError(
+                f"this parameter server is replica {ours[0]} of {ours[1]}, but its client "
+                f"takes it for replica {index} of {size}: it holds another part of the table "
+                "(check the order of the shard addresses: the worker's --ps, or serve's "
+                "--embedding-ps, and each shard's --replica-index)"
+            )
+
     def _require_configured(self) -> None:
         """Lookups of a training shard wait for its optimizer (NOT_SERVING until then). A
         shard restarted empty in place of one that held rows would answer every ID with
@@ -314,6 +328,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         dim = self._configured_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
+        self._require_replica(request.replica_index, request.replica_size)
         self._require_loaded()
         self._require_configured()
         with self._lookup_lock:
@@ -332,6 +347,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
         require_finite_rows(grads, ids, "UpdateRequest.grads")
+        self._require_replica(request.replica_index, request.replica_size)
         if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
             self._require_loaded()
         return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))

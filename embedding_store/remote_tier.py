@@ -132,6 +132,7 @@ class RemoteShardTier:
                 return RemoteParameterServer(
                     address,
                     replica_index=index,
+                    replica_size=len(shard_addresses),
                     timeout=shard_timeout,
                     update_retry_seconds=PUSH_RETRY_SECONDS,
                 )

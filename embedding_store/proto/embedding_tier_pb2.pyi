@@ -103,14 +103,18 @@ class ClearResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ids", "dim", "train")
+    __slots__ = ("ids", "dim", "train", "replica_index", "replica_size")
     IDS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     dim: int
     train: bool
-    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ...) -> None: ...
+    replica_index: int
+    replica_size: int
+    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows", "misses")
@@ -121,14 +125,18 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("ids", "grads", "dim")
+    __slots__ = ("ids", "grads", "dim", "replica_index", "replica_size")
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     grads: bytes
     dim: int
-    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+    replica_index: int
+    replica_size: int
+    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("rows_updated",)

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from embedding_store.config import EmbeddingConfig, JobType, SlotConfig
+from embedding_store.config import (
+    EmbeddingConfig,
+    JobType,
+    SlotConfig,
+    embedding_config_from_mapping,
+)
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -145,6 +150,46 @@ def test_calls_take_the_deadline_they_are_given_else_their_default() -> None:
     assert stub.timeouts == [0.5, 7.0, 2.5, 90.0]
 
 
+def test_lookups_and_updates_say_which_replica_they_are_for() -> None:
+    """So that a shard at another replica refuses them (ParameterServerServicer); the
+    worker's clients know both the index and the count."""
+    from embedding_store.remote_tier import RemoteShardTier
+
+    class Stub:
+        def __init__(self) -> None:
+            self.requests: list = []
+
+        def Lookup(self, request, timeout=None):
+            self.requests.append(request)
+            return pb.LookupResponse(rows=pack_f32(np.zeros((1, 4), np.float32)))
+
+        def Update(self, request, timeout=None):
+            self.requests.append(request)
+            return pb.UpdateResponse(rows_updated=1)
+
+    ids = np.arange(1, dtype=np.uint64)
+    grads = np.ones((1, 4), np.float32)
+    with (
+        RemoteParameterServer(NOWHERE, replica_index=1, replica_size=3) as told,
+        RemoteParameterServer(NOWHERE, replica_index=1) as untold,
+    ):
+        for client in (told, untold):
+            client._stub = stub = Stub()
+            client.lookup(ids, 4, train=False)
+            client.update(ids, grads)
+            assert [(r.replica_index, r.replica_size) for r in stub.requests] == (
+                [(1, 3)] * 2 if client is told else [(0, 0)] * 2
+            )
+            stub.requests.clear()
+    tier = RemoteShardTier(
+        embedding_config_from_mapping({"slots_config": {"a": {"dim": 4}}}), [NOWHERE] * 2
+    )
+    try:
+        assert [(c.replica_index, c.replica_size) for c in tier.clients] == [(0, 2), (1, 2)]
+    finally:
+        tier.close()
+
+
 def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
     """An embedding worker serving a lookup sets its caller's deadline (ps_client.
     caller_deadline): the shard call must end first, so a hung shard is named to the caller."""
@@ -153,7 +198,8 @@ def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
     from embedding_store import ps_client
 
     class Stub:
-        timeouts: list[float] = []
+        def __init__(self) -> None:
+            self.timeouts: list[float] = []
 
         def Lookup(self, request, timeout=None):
             self.timeouts.append(timeout)

@@ -153,6 +153,33 @@ def test_configure_update_and_serving_state():
     assert not s.serving
 
 
+def test_lookups_and_updates_meant_for_another_replica_are_refused():
+    """A shard restarted with another --replica-index (or listed at another place) holds
+    another part of the table: it answered every ID of the replica it was taken for as
+    unknown (zeros), and a server served predictions from them."""
+    s = servicer(optimizer=SGD(), replica_index=0, replica_size=2)
+    ids = pack_u64(np.array([3], np.uint64))
+    grads = pack_f32(np.ones((1, 4), np.float32))
+    requests = {
+        s.Lookup: lambda **replica: pb.LookupRequest(ids=ids, dim=4, **replica),
+        s.Update: lambda **replica: pb.UpdateRequest(ids=ids, grads=grads, dim=4, **replica),
+    }
+    for method, request in requests.items():
+        refused = aborted(method, request(replica_index=1, replica_size=2))
+        assert (refused.code, refused.details) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "this parameter server is replica 0 of 2, but its client takes it for replica 1 "
+            "of 2: it holds another part of the table (check the order of the shard "
+            "addresses: the worker's --ps, or serve's --embedding-ps, and each shard's "
+            "--replica-index)",
+        )
+        assert aborted(method, request(replica_index=0, replica_size=3)).code == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+        method(request(replica_index=0, replica_size=2), FakeContext())
+        method(request(), FakeContext())  # a client that does not say (replica_size 0)
+
+
 def test_non_finite_gradients_and_optimizer_state_are_refused_before_any_row_changes():
     # Workers skip NaN/Inf gradient rows, but any peer can call Update and ImportRows: one NaN
     # used to make the stored row NaN for good (served as NaN predictions from then on).
