@@ -539,7 +539,7 @@ def load_model(
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
     when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
     A remote embedding worker, or the remote shards, get ``startup_timeout`` seconds to
-    report SERVING."""
+    report SERVING (the worker's shards too, unless ``fallback_policy`` is ``"default"``)."""
     if embedding_workers and embedding_ps:
         raise InvalidArgumentError(
             "give embedding_workers or embedding_ps, not both: a model uses one tier"
@@ -597,9 +597,12 @@ def load_model(
         try:
             deadline = time.monotonic() + startup_timeout
             worker.wait_for_serving(timeout=startup_timeout)
-            status = _wait_for_worker_shards(
-                worker, embedding_workers[0], deadline, startup_timeout
-            )
+            if fallback_policy == "fail":
+                status = _wait_for_worker_shards(
+                    worker, embedding_workers[0], deadline, startup_timeout
+                )
+            else:  # default vectors stand in for a shard that is away, in the warm-up too
+                status = worker.status(partial=True)
             mismatch = worker_config_mismatch(
                 embedding_workers[0], status.embedding_config, embedding_config, manifest.directory
             )

@@ -311,6 +311,17 @@ def test_a_remote_workers_shards_still_loading_are_waited_for(checkpoint, monkey
         "embedding worker a:1: its shards are not serving after 0.2 s (shard 1: not serving "
         "yet (loading))"
     )
+    # With default vectors for a shard that is away, a server starts (or reloads) without it.
+    made = _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=None)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):
+        load_model(
+            checkpoint,
+            name="m",
+            embedding_workers=["a:1"],
+            fallback_policy="default",
+            output_transform="softmax",
+        )
+    assert made[0].statuses == 1
 
 
 def test_remote_shards_get_the_startup_timeout_to_serve(checkpoint, monkeypatch):
