@@ -198,12 +198,13 @@ class RemoteShardTier:
                 )
         return statuses
 
-    def wait_for_serving(self, timeout: float) -> None:
+    def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:
         """Block until every shard answers as its replica and serves (an inference shard
-        has loaded its checkpoint): a server started before its shards, or while they load,
-        waits for them as it waits for an embedding worker. UnavailableError naming the
-        shards still waited for after ``timeout`` s; a shard at the wrong place in the list
-        (or a process that is no shard) fails at once, as waiting would not change it."""
+        has loaded its checkpoint; with ``serving=False`` answering is enough): a server
+        started before its shards, or while they load, waits for them as it waits for an
+        embedding worker. UnavailableError naming the shards still waited for after
+        ``timeout`` s; a shard at the wrong place in the list (or a process that is no
+        shard) fails at once, as waiting would not change it."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -217,7 +218,7 @@ class RemoteShardTier:
                 waiting = [
                     f"{client.peer}" + (f" ({status.task})" if status.task else "")
                     for client, status in zip(self.clients, statuses, strict=True)
-                    if not status.serving
+                    if serving and not status.serving
                 ]
                 if not waiting:
                     return

@@ -103,8 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_float,
         default=60.0,
         help="wait this long (s) for the remote embedding tier to serve: the "
-        "--embedding-workers worker and, under --fallback-policy fail, each of its shards; "
-        "or each --embedding-ps shard (default 60)",
+        "--embedding-workers worker, or each --embedding-ps shard, and under "
+        "--fallback-policy fail each shard's checkpoint loaded (default 60)",
     )
     parser.add_argument(
         "--fallback-policy",

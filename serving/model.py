@@ -578,7 +578,9 @@ def load_model(
             ", ".join(embedding_ps),
         )
         try:
-            shards.wait_for_serving(startup_timeout)
+            # Under --fallback-policy default, default vectors stand in for a shard still
+            # loading (the warm-up too): only the replica order is checked.
+            shards.wait_for_serving(startup_timeout, serving=fallback_policy == "fail")
         except BaseException:
             shards.close()
             raise

@@ -330,16 +330,25 @@ def test_remote_shards_get_the_startup_timeout_to_serve(checkpoint, monkeypatch)
     from embedding_store.errors import UnavailableError
     from embedding_store.remote_tier import RemoteShardTier
 
-    waits: list[float] = []
+    waits: list[tuple[float, bool]] = []
 
-    def wait_for_serving(self, timeout: float) -> None:
-        waits.append(timeout)
+    def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:
+        waits.append((timeout, serving))
         raise UnavailableError("embedding shards not serving after 7 s (...)")
 
     monkeypatch.setattr(RemoteShardTier, "wait_for_serving", wait_for_serving)
-    with pytest.raises(UnavailableError, match="not serving after 7 s"):
-        load_model(checkpoint, name="m", embedding_ps=["127.0.0.1:1"], startup_timeout=7)
-    assert waits == [7]
+    for policy in ("fail", "default"):
+        with pytest.raises(UnavailableError, match="not serving after 7 s"):
+            load_model(
+                checkpoint,
+                name="m",
+                embedding_ps=["127.0.0.1:1"],
+                startup_timeout=7,
+                fallback_policy=policy,
+            )
+    # Under --fallback-policy default a shard that answers is enough: default vectors stand
+    # in for one still loading.
+    assert waits == [(7, True), (7, False)]
 
 
 def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, monkeypatch):

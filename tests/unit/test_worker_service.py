@@ -709,6 +709,7 @@ def test_wait_for_serving_waits_for_shards_to_answer_and_serve_and_names_them(ma
         "embedding shards not serving after 0.3 s (not serving yet: parameter server "
         "fake-1:7000 (shard 1) (loading))"
     )
+    tier.wait_for_serving(0.3, serving=False)  # answering is enough
     threading.Timer(0.3, lambda: setattr(fakes[1], "serving", True)).start()
     started = time.monotonic()
     tier.wait_for_serving(WAIT)
