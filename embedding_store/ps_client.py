@@ -63,7 +63,7 @@ _CALLER_CHECK_SECONDS = 0.1
 caller_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "recserve_caller_deadline", default=None
 )
-#: The least deadline a shard lookup gets when its caller's is (nearly) past.
+#: The least deadline a shard lookup (or status call) gets when its caller's is (nearly) past.
 MIN_LOOKUP_SECONDS = 0.01
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -230,6 +230,15 @@ class RemoteParameterServer:
             self.peer, method, request, timeout=self.timeout if timeout is None else timeout
         )
 
+    @staticmethod
+    def _within_caller_deadline(timeout: float) -> float:
+        """``timeout``, cut to the time left before :data:`caller_deadline` when one is set
+        (:data:`MIN_LOOKUP_SECONDS` at least)."""
+        deadline = caller_deadline.get()
+        if deadline is None:
+            return timeout
+        return min(timeout, max(deadline - time.monotonic(), MIN_LOOKUP_SECONDS))
+
     # ------------------------------------------------------------------ data path
     @property
     def last_misses(self) -> int:
@@ -243,14 +252,10 @@ class RemoteParameterServer:
         """Rows of ``ids`` (uint64 [n]) -> (float32 [n, dim], IDs answered with zeros)."""
         ids = _check_ids(ids)
         dim = _check_dim(dim)
-        timeout = self.timeout
-        deadline = caller_deadline.get()
-        if deadline is not None:
-            timeout = min(timeout, max(deadline - time.monotonic(), MIN_LOOKUP_SECONDS))
         response = self._call(
             self._stub.Lookup,
             pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train), **self._replica),
-            timeout,
+            self._within_caller_deadline(self.timeout),
         )
         try:
             rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")
@@ -427,7 +432,9 @@ class RemoteParameterServer:
         self._call(self._stub.Clear, pb.ClearRequest())
 
     def status(self, *, timeout: float | None = None) -> ShardStatus:
-        """What the shard reports (deadline ``timeout`` s; None: the client's timeout)."""
+        """What the shard reports (deadline ``timeout`` s; None: the client's timeout; at
+        most the time left before :data:`caller_deadline`)."""
+        timeout = self._within_caller_deadline(self.timeout if timeout is None else timeout)
         return ShardStatus.from_proto(
             self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
         )

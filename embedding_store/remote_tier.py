@@ -8,6 +8,7 @@ checkpoint orchestration across shards, and its counters (:class:`WorkerStats`).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import queue
@@ -339,7 +340,10 @@ class RemoteShardTier:
         in replica order, so no shard is still at work when the caller cleans up after it.
         """
         pool = executor or self._executor
-        futures = [pool.submit(task, client) for client in self.clients]
+        # In the caller's context: a shard client reads its caller's deadline there.
+        futures = [
+            pool.submit(contextvars.copy_context().run, task, client) for client in self.clients
+        ]
         wait_for_all(futures)
         return [future.result() for future in futures]
 
@@ -351,7 +355,9 @@ class RemoteShardTier:
         """Like :meth:`_each`, with each shard's RecserveError in its place instead of
         raised (anything else still raises)."""
         pool = executor or self._executor
-        futures = [pool.submit(task, client) for client in self.clients]
+        futures = [
+            pool.submit(contextvars.copy_context().run, task, client) for client in self.clients
+        ]
         wait_for_all(futures)
         answers: list = []
         for future in futures:

@@ -10,6 +10,7 @@ health checking, server reflection and (``metrics_port``) Prometheus metrics
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -90,20 +91,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         check_answer_fits(batch, self.tier.embedding_config)
-        # The shard calls end before the caller's deadline, so a shard that hangs is named
-        # to the caller (DEADLINE_EXCEEDED from here) instead of the caller's own deadline
-        # passing on this worker: a server's --lookup-timeout (5 s) is shorter than the
-        # worker's --shard-timeout (10 s).
-        remaining = context.time_remaining()
-        token = None
-        if remaining is not None:
-            margin = min(LOOKUP_ANSWER_MARGIN_SECONDS, 0.1 * remaining)
-            token = caller_deadline.set(time.monotonic() + remaining - margin)
-        try:
+        with _within_callers_deadline(context):
             result = self.tier.lookup(batch, train=request.train)
-        finally:
-            if token is not None:
-                caller_deadline.reset(token)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
         pack_slots(response.slots, result.slots)
         return response
@@ -177,7 +166,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     def Status(
         self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext
     ) -> pb.WorkerStatusResponse:
-        status = self.tier.status(partial=True)  # `embedding-tier status` shows every shard
+        with _within_callers_deadline(context):  # a hung shard is then named, as in Lookup
+            status = self.tier.status(partial=True)  # `embedding-tier status`: every shard
         size = len(status.rows_per_shard)
         return pb.WorkerStatusResponse(
             shards=list(self.tier.shard_addresses),
@@ -212,6 +202,25 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             shard_errors=list(status.shard_errors),
             embedding_config_json=self._config_json,
         )
+
+
+@contextlib.contextmanager
+def _within_callers_deadline(context: grpc.ServicerContext) -> Iterator[None]:
+    """Within: shard lookups and status calls end before the caller's deadline (less
+    :data:`LOOKUP_ANSWER_MARGIN_SECONDS`, or a tenth of its time when shorter), so a shard
+    that hangs is named to the caller (DEADLINE_EXCEEDED from here, or its error in a
+    partial status) instead of the caller's own deadline passing on this worker: a server's
+    --lookup-timeout (5 s) is shorter than the worker's --shard-timeout (10 s)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        yield
+        return
+    margin = min(LOOKUP_ANSWER_MARGIN_SECONDS, 0.1 * remaining)
+    token = caller_deadline.set(time.monotonic() + remaining - margin)
+    try:
+        yield
+    finally:
+        caller_deadline.reset(token)
 
 
 def _with_progress(

@@ -205,6 +205,10 @@ def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
             self.timeouts.append(timeout)
             return pb.LookupResponse(rows=pack_f32(np.zeros((1, 4), np.float32)))
 
+        def Status(self, request, timeout=None):
+            self.timeouts.append(timeout)
+            return pb.ShardStatusResponse()
+
     ids = np.arange(1, dtype=np.uint64)
     with RemoteParameterServer(NOWHERE, timeout=7) as client:
         client._stub = stub = Stub()
@@ -212,6 +216,8 @@ def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
         token = ps_client.caller_deadline.set(time.monotonic() + 2.0)
         try:
             client.lookup(ids, 4, train=False)
+            client.status()
+            client.status(timeout=0.5)  # its own deadline is the shorter
         finally:
             ps_client.caller_deadline.reset(token)
         token = ps_client.caller_deadline.set(time.monotonic() - 1.0)  # already past
@@ -224,8 +230,9 @@ def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
             client.lookup(ids, 4, train=False)
         finally:
             ps_client.caller_deadline.reset(token)
-    default, left, past, later = stub.timeouts
-    assert default == 7.0 and 1.5 < left <= 2.0
+    default, left, status_left, status_own, past, later = stub.timeouts
+    assert default == 7.0 and 1.5 < left <= 2.0 and 1.5 < status_left <= 2.0
+    assert status_own == 0.5
     assert past == ps_client.MIN_LOOKUP_SECONDS and later == 7.0
 
 

@@ -425,7 +425,7 @@ def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
     from embedding_store.worker_client import RemoteEmbeddingWorker
 
     tier, _ = make_tier()
-    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), None)
+    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), FakeContext())
 
     class Stub:
         response = answer
@@ -564,6 +564,19 @@ def test_a_lookups_shard_calls_end_before_the_callers_deadline(make_tier):
     context.remaining = None  # no deadline: the shard clients' own
     servicer.Lookup(request, context)
     assert seen == {0: None, 1: None}
+    # Status too (a server's tier check), whose shard calls all run on the pool's threads.
+    for fake in fakes:
+        fake.on_status = lambda fake=fake: seen.__setitem__(
+            fake.index, ps_client.caller_deadline.get()
+        )
+    seen.clear()
+    context.remaining = 2.0
+    before = time.monotonic()
+    servicer.Status(pb.WorkerStatusRequest(), context)
+    after = time.monotonic()
+    assert sorted(seen) == [0, 1]
+    for deadline in seen.values():
+        assert deadline is not None and before + 1.8 <= deadline <= after + 1.8
 
 
 # --------------------------------------------------------------------------- metrics
