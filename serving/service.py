@@ -174,29 +174,36 @@ class PredictionService:
                     log.info("embedding tier serving again")
                 self._tier_ok, self.last_tier_error = True, None
             except RecserveError as error:
-                # Logged when the reason changes too: a shard back from a crash as an empty,
-                # unconfigured one is another problem than the crash.
-                if error.message != self.last_tier_error:
-                    if mismatch is not None:
-                        log.error(
-                            "embedding tier not serving this model (its IDs read other rows, "
-                            "unknown ones as zeros, so its predictions are wrong until the "
-                            "worker runs the checkpoint's config): %s",
-                            error.message,
-                        )
-                    else:
-                        log.warning(
-                            "embedding tier not serving (requests that need it fail or get "
-                            "default vectors, as --fallback-policy says): %s",
-                            error.message,
-                        )
-                self._tier_ok, self.last_tier_error = False, error.message
+                # Unless the service closing, or a reload, closed this model's channel under
+                # the call ("cancelled the call"), which says nothing about the tier.
+                if not self._stop_checks.is_set() and model is self._model:
+                    self._note_tier_error(error.message, mismatch is not None)
             except Exception:
                 if model is self._model:
                     raise
                 # A reload closed this model's tier while it was being asked: ask the new
                 # one at the next check.
             del model  # no reference to a replaced model between checks
+
+    def _note_tier_error(self, message: str, wrong_config: bool) -> None:
+        """The tier is not serving this model, for ``message``; logged when the reason
+        changes too (a shard back from a crash as an empty, unconfigured one is another
+        problem than the crash). ``wrong_config``: its worker routes IDs by another config."""
+        if message != self.last_tier_error:
+            if wrong_config:
+                log.error(
+                    "embedding tier not serving this model (its IDs read other rows, unknown "
+                    "ones as zeros, so its predictions are wrong until the worker runs the "
+                    "checkpoint's config): %s",
+                    message,
+                )
+            else:
+                log.warning(
+                    "embedding tier not serving (requests that need it fail or get default "
+                    "vectors, as --fallback-policy says): %s",
+                    message,
+                )
+        self._tier_ok, self.last_tier_error = False, message
 
     def _compare_versions(self, versions: tuple[str, ...]) -> None:
         """Note shards that hold another embedding checkpoint than the served model's (a

@@ -753,6 +753,35 @@ def test_the_tier_check_notes_a_worker_with_another_config_and_each_new_reason(
     ]
 
 
+def test_a_tier_check_cut_short_by_the_close_says_nothing_about_the_tier(
+    checkpoints, make_service, caplog
+):
+    """A server stopping closes its model's channel under a tier check still waiting on a
+    slow tier; the check's "cancelled the call" was logged as the tier not serving."""
+    model = _load(checkpoints[0])
+    tier = model.tier = _RemoteTier(model.tier, serving=(True,))
+    asked, closed = threading.Event(), threading.Event()
+
+    def status():
+        asked.set()
+        closed.wait(WAIT)
+        raise UnavailableError("embedding worker w:7100 cancelled the call (shutting down?)")
+
+    tier.status = status
+    caplog.set_level(logging.INFO, logger="serving.service")
+    service = make_service(model, tier_check_seconds=0.01)
+    assert asked.wait(WAIT)
+    closer = threading.Thread(target=service.close, kwargs={"wait": 1.0})
+    closer.start()
+    _wait_until(lambda: service._stop_checks.is_set())
+    closed.set()  # the call ends as the closed channel ends it
+    closer.join(WAIT)
+    service._tier_checker.join(WAIT)
+    assert not service._tier_checker.is_alive()
+    assert service.tier_serving and service.last_tier_error is None
+    assert [r.getMessage() for r in caplog.records if "tier" in r.getMessage()] == []
+
+
 def test_metadata_names_the_served_version_and_the_request_limit(checkpoints, make_service):
     service = make_service(_load(checkpoints[0]), max_batch_size=8, max_request_batch_size=5)
     metadata = service.model_metadata(NAME)
