@@ -128,6 +128,17 @@ class LoadedModel:
         """Embeddings for ``batch`` (read-only) and how many IDs fell back to defaults."""
         try:
             result = self.tier.lookup(batch, train=False), 0
+        except InvalidArgumentError as error:
+            if isinstance(self.tier, InProcessEmbeddingTier):
+                raise
+            # The request passed the model's signature, so a remote tier that refuses it
+            # disagrees with the checkpoint (a worker restarted with another
+            # embedding_config.yml, say): the server's fault, which a 400 would have put
+            # on the client.
+            raise RecserveError(
+                f"the embedding tier refused a lookup that model {self.name} version "
+                f"{self.version} allows: {error.message}"
+            ) from None
         except (DeadlineExceededError, UnavailableError) as error:
             if self.fallback_policy != "default":
                 raise

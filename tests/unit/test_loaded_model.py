@@ -294,6 +294,42 @@ def test_a_worker_with_another_embedding_config_is_refused_naming_what_differs(
         load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
 
 
+def test_a_remote_tier_refusing_a_valid_request_is_the_servers_fault(checkpoint):
+    """The request passed the model's signature; a worker restarted without one of the
+    model's slots refused it as INVALID_ARGUMENT, and the client got 400 for the server's
+    misconfiguration. It is a 500 naming the tier's complaint; an in-process tier's
+    refusal is left as it is."""
+    from embedding_store.errors import RecserveError, http_status_of
+
+    model = load_model(checkpoint, name="m", onednn_min_rows=0)
+
+    class Refusing:
+        def __init__(self, tier) -> None:
+            self._tier = tier
+
+        def lookup(self, batch, *, train):
+            raise InvalidArgumentError(
+                "embedding worker w:1: ID feature 'item' is not a slot of the embedding config"
+            )
+
+        def __getattr__(self, name):
+            return getattr(self._tier, name)
+
+    try:
+        model.tier = Refusing(model.tier)
+        with pytest.raises(RecserveError) as refused:
+            model.infer(_batch())
+        assert type(refused.value) is RecserveError and http_status_of(refused.value) == 500
+        assert refused.value.message == (
+            f"the embedding tier refused a lookup that model m version {model.version} "
+            "allows: embedding worker w:1: ID feature 'item' is not a slot of the embedding "
+            "config"
+        )
+    finally:
+        model.tier = model.tier._tier
+        model.close()
+
+
 def test_a_remote_workers_shards_still_loading_are_waited_for(checkpoint, monkeypatch):
     """A worker is ready once it reaches its shards, loaded or not: a server started while an
     inference shard loaded its checkpoint failed its warm-up on that shard. It now waits for
