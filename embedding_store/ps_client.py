@@ -11,6 +11,7 @@ one long-lived channel; every call has a deadline, and every failure is raised a
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import threading
 import time
@@ -24,7 +25,9 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store.checkpoint_manifest import FileEntry
+from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
 from embedding_store.errors import (
+    ConfigError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -73,6 +76,17 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})
 
 
+@functools.lru_cache(maxsize=16)
+def _reported_config(text: str) -> EmbeddingConfig:
+    """The embedding config a shard's Status reported (parsed once per text: workers and
+    servers ask every 2 s)."""
+    try:
+        mapping = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"the reported embedding config is not JSON: {error}") from None
+    return embedding_config_from_mapping(mapping, source="the reported embedding config")
+
+
 @dataclass(frozen=True)
 class ShardStatus:
     """What a parameter server reports about its shard (mirrors ShardStatusResponse)."""
@@ -94,10 +108,15 @@ class ShardStatus:
     #: The embedding checkpoint version the rows were loaded from; "" when none was loaded
     #: or the rows changed since (EmbeddingShard.checkpoint_version).
     checkpoint_version: str = ""
+    #: The shard's embedding config; None when it does not say (an older shard).
+    embedding_config: EmbeddingConfig | None = None
 
     @classmethod
     def from_proto(cls, message: pb.ShardStatusResponse) -> ShardStatus:
+        """The status ``message`` reports; ConfigError when its embedding config is not one."""
+        text = message.embedding_config_json
         return cls(
+            embedding_config=_reported_config(text) if text else None,
             replica_index=message.replica_index,
             replica_size=message.replica_size,
             rows=message.rows,
@@ -435,9 +454,11 @@ class RemoteParameterServer:
         """What the shard reports (deadline ``timeout`` s; None: the client's timeout; at
         most the time left before :data:`caller_deadline`)."""
         timeout = self._within_caller_deadline(self.timeout if timeout is None else timeout)
-        return ShardStatus.from_proto(
-            self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
-        )
+        answer = self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
+        try:
+            return ShardStatus.from_proto(answer)
+        except ConfigError as error:
+            raise RecserveError(f"{self.peer} sent a malformed answer: {error.message}") from None
 
     def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
         """The health status name (``"SERVING"``, ``"NOT_SERVING"``, ...) of ``service``."""

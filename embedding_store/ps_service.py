@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2
 
 from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.checkpoint_task import CheckpointTask
-from embedding_store.config import EmbeddingConfig, JobType
+from embedding_store.config import EmbeddingConfig, JobType, embedding_config_to_mapping
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -129,6 +129,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # The row widths peers may use: a made-up dim would make the shard allocate a table
         # for it (1024 rows at least, kept for good), or fail to allocate one at all.
         self._dims = frozenset(slot.dim for slot in embedding_config.slots_config.values())
+        # Sent with every Status: workers check it against theirs. In the config's order,
+        # never sorted: the slots' order gives their ID prefixes.
+        self._config_json = json.dumps(embedding_config_to_mapping(embedding_config))
         self.job_type = job_type
         self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
         self._health = health_servicer
@@ -479,4 +482,5 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             task=task,
             task_progress=progress,
             checkpoint_version=self.shard.checkpoint_version,
+            embedding_config_json=self._config_json,
         )

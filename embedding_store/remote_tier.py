@@ -197,6 +197,23 @@ class RemoteShardTier:
                     f"replica {index} of {size} (check the order of the shard addresses: "
                     "the worker's --ps, or serve's --embedding-ps)"
                 )
+            reported = status.embedding_config
+            if reported is None:
+                continue  # a shard that predates the field
+            config = self.embedding_config
+            shared = [name for name in config.slot_names if name in reported.slots_config]
+            # Slots the shard lacks may be new (configs roll out one process at a time); a
+            # shared slot keyed otherwise reads, and trains, other rows for every ID.
+            problems = checkpoint_load.slot_mismatches(
+                config, reported, shared, saved_as="at this worker", config_as="at the shard"
+            )
+            if problems:
+                raise InvalidArgumentError(
+                    f"parameter server {client.address} (shard {index}) keys its rows by "
+                    f"another embedding config: {'; '.join(problems[:8])}"
+                    + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                    + " (give the shards and the workers one embedding_config.yml)"
+                )
         return statuses
 
     def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:

@@ -203,7 +203,7 @@ class ShardStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStatusResponse(_message.Message):
-    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress", "checkpoint_version")
+    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress", "checkpoint_version", "embedding_config_json")
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class ShardStatusResponse(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     replica_index: int
     replica_size: int
     rows: int
@@ -234,7 +235,8 @@ class ShardStatusResponse(_message.Message):
     task: str
     task_progress: float
     checkpoint_version: str
-    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., checkpoint_version: _Optional[str] = ...) -> None: ...
+    embedding_config_json: str
+    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., checkpoint_version: _Optional[str] = ..., embedding_config_json: _Optional[str] = ...) -> None: ...
 
 class PackedSlots(_message.Message):
     __slots__ = ("slots", "data")

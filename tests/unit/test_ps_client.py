@@ -388,6 +388,30 @@ def test_import_rows_counts_rows_and_reraises_the_callers_own_error(shard_server
         assert client.last_misses == 0
 
 
+def test_status_reports_the_shards_embedding_config_in_its_order(shard_server) -> None:
+    """Workers check it against theirs (RemoteShardTier.verify_shards)."""
+    address, _ = shard_server
+    with RemoteParameterServer(address, timeout=10) as client:
+        reported = client.status().embedding_config
+        assert reported == EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)})
+        client._stub = _ConfigStub('{"slots_config": [1]}')
+        with pytest.raises(RecserveError) as malformed:
+            client.status()
+        assert malformed.value.message.startswith(
+            f"parameter server {address} sent a malformed answer: "
+        )
+        client._stub = _ConfigStub("")  # a shard that predates the field
+        assert client.status().embedding_config is None
+
+
+class _ConfigStub:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def Status(self, request, timeout=None):
+        return pb.ShardStatusResponse(embedding_config_json=self.text)
+
+
 def test_row_chunks_round_trip_through_a_real_shard(shard_server) -> None:
     address, _ = shard_server
     with RemoteParameterServer(address, timeout=10) as client:

@@ -65,6 +65,7 @@ class FakeShardClient:
         self.on_load: Callable[[], None] | None = None
         self.on_status: Callable[[], None] | None = None
         self.serving = True
+        self.config = CONFIG  # the embedding config its status reports
         self.updates = 0
         self.clears = 0
         self.task = ""
@@ -141,6 +142,7 @@ class FakeShardClient:
             evictions=stats.evictions,
             task=self.task,
             task_progress=0.0,
+            embedding_config=self.config,
         )
 
     def close(self) -> None:
@@ -732,6 +734,31 @@ def test_wait_for_serving_waits_for_shards_to_answer_and_serve_and_names_them(ma
     with pytest.raises(InvalidArgumentError, match="answers as replica 0 of 2"):
         tier.wait_for_serving(WAIT)
     assert time.monotonic() - started < 1.0  # at once, not after WAIT
+
+
+def test_verify_shards_refuses_a_shard_keyed_by_another_embedding_config(make_tier):
+    """A shard started with another model's embedding_config.yml (and checkpoint) answered
+    every ID with zeros, as unknown; the worker now refuses it, naming the slots."""
+    tier, fakes = make_tier(2)
+    fakes[1].config = embedding_config_from_mapping(
+        {
+            "feature_index_prefix_bit": CONFIG.feature_index_prefix_bit + 4,
+            "slots_config": {"user": {"dim": DIM}, "items": {"dim": DIM + 4}},
+        }
+    )
+    with pytest.raises(InvalidArgumentError) as refused:
+        tier.verify_shards()
+    assert refused.value.message == (
+        "parameter server fake-1:7000 (shard 1) keys its rows by another embedding config: "
+        "slot 'user' has another ID prefix at this worker (feature groups or "
+        f"feature_index_prefix_bit changed); slot 'items' has dim {DIM} at this worker but "
+        f"{DIM + 4} at the shard (give the shards and the workers one embedding_config.yml)"
+    )
+    # A shard that lacks a slot (a config rolled out one process at a time) or does not say.
+    fakes[1].config = embedding_config_from_mapping({"slots_config": {"user": {"dim": DIM}}})
+    tier.verify_shards()
+    fakes[1].config = None
+    tier.verify_shards()
 
 
 def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
