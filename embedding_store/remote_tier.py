@@ -175,6 +175,9 @@ class RemoteShardTier:
         self._last_push_error: str | None = None
         # The checkpoint task run through this tier ("", "dumping", "loading") and its progress.
         self._checkpoint_task = CheckpointTask("embedding worker")
+        # Why lookups are refused: a shard keyed by another embedding config, found by the
+        # last verify_shards (the worker's readiness check, every 2 s); None: they are not.
+        self._refusal: str | None = None
         self._pusher = threading.Thread(target=self._push_loop, name="gradient-pusher", daemon=True)
         self._pusher.start()
 
@@ -208,12 +211,14 @@ class RemoteShardTier:
                 config, reported, shared, saved_as="at this worker", config_as="at the shard"
             )
             if problems:
-                raise InvalidArgumentError(
+                self._refusal = (
                     f"parameter server {client.address} (shard {index}) keys its rows by "
                     f"another embedding config: {'; '.join(problems[:8])}"
                     + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
                     + " (give the shards and the workers one embedding_config.yml)"
                 )
+                raise InvalidArgumentError(self._refusal)
+        self._refusal = None
         return statuses
 
     def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:
@@ -248,6 +253,11 @@ class RemoteShardTier:
     # ------------------------------------------------------------------ lookups
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
         features = batch.id_type_features if isinstance(batch, Batch) else checked_features(batch)
+        refusal = self._refusal
+        if refusal is not None:
+            # Its rows would read as unknown (zeros) and train other rows: not served until
+            # a check finds the shards right again.
+            raise UnavailableError(refusal)
         result = self.worker.lookup(features, train=train)
         ids = sum(len(feature.values) for feature in features)  # a loop over slots, not IDs
         with self._stats_lock:

@@ -754,9 +754,15 @@ def test_verify_shards_refuses_a_shard_keyed_by_another_embedding_config(make_ti
         f"feature_index_prefix_bit changed); slot 'items' has dim {DIM} at this worker but "
         f"{DIM + 4} at the shard (give the shards and the workers one embedding_config.yml)"
     )
+    # Until a check finds the shards right again, lookups are refused naming it (the
+    # worker's readiness check runs verify_shards every 2 s: a shard restarted so).
+    with pytest.raises(UnavailableError) as unserved:
+        tier.lookup(user_batch([1, 2]), train=False)
+    assert unserved.value.message == refused.value.message
     # A shard that lacks a slot (a config rolled out one process at a time) or does not say.
     fakes[1].config = embedding_config_from_mapping({"slots_config": {"user": {"dim": DIM}}})
     tier.verify_shards()
+    assert tier.lookup(user_batch([1, 2]), train=False).unknown_ids == 2
     fakes[1].config = None
     tier.verify_shards()
 
