@@ -181,18 +181,37 @@ def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> No
     """Refuse a checkpoint whose slots would be read with other dims, other ID prefixes or
     other hash stacking."""
     saved = manifest.embedding_config
+    # A slot new in the config starts empty.
+    shared = [name for name in config.slot_names if name in saved.slots_config]
+    problems = slot_mismatches(saved, config, shared)
+    if problems:
+        raise CheckpointError(
+            f"embedding checkpoint {manifest.directory} does not match the embedding config: "
+            + "; ".join(problems)
+        )
+
+
+def slot_mismatches(
+    saved: EmbeddingConfig,
+    config: EmbeddingConfig,
+    names: Sequence[str],
+    *,
+    saved_as: str = "in the checkpoint",
+    config_as: str = "in the config",
+) -> list[str]:
+    """Why slots ``names`` (in both configs) would be read as other rows under ``config``
+    than under ``saved``: another dim, ID prefix or hash stacking; [] when none would.
+    ``saved_as`` / ``config_as`` say where each config comes from in the messages."""
     problems = []
-    for name in config.slot_names:
-        if name not in saved.slots_config:
-            continue  # a new slot starts empty
+    for name in names:
         if saved.slots_config[name].dim != config.slots_config[name].dim:
             problems.append(
-                f"slot {name!r} has dim {saved.slots_config[name].dim} in the checkpoint "
-                f"but {config.slots_config[name].dim} in the config"
+                f"slot {name!r} has dim {saved.slots_config[name].dim} {saved_as} "
+                f"but {config.slots_config[name].dim} {config_as}"
             )
         elif saved.index_prefix(name) != config.index_prefix(name):
             problems.append(
-                f"slot {name!r} has another ID prefix in the checkpoint (feature groups or "
+                f"slot {name!r} has another ID prefix {saved_as} (feature groups or "
                 "feature_index_prefix_bit changed)"
             )
         else:
@@ -206,15 +225,11 @@ def check_compatible(manifest: EmbeddingManifest, config: EmbeddingConfig) -> No
                 # Hash stacking maps IDs to rows: other settings would read other rows.
                 problems.append(
                     f"slot {name!r} has hash_stack_config hash_stack_rounds="
-                    f"{before.hash_stack_rounds}, embedding_size={before.embedding_size} in "
-                    f"the checkpoint but hash_stack_rounds={after.hash_stack_rounds}, "
-                    f"embedding_size={after.embedding_size} in the config"
+                    f"{before.hash_stack_rounds}, embedding_size={before.embedding_size} "
+                    f"{saved_as} but hash_stack_rounds={after.hash_stack_rounds}, "
+                    f"embedding_size={after.embedding_size} {config_as}"
                 )
-    if problems:
-        raise CheckpointError(
-            f"embedding checkpoint {manifest.directory} does not match the embedding config: "
-            + "; ".join(problems)
-        )
+    return problems
 
 
 def count_rows_per_replica(manifest: EmbeddingManifest, replica_size: int) -> list[int]:

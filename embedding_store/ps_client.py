@@ -10,6 +10,8 @@ one long-lived channel; every call has a deadline, and every failure is raised a
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import threading
 import time
@@ -23,7 +25,9 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store.checkpoint_manifest import FileEntry
+from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
 from embedding_store.errors import (
+    ConfigError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -54,11 +58,33 @@ DEFAULT_CHECKPOINT_TIMEOUT = 600.0
 #: How often a load asks whether its caller is still there (``load(caller_gone=...)``).
 _CALLER_CHECK_SECONDS = 0.1
 
+#: The deadline (a ``time.monotonic()`` value) of the call this context serves, when it has
+#: one: shard lookups made for it get at most the time left (an embedding worker sets it
+#: from its caller's deadline, a little earlier). A shard that hangs then fails the lookup
+#: as DEADLINE_EXCEEDED naming the shard, in time for the caller to be told; a longer shard
+#: deadline than the caller's would leave it only "the worker did not answer".
+caller_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "recserve_caller_deadline", default=None
+)
+#: The least deadline a shard lookup (or status call) gets when its caller's is (nearly) past.
+MIN_LOOKUP_SECONDS = 0.01
+
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 #: Calls that may reach the shard twice (renewing_channel.RenewingTierChannel retries them once
 #: after a TLS renewal): reads. A train lookup inserts the rows it misses, as it would
 #: have the first time; never an update, whose gradient would be applied twice.
 RETRY_SAFE_METHODS = frozenset({f"/{_SERVICE}/Lookup", f"/{_SERVICE}/Status", HEALTH_CHECK_METHOD})
+
+
+@functools.lru_cache(maxsize=16)
+def _reported_config(text: str) -> EmbeddingConfig:
+    """The embedding config a shard's Status reported (parsed once per text: workers and
+    servers ask every 2 s)."""
+    try:
+        mapping = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"the reported embedding config is not JSON: {error}") from None
+    return embedding_config_from_mapping(mapping, source="the reported embedding config")
 
 
 @dataclass(frozen=True)
@@ -82,10 +108,15 @@ class ShardStatus:
     #: The embedding checkpoint version the rows were loaded from; "" when none was loaded
     #: or the rows changed since (EmbeddingShard.checkpoint_version).
     checkpoint_version: str = ""
+    #: The shard's embedding config; None when it does not say (an older shard).
+    embedding_config: EmbeddingConfig | None = None
 
     @classmethod
     def from_proto(cls, message: pb.ShardStatusResponse) -> ShardStatus:
+        """The status ``message`` reports; ConfigError when its embedding config is not one."""
+        text = message.embedding_config_json
         return cls(
+            embedding_config=_reported_config(text) if text else None,
             replica_index=message.replica_index,
             replica_size=message.replica_size,
             rows=message.rows,
@@ -147,11 +178,14 @@ def _still_loading(error: grpc.RpcError) -> bool:
 class RemoteParameterServer:
     """One remote parameter-server shard at ``address`` (``host:port``).
 
-    ``replica_index`` only names the shard in error messages. ``timeout`` is the deadline of
-    the data-path and control calls; ``checkpoint_timeout`` that of dump, load, export and
-    import (each also takes its own ``timeout=``). ``update_retry_seconds``: how long a
-    gradient update is sent again while the shard cannot be reached (the embedding worker's
-    pushes ride out a shard restart; an update that reached the shard is never resent).
+    ``replica_index`` names the shard in error messages; with ``replica_size`` too, lookups
+    and updates say which replica of how many they are for, and a shard that is another
+    refuses them (UNAVAILABLE) instead of answering from another part of the table.
+    ``timeout`` is the deadline of the data-path and control calls; ``checkpoint_timeout``
+    that of dump, load, export and import (each also takes its own ``timeout=``).
+    ``update_retry_seconds``: how long a gradient update is sent again while the shard cannot
+    be reached (the embedding worker's pushes ride out a shard restart; an update that
+    reached the shard is never resent).
     Thread-safe: gRPC channels are.
     """
 
@@ -160,6 +194,7 @@ class RemoteParameterServer:
         address: str,
         *,
         replica_index: int | None = None,
+        replica_size: int | None = None,
         timeout: float = 10.0,
         checkpoint_timeout: float = DEFAULT_CHECKPOINT_TIMEOUT,
         update_retry_seconds: float = 0.0,
@@ -173,6 +208,13 @@ class RemoteParameterServer:
             )
         self.address = address
         self.replica_index = replica_index
+        self.replica_size = replica_size
+        # Sent with every lookup and update when both are known (replica_size 0: not said).
+        self._replica = (
+            {"replica_index": replica_index, "replica_size": replica_size}
+            if replica_index is not None and replica_size is not None
+            else {}
+        )
         self.timeout = float(timeout)
         self.checkpoint_timeout = float(checkpoint_timeout)
         self.update_retry_seconds = float(update_retry_seconds)
@@ -207,6 +249,15 @@ class RemoteParameterServer:
             self.peer, method, request, timeout=self.timeout if timeout is None else timeout
         )
 
+    @staticmethod
+    def _within_caller_deadline(timeout: float) -> float:
+        """``timeout``, cut to the time left before :data:`caller_deadline` when one is set
+        (:data:`MIN_LOOKUP_SECONDS` at least)."""
+        deadline = caller_deadline.get()
+        if deadline is None:
+            return timeout
+        return min(timeout, max(deadline - time.monotonic(), MIN_LOOKUP_SECONDS))
+
     # ------------------------------------------------------------------ data path
     @property
     def last_misses(self) -> int:
@@ -221,7 +272,9 @@ class RemoteParameterServer:
         ids = _check_ids(ids)
         dim = _check_dim(dim)
         response = self._call(
-            self._stub.Lookup, pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train))
+            self._stub.Lookup,
+            pb.LookupRequest(ids=pack_u64(ids), dim=dim, train=bool(train), **self._replica),
+            self._within_caller_deadline(self.timeout),
         )
         try:
             rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")
@@ -249,7 +302,10 @@ class RemoteParameterServer:
                 f"got {list(grads.shape)}"
             )
         request = pb.UpdateRequest(
-            ids=pack_u64(ids), grads=pack_f32(grads), dim=_check_dim(grads.shape[1])
+            ids=pack_u64(ids),
+            grads=pack_f32(grads),
+            dim=_check_dim(grads.shape[1]),
+            **self._replica,
         )
         # Sent again only while it cannot leave this process (the shard restarting) or the
         # shard says it is still loading its checkpoint: an update that reached a serving
@@ -395,10 +451,14 @@ class RemoteParameterServer:
         self._call(self._stub.Clear, pb.ClearRequest())
 
     def status(self, *, timeout: float | None = None) -> ShardStatus:
-        """What the shard reports (deadline ``timeout`` s; None: the client's timeout)."""
-        return ShardStatus.from_proto(
-            self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
-        )
+        """What the shard reports (deadline ``timeout`` s; None: the client's timeout; at
+        most the time left before :data:`caller_deadline`)."""
+        timeout = self._within_caller_deadline(self.timeout if timeout is None else timeout)
+        answer = self._call(self._stub.Status, pb.ShardStatusRequest(), timeout)
+        try:
+            return ShardStatus.from_proto(answer)
+        except ConfigError as error:
+            raise RecserveError(f"{self.peer} sent a malformed answer: {error.message}") from None
 
     def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
         """The health status name (``"SERVING"``, ``"NOT_SERVING"``, ...) of ``service``."""

@@ -11,7 +11,8 @@ reports ``NOT_SERVING`` until the shard can answer: a training shard once an opt
 configured, an inference shard (``job_type: Infer``, read-only) once its checkpoint is loaded.
 A training shard expecting a checkpoint (:meth:`ParameterServerServicer.expect_checkpoint`)
 serves only once the load finished. While a shard waits for its checkpoint, its lookups are
-answered ``UNAVAILABLE`` rather than with zeros (a training shard's updates too). Status
+answered ``UNAVAILABLE`` rather than with zeros (a training shard's updates too), and so are
+a training shard's lookups until it has an optimizer (one restarted empty). Status
 reports a running dump or load and its progress (fraction of rows written or read, per
 file). The process around it (gRPC server, metrics, signals, dump on exit) is
 :mod:`embedding_store.ps_process`.
@@ -31,7 +32,7 @@ from grpc_health.v1 import health, health_pb2
 
 from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
 from embedding_store.checkpoint_task import CheckpointTask
-from embedding_store.config import EmbeddingConfig, JobType
+from embedding_store.config import EmbeddingConfig, JobType, embedding_config_to_mapping
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -129,6 +130,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         # The row widths peers may use: a made-up dim would make the shard allocate a table
         # for it (1024 rows at least, kept for good), or fail to allocate one at all.
         self._dims = frozenset(slot.dim for slot in embedding_config.slots_config.values())
+        # Sent with every Status: workers check it against theirs. In the config's order,
+        # never sorted: the slots' order gives their ID prefixes.
+        self._config_json = json.dumps(embedding_config_to_mapping(embedding_config))
         self.job_type = job_type
         self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
         self._health = health_servicer
@@ -164,6 +168,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         if self.needs_checkpoint and not self._loaded:
             kind = "inference" if self.shard.read_only else "training"
             raise UnavailableError(f"this {kind} parameter server {NOT_LOADED_YET}")
+
+    def _require_replica(self, index: int, size: int) -> None:
+        """Refuse a lookup or update meant for another replica (``size`` 0: the client did
+        not say). A shard restarted with another --replica-index, or listed at another place
+        in the worker's --ps, holds another part of the table: it would answer every ID as
+        unknown, with zeros, and train rows that are not its own."""
+        ours = (self.shard.replica_index, self.shard.replica_size)
+        if size and (index, size) != ours:
+            raise UnavailableError(
+                f"this parameter server is replica {ours[0]} of {ours[1]}, but its client "
+                f"takes it for replica {index} of {size}: it holds another part of the table "
+                "(check the order of the shard addresses: the worker's --ps, or serve's "
+                "--embedding-ps, and each shard's --replica-index)"
+            )
+
+    def _require_configured(self) -> None:
+        """Lookups of a training shard wait for its optimizer (NOT_SERVING until then). A
+        shard restarted empty in place of one that held rows would answer every ID with
+        zeros, as unknown: a server would serve predictions from them, reporting nothing
+        but unknown IDs. Updates without an optimizer fail on their own."""
+        if not self.shard.read_only and self.shard.optimizer is None:
+            raise UnavailableError(
+                "this training parameter server has no optimizer configured yet "
+                "(NOT_SERVING: started or restarted empty; a trainer's Configure, "
+                "`recserve embedding-tier load` or --load-checkpoint sets one), so it has "
+                "no rows to answer with"
+            )
 
     def _refresh_health(self) -> None:
         if self._health is None or self._shutting_down:
@@ -301,7 +332,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         dim = self._configured_dim(request.dim, "LookupRequest.dim")
         ids = decode_ids(request.ids, "LookupRequest.ids")
         check_message_size(ids.shape[0], dim, "LookupRequest")
+        self._require_replica(request.replica_index, request.replica_size)
         self._require_loaded()
+        self._require_configured()
         with self._lookup_lock:
             before = self.shard.stats()
             rows = self.shard.lookup(ids, dim, train=request.train)
@@ -318,6 +351,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ids = decode_ids(request.ids, "UpdateRequest.ids")
         grads = decode_rows(request.grads, ids.shape[0], dim, "UpdateRequest.grads")
         require_finite_rows(grads, ids, "UpdateRequest.grads")
+        self._require_replica(request.replica_index, request.replica_size)
         if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
             self._require_loaded()
         return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))
@@ -449,4 +483,5 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             task=task,
             task_progress=progress,
             checkpoint_version=self.shard.checkpoint_version,
+            embedding_config_json=self._config_json,
         )

@@ -8,11 +8,13 @@ checkpoint orchestration across shards, and its counters (:class:`WorkerStats`).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import queue
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_all
@@ -61,6 +63,9 @@ ShardClientFactory = Callable[[str, int], RemoteParameterServer]
 #: restarting shard) before it counts the push as failed: the trainers' lookups ride out the
 #: same outage (training.ctx.TIER_RETRY_SECONDS), and their run goes on once it is back.
 PUSH_RETRY_SECONDS = 30.0
+
+#: Deadline of each shard's Status call while :meth:`RemoteShardTier.wait_for_serving` polls.
+SERVING_POLL_TIMEOUT_SECONDS = 2.0
 
 #: True once whoever asked for a dump or load is gone (its deadline passed, it disconnected):
 #: the task then stops before it changes anything (see :meth:`RemoteShardTier.dump`).
@@ -128,6 +133,7 @@ class RemoteShardTier:
                 return RemoteParameterServer(
                     address,
                     replica_index=index,
+                    replica_size=len(shard_addresses),
                     timeout=shard_timeout,
                     update_retry_seconds=PUSH_RETRY_SECONDS,
                 )
@@ -169,14 +175,18 @@ class RemoteShardTier:
         self._last_push_error: str | None = None
         # The checkpoint task run through this tier ("", "dumping", "loading") and its progress.
         self._checkpoint_task = CheckpointTask("embedding worker")
+        # Why lookups are refused: a shard keyed by another embedding config, found by the
+        # last verify_shards (the worker's readiness check, every 2 s); None: they are not.
+        self._refusal: str | None = None
         self._pusher = threading.Thread(target=self._push_loop, name="gradient-pusher", daemon=True)
         self._pusher.start()
 
     # ------------------------------------------------------------------ readiness
-    def verify_shards(self, *, timeout: float | None = None) -> None:
+    def verify_shards(self, *, timeout: float | None = None) -> list[ShardStatus]:
         """Check that shard i answers as replica i of N; raises naming the first mismatch or
         the first shard that does not answer (within ``timeout`` s each; None: the shard
-        timeout). The shards are asked at once, so a dead one costs one deadline, not N."""
+        timeout). The shards are asked at once, so a dead one costs one deadline, not N.
+        Returns what each shard reported, in replica order."""
         size = len(self.clients)
         if timeout is None:
             statuses = self._each(lambda c: c.status(), self._status_executor)
@@ -187,12 +197,67 @@ class RemoteShardTier:
                 raise InvalidArgumentError(
                     f"parameter server {client.address} answers as replica "
                     f"{status.replica_index} of {status.replica_size}, but was given as "
-                    f"replica {index} of {size} (check the order of --ps addresses)"
+                    f"replica {index} of {size} (check the order of the shard addresses: "
+                    "the worker's --ps, or serve's --embedding-ps)"
                 )
+            reported = status.embedding_config
+            if reported is None:
+                continue  # a shard that predates the field
+            config = self.embedding_config
+            shared = [name for name in config.slot_names if name in reported.slots_config]
+            # Slots the shard lacks may be new (configs roll out one process at a time); a
+            # shared slot keyed otherwise reads, and trains, other rows for every ID.
+            problems = checkpoint_load.slot_mismatches(
+                config, reported, shared, saved_as="at this worker", config_as="at the shard"
+            )
+            if problems:
+                self._refusal = (
+                    f"parameter server {client.address} (shard {index}) keys its rows by "
+                    f"another embedding config: {'; '.join(problems[:8])}"
+                    + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                    + " (give the shards and the workers one embedding_config.yml)"
+                )
+                raise InvalidArgumentError(self._refusal)
+        self._refusal = None
+        return statuses
+
+    def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:
+        """Block until every shard answers as its replica and serves (an inference shard
+        has loaded its checkpoint; with ``serving=False`` answering is enough): a server
+        started before its shards, or while they load, waits for them as it waits for an
+        embedding worker. UnavailableError naming the shards still waited for after
+        ``timeout`` s; a shard at the wrong place in the list (or a process that is no
+        shard) fails at once, as waiting would not change it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                statuses = self.verify_shards(
+                    timeout=max(0.05, min(remaining, SERVING_POLL_TIMEOUT_SECONDS))
+                )
+            except (UnavailableError, DeadlineExceededError) as error:
+                last = error.message
+            else:
+                waiting = [
+                    f"{client.peer}" + (f" ({status.task})" if status.task else "")
+                    for client, status in zip(self.clients, statuses, strict=True)
+                    if serving and not status.serving
+                ]
+                if not waiting:
+                    return
+                last = "not serving yet: " + ", ".join(waiting)
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"embedding shards not serving after {timeout:g} s ({last})")
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, batch: Batch | Sequence[IdFeature], *, train: bool) -> LookupResult:
         features = batch.id_type_features if isinstance(batch, Batch) else checked_features(batch)
+        refusal = self._refusal
+        if refusal is not None:
+            # Its rows would read as unknown (zeros) and train other rows: not served until
+            # a check finds the shards right again.
+            raise UnavailableError(refusal)
         result = self.worker.lookup(features, train=train)
         ids = sum(len(feature.values) for feature in features)  # a loop over slots, not IDs
         with self._stats_lock:
@@ -302,7 +367,10 @@ class RemoteShardTier:
         in replica order, so no shard is still at work when the caller cleans up after it.
         """
         pool = executor or self._executor
-        futures = [pool.submit(task, client) for client in self.clients]
+        # In the caller's context: a shard client reads its caller's deadline there.
+        futures = [
+            pool.submit(contextvars.copy_context().run, task, client) for client in self.clients
+        ]
         wait_for_all(futures)
         return [future.result() for future in futures]
 
@@ -314,7 +382,9 @@ class RemoteShardTier:
         """Like :meth:`_each`, with each shard's RecserveError in its place instead of
         raised (anything else still raises)."""
         pool = executor or self._executor
-        futures = [pool.submit(task, client) for client in self.clients]
+        futures = [
+            pool.submit(contextvars.copy_context().run, task, client) for client in self.clients
+        ]
         wait_for_all(futures)
         answers: list = []
         for future in futures:

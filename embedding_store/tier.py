@@ -42,7 +42,9 @@ class TierStatus:
     loaded from (``""``: none, or changed since by training); empty where not reported.
     ``shard_errors[i]`` is why shard i did not answer (``""``: it did; its other fields are
     then zeros); empty unless a partial status was asked for (``status(partial=True)`` of a
-    remote tier): otherwise a shard that does not answer raises.
+    remote tier): otherwise a shard that does not answer raises. ``embedding_config`` is
+    the config the tier routes IDs by, where the tier reports one (an embedding worker's
+    Status); None otherwise.
     """
 
     rows_per_shard: tuple[int, ...]
@@ -57,6 +59,7 @@ class TierStatus:
     shard_serving: tuple[bool, ...] = ()
     shard_checkpoint_versions: tuple[str, ...] = ()
     shard_errors: tuple[str, ...] = ()
+    embedding_config: EmbeddingConfig | None = None
 
 
 @runtime_checkable

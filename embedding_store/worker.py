@@ -25,6 +25,7 @@ slots and shards only.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 import threading
@@ -292,7 +293,11 @@ class EmbeddingWorker:
             for s in range(len(self.shards)):
                 task(s)
             return
-        futures = [self._executor.submit(task, s) for s in range(1, len(self.shards))]
+        # In the caller's context: a shard client reads its caller's deadline there.
+        futures = [
+            self._executor.submit(contextvars.copy_context().run, task, s)
+            for s in range(1, len(self.shards))
+        ]
         try:
             task(0)
         finally:

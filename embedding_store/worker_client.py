@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store import checkpoint_manifest
 from embedding_store.batch import Batch
-from embedding_store.config import EmbeddingConfig
+from embedding_store.config import EmbeddingConfig, embedding_config_from_mapping
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -74,6 +75,7 @@ class RemoteEmbeddingWorker:
         self.timeout = timeout
         self.admin_timeout = admin_timeout
         self._peer = f"embedding worker {address}"
+        self._config_cache: tuple[str, EmbeddingConfig] | None = None
         self._channel = tier_channel(address, channel_options(), retry_safe=RETRY_SAFE_METHODS)
         self._stub = pb_grpc.EmbeddingWorkerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -267,7 +269,26 @@ class RemoteEmbeddingWorker:
             shard_serving=tuple(s.serving for s in response.shard_status),
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in response.shard_status),
             shard_errors=tuple(response.shard_errors) if partial else (),
+            embedding_config=self._reported_config(response.embedding_config_json),
         )
+
+    def _reported_config(self, text: str) -> EmbeddingConfig | None:
+        """The embedding config a Status reported (None: the worker predates the field);
+        parsed once per distinct text, as servers ask every 2 s."""
+        if not text:
+            return None
+        cached = self._config_cache
+        if cached is not None and cached[0] == text:
+            return cached[1]
+        try:
+            config = embedding_config_from_mapping(
+                json.loads(text), source=f"the embedding config {self._peer} reported"
+            )
+        except (ValueError, RecserveError) as error:
+            reason = getattr(error, "message", str(error))
+            raise RecserveError(f"{self._peer} sent a malformed answer: {reason}") from None
+        self._config_cache = (text, config)
+        return config
 
     def close(self) -> None:
         self._channel.close()

@@ -154,8 +154,13 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
             help="embedding_config.yml: only checked to be valid, not needed (the worker dumps "
             "with its own config and checks a checkpoint it loads against it)",
         )
+        # A status is a quick read: its deadline is the client's usual one, not a dump's.
+        default_timeout = 30.0 if name == "status" else 600.0
         action.add_argument(
-            "--timeout", type=positive_float, default=600.0, help="deadline (s; default 600)"
+            "--timeout",
+            type=positive_float,
+            default=default_timeout,
+            help=f"deadline (s; default {default_timeout:g})",
         )
         if name in ("dump", "load"):
             action.add_argument("directory", help="checkpoint directory")
@@ -179,7 +184,9 @@ def _admin(args: argparse.Namespace) -> int:
     from embedding_store.worker_client import RemoteEmbeddingWorker
 
     config = load_embedding_config(args.embedding_config) if args.embedding_config else None
-    with RemoteEmbeddingWorker(args.worker, config, admin_timeout=args.timeout) as worker:
+    with RemoteEmbeddingWorker(
+        args.worker, config, timeout=args.timeout, admin_timeout=args.timeout
+    ) as worker:
         if args.action == "dump":
             manifest = worker.dump(args.directory, overwrite=args.overwrite, progress=_progress_bar)
             print(

@@ -10,6 +10,8 @@ health checking, server reflection and (``metrics_port``) Prometheus metrics
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import queue
@@ -25,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from embedding_store import checkpoint_manifest
 from embedding_store.batch import Batch
-from embedding_store.config import EmbeddingConfig
+from embedding_store.config import EmbeddingConfig, embedding_config_to_mapping
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -46,6 +48,7 @@ from embedding_store.grpc_common import (
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
+from embedding_store.ps_client import caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.rpc_metrics import observed, observed_stream
 from embedding_store.stop_signal import StopRequest
@@ -63,6 +66,9 @@ SHARDS_SERVICE = "recserve.shards"
 SHARD_CHECK_INTERVAL_SECONDS = 2.0
 #: Deadline of each shard's Status call in that check (at most the worker's shard timeout).
 SHARD_CHECK_TIMEOUT_SECONDS = 2.0
+#: How long before its caller's deadline a lookup's shard calls end (at most; a tenth of the
+#: caller's time when shorter): the worker's answer naming a hung shard must still arrive.
+LOOKUP_ANSWER_MARGIN_SECONDS = 0.25
 
 
 class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
@@ -74,6 +80,9 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         self.tier = tier
         self.metrics = metrics or EmbeddingWorkerMetrics()
         self.metrics.watch_tier(tier)
+        # Sent with every Status: servers check it against their checkpoint's config. Keys
+        # in the config's order, never sorted: the slots' order gives their ID prefixes.
+        self._config_json = json.dumps(embedding_config_to_mapping(tier.embedding_config))
 
     @rpc_errors
     @observed
@@ -82,7 +91,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         check_answer_fits(batch, self.tier.embedding_config)
-        result = self.tier.lookup(batch, train=request.train)
+        with _within_callers_deadline(context):
+            result = self.tier.lookup(batch, train=request.train)
         response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
         pack_slots(response.slots, result.slots)
         return response
@@ -156,7 +166,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     def Status(
         self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext
     ) -> pb.WorkerStatusResponse:
-        status = self.tier.status(partial=True)  # `embedding-tier status` shows every shard
+        with _within_callers_deadline(context):  # a hung shard is then named, as in Lookup
+            status = self.tier.status(partial=True)  # `embedding-tier status`: every shard
         size = len(status.rows_per_shard)
         return pb.WorkerStatusResponse(
             shards=list(self.tier.shard_addresses),
@@ -189,7 +200,27 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             task=status.task,
             task_progress=status.task_progress,
             shard_errors=list(status.shard_errors),
+            embedding_config_json=self._config_json,
         )
+
+
+@contextlib.contextmanager
+def _within_callers_deadline(context: grpc.ServicerContext) -> Iterator[None]:
+    """Within: shard lookups and status calls end before the caller's deadline (less
+    :data:`LOOKUP_ANSWER_MARGIN_SECONDS`, or a tenth of its time when shorter), so a shard
+    that hangs is named to the caller (DEADLINE_EXCEEDED from here, or its error in a
+    partial status) instead of the caller's own deadline passing on this worker: a server's
+    --lookup-timeout (5 s) is shorter than the worker's --shard-timeout (10 s)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        yield
+        return
+    margin = min(LOOKUP_ANSWER_MARGIN_SECONDS, 0.1 * remaining)
+    token = caller_deadline.set(time.monotonic() + remaining - margin)
+    try:
+        yield
+    finally:
+        caller_deadline.reset(token)
 
 
 def _with_progress(

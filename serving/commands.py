@@ -103,7 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--startup-timeout",
         type=positive_float,
         default=60.0,
-        help="wait this long (s) for --embedding-workers to report serving (default 60)",
+        help="wait this long (s) for the remote embedding tier to serve: the "
+        "--embedding-workers worker, or each --embedding-ps shard, and under "
+        "--fallback-policy fail each shard's checkpoint loaded (default 60)",
     )
     parser.add_argument(
         "--fallback-policy",

@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from embedding_store import checkpoint_manifest, model_checkpoint
+from embedding_store import checkpoint_load, checkpoint_manifest, model_checkpoint
 from embedding_store.batch import (
     Batch,
     IDFeature,
@@ -29,14 +29,18 @@ from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     RecserveError,
     UnavailableError,
 )
 from embedding_store.signature import FeatureSignature
-from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier
+from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier, TierStatus
 from embedding_store.worker import LookupResult, SlotOutput
 from serving import onednn_linear
+
+if TYPE_CHECKING:
+    from embedding_store.worker_client import RemoteEmbeddingWorker
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,17 @@ class LoadedModel:
         """Embeddings for ``batch`` (read-only) and how many IDs fell back to defaults."""
         try:
             result = self.tier.lookup(batch, train=False), 0
+        except InvalidArgumentError as error:
+            if isinstance(self.tier, InProcessEmbeddingTier):
+                raise
+            # The request passed the model's signature, so a remote tier that refuses it
+            # disagrees with the checkpoint (a worker restarted with another
+            # embedding_config.yml, say): the server's fault, which a 400 would have put
+            # on the client.
+            raise RecserveError(
+                f"the embedding tier refused a lookup that model {self.name} version "
+                f"{self.version} allows: {error.message}"
+            ) from None
         except (DeadlineExceededError, UnavailableError) as error:
             if self.fallback_policy != "default":
                 raise
@@ -438,6 +453,82 @@ def error_summary(error: BaseException) -> str:
     return f"{kind}{reason.removeprefix(kind)}"
 
 
+def worker_config_mismatch(
+    worker: str, reported: EmbeddingConfig | None, model_config: EmbeddingConfig, checkpoint: Path
+) -> FailedPreconditionError | None:
+    """The error to raise when the embedding worker ``worker`` (an address) reported an
+    embedding config (``reported``; None: it did not say) under which the model's slots
+    (``model_config``, its checkpoint's) would be read from other rows or pooled otherwise;
+    None when they would not. The shards check their own config against the checkpoint
+    they load, but only the worker routes and pools IDs: one started with another
+    embedding_config.yml (another feature_index_prefix_bit, say) answers every ID with
+    zeros, as unknown, and the model gives wrong predictions that no error reports."""
+    if reported is None:
+        return None
+    names = model_config.slot_names
+    problems = [
+        f"slot {name!r} is not in the worker's config"
+        for name in names
+        if name not in reported.slots_config
+    ]
+    shared = [name for name in names if name in reported.slots_config]
+    problems += checkpoint_load.slot_mismatches(
+        model_config, reported, shared, saved_as="in the checkpoint", config_as="at the worker"
+    )
+    for name in shared:
+        ours, theirs = model_config.slots_config[name], reported.slots_config[name]
+        pooling = ("embedding_summation", "sqrt_scaling", "sample_fixed_size")
+        if ours.dim == theirs.dim and any(
+            getattr(ours, key) != getattr(theirs, key) for key in pooling
+        ):
+            problems.append(
+                f"slot {name!r} is pooled otherwise at the worker ("
+                + ", ".join(
+                    f"{key} {getattr(ours, key)} in the checkpoint, {getattr(theirs, key)} "
+                    "at the worker"
+                    for key in pooling
+                    if getattr(ours, key) != getattr(theirs, key)
+                )
+                + ")"
+            )
+    if not problems:
+        return None
+    return FailedPreconditionError(
+        f"embedding worker {worker} serves another embedding config than checkpoint "
+        f"{checkpoint}: {'; '.join(problems[:8])}"
+        + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        + " (start the worker with the checkpoint's embedding_config.yml)"
+    )
+
+
+def _wait_for_worker_shards(
+    worker: RemoteEmbeddingWorker, address: str, deadline: float, timeout: float
+) -> TierStatus:
+    """The embedding worker's status once each of its shards serves. A worker is ready once
+    it reaches its shards, loaded or not (readiness must not follow the shared tier), so a
+    server started while an inference shard still loads its checkpoint would fail its
+    warm-up on that shard. UnavailableError naming the shards still waited for at
+    ``deadline`` (``timeout`` s after the start)."""
+    while True:
+        status = worker.status(partial=True)
+        waiting = []
+        for index, serving in enumerate(status.shard_serving):
+            error = status.shard_errors[index] if status.shard_errors else ""
+            task = status.shard_tasks[index] if status.shard_tasks else ""
+            if error:
+                waiting.append(f"shard {index}: {error}")
+            elif not serving:
+                waiting.append(f"shard {index}: not serving yet" + (f" ({task})" if task else ""))
+        if not waiting:
+            return status
+        if time.monotonic() >= deadline:
+            raise UnavailableError(
+                f"embedding worker {address}: its shards are not serving after {timeout:g} s "
+                f"({'; '.join(waiting)})"
+            )
+        time.sleep(0.1)
+
+
 def load_model(
     checkpoint_dir: str | Path,
     *,
@@ -458,7 +549,8 @@ def load_model(
 
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
     when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
-    A remote embedding worker gets ``startup_timeout`` seconds to report SERVING."""
+    A remote embedding worker, or the remote shards, get ``startup_timeout`` seconds to
+    report SERVING (the worker's shards too, unless ``fallback_policy`` is ``"default"``)."""
     if embedding_workers and embedding_ps:
         raise InvalidArgumentError(
             "give embedding_workers or embedding_ps, not both: a model uses one tier"
@@ -493,8 +585,16 @@ def load_model(
         from embedding_store.remote_tier import RemoteShardTier
 
         shards = RemoteShardTier(embedding_config, list(embedding_ps), shard_timeout=lookup_timeout)
+        log.info(
+            "waiting up to %.0f s for %d embedding shard(s) to serve: %s",
+            startup_timeout,
+            len(embedding_ps),
+            ", ".join(embedding_ps),
+        )
         try:
-            shards.verify_shards()
+            # Under --fallback-policy default, default vectors stand in for a shard still
+            # loading (the warm-up too): only the replica order is checked.
+            shards.wait_for_serving(startup_timeout, serving=fallback_policy == "fail")
         except BaseException:
             shards.close()
             raise
@@ -511,7 +611,19 @@ def load_model(
             embedding_workers[0],
         )
         try:
+            deadline = time.monotonic() + startup_timeout
             worker.wait_for_serving(timeout=startup_timeout)
+            if fallback_policy == "fail":
+                status = _wait_for_worker_shards(
+                    worker, embedding_workers[0], deadline, startup_timeout
+                )
+            else:  # default vectors stand in for a shard that is away, in the warm-up too
+                status = worker.status(partial=True)
+            mismatch = worker_config_mismatch(
+                embedding_workers[0], status.embedding_config, embedding_config, manifest.directory
+            )
+            if mismatch is not None:
+                raise mismatch
         except BaseException:
             worker.close()
             raise

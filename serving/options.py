@@ -32,7 +32,7 @@ class ServeOptions:
     max_queue_size: int = 1024
     request_timeout: float = 10.0
     lookup_timeout: float = 5.0
-    startup_timeout: float = 60.0  # how long a remote embedding worker may take to serve
+    startup_timeout: float = 60.0  # how long a remote worker (or the shards) may take to serve
     fallback_policy: str = "fail"
     output_transform: str = "identity"
     onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)

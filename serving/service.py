@@ -38,7 +38,7 @@ from serving.batcher import DEADLINE_SLACK_SECONDS, DROP_REASONS, BatchOutcome, 
 from serving.core import ModelMetadata, Prediction, ServerMetadata
 from serving.loop_batcher import LoopBatcher
 from serving.metrics import COMMON_OUTCOMES, PROTOCOLS, ServingMetrics
-from serving.model import LoadedModel, error_summary
+from serving.model import LoadedModel, error_summary, worker_config_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -158,31 +158,58 @@ class PredictionService:
     def _check_tier(self, every: float) -> None:
         while not self._stop_checks.wait(every):
             model = self._model
+            mismatch = None
             try:
                 status = model.tier.status()
                 # A shard that answers but cannot serve yet (a restarted inference shard
                 # still loading its checkpoint) fails every lookup that reaches it.
                 waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
                 self._compare_versions(status.shard_checkpoint_versions)
+                # A worker restarted with another embedding config since the load checked it.
+                mismatch = worker_config_mismatch(
+                    getattr(model.tier, "address", "(in-process)"),
+                    status.embedding_config,
+                    model.embedding_config,
+                    model.manifest.directory,
+                )
+                if mismatch is not None:
+                    raise mismatch
                 if waiting:
                     raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
                 if not self._tier_ok:
                     log.info("embedding tier serving again")
                 self._tier_ok, self.last_tier_error = True, None
             except RecserveError as error:
-                if self._tier_ok:
-                    log.warning(
-                        "embedding tier not serving (requests that need it fail or get "
-                        "default vectors, as --fallback-policy says): %s",
-                        error.message,
-                    )
-                self._tier_ok, self.last_tier_error = False, error.message
+                # Unless the service closing, or a reload, closed this model's channel under
+                # the call ("cancelled the call"), which says nothing about the tier.
+                if not self._stop_checks.is_set() and model is self._model:
+                    self._note_tier_error(error.message, mismatch is not None)
             except Exception:
                 if model is self._model:
                     raise
                 # A reload closed this model's tier while it was being asked: ask the new
                 # one at the next check.
             del model  # no reference to a replaced model between checks
+
+    def _note_tier_error(self, message: str, wrong_config: bool) -> None:
+        """The tier is not serving this model, for ``message``; logged when the reason
+        changes too (a shard back from a crash as an empty, unconfigured one is another
+        problem than the crash). ``wrong_config``: its worker routes IDs by another config."""
+        if message != self.last_tier_error:
+            if wrong_config:
+                log.error(
+                    "embedding tier not serving this model (its IDs read other rows, unknown "
+                    "ones as zeros, so its predictions are wrong until the worker runs the "
+                    "checkpoint's config): %s",
+                    message,
+                )
+            else:
+                log.warning(
+                    "embedding tier not serving (requests that need it fail or get default "
+                    "vectors, as --fallback-policy says): %s",
+                    message,
+                )
+        self._tier_ok, self.last_tier_error = False, message
 
     def _compare_versions(self, versions: tuple[str, ...]) -> None:
         """Note shards that hold another embedding checkpoint than the served model's (a

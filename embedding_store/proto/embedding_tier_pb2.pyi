@@ -103,14 +103,18 @@ class ClearResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ids", "dim", "train")
+    __slots__ = ("ids", "dim", "train", "replica_index", "replica_size")
     IDS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     dim: int
     train: bool
-    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ...) -> None: ...
+    replica_index: int
+    replica_size: int
+    def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("rows", "misses")
@@ -121,14 +125,18 @@ class LookupResponse(_message.Message):
     def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("ids", "grads", "dim")
+    __slots__ = ("ids", "grads", "dim", "replica_index", "replica_size")
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     grads: bytes
     dim: int
-    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ...) -> None: ...
+    replica_index: int
+    replica_size: int
+    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("rows_updated",)
@@ -195,7 +203,7 @@ class ShardStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardStatusResponse(_message.Message):
-    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress", "checkpoint_version")
+    __slots__ = ("replica_index", "replica_size", "rows", "capacity", "read_only", "job_type", "optimizer_json", "serving", "lookups", "ids_looked_up", "misses", "evictions", "task", "task_progress", "checkpoint_version", "embedding_config_json")
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +219,7 @@ class ShardStatusResponse(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     replica_index: int
     replica_size: int
     rows: int
@@ -226,7 +235,8 @@ class ShardStatusResponse(_message.Message):
     task: str
     task_progress: float
     checkpoint_version: str
-    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., checkpoint_version: _Optional[str] = ...) -> None: ...
+    embedding_config_json: str
+    def __init__(self, replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., read_only: bool = ..., job_type: _Optional[str] = ..., optimizer_json: _Optional[str] = ..., serving: bool = ..., lookups: _Optional[int] = ..., ids_looked_up: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., checkpoint_version: _Optional[str] = ..., embedding_config_json: _Optional[str] = ...) -> None: ...
 
 class PackedSlots(_message.Message):
     __slots__ = ("slots", "data")
@@ -311,7 +321,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress", "shard_errors")
+    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress", "shard_errors", "embedding_config_json")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     PENDING_BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +330,7 @@ class WorkerStatusResponse(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_status: _containers.RepeatedCompositeFieldContainer[ShardStatusResponse]
     pending_backward: int
@@ -328,7 +339,8 @@ class WorkerStatusResponse(_message.Message):
     task: str
     task_progress: float
     shard_errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., shard_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    embedding_config_json: str
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., shard_errors: _Optional[_Iterable[str]] = ..., embedding_config_json: _Optional[str] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ()

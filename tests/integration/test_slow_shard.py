@@ -85,6 +85,17 @@ def test_stalled_shard_gives_deadline_exceeded_then_recovers(stalled_cluster):
         assert SHARD_DEADLINE * 0.9 <= waited < SHARD_DEADLINE + 5  # the deadline, no hang
         assert "shard 1" in failure.value.message
         assert cluster.ps_addresses[1] in failure.value.message
+        # A caller with less time than the shard deadline (a server's --lookup-timeout) is
+        # told which shard too, not only that the worker did not answer.
+        address = cluster.worker_addresses[0]
+        with (
+            RemoteEmbeddingWorker(address, config, timeout=SHARD_DEADLINE / 2) as hurried,
+            pytest.raises(DeadlineExceededError) as hurried_failure,
+        ):
+            hurried.lookup(_batch(), train=False)
+        assert f"parameter server {cluster.ps_addresses[1]} (shard 1)" in (
+            hurried_failure.value.message
+        )
 
         os.kill(pid, signal.SIGCONT)
         stopped.remove(pid)

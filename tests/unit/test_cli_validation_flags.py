@@ -493,9 +493,12 @@ def test_embedding_tier_status_exits_1_when_a_shard_did_not_answer(monkeypatch, 
         "partial": ("parameter server a:1: refused",),
     }
 
+    deadlines: list[tuple[float, float]] = []
+
     class FakeWorker:
-        def __init__(self, address, _config, admin_timeout) -> None:
+        def __init__(self, address, _config, timeout, admin_timeout) -> None:
             self.address = address
+            deadlines.append((timeout, admin_timeout))
 
         def __enter__(self):
             return self
@@ -518,6 +521,10 @@ def test_embedding_tier_status_exits_1_when_a_shard_did_not_answer(monkeypatch, 
         "shard 0: 5 rows of 10, idle, checkpoint none",
         "shard 0: NO ANSWER: parameter server a:1: refused",
     ]
+    # --timeout bounds the status call itself (it took the client's 30 s whatever it said).
+    args = parse(["embedding-tier", "status", "--worker", "whole", "--timeout", "3"])
+    assert args.handler(args) == 0
+    assert deadlines == [(30.0, 30.0), (30.0, 30.0), (3.0, 3.0)]
 
 
 # --------------------------------------------------------------------------- recserve main

@@ -188,22 +188,44 @@ def test_error_summary_is_the_type_and_the_last_line(error, expected):
     assert summary == (f"{name}: {expected} [2, 3]" if expected else f"{name}: ")
 
 
-def _fake_remote_workers(monkeypatch, *, serving: bool) -> list:
+def _fake_remote_workers(
+    monkeypatch, *, serving: bool, reports=None, loading_for: int | None = 0
+) -> list:
     """Stands in for RemoteEmbeddingWorker: each made is listed, its ``closed`` says whether
-    it was closed; its wait_for_serving fails unless ``serving``."""
+    it was closed; its wait_for_serving fails unless ``serving``; its status reports the
+    embedding config ``reports`` (None: none, as a worker that predates the field) and
+    shard 1 still loading its checkpoint for the first ``loading_for`` status calls (None:
+    for good)."""
     from embedding_store import worker_client
     from embedding_store.errors import UnavailableError
+    from embedding_store.tier import TierStatus
 
     made: list[_FakeWorker] = []
 
     class _FakeWorker:
         def __init__(self, address, config, *, timeout) -> None:
             self.closed = False
+            self.statuses = 0
             made.append(self)
 
         def wait_for_serving(self, timeout: float) -> None:
             if not serving:
                 raise UnavailableError("embedding worker a:1 is not serving after 0.1 s")
+
+        def status(self, *, partial: bool = False) -> TierStatus:
+            self.statuses += 1
+            loading = loading_for is None or self.statuses <= loading_for
+            return TierStatus(
+                (1, 0),
+                (10, 10),
+                0,
+                0,
+                0,
+                shard_tasks=("", "loading" if loading else ""),
+                shard_serving=(True, not loading),
+                shard_errors=("", ""),
+                embedding_config=reports,
+            )
 
         def close(self) -> None:
             self.closed = True
@@ -230,6 +252,143 @@ def test_a_load_refused_after_its_worker_answered_closes_the_channel(checkpoint,
         with pytest.raises(InvalidArgumentError, match="must be one of"):
             load_model(checkpoint, name="m", embedding_workers=["a:1"], **option)
     assert [worker.closed for worker in made] == [True, True]
+
+
+def test_a_worker_with_another_embedding_config_is_refused_naming_what_differs(
+    checkpoint, monkeypatch
+):
+    """A worker started with another embedding_config.yml than the checkpoint's answered
+    every ID as unknown (zeros: another ID prefix) or pooled otherwise, and the server served
+    those predictions; the load now refuses it, naming the worker and each slot."""
+    from embedding_store.config import embedding_config_from_mapping
+    from embedding_store.errors import FailedPreconditionError
+
+    dim = CONFIG.slots_config["user"].dim
+    others = {
+        "another prefix width": (
+            {"feature_index_prefix_bit": 10, "slots_config": {"user": {"dim": dim}}},
+            "slot 'item' is not in the worker's config; slot 'user' has another ID prefix "
+            "in the checkpoint (feature groups or feature_index_prefix_bit changed)",
+        ),
+        "other pooling": (
+            {
+                "feature_index_prefix_bit": 8,
+                "slots_config": {"user": {"dim": dim}, "item": {"dim": dim, "sqrt_scaling": True}},
+            },
+            "slot 'item' is pooled otherwise at the worker (sqrt_scaling False in the "
+            "checkpoint, True at the worker)",
+        ),
+    }
+    for mapping, problems in others.values():
+        made = _fake_remote_workers(
+            monkeypatch, serving=True, reports=embedding_config_from_mapping(mapping)
+        )
+        with pytest.raises(FailedPreconditionError) as refused:
+            load_model(checkpoint, name="m", embedding_workers=["a:1"])
+        assert refused.value.message == (
+            f"embedding worker a:1 serves another embedding config than checkpoint "
+            f"{checkpoint}: {problems} (start the worker with the checkpoint's "
+            "embedding_config.yml)"
+        )
+        assert [worker.closed for worker in made] == [True]
+    # The checkpoint's own config passes the check: the load goes on (to the option it
+    # refuses next).
+    _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
+
+
+def test_a_remote_tier_refusing_a_valid_request_is_the_servers_fault(checkpoint):
+    """The request passed the model's signature; a worker restarted without one of the
+    model's slots refused it as INVALID_ARGUMENT, and the client got 400 for the server's
+    misconfiguration. It is a 500 naming the tier's complaint; an in-process tier's
+    refusal is left as it is."""
+    from embedding_store.errors import RecserveError, http_status_of
+
+    model = load_model(checkpoint, name="m", onednn_min_rows=0)
+
+    class Refusing:
+        def __init__(self, tier) -> None:
+            self._tier = tier
+
+        def lookup(self, batch, *, train):
+            raise InvalidArgumentError(
+                "embedding worker w:1: ID feature 'item' is not a slot of the embedding config"
+            )
+
+        def __getattr__(self, name):
+            return getattr(self._tier, name)
+
+    try:
+        model.tier = Refusing(model.tier)
+        with pytest.raises(RecserveError) as refused:
+            model.infer(_batch())
+        assert type(refused.value) is RecserveError and http_status_of(refused.value) == 500
+        assert refused.value.message == (
+            f"the embedding tier refused a lookup that model m version {model.version} "
+            "allows: embedding worker w:1: ID feature 'item' is not a slot of the embedding "
+            "config"
+        )
+    finally:
+        model.tier = model.tier._tier
+        model.close()
+
+
+def test_a_remote_workers_shards_still_loading_are_waited_for(checkpoint, monkeypatch):
+    """A worker is ready once it reaches its shards, loaded or not: a server started while an
+    inference shard loaded its checkpoint failed its warm-up on that shard. It now waits for
+    them, up to the start-up timeout, then names them."""
+    from embedding_store.errors import UnavailableError
+
+    made = _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=2)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):  # got past the wait
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], output_transform="softmax")
+    assert made[0].statuses == 3
+    _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=None)
+    with pytest.raises(UnavailableError) as waited:
+        load_model(checkpoint, name="m", embedding_workers=["a:1"], startup_timeout=0.2)
+    assert waited.value.message == (
+        "embedding worker a:1: its shards are not serving after 0.2 s (shard 1: not serving "
+        "yet (loading))"
+    )
+    # With default vectors for a shard that is away, a server starts (or reloads) without it.
+    made = _fake_remote_workers(monkeypatch, serving=True, reports=CONFIG, loading_for=None)
+    with pytest.raises(InvalidArgumentError, match="must be one of"):
+        load_model(
+            checkpoint,
+            name="m",
+            embedding_workers=["a:1"],
+            fallback_policy="default",
+            output_transform="softmax",
+        )
+    assert made[0].statuses == 1
+
+
+def test_remote_shards_get_the_startup_timeout_to_serve(checkpoint, monkeypatch):
+    """serve --embedding-ps started before its shards (or while they load) waits for them as
+    long as for an embedding worker; it used to fail at once."""
+    from embedding_store.errors import UnavailableError
+    from embedding_store.remote_tier import RemoteShardTier
+
+    waits: list[tuple[float, bool]] = []
+
+    def wait_for_serving(self, timeout: float, *, serving: bool = True) -> None:
+        waits.append((timeout, serving))
+        raise UnavailableError("embedding shards not serving after 7 s (...)")
+
+    monkeypatch.setattr(RemoteShardTier, "wait_for_serving", wait_for_serving)
+    for policy in ("fail", "default"):
+        with pytest.raises(UnavailableError, match="not serving after 7 s"):
+            load_model(
+                checkpoint,
+                name="m",
+                embedding_ps=["127.0.0.1:1"],
+                startup_timeout=7,
+                fallback_policy=policy,
+            )
+    # Under --fallback-policy default a shard that answers is enough: default vectors stand
+    # in for one still loading.
+    assert waits == [(7, True), (7, False)]
 
 
 def test_a_checkpoint_replaced_while_its_embeddings_load_is_refused(tmp_path, monkeypatch):

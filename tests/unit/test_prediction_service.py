@@ -643,15 +643,19 @@ def test_drain_waits_for_requests_batched_on_an_event_loop(checkpoints, make_ser
 class _RemoteTier:
     """The model's tier as a remote one looks to the service: not in process."""
 
+    address = "w:7100"
+
     def __init__(self, tier, versions: tuple[str, ...] = (), serving: tuple[bool, ...] = ()):
         self._tier = tier
         self.versions, self.serving = versions, serving
+        self.config = None  # the embedding config the worker reports (None: none)
 
     def status(self):
         return dataclasses.replace(
             self._tier.status(),
             shard_serving=self.serving,
             shard_checkpoint_versions=self.versions,
+            embedding_config=self.config,
         )
 
     def __getattr__(self, name: str):
@@ -704,6 +708,78 @@ def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoint
     tier.serving, tier.versions = (True,) * 4, ("", expected, expected, "")
     _wait_until(lambda: service.tier_serving)
     assert service.last_tier_error is None and service.foreign_embedding_versions == {}
+
+
+def test_the_tier_check_notes_a_worker_with_another_config_and_each_new_reason(
+    checkpoints, make_service, caplog
+):
+    """A worker restarted with another embedding config reads other rows for every ID (the
+    load checked the one before): an error naming it, not the usual "requests fail" warning,
+    and tier_serving false. A new reason while not serving is logged too (it used to say
+    nothing once the tier was down)."""
+    model = _load(checkpoints[0])
+    tier = model.tier = _RemoteTier(model.tier, serving=(True,))
+    other = dataclasses.replace(model.embedding_config, feature_index_prefix_bit=12)
+    tier.config = other
+    caplog.set_level(logging.INFO, logger="serving.service")
+    service = make_service(model, tier_check_seconds=0.01)
+    _wait_until(lambda: not service.tier_serving)
+    expected = (
+        f"embedding worker w:7100 serves another embedding config than checkpoint "
+        f"{model.manifest.directory}: slot 'user' has another ID prefix in the checkpoint "
+        "(feature groups or feature_index_prefix_bit changed); slot 'item' has another ID "
+        "prefix in the checkpoint (feature groups or feature_index_prefix_bit changed) (start "
+        "the worker with the checkpoint's embedding_config.yml)"
+    )
+    assert service.last_tier_error == expected
+    tier.config, tier.serving = model.embedding_config, (False,)
+    _wait_until(lambda: service.last_tier_error == "embedding shard(s) [0] cannot serve yet")
+    tier.serving = (True,)
+    _wait_until(lambda: service.tier_serving)
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert logged == [
+        (
+            "ERROR",
+            "embedding tier not serving this model (its IDs read other rows, unknown ones as "
+            "zeros, so its predictions are wrong until the worker runs the checkpoint's "
+            f"config): {expected}",
+        ),
+        (
+            "WARNING",
+            "embedding tier not serving (requests that need it fail or get default vectors, "
+            "as --fallback-policy says): embedding shard(s) [0] cannot serve yet",
+        ),
+        ("INFO", "embedding tier serving again"),
+    ]
+
+
+def test_a_tier_check_cut_short_by_the_close_says_nothing_about_the_tier(
+    checkpoints, make_service, caplog
+):
+    """A server stopping closes its model's channel under a tier check still waiting on a
+    slow tier; the check's "cancelled the call" was logged as the tier not serving."""
+    model = _load(checkpoints[0])
+    tier = model.tier = _RemoteTier(model.tier, serving=(True,))
+    asked, closed = threading.Event(), threading.Event()
+
+    def status():
+        asked.set()
+        closed.wait(WAIT)
+        raise UnavailableError("embedding worker w:7100 cancelled the call (shutting down?)")
+
+    tier.status = status
+    caplog.set_level(logging.INFO, logger="serving.service")
+    service = make_service(model, tier_check_seconds=0.01)
+    assert asked.wait(WAIT)
+    closer = threading.Thread(target=service.close, kwargs={"wait": 1.0})
+    closer.start()
+    _wait_until(lambda: service._stop_checks.is_set())
+    closed.set()  # the call ends as the closed channel ends it
+    closer.join(WAIT)
+    service._tier_checker.join(WAIT)
+    assert not service._tier_checker.is_alive()
+    assert service.tier_serving and service.last_tier_error is None
+    assert [r.getMessage() for r in caplog.records if "tier" in r.getMessage()] == []
 
 
 def test_metadata_names_the_served_version_and_the_request_limit(checkpoints, make_service):

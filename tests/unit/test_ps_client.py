@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from embedding_store.config import EmbeddingConfig, JobType, SlotConfig
+from embedding_store.config import (
+    EmbeddingConfig,
+    JobType,
+    SlotConfig,
+    embedding_config_from_mapping,
+)
 from embedding_store.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -143,6 +148,92 @@ def test_calls_take_the_deadline_they_are_given_else_their_default() -> None:
         client.export_rows(10, timeout=2.5)
         client.export_rows(10)
     assert stub.timeouts == [0.5, 7.0, 2.5, 90.0]
+
+
+def test_lookups_and_updates_say_which_replica_they_are_for() -> None:
+    """So that a shard at another replica refuses them (ParameterServerServicer); the
+    worker's clients know both the index and the count."""
+    from embedding_store.remote_tier import RemoteShardTier
+
+    class Stub:
+        def __init__(self) -> None:
+            self.requests: list = []
+
+        def Lookup(self, request, timeout=None):
+            self.requests.append(request)
+            return pb.LookupResponse(rows=pack_f32(np.zeros((1, 4), np.float32)))
+
+        def Update(self, request, timeout=None):
+            self.requests.append(request)
+            return pb.UpdateResponse(rows_updated=1)
+
+    ids = np.arange(1, dtype=np.uint64)
+    grads = np.ones((1, 4), np.float32)
+    with (
+        RemoteParameterServer(NOWHERE, replica_index=1, replica_size=3) as told,
+        RemoteParameterServer(NOWHERE, replica_index=1) as untold,
+    ):
+        for client in (told, untold):
+            client._stub = stub = Stub()
+            client.lookup(ids, 4, train=False)
+            client.update(ids, grads)
+            assert [(r.replica_index, r.replica_size) for r in stub.requests] == (
+                [(1, 3)] * 2 if client is told else [(0, 0)] * 2
+            )
+            stub.requests.clear()
+    tier = RemoteShardTier(
+        embedding_config_from_mapping({"slots_config": {"a": {"dim": 4}}}), [NOWHERE] * 2
+    )
+    try:
+        assert [(c.replica_index, c.replica_size) for c in tier.clients] == [(0, 2), (1, 2)]
+    finally:
+        tier.close()
+
+
+def test_a_lookup_takes_at_most_the_time_its_caller_has_left() -> None:
+    """An embedding worker serving a lookup sets its caller's deadline (ps_client.
+    caller_deadline): the shard call must end first, so a hung shard is named to the caller."""
+    import time
+
+    from embedding_store import ps_client
+
+    class Stub:
+        def __init__(self) -> None:
+            self.timeouts: list[float] = []
+
+        def Lookup(self, request, timeout=None):
+            self.timeouts.append(timeout)
+            return pb.LookupResponse(rows=pack_f32(np.zeros((1, 4), np.float32)))
+
+        def Status(self, request, timeout=None):
+            self.timeouts.append(timeout)
+            return pb.ShardStatusResponse()
+
+    ids = np.arange(1, dtype=np.uint64)
+    with RemoteParameterServer(NOWHERE, timeout=7) as client:
+        client._stub = stub = Stub()
+        client.lookup(ids, 4, train=False)
+        token = ps_client.caller_deadline.set(time.monotonic() + 2.0)
+        try:
+            client.lookup(ids, 4, train=False)
+            client.status()
+            client.status(timeout=0.5)  # its own deadline is the shorter
+        finally:
+            ps_client.caller_deadline.reset(token)
+        token = ps_client.caller_deadline.set(time.monotonic() - 1.0)  # already past
+        try:
+            client.lookup(ids, 4, train=False)
+        finally:
+            ps_client.caller_deadline.reset(token)
+        token = ps_client.caller_deadline.set(time.monotonic() + 60.0)  # later than its own
+        try:
+            client.lookup(ids, 4, train=False)
+        finally:
+            ps_client.caller_deadline.reset(token)
+    default, left, status_left, status_own, past, later = stub.timeouts
+    assert default == 7.0 and 1.5 < left <= 2.0 and 1.5 < status_left <= 2.0
+    assert status_own == 0.5
+    assert past == ps_client.MIN_LOOKUP_SECONDS and later == 7.0
 
 
 def test_a_dump_returns_the_shards_file_entries_and_optimizer() -> None:
@@ -295,6 +386,30 @@ def test_import_rows_counts_rows_and_reraises_the_callers_own_error(shard_server
         np.testing.assert_array_equal(rows, np.full((2, 4), 0.5, np.float32))
         rows[0, 0] = 1.0  # the answer is the caller's to change
         assert client.last_misses == 0
+
+
+def test_status_reports_the_shards_embedding_config_in_its_order(shard_server) -> None:
+    """Workers check it against theirs (RemoteShardTier.verify_shards)."""
+    address, _ = shard_server
+    with RemoteParameterServer(address, timeout=10) as client:
+        reported = client.status().embedding_config
+        assert reported == EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)})
+        client._stub = _ConfigStub('{"slots_config": [1]}')
+        with pytest.raises(RecserveError) as malformed:
+            client.status()
+        assert malformed.value.message.startswith(
+            f"parameter server {address} sent a malformed answer: "
+        )
+        client._stub = _ConfigStub("")  # a shard that predates the field
+        assert client.status().embedding_config is None
+
+
+class _ConfigStub:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def Status(self, request, timeout=None):
+        return pb.ShardStatusResponse(embedding_config_json=self.text)
 
 
 def test_row_chunks_round_trip_through_a_real_shard(shard_server) -> None:

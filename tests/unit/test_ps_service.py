@@ -127,10 +127,20 @@ def test_lookup_reports_misses_and_admission_rejections():
 def test_configure_update_and_serving_state():
     s = servicer()
     assert not s.serving
+    ids = pack_u64(np.array([3], np.uint64))
+    # Not configured (a shard restarted empty, say): its zeros would pass for embeddings.
+    for train in (False, True):
+        refused = aborted(s.Lookup, pb.LookupRequest(ids=ids, dim=4, train=train))
+        assert (refused.code, refused.details) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "this training parameter server has no optimizer configured yet (NOT_SERVING: "
+            "started or restarted empty; a trainer's Configure, `recserve embedding-tier "
+            "load` or --load-checkpoint sets one), so it has no rows to answer with",
+        )
+    assert s.shard.size() == 0
     request = pb.ConfigureRequest(sgd=pb.Sgd(lr=0.5))
     s.Configure(request, FakeContext())
     assert s.serving and s.shard.optimizer == SGD(lr=0.5)
-    ids = pack_u64(np.array([3], np.uint64))
     s.Lookup(pb.LookupRequest(ids=ids, dim=4, train=True), FakeContext())
     before = s.shard.export_rows(4).weights.copy()
     grads = pack_f32(np.ones((1, 4), np.float32))
@@ -141,6 +151,33 @@ def test_configure_update_and_serving_state():
     assert '"name": "sgd"' in status.optimizer_json
     s.begin_shutdown()
     assert not s.serving
+
+
+def test_lookups_and_updates_meant_for_another_replica_are_refused():
+    """A shard restarted with another --replica-index (or listed at another place) holds
+    another part of the table: it answered every ID of the replica it was taken for as
+    unknown (zeros), and a server served predictions from them."""
+    s = servicer(optimizer=SGD(), replica_index=0, replica_size=2)
+    ids = pack_u64(np.array([3], np.uint64))
+    grads = pack_f32(np.ones((1, 4), np.float32))
+    requests = {
+        s.Lookup: lambda **replica: pb.LookupRequest(ids=ids, dim=4, **replica),
+        s.Update: lambda **replica: pb.UpdateRequest(ids=ids, grads=grads, dim=4, **replica),
+    }
+    for method, request in requests.items():
+        refused = aborted(method, request(replica_index=1, replica_size=2))
+        assert (refused.code, refused.details) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "this parameter server is replica 0 of 2, but its client takes it for replica 1 "
+            "of 2: it holds another part of the table (check the order of the shard "
+            "addresses: the worker's --ps, or serve's --embedding-ps, and each shard's "
+            "--replica-index)",
+        )
+        assert aborted(method, request(replica_index=0, replica_size=3)).code == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+        method(request(replica_index=0, replica_size=2), FakeContext())
+        method(request(), FakeContext())  # a client that does not say (replica_size 0)
 
 
 def test_non_finite_gradients_and_optimizer_state_are_refused_before_any_row_changes():
@@ -499,6 +536,7 @@ def test_malformed_protobufs_are_invalid_argument_not_internal():
                 )
             assert imported.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert imported.value.details().startswith("malformed RowChunk: ")
+            process.servicer.shard.configure(optimizer=SGD())  # a training shard's lookups wait
             good = pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4)
             answer = channel.unary_unary(f"{service}/Lookup", **raw)(
                 good.SerializeToString(), timeout=10

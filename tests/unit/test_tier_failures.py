@@ -80,6 +80,9 @@ class Context:
     def leave(self) -> None:
         self.active = False
 
+    def time_remaining(self) -> float | None:
+        return None  # no deadline
+
 
 def rows_by_dim(blocks) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Row blocks (``.dim``, ``.ids``, ``.weights``, ``.state``; several per dim allowed) as

@@ -12,6 +12,7 @@ import dataclasses
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -62,6 +63,9 @@ class FakeShardClient:
         self.on_update: Callable[[], None] | None = None
         self.on_dump: Callable[[], None] | None = None
         self.on_load: Callable[[], None] | None = None
+        self.on_status: Callable[[], None] | None = None
+        self.serving = True
+        self.config = CONFIG  # the embedding config its status reports
         self.updates = 0
         self.clears = 0
         self.task = ""
@@ -119,7 +123,9 @@ class FakeShardClient:
             rows += len(block.ids)
         return rows
 
-    def status(self) -> ShardStatus:
+    def status(self, *, timeout: float | None = None) -> ShardStatus:
+        if self.on_status:
+            self.on_status()
         stats = self.shard.stats()
         return ShardStatus(
             replica_index=self.shard.replica_index,
@@ -129,13 +135,14 @@ class FakeShardClient:
             read_only=False,
             job_type="Train",
             optimizer_json="",
-            serving=True,
+            serving=self.serving,
             lookups=stats.lookups,
             ids_looked_up=stats.ids_looked_up,
             misses=stats.misses,
             evictions=stats.evictions,
             task=self.task,
             task_progress=0.0,
+            embedding_config=self.config,
         )
 
     def close(self) -> None:
@@ -147,11 +154,16 @@ class AbortedRpcError(Exception):
 
 
 class FakeContext:
+    remaining: float | None = None  # seconds before the caller's deadline (None: no deadline)
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise AbortedRpcError(code, details)
 
     def is_active(self) -> bool:
         return True
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
 
 
 @pytest.fixture
@@ -408,6 +420,41 @@ def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
     assert status.shard_tasks == ("", "", "")
 
 
+def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
+    """Servers check the config a worker routes and pools IDs by against their checkpoint's
+    (serving.model.worker_config_mismatch): it travels in Status, parsed once per text."""
+    from embedding_store.errors import RecserveError
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    tier, _ = make_tier()
+    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), FakeContext())
+
+    class Stub:
+        response = answer
+
+        def Status(self, request, timeout=None):
+            return self.response
+
+    with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
+        client._stub = stub = Stub()
+        reported = client.status().embedding_config
+        assert reported == CONFIG
+        # The slots' order gives their ID prefixes ("items" sorts before "user").
+        assert reported.slot_names == CONFIG.slot_names == ("user", "items")
+        assert [reported.index_prefix(name) for name in CONFIG.slot_names] == [
+            CONFIG.index_prefix(name) for name in CONFIG.slot_names
+        ]
+        assert client.status().embedding_config is reported  # parsed once
+        stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
+        assert client.status().embedding_config is None
+        stub.response = pb.WorkerStatusResponse(embedding_config_json='{"slots_config": 3}')
+        with pytest.raises(RecserveError) as malformed:
+            client.status()
+        assert malformed.value.message.startswith(
+            "embedding worker 127.0.0.1:1 sent a malformed answer: "
+        )
+
+
 def test_format_status_shows_tasks_of_shards_and_worker():
     status = TierStatus(
         rows_per_shard=(5, 7),
@@ -480,6 +527,58 @@ def test_a_failed_shard_dump_publishes_nothing_and_names_the_shard(make_tier, tm
     manifest = tier.dump(target)
     assert manifest.num_shards == 2 and manifest.total_rows == 20
     assert (target / checkpoint_manifest.DONE_MARKER).exists()
+
+
+def test_a_lookups_shard_calls_end_before_the_callers_deadline(make_tier):
+    """A server's lookup deadline (--lookup-timeout 5 s) is shorter than the worker's shard
+    deadline (10 s): a hung shard left the server only "the worker did not answer". The
+    shard calls, on this thread and on the pool's, now see the caller's deadline less a
+    margin (ps_client.caller_deadline, which RemoteParameterServer.lookup honours)."""
+    import time
+
+    from embedding_store import ps_client
+
+    tier, fakes = make_tier(num_shards=2)
+    seen: dict[int, float | None] = {}
+    for fake in fakes:
+
+        def lookup(ids, dim, *, train, fake=fake):
+            seen[fake.index] = ps_client.caller_deadline.get()
+            return fake.shard.lookup(ids, dim, train=train)
+
+        fake.lookup = lookup
+    servicer = EmbeddingWorkerServicer(tier)
+    request = pb.WorkerLookupRequest(batch=user_batch(list(range(16))).to_bytes())
+    context = FakeContext()
+    context.remaining = 2.0
+    before = time.monotonic()
+    servicer.Lookup(request, context)
+    after = time.monotonic()
+    assert sorted(seen) == [0, 1]  # both shards were asked
+    for deadline in seen.values():  # 2 s less a tenth (under the 0.25 s cap)
+        assert deadline is not None and before + 1.8 <= deadline <= after + 1.8
+    assert ps_client.caller_deadline.get() is None  # reset after the call
+    context.remaining = 60.0
+    servicer.Lookup(request, context)
+    for deadline in seen.values():  # the margin is capped
+        assert deadline is not None and after + 59.75 <= deadline <= time.monotonic() + 59.75
+    seen.clear()
+    context.remaining = None  # no deadline: the shard clients' own
+    servicer.Lookup(request, context)
+    assert seen == {0: None, 1: None}
+    # Status too (a server's tier check), whose shard calls all run on the pool's threads.
+    for fake in fakes:
+        fake.on_status = lambda fake=fake: seen.__setitem__(
+            fake.index, ps_client.caller_deadline.get()
+        )
+    seen.clear()
+    context.remaining = 2.0
+    before = time.monotonic()
+    servicer.Status(pb.WorkerStatusRequest(), context)
+    after = time.monotonic()
+    assert sorted(seen) == [0, 1]
+    for deadline in seen.values():
+        assert deadline is not None and before + 1.8 <= deadline <= after + 1.8
 
 
 # --------------------------------------------------------------------------- metrics
@@ -597,6 +696,75 @@ def test_verify_shards_checks_the_replica_count_too(make_tier):
         "parameter server fake-1:7000 answers as replica 1 of 3, but was given as replica 1 of 2"
         in refused.value.message
     )
+
+
+def test_wait_for_serving_waits_for_shards_to_answer_and_serve_and_names_them(make_tier):
+    """serve --embedding-ps waits for its shards as --embedding-workers waits for its worker
+    (it failed at once when started before them, and a shard still loading failed its
+    warm-up); a shard at the wrong place fails at once."""
+    tier, fakes = make_tier(2)
+    fakes[1].serving, fakes[1].task = False, "loading"
+    down = [True]
+
+    def unreachable() -> None:
+        if down[0]:
+            raise UnavailableError(f"{fakes[0].peer} is unavailable: connection refused")
+
+    fakes[0].on_status = unreachable
+    with pytest.raises(UnavailableError) as waited:
+        tier.wait_for_serving(0.3)
+    assert waited.value.message == (
+        "embedding shards not serving after 0.3 s (parameter server fake-0:7000 (shard 0) is "
+        "unavailable: connection refused)"
+    )
+    down[0] = False
+    with pytest.raises(UnavailableError) as waited:
+        tier.wait_for_serving(0.3)
+    assert waited.value.message == (
+        "embedding shards not serving after 0.3 s (not serving yet: parameter server "
+        "fake-1:7000 (shard 1) (loading))"
+    )
+    tier.wait_for_serving(0.3, serving=False)  # answering is enough
+    threading.Timer(0.3, lambda: setattr(fakes[1], "serving", True)).start()
+    started = time.monotonic()
+    tier.wait_for_serving(WAIT)
+    assert 0.25 < time.monotonic() - started < WAIT
+    fakes[1].shard = EmbeddingShard(10, replica_index=0, replica_size=2)
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="answers as replica 0 of 2"):
+        tier.wait_for_serving(WAIT)
+    assert time.monotonic() - started < 1.0  # at once, not after WAIT
+
+
+def test_verify_shards_refuses_a_shard_keyed_by_another_embedding_config(make_tier):
+    """A shard started with another model's embedding_config.yml (and checkpoint) answered
+    every ID with zeros, as unknown; the worker now refuses it, naming the slots."""
+    tier, fakes = make_tier(2)
+    fakes[1].config = embedding_config_from_mapping(
+        {
+            "feature_index_prefix_bit": CONFIG.feature_index_prefix_bit + 4,
+            "slots_config": {"user": {"dim": DIM}, "items": {"dim": DIM + 4}},
+        }
+    )
+    with pytest.raises(InvalidArgumentError) as refused:
+        tier.verify_shards()
+    assert refused.value.message == (
+        "parameter server fake-1:7000 (shard 1) keys its rows by another embedding config: "
+        "slot 'user' has another ID prefix at this worker (feature groups or "
+        f"feature_index_prefix_bit changed); slot 'items' has dim {DIM} at this worker but "
+        f"{DIM + 4} at the shard (give the shards and the workers one embedding_config.yml)"
+    )
+    # Until a check finds the shards right again, lookups are refused naming it (the
+    # worker's readiness check runs verify_shards every 2 s: a shard restarted so).
+    with pytest.raises(UnavailableError) as unserved:
+        tier.lookup(user_batch([1, 2]), train=False)
+    assert unserved.value.message == refused.value.message
+    # A shard that lacks a slot (a config rolled out one process at a time) or does not say.
+    fakes[1].config = embedding_config_from_mapping({"slots_config": {"user": {"dim": DIM}}})
+    tier.verify_shards()
+    assert tier.lookup(user_batch([1, 2]), train=False).unknown_ids == 2
+    fakes[1].config = None
+    tier.verify_shards()
 
 
 def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
