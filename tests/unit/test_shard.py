@@ -979,3 +979,39 @@ def test_lru_eviction_matches_a_reference_also_across_checkpoint_round_trips():
                 blocks = list(shard.export_all().values())
                 shard = EmbeddingShard(capacity, optimizer=SGD(lr=0.1))
                 shard.replace_rows(blocks)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [Adagrad(lr=0.1, initial_accumulator_value=0.25), Adam(lr=0.1, betas=(0.5, 0.75))],
+    ids=["adagrad", "adam"],
+)
+def test_a_trained_row_evicted_and_looked_up_again_starts_over(optimizer) -> None:
+    """It comes back with its ID's initial vector and fresh optimizer state (Adam's step
+    count back to 0), so its next update is a first update, as for an ID never seen."""
+    init = InitializationConfig(low=-0.5, high=0.5, seed=11)
+    shard = EmbeddingShard(4, optimizer=optimizer, initialization=init)  # evicts 1 row at a time
+    grads = np.array([[1, -2], [3, 4], [-5, 6], [7, 8]], np.float32)
+    shard.lookup(u64(1, 2, 3, 4), 2, train=True)
+    for _ in range(3):
+        shard.update(u64(1, 2, 3, 4), grads)
+    fresh = initial_vectors(u64(1), 2, init)
+    assert not np.array_equal(shard.lookup(u64(1), 2, train=False), fresh)
+    shard.lookup(u64(2, 3, 4), 2, train=True)  # ID 1 is now the least recently used
+    shard.lookup(u64(5), 2, train=True)  # evicts ID 1
+    shard.update(u64(5), grads[:1])  # trained state in every row slot the shard has used
+    assert held(shard, 2) == {2, 3, 4, 5}
+
+    again = shard.lookup(u64(1), 2, train=True)  # evicts ID 2, brings ID 1 back
+    assert held(shard, 2) == {1, 3, 4, 5}
+    np.testing.assert_array_equal(again, fresh)
+    block = shard.export_rows(2)
+    row = block.ids.tolist().index(1)
+    np.testing.assert_array_equal(block.state[row], optimizer.initial_state(1, 2)[0])
+    shard.update(u64(1), grads[:1])
+    weights, state = fresh.copy(), optimizer.initial_state(1, 2)
+    optimizer.apply(weights, state, np.array([0]), grads[:1])
+    block = shard.export_rows(2)
+    row = block.ids.tolist().index(1)
+    np.testing.assert_array_equal(block.weights[row], weights[0])
+    np.testing.assert_array_equal(block.state[row], state[0])
