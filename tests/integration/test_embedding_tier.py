@@ -38,7 +38,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import LIVENESS_SERVICE
 from embedding_store.launcher import LocalCluster, ManagedProcess, recserve_command
-from embedding_store.optimizers import Adagrad
+from embedding_store.optimizers import Adagrad, Adam, Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.tier import InProcessEmbeddingTier
@@ -120,10 +120,12 @@ def remote(cluster, config_files):
         yield client
 
 
-def local_tier(config_files, num_shards: int = 2) -> InProcessEmbeddingTier:
+def local_tier(
+    config_files, num_shards: int = 2, optimizer: Optimizer = OPTIMIZER
+) -> InProcessEmbeddingTier:
     config = load_embedding_config(config_files[0])
     return InProcessEmbeddingTier(
-        config, capacity=100_000, num_shards=num_shards, optimizer=OPTIMIZER
+        config, capacity=100_000, num_shards=num_shards, optimizer=optimizer
     )
 
 
@@ -148,8 +150,15 @@ def train_both(remote, local, steps: int) -> None:
         remote.flush()  # the remote tier applies gradients asynchronously (bounded staleness)
 
 
-def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files):
-    local = local_tier(config_files)
+@pytest.mark.parametrize(
+    "optimizer",
+    # Adam with weight decay: moments, a per-row step count and decay cross the wire too
+    [OPTIMIZER, Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)],
+    ids=["adagrad", "adam"],
+)
+def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files, optimizer):
+    remote.configure(optimizer=optimizer)
+    local = local_tier(config_files, optimizer=optimizer)
     train_both(remote, local, steps=4)
     for seed in range(4):
         assert_same_lookup(
