@@ -1281,3 +1281,76 @@ def test_a_request_whose_inputs_break_the_model_fails_alone_and_those_merged_wit
     ]
     assert logged[0].exc_info is not None and logged[0].exc_info[1] is thirty
     assert isinstance(thirty.__cause__, RuntimeError)
+
+
+def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
+    hour_checkpoint, monkeypatch
+):
+    """The same over HTTP (batched on the event loop) and gRPC (the dispatcher thread) of a
+    server on loopback: of three requests merged into one batch, the one with hour 30 is
+    answered 400 / INVALID_ARGUMENT naming its hour, the other two what each gets alone;
+    /metrics counts both splits."""
+    import urllib.request
+
+    from clients import RecserveClient
+    from serving import server as server_module
+    from serving.options import ServeOptions
+    from serving.server import PredictionServer
+
+    # Not in the test process: a frozen heap and spaced-out collections for every later test.
+    monkeypatch.setattr(server_module, "freeze_long_lived_objects", lambda: None)
+    monkeypatch.setattr(server_module, "space_out_young_collections", lambda: None)
+    options = ServeOptions(
+        checkpoint=hour_checkpoint,
+        model_name=NAME,
+        http_port=0,
+        grpc_port=0,
+        max_queue_delay_ms=30_000.0,  # 3 samples run at once; fewer wait for the others
+        max_batch_size=3,
+        onednn_min_rows=0,
+        threads=torch.get_num_threads(),
+    )
+    serving = PredictionServer(options).start()
+    try:
+        assert serving.service is not None
+        model = serving.service.model
+        alone = {
+            hour: model.infer(
+                tensors_to_batch(model.signature, _hour(hour), max_batch_size=1)
+            ).predictions
+            for hour in (3, 5)
+        }
+        hours = (3, 30, 5)
+        for url in (
+            f"http://127.0.0.1:{serving.http_port}",
+            f"grpc://127.0.0.1:{serving.grpc_port}",
+        ):
+            answers: list[object] = [None] * 3
+
+            def ask(index: int, url: str = url, answers: list[object] = answers) -> None:
+                with RecserveClient(url, model_name=NAME, retries=0, timeout=WAIT) as client:
+                    try:
+                        answers[index] = client.infer(_hour(hours[index])).predictions
+                    except Exception as error:
+                        answers[index] = error
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT)
+            three, thirty, five = answers
+            np.testing.assert_array_equal(three, alone[3])
+            np.testing.assert_array_equal(five, alone[5])
+            assert isinstance(thirty, InvalidArgumentError), (url, thirty)
+            assert thirty.message.endswith(
+                "the model failed on this request's inputs: an index is out of range "
+                "(RuntimeError: index out of range in self); is an integer input beyond what "
+                "the model takes? 'hour' holds 30"
+            )
+        metrics_url = f"http://127.0.0.1:{serving.http_port}/metrics"
+        with urllib.request.urlopen(metrics_url, timeout=WAIT) as response:
+            scraped = response.read().decode()
+        assert "\nrecserve_split_batches_total 2.0\n" in scraped
+    finally:
+        serving.stop()
