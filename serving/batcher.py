@@ -273,7 +273,7 @@ def run_one_by_one(
         "answered (gone, past their deadline, the server stopping or failing)",
         len(requests),
         # A ModelInputError's message is meant for one request: the model's own line here.
-        error_summary(error.__cause__ or error if isinstance(error, ModelInputError) else error),
+        error_summary((error.__cause__ or error) if isinstance(error, ModelInputError) else error),
         failed,
         answered,
         len(requests) - failed - answered,
@@ -492,7 +492,7 @@ class DynamicBatcher:
         try:
             merged = merge_batches([r.batch for r in live])
             predictions, context = self._run(merged)
-        except BaseException as error:  # the model's error is each request's answer
+        except BaseException as error:  # each request's answer: the model's error, or its own
             try:
                 if len(live) > 1 and request_specific(error):
                     self._run_one_by_one(live, error, now)

@@ -446,7 +446,7 @@ def _merged_behind_a_running_batch(model: BreaksOn, batcher: DynamicBatcher, *ba
     return queued
 
 
-def test_a_merged_batch_that_fails_runs_its_requests_alone_so_only_the_bad_one_fails():
+def test_a_merged_batch_that_fails_runs_its_requests_alone_so_only_the_bad_one_fails(caplog):
     model = BreaksOn({666: RuntimeError("ID 666 breaks the model")}, threading.Event())
     splits: list[int] = []
     sizes: list[int] = []
@@ -470,6 +470,12 @@ def test_a_merged_batch_that_fails_runs_its_requests_alone_so_only_the_bad_one_f
         assert [good.result().merged_batch_size, other.result().merged_batch_size] == [2, 1]
         assert splits == [1]
         assert sizes == [1, 2, 1]  # every batch the model answered
+        assert [r.getMessage() for r in caplog.records if r.name == "serving.batcher"] == [
+            "a merged batch of 3 requests failed (RuntimeError: ID 666 breaks the model): ran "
+            "them one by one, so that one request's bad inputs fail that request only: 1 "
+            "failed alone, 2 answered, 0 not answered (gone, past their deadline, the server "
+            "stopping or failing)"
+        ]
         # A request alone is not run again: its error is its answer.
         with pytest.raises(RuntimeError, match=r"^ID 666 breaks the model$"):
             batcher.submit(batch_of(666)).result(WAIT)

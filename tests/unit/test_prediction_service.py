@@ -1281,6 +1281,14 @@ def test_a_request_whose_inputs_break_the_model_fails_alone_and_those_merged_wit
     ]
     assert logged[0].exc_info is not None and logged[0].exc_info[1] is thirty
     assert isinstance(thirty.__cause__, RuntimeError)
+    # The split's line names the model's error, not the merged batch's values.
+    split = [r.getMessage() for r in caplog.records if r.name == "serving.batcher"]
+    assert split == [
+        "a merged batch of 3 requests failed (RuntimeError: index out of range in self): ran "
+        "them one by one, so that one request's bad inputs fail that request only: 1 failed "
+        "alone, 2 answered, 0 not answered (gone, past their deadline, the server stopping or "
+        "failing)"
+    ]
 
 
 def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
