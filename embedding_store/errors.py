@@ -32,6 +32,12 @@ class BatchValidationError(InvalidArgumentError):
     """A batch violates the data model (dtype, shape, names, batch size)."""
 
 
+class ModelInputError(InvalidArgumentError):
+    """The dense model failed on a request's inputs in a way that names them at fault (an
+    index out of range: an integer input beyond what the model indexes). The model's own
+    error is its ``__cause__``, for the log; the message names the request's integer inputs."""
+
+
 class DecodeError(InvalidArgumentError):
     """Bytes could not be decoded (truncated, oversized, corrupt, wrong version)."""
 
@@ -99,6 +105,15 @@ class DeadlineExceededError(RecserveError):
 
     http_status = 504
     grpc_code = "DEADLINE_EXCEEDED"
+
+
+def error_summary(error: BaseException) -> str:
+    """``"Type: last line"`` of an error: TorchScript errors carry the script's traceback,
+    which is for the log, not for a client or a one-line CLI error."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    reason = lines[-1].strip()[:300] if lines else ""
+    kind = f"{type(error).__name__}: "
+    return f"{kind}{reason.removeprefix(kind)}"
 
 
 def http_status_of(error: BaseException) -> int:

@@ -11,6 +11,11 @@ dispatcher reaches it: under overload, requests nobody waits for would otherwise
 queue full and live ones would be refused. It stays in the queue as a marker the dispatcher
 skips (never computed, never counted in a merged batch's samples); the markers are swept out
 once there are more of them than ``max_queue_size``, so they cost O(1) amortized per request.
+
+A merged batch of several requests that fails with an error one request's inputs can cause
+(:func:`request_specific`: the model raised, or refused an input) is run again request by
+request (:func:`run_one_by_one`): only the requests that fail alone get an error, the others
+their answers as if each had been sent alone. A batch that succeeds costs nothing more.
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ from embedding_store.batch import (
     IDTypeFeatureWithSingleID,
     NonIDTypeFeature,
 )
-from embedding_store.errors import DeadlineExceededError, UnavailableError
+from embedding_store.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ModelInputError,
+    RecserveError,
+    UnavailableError,
+    error_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +201,119 @@ def deliver_outcomes(
         offset += size
 
 
+def request_specific(error: BaseException) -> bool:
+    """Whether ``error``, raised by a merged batch, may be the fault of some of its requests
+    only, so that running them one by one answers the others (:func:`run_one_by_one`).
+
+    Yes for an input refused (InvalidArgumentError, e.g. a ModelInputError: the dense model
+    indexed out of range) and for whatever else the model or the code around it raised
+    (RuntimeError, IndexError, torch.jit.Error, ...: a model that raises on some inputs).
+    No for the state of the server or its peers, which running alone does not change and
+    every request would fail again, one call each: the embedding tier down or slow
+    (UnavailableError, DeadlineExceededError), any other recserve error (a malformed peer
+    answer, a capacity, a precondition), OSError (the network, files) and what is not an
+    Exception (KeyboardInterrupt, SystemExit)."""
+    if isinstance(error, RecserveError):
+        return isinstance(error, InvalidArgumentError)
+    return isinstance(error, Exception) and not isinstance(error, OSError)
+
+
+#: What :func:`run_one_by_one` gives a request: ``run``'s (predictions, context) for it
+#: alone, the error it is answered with, or None when nobody waits for it any more.
+AloneOutcome = tuple[np.ndarray, Any] | BaseException | None
+
+
+def run_one_by_one(
+    requests: Sequence[Any],
+    run: Callable[[Batch], tuple[np.ndarray, Any]],
+    error: BaseException,
+    *,
+    stopping: Callable[[], bool] | None = None,
+) -> list[AloneOutcome]:
+    """Run each of ``requests`` (``.batch``, ``.future``, ``.deadline`` monotonic or None)
+    alone, after their merged batch failed with ``error`` (:func:`request_specific`): one
+    outcome per request, in order. Bounded: at most one call of ``run`` per request, none
+    for a request whose future is done (its caller gave up), whose deadline passed
+    (DeadlineExceededError) or when ``stopping()`` (UnavailableError: the server stops);
+    once a call fails with an error that is not request-specific (the embedding tier went
+    down meanwhile), the requests left get that error without a call. Each answer is
+    exactly what the request would have got alone. Logs one line: what failed and how the
+    requests fared (each failed request's own error is its answer; its traceback, if any,
+    is logged where it is answered)."""
+    outcomes: list[AloneOutcome] = []
+    shared: BaseException | None = None  # a failure of the server, not of one request
+    answered = failed = 0
+    for request in requests:
+        outcome: AloneOutcome
+        if request.future.done():
+            outcome = None
+        elif shared is not None:
+            outcome = shared
+        elif stopping is not None and stopping():
+            outcome = UnavailableError("the server stopped before this request's batch ran")
+        elif request.deadline is not None and time.monotonic() > request.deadline:
+            outcome = DeadlineExceededError(
+                "the request's deadline passed while its merged batch, which failed, was run "
+                "again request by request"
+            )
+        else:
+            try:
+                outcome = run(request.batch)
+                answered += 1
+            except BaseException as alone:  # its answer; nothing may end the batcher
+                outcome = alone
+                if request_specific(alone):
+                    failed += 1
+                else:
+                    shared = alone
+        outcomes.append(outcome)
+    log.warning(
+        "a merged batch of %d requests failed (%s): ran them one by one, so that one "
+        "request's bad inputs fail that request only: %d failed alone, %d answered, %d not "
+        "answered (gone, past their deadline, the server stopping or failing)",
+        len(requests),
+        # A ModelInputError's message is meant for one request: the model's own line here.
+        error_summary((error.__cause__ or error) if isinstance(error, ModelInputError) else error),
+        failed,
+        answered,
+        len(requests) - failed - answered,
+    )
+    return outcomes
+
+
+def deliver_alone(
+    requests: Sequence[Any],
+    outcomes: Sequence[AloneOutcome],
+    started: float,
+    on_batch: Callable[[int, float], None] | None,
+) -> None:
+    """Answer ``requests`` with their :func:`run_one_by_one` outcomes: each computed one
+    its rows as a :class:`BatchOutcome` of its own batch (``on_batch`` told of it, as of
+    every batch run), each failed one its error; a request already done is skipped. An
+    answer that cannot be given (``on_batch`` raised) is that request's error only."""
+    for request, outcome in zip(requests, outcomes, strict=True):
+        if outcome is None or request.future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            request.future.set_exception(outcome)
+            continue
+        predictions, context = outcome
+        size = request.batch.batch_size
+        try:
+            if on_batch is not None:
+                on_batch(size, started)
+            deliver_outcomes([request], predictions, context, size, started)
+        except Exception as error:
+            log.exception("answering a request run alone failed")
+            if not request.future.done():
+                request.future.set_exception(error)
+
+
 class DynamicBatcher:
-    """Merges concurrent requests. ``run(merged) -> (predictions [n, k], context)``."""
+    """Merges concurrent requests. ``run(merged) -> (predictions [n, k], context)``;
+    ``on_batch(size, started)`` is told of every batch run, ``on_drop(reason)`` of every
+    request dropped before its batch ran, ``on_split()`` of every merged batch that failed
+    and was run again request by request (:func:`run_one_by_one`)."""
 
     def __init__(
         self,
@@ -201,6 +324,7 @@ class DynamicBatcher:
         max_queue_size: int = 1024,
         on_batch: Callable[[int, float], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
+        on_split: Callable[[], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("max_batch_size, max_queue_size must be >= 1, delay >= 0")
@@ -208,6 +332,7 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_queue_delay = max_queue_delay
         self.max_queue_size = max_queue_size
+        self._on_split = on_split
         # Unbounded: the bound is _queued (requests holding a place), which a request given
         # up leaves at once while its marker stays in here until skipped or swept.
         self._queue: queue.Queue[_Request | None] = queue.Queue()
@@ -367,10 +492,15 @@ class DynamicBatcher:
         try:
             merged = merge_batches([r.batch for r in live])
             predictions, context = self._run(merged)
-        except BaseException as error:  # the model's error is each request's answer
-            for request in live:
-                request.future.set_exception(error)
-            self._finished(len(live))
+        except BaseException as error:  # each request's answer: the model's error, or its own
+            try:
+                if len(live) > 1 and request_specific(error):
+                    self._run_one_by_one(live, error, now)
+                else:
+                    for request in live:
+                        request.future.set_exception(error)
+            finally:
+                self._finished(len(live))
             return
         try:
             if self._on_batch:
@@ -383,6 +513,23 @@ class DynamicBatcher:
                     request.future.set_exception(error)
         finally:
             self._finished(len(live))
+
+    def _run_one_by_one(self, live: list[_Request], error: BaseException, now: float) -> None:
+        """``live``'s merged batch failed with ``error``, which one of them may have caused:
+        run and answer each alone (:func:`run_one_by_one`). Never raises."""
+        try:
+            if self._on_split is not None:
+                self._on_split()
+        except Exception:
+            log.exception("dynamic batcher: counting a split batch failed")
+        try:
+            outcomes = run_one_by_one(live, self._run, error, stopping=lambda: self._closing)
+            deliver_alone(live, outcomes, now, self._on_batch)
+        except BaseException as failure:
+            log.exception("dynamic batcher: running a failed batch's requests alone failed")
+            for request in live:
+                if not request.future.done():
+                    request.future.set_exception(failure)
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests and wait up to ``timeout`` s for queued ones; True if idle."""

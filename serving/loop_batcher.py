@@ -25,8 +25,12 @@ that was ~25% of a process's throughput. :class:`LoopBatcher` keeps everything o
   requests are refused at once (UnavailableError: 503 / UNAVAILABLE).
 - ``on_drop(reason)`` is told of each request dropped before its batch ran: ``"cancelled"`` or
   ``"deadline"``.
-- A batch whose model call or answering fails gives each of its requests the error (they
-  await with no timeout of their own); the next batch still runs.
+- A merged batch of several requests that fails with an error one request may have caused
+  (:func:`serving.batcher.request_specific`) runs its requests again one by one
+  (:func:`serving.batcher.run_one_by_one`, still under ``run_lock``): only those that fail
+  alone get an error; ``on_split()`` is told. Otherwise a batch whose model call or
+  answering fails gives each of its requests the error (they await with no timeout of their
+  own); the next batch still runs.
 """
 
 from __future__ import annotations
@@ -46,13 +50,21 @@ import numpy as np
 
 from embedding_store.batch import Batch
 from embedding_store.errors import DeadlineExceededError, UnavailableError
-from serving.batcher import deliver_outcomes, merge_batches
+from serving.batcher import (
+    AloneOutcome,
+    deliver_alone,
+    deliver_outcomes,
+    merge_batches,
+    request_specific,
+    run_one_by_one,
+)
 
 log = logging.getLogger(__name__)
 
 
-#: What _compute returns: (merged batch size, predictions, context) or the exception.
-_Computed = tuple[int, np.ndarray, Any] | Exception
+#: What _compute returns: (merged batch size, predictions, context), the exception, or each
+#: request's outcome when the merged batch failed and its requests ran one by one.
+_Computed = tuple[int, np.ndarray, Any] | Exception | list[AloneOutcome]
 
 #: How long a helper holding the run lock waits for the loop to form its batch before it lets
 #: the lock go (the requests stay queued): a loop that has stopped must not keep the model.
@@ -93,7 +105,8 @@ class _Waiting(asyncio.Future):
 class LoopBatcher:
     """Merges requests submitted on one event loop. ``run(merged) -> (predictions [n, k],
     context)``; ``on_batch(merged_batch_size, started)`` is told of every batch run;
-    ``on_drop(reason)`` of every request dropped before its batch ran."""
+    ``on_drop(reason)`` of every request dropped before its batch ran; ``on_split()`` of
+    every merged batch that failed and was run again request by request."""
 
     def __init__(
         self,
@@ -105,6 +118,7 @@ class LoopBatcher:
         run_lock: threading.Lock,
         on_batch: Callable[[int, float], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
+        on_split: Callable[[], None] | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("max_batch_size, max_queue_size must be >= 1, delay >= 0")
@@ -115,6 +129,7 @@ class LoopBatcher:
         self._run_lock = run_lock
         self._on_batch = on_batch
         self._on_drop = on_drop
+        self._on_split = on_split
         self._queue: deque[_Waiting] = deque()
         self._queued = 0  # requests in _queue that hold a place (_QUEUED)
         self._markers = 0  # requests in _queue that no longer do (_GONE)
@@ -290,18 +305,33 @@ class LoopBatcher:
         return live, now
 
     def _compute(self, requests: list[_Waiting]) -> _Computed:
-        """Merge and run ``requests`` (the caller holds the run lock): (merged batch size,
-        predictions [n, k], context), or the exception that stopped it."""
+        """Merge and run ``requests`` (the caller holds the run lock; on the loop or its
+        helper thread): (merged batch size, predictions [n, k], context), the exception that
+        stopped it, or, when it may be one request's fault, each request's outcome alone."""
         try:
             merged = merge_batches([r.batch for r in requests])
             predictions, context = self._run(merged)
         except Exception as error:
-            return error
+            if len(requests) < 2 or not request_specific(error):
+                return error
+            try:
+                return run_one_by_one(requests, self._run, error)
+            except Exception as failure:  # run_one_by_one's own fault: answer them all
+                log.exception("loop batcher: running a failed batch's requests alone failed")
+                return failure
         return merged.batch_size, predictions, context
 
     def _answer(self, requests: list[_Waiting], now: float, outcome: _Computed | None) -> None:
         """Answer a computed batch's requests (on the loop): their rows, or its error."""
         self._running = 0
+        if isinstance(outcome, list):  # the merged batch failed: each ran alone
+            if self._on_split is not None:
+                try:
+                    self._on_split()
+                except Exception:
+                    log.exception("loop batcher: counting a split batch failed")
+            deliver_alone(requests, outcome, now, self._on_batch)
+            return
         if outcome is None or isinstance(outcome, Exception):
             error = outcome if outcome is not None else RuntimeError("batch not computed")
             for request in requests:

@@ -163,6 +163,13 @@ class ServingMetrics:
         )
         for reason in DROP_REASONS:  # at 0: the first drop shows in increase()
             self.dropped_requests.labels(reason)
+        self.split_batches = Counter(
+            "recserve_split_batches",
+            "Merged batches of several requests that failed with an error one request's "
+            "inputs can cause (the model raised, or refused an input) and were run again "
+            "request by request, so that only the requests at fault failed.",
+            registry=r,
+        )
         self.model_info = Gauge(
             "recserve_model_info",
             "The served model version (value 1).",

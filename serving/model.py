@@ -7,6 +7,7 @@ and swaps the reference, so in-flight requests finish on the version they starte
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -31,8 +32,10 @@ from embedding_store.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    ModelInputError,
     RecserveError,
     UnavailableError,
+    error_summary,
 )
 from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier, InProcessEmbeddingTier, TierStatus
@@ -63,6 +66,14 @@ def adopt_torch_threads() -> None:
 
 
 OUTPUT_TRANSFORMS = ("identity", "sigmoid")
+
+#: What a dense model's error says when an index it took from its inputs is out of range:
+#: torch's "index out of range in self" (nn.Embedding), "index 7 is out of bounds for
+#: dimension 0 with size 3" (tensor indexing), or an IndexError the model raised itself.
+_INDEX_ERROR = re.compile(r"\bIndexError\b|\bindex\b.*\bout of (range|bounds)\b", re.IGNORECASE)
+
+#: The integer inputs a ModelInputError names at most.
+_NAMED_INPUTS = 8
 FALLBACK_POLICIES = ("fail", "default")
 
 
@@ -198,10 +209,37 @@ class LoadedModel:
         ]
         embeddings = [slot.embeddings for slot in lookup.slots]
         with torch.inference_mode():
-            output = self._dense_forward(batch.batch_size, non_ids, embeddings)
+            try:
+                output = self._dense_forward(batch.batch_size, non_ids, embeddings)
+            except Exception as error:
+                if isinstance(error, IndexError) or _INDEX_ERROR.search(error_summary(error)):
+                    raise self._input_error(batch, error) from error
+                raise
             if self.output_transform == "sigmoid":
                 output = torch.sigmoid(output)
         return output.detach().to(torch.float32).reshape(batch.batch_size, -1).numpy()
+
+    def _input_error(self, batch: Batch, error: Exception) -> ModelInputError:
+        """The error a request whose inputs made the dense model index out of range is
+        answered (400): the model's summary line and the values of the request's integer
+        inputs (the only ones a model can index with; IDs reach it as embeddings), never
+        its traceback, which goes to the log."""
+        message = (
+            "the model failed on this request's inputs: an index is out of range "
+            f"({error_summary(error)})"
+        )
+        held = [
+            f"{feature.name!r} holds {_value_range(feature.data)}"
+            for feature, dtype in zip(
+                batch.non_id_type_features, self.signature.model_dtypes, strict=True
+            )
+            if np.issubdtype(dtype, np.integer)
+        ]
+        if held:
+            more = len(held) - _NAMED_INPUTS
+            named = "; ".join(held[:_NAMED_INPUTS]) + (f"; {more} more" if more > 0 else "")
+            message += f"; is an integer input beyond what the model takes? {named}"
+        return ModelInputError(message)
 
     def _dense_forward(
         self, rows: int, non_ids: list[torch.Tensor], embeddings: list[torch.Tensor]
@@ -211,18 +249,22 @@ class LoadedModel:
             return self.dense(non_ids, embeddings)
         try:
             return self._run_in_chunks(large, self.large_batch_rows, rows, non_ids, embeddings)
-        except Exception:  # RuntimeError from a kernel, torch.jit.Error from the interpreter
+        except Exception as large_error:  # RuntimeError from a kernel, torch.jit.Error
             # It matched the loaded model at load time, so this is a case the check did not
-            # cover: keep serving on the loaded model, which decides what the answer is.
-            log.exception(
-                "model %s version %s: the oneDNN dense model failed on %d rows; every batch "
-                "runs the model as loaded from now on",
+            # cover, or inputs no model takes (a request's out-of-range index): the loaded
+            # model decides which. If it fails too, its error is the answer and oneDNN stays
+            # (one bad request must not slow every later large batch down).
+            output = self.dense(non_ids, embeddings)
+            log.error(
+                "model %s version %s: the oneDNN dense model failed on %d rows where the "
+                "model as loaded does not; every batch runs the model as loaded from now on",
                 self.name,
                 self.version,
                 rows,
+                exc_info=large_error,
             )
             self.large_batch_dense = None
-            return self.dense(non_ids, embeddings)
+            return output
 
     def _run_in_chunks(
         self,
@@ -389,6 +431,12 @@ class LoadedModel:
         for batch_size in (1, 2, 8)[:rounds]:
             try:
                 output = self.infer(self.example_batch(batch_size)).predictions
+            except ModelInputError as error:  # zeros: inputs any servable model takes
+                raise CheckpointError(
+                    f"checkpoint {self.manifest.directory} cannot be served: "
+                    f"{error_summary(error.__cause__ or error)} (its dense model fails on a "
+                    "batch of the inputs its signature and embedding dims describe)"
+                ) from error
             except RecserveError:
                 raise
             except Exception as error:  # the checkpoint's fault: its parts do not fit
@@ -444,13 +492,13 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
-def error_summary(error: BaseException) -> str:
-    """``"Type: last line"`` of an error: TorchScript errors carry the script's traceback,
-    which is for the log, not for a client or a one-line CLI error."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    reason = lines[-1].strip()[:300] if lines else ""
-    kind = f"{type(error).__name__}: "
-    return f"{kind}{reason.removeprefix(kind)}"
+def _value_range(data: np.ndarray) -> str:
+    """``"30"`` or ``"3 to 30"``: the smallest and largest of a feature's values (whole
+    numbers: integer features are checked as such before they reach a model)."""
+    if data.size == 0:
+        return "no values"
+    low, high = int(np.min(data)), int(np.max(data))
+    return f"{low}" if low == high else f"{low} to {high}"
 
 
 def worker_config_mismatch(

@@ -27,6 +27,7 @@ from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
+    ModelInputError,
     NotFoundError,
     RecserveError,
     UnavailableError,
@@ -126,6 +127,7 @@ class PredictionService:
             max_queue_size=max_queue_size,
             on_batch=self._observe_batch,
             on_drop=self._count_drop,
+            on_split=self.metrics.split_batches.inc,
         )
         self._batch_limits = (max_batch_size, max_queue_delay, max_queue_size)
         # Requests decoded on an event loop are batched on that loop (predict_async).
@@ -370,6 +372,18 @@ class PredictionService:
     def _count_drop(self, reason: str) -> None:
         self._drop_counters[reason].inc()
 
+    def _log_input_error(self, error: RecserveError) -> None:
+        """A request is answered a ModelInputError (400): its message goes to the client,
+        the model's error with its traceback to the log (once per request: a merged batch
+        that failed on it ran its requests alone, and the one that failed alone is it)."""
+        if isinstance(error, ModelInputError):
+            log.warning(
+                "model %s: answered 400 to a request whose inputs made the dense model fail: %s",
+                self.name,
+                error.message,
+                exc_info=error,
+            )
+
     def _run_locked(self, merged: Batch) -> tuple[np.ndarray, Any]:
         with self._run_lock:
             return self._run(merged)
@@ -532,6 +546,7 @@ class PredictionService:
                 run_lock=self._run_lock,
                 on_batch=self._observe_batch,
                 on_drop=self._count_drop,
+                on_split=self.metrics.split_batches.inc,
             )
             self._loop_batchers[loop] = batcher
         return batcher
@@ -634,6 +649,7 @@ class PredictionService:
             outcome = "ok"
         except RecserveError as error:
             outcome = type(error).__name__
+            self._log_input_error(error)
             raise
         except CancelledError:  # its caller is gone (a gRPC call cancelled by its client)
             outcome = "cancelled"
@@ -722,6 +738,7 @@ class PredictionService:
             return prediction
         except RecserveError as error:
             outcome = type(error).__name__
+            self._log_input_error(error)
             raise
         except asyncio.CancelledError:  # the client went away (serving.http_protocol)
             outcome = "cancelled"

@@ -406,3 +406,143 @@ def test_requests_given_up_at_their_deadline_are_dropped_as_such_and_their_marke
     finally:
         release.set()
         batcher.close()
+
+
+class BreaksOn:
+    """predictions [n, 1] = the IDs, unless the batch holds an ID of ``failures``: then the
+    error of the first such ID (in batch order) is raised. Records every call, failed or
+    not; the first call waits until ``release`` is set (if given)."""
+
+    def __init__(
+        self, failures: dict[int, BaseException], release: threading.Event | None = None
+    ) -> None:
+        self.failures = failures
+        self.release = release
+        self.started = threading.Event()
+        self.calls: list[list[int]] = []
+
+    def __call__(self, merged: Batch):
+        self.started.set()
+        if self.release is not None:
+            assert self.release.wait(WAIT)
+            self.release = None
+        ids = merged.id_feature("user").values.tolist()
+        self.calls.append(ids)
+        for value in ids:
+            if value in self.failures:
+                raise self.failures[value]
+        return np.asarray(ids, np.float32).reshape(-1, 1), f"alone {ids}"
+
+
+def _merged_behind_a_running_batch(model: BreaksOn, batcher: DynamicBatcher, *batches: Batch):
+    """Submit ``batch_of(1)``, then ``batches`` while it runs (so they merge into one batch
+    once ``model.release`` is set); returns the futures of ``batches``."""
+    first = batcher.submit(batch_of(1))
+    assert model.started.wait(WAIT)
+    queued = [batcher.submit(batch) for batch in batches]
+    assert model.release is not None
+    model.release.set()
+    assert answers([first]) == [[1.0]]
+    return queued
+
+
+def test_a_merged_batch_that_fails_runs_its_requests_alone_so_only_the_bad_one_fails(caplog):
+    model = BreaksOn({666: RuntimeError("ID 666 breaks the model")}, threading.Event())
+    splits: list[int] = []
+    sizes: list[int] = []
+    batcher = DynamicBatcher(
+        model,
+        max_batch_size=8,
+        max_queue_delay=0.0,
+        on_batch=lambda size, started: sizes.append(size),
+        on_split=lambda: splits.append(1),
+    )
+    try:
+        good, bad, other = _merged_behind_a_running_batch(
+            model, batcher, batch_of(2, 3), batch_of(666), batch_of(4)
+        )
+        assert answers([good, other]) == [[2.0, 3.0], [4.0]]
+        with pytest.raises(RuntimeError, match=r"^ID 666 breaks the model$"):
+            bad.result(WAIT)
+        assert model.calls == [[1], [2, 3, 666, 4], [2, 3], [666], [4]]
+        # Each answer is the request's own run: its context, its batch size.
+        assert [good.result().context, other.result().context] == ["alone [2, 3]", "alone [4]"]
+        assert [good.result().merged_batch_size, other.result().merged_batch_size] == [2, 1]
+        assert splits == [1]
+        assert sizes == [1, 2, 1]  # every batch the model answered
+        assert [r.getMessage() for r in caplog.records if r.name == "serving.batcher"] == [
+            "a merged batch of 3 requests failed (RuntimeError: ID 666 breaks the model): ran "
+            "them one by one, so that one request's bad inputs fail that request only: 1 "
+            "failed alone, 2 answered, 0 not answered (gone, past their deadline, the server "
+            "stopping or failing)"
+        ]
+        # A request alone is not run again: its error is its answer.
+        with pytest.raises(RuntimeError, match=r"^ID 666 breaks the model$"):
+            batcher.submit(batch_of(666)).result(WAIT)
+        assert model.calls[5:] == [[666]]
+        assert splits == [1]
+        assert batcher.pending == 0
+    finally:
+        batcher.close()
+
+
+def test_a_merged_batch_failing_for_the_server_s_state_is_not_run_again():
+    """An embedding tier that is down fails each request alone too: every request gets the
+    merged batch's error, from its one call."""
+    down = UnavailableError("embedding shard 0 is down")
+    model = BreaksOn({666: down}, threading.Event())
+    splits: list[int] = []
+    batcher = DynamicBatcher(
+        model, max_batch_size=8, max_queue_delay=0.0, on_split=lambda: splits.append(1)
+    )
+    try:
+        queued = _merged_behind_a_running_batch(model, batcher, batch_of(2), batch_of(666))
+        for future in queued:
+            with pytest.raises(UnavailableError, match=r"^embedding shard 0 is down$"):
+                future.result(WAIT)
+        assert model.calls == [[1], [2, 666]]
+        assert splits == []
+    finally:
+        batcher.close()
+
+
+def test_requests_run_alone_honour_their_deadline_and_a_server_failure_ends_the_split(
+    monkeypatch,
+) -> None:
+    """While the requests of a failed batch run alone: one whose deadline passed meanwhile
+    is answered DeadlineExceededError without a call; once one fails for the server's state
+    (the tier went down), the rest get that error without a call."""
+    clock = _Clock(100.0)
+    monkeypatch.setattr("serving.batcher.time", clock)
+    down = UnavailableError("embedding shard 0 is down")
+
+    class Slow(BreaksOn):
+        def __call__(self, merged: Batch):
+            try:
+                return super().__call__(merged)
+            finally:
+                if self.calls[-1] == [666]:
+                    clock.now += 10.0  # 666 alone takes 10 s
+
+    model = Slow({666: RuntimeError("ID 666 breaks the model"), 7: down}, threading.Event())
+    batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay=0.0)
+    try:
+        first = batcher.submit(batch_of(1))
+        assert model.started.wait(WAIT)
+        bad = batcher.submit(batch_of(666), deadline=200.0)
+        late = batcher.submit(batch_of(5), deadline=105.0)  # past it after 666 ran alone
+        failing = batcher.submit(batch_of(7), deadline=200.0)
+        after = batcher.submit(batch_of(8), deadline=200.0)
+        assert model.release is not None
+        model.release.set()
+        assert answers([first]) == [[1.0]]
+        with pytest.raises(RuntimeError, match=r"^ID 666 breaks the model$"):
+            bad.result(WAIT)
+        with pytest.raises(DeadlineExceededError, match="run again request by request"):
+            late.result(WAIT)
+        for future in (failing, after):
+            with pytest.raises(UnavailableError, match=r"^embedding shard 0 is down$"):
+                future.result(WAIT)
+        assert model.calls == [[1], [666, 5, 7, 8], [666], [7]]
+    finally:
+        batcher.close()

@@ -90,6 +90,35 @@ def test_warm_up_runs_batches_of_more_than_one_row(tmp_path):
         load_model(directory, name="m", onednn_min_rows=0)
 
 
+class IndexesBeforeTheTable(nn.Module):
+    """Indexes a table with each row's first embedding value floored, minus 10: a row below
+    0 for any embedding of the checkpoint (drawn from N(0, 1)), which no table has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(4, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        return self.table(embedding_tensors[0][:, 0].floor().long() - 10)
+
+
+def test_warm_up_refuses_a_dense_model_that_indexes_out_of_range_on_its_example_batch(tmp_path):
+    """An index out of range on the example batch is the checkpoint's fault, not a
+    request's: CheckpointError, not the 400 (ModelInputError) a request's inputs get."""
+    directory = _checkpoint(tmp_path / "index", IndexesBeforeTheTable())
+    with pytest.raises(CheckpointError) as refused:
+        load_model(directory, name="m", onednn_min_rows=0)
+    assert refused.value.message == (
+        f"checkpoint {directory} cannot be served: RuntimeError: index out of range in self "
+        "(its dense model fails on a batch of the inputs its signature and embedding dims "
+        "describe)"
+    )
+
+
 def test_infer_counts_the_lookup_as_lookup_time_not_compute_time(checkpoint):
     model = load_model(checkpoint, name="m", onednn_min_rows=0)
     working = model.tier

@@ -566,3 +566,74 @@ def test_a_helper_whose_loop_does_not_take_its_turn_lets_the_model_lock_go(monke
     assert outcome.predictions.ravel().tolist() == [5.0]
     assert model.calls == [[5]] and model.thread_ids == {threading.get_ident()}
     assert batcher.pending == 0 and not lock.locked()
+
+
+def test_a_merged_batch_that_fails_runs_its_requests_alone_so_only_the_bad_one_fails() -> None:
+    """The model raises when a batch holds ID 666: the merged batch fails, each request runs
+    again alone (under the model's lock), and only 666's request gets the error; a request
+    alone is not run again. ``on_split`` is told once, ``on_batch`` of every batch answered."""
+    calls: list[list[int]] = []
+    held: list[bool] = []
+    lock = threading.Lock()
+
+    def run(merged: Batch):
+        held.append(lock.locked())
+        ids = merged.id_feature("user").values.tolist()
+        calls.append(ids)
+        if 666 in ids:
+            raise RuntimeError("ID 666 breaks the model")
+        return np.asarray(ids, np.float32).reshape(-1, 1), f"alone {ids}"
+
+    splits: list[int] = []
+    sizes: list[int] = []
+    batcher = LoopBatcher(
+        run,
+        max_batch_size=64,
+        max_queue_delay=0.0,
+        max_queue_size=16,
+        run_lock=lock,
+        on_batch=lambda size, started: sizes.append(size),
+        on_split=lambda: splits.append(1),
+    )
+
+    async def main():
+        futures = [batcher.submit(b, deadline=FAR) for b in (batch_of(1, 2), batch_of(666))]
+        futures.append(batcher.submit(batch_of(3), deadline=FAR))
+        merged = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5)
+        alone = batcher.submit(batch_of(666), deadline=FAR)
+        return merged, await asyncio.wait_for(asyncio.gather(alone, return_exceptions=True), 5)
+
+    (good, bad, other), (bad_alone,) = asyncio.run(main())
+    assert good.predictions.ravel().tolist() == [1.0, 2.0]
+    assert other.predictions.ravel().tolist() == [3.0]
+    assert (good.context, good.merged_batch_size) == ("alone [1, 2]", 2)
+    assert (other.context, other.merged_batch_size) == ("alone [3]", 1)
+    for error in (bad, bad_alone):
+        assert isinstance(error, RuntimeError) and str(error) == "ID 666 breaks the model"
+    assert calls == [[1, 2, 666, 3], [1, 2], [666], [3], [666]]
+    assert held == [True] * 5
+    assert splits == [1]
+    assert sizes == [2, 1]
+    assert batcher.pending == 0
+
+
+def test_a_merged_batch_failing_for_the_server_s_state_is_not_run_again() -> None:
+    """An embedding tier that is down fails each request alone too: every request gets the
+    merged batch's error, from its one call."""
+    calls: list[list[int]] = []
+
+    def run(merged: Batch):
+        calls.append(merged.id_feature("user").values.tolist())
+        raise UnavailableError("embedding tier down")
+
+    splits: list[int] = []
+    batcher = make(run, on_split=lambda: splits.append(1))
+
+    async def main():
+        futures = [batcher.submit(batch_of(i), deadline=FAR) for i in range(3)]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert [e.message for e in errors] == ["embedding tier down"] * 3
+    assert calls == [[0, 1, 2]]
+    assert splits == []

@@ -286,6 +286,52 @@ def test_a_failing_rewritten_model_falls_back_to_the_loaded_one(checkpoint, capl
         model.close()
 
 
+class RefusesLargeValues(nn.Module):
+    """Mlp's first layers, refusing a batch that holds a dense value over 100 (as a model
+    refuses an input it cannot take), before and after its rewrite for oneDNN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2 * DIM + 3, 32)
+        self.last = nn.Linear(32, 1)
+
+    def forward(
+        self,
+        non_id_tensors: List[torch.Tensor],  # noqa: UP006
+        embedding_tensors: List[torch.Tensor],  # noqa: UP006
+    ) -> torch.Tensor:
+        if bool((non_id_tensors[0] > 100.0).any()):
+            raise ValueError("a dense value over 100")
+        x = torch.cat(embedding_tensors + non_id_tensors, dim=1)
+        return self.last(torch.relu(self.first(x)))
+
+
+def test_inputs_the_loaded_model_fails_on_too_keep_the_rewritten_model(tmp_path, caplog):
+    """A large batch holding a request the model refuses fails on oneDNN and on the loaded
+    model alike: that is the inputs' fault, answered with the loaded model's error, and
+    later large batches still run on oneDNN."""
+    checkpoint = _checkpoint(tmp_path / "refuses", RefusesLargeValues())
+    model = load_model(checkpoint, name="m", onednn_min_rows=16, warm_up=False)
+    try:
+        rewritten = model.large_batch_dense
+        assert rewritten is not None
+        batch, lookup = _random_batch(model, 20)
+        dense = batch.non_id_type_features[0].data.copy()
+        dense[7, 1] = 1000.0
+        bad = Batch(
+            list(batch.id_type_features), [NonIDTypeFeature(dense, "dense")], requires_grad=False
+        )
+        with (
+            caplog.at_level(logging.ERROR, logger="serving.model"),
+            pytest.raises(torch.jit.Error, match="a dense value over 100"),
+        ):
+            model.forward(bad, lookup)
+        assert model.large_batch_dense is rewritten
+        assert "oneDNN" not in caplog.text
+    finally:
+        model.close()
+
+
 def test_a_rewrite_that_changes_the_outputs_is_not_used(checkpoint, monkeypatch, caplog):
     off_by_one = torch.jit.script(Constant(1.0))
     monkeypatch.setattr(

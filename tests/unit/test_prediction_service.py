@@ -26,6 +26,7 @@ from embedding_store.errors import (
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
+    ModelInputError,
     NotFoundError,
     UnavailableError,
     http_status_of,
@@ -1271,3 +1272,169 @@ def test_requests_given_up_or_past_their_deadline_free_their_place_and_are_never
     assert _requests(service, version, "ok", "grpc") == 2.0
     assert _requests(service, version, "ok", "http") == 1.0
     assert _requests(service, version, "UnavailableError", "grpc") == 0.0
+
+
+# --------------------------------------------------------------------------- bad inputs
+@pytest.fixture(scope="module")
+def hour_checkpoint(tmp_path_factory) -> Path:
+    """A model that indexes ``nn.Embedding(24)`` with its int64 feature "hour": a request
+    holding an hour past 23 makes it raise (torch's "index out of range in self")."""
+    from tests.unit.test_dense_dtypes import CONFIG as USER_CONFIG
+    from tests.unit.test_dense_dtypes import HourIndex
+
+    torch.manual_seed(0)
+    batch = Batch(
+        [IDTypeFeatureWithSingleID("user", np.arange(2, dtype=np.uint64))],
+        [NonIDTypeFeature(np.array([[1], [2]], np.int64), "hour")],
+        requires_grad=False,
+    )
+    directory = tmp_path_factory.mktemp("hours") / "checkpoint"
+    tier = InProcessEmbeddingTier(USER_CONFIG, capacity=100)
+    signature = FeatureSignature.from_batch(batch)
+    model_checkpoint.write_checkpoint(directory, HourIndex(), None, tier, signature=signature)
+    return directory
+
+
+def _hour(hour: float) -> dict[str, np.ndarray]:
+    return {"user": np.array([1], np.uint64), "hour": np.array([[hour]], np.float32)}
+
+
+@pytest.mark.parametrize("path", ["event loop", "dispatcher thread"])
+def test_a_request_whose_inputs_break_the_model_fails_alone_and_those_merged_with_it_are_answered(
+    hour_checkpoint, make_service, caplog, path
+):
+    """Three requests merged into one batch, one of them with hour 30: it alone is answered
+    ModelInputError (400) naming its hour, the model's error and traceback go to the log,
+    and the other two get what each gets served alone; the split is counted."""
+    model = _load(hour_checkpoint)
+    signature = model.signature
+    alone = {
+        hour: model.infer(tensors_to_batch(signature, _hour(hour), max_batch_size=1)).predictions
+        for hour in (3, 5)
+    }
+    # 3 samples fill a merged batch at once; one or two wait up to 30 s for the others.
+    service = make_service(model, max_batch_size=3, max_queue_delay=30.0)
+    hours = (3, 30, 5)
+    if path == "event loop":
+
+        async def main():
+            calls = [service.predict_async(NAME, None, _hour(h), protocol="http") for h in hours]
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), WAIT)
+
+        answers = asyncio.run(main())
+    else:
+        answers = [None] * 3
+
+        def call(index: int) -> None:
+            try:
+                answers[index] = service.predict(NAME, None, _hour(hours[index]), protocol="grpc")
+            except Exception as error:
+                answers[index] = error
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+    three, thirty, five = answers
+    np.testing.assert_array_equal(three.outputs["prediction"], alone[3])
+    np.testing.assert_array_equal(five.outputs["prediction"], alone[5])
+    assert isinstance(thirty, ModelInputError) and http_status_of(thirty) == 400
+    assert thirty.message == (
+        "the model failed on this request's inputs: an index is out of range (RuntimeError: "
+        "index out of range in self); is an integer input beyond what the model takes? "
+        "'hour' holds 30"
+    )
+    registry = service.metrics.registry
+    assert registry.get_sample_value("recserve_split_batches_total") == 1.0
+    protocol = "http" if path == "event loop" else "grpc"
+    assert _requests(service, model.version, "ModelInputError", protocol) == 1.0
+    assert _requests(service, model.version, "ok", protocol) == 2.0
+    logged = [r for r in caplog.records if r.name == "serving.service"]
+    assert [r.getMessage() for r in logged] == [
+        f"model {NAME}: answered 400 to a request whose inputs made the dense model fail: "
+        + thirty.message
+    ]
+    assert logged[0].exc_info is not None and logged[0].exc_info[1] is thirty
+    assert isinstance(thirty.__cause__, RuntimeError)
+    # The split's line names the model's error, not the merged batch's values.
+    split = [r.getMessage() for r in caplog.records if r.name == "serving.batcher"]
+    assert split == [
+        "a merged batch of 3 requests failed (RuntimeError: index out of range in self): ran "
+        "them one by one, so that one request's bad inputs fail that request only: 1 failed "
+        "alone, 2 answered, 0 not answered (gone, past their deadline, the server stopping or "
+        "failing)"
+    ]
+
+
+def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
+    hour_checkpoint, monkeypatch
+):
+    """The same over HTTP (batched on the event loop) and gRPC (the dispatcher thread) of a
+    server on loopback: of three requests merged into one batch, the one with hour 30 is
+    answered 400 / INVALID_ARGUMENT naming its hour, the other two what each gets alone;
+    /metrics counts both splits."""
+    import urllib.request
+
+    from clients import RecserveClient
+    from serving import server as server_module
+    from serving.options import ServeOptions
+    from serving.server import PredictionServer
+
+    # Not in the test process: a frozen heap and spaced-out collections for every later test.
+    monkeypatch.setattr(server_module, "freeze_long_lived_objects", lambda: None)
+    monkeypatch.setattr(server_module, "space_out_young_collections", lambda: None)
+    options = ServeOptions(
+        checkpoint=hour_checkpoint,
+        model_name=NAME,
+        http_port=0,
+        grpc_port=0,
+        max_queue_delay_ms=30_000.0,  # 3 samples run at once; fewer wait for the others
+        max_batch_size=3,
+        onednn_min_rows=0,
+        threads=torch.get_num_threads(),
+    )
+    serving = PredictionServer(options).start()
+    try:
+        assert serving.service is not None
+        model = serving.service.model
+        alone = {
+            hour: model.infer(
+                tensors_to_batch(model.signature, _hour(hour), max_batch_size=1)
+            ).predictions
+            for hour in (3, 5)
+        }
+        hours = (3, 30, 5)
+        for url in (
+            f"http://127.0.0.1:{serving.http_port}",
+            f"grpc://127.0.0.1:{serving.grpc_port}",
+        ):
+            answers: list[object] = [None] * 3
+
+            def ask(index: int, url: str = url, answers: list[object] = answers) -> None:
+                with RecserveClient(url, model_name=NAME, retries=0, timeout=WAIT) as client:
+                    try:
+                        answers[index] = client.infer(_hour(hours[index])).predictions
+                    except Exception as error:
+                        answers[index] = error
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT)
+            three, thirty, five = answers
+            np.testing.assert_array_equal(three, alone[3])
+            np.testing.assert_array_equal(five, alone[5])
+            assert isinstance(thirty, InvalidArgumentError), (url, thirty)
+            assert thirty.message.endswith(
+                "the model failed on this request's inputs: an index is out of range "
+                "(RuntimeError: index out of range in self); is an integer input beyond what "
+                "the model takes? 'hour' holds 30"
+            )
+        metrics_url = f"http://127.0.0.1:{serving.http_port}/metrics"
+        with urllib.request.urlopen(metrics_url, timeout=WAIT) as response:
+            scraped = response.read().decode()
+        assert "\nrecserve_split_batches_total 2.0\n" in scraped
+    finally:
+        serving.stop()
