@@ -102,6 +102,14 @@ def exit_with_launcher() -> None:
     stop_when_parent_exits(launcher, "the launcher (torchrun)")
 
 
+def launcher_gone() -> bool:
+    """Whether the torchrun launcher this process watches (:func:`exit_with_launcher`) is no
+    longer its parent: the SIGTERM that then arrives is the watch's, not a request to stop
+    gracefully (a script that checkpoints on SIGTERM must not write while the user may be
+    starting another run)."""
+    return bool(_watching) and os.getppid() != _watching[0]
+
+
 def init_distributed(option: DDPOption, device: torch.device | None = None) -> bool:
     """Join the process group when WORLD_SIZE > 1; returns whether it is distributed.
     A rank that torchrun started ends with it (:func:`exit_with_launcher`).
