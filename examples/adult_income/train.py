@@ -272,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             resumed = ctx.load_checkpoint(args.resume_from).train_state
             first_epoch, first_batch = resume_position(resumed, schedule, args.streaming)
             if first_epoch >= hp.epochs and not args.eval_only and distributed.rank() == 0:
+                more = f" and {first_batch} batch(es) of the next" if first_batch else ""
                 print(
-                    f"note: {args.resume_from} has done {first_epoch} epoch(s) and --epochs "
-                    f"is the total ({hp.epochs}): nothing left to train",
+                    f"note: {args.resume_from} has done {first_epoch} epoch(s){more} and "
+                    f"--epochs is the total ({hp.epochs}): nothing left to train",
                     file=sys.stderr,
                 )
         steps = 0
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     else "nothing saved (no --checkpoint-dir)"
                 )
                 print(
-                    f"stopped by {stop.signal_name} after {steps} steps on rank 0 ({where}): "
+                    f"stopped by {stop.signal_name} after {steps} step(s) on rank 0 ({where}): "
                     f"{saved}",
                     file=sys.stderr,
                 )

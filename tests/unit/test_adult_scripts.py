@@ -334,7 +334,7 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
         manifest = json.loads((stopped / "manifest.json").read_text())
         err = capsys.readouterr().err
         assert err.endswith(
-            f"stopped by SIGTERM after 11 steps on rank 0 (epoch 1, batch 3): checkpoint "
+            f"stopped by SIGTERM after 11 step(s) on rank 0 (epoch 1, batch 3): checkpoint "
             f"{stopped} (version {manifest['version']}) holds them; --resume-from {stopped} "
             "goes on from there\n"
         )
