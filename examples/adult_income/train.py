@@ -14,10 +14,11 @@ examples/adult_income/data_loader.py ...``) pass ``--streaming``. Prints ``test 
 and writes ``--metrics-out`` JSON on rank 0.
 
 SIGTERM (a preemption, a pod's deletion, ``kill``; torchrun passes its own on to the ranks)
-stops every rank after its current step: the checkpoint is written where the run stands,
-epoch and batch, ``--resume-from`` goes on from there as the uninterrupted run would have,
-and the script exits with status 143 (128 + SIGTERM). Ctrl-C stops at once, with no
-checkpoint.
+stops every rank after its current step and exits with status 143 (128 + SIGTERM). With
+``--checkpoint-on-stop`` the checkpoint is written first, where the run stands (epoch and
+batch): ``--resume-from`` goes on from there as the uninterrupted run would have. Without
+it nothing is written: deploy/ waits for ``--checkpoint-dir``'s ``DONE`` to serve, and
+would serve a partly trained model. Ctrl-C stops at once, with no checkpoint.
 """
 
 from __future__ import annotations
@@ -192,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--streaming", action="store_true", help="batches from data loaders")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--overwrite", action="store_true", help="replace an old checkpoint")
+    parser.add_argument(
+        "--checkpoint-on-stop",
+        action="store_true",
+        help="on SIGTERM, write --checkpoint-dir where the run stands (epochs and batches "
+        "done) before stopping, for --resume-from; without it a SIGTERM stops after the "
+        "current step and writes nothing",
+    )
     parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
     parser.add_argument("--metrics-out", type=Path, default=None)
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.eval_only and args.resume_from is None:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
+    if args.checkpoint_on_stop and args.checkpoint_dir is None:
+        parser.error("--checkpoint-on-stop needs --checkpoint-dir (where to write it)")
     if args.checkpoint_dir is not None:
         # Said now, not after a whole training run that could not be saved.
         try:
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         # its ranks 30 s after passing it on); the test AUC of a run cut short is not its.
         auc = None if stopped else evaluate(ctx, test)
         manifest = None
-        if args.checkpoint_dir is not None:
+        if args.checkpoint_dir is not None and (args.checkpoint_on_stop or not stopped):
             epochs_done, batches_done = position
             manifest = ctx.dump_checkpoint(
                 args.checkpoint_dir,
@@ -335,12 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         if stopped:
             if distributed.rank() == 0:
                 where = f"epoch {position[0]}, batch {position[1]}"
-                saved = (
-                    f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "
-                    f"them; --resume-from {args.checkpoint_dir} goes on from there"
-                    if manifest is not None
-                    else "nothing saved (no --checkpoint-dir)"
-                )
+                if manifest is not None:
+                    saved = (
+                        f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "
+                        f"them; --resume-from {args.checkpoint_dir} goes on from there"
+                    )
+                elif args.checkpoint_dir is not None:
+                    saved = (
+                        f"nothing written, {args.checkpoint_dir} is as it was "
+                        "(--checkpoint-on-stop writes the checkpoint first)"
+                    )
+                else:
+                    saved = "nothing written (no --checkpoint-dir)"
                 print(
                     f"stopped by {stop.signal_name} after {steps} step(s) on rank 0 ({where}): "
                     f"{saved}",

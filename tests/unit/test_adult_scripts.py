@@ -34,6 +34,11 @@ def test_eval_only_needs_resume_from(capsys: pytest.CaptureFixture[str]) -> None
     assert "--eval-only needs --resume-from" in err
 
 
+def test_checkpoint_on_stop_needs_checkpoint_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, ["--checkpoint-on-stop", "--device", "cpu"])
+    assert "--checkpoint-on-stop needs --checkpoint-dir (where to write it)" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -303,10 +308,11 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SIGTERM in the 11th step (the 3rd batch of 8 in epoch 1): the run ends after that
-    step, its checkpoint says where it stood, it exits 143, and a resume trains the other 5
-    batches to the same weights, optimizer states, rows and LRU order as one uninterrupted
-    run (a SIGTERM used to kill the run with no checkpoint, and a resume could only restart
-    an epoch)."""
+    step and exits 143; with --checkpoint-on-stop its checkpoint says where it stood, and a
+    resume trains the other 5 batches to the same weights, optimizer states, rows and LRU
+    order as one uninterrupted run (a SIGTERM used to kill the run with no checkpoint, and a
+    resume could only restart an epoch). Without the flag nothing is written: deploy/ serves
+    a --checkpoint-dir as soon as it is there."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     common = ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
@@ -327,11 +333,21 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
 
     previous = signal.signal(signal.SIGTERM, ignore)
     try:
-        straight, stopped, resumed = (tmp_path / n for n in ("straight", "stopped", "resumed"))
+        straight, stopped, resumed, unwritten = (
+            tmp_path / name for name in ("straight", "stopped", "resumed", "unwritten")
+        )
         assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
         with monkeypatch.context() as patch:
             patch.setattr(train.TrainCtx, "backward", signalled_backward)
-            assert train.main([*common, "--checkpoint-dir", str(stopped)]) == 143
+            assert train.main([*common, "--checkpoint-dir", str(unwritten)]) == 143
+            assert not unwritten.exists()
+            assert capsys.readouterr().err.endswith(
+                f"stopped by SIGTERM after 11 step(s) on rank 0 (epoch 1, batch 3): nothing "
+                f"written, {unwritten} is as it was (--checkpoint-on-stop writes the "
+                "checkpoint first)\n"
+            )
+            on_stop = [*common, "--checkpoint-dir", str(stopped), "--checkpoint-on-stop"]
+            assert train.main(on_stop) == 143
         assert signal.getsignal(signal.SIGTERM) is ignore  # main's handler only while it runs
         manifest = json.loads((stopped / "manifest.json").read_text())
         err = capsys.readouterr().err
