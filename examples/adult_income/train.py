@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if stopped:
             if distributed.rank() == 0:
-                where = f"epoch {position[0]}, batch {position[1]}"
+                where = f"{position[0]} epoch(s) and {position[1]} batch(es) done"
                 if manifest is not None:
                     saved = (
                         f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "

@@ -342,9 +342,9 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
             assert train.main([*common, "--checkpoint-dir", str(unwritten)]) == 143
             assert not unwritten.exists()
             assert capsys.readouterr().err.endswith(
-                f"stopped by SIGTERM after 11 step(s) on rank 0 (epoch 1, batch 3): nothing "
-                f"written, {unwritten} is as it was (--checkpoint-on-stop writes the "
-                "checkpoint first)\n"
+                "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) "
+                f"done): nothing written, {unwritten} is as it was (--checkpoint-on-stop "
+                "writes the checkpoint first)\n"
             )
             on_stop = [*common, "--checkpoint-dir", str(stopped), "--checkpoint-on-stop"]
             assert train.main(on_stop) == 143
@@ -352,9 +352,9 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
         manifest = json.loads((stopped / "manifest.json").read_text())
         err = capsys.readouterr().err
         assert err.endswith(
-            f"stopped by SIGTERM after 11 step(s) on rank 0 (epoch 1, batch 3): checkpoint "
-            f"{stopped} (version {manifest['version']}) holds them; --resume-from {stopped} "
-            "goes on from there\n"
+            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
+            f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
+            f"{stopped} goes on from there\n"
         )
         assert manifest["step"] == 11
         assert manifest["train_state"]["epochs_done"] == 1
