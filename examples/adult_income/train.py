@@ -24,18 +24,15 @@ would serve a partly trained model. Ctrl-C stops at once, with no checkpoint.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a script: make the repository root importable (examples.adult_income.*).
@@ -49,7 +46,6 @@ from embedding_store.checkpoint_publish import check_target
 from embedding_store.cli_types import non_negative_int, positive_int
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError
-from embedding_store.stop_signal import StopRequest
 from examples.adult_income import features
 from examples.adult_income.hparams import AdultHParams
 from examples.adult_income.metrics import roc_auc
@@ -132,41 +128,6 @@ def resume_position(
             )
         batches_done = 0
     return _count(saved.get("epochs_done")), batches_done
-
-
-def stop_now(request: StopRequest) -> bool:
-    """Whether to stop after this step: when any rank got SIGTERM, every rank stops at the
-    same step (one all-reduce of a flag per step; torchrun signals the ranks one by one,
-    and a rank that stopped alone would leave the others waiting in their allreduce)."""
-    if distributed.world_size() > 1:
-        return not distributed.all_agree(not request.requested)
-    return request.requested
-
-
-@contextlib.contextmanager
-def _stop_on_sigterm() -> Iterator[StopRequest]:
-    """A SIGTERM handler for a graceful stop, for the block (then the previous one again):
-    the request it sets, which :func:`stop_now` reads. Installed from the main thread only
-    (where Python runs handlers). A SIGTERM sent because the torchrun launcher is gone
-    (``distributed.exit_with_launcher``) still ends the process at once: no checkpoint
-    while the user may be starting another run."""
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if distributed.launcher_gone():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        request.handler(signum, frame)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield request
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     with (
-        _stop_on_sigterm() as stop,
+        distributed.graceful_sigterm() as stop,
         TrainCtx(
             hp.make_embedding_optimizer(),
             dense_optimizer,
@@ -302,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
                     ctx.backward(loss)
                     steps += 1
-                    if stop_now(stop):
+                    if distributed.stop_agreed(stop):
                         stopped = True
                         break
             else:
@@ -322,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                         ctx.backward(loss)
                         steps += 1
                         position = (epoch, position[1] + world)  # every rank took one batch
-                        if stop_now(stop):
+                        if distributed.stop_agreed(stop):
                             stopped = True
                             break
                     if stopped:

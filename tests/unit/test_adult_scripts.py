@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -368,32 +367,3 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
     finally:
         signal.signal(signal.SIGTERM, previous)
         torch.set_num_threads(threads)
-
-
-def test_sigterm_from_a_gone_launcher_still_ends_the_rank_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The SIGTERM a rank sends itself when its torchrun launcher is gone
-    (``exit_with_launcher``) ends it as before, with no checkpoint (another run may be
-    starting); a SIGTERM while the launcher is there asks for the graceful stop."""
-    from training import distributed
-
-    killed: list[tuple[int, int]] = []
-    monkeypatch.setattr(train.os, "kill", lambda pid, signum: killed.append((pid, signum)))
-    before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(distributed, "_watching", [os.getppid()])
-    with train._stop_on_sigterm() as request:
-        handler = signal.getsignal(signal.SIGTERM)
-        assert callable(handler)
-        handler(signal.SIGTERM, None)  # the launcher is this process's parent
-        assert request.requested and killed == []
-    assert signal.getsignal(signal.SIGTERM) is before
-    monkeypatch.setattr(distributed, "_watching", [os.getppid() + 1])  # not the parent now
-    with train._stop_on_sigterm() as request:
-        handler = signal.getsignal(signal.SIGTERM)
-        assert callable(handler)
-        handler(signal.SIGTERM, None)
-        assert not request.requested
-        assert killed == [(os.getpid(), signal.SIGTERM)]
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # so the kill ends it
-    assert signal.getsignal(signal.SIGTERM) is before
