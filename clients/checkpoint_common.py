@@ -41,7 +41,10 @@ def checkpoint_kind(directory: str | os.PathLike[str]) -> str:
     """``"model"`` or ``"embedding"``; CheckpointError when it is neither."""
     root = Path(directory)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} does not exist or is not a directory")
+        raise CheckpointError(
+            f"checkpoint {root} does not exist or is not a directory"
+            + checkpoint_manifest.interrupted_overwrite_hint(root)
+        )
     if (root / model_checkpoint.MANIFEST_NAME).exists():
         return MODEL
     if (root / checkpoint_manifest.MANIFEST_NAME).exists():

@@ -131,20 +131,35 @@ def _is_version(value: object) -> bool:
 RETIRED_PREFIX = ".{name}.old-"
 
 
+#: Name prefix of a dump's staging directory (see embedding_store.checkpoint_publish).
+STAGING_PREFIX = ".{name}.tmp-"
+
+
 def interrupted_overwrite_hint(root: Path) -> str:
     """For a checkpoint directory that does not exist: where an interrupted overwrite left the
-    previous checkpoint, as a sentence to add to the error (or "")."""
-    prefix = RETIRED_PREFIX.format(name=root.name)
+    previous checkpoint, or else the staging directory of a dump to it that has not
+    finished (a first run killed while it wrote its checkpoint: the hidden directory is
+    all there is), as a sentence to add to the error (or "")."""
+    retired = RETIRED_PREFIX.format(name=root.name)
+    staging = STAGING_PREFIX.format(name=root.name)
     try:
-        left = sorted(p.name for p in root.parent.iterdir() if p.name.startswith(prefix))
+        names = sorted(p.name for p in root.parent.iterdir() if p.is_dir())
     except OSError:
         return ""
-    if not left:
-        return ""
-    return (
-        f"; an interrupted overwrite left the previous checkpoint at {root.parent / left[-1]}: "
-        f"rename it to {root.name} to use it"
-    )
+    left = [name for name in names if name.startswith(retired)]
+    if left:
+        return (
+            f"; an interrupted overwrite left the previous checkpoint at "
+            f"{root.parent / left[-1]}: rename it to {root.name} to use it"
+        )
+    unfinished = [name for name in names if name.startswith(staging)]
+    if unfinished:
+        return (
+            f"; a dump to it has not finished (still running, or killed): "
+            f"{', '.join(unfinished)} in {root.parent} holds no complete checkpoint (the "
+            f"next dump to {root.name} removes it once its writer is gone)"
+        )
+    return ""
 
 
 def checkpoints_inside(root: Path, *, limit: int = 1000) -> list[Path]:

@@ -19,7 +19,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from embedding_store.checkpoint_manifest import DONE_MARKER, RETIRED_PREFIX
+from embedding_store.checkpoint_manifest import DONE_MARKER, RETIRED_PREFIX, STAGING_PREFIX
 from embedding_store.errors import AlreadyExistsError, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -169,10 +169,9 @@ def _fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-#: Name prefix of a dump's staging directory: ``.{name}.tmp-{host}-{pid}-{start}-{random}``,
-#: ``start`` the writer's start time (clock ticks after boot, /proc/PID/stat): a PID alone
-#: is reused, by PID 1 of every container restart first of all.
-STAGING_PREFIX = ".{name}.tmp-"
+# A dump's staging directory is named ``.{name}.tmp-{host}-{pid}-{start}-{random}``
+# (STAGING_PREFIX, then these), ``start`` the writer's start time (clock ticks after boot,
+# /proc/PID/stat): a PID alone is reused, by PID 1 of every container restart first of all.
 
 
 def staging_directory_for(target: Path) -> Path:

@@ -6,17 +6,22 @@ environment that ``torchrun`` (or a Kubernetes Job running torchrun) sets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from embedding_store.errors import ConfigError
-from embedding_store.stop_signal import stop_when_parent_exits
+from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,52 @@ def exit_with_launcher() -> None:
     launcher = os.getppid()
     _watching.append(launcher)
     stop_when_parent_exits(launcher, "the launcher (torchrun)")
+
+
+def launcher_gone() -> bool:
+    """Whether the torchrun launcher this process watches (:func:`exit_with_launcher`) is no
+    longer its parent: the SIGTERM that then arrives is the watch's, not a request to stop
+    gracefully (a script that checkpoints on SIGTERM must not write while the user may be
+    starting another run)."""
+    return bool(_watching) and os.getppid() != _watching[0]
+
+
+@contextlib.contextmanager
+def graceful_sigterm() -> Iterator[StopRequest]:
+    """A SIGTERM handler for a graceful stop, for the block (then the previous one again):
+    the request it sets, which the training loop reads after each step with
+    :func:`stop_agreed` and then stops (writing a checkpoint, or not) instead of being
+    killed in the middle of a step or a checkpoint write. Installed from the main thread
+    only (where Python runs handlers). A SIGTERM sent because the torchrun launcher is gone
+    (:func:`exit_with_launcher`) still ends the process at once: no checkpoint while the
+    user may be starting another run."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if launcher_gone():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        request.handler(signum, frame)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_agreed(request: StopRequest) -> bool:
+    """Whether to stop after this step (every rank calls it after every step): when any
+    rank got SIGTERM, every rank stops at the same step (one all-reduce of a flag per step;
+    torchrun signals the ranks one by one, and a rank that stopped alone would leave the
+    others waiting in their allreduce)."""
+    if world_size() > 1:
+        return not all_agree(not request.requested)
+    return request.requested
 
 
 def init_distributed(option: DDPOption, device: torch.device | None = None) -> bool:

@@ -12,6 +12,13 @@ Under torchrun with the embedding tier as services (2 DDP ranks, gloo)::
 With data loaders streaming batches (``recserve data-loader --entry
 examples/adult_income/data_loader.py ...``) pass ``--streaming``. Prints ``test AUC: 0.9xxx``
 and writes ``--metrics-out`` JSON on rank 0.
+
+SIGTERM (a preemption, a pod's deletion, ``kill``; torchrun passes its own on to the ranks)
+stops every rank after its current step and exits with status 143 (128 + SIGTERM). With
+``--checkpoint-on-stop`` the checkpoint is written first, where the run stands (epoch and
+batch): ``--resume-from`` goes on from there as the uninterrupted run would have. Without
+it nothing is written: deploy/ waits for ``--checkpoint-dir``'s ``DONE`` to serve, and
+would serve a partly trained model. Ctrl-C stops at once, with no checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -62,25 +70,40 @@ def evaluate(ctx: TrainCtx, test: features.EncodedRows) -> float:
     return roc_auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def local_batches(hp: AdultHParams, train: features.EncodedRows, epoch: int) -> Iterator[Batch]:
-    """This rank's share of one epoch: batch b goes to rank b % world (equal counts)."""
+def local_batches(
+    hp: AdultHParams, train: features.EncodedRows, epoch: int, skip: int = 0
+) -> Iterator[Batch]:
+    """This rank's share of one epoch: batch b goes to rank (b - skip) % world (equal
+    counts). ``skip``: the epoch's first batches, already trained (a resumed run's
+    ``batches_done``); the rest are dealt out as the uninterrupted run dealt them."""
     rank, world = distributed.rank(), max(distributed.world_size(), 1)
     batches = list(
         range(0, len(train), hp.batch_size)
     )  # batch start offsets, in the shuffled order below
-    usable = len(batches) // world * world  # every rank runs the same number of steps (DDP)
+    skip = min(skip, len(batches))
+    # Every rank runs the same number of steps (DDP).
+    usable = skip + (len(batches) - skip) // world * world
     order = np.random.default_rng(hp.seed * 1000 + epoch).permutation(len(train))
-    for b in range(rank, usable, world):
+    for b in range(skip + rank, usable, world):
         start = batches[b]
         yield train.take(order[start : start + hp.batch_size]).to_batch(requires_grad=True)
 
 
-def resume_position(saved: dict[str, Any], schedule: dict[str, Any], streaming: bool) -> int:
-    """The epoch a resumed run starts at: the checkpoint's ``epochs_done`` (0 when it has
-    none: written by another script, or streamed). Says so when the data order will differ
-    from one uninterrupted run's (another seed, batch size or number of ranks)."""
+def _count(value: object) -> int:
+    """``value`` when it is a whole number > 0 (not a bool), else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def resume_position(
+    saved: dict[str, Any], schedule: dict[str, Any], streaming: bool
+) -> tuple[int, int]:
+    """Where a resumed run starts: (epoch, batches of that epoch already trained), the
+    checkpoint's ``epochs_done`` and ``batches_done`` ((0, 0) when it has none: written by
+    another script, or streamed). Says so when the data order will differ from one
+    uninterrupted run's (another seed, batch size or number of ranks); with another seed or
+    batch size the epoch's batches are other ones, so a stopped epoch starts over."""
     if streaming or saved.get("streaming"):
-        return 0  # data loaders decide what comes next
+        return 0, 0  # data loaders decide what comes next
     changed = [
         f"{name} {saved[name]} -> {value}"
         for name, value in schedule.items()
@@ -92,8 +115,19 @@ def resume_position(saved: dict[str, Any], schedule: dict[str, Any], streaming: 
             "from an uninterrupted run's",
             file=sys.stderr,
         )
-    epochs_done = saved.get("epochs_done", 0)
-    return epochs_done if isinstance(epochs_done, int) and epochs_done > 0 else 0
+    batches_done = _count(saved.get("batches_done"))
+    moved = any(
+        saved.get(name, schedule[name]) != schedule[name] for name in ("seed", "batch_size")
+    )
+    if batches_done and moved:
+        if distributed.rank() == 0:
+            print(
+                f"note: the checkpoint stopped {batches_done} batch(es) into an epoch: with "
+                "another seed or batch size that epoch starts over",
+                file=sys.stderr,
+            )
+        batches_done = 0
+    return _count(saved.get("epochs_done")), batches_done
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--streaming", action="store_true", help="batches from data loaders")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--overwrite", action="store_true", help="replace an old checkpoint")
+    parser.add_argument(
+        "--checkpoint-on-stop",
+        action="store_true",
+        help="on SIGTERM, write --checkpoint-dir where the run stands (epochs and batches "
+        "done) before stopping, for --resume-from; without it a SIGTERM stops after the "
+        "current step and writes nothing",
+    )
     parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
     parser.add_argument("--metrics-out", type=Path, default=None)
@@ -148,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.eval_only and args.resume_from is None:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
+    if args.checkpoint_on_stop and args.checkpoint_dir is None:
+        parser.error("--checkpoint-on-stop needs --checkpoint-dir (where to write it)")
     if args.checkpoint_dir is not None:
         # Said now, not after a whole training run that could not be saved.
         try:
@@ -183,26 +226,35 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     started = time.perf_counter()
-    with TrainCtx(
-        hp.make_embedding_optimizer(),
-        dense_optimizer,
-        model,
-        embedding_config=config,
-        embedding_staleness=staleness,
-        initialization=hp.make_initialization(),
-        device_id=distributed.local_rank() if use_cuda else None,
-    ) as ctx:
-        first_epoch = 0
+    with (
+        distributed.graceful_sigterm() as stop,
+        TrainCtx(
+            hp.make_embedding_optimizer(),
+            dense_optimizer,
+            model,
+            embedding_config=config,
+            embedding_staleness=staleness,
+            initialization=hp.make_initialization(),
+            device_id=distributed.local_rank() if use_cuda else None,
+        ) as ctx,
+    ):
+        first_epoch = first_batch = 0
         if args.resume_from is not None:
             resumed = ctx.load_checkpoint(args.resume_from).train_state
-            first_epoch = resume_position(resumed, schedule, args.streaming)
+            first_epoch, first_batch = resume_position(resumed, schedule, args.streaming)
             if first_epoch >= hp.epochs and not args.eval_only and distributed.rank() == 0:
+                more = f" and {first_batch} batch(es) of the next" if first_batch else ""
                 print(
-                    f"note: {args.resume_from} has done {first_epoch} epoch(s) and --epochs "
-                    f"is the total ({hp.epochs}): nothing left to train",
+                    f"note: {args.resume_from} has done {first_epoch} epoch(s){more} and "
+                    f"--epochs is the total ({hp.epochs}): nothing left to train",
                     file=sys.stderr,
                 )
         steps = 0
+        # Where this run stands (epoch, batches of it done), so that --resume-from goes on
+        # in the same data order: at the end, past the last epoch; without training, where
+        # the checkpoint it resumed stood.
+        position = (first_epoch, first_batch)
+        stopped = False
         if not args.eval_only:
             if args.streaming:
                 dataset = StreamingDataset(buffer_size=16, reproducible=args.reproducible)
@@ -211,10 +263,18 @@ def main(argv: list[str] | None = None) -> int:
                     loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
                     ctx.backward(loss)
                     steps += 1
+                    if distributed.stop_agreed(stop):
+                        stopped = True
+                        break
             else:
                 train = features.read_encoded(features.TRAIN_PATH)
+                world = max(distributed.world_size(), 1)
                 for epoch in range(first_epoch, hp.epochs):
-                    source = IterableDataset(functools.partial(local_batches, hp, train, epoch))
+                    skip = first_batch if epoch == first_epoch else 0
+                    position = (epoch, skip)
+                    source = IterableDataset(
+                        functools.partial(local_batches, hp, train, epoch, skip)
+                    )
                     for batch in DataLoader(source, prefetch=2):
                         output, labels = ctx.forward(batch)
                         loss = torch.nn.functional.binary_cross_entropy_with_logits(
@@ -222,19 +282,49 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         ctx.backward(loss)
                         steps += 1
+                        position = (epoch, position[1] + world)  # every rank took one batch
+                        if distributed.stop_agreed(stop):
+                            stopped = True
+                            break
+                    if stopped:
+                        break
+            if not stopped and first_epoch < hp.epochs:
+                position = (hp.epochs, 0)
         ctx.wait_for_embedding_updates()
         train_seconds = time.perf_counter() - started
-        auc = evaluate(ctx, test)
+        # Stopped: the checkpoint first, within the grace a SIGTERM leaves (torchrun kills
+        # its ranks 30 s after passing it on); the test AUC of a run cut short is not its.
+        auc = None if stopped else evaluate(ctx, test)
         manifest = None
-        if args.checkpoint_dir is not None:
-            # Where this run stands, so that --resume-from goes on in the same data order.
-            epochs_done = first_epoch if args.eval_only else max(hp.epochs, first_epoch)
+        if args.checkpoint_dir is not None and (args.checkpoint_on_stop or not stopped):
+            epochs_done, batches_done = position
             manifest = ctx.dump_checkpoint(
                 args.checkpoint_dir,
                 overwrite=args.overwrite,
-                train_state={**schedule, "epochs_done": epochs_done},
+                train_state={**schedule, "epochs_done": epochs_done, "batches_done": batches_done},
             )
-        if distributed.rank() == 0:
+        if stopped:
+            if distributed.rank() == 0:
+                where = f"{position[0]} epoch(s) and {position[1]} batch(es) done"
+                if manifest is not None:
+                    saved = (
+                        f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "
+                        f"them; --resume-from {args.checkpoint_dir} goes on from there"
+                    )
+                elif args.checkpoint_dir is not None:
+                    saved = (
+                        f"nothing written, {args.checkpoint_dir} is as it was "
+                        "(--checkpoint-on-stop writes the checkpoint first)"
+                    )
+                else:
+                    saved = "nothing written (no --checkpoint-dir)"
+                print(
+                    f"stopped by {stop.signal_name} after {steps} step(s) on rank 0 ({where}): "
+                    f"{saved}",
+                    file=sys.stderr,
+                )
+        elif distributed.rank() == 0:
+            assert auc is not None  # evaluated: not stopped
             print(f"test AUC: {auc:.4f}  ({steps} steps on rank 0, {train_seconds:.1f} s)")
             if manifest is not None:
                 print(f"checkpoint: {args.checkpoint_dir} (version {manifest.version})")
@@ -256,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
     distributed.shutdown_distributed()
-    return 0
+    return 128 + int(signal.SIGTERM) if stopped else 0
 
 
 if __name__ == "__main__":

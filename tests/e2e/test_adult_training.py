@@ -252,6 +252,7 @@ def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(
         "world_size": 1,
         "streaming": False,
         "epochs_done": 2,
+        "batches_done": 0,
     }
     # Both resumed runs at once (each trains on one thread; --resume-from only reads).
     logs = [work / "resumed.log", work / "other-batch-size.log"]

@@ -1,8 +1,11 @@
-"""The Adult example's scripts, piece by piece (no training run): train.py's argument checks,
-its data schedule (local_batches) and resume position, and quickstart.py's pure helpers."""
+"""The Adult example's scripts, piece by piece: train.py's argument checks,
+its data schedule (local_batches), resume position and SIGTERM stop (one in-process run
+stopped and resumed), and quickstart.py's pure helpers."""
 
 from __future__ import annotations
 
+import functools
+import json
 import signal
 from pathlib import Path
 
@@ -28,6 +31,11 @@ def _main_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_eval_only_needs_resume_from(capsys: pytest.CaptureFixture[str]) -> None:
     err = _main_error(capsys, ["--eval-only", "--device", "cpu"])
     assert "--eval-only needs --resume-from" in err
+
+
+def test_checkpoint_on_stop_needs_checkpoint_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, ["--checkpoint-on-stop", "--device", "cpu"])
+    assert "--checkpoint-on-stop needs --checkpoint-dir (where to write it)" in err
 
 
 @pytest.mark.parametrize(
@@ -143,31 +151,71 @@ def test_local_batches_split_one_shuffled_epoch_between_ranks(
     assert _rows_of(list(train.local_batches(hp, rows, epoch=2)))[0] == another_epoch[3:6]
 
 
+def test_local_batches_skip_the_batches_a_stopped_run_trained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``skip`` (a resumed run's batches_done) leaves out the epoch's first batches and deals
+    the rest out as the uninterrupted run did; after a change of rank count, evenly."""
+    hp = AdultHParams(batch_size=2, seed=1)
+    rows = _numbered_rows(14)  # 7 batches
+    order = np.random.default_rng(1 * 1000 + 0).permutation(14).tolist()
+    batches = [order[i : i + 2] for i in range(0, 14, 2)]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):  # 2 ranks: 6 usable batches; 2 done, so 4 left, 2 each
+        monkeypatch.setenv("RANK", str(rank))
+        rest = _rows_of(list(train.local_batches(hp, rows, epoch=0, skip=2)))
+        assert rest == [batches[2 + rank], batches[4 + rank]]
+        assert _rows_of(list(train.local_batches(hp, rows, epoch=0)))[1:] == rest
+    monkeypatch.setenv("WORLD_SIZE", "3")  # after 2 batches, 5 left: 1 each, 2 dropped
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        per_rank.append(_rows_of(list(train.local_batches(hp, rows, epoch=0, skip=2))))
+    assert per_rank == [[batches[2]], [batches[3]], [batches[4]]]
+    monkeypatch.setenv("RANK", "0")  # an epoch done to its end: nothing left
+    assert list(train.local_batches(hp, rows, epoch=0, skip=7)) == []
+    assert list(train.local_batches(hp, rows, epoch=0, skip=9)) == []
+
+
 def test_resume_position(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("RANK", raising=False)
     schedule = {"seed": 0, "batch_size": 512, "world_size": 1, "streaming": False}
     same = {**schedule, "epochs_done": 2}
-    assert train.resume_position(same, schedule, streaming=False) == 2
+    assert train.resume_position(same, schedule, streaming=False) == (2, 0)
+    # Stopped 6 batches into its third epoch (SIGTERM): it goes on from there.
+    assert train.resume_position({**same, "batches_done": 6}, schedule, False) == (2, 6)
     assert capsys.readouterr().err == ""
     # Streamed runs (now or then): the data loaders decide, the epoch count starts over.
-    assert train.resume_position(same, schedule, streaming=True) == 0
-    assert train.resume_position({**same, "streaming": True}, schedule, streaming=False) == 0
-    # No (or no usable) epochs_done: another script's checkpoint.
-    assert train.resume_position({}, schedule, streaming=False) == 0
-    for bad in (0, -1, "2", 2.0, None):
-        assert train.resume_position({"epochs_done": bad}, schedule, streaming=False) == 0
+    assert train.resume_position(same, schedule, streaming=True) == (0, 0)
+    assert train.resume_position({**same, "streaming": True}, schedule, False) == (0, 0)
+    # No (or no usable) epochs_done / batches_done: another script's checkpoint.
+    assert train.resume_position({}, schedule, streaming=False) == (0, 0)
+    for bad in (0, -1, "2", 2.0, None, True):
+        assert train.resume_position({"epochs_done": bad}, schedule, False) == (0, 0)
+        assert train.resume_position({**same, "batches_done": bad}, schedule, False) == (2, 0)
     assert capsys.readouterr().err == ""
     # A different schedule still resumes, with a note naming what changed.
     changed = {**same, "seed": 3, "batch_size": 256}
-    assert train.resume_position(changed, schedule, streaming=False) == 2
+    assert train.resume_position(changed, schedule, streaming=False) == (2, 0)
     assert capsys.readouterr().err == (
         "note: resuming with another seed 3 -> 0, batch_size 256 -> 512: the data order "
         "differs from an uninterrupted run's\n"
     )
+    # Another seed or batch size makes the epoch's batches other ones: a stopped epoch
+    # starts over (skipping 6 of the new batches would skip rows never trained on).
+    assert train.resume_position({**changed, "batches_done": 6}, schedule, False) == (2, 0)
+    assert capsys.readouterr().err.endswith(
+        "note: the checkpoint stopped 6 batch(es) into an epoch: with another seed or batch "
+        "size that epoch starts over\n"
+    )
+    # Another number of ranks deals the same batches out differently: it goes on.
+    ranks = {**same, "world_size": 2, "batches_done": 6}
+    assert train.resume_position(ranks, schedule, streaming=False) == (2, 6)
+    capsys.readouterr()
     monkeypatch.setenv("RANK", "1")  # only rank 0 says so
-    assert train.resume_position(changed, schedule, streaming=False) == 2
+    assert train.resume_position(changed, schedule, streaming=False) == (2, 0)
     assert capsys.readouterr().err == ""
 
 
@@ -235,3 +283,87 @@ def test_next_steps_work_in_a_fresh_shell(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert not any(line.startswith("  open ") for line in lines)  # macOS only
     stopped = quickstart.next_steps("127.0.0.1:8000", "127.0.0.1:8001", stopped=True)
     assert stopped.splitlines()[1] == "Try it yourself" + quickstart.STOPPED_NOTE
+
+
+# ------------------------------------------------------------------------------------------
+# train.py: SIGTERM (in-process runs, 8 steps an epoch)
+
+
+def _checkpoint_contents(directory: Path) -> dict[str, object]:
+    """What a resume reads from a checkpoint, by file and tensor: dense weights, dense
+    optimizer state, embedding ids, rows, optimizer state and LRU recency."""
+    from safetensors.numpy import load_file
+
+    contents: dict[str, object] = {
+        name: (directory / name).read_bytes() for name in ("dense.pt", "opt.pt")
+    }
+    for path in sorted((directory / "embeddings").rglob("*.safetensors")):
+        for key, array in load_file(path).items():
+            contents[f"{path.relative_to(directory)}:{key}"] = array.tolist()
+    return contents
+
+
+def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM in the 11th step (the 3rd batch of 8 in epoch 1): the run ends after that
+    step and exits 143; with --checkpoint-on-stop its checkpoint says where it stood, and a
+    resume trains the other 5 batches to the same weights, optimizer states, rows and LRU
+    order as one uninterrupted run (a SIGTERM used to kill the run with no checkpoint, and a
+    resume could only restart an epoch). Without the flag nothing is written: deploy/ serves
+    a --checkpoint-dir as soon as it is there."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    common = ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
+    # The data sets encoded once for the three runs (half of a run's time otherwise).
+    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
+    backward = train.TrainCtx.backward
+
+    def signalled_backward(ctx: train.TrainCtx, loss: torch.Tensor) -> torch.Tensor:
+        scaled = backward(ctx, loss)
+        if ctx.step == 11:
+            signal.raise_signal(signal.SIGTERM)
+        return scaled
+
+    threads = torch.get_num_threads()  # main() sets 1
+
+    def ignore(signum: int, frame: object) -> None:  # the SIGTERM, if main handled none
+        pass
+
+    previous = signal.signal(signal.SIGTERM, ignore)
+    try:
+        straight, stopped, resumed, unwritten = (
+            tmp_path / name for name in ("straight", "stopped", "resumed", "unwritten")
+        )
+        assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
+        with monkeypatch.context() as patch:
+            patch.setattr(train.TrainCtx, "backward", signalled_backward)
+            assert train.main([*common, "--checkpoint-dir", str(unwritten)]) == 143
+            assert not unwritten.exists()
+            assert capsys.readouterr().err.endswith(
+                "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) "
+                f"done): nothing written, {unwritten} is as it was (--checkpoint-on-stop "
+                "writes the checkpoint first)\n"
+            )
+            on_stop = [*common, "--checkpoint-dir", str(stopped), "--checkpoint-on-stop"]
+            assert train.main(on_stop) == 143
+        assert signal.getsignal(signal.SIGTERM) is ignore  # main's handler only while it runs
+        manifest = json.loads((stopped / "manifest.json").read_text())
+        err = capsys.readouterr().err
+        assert err.endswith(
+            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
+            f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
+            f"{stopped} goes on from there\n"
+        )
+        assert manifest["step"] == 11
+        assert manifest["train_state"]["epochs_done"] == 1
+        assert manifest["train_state"]["batches_done"] == 3
+        assert (
+            train.main([*common, "--resume-from", str(stopped), "--checkpoint-dir", str(resumed)])
+            == 0
+        )
+        assert json.loads((resumed / "manifest.json").read_text())["step"] == 16
+        assert _checkpoint_contents(resumed) == _checkpoint_contents(straight)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)

@@ -414,6 +414,29 @@ def test_a_checkpoint_left_by_an_interrupted_overwrite_is_named(tmp_path):
         checkpoint_manifest.read_manifest(tmp_path / "ckpt")
 
 
+def test_a_dump_that_never_finished_is_named_where_its_checkpoint_is_missing(tmp_path):
+    """A first run killed while it wrote its checkpoint leaves only a hidden staging
+    directory: reading the checkpoint said only that it does not exist."""
+    from clients.checkpoint_common import checkpoint_kind
+    from embedding_store import model_checkpoint
+
+    staging = tmp_path / ".ckpt.tmp-trainer-41-7606764-0123abcd"
+    (staging / "embeddings").mkdir(parents=True)
+    (tmp_path / ".other.tmp-trainer-41-7606764-0123abcd").mkdir()  # another target's
+    expected = (
+        f"checkpoint {tmp_path / 'ckpt'} does not exist or is not a directory; a dump to it "
+        f"has not finished (still running, or killed): {staging.name} in {tmp_path} holds no "
+        "complete checkpoint (the next dump to ckpt removes it once its writer is gone)"
+    )
+    for read in (model_checkpoint.read_manifest, checkpoint_kind):
+        with pytest.raises(CheckpointError) as error:
+            read(tmp_path / "ckpt")
+        assert error.value.message == expected
+    with pytest.raises(CheckpointError) as error:
+        model_checkpoint.read_manifest(tmp_path / "missing")
+    assert error.value.message.endswith("missing does not exist or is not a directory")
+
+
 def test_files_listed_for_another_shard_are_refused(tmp_path):
     # The manifest's shard numbers of shard 0's and shard 1's files swapped: every size and
     # checksum holds, but each shard would get rows it never looks up (all unknown IDs).

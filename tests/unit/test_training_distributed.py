@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -110,3 +113,52 @@ def test_nccl_with_the_model_on_cpu_is_refused_before_the_rendezvous(monkeypatch
     assert calls == []
     assert distributed.init_distributed(DDPOption(), torch.device("cpu")) is True
     assert calls == [("init", "gloo", None)]
+
+
+def test_sigterm_from_a_gone_launcher_still_ends_the_rank_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """graceful_sigterm: the SIGTERM a rank sends itself when its torchrun launcher is gone
+    (``exit_with_launcher``) ends it as before, with no checkpoint (another run may be
+    starting); a SIGTERM while the launcher is there asks for the graceful stop."""
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(distributed.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(distributed, "_watching", [os.getppid()])
+    with distributed.graceful_sigterm() as request:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        handler(signal.SIGTERM, None)  # the launcher is this process's parent
+        assert request.requested and killed == []
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(distributed, "_watching", [os.getppid() + 1])  # not the parent now
+    with distributed.graceful_sigterm() as request:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        handler(signal.SIGTERM, None)
+        assert not request.requested
+        assert killed == [(os.getpid(), signal.SIGTERM)]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # so the kill ends it
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_agreed_stops_every_rank_when_one_got_sigterm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Alone, the request itself; with ranks, the all-reduce of "nobody asked to stop"
+    decides, so a rank that got no SIGTERM stops at the same step as the one that did."""
+    request = distributed.StopRequest()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.stop_agreed(request) is False
+    request.requested = True
+    assert distributed.stop_agreed(request) is True
+    sent: list[bool] = []
+
+    def all_agree(ok: bool) -> bool:
+        sent.append(ok)
+        return False  # another rank passed False: it got the SIGTERM
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed, "all_agree", all_agree)
+    assert distributed.stop_agreed(distributed.StopRequest()) is True
+    assert sent == [True]  # this rank itself was not asked to stop
