@@ -3,6 +3,7 @@ built here: two ID slots in one feature group plus an ungrouped one, prefix bits
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -14,6 +15,7 @@ from typing import List  # noqa: UP035  (TorchScript reads the forward signature
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 from torch import nn
 
@@ -662,13 +664,28 @@ def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
 
     ids = CONFIG.prefix_ids("user", np.arange(5, dtype=np.uint64))
     weights = np.arange(20, dtype=np.float32).reshape(5, 4)
-    for name, nan_row in (("a", None), ("b", 3)):
-        rows = weights.copy()
-        if nan_row is not None:
-            rows[nan_row, 1] = np.nan
-        shard = EmbeddingShard(100)
-        shard.replace_rows([RowBlock(ids, rows, None)])
-        checkpoint_dump.dump_embeddings([shard], tmp_path / name, CONFIG)
+    shard = EmbeddingShard(100)
+    shard.replace_rows([RowBlock(ids, weights, None)])
+    checkpoint_dump.dump_embeddings([shard], tmp_path / "a", CONFIG)
+    # Dumps refuse NaN rows: "b" is written as a damaged file (or an older writer) holds it.
+    rows = weights.copy()
+    rows[3, 1] = np.nan
+    (tmp_path / "b" / "shard_00000").mkdir(parents=True)
+    payload = safetensors.numpy.save(
+        checkpoint_dump.row_tensors(ids, rows, np.zeros((5, 0), np.float32), None),
+        metadata={"format": checkpoint_manifest.FORMAT_NAME, "shard": "0", "dim": "4"},
+    )
+    (tmp_path / "b" / "shard_00000" / "dim_4.safetensors").write_bytes(payload)
+    entry = checkpoint_manifest.FileEntry(
+        shard=0,
+        dim=4,
+        path="shard_00000/dim_4.safetensors",
+        rows=5,
+        state_width=0,
+        bytes=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    checkpoint_dump.finalize_checkpoint(tmp_path / "b", CONFIG, 1, [entry], None)
     result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))
