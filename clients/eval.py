@@ -7,8 +7,10 @@ Pipeline, one chunk of ``--batch-size`` rows at a time (files never sit in memor
 2. the label is parsed and the row encoded into a :class:`~embedding_store.batch.Batch` by the
    feature mapping (:class:`~clients.eval_mapping.FeatureMapping`: a preprocessor function, or a
    generic column -> feature description; encoded by :mod:`clients.eval_encoders`); a row that
-   fails either is a *bad row* (``file:line: reason``), skipped (``--bad-rows skip``) or fatal
-   (``--bad-rows fail``, the default);
+   fails either is a *bad row* (``file:line: reason``, the reason naming the column or
+   feature), skipped (``--bad-rows skip``) or fatal (``--bad-rows fail``, the default). Every
+   error about bad rows has one layout (:func:`bad_rows_message`): the file, what to do,
+   then the rows; a first chunk of which no row encodes is fatal either way;
 3. the batch is scored in-process (:class:`~clients.eval_scorers.InProcessScorer`) and/or by a
    server (:class:`~clients.eval_scorers.ServerScorer`, KServe v2 REST with binary tensors, or
    the friendly JSON route); with ``--compare``, :mod:`clients.eval_parity` checks that both
@@ -239,14 +241,21 @@ def _evaluate(
                 failed = {index for index, _ in encode_bad}
                 keep = [i for i in range(len(good)) if i not in failed]
                 if not keep and len(good) > 1 and rows == 0:
+                    # Every row of the first chunk is bad: the mapping (or the layout) does
+                    # not fit the data, and skipping would skip every row.
                     fit = (
-                        "does the mapping fit the data?"
+                        f"check that the mapping {os.fspath(o.mapping)} fits the data"
                         if o.mapping is not None
-                        else "do the columns follow the default layout? see recserve eval --help"
+                        else "check that the columns follow the default layout (recserve "
+                        "eval --help; recserve checkpoint inspect lists the model's features)"
                     )
                     raise InvalidArgumentError(
-                        f"none of the first {len(good)} rows could be encoded ({fit}), "
-                        f"e.g. {min(bad)[1]}"
+                        bad_rows_message(
+                            chunk.source,
+                            f"none of its first {len(bad)} rows could be read and encoded, so "
+                            f"--bad-rows skip would skip them all; {fit}",
+                            [text for _, text in sorted(bad)],
+                        )
                     )
                 good = [good[i] for i in keep]
                 positions = [positions[i] for i in keep]
@@ -255,11 +264,12 @@ def _evaluate(
             if bad:
                 texts = [text for _, text in sorted(bad)]
                 if o.bad_rows == "fail":
-                    shown = "\n  ".join(texts[:SHOWN_BAD_ROWS])
-                    more = len(texts) - SHOWN_BAD_ROWS
-                    tail = f"\n  ... and {more} more" if more > 0 else ""
                     raise InvalidArgumentError(
-                        f"bad rows (pass --bad-rows skip to skip them):\n  {shown}{tail}"
+                        bad_rows_message(
+                            chunk.source,
+                            "fix them, or pass --bad-rows skip to score the other rows",
+                            texts,
+                        )
                     )
                 for text in texts:
                     if len(bad_rows) < SHOWN_BAD_ROWS:
@@ -287,8 +297,13 @@ def _evaluate(
             progress.update(rows, len(bad_rows))
         progress.update(rows, len(bad_rows), final=True)
         if rows == 0:
+            files = ", ".join(map(str, o.data))
             raise InvalidArgumentError(
-                f"no rows scored ({len(bad_rows)} bad rows) in {', '.join(map(str, o.data))}"
+                f"no rows scored in {files}: all {len(bad_rows)} rows are bad rows (the "
+                f"first: {bad_rows[0]}); fix them: the skipped rows above say what is wrong "
+                "with each"
+                if bad_rows
+                else f"no rows scored in {files}: no data rows (a header alone?)"
             )
         seconds = time.perf_counter() - started
         all_labels = np.concatenate(labels) if label is not None else None
@@ -367,6 +382,17 @@ def _evaluate(
     if o.report is not None:
         print(f"report: {o.report}", file=out)
     return EvalResult(rows, len(bad_rows), report, exit_code, bad_rows)
+
+
+def bad_rows_message(source: str, problem: str, texts: list[str]) -> str:
+    """The one layout of ``recserve eval``'s errors for bad rows: ``bad rows in FILE:
+    PROBLEM (what to do):``, then up to :data:`SHOWN_BAD_ROWS` of ``texts`` (each
+    ``FILE:LINE: reason``, naming the column or feature at fault; in line order), one per
+    line, and how many more."""
+    shown = "\n  ".join(texts[:SHOWN_BAD_ROWS])
+    more = len(texts) - SHOWN_BAD_ROWS
+    tail = f"\n  ... and {more} more" if more > 0 else ""
+    return f"bad rows in {source}: {problem}:\n  {shown}{tail}"
 
 
 def _prepare(

@@ -79,7 +79,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--bad-rows",
         choices=["skip", "fail"],
         default="fail",
-        help="rows that cannot be read or encoded: report and skip, or fail (default)",
+        help="rows that cannot be read or encoded, each reported as FILE:LINE: reason "
+        "(naming the column or feature): report and skip, or fail (default); a first chunk "
+        "of which no row encodes fails either way (the mapping does not fit the data)",
     )
     parser.add_argument("--model", default="model", help="the server's model name (model)")
     parser.add_argument(

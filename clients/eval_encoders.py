@@ -62,6 +62,24 @@ def import_function(spec: str, source: str) -> Callable[[list[dict[str, Any]]], 
     return function
 
 
+class _PreprocessorFailedError(ValueError):
+    """The preprocessor function raised ``error`` (its reason: :func:`_preprocessor_reason`)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(_preprocessor_reason(error))
+
+
+def _preprocessor_reason(error: BaseException) -> str:
+    """A bad row's reason for an error the preprocessor raised: said to be its, with the
+    error's type, so that it is not read as recserve's own complaint. A KeyError is most
+    often a row without the column the function reads: named so."""
+    kind = type(error).__name__
+    if isinstance(error, KeyError) and error.args:
+        return f"missing column {error.args[0]!r} (the preprocessor raised {kind})"
+    text = _reason(error)
+    return f"the preprocessor raised {kind}" + ("" if text == kind else f": {text}")
+
+
 class PreprocessorEncoder:
     """Rows -> Batch with a preprocessor function. A chunk that fails is re-encoded row by row
     to find its bad rows (and their reasons); then the good rows are encoded together."""
@@ -70,7 +88,10 @@ class PreprocessorEncoder:
         self._function = function
 
     def _call(self, rows: list[dict[str, Any]]) -> Batch:
-        batch = self._function(rows)
+        try:
+            batch = self._function(rows)
+        except _ENCODE_ERRORS as error:
+            raise _PreprocessorFailedError(error) from error
         if not isinstance(batch, Batch):
             raise InvalidArgumentError(
                 f"the preprocessor returned {type(batch).__name__}, not a Batch"
@@ -171,6 +192,14 @@ class GenericEncoder:
             self.shapes = {n: (len(m.columns),) for n, m in mapping.non_id_features.items()}
             self.non_id_order = list(mapping.non_id_features)
 
+    def _id_cell(self, name: str, row: Mapping[str, Any]) -> Any:
+        """The value of ID feature ``name``'s column in ``row``; ValueError naming the
+        column and the feature when the row has no such column."""
+        column = self.mapping.id_features[name].column
+        if column not in row:
+            raise ValueError(f"missing column {column!r} (ID feature {name!r} is read from it)")
+        return row[column]
+
     def _ids(self, name: str, value: Any) -> list[int]:
         spec = self.mapping.id_features[name]
         if value is None:
@@ -225,9 +254,7 @@ class GenericEncoder:
         dense: dict[str, list[list[float]]] = {name: [] for name in self.non_id_order}
         for index, row in enumerate(rows):
             try:
-                row_ids = {
-                    n: self._ids(n, row[self.mapping.id_features[n].column]) for n in self.id_order
-                }
+                row_ids = {n: self._ids(n, self._id_cell(n, row)) for n in self.id_order}
                 row_dense = {n: self._floats(n, row) for n in self.non_id_order}
             except (ValueError, KeyError) as error:
                 bad.append((index, _reason(error)))

@@ -4,6 +4,11 @@ A shard writes its rows into a part directory (:func:`write_shard_part`: one saf
 file per dim), then the manifest and the done-marker are written last
 (:func:`finalize_checkpoint`). :func:`dump_embeddings` does both for in-process shards in a
 staging directory and publishes it as a unit (:mod:`embedding_store.checkpoint_publish`).
+
+Rows no load would take (NaN or Inf weights, NaN optimizer state: what
+:mod:`embedding_store.checkpoint_load` refuses) are refused here, before their file is
+written, by each shard for its own rows: a part that fails leaves nothing, so its dump is
+never finalized and never replaces the checkpoint already at its target.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from embedding_store import nonfinite
 from embedding_store.checkpoint_manifest import (
     DONE_MARKER,
     FORMAT_NAME,
@@ -38,7 +44,7 @@ from embedding_store.checkpoint_publish import (
     write_atomic,
 )
 from embedding_store.config import EmbeddingConfig, embedding_config_to_mapping
-from embedding_store.errors import AlreadyExistsError
+from embedding_store.errors import AlreadyExistsError, CheckpointError
 from embedding_store.shard import EmbeddingShard
 
 
@@ -78,6 +84,12 @@ def write_shard_part(
     ``progress(rows_written, rows_total)`` is called after each file (one per dim). The rows
     are copied at one instant (:meth:`EmbeddingShard.export_all`): training may go on
     meanwhile, and the part holds the shard as it was then.
+
+    CheckpointError naming the shard, the dim, the first bad value and its row's ID when
+    the rows hold NaN or Inf weights or NaN optimizer state (:data:`CHECKED_ROW_TENSORS`),
+    which every load refuses: checked while each file is hashed
+    (:func:`digest_and_check_rows`), before it is written; the part directory is then
+    removed with what it held, and the caller publishes nothing.
     """
     root = Path(directory)
     part = root / shard_part_name(shard_index)
@@ -95,29 +107,97 @@ def write_shard_part(
     entries = []
     blocks = shard.export_all()  # one instant, so never more rows than the capacity
     rows_total, rows_written = sum(len(block.ids) for block in blocks.values()), 0
-    for dim, block in blocks.items():
-        assert block.state is not None  # export_all copies every row's state (width 0 or more)
-        payload = safetensors.numpy.save(
-            row_tensors(block.ids, block.weights, block.state, block.recency),
-            metadata={"format": FORMAT_NAME, "shard": str(shard_index), "dim": str(dim)},
-        )
-        relative = f"{part.name}/dim_{dim}.safetensors"
-        write_atomic(root / relative, payload)
-        entries.append(
-            FileEntry(
-                shard=shard_index,
-                dim=dim,
-                path=relative,
-                rows=len(block.ids),
-                state_width=int(block.state.shape[1]),
-                bytes=len(payload),
-                sha256=hashlib.sha256(payload).hexdigest(),
+    try:
+        for dim, block in blocks.items():
+            assert block.state is not None  # export_all copies every row's state (width >= 0)
+            tensors = row_tensors(block.ids, block.weights, block.state, block.recency)
+            payload = safetensors.numpy.save(
+                tensors,
+                metadata={"format": FORMAT_NAME, "shard": str(shard_index), "dim": str(dim)},
             )
-        )
-        rows_written += len(block.ids)
-        if progress is not None:
-            progress(rows_written, rows_total)
+            digest, bad = digest_and_check_rows(payload)
+            if bad is not None:
+                raise _unloadable_rows_error(shard_index, dim, bad, tensors)
+            relative = f"{part.name}/dim_{dim}.safetensors"
+            write_atomic(root / relative, payload)
+            entries.append(
+                FileEntry(
+                    shard=shard_index,
+                    dim=dim,
+                    path=relative,
+                    rows=len(block.ids),
+                    state_width=int(block.state.shape[1]),
+                    bytes=len(payload),
+                    sha256=digest,
+                )
+            )
+            rows_written += len(block.ids)
+            if progress is not None:
+                progress(rows_written, rows_total)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)  # no part that looks written but is not
+        raise
     return entries
+
+
+#: The tensors of an embedding file that a load checks, and whether only NaN is refused
+#: (optimizer state: an Adagrad accumulator may be +Inf, which its kernel stores) or NaN and
+#: +-Inf (weights), as :func:`embedding_store.checkpoint_load._read_verified` does.
+CHECKED_ROW_TENSORS = {"weights": False, "state": True}
+
+
+def digest_and_check_rows(payload: bytes) -> tuple[str, str | None]:
+    """The SHA-256 (hex) of ``payload`` (a safetensors file of :func:`row_tensors`) and the
+    name of the first of its :data:`CHECKED_ROW_TENSORS` (in that order) that holds a value a
+    load refuses, or None.
+
+    One pass: the bytes are hashed in chunks of :data:`nonfinite.CHUNK` float32 values, and
+    each chunk of a checked tensor is checked (:func:`nonfinite.first_bad_index`) as it is
+    hashed, while it is in cache. The table has been read by the copy and the serialization
+    already; a pass of its own over it would read it from memory once more."""
+    header_size = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + header_size])
+    base = 8 + header_size  # data_offsets count from the end of the header
+    regions = []
+    for name, nan_only in CHECKED_ROW_TENSORS.items():
+        if name in header:
+            start, end = header[name]["data_offsets"]
+            assert header[name]["dtype"] == "F32"  # row_tensors writes float32 only
+            regions.append((base + start, base + end, name, nan_only))
+    step = nonfinite.CHUNK * 4  # bytes; a multiple of 4, so chunks split no float32
+    digest = hashlib.sha256()
+    view = memoryview(payload)
+    bad: set[str] = set()
+    for start in range(0, len(payload), step):
+        end = min(start + step, len(payload))
+        digest.update(view[start:end])
+        for first, last, name, nan_only in regions:
+            # Offsets of float32 data and chunk bounds are multiples of 4: whole values.
+            low, high = max(first, start), min(last, end)
+            if low < high and name not in bad:
+                values = np.frombuffer(payload, np.float32, (high - low) // 4, low)
+                if nonfinite.first_bad_index(values, nan_only=nan_only) is not None:
+                    bad.add(name)
+    # The weights first when both are bad, as a load names them.
+    return digest.hexdigest(), next((n for n in CHECKED_ROW_TENSORS if n in bad), None)
+
+
+def _unloadable_rows_error(
+    shard_index: int, dim: int, name: str, tensors: dict[str, np.ndarray]
+) -> CheckpointError:
+    """The error for rows of shard ``shard_index`` (``tensors``: the file of ``dim``) whose
+    tensor ``name`` holds values a load refuses. The error path only: it searches the
+    tensor again for the first bad value and its row."""
+    values, nan_only = tensors[name], CHECKED_ROW_TENSORS[name]
+    first = nonfinite.first_bad_index(values, nan_only=nan_only)
+    assert first is not None  # digest_and_check_rows found one
+    row = first // max(values.shape[1], 1)
+    what = "weights" if name == "weights" else "optimizer state"
+    return CheckpointError(
+        f"embedding shard {shard_index} cannot be dumped: the {what} of its rows of dim {dim} "
+        f"hold {nonfinite.describe(values.reshape(-1), first, values.shape, nan_only=nan_only)} "
+        f"(the row of ID {int(tensors['ids'][row])}). {nonfinite.NOT_WRITTEN}"
+    )
 
 
 def finalize_checkpoint(

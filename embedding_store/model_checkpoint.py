@@ -39,7 +39,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import torch
 
 from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish, nonfinite
-from embedding_store.errors import CheckpointError, InvalidArgumentError
+from embedding_store.errors import CheckpointError, InvalidArgumentError, RecserveError
 from embedding_store.signature import FeatureSignature
 from embedding_store.tier import EmbeddingTier
 
@@ -133,17 +133,30 @@ def write_checkpoint(
 
     ``grad_scaler``: an enabled mixed-precision loss scaler's state goes to ``scaler.pt``, so
     a resumed run keeps its loss scale instead of starting again from 65536.
-    ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`)."""
+    ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`).
+
+    Values that a load refuses are refused here, naming the tensor and its first bad value:
+    in the dense files before anything is written (:func:`check_dense_writable`), in the
+    embedding rows by each shard as it writes them
+    (:func:`embedding_store.checkpoint_dump.write_shard_part`). The staging directory is
+    then removed and a checkpoint already at ``directory`` is left as it was."""
     train_state = check_train_state(train_state, "train_state")
     target = Path(directory).absolute()
     checkpoint_publish.check_target(target, overwrite=overwrite)
     # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
-    payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in model.state_dict().items()})}
-    if dense_optimizer is not None:
-        payloads[OPTIMIZER_FILE] = _save_bytes(dense_optimizer.state_dict())
-    if grad_scaler is not None and grad_scaler.is_enabled():
-        payloads[SCALER_FILE] = _save_bytes(grad_scaler.state_dict())
+    state = model.state_dict()
+    optimizer_state = dense_optimizer.state_dict() if dense_optimizer is not None else None
+    scaler_state = (
+        grad_scaler.state_dict() if grad_scaler is not None and grad_scaler.is_enabled() else None
+    )
+    # Before anything is written (and before the embedding dump, which takes longest).
+    check_dense_writable(target, model, state, optimizer_state, scaler_state)
+    payloads = {DENSE_FILE: _save_bytes({k: v.cpu() for k, v in state.items()})}
+    if optimizer_state is not None:
+        payloads[OPTIMIZER_FILE] = _save_bytes(optimizer_state)
+    if scaler_state is not None:
+        payloads[SCALER_FILE] = _save_bytes(scaler_state)
     if with_jit_model:
         buffer = io.BytesIO()
         # Each module's own mode is put back, not the root's with train(mode): that would
@@ -157,7 +170,10 @@ def write_checkpoint(
         payloads[JIT_FILE] = buffer.getvalue()
     staging = checkpoint_publish.staging_directory_for(target)
     try:
-        embedding_manifest = tier.dump(staging / EMBEDDINGS_DIR)
+        try:
+            embedding_manifest = tier.dump(staging / EMBEDDINGS_DIR)
+        except RecserveError as error:  # it names the staging directory, not the target
+            raise type(error)(f"checkpoint {target} not written: {error.message}") from None
         for name, payload in payloads.items():
             checkpoint_publish.write_atomic(staging / name, payload)
         manifest = {
@@ -378,13 +394,67 @@ def _nonfinite_error(
     where: Path, name: str, tensor: torch.Tensor, first: int, nan_only: bool
 ) -> CheckpointError:
     """The error for tensor ``name`` of ``where``, whose flat value ``first`` is bad."""
-    stored = nonfinite.stored_values(tensor)  # a sparse tensor: its stored values
-    values = stored.reshape(-1).to(torch.float64).numpy()
     return CheckpointError(
-        f"{where} is corrupt: tensor {name!r} holds "
+        f"{where} is corrupt: {_bad_tensor(f'tensor {name!r}', tensor, first, nan_only)}"
+    )
+
+
+def _bad_tensor(label: str, tensor: torch.Tensor, first: int, nan_only: bool) -> str:
+    """``tensor 'fc.weight' holds 1 NaN value(s), the first at [0, 2]: nan`` for ``label``
+    ``tensor 'fc.weight'``: what is bad in ``tensor`` (any device), whose flat value
+    ``first`` is. The error path only."""
+    stored = nonfinite.stored_values(tensor)  # a sparse tensor: its stored values
+    values = stored.reshape(-1).to(torch.float64).cpu().numpy()
+    return (
+        f"{label} holds "
         f"{nonfinite.describe(values, first, tuple(stored.shape), nan_only=nan_only)}"
         + ("" if tensor.layout == torch.strided else " (among its stored values)")
     )
+
+
+def check_dense_writable(
+    target: Path,
+    model: torch.nn.Module,
+    state: dict[str, Any],
+    optimizer_state: Any,
+    scaler_state: Any,
+) -> None:
+    """CheckpointError naming ``target``, the tensor and its first bad value unless a load
+    would take these dense values: every parameter of ``model`` finite, and no NaN in its
+    buffers (+-Inf is kept: a mask), in any other tensor of ``state`` (its state_dict:
+    ``dense.pt``), of ``optimizer_state`` (``opt.pt``) or of ``scaler_state``
+    (``scaler.pt``; both None when not written). That is what :func:`load_state`,
+    :func:`load_checkpoint` and :func:`load_jit_model` refuse: a checkpoint of them would
+    replace the one at ``target`` (with overwrite) by one that serving and resuming refuse.
+    Each tensor is read once, in chunks."""
+    # Every name of a shared (tied) tensor, as the state dict has them; non-persistent
+    # buffers too: the TorchScript model has them.
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    checks = itertools.chain(
+        ((f"the dense model's parameter {n!r}", t, False) for n, t in parameters.items()),
+        ((f"the dense model's buffer {n!r}", t, True) for n, t in buffers.items()),
+        (  # what else the state dict holds (extra state); the rest was checked just above
+            (f"tensor {n!r} of the dense model's state dict", t, True)
+            for n, t in _tensors(state)
+            if n not in parameters and n not in buffers
+        ),
+        (
+            (f"tensor {n!r} of the dense optimizer's state ({OPTIMIZER_FILE})", t, True)
+            for n, t in _tensors(optimizer_state)
+        ),
+        (
+            (f"tensor {n!r} of the loss scaler's state ({SCALER_FILE})", t, True)
+            for n, t in _tensors(scaler_state)
+        ),
+    )
+    for label, tensor, nan_only in checks:
+        first = nonfinite.first_bad_index_torch(tensor, nan_only=nan_only)
+        if first is not None:
+            raise CheckpointError(
+                f"checkpoint {target} not written: "
+                f"{_bad_tensor(label, tensor, first, nan_only)}. {nonfinite.NOT_WRITTEN}"
+            )
 
 
 def check_no_nan(state: Any, where: Path) -> None:

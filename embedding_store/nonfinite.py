@@ -14,12 +14,22 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "NOT_WRITTEN",
     "describe",
     "first_bad_index",
     "first_bad_index_torch",
     "position",
     "stored_values",
 ]
+
+#: The end of a writer's error for values a load refuses: why nothing is written, and what
+#: to do. Writers check what loads check, so no checkpoint is published that cannot be
+#: loaded (it could replace the last good one at its path).
+NOT_WRITTEN = (
+    "Serving, resuming and `recserve checkpoint verify` refuse such a checkpoint, so none "
+    "was written (one already at the path is kept): training diverged (a learning rate too "
+    "high, unscaled inputs?); resume from an earlier checkpoint"
+)
 
 #: Values checked per step: 1 MiB of float32, and a 256 KiB bool temporary (stays in cache).
 CHUNK = 1 << 18

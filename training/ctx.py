@@ -728,7 +728,11 @@ class TrainCtx(EmbeddingCtx):
 
         ``train_state``: where the training loop is, for its own resume (e.g. ``{"epochs_done":
         3, "seed": 0}``): JSON numbers, strings, booleans or None by name, kept in the manifest
-        and returned by :meth:`load_checkpoint`. The step count is kept without it."""
+        and returned by :meth:`load_checkpoint`. The step count is kept without it.
+
+        CheckpointError naming the tensor and its first bad value, with nothing written (a
+        checkpoint already at ``directory`` stays, ``overwrite`` or not), when a dense weight
+        or an embedding row went NaN or Inf: serving and resuming would refuse it."""
         from training.checkpoint import dump_checkpoint
 
         if self.signature is None:

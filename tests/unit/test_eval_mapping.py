@@ -649,8 +649,8 @@ def _one_id_batch(rows: list[dict]) -> Batch:
 
 def test_preprocessor_results_are_checked_and_failures_become_reasons():
     """A preprocessor that returns no Batch, or another number of samples, fails every row
-    with that reason; a KeyError reads "missing column", an empty message the error's type,
-    and a leading "row N:" is dropped. When no row is good, no batch is built."""
+    with that reason; an error it raised is said to be its (a KeyError reads "missing
+    column"), and a leading "row N:" is dropped. When no row is good, no batch is built."""
 
     def not_a_batch(rows):
         return [1] * len(rows)
@@ -683,4 +683,8 @@ def test_preprocessor_results_are_checked_and_failures_become_reasons():
         [{"n": "k"}, {"n": "5"}, {"n": "v"}, {"n": "r"}]
     )
     assert batch.id_type_features[0].values.tolist() == [5]
-    assert bad == [(0, "missing column 'age'"), (2, "ValueError"), (3, "bad age")]
+    assert bad == [
+        (0, "missing column 'age' (the preprocessor raised KeyError)"),
+        (2, "the preprocessor raised ValueError"),
+        (3, "the preprocessor raised ValueError: bad age"),
+    ]

@@ -3,6 +3,7 @@ built here: two ID slots in one feature group plus an ungrouped one, prefix bits
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -14,6 +15,7 @@ from typing import List  # noqa: UP035  (TorchScript reads the forward signature
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 from torch import nn
 
@@ -173,8 +175,11 @@ def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     base = {"data": (data,), "checkpoint": checkpoint, "progress": False}
     with pytest.raises(InvalidArgumentError) as caught:
         run_eval(EvalOptions(**base, out=tmp_path / "fail.csv"))
-    assert f"{data}:3: column 'user': 'x' is not an integer ID" in caught.value.message
-    assert f"{data}:4: column 'dense_1': 'oops' is not a number" in caught.value.message
+    assert caught.value.message == (
+        f"bad rows in {data}: fix them, or pass --bad-rows skip to score the other rows:\n"
+        f"  {data}:3: column 'user': 'x' is not an integer ID\n"
+        f"  {data}:4: column 'dense_1': 'oops' is not a number"
+    )
     assert not (tmp_path / "fail.csv").exists()
     result = run_eval(EvalOptions(**base, out=tmp_path / "skip.csv", bad_rows="skip"))
     assert (result.rows, result.skipped) == (2, 2)
@@ -234,11 +239,20 @@ def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):
     base = {"data": (data,), "checkpoint": checkpoint, "progress": False}
     with pytest.raises(InvalidArgumentError) as caught:
         run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
+    # The same layout as every bad-row error (bad_rows_message): the file, then each row's
+    # file:line and column, and what to do.
     assert caught.value.message == (
-        "none of the first 2 rows could be encoded (do the columns follow the default layout? "
-        f"see recserve eval --help), e.g. {data}:2: column 'tags': '[100, 101]' is not a list "
-        "of integer IDs: expected IDs separated by spaces, e.g. '71 282 62'"
+        f"bad rows in {data}: none of its first 2 rows could be read and encoded, so "
+        "--bad-rows skip would skip them all; check that the columns follow the default "
+        "layout (recserve eval --help; recserve checkpoint inspect lists the model's "
+        f"features):\n  {data}:2: column 'tags': '[100, 101]' is not a list of integer IDs: "
+        "expected IDs separated by spaces, e.g. '71 282 62'\n"
+        f"  {data}:3: column 'tags': '[102]' is not a list of integer IDs: expected IDs "
+        "separated by spaces, e.g. '71 282 62'"
     )
+    with pytest.raises(InvalidArgumentError) as caught:  # skipping them would score nothing
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv", bad_rows="skip"))
+    assert caught.value.message.startswith(f"bad rows in {data}: none of its first 2 rows ")
     data.write_text('user,tags,dense\n1,100 101,"[0.5, 1]"\n')
     with pytest.raises(InvalidArgumentError) as caught:
         run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
@@ -249,6 +263,34 @@ def test_default_layout_errors_name_the_expected_columns(checkpoint, tmp_path):
     ) in caught.value.message
     data.write_text("user,tags,dense_0,dense_1\n1,100 101,0.5,1\n2,,0.5,1\n")
     assert run_eval(EvalOptions(**base, out=tmp_path / "p.csv")).rows == 2
+
+
+def test_no_rows_scored_names_the_first_bad_row_or_the_empty_file(checkpoint, tmp_path):
+    """Skipping every row (here: every label unreadable, which no mapping fixes) ends in an
+    error naming the first bad row, as the other bad-row errors do; a file of a header alone
+    is named as such. An ID feature's missing column names the feature, as a non-ID one's."""
+    data = tmp_path / "rows.csv"
+    data.write_text("user,tags,dense_0,dense_1,clicked\n1,,0.5,1,yes\n2,,0.5,1,no\n")
+    base = {"data": (data,), "checkpoint": checkpoint, "progress": False, "label": "clicked"}
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv", bad_rows="skip"))
+    assert caught.value.message == (
+        f"no rows scored in {data}: all 2 rows are bad rows (the first: {data}:2: label "
+        "column 'clicked': 'yes' is not a number); fix them: the skipped rows above say what "
+        "is wrong with each"
+    )
+    data.write_text("user,tags,dense_0,dense_1,clicked\n")
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
+    assert caught.value.message == f"no rows scored in {data}: no data rows (a header alone?)"
+    data.write_text("id,tags,dense_0,dense_1,clicked\n1,,0.5,1,1\n")
+    with pytest.raises(InvalidArgumentError) as caught:
+        run_eval(EvalOptions(**base, out=tmp_path / "p.csv"))
+    assert caught.value.message == (
+        f"bad rows in {data}: fix them, or pass --bad-rows skip to score the other rows:\n"
+        f"  {data}:2: missing column 'user' (ID feature 'user' is read from it)"
+    )
+    assert not (tmp_path / "p.csv").exists()
 
 
 # --------------------------------------------------------------------------- checkpoint tools
@@ -662,13 +704,28 @@ def test_diff_counts_a_row_that_became_nan_as_changed(tmp_path):
 
     ids = CONFIG.prefix_ids("user", np.arange(5, dtype=np.uint64))
     weights = np.arange(20, dtype=np.float32).reshape(5, 4)
-    for name, nan_row in (("a", None), ("b", 3)):
-        rows = weights.copy()
-        if nan_row is not None:
-            rows[nan_row, 1] = np.nan
-        shard = EmbeddingShard(100)
-        shard.replace_rows([RowBlock(ids, rows, None)])
-        checkpoint_dump.dump_embeddings([shard], tmp_path / name, CONFIG)
+    shard = EmbeddingShard(100)
+    shard.replace_rows([RowBlock(ids, weights, None)])
+    checkpoint_dump.dump_embeddings([shard], tmp_path / "a", CONFIG)
+    # Dumps refuse NaN rows: "b" is written as a damaged file (or an older writer) holds it.
+    rows = weights.copy()
+    rows[3, 1] = np.nan
+    (tmp_path / "b" / "shard_00000").mkdir(parents=True)
+    payload = safetensors.numpy.save(
+        checkpoint_dump.row_tensors(ids, rows, np.zeros((5, 0), np.float32), None),
+        metadata={"format": checkpoint_manifest.FORMAT_NAME, "shard": "0", "dim": "4"},
+    )
+    (tmp_path / "b" / "shard_00000" / "dim_4.safetensors").write_bytes(payload)
+    entry = checkpoint_manifest.FileEntry(
+        shard=0,
+        dim=4,
+        path="shard_00000/dim_4.safetensors",
+        rows=5,
+        state_width=0,
+        bytes=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    checkpoint_dump.finalize_checkpoint(tmp_path / "b", CONFIG, 1, [entry], None)
     result = checkpoint_diff.diff(tmp_path / "a", tmp_path / "b", tolerance=1e30)
     (user,) = [s for s in result["embeddings"]["id_spaces"] if s["id_space"] == "user"]
     assert (user["common"], user["changed"], user["max_abs_diff"]) == (5, 1, float("inf"))

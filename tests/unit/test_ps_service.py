@@ -577,6 +577,23 @@ def test_a_shard_dumps_only_into_a_new_directory(tmp_path):
     )
 
 
+def test_a_shard_refuses_to_dump_rows_no_load_would_take(tmp_path):
+    """The check runs in the shard, on its own rows (a Dump RPC of a distributed dump, or
+    the dump on exit): FAILED_PRECONDITION naming the first bad row, and no part left."""
+    s = servicer(optimizer=SGD(lr=1e30))  # a learning rate far too high
+    ids = np.arange(3, dtype=np.uint64)
+    s.shard.lookup(ids, 4, train=True)
+    s.shard.update(ids, np.array([[0, 0, 0, 0], [0, 0, 1e10, 0], [0, 0, 0, 0]], np.float32))
+    failure = aborted(s.Dump, pb.ShardDumpRequest(directory=str(tmp_path / "staging")))
+    assert failure.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert failure.details.startswith(
+        "embedding shard 0 cannot be dumped: the weights of its rows of dim 4 hold 1 "
+        "non-finite value(s) (NaN or Inf), the first at [1, 2]: -inf (the row of ID 1). "
+    )
+    assert list((tmp_path / "staging").iterdir()) == []
+    assert task_of(s) == ("", 0.0)
+
+
 def test_a_failed_row_export_is_counted_and_timed_like_unary_calls():
     s = servicer(optimizer=SGD())
     s.Lookup(pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4, train=True),

@@ -529,6 +529,36 @@ def test_a_failed_shard_dump_publishes_nothing_and_names_the_shard(make_tier, tm
     assert (target / checkpoint_manifest.DONE_MARKER).exists()
 
 
+def test_a_shard_with_non_finite_rows_fails_the_dump_and_the_last_checkpoint_stays(
+    make_tier, tmp_path
+):
+    """In a distributed run each shard checks its own rows as it writes them: one whose rows
+    diverged fails its part, so the worker never writes the manifest and never replaces
+    the checkpoint already at the target (the one a server would reload)."""
+    tier, fakes = make_tier(num_shards=2)
+    servicer = EmbeddingWorkerServicer(tier)
+    tier.lookup(user_batch(list(range(20))), train=True)
+    target = tmp_path / "ckpt"
+    tier.dump(target)
+    published = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    shard = fakes[1].shard
+    ids = shard.export_all()[DIM].ids[:1]  # its first row, in row order
+    shard.configure(optimizer=SGD(lr=1e30))  # a learning rate far too high: -inf
+    shard.update(ids, np.full((1, DIM), 1e10, np.float32))
+    with pytest.raises(AbortedRpcError) as raised:
+        request = pb.WorkerDumpRequest(directory=str(target), overwrite=True)
+        list(servicer.Dump(request, FakeContext()))
+    code, details = raised.value.args
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details.startswith(
+        f"checkpoint {target} not written (no manifest, no done-marker): embedding shard 1 "
+        "cannot be dumped: the weights of its rows of dim 4 hold 4 non-finite value(s) (NaN "
+        f"or Inf), the first at [0, 0]: -inf (the row of ID {int(ids[0])}). "
+    )
+    assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == published
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # shard 0's part went too
+
+
 def test_a_lookups_shard_calls_end_before_the_callers_deadline(make_tier):
     """A server's lookup deadline (--lookup-timeout 5 s) is shorter than the worker's shard
     deadline (10 s): a hung shard left the server only "the worker did not answer". The
