@@ -1,0 +1,44 @@
+"""A parameter server compiles its kernels before it reports SERVING: a fresh process's first
+lookup and update must not pay numba's compilation (seconds on a busy machine, close to a
+caller's timeout). Checked in a fresh interpreter, where nothing compiled them yet."""
+
+from __future__ import annotations
+
+from tests.unit.python_script import run_python
+
+SCRIPT = """
+from embedding_store import hashmap, initializer, optimizers
+from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from embedding_store.optimizers import Adagrad
+from embedding_store.ps_client import RemoteParameterServer
+from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
+
+LOOKUP = [
+    hashmap.lookup_stamp_kernel,
+    hashmap.get_or_insert_kernel,
+    initializer._init_kernel,
+    hashmap.gather_rows_kernel,
+    hashmap.lookup_kernel,
+]
+process = ParameterServerProcess(
+    EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}),
+    GlobalConfig(),
+    ParameterServerOptions(host="127.0.0.1", port=0),
+)
+process.start()
+try:
+    print("started", [len(k.signatures) for k in LOOKUP], len(optimizers.adagrad_kernel.signatures))
+    with RemoteParameterServer(process.address, timeout=20) as client:
+        client.configure(Adagrad(lr=0.1))
+        print("configured", client.health(), len(optimizers.adagrad_kernel.signatures))
+finally:
+    process.stop(0)
+"""
+
+
+def test_a_parameter_server_compiles_its_kernels_before_it_serves():
+    lines = run_python(SCRIPT).stdout.splitlines()
+    # Started: the lookup kernels are compiled (one signature each), no optimizer's yet.
+    assert lines[0] == "started [1, 1, 1, 1, 1] 0"
+    # Configure returns with the shard SERVING and its optimizer's update kernel compiled.
+    assert lines[1] == "configured SERVING 1"
