@@ -125,6 +125,7 @@ def test_reload_swaps_versions_closes_the_old_and_moves_the_series(
     assert _requests(service, old.version, "ok") is None
     for protocol in ("http", "grpc"):
         assert _requests(service, new.version, "DeadlineExceededError", protocol) == 0.0
+        assert _requests(service, new.version, "ModelInputError", protocol) == 0.0
     assert _reloads(service, "ok") == 1.0 and service.last_reload_error is None
     info = service.metrics.registry.get_sample_value(
         "recserve_model_info", {"model": NAME, "version": new.version}
