@@ -38,6 +38,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_servicer,
+    answered_in_http1,
     bind_tier_port,
     format_address,
     rpc_errors,
@@ -446,7 +447,15 @@ def _serve(
                 server.stop(0)
                 tier.close()
                 return 1
-            requested.wait(0.2)
+            # A shard address that is an HTTP port fails now: waiting would not change it.
+            if not answered_in_http1(error.message):
+                requested.wait(0.2)
+                continue
+            log.error("%s", error.message)
+            print(f"embedding worker: error: {error.message}", file=sys.stderr, flush=True)
+            server.stop(0)
+            tier.close()
+            return 1
         except RecserveError as error:
             log.error("%s", error.message)
             print(f"embedding worker: error: {error.message}", file=sys.stderr, flush=True)
