@@ -54,6 +54,7 @@ from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.rpc_metrics import observed, observed_stream
 from embedding_store.stop_signal import StopRequest
 from embedding_store.tier import DownReasons, ProgressCallback
+from embedding_store.worker import warm_up_kernels
 from embedding_store.worker_metrics import EmbeddingWorkerMetrics, start_metrics_server
 from embedding_store.worker_wire import check_answer_fits, pack_slots, unpack_grads
 
@@ -320,6 +321,9 @@ def serve_embedding_worker(
                     flush=True,
                 )
             server.start()
+            # Before SERVING (health says NOT_SERVING meanwhile, liveness SERVING): a fresh
+            # worker's first lookup and backward must not compile kernels.
+            warm_up_kernels(embedding_config)
         except BaseException:
             server.stop(0)
             tier.close()

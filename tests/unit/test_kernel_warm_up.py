@@ -1,6 +1,7 @@
-"""A parameter server compiles its kernels before it reports SERVING: a fresh process's first
-lookup and update must not pay numba's compilation (seconds on a busy machine, close to a
-caller's timeout). Checked in a fresh interpreter, where nothing compiled them yet."""
+"""A parameter server and an embedding worker compile their kernels before they report
+SERVING: a fresh process's first lookup, update or backward must not pay numba's compilation
+(seconds on a busy machine, close to a caller's timeout). Checked in a fresh interpreter,
+where nothing compiled them yet."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def test_a_parameter_server_compiles_its_kernels_before_it_serves():
     assert lines[0] == "started [1, 1, 1, 1, 1] 0"
     # Configure returns with the shard SERVING and its optimizer's update kernel compiled.
     assert lines[1] == "configured SERVING 1"
+
+
+WORKER_SCRIPT = """
+from embedding_store import hashmap, worker
+from embedding_store.config import EmbeddingConfig, SlotConfig
+from embedding_store.worker_service import serve_embedding_worker
+
+# No shard answers at 127.0.0.1:1 and there is no time to wait: the worker gives up in the
+# wait for its shards, which is where it would turn SERVING.
+code = serve_embedding_worker(
+    EmbeddingConfig(slots_config={"a": SlotConfig(dim=4)}), ["127.0.0.1:1"], startup_timeout=0.0
+)
+compiled = [hashmap.get_or_insert_kernel, worker._scatter_kernel]
+print("exit", code, [len(kernel.signatures) for kernel in compiled])
+"""
+
+
+def test_an_embedding_worker_compiles_its_kernels_before_it_serves():
+    lines = run_python(WORKER_SCRIPT).stdout.splitlines()
+    # The dedup index and the gradient scatter were compiled before the shards were asked.
+    assert lines[-1] == "exit 1 [1, 1]"
