@@ -58,7 +58,7 @@ from embedding_store.ps_wire import (
     row_chunks,
 )
 from embedding_store.rpc_metrics import observed, observed_stream
-from embedding_store.shard import EmbeddingShard, warm_up_kernels
+from embedding_store.shard import EmbeddingShard
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +262,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 adopt_optimizer=adopt_optimizer,
                 progress=self._progress(progress),
             )
-            if adopt_optimizer:  # the checkpoint's optimizer, which no Configure warmed
-                warm_up_kernels(self.shard.optimizer, self.shard.initialization)
             self._loaded = True
         finally:
             self._checkpoint_task.end()
@@ -365,9 +363,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.ConfigureResponse:
         optimizer, initialization = configure_request_to_settings(request)
         self.shard.configure(optimizer=optimizer, initialization=initialization)
-        # This shard may turn SERVING below: its optimizer's update kernel (and admission, for
-        # an admit_probability < 1) compiles now, not in the first Update a trainer times.
-        warm_up_kernels(self.shard.optimizer, self.shard.initialization)
         if optimizer is not None:
             log.info("optimizer configured: %s", self._optimizer_json())
         if initialization is not None:
