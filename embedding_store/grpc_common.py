@@ -463,6 +463,27 @@ def tls_hint(details: str) -> str:
     return " (if the embedding tier uses TLS, set RECSERVE_TIER_TLS_CERT, _KEY and _CA here too)"
 
 
+#: What gRPC's transport says when the peer answered its HTTP/2 preface in HTTP/1.x (an
+#: HTTP server: a prediction server's --http-port, say); the wording of grpcio's versions.
+_HTTP1_SIGNS = ("expected settings frame", "http1.x server")
+
+
+def answered_in_http1(details: str) -> bool:
+    """Whether a failed call's ``details`` say the peer speaks HTTP/1.x, not gRPC: waiting
+    for it would not change that."""
+    lowered = details.lower()
+    return any(sign in lowered for sign in _HTTP1_SIGNS)
+
+
+def http1_message(peer: str) -> str:
+    """The error for a ``peer`` that answered in HTTP/1.x (:func:`answered_in_http1`)."""
+    return (
+        f"{peer} answered in HTTP/1.x, not gRPC: is that an HTTP port (a prediction server's "
+        "--http-port)? Parameter-server shards, embedding workers and prediction servers "
+        "each listen on ports of their own; give the gRPC one"
+    )
+
+
 # --------------------------------------------------------------------------- packed arrays
 def pack_u64(values: np.ndarray) -> bytes:
     """uint64 [n] -> little-endian bytes."""
@@ -639,6 +660,8 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> RecserveError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     if code == grpc.StatusCode.UNAVAILABLE:
+        if answered_in_http1(details):
+            return UnavailableError(f"{http1_message(peer)} ({details})")
         return UnavailableError(f"{peer} is unavailable: {details}{tls_hint(details)}")
     if code == grpc.StatusCode.CANCELLED:
         # Retryable, like UNAVAILABLE; the message says who cancelled it (grpcio's details

@@ -54,7 +54,7 @@ from embedding_store.grpc_common import (
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.ps_service import SERVICE_NAME, ParameterServerServicer
-from embedding_store.shard import EmbeddingShard
+from embedding_store.shard import TRAINING_KERNELS, EmbeddingShard, warm_up_kernels
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,13 @@ class ParameterServerProcess:
         requested = format_address(opts.host, opts.port)
         self.port = bind_tier_port(server, requested)  # UnavailableError naming it
         self._start_metrics()
+        # Before the server answers (health included): the first lookup, update or Configure
+        # must not compile the shard's kernels (seconds on a busy machine, near a caller's
+        # timeout). A training shard's optimizer is not known yet: every type's kernel.
+        if self.shard.read_only:
+            warm_up_kernels()
+        else:
+            warm_up_kernels(*TRAINING_KERNELS)
         directory, adopt_optimizer = self._checkpoint_at_start()
         if directory is not None:
             # Before the server answers anything: from its first RPC on, the shard reports

@@ -41,6 +41,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
+from embedding_store.grpc_common import answered_in_http1
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import Optimizer
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
@@ -236,6 +237,8 @@ class RemoteShardTier:
                     timeout=max(0.05, min(remaining, SERVING_POLL_TIMEOUT_SECONDS))
                 )
             except (UnavailableError, DeadlineExceededError) as error:
+                if answered_in_http1(error.message):  # an HTTP port: waiting would not help
+                    raise
                 last = error.message
             else:
                 waiting = [

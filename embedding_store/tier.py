@@ -62,6 +62,30 @@ class TierStatus:
     embedding_config: EmbeddingConfig | None = None
 
 
+class DownReasons:
+    """Why a peer checked in the background (the embedding tier, a worker's shards) is not
+    serving, for its log lines: the check logs when :meth:`down` says the reason is new (it
+    went down, or was down for another reason: a shard back from a crash as an empty,
+    unconfigured one is another problem than the crash) and when :meth:`up` says it is back.
+    Used by one checking thread; others may read :attr:`reason`."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def down(self, reason: str) -> bool:
+        """Not serving for ``reason``; True when that is news (down until now, or another
+        reason): the caller logs it."""
+        news = reason != self.reason
+        self.reason = reason
+        return news
+
+    def up(self) -> bool:
+        """Serving; True when it was not (the caller logs the return)."""
+        was_down = self.reason is not None
+        self.reason = None
+        return was_down
+
+
 @runtime_checkable
 class EmbeddingTier(Protocol):
     """Lookups, gradients and checkpoints of the embedding tier."""

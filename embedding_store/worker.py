@@ -821,3 +821,36 @@ def _bag_gradient(layout: _SlotLayout, grad: torch.Tensor | np.ndarray, dim: int
     # detach: a caller's tensor that requires grad is data here (numpy() refuses it).
     tensor = torch.as_tensor(grad, dtype=torch.float32).detach()
     return tensor.reshape(layout.num_bags, dim)
+
+
+class _ZerosShard:
+    """The stand-in shard of :func:`warm_up_kernels`: zero rows for every lookup, updates
+    taken and dropped. Not an :class:`EmbeddingShard`, so the worker takes the path it takes
+    for remote shards (deduplication, no fused pooling)."""
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        return np.zeros((ids.shape[0], dim), dtype=np.float32)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        return int(ids.shape[0])
+
+
+def warm_up_kernels(embedding_config: EmbeddingConfig) -> None:
+    """Compile (or load from numba's on-disk cache) a worker's kernels, and run torch's
+    pooling once, before the worker reports SERVING: a train lookup (the dedup index), its
+    backward (the gradient scatter) and an eval lookup of two samples of every slot of
+    ``embedding_config``, over a stand-in shard. A fresh worker's first backward otherwise
+    compiles the scatter kernel (~0.3 s with an empty cache, as a container's under /tmp
+    starts)."""
+    worker = EmbeddingWorker(embedding_config, [_ZerosShard()])
+    ids = np.arange(1, 5, dtype=np.uint64)
+    lengths = np.full(2, 2, dtype=np.int64)
+    batch = Batch(
+        [IDTypeFeature(name, ids, lengths) for name in embedding_config.slot_names],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=True)
+    if result.ref is not None:  # always, for a train lookup
+        grads = {s.name: torch.zeros(s.embeddings.shape) for s in result.slots}
+        worker.backward(result.ref, grads)
+    worker.lookup(batch, train=False)

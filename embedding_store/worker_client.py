@@ -23,10 +23,12 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import (
+    answered_in_http1,
     call,
     call_with_retries,
     channel_options,
     error_from_rpc,
+    http1_message,
     tier_channel,
 )
 from embedding_store.initializer import InitializationConfig
@@ -103,7 +105,10 @@ class RemoteEmbeddingWorker:
                         "prediction server's port? Embedding workers, shards and prediction "
                         "servers each listen on ports of their own)"
                     ) from None
-                last = error.details() or str(error.code())
+                details = error.details() or str(error.code())
+                if answered_in_http1(details):  # an HTTP port: waiting would not change it
+                    raise UnavailableError(f"{http1_message(self._peer)} ({details})") from None
+                last = details
             time.sleep(0.1)
         raise UnavailableError(f"{self._peer} is not serving after {timeout:g} s ({last})")
 

@@ -38,6 +38,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_servicer,
+    answered_in_http1,
     bind_tier_port,
     format_address,
     rpc_errors,
@@ -52,7 +53,8 @@ from embedding_store.ps_client import caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.rpc_metrics import observed, observed_stream
 from embedding_store.stop_signal import StopRequest
-from embedding_store.tier import ProgressCallback
+from embedding_store.tier import DownReasons, ProgressCallback
+from embedding_store.worker import warm_up_kernels
 from embedding_store.worker_metrics import EmbeddingWorkerMetrics, start_metrics_server
 from embedding_store.worker_wire import check_answer_fits, pack_slots, unpack_grads
 
@@ -319,6 +321,9 @@ def serve_embedding_worker(
                     flush=True,
                 )
             server.start()
+            # Before SERVING (health says NOT_SERVING meanwhile, liveness SERVING): a fresh
+            # worker's first lookup and backward must not compile kernels.
+            warm_up_kernels(embedding_config)
         except BaseException:
             server.stop(0)
             tier.close()
@@ -394,21 +399,27 @@ def _watch_shards(
 ) -> None:
     """Until ``stop``: every :data:`SHARD_CHECK_INTERVAL_SECONDS`, ask every shard's status
     (one deadline of ``timeout`` s for all) and set :data:`SHARDS_SERVICE` by the answer: a
-    shard killed or unreachable turns it NOT_SERVING, its return SERVING again."""
+    shard killed or unreachable turns it NOT_SERVING, its return SERVING again. Logged when
+    a shard goes away, each time the reason changes while it is away (refused, then "cannot
+    serve yet" while it loads) and when every shard is back."""
+    down = DownReasons()
     while not stop.wait(SHARD_CHECK_INTERVAL_SECONDS):
         try:
             tier.verify_shards(timeout=timeout)
         except RecserveError as error:
-            if readiness.set_shards_reachable(False):
+            readiness.set_shards_reachable(False)
+            if down.down(error.message) and not stop.is_set():
                 log.warning(
                     "a shard is away (lookups that need it fail until it is back): %s",
                     error.message,
                 )
         except Exception:  # the watcher must outlive any surprise; report it
-            log.exception("checking the shards failed")
             readiness.set_shards_reachable(False)
+            if down.down("checking the shards failed") and not stop.is_set():
+                log.exception("checking the shards failed")
         else:
-            if readiness.set_shards_reachable(True):
+            readiness.set_shards_reachable(True)
+            if down.up() and not stop.is_set():
                 log.info("embedding worker reaches every shard again")
 
 
@@ -440,7 +451,15 @@ def _serve(
                 server.stop(0)
                 tier.close()
                 return 1
-            requested.wait(0.2)
+            # A shard address that is an HTTP port fails now: waiting would not change it.
+            if not answered_in_http1(error.message):
+                requested.wait(0.2)
+                continue
+            log.error("%s", error.message)
+            print(f"embedding worker: error: {error.message}", file=sys.stderr, flush=True)
+            server.stop(0)
+            tier.close()
+            return 1
         except RecserveError as error:
             log.error("%s", error.message)
             print(f"embedding worker: error: {error.message}", file=sys.stderr, flush=True)

@@ -46,11 +46,13 @@ SERVING_LATENCY_BUCKETS = (
 #: The protocols whose request series exist from start-up (and from each reload) at 0.
 PROTOCOLS = ("http", "grpc")
 #: The outcomes whose request series exist at 0 for the served version: what most requests
-#: end as (success, the usual 4xx / 5xx classes, a client that went away, an unexpected 500).
+#: end as (success, the usual 4xx / 5xx classes, a request's inputs the model refused, a client
+#: that went away, an unexpected 500).
 #: A rarer outcome's series appears with its first request.
 COMMON_OUTCOMES = (
     "ok",
     "InvalidArgumentError",
+    "ModelInputError",
     "CapacityError",
     "UnavailableError",
     "DeadlineExceededError",

@@ -33,7 +33,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
-from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.tier import DownReasons, InProcessEmbeddingTier
 from serving import instance_inputs, tensor_specs, tensors
 from serving.batcher import DEADLINE_SLACK_SECONDS, DROP_REASONS, BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
@@ -143,9 +143,8 @@ class PredictionService:
         # a restarting shard would take every server out of its Service at once, including
         # those that answer with default vectors (--fallback-policy default). Requests that
         # reach a shard that cannot serve fail naming it instead. Start-up waits for the tier.
-        self._tier_ok = True
-        self.metrics.track(self.metrics.tier_serving, lambda: 1.0 if self._tier_ok else 0.0)
-        self.last_tier_error: str | None = None
+        self._tier_down = DownReasons()
+        self.metrics.track(self.metrics.tier_serving, lambda: 1.0 if self.tier_serving else 0.0)
         # Shards whose rows are another checkpoint's than the model's (index -> version).
         self._foreign_versions: dict[int, str] = {}
         self.metrics.track(
@@ -162,6 +161,13 @@ class PredictionService:
             model = self._model
             mismatch = None
             try:
+                # serve --embedding-ps: the worker core runs here, and so does the worker's
+                # own check of its shards (replica order, embedding config), as an
+                # embedding-worker runs it every 2 s: a shard restarted with another config
+                # has its lookups refused (not read from other rows) until it is right again.
+                verify_shards = getattr(model.tier, "verify_shards", None)
+                if verify_shards is not None:
+                    verify_shards()
                 status = model.tier.status()
                 # A shard that answers but cannot serve yet (a restarted inference shard
                 # still loading its checkpoint) fails every lookup that reaches it.
@@ -178,9 +184,8 @@ class PredictionService:
                     raise mismatch
                 if waiting:
                     raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
-                if not self._tier_ok:
+                if self._tier_down.up():
                     log.info("embedding tier serving again")
-                self._tier_ok, self.last_tier_error = True, None
             except RecserveError as error:
                 # Unless the service closing, or a reload, closed this model's channel under
                 # the call ("cancelled the call"), which says nothing about the tier.
@@ -197,7 +202,7 @@ class PredictionService:
         """The tier is not serving this model, for ``message``; logged when the reason
         changes too (a shard back from a crash as an empty, unconfigured one is another
         problem than the crash). ``wrong_config``: its worker routes IDs by another config."""
-        if message != self.last_tier_error:
+        if self._tier_down.down(message):
             if wrong_config:
                 log.error(
                     "embedding tier not serving this model (its IDs read other rows, unknown "
@@ -211,7 +216,6 @@ class PredictionService:
                     "vectors, as --fallback-policy says): %s",
                     message,
                 )
-        self._tier_ok, self.last_tier_error = False, message
 
     def _compare_versions(self, versions: tuple[str, ...]) -> None:
         """Note shards that hold another embedding checkpoint than the served model's (a
@@ -264,7 +268,13 @@ class PredictionService:
     @property
     def tier_serving(self) -> bool:
         """Every embedding shard answered and served at the last background check."""
-        return self._tier_ok
+        return self._tier_down.reason is None
+
+    @property
+    def last_tier_error(self) -> str | None:
+        """Why the embedding tier did not serve this model at the last background check
+        (None: it did)."""
+        return self._tier_down.reason
 
     def stop_accepting(self) -> None:
         """Readiness goes false (load balancers stop sending); queued work still finishes."""

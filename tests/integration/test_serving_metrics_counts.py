@@ -297,6 +297,7 @@ def test_request_and_reload_series_exist_at_zero_from_start_and_after_a_reload(
             for outcome in (
                 "ok",
                 "InvalidArgumentError",
+                "ModelInputError",
                 "CapacityError",
                 "UnavailableError",
                 "DeadlineExceededError",

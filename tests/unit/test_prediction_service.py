@@ -125,6 +125,7 @@ def test_reload_swaps_versions_closes_the_old_and_moves_the_series(
     assert _requests(service, old.version, "ok") is None
     for protocol in ("http", "grpc"):
         assert _requests(service, new.version, "DeadlineExceededError", protocol) == 0.0
+        assert _requests(service, new.version, "ModelInputError", protocol) == 0.0
     assert _reloads(service, "ok") == 1.0 and service.last_reload_error is None
     info = service.metrics.registry.get_sample_value(
         "recserve_model_info", {"model": NAME, "version": new.version}
@@ -749,6 +750,44 @@ def test_the_tier_check_notes_a_worker_with_another_config_and_each_new_reason(
             "WARNING",
             "embedding tier not serving (requests that need it fail or get default vectors, "
             "as --fallback-policy says): embedding shard(s) [0] cannot serve yet",
+        ),
+        ("INFO", "embedding tier serving again"),
+    ]
+
+
+def test_with_shards_in_process_the_tier_check_runs_the_workers_shard_check(
+    checkpoints, make_service, caplog
+):
+    """serve --embedding-ps runs the worker core (a RemoteShardTier) in process: its tier
+    check runs the worker's check of the shards too (verify_shards: replica order and
+    embedding config, which refuses lookups while a shard is keyed otherwise), as a worker
+    does every 2 s, not only at start. Logged as not serving, and as serving again."""
+    model = _load(checkpoints[0])
+    tier = model.tier = _RemoteTier(model.tier, serving=(True, True))
+    refusal = (
+        "parameter server p:7001 (shard 1) keys its rows by another embedding config: slot "
+        "'user' has another dim at the shard (give the shards and the workers one "
+        "embedding_config.yml)"
+    )
+    problem: list[str | None] = [refusal]
+
+    def verify_shards() -> None:
+        if problem[0] is not None:
+            raise InvalidArgumentError(problem[0])
+
+    tier.verify_shards = verify_shards
+    caplog.set_level(logging.INFO, logger="serving.service")
+    service = make_service(model, tier_check_seconds=0.01)
+    _wait_until(lambda: service.last_tier_error == refusal)
+    assert not service.tier_serving
+    problem[0] = None
+    _wait_until(lambda: service.tier_serving)
+    assert service.last_tier_error is None
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            "embedding tier not serving (requests that need it fail or get default vectors, "
+            f"as --fallback-policy says): {refusal}",
         ),
         ("INFO", "embedding tier serving again"),
     ]

@@ -33,6 +33,7 @@ from embedding_store import (
 from embedding_store.cli import main as cli_main
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
 from embedding_store.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from embedding_store.grpc_common import http1_message
 from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
@@ -630,3 +631,42 @@ def test_dump_on_exit_waits_for_a_running_dump_and_skips_a_running_load(tmp_path
     loading.stop(grace=0)  # no error
     assert not (tmp_path / "mid_load").exists()
     loading.servicer._checkpoint_task.end()
+
+
+class ShardsAtAnHttpPort:
+    """A tier whose one shard address is an HTTP port: every check says so."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.closed = False
+
+    def verify_shards(self) -> None:
+        self.checks += 1
+        raise UnavailableError(
+            f"{http1_message('parameter server 127.0.0.1:8000 (shard 0)')} (Failed parsing "
+            "HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 80))"
+        )
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_worker_whose_shard_address_is_an_http_port_exits_at_once(capsys):
+    """Not after --startup-timeout (60 s here): waiting would not make it speak gRPC."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    health = RecordingHealth()
+    tier = ShardsAtAnHttpPort()
+    try:
+        code = _serve(tier, StoppedServer(), health, ["127.0.0.1:8000"], 60.0, 0.0)  # type: ignore[arg-type]
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert code == 1 and tier.checks == 1 and tier.closed
+    assert health.calls == []  # never SERVING
+    assert capsys.readouterr().err == (
+        "embedding worker: error: parameter server 127.0.0.1:8000 (shard 0) answered in "
+        "HTTP/1.x, not gRPC: is that an HTTP port (a prediction server's --http-port)? "
+        "Parameter-server shards, embedding workers and prediction servers each listen on "
+        "ports of their own; give the gRPC one (Failed parsing HTTP/2 (Expected SETTINGS "
+        "frame as the first frame, got frame type 80))\n"
+    )

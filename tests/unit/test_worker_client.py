@@ -4,6 +4,9 @@ status, readiness polling, and the retries of training's calls."""
 
 from __future__ import annotations
 
+import http.server
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from embedding_store.errors import (
 )
 from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker import SlotOutput
 from embedding_store.worker_client import RemoteEmbeddingWorker
@@ -382,3 +386,52 @@ def test_without_a_retry_window_nothing_is_resent(client) -> None:
     with pytest.raises(UnavailableError):
         worker.lookup(_batch(requires_grad=False), train=False)
     assert len(stub.requests) == 1
+
+
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:  # no lines on stderr
+        pass
+
+
+@pytest.fixture
+def http_port() -> Iterator[str]:
+    """An HTTP/1.1 server on 127.0.0.1 (what a prediction server's --http-port is to gRPC)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_waiting_for_a_worker_at_an_http_port_fails_at_once_saying_so(http_port):
+    """serve --embedding-workers given an HTTP port waited all of --startup-timeout."""
+    worker = RemoteEmbeddingWorker(http_port, CONFIG, timeout=2.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as raised:
+            worker.wait_for_serving(timeout=20.0)
+        assert time.monotonic() - started < 10.0
+    finally:
+        worker.close()
+    assert raised.value.message.startswith(
+        f"embedding worker {http_port} answered in HTTP/1.x, not gRPC: is that an HTTP port "
+        "(a prediction server's --http-port)? Parameter-server shards, embedding workers and "
+        "prediction servers each listen on ports of their own; give the gRPC one ("
+    )
+
+
+def test_waiting_for_shards_at_an_http_port_fails_at_once_saying_so(http_port):
+    """serve --embedding-ps (and a worker's --ps) given an HTTP port: the same."""
+    tier = RemoteShardTier(CONFIG, [http_port], shard_timeout=2.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=r"answered in HTTP/1\.x, not gRPC") as raised:
+            tier.wait_for_serving(20.0)
+        assert time.monotonic() - started < 10.0
+    finally:
+        tier.close()
+    assert http_port in raised.value.message

@@ -9,6 +9,7 @@ test can hold a call (an Event) or fail it. Everything that waits is bounded.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import subprocess
 import threading
@@ -19,10 +20,16 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grpc_health.v1 import health
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
+from embedding_store import (
+    checkpoint_dump,
+    checkpoint_load,
+    checkpoint_manifest,
+    worker_service,
+)
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
@@ -819,3 +826,35 @@ def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
     assert [f.shard.size() for f in fakes] == counts
     got = tier.lookup(user_batch(list(range(40))), train=False).slots[0].embeddings.numpy()
     np.testing.assert_array_equal(got, expected)
+
+
+def test_the_shard_watcher_logs_each_new_reason_a_shard_is_away(monkeypatch, caplog):
+    """A shard refused, then back but loading, then serving: three lines. A new reason while
+    already away used to go unlogged (only reachable <-> unreachable changes were)."""
+    refused = "parameter server a:7000 (shard 1 of 2) is unavailable: Connection refused"
+    loading = "this inference parameter server is still loading its checkpoint"
+    outcomes: list[str | None] = [refused, refused, loading, loading, None, None]
+    stop = threading.Event()
+
+    class Tier:
+        def verify_shards(self, *, timeout: float) -> None:
+            outcome = outcomes.pop(0)
+            if not outcomes:
+                stop.set()
+            if outcome is not None:
+                raise UnavailableError(outcome)
+
+    monkeypatch.setattr(worker_service, "SHARD_CHECK_INTERVAL_SECONDS", 0.001)
+    caplog.set_level(logging.INFO, logger="embedding_store.worker_service")
+    health_servicer = health.HealthServicer()
+    readiness = worker_service._Readiness(health_servicer)
+    readiness.start()
+    worker_service._watch_shards(Tier(), readiness, stop, timeout=1.0)  # type: ignore[arg-type]
+
+    assert outcomes == []
+    away = "a shard is away (lookups that need it fail until it is back): "
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", away + refused),
+        ("WARNING", away + loading),
+        ("INFO", "embedding worker reaches every shard again"),
+    ]
