@@ -49,6 +49,21 @@ def first_inexact(data: np.ndarray, target: np.dtype) -> int | None:
     return int(np.argmax(bad)) if bad.any() else None
 
 
+def describe_inexact(data: np.ndarray, target: np.dtype) -> str | None:
+    """Where ``data`` ([batch, ...]) first fails to convert exactly to the integer dtype
+    ``target`` (:func:`first_inexact`), as "value V at sample S[, position P] is not a whole
+    number in the range of T"; None when every value converts."""
+    first = first_inexact(data, target)
+    if first is None:
+        return None
+    index = [int(i) for i in np.unravel_index(first, data.shape)]
+    return (
+        f"value {data.reshape(-1)[first]!s} at sample {index[0]}"
+        + (f", position {index[1:]}" if len(index) > 1 else "")
+        + f" is not a whole number in the range of {target}"
+    )
+
+
 @dataclass(frozen=True)
 class IdFeatureSpec:
     """An ID feature: jagged (``single_id`` False) or exactly one ID per sample."""
@@ -200,16 +215,12 @@ def _check_dtype(name: str, target: np.dtype, data: np.ndarray) -> None:
     any number (float64 -> float32 as in training). One dtype comparison when they match."""
     if data.dtype == target or target.kind not in "iu" or np.can_cast(data.dtype, target):
         return
-    first = first_inexact(data, target)
-    if first is None:
-        return
-    index = [int(i) for i in np.unravel_index(first, data.shape)]
-    raise BatchValidationError(
-        f"non-ID feature {name!r} is an integer feature of the model ({target}), given "
-        f"as {data.dtype}: value {data.reshape(-1)[first]!s} at sample {index[0]}"
-        + (f", position {index[1:]}" if len(index) > 1 else "")
-        + f" is not a whole number in the range of {target}"
-    )
+    problem = describe_inexact(data, target)
+    if problem is not None:
+        raise BatchValidationError(
+            f"non-ID feature {name!r} is an integer feature of the model ({target}), given "
+            f"as {data.dtype}: {problem}"
+        )
 
 
 @functools.lru_cache(maxsize=64)

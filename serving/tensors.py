@@ -27,7 +27,7 @@ from embedding_store.batch import (
     NonIDTypeFeature,
 )
 from embedding_store.errors import InvalidArgumentError, RecserveError
-from embedding_store.signature import FeatureSignature, first_inexact
+from embedding_store.signature import FeatureSignature, describe_inexact
 from serving.core import DTYPE_NAMES
 from serving.fast_batch import batch_from_binary, batch_from_json, json_plan, lengths_total
 from serving.lazy_tensors import BinaryTensors, JsonTensors
@@ -250,16 +250,11 @@ def require_whole(name: str, array: np.ndarray, target: np.dtype) -> None:
     """InvalidArgumentError naming the input, the sample and the value unless every value
     of ``array`` (float32 [batch, ...], finite) is a whole number in the range of the
     integer dtype ``target``, the dtype the model takes input ``name`` in."""
-    first = first_inexact(array, target)
-    if first is None:
-        return
-    index = [int(i) for i in np.unravel_index(first, array.shape)]
-    raise InvalidArgumentError(
-        f"input {name!r} is an integer feature of the model ({target}): value "
-        f"{array.reshape(-1)[first]!s} at sample {index[0]}"
-        + (f", position {index[1:]}" if len(index) > 1 else "")
-        + f" is not a whole number in the range of {target}"
-    )
+    problem = describe_inexact(array, target)
+    if problem is not None:
+        raise InvalidArgumentError(
+            f"input {name!r} is an integer feature of the model ({target}): {problem}"
+        )
 
 
 def require_finite(name: str, array: np.ndarray) -> None:
