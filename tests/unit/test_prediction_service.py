@@ -1334,6 +1334,25 @@ def hour_checkpoint(tmp_path_factory) -> Path:
     return directory
 
 
+def _concurrently(call: Callable[[int], object], count: int) -> list[object]:
+    """``call(0) .. call(count - 1)`` on threads of their own, at once: each one's answer,
+    or the exception it raised."""
+    answers: list[object] = [None] * count
+
+    def run(index: int) -> None:
+        try:
+            answers[index] = call(index)
+        except Exception as error:
+            answers[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    return answers
+
+
 def _hour(hour: float) -> dict[str, np.ndarray]:
     return {"user": np.array([1], np.uint64), "hour": np.array([[hour]], np.float32)}
 
@@ -1362,19 +1381,9 @@ def test_a_request_whose_inputs_break_the_model_fails_alone_and_those_merged_wit
 
         answers = asyncio.run(main())
     else:
-        answers = [None] * 3
-
-        def call(index: int) -> None:
-            try:
-                answers[index] = service.predict(NAME, None, _hour(hours[index]), protocol="grpc")
-            except Exception as error:
-                answers[index] = error
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WAIT)
+        answers = _concurrently(
+            lambda index: service.predict(NAME, None, _hour(hours[index]), protocol="grpc"), 3
+        )
     three, thirty, five = answers
     np.testing.assert_array_equal(three.outputs["prediction"], alone[3])
     np.testing.assert_array_equal(five.outputs["prediction"], alone[5])
@@ -1448,20 +1457,12 @@ def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
             f"http://127.0.0.1:{serving.http_port}",
             f"grpc://127.0.0.1:{serving.grpc_port}",
         ):
-            answers: list[object] = [None] * 3
 
-            def ask(index: int, url: str = url, answers: list[object] = answers) -> None:
+            def ask(index: int, url: str = url) -> object:
                 with RecserveClient(url, model_name=NAME, retries=0, timeout=WAIT) as client:
-                    try:
-                        answers[index] = client.infer(_hour(hours[index])).predictions
-                    except Exception as error:
-                        answers[index] = error
+                    return client.infer(_hour(hours[index])).predictions
 
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(WAIT)
+            answers = _concurrently(ask, 3)
             three, thirty, five = answers
             np.testing.assert_array_equal(three, alone[3])
             np.testing.assert_array_equal(five, alone[5])
