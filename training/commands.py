@@ -13,7 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-from embedding_store.cli_types import grpc_addresses, host_port_addresses, positive_int
+from embedding_store.cli_types import (
+    grpc_addresses,
+    host_port_addresses,
+    non_negative_int,
+    positive_int,
+)
 from training.env import (
     EMBEDDING_WORKERS_ENV,
     NN_WORKERS_ENV,
@@ -21,6 +26,9 @@ from training.env import (
     REPLICA_INDEX_ENV,
     REPLICA_SIZE_ENV,
 )
+
+#: torchrun's own default ``--shutdown-timeout`` (torch 2.13): the ranks' grace after a signal.
+SHUTDOWN_TIMEOUT_SECONDS = 30
 
 
 def _rendezvous_port(text: str) -> int:
@@ -82,6 +90,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="data loaders streaming batches (an integer > 0)",
+    )
+    train.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_int,
+        default=SHUTDOWN_TIMEOUT_SECONDS,
+        help="seconds the ranks have to stop after a SIGTERM/SIGINT to this launcher before "
+        "torchrun kills them (SIGKILL): long enough for a --checkpoint-on-stop write of the "
+        "whole embedding tier; a write cut short publishes nothing and the previous "
+        "checkpoint stays intact (default 30, torchrun's)",
     )
     train.set_defaults(handler=_train)
 
@@ -158,7 +175,14 @@ def _train(args: argparse.Namespace) -> int:
             f"--master-addr={args.master_addr}",
             f"--master-port={args.master_port or 29500}",
         ]
-    command += [f"--nproc-per-node={args.nproc_per_node}", args.entry, *_script_args(args)]
+    command += [
+        f"--nproc-per-node={args.nproc_per_node}",
+        # Always given: torchrun would otherwise read TORCH_ELASTIC_SHUTDOWN_TIMEOUT, and the
+        # launcher's stop line names this value.
+        f"--shutdown-timeout={args.shutdown_timeout}",
+        args.entry,
+        *_script_args(args),
+    ]
     os.execve(sys.executable, command, env)
     return 0  # not reached
 

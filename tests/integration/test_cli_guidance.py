@@ -90,6 +90,39 @@ def test_a_stopped_training_run_is_one_line_not_a_torchrun_traceback(tmp_path):
     assert "Traceback" not in err, err
 
 
+def test_a_sigterm_after_the_run_finished_is_not_a_stop(tmp_path):
+    """A SIGTERM that reaches the launcher once the ranks are done (a run that completed and
+    published its final checkpoint, e.g. a pod deleted as it ended) is no stop: the launcher
+    used to say "stopped by SIGTERM" and exit 143 anyway."""
+    import signal
+
+    entry = tmp_path / "finishing.py"
+    entry.write_text(
+        "import signal, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))\n"
+        "print('rank started', flush=True)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not got and time.monotonic() < deadline:\n"
+        "    time.sleep(0.02)\n"
+        "# past its last step: it finishes (exit 0) instead of stopping\n"
+    )
+    launcher = start_training(entry, stderr=subprocess.PIPE)
+    try:
+        assert launcher.stdout.readline().strip() == "rank started"
+        launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, err
+    assert (
+        "recserve train: SIGTERM arrived after every rank had finished (exit 0): the run completed"
+    ) in err
+    assert "stopped by" not in err and "Traceback" not in err, err
+
+
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     """torchrun starts ranks in sessions of their own: a launcher killed outright (kill -9,
     the OOM killer) used to leave them training on, reparented, up to writing a checkpoint."""

@@ -624,7 +624,7 @@ def test_train_on_one_node_runs_torchrun_standalone(launches, monkeypatch) -> No
     ((argv, env),) = started
     assert argv == [
         sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=1",
-        str(entry), "--epochs", "2", "--",
+        "--shutdown-timeout=30", str(entry), "--epochs", "2", "--",
     ]  # fmt: skip
     assert env["RECSERVE_EMBEDDING_CONFIG"] == str(entry.parent / "e.yml")  # absolute
     assert env["RECSERVE_NUM_DATA_LOADERS"] == "3"
@@ -637,17 +637,18 @@ def test_train_on_several_nodes_names_the_rendezvous(launches) -> None:
     _launch(
         "train", "--entry", str(entry), "--nnodes", "3", "--node-rank", "2",
         "--master-addr", "10.0.0.1", "--nproc-per-node", "2", "--embedding-workers", "w:1",
+        "--shutdown-timeout", "600",
     )  # fmt: skip
     _launch("train", "--entry", str(entry), "--master-port", "29600")  # one node, fixed port
     (first, env), (second, _env) = started
     assert first[3:] == [
         "--nnodes=3", "--node-rank=2", "--master-addr=10.0.0.1", "--master-port=29500",
-        "--nproc-per-node=2", str(entry),
+        "--nproc-per-node=2", "--shutdown-timeout=600", str(entry),
     ]  # fmt: skip
     assert env["RECSERVE_EMBEDDING_WORKERS"] == "w:1"
     assert second[3:] == [
         "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29600",
-        "--nproc-per-node=1", str(entry),
+        "--nproc-per-node=1", "--shutdown-timeout=30", str(entry),
     ]  # fmt: skip
 
 
@@ -676,6 +677,10 @@ def test_train_refuses_what_torchrun_cannot_run(launches, capsys) -> None:
             f"recserve train: error: argument --master-port: expected a port in 1..65535, "
             f"got {port}"
         )
+    error = usage_error(capsys, ["train", "--entry", str(entry), "--shutdown-timeout", "-1"])
+    assert error == (
+        "recserve train: error: argument --shutdown-timeout: expected an integer >= 0, got -1"
+    )
     assert started == []
 
 
@@ -755,3 +760,30 @@ def test_serve_tier_addresses_given_as_urls_say_so() -> None:
         ["train", "--entry", "t.py", "--embedding-workers", "dns:///h:1"]
     )
     assert args.embedding_workers == "dns:///h:1"
+
+
+def test_a_stopped_run_names_the_ranks_its_grace_period_cut_off(capsys) -> None:
+    """Ranks still running when --shutdown-timeout ran out were SIGKILLed: the launcher's line
+    says which and that the checkpoint they wrote was not published; ranks that all exited 0
+    before the signal came to them completed the run (exit 0)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from training import torchrun
+
+    stop = SignalException("got SIGTERM", signal.SIGTERM)
+    argv = ["--standalone", "--nproc-per-node=3", "--shutdown-timeout=45", "t.py", "--x=1"]
+    grace = torchrun._shutdown_timeout(argv)
+    assert (grace, torchrun._shutdown_timeout(["t.py", "--shutdown-timeout=5"])) == ("45", "30")
+    assert torchrun._stopped(stop, {0: 143, 1: -signal.SIGKILL, 2: None}, grace) == 143
+    assert capsys.readouterr().err == (
+        "recserve train: stopped by SIGTERM; rank(s) 1, 2 had not stopped 45 s after it "
+        "(--shutdown-timeout) and were killed: a checkpoint they were writing was not "
+        "published (the previous one is intact)\n"
+    )
+    assert torchrun._stopped(stop, {0: 143, 1: -signal.SIGTERM}, grace) == 143
+    assert capsys.readouterr().err == "recserve train: stopped by SIGTERM\n"
+    assert torchrun._stopped(stop, {0: 0, 1: 0}, grace) == 0
+    assert "the run completed" in capsys.readouterr().err
+    assert torchrun._stopped(stop, {}, grace) == 143  # no rank had started
