@@ -325,6 +325,11 @@ def _embedding_gradients(
     return {name: part.view(grad.shape) for (name, grad), part in zip(used, parts)}, flat
 
 
+#: The TrainCtx counters of skipped non-finite steps: run totals, kept in a checkpoint's
+#: ``train_state`` under these names and continued from by ``load_checkpoint``.
+NONFINITE_COUNTERS = ("nonfinite_embedding_steps", "nonfinite_dense_steps")
+
+
 def _warn_skipped(what: str, count: int, step: int) -> None:
     """Log a skipped non-finite step: the 1st, 2nd, 4th, 8th, ... (a broken data set makes
     every step non-finite, and one line per step would bury the rest of the log)."""
@@ -728,7 +733,10 @@ class TrainCtx(EmbeddingCtx):
 
         ``train_state``: where the training loop is, for its own resume (e.g. ``{"epochs_done":
         3, "seed": 0}``): JSON numbers, strings, booleans or None by name, kept in the manifest
-        and returned by :meth:`load_checkpoint`. The step count is kept without it.
+        and returned by :meth:`load_checkpoint`. The step count is kept without it, and so are
+        the run's skipped non-finite steps, as ``train_state`` entries
+        :data:`NONFINITE_COUNTERS` (this context's counts replace any given under those names),
+        which :meth:`load_checkpoint` continues from: like ``step``, they count the whole run.
 
         CheckpointError naming the tensor and its first bad value, with nothing written (a
         checkpoint already at ``directory`` stays, ``overwrite`` or not), when a dense weight
@@ -753,7 +761,10 @@ class TrainCtx(EmbeddingCtx):
             with_jit_model=with_jit_model,
             overwrite=overwrite,
             grad_scaler=self.grad_scaler,
-            train_state=train_state,
+            train_state={
+                **(train_state or {}),
+                **{name: getattr(self, name) for name in NONFINITE_COUNTERS},
+            },
         )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
@@ -789,5 +800,11 @@ class TrainCtx(EmbeddingCtx):
                 f"another rank failed to load checkpoint {directory}; its log has the error"
             )
         self.step = manifest.step
+        for name in NONFINITE_COUNTERS:
+            # Run totals like step (the warnings say "N skipped so far" next to the step);
+            # 0 from a checkpoint written before they were kept.
+            count = manifest.train_state.get(name)
+            valid = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+            setattr(self, name, count if valid else 0)
         self.signature = manifest.signature or self.signature
         return manifest

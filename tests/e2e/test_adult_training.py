@@ -253,6 +253,8 @@ def test_a_resumed_run_goes_on_where_the_checkpoint_stopped(
         "streaming": False,
         "epochs_done": 2,
         "batches_done": 0,
+        "nonfinite_embedding_steps": 0,
+        "nonfinite_dense_steps": 0,
     }
     # Both resumed runs at once (each trains on one thread; --resume-from only reads).
     logs = [work / "resumed.log", work / "other-batch-size.log"]

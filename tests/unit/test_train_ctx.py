@@ -1079,20 +1079,30 @@ def test_a_ctx_left_on_an_exception_drops_the_queued_updates_and_keeps_that_exce
 
 
 def test_dump_checkpoint_passes_train_state_jit_choice_signature_and_step(tmp_path):
+    """The loop's train_state, the step and the skipped non-finite steps (run totals like the
+    step: they used to start again at 0 on resume, under a step count that went on)."""
     with new_ctx() as ctx:
-        train_steps(ctx, 3)
-        written = ctx.dump_checkpoint(
-            tmp_path / "ckpt", with_jit_model=False, train_state={"epochs_done": 2, "seed": 7}
-        )
+        train_steps(ctx, 2)
+        output, _ = ctx.forward(make_batch(7))
+        ctx.backward((output * float("inf")).sum())  # skipped: its gradients are not finite
+        state = {"epochs_done": 2, "seed": 7, "nonfinite_dense_steps": 5}  # the ctx's count wins
+        written = ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False, train_state=state)
     manifest = training_checkpoint.read_manifest(tmp_path / "ckpt")
     assert written.version == manifest.version
     assert manifest.step == 3
-    assert manifest.train_state == {"epochs_done": 2, "seed": 7}
+    saved = {
+        "epochs_done": 2,
+        "seed": 7,
+        "nonfinite_embedding_steps": 1,
+        "nonfinite_dense_steps": 1,
+    }
+    assert manifest.train_state == saved
     assert not manifest.has_jit_model and "jit_dense.pt" not in manifest.files
     assert manifest.signature == ctx.signature and manifest.signature is not None
     with new_ctx() as resumed:
         loaded = resumed.load_checkpoint(tmp_path / "ckpt")
-        assert loaded.train_state == {"epochs_done": 2, "seed": 7} and resumed.step == 3
+        assert loaded.train_state == saved and resumed.step == 3
+        assert (resumed.nonfinite_embedding_steps, resumed.nonfinite_dense_steps) == (1, 1)
 
 
 def test_dump_checkpoint_refuses_an_existing_checkpoint_unless_told_to_overwrite(tmp_path):
