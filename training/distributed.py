@@ -115,8 +115,24 @@ def launcher_gone() -> bool:
     return bool(_watching) and os.getppid() != _watching[0]
 
 
+#: Steps between two agreements of :func:`stop_agreed` under DDP: its all-reduce of one flag
+#: after every step cost +0.3-1.4 ms on a 1.3-2.6 ms step (2 gloo ranks on CPU, a small MLP,
+#: runs of 300 steps on a busy 2-core machine: +25-55 %), once every 8 steps +0-0.4 ms,
+#: within the runs' spread; a stop then comes at most 7 steps after the SIGTERM.
+STOP_AGREE_EVERY = 8
+
+
+class TrainingStop(StopRequest):
+    """The stop request of :func:`graceful_sigterm`; counts the :func:`stop_agreed` calls
+    (the same on every rank: each calls it after every step) to agree every few steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+
 @contextlib.contextmanager
-def graceful_sigterm() -> Iterator[StopRequest]:
+def graceful_sigterm() -> Iterator[TrainingStop]:
     """A SIGTERM handler for a graceful stop, for the block (then the previous one again):
     the request it sets, which the training loop reads after each step with
     :func:`stop_agreed` and then stops (writing a checkpoint, or not) instead of being
@@ -124,7 +140,7 @@ def graceful_sigterm() -> Iterator[StopRequest]:
     only (where Python runs handlers). A SIGTERM sent because the torchrun launcher is gone
     (:func:`exit_with_launcher`) still ends the process at once: no checkpoint while the
     user may be starting another run."""
-    request = StopRequest()
+    request = TrainingStop()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
@@ -143,14 +159,25 @@ def graceful_sigterm() -> Iterator[StopRequest]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stop_agreed(request: StopRequest) -> bool:
+def stop_agreed(request: StopRequest, every: int = STOP_AGREE_EVERY) -> bool:
     """Whether to stop after this step (every rank calls it after every step): when any
-    rank got SIGTERM, every rank stops at the same step (one all-reduce of a flag per step;
-    torchrun signals the ranks one by one, and a rank that stopped alone would leave the
-    others waiting in their allreduce)."""
-    if world_size() > 1:
-        return not all_agree(not request.requested)
-    return request.requested
+    rank got SIGTERM, every rank stops at the same step (torchrun signals the ranks one by
+    one, and a rank that stopped alone would leave the others waiting in their allreduce).
+
+    Alone, after the step the request came in. Under DDP the ranks agree (one all-reduce of
+    a flag) on every ``every``-th call for a :class:`TrainingStop` (the request of
+    :func:`graceful_sigterm`), so a stop comes up to ``every - 1`` steps after the SIGTERM:
+    pass ``every=1`` when steps are long (seconds) and the grace period short. Another
+    StopRequest is agreed on at every call (it counts no calls)."""
+    if every < 1:
+        raise ConfigError(f"stop_agreed: every must be an integer >= 1, got {every}")
+    if world_size() <= 1:
+        return request.requested
+    if isinstance(request, TrainingStop):
+        request.checks += 1
+        if request.checks % every:
+            return False  # every rank skips the same calls: no rank waits in an all-reduce
+    return not all_agree(not request.requested)
 
 
 def init_distributed(option: DDPOption, device: torch.device | None = None) -> bool:

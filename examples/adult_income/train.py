@@ -14,7 +14,8 @@ examples/adult_income/data_loader.py ...``) pass ``--streaming``. Prints ``test 
 and writes ``--metrics-out`` JSON on rank 0.
 
 SIGTERM (a preemption, a pod's deletion, ``kill``; torchrun passes its own on to the ranks)
-stops every rank after its current step and exits with status 143 (128 + SIGTERM). With
+stops every rank after its current step (under DDP, at the same step within the next 8:
+``training.distributed.stop_agreed``) and exits with status 143 (128 + SIGTERM). With
 ``--checkpoint-on-stop`` the checkpoint is written first, where the run stands (epoch and
 batch): ``--resume-from`` goes on from there as the uninterrupted run would have. Without
 it nothing is written: deploy/ waits for ``--checkpoint-dir``'s ``DONE`` to serve, and
