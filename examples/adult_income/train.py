@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx.wait_for_embedding_updates()
         train_seconds = time.perf_counter() - started
         # Stopped: the checkpoint first, within the grace a SIGTERM leaves (torchrun kills
-        # its ranks 30 s after passing it on); the test AUC of a run cut short is not its.
+        # its ranks `recserve train --shutdown-timeout` seconds, default 30, after passing it
+        # on); the test AUC of a run cut short is not its.
         auc = None if stopped else evaluate(ctx, test)
         manifest = None
         if args.checkpoint_dir is not None and (args.checkpoint_on_stop or not stopped):
