@@ -9,8 +9,15 @@ against ~1.2 GB/s for the SHA-256 that every load computes over the same bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    # Imported where a tensor is checked (its caller has torch loaded already): a parameter
+    # server imports this module (checkpoint dumps and loads) and never uses torch, which
+    # cost each one ~0.8 s of CPU at start.
+    import torch
 
 __all__ = [
     "CHUNK",
@@ -57,6 +64,8 @@ def first_bad_index_torch(tensor: torch.Tensor, *, nan_only: bool = False) -> in
     """:func:`first_bad_index` of a torch tensor (any float dtype, bfloat16 included);
     None for a tensor that is not floating point (integers cannot hold NaN or Inf). Of a
     sparse tensor, the index among its stored values."""
+    import torch  # lazily: see the import above
+
     if not tensor.is_floating_point():
         return None
     flat = stored_values(tensor).reshape(-1)
@@ -75,6 +84,8 @@ def position(first: int, shape: tuple[int, ...]) -> list[int]:
 
 def stored_values(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (detached), or of a sparse tensor its stored values (1-d)."""
+    import torch  # lazily: see the import above
+
     tensor = tensor.detach()
     if tensor.layout == torch.sparse_coo:
         return tensor.coalesce().values()

@@ -6,6 +6,7 @@ every process it started."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +38,68 @@ METADATA = {
 }
 
 
-def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(RUN), *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+class _Started:
+    """``load_tests/run.py ARGS`` started now, in the background, for the run whose --out is
+    ``out`` (its stdout and stderr to files beside it, so that a full pipe never blocks it
+    while another test runs); :meth:`result` waits for it."""
+
+    def __init__(self, args: list[str], out: Path, timeout: float) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.stdout, self.stderr = out.parent / "run.stdout", out.parent / "run.stderr"
+        self.deadline = time.monotonic() + timeout
+        with open(self.stdout, "wb") as stdout, open(self.stderr, "wb") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, str(RUN), *args, "--out", str(out)],
+                cwd=REPO_ROOT,
+                stdout=stdout,
+                stderr=stderr,
+            )
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Waits until ``timeout`` seconds after the start (stopped past it: TimeoutExpired)."""
+        try:
+            code = self.process.wait(timeout=max(self.deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return subprocess.CompletedProcess(
+            self.process.args,
+            code,
+            self.stdout.read_text(errors="replace"),
+            self.stderr.read_text(errors="replace"),
+        )
+
+    def stop(self) -> None:
+        """SIGTERM first: run.py then stops every process it started (a SIGKILL would orphan
+        them); SIGKILL if it has not ended 30 s later."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@contextlib.contextmanager
+def _concurrent(
+    request: pytest.FixtureRequest, folder: Path, runs: dict[str, tuple[list[str], float]]
+) -> Iterator[dict[str, _Started]]:
+    """The runs (test name -> (run.py arguments but --out, timeout)) of the tests selected in
+    this session, all started at once, each with --out ``folder/<test name>/out``: bounded
+    runs whose time is mostly their fixed --seconds/--minutes of load overlap instead of
+    adding up (~20 s less on 2 cores), and each test still checks its own run."""
+    selected = {item.name for item in request.session.items}
+    started: dict[str, _Started] = {}
+    try:
+        for name, (args, timeout) in runs.items():
+            if name in selected:
+                started[name] = _Started(args, folder / name / "out", timeout)
+        yield started
+    finally:
+        for run in started.values():
+            run.stop()
 
 
 def test_locustfile_imports_and_lists_its_users():
@@ -94,15 +150,56 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def load_runs(
+    request: pytest.FixtureRequest, adult_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, _Started]]:
+    """The embedded and the remote-tier load runs of the Adult checkpoint, started together
+    (test name -> run)."""
+    runs = {
+        "test_short_embedded_run": (
+            ["--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "5",
+             "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}"],
+            150.0,
+        ),
+        "test_short_remote_tier_run": (
+            ["--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4",
+             "--seconds", "4", "--user-classes", "json,grpc,friendly"],
+            200.0,
+        ),
+    }  # fmt: skip
+    with _concurrent(request, tmp_path_factory.mktemp("load-runs"), runs) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def soak_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, _Started]]:
+    """The two soaks (one server process reloaded by POST; a --workers 2 server reloaded
+    through its watcher), started together (test name -> run)."""
+    runs = {
+        "test_short_soak_with_reload": (
+            ["--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
+             "binary,grpc"],
+            220.0,
+        ),
+        "test_short_soak_with_reload_through_the_watcher_of_a_workers_server": (
+            ["--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
+             "binary,grpc", "--serve-args", "--workers 2 --watch-seconds 1"],
+            130.0,
+        ),
+    }  # fmt: skip
+    with _concurrent(request, tmp_path_factory.mktemp("soak-runs"), runs) as started:
+        yield started
+
+
 @pytest.mark.timeout(180)
-def test_short_embedded_run(adult_checkpoint, tmp_path):
+def test_short_embedded_run(load_runs):
     """Served as the README serves Adult: the friendly route takes raw rows through the
     preprocessor, so the friendly user sends the Adult test rows (slot IDs failed 100%)."""
-    out = tmp_path / "run"
-    result = _run(
-        "--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "5", "--out",
-        str(out), "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}", timeout=150,
-    )  # fmt: skip
+    run = load_runs["test_short_embedded_run"]
+    result, out = run.result(), run.out
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
     assert summary["passed"] and summary["locust_exit_code"] == 0
@@ -116,14 +213,11 @@ def test_short_embedded_run(adult_checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_short_remote_tier_run(adult_checkpoint, tmp_path):
+def test_short_remote_tier_run(load_runs):
     """2 parameter servers (Infer mode, loading the checkpoint's embeddings) + 1 embedding
     worker + the server looking embeddings up through the worker, under HTTP and gRPC load."""
-    out = tmp_path / "remote"
-    result = _run(
-        "--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4", "--seconds",
-        "4", "--user-classes", "json,grpc,friendly", "--out", str(out), timeout=200,
-    )  # fmt: skip
+    run = load_runs["test_short_remote_tier_run"]
+    result, out = run.result(), run.out
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
     assert summary["passed"] and summary["tier"] == "remote"
@@ -135,12 +229,9 @@ def test_short_remote_tier_run(adult_checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_short_soak_with_reload(tmp_path):
-    out = tmp_path / "soak"
-    result = _run(
-        "--synthetic", "--soak", "--minutes", "0.34", "--users", "4", "--user-classes",
-        "binary,grpc", "--out", str(out), timeout=220,
-    )  # fmt: skip
+def test_short_soak_with_reload(soak_runs):
+    run = soak_runs["test_short_soak_with_reload"]
+    result, out = run.result(), run.out
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = _summary(out)
     assert summary["verdict"] == "no failures, memory flat, reload served", summary["verdict"]
@@ -159,17 +250,13 @@ def test_short_soak_with_reload(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_short_soak_with_reload_through_the_watcher_of_a_workers_server(tmp_path):
+def test_short_soak_with_reload_through_the_watcher_of_a_workers_server(soak_runs):
     """A ``--workers 2`` server refuses ``POST /admin/reload`` (409), which failed every soak
     of one although both processes reloaded: the soak now publishes the new version where
     the server watches and waits until /metrics says every process serves it. RSS is
     sampled per process (the supervisor and each serving process), not summed."""
-    out = tmp_path / "soak-workers"
-    result = _run(
-        "--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
-        "binary,grpc", "--serve-args", "--workers 2 --watch-seconds 1", "--out", str(out),
-        timeout=130,
-    )  # fmt: skip
+    run = soak_runs["test_short_soak_with_reload_through_the_watcher_of_a_workers_server"]
+    result, out = run.result(), run.out
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     soak = _summary(out)["soak"]
     reload = soak["reload"]
