@@ -57,6 +57,23 @@ def assert_refused(result: subprocess.CompletedProcess, code: int, *needles: str
         assert needle in result.stderr, result.stderr
 
 
+def _sigterm_once_the_rank_started(entry: Path) -> tuple[int, str]:
+    """``recserve train`` of ``entry`` (which prints "rank started"), sent SIGTERM once its
+    rank has started: the launcher's exit code and stderr."""
+    import signal
+
+    launcher = start_training(entry, stderr=subprocess.PIPE)
+    try:
+        assert launcher.stdout.readline().strip() == "rank started"
+        launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    return launcher.returncode, err
+
+
 def test_a_rank_that_fails_is_one_line_not_a_torchrun_traceback():
     # The script's own error, then one line naming the rank (torchrun's ChildFailedError
     # traceback about its internals used to follow), and the rank's exit status.
@@ -76,16 +93,8 @@ def test_a_stopped_training_run_is_one_line_not_a_torchrun_traceback(tmp_path):
 
     entry = tmp_path / "sleeper.py"
     entry.write_text("import time\nprint('rank started', flush=True)\ntime.sleep(120)\n")
-    launcher = start_training(entry, stderr=subprocess.PIPE)
-    try:
-        assert launcher.stdout.readline().strip() == "rank started"
-        launcher.send_signal(signal.SIGTERM)
-        _out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    assert launcher.returncode == 128 + signal.SIGTERM, err
+    returncode, err = _sigterm_once_the_rank_started(entry)
+    assert returncode == 128 + signal.SIGTERM, err
     assert "recserve train: stopped by SIGTERM" in err
     assert "Traceback" not in err, err
 
@@ -94,7 +103,6 @@ def test_a_sigterm_after_the_run_finished_is_not_a_stop(tmp_path):
     """A SIGTERM that reaches the launcher once the ranks are done (a run that completed and
     published its final checkpoint, e.g. a pod deleted as it ended) is no stop: the launcher
     used to say "stopped by SIGTERM" and exit 143 anyway."""
-    import signal
 
     entry = tmp_path / "finishing.py"
     entry.write_text(
@@ -107,16 +115,8 @@ def test_a_sigterm_after_the_run_finished_is_not_a_stop(tmp_path):
         "    time.sleep(0.02)\n"
         "# past its last step: it finishes (exit 0) instead of stopping\n"
     )
-    launcher = start_training(entry, stderr=subprocess.PIPE)
-    try:
-        assert launcher.stdout.readline().strip() == "rank started"
-        launcher.send_signal(signal.SIGTERM)
-        _out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    assert launcher.returncode == 0, err
+    returncode, err = _sigterm_once_the_rank_started(entry)
+    assert returncode == 0, err
     assert (
         "recserve train: SIGTERM arrived after every rank had finished (exit 0): the run completed"
     ) in err
