@@ -74,6 +74,11 @@ class CheckpointManifest:
     #: What the trainer recorded about where it was (e.g. epochs done, the seed): JSON
     #: numbers, strings, booleans or null by name. Empty when it recorded nothing.
     train_state: dict[str, Any] = field(default_factory=dict)
+    #: The names in ``dense.pt`` that are the model's parameters, where +-Inf is refused as
+    #: well as NaN (its other tensors are buffers and extra state, which may hold +-Inf: a
+    #: mask); None in older checkpoints, whose ``dense.pt`` is checked for NaN only unless
+    #: the model is at hand (a resume).
+    dense_parameters: frozenset[str] | None = None
 
     @property
     def has_jit_model(self) -> bool:
@@ -146,6 +151,7 @@ def write_checkpoint(
     # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     state = model.state_dict()
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
     optimizer_state = dense_optimizer.state_dict() if dense_optimizer is not None else None
     scaler_state = (
         grad_scaler.state_dict() if grad_scaler is not None and grad_scaler.is_enabled() else None
@@ -199,6 +205,9 @@ def write_checkpoint(
                 "version": embedding_manifest.version,
             },
             "train_state": train_state,
+            # A state dict does not tell parameters from buffers: the readers that load no
+            # model (verify, inspect) take this list to refuse Inf in a parameter.
+            "dense_parameters": [name for name in state if name in parameters],
         }
         checkpoint_publish.write_atomic(
             staging / MANIFEST_NAME, json.dumps(manifest, indent=2).encode()
@@ -263,6 +272,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             train_state=check_train_state(
                 raw.get("train_state"), f"{root / MANIFEST_NAME}: train_state", CheckpointError
             ),
+            dense_parameters=_names(raw.get("dense_parameters"), "dense_parameters", root),
         )
     except CheckpointError:
         raise
@@ -277,6 +287,17 @@ def _whole_number(value: object, field: str, root: Path) -> int:
             f"{root / MANIFEST_NAME} is malformed: {field} must be an integer >= 0, got {value!r}"
         )
     return value
+
+
+def _names(value: object, field: str, root: Path) -> frozenset[str] | None:
+    """A manifest's list of names (JSON strings); None when absent (an older checkpoint)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} is malformed: {field} must be a list of names, got {value!r}"
+        )
+    return frozenset(value)
 
 
 def check_train_state(
@@ -364,16 +385,18 @@ def read_verified_file(manifest: CheckpointManifest, name: str) -> bytes:
 def load_state(manifest: CheckpointManifest, name: str, *, check_values: bool = True) -> Any:
     """A dense file's contents via ``torch.load(weights_only=True)`` (no arbitrary pickle).
 
-    CheckpointError naming the file and the tensor when a tensor anywhere in it holds NaN
-    (see :func:`check_no_nan`), unless not ``check_values`` (``recserve checkpoint diff``,
-    which shows what went bad)."""
+    CheckpointError naming the file, the tensor and the first bad position and value when a
+    tensor anywhere in it holds NaN, or a parameter of ``dense.pt`` (as the manifest lists
+    them) holds +-Inf (see :func:`check_no_nan`), unless not ``check_values`` (``recserve
+    checkpoint diff``, which shows what went bad)."""
     payload = read_verified_file(manifest, name)
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{manifest.directory / name} cannot be loaded: {error}") from None
     if check_values:
-        check_no_nan(state, manifest.directory / name)
+        finite = manifest.dense_parameters if name == DENSE_FILE else None
+        check_no_nan(state, manifest.directory / name, finite=finite or frozenset())
     return state
 
 
@@ -457,16 +480,19 @@ def check_dense_writable(
             )
 
 
-def check_no_nan(state: Any, where: Path) -> None:
-    """CheckpointError naming ``where`` (a dense file), the tensor and its first NaN unless
-    no tensor of ``state`` holds NaN. NaN is never a trained value: a model or optimizer
-    that holds one answers NaN (or trains to NaN) from then on. +-Inf is refused only in
-    parameters (:func:`check_finite_parameters`): a buffer may hold it on purpose (an
-    attention mask of -inf), and a state dict alone does not tell buffers from parameters."""
+def check_no_nan(state: Any, where: Path, *, finite: frozenset[str] = frozenset()) -> None:
+    """CheckpointError naming ``where`` (a dense file), the tensor and its first bad value
+    unless no tensor of ``state`` holds NaN and none named in ``finite`` (the parameters of
+    a state dict) holds +-Inf. NaN is never a trained value: a model or optimizer that holds
+    one answers NaN (or trains to NaN) from then on. +-Inf is refused only in parameters: a
+    buffer may hold it on purpose (an attention mask of -inf), and so may an optimizer's
+    state (an Adagrad sum past float32's range, whose step is then 0); a state dict alone
+    does not tell buffers from parameters, so the writer lists them (``finite``)."""
     for name, tensor in _tensors(state):
-        first = nonfinite.first_bad_index_torch(tensor, nan_only=True)
+        nan_only = name not in finite
+        first = nonfinite.first_bad_index_torch(tensor, nan_only=nan_only)
         if first is not None:
-            raise _nonfinite_error(where, name, tensor, first, nan_only=True)
+            raise _nonfinite_error(where, name, tensor, first, nan_only=nan_only)
 
 
 def check_finite_parameters(
@@ -534,9 +560,10 @@ def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
 
 def verify(directory: str | Path) -> CheckpointManifest:
     """Check every dense file and every embedding file against the manifests, and their
-    values (no NaN in a dense file's tensors, see :func:`load_state`; none in embeddings,
-    see :func:`embedding_store.checkpoint_load.verify`). ``jit_dense.pt`` is code: checked
-    by checksum only."""
+    values (no NaN in a dense file's tensors and no Inf in a parameter of ``dense.pt``, see
+    :func:`load_state`; none in embeddings, see
+    :func:`embedding_store.checkpoint_load.verify`). ``jit_dense.pt`` is code: checked by
+    checksum only."""
     manifest = read_manifest(directory)
     for name in manifest.files:
         if name == JIT_FILE:
@@ -581,7 +608,8 @@ def load_checkpoint(
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     # Refused, not warned about: from NaN or Inf weights every step's gradients are NaN,
     # which the non-finite step guard skips, so the run would go on learning nothing.
-    # (NaN anywhere was refused by load_state; Inf is refused in parameters only.)
+    # (NaN anywhere was refused by load_state, and Inf in the parameters the manifest
+    # lists; a checkpoint written before it listed them is checked against the model's.)
     parameter_names = {name for name, _ in model.named_parameters()}
     check_finite_parameters(
         ((name, value) for name, value in state.items() if name in parameter_names)

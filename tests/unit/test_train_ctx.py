@@ -581,6 +581,10 @@ def test_another_dense_optimizer_is_refused_on_resume(tmp_path):
         (lambda m: m["files"]["dense.pt"].update(bytes=-1), r"\.bytes must be an integer >= 0"),
         (lambda m: m["files"].update({"../x": m["files"]["dense.pt"]}), "not a plain name"),
         (lambda m: m.update(files=[]), "'files' must be an object, got a JSON list"),
+        (
+            lambda m: m.update(dense_parameters="linear.weight"),
+            "dense_parameters must be a list of names, got 'linear.weight'",
+        ),
     ],
 )
 def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
