@@ -303,7 +303,9 @@ def verify(
                 problems.append(error.message)
                 continue
             try:
-                if name != model_checkpoint.JIT_FILE:
+                if name == model_checkpoint.RNG_FILE:
+                    model_checkpoint.read_rng_states(manifest)  # safetensors
+                elif name != model_checkpoint.JIT_FILE:
                     # tensors only, no code
                     model_checkpoint.load_state(manifest, name, check_values=check_values)
                 elif load_code:

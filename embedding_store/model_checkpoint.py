@@ -11,6 +11,8 @@ Layout::
     dense.pt        the dense model's state_dict (loaded with weights_only=True)
     jit_dense.pt    torch.jit.script of the dense model (for serving without Python classes)
     opt.pt          the dense optimizer's state_dict
+    rng_state.safetensors  each training rank's torch random number generator states
+                    (uint8 tensors ``rank_R.cpu``, ``rank_R.cuda``; no pickle)
     embeddings/     the embedding tier's checkpoint (embedding_store.checkpoint_manifest format)
     DONE            written last
 
@@ -27,15 +29,17 @@ import io
 import itertools
 import json
 import math
+import re
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
+import safetensors.torch
 import torch
 
 from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish, nonfinite
@@ -52,6 +56,14 @@ DENSE_FILE = "dense.pt"
 JIT_FILE = "jit_dense.pt"
 OPTIMIZER_FILE = "opt.pt"
 SCALER_FILE = "scaler.pt"  # the mixed-precision loss scaler's state, when training used one
+#: Each training rank's torch random number generator states (:func:`rng_payload`), so a
+#: resumed run draws what the uninterrupted one would have (dropout); absent in older
+#: checkpoints and in those written without a trainer's states.
+RNG_FILE = "rng_state.safetensors"
+#: The generators kept per rank: torch's CPU one and, when the rank trains on a GPU, that
+#: GPU's (each as torch gives its state: uint8 [n], n fixed by the generator's kind).
+RNG_KINDS = ("cpu", "cuda")
+_RNG_NAME = re.compile(r"rank_(0|[1-9][0-9]{0,5})\.(cpu|cuda)")
 
 
 @dataclass(frozen=True)
@@ -133,12 +145,15 @@ def write_checkpoint(
     overwrite: bool = False,
     grad_scaler: torch.amp.GradScaler | None = None,
     train_state: dict[str, Any] | None = None,
+    rng_states: Sequence[dict[str, torch.Tensor]] | None = None,
 ) -> CheckpointManifest:
     """Write a complete checkpoint atomically (staging directory, then one rename).
 
     ``grad_scaler``: an enabled mixed-precision loss scaler's state goes to ``scaler.pt``, so
     a resumed run keeps its loss scale instead of starting again from 65536.
     ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`).
+    ``rng_states``: each rank's random number generator states, by rank (see
+    :func:`rng_payload`), written to ``rng_state.safetensors``.
 
     Values that a load refuses are refused here, naming the tensor and its first bad value:
     in the dense files before anything is written (:func:`check_dense_writable`), in the
@@ -163,6 +178,8 @@ def write_checkpoint(
         payloads[OPTIMIZER_FILE] = _save_bytes(optimizer_state)
     if scaler_state is not None:
         payloads[SCALER_FILE] = _save_bytes(scaler_state)
+    if rng_states is not None:
+        payloads[RNG_FILE] = rng_payload(rng_states)
     if with_jit_model:
         buffer = io.BytesIO()
         # Each module's own mode is put back, not the root's with train(mode): that would
@@ -400,6 +417,54 @@ def load_state(manifest: CheckpointManifest, name: str, *, check_values: bool = 
     return state
 
 
+def rng_payload(states: Sequence[dict[str, torch.Tensor]]) -> bytes:
+    """``rng_state.safetensors``: ``states[R]`` (rank R's generator states by kind, of
+    :data:`RNG_KINDS`: uint8 [n] each) as tensors ``rank_R.KIND``. safetensors, not
+    ``torch.save``: nothing read from disk is unpickled."""
+    tensors = {}
+    for rank, state in enumerate(states):
+        for kind, value in state.items():
+            if kind not in RNG_KINDS or value.dtype != torch.uint8 or value.dim() != 1:
+                raise InvalidArgumentError(
+                    f"rank {rank}'s random number generator state {kind!r} must be a uint8 "
+                    f"[n] tensor of one of {list(RNG_KINDS)}, got {value.dtype} "
+                    f"{list(value.shape)}"
+                )
+            # A copy each: safetensors refuses tensors that share memory (ranks alike).
+            tensors[f"rank_{rank}.{kind}"] = value.detach().cpu().clone()
+    return safetensors.torch.save(tensors, metadata={"format": "recserve-rng-state"})
+
+
+def read_rng_states(manifest: CheckpointManifest) -> list[dict[str, torch.Tensor]] | None:
+    """The random number generator states of ``rng_state.safetensors`` by rank (as
+    :func:`rng_payload` was given them), verified against the manifest first; None when the
+    checkpoint has none (written before they were kept). CheckpointError naming the file when
+    it is corrupt or malformed."""
+    if RNG_FILE not in manifest.files:
+        return None
+    where = manifest.directory / RNG_FILE
+    payload = read_verified_file(manifest, RNG_FILE)
+    try:
+        tensors = safetensors.torch.load(payload)
+    except Exception as error:  # safetensors' own error type is not exported
+        raise CheckpointError(f"{where} cannot be loaded: {error}") from None
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _RNG_NAME.fullmatch(name)
+        if match is None or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise CheckpointError(
+                f"{where} is malformed: tensor {name!r} ({tensor.dtype} {list(tensor.shape)}) "
+                "is not a generator state rank_R.cpu or rank_R.cuda (uint8 [n])"
+            )
+        states.setdefault(int(match[1]), {})[match[2]] = tensor
+    if sorted(states) != list(range(len(states))):
+        raise CheckpointError(
+            f"{where} is malformed: it holds the states of ranks {sorted(states)}, not of "
+            f"ranks 0..{len(states) - 1}"
+        )
+    return [states[rank] for rank in range(len(states))]
+
+
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(dotted name, tensor) of every tensor in a loaded state (nested dicts, lists and
     tuples, as an optimizer's ``{"state": {0: {"exp_avg": ...}}}``), in order."""
@@ -568,6 +633,8 @@ def verify(directory: str | Path) -> CheckpointManifest:
     for name in manifest.files:
         if name == JIT_FILE:
             read_verified_file(manifest, name)
+        elif name == RNG_FILE:
+            read_rng_states(manifest)
         else:
             load_state(manifest, name)  # verified first, then loaded with weights_only
     check_embeddings_match(manifest, checkpoint_load.verify(manifest.embeddings_directory))

@@ -310,6 +310,107 @@ def test_eval_ctx_scores_in_eval_mode_as_the_server_does(tmp_path):
     np.testing.assert_array_equal(first.numpy(), served)
 
 
+def _dropout_ctx() -> TrainCtx:
+    """A synchronous TrainCtx over a DropoutModel, torch seeded with 0 first (as a training
+    script seeds itself, resumed or not)."""
+    torch.manual_seed(0)
+    model = DropoutModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
+def _dense_weights(ctx: TrainCtx) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in ctx.dense_model.state_dict().items()}
+
+
+def test_a_resumed_run_draws_the_dropout_masks_of_an_uninterrupted_one(tmp_path):
+    """6 steps of a model with dropout equal 3 steps, a checkpoint and 3 more steps in a
+    fresh TrainCtx resumed from it, bit for bit: the checkpoint keeps torch's generator
+    state. Without it the resumed steps drew their masks from the script's seed again."""
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 6)
+        expected = _dense_weights(ctx)
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+    with _dropout_ctx() as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        train_steps(resumed, 3, offset=3)
+        resumed_weights = _dense_weights(resumed)
+    assert sorted(resumed_weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(resumed_weights[name], tensor), name
+
+
+def _rewrite_rng_file(directory, payload: bytes | None) -> None:
+    """Replace a checkpoint's rng_state.safetensors by ``payload`` (None: remove it, as in a
+    checkpoint written before it was kept), the manifest following."""
+    manifest_path = directory / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    if payload is None:
+        (directory / "rng_state.safetensors").unlink()
+        del raw["files"]["rng_state.safetensors"]
+    else:
+        (directory / "rng_state.safetensors").write_bytes(payload)
+        raw["files"]["rng_state.safetensors"] = {
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    manifest_path.write_text(json.dumps(raw))
+
+
+def test_a_checkpoint_without_the_generator_states_of_this_run_resumes_with_a_note(
+    tmp_path, caplog
+):
+    """A checkpoint written before the generators were kept, or by another number of
+    ranks: it resumes (weights and step), the generators as the script seeded them, and
+    the log says why. A damaged generator file is refused like any damaged file."""
+    from clients import checkpoint_inspect
+    from embedding_store import model_checkpoint
+
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        weights = _dense_weights(ctx)
+        state = torch.get_rng_state()
+    ckpt = tmp_path / "ckpt"
+    assert checkpoint_inspect.verify(ckpt)[0] == []
+    two_ranks = model_checkpoint.rng_payload([{"cpu": state}, {"cpu": state}])
+    notes = {
+        None: f"note: checkpoint {ckpt} holds no random number generator states (written "
+        "before checkpoints kept them)",
+        two_ranks: f"note: checkpoint {ckpt} holds the random number generator states of 2 "
+        "rank(s), this run has 1",
+    }
+    for payload, note in notes.items():
+        _rewrite_rng_file(ckpt, payload)
+        caplog.clear()
+        with _dropout_ctx() as resumed, caplog.at_level(logging.WARNING, "training.ctx"):
+            seeded = torch.get_rng_state()
+            assert resumed.load_checkpoint(ckpt).step == 2
+            assert torch.equal(torch.get_rng_state(), seeded)
+            assert all(torch.equal(v, weights[k]) for k, v in _dense_weights(resumed).items())
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{note}: the random number generators stay as this run seeded them, so a model "
+            "that draws random numbers while training (dropout) draws otherwise than the "
+            "uninterrupted run"
+        ]
+    _rewrite_rng_file(ckpt, b"not safetensors")
+    message = f"{ckpt / 'rng_state.safetensors'} cannot be loaded: "
+    assert checkpoint_inspect.verify(ckpt)[0][0].startswith(message)
+    with _dropout_ctx() as resumed:
+        before = _dense_weights(resumed)
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            resumed.load_checkpoint(ckpt)
+        assert all(torch.equal(v, before[k]) for k, v in _dense_weights(resumed).items())
+
+
 def test_training_keeps_a_part_kept_in_eval_mode_so():
     """TrainCtx.forward switched every module to training on every step, so a layer its
     trainer froze in eval mode (here a dropout) trained with it on. Only a model switched to
@@ -1249,6 +1350,8 @@ def _as_if_saved_on_a_gpu(directory) -> list[str]:
     manifest = json.loads(manifest_path.read_text())
     rewritten = []
     for name in manifest["files"]:
+        if name == "rng_state.safetensors":
+            continue  # no zip, no storage locations: written the same on a GPU
         path = directory / name
         source = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
         out = io.BytesIO()
