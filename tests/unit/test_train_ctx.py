@@ -411,6 +411,47 @@ def test_a_checkpoint_without_the_generator_states_of_this_run_resumes_with_a_no
         assert all(torch.equal(v, before[k]) for k, v in _dense_weights(resumed).items())
 
 
+def test_a_rank_on_a_gpu_keeps_and_gets_back_that_gpus_generator_too(monkeypatch, caplog):
+    """What a rank training on cuda:1 saves and restores, with torch.cuda's generator calls
+    stood in for (no GPU here): its CPU generator's state and cuda:1's, each put back where
+    it came from; from a checkpoint of a CPU run only the CPU one, with a note."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from embedding_store import model_checkpoint
+
+    device = torch.device("cuda", 1)
+    gpus = {device: torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpus[device].clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: gpus.__setitem__(device, state)
+    )
+    ctx = new_ctx()  # not entered: nothing moves to the (absent) GPU
+    ctx.device = device
+    saved = ctx._rng_state()
+    assert sorted(saved) == ["cpu", "cuda"] and torch.equal(saved["cuda"], gpus[device])
+    payload = model_checkpoint.rng_payload([saved])
+    manifest = SimpleNamespace(directory=Path("ckpt"), files={"rng_state.safetensors": {}})
+    monkeypatch.setattr(model_checkpoint, "read_verified_file", lambda manifest, name: payload)
+    states = model_checkpoint.read_rng_states(manifest)
+    torch.rand(3)
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    ctx._restore_rng_state(manifest, states)
+    assert torch.equal(torch.get_rng_state(), saved["cpu"])
+    assert torch.equal(gpus[device], torch.arange(16, dtype=torch.uint8))
+
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, "training.ctx"):
+        ctx._restore_rng_state(manifest, [{"cpu": saved["cpu"]}])
+    assert torch.equal(gpus[device], torch.zeros(16, dtype=torch.uint8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: rank 0: checkpoint ckpt's cuda generator state was not restored (it has none: "
+        "written by a run on the CPU): the random number generators stay as this run seeded "
+        "them, so a model that draws random numbers while training (dropout) draws otherwise "
+        "than the uninterrupted run"
+    ]
+
+
 def test_training_keeps_a_part_kept_in_eval_mode_so():
     """TrainCtx.forward switched every module to training on every step, so a layer its
     trainer froze in eval mode (here a dropout) trained with it on. Only a model switched to
