@@ -872,8 +872,10 @@ class TrainCtx(EmbeddingCtx):
         for kind, current in self._rng_state().items():
             state = saved.get(kind)
             if state is None or state.numel() != current.numel():
-                if state is None:
-                    why = "it has none" + (": written by a run on the CPU" * (kind == "cuda"))
+                if state is None and kind == "cuda":
+                    why = "it has none: written by a run on the CPU"
+                elif state is None:
+                    why = "it has none"
                 else:
                     why = f"{state.numel()} bytes where this torch's take {current.numel()}"
                 log.warning(
