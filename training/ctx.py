@@ -738,11 +738,19 @@ class TrainCtx(EmbeddingCtx):
         :data:`NONFINITE_COUNTERS` (this context's counts replace any given under those names),
         which :meth:`load_checkpoint` continues from: like ``step``, they count the whole run.
 
+        Each rank's torch random number generators (the CPU one, and its GPU's when it
+        trains on one) are kept too, as they stand when it is called, and
+        :meth:`load_checkpoint` puts them back: a model that draws random numbers while
+        training (dropout) resumes with the draws of the uninterrupted run.
+
         CheckpointError naming the tensor and its first bad value, with nothing written (a
         checkpoint already at ``directory`` stays, ``overwrite`` or not), when a dense weight
         or an embedding row went NaN or Inf: serving and resuming would refuse it."""
         from training.checkpoint import dump_checkpoint
 
+        # First: where the loop's next draw comes from (nothing below should draw, but a
+        # model's scripting or a tier's dump is not ours to vouch for).
+        rng_state = self._rng_state()
         if self.signature is None:
             # Checked here, not when a server refuses the checkpoint much later.
             log.warning(
@@ -765,6 +773,7 @@ class TrainCtx(EmbeddingCtx):
                 **(train_state or {}),
                 **{name: getattr(self, name) for name in NONFINITE_COUNTERS},
             },
+            rng_state=rng_state,
         )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
@@ -775,14 +784,22 @@ class TrainCtx(EmbeddingCtx):
         A torch LR scheduler is the loop's, not in the checkpoint: ``opt.pt`` gives the param
         groups back with their current ``lr``, and the scheduler goes on from there once its
         ``last_epoch`` is the number of times it had stepped (``manifest.step`` for one
-        step per batch), set before its next ``step()``."""
-        from training.checkpoint import load_checkpoint
+        step per batch), set before its next ``step()``.
+
+        The torch random number generators this rank had when the checkpoint was written
+        (see :meth:`dump_checkpoint`) are put back; a checkpoint without them (written before
+        they were kept) or from another number of ranks resumes all the same, its generators
+        as the loop seeded them, with a logged note."""
+        from training.checkpoint import load_checkpoint, read_manifest, read_rng_states
 
         self.wait_for_embedding_updates()
         # No rank's late updates may land on the loaded embeddings.
         distributed.checkpoint_barrier()
         failure: BaseException | None = None
+        rng_states = None
         try:
+            # Read (and verified) before anything moves, as the other files are.
+            rng_states = read_rng_states(read_manifest(Path(directory)))
             manifest = load_checkpoint(
                 Path(directory),
                 self.dense_model,
@@ -807,4 +824,69 @@ class TrainCtx(EmbeddingCtx):
             valid = isinstance(count, int) and not isinstance(count, bool) and count >= 0
             setattr(self, name, count if valid else 0)
         self.signature = manifest.signature or self.signature
+        self._restore_rng_state(manifest, rng_states)
         return manifest
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        """This rank's torch generator states by kind (``model_checkpoint.RNG_KINDS``):
+        the CPU one, and its GPU's when it trains on one; uint8 [n] each, as torch gives
+        them. numpy's and Python's global generators are not kept: nothing of the trainer
+        draws from them (the Adult example's data order comes from seeded local ones)."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _restore_rng_state(
+        self, manifest: CheckpointManifest, states: list[dict[str, torch.Tensor]] | None
+    ) -> None:
+        """Put back this rank's generator states from ``states`` (by rank; None: the
+        checkpoint has none), or log why they stay as the loop seeded them."""
+        rank, ranks = distributed.rank(), max(distributed.world_size(), 1)
+        unchanged = (
+            "the random number generators stay as this run seeded them, so a model that "
+            "draws random numbers while training (dropout) draws otherwise than the "
+            "uninterrupted run"
+        )
+        if states is None:
+            if rank == 0:
+                log.warning(
+                    "note: checkpoint %s holds no random number generator states (written "
+                    "before checkpoints kept them): %s",
+                    manifest.directory,
+                    unchanged,
+                )
+            return
+        if len(states) != ranks:
+            if rank == 0:
+                log.warning(
+                    "note: checkpoint %s holds the random number generator states of %d "
+                    "rank(s), this run has %d: %s",
+                    manifest.directory,
+                    len(states),
+                    ranks,
+                    unchanged,
+                )
+            return
+        saved = states[rank]
+        for kind, current in self._rng_state().items():
+            state = saved.get(kind)
+            if state is None or state.numel() != current.numel():
+                if state is None and kind == "cuda":
+                    why = "it has none: written by a run on the CPU"
+                elif state is None:
+                    why = "it has none"
+                else:
+                    why = f"{state.numel()} bytes where this torch's take {current.numel()}"
+                log.warning(
+                    "note: rank %d: checkpoint %s's %s generator state was not restored (%s): %s",
+                    rank,
+                    manifest.directory,
+                    kind,
+                    why,
+                    unchanged,
+                )
+            elif kind == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state, self.device)

@@ -310,6 +310,148 @@ def test_eval_ctx_scores_in_eval_mode_as_the_server_does(tmp_path):
     np.testing.assert_array_equal(first.numpy(), served)
 
 
+def _dropout_ctx() -> TrainCtx:
+    """A synchronous TrainCtx over a DropoutModel, torch seeded with 0 first (as a training
+    script seeds itself, resumed or not)."""
+    torch.manual_seed(0)
+    model = DropoutModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
+def _dense_weights(ctx: TrainCtx) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in ctx.dense_model.state_dict().items()}
+
+
+def test_a_resumed_run_draws_the_dropout_masks_of_an_uninterrupted_one(tmp_path):
+    """6 steps of a model with dropout equal 3 steps, a checkpoint and 3 more steps in a
+    fresh TrainCtx resumed from it, bit for bit: the checkpoint keeps torch's generator
+    state. Without it the resumed steps drew their masks from the script's seed again."""
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 6)
+        expected = _dense_weights(ctx)
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+    with _dropout_ctx() as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        train_steps(resumed, 3, offset=3)
+        resumed_weights = _dense_weights(resumed)
+    assert sorted(resumed_weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(resumed_weights[name], tensor), name
+
+
+def _rewrite_rng_file(directory, payload: bytes | None) -> None:
+    """Replace a checkpoint's rng_state.safetensors by ``payload`` (None: remove it, as in a
+    checkpoint written before it was kept), the manifest following."""
+    manifest_path = directory / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    if payload is None:
+        (directory / "rng_state.safetensors").unlink()
+        del raw["files"]["rng_state.safetensors"]
+    else:
+        (directory / "rng_state.safetensors").write_bytes(payload)
+        raw["files"]["rng_state.safetensors"] = {
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    manifest_path.write_text(json.dumps(raw))
+
+
+def test_a_checkpoint_without_the_generator_states_of_this_run_resumes_with_a_note(
+    tmp_path, caplog
+):
+    """A checkpoint written before the generators were kept, or by another number of
+    ranks: it resumes (weights and step), the generators as the script seeded them, and
+    the log says why. A damaged generator file is refused like any damaged file."""
+    from clients import checkpoint_inspect
+    from embedding_store import model_checkpoint
+
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        weights = _dense_weights(ctx)
+        state = torch.get_rng_state()
+    ckpt = tmp_path / "ckpt"
+    assert checkpoint_inspect.verify(ckpt)[0] == []
+    two_ranks = model_checkpoint.rng_payload([{"cpu": state}, {"cpu": state}])
+    notes = {
+        None: f"note: checkpoint {ckpt} holds no random number generator states (written "
+        "before checkpoints kept them)",
+        two_ranks: f"note: checkpoint {ckpt} holds the random number generator states of 2 "
+        "rank(s), this run has 1",
+    }
+    for payload, note in notes.items():
+        _rewrite_rng_file(ckpt, payload)
+        caplog.clear()
+        with _dropout_ctx() as resumed, caplog.at_level(logging.WARNING, "training.ctx"):
+            seeded = torch.get_rng_state()
+            assert resumed.load_checkpoint(ckpt).step == 2
+            assert torch.equal(torch.get_rng_state(), seeded)
+            assert all(torch.equal(v, weights[k]) for k, v in _dense_weights(resumed).items())
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{note}: the random number generators stay as this run seeded them, so a model "
+            "that draws random numbers while training (dropout) draws otherwise than the "
+            "uninterrupted run"
+        ]
+    _rewrite_rng_file(ckpt, b"not safetensors")
+    message = f"{ckpt / 'rng_state.safetensors'} cannot be loaded: "
+    assert checkpoint_inspect.verify(ckpt)[0][0].startswith(message)
+    with _dropout_ctx() as resumed:
+        before = _dense_weights(resumed)
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            resumed.load_checkpoint(ckpt)
+        assert all(torch.equal(v, before[k]) for k, v in _dense_weights(resumed).items())
+
+
+def test_a_rank_on_a_gpu_keeps_and_gets_back_that_gpus_generator_too(monkeypatch, caplog):
+    """What a rank training on cuda:1 saves and restores, with torch.cuda's generator calls
+    stood in for (no GPU here): its CPU generator's state and cuda:1's, each put back where
+    it came from; from a checkpoint of a CPU run only the CPU one, with a note."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from embedding_store import model_checkpoint
+
+    device = torch.device("cuda", 1)
+    gpus = {device: torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpus[device].clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: gpus.__setitem__(device, state)
+    )
+    ctx = new_ctx()  # not entered: nothing moves to the (absent) GPU
+    ctx.device = device
+    saved = ctx._rng_state()
+    assert sorted(saved) == ["cpu", "cuda"] and torch.equal(saved["cuda"], gpus[device])
+    payload = model_checkpoint.rng_payload([saved])
+    manifest = SimpleNamespace(directory=Path("ckpt"), files={"rng_state.safetensors": {}})
+    monkeypatch.setattr(model_checkpoint, "read_verified_file", lambda manifest, name: payload)
+    states = model_checkpoint.read_rng_states(manifest)
+    torch.rand(3)
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    ctx._restore_rng_state(manifest, states)
+    assert torch.equal(torch.get_rng_state(), saved["cpu"])
+    assert torch.equal(gpus[device], torch.arange(16, dtype=torch.uint8))
+
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, "training.ctx"):
+        ctx._restore_rng_state(manifest, [{"cpu": saved["cpu"]}])
+    assert torch.equal(gpus[device], torch.zeros(16, dtype=torch.uint8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: rank 0: checkpoint ckpt's cuda generator state was not restored (it has none: "
+        "written by a run on the CPU): the random number generators stay as this run seeded "
+        "them, so a model that draws random numbers while training (dropout) draws otherwise "
+        "than the uninterrupted run"
+    ]
+
+
 def test_training_keeps_a_part_kept_in_eval_mode_so():
     """TrainCtx.forward switched every module to training on every step, so a layer its
     trainer froze in eval mode (here a dropout) trained with it on. Only a model switched to
@@ -581,6 +723,10 @@ def test_another_dense_optimizer_is_refused_on_resume(tmp_path):
         (lambda m: m["files"]["dense.pt"].update(bytes=-1), r"\.bytes must be an integer >= 0"),
         (lambda m: m["files"].update({"../x": m["files"]["dense.pt"]}), "not a plain name"),
         (lambda m: m.update(files=[]), "'files' must be an object, got a JSON list"),
+        (
+            lambda m: m.update(dense_parameters="linear.weight"),
+            "dense_parameters must be a list of names, got 'linear.weight'",
+        ),
     ],
 )
 def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
@@ -1245,6 +1391,8 @@ def _as_if_saved_on_a_gpu(directory) -> list[str]:
     manifest = json.loads(manifest_path.read_text())
     rewritten = []
     for name in manifest["files"]:
+        if name == "rng_state.safetensors":
+            continue  # no zip, no storage locations: written the same on a GPU
         path = directory / name
         source = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
         out = io.BytesIO()
