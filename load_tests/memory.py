@@ -14,13 +14,13 @@ N``, ``server`` is the supervisor holding the ports and each serving process is 
   segment, and the *sustained* rate is the smaller of the two halves (a leak grows in both; a
   one-off allocator step of a few MB only in one);
 * the *final window* is judged the same way on its own: the judged samples of the last
-  ``FINAL_WINDOW_FRACTION`` (20%) of the run (the last 2 minutes of a 10-minute soak, ~40
-  samples at the soak's default interval), within the last segment, when it holds at least
-  12 (6 per half). A leak that starts late (after ~8 minutes of 10) grows in only the second
-  half of its segment, which the segment's halves let pass; it grows in both halves of the
-  final window. Each half holds ~20 samples over 1/10 of the run: noise of 1 MB (standard
-  deviation) moves its slope by ~0.8 MB/min in a 10-minute soak, and a one-off step lies in
-  one half;
+  ``FINAL_WINDOW_FRACTION`` (20%) of the run, at least ``FINAL_WINDOW_MIN_S`` (60 s), within
+  the last segment (the last 2 minutes of a 10-minute soak, ~40 samples at the soak's
+  default interval), when it holds at least 12 (6 per half). A leak that starts late (after
+  ~8 minutes of 10) grows in only the second half of its segment, which the segment's halves
+  let pass; it grows in both halves of the final window. Each half of a 10-minute soak's
+  holds ~20 samples over 1 minute: noise of 1 MB (standard deviation) moves its slope by
+  ~0.8 MB/min (2 allowed), and a one-off step lies in one half;
 * a segment or the final window fails when its sustained rate exceeds
   max(``MAX_GROWTH_MB_PER_MIN`` (1 MB/min), ``GROWTH_FLOOR_MB`` (20 MB) / the soak's
   minutes): 2 MB/min for a 10-minute soak, 40 MB/min for a 30 s one; and the reload fails
@@ -55,6 +55,10 @@ GROWTH_FLOOR_MB = 20.0
 #: The share of the run, at its end, judged as one more window (module docstring): long
 #: enough for ~20 samples per half at the soak's default interval (the run / 200).
 FINAL_WINDOW_FRACTION = 0.2
+#: The final window's least length: halves of 30 s or more (a few seconds of a short soak
+#: would judge a transient); in a soak under 5 minutes it is the whole last segment, which
+#: the segment rule judges already.
+FINAL_WINDOW_MIN_S = 60.0
 #: Fewest samples of a judged final window (6 per half).
 FINAL_WINDOW_MIN_SAMPLES = 12
 #: Samples per half-segment in a Theil-Sen fit (pairs grow as n**2; more add nothing).
@@ -205,7 +209,7 @@ def memory_verdict(
     final_s = final = None
     if judged:
         st, sv = judged[-1]
-        late = st >= st[-1] - FINAL_WINDOW_FRACTION * run_s
+        late = st >= st[-1] - max(FINAL_WINDOW_FRACTION * run_s, FINAL_WINDOW_MIN_S)
         if late.sum() >= FINAL_WINDOW_MIN_SAMPLES:
             rate = _sustained_slope(st[late], sv[late])
             if rate is not None:

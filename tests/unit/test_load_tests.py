@@ -214,6 +214,11 @@ def test_the_final_window_passes_a_reload_step_warm_up_growth_and_noise():
     noisy = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
     assert noisy.passed and noisy.reason == "flat", noisy
     assert noisy.final_window_s == 120.0 and abs(noisy.final_mb_per_min) < 1.0
+    # A short run's final window is 60 s, not 20% of it: +20 MB over the last 20 s of a 100 s
+    # run (a transient there) grows in one half of it only.
+    times, rss = _soak(100, 0.5, lambda t: 430 + max(t - 80, 0))
+    short = memory_verdict(times, rss, warmup_s=10.0, run_s=100.0)
+    assert short.passed and short.final_window_s == 60.0, short
     # The same noise over a late leak still fails.
     times, rss = _soak(600, 3.0, lambda t: 430 + noise[int(t / 3)] + 0.16 * max(t - 480, 0))
     assert not memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0).passed
