@@ -55,7 +55,7 @@ print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))
 
 def test_the_embedding_tier_command_does_not_import_torch():
     """``recserve embedding-tier status|clear`` (and ``--help``) answer through the worker's
-    client, which builds plain results: torch (~0.8 s of CPU per call) is not imported."""
+    client, which builds plain results: torch (~1 s of CPU per call) is not imported."""
     result = run_python(_FAKE_WORKER_CLI)
     lines = result.stdout.strip().splitlines()
     assert lines[:5] == [
