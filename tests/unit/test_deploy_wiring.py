@@ -598,6 +598,13 @@ def test_compose_trainer_command_parses_and_writes_where_the_server_reads() -> N
     # The skip test looks at the marker the checkpoint writes last.
     assert f"[ -f {server.checkpoint}/DONE ]" in text
     assert _compose_mount_of(_compose_mounts(trainer), str(parsed.checkpoint_dir)) is True
+    # Stopped (compose stop/down, a reboot), it writes where it stood, never into the served
+    # directory, within its stop_grace_period (10 s unless set: a checkpoint may not fit).
+    assert parsed.checkpoint_on_stop and parsed.stop_checkpoint_dir is not None
+    stop = str(parsed.stop_checkpoint_dir)
+    assert not inside(stop, server.checkpoint) and not inside(server.checkpoint, stop)
+    assert _compose_mount_of(_compose_mounts(trainer), stop) is True
+    assert _compose_seconds(trainer.get("stop_grace_period", "10s")) >= 60
 
 
 def test_compose_paths_the_processes_use_are_mounted() -> None:
