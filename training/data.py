@@ -394,9 +394,13 @@ class StreamingDataset:
         self._put(_END)
 
     def _skip_ended_loaders(self) -> None:
-        while (self._next_global % self.num_loaders) in self._ended and len(
-            self._ended
-        ) < self.num_loaders:
+        # This rank's numbers step by world size, so their loaders (g % num_loaders) repeat
+        # within num_loaders steps: past that, every loader that feeds this rank has ended.
+        # Only some loaders may feed it (2 loaders, 2 ranks: loader i sends to rank i
+        # alone), so "until every loader ended" looped for good, holding the lock.
+        for _ in range(self.num_loaders):
+            if self._next_global % self.num_loaders not in self._ended:
+                return
             self._next_global += self._world
 
     def __iter__(self) -> Iterator[Batch]:

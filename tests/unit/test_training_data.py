@@ -4,11 +4,13 @@ equal-steps rule and its defaults (the stream itself: tests/integration/test_dat
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
 from embedding_store.errors import InvalidArgumentError
 from training import data
 from training.data import DataCtx, DataLoader, IterableDataset, StreamingDataset
@@ -112,3 +114,45 @@ def test_a_rank_with_more_batches_drops_them_after_reading_them_all(monkeypatch,
     assert other.calls == [True, True, True]
     assert read == [0, 1, 2, 3, 4]  # read to the end, so that its data loaders finish
     assert "dropped its last 3 batch(es)" in caplog.text
+
+
+class _Call:
+    """The gRPC handler context _accept reads: a live call from one peer."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5"
+
+
+def _numbered(number: int) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID("n", np.array([number], dtype=np.uint64))],
+        requires_grad=False,
+    )
+
+
+@pytest.mark.parametrize("first_to_end", [0, 1])
+def test_reproducible_stream_ends_when_only_some_loaders_feed_this_rank(first_to_end: int):
+    """2 loaders, 2 ranks, reproducible: loader i's batches (g = 2 s + i) all go to rank i.
+    On rank 0, loader 0's end with loader 1 still open (or the reverse order) must not spin:
+    the skip over ended loaders looped for good under the lock when no loader feeding this
+    rank was left, and the stream never ended."""
+    dataset = StreamingDataset(8, port=0, num_loaders=2, reproducible=True)
+    dataset._rank, dataset._world, dataset._next_global = 0, 2, 0
+
+    def stream() -> None:
+        for sequence in range(3):
+            dataset._accept(0, sequence, _numbered(2 * sequence), _Call())  # type: ignore[arg-type]
+        for loader in (first_to_end, 1 - first_to_end):
+            dataset._end(loader, 3 if loader == 0 else 0)
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "the receiver hung on an ended loader"
+    items = [dataset._buffer.get_nowait() for _ in range(dataset._buffer.qsize())]
+    numbers = [int(b.id_feature("n").values[0]) for b in items if isinstance(b, Batch)]
+    assert numbers == [0, 2, 4]
+    assert sum(item is data._END for item in items) == 2
