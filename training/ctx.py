@@ -579,6 +579,11 @@ class TrainCtx(EmbeddingCtx):
             # Also its dtypes: a float for an integer feature only as a whole number in
             # range, converted to the recorded dtype (non_id_dtypes), never cut (3.7 -> 3).
             self.signature.check(batch)
+        if self._pending is not None:
+            # A forward without backward: give its slot back before waiting for one (with
+            # embedding_staleness=1 its slot is the only one, and the wait never ended).
+            self._pending = None
+            self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
             non_ids, embeddings, labels = super().prepare_features(batch)
@@ -589,8 +594,6 @@ class TrainCtx(EmbeddingCtx):
             self.signature = FeatureSignature.from_batch(batch)  # name typo) sets nothing
         leaves = [e.detach().requires_grad_(True) for e in embeddings]
         names = [slot.name for slot in self._last_lookup.slots]
-        if self._pending is not None:  # a forward without backward: give its slot back
-            self._in_flight.release()
         ref = self._last_lookup.ref
         assert ref is not None  # a train lookup always keeps its context (LookupResult.ref)
         self._pending = (ref, names, leaves)

@@ -215,6 +215,25 @@ def test_a_forward_without_backward_gives_its_staleness_slot_back():
         assert ctx._in_flight._value == 3  # no slot lost to the abandoned forwards
 
 
+def test_a_forward_without_backward_does_not_block_a_synchronous_run():
+    """embedding_staleness=1 has one slot, held by the abandoned forward: the next forward
+    waited for it forever (its slot was given back only after taking a new one)."""
+    steps: list[int] = []
+
+    def run(ctx: TrainCtx) -> None:
+        ctx.forward(make_batch(0))  # abandoned: no backward
+        train_steps(ctx, 2, offset=1)
+        steps.append(ctx.step)
+
+    with new_ctx(staleness=1) as ctx:
+        worker = threading.Thread(target=run, args=(ctx,), daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the forward after an abandoned one hung"
+        assert steps == [2]
+        assert ctx._in_flight._value == 1
+
+
 class SlowTier(InProcessEmbeddingTier):
     """An in-process tier whose embedding updates take a while to apply."""
 
