@@ -26,7 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from embedding_store.batch import Batch
-from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import (
     bind_tier_port,
     call,
@@ -111,6 +116,7 @@ class DataCtx:
         self._stubs = [pb_grpc.DataReceiverStub(c) for c in self._channels]
         self._sequence = 0
         self._sent = [0] * len(self.addresses)
+        self._finished = False
 
     def target_of(self, sequence: int) -> int:
         """NN worker that receives this loader's batch number ``sequence``."""
@@ -118,6 +124,9 @@ class DataCtx:
 
     def send_data(self, batch: Batch) -> None:
         """Send one batch to its NN worker; blocks while that worker's buffer is full."""
+        if self._finished:
+            # The workers counted this loader's batches at its end: one more would be lost.
+            raise FailedPreconditionError("send_data() after finish(): this loader has ended")
         target = self.target_of(self._sequence)
         request = pb.SendBatchRequest(
             loader_index=self.replica_index, sequence=self._sequence, batch=batch.to_bytes()
@@ -143,12 +152,16 @@ class DataCtx:
         self._sent[target] += 1
 
     def finish(self) -> None:
-        """Tell every NN worker that this loader is done (called on context exit)."""
+        """Tell every NN worker that this loader is done (called on context exit; once: a
+        second call, or the exit after one, sends nothing)."""
+        if self._finished:
+            return
         for index, stub in enumerate(self._stubs):
             request = pb.EndOfStreamRequest(
                 loader_index=self.replica_index, batches_sent=self._sent[index]
             )
             call(f"NN worker {self.addresses[index]}", stub.EndOfStream, request, timeout=60)
+        self._finished = True
 
     def abort(self, failure: str) -> None:
         """Tell every NN worker that this loader stopped on ``failure`` (called on context
@@ -380,12 +393,23 @@ class StreamingDataset:
                 )
             )
             return
+        if not 0 <= loader < self.num_loaders:
+            # Counted as an end, it would stop the stream while a real loader still sends (a
+            # failure above is reported whatever its index: it never counts as an end).
+            raise InvalidArgumentError(
+                f"EndOfStreamRequest.loader_index {loader} is not below num_loaders "
+                f"{self.num_loaders}"
+            )
         with self._lock:
             if self._received.get(loader, 0) != batches_sent:
                 raise InvalidArgumentError(
                     f"data loader {loader} says it sent {batches_sent} batches, "
                     f"{self._received.get(loader, 0)} arrived"
                 )
+            if loader in self._ended:
+                # A second end of the same loader (DataCtx.finish called by hand, then on
+                # exit): counted twice, it ended the stream before the other loaders did.
+                return
             self._ended[loader] = batches_sent
             if self.reproducible:
                 # Other loaders' later batches no longer wait for this one's.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
 from training import data
 from training.data import DataCtx, DataLoader, IterableDataset, StreamingDataset
 
@@ -156,3 +156,38 @@ def test_reproducible_stream_ends_when_only_some_loaders_feed_this_rank(first_to
     numbers = [int(b.id_feature("n").values[0]) for b in items if isinstance(b, Batch)]
     assert numbers == [0, 2, 4]
     assert sum(item is data._END for item in items) == 2
+
+
+def test_a_loaders_end_counts_once_and_only_for_a_loader_of_this_stream():
+    """Two loaders: loader 0's end sent twice (DataCtx.finish() by hand, then again on exit)
+    or an end from a loader index the stream does not have ended the stream while loader 1
+    still sent: each _END counted as one more loader done."""
+    dataset = StreamingDataset(8, port=0, num_loaders=2)
+    dataset._end(0, 0)
+    dataset._end(0, 0)
+    with pytest.raises(InvalidArgumentError) as refused:
+        dataset._end(2, 0)
+    assert refused.value.message == "EndOfStreamRequest.loader_index 2 is not below num_loaders 2"
+    assert dataset._ended == {0: 0}
+    assert dataset._buffer.qsize() == 1  # one end: the stream waits for loader 1's
+
+
+class _Stub:
+    """A DataReceiver stub that records the EndOfStream calls it gets."""
+
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+
+    def EndOfStream(self, request, timeout):
+        self.ends.append(request.loader_index)
+
+
+def test_a_loader_ends_its_stream_once_and_sends_nothing_after():
+    stubs = [_Stub(), _Stub()]
+    with DataCtx(ADDRESSES[:2], replica_index=1, replica_size=2) as ctx:
+        ctx._stubs = stubs  # type: ignore[assignment]
+        ctx.finish()
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.send_data(_numbered(0))
+        assert refused.value.message == "send_data() after finish(): this loader has ended"
+    assert [stub.ends for stub in stubs] == [[1], [1]]  # the exit sent no second end
