@@ -310,6 +310,13 @@ class StreamingDataset:
                 raise InvalidArgumentError(
                     f"StreamingDataset needs a port: pass port= or set {NN_WORKERS_ENV}"
                 )
+            if "WORLD_SIZE" in os.environ and len(addresses) != world:
+                # (torchrun sets WORLD_SIZE.) Loaders deal batches over every entry, and
+                # each rank takes its own: any other count loses or stalls batches.
+                raise InvalidArgumentError(
+                    f"{NN_WORKERS_ENV} has {len(addresses)} address(es) but WORLD_SIZE is "
+                    f"{world}: give one HOST:PORT per NN worker, in rank order"
+                )
             own_host, port = _own_port(addresses[rank % len(addresses)])
             host = host or (own_host if own_host.startswith("127.") else "0.0.0.0")
             world = len(addresses)
