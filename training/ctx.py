@@ -262,13 +262,45 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
+class _SharedEvalCtx(EmbeddingCtx):
+    """What :func:`eval_ctx` returns: an EVAL context that holds batches to the feature
+    signature ``source`` records (a TrainCtx's, once its first batch went through), as
+    training and serving do: the same features in the same order, and each non-ID feature
+    in the dtype the model was trained on (a later batch's integer feature sent as whole
+    floats, e.g. a pandas column with a missing value, reached the model as float32, which
+    an ``nn.Embedding`` refuses and anything else takes for other numbers)."""
+
+    def __init__(self, source: EmbeddingCtx, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._source = source
+
+    def _signature(self) -> FeatureSignature | None:
+        signature = getattr(self._source, "signature", None)
+        return signature if isinstance(signature, FeatureSignature) else None
+
+    def prepare_features(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        signature = self._signature()
+        if signature is not None:
+            signature.check(batch)  # also its dtypes: 3.5 for an integer feature is refused
+        return super().prepare_features(batch)
+
+    def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
+        signature = self._signature()
+        return super().non_id_dtypes(batch) if signature is None else signature.model_dtypes
+
+
 def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> EmbeddingCtx:
     """An EVAL context sharing ``ctx``'s embedding tier and model.
 
     It never re-configures the tier: entering evaluation in the middle of training keeps the
-    embedding optimizer and its hyperparameters (a PERSIA bug reset them).
+    embedding optimizer and its hyperparameters (a PERSIA bug reset them). Batches are held
+    to the feature signature of a TrainCtx ``ctx`` as its training batches are (names,
+    order, and integer features converted to their trained dtype).
     """
-    shared = EmbeddingCtx(
+    shared = _SharedEvalCtx(
+        ctx,
         PreprocessMode.EVAL,
         model if model is not None else _unwrap(ctx.model),
         embedding_config=ctx.embedding_config,

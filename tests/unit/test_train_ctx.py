@@ -992,6 +992,63 @@ def test_a_batch_that_does_not_match_the_runs_signature_is_refused():
         assert ctx.step == 2
 
 
+class IndexingModel(torch.nn.Module):
+    """Indexes an nn.Embedding with its int64 non-ID feature ``city`` [B, 1], which only
+    takes integer tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.city = torch.nn.Embedding(10, 2)
+        self.linear = torch.nn.Linear(4 + 2, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([embedding_tensors[0], self.city(non_id_tensors[0][:, 0])], 1))
+
+
+def test_an_eval_ctx_holds_batches_to_the_runs_signature_as_training_does():
+    """A later batch's integer feature sent as whole floats (a pandas column with a missing
+    value) trains as the int64 of the first batch; eval_ctx gave the model float32 (an
+    nn.Embedding then raised), and took 2.5 or a missing feature that training refuses."""
+
+    def batch(city: np.ndarray, users: list[int] = [1, 2, 3, 4]) -> Batch:  # noqa: B006
+        return Batch(
+            [IDTypeFeature.from_lists("user", [[u] for u in users])],
+            [NonIDTypeFeature(city.reshape(-1, 1), name="city")],
+            [Label(np.ones((len(users), 1), dtype=np.float32))],
+            requires_grad=True,
+        )
+
+    torch.manual_seed(0)
+    model = IndexingModel()
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        output, labels = ctx.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        with eval_ctx(ctx) as evaluator:
+            as_ints, _ = evaluator.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+            as_floats, _ = evaluator.forward(batch(np.array([1.0, 2.0, 3.0, 4.0])))
+            assert torch.equal(as_floats, as_ints)
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(batch(np.array([1.0, 2.5, 3.0, 4.0])))
+            assert str(refused.value) == (
+                "non-ID feature 'city' is an integer feature of the model (int64), given as "
+                "float64: value 2.5 at sample 1, position [0] is not a whole number in the "
+                "range of int64"
+            )
+            unlabeled = Batch(
+                [IDTypeFeature.from_lists("user", [[1]])], [], [], requires_grad=False
+            )
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(unlabeled)
+            assert str(refused.value) == "non-ID feature 'city' is missing"
+
+
 def test_a_resumed_run_takes_the_checkpoints_signature(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 1)
