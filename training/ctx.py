@@ -470,6 +470,21 @@ class TrainCtx(EmbeddingCtx):
             raise InvalidArgumentError(
                 f"embedding_staleness must be >= 1, got {embedding_staleness}"
             )
+        if isinstance(embedding_tier, InProcessEmbeddingTier):
+            buffered, where = embedding_tier.worker.forward_buffer_size, "the given tier"
+        else:
+            buffered = self.global_config.embedding_worker_config.forward_buffer_size
+            where = f"embedding_worker_config in {_global_config_source(global_config)}"
+        if embedding_staleness > buffered:
+            # Up to embedding_staleness batches are looked up before their gradients go
+            # back: the worker keeps only forward_buffer_size lookups' contexts, and the
+            # backward of one that expired failed the run, depending on timing.
+            raise InvalidArgumentError(
+                f"embedding_staleness {embedding_staleness} is above the embedding worker's "
+                f"forward_buffer_size {buffered} ({where}): lookups would expire before "
+                "their gradients come back; lower embedding_staleness or raise "
+                "forward_buffer_size"
+            )
         if backward_buffer_size < 1 or backward_workers_size < 1:
             raise InvalidArgumentError(
                 "backward_buffer_size and backward_workers_size must be >= 1"

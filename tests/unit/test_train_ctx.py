@@ -234,6 +234,28 @@ def test_a_forward_without_backward_does_not_block_a_synchronous_run():
         assert ctx._in_flight._value == 1
 
 
+def test_a_staleness_above_the_workers_forward_buffer_is_refused():
+    """The worker keeps forward_buffer_size lookups' contexts: with more batches looked up
+    before their gradients went back, the oldest expired and the run failed at a backward
+    ("no forward context 1"), or not, depending on timing."""
+    small = global_config_from_mapping({"embedding_worker_config": {"forward_buffer_size": 2}})
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, global_config=small)
+    assert refused.value.message == (
+        "embedding_staleness 3 is above the embedding worker's forward_buffer_size 2 "
+        "(embedding_worker_config in global_config (a GlobalConfig object)): lookups would "
+        "expire before their gradients come back; lower embedding_staleness or raise "
+        "forward_buffer_size"
+    )
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=2)
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, embedding_tier=tier)
+    assert "forward_buffer_size 2 (the given tier)" in refused.value.message
+    with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
+        train_steps(ctx, 4)
+        assert ctx.step == 4
+
+
 class SlowTier(InProcessEmbeddingTier):
     """An in-process tier whose embedding updates take a while to apply."""
 
