@@ -518,7 +518,8 @@ class DataLoader:
             raise InvalidArgumentError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.prefetch = prefetch
-        self._producer: threading.Thread | None = None  # the last pass's prefetch thread
+        # The last pass's prefetch thread and its stop event.
+        self._producer: tuple[threading.Thread, threading.Event] | None = None
         if equal_steps is None:
             equal_steps = isinstance(dataset, StreamingDataset) and distributed.world_size() > 1
         self.equal_steps = equal_steps
@@ -535,8 +536,12 @@ class DataLoader:
         if previous is not None:
             # A pass left early (a break) may have left its producer inside the source: a
             # shared iterator must not be read by two threads ("generator already
-            # executing"). It ends once that read returns, having seen the stop.
-            previous.join()
+            # executing"). It ends once that read returns, having seen the stop. A pass
+            # still open (an iterator kept after a peek with next()) is stopped first: its
+            # producer waited for room in its full buffer for good, and this join with it.
+            thread, previous_stop = previous
+            previous_stop.set()
+            thread.join()
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         failure: list[BaseException] = []
@@ -563,10 +568,21 @@ class DataLoader:
                 put(_END)
 
         thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
-        self._producer = thread
+        self._producer = (thread, stop)
         thread.start()
         try:
-            while (item := buffer.get()) is not _END:
+            while True:
+                try:
+                    item = buffer.get(timeout=_PUT_POLL_SECONDS)
+                except queue.Empty:
+                    if stop.is_set():  # only a newer pass sets it while this one reads
+                        raise FailedPreconditionError(
+                            "a new pass over this DataLoader began before this one ended: "
+                            "this one stopped (one pass at a time)"
+                        ) from None
+                    continue
+                if item is _END:
+                    break
                 yield item
             if failure:
                 raise failure[0]

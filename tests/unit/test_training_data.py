@@ -191,3 +191,27 @@ def test_a_loader_ends_its_stream_once_and_sends_nothing_after():
             ctx.send_data(_numbered(0))
         assert refused.value.message == "send_data() after finish(): this loader has ended"
     assert [stub.ends for stub in stubs] == [[1], [1]]  # the exit sent no second end
+
+
+def test_a_pass_begun_while_another_is_open_reads_everything_and_ends_the_old_one():
+    """A peek (next(iter(loader))) left a pass open whose producer waited for room in its
+    full buffer for good: the next pass joined it, and hung forever."""
+    loader = DataLoader(IterableDataset(lambda: (_numbered(n) for n in range(20))), prefetch=2)
+    peek = iter(loader)
+    assert int(next(peek).id_feature("n").values[0]) == 0
+    numbers: list[int] = []
+
+    def read_all() -> None:
+        numbers.extend(int(b.id_feature("n").values[0]) for b in loader)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the new pass hung on the open one"
+    assert numbers == list(range(20))
+    with pytest.raises(FailedPreconditionError) as refused:
+        list(peek)  # what it had prefetched, then the end of a superseded pass
+    assert refused.value.message == (
+        "a new pass over this DataLoader began before this one ended: this one stopped "
+        "(one pass at a time)"
+    )
