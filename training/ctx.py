@@ -506,6 +506,9 @@ class TrainCtx(EmbeddingCtx):
         self._backward_error: BaseException | None = None
         self._stopping = False  # leaving on an exception: queued updates are dropped
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
+        # The embedding leaves of the last forward() left without backward(): a loss that
+        # reaches them (gradient accumulation over several forwards) is refused.
+        self._abandoned: list[torch.Tensor] = []
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
@@ -629,6 +632,7 @@ class TrainCtx(EmbeddingCtx):
         if self._pending is not None:
             # A forward without backward: give its slot back before waiting for one (with
             # embedding_staleness=1 its slot is the only one, and the wait never ended).
+            self._abandoned = self._pending[2]
             self._pending = None
             self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
@@ -671,14 +675,29 @@ class TrainCtx(EmbeddingCtx):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP) and queue
-        the embedding gradients for the embedding tier. Returns the (scaled) loss."""
+        the embedding gradients for the embedding tier. Returns the (scaled) loss.
+
+        One backward per forward: ``loss`` comes from the last :meth:`forward`'s output (a
+        forward left without backward is dropped at the next one; a loss that still uses its
+        output raises FailedPreconditionError, with nothing applied)."""
         if self._pending is None:
             raise FailedPreconditionError("backward() called without a forward() before it")
         ref, names, leaves = self._pending
         self._pending = None
+        abandoned, self._abandoned = self._abandoned, []
         scaled = self.grad_scaler.scale(loss)
         try:
             scaled.backward()
+            if any(leaf.grad is not None for leaf in abandoned):
+                # Its embedding gradients have no batch to go to (its slot and context were
+                # given up at the next forward): they were dropped without a word.
+                self.dense_optimizer.zero_grad(set_to_none=True)
+                raise FailedPreconditionError(
+                    "backward(): the loss depends on the output of an earlier forward() than "
+                    "the last one; one backward() per forward() (accumulating a loss over "
+                    "several forwards would drop all but the last batch's embedding "
+                    "gradients): nothing was applied"
+                )
             scale = self.grad_scaler.get_scale() if self.mixed_precision else 1.0
             check = self.step % self.finite_check_every == 0
             grads, flat = _embedding_gradients(names, leaves, scale)

@@ -256,6 +256,38 @@ def test_a_staleness_above_the_workers_forward_buffer_is_refused():
         assert ctx.step == 4
 
 
+def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():
+    """Gradient accumulation (forward A, forward B, backward(loss_A + loss_B)) trained the
+    dense model on both and dropped A's embedding gradients without a word: A's slot and
+    context went at B's forward."""
+    a, b = make_batch(0), make_batch(1)
+    with new_ctx(staleness=2) as ctx:
+        weight_before = ctx.dense_model.linear.weight.detach().clone()
+        out_a, labels_a = ctx.forward(a)
+        out_b, labels_b = ctx.forward(b)
+        rows_before = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings.clone()
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.backward(bce(out_a, labels_a[0]) + bce(out_b, labels_b[0]))
+        assert refused.value.message == (
+            "backward(): the loss depends on the output of an earlier forward() than the "
+            "last one; one backward() per forward() (accumulating a loss over several "
+            "forwards would drop all but the last batch's embedding gradients): nothing was "
+            "applied"
+        )
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 0
+        assert torch.equal(ctx.dense_model.linear.weight, weight_before)
+        assert all(p.grad is None for p in ctx.dense_model.parameters())
+        after = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings
+        assert torch.equal(after, rows_before)
+        # An abandoned forward whose output the loss does not use is fine.
+        ctx.forward(a)
+        train_steps(ctx, 2, offset=5)
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 2 and ctx._in_flight._value == 2
+
+
 class SlowTier(InProcessEmbeddingTier):
     """An in-process tier whose embedding updates take a while to apply."""
 
