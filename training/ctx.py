@@ -633,6 +633,8 @@ class TrainCtx(EmbeddingCtx):
             # A forward without backward: give its slot back before waiting for one (with
             # embedding_staleness=1 its slot is the only one, and the wait never ended).
             self._abandoned = self._pending[2]
+            for leaf in self._abandoned:  # so that a gradient found there is the next loss's
+                leaf.grad = None
             self._pending = None
             self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
