@@ -495,10 +495,31 @@ class IterableDataset:
 
     def __init__(self, source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> None:
         self.source = source
+        self._exhausted = False  # a one-shot iterator source was read to its end
 
     def __iter__(self) -> Iterator[Batch]:
-        source = self.source() if callable(self.source) else self.source
-        return iter(source)
+        if callable(self.source):
+            return iter(self.source())
+        batches = iter(self.source)
+        if batches is not self.source:  # a collection: each pass reads it all again
+            return batches
+        if self._exhausted:
+            # A generator gives nothing the second time: a second epoch trained on no
+            # batch at all, and said nothing.
+            raise FailedPreconditionError(
+                "IterableDataset: its source is an iterator (a generator?) that an earlier "
+                "pass read to its end, so it has no batch left; pass a function returning a "
+                "fresh iterator (IterableDataset(lambda: make_batches())) to read it once per "
+                "epoch"
+            )
+        return self._to_the_end(batches)
+
+    def _to_the_end(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        # Not `yield from`: closing a pass left early would close the source with it, and a
+        # later pass could not go on where this one stopped.
+        for batch in batches:  # noqa: UP028 (see above)
+            yield batch
+        self._exhausted = True
 
 
 class DataLoader:

@@ -215,3 +215,22 @@ def test_a_pass_begun_while_another_is_open_reads_everything_and_ends_the_old_on
         "a new pass over this DataLoader began before this one ended: this one stopped "
         "(one pass at a time)"
     )
+
+
+def test_a_second_pass_over_a_used_up_generator_is_refused_not_empty():
+    """IterableDataset(generator) gave its batches once: a second epoch over it trained on
+    nothing, silently. A list is read again; a pass left early goes on where it stopped."""
+    listed = IterableDataset([_numbered(0), _numbered(1)])
+    assert [len(list(listed)), len(list(listed))] == [2, 2]
+    generated = IterableDataset(_numbered(n) for n in range(3))
+    first = iter(generated)
+    next(first)
+    del first  # left early: the rest is still there
+    assert [int(b.id_feature("n").values[0]) for b in generated] == [1, 2]
+    with pytest.raises(FailedPreconditionError) as refused:
+        list(DataLoader(generated, prefetch=1))
+    assert refused.value.message == (
+        "IterableDataset: its source is an iterator (a generator?) that an earlier pass read "
+        "to its end, so it has no batch left; pass a function returning a fresh iterator "
+        "(IterableDataset(lambda: make_batches())) to read it once per epoch"
+    )
