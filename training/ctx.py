@@ -682,6 +682,10 @@ class TrainCtx(EmbeddingCtx):
         One backward per forward: ``loss`` comes from the last :meth:`forward`'s output (a
         forward left without backward is dropped at the next one; a loss that still uses its
         output raises FailedPreconditionError, with nothing applied)."""
+        if not self._backward_workers:
+            # Outside the context nothing applies the queued gradients: the wait for them
+            # (at once with embedding_staleness=1) never ended.
+            raise FailedPreconditionError("TrainCtx is not entered; use it as a context manager")
         if self._pending is None:
             raise FailedPreconditionError("backward() called without a forward() before it")
         ref, names, leaves = self._pending

@@ -288,6 +288,29 @@ def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():
         assert ctx.step == 2 and ctx._in_flight._value == 2
 
 
+def test_a_backward_after_the_ctx_exited_is_refused_not_left_waiting():
+    """Its gradients were queued with no thread left to apply them, and the wait for them
+    (at once with staleness 1) never ended."""
+    outcome: list[str] = []
+    ctx = new_ctx(staleness=1)
+    with ctx:
+        output, labels = ctx.forward(make_batch(0))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+
+    def late_backward() -> None:
+        try:
+            ctx.backward(loss)
+            outcome.append("applied")
+        except FailedPreconditionError as error:
+            outcome.append(error.message)
+
+    worker = threading.Thread(target=late_backward, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "backward() after exit waited forever"
+    assert outcome == ["TrainCtx is not entered; use it as a context manager"]
+
+
 class SlowTier(InProcessEmbeddingTier):
     """An in-process tier whose embedding updates take a while to apply."""
 
