@@ -407,6 +407,23 @@ def _check_optimizers(embedding_optimizer: object, dense_optimizer: object) -> N
         )
 
 
+def _check_dense_optimizer_is_the_models(
+    dense_optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> None:
+    """InvalidArgumentError when the dense optimizer holds none of ``model``'s parameters
+    (made over another instance of the model, say): every step then stepped parameters
+    without gradients, and the dense model never trained, without a word. (It may hold
+    parameters of its own besides the model's, a learned loss weight for one.)"""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in dense_optimizer.param_groups for p in group["params"]]
+    if own and not any(id(p) in own for p in held):
+        raise InvalidArgumentError(
+            "TrainCtx's dense optimizer holds none of the model's parameters (made over "
+            "another model instance?): the dense model would never train; make it over "
+            "model.parameters()"
+        )
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -450,6 +467,7 @@ class TrainCtx(EmbeddingCtx):
         finite_check_every: int = 1,
     ) -> None:
         _check_optimizers(embedding_optimizer, dense_optimizer)
+        _check_dense_optimizer_is_the_models(dense_optimizer, model)
         super().__init__(
             PreprocessMode.TRAIN,
             model,

@@ -1489,3 +1489,21 @@ def test_optimizers_in_each_others_place_are_refused_by_name():
     with pytest.raises(InvalidArgumentError) as refused:
         TrainCtx("adam", torch_adam, model, **options)  # type: ignore[arg-type]
     assert refused.value.message.endswith("from embedding_store.optimizers, got str")
+
+
+def test_a_dense_optimizer_over_another_models_parameters_is_refused():
+    """Made over another instance of the model, it stepped parameters without gradients:
+    the dense model never trained, and nothing said so."""
+    model, other = TinyModel(), TinyModel()
+    options = {"embedding_config": CONFIG, "global_config": GLOBAL}
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(SGD(lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1), model, **options)
+    assert refused.value.message == (
+        "TrainCtx's dense optimizer holds none of the model's parameters (made over another "
+        "model instance?): the dense model would never train; make it over model.parameters()"
+    )
+    extra = torch.nn.Parameter(torch.zeros(1))  # a learned loss weight, say: allowed
+    both = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    with TrainCtx(SGD(lr=0.1), both, model, **options) as ctx:
+        train_steps(ctx, 1)
+        assert ctx.step == 1
