@@ -262,13 +262,45 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
+class _SharedEvalCtx(EmbeddingCtx):
+    """What :func:`eval_ctx` returns: an EVAL context that holds batches to the feature
+    signature ``source`` records (a TrainCtx's, once its first batch went through), as
+    training and serving do: the same features in the same order, and each non-ID feature
+    in the dtype the model was trained on (a later batch's integer feature sent as whole
+    floats, e.g. a pandas column with a missing value, reached the model as float32, which
+    an ``nn.Embedding`` refuses and anything else takes for other numbers)."""
+
+    def __init__(self, source: EmbeddingCtx, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._source = source
+
+    def _signature(self) -> FeatureSignature | None:
+        signature = getattr(self._source, "signature", None)
+        return signature if isinstance(signature, FeatureSignature) else None
+
+    def prepare_features(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        signature = self._signature()
+        if signature is not None:
+            signature.check(batch)  # also its dtypes: 3.5 for an integer feature is refused
+        return super().prepare_features(batch)
+
+    def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
+        signature = self._signature()
+        return super().non_id_dtypes(batch) if signature is None else signature.model_dtypes
+
+
 def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> EmbeddingCtx:
     """An EVAL context sharing ``ctx``'s embedding tier and model.
 
     It never re-configures the tier: entering evaluation in the middle of training keeps the
-    embedding optimizer and its hyperparameters (a PERSIA bug reset them).
+    embedding optimizer and its hyperparameters (a PERSIA bug reset them). Batches are held
+    to the feature signature of a TrainCtx ``ctx`` as its training batches are (names,
+    order, and integer features converted to their trained dtype).
     """
-    shared = EmbeddingCtx(
+    shared = _SharedEvalCtx(
+        ctx,
         PreprocessMode.EVAL,
         model if model is not None else _unwrap(ctx.model),
         embedding_config=ctx.embedding_config,
@@ -375,6 +407,23 @@ def _check_optimizers(embedding_optimizer: object, dense_optimizer: object) -> N
         )
 
 
+def _check_dense_optimizer_is_the_models(
+    dense_optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> None:
+    """InvalidArgumentError when the dense optimizer holds none of ``model``'s parameters
+    (made over another instance of the model, say): every step then stepped parameters
+    without gradients, and the dense model never trained, without a word. (It may hold
+    parameters of its own besides the model's, a learned loss weight for one.)"""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in dense_optimizer.param_groups for p in group["params"]]
+    if own and not any(id(p) in own for p in held):
+        raise InvalidArgumentError(
+            "TrainCtx's dense optimizer holds none of the model's parameters (made over "
+            "another model instance?): the dense model would never train; make it over "
+            "model.parameters()"
+        )
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -418,6 +467,7 @@ class TrainCtx(EmbeddingCtx):
         finite_check_every: int = 1,
     ) -> None:
         _check_optimizers(embedding_optimizer, dense_optimizer)
+        _check_dense_optimizer_is_the_models(dense_optimizer, model)
         super().__init__(
             PreprocessMode.TRAIN,
             model,
@@ -437,6 +487,21 @@ class TrainCtx(EmbeddingCtx):
         if embedding_staleness < 1:
             raise InvalidArgumentError(
                 f"embedding_staleness must be >= 1, got {embedding_staleness}"
+            )
+        if isinstance(embedding_tier, InProcessEmbeddingTier):
+            buffered, where = embedding_tier.worker.forward_buffer_size, "the given tier"
+        else:
+            buffered = self.global_config.embedding_worker_config.forward_buffer_size
+            where = f"embedding_worker_config in {_global_config_source(global_config)}"
+        if embedding_staleness > buffered:
+            # Up to embedding_staleness batches are looked up before their gradients go
+            # back: the worker keeps only forward_buffer_size lookups' contexts, and the
+            # backward of one that expired failed the run, depending on timing.
+            raise InvalidArgumentError(
+                f"embedding_staleness {embedding_staleness} is above the embedding worker's "
+                f"forward_buffer_size {buffered} ({where}): lookups would expire before "
+                "their gradients come back; lower embedding_staleness or raise "
+                "forward_buffer_size"
             )
         if backward_buffer_size < 1 or backward_workers_size < 1:
             raise InvalidArgumentError(
@@ -459,6 +524,9 @@ class TrainCtx(EmbeddingCtx):
         self._backward_error: BaseException | None = None
         self._stopping = False  # leaving on an exception: queued updates are dropped
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
+        # The embedding leaves of the last forward() left without backward(): a loss that
+        # reaches them (gradient accumulation over several forwards) is refused.
+        self._abandoned: list[torch.Tensor] = []
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
@@ -579,6 +647,14 @@ class TrainCtx(EmbeddingCtx):
             # Also its dtypes: a float for an integer feature only as a whole number in
             # range, converted to the recorded dtype (non_id_dtypes), never cut (3.7 -> 3).
             self.signature.check(batch)
+        if self._pending is not None:
+            # A forward without backward: give its slot back before waiting for one (with
+            # embedding_staleness=1 its slot is the only one, and the wait never ended).
+            self._abandoned = self._pending[2]
+            for leaf in self._abandoned:  # so that a gradient found there is the next loss's
+                leaf.grad = None
+            self._pending = None
+            self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
             non_ids, embeddings, labels = super().prepare_features(batch)
@@ -589,8 +665,6 @@ class TrainCtx(EmbeddingCtx):
             self.signature = FeatureSignature.from_batch(batch)  # name typo) sets nothing
         leaves = [e.detach().requires_grad_(True) for e in embeddings]
         names = [slot.name for slot in self._last_lookup.slots]
-        if self._pending is not None:  # a forward without backward: give its slot back
-            self._in_flight.release()
         ref = self._last_lookup.ref
         assert ref is not None  # a train lookup always keeps its context (LookupResult.ref)
         self._pending = (ref, names, leaves)
@@ -621,14 +695,33 @@ class TrainCtx(EmbeddingCtx):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP) and queue
-        the embedding gradients for the embedding tier. Returns the (scaled) loss."""
+        the embedding gradients for the embedding tier. Returns the (scaled) loss.
+
+        One backward per forward: ``loss`` comes from the last :meth:`forward`'s output (a
+        forward left without backward is dropped at the next one; a loss that still uses its
+        output raises FailedPreconditionError, with nothing applied)."""
+        if not self._backward_workers:
+            # Outside the context nothing applies the queued gradients: the wait for them
+            # (at once with embedding_staleness=1) never ended.
+            raise FailedPreconditionError("TrainCtx is not entered; use it as a context manager")
         if self._pending is None:
             raise FailedPreconditionError("backward() called without a forward() before it")
         ref, names, leaves = self._pending
         self._pending = None
+        abandoned, self._abandoned = self._abandoned, []
         scaled = self.grad_scaler.scale(loss)
         try:
             scaled.backward()
+            if any(leaf.grad is not None for leaf in abandoned):
+                # Its embedding gradients have no batch to go to (its slot and context were
+                # given up at the next forward): they were dropped without a word.
+                self.dense_optimizer.zero_grad(set_to_none=True)
+                raise FailedPreconditionError(
+                    "backward(): the loss depends on the output of an earlier forward() than "
+                    "the last one; one backward() per forward() (accumulating a loss over "
+                    "several forwards would drop all but the last batch's embedding "
+                    "gradients): nothing was applied"
+                )
             scale = self.grad_scaler.get_scale() if self.mixed_precision else 1.0
             check = self.step % self.finite_check_every == 0
             grads, flat = _embedding_gradients(names, leaves, scale)

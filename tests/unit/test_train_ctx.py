@@ -197,6 +197,41 @@ def test_embedding_update_equals_manual_sgd_step():
         )
 
 
+def test_staleness_one_is_a_synchronous_loop_bit_for_bit():
+    """Eight steps with embedding_staleness=1 leave the rows and dense weights of a plain
+    loop that looks up, steps the model and applies each batch's embedding gradients before
+    the next lookup."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = InProcessEmbeddingTier(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+    for step in range(8):
+        batch = make_batch(step)
+        looked_up = tier.lookup(batch, train=True)
+        leaves = [slot.embeddings.detach().clone().requires_grad_(True) for slot in looked_up.slots]
+        dense_input = [torch.tensor(f.data) for f in batch.non_id_type_features]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense_input, leaves), torch.tensor(batch.labels[0].data)
+        )
+        loss.backward()
+        dense.step()
+        dense.zero_grad()
+        assert looked_up.ref is not None
+        tier.backward(
+            looked_up.ref, {s.name: leaf.grad for s, leaf in zip(looked_up.slots, leaves)}
+        )
+    probe = make_batch(0)
+    with new_ctx(staleness=1) as ctx:
+        train_steps(ctx, 8)
+        for mine, theirs in zip(
+            ctx.embedding_tier.lookup(probe, train=False).slots,
+            tier.lookup(probe, train=False).slots,
+        ):
+            assert torch.equal(mine.embeddings, theirs.embeddings)
+        assert torch.equal(ctx.dense_model.linear.weight, model.linear.weight)
+        assert torch.equal(ctx.dense_model.linear.bias, model.linear.bias)
+
+
 def test_staleness_bounds_updates_in_flight():
     with new_ctx(staleness=3) as ctx:
         train_steps(ctx, 5)
@@ -213,6 +248,102 @@ def test_a_forward_without_backward_gives_its_staleness_slot_back():
         train_steps(ctx, 1, offset=2)
         ctx.wait_for_embedding_updates()
         assert ctx._in_flight._value == 3  # no slot lost to the abandoned forwards
+
+
+def test_a_forward_without_backward_does_not_block_a_synchronous_run():
+    """embedding_staleness=1 has one slot, held by the abandoned forward: the next forward
+    waited for it forever (its slot was given back only after taking a new one)."""
+    steps: list[int] = []
+
+    def run(ctx: TrainCtx) -> None:
+        ctx.forward(make_batch(0))  # abandoned: no backward
+        train_steps(ctx, 2, offset=1)
+        steps.append(ctx.step)
+
+    with new_ctx(staleness=1) as ctx:
+        worker = threading.Thread(target=run, args=(ctx,), daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the forward after an abandoned one hung"
+        assert steps == [2]
+        assert ctx._in_flight._value == 1
+
+
+def test_a_staleness_above_the_workers_forward_buffer_is_refused():
+    """The worker keeps forward_buffer_size lookups' contexts: with more batches looked up
+    before their gradients went back, the oldest expired and the run failed at a backward
+    ("no forward context 1"), or not, depending on timing."""
+    small = global_config_from_mapping({"embedding_worker_config": {"forward_buffer_size": 2}})
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, global_config=small)
+    assert refused.value.message == (
+        "embedding_staleness 3 is above the embedding worker's forward_buffer_size 2 "
+        "(embedding_worker_config in global_config (a GlobalConfig object)): lookups would "
+        "expire before their gradients come back; lower embedding_staleness or raise "
+        "forward_buffer_size"
+    )
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=2)
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, embedding_tier=tier)
+    assert "forward_buffer_size 2 (the given tier)" in refused.value.message
+    with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
+        train_steps(ctx, 4)
+        assert ctx.step == 4
+
+
+def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():
+    """Gradient accumulation (forward A, forward B, backward(loss_A + loss_B)) trained the
+    dense model on both and dropped A's embedding gradients without a word: A's slot and
+    context went at B's forward."""
+    a, b = make_batch(0), make_batch(1)
+    with new_ctx(staleness=2) as ctx:
+        weight_before = ctx.dense_model.linear.weight.detach().clone()
+        out_a, labels_a = ctx.forward(a)
+        out_b, labels_b = ctx.forward(b)
+        rows_before = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings.clone()
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.backward(bce(out_a, labels_a[0]) + bce(out_b, labels_b[0]))
+        assert refused.value.message == (
+            "backward(): the loss depends on the output of an earlier forward() than the "
+            "last one; one backward() per forward() (accumulating a loss over several "
+            "forwards would drop all but the last batch's embedding gradients): nothing was "
+            "applied"
+        )
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 0
+        assert torch.equal(ctx.dense_model.linear.weight, weight_before)
+        assert all(p.grad is None for p in ctx.dense_model.parameters())
+        after = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings
+        assert torch.equal(after, rows_before)
+        # An abandoned forward whose output the loss does not use is fine.
+        ctx.forward(a)
+        train_steps(ctx, 2, offset=5)
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 2 and ctx._in_flight._value == 2
+
+
+def test_a_backward_after_the_ctx_exited_is_refused_not_left_waiting():
+    """Its gradients were queued with no thread left to apply them, and the wait for them
+    (at once with staleness 1) never ended."""
+    outcome: list[str] = []
+    ctx = new_ctx(staleness=1)
+    with ctx:
+        output, labels = ctx.forward(make_batch(0))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+
+    def late_backward() -> None:
+        try:
+            ctx.backward(loss)
+            outcome.append("applied")
+        except FailedPreconditionError as error:
+            outcome.append(error.message)
+
+    worker = threading.Thread(target=late_backward, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "backward() after exit waited forever"
+    assert outcome == ["TrainCtx is not entered; use it as a context manager"]
 
 
 class SlowTier(InProcessEmbeddingTier):
@@ -1119,6 +1250,63 @@ def test_a_batch_that_does_not_match_the_runs_signature_is_refused():
         assert ctx.step == 2
 
 
+class IndexingModel(torch.nn.Module):
+    """Indexes an nn.Embedding with its int64 non-ID feature ``city`` [B, 1], which only
+    takes integer tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.city = torch.nn.Embedding(10, 2)
+        self.linear = torch.nn.Linear(4 + 2, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([embedding_tensors[0], self.city(non_id_tensors[0][:, 0])], 1))
+
+
+def test_an_eval_ctx_holds_batches_to_the_runs_signature_as_training_does():
+    """A later batch's integer feature sent as whole floats (a pandas column with a missing
+    value) trains as the int64 of the first batch; eval_ctx gave the model float32 (an
+    nn.Embedding then raised), and took 2.5 or a missing feature that training refuses."""
+
+    def batch(city: np.ndarray, users: list[int] = [1, 2, 3, 4]) -> Batch:  # noqa: B006
+        return Batch(
+            [IDTypeFeature.from_lists("user", [[u] for u in users])],
+            [NonIDTypeFeature(city.reshape(-1, 1), name="city")],
+            [Label(np.ones((len(users), 1), dtype=np.float32))],
+            requires_grad=True,
+        )
+
+    torch.manual_seed(0)
+    model = IndexingModel()
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        output, labels = ctx.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        with eval_ctx(ctx) as evaluator:
+            as_ints, _ = evaluator.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+            as_floats, _ = evaluator.forward(batch(np.array([1.0, 2.0, 3.0, 4.0])))
+            assert torch.equal(as_floats, as_ints)
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(batch(np.array([1.0, 2.5, 3.0, 4.0])))
+            assert str(refused.value) == (
+                "non-ID feature 'city' is an integer feature of the model (int64), given as "
+                "float64: value 2.5 at sample 1, position [0] is not a whole number in the "
+                "range of int64"
+            )
+            unlabeled = Batch(
+                [IDTypeFeature.from_lists("user", [[1]])], [], [], requires_grad=False
+            )
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(unlabeled)
+            assert str(refused.value) == "non-ID feature 'city' is missing"
+
+
 def test_a_resumed_run_takes_the_checkpoints_signature(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 1)
@@ -1484,3 +1672,21 @@ def test_optimizers_in_each_others_place_are_refused_by_name():
     with pytest.raises(InvalidArgumentError) as refused:
         TrainCtx("adam", torch_adam, model, **options)  # type: ignore[arg-type]
     assert refused.value.message.endswith("from embedding_store.optimizers, got str")
+
+
+def test_a_dense_optimizer_over_another_models_parameters_is_refused():
+    """Made over another instance of the model, it stepped parameters without gradients:
+    the dense model never trained, and nothing said so."""
+    model, other = TinyModel(), TinyModel()
+    options = {"embedding_config": CONFIG, "global_config": GLOBAL}
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(SGD(lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1), model, **options)
+    assert refused.value.message == (
+        "TrainCtx's dense optimizer holds none of the model's parameters (made over another "
+        "model instance?): the dense model would never train; make it over model.parameters()"
+    )
+    extra = torch.nn.Parameter(torch.zeros(1))  # a learned loss weight, say: allowed
+    both = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    with TrainCtx(SGD(lr=0.1), both, model, **options) as ctx:
+        train_steps(ctx, 1)
+        assert ctx.step == 1
