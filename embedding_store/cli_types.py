@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T", int, float)
@@ -38,6 +39,21 @@ def non_empty(text: str) -> str:
     """Any text with something besides spaces (an unset shell variable gives "")."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
+
+
+def non_empty_path(text: str) -> Path:
+    """A path that is not empty nor only spaces. ``Path("")`` is ``.``: an unset shell
+    variable (``--reload-root "$ROOT"``) silently named the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty value")
+    return Path(text)
+
+
+def path_text(text: str) -> str:
+    """:func:`non_empty_path`, kept as text (config files: given "", a config flag failed
+    with ": config file not found", or was skipped for its environment variable's file)."""
+    non_empty_path(text)
     return text
 
 

@@ -17,6 +17,7 @@ from embedding_store.cli_types import (
     grpc_addresses,
     host_port_addresses,
     non_negative_int,
+    path_text,
     positive_int,
 )
 from training.env import (
@@ -43,9 +44,13 @@ def _rendezvous_port(text: str) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entry", required=True, help="the Python script to run")
-    parser.add_argument("--embedding-config", help="embedding_config.yml (for the script)")
-    parser.add_argument("--global-config", help="global_config.yml (for the script)")
+    parser.add_argument("--entry", required=True, type=path_text, help="the Python script to run")
+    parser.add_argument(
+        "--embedding-config", type=path_text, help="embedding_config.yml (for the script)"
+    )
+    parser.add_argument(
+        "--global-config", type=path_text, help="global_config.yml (for the script)"
+    )
     parser.add_argument(
         "--nn-worker-addresses",
         type=host_port_addresses,  # each rank listens on its entry's port, loaders dial them
