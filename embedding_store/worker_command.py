@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from embedding_store.cli_types import (
-    grpc_addresses,
+    grpc_address,
     host_port_addresses,
     non_empty,
     non_negative_float,
@@ -148,8 +148,8 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument(
             "--worker",
             required=True,
-            type=grpc_addresses,
-            help="HOST:PORT of an embedding worker",
+            type=grpc_address,
+            help="HOST:PORT of an embedding worker (any one of the tier's)",
         )
         action.add_argument(
             "--embedding-config",

@@ -7,6 +7,7 @@ import os
 import re
 
 from embedding_store.cli_types import (
+    host_port_problem,
     non_empty,
     non_empty_path,
     non_negative_float,
@@ -14,7 +15,6 @@ from embedding_store.cli_types import (
     port_number,
     positive_float,
     positive_int,
-    url_problem,
 )
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
@@ -329,12 +329,9 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     ps = _addresses(args.embedding_ps or "")
     for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):
         for address in addresses:
-            problem = url_problem(address)
+            problem = host_port_problem(address)
             if problem:
                 return f"{flag}: {problem}"
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                return f"{flag}: {address!r} is not HOST:PORT"
     if workers and ps:
         return (
             "--embedding-workers and --embedding-ps both given: the server uses one tier, "

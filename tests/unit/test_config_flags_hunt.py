@@ -83,3 +83,107 @@ def test_serve_without_tier_flags_is_embedded() -> None:
     assert check_arguments(args) is None
     args = build_parser().parse_args(["serve", "--checkpoint", "c", "--embedding-ps", "a:1,b:2"])
     assert check_arguments(args) is None
+
+
+# --------------------------------------------------------------------------- tier addresses
+IPV6_BARE = "'::1:7000' is not HOST:PORT: write an IPv6 host in brackets, e.g. [::1]:7000"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["embedding-worker", "--ps"], "--ps"),
+        (["train", "--entry", "t.py", "--nn-worker-addresses"], "--nn-worker-addresses"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # gRPC dialled ::1:7000 on port 443: the worker waited out --startup-timeout.
+        ("127.0.0.1:7001,::1:7000", IPV6_BARE),
+        ("[]:7000", "'[]:7000' is not HOST:PORT: [] holds no IPv6 address"),
+        ("[ps-0]:7000", "'[ps-0]:7000' is not HOST:PORT: [ps-0] holds no IPv6 address"),
+        ("ps 0:7000", "'ps 0:7000' is not HOST:PORT: the host has a space in it"),
+    ],
+)
+def test_host_port_flags_refuse_what_cannot_be_dialled(capsys, argv, flag, value, message) -> None:
+    error = usage_error(capsys, [*argv, value])
+    assert error.endswith(f"error: argument {flag}: {message}"), error
+
+
+def test_host_port_flags_take_ipv6_hosts_in_brackets() -> None:
+    value = "[::1]:7000,[fe80::1%eth0]:7001,ps-0.ps:7002,10.0.0.5:65535"
+    assert build_parser().parse_args(["embedding-worker", "--ps", value]).ps == value.split(",")
+
+
+@pytest.mark.parametrize("flag", ["--embedding-ps", "--embedding-workers"])
+def test_serve_refuses_a_bare_ipv6_tier_address(flag) -> None:
+    from serving.commands import check_arguments
+
+    args = build_parser().parse_args(["serve", "--checkpoint", "c", flag, "::1:7000"])
+    assert check_arguments(args) == f"{flag}: {IPV6_BARE}"
+    args = build_parser().parse_args(["serve", "--checkpoint", "c", flag, "[::1]:7000"])
+    assert check_arguments(args) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["embedding-tier", "status", "--worker"], "--worker"),
+        (["train", "--entry", "t.py", "--embedding-workers"], "--embedding-workers"),
+    ],
+)
+def test_grpc_address_flags_refuse_a_bare_ipv6_address(capsys, argv, flag) -> None:
+    """gRPC target URIs (dns:///h:1, ipv6:[::1]:7000) pass; a bare IPv6 address, which gRPC
+    dials on port 443, does not."""
+    error = usage_error(capsys, [*argv, "fe80::1"])
+    assert error.endswith(
+        f"error: argument {flag}: 'fe80::1' is an IPv6 address without a port: write the host "
+        "in brackets, [ADDRESS]:PORT"
+    )
+    for value in ("[::1]:7000", "dns:///w:1", "ipv6:[::1]:7000"):
+        assert build_parser().parse_args([*argv, value])
+
+
+def test_embedding_tier_takes_one_worker(capsys) -> None:
+    """A list was dialled as one target: "errors resolving a:1,b:2 ... Misformatted domain
+    name"."""
+    error = usage_error(capsys, ["embedding-tier", "dump", "d", "--worker", "w0:1,w1:1"])
+    assert error.endswith("error: argument --worker: give one HOST:PORT, got 2: 'w0:1,w1:1'")
+    args = build_parser().parse_args(["embedding-tier", "status", "--worker", " w0:1 "])
+    assert args.worker == "w0:1"
+
+
+def test_an_embedding_workers_variable_with_a_bare_ipv6_address_is_refused(monkeypatch) -> None:
+    from embedding_store.config import EmbeddingConfig, GlobalConfig, SlotConfig
+    from embedding_store.errors import InvalidArgumentError
+    from training.ctx import make_embedding_tier
+
+    monkeypatch.setenv("RECSERVE_EMBEDDING_WORKERS", "::1:7100")
+    config = EmbeddingConfig(slots_config={"a": SlotConfig(dim=2)})
+    with pytest.raises(InvalidArgumentError) as refused:
+        make_embedding_tier(config, GlobalConfig(), None)
+    assert refused.value.message == (
+        "RECSERVE_EMBEDDING_WORKERS: '::1:7100' is an IPv6 address without a port: write the "
+        "host in brackets, [ADDRESS]:PORT"
+    )
+
+
+@pytest.mark.parametrize(
+    ("server", "detail"),
+    [
+        ("[]:7000", "'[]:7000' is not HOST:PORT: [] holds no IPv6 address"),
+        ("ps 0:7000", "'ps 0:7000' is not HOST:PORT: the host has a space in it"),
+    ],
+)
+def test_infer_servers_refuse_what_the_flags_refuse(tmp_path, server, detail) -> None:
+    from embedding_store.config import load_global_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "global_config.yml"
+    path.write_text(f"common_config:\n  infer_config:\n    servers: ['ps-0:7000', '{server}']\n")
+    with pytest.raises(ConfigError) as refused:
+        load_global_config(path)
+    assert refused.value.message == (
+        f"{path}: common_config.infer_config.servers[1]: expected a 'host:port' address: {detail}"
+    )
