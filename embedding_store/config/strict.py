@@ -355,16 +355,33 @@ def _convert_union(args: tuple[Any, ...], value: Any, source: str, path: str) ->
         if value is None:
             raise _error(source, path, "expected a value, got null")
         return _convert(arms[0], value, source, path)
+    failures: list[tuple[Any, ConfigError]] = []
     for arm in arms:
         try:
             return _convert(arm, value, source, path)
-        except ConfigError:
-            continue
+        except ConfigError as error:
+            failures.append((arm, error))
+    # A list or mapping that one arm takes by its shape failed on an item: that arm's error
+    # names the item and why ("positive[0]: expected a string, got True ... quote it"), where
+    # the union's own read "expected str or list or null, got [True, '1'] (list)".
+    shaped = [error for arm, error in failures if _takes_shape_of(arm, value)]
+    if len(shaped) == 1:
+        raise shaped[0]
     names = " or ".join(getattr(a, "__name__", repr(a)) for a in arms)
     if none_type in args:
         names += " or null"
     hint = _string_hint(value) if str in arms else ""
     raise _error(source, path, f"expected {names}, got {describe_value(value)}{hint}")
+
+
+def _takes_shape_of(tp: Any, value: Any) -> bool:
+    """Whether ``tp`` is a list, tuple, mapping or dataclass type and ``value`` of that kind."""
+    container = get_origin(tp) or tp
+    if container in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if container in (dict, Mapping) or (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        return isinstance(value, Mapping)
+    return False
 
 
 def _convert_sequence(

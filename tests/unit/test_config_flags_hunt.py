@@ -187,3 +187,32 @@ def test_infer_servers_refuse_what_the_flags_refuse(tmp_path, server, detail) ->
     assert refused.value.message == (
         f"{path}: common_config.infer_config.servers[1]: expected a 'host:port' address: {detail}"
     )
+
+
+# --------------------------------------------------------------------------- the strict loader
+def test_a_bad_item_of_a_list_in_a_union_field_is_named(tmp_path) -> None:
+    """``positive: [yes, '1']`` (a str | list[str] | None field) read "label.positive:
+    expected str or list or null, got [True, '1'] (list)": a list was said not to be a list,
+    and neither the item nor the YAML boolean was named."""
+    from clients.eval_mapping import load_mapping
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "feature_mapping.yml"
+    head = "id_features:\n  a: {column: a}\nlabel:\n  column: y\n"
+    path.write_text(head + "  positive: ['>50K', yes]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_mapping(path)
+    assert refused.value.message == (
+        f"{path}: label.positive[1]: expected a string, got True (boolean): YAML reads unquoted "
+        "yes/no/on/off/true/false as booleans; quote it for a string (e.g. 'no')"
+    )
+    # A value of no arm's shape is still described by the union.
+    path.write_text(head + "  positive: 1\n")
+    with pytest.raises(ConfigError) as refused:
+        load_mapping(path)
+    assert refused.value.message == (
+        f"{path}: label.positive: expected str or list or null, got 1 (integer): quote it for "
+        "a string"
+    )
+    path.write_text(head + "  positive: ['>50K', 'yes']\n")
+    assert load_mapping(path).label.positive == [">50K", "yes"]
