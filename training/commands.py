@@ -158,6 +158,17 @@ def _train(args: argparse.Namespace) -> int:
             f"recserve train: error: --node-rank {args.node_rank} must be in "
             f"[0, --nnodes {args.nnodes})"
         )
+    ranks = args.nproc_per_node * args.nnodes
+    addresses = [a for a in (args.nn_worker_addresses or "").split(",") if a.strip()]
+    if addresses and len(addresses) != ranks:
+        # Rank r listens on entry r and the loaders spread batches over every entry: with
+        # more entries, batches went to ports nobody listened on (the loaders waited out
+        # their timeout); with fewer, ranks shared an entry (a bind error, or no data).
+        raise SystemExit(
+            f"recserve train: error: --nn-worker-addresses lists {len(addresses)} address(es) "
+            f"for {ranks} NN worker(s) (--nproc-per-node {args.nproc_per_node} x --nnodes "
+            f"{args.nnodes}): give one per NN worker, in rank order"
+        )
     env = _environment(args)
     if args.embedding_workers:
         env[EMBEDDING_WORKERS_ENV] = args.embedding_workers

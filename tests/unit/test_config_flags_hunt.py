@@ -216,3 +216,45 @@ def test_a_bad_item_of_a_list_in_a_union_field_is_named(tmp_path) -> None:
     )
     path.write_text(head + "  positive: ['>50K', 'yes']\n")
     assert load_mapping(path).label.positive == [">50K", "yes"]
+
+
+# --------------------------------------------------------------------------- recserve train
+@pytest.mark.parametrize(
+    ("addresses", "ranks", "count"),
+    [
+        ("h0:7500,h1:7500", ["--nproc-per-node", "1"], "2 address(es) for 1 NN worker(s) "
+         "(--nproc-per-node 1 x --nnodes 1)"),
+        ("h0:7500,h0:7501", ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1"],
+         "2 address(es) for 4 NN worker(s) (--nproc-per-node 2 x --nnodes 2)"),
+    ],
+)  # fmt: skip
+def test_train_needs_one_nn_worker_address_per_rank(
+    tmp_path, monkeypatch, addresses, ranks, count
+) -> None:
+    """Rank r listens on entry r of --nn-worker-addresses and the data loaders spread their
+    batches over every entry: a list longer than the ranks sent batches to ports no rank
+    listened on, a shorter one made ranks share an entry; torchrun started either way."""
+    import os
+
+    monkeypatch.delenv("RECSERVE_EMBEDDING_WORKERS", raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append(argv))
+    entry = tmp_path / "train.py"
+    entry.write_text("")
+    tier = ["--embedding-workers", "w:7100"]
+    args = build_parser().parse_args(
+        ["train", "--entry", str(entry), *tier, *ranks, "--nn-worker-addresses", addresses]
+    )
+    with pytest.raises(SystemExit) as refused:
+        args.handler(args)
+    assert str(refused.value) == (
+        f"recserve train: error: --nn-worker-addresses lists {count}: give one per NN worker, "
+        "in rank order"
+    )
+    assert started == []
+    args = build_parser().parse_args(
+        ["train", "--entry", str(entry), *tier, "--nproc-per-node", "2",
+         "--nn-worker-addresses", "h0:7500, h0:7501"]
+    )  # fmt: skip
+    args.handler(args)
+    assert len(started) == 1
