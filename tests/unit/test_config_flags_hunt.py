@@ -258,3 +258,26 @@ def test_train_needs_one_nn_worker_address_per_rank(
     )  # fmt: skip
     args.handler(args)
     assert len(started) == 1
+
+
+# --------------------------------------------------------------------------- tier token
+def test_a_tier_token_variable_and_file_that_disagree_are_refused(tmp_path, monkeypatch) -> None:
+    """Both set: the variable won silently, so a process whose token file was rotated kept
+    sending the old token from a stale variable, and its peers refused every call."""
+    from embedding_store.errors import InvalidArgumentError
+    from embedding_store.grpc_common import tier_token
+
+    secret = tmp_path / "token"
+    secret.write_text("rotated\n")
+    monkeypatch.setenv("RECSERVE_TIER_TOKEN", "stale")
+    monkeypatch.setenv("RECSERVE_TIER_TOKEN_FILE", str(secret))
+    with pytest.raises(InvalidArgumentError) as refused:
+        tier_token()
+    assert refused.value.message == (
+        f"RECSERVE_TIER_TOKEN and RECSERVE_TIER_TOKEN_FILE={secret} are both set, to different "
+        "tokens: set only one"
+    )
+    monkeypatch.setenv("RECSERVE_TIER_TOKEN", "rotated")  # the same token twice: no conflict
+    assert tier_token() == "rotated"
+    monkeypatch.delenv("RECSERVE_TIER_TOKEN_FILE")
+    assert tier_token() == "rotated"
