@@ -281,3 +281,24 @@ def test_a_tier_token_variable_and_file_that_disagree_are_refused(tmp_path, monk
     assert tier_token() == "rotated"
     monkeypatch.delenv("RECSERVE_TIER_TOKEN_FILE")
     assert tier_token() == "rotated"
+
+
+# --------------------------------------------------------------------------- embedding config
+def test_a_slot_named_like_another_slots_lengths_input_is_refused(tmp_path) -> None:
+    """Slots ``hist`` and ``hist.lengths`` loaded and trained; serving the model then failed
+    (a jagged ``hist`` sends its lengths as input ``hist.lengths``): "rename it in the
+    training data and train again"."""
+    from embedding_store.config import load_embedding_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "embedding_config.yml"
+    path.write_text("slots_config:\n  hist: {dim: 8}\n  hist.lengths: {dim: 4}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_embedding_config(path)
+    assert refused.value.message == (
+        f"{path}: slots_config.hist.lengths: slot 'hist.lengths' is named like the '.lengths' "
+        "input of slot 'hist', which KServe v2 requests send as the lengths of a jagged ID "
+        "feature; rename one of them"
+    )
+    path.write_text("slots_config:\n  hist: {dim: 8}\n  clicks.lengths: {dim: 4}\n")
+    assert load_embedding_config(path).slot_names == ("hist", "clicks.lengths")
