@@ -302,3 +302,27 @@ def test_a_slot_named_like_another_slots_lengths_input_is_refused(tmp_path) -> N
     )
     path.write_text("slots_config:\n  hist: {dim: 8}\n  clicks.lengths: {dim: 4}\n")
     assert load_embedding_config(path).slot_names == ("hist", "clicks.lengths")
+
+
+# --------------------------------------------------------------------------- parameter server
+@pytest.mark.parametrize("job_type", ["Train", "Eval"])
+def test_a_shard_that_will_not_load_the_infer_checkpoint_says_so(caplog, job_type) -> None:
+    """infer_config.embedding_checkpoint set without `job_type: Infer` (it defaults to Train)
+    was ignored without a word: the shard served fresh random rows, trainable."""
+    import logging
+
+    from embedding_store.config import EmbeddingConfig, SlotConfig, global_config_from_mapping
+    from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
+
+    config = EmbeddingConfig(slots_config={"a": SlotConfig(dim=2)})
+    common = {"job_type": job_type, "infer_config": {"embedding_checkpoint": "/ckpt/e"}}
+    global_config = global_config_from_mapping(
+        {"common_config": common, "embedding_parameter_server_config": {"capacity": 16}}
+    )
+    process = ParameterServerProcess(config, global_config, ParameterServerOptions(port=0))
+    with caplog.at_level(logging.WARNING, logger="embedding_store.ps_process"):
+        assert process._checkpoint_at_start() == (None, True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"infer_config.embedding_checkpoint /ckpt/e is not loaded: job_type is {job_type}, and "
+        "only job_type Infer shards load it (a training shard loads --load-checkpoint)"
+    ]
