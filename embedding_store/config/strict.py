@@ -648,6 +648,13 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, source: str | None = None
         ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML: {err}") from None
+    except RecursionError:
+        # PyYAML composes nested nodes recursively: a few hundred levels ([[[...]]]) exceed
+        # Python's recursion limit, which ended the command in a traceback.
+        raise ConfigError(
+            f"{source}: nested too deeply to read (lists or mappings hundreds of levels "
+            "deep), expected a YAML config file"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

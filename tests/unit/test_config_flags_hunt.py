@@ -326,3 +326,24 @@ def test_a_shard_that_will_not_load_the_infer_checkpoint_says_so(caplog, job_typ
         f"infer_config.embedding_checkpoint /ckpt/e is not loaded: job_type is {job_type}, and "
         "only job_type Infer shards load it (a training shard loads --load-checkpoint)"
     ]
+
+
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path) -> None:
+    """PyYAML composes nested nodes recursively: a few hundred levels ended the command in a
+    RecursionError traceback instead of one line naming the file."""
+    from embedding_store.config import load_embedding_config, load_global_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "deep.yml"
+    for text, load in (
+        ("slots_config: " + "[" * 1000 + "]" * 1000 + "\n", load_embedding_config),
+        ("common_config:\n" + "".join(" " * depth + "a:\n" for depth in range(1, 1000)),
+         load_global_config),
+    ):  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            load(path)
+        assert refused.value.message == (
+            f"{path}: nested too deeply to read (lists or mappings hundreds of levels deep), "
+            "expected a YAML config file"
+        )
