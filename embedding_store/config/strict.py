@@ -460,6 +460,9 @@ _LEADING_ZERO_TAG = "tag:recserve,2024:leading-zero-int"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 #: YAML 1.2 core schema numbers (PyYAML implements YAML 1.1, where ``016`` is octal 14,
 #: ``1:00`` is sexagesimal 60, ``1_000`` is 1000 and ``1e6`` is a string).
+#: The longest integer literal read: far beyond any config value (MAX_CONFIG_INT has 19
+#: digits), far below Python's 4300-digit conversion limit.
+_MAX_INT_CHARACTERS = 100
 _LEADING_ZERO_RE = re.compile(r"^[-+]?0[0-9]+$")
 _INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
 _FLOAT_RE = re.compile(
@@ -507,6 +510,15 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
     if not _INT_RE.match(text):
         raise yaml.constructor.ConstructorError(
             None, None, f"invalid integer {text!r} (YAML 1.2 core schema)", node.start_mark
+        )
+    if len(text) > _MAX_INT_CHARACTERS:
+        # Python refuses to convert (and to print) integers of more than 4300 decimal
+        # digits with a ValueError, which ended the command in a traceback.
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"integer of {len(text)} characters, too large for any config value",
+            node.start_mark,
         )
     return int(text, 0)
 

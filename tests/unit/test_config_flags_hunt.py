@@ -347,3 +347,26 @@ def test_a_config_nested_too_deeply_is_a_config_error(tmp_path) -> None:
             f"{path}: nested too deeply to read (lists or mappings hundreds of levels deep), "
             "expected a YAML config file"
         )
+
+
+@pytest.mark.parametrize("number", ["9" * 5000, "0x" + "f" * 4000])
+def test_an_integer_too_long_for_python_to_print_is_a_config_error(tmp_path, number) -> None:
+    """Python refuses integers of more than 4300 decimal digits (to parse, or to print in a
+    message): a ValueError traceback instead of one line naming the file and the line."""
+    from embedding_store.config import load_embedding_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "embedding_config.yml"
+    path.write_text(f"slots_config:\n  a: {{dim: {number}}}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_embedding_config(path)
+    assert refused.value.message == (
+        f"{path}: YAML syntax error at line 2, column 12: integer of {len(number)} characters, "
+        "too large for any config value"
+    )
+    path.write_text(f"slots_config:\n  a: {{dim: {'9' * 100}}}\n")  # a long one is named
+    with pytest.raises(ConfigError) as refused:
+        load_embedding_config(path)
+    assert refused.value.message == (
+        f"{path}: slots_config.a.dim: expected at most 65536, got {'9' * 77}..."
+    )
