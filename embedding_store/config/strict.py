@@ -658,6 +658,14 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, source: str | None = None
             f"{source}: YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: "
             f"{problem}"
         ) from None
+    except yaml.reader.ReaderError as err:
+        # Its own text spans two lines and names '"<unicode string>", position N'.
+        line = text.count("\n", 0, err.position) + 1
+        column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
+        raise ConfigError(
+            f"{source}: YAML syntax error at line {line}, column {column}: character "
+            f"{chr(err.character)!r} (#x{err.character:04x}) is not allowed in YAML"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML: {err}") from None
     except RecursionError:

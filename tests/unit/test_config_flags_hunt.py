@@ -370,3 +370,20 @@ def test_an_integer_too_long_for_python_to_print_is_a_config_error(tmp_path, num
     assert refused.value.message == (
         f"{path}: slots_config.a.dim: expected at most 65536, got {'9' * 77}..."
     )
+
+
+def test_a_control_character_is_named_with_its_line_and_column(tmp_path) -> None:
+    """It read 'invalid YAML: unacceptable character #x0007: special characters are not
+    allowed\\n  in "<unicode string>", position 17': two lines, and a position no editor
+    shows."""
+    from embedding_store.config import load_embedding_config
+    from embedding_store.errors import ConfigError
+
+    path = tmp_path / "embedding_config.yml"
+    path.write_bytes(b"slots_config:\n  a: {dim: 8}\n  b\x07: {dim: 8}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_embedding_config(path)
+    assert refused.value.message == (
+        f"{path}: YAML syntax error at line 3, column 4: character '\\x07' (#x0007) is not "
+        "allowed in YAML"
+    )
