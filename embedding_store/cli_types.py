@@ -195,10 +195,14 @@ def host_port_addresses(text: str) -> str:
     (what a process listens on and its peers dial: gRPC target URIs do not do for both);
     the text unchanged."""
     addresses = [a.strip() for a in text.split(",") if a.strip()]
-    for address in addresses:
+    for index, address in enumerate(addresses):
         problem = host_port_problem(address)
         if problem:
             raise argparse.ArgumentTypeError(problem)
+        if address in addresses[:index]:
+            # One process per entry (a shard in replica order, an NN worker in rank order):
+            # one address twice is one process taking two places.
+            raise argparse.ArgumentTypeError(f"{address!r} is given twice")
     if not addresses:
         raise argparse.ArgumentTypeError("give at least one HOST:PORT")
     return text

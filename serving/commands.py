@@ -328,10 +328,12 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     workers = _addresses(args.embedding_workers or "")
     ps = _addresses(args.embedding_ps or "")
     for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):
-        for address in addresses:
+        for index, address in enumerate(addresses):
             problem = host_port_problem(address)
             if problem:
                 return f"{flag}: {problem}"
+            if address in addresses[:index]:
+                return f"{flag}: {address!r} is given twice"
     if workers and ps:
         return (
             "--embedding-workers and --embedding-ps both given: the server uses one tier, "

@@ -387,3 +387,28 @@ def test_a_control_character_is_named_with_its_line_and_column(tmp_path) -> None
         f"{path}: YAML syntax error at line 3, column 4: character '\\x07' (#x0007) is not "
         "allowed in YAML"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["embedding-worker", "--ps"], "--ps"),
+        (["data-loader", "--entry", "t.py", "--replica-index", "0", "--replica-size", "1",
+          "--nn-worker-addresses"], "--nn-worker-addresses"),
+    ],
+)  # fmt: skip
+def test_an_address_given_twice_is_refused(capsys, argv, flag) -> None:
+    """infer_config.servers refused a shard listed twice; --ps took it (the worker failed
+    only once that shard reported another replica index), and --nn-worker-addresses made
+    two ranks listen on one port."""
+    error = usage_error(capsys, [*argv, "ps-0:7000,ps-1:7000, ps-0:7000"])
+    assert error.endswith(f"error: argument {flag}: 'ps-0:7000' is given twice")
+
+
+def test_serve_refuses_a_shard_given_twice() -> None:
+    from serving.commands import check_arguments
+
+    argv = ["serve", "--checkpoint", "c", "--embedding-ps", "ps-0:7000,ps-0:7000"]
+    assert check_arguments(build_parser().parse_args(argv)) == (
+        "--embedding-ps: 'ps-0:7000' is given twice"
+    )
