@@ -1,10 +1,12 @@
-"""Config and command-line bugs found by a second hunt; each test fails without its fix.
+"""Config and command-line bugs found by a second hunt. Each test named for a refusal fails
+without its fix; the tests of what is taken pin the valid values beside them.
 
 An unset shell variable turns ``--flag "$VAR"`` into ``--flag ""``: a path flag then named
 the working directory (``Path("") == Path(".")``), a config flag failed with
 ": config file not found" or was skipped for its environment variable's file, and a tier
-address flag silently chose the embedded tier. Each now ends in one argparse line naming
-the flag."""
+address flag silently chose the embedded tier. Tier addresses gRPC cannot dial (``::1:7000``
+is dialled on port 443) were taken by the flags; YAML files that Python cannot read
+(nesting, huge integers) ended in tracebacks."""
 
 from __future__ import annotations
 
