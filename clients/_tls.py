@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import ssl
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from embedding_store.cli_types import non_empty_path
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.tls import (
     PemFile,
@@ -172,21 +172,21 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (for an https:// or grpcs:// --url)."""
     parser.add_argument(
         "--tls-ca",
-        type=Path,
+        type=non_empty_path,
         default=None,
         metavar="PEM",
         help="CA certificate(s) to trust for an https:// --url (default: the system's)",
     )
     parser.add_argument(
         "--tls-cert",
-        type=Path,
+        type=non_empty_path,
         default=None,
         metavar="PEM",
         help="client certificate, for a server that requires one (mutual TLS; with --tls-key)",
     )
     parser.add_argument(
         "--tls-key",
-        type=Path,
+        type=non_empty_path,
         default=None,
         metavar="PEM",
         help="unencrypted private key of --tls-cert",

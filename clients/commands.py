@@ -34,7 +34,12 @@ import orjson
 
 from clients._tls import CLI_NAMES, add_tls_arguments, client_tls
 from clients.codec import rows_not_feature_keyed
-from embedding_store.cli_types import non_negative_int, positive_float, positive_int
+from embedding_store.cli_types import (
+    non_empty_path,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from embedding_store.errors import InvalidArgumentError, RecserveError
 
 FORMATS = ("jsonl", "csv")
@@ -218,13 +223,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="model", help="model name (default %(default)s)")
     parser.add_argument(
-        "--input", required=True, type=Path, help="rows: .jsonl or .csv (optionally .gz)"
+        "--input", required=True, type=non_empty_path, help="rows: .jsonl or .csv (optionally .gz)"
     )
     parser.add_argument("--format", choices=FORMATS, default=None, help="override the extension")
     parser.add_argument(
         "--batch-size", type=positive_int, default=256, help="rows per request (default 256)"
     )
-    parser.add_argument("--output", type=Path, default=None, help="write JSON lines here")
+    parser.add_argument("--output", type=non_empty_path, default=None, help="write JSON lines here")
     parser.add_argument(
         "--timeout", type=positive_float, default=30.0, help="seconds per request (default 30)"
     )

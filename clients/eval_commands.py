@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from clients._tls import add_tls_arguments
 from embedding_store.checkpoint_manifest import MAX_SHARDS
 from embedding_store.cli_types import (
     int_in_range,
+    non_empty_path,
     non_negative_float,
     positive_float,
     positive_int,
@@ -37,7 +37,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
             "when predictions differ: the parity check before a rollout."
         ),
     )
-    parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="score in-process")
+    parser.add_argument("--checkpoint", type=non_empty_path, metavar="DIR", help="score in-process")
     parser.add_argument("--url", metavar="URL", help="score through a server (http(s)://HOST:PORT)")
     parser.add_argument(
         "--compare",
@@ -46,14 +46,19 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "any prediction differs by more than --tolerance",
     )
     parser.add_argument(
-        "--data", type=Path, nargs="+", required=True, metavar="FILE", help=".csv[.gz] or .parquet"
+        "--data",
+        type=non_empty_path,
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help=".csv[.gz] or .parquet",
     )
     parser.add_argument(
-        "--out", type=Path, required=True, help="predictions file (.csv or .parquet)"
+        "--out", type=non_empty_path, required=True, help="predictions file (.csv or .parquet)"
     )
     parser.add_argument(
         "--mapping",
-        type=Path,
+        type=non_empty_path,
         metavar="YML",
         help="feature_mapping.yml. Default: one column per model feature, named like it. An "
         "ID feature's column holds an integer ID; a multi-ID feature's holds integer IDs "
@@ -67,7 +72,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     labels.add_argument(
         "--no-label", action="store_true", help="ignore the mapping's label: predictions only"
     )
-    parser.add_argument("--report", type=Path, metavar="DIR", help="write an evaluation report")
+    parser.add_argument(
+        "--report", type=non_empty_path, metavar="DIR", help="write an evaluation report"
+    )
     parser.add_argument(
         "--batch-size",
         type=positive_int,
@@ -174,7 +181,7 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "that does not load or holds NaN or Inf, an unreadable embedding file); --verify also "
         "reads and checks every file.",
     )
-    inspect.add_argument("directory", type=Path, metavar="DIR")
+    inspect.add_argument("directory", type=non_empty_path, metavar="DIR")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
         "--load-code", action="store_true", help=_LOAD_CODE_HELP + " (shows its forward signature)"
@@ -197,13 +204,13 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "loading it runs code of whoever wrote the checkpoint (--load-code also checks its "
         "parameters for NaN and Inf).",
     )
-    verify.add_argument("directories", type=Path, nargs="+", metavar="DIR")
+    verify.add_argument("directories", type=non_empty_path, nargs="+", metavar="DIR")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.add_argument("--load-code", action="store_true", help=_LOAD_CODE_HELP)
     verify.set_defaults(handler=_verify)
 
     reshard = actions.add_parser("reshard", help="rewrite the embeddings with N shards")
-    reshard.add_argument("directory", type=Path, metavar="DIR")
+    reshard.add_argument("directory", type=non_empty_path, metavar="DIR")
     reshard.add_argument(
         "--shards",
         type=int_in_range(1, MAX_SHARDS),  # what a manifest may hold: a larger one never loads
@@ -212,14 +219,14 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         help=f"shards to write (at most {MAX_SHARDS})",
     )
     reshard.add_argument(
-        "--out", type=Path, required=True, metavar="DIR2", help="the resharded checkpoint"
+        "--out", type=non_empty_path, required=True, metavar="DIR2", help="the resharded checkpoint"
     )
     reshard.add_argument("--overwrite", action="store_true", help="replace an existing DIR2")
     reshard.set_defaults(handler=_reshard)
 
     diff = actions.add_parser("diff", help="rows added/removed/changed per slot; dense diffs")
-    diff.add_argument("directory_a", type=Path, metavar="DIR1")
-    diff.add_argument("directory_b", type=Path, metavar="DIR2")
+    diff.add_argument("directory_a", type=non_empty_path, metavar="DIR1")
+    diff.add_argument("directory_b", type=non_empty_path, metavar="DIR2")
     diff.add_argument(
         "--tolerance",
         type=non_negative_float,
@@ -239,10 +246,10 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "export-dense",
         help="copy the TorchScript dense model out (loads it to check it: runs its code)",
     )
-    export.add_argument("directory", type=Path, metavar="DIR")
+    export.add_argument("directory", type=non_empty_path, metavar="DIR")
     export.add_argument(
         "--out",
-        type=Path,
+        type=non_empty_path,
         required=True,
         metavar="FILE",
         help="where to write the copy of jit_dense.pt",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T", int, float)
@@ -38,6 +40,21 @@ def non_empty(text: str) -> str:
     """Any text with something besides spaces (an unset shell variable gives "")."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
+
+
+def non_empty_path(text: str) -> Path:
+    """A path that is not empty nor only spaces. ``Path("")`` is ``.``: an unset shell
+    variable (``--reload-root "$ROOT"``) silently named the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty value")
+    return Path(text)
+
+
+def path_text(text: str) -> str:
+    """:func:`non_empty_path`, kept as text (config files: given "", a config flag failed
+    with ": config file not found", or was skipped for its environment variable's file)."""
+    non_empty_path(text)
     return text
 
 
@@ -109,13 +126,53 @@ def url_problem(address: str) -> str | None:
     return f"{address!r} is a URL: give HOST:PORT, without {scheme}:// (e.g. {rest.rstrip('/')})"
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def host_port_problem(address: str) -> str | None:
+    """Why ``address`` is not a HOST:PORT a peer can dial (port 1..65535, an IPv6 host in
+    brackets), or None. gRPC reads ``::1:7000`` as the IPv6 host ``::1:7000`` on its
+    default port 443, so a shard there was never reached: the caller timed out instead."""
+    problem = url_problem(address)
+    if problem:
+        return problem
+    host, _, port = address.rpartition(":")
+    if not (host and port.isdigit() and port.isascii() and 0 < int(port) < 65536):
+        return f"{address!r} is not HOST:PORT"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return f"{address!r} is not HOST:PORT: write an IPv6 host in brackets, e.g. [{host}]:{port}"
+    if host.startswith("[") and not _is_ipv6(host[1:-1]):
+        return f"{address!r} is not HOST:PORT: {host} holds no IPv6 address"
+    if any(character.isspace() for character in host):
+        return f"{address!r} is not HOST:PORT: the host has a space in it"
+    return None
+
+
+def grpc_address_problem(address: str) -> str | None:
+    """Why ``address`` is no gRPC address to dial (a URL, or a bare IPv6 address: gRPC
+    dials ``::1:7000`` on port 443), or None; gRPC's own target URIs pass."""
+    problem = url_problem(address)
+    if problem:
+        return problem
+    if _is_ipv6(address):
+        return (
+            f"{address!r} is an IPv6 address without a port: write the host in brackets, "
+            "[ADDRESS]:PORT"
+        )
+    return None
+
+
 def grpc_addresses(text: str) -> str:
-    """Comma-separated gRPC addresses (HOST:PORT), at least one, none of them a URL; the
-    text unchanged. ("" from an unset shell variable: gRPC failed on the empty target with
-    its own trace, or a trainer silently used its embedded tier.)"""
+    """Comma-separated gRPC addresses (HOST:PORT), at least one, none of them a URL nor a
+    bare IPv6 address; the text unchanged. ("" from an unset shell variable: gRPC failed on
+    the empty target with its own trace, or a trainer silently used its embedded tier.)"""
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     for address in addresses:
-        problem = url_problem(address)
+        problem = grpc_address_problem(address)
         if problem:
             raise argparse.ArgumentTypeError(problem)
     if not addresses:
@@ -123,18 +180,29 @@ def grpc_addresses(text: str) -> str:
     return text
 
 
+def grpc_address(text: str) -> str:
+    """One gRPC address (:func:`grpc_addresses` with a single entry), stripped. A list was
+    taken whole as one target: "errors resolving a:1,b:2 ... Misformatted domain name"."""
+    grpc_addresses(text)
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if len(addresses) > 1:
+        raise argparse.ArgumentTypeError(f"give one HOST:PORT, got {len(addresses)}: {text!r}")
+    return addresses[0]
+
+
 def host_port_addresses(text: str) -> str:
     """Comma-separated HOST:PORT addresses with a port in 1..65535, at least one, none a URL
     (what a process listens on and its peers dial: gRPC target URIs do not do for both);
     the text unchanged."""
     addresses = [a.strip() for a in text.split(",") if a.strip()]
-    for address in addresses:
-        problem = url_problem(address)
+    for index, address in enumerate(addresses):
+        problem = host_port_problem(address)
         if problem:
             raise argparse.ArgumentTypeError(problem)
-        host, _, port = address.rpartition(":")
-        if not (host and port.isdigit() and port.isascii() and 0 < int(port) < 65536):
-            raise argparse.ArgumentTypeError(f"{address!r} is not HOST:PORT")
+        if address in addresses[:index]:
+            # One process per entry (a shard in replica order, an NN worker in rank order):
+            # one address twice is one process taking two places.
+            raise argparse.ArgumentTypeError(f"{address!r} is given twice")
     if not addresses:
         raise argparse.ArgumentTypeError("give at least one HOST:PORT")
     return text

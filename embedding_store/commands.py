@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from embedding_store.checkpoint_manifest import MAX_SHARDS
-from embedding_store.cli_types import int_in_range, non_empty, non_negative_float
+from embedding_store.cli_types import int_in_range, non_empty, non_negative_float, path_text
 from embedding_store.config import (
     EMBEDDING_CONFIG_ENV,
     EMBEDDING_CONFIG_FLAG,
@@ -23,12 +23,14 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         EMBEDDING_CONFIG_FLAG,
         dest="embedding_config",
+        type=path_text,
         metavar="FILE",
         help=f"embedding_config.yml (default: ${EMBEDDING_CONFIG_ENV})",
     )
     parser.add_argument(
         GLOBAL_CONFIG_FLAG,
         dest="global_config",
+        type=path_text,
         metavar="FILE",
         help=f"global_config.yml (default: ${GLOBAL_CONFIG_ENV}, else all defaults)",
     )

@@ -111,29 +111,44 @@ def tier_token() -> str | None:
     """The shared token from ``RECSERVE_TIER_TOKEN`` or the file ``RECSERVE_TIER_TOKEN_FILE``
     names, or None (no authentication: the tier's ports must then be reachable only by its
     own processes; docs/deploy.md, "Security"). InvalidArgumentError for an unreadable, empty
-    or non-UTF-8 file, or one over 1 MiB (MAX_TOKEN_FILE_BYTES: the wrong file)."""
+    or non-UTF-8 file, or one over 1 MiB (MAX_TOKEN_FILE_BYTES: the wrong file), and when
+    both are set to different tokens (the variable won silently: a process given a rotated
+    file kept the old token, and its peers refused it)."""
     token = os.environ.get(TOKEN_VARIABLE, "").strip()  # `echo` and --from-file add "\n"
     where = TOKEN_VARIABLE
+    path = os.environ.get(TOKEN_FILE_VARIABLE)
+    if path:
+        from_file = _token_from_file(path)
+        if token and from_file != token:
+            raise InvalidArgumentError(
+                f"{TOKEN_VARIABLE} and {TOKEN_FILE_VARIABLE}={path} are both set, to different "
+                "tokens: set only one"
+            )
+        token, where = from_file, f"{TOKEN_FILE_VARIABLE}={path}"
     if not token:
-        path = os.environ.get(TOKEN_FILE_VARIABLE)
-        if not path:
-            return None
-        where = f"{TOKEN_FILE_VARIABLE}={path}"
-        try:
-            raw = read_small_file(path, where, "a token", MAX_TOKEN_FILE_BYTES)
-            token = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise InvalidArgumentError(f"{where}: not valid UTF-8 text") from None
-        except OSError as error:
-            raise InvalidArgumentError(f"{where}: {error.strerror or error}") from None
-        if not token:
-            raise InvalidArgumentError(f"{where} is empty")
+        return None
     # It travels in a header: printable ASCII only, or every call fails with an opaque
     # "Invalid metadata".
     if not (token.isascii() and token.isprintable()):
         raise InvalidArgumentError(
             f"{where}: the tier token must be printable ASCII (no control characters)"
         )
+    return token
+
+
+def _token_from_file(path: str) -> str:
+    """The token in the file ``path`` (stripped); InvalidArgumentError as :func:`tier_token`
+    says."""
+    where = f"{TOKEN_FILE_VARIABLE}={path}"
+    try:
+        raw = read_small_file(path, where, "a token", MAX_TOKEN_FILE_BYTES)
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{where}: not valid UTF-8 text") from None
+    except OSError as error:
+        raise InvalidArgumentError(f"{where}: {error.strerror or error}") from None
+    if not token:
+        raise InvalidArgumentError(f"{where} is empty")
     return token
 
 

@@ -290,6 +290,16 @@ class ParameterServerProcess:
                     "until a Load RPC provides rows"
                 )
             return directory, False
+        ignored = self.global_config.common_config.infer_config.embedding_checkpoint
+        if ignored is not None:
+            # Set, but for Infer shards only: a config that forgot `job_type: Infer` served
+            # a trainable shard of fresh random rows, without a word.
+            log.warning(
+                "infer_config.embedding_checkpoint %s is not loaded: job_type is %s, and only "
+                "job_type Infer shards load it (a training shard loads --load-checkpoint)",
+                ignored,
+                self.job_type.value,
+            )
         return self.options.load_checkpoint, True
 
     def _start_load(self, directory: str, *, adopt_optimizer: bool) -> None:

@@ -8,10 +8,11 @@ import sys
 from typing import TYPE_CHECKING
 
 from embedding_store.cli_types import (
-    grpc_addresses,
+    grpc_address,
     host_port_addresses,
     non_empty,
     non_negative_float,
+    path_text,
     port_number,
     positive_float,
 )
@@ -60,11 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--embedding-config",
+        type=path_text,
         default=None,
         help="embedding_config.yml (default: $RECSERVE_EMBEDDING_CONFIG)",
     )
     parser.add_argument(
         "--global-config",
+        type=path_text,
         default=None,
         help="global_config.yml (default: $RECSERVE_GLOBAL_CONFIG, else all defaults)",
     )
@@ -145,11 +148,12 @@ def register_admin(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument(
             "--worker",
             required=True,
-            type=grpc_addresses,
-            help="HOST:PORT of an embedding worker",
+            type=grpc_address,
+            help="HOST:PORT of an embedding worker (any one of the tier's)",
         )
         action.add_argument(
             "--embedding-config",
+            type=path_text,
             default=None,
             help="embedding_config.yml: only checked to be valid, not needed (the worker dumps "
             "with its own config and checks a checkpoint it loads against it)",

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from pathlib import Path
 
 from embedding_store.cli_types import (
+    host_port_problem,
     non_empty,
+    non_empty_path,
     non_negative_float,
     non_negative_int,
     port_number,
     positive_float,
     positive_int,
-    url_problem,
 )
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
@@ -28,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load a checkpoint (dense TorchScript + embeddings) and answer predictions "
         "over HTTP (KServe v2 REST + a friendly JSON route) and gRPC (KServe v2).",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory")
+    parser.add_argument(
+        "--checkpoint", required=True, type=non_empty_path, help="checkpoint directory"
+    )
     parser.add_argument("--model-name", default="model", help="name clients use (default model)")
     # Not empty: Python binds "" to every interface (HTTP), gRPC refuses it.
     parser.add_argument(
@@ -45,13 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--embedding-workers",
-        default="",
+        type=_address_list,
+        default=None,
         help="HOST:PORT of the embedding worker (one; put a Service in front of several) "
         "(default: embedded, in-process)",
     )
     parser.add_argument(
         "--embedding-ps",
-        default="",
+        type=_address_list,
+        default=None,
         help="comma-separated parameter-server addresses in replica order: run the worker "
         "core in this process against them (one hop fewer than --embedding-workers)",
     )
@@ -184,7 +188,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--reload-root",
-        type=Path,
+        type=non_empty_path,
         default=None,
         help="POST /admin/reload loads only checkpoints under this directory (symlinks "
         "resolved; default: the directory that holds --checkpoint)",
@@ -198,7 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     token.add_argument(
         "--admin-token-file",
-        type=Path,
+        type=non_empty_path,
         default=None,
         help="file holding the admin bearer token (e.g. a mounted Kubernetes Secret)",
     )
@@ -217,17 +221,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tls-cert",
-        type=Path,
+        type=non_empty_path,
         default=None,
         help="PEM certificate (chain) of the server: HTTPS and gRPC over TLS on both ports "
         "(with --tls-key)",
     )
     parser.add_argument(
-        "--tls-key", type=Path, default=None, help="PEM private key of --tls-cert (unencrypted)"
+        "--tls-key",
+        type=non_empty_path,
+        default=None,
+        help="PEM private key of --tls-cert (unencrypted)",
     )
     parser.add_argument(
         "--tls-client-ca",
-        type=Path,
+        type=non_empty_path,
         default=None,
         help="PEM CA certificate(s): require client certificates signed by it on both ports "
         "(mutual TLS)",
@@ -318,16 +325,15 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             f"--reload-root {args.reload_root}: no such directory (POST /admin/reload loads "
             "only checkpoints under it)"
         )
-    workers = _addresses(args.embedding_workers)
-    ps = _addresses(args.embedding_ps)
+    workers = _addresses(args.embedding_workers or "")
+    ps = _addresses(args.embedding_ps or "")
     for flag, addresses in (("--embedding-workers", workers), ("--embedding-ps", ps)):
-        for address in addresses:
-            problem = url_problem(address)
+        for index, address in enumerate(addresses):
+            problem = host_port_problem(address)
             if problem:
                 return f"{flag}: {problem}"
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                return f"{flag}: {address!r} is not HOST:PORT"
+            if address in addresses[:index]:
+                return f"{flag}: {address!r} is given twice"
     if workers and ps:
         return (
             "--embedding-workers and --embedding-ps both given: the server uses one tier, "
@@ -347,6 +353,17 @@ def check_arguments(args: argparse.Namespace) -> str | None:
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _address_list(text: str) -> str:
+    """The text of --embedding-workers / --embedding-ps: at least one address. Given ""
+    (an unset shell variable), the server silently served from an embedded tier instead of
+    the remote one it was pointed at; without the flag it is embedded, as documented."""
+    if not _addresses(text):
+        raise argparse.ArgumentTypeError(
+            "give at least one HOST:PORT (leave the flag out for the embedded tier)"
+        )
+    return text
 
 
 def _token_problem(token: str) -> str | None:
@@ -396,7 +413,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.parser.error(problem)
     # Before anything binds or loads: a wrong file must not cost a model load to find.
     server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-    workers = _addresses(args.embedding_workers)
+    workers = _addresses(args.embedding_workers or "")
     options = ServeOptions(
         checkpoint=args.checkpoint,
         model_name=args.model_name,
@@ -404,7 +421,7 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         embedding_workers=workers,
-        embedding_ps=_addresses(args.embedding_ps),
+        embedding_ps=_addresses(args.embedding_ps or ""),
         max_batch_size=args.max_batch_size,
         max_request_batch_size=args.max_request_batch_size,
         max_queue_delay_ms=args.max_queue_delay_ms,

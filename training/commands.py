@@ -17,6 +17,7 @@ from embedding_store.cli_types import (
     grpc_addresses,
     host_port_addresses,
     non_negative_int,
+    path_text,
     positive_int,
 )
 from training.env import (
@@ -43,9 +44,13 @@ def _rendezvous_port(text: str) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entry", required=True, help="the Python script to run")
-    parser.add_argument("--embedding-config", help="embedding_config.yml (for the script)")
-    parser.add_argument("--global-config", help="global_config.yml (for the script)")
+    parser.add_argument("--entry", required=True, type=path_text, help="the Python script to run")
+    parser.add_argument(
+        "--embedding-config", type=path_text, help="embedding_config.yml (for the script)"
+    )
+    parser.add_argument(
+        "--global-config", type=path_text, help="global_config.yml (for the script)"
+    )
     parser.add_argument(
         "--nn-worker-addresses",
         type=host_port_addresses,  # each rank listens on its entry's port, loaders dial them
@@ -152,6 +157,17 @@ def _train(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"recserve train: error: --node-rank {args.node_rank} must be in "
             f"[0, --nnodes {args.nnodes})"
+        )
+    ranks = args.nproc_per_node * args.nnodes
+    addresses = [a for a in (args.nn_worker_addresses or "").split(",") if a.strip()]
+    if addresses and len(addresses) != ranks:
+        # Rank r listens on entry r and the loaders spread batches over every entry: with
+        # more entries, batches went to ports nobody listened on (the loaders waited out
+        # their timeout); with fewer, ranks shared an entry (a bind error, or no data).
+        raise SystemExit(
+            f"recserve train: error: --nn-worker-addresses lists {len(addresses)} address(es) "
+            f"for {ranks} NN worker(s) (--nproc-per-node {args.nproc_per_node} x --nnodes "
+            f"{args.nnodes}): give one per NN worker, in rank order"
         )
     env = _environment(args)
     ranks = args.nproc_per_node * args.nnodes

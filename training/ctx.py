@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch
-from embedding_store.cli_types import url_problem
+from embedding_store.cli_types import grpc_address_problem
 from embedding_store.config import (
     GLOBAL_CONFIG_ENV,
     EmbeddingConfig,
@@ -113,7 +113,7 @@ def make_embedding_tier(
     for address in embedding_workers:
         # As `recserve train --embedding-workers` checks it: gRPC would take the scheme for
         # a host name and fail only after wait_for_serving's two minutes.
-        problem = url_problem(address.strip())
+        problem = grpc_address_problem(address.strip())
         if problem:
             raise InvalidArgumentError(f"{source}: {problem}")
     if embedding_workers:

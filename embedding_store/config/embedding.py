@@ -60,6 +60,9 @@ MAX_HASH_STACK_ROUNDS = 64
 #: ``feature_index_prefix_bit`` (48 bits at 16 prefix bits).
 MAX_HASH_STACK_EMBEDDING_SIZE = 2**40
 _ALL_BITS = (1 << 64) - 1
+#: The suffix of a jagged ID feature's lengths input over KServe v2 (serving.tensor_specs,
+#: which this package does not import).
+_LENGTHS_SUFFIX = ".lengths"
 
 
 def _require_bool(key: str, value: Any) -> None:
@@ -162,6 +165,16 @@ class EmbeddingConfig:
             if not isinstance(slot, SlotConfig):
                 raise ConfigFieldError(
                     f"slots_config.{name}", f"expected a SlotConfig, got {type(slot).__name__}"
+                )
+            base = name.removesuffix(_LENGTHS_SUFFIX)
+            if base != name and base in slots:
+                # Found only when serving the trained model (check_input_names), after a
+                # whole training run: the lengths of a jagged `base` are input `base.lengths`.
+                raise ConfigFieldError(
+                    f"slots_config.{name}",
+                    f"slot {name!r} is named like the {_LENGTHS_SUFFIX!r} input of slot "
+                    f"{base!r}, which KServe v2 requests send as the lengths of a jagged ID "
+                    "feature; rename one of them",
                 )
         if not isinstance(self.feature_groups, Mapping):
             raise ConfigFieldError(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from embedding_store.cli_types import url_problem
+from embedding_store.cli_types import host_port_problem, url_problem
 from embedding_store.config.strict import (
     ConfigFieldError,
     from_mapping,
@@ -71,6 +71,9 @@ def _check_server_address(key: str, value: Any) -> None:
         raise ConfigFieldError(key, f"{expected} (write IPv6 hosts as [addr]:port), got {value!r}")
     if not (port.isdigit() and port.isascii() and 1 <= int(port) <= 65535):
         raise ConfigFieldError(key, f"{expected} with a port in 1..65535, got {value!r}")
+    problem = host_port_problem(value)  # what the flags refuse too: "[]:80", "my host:80"
+    if problem:
+        raise ConfigFieldError(key, f"{expected}: {problem}")
 
 
 @dataclass(frozen=True)

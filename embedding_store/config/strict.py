@@ -355,16 +355,33 @@ def _convert_union(args: tuple[Any, ...], value: Any, source: str, path: str) ->
         if value is None:
             raise _error(source, path, "expected a value, got null")
         return _convert(arms[0], value, source, path)
+    failures: list[tuple[Any, ConfigError]] = []
     for arm in arms:
         try:
             return _convert(arm, value, source, path)
-        except ConfigError:
-            continue
+        except ConfigError as error:
+            failures.append((arm, error))
+    # A list or mapping that one arm takes by its shape failed on an item: that arm's error
+    # names the item and why ("positive[0]: expected a string, got True ... quote it"), where
+    # the union's own read "expected str or list or null, got [True, '1'] (list)".
+    shaped = [error for arm, error in failures if _takes_shape_of(arm, value)]
+    if len(shaped) == 1:
+        raise shaped[0]
     names = " or ".join(getattr(a, "__name__", repr(a)) for a in arms)
     if none_type in args:
         names += " or null"
     hint = _string_hint(value) if str in arms else ""
     raise _error(source, path, f"expected {names}, got {describe_value(value)}{hint}")
+
+
+def _takes_shape_of(tp: Any, value: Any) -> bool:
+    """Whether ``tp`` is a list, tuple, mapping or dataclass type and ``value`` of that kind."""
+    container = get_origin(tp) or tp
+    if container in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if container in (dict, Mapping) or (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        return isinstance(value, Mapping)
+    return False
 
 
 def _convert_sequence(
@@ -443,6 +460,9 @@ _LEADING_ZERO_TAG = "tag:recserve,2024:leading-zero-int"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 #: YAML 1.2 core schema numbers (PyYAML implements YAML 1.1, where ``016`` is octal 14,
 #: ``1:00`` is sexagesimal 60, ``1_000`` is 1000 and ``1e6`` is a string).
+#: The longest integer literal read: far beyond any config value (MAX_CONFIG_INT has 19
+#: digits), far below Python's 4300-digit conversion limit.
+_MAX_INT_CHARACTERS = 100
 _LEADING_ZERO_RE = re.compile(r"^[-+]?0[0-9]+$")
 _INT_RE = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
 _FLOAT_RE = re.compile(
@@ -490,6 +510,15 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
     if not _INT_RE.match(text):
         raise yaml.constructor.ConstructorError(
             None, None, f"invalid integer {text!r} (YAML 1.2 core schema)", node.start_mark
+        )
+    if len(text) > _MAX_INT_CHARACTERS:
+        # Python refuses to convert (and to print) integers of more than 4300 decimal
+        # digits with a ValueError, which ended the command in a traceback.
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"integer of {len(text)} characters, too large for any config value",
+            node.start_mark,
         )
     return int(text, 0)
 
@@ -629,8 +658,23 @@ def read_yaml_mapping(path: str | os.PathLike[str], *, source: str | None = None
             f"{source}: YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: "
             f"{problem}"
         ) from None
+    except yaml.reader.ReaderError as err:
+        # Its own text spans two lines and names '"<unicode string>", position N'.
+        line = text.count("\n", 0, err.position) + 1
+        column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
+        raise ConfigError(
+            f"{source}: YAML syntax error at line {line}, column {column}: character "
+            f"{chr(err.character)!r} (#x{err.character:04x}) is not allowed in YAML"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML: {err}") from None
+    except RecursionError:
+        # PyYAML composes nested nodes recursively: a few hundred levels ([[[...]]]) exceed
+        # Python's recursion limit, which ended the command in a traceback.
+        raise ConfigError(
+            f"{source}: nested too deeply to read (lists or mappings hundreds of levels "
+            "deep), expected a YAML config file"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
