@@ -135,10 +135,13 @@ def tier_token() -> str | None:
 
 class _RequireToken(grpc.ServerInterceptor):
     """Refuses every call but health checks unless its metadata has ``authorization:
-    Bearer <token>`` (compared in constant time)."""
+    Bearer <token>`` (compared in constant time); ``on_refused(method)`` is told of each
+    refusal (the method's name, e.g. ``Lookup``: one of the server's, never the caller's
+    made-up one, which gRPC answers UNIMPLEMENTED before this)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
         self._expected = f"Bearer {token}".encode()
+        self._on_refused = on_refused
 
         def refuse(request: object, context: grpc.ServicerContext) -> None:
             context.abort(
@@ -174,14 +177,23 @@ class _RequireToken(grpc.ServerInterceptor):
         sent_bytes = sent.encode() if isinstance(sent, str) else bytes(sent)
         if hmac.compare_digest(sent_bytes, self._expected):
             return handler
+        if self._on_refused is not None:
+            try:
+                self._on_refused(handler_call_details.method.rpartition("/")[2])
+            except Exception:  # counting must not turn a refusal into a failed interceptor
+                log.exception("counting a call refused for its token failed")
         return self._refusals[(handler.request_streaming, handler.response_streaming)]
 
 
-def server_interceptors() -> list[grpc.ServerInterceptor]:
+def server_interceptors(
+    on_refused: Callable[[str], None] | None = None,
+) -> list[grpc.ServerInterceptor]:
     """For ``grpc.server(..., interceptors=...)`` of a tier service: the token check when
-    :func:`tier_token` gives one, else nothing."""
+    :func:`tier_token` gives one, else nothing. ``on_refused(method)`` is told of every call
+    refused for its token (UNAUTHENTICATED): the methods never see those calls, so their
+    error counters (``rpc_errors_total``) would not either."""
     token = tier_token()
-    return [_RequireToken(token)] if token else []
+    return [_RequireToken(token, on_refused)] if token else []
 
 
 class _SendToken(

@@ -54,6 +54,7 @@ from embedding_store.grpc_common import (
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.ps_service import SERVICE_NAME, ParameterServerServicer
+from embedding_store.rpc_metrics import unauthenticated_counter
 from embedding_store.shard import TRAINING_KERNELS, EmbeddingShard, warm_up_kernels
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class ParameterServerProcess:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
-            interceptors=server_interceptors(),
+            interceptors=server_interceptors(unauthenticated_counter(self.metrics.errors)),
         )
         add_servicer(server, self.servicer, "ParameterServer")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -104,6 +104,17 @@ def rpc_metrics(
     return latency, errors
 
 
+def unauthenticated_counter(errors: Counter) -> Callable[[str], None]:
+    """What counts, in ``errors`` (an ``rpc_errors`` counter of :func:`rpc_metrics`), a call
+    the tier token check refused: ``on_refused`` of
+    :func:`embedding_store.grpc_common.server_interceptors`."""
+
+    def count(method: str) -> None:
+        errors.labels(method, "UNAUTHENTICATED").inc()
+
+    return count
+
+
 class TierTlsReloads(Collector):
     """``{prefix}_tls_reloads_total{outcome}``: reloads of the tier's renewed TLS files
     (RECSERVE_TIER_TLS_*) by this process, ok or failed (the previous files stay in use);

@@ -51,7 +51,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
-from embedding_store.rpc_metrics import observed, observed_stream
+from embedding_store.rpc_metrics import observed, observed_stream, unauthenticated_counter
 from embedding_store.stop_signal import StopRequest
 from embedding_store.tier import DownReasons, ProgressCallback
 from embedding_store.worker import warm_up_kernels
@@ -292,7 +292,7 @@ def serve_embedding_worker(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
         options=server_options(),
-        interceptors=server_interceptors(),
+        interceptors=server_interceptors(unauthenticated_counter(metrics.errors)),
     )
     add_servicer(server, EmbeddingWorkerServicer(tier, metrics=metrics), "EmbeddingWorker")
     health_servicer = health.HealthServicer()
