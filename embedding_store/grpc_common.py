@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +74,53 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.enable_retries", 0),
     ]
+
+
+#: Threads of a server's own, beside its RPC pool, that answer its health checks (and a
+#: prediction server's liveness and readiness calls): see :func:`on_prompt_threads`.
+PROMPT_THREADS = 2
+
+
+def prompt_thread_pool() -> futures.ThreadPoolExecutor:
+    """The pool of :data:`PROMPT_THREADS` threads for one server's :func:`on_prompt_threads`
+    handlers (threads start on first use)."""
+    return futures.ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
+
+
+def on_prompt_threads(behavior: F, pool: futures.ThreadPoolExecutor) -> F:
+    """``behavior`` (a method handler's function: health Check, ServerLive, ...) run by
+    ``pool`` instead of the server's RPC pool (grpcio's ``experimental_thread_pool``).
+
+    A sync gRPC server runs every call on one pool, health checks included: when all its
+    threads wait (lookups on a hung shard, up to their deadline; predictions on a slow
+    tier), a probe waits behind them. A worker answered its liveness check after 9.5 s with
+    12 lookups waiting on a stopped shard: probes (3 s timeouts) would have taken it out of
+    its Service, then restarted it, for another pod's fault. Only calls that answer at once
+    and never wait on a peer belong here."""
+
+    @functools.wraps(behavior)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return behavior(*args, **kwargs)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
+
+
+def add_health_servicer(
+    servicer: Any, server: grpc.Server, pool: futures.ThreadPoolExecutor | None = None
+) -> None:
+    """Register ``servicer`` (a ``grpc_health.v1.health.HealthServicer``) on ``server``, its
+    Check calls answered by ``pool`` (default: a :func:`prompt_thread_pool` of its own),
+    never queued behind the server's other calls (:func:`on_prompt_threads`). Watch, a
+    stream held open, stays on the server's pool."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    class _Prompt:
+        def __init__(self) -> None:
+            self.Check = on_prompt_threads(servicer.Check, pool or prompt_thread_pool())
+            self.Watch = servicer.Watch
+
+    health_pb2_grpc.add_HealthServicer_to_server(_Prompt(), server)
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:

@@ -28,7 +28,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
@@ -45,6 +45,7 @@ from embedding_store.errors import (
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
+    add_health_servicer,
     add_servicer,
     bind_tier_port,
     format_address,
@@ -192,7 +193,7 @@ class ParameterServerProcess:
             interceptors=server_interceptors(unauthenticated_counter(self.metrics.errors)),
         )
         add_servicer(server, self.servicer, "ParameterServer")
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_health_servicer(self.health, server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from embedding_store import checkpoint_manifest
@@ -37,6 +37,7 @@ from embedding_store.errors import (
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
+    add_health_servicer,
     add_servicer,
     answered_in_http1,
     bind_tier_port,
@@ -296,7 +297,7 @@ def serve_embedding_worker(
     )
     add_servicer(server, EmbeddingWorkerServicer(tier, metrics=metrics), "EmbeddingWorker")
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    add_health_servicer(health_servicer, server)
     for name in ("", SERVICE_NAME, SHARDS_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
