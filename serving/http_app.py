@@ -208,7 +208,9 @@ def create_app(
 
     async def model_ready(name: str, version: str | None) -> Response:
         try:
-            if await in_thread(core.model_ready, name, _version(version)):
+            # On the loop, as readiness: a probe must not queue behind requests waiting in
+            # the thread pool for their answers (a slow embedding tier).
+            if core.model_ready(name, _version(version)):
                 return json_response({"name": name, "ready": True})
             return health_false_response(f"model {name!r} is not ready")
         except Exception as error:

@@ -1041,3 +1041,17 @@ def test_answer_unless_gone_tells_the_core_and_cancels_the_answer_when_the_clien
     assert left.status_code == 400
     assert orjson.loads(left.body) == {"error": "the client disconnected before its answer"}
     assert answered.body == b"fine" and told == []
+
+
+def test_model_readiness_answers_while_the_thread_pool_is_full() -> None:
+    """Model readiness ran in the thread pool, behind requests waiting there for their
+    answers (a slow embedding tier): a probe of it waited as long. It answers from the
+    event loop, as server readiness does."""
+    from tests.unit.test_serve_lifecycle import asgi_get_while_the_thread_pool_is_full
+
+    app = create_app(FakeCore())
+    for path in ("/v2/models/tiny/ready", "/v2/health/ready"):
+        status, body = asgi_get_while_the_thread_pool_is_full(app, path)
+        assert (status, orjson.loads(body)) == (
+            (200, {"name": "tiny", "ready": True}) if "tiny" in path else (200, {"ready": True})
+        )
