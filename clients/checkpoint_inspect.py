@@ -278,8 +278,9 @@ def verify(
     (its ``__setstate__``): it is checked against its size and checksum only, and loaded
     only with ``load_code`` (a checkpoint you trust: your own, before serving it).
 
-    ``check_values``: NaN or Inf in embedding weights, NaN in embedding optimizer state or
-    in a dense file are problems (and, with ``load_code``, NaN or Inf in a TorchScript
+    ``check_values``: NaN or Inf in embedding weights or in a parameter of ``dense.pt``
+    (as its manifest lists them), NaN in embedding optimizer state or in any tensor of a
+    dense file are problems (and, with ``load_code``, NaN or Inf in a TorchScript
     parameter); ``diff`` checks without, to compare checkpoints that went bad."""
     root = Path(directory)
     problems: list[str] = []
@@ -302,7 +303,9 @@ def verify(
                 problems.append(error.message)
                 continue
             try:
-                if name != model_checkpoint.JIT_FILE:
+                if name == model_checkpoint.RNG_FILE:
+                    model_checkpoint.read_rng_states(manifest)  # safetensors
+                elif name != model_checkpoint.JIT_FILE:
                     # tensors only, no code
                     model_checkpoint.load_state(manifest, name, check_values=check_values)
                 elif load_code:

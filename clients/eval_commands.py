@@ -171,8 +171,8 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="version, step, slots, shards, signatures",
         description="What a checkpoint holds. Exits 1 when it lists a problem (a dense file "
-        "that does not load or holds NaN, an unreadable embedding file); --verify also reads "
-        "and checks every file.",
+        "that does not load or holds NaN or Inf, an unreadable embedding file); --verify also "
+        "reads and checks every file.",
     )
     inspect.add_argument("directory", type=Path, metavar="DIR")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -191,10 +191,11 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         "verify",
         help="check completeness and every checksum",
         description="Check a checkpoint's files against its manifests (sizes, SHA-256), load "
-        "its tensors (shapes, dtypes, rows; NaN or Inf in embedding rows, NaN in the dense "
-        "files) and compare embeddings, manifest and feature signature. Its TorchScript "
-        "(jit_dense.pt) is checked by checksum only: loading it runs code of whoever wrote "
-        "the checkpoint (--load-code also checks its parameters for NaN and Inf).",
+        "its tensors (shapes, dtypes, rows; NaN or Inf in embedding rows and dense parameters, "
+        "NaN in the other tensors of the dense files) and compare embeddings, manifest and "
+        "feature signature. Its TorchScript (jit_dense.pt) is checked by checksum only: "
+        "loading it runs code of whoever wrote the checkpoint (--load-code also checks its "
+        "parameters for NaN and Inf).",
     )
     verify.add_argument("directories", type=Path, nargs="+", metavar="DIR")
     verify.add_argument("--json", action="store_true", help="machine-readable output")

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 #: all: for liveness probes. The overall service ("") is readiness: NOT_SERVING while a shard
 #: loads, waits for its optimizer, or drains on SIGTERM, none of which a restart would fix.
 LIVENESS_SERVICE = "recserve.liveness"
+#: The embedding worker's gRPC service (also its readiness health-check name), here rather
+#: than in :mod:`embedding_store.worker_service` so that its client imports no server (and no
+#: torch through it).
+WORKER_SERVICE = "recserve.embedding.v1.EmbeddingWorker"
 
 #: Largest message either side accepts or sends; set explicitly on every channel and server.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -11,6 +11,8 @@ Layout::
     dense.pt        the dense model's state_dict (loaded with weights_only=True)
     jit_dense.pt    torch.jit.script of the dense model (for serving without Python classes)
     opt.pt          the dense optimizer's state_dict
+    rng_state.safetensors  each training rank's torch random number generator states
+                    (uint8 tensors ``rank_R.cpu``, ``rank_R.cuda``; no pickle)
     embeddings/     the embedding tier's checkpoint (embedding_store.checkpoint_manifest format)
     DONE            written last
 
@@ -27,15 +29,17 @@ import io
 import itertools
 import json
 import math
+import re
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
+import safetensors.torch
 import torch
 
 from embedding_store import checkpoint_load, checkpoint_manifest, checkpoint_publish, nonfinite
@@ -52,6 +56,14 @@ DENSE_FILE = "dense.pt"
 JIT_FILE = "jit_dense.pt"
 OPTIMIZER_FILE = "opt.pt"
 SCALER_FILE = "scaler.pt"  # the mixed-precision loss scaler's state, when training used one
+#: Each training rank's torch random number generator states (:func:`rng_payload`), so a
+#: resumed run draws what the uninterrupted one would have (dropout); absent in older
+#: checkpoints and in those written without a trainer's states.
+RNG_FILE = "rng_state.safetensors"
+#: The generators kept per rank: torch's CPU one and, when the rank trains on a GPU, that
+#: GPU's (each as torch gives its state: uint8 [n], n fixed by the generator's kind).
+RNG_KINDS = ("cpu", "cuda")
+_RNG_NAME = re.compile(r"rank_(0|[1-9][0-9]{0,5})\.(cpu|cuda)")
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,11 @@ class CheckpointManifest:
     #: What the trainer recorded about where it was (e.g. epochs done, the seed): JSON
     #: numbers, strings, booleans or null by name. Empty when it recorded nothing.
     train_state: dict[str, Any] = field(default_factory=dict)
+    #: The names in ``dense.pt`` that are the model's parameters, where +-Inf is refused as
+    #: well as NaN (its other tensors are buffers and extra state, which may hold +-Inf: a
+    #: mask); None in older checkpoints, whose ``dense.pt`` is checked for NaN only unless
+    #: the model is at hand (a resume).
+    dense_parameters: frozenset[str] | None = None
 
     @property
     def has_jit_model(self) -> bool:
@@ -128,12 +145,15 @@ def write_checkpoint(
     overwrite: bool = False,
     grad_scaler: torch.amp.GradScaler | None = None,
     train_state: dict[str, Any] | None = None,
+    rng_states: Sequence[dict[str, torch.Tensor]] | None = None,
 ) -> CheckpointManifest:
     """Write a complete checkpoint atomically (staging directory, then one rename).
 
     ``grad_scaler``: an enabled mixed-precision loss scaler's state goes to ``scaler.pt``, so
     a resumed run keeps its loss scale instead of starting again from 65536.
     ``train_state``: the trainer's position (:attr:`CheckpointManifest.train_state`).
+    ``rng_states``: each rank's random number generator states, by rank (see
+    :func:`rng_payload`), written to ``rng_state.safetensors``.
 
     Values that a load refuses are refused here, naming the tensor and its first bad value:
     in the dense files before anything is written (:func:`check_dense_writable`), in the
@@ -146,6 +166,7 @@ def write_checkpoint(
     # A DDP wrapper's .module (torch types Module.__getattr__ as Tensor | Module).
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     state = model.state_dict()
+    parameters = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
     optimizer_state = dense_optimizer.state_dict() if dense_optimizer is not None else None
     scaler_state = (
         grad_scaler.state_dict() if grad_scaler is not None and grad_scaler.is_enabled() else None
@@ -157,6 +178,8 @@ def write_checkpoint(
         payloads[OPTIMIZER_FILE] = _save_bytes(optimizer_state)
     if scaler_state is not None:
         payloads[SCALER_FILE] = _save_bytes(scaler_state)
+    if rng_states is not None:
+        payloads[RNG_FILE] = rng_payload(rng_states)
     if with_jit_model:
         buffer = io.BytesIO()
         # Each module's own mode is put back, not the root's with train(mode): that would
@@ -199,6 +222,9 @@ def write_checkpoint(
                 "version": embedding_manifest.version,
             },
             "train_state": train_state,
+            # A state dict does not tell parameters from buffers: the readers that load no
+            # model (verify, inspect) take this list to refuse Inf in a parameter.
+            "dense_parameters": [name for name in state if name in parameters],
         }
         checkpoint_publish.write_atomic(
             staging / MANIFEST_NAME, json.dumps(manifest, indent=2).encode()
@@ -263,6 +289,7 @@ def read_manifest(directory: str | Path) -> CheckpointManifest:
             train_state=check_train_state(
                 raw.get("train_state"), f"{root / MANIFEST_NAME}: train_state", CheckpointError
             ),
+            dense_parameters=_names(raw.get("dense_parameters"), "dense_parameters", root),
         )
     except CheckpointError:
         raise
@@ -277,6 +304,17 @@ def _whole_number(value: object, field: str, root: Path) -> int:
             f"{root / MANIFEST_NAME} is malformed: {field} must be an integer >= 0, got {value!r}"
         )
     return value
+
+
+def _names(value: object, field: str, root: Path) -> frozenset[str] | None:
+    """A manifest's list of names (JSON strings); None when absent (an older checkpoint)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise CheckpointError(
+            f"{root / MANIFEST_NAME} is malformed: {field} must be a list of names, got {value!r}"
+        )
+    return frozenset(value)
 
 
 def check_train_state(
@@ -364,17 +402,67 @@ def read_verified_file(manifest: CheckpointManifest, name: str) -> bytes:
 def load_state(manifest: CheckpointManifest, name: str, *, check_values: bool = True) -> Any:
     """A dense file's contents via ``torch.load(weights_only=True)`` (no arbitrary pickle).
 
-    CheckpointError naming the file and the tensor when a tensor anywhere in it holds NaN
-    (see :func:`check_no_nan`), unless not ``check_values`` (``recserve checkpoint diff``,
-    which shows what went bad)."""
+    CheckpointError naming the file, the tensor and the first bad position and value when a
+    tensor anywhere in it holds NaN, or a parameter of ``dense.pt`` (as the manifest lists
+    them) holds +-Inf (see :func:`check_no_nan`), unless not ``check_values`` (``recserve
+    checkpoint diff``, which shows what went bad)."""
     payload = read_verified_file(manifest, name)
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(f"{manifest.directory / name} cannot be loaded: {error}") from None
     if check_values:
-        check_no_nan(state, manifest.directory / name)
+        finite = manifest.dense_parameters if name == DENSE_FILE else None
+        check_no_nan(state, manifest.directory / name, finite=finite or frozenset())
     return state
+
+
+def rng_payload(states: Sequence[dict[str, torch.Tensor]]) -> bytes:
+    """``rng_state.safetensors``: ``states[R]`` (rank R's generator states by kind, of
+    :data:`RNG_KINDS`: uint8 [n] each) as tensors ``rank_R.KIND``. safetensors, not
+    ``torch.save``: nothing read from disk is unpickled."""
+    tensors = {}
+    for rank, state in enumerate(states):
+        for kind, value in state.items():
+            if kind not in RNG_KINDS or value.dtype != torch.uint8 or value.dim() != 1:
+                raise InvalidArgumentError(
+                    f"rank {rank}'s random number generator state {kind!r} must be a uint8 "
+                    f"[n] tensor of one of {list(RNG_KINDS)}, got {value.dtype} "
+                    f"{list(value.shape)}"
+                )
+            # A copy each: safetensors refuses tensors that share memory (ranks alike).
+            tensors[f"rank_{rank}.{kind}"] = value.detach().cpu().clone()
+    return safetensors.torch.save(tensors, metadata={"format": "recserve-rng-state"})
+
+
+def read_rng_states(manifest: CheckpointManifest) -> list[dict[str, torch.Tensor]] | None:
+    """The random number generator states of ``rng_state.safetensors`` by rank (as
+    :func:`rng_payload` was given them), verified against the manifest first; None when the
+    checkpoint has none (written before they were kept). CheckpointError naming the file when
+    it is corrupt or malformed."""
+    if RNG_FILE not in manifest.files:
+        return None
+    where = manifest.directory / RNG_FILE
+    payload = read_verified_file(manifest, RNG_FILE)
+    try:
+        tensors = safetensors.torch.load(payload)
+    except Exception as error:  # safetensors' own error type is not exported
+        raise CheckpointError(f"{where} cannot be loaded: {error}") from None
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _RNG_NAME.fullmatch(name)
+        if match is None or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise CheckpointError(
+                f"{where} is malformed: tensor {name!r} ({tensor.dtype} {list(tensor.shape)}) "
+                "is not a generator state rank_R.cpu or rank_R.cuda (uint8 [n])"
+            )
+        states.setdefault(int(match[1]), {})[match[2]] = tensor
+    if sorted(states) != list(range(len(states))):
+        raise CheckpointError(
+            f"{where} is malformed: it holds the states of ranks {sorted(states)}, not of "
+            f"ranks 0..{len(states) - 1}"
+        )
+    return [states[rank] for rank in range(len(states))]
 
 
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -457,16 +545,19 @@ def check_dense_writable(
             )
 
 
-def check_no_nan(state: Any, where: Path) -> None:
-    """CheckpointError naming ``where`` (a dense file), the tensor and its first NaN unless
-    no tensor of ``state`` holds NaN. NaN is never a trained value: a model or optimizer
-    that holds one answers NaN (or trains to NaN) from then on. +-Inf is refused only in
-    parameters (:func:`check_finite_parameters`): a buffer may hold it on purpose (an
-    attention mask of -inf), and a state dict alone does not tell buffers from parameters."""
+def check_no_nan(state: Any, where: Path, *, finite: frozenset[str] = frozenset()) -> None:
+    """CheckpointError naming ``where`` (a dense file), the tensor and its first bad value
+    unless no tensor of ``state`` holds NaN and none named in ``finite`` (the parameters of
+    a state dict) holds +-Inf. NaN is never a trained value: a model or optimizer that holds
+    one answers NaN (or trains to NaN) from then on. +-Inf is refused only in parameters: a
+    buffer may hold it on purpose (an attention mask of -inf), and so may an optimizer's
+    state (an Adagrad sum past float32's range, whose step is then 0); a state dict alone
+    does not tell buffers from parameters, so the writer lists them (``finite``)."""
     for name, tensor in _tensors(state):
-        first = nonfinite.first_bad_index_torch(tensor, nan_only=True)
+        nan_only = name not in finite
+        first = nonfinite.first_bad_index_torch(tensor, nan_only=nan_only)
         if first is not None:
-            raise _nonfinite_error(where, name, tensor, first, nan_only=True)
+            raise _nonfinite_error(where, name, tensor, first, nan_only=nan_only)
 
 
 def check_finite_parameters(
@@ -534,13 +625,16 @@ def load_jit_model(manifest: CheckpointManifest) -> torch.jit.ScriptModule:
 
 def verify(directory: str | Path) -> CheckpointManifest:
     """Check every dense file and every embedding file against the manifests, and their
-    values (no NaN in a dense file's tensors, see :func:`load_state`; none in embeddings,
-    see :func:`embedding_store.checkpoint_load.verify`). ``jit_dense.pt`` is code: checked
-    by checksum only."""
+    values (no NaN in a dense file's tensors and no Inf in a parameter of ``dense.pt``, see
+    :func:`load_state`; none in embeddings, see
+    :func:`embedding_store.checkpoint_load.verify`). ``jit_dense.pt`` is code: checked by
+    checksum only."""
     manifest = read_manifest(directory)
     for name in manifest.files:
         if name == JIT_FILE:
             read_verified_file(manifest, name)
+        elif name == RNG_FILE:
+            read_rng_states(manifest)
         else:
             load_state(manifest, name)  # verified first, then loaded with weights_only
     check_embeddings_match(manifest, checkpoint_load.verify(manifest.embeddings_directory))
@@ -581,7 +675,8 @@ def load_checkpoint(
     model = cast(torch.nn.Module, model.module) if hasattr(model, "module") else model
     # Refused, not warned about: from NaN or Inf weights every step's gradients are NaN,
     # which the non-finite step guard skips, so the run would go on learning nothing.
-    # (NaN anywhere was refused by load_state; Inf is refused in parameters only.)
+    # (NaN anywhere was refused by load_state, and Inf in the parameters the manifest
+    # lists; a checkpoint written before it listed them is checked against the model's.)
     parameter_names = {name for name, _ in model.named_parameters()}
     check_finite_parameters(
         ((name, value) for name, value in state.items() if name in parameter_names)

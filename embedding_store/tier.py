@@ -9,8 +9,7 @@ calling process: the embedded default, no services. ``RemoteEmbeddingWorker``
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -22,44 +21,14 @@ from embedding_store.config import EmbeddingConfig
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import Optimizer
 from embedding_store.shard import EmbeddingShard
-from embedding_store.worker import BackwardStats, EmbeddingWorker, IdFeature, LookupResult
-
-#: Called with (stage, done, total) while a dump or load makes progress.
-ProgressCallback = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class TierStatus:
-    """A summary of the tier: rows held per shard, work waiting, checkpoint tasks running.
-
-    ``shard_tasks[i]`` is what shard i reports it is busy with (``""``, ``"loading"``,
-    ``"dumping"``) and ``shard_task_progress[i]`` how far it is (0..1); ``task`` and
-    ``task_progress`` are the same for a dump or load run through the tier itself
-    (``""``, ``"dumping"``, ``"loading"``; shards done / shards). ``shard_serving[i]`` is
-    whether shard i can answer lookups now (an inference shard has loaded its checkpoint, a
-    training shard has an optimizer); empty where a tier does not report it.
-    ``shard_checkpoint_versions[i]`` is the embedding checkpoint version shard i's rows were
-    loaded from (``""``: none, or changed since by training); empty where not reported.
-    ``shard_errors[i]`` is why shard i did not answer (``""``: it did; its other fields are
-    then zeros); empty unless a partial status was asked for (``status(partial=True)`` of a
-    remote tier): otherwise a shard that does not answer raises. ``embedding_config`` is
-    the config the tier routes IDs by, where the tier reports one (an embedding worker's
-    Status); None otherwise.
-    """
-
-    rows_per_shard: tuple[int, ...]
-    capacity_per_shard: tuple[int, ...]
-    pending_backward: int
-    pending_gradient_batches: int
-    nonfinite_rows_skipped: int
-    shard_tasks: tuple[str, ...] = ()
-    shard_task_progress: tuple[float, ...] = ()
-    task: str = ""
-    task_progress: float = 0.0
-    shard_serving: tuple[bool, ...] = ()
-    shard_checkpoint_versions: tuple[str, ...] = ()
-    shard_errors: tuple[str, ...] = ()
-    embedding_config: EmbeddingConfig | None = None
+from embedding_store.tier_types import (
+    BackwardStats,
+    IdFeature,
+    LookupResult,
+    ProgressCallback,
+    TierStatus,
+)
+from embedding_store.worker import EmbeddingWorker
 
 
 class DownReasons:

@@ -47,56 +47,11 @@ from embedding_store.hashing import shard_of, splitmix64
 from embedding_store.hashmap import IdIndex
 from embedding_store.interfaces import ParameterServer
 from embedding_store.shard import EmbeddingShard
-
-IdFeature = IDTypeFeature | IDTypeFeatureWithSingleID
+from embedding_store.tier_types import BackwardStats, IdFeature, LookupResult, SlotOutput
 
 # Bounds of the plan caches: slot-name tuples per worker, batch shapes per dim group.
 _SPEC_CACHE_SIZE = 64
 _LAYOUT_CACHE_SIZE = 8
-
-
-@dataclass(frozen=True)
-class SlotOutput:
-    """Embeddings of one slot for one batch.
-
-    ``embeddings`` is float32 [batch, dim] for summation slots, or float32
-    [batch, sample_fixed_size, dim] for raw slots, whose ``mask`` (bool [batch,
-    sample_fixed_size]) is True where a real ID sits; padding rows are zeros.
-    """
-
-    name: str
-    embeddings: torch.Tensor
-    mask: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """The worker's answer to one batch: slot outputs in the batch's feature order.
-
-    ``ref`` identifies the forward context kept for :meth:`EmbeddingWorker.backward`
-    (train lookups only, else None).
-    """
-
-    slots: tuple[SlotOutput, ...]
-    ref: int | None = None
-    #: IDs answered with the slot default (zeros): unknown to an eval lookup, or refused
-    #: admission by a train lookup. Counted per occurrence, or per distinct ID when the
-    #: worker deduplicates before calling remote shards.
-    unknown_ids: int = 0
-
-    def slot(self, name: str) -> SlotOutput:
-        for output in self.slots:
-            if output.name == name:
-                return output
-        raise NotFoundError(f"no slot {name!r} in this lookup result")
-
-
-@dataclass(frozen=True)
-class BackwardStats:
-    """What one backward pass pushed: unique rows sent, and rows skipped for NaN/Inf."""
-
-    rows_pushed: int
-    nonfinite_rows_skipped: int
 
 
 class _SlotLayout(NamedTuple):

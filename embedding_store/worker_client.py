@@ -6,11 +6,10 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedding_store import checkpoint_manifest
@@ -23,6 +22,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import (
+    WORKER_SERVICE,
     answered_in_http1,
     call,
     call_with_retries,
@@ -37,10 +37,18 @@ from embedding_store.optimizers import Optimizer
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
-from embedding_store.tier import ProgressCallback, TierStatus
-from embedding_store.worker import BackwardStats, IdFeature, LookupResult, SlotOutput
-from embedding_store.worker_service import SERVICE_NAME
+from embedding_store.tier_types import (
+    BackwardStats,
+    IdFeature,
+    LookupResult,
+    ProgressCallback,
+    SlotOutput,
+    TierStatus,
+)
 from embedding_store.worker_wire import pack_grads, unpack_slots
+
+if TYPE_CHECKING:  # torch costs ~1 s of CPU: `recserve embedding-tier` needs none
+    import torch
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingWorker"].full_name
 #: Calls that may reach the worker twice (renewing_channel.RenewingTierChannel retries them once
@@ -89,7 +97,7 @@ class RemoteEmbeddingWorker:
         while time.monotonic() < deadline:
             try:
                 answer = self._health.Check(
-                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0
+                    health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=2.0
                 )
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
                     return
@@ -101,7 +109,7 @@ class RemoteEmbeddingWorker:
                     # waiting out the timeout would not change the answer.
                     raise UnavailableError(
                         f"{self._peer} is not an embedding worker: its health service does "
-                        f"not know {SERVICE_NAME} (is it a parameter-server shard's or a "
+                        f"not know {WORKER_SERVICE} (is it a parameter-server shard's or a "
                         "prediction server's port? Embedding workers, shards and prediction "
                         "servers each listen on ports of their own)"
                     ) from None

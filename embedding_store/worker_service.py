@@ -37,6 +37,7 @@ from embedding_store.errors import (
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
+    WORKER_SERVICE,
     add_health_servicer,
     add_servicer,
     answered_in_http1,
@@ -61,7 +62,7 @@ from embedding_store.worker_wire import check_answer_fits, pack_slots, unpack_gr
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "recserve.embedding.v1.EmbeddingWorker"
+SERVICE_NAME = WORKER_SERVICE
 #: Health service that is SERVING while the worker reaches every shard (checked every 2 s).
 SHARDS_SERVICE = "recserve.shards"
 

@@ -9,16 +9,23 @@ with a field each.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import CapacityError, InvalidArgumentError
 from embedding_store.grpc_common import MAX_MESSAGE_BYTES, MESSAGE_SLACK_BYTES
 from embedding_store.proto import embedding_tier_pb2 as pb
-from embedding_store.worker import SlotOutput
+from embedding_store.tier_types import SlotOutput
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made or read, not above: the client of a worker
+# (`recserve embedding-tier status` through it) must not pay torch's ~1 s import; a process
+# that holds tensors has torch imported already, and then `import torch` is a dict look-up.
 
 _F32 = np.dtype("<f4")
 
@@ -29,8 +36,11 @@ _MAX_DIM_SIZE = 2**31 - 1
 
 def _float32_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
     """Any float tensor or array -> C-contiguous little-endian float32 numpy array."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().to(torch.float32).contiguous().numpy()
+    if not isinstance(values, np.ndarray):
+        import torch
+
+        if isinstance(values, torch.Tensor):
+            values = values.detach().to(torch.float32).contiguous().numpy()
     return np.ascontiguousarray(values, dtype=_F32)
 
 
@@ -119,6 +129,8 @@ def check_answer_fits(batch: Batch, embedding_config: EmbeddingConfig) -> None:
 def pack_slots(message: pb.PackedSlots, outputs: Sequence[SlotOutput]) -> None:
     """Fill ``message`` in place with the outputs' embeddings (float32) and masks
     (bool -> uint8 0/1)."""
+    import torch
+
     _pack(
         message,
         [
@@ -135,6 +147,8 @@ def pack_slots(message: pb.PackedSlots, outputs: Sequence[SlotOutput]) -> None:
 def unpack_slots(message: pb.PackedSlots, field: str = "slots") -> tuple[SlotOutput, ...]:
     """Inverse of :func:`pack_slots`: writable float32 embeddings (views of one copy of the
     buffer) and bool masks; sizes are checked and errors name the slot."""
+    import torch
+
     outputs = []
     for name, values, mask in _unpack(message, field, writable=True, masked=True):
         mask_tensor = None

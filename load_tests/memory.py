@@ -13,10 +13,19 @@ N``, ``server`` is the supervisor holding the ports and each serving process is 
   its growth rate is the Theil-Sen slope (median of the pairwise slopes) of each half of the
   segment, and the *sustained* rate is the smaller of the two halves (a leak grows in both; a
   one-off allocator step of a few MB only in one);
-* a segment fails when its sustained rate exceeds max(``MAX_GROWTH_MB_PER_MIN`` (1 MB/min),
-  ``GROWTH_FLOOR_MB`` (20 MB) / the soak's minutes): 2 MB/min for a 10-minute soak, 40 MB/min
-  for a 30 s one; and the reload fails memory when the settled level after it is more than
-  ``GROWTH_FLOOR_MB`` above the level before it (an old model never released);
+* the *final window* is judged the same way on its own: the judged samples of the last
+  ``FINAL_WINDOW_FRACTION`` (20%) of the run, at least ``FINAL_WINDOW_MIN_S`` (60 s), within
+  the last segment (the last 2 minutes of a 10-minute soak, ~40 samples at the soak's
+  default interval), when it holds at least 12 (6 per half). A leak that starts late (after
+  ~8 minutes of 10) grows in only the second half of its segment, which the segment's halves
+  let pass; it grows in both halves of the final window. Each half of a 10-minute soak's
+  holds ~20 samples over 1 minute: noise of 1 MB (standard deviation) moves its slope by
+  ~0.8 MB/min (2 allowed), and a one-off step lies in one half;
+* a segment or the final window fails when its sustained rate exceeds
+  max(``MAX_GROWTH_MB_PER_MIN`` (1 MB/min), ``GROWTH_FLOOR_MB`` (20 MB) / the soak's
+  minutes): 2 MB/min for a 10-minute soak, 40 MB/min for a 30 s one; and the reload fails
+  memory when the settled level after it is more than ``GROWTH_FLOOR_MB`` above the level
+  before it (an old model never released);
 * a soak too short for a judged segment of 6 samples is no verdict: a failure; one whose
   segment after the reload is too short (under ~2 minutes: the 60 s of settling leave too
   little) passes on the segment before it, and its reason says the reload was not judged.
@@ -43,6 +52,15 @@ NO_RELOAD = "never happened: the load ended, or a process of the stack died, bef
 RELOAD_SETTLE_S = 60.0
 MAX_GROWTH_MB_PER_MIN = 1.0
 GROWTH_FLOOR_MB = 20.0
+#: The share of the run, at its end, judged as one more window (module docstring): long
+#: enough for ~20 samples per half at the soak's default interval (the run / 200).
+FINAL_WINDOW_FRACTION = 0.2
+#: The final window's least length: halves of 30 s or more (a few seconds of a short soak
+#: would judge a transient); in a soak under 5 minutes it is the whole last segment, which
+#: the segment rule judges already.
+FINAL_WINDOW_MIN_S = 60.0
+#: Fewest samples of a judged final window (6 per half).
+FINAL_WINDOW_MIN_SAMPLES = 12
 #: Samples per half-segment in a Theil-Sen fit (pairs grow as n**2; more add nothing).
 _FIT_SAMPLES = 200
 
@@ -114,6 +132,19 @@ def theil_sen_slope(times: np.ndarray, values: np.ndarray) -> float | None:
     return float(np.median((values[second] - values[first])[usable] / elapsed[usable]))
 
 
+def _sustained_slope(times: np.ndarray, values: np.ndarray) -> float | None:
+    """The smaller of the Theil-Sen slopes of the two halves of ``times`` / ``values``
+    (float64 [n], seconds and MB): a leak grows in both, a one-off step in one. None when
+    neither half has 2 samples at distinct times."""
+    half = len(times) // 2
+    halves = [
+        theil_sen_slope(times[:half], values[:half]),
+        theil_sen_slope(times[half:], values[half:]),
+    ]
+    valid = [h for h in halves if h is not None]
+    return min(valid) if valid else None
+
+
 @dataclass
 class MemoryVerdict:
     """The memory verdict of one process (see the module docstring for the rule)."""
@@ -124,7 +155,9 @@ class MemoryVerdict:
     baseline_mb: float  # median of the first quarter of the judged samples
     last_mb: float  # median of the last quarter
     slope_mb_per_min: float | None  # Theil-Sen over each segment's pairs (for the report)
-    sustained_mb_per_min: float | None  # worst segment's smaller half-segment slope
+    sustained_mb_per_min: float | None  # worst smaller-half slope: segments, final window
+    final_window_s: float | None  # what the final window spans (None: not judged on its own)
+    final_mb_per_min: float | None  # the final window's smaller-half slope
     allowed_mb_per_min: float
     reload_step_mb: float | None  # settled level after the reload minus the level before it
     allowed_step_mb: float
@@ -165,14 +198,23 @@ def memory_verdict(
     slopes, sustained = [], []
     for st, sv in judged:
         slopes.append(theil_sen_slope(st, sv))
-        half = len(st) // 2
-        halves = [theil_sen_slope(st[:half], sv[:half]), theil_sen_slope(st[half:], sv[half:])]
-        valid = [h for h in halves if h is not None]
-        if valid:
-            sustained.append(min(valid))
+        rate = _sustained_slope(st, sv)
+        if rate is not None:
+            sustained.append(rate)
     per_min = [60.0 * x for x in slopes if x is not None]
     slope = round(float(np.median(per_min)), 2) if per_min else None
     worst = round(60.0 * max(sustained), 2) if sustained else None
+
+    # The final window: a late leak grows in the last half of its segment only.
+    final_s = final = None
+    if judged:
+        st, sv = judged[-1]
+        late = st >= st[-1] - max(FINAL_WINDOW_FRACTION * run_s, FINAL_WINDOW_MIN_S)
+        if late.sum() >= FINAL_WINDOW_MIN_SAMPLES:
+            rate = _sustained_slope(st[late], sv[late])
+            if rate is not None:
+                final_s = round(float(st[late][-1] - st[late][0]), 1)
+                final = round(60.0 * rate, 2)
 
     step = None
     if reload_s is not None and all(len(st) >= 6 for st, _ in segments):
@@ -185,6 +227,12 @@ def memory_verdict(
     elif worst is not None and worst > allowed:
         passed = False
         reason = f"grows {worst:g} MB/min in both halves of a segment (allowed {allowed:.1f})"
+    elif final is not None and final > allowed:
+        passed = False
+        reason = (
+            f"grows {final:g} MB/min in both halves of the final {final_s:g} s (allowed "
+            f"{allowed:.1f})"
+        )
     elif step is not None and step > floor_mb:
         passed, reason = False, f"{step:g} MB more after the reload settled (allowed {floor_mb:g})"
     elif reload_s is not None and len(segments[1][0]) < 6:
@@ -204,7 +252,9 @@ def memory_verdict(
         baseline_mb=round(baseline, 1),
         last_mb=round(last, 1),
         slope_mb_per_min=slope,
-        sustained_mb_per_min=worst,
+        sustained_mb_per_min=worst if final is None or worst is None else max(worst, final),
+        final_window_s=final_s,
+        final_mb_per_min=final,
         allowed_mb_per_min=round(allowed, 2),
         reload_step_mb=step,
         allowed_step_mb=floor_mb,

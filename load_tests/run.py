@@ -24,7 +24,8 @@ two ``--watch-seconds``) until
 RSS is sampled per process: ``server`` (the supervisor holding the ports) and each serving
 process ``server.1`` .. ``server.N``. Each process is judged on its own by the rule that
 ``load_tests/memory.py`` describes: the warm-up and the reload's settling are left out, and
-memory that grows in both halves of a segment, or stays higher once the reload settled, fails.
+memory that grows in both halves of a segment or of the final window (the last 20% of the
+run, at least 60 s), or stays higher once the reload settled, fails.
 
 Final numbers come from locust's own totals, written by the locustfile when locust quits
 (``locust_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at

@@ -90,6 +90,9 @@ class PredictionService:
         preprocessor: Callable[[list[Mapping[str, Any]]], Batch] | None = None,
         tier_check_seconds: float = 2.0,
     ) -> None:
+        # Before anything starts: a model whose inputs share a name cannot be served (a
+        # reload keeps the signature, so the served model is the only one to check).
+        tensor_specs.check_input_names(model.signature)
         self.name = model.name
         self._preprocessor = preprocessor
         self._model = model

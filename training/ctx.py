@@ -262,13 +262,45 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
+class _SharedEvalCtx(EmbeddingCtx):
+    """What :func:`eval_ctx` returns: an EVAL context that holds batches to the feature
+    signature ``source`` records (a TrainCtx's, once its first batch went through), as
+    training and serving do: the same features in the same order, and each non-ID feature
+    in the dtype the model was trained on (a later batch's integer feature sent as whole
+    floats, e.g. a pandas column with a missing value, reached the model as float32, which
+    an ``nn.Embedding`` refuses and anything else takes for other numbers)."""
+
+    def __init__(self, source: EmbeddingCtx, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._source = source
+
+    def _signature(self) -> FeatureSignature | None:
+        signature = getattr(self._source, "signature", None)
+        return signature if isinstance(signature, FeatureSignature) else None
+
+    def prepare_features(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        signature = self._signature()
+        if signature is not None:
+            signature.check(batch)  # also its dtypes: 3.5 for an integer feature is refused
+        return super().prepare_features(batch)
+
+    def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
+        signature = self._signature()
+        return super().non_id_dtypes(batch) if signature is None else signature.model_dtypes
+
+
 def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> EmbeddingCtx:
     """An EVAL context sharing ``ctx``'s embedding tier and model.
 
     It never re-configures the tier: entering evaluation in the middle of training keeps the
-    embedding optimizer and its hyperparameters (a PERSIA bug reset them).
+    embedding optimizer and its hyperparameters (a PERSIA bug reset them). Batches are held
+    to the feature signature of a TrainCtx ``ctx`` as its training batches are (names,
+    order, and integer features converted to their trained dtype).
     """
-    shared = EmbeddingCtx(
+    shared = _SharedEvalCtx(
+        ctx,
         PreprocessMode.EVAL,
         model if model is not None else _unwrap(ctx.model),
         embedding_config=ctx.embedding_config,
@@ -375,6 +407,23 @@ def _check_optimizers(embedding_optimizer: object, dense_optimizer: object) -> N
         )
 
 
+def _check_dense_optimizer_is_the_models(
+    dense_optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> None:
+    """InvalidArgumentError when the dense optimizer holds none of ``model``'s parameters
+    (made over another instance of the model, say): every step then stepped parameters
+    without gradients, and the dense model never trained, without a word. (It may hold
+    parameters of its own besides the model's, a learned loss weight for one.)"""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in dense_optimizer.param_groups for p in group["params"]]
+    if own and not any(id(p) in own for p in held):
+        raise InvalidArgumentError(
+            "TrainCtx's dense optimizer holds none of the model's parameters (made over "
+            "another model instance?): the dense model would never train; make it over "
+            "model.parameters()"
+        )
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -418,6 +467,7 @@ class TrainCtx(EmbeddingCtx):
         finite_check_every: int = 1,
     ) -> None:
         _check_optimizers(embedding_optimizer, dense_optimizer)
+        _check_dense_optimizer_is_the_models(dense_optimizer, model)
         super().__init__(
             PreprocessMode.TRAIN,
             model,
@@ -437,6 +487,21 @@ class TrainCtx(EmbeddingCtx):
         if embedding_staleness < 1:
             raise InvalidArgumentError(
                 f"embedding_staleness must be >= 1, got {embedding_staleness}"
+            )
+        if isinstance(embedding_tier, InProcessEmbeddingTier):
+            buffered, where = embedding_tier.worker.forward_buffer_size, "the given tier"
+        else:
+            buffered = self.global_config.embedding_worker_config.forward_buffer_size
+            where = f"embedding_worker_config in {_global_config_source(global_config)}"
+        if embedding_staleness > buffered:
+            # Up to embedding_staleness batches are looked up before their gradients go
+            # back: the worker keeps only forward_buffer_size lookups' contexts, and the
+            # backward of one that expired failed the run, depending on timing.
+            raise InvalidArgumentError(
+                f"embedding_staleness {embedding_staleness} is above the embedding worker's "
+                f"forward_buffer_size {buffered} ({where}): lookups would expire before "
+                "their gradients come back; lower embedding_staleness or raise "
+                "forward_buffer_size"
             )
         if backward_buffer_size < 1 or backward_workers_size < 1:
             raise InvalidArgumentError(
@@ -459,6 +524,9 @@ class TrainCtx(EmbeddingCtx):
         self._backward_error: BaseException | None = None
         self._stopping = False  # leaving on an exception: queued updates are dropped
         self._pending: tuple[int, list[str], list[torch.Tensor]] | None = None
+        # The embedding leaves of the last forward() left without backward(): a loss that
+        # reaches them (gradient accumulation over several forwards) is refused.
+        self._abandoned: list[torch.Tensor] = []
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
@@ -579,6 +647,14 @@ class TrainCtx(EmbeddingCtx):
             # Also its dtypes: a float for an integer feature only as a whole number in
             # range, converted to the recorded dtype (non_id_dtypes), never cut (3.7 -> 3).
             self.signature.check(batch)
+        if self._pending is not None:
+            # A forward without backward: give its slot back before waiting for one (with
+            # embedding_staleness=1 its slot is the only one, and the wait never ended).
+            self._abandoned = self._pending[2]
+            for leaf in self._abandoned:  # so that a gradient found there is the next loss's
+                leaf.grad = None
+            self._pending = None
+            self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates
         try:
             non_ids, embeddings, labels = super().prepare_features(batch)
@@ -589,8 +665,6 @@ class TrainCtx(EmbeddingCtx):
             self.signature = FeatureSignature.from_batch(batch)  # name typo) sets nothing
         leaves = [e.detach().requires_grad_(True) for e in embeddings]
         names = [slot.name for slot in self._last_lookup.slots]
-        if self._pending is not None:  # a forward without backward: give its slot back
-            self._in_flight.release()
         ref = self._last_lookup.ref
         assert ref is not None  # a train lookup always keeps its context (LookupResult.ref)
         self._pending = (ref, names, leaves)
@@ -621,14 +695,33 @@ class TrainCtx(EmbeddingCtx):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP) and queue
-        the embedding gradients for the embedding tier. Returns the (scaled) loss."""
+        the embedding gradients for the embedding tier. Returns the (scaled) loss.
+
+        One backward per forward: ``loss`` comes from the last :meth:`forward`'s output (a
+        forward left without backward is dropped at the next one; a loss that still uses its
+        output raises FailedPreconditionError, with nothing applied)."""
+        if not self._backward_workers:
+            # Outside the context nothing applies the queued gradients: the wait for them
+            # (at once with embedding_staleness=1) never ended.
+            raise FailedPreconditionError("TrainCtx is not entered; use it as a context manager")
         if self._pending is None:
             raise FailedPreconditionError("backward() called without a forward() before it")
         ref, names, leaves = self._pending
         self._pending = None
+        abandoned, self._abandoned = self._abandoned, []
         scaled = self.grad_scaler.scale(loss)
         try:
             scaled.backward()
+            if any(leaf.grad is not None for leaf in abandoned):
+                # Its embedding gradients have no batch to go to (its slot and context were
+                # given up at the next forward): they were dropped without a word.
+                self.dense_optimizer.zero_grad(set_to_none=True)
+                raise FailedPreconditionError(
+                    "backward(): the loss depends on the output of an earlier forward() than "
+                    "the last one; one backward() per forward() (accumulating a loss over "
+                    "several forwards would drop all but the last batch's embedding "
+                    "gradients): nothing was applied"
+                )
             scale = self.grad_scaler.get_scale() if self.mixed_precision else 1.0
             check = self.step % self.finite_check_every == 0
             grads, flat = _embedding_gradients(names, leaves, scale)
@@ -738,11 +831,19 @@ class TrainCtx(EmbeddingCtx):
         :data:`NONFINITE_COUNTERS` (this context's counts replace any given under those names),
         which :meth:`load_checkpoint` continues from: like ``step``, they count the whole run.
 
+        Each rank's torch random number generators (the CPU one, and its GPU's when it
+        trains on one) are kept too, as they stand when it is called, and
+        :meth:`load_checkpoint` puts them back: a model that draws random numbers while
+        training (dropout) resumes with the draws of the uninterrupted run.
+
         CheckpointError naming the tensor and its first bad value, with nothing written (a
         checkpoint already at ``directory`` stays, ``overwrite`` or not), when a dense weight
         or an embedding row went NaN or Inf: serving and resuming would refuse it."""
         from training.checkpoint import dump_checkpoint
 
+        # First: where the loop's next draw comes from (nothing below should draw, but a
+        # model's scripting or a tier's dump is not ours to vouch for).
+        rng_state = self._rng_state()
         if self.signature is None:
             # Checked here, not when a server refuses the checkpoint much later.
             log.warning(
@@ -765,6 +866,7 @@ class TrainCtx(EmbeddingCtx):
                 **(train_state or {}),
                 **{name: getattr(self, name) for name in NONFINITE_COUNTERS},
             },
+            rng_state=rng_state,
         )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> CheckpointManifest:
@@ -775,14 +877,22 @@ class TrainCtx(EmbeddingCtx):
         A torch LR scheduler is the loop's, not in the checkpoint: ``opt.pt`` gives the param
         groups back with their current ``lr``, and the scheduler goes on from there once its
         ``last_epoch`` is the number of times it had stepped (``manifest.step`` for one
-        step per batch), set before its next ``step()``."""
-        from training.checkpoint import load_checkpoint
+        step per batch), set before its next ``step()``.
+
+        The torch random number generators this rank had when the checkpoint was written
+        (see :meth:`dump_checkpoint`) are put back; a checkpoint without them (written before
+        they were kept) or from another number of ranks resumes all the same, its generators
+        as the loop seeded them, with a logged note."""
+        from training.checkpoint import load_checkpoint, read_manifest, read_rng_states
 
         self.wait_for_embedding_updates()
         # No rank's late updates may land on the loaded embeddings.
         distributed.checkpoint_barrier()
         failure: BaseException | None = None
+        rng_states = None
         try:
+            # Read (and verified) before anything moves, as the other files are.
+            rng_states = read_rng_states(read_manifest(Path(directory)))
             manifest = load_checkpoint(
                 Path(directory),
                 self.dense_model,
@@ -807,4 +917,69 @@ class TrainCtx(EmbeddingCtx):
             valid = isinstance(count, int) and not isinstance(count, bool) and count >= 0
             setattr(self, name, count if valid else 0)
         self.signature = manifest.signature or self.signature
+        self._restore_rng_state(manifest, rng_states)
         return manifest
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        """This rank's torch generator states by kind (``model_checkpoint.RNG_KINDS``):
+        the CPU one, and its GPU's when it trains on one; uint8 [n] each, as torch gives
+        them. numpy's and Python's global generators are not kept: nothing of the trainer
+        draws from them (the Adult example's data order comes from seeded local ones)."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _restore_rng_state(
+        self, manifest: CheckpointManifest, states: list[dict[str, torch.Tensor]] | None
+    ) -> None:
+        """Put back this rank's generator states from ``states`` (by rank; None: the
+        checkpoint has none), or log why they stay as the loop seeded them."""
+        rank, ranks = distributed.rank(), max(distributed.world_size(), 1)
+        unchanged = (
+            "the random number generators stay as this run seeded them, so a model that "
+            "draws random numbers while training (dropout) draws otherwise than the "
+            "uninterrupted run"
+        )
+        if states is None:
+            if rank == 0:
+                log.warning(
+                    "note: checkpoint %s holds no random number generator states (written "
+                    "before checkpoints kept them): %s",
+                    manifest.directory,
+                    unchanged,
+                )
+            return
+        if len(states) != ranks:
+            if rank == 0:
+                log.warning(
+                    "note: checkpoint %s holds the random number generator states of %d "
+                    "rank(s), this run has %d: %s",
+                    manifest.directory,
+                    len(states),
+                    ranks,
+                    unchanged,
+                )
+            return
+        saved = states[rank]
+        for kind, current in self._rng_state().items():
+            state = saved.get(kind)
+            if state is None or state.numel() != current.numel():
+                if state is None and kind == "cuda":
+                    why = "it has none: written by a run on the CPU"
+                elif state is None:
+                    why = "it has none"
+                else:
+                    why = f"{state.numel()} bytes where this torch's take {current.numel()}"
+                log.warning(
+                    "note: rank %d: checkpoint %s's %s generator state was not restored (%s): %s",
+                    rank,
+                    manifest.directory,
+                    kind,
+                    why,
+                    unchanged,
+                )
+            elif kind == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state, self.device)

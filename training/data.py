@@ -26,7 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from embedding_store.batch import Batch
-from embedding_store.errors import InvalidArgumentError, RecserveError, UnavailableError
+from embedding_store.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RecserveError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import (
     bind_tier_port,
     call,
@@ -111,6 +116,7 @@ class DataCtx:
         self._stubs = [pb_grpc.DataReceiverStub(c) for c in self._channels]
         self._sequence = 0
         self._sent = [0] * len(self.addresses)
+        self._finished = False
 
     def target_of(self, sequence: int) -> int:
         """NN worker that receives this loader's batch number ``sequence``."""
@@ -118,6 +124,9 @@ class DataCtx:
 
     def send_data(self, batch: Batch) -> None:
         """Send one batch to its NN worker; blocks while that worker's buffer is full."""
+        if self._finished:
+            # The workers counted this loader's batches at its end: one more would be lost.
+            raise FailedPreconditionError("send_data() after finish(): this loader has ended")
         target = self.target_of(self._sequence)
         request = pb.SendBatchRequest(
             loader_index=self.replica_index, sequence=self._sequence, batch=batch.to_bytes()
@@ -143,12 +152,16 @@ class DataCtx:
         self._sent[target] += 1
 
     def finish(self) -> None:
-        """Tell every NN worker that this loader is done (called on context exit)."""
+        """Tell every NN worker that this loader is done (called on context exit; once: a
+        second call, or the exit after one, sends nothing)."""
+        if self._finished:
+            return
         for index, stub in enumerate(self._stubs):
             request = pb.EndOfStreamRequest(
                 loader_index=self.replica_index, batches_sent=self._sent[index]
             )
             call(f"NN worker {self.addresses[index]}", stub.EndOfStream, request, timeout=60)
+        self._finished = True
 
     def abort(self, failure: str) -> None:
         """Tell every NN worker that this loader stopped on ``failure`` (called on context
@@ -297,6 +310,13 @@ class StreamingDataset:
                 raise InvalidArgumentError(
                     f"StreamingDataset needs a port: pass port= or set {NN_WORKERS_ENV}"
                 )
+            if "WORLD_SIZE" in os.environ and len(addresses) != world:
+                # (torchrun sets WORLD_SIZE.) Loaders deal batches over every entry, and
+                # each rank takes its own: any other count loses or stalls batches.
+                raise InvalidArgumentError(
+                    f"{NN_WORKERS_ENV} has {len(addresses)} address(es) but WORLD_SIZE is "
+                    f"{world}: give one HOST:PORT per NN worker, in rank order"
+                )
             own_host, port = _own_port(addresses[rank % len(addresses)])
             host = host or (own_host if own_host.startswith("127.") else "0.0.0.0")
             world = len(addresses)
@@ -380,12 +400,23 @@ class StreamingDataset:
                 )
             )
             return
+        if not 0 <= loader < self.num_loaders:
+            # Counted as an end, it would stop the stream while a real loader still sends (a
+            # failure above is reported whatever its index: it never counts as an end).
+            raise InvalidArgumentError(
+                f"EndOfStreamRequest.loader_index {loader} is not below num_loaders "
+                f"{self.num_loaders}"
+            )
         with self._lock:
             if self._received.get(loader, 0) != batches_sent:
                 raise InvalidArgumentError(
                     f"data loader {loader} says it sent {batches_sent} batches, "
                     f"{self._received.get(loader, 0)} arrived"
                 )
+            if loader in self._ended:
+                # A second end of the same loader (DataCtx.finish called by hand, then on
+                # exit): counted twice, it ended the stream before the other loaders did.
+                return
             self._ended[loader] = batches_sent
             if self.reproducible:
                 # Other loaders' later batches no longer wait for this one's.
@@ -394,9 +425,13 @@ class StreamingDataset:
         self._put(_END)
 
     def _skip_ended_loaders(self) -> None:
-        while (self._next_global % self.num_loaders) in self._ended and len(
-            self._ended
-        ) < self.num_loaders:
+        # This rank's numbers step by world size, so their loaders (g % num_loaders) repeat
+        # within num_loaders steps: past that, every loader that feeds this rank has ended.
+        # Only some loaders may feed it (2 loaders, 2 ranks: loader i sends to rank i
+        # alone), so "until every loader ended" looped for good, holding the lock.
+        for _ in range(self.num_loaders):
+            if self._next_global % self.num_loaders not in self._ended:
+                return
             self._next_global += self._world
 
     def __iter__(self) -> Iterator[Batch]:
@@ -460,10 +495,31 @@ class IterableDataset:
 
     def __init__(self, source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> None:
         self.source = source
+        self._exhausted = False  # a one-shot iterator source was read to its end
 
     def __iter__(self) -> Iterator[Batch]:
-        source = self.source() if callable(self.source) else self.source
-        return iter(source)
+        if callable(self.source):
+            return iter(self.source())
+        batches = iter(self.source)
+        if batches is not self.source:  # a collection: each pass reads it all again
+            return batches
+        if self._exhausted:
+            # A generator gives nothing the second time: a second epoch trained on no
+            # batch at all, and said nothing.
+            raise FailedPreconditionError(
+                "IterableDataset: its source is an iterator (a generator?) that an earlier "
+                "pass read to its end, so it has no batch left; pass a function returning a "
+                "fresh iterator (IterableDataset(lambda: make_batches())) to read it once per "
+                "epoch"
+            )
+        return self._to_the_end(batches)
+
+    def _to_the_end(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        # Not `yield from`: closing a pass left early would close the source with it, and a
+        # later pass could not go on where this one stopped.
+        for batch in batches:  # noqa: UP028 (see above)
+            yield batch
+        self._exhausted = True
 
 
 class DataLoader:
@@ -483,7 +539,8 @@ class DataLoader:
             raise InvalidArgumentError(f"prefetch must be >= 0, got {prefetch}")
         self.dataset = dataset
         self.prefetch = prefetch
-        self._producer: threading.Thread | None = None  # the last pass's prefetch thread
+        # The last pass's prefetch thread and its stop event.
+        self._producer: tuple[threading.Thread, threading.Event] | None = None
         if equal_steps is None:
             equal_steps = isinstance(dataset, StreamingDataset) and distributed.world_size() > 1
         self.equal_steps = equal_steps
@@ -500,8 +557,12 @@ class DataLoader:
         if previous is not None:
             # A pass left early (a break) may have left its producer inside the source: a
             # shared iterator must not be read by two threads ("generator already
-            # executing"). It ends once that read returns, having seen the stop.
-            previous.join()
+            # executing"). It ends once that read returns, having seen the stop. A pass
+            # still open (an iterator kept after a peek with next()) is stopped first: its
+            # producer waited for room in its full buffer for good, and this join with it.
+            thread, previous_stop = previous
+            previous_stop.set()
+            thread.join()
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         failure: list[BaseException] = []
@@ -528,10 +589,21 @@ class DataLoader:
                 put(_END)
 
         thread = threading.Thread(target=produce, name="data-prefetch", daemon=True)
-        self._producer = thread
+        self._producer = (thread, stop)
         thread.start()
         try:
-            while (item := buffer.get()) is not _END:
+            while True:
+                try:
+                    item = buffer.get(timeout=_PUT_POLL_SECONDS)
+                except queue.Empty:
+                    if stop.is_set():  # only a newer pass sets it while this one reads
+                        raise FailedPreconditionError(
+                            "a new pass over this DataLoader began before this one ended: "
+                            "this one stopped (one pass at a time)"
+                        ) from None
+                    continue
+                if item is _END:
+                    break
                 yield item
             if failure:
                 raise failure[0]

@@ -269,6 +269,28 @@ def checkpoint_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def all_gather_bytes(data: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``data`` (uint8 [n], n may differ by rank), by rank, on the CPU; every
+    rank must call it. Over the checkpoint group (it runs around a checkpoint: see
+    :func:`checkpoint_agree`); ``[data]`` when not distributed. Two all-gathers: the sizes,
+    then the bytes padded to the longest."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [data]
+    group = _long_group()
+    on_gpu = group is None and dist.get_backend() == "nccl"  # nccl gathers GPU tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    ranks = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(ranks)]
+    dist.all_gather(sizes, size, group=group)
+    counts = [int(count.item()) for count in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.reshape(-1)
+    gathered = [torch.empty_like(padded) for _ in range(ranks)]
+    dist.all_gather(gathered, padded, group=group)
+    return [part[:count].cpu() for part, count in zip(gathered, counts)]
+
+
 def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         _checkpoint_group.clear()

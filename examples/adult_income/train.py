@@ -19,7 +19,10 @@ stops every rank after its current step (under DDP, at the same step within the 
 ``--checkpoint-on-stop`` the checkpoint is written first, where the run stands (epoch and
 batch): ``--resume-from`` goes on from there as the uninterrupted run would have. Without
 it nothing is written: deploy/ waits for ``--checkpoint-dir``'s ``DONE`` to serve, and
-would serve a partly trained model. Ctrl-C stops at once, with no checkpoint.
+would serve a partly trained model. ``--stop-checkpoint-dir DIR`` sends that checkpoint to
+DIR instead, so ``--checkpoint-dir`` only ever gets a finished run: the same command run
+again resumes from DIR, and removes it once it has finished (deploy/k8s/train-job.yaml).
+Ctrl-C stops at once, with no checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -43,6 +47,7 @@ import numpy as np
 import torch
 
 from embedding_store.batch import Batch
+from embedding_store.checkpoint_manifest import DONE_MARKER
 from embedding_store.checkpoint_publish import check_target
 from embedding_store.cli_types import non_negative_int, positive_int
 from embedding_store.config import embedding_config_from_mapping
@@ -162,6 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
         "done) before stopping, for --resume-from; without it a SIGTERM stops after the "
         "current step and writes nothing",
     )
+    parser.add_argument(
+        "--stop-checkpoint-dir",
+        type=Path,
+        default=None,
+        help="with --checkpoint-on-stop: where a SIGTERM's checkpoint goes instead of "
+        "--checkpoint-dir, which then only ever receives a finished run (deploy/ serves it); "
+        "a run started while this directory holds a checkpoint resumes from it (as "
+        "--resume-from would), a stop replaces it, and a run that finishes removes it once "
+        "--checkpoint-dir is written: the same command, run again, goes on where it stopped",
+    )
     parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
     parser.add_argument("--metrics-out", type=Path, default=None)
@@ -192,6 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--eval-only needs --resume-from (there is nothing trained to evaluate)")
     if args.checkpoint_on_stop and args.checkpoint_dir is None:
         parser.error("--checkpoint-on-stop needs --checkpoint-dir (where to write it)")
+    stop_dir = args.stop_checkpoint_dir
+    if stop_dir is not None:
+        if not args.checkpoint_on_stop:
+            parser.error("--stop-checkpoint-dir needs --checkpoint-on-stop (what writes there)")
+        if stop_dir.absolute() == args.checkpoint_dir.absolute():
+            parser.error("--stop-checkpoint-dir must differ from --checkpoint-dir")
+        try:  # the run's own: a checkpoint there is replaced by a stop, nothing else is
+            check_target(stop_dir, overwrite=True)
+        except AlreadyExistsError as error:
+            parser.error(f"--stop-checkpoint-dir: {error.message}")
+        if (stop_dir / DONE_MARKER).is_file():
+            if args.resume_from is not None:
+                parser.error(
+                    f"--resume-from {args.resume_from}: --stop-checkpoint-dir {stop_dir} holds "
+                    "a stopped run's checkpoint, which this run would resume from; pass one"
+                )
+            args.resume_from = stop_dir
     if args.checkpoint_dir is not None:
         # Said now, not after a whole training run that could not be saved.
         try:
@@ -298,17 +330,31 @@ def main(argv: list[str] | None = None) -> int:
         # on); the test AUC of a run cut short is not its.
         auc = None if stopped else evaluate(ctx, test)
         manifest = None
-        if args.checkpoint_dir is not None and (args.checkpoint_on_stop or not stopped):
+        written_to = args.checkpoint_dir
+        if stopped and stop_dir is not None:
+            written_to = stop_dir
+        if written_to is not None and (args.checkpoint_on_stop or not stopped):
             epochs_done, batches_done = position
             manifest = ctx.dump_checkpoint(
-                args.checkpoint_dir,
-                overwrite=args.overwrite,
+                written_to,
+                overwrite=args.overwrite or (stop_dir is not None and written_to == stop_dir),
                 train_state={**schedule, "epochs_done": epochs_done, "batches_done": batches_done},
             )
+        finished = manifest is not None and not stopped and stop_dir is not None
+        if finished and distributed.rank() == 0 and (stop_dir / DONE_MARKER).is_file():
+            # An earlier stop's checkpoint is spent: left there, the next run of this command
+            # would resume from it instead of starting over.
+            shutil.rmtree(stop_dir)
+            print(f"removed {stop_dir}: the run it stopped has finished", file=sys.stderr)
         if stopped:
             if distributed.rank() == 0:
                 where = f"{position[0]} epoch(s) and {position[1]} batch(es) done"
-                if manifest is not None:
+                if manifest is not None and written_to == stop_dir:
+                    saved = (
+                        f"checkpoint {stop_dir} (version {manifest.version}) holds them; this "
+                        "command, run again, goes on from there"
+                    )
+                elif manifest is not None:
                     saved = (
                         f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "
                         f"them; --resume-from {args.checkpoint_dir} goes on from there"

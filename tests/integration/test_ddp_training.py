@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from embedding_store.launcher import LocalCluster
@@ -204,7 +205,8 @@ EQUAL_STEPS_SCRIPT = textwrap.dedent(
 # Rank 0 takes 1 s to write, then to load, a checkpoint: longer than the process group's
 # collectives wait (0.3 s, set once the ranks have met: a start-up that short could fail on a
 # loaded machine). Each rank has its own in-process tier (no cluster needed: only rank 0's is
-# written and loaded).
+# written and loaded). Each rank's torch generator is seeded otherwise and moved on after the
+# dump: the load puts each rank's own state back ("True").
 SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -237,6 +239,7 @@ SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
     if distributed.rank() == 0:
         checkpoint.write_checkpoint = slowly(write)
         checkpoint.load_checkpoint = slowly(load)
+    torch.manual_seed(10 + distributed.rank())
     dense = torch.nn.Linear(2, 1)
     with TrainCtx(
         SGD(lr=0.1),
@@ -248,10 +251,14 @@ SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
     ) as ctx:
         _set_pg_timeout(timedelta(seconds=0.3), None)  # the default group's collectives
         ctx.step = 7
+        generator = torch.get_rng_state()
         ctx.dump_checkpoint(out / "checkpoint", with_jit_model=False)
+        torch.rand(3)
         ctx.step = 0
         step = ctx.load_checkpoint(out / "checkpoint").step
-        (out / f"rank-{distributed.rank()}.txt").write_text(f"{step} {ctx.step}")
+        restored = torch.equal(torch.get_rng_state(), generator)
+        torch.save(generator, out / f"generator-{distributed.rank()}.pt")
+        (out / f"rank-{distributed.rank()}.txt").write_text(f"{step} {ctx.step} {restored}")
     distributed.shutdown_distributed()
     """
 )
@@ -412,7 +419,8 @@ def test_ranks_wait_for_a_checkpoint_longer_than_the_process_groups_timeout(tmp_
     """Rank 0 writing (then loading) a checkpoint for longer than DDPOption.timeout_seconds:
     the other rank used to give up in its all-reduce ("Timed out waiting 300000ms") and the
     job died in the middle of a checkpoint that was going well (a large remote tier dumps for
-    longer than the default 300 s). It waits, and both agree on the step."""
+    longer than the default 300 s). It waits, and both agree on the step. The checkpoint
+    holds each rank's own torch generator state, which each gets back."""
     script = tmp_path / "slow_checkpoint.py"
     script.write_text(SLOW_CHECKPOINT_SCRIPT)
     torchrun = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=2"]
@@ -422,5 +430,14 @@ def test_ranks_wait_for_a_checkpoint_longer_than_the_process_groups_timeout(tmp_
         timeout=120,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this tree's training package
     )
-    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)] == ["7 7", "7 7"]
+    assert [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)] == [
+        "7 7 True",
+        "7 7 True",
+    ]
     assert json.loads((tmp_path / "checkpoint" / "manifest.json").read_text())["step"] == 7
+    saved = safetensors.torch.load_file(tmp_path / "checkpoint" / "rng_state.safetensors")
+    assert sorted(saved) == ["rank_0.cpu", "rank_1.cpu"]  # no GPU: no CUDA state
+    for rank in range(2):
+        generator = torch.load(tmp_path / f"generator-{rank}.pt", weights_only=True)
+        assert torch.equal(saved[f"rank_{rank}.cpu"], generator), rank
+    assert not torch.equal(saved["rank_0.cpu"], saved["rank_1.cpu"])

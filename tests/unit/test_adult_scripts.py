@@ -367,3 +367,87 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
     finally:
         signal.signal(signal.SIGTERM, previous)
         torch.set_num_threads(threads)
+
+
+def test_a_stop_checkpoint_dir_takes_the_stop_and_the_same_command_resumes_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stop-checkpoint-dir (deploy/k8s/train-job.yaml): a SIGTERM's checkpoint goes there,
+    never to --checkpoint-dir (which deploy/ serves once it is there); the same command run
+    again resumes from it, writes --checkpoint-dir as one uninterrupted run would, and
+    removes the spent stop checkpoint, so a later run starts over."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    common = ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
+    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
+    backward = train.TrainCtx.backward
+
+    def signalled_backward(ctx: train.TrainCtx, loss: torch.Tensor) -> torch.Tensor:
+        scaled = backward(ctx, loss)
+        if ctx.step == 11:
+            signal.raise_signal(signal.SIGTERM)
+        return scaled
+
+    threads = torch.get_num_threads()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        straight, served, stop = (tmp_path / name for name in ("straight", "served", "stop"))
+        assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
+        job = [*common, "--checkpoint-dir", str(served), "--overwrite", "--checkpoint-on-stop"]
+        job += ["--stop-checkpoint-dir", str(stop)]
+        with monkeypatch.context() as patch:
+            patch.setattr(train.TrainCtx, "backward", signalled_backward)
+            assert train.main(job) == 143
+        assert not served.exists()
+        manifest = json.loads((stop / "manifest.json").read_text())
+        assert (manifest["step"], manifest["train_state"]["batches_done"]) == (11, 3)
+        assert capsys.readouterr().err.endswith(
+            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
+            f"checkpoint {stop} (version {manifest['version']}) holds them; this command, run "
+            "again, goes on from there\n"
+        )
+        # Run again: resumed from the stop, finished, the stop checkpoint removed.
+        assert train.main(job) == 0
+        assert json.loads((served / "manifest.json").read_text())["step"] == 16
+        assert _checkpoint_contents(served) == _checkpoint_contents(straight)
+        assert not stop.exists()
+        assert capsys.readouterr().err.endswith(
+            f"removed {stop}: the run it stopped has finished\n"
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stop-checkpoint-dir", "s"], "--stop-checkpoint-dir needs --checkpoint-on-stop"),
+        (
+            ["--checkpoint-on-stop", "--checkpoint-dir", "c", "--stop-checkpoint-dir", "c"],
+            "--stop-checkpoint-dir must differ from --checkpoint-dir",
+        ),
+    ],
+)
+def test_stop_checkpoint_dir_refusals(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    argv = [str(tmp_path / a) if a in ("s", "c") else a for a in argv]
+    assert message in _main_error(capsys, [*argv, "--device", "cpu"])
+
+
+def test_a_stop_checkpoint_and_resume_from_are_one_too_many(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    stop = tmp_path / "stop"
+    stop.mkdir()
+    (stop / "DONE").write_text("")
+    argv = ["--checkpoint-on-stop", "--checkpoint-dir", str(tmp_path / "c")]
+    argv += ["--stop-checkpoint-dir", str(stop), "--resume-from", str(tmp_path / "r")]
+    err = _main_error(capsys, [*argv, "--device", "cpu"])
+    assert f"--stop-checkpoint-dir {stop} holds a stopped run's checkpoint" in err
+    # Something there that is not a checkpoint is never replaced.
+    (stop / "DONE").unlink()
+    (stop / "notes.txt").write_text("mine")
+    err = _main_error(capsys, [*argv[:-2], "--device", "cpu"])
+    assert "--stop-checkpoint-dir: " in err and "is not a recserve checkpoint" in err

@@ -1,7 +1,8 @@
 """Checkpoints whose weights hold NaN or Inf are refused by every reader (serving, resuming,
-`recserve checkpoint inspect|verify`), naming the file, the tensor and the first bad value;
-the feature signature is checked against the embedding config. Tiny checkpoints written
-once per module and copied, then edited with their manifests' checksums kept right."""
+`recserve checkpoint inspect|verify`, without loading code too), naming the file, the
+tensor and the first bad value; the feature signature is checked against the embedding
+config. Tiny checkpoints written once per module and copied, then edited with their
+manifests' checksums kept right."""
 
 from __future__ import annotations
 
@@ -164,36 +165,73 @@ def test_optimizer_state_is_refused_with_nan_but_not_with_inf(tmp_path: Path) ->
         )
 
 
-def test_dense_weights_with_nan_are_refused_by_serving_resuming_and_the_tools(
-    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_dense_weights_with_nan_or_inf_are_refused_by_serving_resuming_and_the_tools(
+    checkpoint: Path, value: float, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _poison_dense(checkpoint, "linear.weight", (0, 2), float("nan"))
-    dense = f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.weight' holds 1 NaN value(s)"
+    """Without loading code too: `verify` and `inspect` refused NaN in dense.pt but took
+    +-Inf in a weight (a state dict does not tell weights from buffers, which may hold
+    Inf); the manifest lists the parameters now."""
+    _poison_dense(checkpoint, "linear.weight", (0, 2), value)
+    bad = (
+        f"tensor 'linear.weight' holds 1 non-finite value(s) (NaN or Inf), the first at "
+        f"[0, 2]: {value!r}"
+    )
+    dense = f"{checkpoint / 'dense.pt'} is corrupt: {bad}"
     with pytest.raises(CheckpointError) as raised:
         load_model(checkpoint, name="m", warm_up=False, onednn_min_rows=0)
-    assert raised.value.message == (
-        f"{checkpoint / 'jit_dense.pt'} is corrupt: tensor 'linear.weight' holds 1 non-finite "
-        "value(s) (NaN or Inf), the first at [0, 2]: nan"
-    )
+    assert raised.value.message == f"{checkpoint / 'jit_dense.pt'} is corrupt: {bad}"
     model = Masked()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError) as raised:
         model_checkpoint.load_checkpoint(
             checkpoint, model, None, InProcessEmbeddingTier(CONFIG, capacity=100)
         )
-    assert raised.value.message == f"{dense}, the first at [0, 2]: nan"
+    assert raised.value.message == dense
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert checkpoint_inspect.verify(checkpoint)[0] == [f"{dense}, the first at [0, 2]: nan"]
+    assert checkpoint_inspect.verify(checkpoint)[0] == [dense]
+    with pytest.raises(CheckpointError) as raised:  # the training side's verify
+        model_checkpoint.verify(checkpoint)
+    assert raised.value.message == dense
     capsys.readouterr()
+    assert cli_main(["checkpoint", "verify", str(checkpoint)]) == 1
+    assert capsys.readouterr().err.splitlines()[1:] == [f"  - {dense}"]
     assert cli_main(["checkpoint", "inspect", str(checkpoint)]) == 1  # no --verify needed
-    assert capsys.readouterr().out.splitlines()[-1] == (
-        f"  PROBLEM: {dense}, the first at [0, 2]: nan"
+    assert capsys.readouterr().out.splitlines()[-1] == f"  PROBLEM: {dense}"
+    assert cli_main(["checkpoint", "inspect", "--verify", str(checkpoint)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == f"  PROBLEM: {dense}"
+
+
+def test_a_checkpoint_that_lists_no_dense_parameters_is_checked_for_nan_as_before(
+    checkpoint: Path,
+) -> None:
+    """Checkpoints written before the manifest listed the parameters still verify; without
+    the model at hand only NaN tells in their dense.pt (a resume checks Inf against the
+    model's parameters)."""
+    raw = json.loads((checkpoint / "manifest.json").read_text())
+    assert raw.pop("dense_parameters") == ["linear.weight", "linear.bias"]
+    (checkpoint / "manifest.json").write_text(json.dumps(raw))
+    assert checkpoint_inspect.verify(checkpoint)[0] == []
+    _poison_dense(checkpoint, "linear.bias", (0,), float("inf"))
+    assert checkpoint_inspect.verify(checkpoint)[0] == []
+    with pytest.raises(CheckpointError) as raised:
+        model_checkpoint.load_checkpoint(checkpoint, Masked(), None, _tier())
+    assert raised.value.message == (
+        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.bias' holds 1 non-finite "
+        "value(s) (NaN or Inf), the first at [0]: inf"
     )
+    _poison_dense(checkpoint, "linear.bias", (0,), float("nan"))
+    assert checkpoint_inspect.verify(checkpoint)[0] == [
+        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.bias' holds 1 NaN value(s), "
+        "the first at [0]: nan"
+    ]
 
 
 def test_inf_is_refused_in_a_dense_parameter_but_kept_in_a_buffer(checkpoint: Path) -> None:
     """The written model's -inf mask buffer loads everywhere (above, unchanged); an Inf in a
-    parameter is refused where parameters are known: serving's TorchScript and resuming."""
+    parameter is refused by every reader (test above); here: resuming, serving and
+    `verify`, which takes the mask too."""
+    assert checkpoint_inspect.verify(checkpoint)[0] == []
     model = Masked()
     model_checkpoint.load_checkpoint(checkpoint, model, None, _tier())
     assert model.mask.tolist() == [0.0, float("-inf")]
@@ -210,6 +248,10 @@ def test_inf_is_refused_in_a_dense_parameter_but_kept_in_a_buffer(checkpoint: Pa
     assert raised.value.message.startswith(
         f"{checkpoint / 'jit_dense.pt'} is corrupt: tensor 'linear.bias' holds 1 non-finite"
     )
+    assert checkpoint_inspect.verify(checkpoint)[0] == [
+        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.bias' holds 1 non-finite "
+        "value(s) (NaN or Inf), the first at [0]: inf"
+    ]
 
 
 def test_verify_names_an_id_feature_the_embedding_config_has_no_slot_for(
@@ -230,8 +272,8 @@ def test_the_training_side_verify_checks_dense_values(checkpoint: Path) -> None:
     with pytest.raises(CheckpointError) as raised:
         model_checkpoint.verify(checkpoint)
     assert raised.value.message == (
-        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.weight' holds 1 NaN value(s), "
-        "the first at [0, 0]: nan"
+        f"{checkpoint / 'dense.pt'} is corrupt: tensor 'linear.weight' holds 1 non-finite "
+        "value(s) (NaN or Inf), the first at [0, 0]: nan"
     )
 
 

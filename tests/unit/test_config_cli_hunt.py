@@ -552,3 +552,23 @@ def test_healthcheck_seconds_are_finite(capsys, argv, message) -> None:
     assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[1] == message
     args = health.parse_args(["tcp://127.0.0.1:1", "--wait", "120", "--timeout", "0.5"])
     assert (args.wait, args.timeout) == (120.0, 0.5)
+
+
+def test_nn_worker_addresses_must_match_the_world_size(monkeypatch) -> None:
+    """Under torchrun (WORLD_SIZE set) one address per rank: with 3 for 2 ranks, the
+    loaders sent a third of the batches to a receiver nobody started."""
+    from embedding_store.errors import InvalidArgumentError
+    from training.data import StreamingDataset
+
+    monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", "127.0.0.1:7000,127.0.0.1:7001,b:7002")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(InvalidArgumentError) as caught:
+        StreamingDataset()
+    assert caught.value.message == (
+        "RECSERVE_NN_WORKER_ADDRESSES has 3 address(es) but WORLD_SIZE is 2: give one "
+        "HOST:PORT per NN worker, in rank order"
+    )
+    monkeypatch.setenv("RECSERVE_NN_WORKER_ADDRESSES", "127.0.0.1:7000,127.0.0.1:7001")
+    dataset = StreamingDataset()  # not started: nothing to close
+    assert (dataset.port, dataset._rank, dataset._world) == (7001, 1, 2)

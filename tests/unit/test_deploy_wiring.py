@@ -500,6 +500,8 @@ def test_k8s_paths_the_processes_use_are_mounted_with_the_access_they_need() -> 
         if args.command == "train":
             script = train_script_parser().parse_args(args.script_args[1:])
             writes.append(str(script.checkpoint_dir))
+            if script.stop_checkpoint_dir is not None:
+                writes.append(str(script.stop_checkpoint_dir))
         for path in reads:
             assert mount_of(container, path) is not None, f"{name} reads {path}: not mounted"
         for path in writes:
@@ -596,6 +598,13 @@ def test_compose_trainer_command_parses_and_writes_where_the_server_reads() -> N
     # The skip test looks at the marker the checkpoint writes last.
     assert f"[ -f {server.checkpoint}/DONE ]" in text
     assert _compose_mount_of(_compose_mounts(trainer), str(parsed.checkpoint_dir)) is True
+    # Stopped (compose stop/down, a reboot), it writes where it stood, never into the served
+    # directory, within its stop_grace_period (10 s unless set: a checkpoint may not fit).
+    assert parsed.checkpoint_on_stop and parsed.stop_checkpoint_dir is not None
+    stop = str(parsed.stop_checkpoint_dir)
+    assert not inside(stop, server.checkpoint) and not inside(server.checkpoint, stop)
+    assert _compose_mount_of(_compose_mounts(trainer), stop) is True
+    assert _compose_seconds(trainer.get("stop_grace_period", "10s")) >= 60
 
 
 def test_compose_paths_the_processes_use_are_mounted() -> None:
@@ -747,6 +756,40 @@ def test_k8s_pods_get_the_time_to_drain() -> None:
         needed = hook + _grace_seconds(args) + STOP_MARGIN_SECONDS
         period = pod_spec(workload).get("terminationGracePeriodSeconds", 30)
         assert period >= needed, f"{name}: {period} s to stop, needs {needed:g} s"
+
+
+#: What torchrun takes beyond --shutdown-timeout to kill the ranks still running, report and
+#: exit (training/torchrun.py): the kubelet's SIGKILL must not come first.
+JOB_STOP_MARGIN_SECONDS = 10.0
+
+
+def test_k8s_training_job_writes_where_it_stood_within_its_grace() -> None:
+    """A preempted, evicted or deleted training pod gets SIGTERM, then SIGKILL
+    terminationGracePeriodSeconds later (30 by default): the ranks' --shutdown-timeout
+    (the time they have to write their stop checkpoint) must fit inside it. The stop
+    checkpoint goes to a directory of its own on the checkpoint volume, which the training
+    shards may dump into, never to the one deploy/ serves (a partly trained model), and the
+    same Job, run again, resumes from it (--stop-checkpoint-dir)."""
+    (job,) = of_kind("Job").values()
+    args = parsed_main(job)
+    script = train_script_parser().parse_args(args.script_args[1:])
+    assert script.checkpoint_on_stop, "a stopped Job would lose every step since its start"
+    period = pod_spec(job).get("terminationGracePeriodSeconds", 30)
+    needed = args.shutdown_timeout + JOB_STOP_MARGIN_SECONDS
+    assert period >= needed, f"{period} s to stop, needs {needed:g} s"
+
+    stop = str(script.stop_checkpoint_dir)
+    served = str(parsed_main(workloads()["server"]).checkpoint)
+    assert script.stop_checkpoint_dir is not None
+    assert not inside(stop, served) and not inside(served, stop), (stop, served)
+    training_shards = {
+        name: parsed_main(workload)
+        for name, workload in workloads().items()
+        if name.endswith("-train") and parsed_main(workload).command == "embedding-parameter-server"
+    }
+    assert training_shards
+    for name, shard in training_shards.items():
+        assert inside(stop, shard.dump_root), f"{name} may not dump into {stop}"
 
 
 def _compose_seconds(text: str) -> float:

@@ -162,6 +162,68 @@ def test_memory_verdict_passes_steps_noise_and_the_reload_transient():
     assert not memory_verdict([0.0, 1.0, 2.0], [-1.0, 10.0, 10.0], warmup_s=0.0, run_s=3).passed
 
 
+def test_memory_verdict_fails_a_leak_that_starts_late_in_the_run():
+    """A leak from 8 minutes on in a 10-minute soak (3 s samples, reload at 300 s): the
+    segment after the reload ([360, 600] s) grows in its second half only, which the
+    segments' rule lets pass; the final 120 s grow in both halves."""
+    from load_tests.memory import memory_verdict
+
+    def late_leak(t: float) -> float:
+        # The replaced model resident for 40 s after the reload, then 0.16 MB/s from 480 s.
+        return 430 + (30 if 300 <= t < 340 else 0) + 0.16 * max(t - 480, 0)
+
+    times, rss = _soak(600, 3.0, late_leak)
+    leak = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert not leak.passed
+    assert leak.reason == "grows 9.6 MB/min in both halves of the final 120 s (allowed 2.0)"
+    assert (leak.final_window_s, leak.final_mb_per_min) == (120.0, 9.6)
+    assert leak.sustained_mb_per_min == 9.6 and leak.reload_step_mb == 0.0
+
+    # The same leak from 5 minutes before the end fails through its segment already.
+    times, rss = _soak(600, 3.0, lambda t: 430 + 0.16 * max(t - 300, 0))
+    early = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert early.reason == "grows 9.6 MB/min in both halves of a segment (allowed 2.0)"
+
+
+def test_the_final_window_passes_a_reload_step_warm_up_growth_and_noise():
+    from load_tests.memory import memory_verdict
+
+    noise = np.random.default_rng(1).normal(0, 1.0, 201)  # 1 MB standard deviation
+
+    def stepped(t: float) -> float:
+        # +15 MB kept after the reload (under the 20 MB allowed), both models resident for
+        # 50 s, and a one-off allocator step of +6 MB at 550 s, inside the final window.
+        return (
+            430 + (15 if t >= 300 else 0) + (30 if 300 <= t < 350 else 0) + (6 if t >= 550 else 0)
+        )
+
+    times, rss = _soak(600, 3.0, stepped)
+    step = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert step.passed and step.reason == "flat", step
+    assert (step.final_window_s, step.final_mb_per_min) == (120.0, 0.0)
+    assert step.reload_step_mb == 15.0 and step.sustained_mb_per_min == 0.0
+
+    # Warm-up: +150 MB over the first 60 s (left out), flat after it.
+    times, rss = _soak(600, 3.0, lambda t: 280 + 2.5 * min(t, 60))
+    warm = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert warm.passed and warm.reason == "flat", warm
+    assert (warm.final_mb_per_min, warm.sustained_mb_per_min) == (0.0, 0.0)
+
+    # Noise around a flat level, on top of the reload's transient.
+    times, rss = _soak(600, 3.0, lambda t: 430 + (30 if 300 <= t < 350 else 0) + noise[int(t / 3)])
+    noisy = memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0)
+    assert noisy.passed and noisy.reason == "flat", noisy
+    assert noisy.final_window_s == 120.0 and abs(noisy.final_mb_per_min) < 1.0
+    # A short run's final window is 60 s, not 20% of it: +20 MB over the last 20 s of a 100 s
+    # run (a transient there) grows in one half of it only.
+    times, rss = _soak(100, 0.5, lambda t: 430 + max(t - 80, 0))
+    short = memory_verdict(times, rss, warmup_s=10.0, run_s=100.0)
+    assert short.passed and short.final_window_s == 60.0, short
+    # The same noise over a late leak still fails.
+    times, rss = _soak(600, 3.0, lambda t: 430 + noise[int(t / 3)] + 0.16 * max(t - 480, 0))
+    assert not memory_verdict(times, rss, warmup_s=60.0, run_s=600.0, reload_s=300.0).passed
+
+
 def test_a_soak_too_short_to_judge_after_its_reload_says_so(tmp_path):
     """The 60 s after the reload are left out, so a soak under ~2 minutes never judges the
     memory after it: even the replaced model never released (+200 MB) passes. The pass says

@@ -232,6 +232,38 @@ def test_a_reload_that_changes_the_signature_is_refused_and_the_old_version_serv
     assert service.predict(NAME, None, _inputs(), protocol="http").model_version == old.version
 
 
+@pytest.mark.parametrize(
+    ("clashing", "owner"),
+    [
+        (IdFeatureSpec("user.lengths", True), "ID feature 'user.lengths'"),
+        (NonIdFeatureSpec("user.lengths", "float32", (1,)), "non-ID feature 'user.lengths'"),
+    ],
+)
+def test_a_model_whose_inputs_share_a_name_is_not_served(checkpoints, clashing, owner) -> None:
+    """A jagged ID feature "user" takes the inputs "user" and "user.lengths": a feature named
+    "user.lengths" would share that one request tensor, its IDs (or values) always equal to
+    the lengths (a request was decoded so, with a 200). Refused before serving starts."""
+    model = _load(checkpoints[0])
+    try:
+        ids: tuple = (IdFeatureSpec("user", False), IdFeatureSpec("item", True))
+        dense: tuple = (NonIdFeatureSpec("dense", "float32", (3,)),)
+        if isinstance(clashing, IdFeatureSpec):
+            ids += (clashing,)
+        else:
+            dense += (clashing,)
+        model.signature = FeatureSignature(ids, dense)
+        with pytest.raises(CheckpointError) as caught:
+            PredictionService(model)
+        assert caught.value.message == (
+            "the model cannot be served over KServe v2: the lengths of jagged ID feature "
+            f"'user' and {owner} would both be the input 'user.lengths', and one request "
+            "tensor cannot hold both; a feature must not be named like a jagged ID feature's "
+            "'.lengths' input (rename it in the training data and train again)"
+        )
+    finally:
+        model.close()
+
+
 def test_a_reload_whose_label_names_differ_swaps(checkpoints, make_service) -> None:
     """A model retrained with its label renamed takes the same inputs: not refused as a
     change of signature."""

@@ -197,6 +197,41 @@ def test_embedding_update_equals_manual_sgd_step():
         )
 
 
+def test_staleness_one_is_a_synchronous_loop_bit_for_bit():
+    """Eight steps with embedding_staleness=1 leave the rows and dense weights of a plain
+    loop that looks up, steps the model and applies each batch's embedding gradients before
+    the next lookup."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    dense = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = InProcessEmbeddingTier(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+    for step in range(8):
+        batch = make_batch(step)
+        looked_up = tier.lookup(batch, train=True)
+        leaves = [slot.embeddings.detach().clone().requires_grad_(True) for slot in looked_up.slots]
+        dense_input = [torch.tensor(f.data) for f in batch.non_id_type_features]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense_input, leaves), torch.tensor(batch.labels[0].data)
+        )
+        loss.backward()
+        dense.step()
+        dense.zero_grad()
+        assert looked_up.ref is not None
+        tier.backward(
+            looked_up.ref, {s.name: leaf.grad for s, leaf in zip(looked_up.slots, leaves)}
+        )
+    probe = make_batch(0)
+    with new_ctx(staleness=1) as ctx:
+        train_steps(ctx, 8)
+        for mine, theirs in zip(
+            ctx.embedding_tier.lookup(probe, train=False).slots,
+            tier.lookup(probe, train=False).slots,
+        ):
+            assert torch.equal(mine.embeddings, theirs.embeddings)
+        assert torch.equal(ctx.dense_model.linear.weight, model.linear.weight)
+        assert torch.equal(ctx.dense_model.linear.bias, model.linear.bias)
+
+
 def test_staleness_bounds_updates_in_flight():
     with new_ctx(staleness=3) as ctx:
         train_steps(ctx, 5)
@@ -213,6 +248,102 @@ def test_a_forward_without_backward_gives_its_staleness_slot_back():
         train_steps(ctx, 1, offset=2)
         ctx.wait_for_embedding_updates()
         assert ctx._in_flight._value == 3  # no slot lost to the abandoned forwards
+
+
+def test_a_forward_without_backward_does_not_block_a_synchronous_run():
+    """embedding_staleness=1 has one slot, held by the abandoned forward: the next forward
+    waited for it forever (its slot was given back only after taking a new one)."""
+    steps: list[int] = []
+
+    def run(ctx: TrainCtx) -> None:
+        ctx.forward(make_batch(0))  # abandoned: no backward
+        train_steps(ctx, 2, offset=1)
+        steps.append(ctx.step)
+
+    with new_ctx(staleness=1) as ctx:
+        worker = threading.Thread(target=run, args=(ctx,), daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), "the forward after an abandoned one hung"
+        assert steps == [2]
+        assert ctx._in_flight._value == 1
+
+
+def test_a_staleness_above_the_workers_forward_buffer_is_refused():
+    """The worker keeps forward_buffer_size lookups' contexts: with more batches looked up
+    before their gradients went back, the oldest expired and the run failed at a backward
+    ("no forward context 1"), or not, depending on timing."""
+    small = global_config_from_mapping({"embedding_worker_config": {"forward_buffer_size": 2}})
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, global_config=small)
+    assert refused.value.message == (
+        "embedding_staleness 3 is above the embedding worker's forward_buffer_size 2 "
+        "(embedding_worker_config in global_config (a GlobalConfig object)): lookups would "
+        "expire before their gradients come back; lower embedding_staleness or raise "
+        "forward_buffer_size"
+    )
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=2)
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_staleness=3, embedding_tier=tier)
+    assert "forward_buffer_size 2 (the given tier)" in refused.value.message
+    with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
+        train_steps(ctx, 4)
+        assert ctx.step == 4
+
+
+def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():
+    """Gradient accumulation (forward A, forward B, backward(loss_A + loss_B)) trained the
+    dense model on both and dropped A's embedding gradients without a word: A's slot and
+    context went at B's forward."""
+    a, b = make_batch(0), make_batch(1)
+    with new_ctx(staleness=2) as ctx:
+        weight_before = ctx.dense_model.linear.weight.detach().clone()
+        out_a, labels_a = ctx.forward(a)
+        out_b, labels_b = ctx.forward(b)
+        rows_before = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings.clone()
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.backward(bce(out_a, labels_a[0]) + bce(out_b, labels_b[0]))
+        assert refused.value.message == (
+            "backward(): the loss depends on the output of an earlier forward() than the "
+            "last one; one backward() per forward() (accumulating a loss over several "
+            "forwards would drop all but the last batch's embedding gradients): nothing was "
+            "applied"
+        )
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 0
+        assert torch.equal(ctx.dense_model.linear.weight, weight_before)
+        assert all(p.grad is None for p in ctx.dense_model.parameters())
+        after = ctx.embedding_tier.lookup(a, train=False).slots[0].embeddings
+        assert torch.equal(after, rows_before)
+        # An abandoned forward whose output the loss does not use is fine.
+        ctx.forward(a)
+        train_steps(ctx, 2, offset=5)
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 2 and ctx._in_flight._value == 2
+
+
+def test_a_backward_after_the_ctx_exited_is_refused_not_left_waiting():
+    """Its gradients were queued with no thread left to apply them, and the wait for them
+    (at once with staleness 1) never ended."""
+    outcome: list[str] = []
+    ctx = new_ctx(staleness=1)
+    with ctx:
+        output, labels = ctx.forward(make_batch(0))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+
+    def late_backward() -> None:
+        try:
+            ctx.backward(loss)
+            outcome.append("applied")
+        except FailedPreconditionError as error:
+            outcome.append(error.message)
+
+    worker = threading.Thread(target=late_backward, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "backward() after exit waited forever"
+    assert outcome == ["TrainCtx is not entered; use it as a context manager"]
 
 
 class SlowTier(InProcessEmbeddingTier):
@@ -308,6 +439,148 @@ def test_eval_ctx_scores_in_eval_mode_as_the_server_does(tmp_path):
     with InferCtx(checkpoint=tmp_path / "checkpoint") as infer:
         served = infer.forward(batch)
     np.testing.assert_array_equal(first.numpy(), served)
+
+
+def _dropout_ctx() -> TrainCtx:
+    """A synchronous TrainCtx over a DropoutModel, torch seeded with 0 first (as a training
+    script seeds itself, resumed or not)."""
+    torch.manual_seed(0)
+    model = DropoutModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    )
+
+
+def _dense_weights(ctx: TrainCtx) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in ctx.dense_model.state_dict().items()}
+
+
+def test_a_resumed_run_draws_the_dropout_masks_of_an_uninterrupted_one(tmp_path):
+    """6 steps of a model with dropout equal 3 steps, a checkpoint and 3 more steps in a
+    fresh TrainCtx resumed from it, bit for bit: the checkpoint keeps torch's generator
+    state. Without it the resumed steps drew their masks from the script's seed again."""
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 6)
+        expected = _dense_weights(ctx)
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 3)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+    with _dropout_ctx() as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        train_steps(resumed, 3, offset=3)
+        resumed_weights = _dense_weights(resumed)
+    assert sorted(resumed_weights) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(resumed_weights[name], tensor), name
+
+
+def _rewrite_rng_file(directory, payload: bytes | None) -> None:
+    """Replace a checkpoint's rng_state.safetensors by ``payload`` (None: remove it, as in a
+    checkpoint written before it was kept), the manifest following."""
+    manifest_path = directory / "manifest.json"
+    raw = json.loads(manifest_path.read_text())
+    if payload is None:
+        (directory / "rng_state.safetensors").unlink()
+        del raw["files"]["rng_state.safetensors"]
+    else:
+        (directory / "rng_state.safetensors").write_bytes(payload)
+        raw["files"]["rng_state.safetensors"] = {
+            "bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    manifest_path.write_text(json.dumps(raw))
+
+
+def test_a_checkpoint_without_the_generator_states_of_this_run_resumes_with_a_note(
+    tmp_path, caplog
+):
+    """A checkpoint written before the generators were kept, or by another number of
+    ranks: it resumes (weights and step), the generators as the script seeded them, and
+    the log says why. A damaged generator file is refused like any damaged file."""
+    from clients import checkpoint_inspect
+    from embedding_store import model_checkpoint
+
+    with _dropout_ctx() as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        weights = _dense_weights(ctx)
+        state = torch.get_rng_state()
+    ckpt = tmp_path / "ckpt"
+    assert checkpoint_inspect.verify(ckpt)[0] == []
+    two_ranks = model_checkpoint.rng_payload([{"cpu": state}, {"cpu": state}])
+    notes = {
+        None: f"note: checkpoint {ckpt} holds no random number generator states (written "
+        "before checkpoints kept them)",
+        two_ranks: f"note: checkpoint {ckpt} holds the random number generator states of 2 "
+        "rank(s), this run has 1",
+    }
+    for payload, note in notes.items():
+        _rewrite_rng_file(ckpt, payload)
+        caplog.clear()
+        with _dropout_ctx() as resumed, caplog.at_level(logging.WARNING, "training.ctx"):
+            seeded = torch.get_rng_state()
+            assert resumed.load_checkpoint(ckpt).step == 2
+            assert torch.equal(torch.get_rng_state(), seeded)
+            assert all(torch.equal(v, weights[k]) for k, v in _dense_weights(resumed).items())
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{note}: the random number generators stay as this run seeded them, so a model "
+            "that draws random numbers while training (dropout) draws otherwise than the "
+            "uninterrupted run"
+        ]
+    _rewrite_rng_file(ckpt, b"not safetensors")
+    message = f"{ckpt / 'rng_state.safetensors'} cannot be loaded: "
+    assert checkpoint_inspect.verify(ckpt)[0][0].startswith(message)
+    with _dropout_ctx() as resumed:
+        before = _dense_weights(resumed)
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            resumed.load_checkpoint(ckpt)
+        assert all(torch.equal(v, before[k]) for k, v in _dense_weights(resumed).items())
+
+
+def test_a_rank_on_a_gpu_keeps_and_gets_back_that_gpus_generator_too(monkeypatch, caplog):
+    """What a rank training on cuda:1 saves and restores, with torch.cuda's generator calls
+    stood in for (no GPU here): its CPU generator's state and cuda:1's, each put back where
+    it came from; from a checkpoint of a CPU run only the CPU one, with a note."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from embedding_store import model_checkpoint
+
+    device = torch.device("cuda", 1)
+    gpus = {device: torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpus[device].clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device: gpus.__setitem__(device, state)
+    )
+    ctx = new_ctx()  # not entered: nothing moves to the (absent) GPU
+    ctx.device = device
+    saved = ctx._rng_state()
+    assert sorted(saved) == ["cpu", "cuda"] and torch.equal(saved["cuda"], gpus[device])
+    payload = model_checkpoint.rng_payload([saved])
+    manifest = SimpleNamespace(directory=Path("ckpt"), files={"rng_state.safetensors": {}})
+    monkeypatch.setattr(model_checkpoint, "read_verified_file", lambda manifest, name: payload)
+    states = model_checkpoint.read_rng_states(manifest)
+    torch.rand(3)
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    ctx._restore_rng_state(manifest, states)
+    assert torch.equal(torch.get_rng_state(), saved["cpu"])
+    assert torch.equal(gpus[device], torch.arange(16, dtype=torch.uint8))
+
+    gpus[device] = torch.zeros(16, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, "training.ctx"):
+        ctx._restore_rng_state(manifest, [{"cpu": saved["cpu"]}])
+    assert torch.equal(gpus[device], torch.zeros(16, dtype=torch.uint8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: rank 0: checkpoint ckpt's cuda generator state was not restored (it has none: "
+        "written by a run on the CPU): the random number generators stay as this run seeded "
+        "them, so a model that draws random numbers while training (dropout) draws otherwise "
+        "than the uninterrupted run"
+    ]
 
 
 def test_training_keeps_a_part_kept_in_eval_mode_so():
@@ -581,6 +854,10 @@ def test_another_dense_optimizer_is_refused_on_resume(tmp_path):
         (lambda m: m["files"]["dense.pt"].update(bytes=-1), r"\.bytes must be an integer >= 0"),
         (lambda m: m["files"].update({"../x": m["files"]["dense.pt"]}), "not a plain name"),
         (lambda m: m.update(files=[]), "'files' must be an object, got a JSON list"),
+        (
+            lambda m: m.update(dense_parameters="linear.weight"),
+            "dense_parameters must be a list of names, got 'linear.weight'",
+        ),
     ],
 )
 def test_damaged_manifest_entries_are_named(tmp_path, damage, message):
@@ -973,6 +1250,63 @@ def test_a_batch_that_does_not_match_the_runs_signature_is_refused():
         assert ctx.step == 2
 
 
+class IndexingModel(torch.nn.Module):
+    """Indexes an nn.Embedding with its int64 non-ID feature ``city`` [B, 1], which only
+    takes integer tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.city = torch.nn.Embedding(10, 2)
+        self.linear = torch.nn.Linear(4 + 2, 1)
+
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]):
+        return self.linear(torch.cat([embedding_tensors[0], self.city(non_id_tensors[0][:, 0])], 1))
+
+
+def test_an_eval_ctx_holds_batches_to_the_runs_signature_as_training_does():
+    """A later batch's integer feature sent as whole floats (a pandas column with a missing
+    value) trains as the int64 of the first batch; eval_ctx gave the model float32 (an
+    nn.Embedding then raised), and took 2.5 or a missing feature that training refuses."""
+
+    def batch(city: np.ndarray, users: list[int] = [1, 2, 3, 4]) -> Batch:  # noqa: B006
+        return Batch(
+            [IDTypeFeature.from_lists("user", [[u] for u in users])],
+            [NonIDTypeFeature(city.reshape(-1, 1), name="city")],
+            [Label(np.ones((len(users), 1), dtype=np.float32))],
+            requires_grad=True,
+        )
+
+    torch.manual_seed(0)
+    model = IndexingModel()
+    with TrainCtx(
+        SGD(lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+    ) as ctx:
+        output, labels = ctx.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        with eval_ctx(ctx) as evaluator:
+            as_ints, _ = evaluator.forward(batch(np.array([1, 2, 3, 4], dtype=np.int64)))
+            as_floats, _ = evaluator.forward(batch(np.array([1.0, 2.0, 3.0, 4.0])))
+            assert torch.equal(as_floats, as_ints)
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(batch(np.array([1.0, 2.5, 3.0, 4.0])))
+            assert str(refused.value) == (
+                "non-ID feature 'city' is an integer feature of the model (int64), given as "
+                "float64: value 2.5 at sample 1, position [0] is not a whole number in the "
+                "range of int64"
+            )
+            unlabeled = Batch(
+                [IDTypeFeature.from_lists("user", [[1]])], [], [], requires_grad=False
+            )
+            with pytest.raises(BatchValidationError) as refused:
+                evaluator.forward(unlabeled)
+            assert str(refused.value) == "non-ID feature 'city' is missing"
+
+
 def test_a_resumed_run_takes_the_checkpoints_signature(tmp_path):
     with new_ctx() as ctx:
         train_steps(ctx, 1)
@@ -1245,6 +1579,8 @@ def _as_if_saved_on_a_gpu(directory) -> list[str]:
     manifest = json.loads(manifest_path.read_text())
     rewritten = []
     for name in manifest["files"]:
+        if name == "rng_state.safetensors":
+            continue  # no zip, no storage locations: written the same on a GPU
         path = directory / name
         source = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
         out = io.BytesIO()
@@ -1336,3 +1672,21 @@ def test_optimizers_in_each_others_place_are_refused_by_name():
     with pytest.raises(InvalidArgumentError) as refused:
         TrainCtx("adam", torch_adam, model, **options)  # type: ignore[arg-type]
     assert refused.value.message.endswith("from embedding_store.optimizers, got str")
+
+
+def test_a_dense_optimizer_over_another_models_parameters_is_refused():
+    """Made over another instance of the model, it stepped parameters without gradients:
+    the dense model never trained, and nothing said so."""
+    model, other = TinyModel(), TinyModel()
+    options = {"embedding_config": CONFIG, "global_config": GLOBAL}
+    with pytest.raises(InvalidArgumentError) as refused:
+        TrainCtx(SGD(lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1), model, **options)
+    assert refused.value.message == (
+        "TrainCtx's dense optimizer holds none of the model's parameters (made over another "
+        "model instance?): the dense model would never train; make it over model.parameters()"
+    )
+    extra = torch.nn.Parameter(torch.zeros(1))  # a learned loss weight, say: allowed
+    both = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    with TrainCtx(SGD(lr=0.1), both, model, **options) as ctx:
+        train_steps(ctx, 1)
+        assert ctx.step == 1

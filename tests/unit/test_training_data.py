@@ -4,12 +4,14 @@ equal-steps rule and its defaults (the stream itself: tests/integration/test_dat
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from embedding_store.errors import InvalidArgumentError
+from embedding_store.batch import Batch, IDTypeFeatureWithSingleID
+from embedding_store.errors import FailedPreconditionError, InvalidArgumentError
 from training import data
 from training.data import DataCtx, DataLoader, IterableDataset, StreamingDataset
 
@@ -112,3 +114,123 @@ def test_a_rank_with_more_batches_drops_them_after_reading_them_all(monkeypatch,
     assert other.calls == [True, True, True]
     assert read == [0, 1, 2, 3, 4]  # read to the end, so that its data loaders finish
     assert "dropped its last 3 batch(es)" in caplog.text
+
+
+class _Call:
+    """The gRPC handler context _accept reads: a live call from one peer."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5"
+
+
+def _numbered(number: int) -> Batch:
+    return Batch(
+        [IDTypeFeatureWithSingleID("n", np.array([number], dtype=np.uint64))],
+        requires_grad=False,
+    )
+
+
+@pytest.mark.parametrize("first_to_end", [0, 1])
+def test_reproducible_stream_ends_when_only_some_loaders_feed_this_rank(first_to_end: int):
+    """2 loaders, 2 ranks, reproducible: loader i's batches (g = 2 s + i) all go to rank i.
+    On rank 0, loader 0's end with loader 1 still open (or the reverse order) must not spin:
+    the skip over ended loaders looped for good under the lock when no loader feeding this
+    rank was left, and the stream never ended."""
+    dataset = StreamingDataset(8, port=0, num_loaders=2, reproducible=True)
+    dataset._rank, dataset._world, dataset._next_global = 0, 2, 0
+
+    def stream() -> None:
+        for sequence in range(3):
+            dataset._accept(0, sequence, _numbered(2 * sequence), _Call())  # type: ignore[arg-type]
+        for loader in (first_to_end, 1 - first_to_end):
+            dataset._end(loader, 3 if loader == 0 else 0)
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive(), "the receiver hung on an ended loader"
+    items = [dataset._buffer.get_nowait() for _ in range(dataset._buffer.qsize())]
+    numbers = [int(b.id_feature("n").values[0]) for b in items if isinstance(b, Batch)]
+    assert numbers == [0, 2, 4]
+    assert sum(item is data._END for item in items) == 2
+
+
+def test_a_loaders_end_counts_once_and_only_for_a_loader_of_this_stream():
+    """Two loaders: loader 0's end sent twice (DataCtx.finish() by hand, then again on exit)
+    or an end from a loader index the stream does not have ended the stream while loader 1
+    still sent: each _END counted as one more loader done."""
+    dataset = StreamingDataset(8, port=0, num_loaders=2)
+    dataset._end(0, 0)
+    dataset._end(0, 0)
+    with pytest.raises(InvalidArgumentError) as refused:
+        dataset._end(2, 0)
+    assert refused.value.message == "EndOfStreamRequest.loader_index 2 is not below num_loaders 2"
+    assert dataset._ended == {0: 0}
+    assert dataset._buffer.qsize() == 1  # one end: the stream waits for loader 1's
+
+
+class _Stub:
+    """A DataReceiver stub that records the EndOfStream calls it gets."""
+
+    def __init__(self) -> None:
+        self.ends: list[int] = []
+
+    def EndOfStream(self, request, timeout):
+        self.ends.append(request.loader_index)
+
+
+def test_a_loader_ends_its_stream_once_and_sends_nothing_after():
+    stubs = [_Stub(), _Stub()]
+    with DataCtx(ADDRESSES[:2], replica_index=1, replica_size=2) as ctx:
+        ctx._stubs = stubs  # type: ignore[assignment]
+        ctx.finish()
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.send_data(_numbered(0))
+        assert refused.value.message == "send_data() after finish(): this loader has ended"
+    assert [stub.ends for stub in stubs] == [[1], [1]]  # the exit sent no second end
+
+
+def test_a_pass_begun_while_another_is_open_reads_everything_and_ends_the_old_one():
+    """A peek (next(iter(loader))) left a pass open whose producer waited for room in its
+    full buffer for good: the next pass joined it, and hung forever."""
+    loader = DataLoader(IterableDataset(lambda: (_numbered(n) for n in range(20))), prefetch=2)
+    peek = iter(loader)
+    assert int(next(peek).id_feature("n").values[0]) == 0
+    numbers: list[int] = []
+
+    def read_all() -> None:
+        numbers.extend(int(b.id_feature("n").values[0]) for b in loader)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the new pass hung on the open one"
+    assert numbers == list(range(20))
+    with pytest.raises(FailedPreconditionError) as refused:
+        list(peek)  # what it had prefetched, then the end of a superseded pass
+    assert refused.value.message == (
+        "a new pass over this DataLoader began before this one ended: this one stopped "
+        "(one pass at a time)"
+    )
+
+
+def test_a_second_pass_over_a_used_up_generator_is_refused_not_empty():
+    """IterableDataset(generator) gave its batches once: a second epoch over it trained on
+    nothing, silently. A list is read again; a pass left early goes on where it stopped."""
+    listed = IterableDataset([_numbered(0), _numbered(1)])
+    assert [len(list(listed)), len(list(listed))] == [2, 2]
+    generated = IterableDataset(_numbered(n) for n in range(3))
+    first = iter(generated)
+    next(first)
+    del first  # left early: the rest is still there
+    assert [int(b.id_feature("n").values[0]) for b in generated] == [1, 2]
+    with pytest.raises(FailedPreconditionError) as refused:
+        list(DataLoader(generated, prefetch=1))
+    assert refused.value.message == (
+        "IterableDataset: its source is an iterator (a generator?) that an earlier pass read "
+        "to its end, so it has no batch left; pass a function returning a fresh iterator "
+        "(IterableDataset(lambda: make_batches())) to read it once per epoch"
+    )
