@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,6 +78,53 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.max_reconnect_backoff_ms", 1_000),
         ("grpc.enable_retries", 0),
     ]
+
+
+#: Threads of a server's own, beside its RPC pool, that answer its health checks (and a
+#: prediction server's liveness and readiness calls): see :func:`on_prompt_threads`.
+PROMPT_THREADS = 2
+
+
+def prompt_thread_pool() -> futures.ThreadPoolExecutor:
+    """The pool of :data:`PROMPT_THREADS` threads for one server's :func:`on_prompt_threads`
+    handlers (threads start on first use)."""
+    return futures.ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
+
+
+def on_prompt_threads(behavior: F, pool: futures.ThreadPoolExecutor) -> F:
+    """``behavior`` (a method handler's function: health Check, ServerLive, ...) run by
+    ``pool`` instead of the server's RPC pool (grpcio's ``experimental_thread_pool``).
+
+    A sync gRPC server runs every call on one pool, health checks included: when all its
+    threads wait (lookups on a hung shard, up to their deadline; predictions on a slow
+    tier), a probe waits behind them. A worker answered its liveness check after 9.5 s with
+    12 lookups waiting on a stopped shard: probes (3 s timeouts) would have taken it out of
+    its Service, then restarted it, for another pod's fault. Only calls that answer at once
+    and never wait on a peer belong here."""
+
+    @functools.wraps(behavior)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return behavior(*args, **kwargs)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
+
+
+def add_health_servicer(
+    servicer: Any, server: grpc.Server, pool: futures.ThreadPoolExecutor | None = None
+) -> None:
+    """Register ``servicer`` (a ``grpc_health.v1.health.HealthServicer``) on ``server``, its
+    Check calls answered by ``pool`` (default: a :func:`prompt_thread_pool` of its own),
+    never queued behind the server's other calls (:func:`on_prompt_threads`). Watch, a
+    stream held open, stays on the server's pool."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    class _Prompt:
+        def __init__(self) -> None:
+            self.Check = on_prompt_threads(servicer.Check, pool or prompt_thread_pool())
+            self.Watch = servicer.Watch
+
+    health_pb2_grpc.add_HealthServicer_to_server(_Prompt(), server)
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -154,10 +202,13 @@ def _token_from_file(path: str) -> str:
 
 class _RequireToken(grpc.ServerInterceptor):
     """Refuses every call but health checks unless its metadata has ``authorization:
-    Bearer <token>`` (compared in constant time)."""
+    Bearer <token>`` (compared in constant time); ``on_refused(method)`` is told of each
+    refusal (the method's name, e.g. ``Lookup``: one of the server's, never the caller's
+    made-up one, which gRPC answers UNIMPLEMENTED before this)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
         self._expected = f"Bearer {token}".encode()
+        self._on_refused = on_refused
 
         def refuse(request: object, context: grpc.ServicerContext) -> None:
             context.abort(
@@ -193,14 +244,23 @@ class _RequireToken(grpc.ServerInterceptor):
         sent_bytes = sent.encode() if isinstance(sent, str) else bytes(sent)
         if hmac.compare_digest(sent_bytes, self._expected):
             return handler
+        if self._on_refused is not None:
+            try:
+                self._on_refused(handler_call_details.method.rpartition("/")[2])
+            except Exception:  # counting must not turn a refusal into a failed interceptor
+                log.exception("counting a call refused for its token failed")
         return self._refusals[(handler.request_streaming, handler.response_streaming)]
 
 
-def server_interceptors() -> list[grpc.ServerInterceptor]:
+def server_interceptors(
+    on_refused: Callable[[str], None] | None = None,
+) -> list[grpc.ServerInterceptor]:
     """For ``grpc.server(..., interceptors=...)`` of a tier service: the token check when
-    :func:`tier_token` gives one, else nothing."""
+    :func:`tier_token` gives one, else nothing. ``on_refused(method)`` is told of every call
+    refused for its token (UNAUTHENTICATED): the methods never see those calls, so their
+    error counters (``rpc_errors_total``) would not either."""
     token = tier_token()
-    return [_RequireToken(token)] if token else []
+    return [_RequireToken(token, on_refused)] if token else []
 
 
 class _SendToken(

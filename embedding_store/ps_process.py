@@ -28,7 +28,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
@@ -45,6 +45,7 @@ from embedding_store.errors import (
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
+    add_health_servicer,
     add_servicer,
     bind_tier_port,
     format_address,
@@ -54,6 +55,7 @@ from embedding_store.grpc_common import (
 )
 from embedding_store.ps_metrics import ParameterServerMetrics
 from embedding_store.ps_service import SERVICE_NAME, ParameterServerServicer
+from embedding_store.rpc_metrics import unauthenticated_counter
 from embedding_store.shard import TRAINING_KERNELS, EmbeddingShard, warm_up_kernels
 
 log = logging.getLogger(__name__)
@@ -188,10 +190,10 @@ class ParameterServerProcess:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=opts.max_workers, thread_name_prefix="ps-rpc"),
             options=server_options(),
-            interceptors=server_interceptors(),
+            interceptors=server_interceptors(unauthenticated_counter(self.metrics.errors)),
         )
         add_servicer(server, self.servicer, "ParameterServer")
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        add_health_servicer(self.health, server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,

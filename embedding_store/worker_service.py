@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from embedding_store import checkpoint_manifest
@@ -38,6 +38,7 @@ from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young
 from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     WORKER_SERVICE,
+    add_health_servicer,
     add_servicer,
     answered_in_http1,
     bind_tier_port,
@@ -52,7 +53,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
-from embedding_store.rpc_metrics import observed, observed_stream
+from embedding_store.rpc_metrics import observed, observed_stream, unauthenticated_counter
 from embedding_store.stop_signal import StopRequest
 from embedding_store.tier import DownReasons, ProgressCallback
 from embedding_store.worker import warm_up_kernels
@@ -293,11 +294,11 @@ def serve_embedding_worker(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
         options=server_options(),
-        interceptors=server_interceptors(),
+        interceptors=server_interceptors(unauthenticated_counter(metrics.errors)),
     )
     add_servicer(server, EmbeddingWorkerServicer(tier, metrics=metrics), "EmbeddingWorker")
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    add_health_servicer(health_servicer, server)
     for name in ("", SERVICE_NAME, SHARDS_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)

@@ -99,7 +99,8 @@ class PredictionCore(Protocol):
         ...
 
     def model_ready(self, name: str, version: str | None = None) -> bool:
-        """Raises NotFoundError for an unknown model name or version."""
+        """Raises NotFoundError for an unknown model name or version. Called on the event
+        loop, as :meth:`ready`: it must not block."""
         ...
 
     def predict(

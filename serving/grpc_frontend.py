@@ -21,11 +21,18 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from embedding_store.errors import NotFoundError, UnavailableError
-from embedding_store.grpc_common import parse_request, rpc_errors, server_options
+from embedding_store.grpc_common import (
+    add_health_servicer,
+    on_prompt_threads,
+    parse_request,
+    prompt_thread_pool,
+    rpc_errors,
+    server_options,
+)
 from serving import grpc_codec
 from serving.core import PredictionCore
 from serving.proto import SERVICE_NAME, V2
@@ -33,6 +40,10 @@ from serving.proto import SERVICE_NAME, V2
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+#: Methods that answer at once from the core's state (never waiting for a prediction): run
+#: on the server's prompt threads (embedding_store.grpc_common.on_prompt_threads).
+_PROMPT_METHODS = frozenset(("ServerLive", "ServerReady", "ModelReady"))
 
 #: (method, request class, response class) of the service, in spec order.
 _METHODS = (
@@ -126,17 +137,23 @@ class InferenceServicer:
             return V2.ModelInferResponse()
         return grpc_codec.encode_grpc_response(prediction, decoded)
 
-    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+    def method_handlers(
+        self, prompt_pool: futures.ThreadPoolExecutor | None = None
+    ) -> dict[str, grpc.RpcMethodHandler]:
         """The unary handlers of the service, keyed by method name. Requests are parsed in
         the handler, not by gRPC's deserializer: a malformed message is then INVALID_ARGUMENT
-        naming it, where a failing deserializer makes gRPC answer INTERNAL."""
-        return {
-            name: grpc.unary_unary_rpc_method_handler(
-                _parsed(getattr(self, name), request_class, self._malformed_hook(name)),
-                response_serializer=response_class.SerializeToString,
+        naming it, where a failing deserializer makes gRPC answer INTERNAL. With
+        ``prompt_pool``, liveness and readiness calls (:data:`_PROMPT_METHODS`) run there,
+        not queued behind ModelInfer calls waiting for their answers."""
+        handlers = {}
+        for name, request_class, response_class in _METHODS:
+            behavior = _parsed(getattr(self, name), request_class, self._malformed_hook(name))
+            if prompt_pool is not None and name in _PROMPT_METHODS:
+                behavior = on_prompt_threads(behavior, prompt_pool)
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                behavior, response_serializer=response_class.SerializeToString
             )
-            for name, request_class, response_class in _METHODS
-        }
+        return handlers
 
     def _malformed_hook(self, method: str) -> Callable[[BaseException], None] | None:
         """What counts a ``method`` request that does not parse: an infer request, in
@@ -162,9 +179,14 @@ def _parsed(
     return handler
 
 
-def add_inference_servicer(servicer: InferenceServicer, server: grpc.Server) -> None:
-    """Register ``servicer`` on ``server`` (what a generated ``add_*_to_server`` does)."""
-    handlers = servicer.method_handlers()
+def add_inference_servicer(
+    servicer: InferenceServicer,
+    server: grpc.Server,
+    prompt_pool: futures.ThreadPoolExecutor | None = None,
+) -> None:
+    """Register ``servicer`` on ``server`` (what a generated ``add_*_to_server`` does);
+    ``prompt_pool``: see :meth:`InferenceServicer.method_handlers`."""
+    handlers = servicer.method_handlers(prompt_pool)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -267,9 +289,12 @@ def build_grpc_server(
         ],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
-    add_inference_servicer(InferenceServicer(core), server)
+    # Liveness, readiness and health checks answer from threads of their own: the RPC
+    # pool's threads can all be waiting for predictions (a slow embedding tier).
+    prompt_pool = prompt_thread_pool()
+    add_inference_servicer(InferenceServicer(core), server, prompt_pool)
     grpc_health = GrpcHealth()
-    health_pb2_grpc.add_HealthServicer_to_server(grpc_health.servicer, server)
+    add_health_servicer(grpc_health.servicer, server, prompt_pool)
     grpc_health.refresh(core)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),

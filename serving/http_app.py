@@ -49,6 +49,7 @@ from serving.http_fast_path import (
     InferHandler,
     answer_unless_gone,
     client_gone_response,
+    refused_by_protocol,
 )
 from serving.http_openapi import (
     INFER_OPENAPI,
@@ -151,10 +152,14 @@ def create_app(
     # of bodies that could not be read or decoded.
     record_rejected = getattr(core, "record_rejected", None)
 
-    def rejected(name: str, error: BaseException) -> Response:
-        """The answer to a prediction request refused before it reached the core, counted."""
-        if record_rejected is not None:
+    def rejected(name: str, error: BaseException, receive: Receive | None = None) -> Response:
+        """The answer to a prediction request refused before it reached the core, counted
+        (unless the HTTP protocol cut it short and counted it: ``receive`` tells). A client
+        gone before its body was in (CancelledError) is counted as cancelled, not as a 500."""
+        if record_rejected is not None and not (receive and refused_by_protocol(receive)):
             record_rejected("http", name, error)
+        if isinstance(error, CancelledError):  # nobody is left to read the answer
+            return json_response({"error": str(error)}, 400)
         return error_response(error)
 
     # Every GET route answers HEAD too (RFC 9110 9.1; probes and load balancers use it). The
@@ -203,7 +208,9 @@ def create_app(
 
     async def model_ready(name: str, version: str | None) -> Response:
         try:
-            if await in_thread(core.model_ready, name, _version(version)):
+            # On the loop, as readiness: a probe must not queue behind requests waiting in
+            # the thread pool for their answers (a slow embedding tier).
+            if core.model_ready(name, _version(version)):
                 return json_response({"name": name, "ready": True})
             return health_false_response(f"model {name!r} is not ready")
         except Exception as error:
@@ -305,7 +312,7 @@ def create_app(
         try:
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
-            return rejected(name, error)
+            return rejected(name, error, request.receive)
         header_length = ", ".join(request.headers.getlist(http_decode.HEADER_LENGTH)) or None
         return await answer_unless_gone(
             request.receive, lambda gone: infer_body(body, header_length, name, version, gone)
@@ -367,7 +374,7 @@ def create_app(
         try:
             body = await read_body(request, max_body_bytes, max_decompressed_bytes)
         except Exception as error:
-            return rejected(name, error)
+            return rejected(name, error, request.receive)
         return await answer_unless_gone(
             request.receive, lambda gone: predict_body(name, body, gone)
         )

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncIterator
+from concurrent.futures import CancelledError
 
 import anyio
 import anyio.to_thread
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from embedding_store.errors import CapacityError
 from serving import http_decode
@@ -22,14 +24,24 @@ from serving import http_decode
 async def read_body(
     request: Request, max_bytes: int, max_decompressed_bytes: int | None = None
 ) -> bytes:
-    """The request body, at most ``max_bytes`` (CapacityError -> 413), content-decoded."""
-    return await read_chunks(
-        request.stream(),
-        request.headers.get("content-length"),
-        request.headers.get("content-encoding"),
-        max_bytes,
-        max_decompressed_bytes,
-    )
+    """The request body, at most ``max_bytes`` (CapacityError -> 413), content-decoded.
+    A client gone before its body was in raises CancelledError, as on the fast path
+    (:class:`serving.http_fast_path.InferFastPath`): a cancelled request, not a server error."""
+    try:
+        return await read_chunks(
+            request.stream(),
+            request.headers.get("content-length"),
+            request.headers.get("content-encoding"),
+            max_bytes,
+            max_decompressed_bytes,
+        )
+    except ClientDisconnect:  # Starlette's, an Exception: it was counted and logged as a 500
+        raise CancelledError(CLIENT_GONE_MID_BODY) from None
+
+
+#: What a request whose client disconnected before sending all its body is answered (never
+#: sent: nobody is left to read it).
+CLIENT_GONE_MID_BODY = "the client disconnected before sending its body"
 
 
 async def read_chunks(

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from serving import http_decode
-from serving.http_body import DEFAULT_MAX_DECOMPRESSED_BYTES, read_chunks
+from serving.http_body import CLIENT_GONE_MID_BODY, DEFAULT_MAX_DECOMPRESSED_BYTES, read_chunks
 from serving.http_responses import error_response, json_response, note_request
 
 
@@ -156,7 +156,7 @@ class InferFastPath:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise CancelledError("the client disconnected before sending its body")
+                    raise CancelledError(CLIENT_GONE_MID_BODY)
                 yield message.get("body", b"")
                 if not message.get("more_body", False):
                     return
@@ -177,8 +177,7 @@ class InferFastPath:
             # Nobody is left to answer. Counted as cancelled, unless the HTTP layer cut the
             # request short itself (a 408) and counted it already (it marks the cycle, whose
             # method ``receive`` is).
-            counted = getattr(getattr(receive, "__self__", None), REFUSED_MARK, False)
-            if self.handler.record_rejected is not None and not counted:
+            if self.handler.record_rejected is not None and not refused_by_protocol(receive):
                 self.handler.record_rejected(name, gone)
             return json_response({"error": str(gone)}, 400)
         except Exception as error:
@@ -197,3 +196,10 @@ _HEADER_LENGTH_KEY = http_decode.HEADER_LENGTH.lower().encode("latin-1")
 #: Set (True) by the HTTP protocol on a request's ASGI cycle when it cut the request short
 #: and counted it (serving.http_protocol): the app then does not count it a second time.
 REFUSED_MARK = "recserve_refused"
+
+
+def refused_by_protocol(receive: Receive) -> bool:
+    """Whether the HTTP protocol cut short, and counted, the request whose ASGI ``receive``
+    this is (it marks the request's cycle, whose method ``receive`` is, with
+    :data:`REFUSED_MARK`)."""
+    return bool(getattr(getattr(receive, "__self__", None), REFUSED_MARK, False))

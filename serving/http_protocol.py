@@ -51,6 +51,7 @@ import contextlib
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -73,6 +74,12 @@ MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_READ_TIMEOUT = 60.0
 
 _INFER_PATH = re.compile(rb"/v2/models/([^/?%]+)(?:/versions/([^/?%]+))?/infer")
+#: The prediction routes (KServe v2 infer, the friendly predict) whose requests this layer
+#: counts when it refuses them, the model name (percent-encoded) their first group.
+_PREDICTION_PATHS = (
+    re.compile(rb"/v2/models/([^/?]+)(?:/versions/[^/?]+)?/infer"),
+    re.compile(rb"/v1/models/([^/?]+):predict"),
+)
 _HEADER_LENGTH = b"inference-header-content-length"
 # Request headers that send a request down the ASGI path (it handles them in full).
 _NOT_FAST = frozenset((b"content-encoding", b"transfer-encoding", b"expect", b"upgrade"))
@@ -80,7 +87,7 @@ _HTTP2_HERE = (
     "this port speaks HTTP/1.1 only, and this is an HTTP/2 connection preface: send "
     "HTTP/1.1 here, and gRPC to the server's gRPC port"
 )
-#: The error class a refusal of this layer is counted as (outcome label of an infer request):
+#: The error class a refusal of this layer is counted as (outcome label of a prediction request):
 #: these statuses are the HTTP layer's own, with no class of their own in the error table.
 _REFUSED_AS: dict[int, type[RecserveError]] = {
     400: InvalidArgumentError,  # malformed HTTP
@@ -315,8 +322,9 @@ def infer_protocol(
             self.reject(400, msg)
 
         def reject(self, status: int, message: str) -> None:
-            """Answer ``status`` with ``{"error": message}`` and close the connection. An
-            infer request cut short this way is counted as refused (``record_rejected``)."""
+            """Answer ``status`` with ``{"error": message}`` and close the connection. A
+            prediction request (infer or friendly) cut short this way is counted as refused
+            (``record_rejected``)."""
             in_request, self.reading_since = self.reading_since is not None, None
             if self.transport.is_closing() or self._refusal is not None:
                 return
@@ -325,8 +333,7 @@ def infer_protocol(
                 # body): a second response would reach the client as an unsolicited one.
                 self.transport.close()
                 return
-            if in_request and handler.record_rejected is not None:
-                self._count_refused(status, message)
+            if in_request and self._count_refused(status, message):
                 cycle = self.cycle
                 if self._cycle_of == self._messages and not isinstance(cycle, _FastCycle):
                     # The app is reading this request's body: it must not count it again.
@@ -365,11 +372,21 @@ def infer_protocol(
                 and (getattr(cycle, "response_started", False) or cycle.response_complete)
             )
 
-        def _count_refused(self, status: int, message: str) -> None:
-            match = _INFER_PATH.fullmatch(getattr(self, "url", b"").partition(b"?")[0])
+        def _count_refused(self, status: int, message: str) -> bool:
+            """Count the request coming in, refused with ``status``, if it is a prediction
+            request; whether it was counted."""
+            path = getattr(self, "url", b"").partition(b"?")[0]
             refused_as = _REFUSED_AS.get(status)
-            if match is not None and refused_as is not None and handler.record_rejected:
-                handler.record_rejected(match[1].decode("latin-1"), refused_as(message))
+            if refused_as is None or handler.record_rejected is None:
+                return False
+            for route in _PREDICTION_PATHS:
+                match = route.fullmatch(path)
+                if match is not None:
+                    # The name as the app reads it (ASGI paths are percent-decoded).
+                    name = unquote(match[1].decode("latin-1"))
+                    handler.record_rejected(name, refused_as(message))
+                    return True
+            return False
 
         def on_message_begin(self) -> None:
             self._upgrading = False
@@ -450,8 +467,7 @@ def infer_protocol(
             ASGI path: uvicorn keeps answers in request order and drops the body."""
             if on_refused is not None:
                 on_refused("body_bytes")
-            if handler.record_rejected is not None:
-                self._count_refused(503, too_many_bytes)
+            self._count_refused(503, too_many_bytes)
             app, self.app = self.app, busy_app
             try:
                 super().on_headers_complete()

@@ -33,15 +33,8 @@ GAUGE_REFRESH_SECONDS = 1.0
 
 #: Histogram buckets (seconds) of the server's own latencies (request, queue, lookup, compute):
 #: a batch-1 request is ~100 us and a merged batch's model call tens of us, so the buckets
-#: start at 25 us (the RPC buckets of embedding_store.rpc_metrics start at 0.5 ms, where
-#: nearly every compute sample fell into the first bucket).
-SERVING_LATENCY_BUCKETS = (
-    0.000025,
-    0.00005,
-    0.0001,
-    0.00025,
-    *(bucket for bucket in LATENCY_BUCKETS if bucket <= 10.0),
-)
+#: start at 25 us, as the RPC buckets of embedding_store.rpc_metrics do, and end at 10 s.
+SERVING_LATENCY_BUCKETS = tuple(bucket for bucket in LATENCY_BUCKETS if bucket <= 10.0)
 
 #: The protocols whose request series exist from start-up (and from each reload) at 0.
 PROTOCOLS = ("http", "grpc")

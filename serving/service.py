@@ -194,11 +194,17 @@ class PredictionService:
                 # the call ("cancelled the call"), which says nothing about the tier.
                 if not self._stop_checks.is_set() and model is self._model:
                     self._note_tier_error(error.message, mismatch is not None)
-            except Exception:
-                if model is self._model:
-                    raise
+            except Exception as error:
                 # A reload closed this model's tier while it was being asked: ask the new
-                # one at the next check.
+                # one at the next check. Otherwise a surprise (a bug, a peer's odd answer)
+                # must not end the checks: recserve_embedding_tier_serving would keep its
+                # last value (1) for the server's life. Logged with its traceback once per
+                # new reason; the next check that passes says "serving again".
+                if not self._stop_checks.is_set() and model is self._model:
+                    message = f"checking the embedding tier failed: {error_summary(error)}"
+                    if self._tier_down.reason != message:
+                        log.exception("checking the embedding tier failed")
+                    self._note_tier_error(message, False)
             del model  # no reference to a replaced model between checks
 
     def _note_tier_error(self, message: str, wrong_config: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -193,6 +194,46 @@ def test_requests_refused_before_the_core_are_counted(adult_checkpoint):
         assert served.count("http", "ok") == 0 and served.count("grpc", "ok") == 0
         # Never reached the core: not timed.
         assert served.timed("http") is None and served.timed("grpc") is None
+
+
+def test_friendly_requests_the_http_layer_cuts_short_are_counted_by_what_they_got(
+    adult_checkpoint, caplog
+):
+    # The friendly route as the infer one: an upload left halfway is "cancelled" (it was
+    # "error", logged as a 500 with Starlette's ClientDisconnect traceback), a 408 is
+    # DeadlineExceededError once (it was "error" too), a 431 CapacityError (not counted),
+    # a 503 over the body budget UnavailableError (not counted); the name percent-decoded.
+    service = PredictionService(load_model(adult_checkpoint, name=MODEL, warm_up=False))
+    predict = f"/v1/models/{MODEL}:predict".encode()
+    with serve(service, max_body_bytes_in_flight=MAX_BODY_BYTES) as served:
+        host, port = served.http.rsplit(":", 1)
+        slow = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{" % predict
+        with caplog.at_level(logging.ERROR):
+            with socket.create_connection((host, int(port))) as leaving:
+                leaving.sendall(slow)
+                time.sleep(0.1)
+            _wait_until(lambda: served.count("http", "cancelled") == 1, 5, "the cancelled count")
+            assert raw_exchange(served.http, slow).startswith(b"HTTP/1.1 408 ")
+            start = b"POST /v1/models/mod%65l:predict HTTP/1.1\r\nHost: x\r\n"
+            padding = b"X-Pad: " + b"a" * MAX_HEAD_BYTES
+            assert raw_exchange(served.http, start, padding).startswith(b"HTTP/1.1 431 ")
+            with socket.create_connection((host, int(port))) as holding:
+                holding.sendall(
+                    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+                    % (predict, MAX_BODY_BYTES)
+                )
+                time.sleep(0.1)  # one read for the server: the budget is taken
+                assert request(served.http, "POST", predict.decode(), b"{}")[0] == 503
+            # The request holding the budget is left halfway too.
+            _wait_until(lambda: served.count("http", "cancelled") == 2, 5, "the second one")
+        time.sleep(0.2)  # a late, second count of the 408 would show by now
+        assert served.count("http", "cancelled") == 2
+        assert served.count("http", "DeadlineExceededError") == 1
+        assert served.count("http", "CapacityError") == 1
+        assert served.count("http", "UnavailableError") == 1
+        assert served.count("http", "error") == 0
+        assert served.count("http", "InvalidArgumentError", model="unknown") is None
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_an_infer_request_over_the_body_budget_is_counted_as_unavailable(adult_checkpoint):

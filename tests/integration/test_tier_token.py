@@ -53,6 +53,16 @@ def test_a_shard_with_a_token_refuses_calls_without_it(monkeypatch, tmp_path):
         monkeypatch.setenv("RECSERVE_TIER_TOKEN", TOKEN)
         with RemoteParameterServer(process.address, timeout=5) as client:
             assert client.status().rows == 3  # nothing was cleared
+        # Counted as failed RPCs, by method (they never reach the methods, which count the
+        # others): a client with a stale token showed no error at all.
+        errors = {
+            (s.labels["method"], s.labels["code"]): s.value
+            for metric in process.metrics.registry.collect()
+            if metric.name == "recserve_ps_rpc_errors"
+            for s in metric.samples
+            if s.name == "recserve_ps_rpc_errors_total" and s.value
+        }
+        assert errors == {("Clear", "UNAUTHENTICATED"): 3.0, ("ExportRows", "UNAUTHENTICATED"): 3.0}
         # A plain channel, as an attacker's script: refused too; health answers.
         with grpc.insecure_channel(process.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)

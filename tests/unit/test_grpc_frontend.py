@@ -516,3 +516,32 @@ def test_calls_beyond_maximum_concurrent_rpcs_are_resource_exhausted() -> None:
         core.release.set()
         health.shutdown()
         server.stop(None)
+
+
+def test_liveness_readiness_and_health_answer_while_every_rpc_thread_waits() -> None:
+    """The RPC pool's threads all wait for predictions (a slow embedding tier): liveness,
+    readiness and health checks answer at once from threads of their own. They queued
+    behind the predictions (ServerLive took 4.3 s with 12 calls waiting on a hung shard),
+    and probes with second-long timeouts failed."""
+    core = _BlockingCore()
+    server, port, health = build_grpc_server(core, host="127.0.0.1", port=0, max_workers=1)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = InferenceStub(channel)
+            held = [stub.ModelInfer.future(_typed_request(), timeout=10) for _ in range(2)]
+            assert core.entered.wait(5)  # the one RPC thread waits; the other call queues
+            assert stub.ServerLive(V2.ServerLiveRequest(), timeout=2).live
+            assert stub.ServerReady(V2.ServerReadyRequest(), timeout=2).ready
+            assert stub.ModelReady(V2.ModelReadyRequest(name="tiny"), timeout=2).ready
+            checks = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_NAME):
+                answer = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            assert not any(call.done() for call in held)
+            core.release.set()
+            assert [len(call.result(timeout=10).outputs) for call in held] == [1, 1]
+    finally:
+        core.release.set()
+        health.shutdown()
+        server.stop(None)

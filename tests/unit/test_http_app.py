@@ -924,6 +924,61 @@ def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: b
     )
 
 
+@pytest.mark.parametrize("refused_by_protocol", [False, True])
+@pytest.mark.parametrize("path", ["/v1/models/tiny:predict", "/v2/models/tiny/infer"])
+def test_a_client_gone_mid_body_on_the_asgi_routes_is_counted_cancelled_not_as_a_500(
+    path: str, refused_by_protocol: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The FastAPI routes (the friendly one always; infer without InferFastPath) count a
+    client that disconnects before its body is in as cancelled, once, as the fast path does:
+    Starlette's ClientDisconnect was counted as outcome "error" and logged as a 500 with its
+    traceback. A request the HTTP protocol cut short (a 408) is counted there only."""
+    from serving.http_fast_path import REFUSED_MARK
+
+    counting = _CountingCore()
+    app = create_app(counting)
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.messages = [
+                {"type": "http.request", "body": b'{"instances": [', "more_body": True},
+                {"type": "http.disconnect"},
+            ]
+            setattr(self, REFUSED_MARK, refused_by_protocol)
+
+        async def receive(self) -> dict:
+            return self.messages.pop(0)
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", b"1000")],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(app(scope, Cycle().receive, send))
+    assert sent[0]["status"] == 400
+    assert orjson.loads(sent[1]["body"]) == {
+        "error": "the client disconnected before sending its body"
+    }
+    assert counting.rejected == (
+        [] if refused_by_protocol else [("http", "tiny", "CancelledError")]
+    )
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 @pytest.mark.parametrize("declared", ["\u00b2", "1\u00b9", "\u0661\u0660\u0660", "+5", " 5", "5a"])
 def test_a_content_length_that_is_not_ascii_digits_is_not_read_as_one(declared: str) -> None:
     """Only ASCII digits make a Content-Length (RFC 9110). Any other value is no declared
@@ -986,3 +1041,17 @@ def test_answer_unless_gone_tells_the_core_and_cancels_the_answer_when_the_clien
     assert left.status_code == 400
     assert orjson.loads(left.body) == {"error": "the client disconnected before its answer"}
     assert answered.body == b"fine" and told == []
+
+
+def test_model_readiness_answers_while_the_thread_pool_is_full() -> None:
+    """Model readiness ran in the thread pool, behind requests waiting there for their
+    answers (a slow embedding tier): a probe of it waited as long. It answers from the
+    event loop, as server readiness does."""
+    from tests.unit.test_serve_lifecycle import asgi_get_while_the_thread_pool_is_full
+
+    app = create_app(FakeCore())
+    for path in ("/v2/models/tiny/ready", "/v2/health/ready"):
+        status, body = asgi_get_while_the_thread_pool_is_full(app, path)
+        assert (status, orjson.loads(body)) == (
+            (200, {"name": "tiny", "ready": True}) if "tiny" in path else (200, {"ready": True})
+        )

@@ -825,6 +825,52 @@ def test_with_shards_in_process_the_tier_check_runs_the_workers_shard_check(
     ]
 
 
+def test_a_tier_check_that_raises_unexpectedly_marks_the_tier_down_and_goes_on(
+    checkpoints, make_service, caplog
+):
+    """A surprise in a tier check (a bug, a peer's odd answer: not a RecserveError) ended
+    the check thread for good, leaving recserve_embedding_tier_serving at 1 whatever the
+    tier did next. It now counts as the tier not serving, logged with its traceback once,
+    and the checks go on: the tier serving again shows."""
+    model = _load(checkpoints[0])
+    tier = model.tier = _RemoteTier(model.tier, serving=(True,))
+    failing = [True]
+    status = tier.status
+
+    def odd_status():
+        if failing[0]:
+            raise KeyError("shard_serving")
+        return status()
+
+    tier.status = odd_status
+    caplog.set_level(logging.INFO, logger="serving.service")
+    service = make_service(model, tier_check_seconds=0.01)
+    gauge = service.metrics.registry.get_sample_value
+    _wait_until(lambda: not service.tier_serving)
+    assert service.last_tier_error == (
+        "checking the embedding tier failed: KeyError: 'shard_serving'"
+    )
+    assert gauge("recserve_embedding_tier_serving") == 0.0
+    assert service.ready()  # the tier's state is a metric, not readiness
+    time.sleep(0.1)  # several more checks fail alike: logged once
+    failing[0] = False
+    _wait_until(lambda: service.tier_serving)
+    assert gauge("recserve_embedding_tier_serving") == 1.0
+    assert service._tier_checker.is_alive()
+    logged = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert logged == [
+        ("ERROR", "checking the embedding tier failed", True),
+        (
+            "WARNING",
+            "embedding tier not serving (requests that need it fail or get default vectors, "
+            "as --fallback-policy says): checking the embedding tier failed: KeyError: "
+            "'shard_serving'",
+            False,
+        ),
+        ("INFO", "embedding tier serving again", False),
+    ]
+
+
 def test_a_tier_check_cut_short_by_the_close_says_nothing_about_the_tier(
     checkpoints, make_service, caplog
 ):

@@ -3,12 +3,13 @@ options and the CLI's argument checks."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from embedding_store import checkpoint_dump, checkpoint_manifest
 from embedding_store.cli import main as cli_main
@@ -25,10 +26,11 @@ from embedding_store.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from embedding_store.grpc_common import MAX_MESSAGE_BYTES, pack_f32, pack_u64
+from embedding_store.grpc_common import LIVENESS_SERVICE, MAX_MESSAGE_BYTES, pack_f32, pack_u64
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
+from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_client import RemoteParameterServer
 from embedding_store.ps_process import ParameterServerOptions, ParameterServerProcess
 from embedding_store.ps_service import ParameterServerServicer
@@ -705,3 +707,40 @@ def test_non_finite_gradient_error_names_the_first_bad_row():
     grads[3, 3] = np.nan
     error = aborted(s.Update, pb.UpdateRequest(ids=pack_u64(ids), grads=pack_f32(grads), dim=4))
     assert "UpdateRequest.grads: 2 row(s) hold NaN or Inf, the first row 1 (ID 4)" in error.details
+
+
+def test_health_checks_answer_while_every_rpc_thread_waits():
+    """A shard whose RPC threads all wait (a long lookup, its lock held by a load) answers
+    its probes from threads of their own: they queued behind those calls, and a liveness
+    probe's timeout would restart the shard for being busy."""
+    process = ParameterServerProcess(
+        CONFIG, GlobalConfig(), ParameterServerOptions(port=0, max_workers=1)
+    )
+    process.start()
+    entered, release = threading.Event(), threading.Event()
+    stats = process.servicer.shard.stats
+
+    def waiting_stats():
+        entered.set()
+        release.wait(10)
+        return stats()
+
+    process.servicer.shard.stats = waiting_stats  # what the Status RPC reads
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            held = pb_grpc.ParameterServerStub(channel).Status.future(
+                pb.ShardStatusRequest(), timeout=10
+            )
+            assert entered.wait(5)  # the one RPC thread waits
+            checks = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest
+            live = checks.Check(request(service=LIVENESS_SERVICE), timeout=2)
+            assert live.status == health_pb2.HealthCheckResponse.SERVING
+            ready = checks.Check(request(service=""), timeout=2)  # no optimizer yet
+            assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert not held.done()
+            release.set()
+            assert held.result(timeout=10).replica_size == 1
+    finally:
+        release.set()
+        process.stop(grace=0)

@@ -114,7 +114,7 @@ def test_latency_histogram_uses_the_rpc_buckets_and_describes_the_service() -> N
     (errors,) = [m for m in registry.collect() if m.name == "w_rpc_errors"]
     assert errors.documentation == "Failed EmbeddingWorker RPCs by method and status code."
     assert tuple(sorted(LATENCY_BUCKETS)) == LATENCY_BUCKETS
-    assert (LATENCY_BUCKETS[0], LATENCY_BUCKETS[-1]) == (0.0005, 120.0)
+    assert (LATENCY_BUCKETS[0], LATENCY_BUCKETS[-1]) == (0.000025, 120.0)
     servicer = _Servicer(registry)  # another prefix in the same registry
     servicer.Lookup(1, None)
     for bucket in LATENCY_BUCKETS:

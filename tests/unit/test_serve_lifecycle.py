@@ -3,6 +3,7 @@ and how long a stop may take."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -860,3 +861,56 @@ def test_serve_hands_several_workers_to_the_supervisor_and_a_process_watches_it(
     assert server.serve(ServeOptions(checkpoint="ckpt", supervisor_pid=4321)) == 0
     assert watched == [4321]
     assert [s.calls for s in fake_server.instances] == [["start", "wait", "stop"]]
+
+
+def asgi_get_while_the_thread_pool_is_full(app, path: str) -> tuple[int, bytes]:
+    """``GET path`` of ASGI ``app``, on a loop whose thread pool (anyio's default limiter,
+    cut to one token) is held by a call that waits: what prediction requests waiting for
+    their answers (a slow embedding tier) do to it. TimeoutError if the answer waits too."""
+    import anyio.to_thread
+
+    async def main() -> tuple[int, bytes]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 1
+        release = threading.Event()
+        holder = asyncio.ensure_future(anyio.to_thread.run_sync(release.wait, 10))
+        await asyncio.sleep(0.05)  # the one token is taken
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "http_version": "1.1", "method": "GET", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [], "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+        }  # fmt: skip
+        try:
+            await asyncio.wait_for(app(scope, receive, send), 2.0)
+        finally:
+            release.set()
+            await holder
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    return asyncio.run(main())
+
+
+def test_metrics_are_scraped_while_the_thread_pool_is_full():
+    """A scrape ran in the thread pool, behind requests waiting there for their answers
+    (friendly ones, large bodies): 8.5 s with 45 waiting on a hung shard, past a scrape's
+    timeout just when the metrics matter. It answers from the event loop."""
+    from fastapi import FastAPI
+
+    from serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics()
+    metrics.reloads.labels("failed").inc()
+    serving = PredictionServer(ServeOptions(checkpoint="ckpt"))
+    serving.service = SimpleNamespace(metrics=metrics)  # type: ignore[assignment]
+    app = FastAPI()
+    serving._mount_metrics(app)
+    status, body = asgi_get_while_the_thread_pool_is_full(app, "/metrics")
+    assert status == 200
+    assert b'recserve_reloads_total{outcome="failed"} 1.0\n' in body
