@@ -274,6 +274,18 @@ class _SharedEvalCtx(EmbeddingCtx):
     def __init__(self, source: EmbeddingCtx, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._source = source
+        self._synced_step: int | None = None  # the source's step its updates were waited at
+
+    def _wait_for_training(self) -> None:
+        """Let every embedding update a TrainCtx ``source`` queued land before a lookup: an
+        evaluation during training sees all that the loop trained, not the rows of up to
+        ``embedding_staleness`` batches ago. Waited once per training step (a remote tier's
+        flush is a call), so scoring many batches between two steps waits once."""
+        wait = getattr(self._source, "wait_for_embedding_updates", None)
+        step = getattr(self._source, "step", None)
+        if callable(wait) and (step is None or step != self._synced_step):
+            wait()
+            self._synced_step = step
 
     def _signature(self) -> FeatureSignature | None:
         signature = getattr(self._source, "signature", None)
@@ -285,6 +297,7 @@ class _SharedEvalCtx(EmbeddingCtx):
         signature = self._signature()
         if signature is not None:
             signature.check(batch)  # also its dtypes: 3.5 for an integer feature is refused
+        self._wait_for_training()
         return super().prepare_features(batch)
 
     def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
@@ -300,6 +313,11 @@ def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> Embeddi
     to the feature signature of a TrainCtx ``ctx`` as its training batches are (names,
     order, and integer features converted to their trained dtype).
 
+    With a TrainCtx ``ctx`` it waits for the embedding updates its training queued
+    (:meth:`TrainCtx.wait_for_embedding_updates`) before its first lookup and again before
+    the first one after each later training step: it scores with every update this process
+    made, whatever ``embedding_staleness`` is. (Under DDP each rank waits for its own updates;
+    the other ranks' land within their own staleness bound.)
     """
     shared = _SharedEvalCtx(
         ctx,

@@ -1811,3 +1811,55 @@ def test_clipping_a_model_with_sparse_embedding_gradients_is_refused():
             global_config=GLOBAL,
             dense_grad_clip_norm=1.0,
         )
+
+
+# ------------------------------------------------------------------------------------------
+# eval_ctx waits for the updates training left pending
+
+
+class GatedTier(InProcessEmbeddingTier):
+    """An in-process tier that applies a batch's gradients only once ``gate`` is set: the
+    update stays pending, its backward worker waiting, for as long as the test wants."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+        self.gate = threading.Event()
+
+    def backward(self, ref, grads):
+        self.gate.wait(10)  # the timeout only keeps a broken TrainCtx from hanging the test
+        return super().backward(ref, grads)
+
+
+def test_an_eval_ctx_sees_every_embedding_update_training_left_pending(monkeypatch):
+    """With embedding_staleness > 1 a batch's update may still be pending when evaluation
+    starts: eval_ctx used to score with the rows as they were before it, unless the caller
+    waited first. Here the updates land only once someone waits for them."""
+    tier = GatedTier()
+    ctx = new_ctx(staleness=4, embedding_tier=tier)
+    wait = ctx.wait_for_embedding_updates
+
+    def open_gate_and_wait() -> None:
+        tier.gate.set()
+        try:
+            wait()
+        finally:
+            tier.gate.clear()
+
+    monkeypatch.setattr(ctx, "wait_for_embedding_updates", open_gate_and_wait)
+    with ctx:
+        evaluator = eval_ctx(ctx)  # made once, used after each of two training steps
+        for seed in (0, 1):
+            batch = make_batch(seed)
+            train_steps(ctx, 1, offset=seed)
+            pending = tier.lookup(batch, train=False)  # its update not applied yet
+            scored, _ = evaluator.forward(batch)
+            again, _ = evaluator.forward(batch)  # no new step: no wait, the same rows
+            wait()
+            updated = tier.lookup(batch, train=False)
+            with torch.no_grad():
+                expected = ctx.dense_model(
+                    [torch.from_numpy(np.array(batch.non_id_type_features[0].data))],
+                    [slot.embeddings for slot in updated.slots],
+                )
+            assert not torch.equal(pending.slots[0].embeddings, updated.slots[0].embeddings)
+            assert torch.equal(scored, expected) and torch.equal(again, expected)
