@@ -48,15 +48,26 @@ def _binary(labels: np.ndarray) -> np.ndarray:
     return np.asarray(labels, dtype=np.float64).reshape(-1) > 0.5
 
 
+def _paired(
+    labels: np.ndarray, values: np.ndarray, what: str, first: str = "labels"
+) -> tuple[np.ndarray, np.ndarray]:
+    """``labels`` and ``values`` flattened to float64 [n] each; ValueError naming both
+    (``first`` and ``what``) and their lengths when these differ: numpy would broadcast one
+    label or prediction over all the others, or fail naming neither."""
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if y.shape != v.shape:
+        raise ValueError(f"{first} ({y.size}) and {what} ({v.size}) differ in length")
+    return y, v
+
+
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """P(random positive scores above random negative), ties 1/2. Labels > 0.5 are positive.
 
     Raises ValueError unless both classes are present, or for NaN scores.
     """
-    y = _binary(labels)
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    if y.shape != s.shape:
-        raise ValueError(f"labels ({y.size}) and scores ({s.size}) differ in length")
+    raw, s = _paired(labels, scores, "scores")
+    y = raw > 0.5
     if np.isnan(s).any():
         raise ValueError("scores contain NaN")
     n_pos = int(y.sum())
@@ -75,9 +86,11 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 
 def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(false positive rates, true positive rates) at every distinct score, from (0, 0)."""
-    y = _binary(labels)
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    """(false positive rates, true positive rates) at every distinct score, from (0, 0).
+
+    Raises ValueError when labels and scores differ in length."""
+    raw, s = _paired(labels, scores, "scores")
+    y = raw > 0.5
     order = np.argsort(-s, kind="mergesort")
     s, y = s[order], y[order]
     last_of_run = np.r_[np.flatnonzero(s[1:] != s[:-1]), s.size - 1]
@@ -88,9 +101,11 @@ def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def log_loss(labels: np.ndarray, probabilities: np.ndarray) -> float:
-    """Mean binary cross-entropy; probabilities clipped to [1e-15, 1 - 1e-15]."""
-    y = np.asarray(labels, dtype=np.float64).reshape(-1)
-    p = np.clip(np.asarray(probabilities, dtype=np.float64).reshape(-1), LOG_LOSS_EPS, 1 - 1e-15)
+    """Mean binary cross-entropy; probabilities clipped to [1e-15, 1 - 1e-15].
+
+    Raises ValueError when labels and probabilities differ in length."""
+    y, p = _paired(labels, probabilities, "probabilities")
+    p = np.clip(p, LOG_LOSS_EPS, 1 - 1e-15)
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
 
 
@@ -99,11 +114,11 @@ def calibration(labels: np.ndarray, probabilities: np.ndarray, bins: int = 10) -
 
     Each bin: bounds, count, mean predicted probability, observed positive rate (labels > 0.5;
     soft labels are averaged as they are). ECE = sum over bins of count/n * |mean - rate|.
+    Raises ValueError when labels and probabilities differ in length.
     """
     if bins < 1:
         raise InvalidArgumentError(f"calibration needs at least one bin, got {bins}")
-    y = np.asarray(labels, dtype=np.float64).reshape(-1)
-    p = np.asarray(probabilities, dtype=np.float64).reshape(-1)
+    y, p = _paired(labels, probabilities, "probabilities")
     index = np.clip((p * bins).astype(np.int64), 0, bins - 1)
     counts = np.bincount(index, minlength=bins)
     sum_p = np.bincount(index, weights=p, minlength=bins)
@@ -142,8 +157,15 @@ def metrics(
     ``ranking_scores``: what AUC ranks (the raw model output when known: AUC is invariant
     to the monotone output transform, but float32 sigmoid can tie distinct logits), else the
     predictions.
+
+    Raises ValueError when the labels, the predictions or the ranking scores differ in
+    length (a caller's bug, not a note for the report).
     """
     predictions = np.asarray(predictions, dtype=np.float64).reshape(-1)
+    if labels is not None:
+        _paired(labels, predictions, "predictions")
+    if ranking_scores is not None:
+        _paired(ranking_scores, predictions, "predictions", first="ranking scores")
     out: dict[str, Any] = {
         "predictions": {
             "mean": float(predictions.mean()) if predictions.size else None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -273,6 +274,18 @@ class _SharedEvalCtx(EmbeddingCtx):
     def __init__(self, source: EmbeddingCtx, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._source = source
+        self._synced_step: int | None = None  # the source's step its updates were waited at
+
+    def _wait_for_training(self) -> None:
+        """Let every embedding update a TrainCtx ``source`` queued land before a lookup: an
+        evaluation during training sees all that the loop trained, not the rows of up to
+        ``embedding_staleness`` batches ago. Waited once per training step (a remote tier's
+        flush is a call), so scoring many batches between two steps waits once."""
+        wait = getattr(self._source, "wait_for_embedding_updates", None)
+        step = getattr(self._source, "step", None)
+        if callable(wait) and (step is None or step != self._synced_step):
+            wait()
+            self._synced_step = step
 
     def _signature(self) -> FeatureSignature | None:
         signature = getattr(self._source, "signature", None)
@@ -284,6 +297,7 @@ class _SharedEvalCtx(EmbeddingCtx):
         signature = self._signature()
         if signature is not None:
             signature.check(batch)  # also its dtypes: 3.5 for an integer feature is refused
+        self._wait_for_training()
         return super().prepare_features(batch)
 
     def non_id_dtypes(self, batch: Batch) -> Sequence[np.dtype | None]:
@@ -298,6 +312,12 @@ def eval_ctx(ctx: EmbeddingCtx, model: torch.nn.Module | None = None) -> Embeddi
     embedding optimizer and its hyperparameters (a PERSIA bug reset them). Batches are held
     to the feature signature of a TrainCtx ``ctx`` as its training batches are (names,
     order, and integer features converted to their trained dtype).
+
+    With a TrainCtx ``ctx`` it waits for the embedding updates its training queued
+    (:meth:`TrainCtx.wait_for_embedding_updates`) before its first lookup and again before
+    the first one after each later training step: it scores with every update this process
+    made, whatever ``embedding_staleness`` is. (Under DDP each rank waits for its own updates;
+    the other ranks' land within their own staleness bound.)
     """
     shared = _SharedEvalCtx(
         ctx,
@@ -424,6 +444,33 @@ def _check_dense_optimizer_is_the_models(
         )
 
 
+def _check_clip_norm(value: object, model: torch.nn.Module) -> float | None:
+    """TrainCtx's ``dense_grad_clip_norm`` as a float (None: no clipping), or
+    InvalidArgumentError naming it: a positive finite number. Also refused with a model
+    whose own embedding layers make sparse gradients (``sparse=True``), which torch's
+    ``clip_grad_norm_`` cannot take: it failed at the first step, deep in torch."""
+    if value is None:
+        return None
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if number is None or not (math.isfinite(number) and number > 0):
+        raise InvalidArgumentError(
+            "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of "
+            f"the dense gradients) or None for no clipping, got {value!r}"
+        )
+    sparse = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+    ]
+    if sparse:
+        raise InvalidArgumentError(
+            f"dense_grad_clip_norm: the model's {sparse[0]!r} makes sparse gradients "
+            "(sparse=True), which torch's clip_grad_norm_ cannot clip; drop sparse=True or "
+            "the clipping"
+        )
+    return float(number)
+
+
 class TrainCtx(EmbeddingCtx):
     """Hybrid training: synchronous dense updates, asynchronous embedding updates.
 
@@ -443,6 +490,15 @@ class TrainCtx(EmbeddingCtx):
     gradients every step and a step it skips sends no embedding gradients either; embedding
     gradients that are not finite on a checked step skip the whole step on every rank and
     back the loss scale off (see :meth:`_amp_step`).
+
+    ``dense_grad_clip_norm``: clip the dense gradients to this joint L2 norm before each
+    dense step (``torch.nn.utils.clip_grad_norm_`` over the dense optimizer's parameters;
+    None, the default, clips nothing). It applies to the gradients the step would use: after
+    the non-finite check, unscaled first with mixed precision (torch's GradScaler recipe),
+    and under DDP after the allreduce, so every rank clips the same averaged gradients
+    alike. The embedding gradients are not clipped, as in PERSIA: each batch's go to the
+    embedding tier's own optimizer, row by row and asynchronously, and a norm over one
+    batch's rows would scale a row's update by whatever else that batch held.
     """
 
     model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
@@ -465,9 +521,11 @@ class TrainCtx(EmbeddingCtx):
         global_config: GlobalConfig | str | os.PathLike | None = None,
         initialization: InitializationConfig | None = None,
         finite_check_every: int = 1,
+        dense_grad_clip_norm: float | None = None,
     ) -> None:
         _check_optimizers(embedding_optimizer, dense_optimizer)
         _check_dense_optimizer_is_the_models(dense_optimizer, model)
+        clip_norm = _check_clip_norm(dense_grad_clip_norm, model)
         super().__init__(
             PreprocessMode.TRAIN,
             model,
@@ -516,6 +574,7 @@ class TrainCtx(EmbeddingCtx):
         )
         self.mixed_precision = mixed_precision and self.device.type == "cuda"
         self.finite_check_every = max(1, finite_check_every)
+        self.dense_grad_clip_norm = clip_norm
         self.grad_scaler = torch.amp.GradScaler("cuda", enabled=self.mixed_precision)
         self._in_flight = threading.BoundedSemaphore(embedding_staleness)
         self._backward_queue: queue.Queue = queue.Queue(maxsize=backward_buffer_size)
@@ -694,8 +753,9 @@ class TrainCtx(EmbeddingCtx):
         return output, labels
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP) and queue
-        the embedding gradients for the embedding tier. Returns the (scaled) loss.
+        """Backpropagate ``loss``: step the dense optimizer (grads allreduced by DDP, then
+        clipped to ``dense_grad_clip_norm`` when set) and queue the embedding gradients for
+        the embedding tier. Returns the (scaled) loss.
 
         One backward per forward: ``loss`` comes from the last :meth:`forward`'s output (a
         forward left without backward is dropped at the next one; a loss that still uses its
@@ -729,6 +789,7 @@ class TrainCtx(EmbeddingCtx):
             if self.mixed_precision:
                 finite = self._amp_step(finite, check, scale)
             elif not check or _grads_finite(self.dense_optimizer):
+                self._clip_dense_gradients()
                 self.grad_scaler.step(self.dense_optimizer)  # disabled: a plain step()
             else:
                 # fp32 has no GradScaler to skip it: one NaN step would make every dense
@@ -773,10 +834,30 @@ class TrainCtx(EmbeddingCtx):
             state.update(scale=scale * state["backoff_factor"], _growth_tracker=0)
             self.grad_scaler.load_state_dict(state)
             return False
+        if self.dense_grad_clip_norm is not None:
+            # torch's recipe: clip the true gradients, not the scaled ones. step() then skips
+            # the step when unscale_ found Inf/NaN, as it would have found it itself.
+            self.grad_scaler.unscale_(self.dense_optimizer)
+            self._clip_dense_gradients()
         self.grad_scaler.step(self.dense_optimizer)
         self.grad_scaler.update()
         # update() backs the scale off exactly when step() found Inf/NaN and skipped.
         return self.grad_scaler.get_scale() >= scale
+
+    def _clip_dense_gradients(self) -> None:
+        """Scale the dense optimizer's gradients (unscaled, and under DDP already averaged
+        over the ranks: every rank clips alike) down so that their joint L2 norm is at most
+        ``dense_grad_clip_norm``; nothing without it. The embedding gradients are not
+        clipped (see the class docstring)."""
+        if self.dense_grad_clip_norm is None:
+            return
+        params = [
+            p
+            for group in self.dense_optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        torch.nn.utils.clip_grad_norm_(params, self.dense_grad_clip_norm)
 
     def _backward_loop(self) -> None:
         while True:

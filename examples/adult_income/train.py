@@ -49,7 +49,7 @@ import torch
 from embedding_store.batch import Batch
 from embedding_store.checkpoint_manifest import DONE_MARKER
 from embedding_store.checkpoint_publish import check_target
-from embedding_store.cli_types import non_negative_int, positive_int
+from embedding_store.cli_types import non_negative_int, positive_float, positive_int
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError
 from examples.adult_income import features
@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--embedding-staleness", type=positive_int, default=4)
     parser.add_argument(
         "--reproducible", action="store_true", help="staleness 1 and a fixed data order"
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=positive_float,
+        default=None,
+        metavar="NORM",
+        help="clip the dense gradients to this joint L2 norm before each dense step "
+        "(TrainCtx's dense_grad_clip_norm; the embedding gradients are not clipped); "
+        "without it nothing is clipped",
     )
     parser.add_argument("--streaming", action="store_true", help="batches from data loaders")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             embedding_staleness=staleness,
             initialization=hp.make_initialization(),
             device_id=distributed.local_rank() if use_cuda else None,
+            dense_grad_clip_norm=args.clip_grad_norm,
         ) as ctx,
     ):
         first_epoch = first_batch = 0

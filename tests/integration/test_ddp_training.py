@@ -56,6 +56,7 @@ OPEN_AND_CLOSE_SCRIPT = textwrap.dedent(
 # state before and after the step (after DDP's initial broadcast, so "before" is shared).
 # Then a step where rank 1's batch has a NaN label: the allreduced dense gradients are NaN on
 # both ranks, and both must skip the dense step (state "after-nan", skip counts "skips").
+# Last, a step with the dense gradients clipped (state "after-clip").
 ONE_STEP_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -124,6 +125,10 @@ ONE_STEP_SCRIPT = textwrap.dedent(
         torch.save(ctx.dense_model.state_dict(), out / f"after-nan-{rank}.pt")
         skips = (ctx.nonfinite_dense_steps, ctx.nonfinite_embedding_steps)
         (out / f"skips-{rank}.txt").write_text(repr(skips))
+        ctx.dense_grad_clip_norm = 0.001  # far below the gradients' norm
+        output, labels = ctx.forward(batch)
+        ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
+        torch.save(ctx.dense_model.state_dict(), out / f"after-clip-{rank}.pt")
     distributed.shutdown_distributed()
     """
 )
@@ -404,6 +409,13 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(two_rank_run):
         assert torch.equal(after_nan[0][name], after[0][name]), name
         assert torch.equal(after_nan[1][name], after[0][name]), name
     assert [(out / f"skips-{r}.txt").read_text() for r in range(2)] == ["(1, 0)", "(1, 1)"]
+    # Then a step clipped to 0.001: each rank clipped the allreduced (averaged) gradients,
+    # the same on both, so both moved alike, by lr 0.5 times the limit in all.
+    clipped = [torch.load(out / f"after-clip-{r}.pt", weights_only=True) for r in range(2)]
+    for name in after[0]:
+        assert torch.equal(clipped[0][name], clipped[1][name]), name
+    moved = torch.cat([(clipped[0][n] - after[0][n]).reshape(-1) for n in after[0]])
+    assert float(moved.norm()) == pytest.approx(0.5 * 0.001, rel=1e-4)
 
 
 def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(two_rank_run):

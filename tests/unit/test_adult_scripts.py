@@ -59,6 +59,33 @@ def test_sizes_counts_and_seed_are_checked_before_training(
     assert message in _main_error(capsys, [*argv, "--device", "cpu"])
 
 
+def test_clip_grad_norm_is_checked_and_reaches_train_ctx(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    err = _main_error(capsys, ["--clip-grad-norm", "0", "--device", "cpu"])
+    assert "argument --clip-grad-norm: expected a number > 0, got '0'" in err
+
+    class BuiltError(Exception):
+        """Raised in TrainCtx's place: what main passed is all this test needs."""
+
+    given: list[object] = []
+
+    def train_ctx(*args: object, **kwargs: object) -> None:
+        given.append(kwargs["dense_grad_clip_norm"])
+        raise BuiltError
+
+    monkeypatch.setattr(train, "TrainCtx", train_ctx)
+    monkeypatch.setattr(train.features, "read_encoded", lambda path: None)  # no data needed
+    threads = torch.get_num_threads()  # main() sets 1
+    try:
+        for argv in (["--clip-grad-norm", "0.5"], []):
+            with pytest.raises(BuiltError):
+                train.main([*argv, "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    assert given == [0.5, None]
+
+
 def test_cuda_refused_where_there_is_none(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

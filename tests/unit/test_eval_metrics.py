@@ -161,6 +161,43 @@ def test_auc_refuses_labels_and_scores_of_different_lengths():
         eval_report.roc_auc(np.array([0.0, 1.0, 1.0]), np.arange(4.0))
 
 
+@pytest.mark.parametrize(
+    ("function", "labels", "values", "message"),
+    [
+        # One probability was broadcast over all three labels: a log loss of 3 rows.
+        (eval_report.log_loss, [0.0, 1.0, 1.0], [0.9], r"labels \(3\) and probabilities \(1\)"),
+        (eval_report.log_loss, [1.0], [0.2, 0.9], r"labels \(1\) and probabilities \(2\)"),
+        (
+            eval_report.log_loss,
+            [0.0, 1.0],
+            [0.2, 0.9, 0.5],
+            r"labels \(2\) and probabilities \(3\)",
+        ),
+        (eval_report.calibration, [1.0], [0.2, 0.9], r"labels \(1\) and probabilities \(2\)"),
+        # The first two labels were paired with sorted scores, the third never looked at.
+        (eval_report.roc_curve, [0.0, 1.0, 1.0], [0.2, 0.9], r"labels \(3\) and scores \(2\)"),
+    ],
+)
+def test_metric_functions_refuse_labels_and_values_of_different_lengths(
+    function, labels, values, message
+):
+    with pytest.raises(ValueError, match=message + " differ in length"):
+        function(np.array(labels), np.array(values))
+
+
+def test_metrics_refuse_labels_predictions_or_ranking_scores_of_different_lengths():
+    """Not an AUC note and a log loss over broadcast rows: the caller's arrays disagree."""
+    labels, predictions = np.array([0.0, 1.0, 1.0]), np.array([0.2, 0.7, 0.9])
+    with pytest.raises(ValueError, match=r"labels \(3\) and predictions \(1\) differ"):
+        eval_report.metrics(labels, predictions[:1])
+    with pytest.raises(ValueError, match=r"ranking scores \(2\) and predictions \(3\) differ"):
+        eval_report.metrics(labels, predictions, np.array([0.1, 0.2]))
+    # Labels [n, 1] against predictions [n] are the same rows.
+    m = eval_report.metrics(labels.reshape(-1, 1), predictions)
+    assert m["auc"] == 1.0
+    assert m["log_loss"] == pytest.approx(-(np.log(0.8) + np.log(0.7) + np.log(0.9)) / 3)
+
+
 def test_roc_curve_exact_points_with_one_positive_or_one_negative():
     # Descending scores 0.9 (pos), 0.8 (neg), 0.8 (neg), 0.1 (neg): the tied 0.8s are one
     # point; with one positive every TPR is 0 or 1, with three negatives FPRs are thirds.

@@ -1690,3 +1690,176 @@ def test_a_dense_optimizer_over_another_models_parameters_is_refused():
     with TrainCtx(SGD(lr=0.1), both, model, **options) as ctx:
         train_steps(ctx, 1)
         assert ctx.step == 1
+
+
+# ------------------------------------------------------------------------------------------
+# dense gradient clipping (dense_grad_clip_norm)
+
+
+def _clip_ctx(clip: float | None, dense_lr: float = 1.0) -> TrainCtx:
+    """A synchronous TrainCtx over a TinyModel seeded with 0, plain SGD on both sides (dense
+    lr ``dense_lr``: with 1, a step subtracts the gradient as it is), clipping the dense
+    gradients to ``clip``."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    return TrainCtx(
+        SGD(lr=0.5),
+        torch.optim.SGD(model.parameters(), lr=dense_lr),
+        model,
+        embedding_staleness=1,
+        embedding_config=CONFIG,
+        global_config=GLOBAL,
+        dense_grad_clip_norm=clip,
+    )
+
+
+def _bce(output: torch.Tensor, labels: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(output.float(), labels[0])
+
+
+def _clipped_by_hand(
+    loss: torch.Tensor, params: list[torch.Tensor], limit: float
+) -> tuple[list[torch.Tensor], float]:
+    """``loss``'s gradients for ``params``, clipped to ``limit`` by clip_grad_norm_ on copies
+    (the graph is kept for the ctx's own backward), and their norm before clipping."""
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    copies = [p.detach().clone() for p in params]
+    for copy, grad in zip(copies, grads):
+        copy.grad = grad.clone()
+    norm = float(torch.nn.utils.clip_grad_norm_(copies, limit))
+    return [copy.grad for copy in copies], norm
+
+
+def test_dense_gradients_are_clipped_before_the_step_and_the_embedding_gradients_are_not():
+    limit = 0.01
+    batch = make_batch(0)
+    with _clip_ctx(limit) as ctx, _clip_ctx(None) as plain:
+        params = list(ctx.dense_model.parameters())
+        before = [p.detach().clone() for p in params]
+        output, labels = ctx.forward(batch)
+        loss = _bce(output, labels)
+        clipped, norm = _clipped_by_hand(loss, params, limit)
+        assert norm > 10 * limit  # so the limit is what the step shows
+        ctx.backward(loss)
+        # SGD, lr 1: each parameter moved by exactly its clipped gradient.
+        for param, old, grad in zip(params, before, clipped):
+            assert torch.equal(param.detach(), old - grad)
+        moved = torch.cat([(old - p.detach()).reshape(-1) for p, old in zip(params, before)])
+        assert float(moved.norm()) == pytest.approx(limit, rel=1e-5)
+        # The embedding rows moved as in a run that clips nothing (same weights, same batch).
+        output, labels = plain.forward(batch)
+        plain.backward(_bce(output, labels))
+        ours = ctx.embedding_tier.lookup(batch, train=False)
+        theirs = plain.embedding_tier.lookup(batch, train=False)
+        for x, y in zip(ours.slots, theirs.slots):
+            assert torch.equal(x.embeddings, y.embeddings), x.name
+
+
+def test_a_clip_norm_above_the_gradients_norm_changes_nothing():
+    with _clip_ctx(1e6, dense_lr=0.1) as ctx, _clip_ctx(None, dense_lr=0.1) as plain:
+        assert train_steps(ctx, 3) == train_steps(plain, 3)
+        for ours, theirs in zip(ctx.dense_model.parameters(), plain.dense_model.parameters()):
+            assert torch.equal(ours, theirs)
+
+
+def test_with_mixed_precision_the_unscaled_dense_gradients_are_clipped():
+    """torch's GradScaler recipe: unscale_, clip, step. Clipping the gradients of the loss
+    scaled by 1024 moved the weights 1024 times less than the limit."""
+    limit = 0.01
+    ctx = _clip_ctx(limit)
+    ctx.mixed_precision = True  # the CUDA code path on CPU, as _amp_ctx
+    ctx.grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with ctx:
+        params = list(ctx.dense_model.parameters())
+        before = [p.detach().clone() for p in params]
+        output, labels = ctx.forward(make_batch(0))
+        assert output.dtype == torch.float16  # autocast ran
+        loss = _bce(output, labels)
+        clipped, norm = _clipped_by_hand(loss, params, limit)
+        assert norm > 10 * limit
+        ctx.backward(loss)
+        assert ctx.grad_scaler.get_scale() == 1024.0  # no overflow: the step was taken
+        for param, old, grad in zip(params, before, clipped):
+            torch.testing.assert_close(param.detach(), old - grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "1.0", True])
+def test_an_invalid_dense_grad_clip_norm_is_refused_by_name(value):
+    with pytest.raises(InvalidArgumentError) as caught:
+        _clip_ctx(value)
+    assert caught.value.message == (
+        "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of the "
+        f"dense gradients) or None for no clipping, got {value!r}"
+    )
+
+
+def test_clipping_a_model_with_sparse_embedding_gradients_is_refused():
+    """torch's clip_grad_norm_ cannot take sparse gradients: it failed at the first step."""
+
+    class SparseModel(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(3, 2, sparse=True)
+
+    model = SparseModel()
+    with pytest.raises(InvalidArgumentError, match="model's 'table' makes sparse gradients"):
+        TrainCtx(
+            SGD(lr=0.5),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model,
+            embedding_config=CONFIG,
+            global_config=GLOBAL,
+            dense_grad_clip_norm=1.0,
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# eval_ctx waits for the updates training left pending
+
+
+class GatedTier(InProcessEmbeddingTier):
+    """An in-process tier that applies a batch's gradients only once ``gate`` is set: the
+    update stays pending, its backward worker waiting, for as long as the test wants."""
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, capacity=10_000, optimizer=SGD(lr=0.5))
+        self.gate = threading.Event()
+
+    def backward(self, ref, grads):
+        self.gate.wait(10)  # the timeout only keeps a broken TrainCtx from hanging the test
+        return super().backward(ref, grads)
+
+
+def test_an_eval_ctx_sees_every_embedding_update_training_left_pending(monkeypatch):
+    """With embedding_staleness > 1 a batch's update may still be pending when evaluation
+    starts: eval_ctx used to score with the rows as they were before it, unless the caller
+    waited first. Here the updates land only once someone waits for them."""
+    tier = GatedTier()
+    ctx = new_ctx(staleness=4, embedding_tier=tier)
+    wait = ctx.wait_for_embedding_updates
+
+    def open_gate_and_wait() -> None:
+        tier.gate.set()
+        try:
+            wait()
+        finally:
+            tier.gate.clear()
+
+    monkeypatch.setattr(ctx, "wait_for_embedding_updates", open_gate_and_wait)
+    with ctx:
+        evaluator = eval_ctx(ctx)  # made once, used after each of two training steps
+        for seed in (0, 1):
+            batch = make_batch(seed)
+            train_steps(ctx, 1, offset=seed)
+            pending = tier.lookup(batch, train=False)  # its update not applied yet
+            scored, _ = evaluator.forward(batch)
+            again, _ = evaluator.forward(batch)  # no new step: no wait, the same rows
+            wait()
+            updated = tier.lookup(batch, train=False)
+            with torch.no_grad():
+                expected = ctx.dense_model(
+                    [torch.from_numpy(np.array(batch.non_id_type_features[0].data))],
+                    [slot.embeddings for slot in updated.slots],
+                )
+            assert not torch.equal(pending.slots[0].embeddings, updated.slots[0].embeddings)
+            assert torch.equal(scored, expected) and torch.equal(again, expected)
