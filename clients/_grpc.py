@@ -21,7 +21,7 @@ import numpy as np
 from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
 from clients._tls import ClientTls, handshake_refused, tls_hint
-from clients.retry import RetryableError
+from clients.retry import RetryableError, RetryPolicy
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import FailedPreconditionError, RecserveError
 
@@ -31,14 +31,41 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 Call = tuple[str, Any, Callable[[Any], Any]]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Explicit message limits, quick reconnects (the client retries, gRPC does not)."""
+#: Bounds of the channel's wait between two connection attempts (milliseconds).
+MIN_RECONNECT_BACKOFF_MS = 50
+MAX_RECONNECT_BACKOFF_MS = 1_000
+
+
+def reconnect_backoff_ms(policy: RetryPolicy) -> int:
+    """The longest wait of a channel between two connection attempts, for a client that
+    retries by ``policy``: half the shortest total wait of its retries, within
+    [:data:`MIN_RECONNECT_BACKOFF_MS`, :data:`MAX_RECONNECT_BACKOFF_MS`].
+
+    Why: a channel whose connection attempts failed (a server down, or restarting) fails every
+    call at once, with the last attempt's error, until its backoff timer lets it try again;
+    retries all sent within that wait are no attempts at all. With a fixed 1 s (gRPC jitters
+    it by up to 20%), a client with the default policy (3 retries, at least 0.175 s of waits
+    in all) still failed with "Connection refused" after its server was back up.
+    """
+    shortest = sum(
+        min(policy.backoff_max, policy.backoff_min * 2.0**attempt) / 2
+        for attempt in range(policy.retries)
+    )
+    return int(min(max(shortest * 1000 / 2, MIN_RECONNECT_BACKOFF_MS), MAX_RECONNECT_BACKOFF_MS))
+
+
+def channel_options(
+    max_message_bytes: int, max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS
+) -> list[tuple[str, Any]]:
+    """Explicit message limits, quick reconnects (the client retries, gRPC does not): at most
+    ``max_reconnect_backoff_ms`` between two connection attempts (:func:`reconnect_backoff_ms`
+    fits it to a client's retries)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
-        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.initial_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
         ("grpc.enable_retries", 0),
     ]
 
@@ -124,10 +151,11 @@ class GrpcBackend:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: ClientTls | None = None,
+        max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
         self.server = server
         self._tls = tls
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, max_reconnect_backoff_ms)
         self._channel = (
             grpc.insecure_channel(target, options=options)
             if tls is None
@@ -193,11 +221,13 @@ class AsyncGrpcBackend:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: ClientTls | None = None,
+        max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
         self.server = server
         self._target = target
         self._tls = tls
         self._max_message_bytes = max_message_bytes
+        self._max_reconnect_backoff_ms = max_reconnect_backoff_ms
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stubs: dict[str, Any] = {}
@@ -207,7 +237,7 @@ class AsyncGrpcBackend:
         self._in_flight = 0  # calls awaiting an answer on the current channel
 
     def _open_channel(self) -> grpc.aio.Channel:
-        options = channel_options(self._max_message_bytes)
+        options = channel_options(self._max_message_bytes, self._max_reconnect_backoff_ms)
         if self._tls is None:
             return grpc.aio.insecure_channel(self._target, options=options)
         return grpc.aio.secure_channel(self._target, self._tls.grpc_credentials(), options=options)

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from clients import codec
-from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend
+from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend
 from clients._tls import client_tls
 from clients.retry import RetryableError, RetryPolicy, exhausted
@@ -292,6 +292,7 @@ class RecserveClient(_ClientBase):
             self.url,
             max_message_bytes=self._max_message_bytes,
             tls=self._tls,
+            max_reconnect_backoff_ms=reconnect_backoff_ms(self.policy),
         )
 
     # ------------------------------------------------------------------ plumbing

@@ -489,6 +489,78 @@ def test_grpc_connection_refused_then_server_starts(fake_grpc):
     assert result.model_version == "v2"
 
 
+class _ClosingListener:
+    """A port that accepts connections and closes them at once (a server not up yet, as
+    gRPC sees it: each connection attempt fails); records when each attempt came."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.attempts: list[float] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.attempts.append(time.monotonic())
+            connection.close()
+
+    def next_attempt(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the channel's next connection attempt."""
+        seen, deadline = len(self.attempts), time.monotonic() + timeout
+        while len(self.attempts) == seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.attempts) > seen, "no connection attempt"
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_grpc_retries_reach_a_server_that_came_back_while_the_channel_waited(fake_grpc, flavour):
+    """A channel whose connection attempts failed for a while waits longer and longer between
+    them (gRPC's reconnect backoff), failing every call at once meanwhile. That wait used to
+    grow to 1 s, longer than all the waits of the default retries (0.35 s at most): a server
+    that came back just after an attempt was unreachable for every retry of the next call
+    ("Connection refused", gave up after 4 attempts). The channel now tries again within half
+    the retries' shortest total wait."""
+    listener = _ClosingListener()
+    url = f"grpc://127.0.0.1:{listener.port}"
+    client_class = RecserveClient if flavour == "sync" else AsyncRecserveClient
+    client = client_class(url, model_name="m", timeout=2.0)  # default retries and backoff
+    loop = asyncio.new_event_loop()
+
+    def predict():
+        call = client.predict(_batch())
+        return loop.run_until_complete(call) if flavour == "async" else call
+
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # 1 s of failed attempts: the wait grows
+            with pytest.raises(UnavailableError):
+                predict()
+            time.sleep(0.02)
+        listener.next_attempt(timeout=2.0)  # just tried: the longest wait until the next
+        listener.close()
+        fake_grpc(port=listener.port)
+        result = predict()
+    finally:
+        listener.close()
+        if flavour == "async":
+            loop.run_until_complete(client.close())
+        else:
+            client.close()
+        loop.close()
+    assert result.model_version == "v2"
+
+
 def test_async_grpc_retries(fake_grpc):
     server = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
 
