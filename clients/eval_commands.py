@@ -244,7 +244,7 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         required=True,
         metavar="FILE",
-        help="where to write the copy of jit_dense.pt",
+        help="where to write the copy of jit_dense.pt (outside DIR)",
     )
     export.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
     export.set_defaults(handler=_export)

@@ -893,6 +893,23 @@ def test_export_dense_refuses_an_existing_file_before_reading_the_checkpoint(tmp
     assert out.read_bytes() == b"mine"
 
 
+def test_export_dense_refuses_a_target_inside_the_checkpoint(checkpoint, tmp_path):
+    """With --overwrite, DIR/dense.pt used to be replaced by the TorchScript copy: the
+    checkpoint then failed verification (dense.pt of another size) and no longer loaded."""
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    for name in ("dense.pt", "jit_dense.pt", "exported.pt"):
+        with pytest.raises(InvalidArgumentError) as refused:
+            checkpoint_write.export_dense(copy, copy / name, overwrite=True)
+        assert refused.value.message == (
+            f"--out {copy / name} must not be inside the checkpoint {copy}: write the copy "
+            "elsewhere"
+        )
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    problems, _ = checkpoint_inspect.verify(copy)
+    assert problems == []
+
+
 def test_sizes_are_shown_in_binary_units():
     human = checkpoint_inspect._human_bytes
     assert [human(n) for n in (0, 1023, 1024, 1536, 1024**2, 5 * 1024**4, 2048 * 1024**4)] == [
