@@ -142,12 +142,39 @@ def _check_options(o: EvalOptions) -> None:
         # With --overwrite the output would replace the data it is computed from.
         if output is not None and output.resolve() in inputs:
             raise InvalidArgumentError(f"{flag} {output} is one of the --data files")
+        # ... or the model: --report DIR/embeddings --overwrite replaced the checkpoint's
+        # embeddings with the report (the checkpoint then no longer loaded).
+        if (
+            output is not None
+            and o.checkpoint is not None
+            and _checkpoint_part(o.checkpoint, output)
+        ):
+            raise InvalidArgumentError(
+                f"{flag} {output} is the --checkpoint {o.checkpoint} or a part of it: writing "
+                "it would damage the checkpoint"
+            )
     eval_report.refuse_existing(o.out, overwrite=o.overwrite)
     if o.report is not None:
         eval_report.refuse_existing(o.report, overwrite=o.overwrite)
         if o.report.resolve() == o.out.resolve():
             raise InvalidArgumentError("--report and --out must differ")
         eval_report.pyplot()  # a missing matplotlib fails now, not after the scoring run
+
+
+def _checkpoint_part(checkpoint: Path, output: Path) -> bool:
+    """Whether ``output`` is the model checkpoint ``checkpoint`` or one of its files or
+    directories (a new file next to them is not)."""
+    # Here, not at the top: model_checkpoint imports torch (scoring in-process loads it anyway).
+    from embedding_store import model_checkpoint as mc
+
+    model, resolved = checkpoint.resolve(), output.resolve()
+    if resolved == model:
+        return True
+    if model not in resolved.parents:
+        return False
+    parts = {mc.MANIFEST_NAME, mc.DONE_MARKER, mc.EMBEDDINGS_DIR, mc.DENSE_FILE, mc.JIT_FILE}
+    parts |= {mc.OPTIMIZER_FILE, mc.SCALER_FILE}
+    return resolved.relative_to(model).parts[0] in parts
 
 
 def _label_of(o: EvalOptions, mapping: FeatureMapping) -> LabelMapping | None:

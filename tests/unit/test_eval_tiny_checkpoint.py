@@ -169,6 +169,36 @@ def test_eval_option_and_mapping_errors(checkpoint, tmp_path):
     assert not (tmp_path / "p.csv").exists()
 
 
+def test_eval_outputs_must_not_be_the_checkpoint_or_a_part_of_it(checkpoint, tmp_path):
+    """--report DIR/embeddings --overwrite used to replace the checkpoint's embeddings with
+    the report: the checkpoint then failed verification and no longer loaded."""
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    for flag, out, report in (
+        ("--report", tmp_path / "p.csv", copy / "embeddings"),
+        ("--report", tmp_path / "p.csv", copy),
+        ("--report", tmp_path / "p.csv", copy / "manifest.json"),
+        ("--out", copy / "embeddings" / "shard_00000" / "p.csv", None),
+    ):
+        target = report if report is not None else out
+        options = EvalOptions(
+            data=(data,), out=out, report=report, checkpoint=copy, overwrite=True, progress=False
+        )
+        with pytest.raises(InvalidArgumentError) as refused:
+            run_eval(options, out=io.StringIO())
+        assert refused.value.message == (
+            f"{flag} {target} is the --checkpoint {copy} or a part of it: writing it would "
+            "damage the checkpoint"
+        )
+    assert checkpoint_inspect.verify(copy)[0] == []
+    assert not (tmp_path / "p.csv").exists()
+    # A new file next to the checkpoint's own is no part of it.
+    options = EvalOptions(data=(data,), out=copy / "p.csv", checkpoint=copy, progress=False)
+    assert run_eval(options, out=io.StringIO()).rows == 3
+    assert checkpoint_inspect.verify(copy)[0] == []
+
+
 def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     data = tmp_path / "rows.csv"
     data.write_text("user,tags,dense_0,dense_1\n1,,0.5,1\nx,,0.5,1\n2,100,0.1,oops\n3,101,0,0\n")
