@@ -155,7 +155,7 @@ def _check_options(o: EvalOptions) -> None:
             )
     eval_report.refuse_existing(o.out, overwrite=o.overwrite)
     if o.report is not None:
-        eval_report.refuse_existing(o.report, overwrite=o.overwrite)
+        eval_report.check_report_target(o.report, overwrite=o.overwrite)
         if o.report.resolve() == o.out.resolve():
             raise InvalidArgumentError("--report and --out must differ")
         eval_report.pyplot()  # a missing matplotlib fails now, not after the scoring run

@@ -111,7 +111,10 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=positive_float, default=60.0, help="per request, seconds (60)"
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace existing --out / --report"
+        "--overwrite",
+        action="store_true",
+        help="replace existing --out / --report (a --report directory only when it is empty "
+        "or holds an earlier report)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     add_tls_arguments(parser)

@@ -32,6 +32,7 @@ __all__ = [
     "atomic_directory",
     "atomic_file",
     "calibration",
+    "check_report_target",
     "log_loss",
     "metrics",
     "roc_auc",
@@ -238,6 +239,26 @@ def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> Non
         raise AlreadyExistsError(f"{what} {path} already exists; pass --overwrite to replace it")
 
 
+#: The file every report directory holds: what tells an earlier report from other directories.
+REPORT_FILE = "report.json"
+
+
+def check_report_target(path: str | os.PathLike[str], *, overwrite: bool) -> None:
+    """AlreadyExistsError unless a report directory may be written to ``path``: it does not
+    exist, or (with ``overwrite``) it is a file, an empty directory or an earlier report (a
+    directory holding :data:`REPORT_FILE`). Replacing deletes the old directory, so no other
+    directory is ever replaced (``--report results --overwrite`` used to delete all of
+    ``results/``, whatever it held, and put the report in its place)."""
+    target = Path(path)
+    refuse_existing(target, overwrite=overwrite)
+    if target.is_dir() and any(target.iterdir()) and not (target / REPORT_FILE).is_file():
+        raise AlreadyExistsError(
+            f"report directory {target} exists and is not an eval report (no {REPORT_FILE}): "
+            "refusing to replace it (that would delete what it holds); choose another "
+            "directory: the report is written as a directory of its own"
+        )
+
+
 # --------------------------------------------------------------------------- report
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (files only, no display); InvalidArgumentError
@@ -388,6 +409,7 @@ def staged_report(
     it into place (an error inside the block leaves no report). ``recserve eval`` commits its
     predictions inside the block: a report that cannot be rendered leaves neither behind."""
     target = Path(path)
+    check_report_target(target, overwrite=overwrite)
     with atomic_directory(target, overwrite=overwrite) as staging:
         files = _plots(staging, report, labels, ranking_scores, predictions)
         (staging / "summary.md").write_text(summary_markdown(report), encoding="utf-8")

@@ -199,6 +199,29 @@ def test_eval_outputs_must_not_be_the_checkpoint_or_a_part_of_it(checkpoint, tmp
     assert checkpoint_inspect.verify(copy)[0] == []
 
 
+def test_eval_refuses_a_report_over_a_directory_that_is_no_report_before_scoring(
+    checkpoint, tmp_path, monkeypatch
+):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("mine")
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    scored = []
+    monkeypatch.setattr("clients.eval.InProcessScorer", lambda *a: scored.append(a))
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "p.csv",
+        report=results,
+        checkpoint=checkpoint,
+        overwrite=True,
+        progress=False,
+    )
+    with pytest.raises(AlreadyExistsError, match="is not an eval report"):
+        run_eval(options, out=io.StringIO())
+    assert scored == [] and (results / "notes.txt").read_text() == "mine"
+
+
 def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     data = tmp_path / "rows.csv"
     data.write_text("user,tags,dense_0,dense_1\n1,,0.5,1\nx,,0.5,1\n2,100,0.1,oops\n3,101,0,0\n")
