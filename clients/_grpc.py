@@ -23,7 +23,7 @@ from clients._proto import METHODS, SERVICE_NAME, V2
 from clients._tls import ClientTls, handshake_refused, tls_hint
 from clients.retry import RetryableError, RetryPolicy
 from clients.types import ModelInfo, PredictResult
-from embedding_store.errors import FailedPreconditionError, RecserveError
+from embedding_store.errors import FailedPreconditionError, RecserveError, UnavailableError
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -111,6 +111,12 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else _clock() + timeout
 
 
+#: How gRPC begins the UNAVAILABLE details it makes up itself when the channel has no
+#: connection (nothing listening, a refused handshake, a name that does not resolve): the
+#: server answered nothing.
+_NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "DNS resolution")
+
+
 def _failure(
     server: str, error: grpc.RpcError, *, secure: bool = False
 ) -> RecserveError | RetryableError:
@@ -118,7 +124,15 @@ def _failure(
     code = error.code() if callable(getattr(error, "code", None)) else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
+    hint = tls_hint(details or "", secure=secure)
+    if name == "UNAVAILABLE" and (details or "").startswith(_NOT_CONNECTED):
+        # Not "server X answered gRPC UNAVAILABLE": that reads as a server up and refusing
+        # work (a full queue, a drain), when there was no connection to one at all.
+        mapped: RecserveError = UnavailableError(
+            f"cannot connect to server {server}: gRPC UNAVAILABLE: {details}{hint}"
+        )
+    else:
+        mapped = codec.grpc_error(server, name, details + hint)
     # UNAVAILABLE is retried (a server restarting), but not a refused TLS handshake: it
     # would fail the same way, only later. CANCELLED comes from the server here (these
     # clients never cancel a call): grpc cancels the calls still open when a server stops,

@@ -561,6 +561,34 @@ def test_grpc_retries_reach_a_server_that_came_back_while_the_channel_waited(fak
     assert result.model_version == "v2"
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_grpc_connection_refused_says_there_was_no_connection_not_an_answer(flavour):
+    """gRPC makes up the UNAVAILABLE of a channel that could not connect; the message used to
+    say "server grpc://... answered gRPC UNAVAILABLE", which reads as a server up and refusing
+    work (a full queue, a drain), not as nothing listening on that port."""
+    port = _free_port()
+    url = f"grpc://127.0.0.1:{port}"
+    client_class = RecserveClient if flavour == "sync" else AsyncRecserveClient
+    client = client_class(url, model_name="m", retries=1, **FAST)
+
+    async def predict_async():
+        async with client:
+            return await client.predict(_batch())
+
+    with pytest.raises(UnavailableError) as refused:
+        if flavour == "sync":
+            with client:
+                client.predict(_batch())
+        else:
+            asyncio.run(predict_async())
+    message = refused.value.message
+    assert message.startswith(
+        f"cannot connect to server {url}: gRPC UNAVAILABLE: failed to connect to all addresses"
+    ), message
+    assert "Connection refused" in message and "answered" not in message
+    assert message.endswith("(gave up after 2 attempts)")
+
+
 def test_async_grpc_retries(fake_grpc):
     server = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
 
