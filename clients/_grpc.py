@@ -116,6 +116,19 @@ def _deadline(timeout: float | None) -> float | None:
 #: server answered nothing.
 _NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "DNS resolution")
 
+#: What gRPC says of a peer that does not speak HTTP/2 (a server's HTTP/1.1 port): every
+#: attempt gets the same answer.
+NOT_HTTP2_PEER = ("Trying to connect an http1.x server", "Expected SETTINGS frame as the first")
+
+
+def http1_hint(url: str) -> str:
+    """What to do when ``url`` answered in something else than HTTP/2 (the twin of
+    :func:`clients._http.http2_hint`)."""
+    return (
+        f" (server {url} does not speak HTTP/2: is that the server's HTTP port? grpc:// URLs "
+        "use its --grpc-port (8001 by default), http:// URLs its --http-port (8000))"
+    )
+
 
 def _failure(
     server: str, error: grpc.RpcError, *, secure: bool = False
@@ -125,6 +138,9 @@ def _failure(
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     hint = tls_hint(details or "", secure=secure)
+    http1 = any(sign in (details or "") for sign in NOT_HTTP2_PEER)
+    if http1:
+        hint += http1_hint(server)
     if name == "UNAVAILABLE" and (details or "").startswith(_NOT_CONNECTED):
         # Not "server X answered gRPC UNAVAILABLE": that reads as a server up and refusing
         # work (a full queue, a drain), when there was no connection to one at all.
@@ -137,9 +153,10 @@ def _failure(
     # would fail the same way, only later. CANCELLED comes from the server here (these
     # clients never cancel a call): grpc cancels the calls still open when a server stops,
     # and every call of the protocol is a read, safe to send again.
-    retry = (name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "")) or (
-        name == "RESOURCE_EXHAUSTED" and details == CONCURRENT_RPC_LIMIT
-    )
+    # Nor a peer that does not speak HTTP/2: the port answers that way every time.
+    retry = (
+        name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "") and not http1
+    ) or (name == "RESOURCE_EXHAUSTED" and details == CONCURRENT_RPC_LIMIT)
     return RetryableError(mapped) if retry else mapped
 
 

@@ -589,6 +589,26 @@ def test_grpc_connection_refused_says_there_was_no_connection_not_an_answer(flav
     assert message.endswith("(gave up after 2 attempts)")
 
 
+def test_grpc_client_on_an_http_port_is_told_so_at_once(fake_http):
+    """An HTTP/1.1 server answers gRPC's HTTP/2 preface the same way every time: the call
+    used to be retried (gave up after 4 attempts), with no word of the port mix-up that the
+    HTTP client names in the opposite case."""
+    server = fake_http()
+    port = server.url.rsplit(":", 1)[1]
+    url = f"grpc://127.0.0.1:{port}"
+    with (
+        RecserveClient(url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(UnavailableError) as refused,
+    ):
+        client.metadata()
+    message = refused.value.message
+    assert message.startswith(f"cannot connect to server {url}: gRPC UNAVAILABLE: "), message
+    assert message.endswith(  # no "(gave up after 4 attempts)": not retried
+        f" (server {url} does not speak HTTP/2: is that the server's HTTP port? grpc:// URLs "
+        "use its --grpc-port (8001 by default), http:// URLs its --http-port (8000))"
+    ), message
+
+
 def test_async_grpc_retries(fake_grpc):
     server = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
 
