@@ -122,6 +122,14 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError(
             f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got {o.output_transform!r}"
         )
+    if o.output_transform != "identity" and o.checkpoint is None:
+        # The server's answers are used as they come: the flag used to be taken and ignored,
+        # and the report then still said "logits? pass --output-transform sigmoid".
+        raise InvalidArgumentError(
+            f"--output-transform {o.output_transform} applies to in-process scoring "
+            "(--checkpoint); a server's predictions come transformed by its own "
+            "`recserve serve --output-transform`"
+        )
     if o.bad_rows not in ("skip", "fail"):
         raise InvalidArgumentError(f"--bad-rows must be skip or fail, got {o.bad_rows!r}")
     if o.batch_size <= 0:
@@ -341,6 +349,11 @@ def _evaluate(
             all_predictions,
             ranking if local is not None else None,
             bins=o.calibration_bins,
+            logits_hint=(
+                "pass --output-transform sigmoid"
+                if local is not None
+                else "start the server with `recserve serve --output-transform sigmoid`"
+            ),
         )
         report: dict[str, Any] = {
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

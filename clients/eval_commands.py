@@ -88,8 +88,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--output-transform",
         choices=["identity", "sigmoid"],
         default="identity",
-        help="applied in-process to the model output, as `recserve serve --output-transform` "
-        "does on the server (use the server's setting with --compare)",
+        help="applied in-process (--checkpoint) to the model output, as `recserve serve "
+        "--output-transform` does on the server (use the server's setting with --compare; "
+        "with --url alone the server's answers are used as they come)",
     )
     parser.add_argument(
         "--protocol",

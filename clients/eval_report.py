@@ -137,12 +137,14 @@ def metrics(
     ranking_scores: np.ndarray | None = None,
     *,
     bins: int = 10,
+    logits_hint: str = "pass --output-transform sigmoid",
 ) -> dict[str, Any]:
     """The metrics block of ``report.json``.
 
     ``ranking_scores``: what AUC ranks (the raw model output when known: AUC is invariant
     to the monotone output transform, but float32 sigmoid can tie distinct logits), else the
-    predictions.
+    predictions. ``logits_hint``: what makes the predictions probabilities, for the note
+    when they are not.
     """
     predictions = np.asarray(predictions, dtype=np.float64).reshape(-1)
     out: dict[str, Any] = {
@@ -177,8 +179,8 @@ def metrics(
         out["calibration"] = calibration(labels, predictions, bins)
     else:
         out["probability_note"] = (
-            "predictions are not probabilities in [0, 1] (logits? pass --output-transform "
-            "sigmoid): log loss and calibration left out"
+            f"predictions are not probabilities in [0, 1] (logits? {logits_hint}): log loss "
+            "and calibration left out"
         )
     return out
 

@@ -731,6 +731,41 @@ def test_eval_url_splits_a_batch_over_the_servers_max_request_batch_size(
         service.close()
 
 
+def test_eval_url_alone_takes_no_output_transform_and_its_note_names_the_servers(
+    checkpoint, tmp_path
+):
+    """With --url alone, --output-transform sigmoid used to be taken and ignored; and the
+    report of a server answering logits said "logits? pass --output-transform sigmoid",
+    which changed nothing. The flag is refused; the note names the server's setting."""
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    data = tmp_path / "rows.csv"
+    write_rows(data, 6)
+    base = {"data": (data,), "out": tmp_path / "p.csv", "model": "tiny", "progress": False}
+    with pytest.raises(InvalidArgumentError) as refused:
+        run_eval(EvalOptions(**base, url="http://127.0.0.1:9", output_transform="sigmoid"))
+    assert refused.value.message == (
+        "--output-transform sigmoid applies to in-process scoring (--checkpoint); a server's "
+        "predictions come transformed by its own `recserve serve --output-transform`"
+    )
+    service = PredictionService(load_model(checkpoint, name="tiny", warm_up=False))
+    server = _Uvicorn(create_app(service))
+    try:
+        options = EvalOptions(**base, url=f"http://127.0.0.1:{server.port}", label="clicked")
+        result = run_eval(options, out=io.StringIO())
+    finally:
+        server.stop()
+        service.close()
+    assert result.rows == 6 and result.report["log_loss"] is None
+    assert result.report["probability_note"] == (
+        "predictions are not probabilities in [0, 1] (logits? start the server with "
+        "`recserve serve --output-transform sigmoid`): log loss and calibration left out"
+    )
+
+
 def _tiny_batch(n: int) -> Batch:
     return Batch(
         [
