@@ -766,6 +766,38 @@ def test_eval_url_alone_takes_no_output_transform_and_its_note_names_the_servers
     )
 
 
+def test_predict_sends_a_batch_over_the_servers_limit_in_pieces_of_its_size(
+    checkpoint, tmp_path, capsys
+):
+    """recserve predict used to end with the server's 400 ("batch size 5 exceeds this
+    server's max batch size 2") where recserve eval sends pieces of the server's size."""
+    from clients import RecserveClient
+    from embedding_store.cli import main
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    rows = [{"user": i, "tags": [100 + i] * (i % 3), "dense": [0.1 * i, 1.0]} for i in range(5)]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
+    service = PredictionService(
+        load_model(checkpoint, name="tiny", warm_up=False), max_request_batch_size=2
+    )
+    server = _Uvicorn(create_app(service))
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        code = main(["predict", "--url", url, "--model", "tiny", "--input", str(path)])
+        with RecserveClient(url, model_name="tiny") as client:
+            expected = [client.predict([row]).predictions[0, 0] for row in rows]
+    finally:
+        server.stop()
+        service.close()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and len(lines) == 5
+    np.testing.assert_allclose([line["prediction"] for line in lines], expected, atol=1e-6)
+
+
 def _tiny_batch(n: int) -> Batch:
     return Batch(
         [
