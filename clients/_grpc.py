@@ -171,6 +171,12 @@ def _stubs(channel: Any) -> dict[str, Any]:
     }
 
 
+def closed_error(server: str) -> FailedPreconditionError:
+    """What a call on a closed backend raises (the clients check first, naming themselves;
+    this is for a call that raced :meth:`close`)."""
+    return FailedPreconditionError(f"the gRPC client of {server} is closed; create a new client")
+
+
 # --------------------------------------------------------------------------- sync
 class GrpcBackend:
     """Blocking calls on one ``grpc`` channel to ``target`` (``host:port``)."""
@@ -200,6 +206,10 @@ class GrpcBackend:
             response = self._stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
             raise _failure(self.server, error, secure=self._tls is not None) from None
+        except ValueError as error:  # grpc's "Cannot invoke RPC on closed channel!"
+            if "closed channel" not in str(error):
+                raise
+            raise closed_error(self.server) from None
         return decode(response)
 
     def live(self, timeout: float | None) -> bool:
@@ -266,6 +276,7 @@ class AsyncGrpcBackend:
         # would otherwise both pass the check, each opening a channel.
         self._swap_lock = threading.Lock()
         self._in_flight = 0  # calls awaiting an answer on the current channel
+        self._closed = False  # close() was called: no channel is opened again
 
     def _open_channel(self) -> grpc.aio.Channel:
         options = channel_options(self._max_message_bytes, self._max_reconnect_backoff_ms)
@@ -274,6 +285,8 @@ class AsyncGrpcBackend:
         return grpc.aio.secure_channel(self._target, self._tls.grpc_credentials(), options=options)
 
     async def _stubs_for_this_loop(self) -> dict[str, Any]:
+        if self._closed:  # a new channel now would never be closed
+            raise closed_error(self.server)
         loop = asyncio.get_running_loop()
         if self._channel is not None and self._loop is loop:
             return self._stubs
@@ -335,6 +348,7 @@ class AsyncGrpcBackend:
         return await self._run(infer_call(model, tensors), timeout)
 
     async def close(self) -> None:
+        self._closed = True
         if self._channel is not None:
             channel, self._channel, self._loop = self._channel, None, None
             await channel.close()

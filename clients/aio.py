@@ -149,6 +149,7 @@ class AsyncRecserveClient(_ClientBase):
                 if attempt >= self.policy.retries:
                     raise exhausted(retry, attempt + 1) from None
                 await asyncio.sleep(self.policy.delay(attempt))
+                self._check_open()
                 attempt += 1
 
     async def _health(self, call: Callable[..., Awaitable[bool]], *args: Any) -> bool:

@@ -194,6 +194,13 @@ class _ClientBase:
             raise FailedPreconditionError(f"{self!r} is closed; create a new client")
         return self._transport
 
+    def _check_open(self) -> None:
+        """FailedPreconditionError once the client is closed: a retry that waited out its
+        delay while another thread or task closed the client is not sent (it used to be:
+        over HTTP on a new connection, over gRPC as a raw ValueError "Cannot invoke RPC on
+        closed channel!", or, asyncio, on a new channel that nothing closed)."""
+        self._backend  # noqa: B018  (the property raises for a closed client)
+
     def _close_transport(self) -> Any:
         """Mark the client closed and return the transport to close (None if already)."""
         if self._closed:
@@ -305,6 +312,7 @@ class RecserveClient(_ClientBase):
                 if attempt >= self.policy.retries:
                     raise exhausted(retry, attempt + 1) from None
                 time.sleep(self.policy.delay(attempt))
+                self._check_open()
                 attempt += 1
 
     def _health(self, call: Callable[..., bool], *args: Any) -> bool:

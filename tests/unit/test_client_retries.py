@@ -711,6 +711,86 @@ def test_calls_after_close_raise_the_same_error_on_every_client(scheme):
     asyncio.run(closed_async())
 
 
+def _wait_for_requests(server, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while server.requests < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.02)  # its answer on the way back
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_a_retry_after_the_client_was_closed_is_not_sent(fake_http, fake_grpc, scheme, flavour):
+    """A retry waiting out its delay while another thread (task) closed the client used to go
+    on: over HTTP on a new connection, over gRPC as a raw ValueError ("Cannot invoke RPC on
+    closed channel!"), with asyncio on a new channel that nothing closed. Only the asyncio
+    HTTP client refused it, as every client now does."""
+    from embedding_store.errors import FailedPreconditionError
+
+    server = (
+        fake_http([(503, 0.0)]) if scheme == "http" else fake_grpc([grpc.StatusCode.UNAVAILABLE])
+    )
+    options = {"model_name": "m", "retries": 2, "backoff": (0.4, 0.4)}
+    outcome: list[object] = []
+    if flavour == "sync":
+        client = RecserveClient(server.url, **options)
+
+        def call() -> None:
+            try:
+                outcome.append(client.predict(_batch()))
+            except Exception as error:
+                outcome.append(error)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        _wait_for_requests(server, 1)  # the first attempt failed: the retry waits 0.2 s+
+        client.close()
+        caller.join(5)
+    else:
+        async_client = AsyncRecserveClient(server.url, **options)
+        client = async_client  # for the message below
+
+        async def main() -> None:
+            task = asyncio.create_task(async_client.predict(_batch()))
+            await asyncio.to_thread(_wait_for_requests, server, 1)
+            await async_client.close()
+            try:
+                outcome.append(await task)
+            except Exception as error:
+                outcome.append(error)
+
+        asyncio.run(main())
+    [error] = outcome
+    assert isinstance(error, FailedPreconditionError), error
+    assert error.message == f"{client!r} is closed; create a new client"
+    assert server.requests == 1
+
+
+def test_grpc_backends_refuse_calls_once_closed():
+    """What a call that raced close() meets: a FailedPreconditionError, not grpc's raw
+    ValueError, nor a new asyncio channel."""
+    from clients._grpc import AsyncGrpcBackend, GrpcBackend
+    from embedding_store.errors import FailedPreconditionError
+
+    url = f"grpc://127.0.0.1:{_free_port()}"
+    message = f"the gRPC client of {url} is closed; create a new client"
+    backend = GrpcBackend(url.removeprefix("grpc://"), url)
+    backend.close()
+    with pytest.raises(FailedPreconditionError) as refused:
+        backend.live(1.0)
+    assert refused.value.message == message
+
+    async def main() -> None:
+        async_backend = AsyncGrpcBackend(url.removeprefix("grpc://"), url)
+        await async_backend.close()
+        with pytest.raises(FailedPreconditionError) as refused:
+            await async_backend.live(1.0)
+        assert refused.value.message == message
+        assert async_backend._channel is None
+
+    asyncio.run(main())
+
+
 def test_async_grpc_client_refuses_a_second_loop_while_the_first_has_calls_pending(fake_grpc):
     """A loop stopped with a call pending on it may run again: its channel stays (closing it
     cancelled that call with a raw CancelledError), and a second loop is refused. Once the
