@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from clients import codec
-from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend
+from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend
 from clients._tls import client_tls
 from clients.retry import RetryableError, RetryPolicy, exhausted
@@ -194,6 +194,13 @@ class _ClientBase:
             raise FailedPreconditionError(f"{self!r} is closed; create a new client")
         return self._transport
 
+    def _check_open(self) -> None:
+        """FailedPreconditionError once the client is closed: a retry that waited out its
+        delay while another thread or task closed the client is not sent (it used to be:
+        over HTTP on a new connection, over gRPC as a raw ValueError "Cannot invoke RPC on
+        closed channel!", or, asyncio, on a new channel that nothing closed)."""
+        self._backend  # noqa: B018  (the property raises for a closed client)
+
     def _close_transport(self) -> Any:
         """Mark the client closed and return the transport to close (None if already)."""
         if self._closed:
@@ -292,6 +299,7 @@ class RecserveClient(_ClientBase):
             self.url,
             max_message_bytes=self._max_message_bytes,
             tls=self._tls,
+            max_reconnect_backoff_ms=reconnect_backoff_ms(self.policy),
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -304,6 +312,7 @@ class RecserveClient(_ClientBase):
                 if attempt >= self.policy.retries:
                     raise exhausted(retry, attempt + 1) from None
                 time.sleep(self.policy.delay(attempt))
+                self._check_open()
                 attempt += 1
 
     def _health(self, call: Callable[..., bool], *args: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from google.protobuf import descriptor_pb2
 
 from clients import codec
 from clients._proto import V2 as CLIENT_V2
-from clients.client import is_rows, parse_url
+from clients.client import RecserveClient, is_rows, parse_url
 from clients.commands import check_file, detect_format, iter_batches, locate, parse_value
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
@@ -345,6 +346,24 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap():
         RetryPolicy(-1)
     with pytest.raises(InvalidArgumentError, match=r"0 <= min <= max, got \(2\.0, 1\.0\)"):
         RetryPolicy(1, 2.0, 1.0)
+
+
+@pytest.mark.parametrize("backoff", [math.inf, 1e300, (0.05, math.inf), (0.05, 1e6 + 1)])
+def test_a_backoff_too_long_for_the_clock_is_an_invalid_argument(backoff):
+    """backoff=inf used to fail the first retry with a raw ValueError from time.sleep
+    ("Invalid value NaN"), and 1e300 with an OverflowError; (0.05, inf) once the doubling
+    passed what a float holds."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        RecserveClient("http://127.0.0.1:9", model_name="m", backoff=backoff)
+    assert refused.value.message.startswith(
+        "backoff must be (min, max) seconds, at most 1000000, with 0 <= min <= max, got ("
+    )
+
+
+def test_the_backoff_of_a_late_retry_is_the_maximum():
+    """2.0**1024 overflows: the 1025th retry of a client with many used to raise it, raw."""
+    policy = RetryPolicy(5000, 0.05, 1.0)
+    assert all(0.5 <= policy.delay(attempt) <= 1.0 for attempt in (1023, 1024, 4999))
 
 
 def test_exhausted_keeps_the_class_and_counts_attempts():

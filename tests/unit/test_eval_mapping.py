@@ -401,6 +401,25 @@ def test_int_ids_must_be_whole_non_negative_numbers_not_booleans():
     }
 
 
+def test_int_id_text_is_ascii_digits_read_exactly():
+    """int() reads "1_23" and "12_3" both as 123 (two IDs made one) and other scripts' digits
+    as ASCII ones; a whole float as pandas writes it ("7.0") is read exactly, never through a
+    float (which cannot hold 2**53 + 1)."""
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    cells = ["7.0", f"{2**53 + 1}.0", "+8", "12.", "1_23", "\u0661\u0662", "1e3", "0x10", "5.5"]
+    batch, bad = encoder.encode([{"user": cell} for cell in cells])
+    assert batch.id_type_features[0].values.tolist() == [7, 2**53 + 1, 8, 12]
+    assert dict(bad) == {
+        4: "column 'user': '1_23' is not an integer ID",
+        5: "column 'user': '\u0661\u0662' is not an integer ID",
+        6: "column 'user': '1e3' is not an integer ID",
+        7: "column 'user': '0x10' is not an integer ID",
+        8: "column 'user': '5.5' is not an integer ID",
+    }
+
+
 def test_a_single_id_feature_given_an_empty_list_is_a_bad_row():
     mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
     signature = FeatureSignature((IdFeatureSpec("user", True),), ())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -391,6 +392,55 @@ def test_a_directory_where_an_output_file_goes_is_refused_before_anything_is_wri
         entered.append(True)
     assert caught.value.message == f"output {target} is a directory; expected a file name"
     assert entered == [] and [p.name for p in tmp_path.iterdir()] == ["out.csv"]
+
+
+def _tiny_report(target: Path, *, overwrite: bool) -> None:
+    labels, predictions = np.array([0.0, 1.0]), np.array([0.25, 0.75])
+    report = {
+        "created_at": "now",
+        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
+        "data": ["a.csv"],
+        "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
+        **eval_report.metrics(labels, predictions),
+        "bad_rows": [],
+        "compare": None,
+    }
+    eval_report.write_report(
+        target,
+        report,
+        labels=labels,
+        predictions=predictions,
+        ranking_scores=predictions,
+        all_bad_rows=[],
+        overwrite=overwrite,
+    )
+
+
+def test_overwrite_replaces_an_earlier_report_but_no_other_directory(tmp_path):
+    """--report results --overwrite used to delete results/ whatever it held (other runs'
+    files, say) and put the report in its place."""
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    (results / "runs" / "notes.txt").write_text("mine")
+    with pytest.raises(AlreadyExistsError) as refused:
+        _tiny_report(results, overwrite=True)
+    assert refused.value.message == (
+        f"report directory {results} exists and is not an eval report (no report.json): "
+        "refusing to replace it (that would delete what it holds); choose another directory: "
+        "the report is written as a directory of its own"
+    )
+    assert (results / "runs" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]  # no staging left
+    # An earlier report, and an empty directory, are replaced.
+    report = tmp_path / "report"
+    _tiny_report(report, overwrite=False)
+    (report / "summary.md").write_text("stale")
+    _tiny_report(report, overwrite=True)
+    assert (report / "summary.md").read_text().startswith("# recserve eval report")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _tiny_report(empty, overwrite=True)
+    assert (empty / "report.json").is_file()
 
 
 def test_a_report_directory_over_an_existing_file_leaves_no_old_copy(tmp_path):
