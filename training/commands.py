@@ -170,18 +170,6 @@ def _train(args: argparse.Namespace) -> int:
             f"{args.nnodes}): give one per NN worker, in rank order"
         )
     env = _environment(args)
-    ranks = args.nproc_per_node * args.nnodes
-    if args.nn_worker_addresses:
-        count = len([a for a in args.nn_worker_addresses.split(",") if a.strip()])
-        if count != ranks:
-            # Rank r listens on entry r and loaders deal batches over every entry: with
-            # fewer, two ranks bind one port; with more, loaders wait for receivers that
-            # never start (their timeout, 600 s) while the ranks wait for batches.
-            raise SystemExit(
-                f"recserve train: error: --nn-worker-addresses has {count} HOST:PORT "
-                f"entr{'y' if count == 1 else 'ies'}, but the job runs {ranks} NN worker(s) "
-                "(--nproc-per-node x --nnodes): give one per rank, in rank order"
-            )
     if args.embedding_workers:
         env[EMBEDDING_WORKERS_ENV] = args.embedding_workers
     if ranks > 1 and not env.get(EMBEDDING_WORKERS_ENV):
