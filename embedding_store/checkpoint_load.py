@@ -272,8 +272,8 @@ def read_rows_for_replica(
             "embedding checkpoint %s holds state of optimizer %s, which does not fit this "
             "shard's %s: the rows load, their optimizer state starts fresh",
             manifest.directory,
-            _optimizer_summary(manifest.optimizer),
-            _optimizer_summary(keep_state_of.to_dict()),
+            optimizer_summary(manifest.optimizer),
+            optimizer_summary(keep_state_of.to_dict()),
         )
     same_layout = manifest.num_shards == replica_size
     entries = [e for e in manifest.files if not same_layout or e.shard == replica_index]
@@ -338,7 +338,7 @@ def _check_saved_state(
         raise CheckpointError(f"checkpoint file {path}: {error.message}") from None
 
 
-def _optimizer_summary(settings: dict[str, Any]) -> str:
+def optimizer_summary(settings: dict[str, Any]) -> str:
     """``adagrad (vectorwise_shared)`` or ``adam``: what makes two optimizers' state differ."""
     shared = " (vectorwise_shared)" if settings.get("vectorwise_shared") else ""
     return f"{settings.get('name', '?')}{shared}"

@@ -432,7 +432,9 @@ class RemoteShardTier:
         manifest and the done-marker and renames the directory into place. If a shard fails,
         nothing is published (no manifest, no done-marker) and the error names the shard.
         If ``caller_gone()`` is true just before the rename (the RPC's caller gave up), the
-        staging directory is removed and nothing is published either.
+        staging directory is removed and nothing is published either. The manifest names
+        the optimizer of the shards that have one; shards keeping state of different
+        optimizers fail the dump (:func:`_manifest_optimizer`).
         UnavailableError while another dump or load runs."""
         self._checkpoint_task.begin("dumping")
         try:
@@ -481,7 +483,7 @@ class RemoteShardTier:
                     f"{error.message}"
                 ) from None
             entries = [entry for files, _ in results for entry in files]
-            optimizer = results[0][1]
+            optimizer = _manifest_optimizer(target, results)
             checkpoint_dump.finalize_checkpoint(
                 staging, self.embedding_config, total, entries, optimizer
             )
@@ -598,6 +600,42 @@ _NO_ANSWER = ShardStatus(
     optimizer_json="", serving=False, lookups=0, ids_looked_up=0, misses=0, evictions=0,
     task="", task_progress=0.0,
 )  # fmt: skip
+
+
+def _manifest_optimizer(
+    target: Path,
+    results: Sequence[tuple[Sequence[checkpoint_manifest.FileEntry], dict[str, Any] | None]],
+) -> dict[str, Any] | None:
+    """The optimizer a dump's manifest names, from the shards' answers (each its files and
+    its optimizer's settings, None when it has none): the first one any shard has.
+
+    Not shard 0's alone: a shard restarted empty has no optimizer (and writes no rows), and
+    a manifest naming none makes every load drop the other shards' optimizer state, with no
+    warning (state is kept only for the optimizer the manifest names). Shards that keep
+    state of different layouts (another kind of optimizer, Adagrad with and without
+    ``vectorwise_shared``, or rows without state beside rows with it) would make a
+    checkpoint whose state no load could keep (:func:`checkpoint_load.state_fits`): refused,
+    naming them, before anything is published."""
+    layouts: dict[str, list[int]] = {}
+    for index, (files, optimizer) in enumerate(results):
+        if optimizer:
+            layout = checkpoint_load.optimizer_summary(optimizer)
+        elif any(entry.rows for entry in files):
+            layout = "no optimizer"
+        else:
+            continue  # no optimizer and no rows (restarted empty): nothing to keep
+        layouts.setdefault(layout, []).append(index)
+    if len(layouts) > 1:
+        which = "; ".join(
+            f"{layout} on shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
+            for layout, shards in layouts.items()
+        )
+        raise CheckpointError(
+            f"checkpoint {target} not written (no manifest, no done-marker): the shards keep "
+            f"the state of different optimizers ({which}), which no load could keep; "
+            "configure every shard with one optimizer and dump again"
+        )
+    return next((optimizer for _, optimizer in results if optimizer), None)
 
 
 def _caller_waits() -> bool:

@@ -32,7 +32,12 @@ from embedding_store import (
 )
 from embedding_store.cli import main as cli_main
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
-from embedding_store.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from embedding_store.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import http1_message
 from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
@@ -260,6 +265,58 @@ def test_a_dump_whose_caller_left_while_shards_wrote_publishes_nothing(tmp_path)
         for fake in fakes:
             fake.on_dump = None
         tier.close()
+
+
+def adam_fakes() -> list[FakeShardClient]:
+    """Two shards trained one Adam step on IDs 0..29 (each holds some)."""
+    fakes = [FakeShardClient(i, 2) for i in range(2)]
+    for fake in fakes:
+        fake.shard.configure(optimizer=ADAM)
+    tier = fake_tier(fakes)
+    try:
+        result = tier.lookup(user_batch(list(range(30))), train=True)
+        tier.backward(result.ref, ones(30))
+        tier.flush()
+    finally:
+        tier.close()
+    return fakes
+
+
+def test_a_dump_names_the_optimizer_of_the_shards_that_have_one(tmp_path):
+    """Shard 0 restarted empty (no rows, no optimizer) while shard 1 kept its rows: the
+    manifest names shard 1's Adam, so a load keeps its rows' moments and step counts. The
+    manifest used to take shard 0's (none), and every load dropped that state silently."""
+    fakes = adam_fakes()
+    kept = exact_rows(fakes[1].shard)
+    assert kept[4][2].shape == (len(kept[4][0]), 9) and len(kept[4][0]) > 0
+    fakes[0].shard = EmbeddingShard(1000, replica_index=0, replica_size=2)
+    tier = fake_tier(fakes)
+    try:
+        manifest = tier.dump(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert manifest.optimizer == ADAM.to_dict()
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=ADAM) as resumed:
+        resumed.load(tmp_path / "ckpt")
+        assert resumed.shards[0].size() == 0
+        assert_same_rows(exact_rows(resumed.shards[1]), kept)
+
+
+def test_a_dump_of_shards_keeping_state_of_different_optimizers_publishes_nothing(tmp_path):
+    fakes = adam_fakes()
+    fakes[0].shard.configure(optimizer=Adagrad(lr=0.1))  # shard 0 keeps Adagrad's state now
+    tier = fake_tier(fakes)
+    try:
+        with pytest.raises(CheckpointError) as failure:
+            tier.dump(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert failure.value.message == (
+        f"checkpoint {tmp_path / 'ckpt'} not written (no manifest, no done-marker): the "
+        "shards keep the state of different optimizers (adagrad on shard 0; adam on shard 1), "
+        "which no load could keep; configure every shard with one optimizer and dump again"
+    )
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no staging directory left
 
 
 # --------------------------------------------------------------------------- the shard's Load RPC

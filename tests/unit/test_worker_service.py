@@ -101,7 +101,9 @@ class FakeShardClient:
             entries = checkpoint_dump.write_shard_part(self.shard, directory, self.index)
         finally:
             self.task = ""
-        return entries, self.shard.optimizer.to_dict()
+        # As a parameter server answers: no settings when it has no optimizer.
+        optimizer = self.shard.optimizer
+        return entries, None if optimizer is None else optimizer.to_dict()
 
     def load(self, directory: str, *, caller_gone: Callable[[], bool] | None = None) -> int:
         self.task = "loading"
