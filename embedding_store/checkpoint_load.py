@@ -232,15 +232,29 @@ def slot_mismatches(
     return problems
 
 
-def count_rows_per_replica(manifest: EmbeddingManifest, replica_size: int) -> list[int]:
+def count_rows_per_replica(
+    manifest: EmbeddingManifest,
+    replica_size: int,
+    receivers: Sequence[Optimizer | None] | None = None,
+) -> list[int]:
     """Rows each of ``replica_size`` replicas owns in this checkpoint: int [replica_size].
 
     Reads and verifies every file once, keeping only its IDs' owner counts, so at most one
-    file is in memory: a re-shard can check every shard's capacity before it changes any."""
+    file is in memory: a re-shard can check every shard's capacity before it changes any.
+    ``receivers`` (optional, one per replica: the optimizer whose state its load keeps, as
+    ``keep_state_of`` of :func:`read_rows_for_replica`): the saved state each replica would
+    keep is checked too, as its own load checks it, so that no shard refuses its part
+    (negative accumulators, say) after others took theirs."""
     counts = np.zeros(replica_size, dtype=np.int64)
+    keeping = [r if state_fits(manifest, r) else None for r in receivers or ()]
+    same_layout = manifest.num_shards == replica_size
     for entry in manifest.files:
-        ids = _read_verified(manifest, entry)["ids"]
-        counts += np.bincount(shard_of(ids, replica_size), minlength=replica_size)
+        tensors = _read_verified(manifest, entry)
+        counts += np.bincount(shard_of(tensors["ids"], replica_size), minlength=replica_size)
+        readers = keeping[entry.shard : entry.shard + 1] if same_layout else keeping
+        # check_state depends on the optimizer's kind only (state_fits matched the widths)
+        for kind in {type(r): r for r in readers if r is not None}.values():
+            _check_saved_state(manifest, entry, tensors["state"], kind)
     return [int(c) for c in counts]
 
 

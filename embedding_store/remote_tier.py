@@ -36,6 +36,7 @@ from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     CheckpointError,
+    ConfigError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -43,7 +44,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import answered_in_http1
 from embedding_store.initializer import InitializationConfig
-from embedding_store.optimizers import Optimizer
+from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import (
@@ -503,7 +504,8 @@ class RemoteShardTier:
         progress: ProgressCallback | None = None,
         caller_gone: CallerGone | None = None,
     ) -> checkpoint_manifest.EmbeddingManifest:
-        """Verify the whole checkpoint and every shard's capacity, then have every shard load
+        """Verify the whole checkpoint, every shard's capacity and the saved optimizer state
+        each shard would keep (as its own load checks it), then have every shard load
         its part (Load RPC): with the same shard count it reads its own files, with another
         count it reads them all and keeps the rows it owns. Each shard replaces its rows only
         once it has read all of them, so a failure (or a killed worker) leaves every shard
@@ -536,7 +538,9 @@ class RemoteShardTier:
         # that keeps only each shard's row count) and every shard's capacity. The shards then
         # load in parallel, each all-or-nothing; what is left to fail is a shard going away.
         statuses = self.shard_statuses()
-        counts = checkpoint_load.count_rows_per_replica(manifest, total)
+        counts = checkpoint_load.count_rows_per_replica(
+            manifest, total, [_load_receiver(manifest, status) for status in statuses]
+        )
         for index, (rows, status) in enumerate(zip(counts, statuses, strict=True)):
             if rows > status.capacity:
                 raise CheckpointError(
@@ -636,6 +640,21 @@ def _manifest_optimizer(
             "configure every shard with one optimizer and dump again"
         )
     return next((optimizer for _, optimizer in results if optimizer), None)
+
+
+def _load_receiver(
+    manifest: checkpoint_manifest.EmbeddingManifest, status: ShardStatus
+) -> Optimizer | None:
+    """The optimizer whose state a shard's Load keeps: its own, else (a training shard not
+    configured yet) the checkpoint's, which it adopts; None for an inference shard without
+    one, or when the shard reports settings this build cannot read (its own load checks
+    them then)."""
+    try:
+        if status.optimizer:
+            return optimizer_from_dict(status.optimizer)
+    except (ConfigError, ValueError):
+        return None
+    return None if status.read_only else checkpoint_load.optimizer_of(manifest)
 
 
 def _caller_waits() -> bool:

@@ -56,6 +56,7 @@ from embedding_store.worker_service import (
     _serve,
     serve_embedding_worker,
 )
+from tests.unit.test_checkpoint import _with_negative_state
 from tests.unit.test_worker_service import (
     CONFIG,
     WAIT,
@@ -317,6 +318,36 @@ def test_a_dump_of_shards_keeping_state_of_different_optimizers_publishes_nothin
         "which no load could keep; configure every shard with one optimizer and dump again"
     )
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no staging directory left
+
+
+def test_a_load_with_saved_state_one_shard_would_refuse_changes_no_shard(tmp_path):
+    """Shard 1's file holds a negative Adagrad accumulator (checksums to match), which its
+    shard's load refuses: the tier refuses the checkpoint before any shard loads, as the
+    in-process tier does. Shard 0 used to take its part first, leaving a tier half loaded."""
+    adagrad = Adagrad(lr=0.1)
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=adagrad) as source:
+        result = source.lookup(user_batch(list(range(40))), train=True)
+        source.backward(result.ref, ones(40))
+        source.dump(tmp_path / "ckpt")
+    path = _with_negative_state(tmp_path / "ckpt", shard=1)
+    fakes = [FakeShardClient(i, 2) for i in range(2)]
+    for fake in fakes:
+        fake.shard.configure(optimizer=adagrad)
+    tier = fake_tier(fakes)
+    try:
+        tier.lookup(user_batch([100, 101, 102, 103, 104, 105]), train=True)
+        before = [exact_rows(fake.shard) for fake in fakes]
+        assert all(before)
+        with pytest.raises(CheckpointError) as failure:
+            tier.load(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert failure.value.message == (
+        f"checkpoint file {path}: optimizer state: adagrad accumulators must be >= 0, but "
+        "row 0 holds -1.0 (its row would become NaN on the next update)"
+    )
+    for fake, rows in zip(fakes, before, strict=True):
+        assert_same_rows(exact_rows(fake.shard), rows)
 
 
 # --------------------------------------------------------------------------- the shard's Load RPC

@@ -9,6 +9,7 @@ test can hold a call (an Event) or fail it. Everything that waits is bounded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import subprocess
@@ -143,7 +144,10 @@ class FakeShardClient:
             capacity=stats.capacity,
             read_only=False,
             job_type="Train",
-            optimizer_json="",
+            # As a parameter server reports it: its optimizer's settings, "" for none.
+            optimizer_json=""
+            if self.shard.optimizer is None
+            else json.dumps(self.shard.optimizer.to_dict()),
             serving=self.serving,
             lookups=stats.lookups,
             ids_looked_up=stats.ids_looked_up,
