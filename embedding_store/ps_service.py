@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
@@ -58,7 +59,7 @@ from embedding_store.ps_wire import (
     row_chunks,
 )
 from embedding_store.rpc_metrics import observed, observed_stream
-from embedding_store.shard import EmbeddingShard
+from embedding_store.shard import EmbeddingShard, RowBlock
 
 log = logging.getLogger(__name__)
 
@@ -431,10 +432,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def ExportRows(
         self, request: pb.ExportRowsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RowChunk]:
-        for dim in self.shard.dims():
-            block = self.shard.export_rows(dim)
+        # Every dim copied at one instant, as a dump copies them: dims copied one at a time
+        # while training goes on could hold, together, more rows than the capacity (rows of
+        # a dim already sent evicted for rows of one not yet sent), which no shard of that
+        # capacity takes back whole. Each dim's rows least recently used first, as
+        # export_rows gives them, so an importer that takes them in order keeps their recency.
+        for block in self.shard.export_all().values():
             if len(block) and context.is_active():
-                yield from row_chunks(block, request.max_rows_per_chunk)
+                assert block.state is not None and block.recency is not None  # export_all's
+                order = np.argsort(block.recency)
+                ordered = RowBlock(block.ids[order], block.weights[order], block.state[order])
+                yield from row_chunks(ordered, request.max_rows_per_chunk)
 
     @rpc_errors
     @observed

@@ -599,10 +599,10 @@ def test_a_failed_row_export_is_counted_and_timed_like_unary_calls():
     s.Lookup(pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4, train=True),
              FakeContext())  # fmt: skip
 
-    def export_rows(dim: int) -> RowBlock:
+    def export_all() -> dict[int, RowBlock]:
         raise UnavailableError("the shard is going away")
 
-    s.shard.export_rows = export_rows  # type: ignore[method-assign]
+    s.shard.export_all = export_all  # type: ignore[method-assign]
     with pytest.raises(AbortedError) as failure:
         list(s.ExportRows(pb.ExportRowsRequest(), FakeContext()))
     assert failure.value.code == grpc.StatusCode.UNAVAILABLE
@@ -705,3 +705,34 @@ def test_non_finite_gradient_error_names_the_first_bad_row():
     grads[3, 3] = np.nan
     error = aborted(s.Update, pb.UpdateRequest(ids=pack_u64(ids), grads=pack_f32(grads), dim=4))
     assert "UpdateRequest.grads: 2 row(s) hold NaN or Inf, the first row 1 (ID 4)" in error.details
+
+
+def test_a_row_export_is_the_shard_at_one_instant_while_training_goes_on():
+    """A full shard (5 rows of dim 4, then 5 of dim 8) exported while a train lookup of 5
+    new dim-8 IDs evicts the dim-4 rows between the stream's chunks: the stream holds the
+    rows as they were when it started, never more than the capacity. Dims copied one at a
+    time gave 15 rows, 5 of them gone from the shard before the stream ended."""
+    two_dims = EmbeddingConfig(slots_config={"a": SlotConfig(dim=4), "b": SlotConfig(dim=8)})
+    s = ParameterServerServicer(
+        EmbeddingShard(10, optimizer=Adam(lr=0.1)), two_dims, job_type=JobType.TRAIN
+    )
+
+    def train(ids: list[int], dim: int) -> None:
+        request = pb.LookupRequest(ids=pack_u64(np.array(ids, np.uint64)), dim=dim, train=True)
+        s.Lookup(request, FakeContext())
+
+    train([3, 1, 4, 0, 2], 4)
+    train([100, 101, 102, 103, 104], 8)
+    before = {dim: s.shard.export_rows(dim) for dim in (4, 8)}
+    stream = s.ExportRows(pb.ExportRowsRequest(max_rows_per_chunk=2), FakeContext())
+    first = row_block_from_chunk(next(stream))
+    train([200, 201, 202, 203, 204], 8)
+    assert s.shard.stats().evictions == 5
+    blocks = [first, *(row_block_from_chunk(chunk) for chunk in stream)]
+    assert [(b.dim, len(b)) for b in blocks] == [(4, 2), (4, 2), (4, 1), (8, 2), (8, 2), (8, 1)]
+    for dim, want in before.items():  # least recently used first, state and all
+        mine = [b for b in blocks if b.dim == dim]
+        assert [int(i) for b in mine for i in b.ids] == want.ids.tolist()
+        np.testing.assert_array_equal(np.concatenate([b.weights for b in mine]), want.weights)
+        np.testing.assert_array_equal(np.concatenate([b.state for b in mine]), want.state)
+    assert before[4].ids.tolist() == [3, 1, 4, 0, 2]
