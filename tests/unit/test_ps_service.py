@@ -26,6 +26,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import MAX_MESSAGE_BYTES, pack_f32, pack_u64
+from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
@@ -736,3 +737,33 @@ def test_a_row_export_is_the_shard_at_one_instant_while_training_goes_on():
         np.testing.assert_array_equal(np.concatenate([b.weights for b in mine]), want.weights)
         np.testing.assert_array_equal(np.concatenate([b.state for b in mine]), want.state)
     assert before[4].ids.tolist() == [3, 1, 4, 0, 2]
+
+
+def test_imported_rows_another_replica_owns_are_refused_naming_the_first():
+    """Replica 1 of 2 takes only the rows the workers route to it (shard_of): another
+    replica's would take room, never be looked up, and go into its checkpoint part."""
+    s = ParameterServerServicer(
+        EmbeddingShard(100, optimizer=SGD(), replica_index=1, replica_size=2),
+        CONFIG,
+        job_type=JobType.TRAIN,
+    )
+    ids = np.arange(10, dtype=np.uint64)
+    owners = shard_of(ids, 2)
+    assert owners.tolist() == [1, 1, 0, 1, 0, 0, 0, 1, 0, 0]
+
+    def chunk(picked: np.ndarray) -> pb.RowChunk:
+        weights = np.repeat(picked.astype(np.float32)[:, None], 4, axis=1)
+        return next(row_chunks(RowBlock(ids=picked, weights=weights, state=None), 0))
+
+    mine = ids[owners == 1]
+    assert s.ImportRows(iter([chunk(mine)]), FakeContext()).rows_imported == 4
+    error = aborted(s.ImportRows, iter([chunk(np.array([0, 2, 4, 1], np.uint64))]))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details == (
+        "RowChunk[0].ids: 2 of 4 rows belong to other replicas (the first, ID 2, to replica 0 "
+        "of 2); this parameter server is replica 1 of 2, which workers never ask for them: "
+        "import each row into the replica that owns it (embedding_store.hashing.shard_of)"
+    )
+    block = s.shard.export_rows(4)
+    assert block.ids.tolist() == mine.tolist()  # nothing of the refused chunk was taken
+    np.testing.assert_array_equal(block.weights[:, 0], mine.astype(np.float32))
