@@ -400,10 +400,35 @@ def load_into_shard(
         progress=progress,
     )
     _check_capacity(manifest, shard, blocks)
-    if adopted is not None:
-        shard.configure(optimizer=adopted)
-    shard.replace_rows(blocks, checkpoint_version=manifest.version)
+    # The optimizer is adopted (and the saved state checked against the shard's) at the
+    # swap, under the shard's lock: a Configure that arrived while the files were read (a
+    # trainer starting while a restarted shard loads) is kept, never replaced by the
+    # checkpoint's optimizer.
+    shard.replace_rows(
+        blocks,
+        checkpoint_version=manifest.version,
+        state_of=receiver,
+        adopt=adopted is not None,
+    )
+    _note_configured_meanwhile(manifest, shard, receiver)
     return manifest
+
+
+def _note_configured_meanwhile(
+    manifest: EmbeddingManifest, shard: EmbeddingShard, receiver: Optimizer | None
+) -> None:
+    """Log when the shard was configured with another optimizer while ``manifest``'s rows
+    were read for ``receiver``: it keeps that one, and the saved state only where it fits."""
+    current = shard.optimizer
+    if receiver is None or current is None or current == receiver:
+        return
+    log.warning(
+        "embedding shard configured with %s while checkpoint %s loaded (read for %s): it "
+        "keeps that optimizer; rows whose saved state does not fit it start it fresh",
+        json.dumps(current.to_dict(), sort_keys=True),
+        manifest.directory,
+        json.dumps(receiver.to_dict(), sort_keys=True),
+    )
 
 
 def load_embeddings(
@@ -427,9 +452,9 @@ def load_embeddings(
             keep_recency=not shard.read_only,
         )
         _check_capacity(manifest, shard, blocks)
-        staged.append(blocks)
-    for shard, blocks in zip(shards, staged):
-        shard.replace_rows(blocks, checkpoint_version=manifest.version)
+        staged.append((blocks, shard.optimizer))
+    for shard, (blocks, receiver) in zip(shards, staged):
+        shard.replace_rows(blocks, checkpoint_version=manifest.version, state_of=receiver)
     return manifest
 
 

@@ -41,6 +41,7 @@ from embedding_store.errors import (
 from embedding_store.grpc_common import http1_message
 from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
@@ -403,6 +404,39 @@ def test_load_rpc_keeps_a_configured_optimizer_and_only_state_that_fits(tmp_path
     for dim, (_, _, state) in exact_rows(s.shard).items():
         assert state.shape[1] == dim
         np.testing.assert_array_equal(state.view(np.float32), np.float32(0.25))
+
+
+@pytest.mark.parametrize(
+    ("configured", "state_kept"),
+    [(Adam(lr=0.5), True), (Adagrad(lr=0.1, initial_accumulator_value=0.25), False)],
+    ids=["same-kind", "other-kind"],
+)
+def test_a_configure_while_a_load_reads_is_kept_with_the_state_only_where_it_fits(
+    tmp_path, configured, state_kept
+):
+    """A shard without an optimizer starts loading (it would adopt the checkpoint's Adam),
+    and a trainer's Configure arrives before the swap: the shard keeps the configured
+    optimizer, as one configured before the load does, with the saved state where it fits
+    (same kind and width) and fresh state where not. The load used to replace it by the
+    checkpoint's optimizer, so one shard trained with other settings than the others."""
+    adam_checkpoint(tmp_path / "adam")
+    s = shard_with_rows(None)
+
+    def configure_midway(_done: int, _total: int) -> None:
+        s.Configure(settings_to_configure_request(configured, None), Context())
+
+    s.load_checkpoint(str(tmp_path / "adam"), adopt_optimizer=True, progress=configure_midway)
+    assert s.shard.optimizer == configured
+    expected = rows_of_replica(tmp_path / "adam", 0, 1, ADAM if state_kept else None)
+    got = exact_rows(s.shard)
+    if state_kept:
+        assert_same_rows(got, expected)
+    else:
+        for dim, (ids, weights, state) in got.items():
+            np.testing.assert_array_equal(ids, expected[dim][0])
+            np.testing.assert_array_equal(weights, expected[dim][1])
+            assert state.shape == (len(ids), dim)
+            np.testing.assert_array_equal(state.view(np.float32), np.float32(0.25))
 
 
 def test_load_rpc_whose_caller_left_keeps_the_shards_rows(tmp_path):
