@@ -14,7 +14,8 @@ the least-recently-used order is exact and deterministic. When a train lookup (o
 :meth:`EmbeddingShard.import_rows`) needs more rows than fit, the shard first stamps the IDs of
 the lookup it already holds, then evicts IN BULK the least-recently-used rows across all dim
 tables: ``max(ceil(capacity / 10), rows needed)``, never a row of this lookup. A lookup whose
-distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError`. The LRU is
+distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError` before it inserts
+or evicts anything (the rows it holds have become the most recently used). The LRU is
 global to the shard: PERSIA's ``num_hashmap_internal_shards`` is accepted for compatibility
 and ignored. Only train lookups and imports refresh stamps; eval lookups and updates do not.
 
