@@ -222,7 +222,7 @@ def atomic_file(path: str | os.PathLike[str], *, overwrite: bool) -> Iterator[Pa
     if target.is_dir():
         raise InvalidArgumentError(f"output {target} is a directory; expected a file name")
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    temporary = _sibling(target, "tmp")
     try:
         yield temporary
         if not temporary.exists():
@@ -239,12 +239,12 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterat
     target = Path(path)
     refuse_existing(target, overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    staging = _sibling(target, "tmp")
     staging.mkdir()
     try:
         yield staging
         if target.exists():
-            retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+            retired = _sibling(target, "old")
             os.replace(target, retired)
             os.replace(staging, target)
             if retired.is_dir():
@@ -255,6 +255,18 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterat
             os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    """A fresh hidden path next to ``target`` (same directory, so the rename is atomic).
+
+    Named from the absolute path, lexically: ``Path(".").with_name`` raises ValueError and
+    ``Path("..").with_name("x")`` is ``x`` in the current directory, not next to ``..``.
+    """
+    absolute = Path(os.path.abspath(target))
+    if not absolute.name:  # "/" and the like
+        raise InvalidArgumentError(f"output {target} is the root directory; expected a name")
+    return absolute.with_name(f".{absolute.name}.{kind}-{uuid.uuid4().hex}")
 
 
 def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> None:
@@ -274,6 +286,17 @@ def check_report_target(path: str | os.PathLike[str], *, overwrite: bool) -> Non
     directory is ever replaced (``--report results --overwrite`` used to delete all of
     ``results/``, whatever it held, and put the report in its place)."""
     target = Path(path)
+    # Before refuse_existing: "pass --overwrite" is no advice for these. The report replaces
+    # its directory whole, and the current directory (`--report .`) or one holding it cannot
+    # be replaced from inside (and `.` has no name to stage a sibling by).
+    here = Path(os.getcwd())
+    absolute = Path(os.path.abspath(target))
+    if absolute == here or absolute in here.parents:
+        raise InvalidArgumentError(
+            f"report directory {target} is the current directory or holds it: the report is "
+            f"written as a directory of its own, which would replace it; name a new one "
+            f"(e.g. --report {target / 'report'})"
+        )
     refuse_existing(target, overwrite=overwrite)
     if target.is_dir() and any(target.iterdir()) and not (target / REPORT_FILE).is_file():
         raise AlreadyExistsError(

@@ -450,3 +450,41 @@ def test_a_report_directory_over_an_existing_file_leaves_no_old_copy(tmp_path):
         (staging / "report.json").write_text("{}")
     assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no .report.old-* file left
     assert [p.name for p in target.iterdir()] == ["report.json"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_report_in_the_current_directory_or_one_holding_it_is_refused(
+    tmp_path, monkeypatch, overwrite
+):
+    # `recserve eval --report .` in an empty directory raised a bare ValueError from
+    # Path.with_name (and without --overwrite advised passing it).
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for given, example in ((".", "report"), ("..", "../report"), (str(tmp_path), None)):
+        example = example or f"{tmp_path}/report"
+        with pytest.raises(InvalidArgumentError) as caught:
+            eval_report.check_report_target(given, overwrite=overwrite)
+        assert str(caught.value) == (
+            f"report directory {given} is the current directory or holds it: the report is "
+            "written as a directory of its own, which would replace it; name a new one "
+            f"(e.g. --report {example})"
+        )
+    assert list(here.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["empty"]
+    eval_report.check_report_target("report", overwrite=overwrite)  # a new one next to it
+
+
+def test_atomic_outputs_stage_next_to_a_dotted_target_and_refuse_the_root(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    # "../out.csv" staged as "../.out.csv.tmp-*": next to it, not in the current directory.
+    with eval_report.atomic_file("../out.csv", overwrite=False) as temporary:
+        assert temporary.parent == tmp_path
+        temporary.write_text("x")
+    with (
+        pytest.raises(InvalidArgumentError) as caught,
+        eval_report.atomic_directory("/", overwrite=True),
+    ):
+        pass
+    assert str(caught.value) == "output / is the root directory; expected a name"
+    assert (tmp_path / "out.csv").read_text() == "x" and list((tmp_path / "a").iterdir()) == []
