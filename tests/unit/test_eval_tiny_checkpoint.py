@@ -241,6 +241,24 @@ def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     assert (tmp_path / "skip.csv").read_text().count("\n") == 3
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_an_out_that_cannot_be_written_names_the_flag_and_the_path_given(
+    checkpoint, tmp_path, capsys
+):
+    """The error named the hidden temporary file (/proc/.x.csv.tmp-<hex>), not --out."""
+    from embedding_store.cli import main
+
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    for name in ("x.csv", "x.parquet"):
+        argv = ["eval", "--data", str(data), "--checkpoint", str(checkpoint)]
+        assert main([*argv, "--out", f"/proc/{name}", "--quiet"]) == 1
+        assert capsys.readouterr().err == (
+            f"recserve eval: error: --out /proc/{name}: cannot write there: "
+            "No such file or directory\n"
+        )
+
+
 def test_a_report_without_matplotlib_fails_before_scoring(checkpoint, tmp_path, monkeypatch):
     """`recserve eval --report` without the eval extra (the quickstart's environment): it
     scored every row and wrote --out, then failed; the rerun after installing the extra then
