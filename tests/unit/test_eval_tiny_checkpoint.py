@@ -489,8 +489,16 @@ def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
         checkpoint_write.reshard(embeddings, 2, three)
     with pytest.raises(InvalidArgumentError, match="must not be"):
         checkpoint_write.reshard(checkpoint, 2, checkpoint / "inside")
-    with pytest.raises(InvalidArgumentError, match="model checkpoint but"):
+    with pytest.raises(InvalidArgumentError) as caught:
         checkpoint_diff.diff(checkpoint, one)
+    assert caught.value.message == (
+        f"{checkpoint} is a model checkpoint but {one} is an embedding one"
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        checkpoint_diff.diff(one, checkpoint)
+    assert caught.value.message == (
+        f"{one} is an embedding checkpoint but {checkpoint} is a model one"
+    )
 
 
 def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
