@@ -47,8 +47,10 @@ from embedding_store.errors import InvalidArgumentError, RecserveError
 FORMATS = ("jsonl", "csv")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
 _MAX_REPORTED = 20
-_INT = re.compile(r"[+-]?\d+")
-_FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
+# ASCII digits ([0-9], not \d): \d matches other scripts' digits ("\u0661\u0662"), which int()
+# and float() then read as ASCII ones; such a field stays text, as recserve eval refuses it.
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
 CSV_LAYOUT_HINT = (

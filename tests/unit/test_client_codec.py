@@ -718,6 +718,20 @@ def test_parse_value_keeps_signs_and_negative_exponents():
     assert parse_value("-.5") == -0.5
 
 
+def test_parse_value_takes_ascii_digits_only_as_numbers():
+    """\\d matched other scripts' digits, and int()/float() then read them as ASCII ones:
+    such a field is text, as `recserve eval` refuses it as a number."""
+    for text in (
+        "\u0661\u0662",
+        "\u0967.5",
+        "1_0",
+        "\uff17",
+    ):  # Arabic-Indic, Devanagari, fullwidth
+        value = parse_value(text)
+        assert type(value) is str and value == text
+    assert parse_value("12") == 12 and parse_value("7.0") == 7.0
+
+
 def test_jsonl_lines_must_be_objects_not_any_json_value(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n3\n"x"\n')

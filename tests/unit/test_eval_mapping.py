@@ -420,6 +420,23 @@ def test_int_id_text_is_ascii_digits_read_exactly():
     }
 
 
+def test_dense_text_is_an_ascii_number_as_for_ids():
+    """float() reads "1_0" as 10 and other scripts' digits as ASCII ones: refused, as ID text
+    is; what a number is written as in a file (exponents, a point, a sign) is read."""
+    mapping = FeatureMapping(non_id_features={"x": NonIdFeatureMapping(["x"])})
+    signature = FeatureSignature((), (NonIdFeatureSpec("x", "float32", (1,)),))
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    cells = [" 7.0 ", "-1.5e1", ".5", "3.", "+2", "1E+1", "1_0", "\u0661\u0662", "0x10", "inf"]
+    batch, bad = encoder.encode([{"x": cell} for cell in cells])
+    assert batch.non_id_type_features[0].data.ravel().tolist() == [7.0, -15.0, 0.5, 3.0, 2.0, 10.0]
+    assert dict(bad) == {
+        6: "column 'x': '1_0' is not a number",
+        7: "column 'x': '\u0661\u0662' is not a number",
+        8: "column 'x': '0x10' is not a number",
+        9: "column 'x': 'inf' is not a finite number",
+    }
+
+
 def test_a_single_id_feature_given_an_empty_list_is_a_bad_row():
     mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
     signature = FeatureSignature((IdFeatureSpec("user", True),), ())
