@@ -21,6 +21,7 @@ import numpy as np
 from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
 from clients._tls import ClientTls, handshake_refused, tls_hint
+from clients._urls import redact_url, redact_userinfo
 from clients.retry import RetryableError, RetryPolicy
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import FailedPreconditionError, RecserveError, UnavailableError
@@ -131,12 +132,15 @@ def http1_hint(url: str) -> str:
 
 
 def _failure(
-    server: str, error: grpc.RpcError, *, secure: bool = False
+    server: str, error: grpc.RpcError, *, secure: bool = False, target: str = ""
 ) -> RecserveError | RetryableError:
-    """The error a failed call raises; ``secure``: the channel speaks TLS."""
+    """The error a failed call raises; ``secure``: the channel speaks TLS; ``target``: the
+    channel's, whose password, if any, the details must not show."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    if details and target:
+        details = redact_userinfo(details, target)
     hint = tls_hint(details or "", secure=secure)
     http1 = any(sign in (details or "") for sign in NOT_HTTP2_PEER)
     if http1:
@@ -190,7 +194,8 @@ class GrpcBackend:
         tls: ClientTls | None = None,
         max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
-        self.server = server
+        self.server = redact_url(server)  # for messages: never a password
+        self._target = target
         self._tls = tls
         options = channel_options(max_message_bytes, max_reconnect_backoff_ms)
         self._channel = (
@@ -205,7 +210,9 @@ class GrpcBackend:
         try:
             response = self._stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error, secure=self._tls is not None) from None
+            raise _failure(
+                self.server, error, secure=self._tls is not None, target=self._target
+            ) from None
         except ValueError as error:  # grpc's "Cannot invoke RPC on closed channel!"
             if "closed channel" not in str(error):
                 raise
@@ -264,7 +271,7 @@ class AsyncGrpcBackend:
         tls: ClientTls | None = None,
         max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
-        self.server = server
+        self.server = redact_url(server)  # for messages: never a password
         self._target = target
         self._tls = tls
         self._max_message_bytes = max_message_bytes
@@ -319,7 +326,9 @@ class AsyncGrpcBackend:
         try:
             response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error, secure=self._tls is not None) from None
+            raise _failure(
+                self.server, error, secure=self._tls is not None, target=self._target
+            ) from None
         finally:
             self._in_flight -= 1
         return decode(response)

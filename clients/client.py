@@ -38,6 +38,7 @@ from clients import codec
 from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend
 from clients._tls import client_tls
+from clients._urls import redact_url
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -64,7 +65,8 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 @dataclass(frozen=True)
 class Endpoint:
     """A parsed server URL: ``protocol`` "http" or "grpc"; ``base`` the HTTP base URL (with
-    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized;
+    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized, with
+    the password of a ``user:password@`` part shown as ``***`` (it is what messages show);
     ``tls`` for ``https://`` and ``grpcs://``."""
 
     protocol: str
@@ -79,27 +81,32 @@ def parse_url(url: str) -> Endpoint:
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
     text = url.strip()
+    shown = redact_url(url)  # messages never show a password given in the URL
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as error:  # "Invalid IPv6 URL"
+        raise InvalidArgumentError(f"server URL {shown!r}: {error}") from None
     scheme = parts.scheme.lower()
     if not parts.hostname:
-        raise InvalidArgumentError(f"server URL {url!r} has no host")
+        raise InvalidArgumentError(f"server URL {shown!r} has no host")
     try:
         port = parts.port
     except ValueError:
-        raise InvalidArgumentError(f"server URL {url!r} has an invalid port") from None
+        raise InvalidArgumentError(f"server URL {shown!r} has an invalid port") from None
     if scheme in ("http", "https"):
         base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        return Endpoint("http", base, base, tls=scheme == "https")
+        return Endpoint("http", base, redact_url(base), tls=scheme == "https")
     if scheme in ("grpc", "grpcs"):
         if port is None:
-            raise InvalidArgumentError(f"gRPC server URL {url!r} needs a port")
+            raise InvalidArgumentError(f"gRPC server URL {shown!r} needs a port")
         if parts.path.strip("/"):
-            raise InvalidArgumentError(f"gRPC server URL {url!r} cannot have a path")
-        return Endpoint("grpc", parts.netloc, f"{scheme}://{parts.netloc}", tls=scheme == "grpcs")
+            raise InvalidArgumentError(f"gRPC server URL {shown!r} cannot have a path")
+        shown = redact_url(f"{scheme}://{parts.netloc}")
+        return Endpoint("grpc", parts.netloc, shown, tls=scheme == "grpcs")
     raise InvalidArgumentError(
-        f"server URL {url!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
+        f"server URL {shown!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
     )
 
 
@@ -210,6 +217,7 @@ class _ClientBase:
 
     @property
     def url(self) -> str:
+        """The server URL as messages show it: a ``user:password@`` part as ``user:***@``."""
         return self.endpoint.url
 
     @property

@@ -472,7 +472,7 @@ def _describe_model(
     return {
         "checkpoint": os.fspath(o.checkpoint) if o.checkpoint is not None else None,
         "checkpoint_version": local.version if local is not None else None,
-        "url": server.url if server is not None else None,
+        "url": server.shown if server is not None else None,  # a report shows no password
         "model_name": o.model if server is not None else None,
         "server_version": server.version if server is not None else None,
         "protocol": o.protocol if server is not None else None,

@@ -893,3 +893,68 @@ def test_csv_header_names_are_stripped_and_ndjson_is_json_lines(tmp_path):
     path.write_text(" age , workclass\n39,x\n")
     assert list(iter_batches(path, "csv", 5)) == [([2], [{"age": 39, "workclass": "x"}])]
     assert detect_format(Path("rows.NDJSON.gz"), None) == "jsonl"
+
+
+# --------------------------------------------------------------------------- URL passwords
+def test_redact_url_hides_only_the_password():
+    from clients._urls import redact_url, redact_userinfo
+
+    assert redact_url("http://ann:s3cret@h:8000/p") == "http://ann:***@h:8000/p"
+    assert redact_url("grpcs://ann:p@ss@h:1") == "grpcs://ann:***@h:1"  # up to the last "@"
+    assert redact_url("ann:s3cret@h:1") == "ann:***@h:1"
+    assert redact_url("http://ann:s3cret@[::1") == "http://ann:***@[::1"  # urlsplit refuses it
+    for plain in ("http://ann@h:1", "http://h:1/a:b@c", "h:1", ""):
+        assert redact_url(plain) == plain
+    details = "errors resolving ann:s3cret@h:1: lookup failed for ann:s3cret@h:1"
+    assert redact_userinfo(details, "ann:s3cret@h:1") == (
+        "errors resolving ann:***@h:1: lookup failed for ann:***@h:1"
+    )
+
+
+def test_client_messages_never_show_the_password_of_the_url():
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://ann:s3cret@127.0.0.1:{port}"
+    with RecserveClient(url, retries=0, timeout=5) as client:
+        assert (
+            repr(client) == f"RecserveClient('http://ann:***@127.0.0.1:{port}', model_name='model')"
+        )
+        with pytest.raises(UnavailableError) as caught:
+            client.metadata()
+    assert caught.value.message == f"server http://ann:***@127.0.0.1:{port} refused the connection"
+    grpc_url = f"grpc://ann:s3cret@127.0.0.1:{port}"
+    with (
+        RecserveClient(grpc_url, retries=0, timeout=5) as client,
+        pytest.raises(UnavailableError) as caught,
+    ):
+        client.metadata()
+    # grpc's own details name the target too (how it words them is grpc's).
+    prefix = f"cannot connect to server grpc://ann:***@127.0.0.1:{port}: gRPC UNAVAILABLE: "
+    assert caught.value.message.startswith(prefix) and "s3cret" not in caught.value.message
+    for bad, message in (
+        ("ftp://ann:s3cret@h", "server URL 'ftp://ann:***@h': scheme must be http, https, grpc "
+         "or grpcs, got 'ftp'"),
+        ("http://ann:s3cret@h:x", "server URL 'http://ann:***@h:x' has an invalid port"),
+        ("grpc://ann:s3cret@h", "gRPC server URL 'grpc://ann:***@h' needs a port"),
+        ("http://ann:s3cret@[::1", "server URL 'http://ann:***@[::1': Invalid IPv6 URL"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_url(bad)
+        assert caught.value.message == message
+    assert parse_url(url).base == url  # requests still go to the URL given
+
+
+def test_eval_server_messages_never_show_the_password_of_the_url():
+    from clients.eval_scorers import ServerScorer
+
+    with pytest.raises(InvalidArgumentError) as caught:
+        ServerScorer("ftp://ann:s3cret@h", "m")
+    assert caught.value.message == "--url must be http(s)://HOST:PORT, got 'ftp://ann:***@h'"
+    with pytest.raises(InvalidArgumentError) as caught:
+        ServerScorer("http://ann:s3cret@h", "m", tls_ca=Path("ca.pem"))
+    assert caught.value.message == (
+        "--tls-ca given for the plaintext URL http://ann:***@h: use https:// or grpcs:// for TLS"
+    )
