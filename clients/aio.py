@@ -28,7 +28,7 @@ from clients import codec
 from clients._grpc import AsyncGrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend, attempt_started
 from clients._tls import ClientTls
-from clients.client import _ClientBase, check_input, rows_need_http
+from clients.client import _checked_wait, _ClientBase, check_input, rows_need_http
 from clients.retry import RetryableError, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -170,6 +170,8 @@ class AsyncRecserveClient(_ClientBase):
         )
 
     async def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
+        """As :meth:`RecserveClient.wait_until_ready`."""
+        timeout, interval = _checked_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

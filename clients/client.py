@@ -252,6 +252,25 @@ def _checked_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
+def _checked_wait(timeout: object, interval: object) -> tuple[float, float]:
+    """``wait_until_ready``'s ``timeout`` (seconds in [0, MAX_TIMEOUT_SECONDS]: 0 polls once)
+    and ``interval`` (in (0, MAX_TIMEOUT_SECONDS]); InvalidArgumentError naming the one at
+    fault otherwise (an interval of NaN or < 0 was a raw ValueError from time.sleep after the
+    first poll, a NaN timeout one of ready()'s own timeout)."""
+    for name, value, low in (("timeout", timeout, ">= 0"), ("interval", interval, "> 0")):
+        valid = _is_seconds(value) and (
+            0 <= cast(float, value) <= MAX_TIMEOUT_SECONDS
+            if name == "timeout"
+            else 0 < cast(float, value) <= MAX_TIMEOUT_SECONDS
+        )
+        if not valid:
+            raise InvalidArgumentError(
+                f"wait_until_ready {name} must be {low} and <= {MAX_TIMEOUT_SECONDS:.0f} "
+                f"seconds, got {value!r}"
+            )
+    return float(cast(float, timeout)), float(cast(float, interval))
+
+
 def _checked_count(name: str, value: object, maximum: int | None = None) -> int:
     """``value`` as an integer in [1, ``maximum``]; InvalidArgumentError naming ``name``
     otherwise (0 or a string used to fail later, raw: the asyncio HTTP client's thread pool
@@ -343,7 +362,10 @@ class RecserveClient(_ClientBase):
         return self._health(self._backend.model_ready, self.model_name, self._timeout(timeout))
 
     def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
-        """Poll :meth:`ready` until it is True (returns True) or ``timeout`` passes (False)."""
+        """Poll :meth:`ready` every ``interval`` seconds until it is True (returns True) or
+        ``timeout`` seconds pass (False); InvalidArgumentError for a ``timeout`` < 0 or an
+        ``interval`` <= 0 (NaN, inf or over 1e6 s either)."""
+        timeout, interval = _checked_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import socket
 import threading
 import time
@@ -1054,6 +1055,32 @@ def test_async_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(mo
     assert asyncio.run(client.wait_until_ready(2.5, interval=0.5)) is False
     assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
     assert clock.slept == [0.5] * 5
+
+
+@pytest.mark.parametrize(
+    ("timeout", "interval", "message"),
+    [
+        (30.0, math.nan, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got nan"),
+        (30.0, -1.0, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got -1.0"),
+        (30.0, 0, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got 0"),
+        (30.0, math.inf, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got inf"),
+        (30.0, "1", "wait_until_ready interval must be > 0 and <= 1000000 seconds, got '1'"),
+        (math.nan, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got nan"),
+        (-1, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got -1"),
+        (True, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got True"),
+    ],
+)
+def test_wait_until_ready_refuses_bad_seconds_before_polling(timeout, interval, message):
+    """An interval of NaN or < 0 was a raw ValueError of time.sleep (after a first poll)."""
+    transport = ScriptedTransport([False] * 3)
+    with pytest.raises(InvalidArgumentError) as caught:
+        _scripted_client(transport).wait_until_ready(timeout, interval=interval)
+    assert caught.value.message == message
+    atransport = AsyncScriptedTransport([False] * 3)
+    with pytest.raises(InvalidArgumentError) as caught:
+        asyncio.run(_scripted_async_client(atransport).wait_until_ready(timeout, interval=interval))
+    assert caught.value.message == message
+    assert transport.calls == [] and atransport.calls == []
 
 
 def test_close_releases_the_transport_once():
