@@ -53,6 +53,7 @@ __all__ = ["EvalOptions", "EvalResult", "run_eval"]
 OUTPUT_TRANSFORMS = ("identity", "sigmoid")
 EXIT_OK = 0
 EXIT_PREDICTIONS_DIFFER = 3
+DEFAULT_TOLERANCE = 1e-6  # --compare: the largest abs difference that is no difference
 SHOWN_BAD_ROWS = 20  # printed on stderr; all of them go to the report's bad_rows.txt
 
 
@@ -74,7 +75,7 @@ class EvalOptions:
     model: str = "model"
     output_transform: str = "identity"
     protocol: str = "v2"
-    tolerance: float = 1e-6
+    tolerance: float = DEFAULT_TOLERANCE
     overwrite: bool = False
     timeout: float = 60.0
     calibration_bins: int = 10
@@ -129,6 +130,13 @@ def _check_options(o: EvalOptions) -> None:
             f"--output-transform {o.output_transform} applies to in-process scoring "
             "(--checkpoint); a server's predictions come transformed by its own "
             "`recserve serve --output-transform`"
+        )
+    if o.tolerance != DEFAULT_TOLERANCE and not o.compare:
+        # Refused, not ignored: a parity gate (exit 3 when predictions differ) written without
+        # --compare passed every time, comparing nothing.
+        raise InvalidArgumentError(
+            f"--tolerance {o.tolerance:g} is for --compare (the parity check of --checkpoint "
+            "against --url); without --compare nothing is compared"
         )
     if o.bad_rows not in ("skip", "fail"):
         raise InvalidArgumentError(f"--bad-rows must be skip or fail, got {o.bad_rows!r}")

@@ -110,7 +110,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--tolerance",
         type=non_negative_float,
         default=1e-6,
-        help="max abs difference allowed by --compare (1e-6)",
+        help="max abs difference allowed by --compare (1e-6; only with --compare)",
     )
     parser.add_argument(
         "--calibration-bins", type=positive_int, default=10, help="reliability bins (10)"
