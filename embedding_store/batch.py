@@ -301,7 +301,7 @@ class IDTypeFeature:
                     )
             elif isinstance(sample, (str, bytes, bytearray)) or not isinstance(sample, Sequence):
                 raise BatchValidationError(
-                    f"feature {name!r}: sample {i} is a {type(sample).__name__}; expected a "
+                    f"feature {name!r}: sample {i} is of type {type(sample).__name__}; expected a "
                     "sequence of IDs (list, tuple or uint64 array)"
                 )
             else:
@@ -667,7 +667,7 @@ def _as_tuple(arg: object, what: str, expected: tuple[type, ...], wording: str) 
     for i, item in enumerate(items):
         if not isinstance(item, expected):
             raise BatchValidationError(
-                f"{what}[{i}] is a {type(item).__name__}; expected {wording}"
+                f"{what}[{i}] is of type {type(item).__name__}; expected {wording}"
             )
     return items
 

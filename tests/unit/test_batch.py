@@ -520,3 +520,16 @@ def test_trusted_inference_batch_equals_the_validated_one() -> None:
     jagged = IDTypeFeature.from_lists("j", [[1, 2], [], [3, 4, 5]])
     mixed = Batch._trusted_inference([*singles, jagged], [], 3, single_id_rows=rows)
     assert mixed.num_ids == 6 + 5
+
+
+def test_wrong_item_types_are_named_by_type() -> None:
+    """The messages name the type as "of type int" (they read "is a int" before)."""
+    with pytest.raises(BatchValidationError) as sample:
+        IDTypeFeature.from_lists("user", [[1], 7])
+    assert str(sample.value) == (
+        "feature 'user': sample 1 is of type int; expected a sequence of IDs (list, tuple or "
+        "uint64 array)"
+    )
+    with pytest.raises(BatchValidationError) as item:
+        Batch([IDTypeFeature.from_lists("user", [[1]]), 3], requires_grad=False)
+    assert str(item.value).startswith("id_type_features[1] is of type int; expected ")
