@@ -93,7 +93,8 @@ class _GroupPlan:
 
     ``ids`` uint64 [n]: table IDs of every occurrence, ordered by bag; ``bag_lengths`` int64
     [num_bags]; ``bag_offsets`` int64 [num_bags] (torch, for ``embedding_bag``);
-    ``id_weights`` float32 [n] or None (``1/sqrt(n)`` pooling weights).
+    ``id_weights`` float32 [n] or None (``1/sqrt(n)`` pooling weights); ``one_id_per_bag``:
+    every bag holds exactly one ID (bag i is ``ids[i]``: single-ID summation slots).
     """
 
     dim: int
@@ -103,6 +104,7 @@ class _GroupPlan:
     bag_offsets: torch.Tensor
     id_weights: torch.Tensor | None
     num_bags: int
+    one_id_per_bag: bool = False
 
 
 #: What a train lookup keeps for its backward pass: the plan of each dim group (opaque).
@@ -239,38 +241,39 @@ class EmbeddingWorker:
         if num_shards == 1:
             shard = self.shards[0]
             rows = shard.lookup(ids, dim, train=train)
-            misses = getattr(shard, "last_misses", 0)
-            missing = _checked_missing(getattr(shard, "last_missing", None), len(ids), misses)
-            return torch.from_numpy(_as_rows(rows, len(ids), dim)), missing, misses
+            count = getattr(shard, "last_misses", 0)
+            flags = _checked_missing(getattr(shard, "last_missing", None), len(ids), count)
+            return torch.from_numpy(_as_rows(rows, len(ids), dim)), flags, count
         owner = shard_of(ids, num_shards)
         gathered = np.empty((len(ids), dim), dtype=np.float32)
         lock = threading.Lock()
-        # [misses, flags of every ID (bool [n]) or None, whether a shard gave no flags]
-        found: list = [0, None, False]
+        misses = 0
+        missing: np.ndarray | None = None  # bool [n], made once a shard flags a miss
+        flagless = False  # a shard told only how many
 
         def fetch(shard_index: int) -> None:
+            nonlocal misses, missing, flagless
             picked = np.flatnonzero(owner == shard_index)
             if len(picked):
                 shard = self.shards[shard_index]
                 rows = shard.lookup(ids[picked], dim, train=train)
                 # last_misses and last_missing are per thread: read in the thread that asked.
-                misses = getattr(shard, "last_misses", 0)
-                if misses:
-                    missing = _checked_missing(
-                        getattr(shard, "last_missing", None), len(picked), misses
+                missed = getattr(shard, "last_misses", 0)
+                if missed:
+                    flags = _checked_missing(
+                        getattr(shard, "last_missing", None), len(picked), missed
                     )
                     with lock:
-                        found[0] += misses
-                        if missing is None:
-                            found[2] = True
+                        misses += missed
+                        if flags is None:
+                            flagless = True
                         else:
-                            if found[1] is None:
-                                found[1] = np.zeros(len(ids), dtype=np.bool_)
-                            found[1][picked[missing]] = True
+                            if missing is None:
+                                missing = np.zeros(len(ids), dtype=np.bool_)
+                            missing[picked[flags]] = True
                 gathered[picked] = _as_rows(rows, len(picked), dim)
 
         self._for_each_shard(fetch)
-        misses, missing, flagless = found
         return torch.from_numpy(gathered), None if flagless else missing, misses
 
     def _for_each_shard(self, task: Callable[[int], None]) -> None:
@@ -506,6 +509,7 @@ class EmbeddingWorker:
             bag_offsets=torch.from_numpy(offsets),
             id_weights=id_weights,
             num_bags=first_bag,
+            one_id_per_bag=all_single,
         )
 
     def _plain_bags(
@@ -625,16 +629,25 @@ class _UnknownTally:
             return
         # Occurrence -> its bag (the last bag starting at or before it; empty bags start
         # where the next one does) -> its slot (bags are slot-major) -> its sample (a slot
-        # has the same bags, one or sample_fixed_size, for every sample, sample-major).
-        bags = np.searchsorted(plan.bag_offsets.numpy(), positions, side="right") - 1
-        firsts = np.fromiter((s.first_bag for s in plan.slots), np.int64, len(plan.slots))
-        slot = np.searchsorted(firsts, bags, side="right") - 1
-        bags_per_sample = (
-            np.fromiter((s.num_bags for s in plan.slots), np.int64, len(plan.slots))
-            // self._batch_size
-        )
-        samples = (bags - firsts[slot]) // bags_per_sample[slot]
-        self.per_sample += np.bincount(samples, minlength=self._batch_size)
+        # has the same bags, one or sample_fixed_size, for every sample, sample-major). The
+        # common case, single-ID summation slots, skips both searches (~70 us per 2.6k
+        # misses among 26k IDs): bag = position, and with one bag per sample in every slot
+        # (each slot starts at a multiple of the batch size) sample = bag % batch size.
+        if plan.one_id_per_bag:
+            bags = positions
+        else:
+            bags = np.searchsorted(plan.bag_offsets.numpy(), positions, side="right") - 1
+        batch = self._batch_size
+        if plan.num_bags == batch * len(plan.slots):  # every slot: one bag per sample
+            samples = bags % batch
+        else:
+            firsts = np.fromiter((s.first_bag for s in plan.slots), np.int64, len(plan.slots))
+            slot = np.searchsorted(firsts, bags, side="right") - 1
+            per_sample = (
+                np.fromiter((s.num_bags for s in plan.slots), np.int64, len(plan.slots)) // batch
+            )
+            samples = (bags - firsts[slot]) // per_sample[slot]
+        self.per_sample += np.bincount(samples, minlength=batch)
 
 
 def _checked_missing(missing: np.ndarray | None, n: int, misses: int) -> np.ndarray | None:

@@ -824,3 +824,29 @@ def test_a_shard_that_only_counts_its_misses_gives_its_count_and_no_split():
     worker.lookup(KNOWN_BATCH, train=True)
     result = worker.lookup(UNKNOWN_BATCH, train=False)
     assert (result.unknown_ids, result.unknown_per_sample) == (8, None)  # distinct rows
+
+
+@pytest.mark.parametrize(("num_shards", "deduplicate"), [(1, False), (3, True)])
+def test_unknown_ids_of_single_id_slots_per_sample(num_shards, deduplicate):
+    """Single-ID summation slots only (the common serving batch): one ID per bag."""
+    worker, _ = make_worker(make_config(), num_shards, deduplicate)
+    known = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1]),
+            IDTypeFeatureWithSingleID.from_ids("items", [10]),
+            IDTypeFeatureWithSingleID.from_ids("city", [3]),
+        ],
+        requires_grad=False,
+    )
+    worker.lookup(known, train=True)
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 7, 7, 1]),  # 0, 1, 1, 0
+            IDTypeFeatureWithSingleID.from_ids("items", [10, 7, 12, 12]),  # 0, 1, 1, 1
+            IDTypeFeatureWithSingleID.from_ids("city", [3, 4, 4, 3]),  # 0, 1, 1, 0
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=False)
+    assert result.unknown_per_sample is not None
+    assert (result.unknown_ids, result.unknown_per_sample.tolist()) == (7, [0, 3, 3, 1])
