@@ -21,9 +21,10 @@ import numpy as np
 from clients import codec
 from clients._proto import METHODS, SERVICE_NAME, V2
 from clients._tls import ClientTls, handshake_refused, tls_hint
-from clients.retry import RetryableError
+from clients._urls import redact_url, redact_userinfo
+from clients.retry import RetryableError, RetryPolicy
 from clients.types import ModelInfo, PredictResult
-from embedding_store.errors import FailedPreconditionError, RecserveError
+from embedding_store.errors import FailedPreconditionError, RecserveError, UnavailableError
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -31,14 +32,41 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 Call = tuple[str, Any, Callable[[Any], Any]]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Explicit message limits, quick reconnects (the client retries, gRPC does not)."""
+#: Bounds of the channel's wait between two connection attempts (milliseconds).
+MIN_RECONNECT_BACKOFF_MS = 50
+MAX_RECONNECT_BACKOFF_MS = 1_000
+
+
+def reconnect_backoff_ms(policy: RetryPolicy) -> int:
+    """The longest wait of a channel between two connection attempts, for a client that
+    retries by ``policy``: half the shortest total wait of its retries, within
+    [:data:`MIN_RECONNECT_BACKOFF_MS`, :data:`MAX_RECONNECT_BACKOFF_MS`].
+
+    Why: a channel whose connection attempts failed (a server down, or restarting) fails every
+    call at once, with the last attempt's error, until its backoff timer lets it try again;
+    retries all sent within that wait are no attempts at all. With a fixed 1 s (gRPC jitters
+    it by up to 20%), a client with the default policy (3 retries, at least 0.175 s of waits
+    in all) still failed with "Connection refused" after its server was back up.
+    """
+    shortest = sum(
+        min(policy.backoff_max, policy.backoff_min * 2.0**attempt) / 2
+        for attempt in range(policy.retries)
+    )
+    return int(min(max(shortest * 1000 / 2, MIN_RECONNECT_BACKOFF_MS), MAX_RECONNECT_BACKOFF_MS))
+
+
+def channel_options(
+    max_message_bytes: int, max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS
+) -> list[tuple[str, Any]]:
+    """Explicit message limits, quick reconnects (the client retries, gRPC does not): at most
+    ``max_reconnect_backoff_ms`` between two connection attempts (:func:`reconnect_backoff_ms`
+    fits it to a client's retries)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
-        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.initial_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", MIN_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
         ("grpc.enable_retries", 0),
     ]
 
@@ -84,21 +112,55 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else _clock() + timeout
 
 
+#: How gRPC begins the UNAVAILABLE details it makes up itself when the channel has no
+#: connection (nothing listening, a refused handshake, a name that does not resolve): the
+#: server answered nothing.
+_NOT_CONNECTED = ("failed to connect to all addresses", "errors resolving", "DNS resolution")
+
+#: What gRPC says of a peer that does not speak HTTP/2 (a server's HTTP/1.1 port): every
+#: attempt gets the same answer.
+NOT_HTTP2_PEER = ("Trying to connect an http1.x server", "Expected SETTINGS frame as the first")
+
+
+def http1_hint(url: str) -> str:
+    """What to do when ``url`` answered in something else than HTTP/2 (the twin of
+    :func:`clients._http.http2_hint`)."""
+    return (
+        f" (server {url} does not speak HTTP/2: is that the server's HTTP port? grpc:// URLs "
+        "use its --grpc-port (8001 by default), http:// URLs its --http-port (8000))"
+    )
+
+
 def _failure(
-    server: str, error: grpc.RpcError, *, secure: bool = False
+    server: str, error: grpc.RpcError, *, secure: bool = False, target: str = ""
 ) -> RecserveError | RetryableError:
-    """The error a failed call raises; ``secure``: the channel speaks TLS."""
+    """The error a failed call raises; ``secure``: the channel speaks TLS; ``target``: the
+    channel's, whose password, if any, the details must not show."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    mapped = codec.grpc_error(server, name, details + tls_hint(details or "", secure=secure))
+    if details and target:
+        details = redact_userinfo(details, target)
+    hint = tls_hint(details or "", secure=secure)
+    http1 = any(sign in (details or "") for sign in NOT_HTTP2_PEER)
+    if http1:
+        hint += http1_hint(server)
+    if name == "UNAVAILABLE" and (details or "").startswith(_NOT_CONNECTED):
+        # Not "server X answered gRPC UNAVAILABLE": that reads as a server up and refusing
+        # work (a full queue, a drain), when there was no connection to one at all.
+        mapped: RecserveError = UnavailableError(
+            f"cannot connect to server {server}: gRPC UNAVAILABLE: {details}{hint}"
+        )
+    else:
+        mapped = codec.grpc_error(server, name, details + hint)
     # UNAVAILABLE is retried (a server restarting), but not a refused TLS handshake: it
     # would fail the same way, only later. CANCELLED comes from the server here (these
     # clients never cancel a call): grpc cancels the calls still open when a server stops,
     # and every call of the protocol is a read, safe to send again.
-    retry = (name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "")) or (
-        name == "RESOURCE_EXHAUSTED" and details == CONCURRENT_RPC_LIMIT
-    )
+    # Nor a peer that does not speak HTTP/2: the port answers that way every time.
+    retry = (
+        name in ("UNAVAILABLE", "CANCELLED") and not handshake_refused(details or "") and not http1
+    ) or (name == "RESOURCE_EXHAUSTED" and details == CONCURRENT_RPC_LIMIT)
     return RetryableError(mapped) if retry else mapped
 
 
@@ -113,6 +175,12 @@ def _stubs(channel: Any) -> dict[str, Any]:
     }
 
 
+def closed_error(server: str) -> FailedPreconditionError:
+    """What a call on a closed backend raises (the clients check first, naming themselves;
+    this is for a call that raced :meth:`close`)."""
+    return FailedPreconditionError(f"the gRPC client of {server} is closed; create a new client")
+
+
 # --------------------------------------------------------------------------- sync
 class GrpcBackend:
     """Blocking calls on one ``grpc`` channel to ``target`` (``host:port``)."""
@@ -124,10 +192,12 @@ class GrpcBackend:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: ClientTls | None = None,
+        max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
-        self.server = server
+        self.server = redact_url(server)  # for messages: never a password
+        self._target = target
         self._tls = tls
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, max_reconnect_backoff_ms)
         self._channel = (
             grpc.insecure_channel(target, options=options)
             if tls is None
@@ -140,7 +210,13 @@ class GrpcBackend:
         try:
             response = self._stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error, secure=self._tls is not None) from None
+            raise _failure(
+                self.server, error, secure=self._tls is not None, target=self._target
+            ) from None
+        except ValueError as error:  # grpc's "Cannot invoke RPC on closed channel!"
+            if "closed channel" not in str(error):
+                raise
+            raise closed_error(self.server) from None
         return decode(response)
 
     def live(self, timeout: float | None) -> bool:
@@ -193,11 +269,13 @@ class AsyncGrpcBackend:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: ClientTls | None = None,
+        max_reconnect_backoff_ms: int = MAX_RECONNECT_BACKOFF_MS,
     ) -> None:
-        self.server = server
+        self.server = redact_url(server)  # for messages: never a password
         self._target = target
         self._tls = tls
         self._max_message_bytes = max_message_bytes
+        self._max_reconnect_backoff_ms = max_reconnect_backoff_ms
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stubs: dict[str, Any] = {}
@@ -205,14 +283,17 @@ class AsyncGrpcBackend:
         # would otherwise both pass the check, each opening a channel.
         self._swap_lock = threading.Lock()
         self._in_flight = 0  # calls awaiting an answer on the current channel
+        self._closed = False  # close() was called: no channel is opened again
 
     def _open_channel(self) -> grpc.aio.Channel:
-        options = channel_options(self._max_message_bytes)
+        options = channel_options(self._max_message_bytes, self._max_reconnect_backoff_ms)
         if self._tls is None:
             return grpc.aio.insecure_channel(self._target, options=options)
         return grpc.aio.secure_channel(self._target, self._tls.grpc_credentials(), options=options)
 
     async def _stubs_for_this_loop(self) -> dict[str, Any]:
+        if self._closed:  # a new channel now would never be closed
+            raise closed_error(self.server)
         loop = asyncio.get_running_loop()
         if self._channel is not None and self._loop is loop:
             return self._stubs
@@ -245,7 +326,9 @@ class AsyncGrpcBackend:
         try:
             response = await stubs[method](request, timeout=timeout)
         except grpc.RpcError as error:
-            raise _failure(self.server, error, secure=self._tls is not None) from None
+            raise _failure(
+                self.server, error, secure=self._tls is not None, target=self._target
+            ) from None
         finally:
             self._in_flight -= 1
         return decode(response)
@@ -274,6 +357,7 @@ class AsyncGrpcBackend:
         return await self._run(infer_call(model, tensors), timeout)
 
     async def close(self) -> None:
+        self._closed = True
         if self._channel is not None:
             channel, self._channel, self._loop = self._channel, None, None
             await channel.close()

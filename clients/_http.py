@@ -29,6 +29,7 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from clients import codec
 from clients._tls import CLIENT_CERTIFICATE_HINT, ClientTls, tls_hint
+from clients._urls import redact_url
 from clients.retry import RetryableError
 from clients.types import ModelInfo, PredictResult
 from embedding_store.errors import DeadlineExceededError, RecserveError, UnavailableError
@@ -246,7 +247,8 @@ class HttpBackend:
     def __init__(
         self, base_url: str, *, max_connections: int = 8, tls: ClientTls | None = None
     ) -> None:
-        self.server = base_url.rstrip("/")
+        self.server = base_url.rstrip("/")  # requests go here (with any user:password@) ...
+        self._shown = redact_url(self.server)  # ... and messages show this (password ***)
         self._max_connections = max_connections
         # A TLS 1.3 client completes its handshake before the server checks the client's
         # certificate, so a server that wants one may just close the connection after the
@@ -285,7 +287,7 @@ class HttpBackend:
         deadline = None if timeout is None else (now if started is None else started) + timeout
         if deadline is not None and deadline <= now:  # spent waiting for a worker thread
             raise DeadlineExceededError(
-                f"server {self.server} did not answer {method} {path} within {timeout} s: the "
+                f"server {self._shown} did not answer {method} {path} within {timeout} s: the "
                 f"call waited all that time for one of the client's {self._max_connections} "
                 "connections (max_connections)"
             )
@@ -315,36 +317,36 @@ class HttpBackend:
             # The handshake failed: an untrusted certificate or a refused client
             # certificate. A retry would fail the same way.
             raise UnavailableError(
-                f"TLS with server {self.server} failed: {error}{tls_hint(str(error))}"
+                f"TLS with server {self._shown} failed: {error}{tls_hint(str(error))}"
             ) from None
         except NewConnectionError as error:
             # Connect phase only: nothing was sent, a retry cannot run the request twice.
             failure = _connect_failure(error)
             if failure is not None:
-                raise RetryableError(UnavailableError(f"server {self.server} {failure}")) from None
-            raise UnavailableError(f"cannot connect to server {self.server}: {error}") from None
+                raise RetryableError(UnavailableError(f"server {self._shown} {failure}")) from None
+            raise UnavailableError(f"cannot connect to server {self._shown}: {error}") from None
         except (Urllib3Timeout, TimeoutError):
             raise DeadlineExceededError(
-                f"server {self.server} did not answer {method} {path} within {timeout} s"
+                f"server {self._shown} did not answer {method} {path} within {timeout} s"
             ) from None
         except (ProtocolError, ConnectionError) as error:
             if answered_in_http2(error):  # the gRPC port: a retry gets the same frames
-                raise UnavailableError(http2_hint(self.server)) from None
+                raise UnavailableError(http2_hint(self._shown)) from None
             # The connection dropped before an answer (a server restarting, an idle pooled
             # connection closed): retried like gRPC's UNAVAILABLE; inference is idempotent.
             raise RetryableError(
                 UnavailableError(
-                    f"server {self.server}: {method} {path} failed: {error}{self._drop_hint}"
+                    f"server {self._shown}: {method} {path} failed: {error}{self._drop_hint}"
                 )
             ) from None
         except (HTTPError, OSError) as error:
             raise UnavailableError(
-                f"server {self.server}: {method} {path} failed: {error}"
+                f"server {self._shown}: {method} {path} failed: {error}"
             ) from None
         return _Answer(response.status, response.headers, data)
 
     def _error(self, response: _Answer) -> RecserveError | RetryableError:
-        error = codec.http_error(self.server, response.status, response.data)
+        error = codec.http_error(self._shown, response.status, response.data)
         return RetryableError(error) if response.status == 503 else error
 
     def _ok(self, response: _Answer) -> _Answer:

@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from clients import codec
-from clients._grpc import AsyncGrpcBackend
+from clients._grpc import AsyncGrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend, attempt_started
 from clients._tls import ClientTls
-from clients.client import _ClientBase, check_input, rows_need_http
+from clients.client import _checked_wait, _ClientBase, check_input, rows_need_http
 from clients.retry import RetryableError, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -133,7 +133,11 @@ class AsyncRecserveClient(_ClientBase):
                 self.endpoint.base, self._max_connections, self._tls, client=repr(self)
             )
         return AsyncGrpcBackend(
-            self.endpoint.base, self.url, max_message_bytes=self._max_message_bytes, tls=self._tls
+            self.endpoint.base,
+            self.url,
+            max_message_bytes=self._max_message_bytes,
+            tls=self._tls,
+            max_reconnect_backoff_ms=reconnect_backoff_ms(self.policy),
         )
 
     async def _retrying(self, call: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -145,6 +149,7 @@ class AsyncRecserveClient(_ClientBase):
                 if attempt >= self.policy.retries:
                     raise exhausted(retry, attempt + 1) from None
                 await asyncio.sleep(self.policy.delay(attempt))
+                self._check_open()
                 attempt += 1
 
     async def _health(self, call: Callable[..., Awaitable[bool]], *args: Any) -> bool:
@@ -165,6 +170,8 @@ class AsyncRecserveClient(_ClientBase):
         )
 
     async def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
+        """As :meth:`RecserveClient.wait_until_ready`."""
+        timeout, interval = _checked_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

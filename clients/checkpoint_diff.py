@@ -168,6 +168,11 @@ _CHECKSUMMED = (
 )
 
 
+def _article(word: str) -> str:
+    """ "an" before a vowel ("an embedding checkpoint"), else "a" ("a model checkpoint")."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def diff(
     directory_a: str | os.PathLike[str],
     directory_b: str | os.PathLike[str],
@@ -187,7 +192,10 @@ def diff(
     kind_a = require_verified(a, check_values=False)["kind"]
     kind_b = require_verified(b, check_values=False)["kind"]
     if kind_a != kind_b:
-        raise InvalidArgumentError(f"{a} is a {kind_a} checkpoint but {b} is a {kind_b} one")
+        raise InvalidArgumentError(
+            f"{a} is {_article(kind_a)} {kind_a} checkpoint but {b} is {_article(kind_b)} "
+            f"{kind_b} one"
+        )
     result: dict[str, Any] = {"a": str(a), "b": str(b), "kind": kind_a, "tolerance": tolerance}
     result["embeddings"] = _diff_embeddings(
         embedding_dir_of(a, kind_a), embedding_dir_of(b, kind_b), tolerance

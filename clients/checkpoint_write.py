@@ -158,8 +158,14 @@ def reshard(
 def export_dense(
     directory: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Copy ``jit_dense.pt`` (verified against the manifest and loadable) to ``out``."""
+    """Copy ``jit_dense.pt`` (verified against the manifest and loadable) to ``out``, which
+    must not be inside the checkpoint (with ``overwrite``, ``DIR/dense.pt`` used to replace
+    the checkpoint's own file, which then failed verification and no longer loaded)."""
     target = Path(out)
+    if Path(directory).resolve() in target.resolve().parents:
+        raise InvalidArgumentError(
+            f"--out {out} must not be inside the checkpoint {directory}: write the copy elsewhere"
+        )
     if target.exists() and not overwrite:
         raise AlreadyExistsError(f"{target} already exists; pass --overwrite to replace it")
     if target.is_dir():

@@ -35,9 +35,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from clients import codec
-from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend
+from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend
 from clients._tls import client_tls
+from clients._urls import redact_url
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -64,7 +65,8 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 @dataclass(frozen=True)
 class Endpoint:
     """A parsed server URL: ``protocol`` "http" or "grpc"; ``base`` the HTTP base URL (with
-    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized;
+    scheme) or the gRPC target (``host:port``); ``url`` as the user wrote it, normalized, with
+    the password of a ``user:password@`` part shown as ``***`` (it is what messages show);
     ``tls`` for ``https://`` and ``grpcs://``."""
 
     protocol: str
@@ -79,27 +81,32 @@ def parse_url(url: str) -> Endpoint:
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
     text = url.strip()
+    shown = redact_url(url)  # messages never show a password given in the URL
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as error:  # "Invalid IPv6 URL"
+        raise InvalidArgumentError(f"server URL {shown!r}: {error}") from None
     scheme = parts.scheme.lower()
     if not parts.hostname:
-        raise InvalidArgumentError(f"server URL {url!r} has no host")
+        raise InvalidArgumentError(f"server URL {shown!r} has no host")
     try:
         port = parts.port
     except ValueError:
-        raise InvalidArgumentError(f"server URL {url!r} has an invalid port") from None
+        raise InvalidArgumentError(f"server URL {shown!r} has an invalid port") from None
     if scheme in ("http", "https"):
         base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        return Endpoint("http", base, base, tls=scheme == "https")
+        return Endpoint("http", base, redact_url(base), tls=scheme == "https")
     if scheme in ("grpc", "grpcs"):
         if port is None:
-            raise InvalidArgumentError(f"gRPC server URL {url!r} needs a port")
+            raise InvalidArgumentError(f"gRPC server URL {shown!r} needs a port")
         if parts.path.strip("/"):
-            raise InvalidArgumentError(f"gRPC server URL {url!r} cannot have a path")
-        return Endpoint("grpc", parts.netloc, f"{scheme}://{parts.netloc}", tls=scheme == "grpcs")
+            raise InvalidArgumentError(f"gRPC server URL {shown!r} cannot have a path")
+        shown = redact_url(f"{scheme}://{parts.netloc}")
+        return Endpoint("grpc", parts.netloc, shown, tls=scheme == "grpcs")
     raise InvalidArgumentError(
-        f"server URL {url!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
+        f"server URL {shown!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
     )
 
 
@@ -194,6 +201,13 @@ class _ClientBase:
             raise FailedPreconditionError(f"{self!r} is closed; create a new client")
         return self._transport
 
+    def _check_open(self) -> None:
+        """FailedPreconditionError once the client is closed: a retry that waited out its
+        delay while another thread or task closed the client is not sent (it used to be:
+        over HTTP on a new connection, over gRPC as a raw ValueError "Cannot invoke RPC on
+        closed channel!", or, asyncio, on a new channel that nothing closed)."""
+        self._backend  # noqa: B018  (the property raises for a closed client)
+
     def _close_transport(self) -> Any:
         """Mark the client closed and return the transport to close (None if already)."""
         if self._closed:
@@ -203,6 +217,7 @@ class _ClientBase:
 
     @property
     def url(self) -> str:
+        """The server URL as messages show it: a ``user:password@`` part as ``user:***@``."""
         return self.endpoint.url
 
     @property
@@ -235,6 +250,25 @@ def _checked_timeout(timeout: object) -> float | None:
             f"got {timeout!r}"
         )
     return float(timeout)
+
+
+def _checked_wait(timeout: object, interval: object) -> tuple[float, float]:
+    """``wait_until_ready``'s ``timeout`` (seconds in [0, MAX_TIMEOUT_SECONDS]: 0 polls once)
+    and ``interval`` (in (0, MAX_TIMEOUT_SECONDS]); InvalidArgumentError naming the one at
+    fault otherwise (an interval of NaN or < 0 was a raw ValueError from time.sleep after the
+    first poll, a NaN timeout one of ready()'s own timeout)."""
+    for name, value, low in (("timeout", timeout, ">= 0"), ("interval", interval, "> 0")):
+        valid = _is_seconds(value) and (
+            0 <= cast(float, value) <= MAX_TIMEOUT_SECONDS
+            if name == "timeout"
+            else 0 < cast(float, value) <= MAX_TIMEOUT_SECONDS
+        )
+        if not valid:
+            raise InvalidArgumentError(
+                f"wait_until_ready {name} must be {low} and <= {MAX_TIMEOUT_SECONDS:.0f} "
+                f"seconds, got {value!r}"
+            )
+    return float(cast(float, timeout)), float(cast(float, interval))
 
 
 def _checked_count(name: str, value: object, maximum: int | None = None) -> int:
@@ -292,6 +326,7 @@ class RecserveClient(_ClientBase):
             self.url,
             max_message_bytes=self._max_message_bytes,
             tls=self._tls,
+            max_reconnect_backoff_ms=reconnect_backoff_ms(self.policy),
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -304,6 +339,7 @@ class RecserveClient(_ClientBase):
                 if attempt >= self.policy.retries:
                     raise exhausted(retry, attempt + 1) from None
                 time.sleep(self.policy.delay(attempt))
+                self._check_open()
                 attempt += 1
 
     def _health(self, call: Callable[..., bool], *args: Any) -> bool:
@@ -326,7 +362,10 @@ class RecserveClient(_ClientBase):
         return self._health(self._backend.model_ready, self.model_name, self._timeout(timeout))
 
     def wait_until_ready(self, timeout: float = 30.0, *, interval: float = 0.05) -> bool:
-        """Poll :meth:`ready` until it is True (returns True) or ``timeout`` passes (False)."""
+        """Poll :meth:`ready` every ``interval`` seconds until it is True (returns True) or
+        ``timeout`` seconds pass (False); InvalidArgumentError for a ``timeout`` < 0 or an
+        ``interval`` <= 0 (NaN, inf or over 1e6 s either)."""
+        timeout, interval = _checked_wait(timeout, interval)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

@@ -6,8 +6,10 @@
     recserve predict --url http://127.0.0.1:8000 --model adult --input rows.csv --output out.jsonl
 
 Rows go to the friendly route (``POST /v1/models/{name}:predict``, HTTP only) in batches of
-``--batch-size``; the server's ``--preprocessor`` turns them into a batch, or, without one,
-they are keyed by feature name (an ID, a list of IDs, a number or a list of numbers each).
+``--batch-size`` (a batch over the server's ``--max-request-batch-size`` is sent again in
+pieces of that size, and later batches in pieces from the start); the server's
+``--preprocessor`` turns them into a batch, or, without one, they are keyed by feature name
+(an ID, a list of IDs, a number or a list of numbers each).
 JSON lines: one object per line (blank lines skipped). CSV: a header row, then one row per
 line; values that look like numbers are sent as numbers, everything else as (stripped)
 strings. Both UTF-8, with or without a byte order mark. Prints one JSON line per input row,
@@ -45,8 +47,10 @@ from embedding_store.errors import InvalidArgumentError, RecserveError
 FORMATS = ("jsonl", "csv")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
 _MAX_REPORTED = 20
-_INT = re.compile(r"[+-]?\d+")
-_FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
+# ASCII digits ([0-9], not \d): \d matches other scripts' digits ("\u0661\u0662"), which int()
+# and float() then read as ASCII ones; such a field stays text, as recserve eval refuses it.
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _INSTANCE = re.compile(r"instances\[(\d+)\]")
 _ROW = re.compile(r"\brow (\d+)\b")
 CSV_LAYOUT_HINT = (
@@ -227,7 +231,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--format", choices=FORMATS, default=None, help="override the extension")
     parser.add_argument(
-        "--batch-size", type=positive_int, default=256, help="rows per request (default 256)"
+        "--batch-size",
+        type=positive_int,
+        default=256,
+        help="rows per request (default 256; a batch over the server's "
+        "--max-request-batch-size goes in requests of that size)",
     )
     parser.add_argument("--output", type=non_empty_path, default=None, help="write JSON lines here")
     parser.add_argument(
@@ -287,27 +295,69 @@ def _score_rows(args: argparse.Namespace, fmt: str, write: Callable[[bytes], Any
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
     ) as client:
+        limit: int | None = None  # the server's max batch size, once a refusal taught it
         for numbers, rows in iter_batches(args.input, fmt, args.batch_size):
-            try:
-                result = client.predict(rows)
-            except RecserveError as error:
-                located = locate(error, args.input, numbers)
-                if fmt == "csv" and rows_not_feature_keyed(error.message):
-                    located = type(error)(located.message + CSV_LAYOUT_HINT)
-                raise located from None
-            if len(result) != len(rows):
-                raise RecserveError(
-                    f"server {client.url} answered {len(result)} predictions for {len(rows)} rows"
-                )
-            write(
-                b"".join(
-                    orjson.dumps(
-                        {"prediction": _scalar(prediction), "model_version": result.model_version}
+            pending = _pieces(numbers, rows, limit)
+            while pending:
+                part_numbers, part = pending.pop(0)
+                try:
+                    result = client.predict(part)
+                except InvalidArgumentError as error:
+                    # A batch over the server's --max-request-batch-size: sent again in pieces
+                    # of its size (as recserve eval does); it used to end the run.
+                    taught = server_batch_limit(error.message)
+                    if taught is not None and 1 <= taught < len(part):
+                        limit = taught
+                        pending[:0] = _pieces(part_numbers, part, limit)
+                        continue
+                    raise _located(error, args.input, part_numbers, fmt) from None
+                except RecserveError as error:
+                    raise _located(error, args.input, part_numbers, fmt) from None
+                if len(result) != len(part):
+                    raise RecserveError(
+                        f"server {client.url} answered {len(result)} predictions for "
+                        f"{len(part)} rows"
                     )
-                    + b"\n"
-                    for prediction in result.predictions
+                write(
+                    b"".join(
+                        orjson.dumps(
+                            {
+                                "prediction": _scalar(prediction),
+                                "model_version": result.model_version,
+                            }
+                        )
+                        + b"\n"
+                        for prediction in result.predictions
+                    )
                 )
-            )
+
+
+#: How a server words the refusal of a batch over its --max-request-batch-size.
+_BATCH_LIMIT = re.compile(r"batch size \d+ exceeds this server's max batch size (\d+)")
+
+
+def server_batch_limit(message: str) -> int | None:
+    """M of a server's "batch size N exceeds this server's max batch size M", or None."""
+    match = _BATCH_LIMIT.search(message)
+    return int(match.group(1)) if match else None
+
+
+def _pieces(
+    numbers: list[int], rows: list[dict[str, Any]], size: int | None
+) -> list[tuple[list[int], list[dict[str, Any]]]]:
+    """(line numbers, rows) in consecutive pieces of at most ``size`` rows (None: one)."""
+    if size is None or len(rows) <= size:
+        return [(numbers, rows)]
+    return [(numbers[i : i + size], rows[i : i + size]) for i in range(0, len(rows), size)]
+
+
+def _located(error: RecserveError, path: Path, numbers: list[int], fmt: str) -> RecserveError:
+    """``error`` of the rows on lines ``numbers`` of ``path`` (:func:`locate`), with the CSV
+    layout hint when the rows were not keyed by feature name."""
+    located = locate(error, path, numbers)
+    if fmt == "csv" and rows_not_feature_keyed(error.message):
+        located = type(error)(located.message + CSV_LAYOUT_HINT)
+    return located
 
 
 def _scalar(prediction: Any) -> Any:

@@ -53,6 +53,7 @@ __all__ = ["EvalOptions", "EvalResult", "run_eval"]
 OUTPUT_TRANSFORMS = ("identity", "sigmoid")
 EXIT_OK = 0
 EXIT_PREDICTIONS_DIFFER = 3
+DEFAULT_TOLERANCE = 1e-6  # --compare: the largest abs difference that is no difference
 SHOWN_BAD_ROWS = 20  # printed on stderr; all of them go to the report's bad_rows.txt
 
 
@@ -74,7 +75,7 @@ class EvalOptions:
     model: str = "model"
     output_transform: str = "identity"
     protocol: str = "v2"
-    tolerance: float = 1e-6
+    tolerance: float = DEFAULT_TOLERANCE
     overwrite: bool = False
     timeout: float = 60.0
     calibration_bins: int = 10
@@ -122,6 +123,21 @@ def _check_options(o: EvalOptions) -> None:
         raise InvalidArgumentError(
             f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got {o.output_transform!r}"
         )
+    if o.output_transform != "identity" and o.checkpoint is None:
+        # The server's answers are used as they come: the flag used to be taken and ignored,
+        # and the report then still said "logits? pass --output-transform sigmoid".
+        raise InvalidArgumentError(
+            f"--output-transform {o.output_transform} applies to in-process scoring "
+            "(--checkpoint); a server's predictions come transformed by its own "
+            "`recserve serve --output-transform`"
+        )
+    if o.tolerance != DEFAULT_TOLERANCE and not o.compare:
+        # Refused, not ignored: a parity gate (exit 3 when predictions differ) written without
+        # --compare passed every time, comparing nothing.
+        raise InvalidArgumentError(
+            f"--tolerance {o.tolerance:g} is for --compare (the parity check of --checkpoint "
+            "against --url); without --compare nothing is compared"
+        )
     if o.bad_rows not in ("skip", "fail"):
         raise InvalidArgumentError(f"--bad-rows must be skip or fail, got {o.bad_rows!r}")
     if o.batch_size <= 0:
@@ -142,12 +158,39 @@ def _check_options(o: EvalOptions) -> None:
         # With --overwrite the output would replace the data it is computed from.
         if output is not None and output.resolve() in inputs:
             raise InvalidArgumentError(f"{flag} {output} is one of the --data files")
+        # ... or the model: --report DIR/embeddings --overwrite replaced the checkpoint's
+        # embeddings with the report (the checkpoint then no longer loaded).
+        if (
+            output is not None
+            and o.checkpoint is not None
+            and _checkpoint_part(o.checkpoint, output)
+        ):
+            raise InvalidArgumentError(
+                f"{flag} {output} is the --checkpoint {o.checkpoint} or a part of it: writing "
+                "it would damage the checkpoint"
+            )
     eval_report.refuse_existing(o.out, overwrite=o.overwrite)
     if o.report is not None:
-        eval_report.refuse_existing(o.report, overwrite=o.overwrite)
+        eval_report.check_report_target(o.report, overwrite=o.overwrite)
         if o.report.resolve() == o.out.resolve():
             raise InvalidArgumentError("--report and --out must differ")
         eval_report.pyplot()  # a missing matplotlib fails now, not after the scoring run
+
+
+def _checkpoint_part(checkpoint: Path, output: Path) -> bool:
+    """Whether ``output`` is the model checkpoint ``checkpoint`` or one of its files or
+    directories (a new file next to them is not)."""
+    # Here, not at the top: model_checkpoint imports torch (scoring in-process loads it anyway).
+    from embedding_store import model_checkpoint as mc
+
+    model, resolved = checkpoint.resolve(), output.resolve()
+    if resolved == model:
+        return True
+    if model not in resolved.parents:
+        return False
+    parts = {mc.MANIFEST_NAME, mc.DONE_MARKER, mc.EMBEDDINGS_DIR, mc.DENSE_FILE, mc.JIT_FILE}
+    parts |= {mc.OPTIMIZER_FILE, mc.SCALER_FILE}
+    return resolved.relative_to(model).parts[0] in parts
 
 
 def _label_of(o: EvalOptions, mapping: FeatureMapping) -> LabelMapping | None:
@@ -314,6 +357,11 @@ def _evaluate(
             all_predictions,
             ranking if local is not None else None,
             bins=o.calibration_bins,
+            logits_hint=(
+                "pass --output-transform sigmoid"
+                if local is not None
+                else "start the server with `recserve serve --output-transform sigmoid`"
+            ),
         )
         report: dict[str, Any] = {
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -432,7 +480,7 @@ def _describe_model(
     return {
         "checkpoint": os.fspath(o.checkpoint) if o.checkpoint is not None else None,
         "checkpoint_version": local.version if local is not None else None,
-        "url": server.url if server is not None else None,
+        "url": server.shown if server is not None else None,  # a report shows no password
         "model_name": o.model if server is not None else None,
         "server_version": server.version if server is not None else None,
         "protocol": o.protocol if server is not None else None,

@@ -95,8 +95,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--output-transform",
         choices=["identity", "sigmoid"],
         default="identity",
-        help="applied in-process to the model output, as `recserve serve --output-transform` "
-        "does on the server (use the server's setting with --compare)",
+        help="applied in-process (--checkpoint) to the model output, as `recserve serve "
+        "--output-transform` does on the server (use the server's setting with --compare; "
+        "with --url alone the server's answers are used as they come)",
     )
     parser.add_argument(
         "--protocol",
@@ -109,7 +110,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--tolerance",
         type=non_negative_float,
         default=1e-6,
-        help="max abs difference allowed by --compare (1e-6)",
+        help="max abs difference allowed by --compare (1e-6; only with --compare)",
     )
     parser.add_argument(
         "--calibration-bins", type=positive_int, default=10, help="reliability bins (10)"
@@ -118,7 +119,10 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=positive_float, default=60.0, help="per request, seconds (60)"
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace existing --out / --report"
+        "--overwrite",
+        action="store_true",
+        help="replace existing --out / --report (a --report directory only when it is empty "
+        "or holds an earlier report)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     add_tls_arguments(parser)
@@ -252,7 +256,7 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
         type=non_empty_path,
         required=True,
         metavar="FILE",
-        help="where to write the copy of jit_dense.pt",
+        help="where to write the copy of jit_dense.pt (outside DIR)",
     )
     export.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
     export.set_defaults(handler=_export)

@@ -128,18 +128,30 @@ class _NotAnIntegerIDError(ValueError):
     """A value of an ``int`` ID column that is not an integer at all (not one out of range)."""
 
 
+#: An integer ID as text: ASCII digits, optionally followed by a point and zeros (a whole
+#: float as pandas writes it, "7.0"), read exactly. Not int()'s wider syntax: it took "1_23"
+#: and "12_3" both for ID 123, and other scripts' digits ("١٢") for ASCII ones.
+_INT_TEXT = re.compile(r"([+-]?[0-9]+)(?:\.0*)?")
+
+
+#: A number as text: ASCII digits, a point, an exponent (and inf/nan, refused later as not
+#: finite, with that reason). Not float()'s wider syntax, as for :data:`_INT_TEXT`: it read
+#: "1_0" as 10 and other scripts' digits ("١٢") as ASCII ones.
+_FLOAT_TEXT = re.compile(
+    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE
+)
+
+
 def _int_id(value: Any, column: str) -> int:
     if isinstance(value, bool):
         raise _NotAnIntegerIDError(f"column {column!r}: {value!r} is not an integer ID")
     if isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()):
         number = int(value)
     else:
-        try:
-            number = int(str(value).strip())
-        except ValueError:
-            raise _NotAnIntegerIDError(
-                f"column {column!r}: {value!r} is not an integer ID"
-            ) from None
+        match = _INT_TEXT.fullmatch(str(value).strip())
+        if match is None:
+            raise _NotAnIntegerIDError(f"column {column!r}: {value!r} is not an integer ID")
+        number = int(match.group(1))
     if not 0 <= number < 2**64:
         raise ValueError(f"column {column!r}: ID {number} is outside [0, 2**64)")
     return number
@@ -235,10 +247,13 @@ class GenericEncoder:
             value = row[column]
             if value is None:
                 raise ValueError(f"column {column!r} is empty (null)")
-            try:
-                number = float(value if isinstance(value, (int, float)) else str(value).strip())
-            except ValueError:
-                raise ValueError(f"column {column!r}: {value!r} is not a number") from None
+            if isinstance(value, (int, float)):
+                number = float(value)
+            else:
+                text = str(value).strip()
+                if _FLOAT_TEXT.fullmatch(text) is None:
+                    raise ValueError(f"column {column!r}: {value!r} is not a number")
+                number = float(text)
             if not math.isfinite(number):
                 raise ValueError(f"column {column!r}: {value!r} is not a finite number")
             if spec.mean is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,12 +35,26 @@ class PredictionWriter:
             raise InvalidArgumentError(f"--out {path}: expected a .csv or .parquet file name")
         self.columns = list(columns)
         self._stack = contextlib.ExitStack()
+        self._handle: TextIO | None = None
+        self._csv: Any = None  # csv.writer once open
+        self._parquet: Any = None  # pyarrow.parquet.ParquetWriter once open
+        try:
+            self._open(path, overwrite=overwrite)
+        except BaseException as error:
+            self._close_files()
+            # As an error, so the temporary file goes (a plain close would "commit" it).
+            self._stack.__exit__(type(error), error, error.__traceback__)
+            if not isinstance(error, OSError):
+                raise
+            # Named by --out and the path given: the OSError names the hidden temporary file
+            # (".x.csv.tmp-<hex>"), which the user never gave and which is gone by now.
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            raise InvalidArgumentError(f"--out {path}: cannot write there: {reason}") from error
+
+    def _open(self, path: Path, *, overwrite: bool) -> None:
         self._temporary = self._stack.enter_context(
             eval_report.atomic_file(path, overwrite=overwrite)
         )
-        self._handle: TextIO | None = None
-        self._csv = None
-        self._parquet = None
         if self.format == "csv":
             # Closed by commit()/abort(): the file lives as long as the writer.
             self._handle = open(self._temporary, "w", encoding="utf-8", newline="")  # noqa: SIM115
@@ -50,7 +65,6 @@ class PredictionWriter:
                 import pyarrow as pa
                 import pyarrow.parquet as pq
             except ImportError:
-                self._stack.close()
                 raise InvalidArgumentError(
                     "writing Parquet needs pyarrow (pip install 'recserve[eval]')"
                 ) from None

@@ -32,6 +32,7 @@ __all__ = [
     "atomic_directory",
     "atomic_file",
     "calibration",
+    "check_report_target",
     "log_loss",
     "metrics",
     "roc_auc",
@@ -151,12 +152,14 @@ def metrics(
     ranking_scores: np.ndarray | None = None,
     *,
     bins: int = 10,
+    logits_hint: str = "pass --output-transform sigmoid",
 ) -> dict[str, Any]:
     """The metrics block of ``report.json``.
 
     ``ranking_scores``: what AUC ranks (the raw model output when known: AUC is invariant
     to the monotone output transform, but float32 sigmoid can tie distinct logits), else the
-    predictions.
+    predictions. ``logits_hint``: what makes the predictions probabilities, for the note
+    when they are not.
 
     Raises ValueError when the labels, the predictions or the ranking scores differ in
     length (a caller's bug, not a note for the report).
@@ -198,8 +201,8 @@ def metrics(
         out["calibration"] = calibration(labels, predictions, bins)
     else:
         out["probability_note"] = (
-            "predictions are not probabilities in [0, 1] (logits? pass --output-transform "
-            "sigmoid): log loss and calibration left out"
+            f"predictions are not probabilities in [0, 1] (logits? {logits_hint}): log loss "
+            "and calibration left out"
         )
     return out
 
@@ -219,7 +222,7 @@ def atomic_file(path: str | os.PathLike[str], *, overwrite: bool) -> Iterator[Pa
     if target.is_dir():
         raise InvalidArgumentError(f"output {target} is a directory; expected a file name")
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    temporary = _sibling(target, "tmp")
     try:
         yield temporary
         if not temporary.exists():
@@ -236,12 +239,12 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterat
     target = Path(path)
     refuse_existing(target, overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    staging = _sibling(target, "tmp")
     staging.mkdir()
     try:
         yield staging
         if target.exists():
-            retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex}")
+            retired = _sibling(target, "old")
             os.replace(target, retired)
             os.replace(staging, target)
             if retired.is_dir():
@@ -254,10 +257,53 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool) -> Iterat
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _sibling(target: Path, kind: str) -> Path:
+    """A fresh hidden path next to ``target`` (same directory, so the rename is atomic).
+
+    Named from the absolute path, lexically: ``Path(".").with_name`` raises ValueError and
+    ``Path("..").with_name("x")`` is ``x`` in the current directory, not next to ``..``.
+    """
+    absolute = Path(os.path.abspath(target))
+    if not absolute.name:  # "/" and the like
+        raise InvalidArgumentError(f"output {target} is the root directory; expected a name")
+    return absolute.with_name(f".{absolute.name}.{kind}-{uuid.uuid4().hex}")
+
+
 def refuse_existing(path: Path, *, overwrite: bool, what: str = "output") -> None:
     """AlreadyExistsError for an existing ``path`` unless ``overwrite``."""
     if path.exists() and not overwrite:
         raise AlreadyExistsError(f"{what} {path} already exists; pass --overwrite to replace it")
+
+
+#: The file every report directory holds: what tells an earlier report from other directories.
+REPORT_FILE = "report.json"
+
+
+def check_report_target(path: str | os.PathLike[str], *, overwrite: bool) -> None:
+    """AlreadyExistsError unless a report directory may be written to ``path``: it does not
+    exist, or (with ``overwrite``) it is a file, an empty directory or an earlier report (a
+    directory holding :data:`REPORT_FILE`). Replacing deletes the old directory, so no other
+    directory is ever replaced (``--report results --overwrite`` used to delete all of
+    ``results/``, whatever it held, and put the report in its place)."""
+    target = Path(path)
+    # Before refuse_existing: "pass --overwrite" is no advice for these. The report replaces
+    # its directory whole, and the current directory (`--report .`) or one holding it cannot
+    # be replaced from inside (and `.` has no name to stage a sibling by).
+    here = Path(os.getcwd())
+    absolute = Path(os.path.abspath(target))
+    if absolute == here or absolute in here.parents:
+        raise InvalidArgumentError(
+            f"report directory {target} is the current directory or holds it: the report is "
+            f"written as a directory of its own, which would replace it; name a new one "
+            f"(e.g. --report {target / 'report'})"
+        )
+    refuse_existing(target, overwrite=overwrite)
+    if target.is_dir() and any(target.iterdir()) and not (target / REPORT_FILE).is_file():
+        raise AlreadyExistsError(
+            f"report directory {target} exists and is not an eval report (no {REPORT_FILE}): "
+            "refusing to replace it (that would delete what it holds); choose another "
+            "directory: the report is written as a directory of its own"
+        )
 
 
 # --------------------------------------------------------------------------- report
@@ -410,6 +456,7 @@ def staged_report(
     it into place (an error inside the block leaves no report). ``recserve eval`` commits its
     predictions inside the block: a report that cannot be rendered leaves neither behind."""
     target = Path(path)
+    check_report_target(target, overwrite=overwrite)
     with atomic_directory(target, overwrite=overwrite) as staging:
         files = _plots(staging, report, labels, ranking_scores, predictions)
         (staging / "summary.md").write_text(summary_markdown(report), encoding="utf-8")

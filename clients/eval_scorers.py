@@ -29,6 +29,7 @@ import orjson
 
 from clients._http import DeadlineHTTPResponse, answer_within, answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
+from clients._urls import redact_url
 from clients.codec import rows_not_feature_keyed
 from embedding_store.batch import (
     Batch,
@@ -123,7 +124,7 @@ def _normalize_url(url: str) -> str:
         url = "http://" + url
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme not in ("http", "https"):
-        raise InvalidArgumentError(f"--url must be http(s)://HOST:PORT, got {url!r}")
+        raise InvalidArgumentError(f"--url must be http(s)://HOST:PORT, got {redact_url(url)!r}")
     return url
 
 
@@ -209,9 +210,9 @@ class ServerScorer:
     ) -> None:
         if protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.url = _normalize_url(url)
+        self.url = _normalize_url(url)  # requests go here (with any user:password@)
         tls = client_tls(
-            self.url.startswith("https://"), self.url, tls_ca, tls_cert, tls_key, names=CLI_NAMES
+            self.url.startswith("https://"), self.shown, tls_ca, tls_cert, tls_key, names=CLI_NAMES
         )
         self._ssl_context = tls.ssl_context() if tls else None
         self.model = model
@@ -260,7 +261,7 @@ class ServerScorer:
                     message = orjson.loads(payload).get("error") or payload.decode()
                 except (orjson.JSONDecodeError, AttributeError, UnicodeDecodeError):
                     message = payload[:200].decode("utf-8", "replace")
-                failure = error_for_http_status(error.code, f"server {self.url}{path}: {message}")
+                failure = error_for_http_status(error.code, f"server {self.shown}{path}: {message}")
                 limit = _batch_limit(message) if error.code == 400 else None
                 if limit is not None:
                     raise _BatchTooLargeError(failure.message, limit) from None
@@ -270,26 +271,26 @@ class ServerScorer:
                 reason = getattr(error, "reason", error)
                 if isinstance(reason, ssl.SSLError):  # a retry would fail the same way
                     raise UnavailableError(
-                        f"TLS with server {self.url} failed: {reason}{tls_hint(str(reason))}"
+                        f"TLS with server {self.shown} failed: {reason}{tls_hint(str(reason))}"
                     ) from None
                 if isinstance(reason, TimeoutError):
                     # Not retried (as RecserveClient): the server may still be working on it.
                     raise DeadlineExceededError(
-                        f"server {self.url}{path} did not answer within {self.timeout} s"
+                        f"server {self.shown}{path} did not answer within {self.timeout} s"
                     ) from None
                 if attempt == self.retries:
-                    raise UnavailableError(f"cannot reach {self.url}: {reason}") from None
+                    raise UnavailableError(f"cannot reach {self.shown}: {reason}") from None
             except http.client.HTTPException as error:
                 # Not an HTTP/1.1 answer (urllib raises these bare, not as URLError).
                 if answered_in_http2(error):  # the gRPC port: a retry gets the same frames
-                    raise UnavailableError(http2_hint(self.url)) from None
+                    raise UnavailableError(http2_hint(self.shown)) from None
                 if attempt == self.retries:
                     raise UnavailableError(
-                        f"server {self.url}{path}: not a valid HTTP answer: {error!r}"
+                        f"server {self.shown}{path}: not a valid HTTP answer: {error!r}"
                     ) from None
             time.sleep(delay)
             delay *= 2
-        raise UnavailableError(f"cannot reach {self.url}")  # not reached
+        raise UnavailableError(f"cannot reach {self.shown}")  # not reached
 
     # ------------------------------------------------------------------ scoring
     def score(self, batch: Batch, rows: Sequence[Mapping[str, Any]]) -> Scores:
@@ -370,12 +371,12 @@ class ServerScorer:
             document = _json_object(body[: int(json_size)] if json_size else body)
             output = next((o for o in document["outputs"] if o["name"] == "prediction"), None)
             if output is None:
-                raise InvalidArgumentError(f"server {self.url} answered without a 'prediction'")
+                raise InvalidArgumentError(f"server {self.shown} answered without a 'prediction'")
             size = (output.get("parameters") or {}).get("binary_data_size")
             if size is not None:
                 if not json_size:
                     raise InvalidArgumentError(
-                        f"server {self.url} answered binary data without {_HEADER_LENGTH}"
+                        f"server {self.shown} answered binary data without {_HEADER_LENGTH}"
                     )
                 start = int(json_size)
                 predictions = np.frombuffer(body[start : start + int(size)], dtype="<f4")
@@ -413,7 +414,7 @@ class ServerScorer:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             detail = f"{type(error).__name__}: {error}"
             raise InvalidArgumentError(
-                f"server {self.url}{path} answered something other than a recserve (KServe v2) "
+                f"server {self.shown}{path} answered something other than a recserve (KServe v2) "
                 f"answer ({detail}); is --url a recserve server?"
             ) from None
 
@@ -421,7 +422,7 @@ class ServerScorer:
         predictions = predictions.reshape(-1).astype(np.float32, copy=True)
         if predictions.shape[0] != n:
             raise InvalidArgumentError(
-                f"server {self.url} returned {predictions.shape[0]} predictions for {n} rows"
+                f"server {self.shown} returned {predictions.shape[0]} predictions for {n} rows"
             )
         if version:
             self.version = str(version)
@@ -429,6 +430,11 @@ class ServerScorer:
 
     def unknown_ids(self) -> None:
         return None
+
+    @property
+    def shown(self) -> str:
+        """:attr:`url` as messages and the report show it: a password as ``***``."""
+        return redact_url(self.url)
 
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection (urllib)."""

@@ -13,7 +13,11 @@ import numbers
 import random
 from dataclasses import dataclass
 
+from embedding_store.cli_types import MAX_FLOAT_VALUE
 from embedding_store.errors import InvalidArgumentError, RecserveError
+
+#: The longest wait between two attempts (seconds; 1e6, the longest timeout too).
+MAX_BACKOFF_SECONDS = MAX_FLOAT_VALUE
 
 
 @dataclass(frozen=True)
@@ -31,14 +35,19 @@ class RetryPolicy:
         object.__setattr__(self, "retries", int(self.retries))
         if self.retries < 0:
             raise InvalidArgumentError(f"retries must be >= 0, got {self.retries}")
-        if not 0 <= self.backoff_min <= self.backoff_max:
+        # At most MAX_BACKOFF_SECONDS, as a timeout: inf or 1e300 used to reach time.sleep
+        # at the first retry as a raw ValueError ("Invalid value NaN") or OverflowError.
+        if not 0 <= self.backoff_min <= self.backoff_max <= MAX_BACKOFF_SECONDS:
             raise InvalidArgumentError(
-                f"backoff must be (min, max) with 0 <= min <= max, got "
-                f"({self.backoff_min}, {self.backoff_max})"
+                f"backoff must be (min, max) seconds, at most {MAX_BACKOFF_SECONDS:.0f}, with "
+                f"0 <= min <= max, got ({self.backoff_min}, {self.backoff_max})"
             )
 
     def delay(self, attempt: int) -> float:
-        ceiling = min(self.backoff_max, self.backoff_min * 2.0**attempt)
+        try:
+            ceiling = min(self.backoff_max, self.backoff_min * 2.0**attempt)
+        except OverflowError:  # 2.0**1024: the 1025th retry of a patient client
+            ceiling = self.backoff_max
         return random.uniform(ceiling / 2, ceiling)
 
 

@@ -232,15 +232,29 @@ def slot_mismatches(
     return problems
 
 
-def count_rows_per_replica(manifest: EmbeddingManifest, replica_size: int) -> list[int]:
+def count_rows_per_replica(
+    manifest: EmbeddingManifest,
+    replica_size: int,
+    receivers: Sequence[Optimizer | None] | None = None,
+) -> list[int]:
     """Rows each of ``replica_size`` replicas owns in this checkpoint: int [replica_size].
 
     Reads and verifies every file once, keeping only its IDs' owner counts, so at most one
-    file is in memory: a re-shard can check every shard's capacity before it changes any."""
+    file is in memory: a re-shard can check every shard's capacity before it changes any.
+    ``receivers`` (optional, one per replica: the optimizer whose state its load keeps, as
+    ``keep_state_of`` of :func:`read_rows_for_replica`): the saved state each replica would
+    keep is checked too, as its own load checks it, so that no shard refuses its part
+    (negative accumulators, say) after others took theirs."""
     counts = np.zeros(replica_size, dtype=np.int64)
+    keeping = [r if state_fits(manifest, r) else None for r in receivers or ()]
+    same_layout = manifest.num_shards == replica_size
     for entry in manifest.files:
-        ids = _read_verified(manifest, entry)["ids"]
-        counts += np.bincount(shard_of(ids, replica_size), minlength=replica_size)
+        tensors = _read_verified(manifest, entry)
+        counts += np.bincount(shard_of(tensors["ids"], replica_size), minlength=replica_size)
+        readers = keeping[entry.shard : entry.shard + 1] if same_layout else keeping
+        # check_state depends on the optimizer's kind only (state_fits matched the widths)
+        for kind in {type(r): r for r in readers if r is not None}.values():
+            _check_saved_state(manifest, entry, tensors["state"], kind)
     return [int(c) for c in counts]
 
 
@@ -272,8 +286,8 @@ def read_rows_for_replica(
             "embedding checkpoint %s holds state of optimizer %s, which does not fit this "
             "shard's %s: the rows load, their optimizer state starts fresh",
             manifest.directory,
-            _optimizer_summary(manifest.optimizer),
-            _optimizer_summary(keep_state_of.to_dict()),
+            optimizer_summary(manifest.optimizer),
+            optimizer_summary(keep_state_of.to_dict()),
         )
     same_layout = manifest.num_shards == replica_size
     entries = [e for e in manifest.files if not same_layout or e.shard == replica_index]
@@ -338,7 +352,7 @@ def _check_saved_state(
         raise CheckpointError(f"checkpoint file {path}: {error.message}") from None
 
 
-def _optimizer_summary(settings: dict[str, Any]) -> str:
+def optimizer_summary(settings: dict[str, Any]) -> str:
     """``adagrad (vectorwise_shared)`` or ``adam``: what makes two optimizers' state differ."""
     shared = " (vectorwise_shared)" if settings.get("vectorwise_shared") else ""
     return f"{settings.get('name', '?')}{shared}"
@@ -386,10 +400,35 @@ def load_into_shard(
         progress=progress,
     )
     _check_capacity(manifest, shard, blocks)
-    if adopted is not None:
-        shard.configure(optimizer=adopted)
-    shard.replace_rows(blocks, checkpoint_version=manifest.version)
+    # The optimizer is adopted (and the saved state checked against the shard's) at the
+    # swap, under the shard's lock: a Configure that arrived while the files were read (a
+    # trainer starting while a restarted shard loads) is kept, never replaced by the
+    # checkpoint's optimizer.
+    shard.replace_rows(
+        blocks,
+        checkpoint_version=manifest.version,
+        state_of=receiver,
+        adopt=adopted is not None,
+    )
+    _note_configured_meanwhile(manifest, shard, receiver)
     return manifest
+
+
+def _note_configured_meanwhile(
+    manifest: EmbeddingManifest, shard: EmbeddingShard, receiver: Optimizer | None
+) -> None:
+    """Log when the shard was configured with another optimizer while ``manifest``'s rows
+    were read for ``receiver``: it keeps that one, and the saved state only where it fits."""
+    current = shard.optimizer
+    if receiver is None or current is None or current == receiver:
+        return
+    log.warning(
+        "embedding shard configured with %s while checkpoint %s loaded (read for %s): it "
+        "keeps that optimizer; rows whose saved state does not fit it start it fresh",
+        json.dumps(current.to_dict(), sort_keys=True),
+        manifest.directory,
+        json.dumps(receiver.to_dict(), sort_keys=True),
+    )
 
 
 def load_embeddings(
@@ -413,9 +452,9 @@ def load_embeddings(
             keep_recency=not shard.read_only,
         )
         _check_capacity(manifest, shard, blocks)
-        staged.append(blocks)
-    for shard, blocks in zip(shards, staged):
-        shard.replace_rows(blocks, checkpoint_version=manifest.version)
+        staged.append((blocks, shard.optimizer))
+    for shard, (blocks, receiver) in zip(shards, staged):
+        shard.replace_rows(blocks, checkpoint_version=manifest.version, state_of=receiver)
     return manifest
 
 

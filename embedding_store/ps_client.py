@@ -401,8 +401,10 @@ class RemoteParameterServer:
     def export_rows(
         self, max_rows_per_chunk: int = 65536, *, timeout: float | None = None
     ) -> Iterator[RowBlock]:
-        """Every row of the shard, as blocks of at most ``max_rows_per_chunk`` rows of one dim
-        (with optimizer state). The stream's deadline covers the whole iteration."""
+        """Every row of the shard as copied at one instant (training may go on meanwhile),
+        as blocks of at most ``max_rows_per_chunk`` rows of one dim (with optimizer state),
+        each dim's least recently used first. The stream's deadline covers the whole
+        iteration."""
         if not isinstance(max_rows_per_chunk, int) or max_rows_per_chunk < 1:
             raise InvalidArgumentError(
                 f"max_rows_per_chunk must be a positive integer, got {max_rows_per_chunk!r}"

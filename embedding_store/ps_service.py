@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from embedding_store import checkpoint_dump, checkpoint_load, checkpoint_manifest
@@ -43,6 +44,7 @@ from embedding_store.grpc_common import (
     rpc_errors,
     rpc_stream_errors,
 )
+from embedding_store.hashing import shard_of
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
@@ -58,7 +60,7 @@ from embedding_store.ps_wire import (
     row_chunks,
 )
 from embedding_store.rpc_metrics import observed, observed_stream
-from embedding_store.shard import EmbeddingShard
+from embedding_store.shard import EmbeddingShard, RowBlock
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,26 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 f"takes it for replica {index} of {size}: it holds another part of the table "
                 "(check the order of the shard addresses: the worker's --ps, or serve's "
                 "--embedding-ps, and each shard's --replica-index)"
+            )
+
+    def _require_owned(self, ids: np.ndarray, field: str) -> None:
+        """Refuse imported rows (``ids`` uint64 [n]) that another replica owns
+        (:func:`embedding_store.hashing.shard_of`): workers never ask this shard for them,
+        so they would only take room (evicting rows that are asked for) and go into its
+        checkpoint part, beside the owner's copy."""
+        size = self.shard.replica_size
+        if size == 1:
+            return
+        owners = shard_of(ids, size)
+        foreign = np.flatnonzero(owners != self.shard.replica_index)
+        if foreign.shape[0]:
+            first = int(foreign[0])
+            raise InvalidArgumentError(
+                f"{field}: {foreign.shape[0]} of {ids.shape[0]} rows belong to other "
+                f"replicas (the first, ID {int(ids[first])}, to replica {int(owners[first])} "
+                f"of {size}); this parameter server is replica {self.shard.replica_index} of "
+                f"{size}, which workers never ask for them: import each row into the replica "
+                "that owns it (embedding_store.hashing.shard_of)"
             )
 
     def _require_configured(self) -> None:
@@ -429,10 +451,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def ExportRows(
         self, request: pb.ExportRowsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RowChunk]:
-        for dim in self.shard.dims():
-            block = self.shard.export_rows(dim)
+        # Every dim copied at one instant, as a dump copies them: dims copied one at a time
+        # while training goes on could hold, together, more rows than the capacity (rows of
+        # a dim already sent evicted for rows of one not yet sent), which no shard of that
+        # capacity takes back whole. Each dim's rows least recently used first, as
+        # export_rows gives them, so an importer that takes them in order keeps their recency.
+        for block in self.shard.export_all().values():
             if len(block) and context.is_active():
-                yield from row_chunks(block, request.max_rows_per_chunk)
+                assert block.state is not None and block.recency is not None  # export_all's
+                order = np.argsort(block.recency)
+                ordered = RowBlock(block.ids[order], block.weights[order], block.state[order])
+                yield from row_chunks(ordered, request.max_rows_per_chunk)
 
     @rpc_errors
     @observed
@@ -448,6 +477,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         for index, chunk in enumerate(request_iterator):
             block = row_block_from_chunk(chunk, f"RowChunk[{index}]")
             self._configured_dim(block.dim, f"RowChunk[{index}].dim")
+            self._require_owned(block.ids, f"RowChunk[{index}].ids")
             self.shard.import_rows(block)  # refused by inference (read-only) shards
             imported += len(block)
         return pb.ImportRowsResponse(rows_imported=imported)

@@ -36,6 +36,7 @@ from embedding_store.checkpoint_task import CheckpointTask
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import (
     CheckpointError,
+    ConfigError,
     DeadlineExceededError,
     InvalidArgumentError,
     RecserveError,
@@ -43,7 +44,7 @@ from embedding_store.errors import (
 )
 from embedding_store.grpc_common import answered_in_http1
 from embedding_store.initializer import InitializationConfig
-from embedding_store.optimizers import Optimizer
+from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
 from embedding_store.tier import ProgressCallback, TierStatus
 from embedding_store.worker import (
@@ -432,7 +433,9 @@ class RemoteShardTier:
         manifest and the done-marker and renames the directory into place. If a shard fails,
         nothing is published (no manifest, no done-marker) and the error names the shard.
         If ``caller_gone()`` is true just before the rename (the RPC's caller gave up), the
-        staging directory is removed and nothing is published either.
+        staging directory is removed and nothing is published either. The manifest names
+        the optimizer of the shards that have one; shards keeping state of different
+        optimizers fail the dump (:func:`_manifest_optimizer`).
         UnavailableError while another dump or load runs."""
         self._checkpoint_task.begin("dumping")
         try:
@@ -481,7 +484,7 @@ class RemoteShardTier:
                     f"{error.message}"
                 ) from None
             entries = [entry for files, _ in results for entry in files]
-            optimizer = results[0][1]
+            optimizer = _manifest_optimizer(target, results)
             checkpoint_dump.finalize_checkpoint(
                 staging, self.embedding_config, total, entries, optimizer
             )
@@ -501,7 +504,8 @@ class RemoteShardTier:
         progress: ProgressCallback | None = None,
         caller_gone: CallerGone | None = None,
     ) -> checkpoint_manifest.EmbeddingManifest:
-        """Verify the whole checkpoint and every shard's capacity, then have every shard load
+        """Verify the whole checkpoint, every shard's capacity and the saved optimizer state
+        each shard would keep (as its own load checks it), then have every shard load
         its part (Load RPC): with the same shard count it reads its own files, with another
         count it reads them all and keeps the rows it owns. Each shard replaces its rows only
         once it has read all of them, so a failure (or a killed worker) leaves every shard
@@ -534,7 +538,9 @@ class RemoteShardTier:
         # that keeps only each shard's row count) and every shard's capacity. The shards then
         # load in parallel, each all-or-nothing; what is left to fail is a shard going away.
         statuses = self.shard_statuses()
-        counts = checkpoint_load.count_rows_per_replica(manifest, total)
+        counts = checkpoint_load.count_rows_per_replica(
+            manifest, total, [_load_receiver(manifest, status) for status in statuses]
+        )
         for index, (rows, status) in enumerate(zip(counts, statuses, strict=True)):
             if rows > status.capacity:
                 raise CheckpointError(
@@ -598,6 +604,57 @@ _NO_ANSWER = ShardStatus(
     optimizer_json="", serving=False, lookups=0, ids_looked_up=0, misses=0, evictions=0,
     task="", task_progress=0.0,
 )  # fmt: skip
+
+
+def _manifest_optimizer(
+    target: Path,
+    results: Sequence[tuple[Sequence[checkpoint_manifest.FileEntry], dict[str, Any] | None]],
+) -> dict[str, Any] | None:
+    """The optimizer a dump's manifest names, from the shards' answers (each its files and
+    its optimizer's settings, None when it has none): the first one any shard has.
+
+    Not shard 0's alone: a shard restarted empty has no optimizer (and writes no rows), and
+    a manifest naming none makes every load drop the other shards' optimizer state, with no
+    warning (state is kept only for the optimizer the manifest names). Shards that keep
+    state of different layouts (another kind of optimizer, Adagrad with and without
+    ``vectorwise_shared``, or rows without state beside rows with it) would make a
+    checkpoint whose state no load could keep (:func:`checkpoint_load.state_fits`): refused,
+    naming them, before anything is published."""
+    layouts: dict[str, list[int]] = {}
+    for index, (files, optimizer) in enumerate(results):
+        if optimizer:
+            layout = checkpoint_load.optimizer_summary(optimizer)
+        elif any(entry.rows for entry in files):
+            layout = "no optimizer"
+        else:
+            continue  # no optimizer and no rows (restarted empty): nothing to keep
+        layouts.setdefault(layout, []).append(index)
+    if len(layouts) > 1:
+        which = "; ".join(
+            f"{layout} on shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
+            for layout, shards in layouts.items()
+        )
+        raise CheckpointError(
+            f"checkpoint {target} not written (no manifest, no done-marker): the shards keep "
+            f"the state of different optimizers ({which}), which no load could keep; "
+            "configure every shard with one optimizer and dump again"
+        )
+    return next((optimizer for _, optimizer in results if optimizer), None)
+
+
+def _load_receiver(
+    manifest: checkpoint_manifest.EmbeddingManifest, status: ShardStatus
+) -> Optimizer | None:
+    """The optimizer whose state a shard's Load keeps: its own, else (a training shard not
+    configured yet) the checkpoint's, which it adopts; None for an inference shard without
+    one, or when the shard reports settings this build cannot read (its own load checks
+    them then)."""
+    try:
+        if status.optimizer:
+            return optimizer_from_dict(status.optimizer)
+    except (ConfigError, ValueError):
+        return None
+    return None if status.read_only else checkpoint_load.optimizer_of(manifest)
 
 
 def _caller_waits() -> bool:

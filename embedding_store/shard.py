@@ -14,7 +14,8 @@ the least-recently-used order is exact and deterministic. When a train lookup (o
 :meth:`EmbeddingShard.import_rows`) needs more rows than fit, the shard first stamps the IDs of
 the lookup it already holds, then evicts IN BULK the least-recently-used rows across all dim
 tables: ``max(ceil(capacity / 10), rows needed)``, never a row of this lookup. A lookup whose
-distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError`. The LRU is
+distinct IDs (held plus new) exceed ``capacity`` raises :class:`CapacityError` before it inserts
+or evicts anything (the rows it holds have become the most recently used). The LRU is
 global to the shard: PERSIA's ``num_hashmap_internal_shards`` is accepted for compatibility
 and ignored. Only train lookups and imports refresh stamps; eval lookups and updates do not.
 
@@ -722,7 +723,14 @@ class EmbeddingShard:
             self._checkpoint_version = ""
             self._modified = True
 
-    def replace_rows(self, blocks: list[RowBlock], *, checkpoint_version: str = "") -> None:
+    def replace_rows(
+        self,
+        blocks: list[RowBlock],
+        *,
+        checkpoint_version: str = "",
+        state_of: SGD | Adagrad | Adam | None = None,
+        adopt: bool = False,
+    ) -> None:
         """Replace every row of the shard by ``blocks`` (one per dim, as from a checkpoint).
 
         All-or-nothing: blocks are validated first (shapes, state widths, total rows against
@@ -731,6 +739,14 @@ class EmbeddingShard:
         :attr:`checkpoint_version`). When every block has a ``recency``, the rows take that
         least-recently-used order (ties: in block order); else they count as used in block
         order, one block after the other.
+
+        ``state_of``: the optimizer the blocks' state was read for (a checkpoint load's). A
+        load reads its files before it swaps them in, and a Configure may change the
+        shard's optimizer meanwhile: with ``state_of``, a block's state is taken only when
+        the shard's optimizer at the swap is of that kind with that state width, else its
+        rows get fresh state. ``adopt``: a shard that has no optimizer at the swap takes
+        ``state_of`` (a restarted training shard resumes with its checkpoint's); one that
+        was configured meanwhile keeps its own, as one configured before the load does.
         """
         checked = [_check_block(b) for b in blocks]
         recencies = [_check_recency(b) for b in blocks]
@@ -746,7 +762,21 @@ class EmbeddingShard:
                     f"{self._capacity} rows"
                 )
         with self._lock:
-            states = [self._state_for_import(st, ids.shape[0], d) for ids, _, st, d in checked]
+            saved_optimizer = self._optimizer
+            if adopt and state_of is not None and self._optimizer is None:
+                self._optimizer = state_of
+            try:
+                states = [
+                    self._state_for_import(
+                        None if state_of is not None and not self._fits(state_of, d) else st,
+                        ids.shape[0],
+                        d,
+                    )
+                    for ids, _, st, d in checked
+                ]
+            except BaseException:
+                self._optimizer = saved_optimizer
+                raise
             saved = (self._tables, self._rows, self._inserts)
             self._tables, self._rows = {}, 0
             try:
@@ -757,11 +787,22 @@ class EmbeddingShard:
                     self._restamp(checked, cast("list[np.ndarray]", recencies))
             except BaseException:
                 self._tables, self._rows, self._inserts = saved
+                self._optimizer = saved_optimizer
                 raise
             self._inserts = saved[2]  # loaded, not created: counted in rows_loaded
             self._rows_loaded += self._rows
             self._checkpoint_version = checkpoint_version
             self._modified = False
+
+    def _fits(self, state_of: SGD | Adagrad | Adam, dim: int) -> bool:
+        """Whether state kept for ``state_of`` is state of the shard's optimizer for rows of
+        ``dim`` (the same kind, the same width); the caller holds ``_lock``."""
+        optimizer = self._optimizer
+        return (
+            optimizer is not None
+            and type(optimizer) is type(state_of)
+            and optimizer.state_width(dim) == state_of.state_width(dim)
+        )
 
     def _restamp(
         self,

@@ -673,14 +673,22 @@ def _sqrt_weights(lengths: np.ndarray) -> np.ndarray:
 
 
 def _unique(ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-    """Unique IDs (uint64 [U], in first-occurrence order) and the position of each input ID
-    among them (int64 [n]). A throwaway hash index: O(n), ~4x faster here than the sort
-    behind ``torch.unique``."""
+    """Unique IDs (uint64 [U], in the order of their LAST occurrence) and the position of
+    each input ID among them (int64 [n]). A throwaway hash index: O(n), ~4x faster here than
+    the sort behind ``torch.unique``.
+
+    Last occurrence, not first: a shard stamps a train lookup's rows in the order it gets
+    them, the last position of a repeated ID winning (the LRU order of
+    :mod:`embedding_store.shard`). The deduplicated IDs must keep that order, or a remote
+    tier (which deduplicates) would evict other rows than the in-process one (which sends
+    the batch as it is) once a shard is full: [1, 2, 1] makes 2 the older row, not 1.
+    Numbered by first occurrence in the reversed IDs, then counted back from the end."""
     index = IdIndex(2 * len(ids))  # slots for load <= 0.5: no growth during the insert
-    inverse, count = index.get_or_insert(ids, 0)
+    backwards, count = index.get_or_insert(np.ascontiguousarray(ids[::-1]), 0)
+    inverse = (count - 1) - backwards[::-1]
     unique = np.empty(count, dtype=np.uint64)
     unique[inverse] = ids
-    return unique, torch.from_numpy(inverse)
+    return unique, torch.from_numpy(np.ascontiguousarray(inverse))
 
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)

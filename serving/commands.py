@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 
@@ -19,6 +20,8 @@ from embedding_store.cli_types import (
 from embedding_store.errors import InvalidArgumentError
 from embedding_store.tls_reload import DEFAULT_RELOAD_SECONDS
 from serving.tls import server_tls, tls_flags_problem
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,8 +118,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--fallback-policy",
         choices=["fail", "default"],
         default="fail",
-        help="when embedding lookups time out: fail the request (the default), or use default "
-        "vectors",
+        help="when lookups in a remote embedding tier (--embedding-workers, --embedding-ps) "
+        "fail or time out: fail the request (the default), or use default vectors",
     )
     parser.add_argument(
         "--output-transform",
@@ -452,6 +455,9 @@ def _serve(args: argparse.Namespace) -> int:
         reuse_port=args.reuse_port,
         supervisor_pid=args.supervisor_pid,
     )
+    if not options.reuse_port:  # once, not again in each process of a --workers server
+        for warning in options.unused_settings():
+            log.warning("%s", warning)
     if options.workers > 1:  # the supervisor: it never loads torch or the model itself
         from serving.processes import serve_processes
 

@@ -71,3 +71,25 @@ class ServeOptions:
         if self.max_body_bytes_in_flight is not None:
             return self.max_body_bytes_in_flight
         return DEFAULT_BODIES_IN_FLIGHT * self.max_body_bytes
+
+    def unused_settings(self) -> list[str]:
+        """Warnings, one per setting changed from its default that has no effect with the
+        others (named by their ``recserve serve`` flags): harmless, so logged at start-up
+        rather than refused, but not silent (the server would run otherwise than asked)."""
+        defaults = ServeOptions(checkpoint=self.checkpoint)
+        unused = []
+        if not self.embedding_workers and not self.embedding_ps:
+            embedded = (
+                "with the embedded tier (no --embedding-workers or --embedding-ps): its "
+                "lookups run in this process and never time out"
+            )
+            if self.fallback_policy != defaults.fallback_policy:
+                unused.append(f"--fallback-policy {self.fallback_policy} has no effect {embedded}")
+            if self.lookup_timeout != defaults.lookup_timeout:
+                unused.append(f"--lookup-timeout {self.lookup_timeout:g} has no effect {embedded}")
+        if self.tls_cert is None and self.tls_reload_seconds != defaults.tls_reload_seconds:
+            unused.append(
+                f"--tls-reload-seconds {self.tls_reload_seconds:g} has no effect without "
+                "--tls-cert and --tls-key: the server speaks plaintext"
+            )
+        return unused

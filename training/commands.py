@@ -59,6 +59,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments after --")
 
 
+#: --master-addr when not given: on one node the rendezvous is local anyway.
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
@@ -75,8 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--master-addr",
-        default="127.0.0.1",
-        help="address of node 0, where torchrun's rendezvous runs (default 127.0.0.1)",
+        default=DEFAULT_MASTER_ADDR,
+        help="address of node 0, where torchrun's rendezvous runs, with --nnodes > 1 or "
+        "--master-port (default 127.0.0.1)",
     )
     train.add_argument(
         "--master-port",
@@ -158,6 +163,15 @@ def _train(args: argparse.Namespace) -> int:
             f"recserve train: error: --node-rank {args.node_rank} must be in "
             f"[0, --nnodes {args.nnodes})"
         )
+    if args.nnodes == 1 and args.master_port is None and args.master_addr != DEFAULT_MASTER_ADDR:
+        # Refused, not ignored: one node without --master-port runs torchrun --standalone,
+        # whose rendezvous is on this node whatever --master-addr says; the address is a job
+        # of several nodes meant (--nnodes forgotten), which would otherwise train alone.
+        raise SystemExit(
+            f"recserve train: error: --master-addr {args.master_addr} is not used on one node "
+            "(the rendezvous runs here): give --nnodes N for a job of several nodes, or "
+            "--master-port to meet at that address, or leave --master-addr out"
+        )
     ranks = args.nproc_per_node * args.nnodes
     addresses = [a for a in (args.nn_worker_addresses or "").split(",") if a.strip()]
     if addresses and len(addresses) != ranks:
@@ -170,18 +184,6 @@ def _train(args: argparse.Namespace) -> int:
             f"{args.nnodes}): give one per NN worker, in rank order"
         )
     env = _environment(args)
-    ranks = args.nproc_per_node * args.nnodes
-    if args.nn_worker_addresses:
-        count = len([a for a in args.nn_worker_addresses.split(",") if a.strip()])
-        if count != ranks:
-            # Rank r listens on entry r and loaders deal batches over every entry: with
-            # fewer, two ranks bind one port; with more, loaders wait for receivers that
-            # never start (their timeout, 600 s) while the ranks wait for batches.
-            raise SystemExit(
-                f"recserve train: error: --nn-worker-addresses has {count} HOST:PORT "
-                f"entr{'y' if count == 1 else 'ies'}, but the job runs {ranks} NN worker(s) "
-                "(--nproc-per-node x --nnodes): give one per rank, in rank order"
-            )
     if args.embedding_workers:
         env[EMBEDDING_WORKERS_ENV] = args.embedding_workers
     if ranks > 1 and not env.get(EMBEDDING_WORKERS_ENV):

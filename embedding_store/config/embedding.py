@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -63,6 +64,27 @@ _ALL_BITS = (1 << 64) - 1
 #: The suffix of a jagged ID feature's lengths input over KServe v2 (serving.tensor_specs,
 #: which this package does not import).
 _LENGTHS_SUFFIX = ".lengths"
+
+
+#: Unicode categories of characters no slot or group name may hold: control (Cc), format
+#: (Cf: zero-width spaces and joiners, direction marks, the BOM) and line/paragraph separators.
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` (non-blank) cannot name a slot or feature group, or None. A name is an
+    input tensor name and a key in requests and checkpoints: "user\u200b" or "user " loads,
+    then looks like "user" in every message while it never matches it."""
+    if name != name.strip():
+        return "has leading or trailing whitespace"
+    for char in name:
+        category = unicodedata.category(char)
+        if category in _INVISIBLE_CATEGORIES:
+            return (
+                f"contains the invisible or control character {char!r} "
+                f"(U+{ord(char):04X}, category {category})"
+            )
+    return None
 
 
 def _require_bool(key: str, value: Any) -> None:
@@ -162,6 +184,9 @@ class EmbeddingConfig:
                 raise ConfigFieldError(
                     "slots_config", f"slot names must be non-empty, got {name!r}"
                 )
+            problem = _name_problem(name)
+            if problem:
+                raise ConfigFieldError("slots_config", f"slot name {name!r} {problem}")
             if not isinstance(slot, SlotConfig):
                 raise ConfigFieldError(
                     f"slots_config.{name}", f"expected a SlotConfig, got {type(slot).__name__}"
@@ -191,6 +216,9 @@ class EmbeddingConfig:
                 raise ConfigFieldError(
                     "feature_groups", f"group names must be non-empty, got {group!r}"
                 )
+            problem = _name_problem(group)
+            if problem:
+                raise ConfigFieldError("feature_groups", f"group name {group!r} {problem}")
             if not isinstance(members, (list, tuple)) or not members:
                 shown = list(members) if isinstance(members, tuple) else members  # as in YAML
                 raise ConfigFieldError(

@@ -23,6 +23,7 @@ from embedding_store import (
 from embedding_store.batch import Batch, IDTypeFeature
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import AlreadyExistsError, CheckpointError
+from embedding_store.hashing import shard_of
 from embedding_store.optimizers import SGD, Adagrad
 from embedding_store.shard import EmbeddingShard
 from embedding_store.worker import EmbeddingWorker
@@ -809,3 +810,38 @@ def test_ids_repeated_only_across_files_and_large_ids_are_not_duplicates(tmp_pat
         ),
     ):
         checkpoint_load._check_unique_ids(path, np.array([5, 2**64 - 1, 6, 2**64 - 1], np.uint64))
+
+
+def _lru_order(shard: EmbeddingShard) -> list[int]:
+    """The shard's IDs over all dims, least recently used first."""
+    blocks = list(shard.export_all().values())
+    ids = np.concatenate([b.ids for b in blocks])
+    return ids[np.argsort(np.concatenate([b.recency for b in blocks]))].tolist()
+
+
+def test_a_reshard_keeps_each_rows_lru_rank_whichever_way(tmp_path):
+    """1 -> 3 shards: each new shard holds its rows in the source's LRU order. 3 -> 1: the
+    old shards' orders interleave by rank (no row of rank k after one of rank k + 1), each
+    old shard's order kept."""
+    source = EmbeddingShard(100, optimizer=Adagrad(lr=0.1))
+    rng = np.random.default_rng(3)
+    order = rng.permutation(40).astype(np.uint64)  # IDs < 20 at dim 8, the others at dim 3
+    for i in order:
+        source.lookup(np.array([i], np.uint64), 8 if i < 20 else 3, train=True)
+    assert _lru_order(source) == order.tolist()
+    checkpoint_dump.dump_embeddings([source], tmp_path / "one", CONFIG)
+    three = make_shards(3)
+    checkpoint_load.load_embeddings(tmp_path / "one", three, CONFIG)
+    owners = shard_of(order, 3)
+    for index, shard in enumerate(three):
+        assert _lru_order(shard) == order[owners == index].tolist()
+
+    checkpoint_dump.dump_embeddings(three, tmp_path / "three", CONFIG)
+    one = make_shards(1)
+    checkpoint_load.load_embeddings(tmp_path / "three", one, CONFIG)
+    merged = _lru_order(one[0])
+    rank = {i: r for shard in three for r, i in enumerate(_lru_order(shard))}
+    assert sorted(merged) == sorted(order.tolist())
+    assert [rank[i] for i in merged] == sorted(rank[i] for i in merged)
+    for index, shard in enumerate(three):
+        assert [i for i in merged if owners[order.tolist().index(i)] == index] == _lru_order(shard)

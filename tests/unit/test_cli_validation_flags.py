@@ -688,20 +688,20 @@ def test_train_wants_one_nn_worker_address_per_rank(launches) -> None:
     """Rank r listens on entry r and loaders deal batches over every entry: 1 entry for 2
     ranks had both bind one port, 3 for 2 had loaders wait 600 s for a third receiver."""
     entry, started = launches
-    for addresses, argv, count, ranks in (
-        ("a:1", ["--nproc-per-node", "2"], "1 HOST:PORT entry", 2),
-        ("a:1,b:1,c:1", ["--nproc-per-node", "2", "--nnodes", "1"], "3 HOST:PORT entries", 2),
-        ("a:1,b:1", ["--nnodes", "3", "--node-rank", "1"], "2 HOST:PORT entries", 3),
-    ):
+    for addresses, argv, count, ranks, shape in (
+        ("a:1", ["--nproc-per-node", "2"], 1, 2, "--nproc-per-node 2 x --nnodes 1"),
+        ("a:1,b:1,c:1", ["--nproc-per-node", "2", "--nnodes", "1"], 3, 2,
+         "--nproc-per-node 2 x --nnodes 1"),
+        ("a:1,b:1", ["--nnodes", "3", "--node-rank", "1"], 2, 3, "--nproc-per-node 1 x --nnodes 3"),
+    ):  # fmt: skip
         with pytest.raises(SystemExit) as refused:
             _launch(
                 "train", "--entry", str(entry), "--embedding-workers", "w:1",
                 "--nn-worker-addresses", addresses, *argv,
             )  # fmt: skip
         assert refused.value.code == (
-            f"recserve train: error: --nn-worker-addresses has {count}, but the job runs "
-            f"{ranks} NN worker(s) (--nproc-per-node x --nnodes): give one per rank, in rank "
-            "order"
+            f"recserve train: error: --nn-worker-addresses lists {count} address(es) for "
+            f"{ranks} NN worker(s) ({shape}): give one per NN worker, in rank order"
         )
     assert started == []
     _launch(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from google.protobuf import descriptor_pb2
 
 from clients import codec
 from clients._proto import V2 as CLIENT_V2
-from clients.client import is_rows, parse_url
+from clients.client import RecserveClient, is_rows, parse_url
 from clients.commands import check_file, detect_format, iter_batches, locate, parse_value
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID, NonIDTypeFeature
@@ -345,6 +346,24 @@ def test_backoff_grows_exponentially_with_jitter_and_a_cap():
         RetryPolicy(-1)
     with pytest.raises(InvalidArgumentError, match=r"0 <= min <= max, got \(2\.0, 1\.0\)"):
         RetryPolicy(1, 2.0, 1.0)
+
+
+@pytest.mark.parametrize("backoff", [math.inf, 1e300, (0.05, math.inf), (0.05, 1e6 + 1)])
+def test_a_backoff_too_long_for_the_clock_is_an_invalid_argument(backoff):
+    """backoff=inf used to fail the first retry with a raw ValueError from time.sleep
+    ("Invalid value NaN"), and 1e300 with an OverflowError; (0.05, inf) once the doubling
+    passed what a float holds."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        RecserveClient("http://127.0.0.1:9", model_name="m", backoff=backoff)
+    assert refused.value.message.startswith(
+        "backoff must be (min, max) seconds, at most 1000000, with 0 <= min <= max, got ("
+    )
+
+
+def test_the_backoff_of_a_late_retry_is_the_maximum():
+    """2.0**1024 overflows: the 1025th retry of a client with many used to raise it, raw."""
+    policy = RetryPolicy(5000, 0.05, 1.0)
+    assert all(0.5 <= policy.delay(attempt) <= 1.0 for attempt in (1023, 1024, 4999))
 
 
 def test_exhausted_keeps_the_class_and_counts_attempts():
@@ -699,6 +718,20 @@ def test_parse_value_keeps_signs_and_negative_exponents():
     assert parse_value("-.5") == -0.5
 
 
+def test_parse_value_takes_ascii_digits_only_as_numbers():
+    """\\d matched other scripts' digits, and int()/float() then read them as ASCII ones:
+    such a field is text, as `recserve eval` refuses it as a number."""
+    for text in (
+        "\u0661\u0662",
+        "\u0967.5",
+        "1_0",
+        "\uff17",
+    ):  # Arabic-Indic, Devanagari, fullwidth
+        value = parse_value(text)
+        assert type(value) is str and value == text
+    assert parse_value("12") == 12 and parse_value("7.0") == 7.0
+
+
 def test_jsonl_lines_must_be_objects_not_any_json_value(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n3\n"x"\n')
@@ -860,3 +893,68 @@ def test_csv_header_names_are_stripped_and_ndjson_is_json_lines(tmp_path):
     path.write_text(" age , workclass\n39,x\n")
     assert list(iter_batches(path, "csv", 5)) == [([2], [{"age": 39, "workclass": "x"}])]
     assert detect_format(Path("rows.NDJSON.gz"), None) == "jsonl"
+
+
+# --------------------------------------------------------------------------- URL passwords
+def test_redact_url_hides_only_the_password():
+    from clients._urls import redact_url, redact_userinfo
+
+    assert redact_url("http://ann:s3cret@h:8000/p") == "http://ann:***@h:8000/p"
+    assert redact_url("grpcs://ann:p@ss@h:1") == "grpcs://ann:***@h:1"  # up to the last "@"
+    assert redact_url("ann:s3cret@h:1") == "ann:***@h:1"
+    assert redact_url("http://ann:s3cret@[::1") == "http://ann:***@[::1"  # urlsplit refuses it
+    for plain in ("http://ann@h:1", "http://h:1/a:b@c", "h:1", ""):
+        assert redact_url(plain) == plain
+    details = "errors resolving ann:s3cret@h:1: lookup failed for ann:s3cret@h:1"
+    assert redact_userinfo(details, "ann:s3cret@h:1") == (
+        "errors resolving ann:***@h:1: lookup failed for ann:***@h:1"
+    )
+
+
+def test_client_messages_never_show_the_password_of_the_url():
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://ann:s3cret@127.0.0.1:{port}"
+    with RecserveClient(url, retries=0, timeout=5) as client:
+        assert (
+            repr(client) == f"RecserveClient('http://ann:***@127.0.0.1:{port}', model_name='model')"
+        )
+        with pytest.raises(UnavailableError) as caught:
+            client.metadata()
+    assert caught.value.message == f"server http://ann:***@127.0.0.1:{port} refused the connection"
+    grpc_url = f"grpc://ann:s3cret@127.0.0.1:{port}"
+    with (
+        RecserveClient(grpc_url, retries=0, timeout=5) as client,
+        pytest.raises(UnavailableError) as caught,
+    ):
+        client.metadata()
+    # grpc's own details name the target too (how it words them is grpc's).
+    prefix = f"cannot connect to server grpc://ann:***@127.0.0.1:{port}: gRPC UNAVAILABLE: "
+    assert caught.value.message.startswith(prefix) and "s3cret" not in caught.value.message
+    for bad, message in (
+        ("ftp://ann:s3cret@h", "server URL 'ftp://ann:***@h': scheme must be http, https, grpc "
+         "or grpcs, got 'ftp'"),
+        ("http://ann:s3cret@h:x", "server URL 'http://ann:***@h:x' has an invalid port"),
+        ("grpc://ann:s3cret@h", "gRPC server URL 'grpc://ann:***@h' needs a port"),
+        ("http://ann:s3cret@[::1", "server URL 'http://ann:***@[::1': Invalid IPv6 URL"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_url(bad)
+        assert caught.value.message == message
+    assert parse_url(url).base == url  # requests still go to the URL given
+
+
+def test_eval_server_messages_never_show_the_password_of_the_url():
+    from clients.eval_scorers import ServerScorer
+
+    with pytest.raises(InvalidArgumentError) as caught:
+        ServerScorer("ftp://ann:s3cret@h", "m")
+    assert caught.value.message == "--url must be http(s)://HOST:PORT, got 'ftp://ann:***@h'"
+    with pytest.raises(InvalidArgumentError) as caught:
+        ServerScorer("http://ann:s3cret@h", "m", tls_ca=Path("ca.pem"))
+    assert caught.value.message == (
+        "--tls-ca given for the plaintext URL http://ann:***@h: use https:// or grpcs:// for TLS"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 import socket
 import threading
 import time
@@ -489,6 +490,126 @@ def test_grpc_connection_refused_then_server_starts(fake_grpc):
     assert result.model_version == "v2"
 
 
+class _ClosingListener:
+    """A port that accepts connections and closes them at once (a server not up yet, as
+    gRPC sees it: each connection attempt fails); records when each attempt came."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.attempts: list[float] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.attempts.append(time.monotonic())
+            connection.close()
+
+    def next_attempt(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the channel's next connection attempt."""
+        seen, deadline = len(self.attempts), time.monotonic() + timeout
+        while len(self.attempts) == seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.attempts) > seen, "no connection attempt"
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_grpc_retries_reach_a_server_that_came_back_while_the_channel_waited(fake_grpc, flavour):
+    """A channel whose connection attempts failed for a while waits longer and longer between
+    them (gRPC's reconnect backoff), failing every call at once meanwhile. That wait used to
+    grow to 1 s, longer than all the waits of the default retries (0.35 s at most): a server
+    that came back just after an attempt was unreachable for every retry of the next call
+    ("Connection refused", gave up after 4 attempts). The channel now tries again within half
+    the retries' shortest total wait."""
+    listener = _ClosingListener()
+    url = f"grpc://127.0.0.1:{listener.port}"
+    client_class = RecserveClient if flavour == "sync" else AsyncRecserveClient
+    client = client_class(url, model_name="m", timeout=2.0)  # default retries and backoff
+    loop = asyncio.new_event_loop()
+
+    def predict():
+        call = client.predict(_batch())
+        return loop.run_until_complete(call) if flavour == "async" else call
+
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # 1 s of failed attempts: the wait grows
+            with pytest.raises(UnavailableError):
+                predict()
+            time.sleep(0.02)
+        listener.next_attempt(timeout=2.0)  # just tried: the longest wait until the next
+        listener.close()
+        fake_grpc(port=listener.port)
+        result = predict()
+    finally:
+        listener.close()
+        if flavour == "async":
+            loop.run_until_complete(client.close())
+        else:
+            client.close()
+        loop.close()
+    assert result.model_version == "v2"
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_grpc_connection_refused_says_there_was_no_connection_not_an_answer(flavour):
+    """gRPC makes up the UNAVAILABLE of a channel that could not connect; the message used to
+    say "server grpc://... answered gRPC UNAVAILABLE", which reads as a server up and refusing
+    work (a full queue, a drain), not as nothing listening on that port."""
+    port = _free_port()
+    url = f"grpc://127.0.0.1:{port}"
+    client_class = RecserveClient if flavour == "sync" else AsyncRecserveClient
+    client = client_class(url, model_name="m", retries=1, **FAST)
+
+    async def predict_async():
+        async with client:
+            return await client.predict(_batch())
+
+    with pytest.raises(UnavailableError) as refused:
+        if flavour == "sync":
+            with client:
+                client.predict(_batch())
+        else:
+            asyncio.run(predict_async())
+    message = refused.value.message
+    assert message.startswith(
+        f"cannot connect to server {url}: gRPC UNAVAILABLE: failed to connect to all addresses"
+    ), message
+    assert "Connection refused" in message and "answered" not in message
+    assert message.endswith("(gave up after 2 attempts)")
+
+
+def test_grpc_client_on_an_http_port_is_told_so_at_once(fake_http):
+    """An HTTP/1.1 server answers gRPC's HTTP/2 preface the same way every time: the call
+    used to be retried (gave up after 4 attempts), with no word of the port mix-up that the
+    HTTP client names in the opposite case."""
+    server = fake_http()
+    port = server.url.rsplit(":", 1)[1]
+    url = f"grpc://127.0.0.1:{port}"
+    with (
+        RecserveClient(url, model_name="m", retries=3, **FAST) as client,
+        pytest.raises(UnavailableError) as refused,
+    ):
+        client.metadata()
+    message = refused.value.message
+    assert message.startswith(f"cannot connect to server {url}: gRPC UNAVAILABLE: "), message
+    assert message.endswith(  # no "(gave up after 4 attempts)": not retried
+        f" (server {url} does not speak HTTP/2: is that the server's HTTP port? grpc:// URLs "
+        "use its --grpc-port (8001 by default), http:// URLs its --http-port (8000))"
+    ), message
+
+
 def test_async_grpc_retries(fake_grpc):
     server = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE])
 
@@ -589,6 +710,86 @@ def test_calls_after_close_raise_the_same_error_on_every_client(scheme):
                 await call()
 
     asyncio.run(closed_async())
+
+
+def _wait_for_requests(server, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while server.requests < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.02)  # its answer on the way back
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("scheme", ["http", "grpc"])
+def test_a_retry_after_the_client_was_closed_is_not_sent(fake_http, fake_grpc, scheme, flavour):
+    """A retry waiting out its delay while another thread (task) closed the client used to go
+    on: over HTTP on a new connection, over gRPC as a raw ValueError ("Cannot invoke RPC on
+    closed channel!"), with asyncio on a new channel that nothing closed. Only the asyncio
+    HTTP client refused it, as every client now does."""
+    from embedding_store.errors import FailedPreconditionError
+
+    server = (
+        fake_http([(503, 0.0)]) if scheme == "http" else fake_grpc([grpc.StatusCode.UNAVAILABLE])
+    )
+    options = {"model_name": "m", "retries": 2, "backoff": (0.4, 0.4)}
+    outcome: list[object] = []
+    if flavour == "sync":
+        client = RecserveClient(server.url, **options)
+
+        def call() -> None:
+            try:
+                outcome.append(client.predict(_batch()))
+            except Exception as error:
+                outcome.append(error)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        _wait_for_requests(server, 1)  # the first attempt failed: the retry waits 0.2 s+
+        client.close()
+        caller.join(5)
+    else:
+        async_client = AsyncRecserveClient(server.url, **options)
+        client = async_client  # for the message below
+
+        async def main() -> None:
+            task = asyncio.create_task(async_client.predict(_batch()))
+            await asyncio.to_thread(_wait_for_requests, server, 1)
+            await async_client.close()
+            try:
+                outcome.append(await task)
+            except Exception as error:
+                outcome.append(error)
+
+        asyncio.run(main())
+    [error] = outcome
+    assert isinstance(error, FailedPreconditionError), error
+    assert error.message == f"{client!r} is closed; create a new client"
+    assert server.requests == 1
+
+
+def test_grpc_backends_refuse_calls_once_closed():
+    """What a call that raced close() meets: a FailedPreconditionError, not grpc's raw
+    ValueError, nor a new asyncio channel."""
+    from clients._grpc import AsyncGrpcBackend, GrpcBackend
+    from embedding_store.errors import FailedPreconditionError
+
+    url = f"grpc://127.0.0.1:{_free_port()}"
+    message = f"the gRPC client of {url} is closed; create a new client"
+    backend = GrpcBackend(url.removeprefix("grpc://"), url)
+    backend.close()
+    with pytest.raises(FailedPreconditionError) as refused:
+        backend.live(1.0)
+    assert refused.value.message == message
+
+    async def main() -> None:
+        async_backend = AsyncGrpcBackend(url.removeprefix("grpc://"), url)
+        await async_backend.close()
+        with pytest.raises(FailedPreconditionError) as refused:
+            await async_backend.live(1.0)
+        assert refused.value.message == message
+        assert async_backend._channel is None
+
+    asyncio.run(main())
 
 
 def test_async_grpc_client_refuses_a_second_loop_while_the_first_has_calls_pending(fake_grpc):
@@ -854,6 +1055,32 @@ def test_async_wait_until_ready_polls_until_the_deadline_with_capped_timeouts(mo
     assert asyncio.run(client.wait_until_ready(2.5, interval=0.5)) is False
     assert [args[0] for _, args in transport.calls] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.01]
     assert clock.slept == [0.5] * 5
+
+
+@pytest.mark.parametrize(
+    ("timeout", "interval", "message"),
+    [
+        (30.0, math.nan, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got nan"),
+        (30.0, -1.0, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got -1.0"),
+        (30.0, 0, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got 0"),
+        (30.0, math.inf, "wait_until_ready interval must be > 0 and <= 1000000 seconds, got inf"),
+        (30.0, "1", "wait_until_ready interval must be > 0 and <= 1000000 seconds, got '1'"),
+        (math.nan, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got nan"),
+        (-1, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got -1"),
+        (True, 0.5, "wait_until_ready timeout must be >= 0 and <= 1000000 seconds, got True"),
+    ],
+)
+def test_wait_until_ready_refuses_bad_seconds_before_polling(timeout, interval, message):
+    """An interval of NaN or < 0 was a raw ValueError of time.sleep (after a first poll)."""
+    transport = ScriptedTransport([False] * 3)
+    with pytest.raises(InvalidArgumentError) as caught:
+        _scripted_client(transport).wait_until_ready(timeout, interval=interval)
+    assert caught.value.message == message
+    atransport = AsyncScriptedTransport([False] * 3)
+    with pytest.raises(InvalidArgumentError) as caught:
+        asyncio.run(_scripted_async_client(atransport).wait_until_ready(timeout, interval=interval))
+    assert caught.value.message == message
+    assert transport.calls == [] and atransport.calls == []
 
 
 def test_close_releases_the_transport_once():

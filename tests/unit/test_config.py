@@ -1114,3 +1114,46 @@ def test_pushgateway_metrics_settings_are_accepted_with_a_warning(
         "(set the job label in the scrape config), not pushed"
         for key in ("job_name", "push_interval_sec")
     ]
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ('slots_config:\n  "user\\u200b": {dim: 4}\n',
+         "slots_config: slot name 'user\\u200b' contains the invisible or control character "
+         "'\\u200b' (U+200B, category Cf)"),
+        ('slots_config:\n  "\\u200b": {dim: 4}\n',
+         "slots_config: slot name '\\u200b' contains the invisible or control character "
+         "'\\u200b' (U+200B, category Cf)"),
+        ('slots_config:\n  "us\\u0000er": {dim: 4}\n',
+         "slots_config: slot name 'us\\x00er' contains the invisible or control character "
+         "'\\x00' (U+0000, category Cc)"),
+        ('slots_config:\n  "a\\u2028b": {dim: 4}\n',
+         "slots_config: slot name 'a\\u2028b' contains the invisible or control character "
+         "'\\u2028' (U+2028, category Zl)"),
+        ('slots_config:\n  "user ": {dim: 4}\n',
+         "slots_config: slot name 'user ' has leading or trailing whitespace"),
+        ('slots_config:\n  "  ": {dim: 4}\n',
+         "slots_config: slot names must be non-empty, got '  '"),
+        ('slots_config:\n  a: {dim: 4}\nfeature_groups:\n  "\\tg": [a]\n',
+         "feature_groups: group name '\\tg' has leading or trailing whitespace"),
+        ('slots_config:\n  a: {dim: 4}\nfeature_groups:\n  "g\\u2029": [a]\n',
+         "feature_groups: group name 'g\\u2029' has leading or trailing whitespace"),
+        ('slots_config:\n  a: {dim: 4}\nfeature_groups:\n  "g\\u200dh": [a]\n',
+         "feature_groups: group name 'g\\u200dh' contains the invisible or control character "
+         "'\\u200d' (U+200D, category Cf)"),
+    ],
+)  # fmt: skip
+def test_invisible_or_padded_slot_and_group_names_are_refused(tmp_path, yaml_text, message):
+    """A slot named "user\\u200b" or "user " loaded, then read as "user" in every message
+    while never matching it (an input tensor name, a key in requests and checkpoints)."""
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as caught:
+        load_embedding_config(path)
+    assert str(caught.value) == f"{path}: {message}"
+
+
+def test_names_with_inner_spaces_and_other_scripts_load(tmp_path):
+    text = 'slots_config:\n  "user id": {dim: 4}\n  "\\u7528\\u6237": {dim: 4}\n'
+    config = load_embedding_config(write(tmp_path, text))
+    assert config.slot_names == ("user id", "\u7528\u6237")

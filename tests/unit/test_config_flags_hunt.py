@@ -414,3 +414,78 @@ def test_serve_refuses_a_shard_given_twice() -> None:
     assert check_arguments(build_parser().parse_args(argv)) == (
         "--embedding-ps: 'ps-0:7000' is given twice"
     )
+
+
+# --------------------------------------------------------------------------- flags that did nothing
+def test_serve_warns_at_start_of_settings_that_have_no_effect(monkeypatch, caplog) -> None:
+    """--fallback-policy and --lookup-timeout with the embedded tier, --tls-reload-seconds
+    without TLS: harmless, but silently ignored; now each is a warning naming the flag."""
+    import serving.server
+
+    started: list[object] = []
+    monkeypatch.setattr(serving.server, "serve", lambda options: started.append(options) or 0)
+    extra = ["--fallback-policy", "default", "--lookup-timeout", "2", "--tls-reload-seconds", "5"]
+    args = build_parser().parse_args(["serve", "--checkpoint", "c", *extra])
+    with caplog.at_level("WARNING", logger="serving.commands"):
+        assert args.handler(args) == 0
+    embedded = (
+        "with the embedded tier (no --embedding-workers or --embedding-ps): its lookups run "
+        "in this process and never time out"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "serving.commands"] == [
+        f"--fallback-policy default has no effect {embedded}",
+        f"--lookup-timeout 2 has no effect {embedded}",
+        "--tls-reload-seconds 5 has no effect without --tls-cert and --tls-key: the server "
+        "speaks plaintext",
+    ]
+    caplog.clear()
+    for argv in (
+        ["--embedding-ps", "h:7000", *extra[:4]],
+        ["--embedding-workers", "h:7000", *extra[:4]],
+        [],  # the defaults
+    ):
+        args = build_parser().parse_args(["serve", "--checkpoint", "c", *argv])
+        with caplog.at_level("WARNING", logger="serving.commands"):
+            assert args.handler(args) == 0
+    assert [r for r in caplog.records if r.name == "serving.commands"] == []
+    assert len(started) == 4
+
+
+def test_eval_refuses_a_tolerance_without_compare(capsys) -> None:
+    """A parity gate written without --compare passed every time, comparing nothing."""
+    from embedding_store.cli import main
+
+    argv = ["eval", "--data", "d.csv", "--out", "p.csv", "--checkpoint", "c"]
+    assert main([*argv, "--tolerance", "0.001"]) == 1
+    assert capsys.readouterr().err == (
+        "recserve eval: error: --tolerance 0.001 is for --compare (the parity check of "
+        "--checkpoint against --url); without --compare nothing is compared\n"
+    )
+
+
+def test_train_refuses_a_master_addr_on_one_node_without_a_port(tmp_path, monkeypatch) -> None:
+    """One node without --master-port runs torchrun --standalone, which ignored the address:
+    a forgotten --nnodes trained alone."""
+    import os
+
+    monkeypatch.delenv("RECSERVE_EMBEDDING_WORKERS", raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append(argv))
+    entry = tmp_path / "train.py"
+    entry.write_text("")
+    base = ["train", "--entry", str(entry), "--master-addr", "10.0.0.5"]
+    args = build_parser().parse_args(base)
+    with pytest.raises(SystemExit) as refused:
+        args.handler(args)
+    assert str(refused.value) == (
+        "recserve train: error: --master-addr 10.0.0.5 is not used on one node (the rendezvous "
+        "runs here): give --nnodes N for a job of several nodes, or --master-port to meet at "
+        "that address, or leave --master-addr out"
+    )
+    assert started == []
+    tier = ["--embedding-workers", "w:7100"]
+    for argv in (["--master-port", "29501"], ["--nnodes", "2", *tier]):
+        args = build_parser().parse_args([*base, *argv])
+        args.handler(args)
+        assert "--master-addr=10.0.0.5" in started[-1]
+    assert len(started) == 2

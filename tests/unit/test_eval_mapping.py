@@ -401,6 +401,42 @@ def test_int_ids_must_be_whole_non_negative_numbers_not_booleans():
     }
 
 
+def test_int_id_text_is_ascii_digits_read_exactly():
+    """int() reads "1_23" and "12_3" both as 123 (two IDs made one) and other scripts' digits
+    as ASCII ones; a whole float as pandas writes it ("7.0") is read exactly, never through a
+    float (which cannot hold 2**53 + 1)."""
+    mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
+    signature = FeatureSignature((IdFeatureSpec("user", True),), ())
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    cells = ["7.0", f"{2**53 + 1}.0", "+8", "12.", "1_23", "\u0661\u0662", "1e3", "0x10", "5.5"]
+    batch, bad = encoder.encode([{"user": cell} for cell in cells])
+    assert batch.id_type_features[0].values.tolist() == [7, 2**53 + 1, 8, 12]
+    assert dict(bad) == {
+        4: "column 'user': '1_23' is not an integer ID",
+        5: "column 'user': '\u0661\u0662' is not an integer ID",
+        6: "column 'user': '1e3' is not an integer ID",
+        7: "column 'user': '0x10' is not an integer ID",
+        8: "column 'user': '5.5' is not an integer ID",
+    }
+
+
+def test_dense_text_is_an_ascii_number_as_for_ids():
+    """float() reads "1_0" as 10 and other scripts' digits as ASCII ones: refused, as ID text
+    is; what a number is written as in a file (exponents, a point, a sign) is read."""
+    mapping = FeatureMapping(non_id_features={"x": NonIdFeatureMapping(["x"])})
+    signature = FeatureSignature((), (NonIdFeatureSpec("x", "float32", (1,)),))
+    encoder = GenericEncoder(mapping, signature, "m.yml")
+    cells = [" 7.0 ", "-1.5e1", ".5", "3.", "+2", "1E+1", "1_0", "\u0661\u0662", "0x10", "inf"]
+    batch, bad = encoder.encode([{"x": cell} for cell in cells])
+    assert batch.non_id_type_features[0].data.ravel().tolist() == [7.0, -15.0, 0.5, 3.0, 2.0, 10.0]
+    assert dict(bad) == {
+        6: "column 'x': '1_0' is not a number",
+        7: "column 'x': '\u0661\u0662' is not a number",
+        8: "column 'x': '0x10' is not a number",
+        9: "column 'x': 'inf' is not a finite number",
+    }
+
+
 def test_a_single_id_feature_given_an_empty_list_is_a_bad_row():
     mapping = FeatureMapping(id_features={"user": IdFeatureMapping("user", "int")})
     signature = FeatureSignature((IdFeatureSpec("user", True),), ())

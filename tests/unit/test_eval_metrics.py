@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -393,6 +394,55 @@ def test_a_directory_where_an_output_file_goes_is_refused_before_anything_is_wri
     assert entered == [] and [p.name for p in tmp_path.iterdir()] == ["out.csv"]
 
 
+def _tiny_report(target: Path, *, overwrite: bool) -> None:
+    labels, predictions = np.array([0.0, 1.0]), np.array([0.25, 0.75])
+    report = {
+        "created_at": "now",
+        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
+        "data": ["a.csv"],
+        "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
+        **eval_report.metrics(labels, predictions),
+        "bad_rows": [],
+        "compare": None,
+    }
+    eval_report.write_report(
+        target,
+        report,
+        labels=labels,
+        predictions=predictions,
+        ranking_scores=predictions,
+        all_bad_rows=[],
+        overwrite=overwrite,
+    )
+
+
+def test_overwrite_replaces_an_earlier_report_but_no_other_directory(tmp_path):
+    """--report results --overwrite used to delete results/ whatever it held (other runs'
+    files, say) and put the report in its place."""
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    (results / "runs" / "notes.txt").write_text("mine")
+    with pytest.raises(AlreadyExistsError) as refused:
+        _tiny_report(results, overwrite=True)
+    assert refused.value.message == (
+        f"report directory {results} exists and is not an eval report (no report.json): "
+        "refusing to replace it (that would delete what it holds); choose another directory: "
+        "the report is written as a directory of its own"
+    )
+    assert (results / "runs" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]  # no staging left
+    # An earlier report, and an empty directory, are replaced.
+    report = tmp_path / "report"
+    _tiny_report(report, overwrite=False)
+    (report / "summary.md").write_text("stale")
+    _tiny_report(report, overwrite=True)
+    assert (report / "summary.md").read_text().startswith("# recserve eval report")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _tiny_report(empty, overwrite=True)
+    assert (empty / "report.json").is_file()
+
+
 def test_a_report_directory_over_an_existing_file_leaves_no_old_copy(tmp_path):
     target = tmp_path / "report"
     target.write_text("an old file")
@@ -400,3 +450,41 @@ def test_a_report_directory_over_an_existing_file_leaves_no_old_copy(tmp_path):
         (staging / "report.json").write_text("{}")
     assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no .report.old-* file left
     assert [p.name for p in target.iterdir()] == ["report.json"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_report_in_the_current_directory_or_one_holding_it_is_refused(
+    tmp_path, monkeypatch, overwrite
+):
+    # `recserve eval --report .` in an empty directory raised a bare ValueError from
+    # Path.with_name (and without --overwrite advised passing it).
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for given, example in ((".", "report"), ("..", "../report"), (str(tmp_path), None)):
+        example = example or f"{tmp_path}/report"
+        with pytest.raises(InvalidArgumentError) as caught:
+            eval_report.check_report_target(given, overwrite=overwrite)
+        assert str(caught.value) == (
+            f"report directory {given} is the current directory or holds it: the report is "
+            "written as a directory of its own, which would replace it; name a new one "
+            f"(e.g. --report {example})"
+        )
+    assert list(here.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["empty"]
+    eval_report.check_report_target("report", overwrite=overwrite)  # a new one next to it
+
+
+def test_atomic_outputs_stage_next_to_a_dotted_target_and_refuse_the_root(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    # "../out.csv" staged as "../.out.csv.tmp-*": next to it, not in the current directory.
+    with eval_report.atomic_file("../out.csv", overwrite=False) as temporary:
+        assert temporary.parent == tmp_path
+        temporary.write_text("x")
+    with (
+        pytest.raises(InvalidArgumentError) as caught,
+        eval_report.atomic_directory("/", overwrite=True),
+    ):
+        pass
+    assert str(caught.value) == "output / is the root directory; expected a name"
+    assert (tmp_path / "out.csv").read_text() == "x" and list((tmp_path / "a").iterdir()) == []

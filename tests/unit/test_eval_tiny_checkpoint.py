@@ -169,6 +169,59 @@ def test_eval_option_and_mapping_errors(checkpoint, tmp_path):
     assert not (tmp_path / "p.csv").exists()
 
 
+def test_eval_outputs_must_not_be_the_checkpoint_or_a_part_of_it(checkpoint, tmp_path):
+    """--report DIR/embeddings --overwrite used to replace the checkpoint's embeddings with
+    the report: the checkpoint then failed verification and no longer loaded."""
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    for flag, out, report in (
+        ("--report", tmp_path / "p.csv", copy / "embeddings"),
+        ("--report", tmp_path / "p.csv", copy),
+        ("--report", tmp_path / "p.csv", copy / "manifest.json"),
+        ("--out", copy / "embeddings" / "shard_00000" / "p.csv", None),
+    ):
+        target = report if report is not None else out
+        options = EvalOptions(
+            data=(data,), out=out, report=report, checkpoint=copy, overwrite=True, progress=False
+        )
+        with pytest.raises(InvalidArgumentError) as refused:
+            run_eval(options, out=io.StringIO())
+        assert refused.value.message == (
+            f"{flag} {target} is the --checkpoint {copy} or a part of it: writing it would "
+            "damage the checkpoint"
+        )
+    assert checkpoint_inspect.verify(copy)[0] == []
+    assert not (tmp_path / "p.csv").exists()
+    # A new file next to the checkpoint's own is no part of it.
+    options = EvalOptions(data=(data,), out=copy / "p.csv", checkpoint=copy, progress=False)
+    assert run_eval(options, out=io.StringIO()).rows == 3
+    assert checkpoint_inspect.verify(copy)[0] == []
+
+
+def test_eval_refuses_a_report_over_a_directory_that_is_no_report_before_scoring(
+    checkpoint, tmp_path, monkeypatch
+):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("mine")
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    scored = []
+    monkeypatch.setattr("clients.eval.InProcessScorer", lambda *a: scored.append(a))
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "p.csv",
+        report=results,
+        checkpoint=checkpoint,
+        overwrite=True,
+        progress=False,
+    )
+    with pytest.raises(AlreadyExistsError, match="is not an eval report"):
+        run_eval(options, out=io.StringIO())
+    assert scored == [] and (results / "notes.txt").read_text() == "mine"
+
+
 def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     data = tmp_path / "rows.csv"
     data.write_text("user,tags,dense_0,dense_1\n1,,0.5,1\nx,,0.5,1\n2,100,0.1,oops\n3,101,0,0\n")
@@ -186,6 +239,24 @@ def test_bad_rows_skip_and_fail(checkpoint, tmp_path, capsys):
     assert result.report["auc"] is None and result.report["auc_note"] == "no labels"
     assert f"skipped {data}:3: " in capsys.readouterr().err
     assert (tmp_path / "skip.csv").read_text().count("\n") == 3
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_an_out_that_cannot_be_written_names_the_flag_and_the_path_given(
+    checkpoint, tmp_path, capsys
+):
+    """The error named the hidden temporary file (/proc/.x.csv.tmp-<hex>), not --out."""
+    from embedding_store.cli import main
+
+    data = tmp_path / "rows.csv"
+    write_rows(data, 3)
+    for name in ("x.csv", "x.parquet"):
+        argv = ["eval", "--data", str(data), "--checkpoint", str(checkpoint)]
+        assert main([*argv, "--out", f"/proc/{name}", "--quiet"]) == 1
+        assert capsys.readouterr().err == (
+            f"recserve eval: error: --out /proc/{name}: cannot write there: "
+            "No such file or directory\n"
+        )
 
 
 def test_a_report_without_matplotlib_fails_before_scoring(checkpoint, tmp_path, monkeypatch):
@@ -418,8 +489,16 @@ def test_reshard_embedding_checkpoint_round_trip_and_diff(checkpoint, tmp_path):
         checkpoint_write.reshard(embeddings, 2, three)
     with pytest.raises(InvalidArgumentError, match="must not be"):
         checkpoint_write.reshard(checkpoint, 2, checkpoint / "inside")
-    with pytest.raises(InvalidArgumentError, match="model checkpoint but"):
+    with pytest.raises(InvalidArgumentError) as caught:
         checkpoint_diff.diff(checkpoint, one)
+    assert caught.value.message == (
+        f"{checkpoint} is a model checkpoint but {one} is an embedding one"
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        checkpoint_diff.diff(one, checkpoint)
+    assert caught.value.message == (
+        f"{one} is an embedding checkpoint but {checkpoint} is a model one"
+    )
 
 
 def test_diff_counts_added_removed_and_changed_rows(checkpoint, tmp_path):
@@ -678,6 +757,73 @@ def test_eval_url_splits_a_batch_over_the_servers_max_request_batch_size(
         service.close()
 
 
+def test_eval_url_alone_takes_no_output_transform_and_its_note_names_the_servers(
+    checkpoint, tmp_path
+):
+    """With --url alone, --output-transform sigmoid used to be taken and ignored; and the
+    report of a server answering logits said "logits? pass --output-transform sigmoid",
+    which changed nothing. The flag is refused; the note names the server's setting."""
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    data = tmp_path / "rows.csv"
+    write_rows(data, 6)
+    base = {"data": (data,), "out": tmp_path / "p.csv", "model": "tiny", "progress": False}
+    with pytest.raises(InvalidArgumentError) as refused:
+        run_eval(EvalOptions(**base, url="http://127.0.0.1:9", output_transform="sigmoid"))
+    assert refused.value.message == (
+        "--output-transform sigmoid applies to in-process scoring (--checkpoint); a server's "
+        "predictions come transformed by its own `recserve serve --output-transform`"
+    )
+    service = PredictionService(load_model(checkpoint, name="tiny", warm_up=False))
+    server = _Uvicorn(create_app(service))
+    try:
+        options = EvalOptions(**base, url=f"http://127.0.0.1:{server.port}", label="clicked")
+        result = run_eval(options, out=io.StringIO())
+    finally:
+        server.stop()
+        service.close()
+    assert result.rows == 6 and result.report["log_loss"] is None
+    assert result.report["probability_note"] == (
+        "predictions are not probabilities in [0, 1] (logits? start the server with "
+        "`recserve serve --output-transform sigmoid`): log loss and calibration left out"
+    )
+
+
+def test_predict_sends_a_batch_over_the_servers_limit_in_pieces_of_its_size(
+    checkpoint, tmp_path, capsys
+):
+    """recserve predict used to end with the server's 400 ("batch size 5 exceeds this
+    server's max batch size 2") where recserve eval sends pieces of the server's size."""
+    from clients import RecserveClient
+    from embedding_store.cli import main
+    from serving.http_app import create_app
+    from serving.model import load_model
+    from serving.service import PredictionService
+    from tests.unit.test_client_frontends import _Uvicorn
+
+    rows = [{"user": i, "tags": [100 + i] * (i % 3), "dense": [0.1 * i, 1.0]} for i in range(5)]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(json.dumps(row).encode() + b"\n" for row in rows))
+    service = PredictionService(
+        load_model(checkpoint, name="tiny", warm_up=False), max_request_batch_size=2
+    )
+    server = _Uvicorn(create_app(service))
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        code = main(["predict", "--url", url, "--model", "tiny", "--input", str(path)])
+        with RecserveClient(url, model_name="tiny") as client:
+            expected = [client.predict([row]).predictions[0, 0] for row in rows]
+    finally:
+        server.stop()
+        service.close()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and len(lines) == 5
+    np.testing.assert_allclose([line["prediction"] for line in lines], expected, atol=1e-6)
+
+
 def _tiny_batch(n: int) -> Batch:
     return Batch(
         [
@@ -891,6 +1037,23 @@ def test_export_dense_refuses_an_existing_file_before_reading_the_checkpoint(tmp
         checkpoint_write.export_dense(tmp_path / "missing", out)
     assert refused.value.message == f"{out} already exists; pass --overwrite to replace it"
     assert out.read_bytes() == b"mine"
+
+
+def test_export_dense_refuses_a_target_inside_the_checkpoint(checkpoint, tmp_path):
+    """With --overwrite, DIR/dense.pt used to be replaced by the TorchScript copy: the
+    checkpoint then failed verification (dense.pt of another size) and no longer loaded."""
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    for name in ("dense.pt", "jit_dense.pt", "exported.pt"):
+        with pytest.raises(InvalidArgumentError) as refused:
+            checkpoint_write.export_dense(copy, copy / name, overwrite=True)
+        assert refused.value.message == (
+            f"--out {copy / name} must not be inside the checkpoint {copy}: write the copy "
+            "elsewhere"
+        )
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    problems, _ = checkpoint_inspect.verify(copy)
+    assert problems == []
 
 
 def test_sizes_are_shown_in_binary_units():

@@ -27,6 +27,7 @@ from embedding_store.errors import (
     UnavailableError,
 )
 from embedding_store.grpc_common import LIVENESS_SERVICE, MAX_MESSAGE_BYTES, pack_f32, pack_u64
+from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
@@ -601,10 +602,10 @@ def test_a_failed_row_export_is_counted_and_timed_like_unary_calls():
     s.Lookup(pb.LookupRequest(ids=pack_u64(np.arange(3, dtype=np.uint64)), dim=4, train=True),
              FakeContext())  # fmt: skip
 
-    def export_rows(dim: int) -> RowBlock:
+    def export_all() -> dict[int, RowBlock]:
         raise UnavailableError("the shard is going away")
 
-    s.shard.export_rows = export_rows  # type: ignore[method-assign]
+    s.shard.export_all = export_all  # type: ignore[method-assign]
     with pytest.raises(AbortedError) as failure:
         list(s.ExportRows(pb.ExportRowsRequest(), FakeContext()))
     assert failure.value.code == grpc.StatusCode.UNAVAILABLE
@@ -744,3 +745,64 @@ def test_health_checks_answer_while_every_rpc_thread_waits():
     finally:
         release.set()
         process.stop(grace=0)
+
+
+def test_a_row_export_is_the_shard_at_one_instant_while_training_goes_on():
+    """A full shard (5 rows of dim 4, then 5 of dim 8) exported while a train lookup of 5
+    new dim-8 IDs evicts the dim-4 rows between the stream's chunks: the stream holds the
+    rows as they were when it started, never more than the capacity. Dims copied one at a
+    time gave 15 rows, 5 of them gone from the shard before the stream ended."""
+    two_dims = EmbeddingConfig(slots_config={"a": SlotConfig(dim=4), "b": SlotConfig(dim=8)})
+    s = ParameterServerServicer(
+        EmbeddingShard(10, optimizer=Adam(lr=0.1)), two_dims, job_type=JobType.TRAIN
+    )
+
+    def train(ids: list[int], dim: int) -> None:
+        request = pb.LookupRequest(ids=pack_u64(np.array(ids, np.uint64)), dim=dim, train=True)
+        s.Lookup(request, FakeContext())
+
+    train([3, 1, 4, 0, 2], 4)
+    train([100, 101, 102, 103, 104], 8)
+    before = {dim: s.shard.export_rows(dim) for dim in (4, 8)}
+    stream = s.ExportRows(pb.ExportRowsRequest(max_rows_per_chunk=2), FakeContext())
+    first = row_block_from_chunk(next(stream))
+    train([200, 201, 202, 203, 204], 8)
+    assert s.shard.stats().evictions == 5
+    blocks = [first, *(row_block_from_chunk(chunk) for chunk in stream)]
+    assert [(b.dim, len(b)) for b in blocks] == [(4, 2), (4, 2), (4, 1), (8, 2), (8, 2), (8, 1)]
+    for dim, want in before.items():  # least recently used first, state and all
+        mine = [b for b in blocks if b.dim == dim]
+        assert [int(i) for b in mine for i in b.ids] == want.ids.tolist()
+        np.testing.assert_array_equal(np.concatenate([b.weights for b in mine]), want.weights)
+        np.testing.assert_array_equal(np.concatenate([b.state for b in mine]), want.state)
+    assert before[4].ids.tolist() == [3, 1, 4, 0, 2]
+
+
+def test_imported_rows_another_replica_owns_are_refused_naming_the_first():
+    """Replica 1 of 2 takes only the rows the workers route to it (shard_of): another
+    replica's would take room, never be looked up, and go into its checkpoint part."""
+    s = ParameterServerServicer(
+        EmbeddingShard(100, optimizer=SGD(), replica_index=1, replica_size=2),
+        CONFIG,
+        job_type=JobType.TRAIN,
+    )
+    ids = np.arange(10, dtype=np.uint64)
+    owners = shard_of(ids, 2)
+    assert owners.tolist() == [1, 1, 0, 1, 0, 0, 0, 1, 0, 0]
+
+    def chunk(picked: np.ndarray) -> pb.RowChunk:
+        weights = np.repeat(picked.astype(np.float32)[:, None], 4, axis=1)
+        return next(row_chunks(RowBlock(ids=picked, weights=weights, state=None), 0))
+
+    mine = ids[owners == 1]
+    assert s.ImportRows(iter([chunk(mine)]), FakeContext()).rows_imported == 4
+    error = aborted(s.ImportRows, iter([chunk(np.array([0, 2, 4, 1], np.uint64))]))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details == (
+        "RowChunk[0].ids: 2 of 4 rows belong to other replicas (the first, ID 2, to replica 0 "
+        "of 2); this parameter server is replica 1 of 2, which workers never ask for them: "
+        "import each row into the replica that owns it (embedding_store.hashing.shard_of)"
+    )
+    block = s.shard.export_rows(4)
+    assert block.ids.tolist() == mine.tolist()  # nothing of the refused chunk was taken
+    np.testing.assert_array_equal(block.weights[:, 0], mine.astype(np.float32))

@@ -32,10 +32,16 @@ from embedding_store import (
 )
 from embedding_store.cli import main as cli_main
 from embedding_store.config import EmbeddingConfig, GlobalConfig, JobType, SlotConfig
-from embedding_store.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from embedding_store.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from embedding_store.grpc_common import http1_message
 from embedding_store.hashing import shard_of
 from embedding_store.initializer import InitializationConfig
+from embedding_store.optimizer_wire import settings_to_configure_request
 from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.ps_client import ShardStatus
@@ -51,6 +57,7 @@ from embedding_store.worker_service import (
     _serve,
     serve_embedding_worker,
 )
+from tests.unit.test_checkpoint import _with_negative_state
 from tests.unit.test_worker_service import (
     CONFIG,
     WAIT,
@@ -262,6 +269,88 @@ def test_a_dump_whose_caller_left_while_shards_wrote_publishes_nothing(tmp_path)
         tier.close()
 
 
+def adam_fakes() -> list[FakeShardClient]:
+    """Two shards trained one Adam step on IDs 0..29 (each holds some)."""
+    fakes = [FakeShardClient(i, 2) for i in range(2)]
+    for fake in fakes:
+        fake.shard.configure(optimizer=ADAM)
+    tier = fake_tier(fakes)
+    try:
+        result = tier.lookup(user_batch(list(range(30))), train=True)
+        tier.backward(result.ref, ones(30))
+        tier.flush()
+    finally:
+        tier.close()
+    return fakes
+
+
+def test_a_dump_names_the_optimizer_of_the_shards_that_have_one(tmp_path):
+    """Shard 0 restarted empty (no rows, no optimizer) while shard 1 kept its rows: the
+    manifest names shard 1's Adam, so a load keeps its rows' moments and step counts. The
+    manifest used to take shard 0's (none), and every load dropped that state silently."""
+    fakes = adam_fakes()
+    kept = exact_rows(fakes[1].shard)
+    assert kept[4][2].shape == (len(kept[4][0]), 9) and len(kept[4][0]) > 0
+    fakes[0].shard = EmbeddingShard(1000, replica_index=0, replica_size=2)
+    tier = fake_tier(fakes)
+    try:
+        manifest = tier.dump(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert manifest.optimizer == ADAM.to_dict()
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=ADAM) as resumed:
+        resumed.load(tmp_path / "ckpt")
+        assert resumed.shards[0].size() == 0
+        assert_same_rows(exact_rows(resumed.shards[1]), kept)
+
+
+def test_a_dump_of_shards_keeping_state_of_different_optimizers_publishes_nothing(tmp_path):
+    fakes = adam_fakes()
+    fakes[0].shard.configure(optimizer=Adagrad(lr=0.1))  # shard 0 keeps Adagrad's state now
+    tier = fake_tier(fakes)
+    try:
+        with pytest.raises(CheckpointError) as failure:
+            tier.dump(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert failure.value.message == (
+        f"checkpoint {tmp_path / 'ckpt'} not written (no manifest, no done-marker): the "
+        "shards keep the state of different optimizers (adagrad on shard 0; adam on shard 1), "
+        "which no load could keep; configure every shard with one optimizer and dump again"
+    )
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no staging directory left
+
+
+def test_a_load_with_saved_state_one_shard_would_refuse_changes_no_shard(tmp_path):
+    """Shard 1's file holds a negative Adagrad accumulator (checksums to match), which its
+    shard's load refuses: the tier refuses the checkpoint before any shard loads, as the
+    in-process tier does. Shard 0 used to take its part first, leaving a tier half loaded."""
+    adagrad = Adagrad(lr=0.1)
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=adagrad) as source:
+        result = source.lookup(user_batch(list(range(40))), train=True)
+        source.backward(result.ref, ones(40))
+        source.dump(tmp_path / "ckpt")
+    path = _with_negative_state(tmp_path / "ckpt", shard=1)
+    fakes = [FakeShardClient(i, 2) for i in range(2)]
+    for fake in fakes:
+        fake.shard.configure(optimizer=adagrad)
+    tier = fake_tier(fakes)
+    try:
+        tier.lookup(user_batch([100, 101, 102, 103, 104, 105]), train=True)
+        before = [exact_rows(fake.shard) for fake in fakes]
+        assert all(before)
+        with pytest.raises(CheckpointError) as failure:
+            tier.load(tmp_path / "ckpt")
+    finally:
+        tier.close()
+    assert failure.value.message == (
+        f"checkpoint file {path}: optimizer state: adagrad accumulators must be >= 0, but "
+        "row 0 holds -1.0 (its row would become NaN on the next update)"
+    )
+    for fake, rows in zip(fakes, before, strict=True):
+        assert_same_rows(exact_rows(fake.shard), rows)
+
+
 # --------------------------------------------------------------------------- the shard's Load RPC
 def shard_with_rows(optimizer: object | None, replica_index: int = 0, replica_size: int = 1):
     shard = EmbeddingShard(
@@ -315,6 +404,39 @@ def test_load_rpc_keeps_a_configured_optimizer_and_only_state_that_fits(tmp_path
     for dim, (_, _, state) in exact_rows(s.shard).items():
         assert state.shape[1] == dim
         np.testing.assert_array_equal(state.view(np.float32), np.float32(0.25))
+
+
+@pytest.mark.parametrize(
+    ("configured", "state_kept"),
+    [(Adam(lr=0.5), True), (Adagrad(lr=0.1, initial_accumulator_value=0.25), False)],
+    ids=["same-kind", "other-kind"],
+)
+def test_a_configure_while_a_load_reads_is_kept_with_the_state_only_where_it_fits(
+    tmp_path, configured, state_kept
+):
+    """A shard without an optimizer starts loading (it would adopt the checkpoint's Adam),
+    and a trainer's Configure arrives before the swap: the shard keeps the configured
+    optimizer, as one configured before the load does, with the saved state where it fits
+    (same kind and width) and fresh state where not. The load used to replace it by the
+    checkpoint's optimizer, so one shard trained with other settings than the others."""
+    adam_checkpoint(tmp_path / "adam")
+    s = shard_with_rows(None)
+
+    def configure_midway(_done: int, _total: int) -> None:
+        s.Configure(settings_to_configure_request(configured, None), Context())
+
+    s.load_checkpoint(str(tmp_path / "adam"), adopt_optimizer=True, progress=configure_midway)
+    assert s.shard.optimizer == configured
+    expected = rows_of_replica(tmp_path / "adam", 0, 1, ADAM if state_kept else None)
+    got = exact_rows(s.shard)
+    if state_kept:
+        assert_same_rows(got, expected)
+    else:
+        for dim, (ids, weights, state) in got.items():
+            np.testing.assert_array_equal(ids, expected[dim][0])
+            np.testing.assert_array_equal(weights, expected[dim][1])
+            assert state.shape == (len(ids), dim)
+            np.testing.assert_array_equal(state.view(np.float32), np.float32(0.25))
 
 
 def test_load_rpc_whose_caller_left_keeps_the_shards_rows(tmp_path):

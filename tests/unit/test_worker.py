@@ -850,3 +850,48 @@ def test_unknown_ids_of_single_id_slots_per_sample(num_shards, deduplicate):
     result = worker.lookup(batch, train=False)
     assert result.unknown_per_sample is not None
     assert (result.unknown_ids, result.unknown_per_sample.tolist()) == (7, [0, 3, 3, 1])
+
+
+def test_deduplicated_lookups_keep_the_lru_order_of_the_batch_as_sent():
+    """A remote tier deduplicates before its shards stamp the rows; the in-process tier
+    sends the batch as it is, and a repeated ID's last position sets its recency. Both must
+    leave the shards in the same LRU order, so a full shard evicts the same rows: [1, 2, 1]
+    makes 2 the older row. Deduplicating by first occurrence used to make it 1."""
+    config = make_config()
+    user = np.uint64(config.index_prefix("user"))
+
+    def held_after(deduplicate: bool) -> set[int]:
+        shard = EmbeddingShard(4, optimizer=SGD(lr=1.0))  # evicts one row at a time
+        worker = EmbeddingWorker(config, [shard], deduplicate=deduplicate)
+        for ids in ([[1, 2, 1]], [[3], [4]], [[5]]):
+            worker.lookup([IDTypeFeature.from_lists("user", ids)], train=True)
+        return {int(i) ^ int(user) for i in shard.export_rows(DIM).ids}
+
+    assert held_after(deduplicate=False) == {1, 3, 4, 5}
+    assert held_after(deduplicate=True) == {1, 3, 4, 5}
+
+    # Random batches with repeats over two full shards, Adam steps between them: the same
+    # rows, weights, optimizer state and LRU ranks either way.
+    rng = np.random.default_rng(7)
+    tiers = []
+    for deduplicate in (False, True):
+        shards = [
+            EmbeddingShard(12, optimizer=Adam(lr=0.1), replica_index=i, replica_size=2)
+            for i in range(2)
+        ]
+        tiers.append((EmbeddingWorker(config, shards, deduplicate=deduplicate), shards))
+    for _ in range(30):
+        lists = [rng.integers(0, 30, rng.integers(1, 5)).tolist() for _ in range(4)]
+        batch = [IDTypeFeature.from_lists("user", lists)]
+        grads = {"user": torch.from_numpy(rng.normal(size=(4, DIM)).astype(np.float32))}
+        for worker, _ in tiers:
+            worker.backward(worker.lookup(batch, train=True).ref, grads)
+    (_, plain), (_, deduplicated) = tiers
+    assert sum(s.stats().evictions for s in plain) > 20
+    for a, b in zip(plain, deduplicated):
+        x, y = a.export_all()[DIM], b.export_all()[DIM]
+        order_x, order_y = np.argsort(x.ids), np.argsort(y.ids)
+        np.testing.assert_array_equal(x.ids[order_x], y.ids[order_y])
+        np.testing.assert_array_equal(x.weights[order_x], y.weights[order_y])
+        np.testing.assert_array_equal(x.state[order_x], y.state[order_y])
+        np.testing.assert_array_equal(x.recency[order_x], y.recency[order_y])

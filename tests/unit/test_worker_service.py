@@ -9,6 +9,7 @@ test can hold a call (an Event) or fail it. Everything that waits is bounded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import subprocess
@@ -105,7 +106,9 @@ class FakeShardClient:
             entries = checkpoint_dump.write_shard_part(self.shard, directory, self.index)
         finally:
             self.task = ""
-        return entries, self.shard.optimizer.to_dict()
+        # As a parameter server answers: no settings when it has no optimizer.
+        optimizer = self.shard.optimizer
+        return entries, None if optimizer is None else optimizer.to_dict()
 
     def load(self, directory: str, *, caller_gone: Callable[[], bool] | None = None) -> int:
         self.task = "loading"
@@ -145,7 +148,10 @@ class FakeShardClient:
             capacity=stats.capacity,
             read_only=False,
             job_type="Train",
-            optimizer_json="",
+            # As a parameter server reports it: its optimizer's settings, "" for none.
+            optimizer_json=""
+            if self.shard.optimizer is None
+            else json.dumps(self.shard.optimizer.to_dict()),
             serving=self.serving,
             lookups=stats.lookups,
             ids_looked_up=stats.ids_looked_up,
