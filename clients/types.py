@@ -41,8 +41,9 @@ class PredictResult:
 
     ``predictions``: float32 [batch, 1]; ``model_version``: the checkpoint version that
     answered; ``fallback_ids``: IDs answered with default vectors after an embedding lookup
-    timeout; ``unknown_ids``: IDs the embedding tier did not hold; ``latency_seconds``: wall
-    time of the client call, retries included.
+    timeout; ``unknown_ids``: ID occurrences of this request the embedding tier did not
+    hold (an ID sent twice counts twice; the same on every tier, merged with other requests
+    or not); ``latency_seconds``: wall time of the client call, retries included.
     """
 
     predictions: np.ndarray

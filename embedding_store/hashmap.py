@@ -517,6 +517,7 @@ class IdIndex:
         weights: np.ndarray,
         bag_offsets: np.ndarray,
         id_weights: np.ndarray | None = None,
+        rows_out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, int]:
         """Sum-pool the rows of ``ids`` from ``weights`` without materializing them.
 
@@ -525,7 +526,9 @@ class IdIndex:
         last bag runs to the end); ``id_weights`` float32 [n] or None. Unknown IDs add nothing.
         Returns ``(float32 [num_bags, dim], number of unknown IDs)``: the sums of
         ``embedding_bag(rows, offsets, mode="sum", per_sample_weights=id_weights)``, in the
-        same order.
+        same order. ``rows_out`` (int64 [n], optional) receives the row of each ID (-1:
+        unknown), which the kernel finds anyway: where a caller needs to know which IDs were
+        unknown, not only how many.
         """
         ids = _as_ids(ids)
         n = ids.shape[0]
@@ -539,7 +542,18 @@ class IdIndex:
         offsets, id_weights = pooling_args(
             n, bag_offsets, id_weights, check_values=False, weights_name="id_weights"
         )
-        rows = np.empty(n, dtype=np.int64)
+        if rows_out is None:
+            rows = np.empty(n, dtype=np.int64)
+        elif (
+            isinstance(rows_out, np.ndarray)
+            and rows_out.dtype == np.int64
+            and rows_out.shape == (n,)
+            and rows_out.flags.c_contiguous
+            and rows_out.flags.writeable
+        ):
+            rows = rows_out
+        else:
+            raise InvalidArgumentError(f"rows_out must be a writable int64 [{n}] array")
         out = np.empty((offsets.shape[0], weights.shape[1]), dtype=np.float32)
         misses = pool_kernel(self._table, weights, ids, offsets, id_weights, rows, out)
         if misses < 0:

@@ -49,7 +49,7 @@ from embedding_store.optimizers import SGD, Adagrad, Adam
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.ps_service import NOT_LOADED_YET, SERVICE_NAME
-from embedding_store.ps_wire import row_block_from_chunk, row_chunks
+from embedding_store.ps_wire import decode_missing, row_block_from_chunk, row_chunks
 from embedding_store.renewing_channel import HEALTH_CHECK_METHOD
 from embedding_store.shard import RowBlock
 
@@ -262,8 +262,15 @@ class RemoteParameterServer:
     @property
     def last_misses(self) -> int:
         """IDs answered with zeros by this thread's last lookup (unknown IDs of an eval lookup,
-        or IDs refused admission by a train lookup)."""
+        or IDs refused admission by a train lookup), per position of its ``ids``."""
         return getattr(self._local, "misses", 0)
+
+    @property
+    def last_missing(self) -> np.ndarray | None:
+        """Which IDs this thread's last lookup answered with zeros: bool [n] over the
+        positions of its ``ids``; None when none was, or when the shard predates
+        ``LookupResponse.missing`` and only said how many (:attr:`last_misses` > 0)."""
+        return getattr(self._local, "missing", None)
 
     def lookup_with_misses(
         self, ids: np.ndarray, dim: int, *, train: bool
@@ -278,10 +285,14 @@ class RemoteParameterServer:
         )
         try:
             rows = unpack_f32(response.rows, (ids.shape[0], dim), "LookupResponse.rows")
+            missing = decode_missing(
+                response.missing, ids.shape[0], response.misses, "LookupResponse.missing"
+            )
         except InvalidArgumentError as error:
             raise RecserveError(f"{self.peer} sent a malformed answer: {error.message}") from None
         rows = rows.copy()  # writable, like an in-process shard's answer
         self._local.misses = int(response.misses)
+        self._local.missing = missing
         return rows, int(response.misses)
 
     def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:

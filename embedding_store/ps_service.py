@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from embedding_store.ps_wire import (
     check_message_size,
     decode_ids,
     decode_rows,
+    encode_missing,
     positive_dim,
     require_finite_rows,
     row_block_from_chunk,
@@ -138,10 +138,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.job_type = job_type
         self.metrics = metrics or ParameterServerMetrics(shard.replica_index, shard.replica_size)
         self._health = health_servicer
-        # Only lookups change the shard's miss/rejection counters: serializing lookups around
-        # two stats() reads makes the per-call delta exact (the shard's own lock serializes
-        # lookups anyway).
-        self._lookup_lock = threading.Lock()
         self._checkpoint_task = CheckpointTask("parameter server")
         self._loaded = False
         # Set by expect_checkpoint(): a training shard started with a checkpoint to load serves
@@ -357,14 +353,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._require_replica(request.replica_index, request.replica_size)
         self._require_loaded()
         self._require_configured()
-        with self._lookup_lock:
-            before = self.shard.stats()
-            rows = self.shard.lookup(ids, dim, train=request.train)
-            after = self.shard.stats()
-        misses = (after.misses - before.misses) + (
-            after.rejected_admissions - before.rejected_admissions
+        rows = self.shard.lookup(ids, dim, train=request.train)
+        # What this thread's lookup missed (the shard keeps it per thread): unknown IDs of an
+        # eval lookup, IDs refused admission by a train lookup; and which positions they are,
+        # so that a worker that deduplicated its IDs counts every occurrence.
+        misses = self.shard.last_misses
+        return pb.LookupResponse(
+            rows=pack_f32(rows),
+            misses=misses,
+            missing=encode_missing(self.shard.last_missing),
         )
-        return pb.LookupResponse(rows=pack_f32(rows), misses=misses)
 
     @rpc_errors
     @observed

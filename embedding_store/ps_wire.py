@@ -48,6 +48,35 @@ def decode_ids(payload: bytes, field: str) -> np.ndarray:
     return _writable(unpack_u64(payload, field))
 
 
+def encode_missing(missing: np.ndarray | None) -> bytes:
+    """``LookupResponse.missing``: bool [n] (True where an ID was answered with zeros) ->
+    ``ceil(n / 8)`` bytes, position i at bit ``7 - i % 8`` of byte ``i // 8``
+    (``numpy.packbits``); None (no ID missed) -> empty."""
+    return b"" if missing is None else np.packbits(missing).tobytes()
+
+
+def decode_missing(payload: bytes, n: int, misses: int, field: str) -> np.ndarray | None:
+    """:func:`encode_missing` reversed: bool [n], or None when ``payload`` is empty (no ID
+    missed, or a shard that predates the field). InvalidArgumentError naming ``field``
+    unless it holds ``ceil(n / 8)`` bytes with exactly ``misses`` positions set (and none
+    past ``n``)."""
+    if not payload:
+        return None
+    if len(payload) != (n + 7) // 8:
+        raise InvalidArgumentError(
+            f"{field}: got {len(payload)} bytes, expected {(n + 7) // 8} for {n} IDs"
+        )
+    bits = np.unpackbits(np.frombuffer(payload, dtype=np.uint8))
+    missing = bits[:n].view(np.bool_)
+    found = int(np.count_nonzero(missing))
+    if found != misses or np.count_nonzero(bits[n:]):
+        raise InvalidArgumentError(
+            f"{field} marks {found} of {n} IDs (and {int(np.count_nonzero(bits[n:]))} "
+            f"positions past them), but misses says {misses}"
+        )
+    return missing
+
+
 def decode_rows(payload: bytes, n: int, width: int, field: str) -> np.ndarray:
     """Packed float32 [n, width] -> a writable array; errors name ``field``."""
     return _writable(unpack_f32(payload, (n, width), field))

@@ -468,6 +468,20 @@ class EmbeddingShard:
         an eval lookup, or IDs refused admission by a train lookup)."""
         return getattr(self._local, "misses", 0)
 
+    @property
+    def last_missing(self) -> np.ndarray | None:
+        """Which IDs this thread's last lookup on this shard answered with zeros (those
+        :attr:`last_misses` counts): bool [n] over the positions of its ``ids``, or None when
+        none was (``last_misses == 0``). A worker that deduplicated IDs before asking turns
+        it into a count of ID occurrences, and splits it by sample."""
+        return getattr(self._local, "missing", None)
+
+    def _missed(self, missing: np.ndarray | None, count: int) -> None:
+        """Record this thread's last lookup's misses: ``count`` IDs, at ``missing`` (bool
+        [n]; None only when ``count`` is 0)."""
+        self._local.misses = count
+        self._local.missing = missing if count else None
+
     def lookup_pooled(
         self,
         ids: np.ndarray,
@@ -495,13 +509,17 @@ class EmbeddingShard:
         with self._lock:
             table = self._tables.get(dim)
             if not train and table is not None:  # the hot infer path: one kernel
-                pooled, misses = table.index.pool(ids, table.weights, bag_offsets, weights)
+                found = np.empty(n, dtype=np.int64)
+                pooled, misses = table.index.pool(
+                    ids, table.weights, bag_offsets, weights, rows_out=found
+                )
                 self._lookups += 1
                 self._ids_looked_up += n
                 self._eval_lookups += 1
                 self._eval_ids_looked_up += n
                 self._misses += misses
-                self._local.misses = int(misses)
+                # Which IDs missed is worked out only when some did (their rows are -1).
+                self._missed(found < 0 if misses else None, int(misses))
                 return pooled
             # Check everything before a train lookup changes the shard.
             offsets, id_weights = pooling_args(n, bag_offsets, weights)
@@ -524,19 +542,20 @@ class EmbeddingShard:
         n = ids.shape[0]
         self._lookups += 1
         self._ids_looked_up += n
-        self._local.misses = 0
+        self._missed(None, 0)
         if not train:
             self._eval_lookups += 1
             self._eval_ids_looked_up += n
             table = self._tables.get(dim)
             if table is None:
                 self._misses += n
-                self._local.misses = n
+                self._missed(np.ones(n, dtype=np.bool_), n)
                 return None, None
             rows = table.index.lookup(ids)
-            misses = int(np.count_nonzero(rows < 0))
+            missing = rows < 0
+            misses = int(np.count_nonzero(missing))
             self._misses += misses
-            self._local.misses = misses
+            self._missed(missing, misses)
             return table, rows
         table = self._table(dim, n)
         base = self._clock
@@ -551,7 +570,9 @@ class EmbeddingShard:
             rejected = miss.shape[0] - int(np.count_nonzero(ok))
             if rejected:
                 self._rejected += rejected
-                self._local.misses = rejected
+                refused = np.zeros(n, dtype=np.bool_)
+                refused[miss[~ok]] = True
+                self._missed(refused, rejected)
                 miss, miss_ids = miss[ok], miss_ids[ok]
                 if miss.shape[0] == 0:
                     return table, rows

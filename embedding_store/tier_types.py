@@ -10,8 +10,10 @@ them) would cost every ``recserve embedding-tier status`` ~1 s of CPU for torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from embedding_store.batch import IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import EmbeddingConfig
@@ -49,9 +51,17 @@ class LookupResult:
     slots: tuple[SlotOutput, ...]
     ref: int | None = None
     #: IDs answered with the slot default (zeros): unknown to an eval lookup, or refused
-    #: admission by a train lookup. Counted per occurrence, or per distinct ID when the
-    #: worker deduplicates before calling remote shards.
+    #: admission by a train lookup. Counted per ID occurrence of the batch, whatever the
+    #: tier (a worker that deduplicates IDs before it asks its shards counts each
+    #: occurrence): an unknown ID that occurs 3 times counts 3. Counted per looked-up row:
+    #: each round of a hash-stacked ID; IDs past a raw slot's ``sample_fixed_size`` are
+    #: never looked up and not counted. Only a shard that predates
+    #: ``LookupResponse.missing`` makes it a count per distinct ID of that shard's lookups.
     unknown_ids: int = 0
+    #: ``unknown_ids`` split by sample: int64 [batch], summing to it (what each request of
+    #: a merged batch is told). None where it is not known: a lookup not made by a worker
+    #: (a fallback's default answer), a worker or shard that predates the split.
+    unknown_per_sample: np.ndarray | None = field(default=None, compare=False)
 
     def slot(self, name: str) -> SlotOutput:
         for output in self.slots:

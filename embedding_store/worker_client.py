@@ -45,7 +45,7 @@ from embedding_store.tier_types import (
     SlotOutput,
     TierStatus,
 )
-from embedding_store.worker_wire import pack_grads, unpack_slots
+from embedding_store.worker_wire import decode_unknown_per_sample, pack_grads, unpack_slots
 
 if TYPE_CHECKING:  # torch costs ~1 s of CPU: `recserve embedding-tier` needs none
     import torch
@@ -131,10 +131,16 @@ class RemoteEmbeddingWorker:
         try:
             slots = unpack_slots(response.slots)
             self._check_answer(batch.id_type_features, slots)
+            per_sample = decode_unknown_per_sample(
+                response.unknown_per_sample, batch.batch_size, response.unknown_ids
+            )
         except InvalidArgumentError as error:
             raise RecserveError(f"{self._peer} sent a malformed answer: {error.message}") from None
         return LookupResult(
-            slots=slots, ref=response.ref if train else None, unknown_ids=response.unknown_ids
+            slots=slots,
+            ref=response.ref if train else None,
+            unknown_ids=response.unknown_ids,
+            unknown_per_sample=per_sample,
         )
 
     def _check_answer(self, features: Sequence[IdFeature], slots: Sequence[SlotOutput]) -> None:

@@ -58,7 +58,12 @@ from embedding_store.stop_signal import StopRequest
 from embedding_store.tier import DownReasons, ProgressCallback
 from embedding_store.worker import warm_up_kernels
 from embedding_store.worker_metrics import EmbeddingWorkerMetrics, start_metrics_server
-from embedding_store.worker_wire import check_answer_fits, pack_slots, unpack_grads
+from embedding_store.worker_wire import (
+    check_answer_fits,
+    encode_unknown_per_sample,
+    pack_slots,
+    unpack_grads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +102,11 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
         check_answer_fits(batch, self.tier.embedding_config)
         with _within_callers_deadline(context):
             result = self.tier.lookup(batch, train=request.train)
-        response = pb.WorkerLookupResponse(ref=result.ref or 0, unknown_ids=result.unknown_ids)
+        response = pb.WorkerLookupResponse(
+            ref=result.ref or 0,
+            unknown_ids=result.unknown_ids,
+            unknown_per_sample=encode_unknown_per_sample(result),
+        )
         pack_slots(response.slots, result.slots)
         return response
 

@@ -16,9 +16,14 @@ import numpy as np
 from embedding_store.batch import Batch
 from embedding_store.config import EmbeddingConfig
 from embedding_store.errors import CapacityError, InvalidArgumentError
-from embedding_store.grpc_common import MAX_MESSAGE_BYTES, MESSAGE_SLACK_BYTES
+from embedding_store.grpc_common import (
+    MAX_MESSAGE_BYTES,
+    MESSAGE_SLACK_BYTES,
+    pack_u64,
+    unpack_u64,
+)
 from embedding_store.proto import embedding_tier_pb2 as pb
-from embedding_store.tier_types import SlotOutput
+from embedding_store.tier_types import LookupResult, SlotOutput
 
 if TYPE_CHECKING:
     import torch
@@ -124,6 +129,36 @@ def check_answer_fits(batch: Batch, embedding_config: EmbeddingConfig) -> None:
             f"bytes, more than one message may carry ({MAX_MESSAGE_BYTES} bytes); split the "
             "batch"
         )
+
+
+def encode_unknown_per_sample(result: LookupResult) -> bytes:
+    """``WorkerLookupResponse.unknown_per_sample``: ``result.unknown_per_sample`` as uint64
+    LE [batch]; empty when no ID was unknown (the reader knows: all zeros) or the split is
+    not known."""
+    per_sample = result.unknown_per_sample
+    if result.unknown_ids == 0 or per_sample is None:
+        return b""
+    return pack_u64(per_sample)
+
+
+def decode_unknown_per_sample(
+    payload: bytes, batch_size: int, unknown_ids: int
+) -> np.ndarray | None:
+    """:func:`encode_unknown_per_sample` reversed: int64 [batch_size] summing to
+    ``unknown_ids``; zeros when that is 0; None when the worker did not split it (one that
+    predates the field, or whose shards do). InvalidArgumentError unless it has
+    ``batch_size`` values summing to ``unknown_ids``."""
+    if unknown_ids == 0:
+        return np.zeros(batch_size, dtype=np.int64)
+    if not payload:
+        return None
+    values = unpack_u64(payload, "unknown_per_sample")
+    if values.shape[0] != batch_size or int(values.sum()) != unknown_ids:
+        raise InvalidArgumentError(
+            f"unknown_per_sample has {values.shape[0]} values summing to {int(values.sum())}; "
+            f"expected {batch_size} summing to unknown_ids={unknown_ids}"
+        )
+    return values.astype(np.int64)
 
 
 def pack_slots(message: pb.PackedSlots, outputs: Sequence[SlotOutput]) -> None:

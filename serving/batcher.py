@@ -168,12 +168,14 @@ class _Request(Future):
 
 @dataclass(frozen=True)
 class BatchOutcome:
-    """What the dispatcher hands each request: its rows of the merged predictions."""
+    """What the dispatcher hands each request: its rows of the merged predictions, which
+    start at row ``offset`` of the merged batch (0 for a request run alone)."""
 
     predictions: np.ndarray
     context: Any  # whatever ``run`` returned besides predictions (model version, counts)
     queue_seconds: float
     merged_batch_size: int
+    offset: int = 0
 
 
 def deliver_outcomes(
@@ -196,6 +198,7 @@ def deliver_outcomes(
                     context=context,
                     queue_seconds=started - request.enqueued,
                     merged_batch_size=merged_batch_size,
+                    offset=offset,
                 )
             )
         offset += size

@@ -68,7 +68,8 @@ class Prediction:
     """A served answer: ``outputs`` maps output names to arrays (``prediction``: float32
     [batch, 1]); ``model_version`` names the (dense, embedding) checkpoint pair that
     answered; ``fallback_ids`` counts IDs answered with default vectors after a lookup
-    timeout; ``unknown_ids`` counts IDs the embedding tier did not hold."""
+    timeout; ``unknown_ids`` counts the ID occurrences of this request's own samples that
+    the embedding tier did not hold (also when it was merged with other requests)."""
 
     outputs: Mapping[str, np.ndarray]
     model_name: str

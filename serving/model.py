@@ -79,13 +79,18 @@ FALLBACK_POLICIES = ("fail", "default")
 
 @dataclass(frozen=True)
 class InferenceOutput:
-    """Predictions float32 [batch, 1] and how the embeddings were obtained."""
+    """Predictions float32 [batch, 1] and how the embeddings were obtained.
+
+    ``unknown_ids``: ID occurrences the tier did not hold (:attr:`LookupResult.unknown_ids`);
+    ``unknown_per_sample``: the same split by sample, int64 [batch], or None where the tier
+    could not split it (:attr:`LookupResult.unknown_per_sample`)."""
 
     predictions: np.ndarray
     unknown_ids: int
     fallback_ids: int
     lookup_seconds: float
     compute_seconds: float
+    unknown_per_sample: np.ndarray | None = None
 
 
 class LoadedModel:
@@ -403,6 +408,7 @@ class LoadedModel:
         return InferenceOutput(
             predictions=predictions,
             unknown_ids=lookup.unknown_ids,
+            unknown_per_sample=lookup.unknown_per_sample,
             fallback_ids=fallback_ids,
             lookup_seconds=looked_up - started,
             compute_seconds=time.perf_counter() - looked_up,

@@ -73,6 +73,25 @@ def _share(total: int, part: int, whole: int) -> int:
     return round(total * part / whole)
 
 
+def _own_unknown(
+    merged_unknown: int,
+    per_sample: np.ndarray | None,
+    offset: int,
+    size: int,
+    own_ids: int,
+    merged_ids: int,
+) -> int:
+    """A request's unknown IDs: those of its own samples (rows ``offset`` to ``offset +
+    size`` of the merged batch; ``per_sample`` int64 [merged batch]), exactly what it gets
+    alone. Apportioned by its share of the merged batch's IDs only where the tier could not
+    split the count by sample (None: a worker or shard that predates the split)."""
+    if merged_unknown == 0 or own_ids >= merged_ids:
+        return merged_unknown  # none, or the request is the whole batch
+    if per_sample is None:
+        return _share(merged_unknown, own_ids, merged_ids)
+    return int(per_sample[offset : offset + size].sum())
+
+
 class PredictionService:
     """Implements :class:`serving.core.PredictionCore` for one model name."""
 
@@ -421,7 +440,14 @@ class PredictionService:
         # One check for the merged batch; only requests of a batch that failed it look at
         # their own rows (_answer).
         all_finite = bool(np.isfinite(output.predictions).all())
-        context = (model.version, output.fallback_ids, output.unknown_ids, ids, all_finite)
+        context = (
+            model.version,
+            output.fallback_ids,
+            output.unknown_ids,
+            ids,
+            all_finite,
+            output.unknown_per_sample,
+        )
         return output.predictions, context
 
     def predict(
@@ -571,7 +597,9 @@ class PredictionService:
         return batcher
 
     def _answer(self, batch: Batch, result: BatchOutcome, version: str | None = None) -> Prediction:
-        served_version, merged_fallback, merged_unknown, merged_ids, all_finite = result.context
+        served_version, merged_fallback, merged_unknown, merged_ids, all_finite, per_sample = (
+            result.context
+        )
         if version and served_version != version:
             # The request named a version (.../versions/V/infer) and a reload swapped in
             # another while it waited for its batch: V no longer serves, and another
@@ -591,9 +619,9 @@ class PredictionService:
             model_version=served_version,
             # Every ID of the merged batch fell back, so all of ours did.
             fallback_ids=own_ids if merged_fallback else 0,
-            # Exact when the request was computed alone; apportioned by its share of the
-            # merged batch's IDs when dynamic batching merged it with others.
-            unknown_ids=_share(merged_unknown, own_ids, merged_ids),
+            unknown_ids=_own_unknown(
+                merged_unknown, per_sample, result.offset, batch.batch_size, own_ids, merged_ids
+            ),
         )
 
     def _create_series(self, version: str) -> None:

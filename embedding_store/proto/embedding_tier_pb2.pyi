@@ -117,12 +117,14 @@ class LookupRequest(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("rows", "misses")
+    __slots__ = ("rows", "misses", "missing")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     misses: int
-    def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ...) -> None: ...
+    missing: bytes
+    def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ..., missing: _Optional[bytes] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
     __slots__ = ("ids", "grads", "dim", "replica_index", "replica_size")
@@ -265,14 +267,16 @@ class WorkerLookupRequest(_message.Message):
     def __init__(self, batch: _Optional[bytes] = ..., train: bool = ...) -> None: ...
 
 class WorkerLookupResponse(_message.Message):
-    __slots__ = ("slots", "ref", "unknown_ids")
+    __slots__ = ("slots", "ref", "unknown_ids", "unknown_per_sample")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     slots: PackedSlots
     ref: int
     unknown_ids: int
-    def __init__(self, slots: _Optional[_Union[PackedSlots, _Mapping]] = ..., ref: _Optional[int] = ..., unknown_ids: _Optional[int] = ...) -> None: ...
+    unknown_per_sample: bytes
+    def __init__(self, slots: _Optional[_Union[PackedSlots, _Mapping]] = ..., ref: _Optional[int] = ..., unknown_ids: _Optional[int] = ..., unknown_per_sample: _Optional[bytes] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
     __slots__ = ("ref", "grads")

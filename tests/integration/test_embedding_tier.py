@@ -43,6 +43,7 @@ from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
 from embedding_store.tier import InProcessEmbeddingTier
 from embedding_store.worker_client import RemoteEmbeddingWorker
+from serving.batcher import merge_batches
 
 EMBEDDING_CONFIG = {
     "slots_config": {
@@ -167,6 +168,43 @@ def test_lookups_and_updates_equal_the_in_process_tier(remote, config_files, opt
     status = remote.status()
     assert sum(status.rows_per_shard) == sum(local.status().rows_per_shard)
     assert all(rows > 0 for rows in status.rows_per_shard)
+
+
+def _three_slots(user: list[int], items: list[list[int]], history: list[list[int]]) -> Batch:
+    return Batch(
+        [
+            IDTypeFeatureWithSingleID("user", np.array(user, dtype=np.uint64)),
+            IDTypeFeature.from_lists("items", items),
+            IDTypeFeature.from_lists("history", history),
+        ],
+        requires_grad=False,
+    )
+
+
+def test_unknown_ids_are_counted_per_occurrence_and_per_sample_as_in_process(remote, config_files):
+    """The worker asks its shards each distinct ID once, and still counts every unknown
+    occurrence, as the in-process tier does (one shard: the fused kernel; two); each
+    sample's own count is what each request of a merged batch is told."""
+    known = _three_slots([1], [[10]], [[5]])
+    # user and items share a feature group (user 7 and items 7 would be one row); history
+    # keeps 3 positions: the fourth 9 of sample 0 is never looked up.
+    first = _three_slots([1, 7, 7], [[10, 20, 20], [20], [10, 21]], [[5, 9, 9, 9], [9, 6], []])
+    second = _three_slots([7, 1], [[], [21, 10]], [[9], [5, 5]])
+    expected = {"first": [4, 4, 2], "second": [2, 1], "merged": [4, 4, 2, 2, 1]}
+    tiers = {
+        "remote": remote,
+        "in-process, one shard": local_tier(config_files, num_shards=1),
+        "in-process, two shards": local_tier(config_files),
+    }
+    for name, tier in tiers.items():
+        tier.lookup(known, train=True)
+        for batch, per_sample in zip(
+            (first, second, merge_batches([first, second])), expected.values(), strict=True
+        ):
+            result = tier.lookup(batch, train=False)
+            assert result.unknown_ids == sum(per_sample), name
+            assert result.unknown_per_sample is not None, name
+            assert result.unknown_per_sample.tolist() == per_sample, name
 
 
 def test_dump_from_two_shards_load_into_three(remote, cluster, config_files, tmp_path):
@@ -526,7 +564,8 @@ def test_worker_metrics_count_lookups_ids_and_gradients(cluster, config_files, t
             client.wait_for_serving(30)
             client.configure(optimizer=OPTIMIZER)
             client.clear()
-            assert client.lookup(batch, train=False).unknown_ids == 9
+            # Every ID is unknown: 10 occurrences (history's 5 twice), 9 distinct rows.
+            assert client.lookup(batch, train=False).unknown_ids == 10
             first = client.lookup(batch, train=True)
             second = client.lookup(batch, train=True)
             grads = {s.name: torch.ones(s.embeddings.shape) for s in first.slots}
@@ -548,7 +587,7 @@ def test_worker_metrics_count_lookups_ids_and_gradients(cluster, config_files, t
             ("recserve_worker_lookups_total", (("mode", "eval"),)): 1,
             ("recserve_worker_ids_looked_up_total", (("mode", "train"),)): 22,
             ("recserve_worker_ids_looked_up_total", (("mode", "eval"),)): 11,
-            ("recserve_worker_unknown_ids_total", ()): 9,
+            ("recserve_worker_unknown_ids_total", ()): 10,
             ("recserve_worker_gradient_batches_pushed_total", ()): 2,
             ("recserve_worker_gradient_rows_pushed_total", ()): 8 + 9,
             ("recserve_worker_nonfinite_gradient_rows_skipped_total", ()): 1,

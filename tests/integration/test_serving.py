@@ -1364,7 +1364,13 @@ def test_each_request_of_a_merged_batch_reports_its_own_fallback_and_unknown_ids
     def infer_all_falling_back(merged: Batch):
         merged_sizes.append(merged.batch_size)
         output = real_infer(merged)
-        return dataclasses.replace(output, fallback_ids=merged.num_ids, unknown_ids=merged.num_ids)
+        # No split by sample (as from a tier that predates it): each request gets its share.
+        return dataclasses.replace(
+            output,
+            fallback_ids=merged.num_ids,
+            unknown_ids=merged.num_ids,
+            unknown_per_sample=None,
+        )
 
     model.infer = infer_all_falling_back  # type: ignore[method-assign]
     service = PredictionService(model, max_queue_delay=0.5)

@@ -221,6 +221,11 @@ def test_pool_edge_cases() -> None:
     assert out.tolist() == [[30, 40], [1, 2], [30, 40]] and misses == 1
     out, _ = index.pool(ids, weights, np.array([0]), np.array([1, 2, 3, 0.5], np.float32))
     assert out.tolist() == [[30 + 2 + 15, 40 + 4 + 20]]
+    found = np.empty(4, dtype=np.int64)  # the rows the kernel found, -1 where unknown
+    assert index.pool(ids, weights, np.array([0]), rows_out=found)[1] == 1
+    assert found.tolist() == [1, 0, -1, 1]
+    with pytest.raises(InvalidArgumentError, match=r"rows_out must be a writable int64 \[4\]"):
+        index.pool(ids, weights, np.array([0]), rows_out=np.empty(4, dtype=np.int32))
 
 
 @pytest.mark.parametrize(

@@ -425,21 +425,80 @@ def test_each_request_gets_its_own_fallback_count_and_non_finite_answers_are_ref
     assert batch.num_ids == 6
     outcome = service_module.BatchOutcome(
         predictions=np.zeros((3, 1), np.float32),
-        context=("v7", 20, 10, 20, True),  # merged: 20 IDs, all fell back, 10 unknown
+        context=("v7", 20, 10, 20, True, None),  # merged: 20 IDs, all fell back, 10 unknown
         queue_seconds=0.0,
         merged_batch_size=10,
     )
     answer = service._answer(batch, outcome)
     assert (answer.model_version, answer.fallback_ids, answer.unknown_ids) == ("v7", 6, 3)
-    none_fell_back = dataclasses.replace(outcome, context=("v7", 0, 10, 20, True))
+    none_fell_back = dataclasses.replace(outcome, context=("v7", 0, 10, 20, True, None))
     assert service._answer(batch, none_fell_back).fallback_ids == 0
     nan = dataclasses.replace(
         outcome,
         predictions=np.array([[0.0], [np.nan], [0.0]], np.float32),
-        context=("v7", 0, 0, 20, False),
+        context=("v7", 0, 0, 20, False, None),
     )
     with pytest.raises(InvalidArgumentError, match="1 sample\\(s\\) of this request"):
         service._answer(batch, nan)
+
+
+def _unknown_inputs(users: list[int], items: list[int]) -> dict[str, np.ndarray]:
+    """Inputs whose IDs 50 and above are unknown (the checkpoint holds 0..49)."""
+    dense = np.zeros((len(users), 3), np.float32)
+    return {"user": np.array(users, np.uint64), "item": np.array(items, np.uint64), "dense": dense}
+
+
+# 4 unknown IDs (user 60 twice, item 60 and 70), and 1 (user 99): their shares of the
+# merged batch's 10 IDs would be 3 and 2.
+UNKNOWN_REQUESTS = {
+    4: _unknown_inputs([60, 60, 1], [60, 2, 70]),
+    1: _unknown_inputs([1, 99], [3, 4]),
+}
+
+
+def test_each_request_of_a_merged_batch_is_told_its_own_unknown_ids(
+    checkpoints, make_service
+) -> None:
+    """Exactly what it is told alone, on the dispatcher thread and on an event loop; the
+    server's counter counts every unknown occurrence once."""
+    alone = make_service(_load(checkpoints[0]), max_queue_delay=0.0)
+    for expected, inputs in UNKNOWN_REQUESTS.items():
+        assert alone.predict(NAME, None, inputs, protocol="grpc").unknown_ids == expected
+    model = _load(checkpoints[0])
+    merged: list[int] = []
+    infer = model.infer
+    model.infer = lambda batch: (merged.append(batch.batch_size), infer(batch))[1]  # type: ignore[method-assign]
+    # A merged batch runs once it is full (3 + 2 rows), not after the 30 s delay.
+    service = make_service(model, max_queue_delay=30.0, max_batch_size=5)
+    answers: dict[int, int] = {}
+
+    def ask(expected: int) -> None:
+        inputs = UNKNOWN_REQUESTS[expected]
+        answers[expected] = service.predict(
+            NAME, None, inputs, protocol="grpc", timeout=WAIT
+        ).unknown_ids
+
+    askers = [threading.Thread(target=ask, args=(n,)) for n in UNKNOWN_REQUESTS]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join(WAIT)
+
+    async def ask_on_a_loop() -> list[int]:
+        answers = await asyncio.gather(
+            *(
+                service.predict_async(NAME, None, inputs, protocol="http", timeout=WAIT)
+                for inputs in UNKNOWN_REQUESTS.values()
+            )
+        )
+        return [answer.unknown_ids for answer in answers]
+
+    on_a_loop = asyncio.run(ask_on_a_loop())
+    assert merged == [5, 5]  # merged on the dispatcher thread, then on the loop
+    assert answers == {4: 4, 1: 1}
+    assert on_a_loop == [4, 1]
+    unknown_total = service.metrics.registry.get_sample_value("recserve_unknown_ids_total")
+    assert unknown_total == 2 * (4 + 1)
 
 
 def test_a_merged_batch_is_answered_by_one_version_with_its_context(
@@ -451,7 +510,8 @@ def test_a_merged_batch_is_answered_by_one_version_with_its_context(
     predictions, context = service._run(batch)
     assert predictions.shape == (4, 1)
     # 8 IDs, none fell back (a working tier), all of them known: the checkpoint holds 0..49.
-    assert context == (model.version, 0, 0, 8, True)
+    assert context[:5] == (model.version, 0, 0, 8, True)
+    assert context[5].tolist() == [0, 0, 0, 0]  # unknown IDs per sample
     assert service.metrics.registry.get_sample_value("recserve_ids_looked_up_total") == 8.0
 
 

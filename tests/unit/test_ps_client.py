@@ -440,6 +440,35 @@ def test_eval_lookups_of_unknown_ids_answer_zeros_and_count_misses(shard_server)
         assert (status.rows, status.lookups, status.ids_looked_up) == (2, 2, 5)
 
 
+def test_an_eval_lookup_says_which_positions_were_unknown(shard_server) -> None:
+    """LookupResponse.missing: per position of the IDs asked, duplicates included; from a
+    shard that predates the field only the count is known."""
+    address, _ = shard_server
+    with RemoteParameterServer(address, timeout=10) as client:
+        client.lookup(np.array([1, 2], np.uint64), 4, train=True)
+        asked = np.array([1, 7, 2, 7, 9], np.uint64)
+        assert client.lookup_with_misses(asked, 4, train=False)[1] == 3
+        assert client.last_missing is not None
+        assert client.last_missing.tolist() == [False, True, False, True, True]
+        client.lookup(asked[[0, 2]], 4, train=False)
+        assert (client.last_misses, client.last_missing) == (0, None)
+        client._stub = _LookupStub(misses=2, missing=b"")  # an older shard: a count only
+        client.lookup(asked[:4], 4, train=False)
+        assert (client.last_misses, client.last_missing) == (2, None)
+        client._stub = _LookupStub(misses=2, missing=bytes([0b0100_0000]))  # 1 flag, not 2
+        with pytest.raises(RecserveError, match=r"LookupResponse\.missing marks 1 of 4 IDs"):
+            client.lookup(asked[:4], 4, train=False)
+
+
+class _LookupStub:
+    def __init__(self, misses: int, missing: bytes) -> None:
+        self.misses, self.missing = misses, missing
+
+    def Lookup(self, request, timeout=None):
+        rows = np.zeros((len(request.ids) // 8, request.dim), np.float32)
+        return pb.LookupResponse(rows=pack_f32(rows), misses=self.misses, missing=self.missing)
+
+
 class _FlakyUpdateStub:
     """Fails Update with each of ``failures`` (code, details) in turn, then applies it."""
 

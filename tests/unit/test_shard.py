@@ -816,11 +816,30 @@ def test_last_misses_of_a_train_lookup_count_the_rejected_admissions() -> None:
     assert 0 < ok.sum() < 64
     shard.lookup(ids, 4, train=True)
     assert shard.last_misses == 64 - int(ok.sum())  # per occurrence
+    assert shard.last_missing is not None and shard.last_missing.tolist() == (~ok).tolist()
     doubled = np.concatenate([ids, ids])
     shard.lookup_pooled(doubled, 4, np.array([0, 64], np.int64), train=True)
     assert shard.last_misses == 2 * (64 - int(ok.sum()))
+    assert shard.last_missing is not None
+    assert shard.last_missing.tolist() == np.concatenate([~ok, ~ok]).tolist()
     shard.lookup(ids[ok], 4, train=True)  # all held: nothing answered with zeros
-    assert shard.last_misses == 0
+    assert (shard.last_misses, shard.last_missing) == (0, None)
+
+
+def test_last_missing_flags_the_positions_an_eval_lookup_answered_with_zeros() -> None:
+    """Per position of the IDs asked (duplicates included), on both lookup paths."""
+    shard = EmbeddingShard(100)
+    shard.lookup(u64(1, 2), 4, train=False)  # no table of dim 4 yet: every ID
+    assert (shard.last_misses, shard.last_missing.tolist()) == (2, [True, True])
+    shard.lookup(u64(1, 2), 4, train=True)
+    asked = u64(1, 7, 2, 7, 9, 1)
+    shard.lookup(asked, 4, train=False)
+    expected = [False, True, False, True, True, False]
+    assert (shard.last_misses, shard.last_missing.tolist()) == (3, expected)
+    shard.lookup_pooled(asked, 4, np.array([0, 2, 2], np.int64))  # the fused kernel
+    assert (shard.last_misses, shard.last_missing.tolist()) == (3, expected)
+    shard.lookup_pooled(u64(2, 1), 4, np.array([0], np.int64))
+    assert (shard.last_misses, shard.last_missing) == (0, None)
 
 
 def test_eviction_keeps_each_surviving_rows_optimizer_state_with_its_id() -> None:

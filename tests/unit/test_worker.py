@@ -652,13 +652,16 @@ def test_plain_slots_of_one_dim_keep_their_own_id_spaces():
 
 def test_a_deduplicating_worker_sends_one_shard_each_distinct_id_once():
     """deduplicate=True on one in-process shard takes the unique + gather path, not the fused
-    one: the shard sees distinct IDs, and unknown IDs are counted per distinct ID."""
+    one: the shard sees distinct IDs, and unknown IDs are still counted per occurrence."""
     config = make_config()
     worker, shards = make_worker(config, 1, deduplicate=True)
     batch = Batch(
         [IDTypeFeature.from_lists("user", [[1, 99, 99], [99, 1, 98]])], requires_grad=False
     )
-    assert worker.lookup(batch, train=False).unknown_ids == 3  # 1, 99, 98
+    unknown = worker.lookup(batch, train=False)
+    assert unknown.unknown_ids == 6  # every occurrence of 1, 99, 98
+    assert unknown.unknown_per_sample is not None
+    assert unknown.unknown_per_sample.tolist() == [3, 3]
     stats = shards[0].stats()
     assert (stats.lookups, stats.ids_looked_up, stats.misses) == (1, 3, 3)
     result = worker.lookup(batch, train=True)
@@ -742,6 +745,111 @@ def test_a_failed_shard_call_returns_only_once_every_shards_call_ended():
     finally:
         release.set()
         executor.shutdown(wait=True)
+
+
+# Unknown IDs of UNKNOWN_BATCH once KNOWN_BATCH was trained, per sample (see the comments).
+UNKNOWN_PER_SAMPLE = [4, 2, 2, 6]
+
+
+def _unknown_config():
+    return make_config(city={"hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 1000}})
+
+
+KNOWN_BATCH = Batch(
+    [
+        IDTypeFeature.from_lists("user", [[1]]),
+        IDTypeFeature.from_lists("items", [[10]]),
+        IDTypeFeature.from_lists("history", [[5]]),
+        IDTypeFeatureWithSingleID.from_ids("city", [3]),
+    ],
+    requires_grad=False,
+)
+UNKNOWN_BATCH = Batch(
+    [
+        # user and items share a feature group: items' 1 is user 1's row (known), and 10 too
+        IDTypeFeature.from_lists("user", [[1], [2, 2], [], [7]]),  # 0, 2, 0, 1
+        IDTypeFeature.from_lists("items", [[10, 11, 11], [], [10], [1, 12]]),  # 2, 0, 0, 1
+        # raw, 3 positions: the third 6 of sample 0 is never looked up
+        IDTypeFeature.from_lists("history", [[5, 6, 6, 6], [5], [], [9, 9]]),  # 2, 0, 0, 2
+        IDTypeFeatureWithSingleID.from_ids("city", [3, 3, 4, 4]),  # 2 rounds each: 0, 0, 2, 2
+    ],
+    requires_grad=False,
+)
+
+
+@pytest.mark.parametrize(
+    ("num_shards", "deduplicate"),
+    [(1, False), (1, True), (3, False), (3, True)],
+    ids=["fused", "one-deduplicated", "three", "three-deduplicated"],
+)
+def test_unknown_ids_count_every_occurrence_split_by_sample(num_shards, deduplicate):
+    """The same count whether or not the worker deduplicates before asking its shards (the
+    networked tier does; 14 occurrences are 8 distinct rows here), and the same split by
+    sample, which is what each request of a merged batch is told."""
+    worker, shards = make_worker(_unknown_config(), num_shards, deduplicate)
+    worker.lookup(KNOWN_BATCH, train=True)
+    result = worker.lookup(UNKNOWN_BATCH, train=False)
+    assert result.unknown_ids == sum(UNKNOWN_PER_SAMPLE) == 14
+    assert result.unknown_per_sample is not None
+    assert result.unknown_per_sample.tolist() == UNKNOWN_PER_SAMPLE
+    if deduplicate:  # the shards were asked each distinct ID once
+        assert sum(s.stats().misses for s in shards) == 8
+    known = worker.lookup(KNOWN_BATCH, train=False)
+    assert (known.unknown_ids, known.unknown_per_sample.tolist()) == (0, [0])
+
+
+class _CountOnlyShard:
+    """A shard that says how many IDs it answered with zeros but not which (as a remote
+    shard that predates LookupResponse.missing)."""
+
+    def __init__(self, shard: EmbeddingShard) -> None:
+        self.shard = shard
+
+    @property
+    def last_misses(self) -> int:
+        return self.shard.last_misses
+
+    def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
+        return self.shard.lookup(ids, dim, train=train)
+
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        return self.shard.update(ids, grads)
+
+
+def test_a_shard_that_only_counts_its_misses_gives_its_count_and_no_split():
+    shards = [EmbeddingShard(10_000, replica_index=i, replica_size=2) for i in range(2)]
+    worker = EmbeddingWorker(
+        _unknown_config(), [_CountOnlyShard(s) for s in shards], deduplicate=True
+    )
+    worker.lookup(KNOWN_BATCH, train=True)
+    result = worker.lookup(UNKNOWN_BATCH, train=False)
+    assert (result.unknown_ids, result.unknown_per_sample) == (8, None)  # distinct rows
+
+
+@pytest.mark.parametrize(("num_shards", "deduplicate"), [(1, False), (3, True)])
+def test_unknown_ids_of_single_id_slots_per_sample(num_shards, deduplicate):
+    """Single-ID summation slots only (the common serving batch): one ID per bag."""
+    worker, _ = make_worker(make_config(), num_shards, deduplicate)
+    known = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1]),
+            IDTypeFeatureWithSingleID.from_ids("items", [10]),
+            IDTypeFeatureWithSingleID.from_ids("city", [3]),
+        ],
+        requires_grad=False,
+    )
+    worker.lookup(known, train=True)
+    batch = Batch(
+        [
+            IDTypeFeatureWithSingleID.from_ids("user", [1, 7, 7, 1]),  # 0, 1, 1, 0
+            IDTypeFeatureWithSingleID.from_ids("items", [10, 7, 12, 12]),  # 0, 1, 1, 1
+            IDTypeFeatureWithSingleID.from_ids("city", [3, 4, 4, 3]),  # 0, 1, 1, 0
+        ],
+        requires_grad=False,
+    )
+    result = worker.lookup(batch, train=False)
+    assert result.unknown_per_sample is not None
+    assert (result.unknown_ids, result.unknown_per_sample.tolist()) == (7, [0, 3, 3, 1])
 
 
 def test_deduplicated_lookups_keep_the_lru_order_of_the_batch_as_sent():

@@ -31,6 +31,7 @@ from embedding_store.errors import (
     RecserveError,
     UnavailableError,
 )
+from embedding_store.grpc_common import pack_u64
 from embedding_store.optimizers import SGD
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.remote_tier import RemoteShardTier
@@ -62,6 +63,7 @@ class FakeWorkerStub:
         self.status = pb.WorkerStatusResponse()
         self.failure: grpc.RpcError | None = None
         self.progress: list[pb.Progress] = []
+        self.unknown_per_sample = b""  # what a worker that predates the field sends
 
     def _record(self, name: str, request: object, timeout: float | None) -> None:
         self.requests.append((name, request, timeout))
@@ -70,7 +72,9 @@ class FakeWorkerStub:
 
     def Lookup(self, request, timeout=None):
         self._record("Lookup", request, timeout)
-        response = pb.WorkerLookupResponse(ref=7, unknown_ids=2)
+        response = pb.WorkerLookupResponse(
+            ref=7, unknown_ids=2, unknown_per_sample=self.unknown_per_sample
+        )
         pack_slots(response.slots, self.slots)
         return response
 
@@ -117,6 +121,24 @@ def _batch(**extra) -> Batch:
 def _answer() -> list[SlotOutput]:
     mask = torch.tensor([[True, True, False], [False, False, False]])
     return [SlotOutput("user", torch.ones(2, 4)), SlotOutput("history", torch.ones(2, 3, 4), mask)]
+
+
+def test_a_lookup_reads_the_unknown_ids_of_each_sample_when_the_worker_sends_them(
+    client,
+) -> None:
+    worker, stub = client
+    stub.slots = _answer()
+    batch = _batch(requires_grad=False)
+    old = worker.lookup(batch, train=False)  # a worker that predates the field
+    assert (old.unknown_ids, old.unknown_per_sample) == (2, None)
+    stub.unknown_per_sample = pack_u64(np.array([0, 2], np.uint64))
+    split = worker.lookup(batch, train=False)
+    assert split.unknown_per_sample is not None
+    assert (split.unknown_ids, split.unknown_per_sample.tolist()) == (2, [0, 2])
+    for wrong in ([1, 2], [2]):  # summing to 3, or one sample short
+        stub.unknown_per_sample = pack_u64(np.array(wrong, np.uint64))
+        with pytest.raises(RecserveError, match="sent a malformed answer: unknown_per_sample"):
+            worker.lookup(batch, train=False)
 
 
 def test_a_lookup_sends_only_id_features_and_gives_a_ref_only_when_training(client) -> None:

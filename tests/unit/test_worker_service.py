@@ -47,7 +47,7 @@ from embedding_store.shard import EmbeddingShard
 from embedding_store.tier import TierStatus
 from embedding_store.worker_command import format_status
 from embedding_store.worker_service import EmbeddingWorkerServicer
-from embedding_store.worker_wire import pack_grads
+from embedding_store.worker_wire import decode_unknown_per_sample, pack_grads
 
 DIM = 4
 CONFIG = embedding_config_from_mapping(
@@ -81,6 +81,10 @@ class FakeShardClient:
     @property
     def last_misses(self) -> int:
         return self.shard.last_misses
+
+    @property
+    def last_missing(self) -> np.ndarray | None:
+        return self.shard.last_missing
 
     def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
         return self.shard.lookup(ids, dim, train=train)
@@ -637,7 +641,10 @@ def test_metrics_count_lookups_ids_pushes_and_rpc_errors(make_tier):
         requires_grad=False,
     )
     request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=False)
-    assert servicer.Lookup(request, context).unknown_ids == 5  # distinct IDs, all unknown
+    answer = servicer.Lookup(request, context)
+    # Every ID is unknown: 6 occurrences (10 twice), though the shards were asked 5 IDs.
+    assert answer.unknown_ids == 6
+    assert decode_unknown_per_sample(answer.unknown_per_sample, 3, 6).tolist() == [3, 2, 1]
     refs = [
         servicer.Lookup(pb.WorkerLookupRequest(batch=batch.to_bytes(), train=True), context).ref
         for _ in range(2)
@@ -667,7 +674,7 @@ def test_metrics_count_lookups_ids_pushes_and_rpc_errors(make_tier):
     assert value("recserve_worker_lookups_total", mode="eval") == 1
     assert value("recserve_worker_ids_looked_up_total", mode="train") == 12
     assert value("recserve_worker_ids_looked_up_total", mode="eval") == 6
-    assert value("recserve_worker_unknown_ids_total") == 5
+    assert value("recserve_worker_unknown_ids_total") == 6
     assert value("recserve_worker_gradient_batches_pushed_total") == 2
     assert value("recserve_worker_gradient_rows_pushed_total") == 4 + 5
     assert value("recserve_worker_nonfinite_gradient_rows_skipped_total") == 1
