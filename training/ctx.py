@@ -498,10 +498,35 @@ class TrainCtx(EmbeddingCtx):
     and under DDP after the allreduce, so every rank clips the same averaged gradients
     alike. The embedding gradients are not clipped, as in PERSIA: each batch's go to the
     embedding tier's own optimizer, row by row and asynchronously, and a norm over one
-    batch's rows would scale a row's update by whatever else that batch held.
+    batch's rows would scale a row's update by whatever else that batch held. It may be
+    changed between steps (``ctx.dense_grad_clip_norm = 0.5``, or None), checked as here.
+    ``last_dense_grad_norm`` (read-only, to log): the joint L2 norm of the dense gradients
+    before clipping at the last step that clipped them, a float (inf or NaN for a mixed
+    precision step the GradScaler then skipped); None before the first such step.
     """
 
     model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
+
+    @property
+    def dense_grad_clip_norm(self) -> float | None:
+        """The joint L2 norm the dense gradients are clipped to (None: no clipping)."""
+        return self._dense_grad_clip_norm
+
+    @dense_grad_clip_norm.setter
+    def dense_grad_clip_norm(self, value: float | None) -> None:
+        # Checked as the constructor checks it: set later, a value went to clip_grad_norm_
+        # unchecked (a NaN limit made every dense gradient NaN, a negative one reversed
+        # them: the step climbed the loss).
+        self._dense_grad_clip_norm = _check_clip_norm(value, self.model)
+
+    @property
+    def last_dense_grad_norm(self) -> float | None:
+        """The joint L2 norm of the dense gradients before clipping, at the last step that
+        clipped them (what ``clip_grad_norm_`` returned); None before the first. A mixed
+        precision step whose gradients overflowed reads inf or NaN (the GradScaler skipped
+        it). Read on demand: kept as a tensor, so steps wait on no device-to-host copy."""
+        norm = self._last_dense_grad_norm
+        return None if norm is None else float(norm)
 
     def __init__(
         self,
@@ -574,7 +599,8 @@ class TrainCtx(EmbeddingCtx):
         )
         self.mixed_precision = mixed_precision and self.device.type == "cuda"
         self.finite_check_every = max(1, finite_check_every)
-        self.dense_grad_clip_norm = clip_norm
+        self._dense_grad_clip_norm = clip_norm  # checked above, before any connection
+        self._last_dense_grad_norm: torch.Tensor | None = None
         self.grad_scaler = torch.amp.GradScaler("cuda", enabled=self.mixed_precision)
         self._in_flight = threading.BoundedSemaphore(embedding_staleness)
         self._backward_queue: queue.Queue = queue.Queue(maxsize=backward_buffer_size)
@@ -847,9 +873,11 @@ class TrainCtx(EmbeddingCtx):
     def _clip_dense_gradients(self) -> None:
         """Scale the dense optimizer's gradients (unscaled, and under DDP already averaged
         over the ranks: every rank clips alike) down so that their joint L2 norm is at most
-        ``dense_grad_clip_norm``; nothing without it. The embedding gradients are not
-        clipped (see the class docstring)."""
-        if self.dense_grad_clip_norm is None:
+        ``dense_grad_clip_norm``; nothing without it. Their norm before clipping is kept
+        for :attr:`last_dense_grad_norm`. The embedding gradients are not clipped (see the
+        class docstring)."""
+        limit = self._dense_grad_clip_norm
+        if limit is None:
             return
         params = [
             p
@@ -857,7 +885,7 @@ class TrainCtx(EmbeddingCtx):
             for p in group["params"]
             if p.grad is not None
         ]
-        torch.nn.utils.clip_grad_norm_(params, self.dense_grad_clip_norm)
+        self._last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(params, limit).detach()
 
     def _backward_loop(self) -> None:
         while True:

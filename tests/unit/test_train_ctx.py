@@ -1740,7 +1740,10 @@ def test_dense_gradients_are_clipped_before_the_step_and_the_embedding_gradients
         loss = _bce(output, labels)
         clipped, norm = _clipped_by_hand(loss, params, limit)
         assert norm > 10 * limit  # so the limit is what the step shows
+        assert ctx.last_dense_grad_norm is None  # no step clipped yet
         ctx.backward(loss)
+        # The norm before clipping, kept to log (clip_grad_norm_ returns it).
+        assert ctx.last_dense_grad_norm == norm
         # SGD, lr 1: each parameter moved by exactly its clipped gradient.
         for param, old, grad in zip(params, before, clipped):
             assert torch.equal(param.detach(), old - grad)
@@ -1749,6 +1752,7 @@ def test_dense_gradients_are_clipped_before_the_step_and_the_embedding_gradients
         # The embedding rows moved as in a run that clips nothing (same weights, same batch).
         output, labels = plain.forward(batch)
         plain.backward(_bce(output, labels))
+        assert plain.last_dense_grad_norm is None  # it clips nothing
         ours = ctx.embedding_tier.lookup(batch, train=False)
         theirs = plain.embedding_tier.lookup(batch, train=False)
         for x, y in zip(ours.slots, theirs.slots):
@@ -1779,6 +1783,7 @@ def test_with_mixed_precision_the_unscaled_dense_gradients_are_clipped():
         assert norm > 10 * limit
         ctx.backward(loss)
         assert ctx.grad_scaler.get_scale() == 1024.0  # no overflow: the step was taken
+        assert ctx.last_dense_grad_norm == pytest.approx(norm, rel=1e-6)  # unscaled
         for param, old, grad in zip(params, before, clipped):
             torch.testing.assert_close(param.detach(), old - grad, rtol=1e-6, atol=1e-7)
 
@@ -1791,6 +1796,46 @@ def test_an_invalid_dense_grad_clip_norm_is_refused_by_name(value):
         "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of the "
         f"dense gradients) or None for no clipping, got {value!r}"
     )
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "1.0"])
+def test_a_clip_norm_set_after_construction_is_checked_as_the_constructors(value):
+    """Set between steps, a value went to clip_grad_norm_ unchecked: a NaN made every
+    dense gradient NaN, a negative one reversed them."""
+    with _clip_ctx(1.0) as ctx:
+        with pytest.raises(InvalidArgumentError) as caught:
+            ctx.dense_grad_clip_norm = value
+        assert caught.value.message == (
+            "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of "
+            f"the dense gradients) or None for no clipping, got {value!r}"
+        )
+        assert ctx.dense_grad_clip_norm == 1.0  # unchanged
+        ctx.dense_grad_clip_norm = 2  # an int, as the constructor takes it
+        assert (ctx.dense_grad_clip_norm, type(ctx.dense_grad_clip_norm)) == (2.0, float)
+        ctx.dense_grad_clip_norm = None
+        assert ctx.dense_grad_clip_norm is None
+
+
+def test_a_clip_norm_set_between_steps_applies_and_the_last_norm_is_read_only():
+    limit = 0.01
+    with _clip_ctx(None) as ctx:
+        train_steps(ctx, 1)
+        assert ctx.last_dense_grad_norm is None
+        ctx.dense_grad_clip_norm = limit
+        params = list(ctx.dense_model.parameters())
+        before = [p.detach().clone() for p in params]
+        output, labels = ctx.forward(make_batch(1))
+        loss = _bce(output, labels)
+        _, norm = _clipped_by_hand(loss, params, limit)
+        ctx.backward(loss)
+        assert ctx.last_dense_grad_norm == norm and norm > 10 * limit
+        moved = torch.cat([(old - p.detach()).reshape(-1) for p, old in zip(params, before)])
+        assert float(moved.norm()) == pytest.approx(limit, rel=1e-5)
+        ctx.dense_grad_clip_norm = None  # off again: the last clipped step's norm stays
+        train_steps(ctx, 1)
+        assert ctx.last_dense_grad_norm == norm
+        with pytest.raises(AttributeError):
+            ctx.last_dense_grad_norm = 1.0  # type: ignore[misc]
 
 
 def test_clipping_a_model_with_sparse_embedding_gradients_is_refused():
