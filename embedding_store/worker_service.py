@@ -205,6 +205,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             task_progress=status.task_progress,
             shard_errors=list(status.shard_errors),
             embedding_config_json=self._config_json,
+            forward_buffer_size=status.forward_buffer_size,
         )
 
 

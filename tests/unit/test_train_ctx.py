@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,10 +27,11 @@ from embedding_store.errors import (
     InvalidArgumentError,
 )
 from embedding_store.optimizers import SGD, Adam
-from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.tier import InProcessEmbeddingTier, TierStatus
 from embedding_store.worker import BackwardStats
 from training import checkpoint as training_checkpoint
 from training.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, eval_ctx
+from training.env import EMBEDDING_WORKERS_ENV
 
 CONFIG = embedding_config_from_mapping(
     {"slots_config": {"user": {"dim": 4}, "item": {"dim": 4, "sqrt_scaling": True}}}
@@ -289,6 +291,120 @@ def test_a_staleness_above_the_workers_forward_buffer_is_refused():
     with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
         train_steps(ctx, 4)
         assert ctx.step == 4
+
+
+def _sharing_refusal(staleness: int, ranks: int, address: str) -> str:
+    return (
+        f"embedding_staleness {staleness} x {ranks} ranks sharing embedding worker {address} "
+        f"= {staleness * ranks} lookups waiting for their gradients, above its "
+        "forward_buffer_size 10 (embedding_worker_config in global_config (a GlobalConfig "
+        "object)), one buffer for all its ranks: lookups would expire before their gradients "
+        "come back; lower embedding_staleness, raise forward_buffer_size or give more "
+        "embedding workers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "workers", "staleness", "refusal"),
+    [
+        # Two ranks on one worker (`recserve train --nproc-per-node 2 --embedding-workers
+        # w:7201`): 2 x 6 contexts in its one buffer of 10.
+        (2, ["w:7201"], 6, (2, "w:7201")),
+        (2, ["w:7201"], 5, None),  # 2 x 5 = 10: as many as it keeps
+        (1, ["w:7201"], 10, None),
+        # Rank r talks to workers[r % 2]: ranks 0 and 2 share a:1, rank 1 has b:1.
+        (3, ["a:1", "b:1"], 6, (2, "a:1")),
+        (4, ["a:1", "b:1"], 5, None),
+        (5, ["a:1", "b:1"], 4, (3, "a:1")),
+        # One worker listed twice is one buffer.
+        (2, ["a:1", " a:1"], 6, (2, "a:1")),
+    ],
+)
+def test_a_staleness_times_the_ranks_sharing_a_worker_above_its_buffer_is_refused(
+    monkeypatch, world, workers, staleness, refusal
+):
+    """The worker keeps one buffer of forward_buffer_size contexts for every rank that
+    looks up through it: each rank may have embedding_staleness lookups waiting for their
+    gradients, so the ranks sharing it together expired each other's contexts (their
+    backward failed, "no forward context"), though each was within the buffer alone."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    ten = global_config_from_mapping({"embedding_worker_config": {"forward_buffer_size": 10}})
+    options = {"embedding_staleness": staleness, "global_config": ten}
+    if refusal is None:
+        assert sgd_ctx(embedding_workers=workers, **options).embedding_staleness == staleness
+        return
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_workers=workers, **options)
+    assert refused.value.message == _sharing_refusal(staleness, *refusal)
+    # The addresses of RECSERVE_EMBEDDING_WORKERS count alike.
+    monkeypatch.setenv(EMBEDDING_WORKERS_ENV, ",".join(workers))
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(**options)
+    assert refused.value.message == _sharing_refusal(staleness, *refusal)
+
+
+class ReportingTier(InProcessEmbeddingTier):
+    """An in-process tier standing for the remote worker at ``address`` that reports
+    keeping ``reported`` forward contexts (its own config's forward_buffer_size)."""
+
+    def __init__(self, address: str, reported: int) -> None:
+        super().__init__(CONFIG, capacity=10_000)
+        self.address, self.reported, self.closed = address, reported, False
+
+    def status(self, partial: bool = False) -> TierStatus:
+        assert partial  # a shard away at the start must not fail the check
+        return dataclasses.replace(super().status(), forward_buffer_size=self.reported)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+@pytest.mark.parametrize(
+    ("address", "reported", "refused"),
+    [
+        ("a:1", 10, True),  # ranks 0 and 2 share a:1: 2 x 6 > 10
+        ("b:1", 10, False),  # rank 1 has b:1 alone
+        ("a:1", 12, False),
+        ("a:1", 0, False),  # a worker that predates the report: the global config's counts
+    ],
+)
+def test_a_workers_own_forward_buffer_size_is_checked_on_enter(
+    monkeypatch, address, reported, refused
+):
+    """The trainer's global config need not be the worker's (`recserve train` without
+    --global-config reads the defaults, 1000): on enter, the number the worker reports is
+    checked too, for the ranks that share it."""
+    import training.ctx as ctx_module
+    from training import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(distributed, "init_distributed", lambda *args: False)
+    tier = ReportingTier(address, reported)
+    monkeypatch.setattr(ctx_module, "make_embedding_tier", lambda *args, **kwargs: tier)
+    ctx = sgd_ctx(embedding_staleness=6, embedding_workers=["a:1", "b:1"])  # buffer 1000
+    if not refused:
+        with ctx:
+            train_steps(ctx, 1)
+        return
+    with pytest.raises(InvalidArgumentError) as refusal:
+        ctx.__enter__()
+    assert refusal.value.message == (
+        "embedding_staleness 6 x 2 ranks sharing embedding worker a:1 = 12 lookups waiting "
+        "for their gradients, above its forward_buffer_size 10 (as embedding worker a:1 "
+        "reports it), one buffer for all its ranks: lookups would expire before their "
+        "gradients come back; lower embedding_staleness, raise forward_buffer_size or give "
+        "more embedding workers"
+    )
+    assert tier.closed
+
+
+def test_a_given_tier_is_checked_for_its_rank_alone(monkeypatch):
+    """Who else holds a tier given to TrainCtx cannot be told: an in-process one is this
+    process's own, whatever WORLD_SIZE says."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=6)
+    assert sgd_ctx(embedding_staleness=6, embedding_tier=tier).embedding_staleness == 6
 
 
 def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():

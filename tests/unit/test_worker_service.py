@@ -428,6 +428,29 @@ def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
     assert status.shard_tasks == ("", "", "")
 
 
+def test_status_carries_the_workers_forward_buffer_size_to_its_clients(make_tier):
+    """A trainer checks its embedding_staleness x the ranks sharing the worker against the
+    number of forward contexts the worker keeps (TrainCtx): its own config's, reported in
+    Status, not the trainer's copy of it; 0 from a worker that predates the field."""
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    tier, _ = make_tier(forward_buffer_size=12)
+    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), FakeContext())
+    assert answer.forward_buffer_size == 12
+
+    class Stub:
+        response = answer
+
+        def Status(self, request, timeout=None):
+            return self.response
+
+    with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
+        client._stub = stub = Stub()
+        assert client.status(partial=True).forward_buffer_size == 12
+        stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
+        assert client.status().forward_buffer_size == 0
+
+
 def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
     """Servers check the config a worker routes and pools IDs by against their checkpoint's
     (serving.model.worker_config_mismatch): it travels in Status, parsed once per text."""
