@@ -583,6 +583,7 @@ class RemoteShardTier:
             shard_serving=tuple(s.serving for s in statuses),
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in statuses),
             shard_errors=errors,
+            forward_buffer_size=self.worker.forward_buffer_size,
         )
 
     def shard_statuses(self) -> list[ShardStatus]:

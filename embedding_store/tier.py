@@ -192,6 +192,7 @@ class InProcessEmbeddingTier:
             # In-process shards answer from the moment they exist (no checkpoint to wait for).
             shard_serving=(True,) * len(self.shards),
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in self.shards),
+            forward_buffer_size=self.worker.forward_buffer_size,
         )
 
     def close(self) -> None:

@@ -98,7 +98,9 @@ class TierStatus:
     then zeros); empty unless a partial status was asked for (``status(partial=True)`` of a
     remote tier): otherwise a shard that does not answer raises. ``embedding_config`` is
     the config the tier routes IDs by, where the tier reports one (an embedding worker's
-    Status); None otherwise.
+    Status); None otherwise. ``forward_buffer_size`` is how many train lookups' forward
+    contexts the tier's worker keeps for their gradients, one buffer for all its callers
+    (0: not reported, by a worker that predates it).
     """
 
     rows_per_shard: tuple[int, ...]
@@ -114,3 +116,4 @@ class TierStatus:
     shard_checkpoint_versions: tuple[str, ...] = ()
     shard_errors: tuple[str, ...] = ()
     embedding_config: EmbeddingConfig | None = None
+    forward_buffer_size: int = 0

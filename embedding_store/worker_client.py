@@ -289,6 +289,7 @@ class RemoteEmbeddingWorker:
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in response.shard_status),
             shard_errors=tuple(response.shard_errors) if partial else (),
             embedding_config=self._reported_config(response.embedding_config_json),
+            forward_buffer_size=response.forward_buffer_size,
         )
 
     def _reported_config(self, text: str) -> EmbeddingConfig | None:

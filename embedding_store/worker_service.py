@@ -51,7 +51,7 @@ from embedding_store.grpc_common import (
 from embedding_store.optimizer_wire import configure_request_to_settings
 from embedding_store.proto import embedding_tier_pb2 as pb
 from embedding_store.proto import embedding_tier_pb2_grpc as pb_grpc
-from embedding_store.ps_client import caller_deadline
+from embedding_store.ps_client import ShardStatus, caller_deadline
 from embedding_store.remote_tier import RemoteShardTier
 from embedding_store.rpc_metrics import observed, observed_stream, unauthenticated_counter
 from embedding_store.stop_signal import StopRequest
@@ -214,6 +214,7 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
             task_progress=status.task_progress,
             shard_errors=list(status.shard_errors),
             embedding_config_json=self._config_json,
+            forward_buffer_size=status.forward_buffer_size,
         )
 
 
@@ -364,74 +365,109 @@ class _Readiness:
     reached every shard until it shuts down. Not while a shard is away: every worker and
     server shares the shards, so readiness that followed them would empty the workers'
     Service while one shard restarts, and requests for the other shards would fail too.
-    :data:`SHARDS_SERVICE`: SERVING while every shard answered at the last check, for
-    operators and alerts. After :meth:`shut_down` all stay NOT_SERVING.
+    :data:`SHARDS_SERVICE`: SERVING while every shard answered and served at the last check
+    (as a server's ``recserve_embedding_tier_serving``), for operators and alerts: a shard
+    that answers but cannot serve yet (an inference shard loading its checkpoint, a training
+    shard not configured yet) fails every lookup that reaches it. After :meth:`shut_down`
+    all stay NOT_SERVING.
     """
 
     def __init__(self, health_servicer: health.HealthServicer) -> None:
         self._health = health_servicer
         self._lock = threading.Lock()
-        self._shards_reachable = False
+        self._shards_serving = False
         self._shut_down = False
 
-    def start(self) -> None:
-        """Every shard was reached: ready, for good (until :meth:`shut_down`)."""
+    def start(self, shards_serving: bool = True) -> None:
+        """Every shard was reached: ready, for good (until :meth:`shut_down`);
+        :data:`SHARDS_SERVICE` says ``shards_serving`` (whether each of them serves)."""
         with self._lock:
             if self._shut_down:
                 return
-            self._shards_reachable = True
+            self._shards_serving = shards_serving
             for name in ("", SERVICE_NAME, SHARDS_SERVICE):
-                self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                serving = shards_serving or name != SHARDS_SERVICE
+                self._health.set(name, _health_status(serving))
 
-    def set_shards_reachable(self, reachable: bool) -> bool:
-        """Report whether every shard answered; whether that changed the status."""
+    def set_shards_serving(self, serving: bool) -> bool:
+        """Report whether every shard answered and served; whether that changed the status."""
         with self._lock:
-            if self._shut_down or reachable == self._shards_reachable:
+            if self._shut_down or serving == self._shards_serving:
                 return False
-            self._shards_reachable = reachable
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if reachable
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            self._health.set(SHARDS_SERVICE, status)
+            self._shards_serving = serving
+            self._health.set(SHARDS_SERVICE, _health_status(serving))
             return True
 
     def shut_down(self) -> None:
         with self._lock:
             self._shut_down = True
-            self._shards_reachable = False
+            self._shards_serving = False
             for name in ("", SERVICE_NAME, SHARDS_SERVICE):
                 self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+def _health_status(serving: bool) -> int:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
+def _cannot_serve_yet(tier: RemoteShardTier, statuses: Sequence[ShardStatus]) -> str | None:
+    """Which shards answered ``statuses`` (replica order) but do not serve, with what they
+    are busy with: ``"shard 1 (h:7001) cannot serve yet (loading)"``, one
+    per shard joined by ``"; "``; None when every one serves."""
+    waiting = [
+        f"shard {index} ({client.address}) cannot serve yet"
+        + (f" ({status.task})" if status.task else "")
+        for index, (client, status) in enumerate(zip(tier.clients, statuses, strict=True))
+        if not status.serving
+    ]
+    return "; ".join(waiting) or None
+
+
+_CANNOT_SERVE = "a shard answers but cannot serve (lookups that need it fail until it does): %s"
+
+
 def _watch_shards(
-    tier: RemoteShardTier, readiness: _Readiness, stop: threading.Event, timeout: float
+    tier: RemoteShardTier,
+    readiness: _Readiness,
+    stop: threading.Event,
+    timeout: float,
+    waiting: str | None = None,
 ) -> None:
     """Until ``stop``: every :data:`SHARD_CHECK_INTERVAL_SECONDS`, ask every shard's status
     (one deadline of ``timeout`` s for all) and set :data:`SHARDS_SERVICE` by the answer: a
-    shard killed or unreachable turns it NOT_SERVING, its return SERVING again. Logged when
-    a shard goes away, each time the reason changes while it is away (refused, then "cannot
-    serve yet" while it loads) and when every shard is back."""
+    shard killed or unreachable, or one that answers but cannot serve yet (loading its
+    checkpoint, not configured), turns it NOT_SERVING; every shard serving, SERVING again.
+    Logged when a shard goes away, each time the reason changes while it is away (refused,
+    then "cannot serve yet" while it loads) and when every shard serves again. ``waiting``:
+    the shards the start-up check found not serving (:func:`_cannot_serve_yet`), logged then."""
     down = DownReasons()
+    if waiting is not None:
+        down.down(waiting)
     while not stop.wait(SHARD_CHECK_INTERVAL_SECONDS):
         try:
-            tier.verify_shards(timeout=timeout)
+            waiting = _cannot_serve_yet(tier, tier.verify_shards(timeout=timeout))
         except RecserveError as error:
-            readiness.set_shards_reachable(False)
+            readiness.set_shards_serving(False)
             if down.down(error.message) and not stop.is_set():
                 log.warning(
                     "a shard is away (lookups that need it fail until it is back): %s",
                     error.message,
                 )
         except Exception:  # the watcher must outlive any surprise; report it
-            readiness.set_shards_reachable(False)
+            readiness.set_shards_serving(False)
             if down.down("checking the shards failed") and not stop.is_set():
                 log.exception("checking the shards failed")
         else:
-            readiness.set_shards_reachable(True)
-            if down.up() and not stop.is_set():
-                log.info("embedding worker reaches every shard again")
+            readiness.set_shards_serving(waiting is None)
+            if waiting is not None:
+                if down.down(waiting) and not stop.is_set():
+                    log.warning(_CANNOT_SERVE, waiting)
+            elif down.up() and not stop.is_set():
+                log.info("embedding worker reaches every shard, and each serves, again")
 
 
 def _serve(
@@ -452,9 +488,10 @@ def _serve(
     stop = threading.Event()
 
     deadline = time.monotonic() + startup_timeout
+    waiting: str | None = None  # the shards that answered but cannot serve yet
     while not requested.requested:
         try:
-            tier.verify_shards()
+            waiting = _cannot_serve_yet(tier, tier.verify_shards())
             break
         except (UnavailableError, DeadlineExceededError) as error:
             if time.monotonic() > deadline:
@@ -480,11 +517,13 @@ def _serve(
     readiness = _Readiness(health_servicer)
     watcher = None
     if not requested.requested:  # a SIGTERM during the wait: to the drain, never SERVING
-        readiness.start()
+        readiness.start(shards_serving=waiting is None)
         log.info("embedding worker serving %d shard(s): %s", len(shard_addresses), shard_addresses)
+        if waiting is not None:  # unconfigured training shards, loading inference ones
+            log.info(_CANNOT_SERVE, waiting)
         watcher = threading.Thread(
             target=_watch_shards,
-            args=(tier, readiness, stop, check_timeout),
+            args=(tier, readiness, stop, check_timeout, waiting),
             name="shard-readiness",
             daemon=True,
         )

@@ -93,10 +93,13 @@ class PredictionCore(Protocol):
         event loop for every probe: it must not block (a flag, not a check of peers)."""
         ...
 
-    def server_metadata(self) -> ServerMetadata: ...
+    def server_metadata(self) -> ServerMetadata:
+        """Called on the event loop, as :meth:`ready`: it must not block."""
+        ...
 
     def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
-        """Raises NotFoundError for an unknown model name or version."""
+        """Raises NotFoundError for an unknown model name or version. Called on the event
+        loop, as :meth:`ready`: it must not block (in-memory state only)."""
         ...
 
     def model_ready(self, name: str, version: str | None = None) -> bool:

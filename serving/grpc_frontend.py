@@ -43,7 +43,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: Methods that answer at once from the core's state (never waiting for a prediction): run
 #: on the server's prompt threads (embedding_store.grpc_common.on_prompt_threads).
-_PROMPT_METHODS = frozenset(("ServerLive", "ServerReady", "ModelReady"))
+_PROMPT_METHODS = frozenset(
+    ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata")
+)
 
 #: (method, request class, response class) of the service, in spec order.
 _METHODS = (
@@ -143,7 +145,7 @@ class InferenceServicer:
         """The unary handlers of the service, keyed by method name. Requests are parsed in
         the handler, not by gRPC's deserializer: a malformed message is then INVALID_ARGUMENT
         naming it, where a failing deserializer makes gRPC answer INTERNAL. With
-        ``prompt_pool``, liveness and readiness calls (:data:`_PROMPT_METHODS`) run there,
+        ``prompt_pool``, liveness, readiness and metadata calls (:data:`_PROMPT_METHODS`) run there,
         not queued behind ModelInfer calls waiting for their answers."""
         handlers = {}
         for name, request_class, response_class in _METHODS:

@@ -97,6 +97,50 @@ def _device(device_id: int | None) -> torch.device:
     return torch.device("cuda", device_id)
 
 
+def _worker_addresses(embedding_workers: Sequence[str] | None) -> tuple[Sequence[str], str]:
+    """The embedding workers' addresses (``embedding_workers``, else those in
+    :data:`EMBEDDING_WORKERS_ENV`; none: the in-process tier) and where they came from."""
+    if embedding_workers is not None:
+        return embedding_workers, "embedding_workers"
+    from_env = os.environ.get(EMBEDDING_WORKERS_ENV, "")
+    return [a for a in from_env.split(",") if a.strip()], EMBEDDING_WORKERS_ENV
+
+
+def _ranks_per_worker(addresses: Sequence[str], world_size: int) -> dict[str, int]:
+    """How many ranks of ``world_size`` share each embedding worker, by address, when rank r
+    talks to ``addresses[r % len(addresses)]`` (:func:`make_embedding_tier`; an address
+    listed twice is one worker). In rank order of their first rank."""
+    counts: dict[str, int] = {}
+    for rank in range(world_size):
+        address = addresses[rank % len(addresses)].strip()
+        counts[address] = counts.get(address, 0) + 1
+    return counts
+
+
+def _forward_buffer_problem(
+    staleness: int, sharing: int, address: str, buffered: int, where: str
+) -> str | None:
+    """Why an embedding worker keeping ``buffered`` forward contexts (``where`` says whose
+    number that is) for ``sharing`` ranks (at ``address``) cannot hold ``staleness`` lookups
+    per rank waiting for their gradients; None when it can."""
+    if staleness * sharing <= buffered:
+        return None
+    if sharing == 1:
+        return (
+            f"embedding_staleness {staleness} is above the embedding worker's "
+            f"forward_buffer_size {buffered} ({where}): lookups would expire before "
+            "their gradients come back; lower embedding_staleness or raise "
+            "forward_buffer_size"
+        )
+    return (
+        f"embedding_staleness {staleness} x {sharing} ranks sharing embedding worker "
+        f"{address} = {staleness * sharing} lookups waiting for their gradients, above "
+        f"its forward_buffer_size {buffered} ({where}), one buffer for all its ranks: "
+        "lookups would expire before their gradients come back; lower "
+        "embedding_staleness, raise forward_buffer_size or give more embedding workers"
+    )
+
+
 def make_embedding_tier(
     embedding_config: EmbeddingConfig,
     global_config: GlobalConfig,
@@ -106,11 +150,7 @@ def make_embedding_tier(
 ) -> EmbeddingTier:
     """The embedding tier: remote when worker addresses are given (or in the environment),
     else in-process (the embedded default)."""
-    source = "embedding_workers"
-    if embedding_workers is None:
-        from_env = os.environ.get(EMBEDDING_WORKERS_ENV, "")
-        embedding_workers = [a for a in from_env.split(",") if a.strip()]
-        source = EMBEDDING_WORKERS_ENV
+    embedding_workers, source = _worker_addresses(embedding_workers)
     for address in embedding_workers:
         # As `recserve train --embedding-workers` checks it: gRPC would take the scheme for
         # a host name and fail only after wait_for_serving's two minutes.
@@ -498,10 +538,35 @@ class TrainCtx(EmbeddingCtx):
     and under DDP after the allreduce, so every rank clips the same averaged gradients
     alike. The embedding gradients are not clipped, as in PERSIA: each batch's go to the
     embedding tier's own optimizer, row by row and asynchronously, and a norm over one
-    batch's rows would scale a row's update by whatever else that batch held.
+    batch's rows would scale a row's update by whatever else that batch held. It may be
+    changed between steps (``ctx.dense_grad_clip_norm = 0.5``, or None), checked as here.
+    ``last_dense_grad_norm`` (read-only, to log): the joint L2 norm of the dense gradients
+    before clipping at the last step that clipped them, a float (inf or NaN for a mixed
+    precision step the GradScaler then skipped); None before the first such step.
     """
 
     model: torch.nn.Module  # required here (EmbeddingCtx's is optional)
+
+    @property
+    def dense_grad_clip_norm(self) -> float | None:
+        """The joint L2 norm the dense gradients are clipped to (None: no clipping)."""
+        return self._dense_grad_clip_norm
+
+    @dense_grad_clip_norm.setter
+    def dense_grad_clip_norm(self, value: float | None) -> None:
+        # Checked as the constructor checks it: set later, a value went to clip_grad_norm_
+        # unchecked (a NaN limit made every dense gradient NaN, a negative one reversed
+        # them: the step climbed the loss).
+        self._dense_grad_clip_norm = _check_clip_norm(value, self.model)
+
+    @property
+    def last_dense_grad_norm(self) -> float | None:
+        """The joint L2 norm of the dense gradients before clipping, at the last step that
+        clipped them (what ``clip_grad_norm_`` returned); None before the first. A mixed
+        precision step whose gradients overflowed reads inf or NaN (the GradScaler skipped
+        it). Read on demand: kept as a tensor, so steps wait on no device-to-host copy."""
+        norm = self._last_dense_grad_norm
+        return None if norm is None else float(norm)
 
     def __init__(
         self,
@@ -546,21 +611,9 @@ class TrainCtx(EmbeddingCtx):
             raise InvalidArgumentError(
                 f"embedding_staleness must be >= 1, got {embedding_staleness}"
             )
-        if isinstance(embedding_tier, InProcessEmbeddingTier):
-            buffered, where = embedding_tier.worker.forward_buffer_size, "the given tier"
-        else:
-            buffered = self.global_config.embedding_worker_config.forward_buffer_size
-            where = f"embedding_worker_config in {_global_config_source(global_config)}"
-        if embedding_staleness > buffered:
-            # Up to embedding_staleness batches are looked up before their gradients go
-            # back: the worker keeps only forward_buffer_size lookups' contexts, and the
-            # backward of one that expired failed the run, depending on timing.
-            raise InvalidArgumentError(
-                f"embedding_staleness {embedding_staleness} is above the embedding worker's "
-                f"forward_buffer_size {buffered} ({where}): lookups would expire before "
-                "their gradients come back; lower embedding_staleness or raise "
-                "forward_buffer_size"
-            )
+        self._check_forward_buffer(
+            embedding_staleness, embedding_tier, embedding_workers, global_config
+        )
         if backward_buffer_size < 1 or backward_workers_size < 1:
             raise InvalidArgumentError(
                 "backward_buffer_size and backward_workers_size must be >= 1"
@@ -574,7 +627,8 @@ class TrainCtx(EmbeddingCtx):
         )
         self.mixed_precision = mixed_precision and self.device.type == "cuda"
         self.finite_check_every = max(1, finite_check_every)
-        self.dense_grad_clip_norm = clip_norm
+        self._dense_grad_clip_norm = clip_norm  # checked above, before any connection
+        self._last_dense_grad_norm: torch.Tensor | None = None
         self.grad_scaler = torch.amp.GradScaler("cuda", enabled=self.mixed_precision)
         self._in_flight = threading.BoundedSemaphore(embedding_staleness)
         self._backward_queue: queue.Queue = queue.Queue(maxsize=backward_buffer_size)
@@ -592,6 +646,60 @@ class TrainCtx(EmbeddingCtx):
         self.nonfinite_dense_steps = 0
         self.distributed = False
 
+    def _check_forward_buffer(
+        self,
+        staleness: int,
+        tier: EmbeddingTier | None,
+        embedding_workers: Sequence[str] | None,
+        global_config: GlobalConfig | str | os.PathLike | None,
+    ) -> None:
+        """InvalidArgumentError unless the embedding worker keeps the forward contexts of
+        every lookup still waiting for its gradients: up to ``staleness`` per rank, times
+        the ranks that share the worker. Its buffer is one FIFO of ``forward_buffer_size``
+        contexts for all its callers, and the backward of one that expired failed the run,
+        depending on timing. The ranks sharing one are counted as :func:`make_embedding_tier`
+        spreads them (rank % number of addresses); a tier given here is checked for this
+        rank alone (who else holds it cannot be told), an in-process one is this rank's.
+
+        Checked here against the global config's ``embedding_worker_config`` (every rank
+        alike, before any connection), and on enter against the number a remote worker
+        reports (:meth:`_check_reported_forward_buffer`), which is the one that counts."""
+        self._ranks_sharing: dict[str, int] = {}
+        if isinstance(tier, InProcessEmbeddingTier):
+            buffered, where = tier.worker.forward_buffer_size, "the given tier"
+        else:
+            buffered = self.global_config.embedding_worker_config.forward_buffer_size
+            where = f"embedding_worker_config in {_global_config_source(global_config)}"
+            addresses = _worker_addresses(embedding_workers)[0] if tier is None else ()
+            if addresses:
+                self._ranks_sharing = _ranks_per_worker(addresses, distributed.world_size())
+        sharing, address = 1, ""
+        if self._ranks_sharing:  # the busiest worker (the first of them)
+            address = max(self._ranks_sharing, key=self._ranks_sharing.__getitem__)
+            sharing = self._ranks_sharing[address]
+        problem = _forward_buffer_problem(staleness, sharing, address, buffered, where)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+
+    def _check_reported_forward_buffer(self) -> None:
+        """:meth:`_check_forward_buffer` against the forward_buffer_size this rank's
+        embedding worker reports (its own config, which the trainer's global config need
+        not match), for the ranks that share it; nothing for a worker that predates the
+        report (0), the global config's number was checked."""
+        tier = cast(Any, self.embedding_tier)  # a RemoteEmbeddingWorker: status(partial=)
+        address = str(tier.address)
+        # partial: a shard away at the start fails this run's lookups that need it, not this.
+        reported = tier.status(partial=True).forward_buffer_size
+        if not reported:
+            return
+        sharing = self._ranks_sharing.get(address.strip(), 1)
+        where = f"as embedding worker {address} reports it"
+        problem = _forward_buffer_problem(
+            self.embedding_staleness, sharing, address, reported, where
+        )
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> TrainCtx:
         self.distributed = distributed.init_distributed(self.distributed_option, self.device)
@@ -603,6 +711,12 @@ class TrainCtx(EmbeddingCtx):
                 find_unused_parameters=self.distributed_option.find_unused_parameters,
             )
         super().__enter__()
+        if self._ranks_sharing:  # a worker this ctx connected to from its address
+            try:
+                self._check_reported_forward_buffer()
+            except BaseException:
+                EmbeddingCtx.__exit__(self)  # closes the tier it made
+                raise
         self.embedding_tier.configure(
             optimizer=self.embedding_optimizer, initialization=self.initialization
         )
@@ -847,9 +961,11 @@ class TrainCtx(EmbeddingCtx):
     def _clip_dense_gradients(self) -> None:
         """Scale the dense optimizer's gradients (unscaled, and under DDP already averaged
         over the ranks: every rank clips alike) down so that their joint L2 norm is at most
-        ``dense_grad_clip_norm``; nothing without it. The embedding gradients are not
-        clipped (see the class docstring)."""
-        if self.dense_grad_clip_norm is None:
+        ``dense_grad_clip_norm``; nothing without it. Their norm before clipping is kept
+        for :attr:`last_dense_grad_norm`. The embedding gradients are not clipped (see the
+        class docstring)."""
+        limit = self._dense_grad_clip_norm
+        if limit is None:
             return
         params = [
             p
@@ -857,7 +973,7 @@ class TrainCtx(EmbeddingCtx):
             for p in group["params"]
             if p.grad is not None
         ]
-        torch.nn.utils.clip_grad_norm_(params, self.dense_grad_clip_norm)
+        self._last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(params, limit).detach()
 
     def _backward_loop(self) -> None:
         while True:

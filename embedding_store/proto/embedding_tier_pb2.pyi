@@ -325,7 +325,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatusResponse(_message.Message):
-    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress", "shard_errors", "embedding_config_json")
+    __slots__ = ("shards", "shard_status", "pending_backward", "pending_gradient_batches", "nonfinite_rows_skipped", "task", "task_progress", "shard_errors", "embedding_config_json", "forward_buffer_size")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     PENDING_BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class WorkerStatusResponse(_message.Message):
     TASK_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_ERRORS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedScalarFieldContainer[str]
     shard_status: _containers.RepeatedCompositeFieldContainer[ShardStatusResponse]
     pending_backward: int
@@ -344,7 +345,8 @@ class WorkerStatusResponse(_message.Message):
     task_progress: float
     shard_errors: _containers.RepeatedScalarFieldContainer[str]
     embedding_config_json: str
-    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., shard_errors: _Optional[_Iterable[str]] = ..., embedding_config_json: _Optional[str] = ...) -> None: ...
+    forward_buffer_size: int
+    def __init__(self, shards: _Optional[_Iterable[str]] = ..., shard_status: _Optional[_Iterable[_Union[ShardStatusResponse, _Mapping]]] = ..., pending_backward: _Optional[int] = ..., pending_gradient_batches: _Optional[int] = ..., nonfinite_rows_skipped: _Optional[int] = ..., task: _Optional[str] = ..., task_progress: _Optional[float] = ..., shard_errors: _Optional[_Iterable[str]] = ..., embedding_config_json: _Optional[str] = ..., forward_buffer_size: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ()

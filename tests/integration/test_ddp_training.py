@@ -129,6 +129,7 @@ ONE_STEP_SCRIPT = textwrap.dedent(
         output, labels = ctx.forward(batch)
         ctx.backward(torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0]))
         torch.save(ctx.dense_model.state_dict(), out / f"after-clip-{rank}.pt")
+        (out / f"norm-{rank}.txt").write_text(repr(ctx.last_dense_grad_norm))
     distributed.shutdown_distributed()
     """
 )
@@ -416,6 +417,9 @@ def test_dense_parameters_are_identical_across_ranks_after_a_step(two_rank_run):
         assert torch.equal(clipped[0][name], clipped[1][name]), name
     moved = torch.cat([(clipped[0][n] - after[0][n]).reshape(-1) for n in after[0]])
     assert float(moved.norm()) == pytest.approx(0.5 * 0.001, rel=1e-4)
+    # The norm before clipping, of the same averaged gradients on both ranks.
+    norms = [float((out / f"norm-{r}.txt").read_text()) for r in range(2)]
+    assert norms[0] == norms[1] and norms[0] > 10 * 0.001
 
 
 def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together(two_rank_run):

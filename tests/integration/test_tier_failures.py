@@ -310,11 +310,14 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
     trained_checkpoint(tmp_path / "ckpt", embedding, 2, ADAGRAD)
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    # Inference shards without a checkpoint: reachable (the worker is SERVING), not serving.
+    # Inference shards without a checkpoint: reachable (the worker is SERVING), not serving
+    # (recserve.shards NOT_SERVING, as a server's recserve_embedding_tier_serving 0: their
+    # lookups fail).
     with LocalCluster(embedding, infer_config, num_shards=2, log_dir=tmp_path / "logs") as tier:
         worker = tier.worker_addresses[0]
         with RemoteEmbeddingWorker(worker, load_embedding_config(embedding)) as client:
             assert client.status().shard_serving == (False, False)
+            assert worker_health(worker) == (serving, serving, not_serving)
             status = run_cli("status", "--worker", worker)
             assert status.returncode == 0, status.stderr
             assert status.stdout.splitlines()[:2] == [
@@ -327,7 +330,10 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
             loaded_rows = client.status().rows_per_shard
             lines = run_cli("status", "--worker", worker).stdout.splitlines()
             assert [line.rsplit(", ", 1)[1] for line in lines[:2]] == [f"checkpoint {version}"] * 2
-            assert worker_health(worker) == (serving, serving, serving)
+            wait_until(
+                lambda: worker_health(worker) == (serving, serving, serving),
+                "the worker's next check found every shard serving",
+            )
 
             # A dead shard shows on recserve.shards; the worker stays ready (every worker
             # shares the shards: lookups for the others still work).
@@ -350,11 +356,14 @@ def test_worker_readiness_follows_its_shards_and_status_says_which_serve(config_
                 client.status()
             assert client.status(partial=True).shard_errors[0] == ""
             tier.restart_shard(1)  # back, but without its rows until a load
+            wait_until(lambda: not any(client.status(partial=True).shard_errors), "shard 1 answers")
+            assert client.status().shard_serving == (True, False)
+            assert worker_health(worker) == (serving, serving, not_serving)
+            client.load(tmp_path / "ckpt")
             wait_until(
                 lambda: worker_health(worker) == (serving, serving, serving),
-                "the worker reaches every shard again",
+                "the worker finds every shard serving again",
             )
-            assert client.status().shard_serving == (True, False)
 
 
 def test_training_rides_out_a_shard_restarted_from_its_checkpoint(config_files, tmp_path, caplog):

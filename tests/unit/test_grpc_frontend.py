@@ -520,7 +520,7 @@ def test_calls_beyond_maximum_concurrent_rpcs_are_resource_exhausted() -> None:
 
 def test_liveness_readiness_and_health_answer_while_every_rpc_thread_waits() -> None:
     """The RPC pool's threads all wait for predictions (a slow embedding tier): liveness,
-    readiness and health checks answer at once from threads of their own. They queued
+    readiness, metadata and health checks answer at once from threads of their own. They queued
     behind the predictions (ServerLive took 4.3 s with 12 calls waiting on a hung shard),
     and probes with second-long timeouts failed."""
     core = _BlockingCore()
@@ -534,6 +534,11 @@ def test_liveness_readiness_and_health_answer_while_every_rpc_thread_waits() -> 
             assert stub.ServerLive(V2.ServerLiveRequest(), timeout=2).live
             assert stub.ServerReady(V2.ServerReadyRequest(), timeout=2).ready
             assert stub.ModelReady(V2.ModelReadyRequest(name="tiny"), timeout=2).ready
+            # Metadata, read from memory, too (a client such as tritonclient asks first).
+            server_metadata = stub.ServerMetadata(V2.ServerMetadataRequest(), timeout=2)
+            assert server_metadata.name == "recserve-fake"
+            metadata = stub.ModelMetadata(V2.ModelMetadataRequest(name="tiny"), timeout=2)
+            assert (metadata.name, list(metadata.versions)) == ("tiny", ["1"])
             checks = health_pb2_grpc.HealthStub(channel)
             for service in ("", SERVICE_NAME):
                 answer = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)

@@ -1055,3 +1055,28 @@ def test_model_readiness_answers_while_the_thread_pool_is_full() -> None:
         assert (status, orjson.loads(body)) == (
             (200, {"name": "tiny", "ready": True}) if "tiny" in path else (200, {"ready": True})
         )
+
+
+def test_server_and_model_metadata_answer_while_the_thread_pool_is_full() -> None:
+    """Server and model metadata ran in the thread pool, behind requests waiting there for
+    their answers (8.5 s with 45 friendly requests on a hung shard): a client asking for
+    them first (tritonclient) waited as long. They answer from the event loop, unknown
+    models too."""
+    from serving.http_encode import model_metadata_json
+    from tests.unit.fake_core import METADATA
+    from tests.unit.test_serve_lifecycle import asgi_get_while_the_thread_pool_is_full
+
+    app = create_app(FakeCore())
+    server = {"name": "recserve-fake", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+    model = orjson.loads(orjson.dumps(model_metadata_json(METADATA)))
+    assert model["name"] == "tiny" and model["versions"] == ["1"]
+    expected = {
+        "/v2": (200, server),
+        "/v2/models/tiny": (200, model),
+        "/v2/models/tiny/versions/1": (200, model),
+        "/v2/models/nope": (404, {"error": "unknown model 'nope'; this server serves 'tiny'"}),
+        "/v2/models/tiny/versions/9": (404, {"error": "model 'tiny' has no version '9'"}),
+    }
+    for path, answer in expected.items():
+        status, body = asgi_get_while_the_thread_pool_is_full(app, path)
+        assert (status, orjson.loads(body)) == answer, path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,10 +27,11 @@ from embedding_store.errors import (
     InvalidArgumentError,
 )
 from embedding_store.optimizers import SGD, Adam
-from embedding_store.tier import InProcessEmbeddingTier
+from embedding_store.tier import InProcessEmbeddingTier, TierStatus
 from embedding_store.worker import BackwardStats
 from training import checkpoint as training_checkpoint
 from training.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, eval_ctx
+from training.env import EMBEDDING_WORKERS_ENV
 
 CONFIG = embedding_config_from_mapping(
     {"slots_config": {"user": {"dim": 4}, "item": {"dim": 4, "sqrt_scaling": True}}}
@@ -289,6 +291,120 @@ def test_a_staleness_above_the_workers_forward_buffer_is_refused():
     with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
         train_steps(ctx, 4)
         assert ctx.step == 4
+
+
+def _sharing_refusal(staleness: int, ranks: int, address: str) -> str:
+    return (
+        f"embedding_staleness {staleness} x {ranks} ranks sharing embedding worker {address} "
+        f"= {staleness * ranks} lookups waiting for their gradients, above its "
+        "forward_buffer_size 10 (embedding_worker_config in global_config (a GlobalConfig "
+        "object)), one buffer for all its ranks: lookups would expire before their gradients "
+        "come back; lower embedding_staleness, raise forward_buffer_size or give more "
+        "embedding workers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "workers", "staleness", "refusal"),
+    [
+        # Two ranks on one worker (`recserve train --nproc-per-node 2 --embedding-workers
+        # w:7201`): 2 x 6 contexts in its one buffer of 10.
+        (2, ["w:7201"], 6, (2, "w:7201")),
+        (2, ["w:7201"], 5, None),  # 2 x 5 = 10: as many as it keeps
+        (1, ["w:7201"], 10, None),
+        # Rank r talks to workers[r % 2]: ranks 0 and 2 share a:1, rank 1 has b:1.
+        (3, ["a:1", "b:1"], 6, (2, "a:1")),
+        (4, ["a:1", "b:1"], 5, None),
+        (5, ["a:1", "b:1"], 4, (3, "a:1")),
+        # One worker listed twice is one buffer.
+        (2, ["a:1", " a:1"], 6, (2, "a:1")),
+    ],
+)
+def test_a_staleness_times_the_ranks_sharing_a_worker_above_its_buffer_is_refused(
+    monkeypatch, world, workers, staleness, refusal
+):
+    """The worker keeps one buffer of forward_buffer_size contexts for every rank that
+    looks up through it: each rank may have embedding_staleness lookups waiting for their
+    gradients, so the ranks sharing it together expired each other's contexts (their
+    backward failed, "no forward context"), though each was within the buffer alone."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    ten = global_config_from_mapping({"embedding_worker_config": {"forward_buffer_size": 10}})
+    options = {"embedding_staleness": staleness, "global_config": ten}
+    if refusal is None:
+        assert sgd_ctx(embedding_workers=workers, **options).embedding_staleness == staleness
+        return
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(embedding_workers=workers, **options)
+    assert refused.value.message == _sharing_refusal(staleness, *refusal)
+    # The addresses of RECSERVE_EMBEDDING_WORKERS count alike.
+    monkeypatch.setenv(EMBEDDING_WORKERS_ENV, ",".join(workers))
+    with pytest.raises(InvalidArgumentError) as refused:
+        sgd_ctx(**options)
+    assert refused.value.message == _sharing_refusal(staleness, *refusal)
+
+
+class ReportingTier(InProcessEmbeddingTier):
+    """An in-process tier standing for the remote worker at ``address`` that reports
+    keeping ``reported`` forward contexts (its own config's forward_buffer_size)."""
+
+    def __init__(self, address: str, reported: int) -> None:
+        super().__init__(CONFIG, capacity=10_000)
+        self.address, self.reported, self.closed = address, reported, False
+
+    def status(self, partial: bool = False) -> TierStatus:
+        assert partial  # a shard away at the start must not fail the check
+        return dataclasses.replace(super().status(), forward_buffer_size=self.reported)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+@pytest.mark.parametrize(
+    ("address", "reported", "refused"),
+    [
+        ("a:1", 10, True),  # ranks 0 and 2 share a:1: 2 x 6 > 10
+        ("b:1", 10, False),  # rank 1 has b:1 alone
+        ("a:1", 12, False),
+        ("a:1", 0, False),  # a worker that predates the report: the global config's counts
+    ],
+)
+def test_a_workers_own_forward_buffer_size_is_checked_on_enter(
+    monkeypatch, address, reported, refused
+):
+    """The trainer's global config need not be the worker's (`recserve train` without
+    --global-config reads the defaults, 1000): on enter, the number the worker reports is
+    checked too, for the ranks that share it."""
+    import training.ctx as ctx_module
+    from training import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(distributed, "init_distributed", lambda *args: False)
+    tier = ReportingTier(address, reported)
+    monkeypatch.setattr(ctx_module, "make_embedding_tier", lambda *args, **kwargs: tier)
+    ctx = sgd_ctx(embedding_staleness=6, embedding_workers=["a:1", "b:1"])  # buffer 1000
+    if not refused:
+        with ctx:
+            train_steps(ctx, 1)
+        return
+    with pytest.raises(InvalidArgumentError) as refusal:
+        ctx.__enter__()
+    assert refusal.value.message == (
+        "embedding_staleness 6 x 2 ranks sharing embedding worker a:1 = 12 lookups waiting "
+        "for their gradients, above its forward_buffer_size 10 (as embedding worker a:1 "
+        "reports it), one buffer for all its ranks: lookups would expire before their "
+        "gradients come back; lower embedding_staleness, raise forward_buffer_size or give "
+        "more embedding workers"
+    )
+    assert tier.closed
+
+
+def test_a_given_tier_is_checked_for_its_rank_alone(monkeypatch):
+    """Who else holds a tier given to TrainCtx cannot be told: an in-process one is this
+    process's own, whatever WORLD_SIZE says."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=6)
+    assert sgd_ctx(embedding_staleness=6, embedding_tier=tier).embedding_staleness == 6
 
 
 def test_a_loss_over_two_forwards_is_refused_and_applies_nothing():
@@ -1740,7 +1856,10 @@ def test_dense_gradients_are_clipped_before_the_step_and_the_embedding_gradients
         loss = _bce(output, labels)
         clipped, norm = _clipped_by_hand(loss, params, limit)
         assert norm > 10 * limit  # so the limit is what the step shows
+        assert ctx.last_dense_grad_norm is None  # no step clipped yet
         ctx.backward(loss)
+        # The norm before clipping, kept to log (clip_grad_norm_ returns it).
+        assert ctx.last_dense_grad_norm == norm
         # SGD, lr 1: each parameter moved by exactly its clipped gradient.
         for param, old, grad in zip(params, before, clipped):
             assert torch.equal(param.detach(), old - grad)
@@ -1749,6 +1868,7 @@ def test_dense_gradients_are_clipped_before_the_step_and_the_embedding_gradients
         # The embedding rows moved as in a run that clips nothing (same weights, same batch).
         output, labels = plain.forward(batch)
         plain.backward(_bce(output, labels))
+        assert plain.last_dense_grad_norm is None  # it clips nothing
         ours = ctx.embedding_tier.lookup(batch, train=False)
         theirs = plain.embedding_tier.lookup(batch, train=False)
         for x, y in zip(ours.slots, theirs.slots):
@@ -1779,6 +1899,7 @@ def test_with_mixed_precision_the_unscaled_dense_gradients_are_clipped():
         assert norm > 10 * limit
         ctx.backward(loss)
         assert ctx.grad_scaler.get_scale() == 1024.0  # no overflow: the step was taken
+        assert ctx.last_dense_grad_norm == pytest.approx(norm, rel=1e-6)  # unscaled
         for param, old, grad in zip(params, before, clipped):
             torch.testing.assert_close(param.detach(), old - grad, rtol=1e-6, atol=1e-7)
 
@@ -1791,6 +1912,46 @@ def test_an_invalid_dense_grad_clip_norm_is_refused_by_name(value):
         "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of the "
         f"dense gradients) or None for no clipping, got {value!r}"
     )
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "1.0"])
+def test_a_clip_norm_set_after_construction_is_checked_as_the_constructors(value):
+    """Set between steps, a value went to clip_grad_norm_ unchecked: a NaN made every
+    dense gradient NaN, a negative one reversed them."""
+    with _clip_ctx(1.0) as ctx:
+        with pytest.raises(InvalidArgumentError) as caught:
+            ctx.dense_grad_clip_norm = value
+        assert caught.value.message == (
+            "dense_grad_clip_norm must be a positive finite number (the largest L2 norm of "
+            f"the dense gradients) or None for no clipping, got {value!r}"
+        )
+        assert ctx.dense_grad_clip_norm == 1.0  # unchanged
+        ctx.dense_grad_clip_norm = 2  # an int, as the constructor takes it
+        assert (ctx.dense_grad_clip_norm, type(ctx.dense_grad_clip_norm)) == (2.0, float)
+        ctx.dense_grad_clip_norm = None
+        assert ctx.dense_grad_clip_norm is None
+
+
+def test_a_clip_norm_set_between_steps_applies_and_the_last_norm_is_read_only():
+    limit = 0.01
+    with _clip_ctx(None) as ctx:
+        train_steps(ctx, 1)
+        assert ctx.last_dense_grad_norm is None
+        ctx.dense_grad_clip_norm = limit
+        params = list(ctx.dense_model.parameters())
+        before = [p.detach().clone() for p in params]
+        output, labels = ctx.forward(make_batch(1))
+        loss = _bce(output, labels)
+        _, norm = _clipped_by_hand(loss, params, limit)
+        ctx.backward(loss)
+        assert ctx.last_dense_grad_norm == norm and norm > 10 * limit
+        moved = torch.cat([(old - p.detach()).reshape(-1) for p, old in zip(params, before)])
+        assert float(moved.norm()) == pytest.approx(limit, rel=1e-5)
+        ctx.dense_grad_clip_norm = None  # off again: the last clipped step's norm stays
+        train_steps(ctx, 1)
+        assert ctx.last_dense_grad_norm == norm
+        with pytest.raises(AttributeError):
+            ctx.last_dense_grad_norm = 1.0  # type: ignore[misc]
 
 
 def test_clipping_a_model_with_sparse_embedding_gradients_is_refused():

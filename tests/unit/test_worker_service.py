@@ -16,12 +16,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -437,6 +438,29 @@ def test_partial_status_reports_a_silent_shard_in_its_place(make_tier):
     assert status.shard_tasks == ("", "", "")
 
 
+def test_status_carries_the_workers_forward_buffer_size_to_its_clients(make_tier):
+    """A trainer checks its embedding_staleness x the ranks sharing the worker against the
+    number of forward contexts the worker keeps (TrainCtx): its own config's, reported in
+    Status, not the trainer's copy of it; 0 from a worker that predates the field."""
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    tier, _ = make_tier(forward_buffer_size=12)
+    answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), FakeContext())
+    assert answer.forward_buffer_size == 12
+
+    class Stub:
+        response = answer
+
+        def Status(self, request, timeout=None):
+            return self.response
+
+    with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
+        client._stub = stub = Stub()
+        assert client.status(partial=True).forward_buffer_size == 12
+        stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
+        assert client.status().forward_buffer_size == 0
+
+
 def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
     """Servers check the config a worker routes and pools IDs by against their checkpoint's
     (serving.model.worker_config_mismatch): it travels in Status, parsed once per text."""
@@ -841,33 +865,88 @@ def test_reshard_load_fits_a_shard_of_exactly_its_rows(make_tier, tmp_path):
     np.testing.assert_array_equal(got, expected)
 
 
-def test_the_shard_watcher_logs_each_new_reason_a_shard_is_away(monkeypatch, caplog):
-    """A shard refused, then back but loading, then serving: three lines. A new reason while
-    already away used to go unlogged (only reachable <-> unreachable changes were)."""
-    refused = "parameter server a:7000 (shard 1 of 2) is unavailable: Connection refused"
-    loading = "this inference parameter server is still loading its checkpoint"
-    outcomes: list[str | None] = [refused, refused, loading, loading, None, None]
+def _shard_status(index: int, *, serving: bool, task: str = "") -> ShardStatus:
+    return ShardStatus(
+        replica_index=index, replica_size=2, rows=0, capacity=8, read_only=True,
+        job_type="infer", optimizer_json="", serving=serving, lookups=0, ids_looked_up=0,
+        misses=0, evictions=0, task=task, task_progress=0.0,
+    )  # fmt: skip
+
+
+def _watch(
+    outcomes: list, caplog, monkeypatch, *, serving_at_start: bool = True, waiting=None
+) -> list[int]:
+    """Run the worker's shard watcher over ``outcomes`` (one per check: an error message
+    its verify_shards raises, or the statuses it returns); the ``recserve.shards`` health
+    status before each check and after the last."""
     stop = threading.Event()
+    health_servicer = health.HealthServicer()
+    seen: list[int] = []
+
+    def shards_health() -> int:
+        request = health_pb2.HealthCheckRequest(service=worker_service.SHARDS_SERVICE)
+        return health_servicer.Check(request, None).status
 
     class Tier:
-        def verify_shards(self, *, timeout: float) -> None:
+        clients = [SimpleNamespace(address="a:7000"), SimpleNamespace(address="a:7001")]
+
+        def verify_shards(self, *, timeout: float) -> list[ShardStatus]:
+            seen.append(shards_health())
             outcome = outcomes.pop(0)
             if not outcomes:
                 stop.set()
-            if outcome is not None:
+            if isinstance(outcome, str):
                 raise UnavailableError(outcome)
+            return outcome
 
     monkeypatch.setattr(worker_service, "SHARD_CHECK_INTERVAL_SECONDS", 0.001)
     caplog.set_level(logging.INFO, logger="embedding_store.worker_service")
-    health_servicer = health.HealthServicer()
     readiness = worker_service._Readiness(health_servicer)
-    readiness.start()
-    worker_service._watch_shards(Tier(), readiness, stop, timeout=1.0)  # type: ignore[arg-type]
-
+    readiness.start(**({} if serving_at_start else {"shards_serving": False}))
+    more = () if waiting is None else (waiting,)
+    worker_service._watch_shards(Tier(), readiness, stop, 1.0, *more)  # type: ignore[arg-type]
     assert outcomes == []
+    return [*seen, shards_health()]
+
+
+def test_the_shard_watcher_logs_each_new_reason_a_shard_is_away(monkeypatch, caplog):
+    """A shard refused, then back but loading, then serving: three lines, and
+    ``recserve.shards`` NOT_SERVING until it serves. A new reason while already away used to
+    go unlogged (only reachable <-> unreachable changes were), and a shard that answered
+    while it loaded counted as serving (its lookups fail: a server's
+    recserve_embedding_tier_serving read 0 meanwhile)."""
+    refused = "parameter server a:7001 (shard 1 of 2) is unavailable: Connection refused"
+    loading = [_shard_status(0, serving=True), _shard_status(1, serving=False, task="loading")]
+    serving = [_shard_status(0, serving=True), _shard_status(1, serving=True)]
+    outcomes = [refused, refused, loading, loading, serving, serving]
+    seen = _watch(outcomes, caplog, monkeypatch)
+
+    SERVING, NOT_SERVING = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    assert seen == [SERVING, NOT_SERVING, NOT_SERVING, NOT_SERVING, NOT_SERVING, SERVING, SERVING]
     away = "a shard is away (lookups that need it fail until it is back): "
+    cannot = "a shard answers but cannot serve (lookups that need it fail until it does): "
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", away + refused),
-        ("WARNING", away + loading),
-        ("INFO", "embedding worker reaches every shard again"),
+        ("WARNING", cannot + "shard 1 (a:7001) cannot serve yet (loading)"),
+        ("INFO", "embedding worker reaches every shard, and each serves, again"),
+    ]
+
+
+def test_the_shard_watcher_starts_from_what_the_start_up_check_found(monkeypatch, caplog):
+    """Shards that answered the start-up check but did not serve yet (unconfigured training
+    shards): ``recserve.shards`` is NOT_SERVING from the start, their reason (logged at the
+    start) is not logged again, and their serving is."""
+    unconfigured = [_shard_status(i, serving=False) for i in range(2)]
+    waiting = "shard 0 (a:7000) cannot serve yet; shard 1 (a:7001) cannot serve yet"
+    serving = [_shard_status(i, serving=True) for i in range(2)]
+    outcomes = [unconfigured, serving, serving]
+    seen = _watch(outcomes, caplog, monkeypatch, serving_at_start=False, waiting=waiting)
+    NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+    SERVING = health_pb2.HealthCheckResponse.SERVING
+    assert seen == [NOT_SERVING, NOT_SERVING, SERVING, SERVING]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "embedding worker reaches every shard, and each serves, again"),
     ]
