@@ -43,7 +43,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,9 @@ try:  # gRPC's own threads must cooperate with locust's gevent loop
 except (ImportError, AttributeError):  # pragma: no cover - depends on the grpcio build
     pass
 
+from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
+from clients.types import PredictResult
+from embedding_store.errors import RecserveError
 from load_tests import traffic
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
@@ -218,15 +221,43 @@ def _write_final_stats(exit_code: int, **_kwargs: Any) -> None:
     os.replace(temporary, path)  # whole or absent: run.py treats absent as "locust failed"
 
 
-def _check(response: ResponseContextManager, what: str) -> None:
+def _check(
+    response: ResponseContextManager,
+    what: str,
+    batch_size: int | None = None,
+    decode: Callable[[ResponseContextManager], PredictResult] | None = None,
+) -> None:
+    """Count ``response`` as a success only when it is a 200 and, given ``decode`` (the
+    answer's parser), its answer decodes into one finite prediction per row of the
+    ``batch_size`` rows sent; else as a failure naming ``what`` and the problem."""
     if response.status_code != 200:
         # locust sets .error only for what it counts as failed (not a 204 or a 3xx it did
         # not follow, which a proxy in front of the server may send)
         error = getattr(response, "error", None)
         text = (response.text or "")[:200] if response.content else str(error or "empty body")
         response.failure(f"{what}: HTTP {response.status_code}: {text}")
-    else:
-        response.success()
+        return
+    if decode is not None and batch_size is not None:
+        try:
+            problem = traffic.answer_problem(decode(response).predictions, batch_size)
+        except RecserveError as error:  # the decoders' word for a malformed answer
+            problem = str(error)[:200]
+        if problem:
+            response.failure(f"{what}: HTTP 200 with a wrong answer: {problem}")
+            return
+    response.success()
+
+
+def _kserve_answer(response: ResponseContextManager) -> PredictResult:
+    """A KServe v2 REST answer: JSON, or JSON + binary outputs (the header's length in the
+    ``Inference-Header-Content-Length`` response header)."""
+    length = response.headers.get(HEADER_LENGTH) if response.headers is not None else None
+    return decode_http_infer(response.content or b"", None if length is None else str(length))
+
+
+def _rows_answer(response: ResponseContextManager) -> PredictResult:
+    """The friendly route's ``{"predictions": [[p], ...], ...}``."""
+    return decode_rows_response(response.content or b"")
 
 
 class _InferUser(FastHttpUser):
@@ -243,6 +274,10 @@ class _InferUser(FastHttpUser):
     def headers(self, payload: traffic.Payload) -> dict[str, str]:
         return {"Content-Type": self.content_type}
 
+    def answer(self, response: ResponseContextManager) -> PredictResult:
+        """The decoded answer (its predictions are checked against the rows sent)."""
+        return _kserve_answer(response)
+
     @task
     def infer(self) -> None:
         payload = self.pool.pick()
@@ -254,7 +289,7 @@ class _InferUser(FastHttpUser):
             name=f"{self.label} b{payload.batch_size}",
             catch_response=True,
         ) as response:
-            _check(response, self.label)
+            _check(response, self.label, payload.batch_size, self.answer)
 
 
 class KServeJsonUser(_InferUser):
@@ -287,6 +322,9 @@ class FriendlyJsonUser(_InferUser):
     kind = "friendly"
     label = "v1-predict"
     path = f"/v1/models/{MODEL}:predict"
+
+    def answer(self, response: ResponseContextManager) -> PredictResult:
+        return _rows_answer(response)
 
 
 class TorchServeJsonUser(_InferUser):
@@ -332,8 +370,6 @@ class GrpcUser(User):
 
     @task
     def infer(self) -> None:
-        from embedding_store.errors import RecserveError
-
         payload = self.pool.pick()
         arrays = payload.arrays
         if arrays is None:
@@ -343,6 +379,9 @@ class GrpcUser(User):
         try:
             result = self.client.infer(arrays)
             length = result.predictions.nbytes
+            problem = traffic.answer_problem(result.predictions, payload.batch_size)
+            if problem:  # answered, but not what was asked: a failed request
+                exception = RecserveError(f"wrong answer: {problem}")
         except RecserveError as error:
             exception = error
         self.environment.events.request.fire(

@@ -1032,6 +1032,137 @@ def test_a_non_200_answer_without_a_body_counts_as_a_failure():
     assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
 
 
+_WRONG_ANSWERS = """
+from gevent import monkey
+
+monkey.patch_all()
+import http.server, json, struct, threading
+from locust.contrib.fasthttp import FastHttpSession
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+
+def v2(rows, data=None):
+    data = [0.5] * rows if data is None else data
+    return json.dumps({"model_name": "m", "model_version": "1", "outputs": [
+        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1], "data": data}]}).encode()
+
+
+def binary(rows, cut=0):
+    head = json.dumps({"model_name": "m", "outputs": [{"name": "prediction", "datatype": "FP32",
+        "shape": [rows, 1], "parameters": {"binary_data_size": 4 * rows}}]}).encode()
+    return head + struct.pack(f"<{rows}f", *[0.25] * rows)[: 4 * rows - cut], len(head)
+
+
+ANSWERS = {  # path -> (body, Inference-Header-Content-Length or None)
+    "/v2/ok": (v2(2), None),
+    "/v2/short": (v2(1), None),
+    "/v2/nan": (v2(2, [0.5, None]), None),  # how orjson (the server's) writes a NaN
+    "/v2/empty": (b"", None),
+    "/v2/no-outputs": (b'{"model_name": "m", "outputs": []}', None),
+    "/bin/ok": binary(2),
+    "/bin/cut": binary(2, cut=3),
+    "/v1/ok": (b'{"predictions": [[0.5], [0.5]]}', None),
+    "/v1/none": (b'{"predictions": []}', None),
+}
+
+
+class Canned(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body, header_length = ANSWERS[self.path]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        if header_length is not None:
+            self.send_header("Inference-Header-Content-Length", str(header_length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = http.server.HTTPServer(("127.0.0.1", 0), Canned)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+env = Environment()
+seen = []
+env.events.request.add_listener(
+    lambda name, exception=None, **_: seen.append([name, exception and str(exception)])
+)
+session = FastHttpSession(
+    base_url=f"http://127.0.0.1:{server.server_port}", request_event=env.events.request, user=None
+)
+users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser}
+for path in ANSWERS:
+    user = users["/" + path.split("/")[1]]
+    with session.post(path, data=b"{}", name=path, catch_response=True) as response:
+        lf._check(response, user.label, 2, lambda r: user.answer(user, r))
+
+# The gRPC user: its client decodes the answer, the user checks the rows.
+import numpy as np
+from types import SimpleNamespace
+from load_tests import traffic
+
+grpc_user = lf.GrpcUser(env)
+payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)})
+grpc_user.pool = SimpleNamespace(pick=lambda: payload)
+for rows in ([[0.5], [0.5], [0.5]], [[0.5], [0.5]]):
+    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32))
+    grpc_user.client = SimpleNamespace(infer=lambda arrays, answer=answer: answer)
+    grpc_user.infer()
+print(json.dumps(seen))
+server.shutdown()
+"""
+
+
+def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
+    """The users counted every 200 as a success: an empty body, a missing row or a NaN passed
+    as a fast request. Each answer is now decoded (JSON, binary outputs by the response's
+    Inference-Header-Content-Length, the friendly route's predictions; gRPC's by the client)
+    and must hold one finite prediction per row sent."""
+    seen = last_json_line(run_python(_WRONG_ANSWERS))
+    assert seen[-2:] == [
+        ["v2-grpc b3", None],
+        ["v2-grpc b3", "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"],
+    ]
+    assert dict(seen[:-2]) == {
+        "/v2/ok": None,
+        "/v2/short": "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape [1, 1]) "
+        "for a request of 2 rows",
+        "/v2/nan": "v2-json: HTTP 200 with a wrong answer: 1 of 2 predictions are not finite",
+        "/v2/empty": "v2-json: HTTP 200 with a wrong answer: the server's answer is not valid "
+        "JSON: Input is a zero-length, empty document: line 1 column 1 (char 0)",
+        "/v2/no-outputs": "v2-json: HTTP 200 with a wrong answer: the server answered without "
+        "outputs",
+        "/bin/ok": None,
+        "/bin/cut": "v2-binary: HTTP 200 with a wrong answer: output 'prediction': 5 bytes do "
+        "not hold a FP32 tensor of shape [2, 1]",
+        "/v1/ok": None,
+        "/v1/none": "v1-predict: HTTP 200 with a wrong answer: 0 prediction rows (shape [0, 1]) "
+        "for a request of 2 rows",
+    }
+
+
+def test_non_finite_or_missing_predictions_are_a_wrong_answer():
+    """What every user checks, the gRPC one too (its answers are decoded by the client)."""
+
+    def result(*values: float) -> np.ndarray:
+        return np.asarray(values, dtype=np.float32).reshape(-1, 1)
+
+    from load_tests import traffic
+
+    assert traffic.answer_problem(result(0.1, 0.9), 2) is None
+    assert traffic.answer_problem(result(0.1), 2) == (
+        "1 prediction rows (shape [1, 1]) for a request of 2 rows"
+    )
+    assert traffic.answer_problem(result(0.1, float("nan"), float("inf")), 3) == (
+        "2 of 3 predictions are not finite"
+    )
+    assert traffic.answer_problem(result(), 1) == (
+        "0 prediction rows (shape [0, 1]) for a request of 1 rows"
+    )
+
+
 _NO_HOST = """
 from load_tests import locustfile as lf
 
