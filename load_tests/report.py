@@ -126,6 +126,9 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
         f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
+        "- req/s: requests over the time from the start of the load to its last request; "
+        "percentiles from locust's histogram of the response times, kept to "
+        f"{result.get('latency_resolution') or 'an unknown resolution'}",
         "",
         "| request | requests | failures | req/s | p50 ms | p95 ms | p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|",

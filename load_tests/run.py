@@ -460,6 +460,8 @@ def _run(args: argparse.Namespace) -> int:
             "locust_command": " ".join(run.command()),
             "locust_exit_code": locust.returncode,
             "stats": stats,
+            # how finely locust's histogram, whence every percentile, kept the response times
+            "latency_resolution": final.get("latency_resolution") if final is not None else None,
             "soak": soak,
             "passed": not problems,
             "verdict": verdict_text(problems, soak=soak is not None),
