@@ -811,6 +811,47 @@ def test_the_documented_list_length_mean_is_the_real_one():
     assert "mean of 2.06" in traffic.__doc__
 
 
+def test_a_generated_sample_follows_the_configured_traffic_model():
+    """Measured on what is sent, not on the sampler's tables: 200k draws of a fixed seed.
+    Each share lies within 5 binomial standard deviations of the configured one; the Zipf
+    exponent is the slope of log(count) over log(rank) of the 20 hottest IDs."""
+    from load_tests import traffic
+
+    def within(measured: float, expected: float, n: int) -> bool:
+        return abs(measured - expected) <= 5 * (expected * (1 - expected) / n) ** 0.5
+
+    inputs = traffic.ModelInputs.from_metadata(_ONE_SLOT)
+    vocab = {"item": np.arange(5000, 6000, dtype=np.uint64)}
+    profile = traffic.TrafficProfile(zipf_exponent=1.3, unknown_share=0.05, seed=11)
+    generator = traffic.TrafficGenerator(inputs, profile, vocab, stream=(0, 0))
+    n = 200_000
+    arrays = generator.arrays(n)
+    items = arrays["item"]
+    unknown = items >= traffic.UNKNOWN_LOW
+    assert within(float(unknown.mean()), 0.05, n)
+    rank_of = {int(v): r for r, v in enumerate(generator._ids["item"])}
+    counts = np.bincount([rank_of[int(v)] for v in items[~unknown]], minlength=1000)
+    harmonic = float(np.sum(1.0 / np.arange(1, 1001) ** 1.3))
+    assert within(counts[0] / counts.sum(), 1 / harmonic, int(counts.sum()))
+    slope = np.polyfit(np.log(np.arange(1, 21)), np.log(counts[:20]), 1)[0]
+    assert abs(slope + 1.3) < 0.03, slope
+    lengths = arrays["history.lengths"]
+    expected = np.exp(-np.arange(9) / 3.0) / np.exp(-np.arange(9) / 3.0).sum()
+    measured = np.bincount(lengths, minlength=9) / n
+    assert lengths.max() == 8
+    assert all(within(float(m), float(e), n) for m, e in zip(measured, expected)), measured
+    history = arrays["history"]
+    assert within(float((history >= traffic.UNKNOWN_LOW).mean()), 0.05, len(history))
+    pool = traffic.PayloadPool(
+        traffic.TrafficGenerator(inputs, traffic.TrafficProfile(seed=11), vocab, stream=(1, 0)),
+        "grpc",
+        per_size=2,
+    )
+    sizes = np.asarray([pool.pick().batch_size for _ in range(20_000)])
+    for size, share in ((1, 0.6), (8, 0.3), (64, 0.1)):
+        assert within(float((sizes == size).mean()), share, 20_000), (size, sizes)
+
+
 @pytest.mark.parametrize(
     ("text", "mix"),
     [
