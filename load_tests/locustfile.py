@@ -29,6 +29,9 @@ Settings (environment):
   the last worker report: locust's ``--csv`` stats file is rewritten only once a second and
   not at shutdown, so it misses the last second's requests and failures;
 * ``RECSERVE_LT_WAIT``: seconds each user waits between requests (default 0: closed loop);
+* ``RECSERVE_LT_CHECK_ANSWERS``: 1 (default) counts a request as a success only when its
+  answer holds one finite prediction per row sent; 0 checks the status alone (for
+  benchmarks/peers.py's no-work ceiling server, whose fixed answer has one prediction);
 * ``RECSERVE_LT_METADATA_FILE`` / ``RECSERVE_LT_METADATA_URL``: the model metadata JSON (a
   file, or a recserve base URL) when ``--host`` is not a recserve server (TorchServe);
 * ``RECSERVE_LT_TS_MODEL``: TorchServe model name (default: ``RECSERVE_LT_MODEL``).
@@ -73,6 +76,11 @@ MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
 POOL_PER_SIZE = (
     traffic.env_number("RECSERVE_LT_POOL", 0, int, lambda n: n >= 0, "an integer >= 0") or None
+)
+#: 0: count any 200 as a success without reading the answer (benchmarks/peers.py's no-work
+#: ceiling server answers one fixed prediction to every request, by design).
+CHECK_ANSWERS = bool(
+    traffic.env_number("RECSERVE_LT_CHECK_ANSWERS", 1, int, lambda n: n in (0, 1), "0 or 1")
 )
 
 
@@ -315,7 +323,7 @@ class _InferUser(FastHttpUser):
             name=f"{self.label} b{payload.batch_size}",
             catch_response=True,
         ) as response:
-            _check(response, self.label, payload.batch_size, self.answer)
+            _check(response, self.label, payload.batch_size, self.answer if CHECK_ANSWERS else None)
 
 
 class KServeJsonUser(_InferUser):
@@ -405,7 +413,11 @@ class GrpcUser(User):
         try:
             result = self.client.infer(arrays)
             length = result.predictions.nbytes
-            problem = traffic.answer_problem(result.predictions, payload.batch_size)
+            problem = (
+                traffic.answer_problem(result.predictions, payload.batch_size)
+                if CHECK_ANSWERS
+                else None
+            )
             if problem:  # answered, but not what was asked: a failed request
                 exception = RecserveError(f"wrong answer: {problem}")
         except RecserveError as error:

@@ -1111,7 +1111,7 @@ ANSWERS = {  # path -> (body, Inference-Header-Content-Length or None)
 class Canned(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body, header_length = ANSWERS[self.path]
+        body, header_length = ANSWERS.get(self.path) or ANSWERS[CURRENT[0]]
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         if header_length is not None:
@@ -1123,6 +1123,7 @@ class Canned(http.server.BaseHTTPRequestHandler):
         pass
 
 
+CURRENT = ["/v2/short"]  # what any other path gets
 server = http.server.HTTPServer(("127.0.0.1", 0), Canned)
 threading.Thread(target=server.serve_forever, daemon=True).start()
 env = Environment()
@@ -1151,6 +1152,16 @@ for rows in ([[0.5], [0.5], [0.5]], [[0.5], [0.5]]):
     answer = SimpleNamespace(predictions=np.asarray(rows, np.float32))
     grpc_user.client = SimpleNamespace(infer=lambda arrays, answer=answer: answer)
     grpc_user.infer()
+
+# A whole task of an HTTP user, with RECSERVE_LT_CHECK_ANSWERS on, then off (peers.py's
+# no-work ceiling): a short answer to a 2-row request.
+lf.KServeJsonUser.host = f"http://127.0.0.1:{server.server_port}"
+http_user = lf.KServeJsonUser(env)
+http_user.pool = SimpleNamespace(pick=lambda: traffic.Payload(2, b"{}"))
+for check in (True, False):
+    lf.CHECK_ANSWERS = check
+    http_user.infer()
+    grpc_user.infer()
 print(json.dumps(seen))
 server.shutdown()
 """
@@ -1162,11 +1173,17 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
     Inference-Header-Content-Length, the friendly route's predictions; gRPC's by the client)
     and must hold one finite prediction per row sent."""
     seen = last_json_line(run_python(_WRONG_ANSWERS))
-    assert seen[-2:] == [
+    short_grpc = "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"
+    assert seen[-6:] == [
         ["v2-grpc b3", None],
-        ["v2-grpc b3", "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"],
-    ]
-    assert dict(seen[:-2]) == {
+        ["v2-grpc b3", short_grpc],
+        ["v2-json b2", "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape "
+                       "[1, 1]) for a request of 2 rows"],
+        ["v2-grpc b3", short_grpc],
+        ["v2-json b2", None],  # RECSERVE_LT_CHECK_ANSWERS=0: the status alone
+        ["v2-grpc b3", None],
+    ]  # fmt: skip
+    assert dict(seen[:-6]) == {
         "/v2/ok": None,
         "/v2/short": "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape [1, 1]) "
         "for a request of 2 rows",
