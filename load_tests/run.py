@@ -451,6 +451,7 @@ def _run(args: argparse.Namespace) -> int:
             "checkpoint": str(checkpoint),
             "tier": args.tier,
             "users": args.users,
+            "spawn_rate": args.spawn_rate or args.users,
             "classes": classes,
             "seconds": seconds,
             "batches": args.batches,

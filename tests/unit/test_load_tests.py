@@ -1332,6 +1332,12 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
+    write_summary(tmp_path, {**result, "spawn_rate": 0.5})  # a ramp-up of ~8 s of the 20
+    assert (
+        "- req/s: requests over the time from the start of the load to its last request; "
+        "percentiles from locust's histogram of the response times, kept to 3 significant "
+        "digits; both include the ramp-up to 4 users at 0.5/s"
+    ) in (tmp_path / "summary.md").read_text().splitlines()
 
 
 # --------------------------------------------------------------------------- traffic: exact
