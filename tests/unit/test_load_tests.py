@@ -601,6 +601,38 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
     assert (soak.minutes, soak.seconds) == (10.0, 10.0)
 
 
+def test_an_out_that_is_a_file_is_refused_before_anything_starts(tmp_path, capsys):
+    """It raised FileExistsError from mkdir, a traceback with exit status 1."""
+    from load_tests.run import parse_args
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--synthetic", "--out", str(tmp_path / "file")])
+    assert exit_info.value.code == 2
+    assert f"--out {tmp_path / 'file'}: exists and is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "seconds"),
+    [
+        (["--seconds", "2.5"], 2.0),  # locust's -t 2s: round half to even, as command() does
+        (["--seconds", "3.6"], 4.0),
+        (["--seconds", "0.4"], 1.0),
+        (["--soak", "--minutes", "0.33"], 20.0),
+        (["--soak"], 600.0),
+    ],
+)
+def test_the_load_lasts_the_whole_seconds_locust_runs(flags, seconds, tmp_path):
+    """locust's -t takes whole seconds: the summary and the soak's timing use what ran."""
+    from load_tests.locust_run import LocustRun
+    from load_tests.run import load_seconds, parse_args
+
+    ran = load_seconds(parse_args(["--synthetic", "--out", str(tmp_path), *flags]))
+    assert ran == seconds
+    run = LocustRun(1, 1.0, ran, [], "http://h", tmp_path / "l", tmp_path / "l.log", {})
+    assert run.command()[run.command().index("-t") + 1] == f"{seconds:.0f}s"
+
+
 def test_a_soak_of_a_workers_server_needs_its_watcher(tmp_path, capsys):
     """``recserve serve --workers N`` refuses POST /admin/reload: the soak reloads through
     ``--watch-seconds``, so without it the soak is refused before anything starts."""
