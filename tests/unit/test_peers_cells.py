@@ -99,6 +99,22 @@ def test_report_names_and_pairs_mixed_cells(tmp_path):
     assert '"1:6,8:3,64:1"' in csv_lines[3]
 
 
+def test_a_report_that_cannot_be_rendered_leaves_the_earlier_one_whole(tmp_path):
+    """peers.csv was written before the tables were rendered: a rendering that failed left
+    this run's CSV beside an earlier run's peers.md and peers.json."""
+    good = [_measurement("recserve:one", "64", 1500.0, 30.0)]
+    peers_report.report(tmp_path, good, {"one": ""}, {})
+    before = {
+        name: (tmp_path / name).read_text() for name in ("peers.csv", "peers.json", "peers.md")
+    }
+    broken = _measurement("recserve:one", "64", 1500.0, 30.0)
+    broken.samples_per_s = None  # type: ignore[assignment]  # the tables format it with :.0f
+    with pytest.raises(TypeError):
+        peers_report.report(tmp_path, [broken], {"one": ""}, {})
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(before)  # no temporaries
+
+
 def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
     measurements = [
         _measurement("recserve:one", "64", 1500.0, 30.0, 1),
