@@ -53,11 +53,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gevent
 import locust.stats as locust_stats
 from locust import FastHttpUser, User, constant, events, task
 from locust.contrib.fasthttp import ResponseContextManager
 from locust.env import Environment
-from locust.runners import LocalRunner, WorkerRunner
+from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from locust.stats import RequestStats, StatsEntry
 
 try:  # gRPC's own threads must cooperate with locust's gevent loop
@@ -215,26 +216,65 @@ def final_stats(
 @events.init.add_listener
 def _remember_environment(environment: Environment, **_kwargs: Any) -> None:
     _environments[:] = [environment]
-    prebuild_pools(environment)
+    runner = environment.runner
+    if isinstance(runner, MasterRunner):
+        _pools_ready.clear()
+        runner.register_message(POOLS_READY, _count_pools_ready)
+        return
+    built = prebuild_pools(environment)
+    if isinstance(runner, WorkerRunner):  # built or not: the master waits for every worker
+        runner.send_message(POOLS_READY, {"built": built})
+
+
+#: A worker's message to its master: its pools are built (or left to its users).
+POOLS_READY = "recserve_pools_ready"
+#: The most seconds a master waits for its workers' pools before it starts the load.
+POOLS_WAIT_S = 60.0
+_pools_ready: set[str] = set()
+
+
+def _count_pools_ready(environment: Environment, msg: Any, **_kwargs: Any) -> None:
+    _pools_ready.add(str(msg.node_id))
+
+
+@events.test_start.add_listener
+def _start_when_the_workers_pools_are_built(environment: Environment, **_kwargs: Any) -> None:
+    """On the master of ``--processes``: wait (at most :data:`POOLS_WAIT_S`) until every
+    worker built its pools, then restart the stats' clock. locust's req/s divides by the time
+    since it cleared its stats, just before this event, while each worker built its pools (CPU
+    work that blocks its users, ~0.5-1 s): a 5 s run of 2 processes read 582 req/s of a server
+    answering ~730. The users start after this returns, and ``-t`` counts from then too."""
+    runner = environment.runner
+    if not isinstance(runner, MasterRunner):
+        return
+    deadline = time.monotonic() + POOLS_WAIT_S
+    while len(_pools_ready) < runner.worker_count and time.monotonic() < deadline:
+        gevent.sleep(0.05)  # the master's greenlets receive the workers' messages meanwhile
+    runner.stats.reset_all()  # nothing was sent yet: only the clock moves
 
 
 def prebuild_pools(environment: Environment) -> list[str]:
     """Build the payload pools of the run's user classes now, before the test starts, when
-    this process runs the users itself (no ``--processes``); returns the kinds built.
+    this process runs users (no ``--processes``, or a worker of it, whose index, its pools'
+    stream, locust's master sent when it connected); returns the kinds built.
 
     Built in the users' ``on_start`` instead, they took the first ~0.5-1 s of the run (CPU
     work, which blocks every greenlet), and locust's req/s divides by the time since the
-    start: a 6 s run read 711 req/s of a server answering ~820. A worker process of
-    ``--processes`` learns its index (its pools' stream) from the master only later: its
-    users build them. A pool that cannot be built here (no metadata yet) is left to
-    ``on_start``, which reports the error as a task error."""
-    if not isinstance(environment.runner, LocalRunner):
+    start: a 6 s run read 711 req/s of a server answering ~820. A worker whose master sent no
+    index (an older locust) leaves them to its users. A pool that cannot be built here (no
+    metadata yet) is left to ``on_start``, which reports the error as a task error."""
+    runner = environment.runner
+    if isinstance(runner, LocalRunner):
+        index = 0
+    elif isinstance(runner, WorkerRunner) and int(getattr(runner, "worker_index", -1)) >= 0:
+        index = int(runner.worker_index)
+    else:
         return []
     built = []
     for kind in dict.fromkeys(getattr(c, "kind", None) for c in environment.user_classes):
         if kind in traffic.PAYLOAD_KINDS:
             try:
-                payload_pool(kind, environment.host, 0)
+                payload_pool(kind, environment.host, index)
             except Exception:  # on_start tries again and reports it
                 continue
             built.append(kind)

@@ -2538,17 +2538,73 @@ events.init.fire(environment=env, runner=env.create_local_runner(), web_ui=None)
 out = {"built": sorted(lf._pools),
        "sizes": {k: {s: len(p) for s, p in pool.by_size.items()} for k, pool in lf._pools.items()}}
 lf._pools.clear()
-env.runner = type("Worker", (lf.WorkerRunner,), {"__init__": lambda self: None})()
-out["by_a_worker"] = lf.prebuild_pools(env)
-out["left"] = sorted(lf._pools)
+sent = []
+Worker = type("Worker", (lf.WorkerRunner,), {
+    "__init__": lambda self: None,
+    "send_message": lambda self, kind, data=None, client_id=None: sent.append([kind, data]),
+})
+env.runner = Worker()  # a master that sent no index (worker_index stays -1)
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+out["no_index"] = [sorted(lf._pools), sent[:]]
+env.runner.worker_index = 1  # what locust's master sent it when it connected
+sent.clear()
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+out["by_worker_1"] = [sorted(lf._pools), sent, list(lf._pools["grpc"].generator.stream)]
 print(json.dumps(out))
+"""
+
+_MASTER_WAITS = """
+import json, sys, time
+import gevent
+from types import SimpleNamespace
+from locust import events
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+lf.POOLS_WAIT_S = float(sys.argv[1])
+handlers = {}
+
+
+def register(self, kind, listener, concurrent=False):
+    handlers[kind] = listener
+
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events)
+Master = type("Master", (lf.MasterRunner,), {
+    "__init__": lambda self: None, "register_message": register, "worker_count": 2,
+    "environment": env, "greenlet": None,
+})
+env.runner = Master()
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+
+
+readies = []
+
+
+def ready(worker):
+    gevent.sleep(0.3)  # building its pools
+    readies.append(time.time())
+    handlers[lf.POOLS_READY](environment=env, msg=SimpleNamespace(node_id=worker))
+
+
+cleared = time.time()  # locust clears the stats just before test_start
+env.stats.total.start_time = cleared
+gevent.spawn(lambda: [ready(worker) for worker in sys.argv[2:]])  # one after the other
+events.test_start.fire(environment=env)
+returned = time.time()
+last = readies[-1] if readies else cleared
+print(json.dumps({"handlers": sorted(handlers), "ready": len(readies),
+                  "waited": returned - cleared,
+                  "after_the_last": returned >= last and env.stats.total.start_time >= last}))
 """
 
 
 def test_the_pools_are_built_before_the_run_starts(tmp_path):
     """Built in the users' on_start, the pools took the first ~0.5-1 s of the run, which
     locust's req/s (requests / time since the start) counted: a 6 s run read 711 req/s of a
-    server answering ~820. A worker of --processes does not know its stream yet: not there."""
+    server answering ~820. A worker of --processes builds its own when it starts, from the
+    stream of the index its master sent (before, its users built them once the run had
+    started), and tells its master, whether it could build them or not."""
     (tmp_path / "metadata.json").write_text(json.dumps(_ONE_SLOT))
     env = {
         **os.environ,
@@ -2560,7 +2616,26 @@ def test_the_pools_are_built_before_the_run_starts(tmp_path):
     out = last_json_line(run_python(_PREBUILT, env=env))
     assert out["built"] == ["binary", "grpc"]  # TorchServe's binary user shares the binary pool
     assert out["sizes"] == {"binary": {"1": 3, "8": 3}, "grpc": {"1": 3, "8": 3}}
-    assert (out["by_a_worker"], out["left"]) == ([], [])
+    ready = [["recserve_pools_ready", {"built": []}]]
+    assert out["no_index"] == [[], ready]
+    built = [["recserve_pools_ready", {"built": ["binary", "grpc"]}]]
+    assert out["by_worker_1"] == [["binary", "grpc"], built, [3, 1]]
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "workers", "ready", "waited"),
+    [(5.0, ["w1", "w2"], 2, 0.6), (0.5, ["w1", "w2"], 1, 0.5)],
+)
+def test_the_master_starts_the_load_once_its_workers_pools_are_built(
+    wait_s, workers, ready, waited
+):
+    """locust's master cleared its stats (its req/s clock) and sent the load while each
+    worker still built its pools: a 5 s run of 2 processes read 582 req/s of a server
+    answering ~730 (789 with this). It now waits until every worker said its pools are
+    built (here after 0.3 and 0.6 s), at most POOLS_WAIT_S, and restarts the clock."""
+    out = last_json_line(run_python(_MASTER_WAITS, str(wait_s), *workers))
+    assert waited - 0.02 <= out.pop("waited") < waited + 0.4  # a busy machine's slack
+    assert out == {"handlers": ["recserve_pools_ready"], "ready": ready, "after_the_last": True}
 
 
 def test_a_server_that_stops_answering_fails_the_run(tmp_path):
