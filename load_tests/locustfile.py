@@ -449,9 +449,13 @@ class GrpcUser(User):
         if arrays is None:
             raise RuntimeError("a grpc pool's payload has no tensors")
         started = time.perf_counter()
-        length, exception = 0, None
+        length, exception, result = 0, None, None
         try:
             result = self.client.infer(arrays)
+        except RecserveError as error:
+            exception = error
+        elapsed_ms = (time.perf_counter() - started) * 1000.0  # the call's, not the check's
+        if result is not None:
             length = result.predictions.nbytes
             problem = (
                 traffic.answer_problem(result.predictions, payload.batch_size)
@@ -460,12 +464,10 @@ class GrpcUser(User):
             )
             if problem:  # answered, but not what was asked: a failed request
                 exception = RecserveError(f"wrong answer: {problem}")
-        except RecserveError as error:
-            exception = error
         self.environment.events.request.fire(
             request_type="grpc",
             name=f"v2-grpc b{payload.batch_size}",
-            response_time=(time.perf_counter() - started) * 1000.0,
+            response_time=elapsed_ms,
             response_length=length,
             exception=exception,
             context={},
