@@ -1344,7 +1344,7 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "stats": rows, "model": "adult", "inputs": "json", "checkpoint": "/c", "tier": "local",
         "users": 4, "classes": ["KServeJsonUser"], "seconds": 20.0, "batches": "1", "seed": 7,
         "serve_args": [], "passed": False, "verdict": "2 failures",
-        "latency_resolution": "3 significant digits",
+        "latency_resolution": "2 significant digits",
     }  # fmt: skip
     write_summary(tmp_path, result)
     assert (tmp_path / "summary.csv").read_text().splitlines() == [
@@ -1356,7 +1356,7 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
     assert "- verdict: **FAIL** (2 failures)" in markdown
     assert (
         "- req/s: requests over the time from the start of the load to its last request; "
-        "percentiles from locust's histogram of the response times, kept to 3 significant digits"
+        "percentiles from locust's histogram of the response times, kept to 2 significant digits"
     ) in markdown
     table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|") + 1 :][:2]
     assert table == [
@@ -1367,7 +1367,7 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
     write_summary(tmp_path, {**result, "spawn_rate": 0.5})  # a ramp-up of ~8 s of the 20
     assert (
         "- req/s: requests over the time from the start of the load to its last request; "
-        "percentiles from locust's histogram of the response times, kept to 3 significant "
+        "percentiles from locust's histogram of the response times, kept to 2 significant "
         "digits; both include the ramp-up to 4 users at 0.5/s"
     ) in (tmp_path / "summary.md").read_text().splitlines()
 
@@ -2122,10 +2122,10 @@ from locust.rpc.protocol import Message
 from locust.stats import RequestStats, StatsEntry
 from load_tests import locustfile as lf
 
-out = {"buckets": [lf.latency_bucket(t) for t in (4.567, 0.81234, 1234.5, 0.0, 99.96)]}
+out = {"buckets": [lf.latency_bucket(t) for t in (4.567, 0.81234, 12.51, 1234.5, 0.0, 99.6)]}
 env = Environment(user_classes=[lf.KServeJsonUser])
-for i in range(100):  # 0.50, 0.51, ..., 1.49 ms
-    env.stats.log_request("POST", "v2-json b1", 0.5 + 0.01 * i, 10)
+for i in range(100):  # 0.503, 0.513, ..., 1.493 ms
+    env.stats.log_request("POST", "v2-json b1", 0.503 + 0.01 * i, 10)
 row = lf.final_stats(env.stats, {}, 0)["stats"][0]
 out["local"] = [row["p50_ms"], row["p95_ms"], row["p99_ms"]]
 out["resolution"] = lf.final_stats(env.stats, {}, 0)["latency_resolution"]
@@ -2140,16 +2140,16 @@ print(json.dumps(out))
 """
 
 
-def test_percentiles_keep_three_significant_digits_of_each_response_time():
+def test_percentiles_keep_two_significant_digits_of_each_response_time():
     """locust's histogram rounded every response time below 100 ms to a whole ms, so these
-    100 requests of 0.50 .. 1.49 ms read p50 = p95 = p99 = 1 ms. The locustfile now gives
-    locust's bucketing hook 3 significant digits, which the master of --processes receives
+    100 requests of 0.503 .. 1.493 ms read p50 = p95 = p99 = 1 ms. The locustfile now gives
+    locust's bucketing hook 2 significant digits, which the master of --processes receives
     as they are."""
     out = last_json_line(run_python(_FINE_PERCENTILES))
-    assert out["buckets"] == [4.57, 0.812, 1230.0, 0.0, 100.0]
-    assert out["local"] == [1.0, 1.45, 1.49]
-    assert out["master"] == [1.0, 1.45, 1.49]
-    assert out["resolution"] == "3 significant digits"
+    assert out["buckets"] == [4.6, 0.81, 13.0, 1200.0, 0.0, 100.0]
+    assert out["local"] == [1.0, 1.5, 1.5]  # 1.003, 1.453, 1.493 ms
+    assert out["master"] == [1.0, 1.5, 1.5]
+    assert out["resolution"] == "2 significant digits"
 
 
 # --------------------------------------------------------------------------- run.py verdicts
