@@ -145,8 +145,11 @@ def measure(
     metrics_url: str | None = None,
     round_number: int = 1,
     seconds: float | None = None,
+    check_answers: bool = True,
 ) -> Measurement:
-    """One headless locust run of ``seconds`` (default ``args.seconds``) against one server."""
+    """One headless locust run of ``seconds`` (default ``args.seconds``) against one server;
+    ``check_answers`` False counts every 200 as a success without reading its answer (the
+    ceiling servers answer one fixed prediction to a request of any batch size)."""
     seconds = args.seconds if seconds is None else seconds
     sizes = batch.replace(":", "x").replace(",", "-")
     name = f"{model}-{label.replace(':', '-')}-{encoding}-b{sizes}-r{round_number}"
@@ -158,7 +161,11 @@ def measure(
         host=host,
         csv_prefix=out / "locust" / name,
         log_path=out / "locust" / f"{name}.log",
-        env={**env, "RECSERVE_LT_BATCHES": batch},
+        env={
+            **env,
+            "RECSERVE_LT_BATCHES": batch,
+            "RECSERVE_LT_CHECK_ANSWERS": "1" if check_answers else "0",
+        },
     )
     result = Measurement(model, label, batch, encoding, args.users, seconds, round_number)
     before = metric_totals(metrics_url) if metrics_url else {}

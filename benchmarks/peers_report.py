@@ -10,11 +10,14 @@ with its CPU use and recserve's batching figures.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 from peers_measure import Measurement, batch_label, combine_rounds
+
+from load_tests.report import write_atomically
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -86,11 +89,15 @@ def report(
     variants: dict[str, str],
     info: dict[str, Any],
 ) -> str:
-    with open(out / "peers.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(Measurement.__dataclass_fields__))
-        writer.writeheader()
-        for m in measurements:
-            writer.writerow(m.__dict__)
+    """Write ``peers.csv``, ``peers.json`` and ``peers.md`` into ``out`` and return the tables.
+    All three are rendered before any is written, and each is written whole (a temporary file,
+    then a rename): a rendering that fails, or an interruption, never leaves one file of this
+    run beside two of an earlier one, or half a file."""
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(Measurement.__dataclass_fields__))
+    writer.writeheader()
+    for m in measurements:
+        writer.writerow(m.__dict__)
     # With --rounds, each server of a cell was measured once per round: the tables give the
     # medians, and the ratio of each round's pair shows how far one run can be trusted.
     rounds: dict[tuple[str, str, str, str], list[Measurement]] = {}
@@ -150,15 +157,16 @@ def report(
         )
     summary = "\n".join(lines)
     info["goal_met_everywhere"] = bool(verdicts) and all(verdicts)
-    (out / "peers.json").write_text(
-        json.dumps(
+    files = {
+        "peers.csv": table.getvalue(),
+        "peers.json": json.dumps(
             {**info, "measurements": [m.__dict__ for m in measurements]}, indent=2, default=str
-        )
-    )
-    (out / "peers.md").write_text(
-        f"# recserve vs TorchServe\n\n```\n{json.dumps(info, indent=2, default=str)}\n```\n\n"
-        f"{summary}\n"
-    )
+        ),
+        "peers.md": f"# recserve vs TorchServe\n\n```\n{json.dumps(info, indent=2, default=str)}"
+        f"\n```\n\n{summary}\n",
+    }
+    for name, text in files.items():
+        write_atomically(out / name, text)
     return summary
 
 

@@ -250,7 +250,10 @@ def read_history(csv_prefix: Path) -> list[dict[str, float]]:
     history's: with ``--csv-full-history`` (:meth:`LocustRun.command`) locust's "current"
     ones, over the trailing ~10 s window (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0,
     read as NaN, until that window has data); without the flag locust writes percentiles
-    cumulative since the start of the run, which flatten any change over time.
+    cumulative since the start of the run, which flatten any change over time. locust's CSV
+    writer truncates them to whole ms (a window's 4.8 ms reads 4, a sub-ms one 0, i.e. NaN):
+    good for the picture; the summary's percentiles come from the final stats, to 2
+    significant digits (load_tests/locustfile.py ``latency_bucket``).
     """
     rows: list[dict[str, float]] = []
     path = Path(f"{csv_prefix}_stats_history.csv")

@@ -29,6 +29,9 @@ Settings (environment):
   the last worker report: locust's ``--csv`` stats file is rewritten only once a second and
   not at shutdown, so it misses the last second's requests and failures;
 * ``RECSERVE_LT_WAIT``: seconds each user waits between requests (default 0: closed loop);
+* ``RECSERVE_LT_CHECK_ANSWERS``: 1 (default) counts a request as a success only when its
+  answer holds one finite prediction per row sent; 0 checks the status alone (for
+  benchmarks/peers.py's no-work ceiling server, whose fixed answer has one prediction);
 * ``RECSERVE_LT_METADATA_FILE`` / ``RECSERVE_LT_METADATA_URL``: the model metadata JSON (a
   file, or a recserve base URL) when ``--host`` is not a recserve server (TorchServe);
 * ``RECSERVE_LT_TS_MODEL``: TorchServe model name (default: ``RECSERVE_LT_MODEL``).
@@ -40,19 +43,22 @@ does not parse or is out of range) stops locust with an error naming the variabl
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gevent
+import locust.stats as locust_stats
 from locust import FastHttpUser, User, constant, events, task
 from locust.contrib.fasthttp import ResponseContextManager
 from locust.env import Environment
-from locust.runners import LocalRunner, WorkerRunner
+from locust.runners import LocalRunner, MasterRunner, WorkerRunner
 from locust.stats import RequestStats, StatsEntry
 
 try:  # gRPC's own threads must cooperate with locust's gevent loop
@@ -62,6 +68,9 @@ try:  # gRPC's own threads must cooperate with locust's gevent loop
 except (ImportError, AttributeError):  # pragma: no cover - depends on the grpcio build
     pass
 
+from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
+from clients.types import PredictResult
+from embedding_store.errors import RecserveError
 from load_tests import traffic
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
@@ -69,6 +78,35 @@ WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "sec
 POOL_PER_SIZE = (
     traffic.env_number("RECSERVE_LT_POOL", 0, int, lambda n: n >= 0, "an integer >= 0") or None
 )
+#: 0: count any 200 as a success without reading the answer (benchmarks/peers.py's no-work
+#: ceiling server answers one fixed prediction to every request, by design).
+CHECK_ANSWERS = bool(
+    traffic.env_number("RECSERVE_LT_CHECK_ANSWERS", 1, int, lambda n: n in (0, 1), "0 or 1")
+)
+
+
+def latency_bucket(response_time: float) -> float:
+    """The key under which locust's histogram counts a response time (ms): the time to 2
+    significant digits (4.567 -> 4.6, 0.81234 -> 0.81, 12.5 -> 12.0, 1234.5 -> 1200.0).
+
+    locust computes every percentile from this histogram; its own keys round to whole ms below
+    100 ms (2 significant digits only from 100 ms up), so a p50 of 1.4 ms read 1 and one of
+    0.6 ms read 1: a third off at the latencies recserve answers in. 2 digits keep its ~90
+    keys per decade of latency (3 digits, ~900, cost the load generator ~4% of a core in
+    locust's once-a-second percentiles)."""
+    if not 0.0 < response_time < math.inf:  # 0, a negative clock step, NaN, inf: as they are
+        return response_time
+    return round(response_time, 1 - math.floor(math.log10(response_time)))
+
+
+if hasattr(locust_stats, "bucket_response_time"):  # locust's bucketing hook (2.47 has it)
+    # locust annotates int keys; its percentile and merging code take any number
+    locust_stats.bucket_response_time = latency_bucket  # type: ignore[assignment]
+    LATENCY_RESOLUTION = "2 significant digits"
+else:  # pragma: no cover - an older locust rounds inside StatsEntry
+    LATENCY_RESOLUTION = (
+        "locust's buckets: whole ms below 100 ms, 10 ms below 1 s, 2 significant digits above"
+    )
 
 _pools: dict[str, traffic.PayloadPool] = {}
 _inputs: list[traffic.ModelInputs] = []
@@ -163,6 +201,7 @@ def final_stats(
     return {
         "exit_code": exit_code,
         "written_unix": time.time(),
+        "latency_resolution": LATENCY_RESOLUTION,
         "stats": [_stats_row(entry) for entry in [*entries, stats.total]],
         "errors": [
             {"name": e.name, "method": e.method, "error": str(e.error), "count": e.occurrences}
@@ -178,26 +217,65 @@ def final_stats(
 @events.init.add_listener
 def _remember_environment(environment: Environment, **_kwargs: Any) -> None:
     _environments[:] = [environment]
-    prebuild_pools(environment)
+    runner = environment.runner
+    if isinstance(runner, MasterRunner):
+        _pools_ready.clear()
+        runner.register_message(POOLS_READY, _count_pools_ready)
+        return
+    built = prebuild_pools(environment)
+    if isinstance(runner, WorkerRunner):  # built or not: the master waits for every worker
+        runner.send_message(POOLS_READY, {"built": built})
+
+
+#: A worker's message to its master: its pools are built (or left to its users).
+POOLS_READY = "recserve_pools_ready"
+#: The most seconds a master waits for its workers' pools before it starts the load.
+POOLS_WAIT_S = 60.0
+_pools_ready: set[str] = set()
+
+
+def _count_pools_ready(environment: Environment, msg: Any, **_kwargs: Any) -> None:
+    _pools_ready.add(str(msg.node_id))
+
+
+@events.test_start.add_listener
+def _start_when_the_workers_pools_are_built(environment: Environment, **_kwargs: Any) -> None:
+    """On the master of ``--processes``: wait (at most :data:`POOLS_WAIT_S`) until every
+    worker built its pools, then restart the stats' clock. locust's req/s divides by the time
+    since it cleared its stats, just before this event, while each worker built its pools (CPU
+    work that blocks its users, ~0.5-1 s): a 5 s run of 2 processes read 582 req/s of a server
+    answering ~730. The users start after this returns, and ``-t`` counts from then too."""
+    runner = environment.runner
+    if not isinstance(runner, MasterRunner):
+        return
+    deadline = time.monotonic() + POOLS_WAIT_S
+    while len(_pools_ready) < runner.worker_count and time.monotonic() < deadline:
+        gevent.sleep(0.05)  # the master's greenlets receive the workers' messages meanwhile
+    runner.stats.reset_all()  # nothing was sent yet: only the clock moves
 
 
 def prebuild_pools(environment: Environment) -> list[str]:
     """Build the payload pools of the run's user classes now, before the test starts, when
-    this process runs the users itself (no ``--processes``); returns the kinds built.
+    this process runs users (no ``--processes``, or a worker of it, whose index, its pools'
+    stream, locust's master sent when it connected); returns the kinds built.
 
     Built in the users' ``on_start`` instead, they took the first ~0.5-1 s of the run (CPU
     work, which blocks every greenlet), and locust's req/s divides by the time since the
-    start: a 6 s run read 711 req/s of a server answering ~820. A worker process of
-    ``--processes`` learns its index (its pools' stream) from the master only later: its
-    users build them. A pool that cannot be built here (no metadata yet) is left to
-    ``on_start``, which reports the error as a task error."""
-    if not isinstance(environment.runner, LocalRunner):
+    start: a 6 s run read 711 req/s of a server answering ~820. A worker whose master sent no
+    index (an older locust) leaves them to its users. A pool that cannot be built here (no
+    metadata yet) is left to ``on_start``, which reports the error as a task error."""
+    runner = environment.runner
+    if isinstance(runner, LocalRunner):
+        index = 0
+    elif isinstance(runner, WorkerRunner) and int(getattr(runner, "worker_index", -1)) >= 0:
+        index = int(runner.worker_index)
+    else:
         return []
     built = []
     for kind in dict.fromkeys(getattr(c, "kind", None) for c in environment.user_classes):
         if kind in traffic.PAYLOAD_KINDS:
             try:
-                payload_pool(kind, environment.host, 0)
+                payload_pool(kind, environment.host, index)
             except Exception:  # on_start tries again and reports it
                 continue
             built.append(kind)
@@ -218,15 +296,43 @@ def _write_final_stats(exit_code: int, **_kwargs: Any) -> None:
     os.replace(temporary, path)  # whole or absent: run.py treats absent as "locust failed"
 
 
-def _check(response: ResponseContextManager, what: str) -> None:
+def _check(
+    response: ResponseContextManager,
+    what: str,
+    batch_size: int | None = None,
+    decode: Callable[[ResponseContextManager], PredictResult] | None = None,
+) -> None:
+    """Count ``response`` as a success only when it is a 200 and, given ``decode`` (the
+    answer's parser), its answer decodes into one finite prediction per row of the
+    ``batch_size`` rows sent; else as a failure naming ``what`` and the problem."""
     if response.status_code != 200:
         # locust sets .error only for what it counts as failed (not a 204 or a 3xx it did
         # not follow, which a proxy in front of the server may send)
         error = getattr(response, "error", None)
         text = (response.text or "")[:200] if response.content else str(error or "empty body")
         response.failure(f"{what}: HTTP {response.status_code}: {text}")
-    else:
-        response.success()
+        return
+    if decode is not None and batch_size is not None:
+        try:
+            problem = traffic.answer_problem(decode(response).predictions, batch_size)
+        except RecserveError as error:  # the decoders' word for a malformed answer
+            problem = str(error)[:200]
+        if problem:
+            response.failure(f"{what}: HTTP 200 with a wrong answer: {problem}")
+            return
+    response.success()
+
+
+def _kserve_answer(response: ResponseContextManager) -> PredictResult:
+    """A KServe v2 REST answer: JSON, or JSON + binary outputs (the header's length in the
+    ``Inference-Header-Content-Length`` response header)."""
+    length = response.headers.get(HEADER_LENGTH) if response.headers is not None else None
+    return decode_http_infer(response.content or b"", None if length is None else str(length))
+
+
+def _rows_answer(response: ResponseContextManager) -> PredictResult:
+    """The friendly route's ``{"predictions": [[p], ...], ...}``."""
+    return decode_rows_response(response.content or b"")
 
 
 class _InferUser(FastHttpUser):
@@ -243,6 +349,10 @@ class _InferUser(FastHttpUser):
     def headers(self, payload: traffic.Payload) -> dict[str, str]:
         return {"Content-Type": self.content_type}
 
+    def answer(self, response: ResponseContextManager) -> PredictResult:
+        """The decoded answer (its predictions are checked against the rows sent)."""
+        return _kserve_answer(response)
+
     @task
     def infer(self) -> None:
         payload = self.pool.pick()
@@ -254,7 +364,7 @@ class _InferUser(FastHttpUser):
             name=f"{self.label} b{payload.batch_size}",
             catch_response=True,
         ) as response:
-            _check(response, self.label)
+            _check(response, self.label, payload.batch_size, self.answer if CHECK_ANSWERS else None)
 
 
 class KServeJsonUser(_InferUser):
@@ -287,6 +397,9 @@ class FriendlyJsonUser(_InferUser):
     kind = "friendly"
     label = "v1-predict"
     path = f"/v1/models/{MODEL}:predict"
+
+    def answer(self, response: ResponseContextManager) -> PredictResult:
+        return _rows_answer(response)
 
 
 class TorchServeJsonUser(_InferUser):
@@ -332,23 +445,30 @@ class GrpcUser(User):
 
     @task
     def infer(self) -> None:
-        from embedding_store.errors import RecserveError
-
         payload = self.pool.pick()
         arrays = payload.arrays
         if arrays is None:
             raise RuntimeError("a grpc pool's payload has no tensors")
         started = time.perf_counter()
-        length, exception = 0, None
+        length, exception, result = 0, None, None
         try:
             result = self.client.infer(arrays)
-            length = result.predictions.nbytes
         except RecserveError as error:
             exception = error
+        elapsed_ms = (time.perf_counter() - started) * 1000.0  # the call's, not the check's
+        if result is not None:
+            length = result.predictions.nbytes
+            problem = (
+                traffic.answer_problem(result.predictions, payload.batch_size)
+                if CHECK_ANSWERS
+                else None
+            )
+            if problem:  # answered, but not what was asked: a failed request
+                exception = RecserveError(f"wrong answer: {problem}")
         self.environment.events.request.fire(
             request_type="grpc",
             name=f"v2-grpc b{payload.batch_size}",
-            response_time=(time.perf_counter() - started) * 1000.0,
+            response_time=elapsed_ms,
             response_length=length,
             exception=exception,
             context={},

@@ -126,6 +126,9 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
         f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
+        "- req/s: requests over the time from the start of the load to its last request; "
+        "percentiles from locust's histogram of the response times, kept to "
+        f"{result.get('latency_resolution') or 'an unknown resolution'}{_ramp(result)}",
         "",
         "| request | requests | failures | req/s | p50 ms | p95 ms | p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -167,6 +170,16 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     }
     for name, text in files.items():
         write_atomically(out / name, text)
+
+
+def _ramp(result: dict[str, Any]) -> str:
+    """What the summary's req/s and percentiles include of a ramp-up (``--spawn-rate`` below
+    ``--users``: locust starts the users over ~users / rate seconds, and its totals count
+    those seconds of fewer users, so req/s reads low)."""
+    rate, users = result.get("spawn_rate"), result["users"]
+    if rate is None or rate >= users:
+        return ""  # all users started at once
+    return f"; both include the ramp-up to {users} users at {rate:g}/s"
 
 
 def _ms(value: float | None) -> str:

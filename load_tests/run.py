@@ -206,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.checkpoint is not None and not args.checkpoint.is_dir():
         parser.error(f"--checkpoint {args.checkpoint}: no such directory")
+    if args.out.exists() and not args.out.is_dir():  # else a traceback once it is created
+        parser.error(f"--out {args.out}: exists and is not a folder")
     try:
         traffic.parse_batch_mix(args.batches)
     except ValueError as error:  # int("x") too: checked before any process starts
@@ -249,6 +251,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.friendly_rows is not None and not args.friendly_rows.is_file():
         parser.error(f"--friendly-rows {args.friendly_rows}: no such file")
     return args
+
+
+def load_seconds(args: argparse.Namespace) -> float:
+    """The load's length as locust runs it: ``-t`` takes whole seconds, at least 1
+    (:meth:`LocustRun.command`). The summary, the soak's reload half-way and its memory
+    judgement use this, not the fraction asked for (``--seconds 2.5`` ran 2 s and the summary
+    said 2.5)."""
+    asked = args.minutes * 60.0 if args.soak else args.seconds
+    return float(max(round(asked), 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     # A failed run must not leave an earlier run's verdict or numbers behind.
     for name in [*REPORT_FILES, *(f"locust{suffix}" for suffix in LOCUST_OUTPUTS)]:
         (out / name).unlink(missing_ok=True)
-    seconds = args.minutes * 60.0 if args.soak else args.seconds
+    seconds = load_seconds(args)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     serve_args = shlex.split(args.serve_args)
     cluster = None
@@ -451,6 +462,7 @@ def _run(args: argparse.Namespace) -> int:
             "checkpoint": str(checkpoint),
             "tier": args.tier,
             "users": args.users,
+            "spawn_rate": args.spawn_rate or args.users,
             "classes": classes,
             "seconds": seconds,
             "batches": args.batches,
@@ -460,6 +472,8 @@ def _run(args: argparse.Namespace) -> int:
             "locust_command": " ".join(run.command()),
             "locust_exit_code": locust.returncode,
             "stats": stats,
+            # how finely locust's histogram, whence every percentile, kept the response times
+            "latency_resolution": final.get("latency_resolution") if final is not None else None,
             "soak": soak,
             "passed": not problems,
             "verdict": verdict_text(problems, soak=soak is not None),

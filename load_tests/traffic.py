@@ -469,6 +469,24 @@ def _batch_size(inputs: ModelInputs, arrays: Mapping[str, np.ndarray]) -> int:
     return len(arrays[inputs.dense[0].name])
 
 
+# --------------------------------------------------------------------------- answers
+def answer_problem(predictions: np.ndarray, batch_size: int) -> str | None:
+    """Why ``predictions`` (an answer's, decoded: float32 [rows, k]) do not answer a request
+    of ``batch_size`` rows, or None when they do: one row of finite predictions per row sent.
+    The load-test users count a 200 whose answer is short, empty or NaN as a failed request,
+    not as a fast one."""
+    rows = int(predictions.shape[0]) if predictions.ndim else 0
+    if rows != batch_size or predictions.size < batch_size:
+        return (
+            f"{rows} prediction rows (shape {list(predictions.shape)}) for a request of "
+            f"{batch_size} rows"
+        )
+    bad = int(predictions.size - np.count_nonzero(np.isfinite(predictions)))
+    if bad:
+        return f"{bad} of {predictions.size} predictions are not finite"
+    return None
+
+
 # --------------------------------------------------------------------------- payload pools
 @dataclass(frozen=True)
 class Payload:

@@ -601,6 +601,38 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
     assert (soak.minutes, soak.seconds) == (10.0, 10.0)
 
 
+def test_an_out_that_is_a_file_is_refused_before_anything_starts(tmp_path, capsys):
+    """It raised FileExistsError from mkdir, a traceback with exit status 1."""
+    from load_tests.run import parse_args
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--synthetic", "--out", str(tmp_path / "file")])
+    assert exit_info.value.code == 2
+    assert f"--out {tmp_path / 'file'}: exists and is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "seconds"),
+    [
+        (["--seconds", "2.5"], 2.0),  # locust's -t 2s: round half to even, as command() does
+        (["--seconds", "3.6"], 4.0),
+        (["--seconds", "0.4"], 1.0),
+        (["--soak", "--minutes", "0.33"], 20.0),
+        (["--soak"], 600.0),
+    ],
+)
+def test_the_load_lasts_the_whole_seconds_locust_runs(flags, seconds, tmp_path):
+    """locust's -t takes whole seconds: the summary and the soak's timing use what ran."""
+    from load_tests.locust_run import LocustRun
+    from load_tests.run import load_seconds, parse_args
+
+    ran = load_seconds(parse_args(["--synthetic", "--out", str(tmp_path), *flags]))
+    assert ran == seconds
+    run = LocustRun(1, 1.0, ran, [], "http://h", tmp_path / "l", tmp_path / "l.log", {})
+    assert run.command()[run.command().index("-t") + 1] == f"{seconds:.0f}s"
+
+
 def test_a_soak_of_a_workers_server_needs_its_watcher(tmp_path, capsys):
     """``recserve serve --workers N`` refuses POST /admin/reload: the soak reloads through
     ``--watch-seconds``, so without it the soak is refused before anything starts."""
@@ -809,6 +841,47 @@ def test_the_documented_list_length_mean_is_the_real_one():
     mean = float(np.arange(len(generator._length_p)) @ generator._length_p)
     assert round(mean, 2) == 2.06
     assert "mean of 2.06" in traffic.__doc__
+
+
+def test_a_generated_sample_follows_the_configured_traffic_model():
+    """Measured on what is sent, not on the sampler's tables: 200k draws of a fixed seed.
+    Each share lies within 5 binomial standard deviations of the configured one; the Zipf
+    exponent is the slope of log(count) over log(rank) of the 20 hottest IDs."""
+    from load_tests import traffic
+
+    def within(measured: float, expected: float, n: int) -> bool:
+        return abs(measured - expected) <= 5 * (expected * (1 - expected) / n) ** 0.5
+
+    inputs = traffic.ModelInputs.from_metadata(_ONE_SLOT)
+    vocab = {"item": np.arange(5000, 6000, dtype=np.uint64)}
+    profile = traffic.TrafficProfile(zipf_exponent=1.3, unknown_share=0.05, seed=11)
+    generator = traffic.TrafficGenerator(inputs, profile, vocab, stream=(0, 0))
+    n = 200_000
+    arrays = generator.arrays(n)
+    items = arrays["item"]
+    unknown = items >= traffic.UNKNOWN_LOW
+    assert within(float(unknown.mean()), 0.05, n)
+    rank_of = {int(v): r for r, v in enumerate(generator._ids["item"])}
+    counts = np.bincount([rank_of[int(v)] for v in items[~unknown]], minlength=1000)
+    harmonic = float(np.sum(1.0 / np.arange(1, 1001) ** 1.3))
+    assert within(counts[0] / counts.sum(), 1 / harmonic, int(counts.sum()))
+    slope = np.polyfit(np.log(np.arange(1, 21)), np.log(counts[:20]), 1)[0]
+    assert abs(slope + 1.3) < 0.03, slope
+    lengths = arrays["history.lengths"]
+    expected = np.exp(-np.arange(9) / 3.0) / np.exp(-np.arange(9) / 3.0).sum()
+    measured = np.bincount(lengths, minlength=9) / n
+    assert lengths.max() == 8
+    assert all(within(float(m), float(e), n) for m, e in zip(measured, expected)), measured
+    history = arrays["history"]
+    assert within(float((history >= traffic.UNKNOWN_LOW).mean()), 0.05, len(history))
+    pool = traffic.PayloadPool(
+        traffic.TrafficGenerator(inputs, traffic.TrafficProfile(seed=11), vocab, stream=(1, 0)),
+        "grpc",
+        per_size=2,
+    )
+    sizes = np.asarray([pool.pick().batch_size for _ in range(20_000)])
+    for size, share in ((1, 0.6), (8, 0.3), (64, 0.1)):
+        assert within(float((sizes == size).mean()), share, 20_000), (size, sizes)
 
 
 @pytest.mark.parametrize(
@@ -1032,6 +1105,154 @@ def test_a_non_200_answer_without_a_body_counts_as_a_failure():
     assert result.stdout.strip() == "['v2-json: HTTP 204: empty body']"
 
 
+_WRONG_ANSWERS = """
+from gevent import monkey
+
+monkey.patch_all()
+import http.server, json, struct, threading
+from locust.contrib.fasthttp import FastHttpSession
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+
+def v2(rows, data=None):
+    data = [0.5] * rows if data is None else data
+    return json.dumps({"model_name": "m", "model_version": "1", "outputs": [
+        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1], "data": data}]}).encode()
+
+
+def binary(rows, cut=0):
+    head = json.dumps({"model_name": "m", "outputs": [{"name": "prediction", "datatype": "FP32",
+        "shape": [rows, 1], "parameters": {"binary_data_size": 4 * rows}}]}).encode()
+    return head + struct.pack(f"<{rows}f", *[0.25] * rows)[: 4 * rows - cut], len(head)
+
+
+ANSWERS = {  # path -> (body, Inference-Header-Content-Length or None)
+    "/v2/ok": (v2(2), None),
+    "/v2/short": (v2(1), None),
+    "/v2/nan": (v2(2, [0.5, None]), None),  # how orjson (the server's) writes a NaN
+    "/v2/empty": (b"", None),
+    "/v2/no-outputs": (b'{"model_name": "m", "outputs": []}', None),
+    "/bin/ok": binary(2),
+    "/bin/cut": binary(2, cut=3),
+    "/v1/ok": (b'{"predictions": [[0.5], [0.5]]}', None),
+    "/v1/none": (b'{"predictions": []}', None),
+}
+
+
+class Canned(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body, header_length = ANSWERS.get(self.path) or ANSWERS[CURRENT[0]]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        if header_length is not None:
+            self.send_header("Inference-Header-Content-Length", str(header_length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+CURRENT = ["/v2/short"]  # what any other path gets
+server = http.server.HTTPServer(("127.0.0.1", 0), Canned)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+env = Environment()
+seen = []
+env.events.request.add_listener(
+    lambda name, exception=None, **_: seen.append([name, exception and str(exception)])
+)
+session = FastHttpSession(
+    base_url=f"http://127.0.0.1:{server.server_port}", request_event=env.events.request, user=None
+)
+users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser}
+for path in ANSWERS:
+    user = users["/" + path.split("/")[1]]
+    with session.post(path, data=b"{}", name=path, catch_response=True) as response:
+        lf._check(response, user.label, 2, lambda r: user.answer(user, r))
+
+# The gRPC user: its client decodes the answer, the user checks the rows.
+import numpy as np
+from types import SimpleNamespace
+from load_tests import traffic
+
+grpc_user = lf.GrpcUser(env)
+payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)})
+grpc_user.pool = SimpleNamespace(pick=lambda: payload)
+for rows in ([[0.5], [0.5], [0.5]], [[0.5], [0.5]]):
+    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32))
+    grpc_user.client = SimpleNamespace(infer=lambda arrays, answer=answer: answer)
+    grpc_user.infer()
+
+# A whole task of an HTTP user, with RECSERVE_LT_CHECK_ANSWERS on, then off (peers.py's
+# no-work ceiling): a short answer to a 2-row request.
+lf.KServeJsonUser.host = f"http://127.0.0.1:{server.server_port}"
+http_user = lf.KServeJsonUser(env)
+http_user.pool = SimpleNamespace(pick=lambda: traffic.Payload(2, b"{}"))
+for check in (True, False):
+    lf.CHECK_ANSWERS = check
+    http_user.infer()
+    grpc_user.infer()
+print(json.dumps(seen))
+server.shutdown()
+"""
+
+
+def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
+    """The users counted every 200 as a success: an empty body, a missing row or a NaN passed
+    as a fast request. Each answer is now decoded (JSON, binary outputs by the response's
+    Inference-Header-Content-Length, the friendly route's predictions; gRPC's by the client)
+    and must hold one finite prediction per row sent."""
+    seen = last_json_line(run_python(_WRONG_ANSWERS))
+    short_grpc = "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"
+    assert seen[-6:] == [
+        ["v2-grpc b3", None],
+        ["v2-grpc b3", short_grpc],
+        ["v2-json b2", "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape "
+                       "[1, 1]) for a request of 2 rows"],
+        ["v2-grpc b3", short_grpc],
+        ["v2-json b2", None],  # RECSERVE_LT_CHECK_ANSWERS=0: the status alone
+        ["v2-grpc b3", None],
+    ]  # fmt: skip
+    assert dict(seen[:-6]) == {
+        "/v2/ok": None,
+        "/v2/short": "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape [1, 1]) "
+        "for a request of 2 rows",
+        "/v2/nan": "v2-json: HTTP 200 with a wrong answer: 1 of 2 predictions are not finite",
+        "/v2/empty": "v2-json: HTTP 200 with a wrong answer: the server's answer is not valid "
+        "JSON: Input is a zero-length, empty document: line 1 column 1 (char 0)",
+        "/v2/no-outputs": "v2-json: HTTP 200 with a wrong answer: the server answered without "
+        "outputs",
+        "/bin/ok": None,
+        "/bin/cut": "v2-binary: HTTP 200 with a wrong answer: output 'prediction': 5 bytes do "
+        "not hold a FP32 tensor of shape [2, 1]",
+        "/v1/ok": None,
+        "/v1/none": "v1-predict: HTTP 200 with a wrong answer: 0 prediction rows (shape [0, 1]) "
+        "for a request of 2 rows",
+    }
+
+
+def test_non_finite_or_missing_predictions_are_a_wrong_answer():
+    """What every user checks, the gRPC one too (its answers are decoded by the client)."""
+
+    def result(*values: float) -> np.ndarray:
+        return np.asarray(values, dtype=np.float32).reshape(-1, 1)
+
+    from load_tests import traffic
+
+    assert traffic.answer_problem(result(0.1, 0.9), 2) is None
+    assert traffic.answer_problem(result(0.1), 2) == (
+        "1 prediction rows (shape [1, 1]) for a request of 2 rows"
+    )
+    assert traffic.answer_problem(result(0.1, float("nan"), float("inf")), 3) == (
+        "2 of 3 predictions are not finite"
+    )
+    assert traffic.answer_problem(result(), 1) == (
+        "0 prediction rows (shape [0, 1]) for a request of 1 rows"
+    )
+
+
 _NO_HOST = """
 from load_tests import locustfile as lf
 
@@ -1123,6 +1344,7 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "stats": rows, "model": "adult", "inputs": "json", "checkpoint": "/c", "tier": "local",
         "users": 4, "classes": ["KServeJsonUser"], "seconds": 20.0, "batches": "1", "seed": 7,
         "serve_args": [], "passed": False, "verdict": "2 failures",
+        "latency_resolution": "2 significant digits",
     }  # fmt: skip
     write_summary(tmp_path, result)
     assert (tmp_path / "summary.csv").read_text().splitlines() == [
@@ -1132,12 +1354,22 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
     ]
     markdown = (tmp_path / "summary.md").read_text().splitlines()
     assert "- verdict: **FAIL** (2 failures)" in markdown
+    assert (
+        "- req/s: requests over the time from the start of the load to its last request; "
+        "percentiles from locust's histogram of the response times, kept to 2 significant digits"
+    ) in markdown
     table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|") + 1 :][:2]
     assert table == [
         "| v2-json b1 | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
         "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
+    write_summary(tmp_path, {**result, "spawn_rate": 0.5})  # a ramp-up of ~8 s of the 20
+    assert (
+        "- req/s: requests over the time from the start of the load to its last request; "
+        "percentiles from locust's histogram of the response times, kept to 2 significant "
+        "digits; both include the ramp-up to 4 users at 0.5/s"
+    ) in (tmp_path / "summary.md").read_text().splitlines()
 
 
 # --------------------------------------------------------------------------- traffic: exact
@@ -1883,6 +2115,43 @@ def test_the_locustfiles_users_pools_and_final_rows(tmp_path):
     assert json.loads(final.read_text())["stats"][-1]["requests"] == 102
 
 
+_FINE_PERCENTILES = """
+import json
+from locust.env import Environment
+from locust.rpc.protocol import Message
+from locust.stats import RequestStats, StatsEntry
+from load_tests import locustfile as lf
+
+out = {"buckets": [lf.latency_bucket(t) for t in (4.567, 0.81234, 12.51, 1234.5, 0.0, 99.6)]}
+env = Environment(user_classes=[lf.KServeJsonUser])
+for i in range(100):  # 0.503, 0.513, ..., 1.493 ms
+    env.stats.log_request("POST", "v2-json b1", 0.503 + 0.01 * i, 10)
+row = lf.final_stats(env.stats, {}, 0)["stats"][0]
+out["local"] = [row["p50_ms"], row["p95_ms"], row["p99_ms"]]
+out["resolution"] = lf.final_stats(env.stats, {}, 0)["latency_resolution"]
+# What a worker of --processes reports to its master, through locust's wire encoding.
+entry = env.stats.entries[("v2-json b1", "POST")]
+report = Message("stats", {"stats": [entry.get_stripped_report()]}, "w").serialize()
+master = RequestStats()
+merged = StatsEntry(master, "v2-json b1", "POST")
+merged.extend(StatsEntry.unserialize(Message.unserialize(report).data["stats"][0], master))
+out["master"] = [merged.get_response_time_percentile(p) for p in (0.5, 0.95, 0.99)]
+print(json.dumps(out))
+"""
+
+
+def test_percentiles_keep_two_significant_digits_of_each_response_time():
+    """locust's histogram rounded every response time below 100 ms to a whole ms, so these
+    100 requests of 0.503 .. 1.493 ms read p50 = p95 = p99 = 1 ms. The locustfile now gives
+    locust's bucketing hook 2 significant digits, which the master of --processes receives
+    as they are."""
+    out = last_json_line(run_python(_FINE_PERCENTILES))
+    assert out["buckets"] == [4.6, 0.81, 13.0, 1200.0, 0.0, 100.0]
+    assert out["local"] == [1.0, 1.5, 1.5]  # 1.003, 1.453, 1.493 ms
+    assert out["master"] == [1.0, 1.5, 1.5]
+    assert out["resolution"] == "2 significant digits"
+
+
 # --------------------------------------------------------------------------- run.py verdicts
 def test_a_run_fails_on_any_failed_request_no_throughput_silence_or_task_error(tmp_path):
     from load_tests.locust_run import stats_problems
@@ -2269,17 +2538,73 @@ events.init.fire(environment=env, runner=env.create_local_runner(), web_ui=None)
 out = {"built": sorted(lf._pools),
        "sizes": {k: {s: len(p) for s, p in pool.by_size.items()} for k, pool in lf._pools.items()}}
 lf._pools.clear()
-env.runner = type("Worker", (lf.WorkerRunner,), {"__init__": lambda self: None})()
-out["by_a_worker"] = lf.prebuild_pools(env)
-out["left"] = sorted(lf._pools)
+sent = []
+Worker = type("Worker", (lf.WorkerRunner,), {
+    "__init__": lambda self: None,
+    "send_message": lambda self, kind, data=None, client_id=None: sent.append([kind, data]),
+})
+env.runner = Worker()  # a master that sent no index (worker_index stays -1)
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+out["no_index"] = [sorted(lf._pools), sent[:]]
+env.runner.worker_index = 1  # what locust's master sent it when it connected
+sent.clear()
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+out["by_worker_1"] = [sorted(lf._pools), sent, list(lf._pools["grpc"].generator.stream)]
 print(json.dumps(out))
+"""
+
+_MASTER_WAITS = """
+import json, sys, time
+import gevent
+from types import SimpleNamespace
+from locust import events
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+lf.POOLS_WAIT_S = float(sys.argv[1])
+handlers = {}
+
+
+def register(self, kind, listener, concurrent=False):
+    handlers[kind] = listener
+
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events)
+Master = type("Master", (lf.MasterRunner,), {
+    "__init__": lambda self: None, "register_message": register, "worker_count": 2,
+    "environment": env, "greenlet": None,
+})
+env.runner = Master()
+events.init.fire(environment=env, runner=env.runner, web_ui=None)
+
+
+readies = []
+
+
+def ready(worker):
+    gevent.sleep(0.3)  # building its pools
+    readies.append(time.time())
+    handlers[lf.POOLS_READY](environment=env, msg=SimpleNamespace(node_id=worker))
+
+
+cleared = time.time()  # locust clears the stats just before test_start
+env.stats.total.start_time = cleared
+gevent.spawn(lambda: [ready(worker) for worker in sys.argv[2:]])  # one after the other
+events.test_start.fire(environment=env)
+returned = time.time()
+last = readies[-1] if readies else cleared
+print(json.dumps({"handlers": sorted(handlers), "ready": len(readies),
+                  "waited": returned - cleared,
+                  "after_the_last": returned >= last and env.stats.total.start_time >= last}))
 """
 
 
 def test_the_pools_are_built_before_the_run_starts(tmp_path):
     """Built in the users' on_start, the pools took the first ~0.5-1 s of the run, which
     locust's req/s (requests / time since the start) counted: a 6 s run read 711 req/s of a
-    server answering ~820. A worker of --processes does not know its stream yet: not there."""
+    server answering ~820. A worker of --processes builds its own when it starts, from the
+    stream of the index its master sent (before, its users built them once the run had
+    started), and tells its master, whether it could build them or not."""
     (tmp_path / "metadata.json").write_text(json.dumps(_ONE_SLOT))
     env = {
         **os.environ,
@@ -2291,7 +2616,26 @@ def test_the_pools_are_built_before_the_run_starts(tmp_path):
     out = last_json_line(run_python(_PREBUILT, env=env))
     assert out["built"] == ["binary", "grpc"]  # TorchServe's binary user shares the binary pool
     assert out["sizes"] == {"binary": {"1": 3, "8": 3}, "grpc": {"1": 3, "8": 3}}
-    assert (out["by_a_worker"], out["left"]) == ([], [])
+    ready = [["recserve_pools_ready", {"built": []}]]
+    assert out["no_index"] == [[], ready]
+    built = [["recserve_pools_ready", {"built": ["binary", "grpc"]}]]
+    assert out["by_worker_1"] == [["binary", "grpc"], built, [3, 1]]
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "workers", "ready", "waited"),
+    [(5.0, ["w1", "w2"], 2, 0.6), (0.5, ["w1", "w2"], 1, 0.5)],
+)
+def test_the_master_starts_the_load_once_its_workers_pools_are_built(
+    wait_s, workers, ready, waited
+):
+    """locust's master cleared its stats (its req/s clock) and sent the load while each
+    worker still built its pools: a 5 s run of 2 processes read 582 req/s of a server
+    answering ~730 (789 with this). It now waits until every worker said its pools are
+    built (here after 0.3 and 0.6 s), at most POOLS_WAIT_S, and restarts the clock."""
+    out = last_json_line(run_python(_MASTER_WAITS, str(wait_s), *workers))
+    assert waited - 0.02 <= out.pop("waited") < waited + 0.4  # a busy machine's slack
+    assert out == {"handlers": ["recserve_pools_ready"], "ready": ready, "after_the_last": True}
 
 
 def test_a_server_that_stops_answering_fails_the_run(tmp_path):

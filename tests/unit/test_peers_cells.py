@@ -99,6 +99,22 @@ def test_report_names_and_pairs_mixed_cells(tmp_path):
     assert '"1:6,8:3,64:1"' in csv_lines[3]
 
 
+def test_a_report_that_cannot_be_rendered_leaves_the_earlier_one_whole(tmp_path):
+    """peers.csv was written before the tables were rendered: a rendering that failed left
+    this run's CSV beside an earlier run's peers.md and peers.json."""
+    good = [_measurement("recserve:one", "64", 1500.0, 30.0)]
+    peers_report.report(tmp_path, good, {"one": ""}, {})
+    before = {
+        name: (tmp_path / name).read_text() for name in ("peers.csv", "peers.json", "peers.md")
+    }
+    broken = _measurement("recserve:one", "64", 1500.0, 30.0)
+    broken.samples_per_s = None  # type: ignore[assignment]  # the tables format it with :.0f
+    with pytest.raises(TypeError):
+        peers_report.report(tmp_path, [broken], {"one": ""}, {})
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(before)  # no temporaries
+
+
 def test_rounds_report_medians_and_each_rounds_ratio(tmp_path):
     measurements = [
         _measurement("recserve:one", "64", 1500.0, 30.0, 1),
@@ -555,3 +571,30 @@ def test_a_locust_that_crashed_or_hung_is_a_round_with_an_error(tmp_path, monkey
     failed = measure("1:7")  # locust's exit 1 for failed requests: the numbers stand
     assert (failed.error, failed.rps, failed.failures, failed.p99_ms) == ("", 333.0, 7, 15.0)
     assert (failed.samples_per_s, failed.requests) == (333.0 * 64, 1000)
+
+
+def test_only_the_ceiling_servers_answers_go_unchecked(tmp_path, monkeypatch):
+    """The load-test users now count a 200 whose answer lacks a prediction per row as a
+    failure; the no-work ceiling answers one fixed prediction to every request, by design, so
+    peers.py measures it with the answers' check off (and every real server with it on)."""
+    import argparse
+    import os
+
+    class StartedError(Exception):
+        pass
+
+    seen = []
+
+    def start(run):
+        seen.append(run.env["RECSERVE_LT_CHECK_ANSWERS"])
+        raise StartedError
+
+    monkeypatch.setattr(peers_measure.LocustRun, "start", start)
+    for check in (True, False):
+        with pytest.raises(StartedError):
+            peers_measure.measure(
+                label="ceiling", model="adult", batch="64", encoding="json", host="http://x",
+                user_class="KServeJsonUser", server_pid=os.getpid(), env={},
+                args=argparse.Namespace(seconds=1.0, users=2), out=tmp_path, check_answers=check,
+            )  # fmt: skip
+    assert seen == ["1", "0"]
