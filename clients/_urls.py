@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-__all__ = ["redact_url"]
+from embedding_store.errors import InvalidArgumentError
+
+__all__ = ["redact_url", "refuse_credentials"]
 
 #: ``//user:password@`` (or ``user:password@`` at the start: a gRPC target), for what
 #: urlsplit cannot parse (an invalid IPv6 host, say): the password is up to the last "@"
@@ -40,3 +42,22 @@ def redact_userinfo(text: str, url: str) -> str:
     if not at or ":" not in userinfo:
         return text
     return text.replace(userinfo + "@", userinfo.split(":", 1)[0] + ":***@")
+
+
+def refuse_credentials(
+    netloc: str, what: str, cert_key: tuple[str, str], tls_urls: str = "https:// or grpcs://"
+) -> None:
+    """InvalidArgumentError when ``netloc`` (a URL's ``urlsplit(...).netloc``) has a
+    ``user[:password]@`` part: no client sends it (urllib3 drops it, gRPC takes it as part of
+    the host name, urllib tries to resolve it), and the server takes no credentials in the URL,
+    so such a URL would silently never authenticate. ``what`` names the URL (``server URL
+    'http://ann:***@h:8000'``: already redacted); ``cert_key`` the options of a client
+    certificate (mutual TLS: how a client authenticates), for a URL of ``tls_urls``."""
+    if "@" not in netloc:
+        return
+    cert, key = cert_key
+    raise InvalidArgumentError(
+        f"{what} has credentials (user:password@): they are never sent, and the server "
+        f"takes no credentials in the URL; remove them (to authenticate a client, use mutual "
+        f"TLS: an {tls_urls} URL with {cert} and {key})"
+    )

@@ -37,8 +37,8 @@ import numpy as np
 from clients import codec
 from clients._grpc import DEFAULT_MAX_MESSAGE_BYTES, GrpcBackend, reconnect_backoff_ms
 from clients._http import HttpBackend
-from clients._tls import client_tls
-from clients._urls import redact_url
+from clients._tls import LIBRARY_NAMES, client_tls
+from clients._urls import redact_url, refuse_credentials
 from clients.retry import RetryableError, RetryPolicy, exhausted
 from clients.types import ModelInfo, PredictResult
 from embedding_store.batch import Batch
@@ -75,9 +75,11 @@ class Endpoint:
     tls: bool = False
 
 
-def parse_url(url: str) -> Endpoint:
+def parse_url(url: str, *, tls_names: tuple[str, str, str] = LIBRARY_NAMES) -> Endpoint:
     """``http://host:port[/prefix]``, ``https://...``, ``grpc://host:port`` or
-    ``grpcs://host:port`` (gRPC over TLS) (a bare ``host:port`` means HTTP)."""
+    ``grpcs://host:port`` (gRPC over TLS) (a bare ``host:port`` means HTTP). A
+    ``user:password@`` part is refused: it would never be sent (``tls_names``: how the
+    refusal names the client-certificate options, the library's or a CLI's flags)."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
     text = url.strip()
@@ -97,17 +99,21 @@ def parse_url(url: str) -> Endpoint:
         raise InvalidArgumentError(f"server URL {shown!r} has an invalid port") from None
     if scheme in ("http", "https"):
         base = f"{scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        return Endpoint("http", base, redact_url(base), tls=scheme == "https")
-    if scheme in ("grpc", "grpcs"):
+        endpoint = Endpoint("http", base, redact_url(base), tls=scheme == "https")
+    elif scheme in ("grpc", "grpcs"):
         if port is None:
             raise InvalidArgumentError(f"gRPC server URL {shown!r} needs a port")
         if parts.path.strip("/"):
             raise InvalidArgumentError(f"gRPC server URL {shown!r} cannot have a path")
         shown = redact_url(f"{scheme}://{parts.netloc}")
-        return Endpoint("grpc", parts.netloc, shown, tls=scheme == "grpcs")
-    raise InvalidArgumentError(
-        f"server URL {shown!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
-    )
+        endpoint = Endpoint("grpc", parts.netloc, shown, tls=scheme == "grpcs")
+    else:
+        raise InvalidArgumentError(
+            f"server URL {shown!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
+        )
+    # Last, once the URL is otherwise valid: a wrong scheme or port is the first thing to fix.
+    refuse_credentials(parts.netloc, f"server URL {endpoint.url!r}", tls_names[1:])
+    return endpoint
 
 
 def is_rows(data: object) -> bool:

@@ -252,7 +252,7 @@ def _predict(args: argparse.Namespace) -> int:
     from clients.client import parse_url, rows_need_http
     from clients.eval_report import atomic_file
 
-    endpoint = parse_url(args.url)
+    endpoint = parse_url(args.url, tls_names=CLI_NAMES)
     if endpoint.protocol != "http":
         raise rows_need_http(endpoint.url)
     # Checked here to name the flags; the client checks the same files again.

@@ -29,7 +29,7 @@ import orjson
 
 from clients._http import DeadlineHTTPResponse, answer_within, answered_in_http2, http2_hint
 from clients._tls import CLI_NAMES, client_tls, tls_hint
-from clients._urls import redact_url
+from clients._urls import redact_url, refuse_credentials
 from clients.codec import rows_not_feature_keyed
 from embedding_store.batch import (
     Batch,
@@ -122,9 +122,14 @@ def _normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    scheme = urllib.parse.urlsplit(url).scheme
-    if scheme not in ("http", "https"):
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as error:  # "Invalid IPv6 URL"
+        raise InvalidArgumentError(f"--url {redact_url(url)!r}: {error}") from None
+    if parts.scheme not in ("http", "https"):
         raise InvalidArgumentError(f"--url must be http(s)://HOST:PORT, got {redact_url(url)!r}")
+    # urllib would try to resolve "user:password@host" as the host name.
+    refuse_credentials(parts.netloc, f"--url {redact_url(url)!r}", CLI_NAMES[1:], "https://")
     return url
 
 
@@ -210,7 +215,7 @@ class ServerScorer:
     ) -> None:
         if protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.url = _normalize_url(url)  # requests go here (with any user:password@)
+        self.url = _normalize_url(url)  # requests go here
         tls = client_tls(
             self.url.startswith("https://"), self.shown, tls_ca, tls_cert, tls_key, names=CLI_NAMES
         )

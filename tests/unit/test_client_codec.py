@@ -825,6 +825,20 @@ def test_predict_refuses_a_grpc_url_before_reading_the_input(tmp_path):
         args.handler(args)
 
 
+def test_predict_refuses_credentials_in_its_url_before_reading_the_input(tmp_path):
+    from embedding_store.cli import build_parser
+
+    missing = str(tmp_path / "missing.jsonl")
+    args = build_parser().parse_args(["predict", "--url", "ann:s3cret@h:8000", "--input", missing])
+    with pytest.raises(InvalidArgumentError) as caught:
+        args.handler(args)
+    assert caught.value.message == (
+        "server URL 'http://ann:***@h:8000' has credentials (user:password@): they are never "
+        "sent, and the server takes no credentials in the URL; remove them (to authenticate a "
+        "client, use mutual TLS: an https:// or grpcs:// URL with --tls-cert and --tls-key)"
+    )
+
+
 def test_predict_refuses_to_write_its_output_over_its_input(tmp_path):
     # --output is replaced without asking: the predictions used to replace the rows.
     from embedding_store.cli import build_parser
@@ -911,30 +925,28 @@ def test_redact_url_hides_only_the_password():
     )
 
 
-def test_client_messages_never_show_the_password_of_the_url():
-    import socket
-
-    with socket.socket() as probe:  # a port nothing listens on: connections are refused
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://ann:s3cret@127.0.0.1:{port}"
-    with RecserveClient(url, retries=0, timeout=5) as client:
-        assert (
-            repr(client) == f"RecserveClient('http://ann:***@127.0.0.1:{port}', model_name='model')"
-        )
-        with pytest.raises(UnavailableError) as caught:
-            client.metadata()
-    assert caught.value.message == f"server http://ann:***@127.0.0.1:{port} refused the connection"
-    grpc_url = f"grpc://ann:s3cret@127.0.0.1:{port}"
-    with (
-        RecserveClient(grpc_url, retries=0, timeout=5) as client,
-        pytest.raises(UnavailableError) as caught,
+def test_client_refuses_credentials_in_the_url():
+    # No transport sends them (urllib3 drops them, gRPC takes them as part of the host name):
+    # such a URL would silently never authenticate, so it is refused, its password redacted.
+    mtls = "an https:// or grpcs:// URL with tls_cert and tls_key)"
+    for url, shown in (
+        ("http://ann:s3cret@127.0.0.1:8000", "http://ann:***@127.0.0.1:8000"),
+        ("ann:s3cret@127.0.0.1:8000/", "http://ann:***@127.0.0.1:8000"),
+        ("https://ann@h:8443/v2", "https://ann@h:8443/v2"),
+        ("grpc://ann:s3cret@127.0.0.1:8001", "grpc://ann:***@127.0.0.1:8001"),
+        ("grpcs://ann:p@ss@h:1", "grpcs://ann:***@h:1"),
     ):
-        client.metadata()
-    # grpc's own details name the target too (how it words them is grpc's).
-    prefix = f"cannot connect to server grpc://ann:***@127.0.0.1:{port}: gRPC UNAVAILABLE: "
-    assert caught.value.message.startswith(prefix) and "s3cret" not in caught.value.message
-    for bad, message in (
+        with pytest.raises(InvalidArgumentError) as caught:
+            RecserveClient(url)
+        assert caught.value.message == (
+            f"server URL {shown!r} has credentials (user:password@): they are never sent, "
+            "and the server takes no credentials in the URL; remove them (to authenticate a "
+            "client, use mutual TLS: " + mtls
+        )
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_url("http://ann:s3cret@h:1", tls_names=("--tls-ca", "--tls-cert", "--tls-key"))
+    assert caught.value.message.endswith("URL with --tls-cert and --tls-key)")
+    for bad, message in (  # other faults come first, the password redacted
         ("ftp://ann:s3cret@h", "server URL 'ftp://ann:***@h': scheme must be http, https, grpc "
          "or grpcs, got 'ftp'"),
         ("http://ann:s3cret@h:x", "server URL 'http://ann:***@h:x' has an invalid port"),
@@ -944,7 +956,7 @@ def test_client_messages_never_show_the_password_of_the_url():
         with pytest.raises(InvalidArgumentError) as caught:
             parse_url(bad)
         assert caught.value.message == message
-    assert parse_url(url).base == url  # requests still go to the URL given
+    assert parse_url("http://h:1/a:b@c").base == "http://h:1/a:b@c"  # "@" in the path: no password
 
 
 def test_eval_server_messages_never_show_the_password_of_the_url():
@@ -954,7 +966,13 @@ def test_eval_server_messages_never_show_the_password_of_the_url():
         ServerScorer("ftp://ann:s3cret@h", "m")
     assert caught.value.message == "--url must be http(s)://HOST:PORT, got 'ftp://ann:***@h'"
     with pytest.raises(InvalidArgumentError) as caught:
-        ServerScorer("http://ann:s3cret@h", "m", tls_ca=Path("ca.pem"))
+        ServerScorer("http://ann:s3cret@[::1", "m")
+    assert caught.value.message == "--url 'http://ann:***@[::1': Invalid IPv6 URL"
+    # urllib would resolve "ann:s3cret@127.0.0.1" as the host name: refused up front.
+    with pytest.raises(InvalidArgumentError) as caught:
+        ServerScorer("ann:s3cret@127.0.0.1:8000", "m", tls_ca=Path("ca.pem"))
     assert caught.value.message == (
-        "--tls-ca given for the plaintext URL http://ann:***@h: use https:// or grpcs:// for TLS"
+        "--url 'http://ann:***@127.0.0.1:8000' has credentials (user:password@): they are "
+        "never sent, and the server takes no credentials in the URL; remove them (to "
+        "authenticate a client, use mutual TLS: an https:// URL with --tls-cert and --tls-key)"
     )
