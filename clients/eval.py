@@ -174,6 +174,7 @@ def _check_options(o: EvalOptions) -> None:
         eval_report.check_report_target(o.report, overwrite=o.overwrite)
         if o.report.resolve() == o.out.resolve():
             raise InvalidArgumentError("--report and --out must differ")
+        eval_report.check_report_writable(o.report)
         eval_report.pyplot()  # a missing matplotlib fails now, not after the scoring run
 
 

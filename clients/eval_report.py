@@ -15,6 +15,7 @@ written under a temporary name next to the target and renamed into place; so is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import shutil
@@ -304,6 +305,27 @@ def check_report_target(path: str | os.PathLike[str], *, overwrite: bool) -> Non
             "refusing to replace it (that would delete what it holds); choose another "
             "directory: the report is written as a directory of its own"
         )
+
+
+def check_report_writable(path: str | os.PathLike[str]) -> None:
+    """InvalidArgumentError naming ``--report`` and ``path`` unless the report's staging
+    directory can be made next to ``path`` (in its nearest existing ancestor, where the missing
+    parents would be made): asked before the scoring run, which otherwise ended in an error
+    naming the hidden staging directory (``--report /proc/r``). Leaves nothing behind."""
+    target = Path(path)
+    absolute = Path(os.path.abspath(target))
+    ancestor = absolute.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ancestor))
+        probe = ancestor / f".{absolute.name}.probe-{uuid.uuid4().hex}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise InvalidArgumentError(f"--report {target}: cannot write there: {reason}") from None
 
 
 # --------------------------------------------------------------------------- report

@@ -259,6 +259,28 @@ def test_an_out_that_cannot_be_written_names_the_flag_and_the_path_given(
         )
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_a_report_that_cannot_be_written_fails_before_scoring(checkpoint, tmp_path, capsys):
+    """It failed after the scoring run, naming the hidden staging directory
+    (/proc/.r.tmp-<hex>), not --report."""
+    from embedding_store.cli import main
+
+    data, out = tmp_path / "rows.csv", tmp_path / "p.csv"
+    write_rows(data, 3)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["eval", "--data", str(data), "--checkpoint", str(checkpoint), "--out", str(out)]
+    for report, reason in (("/proc/r", "No such file or directory"),
+                           (f"{blocker}/a/r", "Not a directory")):  # fmt: skip
+        assert main([*argv, "--report", report, "--quiet"]) == 1
+        assert capsys.readouterr() == (
+            "",
+            f"recserve eval: error: --report {report}: cannot write there: {reason}\n",
+        )
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "rows.csv"]  # no probe left
+
+
 def test_a_report_without_matplotlib_fails_before_scoring(checkpoint, tmp_path, monkeypatch):
     """`recserve eval --report` without the eval extra (the quickstart's environment): it
     scored every row and wrote --out, then failed; the rerun after installing the extra then
