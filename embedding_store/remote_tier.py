@@ -584,6 +584,7 @@ class RemoteShardTier:
             shard_checkpoint_versions=tuple(s.checkpoint_version for s in statuses),
             shard_errors=errors,
             forward_buffer_size=self.worker.forward_buffer_size,
+            shard_addresses=self.shard_addresses,
         )
 
     def shard_statuses(self) -> list[ShardStatus]:

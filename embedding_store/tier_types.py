@@ -100,7 +100,8 @@ class TierStatus:
     the config the tier routes IDs by, where the tier reports one (an embedding worker's
     Status); None otherwise. ``forward_buffer_size`` is how many train lookups' forward
     contexts the tier's worker keeps for their gradients, one buffer for all its callers
-    (0: not reported, by a worker that predates it).
+    (0: not reported, by a worker that predates it). ``shard_addresses[i]`` is shard i's
+    address (``host:port``) where the shards are remote; empty for in-process shards.
     """
 
     rows_per_shard: tuple[int, ...]
@@ -117,3 +118,4 @@ class TierStatus:
     shard_errors: tuple[str, ...] = ()
     embedding_config: EmbeddingConfig | None = None
     forward_buffer_size: int = 0
+    shard_addresses: tuple[str, ...] = ()

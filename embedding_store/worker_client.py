@@ -290,6 +290,7 @@ class RemoteEmbeddingWorker:
             shard_errors=tuple(response.shard_errors) if partial else (),
             embedding_config=self._reported_config(response.embedding_config_json),
             forward_buffer_size=response.forward_buffer_size,
+            shard_addresses=tuple(response.shards),
         )
 
     def _reported_config(self, text: str) -> EmbeddingConfig | None:

@@ -34,6 +34,7 @@ from embedding_store.errors import (
 )
 from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
 from embedding_store.tier import DownReasons, InProcessEmbeddingTier
+from embedding_store.tier_types import TierStatus
 from serving import instance_inputs, tensor_specs, tensors
 from serving.batcher import DEADLINE_SLACK_SECONDS, DROP_REASONS, BatchOutcome, DynamicBatcher
 from serving.core import ModelMetadata, Prediction, ServerMetadata
@@ -90,6 +91,28 @@ def _own_unknown(
     if per_sample is None:
         return _share(merged_unknown, own_ids, merged_ids)
     return int(per_sample[offset : offset + size].sum())
+
+
+def _cannot_serve_yet(tier: object, status: TierStatus) -> str | None:
+    """Which shards answered ``status`` but cannot serve, as specifically as the server
+    knows them: ``"embedding shard 1 (h:7001) cannot serve yet (loading)"`` (shards asked
+    directly: serve --embedding-ps), ``"embedding worker w:7100: shard 1 (h:7001) cannot
+    serve yet (loading)"`` (through an embedding worker: the one to ask, and the shard it
+    reports), without the address for in-process shards or the task where none is reported;
+    one per shard, joined by ``"; "``. None when every one serves."""
+    addresses, tasks = status.shard_addresses, status.shard_tasks
+    waiting = [
+        f"shard {index}"
+        + (f" ({addresses[index]})" if index < len(addresses) and addresses[index] else "")
+        + " cannot serve yet"
+        + (f" ({tasks[index]})" if index < len(tasks) and tasks[index] else "")
+        for index, serving in enumerate(status.shard_serving)
+        if not serving
+    ]
+    if not waiting:
+        return None
+    worker = getattr(tier, "address", None)  # a RemoteEmbeddingWorker's
+    return (f"embedding worker {worker}: " if worker else "embedding ") + "; ".join(waiting)
 
 
 class PredictionService:
@@ -193,7 +216,7 @@ class PredictionService:
                 status = model.tier.status()
                 # A shard that answers but cannot serve yet (a restarted inference shard
                 # still loading its checkpoint) fails every lookup that reaches it.
-                waiting = [i for i, ok in enumerate(status.shard_serving) if not ok]
+                waiting = _cannot_serve_yet(model.tier, status)
                 self._compare_versions(status.shard_checkpoint_versions)
                 # A worker restarted with another embedding config since the load checked it.
                 mismatch = worker_config_mismatch(
@@ -205,7 +228,7 @@ class PredictionService:
                 if mismatch is not None:
                     raise mismatch
                 if waiting:
-                    raise UnavailableError(f"embedding shard(s) {waiting} cannot serve yet")
+                    raise UnavailableError(waiting)
                 if self._tier_down.up():
                     log.info("embedding tier serving again")
             except RecserveError as error:

@@ -1224,7 +1224,7 @@ def test_a_shard_that_cannot_serve_shows_in_the_metric_not_in_readiness(adult_ch
     gauge = service.metrics.registry.get_sample_value
     try:
         _wait_until(lambda: not service.tier_serving, 10, "the tier check")
-        assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+        assert service.last_tier_error == "embedding shard 1 cannot serve yet"  # in-process
         assert gauge("recserve_embedding_tier_serving") == 0.0
         assert service.ready() and gauge("recserve_ready") == 1.0
         tier.serving = True

@@ -743,6 +743,7 @@ class _RemoteTier:
         self._tier = tier
         self.versions, self.serving = versions, serving
         self.config = None  # the embedding config the worker reports (None: none)
+        self.tasks: tuple[str, ...] = ()  # what each shard reports it is busy with
 
     def status(self):
         return dataclasses.replace(
@@ -750,6 +751,8 @@ class _RemoteTier:
             shard_serving=self.serving,
             shard_checkpoint_versions=self.versions,
             embedding_config=self.config,
+            shard_tasks=self.tasks or ("",) * len(self.serving),
+            shard_addresses=tuple(f"s:{7000 + i}" for i in range(len(self.serving))),
         )
 
     def __getattr__(self, name: str):
@@ -789,13 +792,19 @@ def test_the_tier_check_notes_shards_not_serving_and_foreign_versions(checkpoint
     expected = model.embedding_version
     assert expected
     tier = model.tier = _RemoteTier(
-        model.tier, versions=("", expected, "other", ""), serving=(True, False, True, True)
+        model.tier, versions=("", expected, "other", ""), serving=(True, False, True, False)
     )
+    tier.tasks = ("", "loading", "", "")
     service = make_service(model, tier_check_seconds=0.01)
     gauge = service.metrics.registry.get_sample_value
 
     _wait_until(lambda: not service.tier_serving)
-    assert service.last_tier_error == "embedding shard(s) [1] cannot serve yet"
+    # Named as the worker's own log line names them (it used to be "embedding shard(s) [1, 3]
+    # cannot serve yet": no worker, address or task).
+    assert service.last_tier_error == (
+        "embedding worker w:7100: shard 1 (s:7001) cannot serve yet (loading); "
+        "shard 3 (s:7003) cannot serve yet"
+    )
     assert service.foreign_embedding_versions == {2: "other"}
     assert gauge("recserve_embedding_tier_version_mismatch") == 1.0
     assert service.ready()
@@ -827,7 +836,8 @@ def test_the_tier_check_notes_a_worker_with_another_config_and_each_new_reason(
     )
     assert service.last_tier_error == expected
     tier.config, tier.serving = model.embedding_config, (False,)
-    _wait_until(lambda: service.last_tier_error == "embedding shard(s) [0] cannot serve yet")
+    waiting = "embedding worker w:7100: shard 0 (s:7000) cannot serve yet"
+    _wait_until(lambda: service.last_tier_error == waiting)
     tier.serving = (True,)
     _wait_until(lambda: service.tier_serving)
     logged = [(r.levelname, r.getMessage()) for r in caplog.records]
@@ -841,7 +851,7 @@ def test_the_tier_check_notes_a_worker_with_another_config_and_each_new_reason(
         (
             "WARNING",
             "embedding tier not serving (requests that need it fail or get default vectors, "
-            "as --fallback-policy says): embedding shard(s) [0] cannot serve yet",
+            f"as --fallback-policy says): {waiting}",
         ),
         ("INFO", "embedding tier serving again"),
     ]

@@ -644,6 +644,8 @@ def test_tier_status_reports_which_shards_serve():
     try:
         status = tier.status()
         assert status.shard_serving == (True, False)
+        # The server's tier check names the shards that cannot serve by these addresses.
+        assert status.shard_addresses == (fakes[0].address, fakes[1].address)
         answer = EmbeddingWorkerServicer(tier).Status(pb.WorkerStatusRequest(), Context())
         assert [s.serving for s in answer.shard_status] == [True, False]
         assert format_status(status)[:2] == [
@@ -654,6 +656,7 @@ def test_tier_status_reports_which_shards_serve():
         tier.close()
     with InProcessEmbeddingTier(CONFIG, num_shards=3) as in_process:
         assert in_process.status().shard_serving == (True, True, True)
+        assert in_process.status().shard_addresses == ()
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "inf"])

@@ -457,6 +457,8 @@ def test_status_carries_the_workers_forward_buffer_size_to_its_clients(make_tier
     with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
         client._stub = stub = Stub()
         assert client.status(partial=True).forward_buffer_size == 12
+        # The shards' addresses too: the server's tier check names a shard by its own.
+        assert client.status().shard_addresses == ("fake-0:7000", "fake-1:7000")
         stub.response = pb.WorkerStatusResponse()  # a worker that predates the field
         assert client.status().forward_buffer_size == 0
 
