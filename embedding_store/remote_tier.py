@@ -281,6 +281,11 @@ class RemoteShardTier:
         self._gradients.put((context, grads))
         return BackwardStats(rows_pushed=0, nonfinite_rows_skipped=0)
 
+    def drop_forward_contexts(self, refs: Sequence[int]) -> None:
+        """Drop the contexts of train lookups ``refs`` abandoned without a backward (the
+        worker core is in this process: no call to the shards)."""
+        self.worker.drop_forward_contexts(refs)
+
     def _push_loop(self) -> None:
         while True:
             item = self._gradients.get()

@@ -141,6 +141,11 @@ class InProcessEmbeddingTier:
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         return self.worker.backward(ref, grads)
 
+    def drop_forward_contexts(self, refs: Sequence[int]) -> None:
+        """Drop the contexts of train lookups ``refs`` abandoned without a backward (see
+        :meth:`EmbeddingWorker.drop_forward_contexts`)."""
+        self.worker.drop_forward_contexts(refs)
+
     def flush(self) -> None:
         """Nothing to wait for: in-process gradients are applied inside :meth:`backward`."""
 

@@ -30,7 +30,7 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from concurrent.futures import wait as wait_for_all
 from dataclasses import dataclass, field, replace
@@ -391,6 +391,14 @@ class EmbeddingWorker:
                 self._pending.popitem(last=False)
                 self.expired_forward_contexts += 1
         return ref
+
+    def drop_forward_contexts(self, refs: Iterable[int]) -> int:
+        """Drop forward contexts ``refs`` from the buffer: train lookups abandoned without a
+        backward (a loss that raised), which would otherwise wait there until they expire,
+        counted in :attr:`expired_forward_contexts`. Refs not in the buffer (already used,
+        expired or unknown) are ignored. Returns how many were dropped."""
+        with self._pending_lock:
+            return sum(self._pending.pop(int(ref), None) is not None for ref in refs)
 
     @property
     def pending_backward(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,9 @@ class RemoteEmbeddingWorker:
         self._config_cache: tuple[str, EmbeddingConfig] | None = None
         self._channel = tier_channel(address, channel_options(), retry_safe=RETRY_SAFE_METHODS)
         self._stub = pb_grpc.EmbeddingWorkerStub(self._channel)
+        # Refs of train lookups abandoned without a backward, sent with the next lookup.
+        self._abandoned_refs: list[int] = []
+        self._abandoned_lock = threading.Lock()
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def wait_for_serving(self, timeout: float = 60.0) -> None:
@@ -126,8 +130,16 @@ class RemoteEmbeddingWorker:
         elif batch.requires_grad or batch.non_id_type_features or batch.labels:
             # Only ID features travel to the embedding tier.
             batch = Batch(list(batch.id_type_features), requires_grad=False)
-        request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train)
-        response = self._retried(self._stub.Lookup, request, self.timeout, resend=True)
+        with self._abandoned_lock:
+            drop, self._abandoned_refs = self._abandoned_refs, []
+        request = pb.WorkerLookupRequest(batch=batch.to_bytes(), train=train, drop_refs=drop)
+        try:
+            response = self._retried(self._stub.Lookup, request, self.timeout, resend=True)
+        except BaseException:
+            if drop:  # for the next lookup (dropping a context twice is harmless)
+                with self._abandoned_lock:
+                    self._abandoned_refs[:0] = drop
+            raise
         try:
             slots = unpack_slots(response.slots)
             self._check_answer(batch.id_type_features, slots)
@@ -177,6 +189,13 @@ class RemoteEmbeddingWorker:
                     f"slot {feature.name!r} has shape {list(shape)}, expected {wanted} for a "
                     f"batch of {feature.batch_size}"
                 )
+
+    def drop_forward_contexts(self, refs: Sequence[int]) -> None:
+        """Have the worker drop the contexts of train lookups ``refs`` abandoned without a
+        backward: sent with the next lookup (``WorkerLookupRequest.drop_refs``), not in a
+        call of their own. A worker that predates the field ignores them (they expire)."""
+        with self._abandoned_lock:
+            self._abandoned_refs.extend(int(ref) for ref in refs)
 
     def backward(self, ref: int, grads: Mapping[str, torch.Tensor | np.ndarray]) -> BackwardStats:
         """:meth:`EmbeddingTier.backward` over gRPC: the worker checks the gradients and

@@ -100,6 +100,8 @@ class EmbeddingWorkerServicer(pb_grpc.EmbeddingWorkerServicer):
     ) -> pb.WorkerLookupResponse:
         batch = Batch.from_bytes(request.batch)
         check_answer_fits(batch, self.tier.embedding_config)
+        if request.drop_refs:  # the caller's abandoned train lookups (no Backward coming)
+            self.tier.drop_forward_contexts(request.drop_refs)
         with _within_callers_deadline(context):
             result = self.tier.lookup(batch, train=request.train)
         response = pb.WorkerLookupResponse(

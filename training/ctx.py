@@ -826,6 +826,13 @@ class TrainCtx(EmbeddingCtx):
             self._abandoned = self._pending[2]
             for leaf in self._abandoned:  # so that a gradient found there is the next loss's
                 leaf.grad = None
+            # ... and its context on the worker, which otherwise waited there until it
+            # expired (counted in expired_forward_contexts, and taking a buffer place other
+            # ranks sharing the worker need): at once in process, with the next lookup over
+            # the wire (no call of its own). Tiers without the method keep it until then.
+            drop = getattr(self.embedding_tier, "drop_forward_contexts", None)
+            if drop is not None:
+                drop([self._pending[0]])
             self._pending = None
             self._in_flight.release()
         self._in_flight.acquire()  # bounded staleness: wait for old embedding updates

@@ -259,12 +259,14 @@ class SlotHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., mask: _Optional[bytes] = ...) -> None: ...
 
 class WorkerLookupRequest(_message.Message):
-    __slots__ = ("batch", "train")
+    __slots__ = ("batch", "train", "drop_refs")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
+    DROP_REFS_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     train: bool
-    def __init__(self, batch: _Optional[bytes] = ..., train: bool = ...) -> None: ...
+    drop_refs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[bytes] = ..., train: bool = ..., drop_refs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLookupResponse(_message.Message):
     __slots__ = ("slots", "ref", "unknown_ids", "unknown_per_sample")

@@ -245,11 +245,15 @@ def test_staleness_bounds_updates_in_flight():
 
 def test_a_forward_without_backward_gives_its_staleness_slot_back():
     with new_ctx(staleness=3) as ctx:
+        worker = ctx.embedding_tier.worker
         ctx.forward(make_batch(0))  # abandoned: no backward
         ctx.forward(make_batch(1))  # abandoned too
+        # ... and its forward context: it waited in the worker's buffer until it expired.
+        assert worker.pending_backward == 1
         train_steps(ctx, 1, offset=2)
         ctx.wait_for_embedding_updates()
         assert ctx._in_flight._value == 3  # no slot lost to the abandoned forwards
+        assert (worker.pending_backward, worker.expired_forward_contexts) == (0, 0)
 
 
 def test_a_forward_without_backward_does_not_block_a_synchronous_run():

@@ -463,6 +463,46 @@ def test_status_carries_the_workers_forward_buffer_size_to_its_clients(make_tier
         assert client.status().forward_buffer_size == 0
 
 
+def test_abandoned_forward_contexts_go_with_the_next_lookup(make_tier):
+    """A trainer's forward left without backward (its loss raised) kept its context in the
+    worker's buffer until it expired. The client sends the refs to drop with its next lookup
+    (no call of its own); the worker drops them first, and ignores refs it no longer has."""
+    from embedding_store.worker_client import RemoteEmbeddingWorker
+
+    tier, _ = make_tier()
+    servicer = EmbeddingWorkerServicer(tier)
+
+    class Stub:
+        def __init__(self) -> None:
+            self.requests: list[pb.WorkerLookupRequest] = []
+            self.fail = False
+
+        def Lookup(self, request, timeout=None):
+            self.requests.append(request)
+            if self.fail:
+                raise UnavailableError("embedding worker 127.0.0.1:1: connection refused")
+            return servicer.Lookup(request, FakeContext())
+
+    batch = user_batch([1, 2, 3])
+    with RemoteEmbeddingWorker("127.0.0.1:1", CONFIG) as client:
+        client._stub = stub = Stub()
+        first, second = (client.lookup(batch, train=True).ref for _ in range(2))
+        client.drop_forward_contexts([first, 999])  # 999: unknown to the worker
+        assert tier.worker.pending_backward == 2  # nothing sent yet
+        stub.fail = True  # a lookup that fails keeps them for the next one
+        with pytest.raises(UnavailableError):
+            client.lookup(batch, train=False)
+        stub.fail = False
+        third = client.lookup(batch, train=True).ref
+        client.lookup(batch, train=False)
+    assert [list(r.drop_refs) for r in stub.requests] == [[], [], [first, 999], [first, 999], []]
+    assert tier.worker.pending_backward == 2 and tier.worker.expired_forward_contexts == 0
+    with pytest.raises(NotFoundError, match=f"no forward context {first}:"):
+        tier.worker.take_forward_context(first)
+    for ref in (second, third):
+        tier.worker.take_forward_context(ref)
+
+
 def test_status_carries_the_workers_embedding_config_to_its_clients(make_tier):
     """Servers check the config a worker routes and pools IDs by against their checkpoint's
     (serving.model.worker_config_mismatch): it travels in Status, parsed once per text."""
