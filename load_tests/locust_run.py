@@ -241,43 +241,60 @@ def locust_outcome(
     return final, problems
 
 
-def read_history(csv_prefix: Path) -> list[dict[str, float]]:
+#: Seconds between the reports of a locust worker process to its master (locust's
+#: ``WORKER_REPORT_INTERVAL``): with ``--processes`` the master's counts, and so its history,
+#: grow in steps this far apart per worker.
+WORKER_REPORT_S = 3.0
+
+
+def read_history(csv_prefix: Path, window_s: float = 1.0) -> list[dict[str, float]]:
     """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
 
-    ``rps`` and ``failures_per_s`` are this interval's own rates, from the growth of locust's
-    cumulative counts since the row before. (locust's ``Requests/s`` column is a trailing
-    10-second average that reads 0 for the first seconds of a run.) The percentiles are the
-    history's: with ``--csv-full-history`` (:meth:`LocustRun.command`) locust's "current"
-    ones, over the trailing ~10 s window (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0,
-    read as NaN, until that window has data); without the flag locust writes percentiles
-    cumulative since the start of the run, which flatten any change over time. locust's CSV
-    writer truncates them to whole ms (a window's 4.8 ms reads 4, a sub-ms one 0, i.e. NaN):
-    good for the picture; the summary's percentiles come from the final stats, to 2
-    significant digits (load_tests/locustfile.py ``latency_bucket``).
+    ``rps`` and ``failures_per_s`` are rates over the trailing ``window_s`` seconds: the growth
+    of locust's cumulative counts since the last row at least ``window_s`` older (since the
+    first row, early in the run). ``window_s`` 1 (one process) gives each interval its own
+    rate; with ``--processes`` pass :data:`WORKER_REPORT_S`: the master's counts grow only when
+    a worker reports, every 3 s, and per-second rates read ~3x the rate, then 0. Every such
+    window holds one report of each worker. ``completed`` is the requests (failed ones too)
+    counted in the row's own interval, for :func:`stall_problems`. (locust's ``Requests/s``
+    column is a trailing 10-second average that reads 0 for the first seconds of a run.) The
+    percentiles are the history's: with ``--csv-full-history`` (:meth:`LocustRun.command`)
+    locust's "current" ones, over the trailing ~10 s window
+    (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0, read as NaN, until that window has data);
+    without the flag locust writes percentiles cumulative since the start of the run, which
+    flatten any change over time. locust's CSV writer truncates them to whole ms (a window's
+    4.8 ms reads 4, a sub-ms one 0, i.e. NaN): good for the picture; the summary's percentiles
+    come from the final stats, to 2 significant digits (load_tests/locustfile.py
+    ``latency_bucket``).
     """
     rows: list[dict[str, float]] = []
     path = Path(f"{csv_prefix}_stats_history.csv")
     if not path.exists():
         return rows
-    previous: tuple[float, int, int] | None = None
+    counts: list[tuple[float, int, int]] = []  # (unix, requests, failures) of every row
+    base = 0  # the last row at least window_s older than the current one (or the first)
     with open(path, newline="") as handle:
         for row in csv.DictReader(handle):
             if row["Name"] != "Aggregated":
                 continue
             unix = float(row["Timestamp"])
             requests, failures = int(row["Total Request Count"]), int(row["Total Failure Count"])
+            completed = requests - counts[-1][1] if counts else 0
+            counts.append((unix, requests, failures))
+            while base + 1 < len(counts) and counts[base + 1][0] <= unix - window_s:
+                base += 1
             rps = failures_per_s = 0.0
-            if previous is not None and unix > previous[0]:
-                elapsed = unix - previous[0]
-                rps = (requests - previous[1]) / elapsed
-                failures_per_s = (failures - previous[2]) / elapsed
-            previous = (unix, requests, failures)
+            elapsed = unix - counts[base][0]
+            if elapsed > 0:
+                rps = (requests - counts[base][1]) / elapsed
+                failures_per_s = (failures - counts[base][2]) / elapsed
             rows.append(
                 {
                     "unix": unix,
                     "users": float(row["User Count"]),
                     "rps": rps,
                     "failures_per_s": failures_per_s,
+                    "completed": float(completed),
                     "p50_ms": _number(row["50%"]) or float("nan"),
                     "p95_ms": _number(row["95%"]) or float("nan"),
                     "p99_ms": _number(row["99%"]) or float("nan"),
@@ -315,7 +332,7 @@ def stall_problems(history: list[dict[str, float]], limit_s: float = STALL_S) ->
     for row in history:
         if row["users"] <= 0:  # before the users start or once they stopped
             continue
-        if row["rps"] > 0:
+        if row["completed"] > 0:
             close()
             grew, quiet = row["unix"], None
         elif grew is not None:

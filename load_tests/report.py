@@ -45,8 +45,10 @@ def plot(
     title: str,
     rss: list[dict[str, float]] | None = None,
     marks: Sequence[tuple[float, str]] = (),
+    rate_window_s: float = 1.0,
 ) -> str | None:
-    """Latency percentiles and throughput over time (and RSS when given) as a PNG.
+    """Latency percentiles and throughput over time (and RSS when given) as a PNG; req/s is
+    the history's, over trailing windows of ``rate_window_s`` (see ``read_history``).
 
     Returns None once ``path`` is written, else why it is not (:data:`NO_MATPLOTLIB`): the
     picture is no part of the run's verdict, so its absence must not cost the summary."""
@@ -72,7 +74,7 @@ def plot(
             ax.set_ylim(0, max(steady) * 1.3)
         twin = ax.twinx()
         twin.plot(t, [row["rps"] for row in history], color="grey", alpha=0.6, label="req/s")
-        twin.set_ylabel("requests/s")
+        twin.set_ylabel(f"requests/s (trailing {rate_window_s:g} s)")
         twin.legend(loc="upper right")
     ax.set_xlabel("seconds")
     ax.set_title(title)

@@ -70,6 +70,7 @@ from load_tests import traffic  # noqa: E402
 from load_tests.checkpoint_reload import soak_reload, watcher_reload_timeout  # noqa: E402
 from load_tests.locust_run import (  # noqa: E402
     LOCUST_OUTPUTS,
+    WORKER_REPORT_S,
     LocustRun,
     locust_installed,
     locust_outcome,
@@ -429,7 +430,10 @@ def _run(args: argparse.Namespace) -> int:
         final, problems = locust_outcome(run, locust.returncode, started_unix)
         problems[:0] = [*dead_processes(stack), *overrun]  # the causes before their symptoms
         stats = list(final["stats"]) if final is not None else []
-        history = read_history(run.csv_prefix)
+        # With --processes the master's counts grow only when a worker reports (every 3 s):
+        # req/s over windows that long, not spikes of ~3x the rate and then 0.
+        rate_window = WORKER_REPORT_S if args.locust_processes > 1 else 1.0
+        history = read_history(run.csv_prefix, rate_window)
         if final is not None:
             problems.extend(stats_problems(stats, classes, run.csv_prefix))
             problems.extend(stall_problems(history))
@@ -453,6 +457,7 @@ def _run(args: argparse.Namespace) -> int:
             title=f"recserve {args.tier}, {args.users} users ({args.user_classes})",
             rss=sampler.samples if args.soak else None,
             marks=marks,
+            rate_window_s=rate_window,
         )
         if no_plot:  # the verdict and the numbers do not need the picture
             print(f"warning: {no_plot}", file=sys.stderr)

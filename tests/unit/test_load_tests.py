@@ -95,6 +95,30 @@ def test_read_history_gives_each_interval_its_own_rates(tmp_path):
     assert history[0]["p50_ms"] != history[0]["p50_ms"]  # N/A -> NaN
 
 
+def test_read_history_of_locust_processes_gives_rates_over_their_report_interval(tmp_path):
+    """With --processes the master's counts grow only when a worker reports, every 3 s: the
+    per-second rates of its history read 3x the rate, then 0 (the plot's req/s spiked). Over
+    windows of the report interval each row reads the steady rate: here 2 workers, 100 req/s
+    each, reporting 300 requests every 3 s at their own phases, read 200 req/s."""
+    from load_tests.locust_run import WORKER_REPORT_S, read_history
+
+    reports = [(1000.5 + 3 * k, 300) for k in range(5)] + [(1001.5 + 3 * k, 300) for k in range(5)]
+    lines = [_HISTORY_HEADER]
+    for second in range(1000, 1013):  # a row each second, written ~0.9 s into it
+        total = sum(count for at, count in reports if at <= second + 0.9)
+        lines.append(_history_row(second, "Aggregated", "5", total, total // 100))
+    (tmp_path / "run_stats_history.csv").write_text("\n".join(lines) + "\n")
+    per_second = [row["rps"] for row in read_history(tmp_path / "run")]
+    assert per_second[4:10] == [300.0, 0.0, 300.0, 300.0, 0.0, 300.0]  # the spikes
+    history = read_history(tmp_path / "run", WORKER_REPORT_S)
+    assert [row["rps"] for row in history] == [
+        0.0, 300.0, 150.0, *[200.0] * 10  # the first rows: since the first one
+    ]  # fmt: skip
+    assert [row["failures_per_s"] for row in history][3:] == [2.0] * 10
+    # Each row's own completions, which the stall check reads: 0 between reports.
+    assert [row["completed"] for row in history][4:7] == [300.0, 0.0, 300.0]
+
+
 def test_read_history_of_a_run_without_history_is_empty(tmp_path):
     from load_tests.locust_run import read_history
 
