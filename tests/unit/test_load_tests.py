@@ -1139,15 +1139,18 @@ from locust.env import Environment
 from load_tests import locustfile as lf
 
 
-def v2(rows, data=None):
+def v2(rows, data=None, unknown=1):
     data = [0.5] * rows if data is None else data
-    return json.dumps({"model_name": "m", "model_version": "1", "outputs": [
-        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1], "data": data}]}).encode()
+    parameters = {} if unknown is None else {"fallback_ids": 0, "unknown_ids": unknown}
+    return json.dumps({"model_name": "m", "model_version": "1", "parameters": parameters,
+        "outputs": [{"name": "prediction", "datatype": "FP32", "shape": [rows, 1],
+                     "data": data}]}).encode()
 
 
 def binary(rows, cut=0):
-    head = json.dumps({"model_name": "m", "outputs": [{"name": "prediction", "datatype": "FP32",
-        "shape": [rows, 1], "parameters": {"binary_data_size": 4 * rows}}]}).encode()
+    head = json.dumps({"model_name": "m", "parameters": {"unknown_ids": 0}, "outputs": [
+        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1],
+         "parameters": {"binary_data_size": 4 * rows}}]}).encode()
     return head + struct.pack(f"<{rows}f", *[0.25] * rows)[: 4 * rows - cut], len(head)
 
 
@@ -1157,10 +1160,18 @@ ANSWERS = {  # path -> (body, Inference-Header-Content-Length or None)
     "/v2/nan": (v2(2, [0.5, None]), None),  # how orjson (the server's) writes a NaN
     "/v2/empty": (b"", None),
     "/v2/no-outputs": (b'{"model_name": "m", "outputs": []}', None),
+    "/v2/all-unknown": (v2(2, unknown=5), None),  # 5 IDs sent (below), all unknown
+    "/v2/no-unknown-ids": (v2(2, unknown=None), None),
+    "/v2/too-many-unknown": (v2(2, unknown=6), None),
+    "/v2/negative-unknown": (v2(2, unknown=-1), None),
+    "/v2/text-unknown": (v2(2, unknown="3"), None),
     "/bin/ok": binary(2),
     "/bin/cut": binary(2, cut=3),
-    "/v1/ok": (b'{"predictions": [[0.5], [0.5]]}', None),
+    "/v1/ok": (b'{"predictions": [[0.5], [0.5]], "unknown_ids": 0}', None),
     "/v1/none": (b'{"predictions": []}', None),
+    "/v1/no-unknown-ids": (b'{"predictions": [[0.5], [0.5]], "fallback_ids": 0}', None),
+    "/ts/ok": (v2(2, unknown=None), None),  # TorchServe promises no unknown_ids
+    "/ts/too-many-unknown": (v2(2, unknown=6), None),  # but one it sends is checked
 }
 
 
@@ -1190,11 +1201,13 @@ env.events.request.add_listener(
 session = FastHttpSession(
     base_url=f"http://127.0.0.1:{server.server_port}", request_event=env.events.request, user=None
 )
-users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser}
+users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser,
+         "/ts": lf.TorchServeJsonUser}
 for path in ANSWERS:
     user = users["/" + path.split("/")[1]]
     with session.post(path, data=b"{}", name=path, catch_response=True) as response:
-        lf._check(response, user.label, 2, lambda r: user.answer(user, r))
+        lf._check(response, user.label, 2, lambda r: user.answer(user, r), ids_sent=5,
+                  unknown_ids_promised=user.promises_unknown_ids)
 
 # The gRPC user: its client decodes the answer, the user checks the rows.
 import numpy as np
@@ -1202,10 +1215,11 @@ from types import SimpleNamespace
 from load_tests import traffic
 
 grpc_user = lf.GrpcUser(env)
-payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)})
+payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)}, ids=3)
 grpc_user.pool = SimpleNamespace(pick=lambda: payload)
-for rows in ([[0.5], [0.5], [0.5]], [[0.5], [0.5]]):
-    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32))
+for rows, parameters in (([[0.5]] * 3, {"unknown_ids": 3}), ([[0.5]] * 3, {}),
+                         ([[0.5]] * 3, {"unknown_ids": 4}), ([[0.5], [0.5]], {})):
+    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32), parameters=parameters)
     grpc_user.client = SimpleNamespace(infer=lambda arrays, answer=answer: answer)
     grpc_user.infer()
 
@@ -1227,11 +1241,16 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
     """The users counted every 200 as a success: an empty body, a missing row or a NaN passed
     as a fast request. Each answer is now decoded (JSON, binary outputs by the response's
     Inference-Header-Content-Length, the friendly route's predictions; gRPC's by the client)
-    and must hold one finite prediction per row sent."""
+    and must hold one finite prediction per row sent, and, where the protocol promises it
+    (recserve's v2 and friendly answers, not TorchServe's), an integer ``unknown_ids`` within
+    [0, the IDs sent]: a server that stopped counting unknown IDs passed unseen."""
     seen = last_json_line(run_python(_WRONG_ANSWERS))
     short_grpc = "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"
-    assert seen[-6:] == [
+    wrong = "v2-json: HTTP 200 with a wrong answer: "
+    assert seen[-8:] == [
         ["v2-grpc b3", None],
+        ["v2-grpc b3", "wrong answer: the answer has no unknown_ids"],
+        ["v2-grpc b3", "wrong answer: unknown_ids 4 is outside [0, 3] (the IDs sent)"],
         ["v2-grpc b3", short_grpc],
         ["v2-json b2", "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape "
                        "[1, 1]) for a request of 2 rows"],
@@ -1239,7 +1258,7 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
         ["v2-json b2", None],  # RECSERVE_LT_CHECK_ANSWERS=0: the status alone
         ["v2-grpc b3", None],
     ]  # fmt: skip
-    assert dict(seen[:-6]) == {
+    assert dict(seen[:-8]) == {
         "/v2/ok": None,
         "/v2/short": "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape [1, 1]) "
         "for a request of 2 rows",
@@ -1248,13 +1267,69 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
         "JSON: Input is a zero-length, empty document: line 1 column 1 (char 0)",
         "/v2/no-outputs": "v2-json: HTTP 200 with a wrong answer: the server answered without "
         "outputs",
+        "/v2/all-unknown": None,
+        "/v2/no-unknown-ids": wrong + "the answer has no unknown_ids",
+        "/v2/too-many-unknown": wrong + "unknown_ids 6 is outside [0, 5] (the IDs sent)",
+        "/v2/negative-unknown": wrong + "unknown_ids -1 is outside [0, 5] (the IDs sent)",
+        "/v2/text-unknown": wrong + "unknown_ids '3' is not an integer",
         "/bin/ok": None,
         "/bin/cut": "v2-binary: HTTP 200 with a wrong answer: output 'prediction': 5 bytes do "
         "not hold a FP32 tensor of shape [2, 1]",
         "/v1/ok": None,
         "/v1/none": "v1-predict: HTTP 200 with a wrong answer: 0 prediction rows (shape [0, 1]) "
         "for a request of 2 rows",
+        "/v1/no-unknown-ids": "v1-predict: HTTP 200 with a wrong answer: the answer has no "
+        "unknown_ids",
+        "/ts/ok": None,
+        "/ts/too-many-unknown": "torchserve-json: HTTP 200 with a wrong answer: unknown_ids 6 "
+        "is outside [0, 5] (the IDs sent)",
     }
+
+
+def test_unknown_ids_must_be_a_count_of_the_ids_sent():
+    """An answer's unknown_ids: an integer within [0, IDs sent]; absent, a problem only where
+    the protocol promises it; with raw rows (the IDs are the preprocessor's) the lower bound
+    alone. Each payload knows its ID occurrences: every ID slot's, jagged ones' lists too."""
+    from load_tests import traffic
+
+    check = traffic.unknown_ids_problem
+    assert check({"unknown_ids": 0}, 5, True) is None
+    assert check({"unknown_ids": 5}, 5, True) is None
+    assert check({"unknown_ids": 6}, 5, True) == "unknown_ids 6 is outside [0, 5] (the IDs sent)"
+    assert check({"unknown_ids": -1}, None, True) == (
+        "unknown_ids -1 is outside [0, ?] (the IDs sent)"
+    )
+    assert check({"unknown_ids": 10**6}, None, True) is None  # raw rows: no upper bound known
+    assert check({"unknown_ids": True}, 5, True) == "unknown_ids True is not an integer"
+    assert check({"unknown_ids": 1.0}, 5, False) == "unknown_ids 1.0 is not an integer"
+    assert check({}, 5, True) == "the answer has no unknown_ids"
+    assert check({"fallback_ids": 0}, 5, False) is None
+    inputs = traffic.ModelInputs.from_metadata({"inputs": [
+        {"name": "user", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "UINT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT64", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]},
+    ]})  # fmt: skip
+    profile = traffic.TrafficProfile(batch_sizes=(8,), batch_weights=(1.0,), seed=4)
+    generator = traffic.TrafficGenerator(inputs, profile)
+    for kind in traffic.PAYLOAD_KINDS:
+        for payload in traffic.PayloadPool(generator, kind, per_size=3).by_size[8]:
+            if kind == "friendly":
+                rows = json.loads(payload.body)["instances"]
+                sent = sum(1 + len(row["history"]) for row in rows)
+            elif kind == "json":
+                tensors = {t["name"]: t["shape"][0] for t in json.loads(payload.body)["inputs"]}
+                sent = tensors["user"] + tensors["history"]
+            elif kind == "binary":
+                head = json.loads(payload.body[: payload.header_length])["inputs"]
+                sizes = {t["name"]: t["parameters"]["binary_data_size"] // 8 for t in head}
+                sent = sizes["user"] + sizes["history"]
+            else:
+                assert payload.arrays is not None
+                sent = len(payload.arrays["user"]) + len(payload.arrays["history"])
+            assert payload.ids == sent > 8, kind
+    rows_pool = traffic.PayloadPool(generator, "friendly", per_size=2, rows=[{"age": "39"}])
+    assert {p.ids for p in rows_pool.by_size[8]} == {None}
 
 
 def test_non_finite_or_missing_predictions_are_a_wrong_answer():
