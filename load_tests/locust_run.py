@@ -178,6 +178,49 @@ def _number(text: str) -> float | None:
         return None
 
 
+def batch_size_of(name: str) -> int | None:
+    """The batch size a locust request name carries (load_tests/locustfile.py names each
+    request ``<label> b<rows>``: ``v2-binary b64`` -> 64), or None for another name
+    (``Aggregated``)."""
+    label, separator, size = name.rpartition(" b")
+    return int(size) if separator and label and size.isdigit() else None
+
+
+def rows_per_second(rows: list[dict[str, Any]]) -> float:
+    """Rows (samples) per second of a locust run's stats ``rows``: each request name's req/s
+    times its batch size, summed over the names (``Aggregated`` and names without a batch
+    size left out)."""
+    total = 0.0
+    for row in rows:
+        size = batch_size_of(row["name"])
+        if row["name"] != "Aggregated" and size is not None:
+            total += row["rps"] * size
+    return total
+
+
+def add_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (stats rows: name, requests, rps, ...) with ``rows`` (rows sent: requests
+    times the batch size of the name, :func:`batch_size_of`) and ``rows_per_s`` (req/s times
+    it) on each: the ``Aggregated`` row's are the sums over the named rows (its requests mix
+    batch sizes and protocols). A name without a batch size has None, and then so does
+    ``Aggregated`` (its rows are not known)."""
+    out = []
+    named = [row for row in rows if row["name"] != "Aggregated"]
+    sizes = [batch_size_of(row["name"]) for row in named]
+    known = None not in sizes
+    for row in rows:
+        size = batch_size_of(row["name"])
+        sent: int | None
+        if row["name"] == "Aggregated":
+            sent = sum(r["requests"] * (n or 0) for r, n in zip(named, sizes)) if known else None
+            rate = round(rows_per_second(named), 2) if known else None
+        else:
+            sent = None if size is None else row["requests"] * size
+            rate = None if size is None else round(row["rps"] * size, 2)
+        out.append({**row, "rows": sent, "rows_per_s": rate})
+    return out
+
+
 def read_final_stats(path: Path) -> dict[str, Any] | None:
     """The locustfile's final stats (``exit_code``, ``written_unix``, ``stats`` rows as
     :func:`read_stats` returns them, ``errors``, ``exceptions``); None when absent or torn."""
@@ -189,7 +232,8 @@ def read_final_stats(path: Path) -> dict[str, Any] | None:
 
 
 def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
-    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max.
+    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max, rows
+    and rows_per_s (:func:`add_rows`).
 
     From ``<prefix>_final.json`` (written when locust quits, complete) when there is one, else
     from locust's ``<prefix>_stats.csv``, which locust rewrites once a second and not at
@@ -214,7 +258,7 @@ def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
                     "max_ms": round(float(row["Max Response Time"]), 2),
                 }
             )
-    return rows
+    return add_rows(rows)
 
 
 def locust_outcome(

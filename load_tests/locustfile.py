@@ -74,6 +74,7 @@ from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
 from clients.types import PredictResult
 from embedding_store.errors import RecserveError
 from load_tests import traffic
+from load_tests.locust_run import add_rows, batch_size_of
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
@@ -198,13 +199,21 @@ def _stats_row(entry: StatsEntry) -> dict[str, Any]:
 def final_stats(
     stats: RequestStats, exceptions: Mapping[Any, Mapping[str, Any]], exit_code: int
 ) -> dict[str, Any]:
-    """The whole run's stats as a JSON-able dict: per request name, then ``Aggregated``."""
-    entries = sorted(stats.entries.values(), key=lambda e: (e.name, e.method or ""))
+    """The whole run's stats as a JSON-able dict: per request name (by label, then batch size:
+    ``v2-json b8`` before ``v2-json b64``), then ``Aggregated``; each row with its rows and
+    rows/s (``locust_run.add_rows``)."""
+
+    def order(entry: StatsEntry) -> tuple[str, int, str, str]:
+        size = batch_size_of(entry.name)
+        label = entry.name.rpartition(" b")[0] if size is not None else entry.name
+        return (label, size or 0, entry.name, entry.method or "")
+
+    entries = sorted(stats.entries.values(), key=order)
     return {
         "exit_code": exit_code,
         "written_unix": time.time(),
         "latency_resolution": LATENCY_RESOLUTION,
-        "stats": [_stats_row(entry) for entry in [*entries, stats.total]],
+        "stats": add_rows([_stats_row(entry) for entry in [*entries, stats.total]]),
         "errors": [
             {"name": e.name, "method": e.method, "error": str(e.error), "count": e.occurrences}
             for e in stats.errors.values()

@@ -1,5 +1,6 @@
-"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99,
-failures per request name and aggregated), ``summary.json`` and ``latency.png`` (latency
+"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (requests, failures,
+rps, rows, rows/s, p50, p95, p99 per request name, i.e. per protocol and batch size, and
+aggregated), ``summary.json`` (the same rows under ``stats``) and ``latency.png`` (latency
 percentiles over a trailing ~10 s window and throughput over time, plus RSS in soak mode).
 
 Each file is written whole or not at all (a temporary file in ``--out``, then a rename): a
@@ -106,6 +107,13 @@ def plot(
 REPORT_FILES = ("summary.md", "summary.csv", "summary.json", "latency.png", "rss.csv")
 
 
+#: The columns of ``summary.csv``: one row per request name (protocol and batch size), then
+#: ``Aggregated``; ``rows``: rows sent, ``rows_per_s``: req/s times the batch size.
+SUMMARY_COLUMNS = [
+    "name", "requests", "failures", "rps", "rows", "rows_per_s", "p50_ms", "p95_ms", "p99_ms"
+]  # fmt: skip
+
+
 def write_summary(out: Path, result: dict[str, Any]) -> None:
     """``summary.csv``, ``summary.json`` and ``summary.md`` of a run's ``result`` (what
     load_tests/run.py gathers; ``result["plot"]``: why ``latency.png`` is missing, if it is).
@@ -114,7 +122,7 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     table = io.StringIO(newline="")
     writer = csv.DictWriter(
         table,
-        fieldnames=["name", "requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms"],
+        fieldnames=SUMMARY_COLUMNS,
         extrasaction="ignore",
     )
     writer.writeheader()
@@ -131,14 +139,19 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         "- req/s: requests over the time from the start of the load to its last request; "
         "percentiles from locust's histogram of the response times, kept to "
         f"{result.get('latency_resolution') or 'an unknown resolution'}{_ramp(result)}",
+        "- each request row is one protocol (route) and batch size (`v2-json b8`: KServe v2 "
+        "JSON, 8 rows); rows/s: its req/s times its batch size. **all** mixes them: its req/s "
+        "and percentiles are over every request, its rows/s the sum of the rows' rows/s",
         "",
-        "| request | requests | failures | req/s | p50 ms | p95 ms | p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| request | requests | failures | req/s | rows/s | p50 ms | p95 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         name = row["name"] if row["name"] != "Aggregated" else "**all**"
+        per_s = row.get("rows_per_s")
         lines.append(
             f"| {name} | {row['requests']} | {row['failures']} | {row['rps']:.1f} | "
+            f"{'-' if per_s is None else f'{per_s:.1f}'} | "
             f"{_ms(row['p50_ms'])} | {_ms(row['p95_ms'])} | {_ms(row['p99_ms'])} |"
         )
     soak = result.get("soak")

@@ -32,8 +32,9 @@ Final numbers come from locust's own totals, written by the locustfile when locu
 shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
 ``locust.log``; outputs of an earlier run in ``--out`` are deleted before anything starts.
 
-Output in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99, failures per request
-name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles over a trailing
+Output in ``--out``: ``summary.md``, ``summary.csv`` (requests, failures, rps, rows, rows/s,
+p50, p95, p99 per request name, i.e. per protocol and batch size, and aggregated),
+``summary.json``, ``latency.png`` (latency percentiles over a trailing
 ~10 s window and throughput over time, plus RSS in soak mode; it needs matplotlib, which the
 ``load`` extra does not bring: without it the summary says so and the verdict stands),
 ``rss.csv`` (soak), locust's ``locust_*`` files and the logs of every process. Exit status: 0

@@ -147,6 +147,14 @@ def _summary(out: Path) -> dict:
     total = rows["Aggregated"]
     assert float(total["rps"]) > 0
     assert int(total["failures"]) == 0
+    # rows/s on every row: req/s times the name's batch size; the all row's sums them.
+    named = [row for name, row in rows.items() if name != "Aggregated"]
+    for row in named:
+        size = int(row["name"].rpartition(" b")[2])
+        assert float(row["rows_per_s"]) == round(float(row["rps"]) * size, 2), row
+        assert int(row["rows"]) == int(row["requests"]) * size, row
+    assert int(total["rows"]) == sum(int(row["rows"]) for row in named)
+    assert abs(float(total["rows_per_s"]) - sum(float(r["rows_per_s"]) for r in named)) < 0.05
     return json.loads((out / "summary.json").read_text())
 
 

@@ -449,6 +449,8 @@ for ms in (10, 20, 30, 40, 50):
     env.stats.log_request("POST", "v2-json b1", ms, 100)
 env.stats.log_request("POST", "v2-json b8", 200, 100)
 env.stats.log_error("POST", "v2-json b8", "HTTP 500: boom")
+env.stats.log_request("POST", "v2-json b64", 40, 100)
+env.stats.log_request("grpc", "v2-grpc b8", 40, 100)
 events.quit.fire(exit_code=1)  # what locust's shutdown fires last, after runner.quit()
 """
 
@@ -461,11 +463,21 @@ def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
     final = read_final_stats(path)
     assert final["exit_code"] == 1
     rows = {row["name"]: row for row in final["stats"]}
-    assert list(rows) == ["v2-json b1", "v2-json b8", "Aggregated"]
+    # By protocol, then batch size as a number (b64 sorted before b8 as text).
+    assert list(rows) == ["v2-grpc b8", "v2-json b1", "v2-json b8", "v2-json b64", "Aggregated"]
     total = rows["Aggregated"]
-    assert (total["requests"], total["failures"]) == (6, 1)
+    assert (total["requests"], total["failures"]) == (8, 1)
     assert (total["p50_ms"], total["p99_ms"], total["max_ms"]) == (40.0, 200.0, 200.0)
     assert rows["v2-json b1"]["p50_ms"] == 30.0 and rows["v2-json b1"]["avg_ms"] == 30.0
+    # Rows sent and rows/s of each protocol and batch size; the total sums them.
+    sizes = {"v2-grpc b8": 8, "v2-json b1": 1, "v2-json b8": 8, "v2-json b64": 64}
+    assert {name: rows[name]["rows"] for name in sizes} == {
+        "v2-grpc b8": 8, "v2-json b1": 5, "v2-json b8": 8, "v2-json b64": 64
+    }  # fmt: skip
+    assert total["rows"] == 85
+    for name, size in sizes.items():
+        assert rows[name]["rows_per_s"] == round(rows[name]["rps"] * size, 2) > 0
+    assert total["rows_per_s"] == round(sum(rows[n]["rps"] * k for n, k in sizes.items()), 2)
     assert final["errors"] == [
         {"name": "v2-json b8", "method": "POST", "error": "HTTP 500: boom", "count": 1}
     ]
@@ -1413,6 +1425,8 @@ def test_read_stats_from_the_csv_takes_each_percentile_from_its_own_column(tmp_p
             "p99_ms": 14.0,
             "avg_ms": 6.04,
             "max_ms": 90.0,
+            "rows": 10503,
+            "rows_per_s": 700.26,
         }
     ]
 
@@ -1430,15 +1444,36 @@ def test_final_stats_written_before_the_run_started_are_an_earlier_runs(tmp_path
         assert (final == document, problems == []) == (mine, mine), written
 
 
+def test_rows_come_from_the_batch_size_each_request_name_carries():
+    from load_tests.locust_run import add_rows, batch_size_of
+
+    assert [batch_size_of(n) for n in ("v2-json b64", "torchserve-binary b1", "v2-grpc b8")] == [
+        64, 1, 8
+    ]  # fmt: skip
+    assert [batch_size_of(n) for n in ("Aggregated", "v2-json bx", " b8", "v2-json")] == [None] * 4
+    # A name without a batch size (not the locustfile's): its rows are unknown, and the total's.
+    rows = add_rows([{"name": "custom", "requests": 3, "rps": 1.0},
+                     {"name": "v2-json b8", "requests": 2, "rps": 1.0},
+                     {"name": "Aggregated", "requests": 5, "rps": 2.0}])  # fmt: skip
+    assert [(r["rows"], r["rows_per_s"]) for r in rows] == [(None, None), (16, 8.0), (None, None)]
+
+
 def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
+    """Each protocol and batch size has its own row, with its rows/s (the all row mixes them,
+    and had no rows/s): the same rows in summary.csv, summary.md and summary.json."""
+    from load_tests.locust_run import add_rows
     from load_tests.report import write_summary
 
-    rows = [
+    rows = add_rows([
+        {"name": "v2-grpc b8", "requests": 100, "failures": 0, "rps": 5.0, "p50_ms": 2.0,
+         "p95_ms": 4.0, "p99_ms": 6.0, "avg_ms": 2.5},
         {"name": "v2-json b1", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
          "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
-        {"name": "Aggregated", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
+        {"name": "v2-json b64", "requests": 10, "failures": 0, "rps": 0.5, "p50_ms": None,
+         "p95_ms": None, "p99_ms": None, "avg_ms": 0.0},
+        {"name": "Aggregated", "requests": 1010, "failures": 2, "rps": 50.55, "p50_ms": 3.0,
          "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
-    ]  # fmt: skip
+    ])  # fmt: skip
     result = {
         "stats": rows, "model": "adult", "inputs": "json", "checkpoint": "/c", "tier": "local",
         "users": 4, "classes": ["KServeJsonUser"], "seconds": 20.0, "batches": "1", "seed": 7,
@@ -1447,9 +1482,11 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
     }  # fmt: skip
     write_summary(tmp_path, result)
     assert (tmp_path / "summary.csv").read_text().splitlines() == [
-        "name,requests,failures,rps,p50_ms,p95_ms,p99_ms",
-        "v2-json b1,900,2,45.04,3.0,7.5,12.0",
-        "Aggregated,900,2,45.04,3.0,7.5,12.0",
+        "name,requests,failures,rps,rows,rows_per_s,p50_ms,p95_ms,p99_ms",
+        "v2-grpc b8,100,0,5.0,800,40.0,2.0,4.0,6.0",
+        "v2-json b1,900,2,45.04,900,45.04,3.0,7.5,12.0",
+        "v2-json b64,10,0,0.5,640,32.0,,,",
+        "Aggregated,1010,2,50.55,2340,117.04,3.0,7.5,12.0",  # 40 + 45.04 + 32 rows/s
     ]
     markdown = (tmp_path / "summary.md").read_text().splitlines()
     assert "- verdict: **FAIL** (2 failures)" in markdown
@@ -1457,10 +1494,17 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "- req/s: requests over the time from the start of the load to its last request; "
         "percentiles from locust's histogram of the response times, kept to 2 significant digits"
     ) in markdown
-    table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|") + 1 :][:2]
+    assert (
+        "- each request row is one protocol (route) and batch size (`v2-json b8`: KServe v2 "
+        "JSON, 8 rows); rows/s: its req/s times its batch size. **all** mixes them: its req/s "
+        "and percentiles are over every request, its rows/s the sum of the rows' rows/s"
+    ) in markdown
+    table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|---:|") + 1 :][:4]
     assert table == [
-        "| v2-json b1 | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
-        "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
+        "| v2-grpc b8 | 100 | 0 | 5.0 | 40.0 | 2 | 4 | 6 |",
+        "| v2-json b1 | 900 | 2 | 45.0 | 45.0 | 3 | 7.5 | 12 |",
+        "| v2-json b64 | 10 | 0 | 0.5 | 32.0 | - | - | - |",
+        "| **all** | 1010 | 2 | 50.5 | 117.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
     write_summary(tmp_path, {**result, "spawn_rate": 0.5})  # a ramp-up of ~8 s of the 20
