@@ -135,6 +135,7 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         f"- users: {result['users']} ({', '.join(result['classes'])}), "
         f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
         f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
+        _warmup(result.get("warmup")),
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
         "- req/s: requests over the time from the start of the load to its last request; "
         "percentiles from locust's histogram of the response times, kept to "
@@ -185,6 +186,16 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     }
     for name, text in files.items():
         write_atomically(out / name, text)
+
+
+def _warmup(warmup: dict[str, Any] | None) -> str:
+    """The summary's line on the warm-up run before the load (``--warmup-seconds``)."""
+    if not warmup:
+        return "- warm-up: none (`--warmup-seconds 0`)"
+    return (
+        f"- warm-up: {warmup['seconds']:.0f} s before the load, {warmup['requests']} requests "
+        f"({warmup['failures']} failed), in none of the numbers below (`locust_warmup_*`)"
+    )
 
 
 def _ramp(result: dict[str, Any]) -> str:

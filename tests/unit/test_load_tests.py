@@ -1513,6 +1513,15 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "percentiles from locust's histogram of the response times, kept to 2 significant "
         "digits; both include the ramp-up to 4 users at 0.5/s"
     ) in (tmp_path / "summary.md").read_text().splitlines()
+    assert "- warm-up: none (`--warmup-seconds 0`)" in markdown
+    warmup = {"seconds": 3.0, "requests": 812, "failures": 0, "locust_exit_code": 0,
+              "problems": []}  # fmt: skip
+    write_summary(tmp_path, {**result, "warmup": warmup})
+    assert (
+        "- warm-up: 3 s before the load, 812 requests (0 failed), in none of the numbers below "
+        "(`locust_warmup_*`)"
+    ) in (tmp_path / "summary.md").read_text().splitlines()
+    assert json.loads((tmp_path / "summary.json").read_text())["warmup"] == warmup
 
 
 # --------------------------------------------------------------------------- traffic: exact
@@ -1836,6 +1845,8 @@ _BOUNDED = "bounded runs only: at most 1000 users, 3600 s, 120 minutes"
         (["--soak", "--minutes", "120.5"], _BOUNDED),
         (["--spawn-rate", "0"], "--spawn-rate must be > 0 users per second, got 0.0"),
         (["--locust-processes", "65"], "--locust-processes must be in 1..64, got 65"),
+        (["--warmup-seconds", "-1"], "--warmup-seconds must be within 0..120, got -1"),
+        (["--warmup-seconds", "121"], "--warmup-seconds must be within 0..120, got 121"),
         (["--rss-interval", "0"], "--rss-interval must be in (0, 60] seconds, got 0.0"),
         (["--rss-interval", "60.5"], "--rss-interval must be in (0, 60] seconds, got 60.5"),
         (["--unknown-share", "1"], "--unknown-share must be in [0, 1), got 1.0"),
@@ -1994,6 +2005,43 @@ def test_a_locust_still_running_past_its_deadline_is_stopped_and_fails_the_run()
     done.wait(timeout=30)
     assert _stop_overrun(done, 12.5) == []
     assert done.returncode == 0
+
+
+_FAKE_LOCUST = """
+import json, os, sys, time
+stats = [{"name": "v2-json b1", "requests": 40, "failures": int(sys.argv[1]), "rps": 40.0},
+         {"name": "Aggregated", "requests": 40, "failures": int(sys.argv[1]), "rps": 40.0}]
+with open(os.environ["RECSERVE_LT_FINAL_STATS"], "w") as handle:
+    json.dump({"exit_code": 0, "written_unix": time.time(), "stats": stats}, handle)
+"""
+
+
+def test_the_warm_up_is_a_locust_run_of_its_own_whose_failures_fail_the_run(tmp_path):
+    """run.py had no warm-up: the first seconds of a cold server were in the summary. The
+    warm-up is a locust run of its own (its own files), run to its end; what it sent is
+    reported apart, and a request it saw fail is still a problem."""
+    from load_tests.locust_run import LocustRun
+    from load_tests.run import WARMUP_S, _warm_up, parse_args
+
+    common = ["--synthetic", "--out", str(tmp_path)]
+    assert parse_args(common).warmup_seconds == WARMUP_S == 3
+    assert parse_args([*common, "--warmup-seconds", "0"]).warmup_seconds == 0
+
+    class FakeLocust(LocustRun):
+        failures = 0
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", _FAKE_LOCUST, str(self.failures)]
+
+    run = FakeLocust(users=1, spawn_rate=1, seconds=1.0, classes=[], host="http://127.0.0.1:1",
+                     csv_prefix=tmp_path / "locust_warmup", log_path=tmp_path / "warmup.log",
+                     env={})  # fmt: skip
+    warmup = _warm_up(run, {})
+    assert warmup == {"seconds": 1.0, "requests": 40, "failures": 0, "locust_exit_code": 0,
+                      "problems": []}  # fmt: skip
+    assert (tmp_path / "locust_warmup_final.json").exists()  # its own files
+    FakeLocust.failures = 2
+    assert _warm_up(run, {})["problems"] == ["2 failed requests"]
 
 
 def test_torn_or_foreign_final_stats_are_absent(tmp_path):
