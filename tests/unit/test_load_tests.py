@@ -2187,7 +2187,7 @@ def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
     }  # fmt: skip
     write_summary(tmp_path, result)
     lines = (tmp_path / "summary.md").read_text().splitlines()
-    assert "| **all** | 0 | 0 | 0.0 | - | - | - |" in lines
+    assert "| **all** | 0 | 0 | 0.0 | - | - | - | - |" in lines
     assert "- serve flags: `--workers 2`" in lines
     soak = lines[lines.index("## Soak") :]
     assert soak[2:6] == [
@@ -2199,7 +2199,7 @@ def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
         "(grows 90 MB/min)",
         "- series: `rss.csv`",
     ]
-    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,"
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,,,"
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
@@ -2714,7 +2714,7 @@ def test_a_summary_that_cannot_be_rendered_leaves_no_partial_report(tmp_path):
         "summary.csv", "summary.json", "summary.md",
     ]  # fmt: skip
     table = (tmp_path / "summary.csv").read_text().splitlines()
-    assert table[1] == "Aggregated,10,0,5.0,3.0,4.0,5.0"
+    assert table[1] == "Aggregated,10,0,5.0,,,3.0,4.0,5.0"  # no rows: not named
 
 
 _PREBUILT = """
