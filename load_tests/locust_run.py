@@ -291,6 +291,12 @@ def locust_outcome(
 WORKER_REPORT_S = 3.0
 
 
+def rate_window_s(processes: int) -> float:
+    """The window of the history's rates (:func:`read_history`) for a locust run of
+    ``processes`` processes: 1 s, or the workers' report interval with ``--processes``."""
+    return WORKER_REPORT_S if processes > 1 else 1.0
+
+
 def read_history(csv_prefix: Path, window_s: float = 1.0) -> list[dict[str, float]]:
     """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
 

@@ -76,10 +76,10 @@ from load_tests import traffic  # noqa: E402
 from load_tests.checkpoint_reload import soak_reload, watcher_reload_timeout  # noqa: E402
 from load_tests.locust_run import (  # noqa: E402
     LOCUST_OUTPUTS,
-    WORKER_REPORT_S,
     LocustRun,
     locust_installed,
     locust_outcome,
+    rate_window_s,
     read_history,
     stall_problems,
     stats_problems,
@@ -495,7 +495,7 @@ def _run(args: argparse.Namespace) -> int:
         stats = list(final["stats"]) if final is not None else []
         # With --processes the master's counts grow only when a worker reports (every 3 s):
         # req/s over windows that long, not spikes of ~3x the rate and then 0.
-        rate_window = WORKER_REPORT_S if args.locust_processes > 1 else 1.0
+        rate_window = rate_window_s(args.locust_processes)
         history = read_history(run.csv_prefix, rate_window)
         if final is not None:
             problems.extend(stats_problems(stats, classes, run.csv_prefix))

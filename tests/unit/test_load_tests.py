@@ -100,8 +100,9 @@ def test_read_history_of_locust_processes_gives_rates_over_their_report_interval
     per-second rates of its history read 3x the rate, then 0 (the plot's req/s spiked). Over
     windows of the report interval each row reads the steady rate: here 2 workers, 100 req/s
     each, reporting 300 requests every 3 s at their own phases, read 200 req/s."""
-    from load_tests.locust_run import WORKER_REPORT_S, read_history
+    from load_tests.locust_run import WORKER_REPORT_S, rate_window_s, read_history
 
+    assert [rate_window_s(n) for n in (1, 2, 8)] == [1.0, WORKER_REPORT_S, WORKER_REPORT_S]
     reports = [(1000.5 + 3 * k, 300) for k in range(5)] + [(1001.5 + 3 * k, 300) for k in range(5)]
     lines = [_HISTORY_HEADER]
     for second in range(1000, 1013):  # a row each second, written ~0.9 s into it
