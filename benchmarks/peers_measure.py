@@ -22,7 +22,7 @@ from typing import Any
 
 from peers_servers import process_tree
 
-from load_tests.locust_run import LocustRun, locust_outcome
+from load_tests.locust_run import LocustRun, locust_outcome, rows_per_second
 
 #: Seconds past the end of its load that a round's locust gets to stop and write its final
 #: stats; one still running then is stopped, and the round is an error.
@@ -121,13 +121,9 @@ def batch_label(batch: str) -> str:
 
 def samples_per_second(rows: list[dict[str, Any]]) -> float:
     """Samples/s of one locust run: each request name's req/s times its batch size (names end
-    in `` b<size>``, see load_tests/locustfile.py), summed over the names."""
-    total = 0.0
-    for row in rows:
-        name, _, size = row["name"].rpartition(" b")
-        if row["name"] != "Aggregated" and name and size.isdigit():
-            total += row["rps"] * int(size)
-    return round(total, 1)
+    in `` b<size>``, see load_tests/locustfile.py), summed over the names
+    (``load_tests.locust_run.rows_per_second``, the load tests' rows/s)."""
+    return round(rows_per_second(rows), 1)
 
 
 def measure(

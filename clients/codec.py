@@ -286,6 +286,7 @@ def _result(
         model_version=str(model_version),
         fallback_ids=int(parameters.get(FALLBACK_IDS) or 0),
         unknown_ids=int(parameters.get(UNKNOWN_IDS) or 0),
+        parameters=parameters,
     )
 
 
@@ -383,11 +384,13 @@ def decode_rows_response(body: bytes) -> PredictResult:
     """``{"predictions": [[p], ...], "model_version": ..., "fallback_ids": ...}`` -> result."""
     document = parse_json(body)
     predictions = np.asarray(document.get("predictions", []), dtype=np.float32)
+    # its fields but the predictions are the answer's parameters (a handful: cheap)
+    parameters = {key: value for key, value in document.items() if key != "predictions"}
     return _result(
         {OUTPUT_NAME: predictions},
         document.get("model_name", ""),
         document.get("model_version", ""),
-        document,
+        parameters,
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +45,10 @@ class PredictResult:
     answered; ``fallback_ids``: IDs answered with default vectors after an embedding lookup
     timeout; ``unknown_ids``: ID occurrences of this request the embedding tier did not
     hold (an ID sent twice counts twice; the same on every tier, merged with other requests
-    or not); ``latency_seconds``: wall time of the client call, retries included.
+    or not); ``latency_seconds``: wall time of the client call, retries included;
+    ``parameters``: the answer's parameters as the server sent them (KServe v2 response
+    ``parameters``; the friendly route's fields but ``predictions``), e.g. to tell an answer
+    that carried no ``unknown_ids`` (read as 0 above) from one that counted none.
     """
 
     predictions: np.ndarray
@@ -52,6 +57,7 @@ class PredictResult:
     fallback_ids: int = 0
     unknown_ids: int = 0
     latency_seconds: float = 0.0
+    parameters: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.predictions.shape[0])

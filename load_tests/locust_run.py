@@ -178,6 +178,49 @@ def _number(text: str) -> float | None:
         return None
 
 
+def batch_size_of(name: str) -> int | None:
+    """The batch size a locust request name carries (load_tests/locustfile.py names each
+    request ``<label> b<rows>``: ``v2-binary b64`` -> 64), or None for another name
+    (``Aggregated``)."""
+    label, separator, size = name.rpartition(" b")
+    return int(size) if separator and label and size.isdigit() else None
+
+
+def rows_per_second(rows: list[dict[str, Any]]) -> float:
+    """Rows (samples) per second of a locust run's stats ``rows``: each request name's req/s
+    times its batch size, summed over the names (``Aggregated`` and names without a batch
+    size left out)."""
+    total = 0.0
+    for row in rows:
+        size = batch_size_of(row["name"])
+        if row["name"] != "Aggregated" and size is not None:
+            total += row["rps"] * size
+    return total
+
+
+def add_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (stats rows: name, requests, rps, ...) with ``rows`` (rows sent: requests
+    times the batch size of the name, :func:`batch_size_of`) and ``rows_per_s`` (req/s times
+    it) on each: the ``Aggregated`` row's are the sums over the named rows (its requests mix
+    batch sizes and protocols). A name without a batch size has None, and then so does
+    ``Aggregated`` (its rows are not known)."""
+    out = []
+    named = [row for row in rows if row["name"] != "Aggregated"]
+    sizes = [batch_size_of(row["name"]) for row in named]
+    known = None not in sizes
+    for row in rows:
+        size = batch_size_of(row["name"])
+        sent: int | None
+        if row["name"] == "Aggregated":
+            sent = sum(r["requests"] * (n or 0) for r, n in zip(named, sizes)) if known else None
+            rate = round(rows_per_second(named), 2) if known else None
+        else:
+            sent = None if size is None else row["requests"] * size
+            rate = None if size is None else round(row["rps"] * size, 2)
+        out.append({**row, "rows": sent, "rows_per_s": rate})
+    return out
+
+
 def read_final_stats(path: Path) -> dict[str, Any] | None:
     """The locustfile's final stats (``exit_code``, ``written_unix``, ``stats`` rows as
     :func:`read_stats` returns them, ``errors``, ``exceptions``); None when absent or torn."""
@@ -189,7 +232,8 @@ def read_final_stats(path: Path) -> dict[str, Any] | None:
 
 
 def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
-    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max.
+    """Rows of a locust run: name, requests, failures, rps, p50/p95/p99 (ms), avg, max, rows
+    and rows_per_s (:func:`add_rows`).
 
     From ``<prefix>_final.json`` (written when locust quits, complete) when there is one, else
     from locust's ``<prefix>_stats.csv``, which locust rewrites once a second and not at
@@ -214,7 +258,7 @@ def read_stats(csv_prefix: Path) -> list[dict[str, Any]]:
                     "max_ms": round(float(row["Max Response Time"]), 2),
                 }
             )
-    return rows
+    return add_rows(rows)
 
 
 def locust_outcome(
@@ -241,43 +285,69 @@ def locust_outcome(
     return final, problems
 
 
-def read_history(csv_prefix: Path) -> list[dict[str, float]]:
+#: Seconds between the reports of a locust worker process to its master (locust's
+#: ``WORKER_REPORT_INTERVAL``): with ``--processes`` the master's counts, and so its history,
+#: grow in steps this far apart per worker.
+WORKER_REPORT_S = 3.0
+
+
+def rate_window_s(processes: int) -> float:
+    """The window of the history's rates (:func:`read_history`) for a locust run of
+    ``processes`` processes: 1 s, or the workers' report interval with ``--processes``."""
+    return WORKER_REPORT_S if processes > 1 else 1.0
+
+
+def read_history(csv_prefix: Path, window_s: float = 1.0) -> list[dict[str, float]]:
     """The aggregated rows of ``<prefix>_stats_history.csv`` (one per second).
 
-    ``rps`` and ``failures_per_s`` are this interval's own rates, from the growth of locust's
-    cumulative counts since the row before. (locust's ``Requests/s`` column is a trailing
-    10-second average that reads 0 for the first seconds of a run.) The percentiles are the
-    history's: with ``--csv-full-history`` (:meth:`LocustRun.command`) locust's "current"
-    ones, over the trailing ~10 s window (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0,
-    read as NaN, until that window has data); without the flag locust writes percentiles
-    cumulative since the start of the run, which flatten any change over time. locust's CSV
-    writer truncates them to whole ms (a window's 4.8 ms reads 4, a sub-ms one 0, i.e. NaN):
-    good for the picture; the summary's percentiles come from the final stats, to 2
-    significant digits (load_tests/locustfile.py ``latency_bucket``).
+    ``rps`` and ``failures_per_s`` are rates over the trailing ``window_s`` seconds: the growth
+    of locust's cumulative counts since the last row at least ``window_s`` older (since the
+    first row, early in the run). ``window_s`` 1 (one process) gives each interval its own
+    rate; with ``--processes`` pass :data:`WORKER_REPORT_S`: the master's counts grow only when
+    a worker reports, every 3 s, and per-second rates read ~3x the rate, then 0. Such a
+    window holds about one report of each worker; not always exactly one (the reports drift a
+    little, and a worker reports once more when its users stop): a 2-process run at ~550 req/s
+    read 0 / 1445 / 0 / 0 / 1794 / 0 / 823 / 614 / 809 per second, and 482 / 482 / 482 / 598 /
+    598 / 872 / 479 / 749 over 3 s windows. ``completed`` is the requests (failed ones too)
+    counted in the row's own interval, for :func:`stall_problems`. (locust's ``Requests/s``
+    column is a trailing 10-second average that reads 0 for the first seconds of a run.) The
+    percentiles are the history's: with ``--csv-full-history`` (:meth:`LocustRun.command`)
+    locust's "current" ones, over the trailing ~10 s window
+    (``CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW``; 0, read as NaN, until that window has data);
+    without the flag locust writes percentiles cumulative since the start of the run, which
+    flatten any change over time. locust's CSV writer truncates them to whole ms (a window's
+    4.8 ms reads 4, a sub-ms one 0, i.e. NaN): good for the picture; the summary's percentiles
+    come from the final stats, to 2 significant digits (load_tests/locustfile.py
+    ``latency_bucket``).
     """
     rows: list[dict[str, float]] = []
     path = Path(f"{csv_prefix}_stats_history.csv")
     if not path.exists():
         return rows
-    previous: tuple[float, int, int] | None = None
+    counts: list[tuple[float, int, int]] = []  # (unix, requests, failures) of every row
+    base = 0  # the last row at least window_s older than the current one (or the first)
     with open(path, newline="") as handle:
         for row in csv.DictReader(handle):
             if row["Name"] != "Aggregated":
                 continue
             unix = float(row["Timestamp"])
             requests, failures = int(row["Total Request Count"]), int(row["Total Failure Count"])
+            completed = requests - counts[-1][1] if counts else 0
+            counts.append((unix, requests, failures))
+            while base + 1 < len(counts) and counts[base + 1][0] <= unix - window_s:
+                base += 1
             rps = failures_per_s = 0.0
-            if previous is not None and unix > previous[0]:
-                elapsed = unix - previous[0]
-                rps = (requests - previous[1]) / elapsed
-                failures_per_s = (failures - previous[2]) / elapsed
-            previous = (unix, requests, failures)
+            elapsed = unix - counts[base][0]
+            if elapsed > 0:
+                rps = (requests - counts[base][1]) / elapsed
+                failures_per_s = (failures - counts[base][2]) / elapsed
             rows.append(
                 {
                     "unix": unix,
                     "users": float(row["User Count"]),
                     "rps": rps,
                     "failures_per_s": failures_per_s,
+                    "completed": float(completed),
                     "p50_ms": _number(row["50%"]) or float("nan"),
                     "p95_ms": _number(row["95%"]) or float("nan"),
                     "p99_ms": _number(row["99%"]) or float("nan"),
@@ -315,7 +385,7 @@ def stall_problems(history: list[dict[str, float]], limit_s: float = STALL_S) ->
     for row in history:
         if row["users"] <= 0:  # before the users start or once they stopped
             continue
-        if row["rps"] > 0:
+        if row["completed"] > 0:
             close()
             grew, quiet = row["unix"], None
         elif grew is not None:

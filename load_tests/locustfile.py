@@ -30,8 +30,10 @@ Settings (environment):
   not at shutdown, so it misses the last second's requests and failures;
 * ``RECSERVE_LT_WAIT``: seconds each user waits between requests (default 0: closed loop);
 * ``RECSERVE_LT_CHECK_ANSWERS``: 1 (default) counts a request as a success only when its
-  answer holds one finite prediction per row sent; 0 checks the status alone (for
-  benchmarks/peers.py's no-work ceiling server, whose fixed answer has one prediction);
+  answer holds one finite prediction per row sent and an ``unknown_ids`` within [0, IDs sent]
+  (required from recserve's answers, see :func:`traffic.unknown_ids_problem`); 0 checks the
+  status alone (for benchmarks/peers.py's no-work ceiling server, whose fixed answer has one
+  prediction);
 * ``RECSERVE_LT_METADATA_FILE`` / ``RECSERVE_LT_METADATA_URL``: the model metadata JSON (a
   file, or a recserve base URL) when ``--host`` is not a recserve server (TorchServe);
 * ``RECSERVE_LT_TS_MODEL``: TorchServe model name (default: ``RECSERVE_LT_MODEL``).
@@ -72,6 +74,7 @@ from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
 from clients.types import PredictResult
 from embedding_store.errors import RecserveError
 from load_tests import traffic
+from load_tests.locust_run import add_rows, batch_size_of
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
@@ -196,13 +199,21 @@ def _stats_row(entry: StatsEntry) -> dict[str, Any]:
 def final_stats(
     stats: RequestStats, exceptions: Mapping[Any, Mapping[str, Any]], exit_code: int
 ) -> dict[str, Any]:
-    """The whole run's stats as a JSON-able dict: per request name, then ``Aggregated``."""
-    entries = sorted(stats.entries.values(), key=lambda e: (e.name, e.method or ""))
+    """The whole run's stats as a JSON-able dict: per request name (by label, then batch size:
+    ``v2-json b8`` before ``v2-json b64``), then ``Aggregated``; each row with its rows and
+    rows/s (``locust_run.add_rows``)."""
+
+    def order(entry: StatsEntry) -> tuple[str, int, str, str]:
+        size = batch_size_of(entry.name)
+        label = entry.name.rpartition(" b")[0] if size is not None else entry.name
+        return (label, size or 0, entry.name, entry.method or "")
+
+    entries = sorted(stats.entries.values(), key=order)
     return {
         "exit_code": exit_code,
         "written_unix": time.time(),
         "latency_resolution": LATENCY_RESOLUTION,
-        "stats": [_stats_row(entry) for entry in [*entries, stats.total]],
+        "stats": add_rows([_stats_row(entry) for entry in [*entries, stats.total]]),
         "errors": [
             {"name": e.name, "method": e.method, "error": str(e.error), "count": e.occurrences}
             for e in stats.errors.values()
@@ -301,10 +312,15 @@ def _check(
     what: str,
     batch_size: int | None = None,
     decode: Callable[[ResponseContextManager], PredictResult] | None = None,
+    *,
+    ids_sent: int | None = None,
+    unknown_ids_promised: bool = False,
 ) -> None:
     """Count ``response`` as a success only when it is a 200 and, given ``decode`` (the
     answer's parser), its answer decodes into one finite prediction per row of the
-    ``batch_size`` rows sent; else as a failure naming ``what`` and the problem."""
+    ``batch_size`` rows sent, with an ``unknown_ids`` within [0, ``ids_sent``] (required when
+    ``unknown_ids_promised``: :func:`traffic.unknown_ids_problem`); else as a failure naming
+    ``what`` and the problem."""
     if response.status_code != 200:
         # locust sets .error only for what it counts as failed (not a 204 or a 3xx it did
         # not follow, which a proxy in front of the server may send)
@@ -314,7 +330,10 @@ def _check(
         return
     if decode is not None and batch_size is not None:
         try:
-            problem = traffic.answer_problem(decode(response).predictions, batch_size)
+            result = decode(response)
+            problem = traffic.answer_problem(
+                result.predictions, batch_size
+            ) or traffic.unknown_ids_problem(result.parameters, ids_sent, unknown_ids_promised)
         except RecserveError as error:  # the decoders' word for a malformed answer
             problem = str(error)[:200]
         if problem:
@@ -342,6 +361,8 @@ class _InferUser(FastHttpUser):
     label = "v2-json"
     path = f"/v2/models/{MODEL}/infer"
     content_type = "application/json"
+    #: Whether the answers carry ``unknown_ids`` (recserve's v2 and friendly ones do).
+    promises_unknown_ids = True
 
     def on_start(self) -> None:
         self.pool = payload_pool(self.kind, self.host, _process_index(self))
@@ -364,7 +385,14 @@ class _InferUser(FastHttpUser):
             name=f"{self.label} b{payload.batch_size}",
             catch_response=True,
         ) as response:
-            _check(response, self.label, payload.batch_size, self.answer if CHECK_ANSWERS else None)
+            _check(
+                response,
+                self.label,
+                payload.batch_size,
+                self.answer if CHECK_ANSWERS else None,
+                ids_sent=payload.ids,
+                unknown_ids_promised=self.promises_unknown_ids,
+            )
 
 
 class KServeJsonUser(_InferUser):
@@ -408,6 +436,8 @@ class TorchServeJsonUser(_InferUser):
 
     label = "torchserve-json"
     path = f"/predictions/{os.environ.get('RECSERVE_LT_TS_MODEL', MODEL)}"
+    #: benchmarks/peers_handler.py answers predictions alone: a missing one is no failure.
+    promises_unknown_ids = False
 
 
 class TorchServeBinaryUser(TorchServeJsonUser):
@@ -460,6 +490,7 @@ class GrpcUser(User):
             length = result.predictions.nbytes
             problem = (
                 traffic.answer_problem(result.predictions, payload.batch_size)
+                or traffic.unknown_ids_problem(result.parameters, payload.ids, True)
                 if CHECK_ANSWERS
                 else None
             )

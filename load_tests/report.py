@@ -1,5 +1,6 @@
-"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99,
-failures per request name and aggregated), ``summary.json`` and ``latency.png`` (latency
+"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (requests, failures,
+rps, rows, rows/s, p50, p95, p99 per request name, i.e. per protocol and batch size, and
+aggregated), ``summary.json`` (the same rows under ``stats``) and ``latency.png`` (latency
 percentiles over a trailing ~10 s window and throughput over time, plus RSS in soak mode).
 
 Each file is written whole or not at all (a temporary file in ``--out``, then a rename): a
@@ -45,8 +46,10 @@ def plot(
     title: str,
     rss: list[dict[str, float]] | None = None,
     marks: Sequence[tuple[float, str]] = (),
+    rate_window_s: float = 1.0,
 ) -> str | None:
-    """Latency percentiles and throughput over time (and RSS when given) as a PNG.
+    """Latency percentiles and throughput over time (and RSS when given) as a PNG; req/s is
+    the history's, over trailing windows of ``rate_window_s`` (see ``read_history``).
 
     Returns None once ``path`` is written, else why it is not (:data:`NO_MATPLOTLIB`): the
     picture is no part of the run's verdict, so its absence must not cost the summary."""
@@ -72,7 +75,7 @@ def plot(
             ax.set_ylim(0, max(steady) * 1.3)
         twin = ax.twinx()
         twin.plot(t, [row["rps"] for row in history], color="grey", alpha=0.6, label="req/s")
-        twin.set_ylabel("requests/s")
+        twin.set_ylabel(f"requests/s (trailing {rate_window_s:g} s)")
         twin.legend(loc="upper right")
     ax.set_xlabel("seconds")
     ax.set_title(title)
@@ -104,6 +107,13 @@ def plot(
 REPORT_FILES = ("summary.md", "summary.csv", "summary.json", "latency.png", "rss.csv")
 
 
+#: The columns of ``summary.csv``: one row per request name (protocol and batch size), then
+#: ``Aggregated``; ``rows``: rows sent, ``rows_per_s``: req/s times the batch size.
+SUMMARY_COLUMNS = [
+    "name", "requests", "failures", "rps", "rows", "rows_per_s", "p50_ms", "p95_ms", "p99_ms"
+]  # fmt: skip
+
+
 def write_summary(out: Path, result: dict[str, Any]) -> None:
     """``summary.csv``, ``summary.json`` and ``summary.md`` of a run's ``result`` (what
     load_tests/run.py gathers; ``result["plot"]``: why ``latency.png`` is missing, if it is).
@@ -112,7 +122,7 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     table = io.StringIO(newline="")
     writer = csv.DictWriter(
         table,
-        fieldnames=["name", "requests", "failures", "rps", "p50_ms", "p95_ms", "p99_ms"],
+        fieldnames=SUMMARY_COLUMNS,
         extrasaction="ignore",
     )
     writer.writeheader()
@@ -125,18 +135,24 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
         f"- users: {result['users']} ({', '.join(result['classes'])}), "
         f"{result['seconds']:.0f} s, batch mix {result['batches']}, seed {result.get('seed')}",
         f"- serve flags: `{' '.join(result['serve_args']) or '(defaults)'}`",
+        _warmup(result.get("warmup")),
         f"- verdict: **{'PASS' if result['passed'] else 'FAIL'}** ({result['verdict']})",
         "- req/s: requests over the time from the start of the load to its last request; "
         "percentiles from locust's histogram of the response times, kept to "
         f"{result.get('latency_resolution') or 'an unknown resolution'}{_ramp(result)}",
+        "- each request row is one protocol (route) and batch size (`v2-json b8`: KServe v2 "
+        "JSON, 8 rows); rows/s: its req/s times its batch size. **all** mixes them: its req/s "
+        "and percentiles are over every request, its rows/s the sum of the rows' rows/s",
         "",
-        "| request | requests | failures | req/s | p50 ms | p95 ms | p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| request | requests | failures | req/s | rows/s | p50 ms | p95 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         name = row["name"] if row["name"] != "Aggregated" else "**all**"
+        per_s = row.get("rows_per_s")
         lines.append(
             f"| {name} | {row['requests']} | {row['failures']} | {row['rps']:.1f} | "
+            f"{'-' if per_s is None else f'{per_s:.1f}'} | "
             f"{_ms(row['p50_ms'])} | {_ms(row['p95_ms'])} | {_ms(row['p99_ms'])} |"
         )
     soak = result.get("soak")
@@ -170,6 +186,16 @@ def write_summary(out: Path, result: dict[str, Any]) -> None:
     }
     for name, text in files.items():
         write_atomically(out / name, text)
+
+
+def _warmup(warmup: dict[str, Any] | None) -> str:
+    """The summary's line on the warm-up run before the load (``--warmup-seconds``)."""
+    if not warmup:
+        return "- warm-up: none (`--warmup-seconds 0`)"
+    return (
+        f"- warm-up: {warmup['seconds']:.0f} s before the load, {warmup['requests']} requests "
+        f"({warmup['failures']} failed), in none of the numbers below (`locust_warmup_*`)"
+    )
 
 
 def _ramp(result: dict[str, Any]) -> str:

@@ -27,13 +27,19 @@ process ``server.1`` .. ``server.N``. Each process is judged on its own by the r
 memory that grows in both halves of a segment or of the final window (the last 20% of the
 run, at least 60 s), or stays higher once the reload settled, fails.
 
+Before the load, ``--warmup-seconds S`` (default 3; 0: none) runs the same users and traffic
+for S seconds in a locust run of its own, as benchmarks/peers.py warms its servers up: none
+of its requests is in the summary's numbers (its own files: ``locust_warmup_*``); what it sent
+is in the summary, and a failure in it fails the run as one in the load does.
+
 Final numbers come from locust's own totals, written by the locustfile when locust quits
 (``locust_final.json``): locust's ``--csv`` stats file is rewritten once a second and not at
 shutdown. A locust that exits non-zero or writes no final stats fails the run, with the tail of
 ``locust.log``; outputs of an earlier run in ``--out`` are deleted before anything starts.
 
-Output in ``--out``: ``summary.md``, ``summary.csv`` (rps, p50, p95, p99, failures per request
-name and aggregated), ``summary.json``, ``latency.png`` (latency percentiles over a trailing
+Output in ``--out``: ``summary.md``, ``summary.csv`` (requests, failures, rps, rows, rows/s,
+p50, p95, p99 per request name, i.e. per protocol and batch size, and aggregated),
+``summary.json``, ``latency.png`` (latency percentiles over a trailing
 ~10 s window and throughput over time, plus RSS in soak mode; it needs matplotlib, which the
 ``load`` extra does not bring: without it the summary says so and the verdict stands),
 ``rss.csv`` (soak), locust's ``locust_*`` files and the logs of every process. Exit status: 0
@@ -59,7 +65,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +79,7 @@ from load_tests.locust_run import (  # noqa: E402
     LocustRun,
     locust_installed,
     locust_outcome,
+    rate_window_s,
     read_history,
     stall_problems,
     stats_problems,
@@ -106,6 +113,10 @@ ADULT_ROWS = REPO_ROOT / "examples" / "adult_income" / "data" / "test.csv.gz"
 #: Seconds past the end of its load that locust gets to end its users (``--stop-timeout 5``)
 #: and write its stats; one still running then is stopped, and that fails the run.
 LOCUST_OVERRUN_S = 90.0
+#: Seconds of the unrecorded warm-up run before the load (``--warmup-seconds``).
+WARMUP_S = 3
+#: The ``--csv`` prefix (in ``--out``) of the warm-up run: its files are kept, apart.
+WARMUP_PREFIX = "locust_warmup"
 
 
 def finite_float(text: str) -> float:
@@ -180,6 +191,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--locust-processes", type=int, default=1, help="locust worker processes (--processes)"
     )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=int,
+        default=WARMUP_S,
+        help="an unrecorded locust run of the same users and traffic before the load, so the "
+        "server's first code paths and caches are warm (0: none; its requests are not in the "
+        f"summary; default {WARMUP_S})",
+    )
     parser.add_argument("--soak", action="store_true", help="memory + reload soak")
     parser.add_argument(
         "--minutes", type=finite_float, default=None, help="soak duration (default 10; --soak only)"
@@ -200,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--spawn-rate must be > 0 users per second, got {args.spawn_rate}")
     if not 1 <= args.locust_processes <= 64:
         parser.error(f"--locust-processes must be in 1..64, got {args.locust_processes}")
+    if not 0 <= args.warmup_seconds <= 120:
+        parser.error(f"--warmup-seconds must be within 0..120, got {args.warmup_seconds}")
     if args.rss_interval is not None and not 0 < args.rss_interval <= 60:
         parser.error(f"--rss-interval must be in (0, 60] seconds, got {args.rss_interval}")
     if args.seed is not None and args.seed < 0:
@@ -306,11 +327,42 @@ def _stop_overrun(locust: subprocess.Popen, seconds: float) -> list[str]:
     ]
 
 
+def _warm_up(
+    run: LocustRun, stack: dict[str, tuple[subprocess.Popen | None, Path]]
+) -> dict[str, Any]:
+    """The unrecorded warm-up: ``run`` (the load's users and traffic for ``run.seconds``, its
+    own files at its own prefix), as benchmarks/peers.py warms its servers up: a locust run of
+    its own, so none of its requests is in the load's stats (nor locust's req/s clock, nor the
+    history). What it sent (``requests``, ``failures``) and its ``problems``: a failed request,
+    a locust failure or overrun, a process of the stack that died; they fail the run."""
+    started_unix = time.time()
+    locust = run.start()
+    _wait_while_running(locust, time.monotonic() + run.seconds + LOCUST_OVERRUN_S, stack)
+    problems = _stop_overrun(locust, run.seconds)
+    final, outcome = locust_outcome(run, locust.returncode, started_unix)
+    problems += outcome
+    total: dict[str, Any] = {}
+    if final is not None:
+        total = next((row for row in final["stats"] if row["name"] == "Aggregated"), {})
+        if total.get("failures"):
+            problems.append(f"{total['failures']} failed requests")
+    return {
+        "seconds": float(max(round(run.seconds), 1)),
+        "requests": total.get("requests", 0),
+        "failures": total.get("failures", 0),
+        "locust_exit_code": locust.returncode,
+        "problems": problems,
+    }
+
+
 def _run(args: argparse.Namespace) -> int:
     out = args.out.absolute()
     out.mkdir(parents=True, exist_ok=True)
     # A failed run must not leave an earlier run's verdict or numbers behind.
-    for name in [*REPORT_FILES, *(f"locust{suffix}" for suffix in LOCUST_OUTPUTS)]:
+    for name in [
+        *REPORT_FILES,
+        *(f"{prefix}{suffix}" for prefix in ("locust", WARMUP_PREFIX) for suffix in LOCUST_OUTPUTS),
+    ]:
         (out / name).unlink(missing_ok=True)
     seconds = load_seconds(args)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
@@ -318,6 +370,7 @@ def _run(args: argparse.Namespace) -> int:
     cluster = None
     server: ServeProcess | None = None
     run: LocustRun | None = None
+    warmup_run: LocustRun | None = None
     sampler: RssSampler | None = None
     try:
         try:
@@ -395,6 +448,15 @@ def _run(args: argparse.Namespace) -> int:
                 assert process.process is not None
                 pids[process.name.replace(" ", "_")] = process.process.pid
                 stack[process.name] = (process.process, process.log_path)
+        warmup: dict[str, Any] | None = None
+        if args.warmup_seconds > 0:
+            warmup_run = replace(
+                run,
+                seconds=float(args.warmup_seconds),
+                csv_prefix=out / WARMUP_PREFIX,
+                log_path=out / f"{WARMUP_PREFIX}.log",
+            )
+            warmup = _warm_up(warmup_run, stack)
         interval = args.rss_interval or (max(0.25, min(seconds / 200.0, 5.0)) if args.soak else 1)
         sampler = RssSampler(pids, interval)
         sampler.start()
@@ -428,8 +490,13 @@ def _run(args: argparse.Namespace) -> int:
         sampler.stop()
         final, problems = locust_outcome(run, locust.returncode, started_unix)
         problems[:0] = [*dead_processes(stack), *overrun]  # the causes before their symptoms
+        if warmup is not None:  # its requests are not counted, but a failure is a failure
+            problems[:0] = [f"warm-up: {problem}" for problem in warmup["problems"]]
         stats = list(final["stats"]) if final is not None else []
-        history = read_history(run.csv_prefix)
+        # With --processes the master's counts grow only when a worker reports (every 3 s):
+        # req/s over windows that long, not spikes of ~3x the rate and then 0.
+        rate_window = rate_window_s(args.locust_processes)
+        history = read_history(run.csv_prefix, rate_window)
         if final is not None:
             problems.extend(stats_problems(stats, classes, run.csv_prefix))
             problems.extend(stall_problems(history))
@@ -453,6 +520,7 @@ def _run(args: argparse.Namespace) -> int:
             title=f"recserve {args.tier}, {args.users} users ({args.user_classes})",
             rss=sampler.samples if args.soak else None,
             marks=marks,
+            rate_window_s=rate_window,
         )
         if no_plot:  # the verdict and the numbers do not need the picture
             print(f"warning: {no_plot}", file=sys.stderr)
@@ -467,6 +535,7 @@ def _run(args: argparse.Namespace) -> int:
             "seconds": seconds,
             "batches": args.batches,
             "seed": seed,
+            "warmup": warmup,
             "friendly_rows": str(args.friendly_rows) if args.friendly_rows else None,
             "serve_args": serve_args,
             "locust_command": " ".join(run.command()),
@@ -486,6 +555,7 @@ def _run(args: argparse.Namespace) -> int:
         run_cleanups(
             [
                 sampler.stop if sampler is not None else None,
+                warmup_run.stop if warmup_run is not None else None,
                 run.stop if run is not None else None,
                 server.stop if server is not None else None,
                 cluster.stop if cluster is not None else None,

@@ -487,6 +487,31 @@ def answer_problem(predictions: np.ndarray, batch_size: int) -> str | None:
     return None
 
 
+#: The answer parameter that counts the ID occurrences the server did not hold (docs/own_model.md).
+UNKNOWN_IDS = "unknown_ids"
+
+
+def unknown_ids_problem(
+    parameters: Mapping[str, Any], ids_sent: int | None, promised: bool
+) -> str | None:
+    """Why an answer's ``unknown_ids`` (in its ``parameters``: the KServe v2 response
+    parameters, or the friendly route's fields) cannot be a count of the ``ids_sent`` ID
+    occurrences of its request (None: not known, e.g. raw rows for a preprocessor: only the
+    lower bound is checked), or None when it can: an integer within [0, ``ids_sent``]. An
+    answer without one is a problem only when its protocol ``promised`` it (recserve's v2 and
+    friendly answers do; a TorchServe handler's need not): the load tests count unknown IDs
+    through it, and a server that stopped counting would pass unseen."""
+    value = parameters.get(UNKNOWN_IDS)
+    if value is None:
+        return f"the answer has no {UNKNOWN_IDS}" if promised else None
+    if type(value) is not int:  # bool is an int subclass, and no count
+        return f"{UNKNOWN_IDS} {value!r} is not an integer"
+    if value < 0 or (ids_sent is not None and value > ids_sent):
+        bound = "?" if ids_sent is None else ids_sent
+        return f"{UNKNOWN_IDS} {value} is outside [0, {bound}] (the IDs sent)"
+    return None
+
+
 # --------------------------------------------------------------------------- payload pools
 @dataclass(frozen=True)
 class Payload:
@@ -494,6 +519,8 @@ class Payload:
     body: bytes
     header_length: int | None = None  # binary extension only
     arrays: Mapping[str, np.ndarray] | None = None  # gRPC only: the KServe v2 tensors
+    #: ID occurrences sent (every ID slot's IDs); None for raw rows (a preprocessor's IDs)
+    ids: int | None = None
 
 
 class PayloadPool:
@@ -542,14 +569,15 @@ class PayloadPool:
         self._cdf = np.cumsum(weights / weights.sum())
 
     def _encode(self, size: int, arrays: dict[str, np.ndarray], model: str) -> Payload:
+        ids = sum(int(arrays[slot.name].size) for slot in self.generator.inputs.id_slots)
         if self.kind == "json":
-            return Payload(size, encode_kserve_json(arrays))
+            return Payload(size, encode_kserve_json(arrays), ids=ids)
         if self.kind == "binary":
             body, length = encode_kserve_binary(arrays)
-            return Payload(size, body, header_length=length)
+            return Payload(size, body, header_length=length, ids=ids)
         if self.kind == "friendly":
-            return Payload(size, encode_friendly_json(self.generator.inputs, arrays))
-        return Payload(size, b"", arrays=arrays)
+            return Payload(size, encode_friendly_json(self.generator.inputs, arrays), ids=ids)
+        return Payload(size, b"", arrays=arrays, ids=ids)
 
     def pick(self) -> Payload:
         index = min(int(np.searchsorted(self._cdf, self._rng.random())), len(self._sizes) - 1)

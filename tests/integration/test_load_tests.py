@@ -147,6 +147,14 @@ def _summary(out: Path) -> dict:
     total = rows["Aggregated"]
     assert float(total["rps"]) > 0
     assert int(total["failures"]) == 0
+    # rows/s on every row: req/s times the name's batch size; the all row's sums them.
+    named = [row for name, row in rows.items() if name != "Aggregated"]
+    for row in named:
+        size = int(row["name"].rpartition(" b")[2])
+        assert float(row["rows_per_s"]) == round(float(row["rps"]) * size, 2), row
+        assert int(row["rows"]) == int(row["requests"]) * size, row
+    assert int(total["rows"]) == sum(int(row["rows"]) for row in named)
+    assert abs(float(total["rows_per_s"]) - sum(float(r["rows_per_s"]) for r in named)) < 0.05
     return json.loads((out / "summary.json").read_text())
 
 
@@ -159,12 +167,12 @@ def load_runs(
     runs = {
         "test_short_embedded_run": (
             ["--checkpoint", str(adult_checkpoint), "--users", "4", "--seconds", "5",
-             "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}"],
+             "--warmup-seconds", "1", "--serve-args", f"--preprocessor {ADULT_PREPROCESSOR}"],
             150.0,
         ),
         "test_short_remote_tier_run": (
             ["--checkpoint", str(adult_checkpoint), "--tier", "remote", "--users", "4",
-             "--seconds", "4", "--user-classes", "json,grpc,friendly"],
+             "--seconds", "4", "--user-classes", "json,grpc,friendly", "--warmup-seconds", "0"],
             200.0,
         ),
     }  # fmt: skip
@@ -181,12 +189,13 @@ def soak_runs(
     runs = {
         "test_short_soak_with_reload": (
             ["--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
-             "binary,grpc"],
+             "binary,grpc", "--warmup-seconds", "0"],
             220.0,
         ),
         "test_short_soak_with_reload_through_the_watcher_of_a_workers_server": (
             ["--synthetic", "--soak", "--minutes", "0.25", "--users", "4", "--user-classes",
-             "binary,grpc", "--serve-args", "--workers 2 --watch-seconds 1"],
+             "binary,grpc", "--serve-args", "--workers 2 --watch-seconds 1",
+             "--warmup-seconds", "0"],
             130.0,
         ),
     }  # fmt: skip
@@ -207,9 +216,15 @@ def test_short_embedded_run(load_runs):
     names = {row["name"] for row in summary["stats"]}
     for label in ("v2-binary", "v2-json", "v1-predict", "v2-grpc"):
         assert any(name.startswith(label) for name in names), names
-    # The summary's numbers are locust's final ones, not its once-a-second CSV.
+    # The summary's numbers are locust's final ones, not its once-a-second CSV, and none of
+    # the warm-up's (a locust run of its own before the load).
     final = json.loads((out / "locust_final.json").read_text())
     assert summary["stats"] == final["stats"]
+    warmup = json.loads((out / "locust_warmup_final.json").read_text())
+    warmup_total = next(row for row in warmup["stats"] if row["name"] == "Aggregated")
+    assert summary["warmup"]["requests"] == warmup_total["requests"] > 0
+    assert summary["warmup"]["seconds"] == 1.0 and summary["warmup"]["problems"] == []
+    assert warmup["written_unix"] < final["written_unix"]
 
 
 @pytest.mark.timeout(240)

@@ -194,6 +194,10 @@ def test_rows_response_decodes():
     result = codec.decode_rows_response(http_encode.encode_instances_response(_prediction(2)))
     assert result.predictions.shape == (2, 1) and result.predictions.dtype == np.float32
     assert (result.model_name, result.model_version, result.unknown_ids) == ("m", "v7", 5)
+    # The answer's fields as sent, but the predictions: the load tests tell an answer without
+    # unknown_ids (read as 0) from one that counted none.
+    assert result.parameters == {"model_name": "m", "model_version": "v7", "fallback_ids": 2,
+                                 "unknown_ids": 5}  # fmt: skip
 
 
 def test_grpc_round_trip_through_the_server_codec():
@@ -212,6 +216,10 @@ def test_grpc_round_trip_through_the_server_codec():
         result = codec.decode_grpc_infer(response)
         np.testing.assert_array_equal(result.predictions, _prediction().outputs["prediction"])
         assert (result.model_version, result.fallback_ids, result.unknown_ids) == ("v7", 2, 5)
+        assert {k: result.parameters[k] for k in ("fallback_ids", "unknown_ids")} == {
+            "fallback_ids": 2,
+            "unknown_ids": 5,
+        }
 
 
 def test_check_tensors_rejects_unsupported_dtypes():

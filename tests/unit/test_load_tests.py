@@ -95,6 +95,31 @@ def test_read_history_gives_each_interval_its_own_rates(tmp_path):
     assert history[0]["p50_ms"] != history[0]["p50_ms"]  # N/A -> NaN
 
 
+def test_read_history_of_locust_processes_gives_rates_over_their_report_interval(tmp_path):
+    """With --processes the master's counts grow only when a worker reports, every 3 s: the
+    per-second rates of its history read 3x the rate, then 0 (the plot's req/s spiked). Over
+    windows of the report interval each row reads the steady rate: here 2 workers, 100 req/s
+    each, reporting 300 requests every 3 s at their own phases, read 200 req/s."""
+    from load_tests.locust_run import WORKER_REPORT_S, rate_window_s, read_history
+
+    assert [rate_window_s(n) for n in (1, 2, 8)] == [1.0, WORKER_REPORT_S, WORKER_REPORT_S]
+    reports = [(1000.5 + 3 * k, 300) for k in range(5)] + [(1001.5 + 3 * k, 300) for k in range(5)]
+    lines = [_HISTORY_HEADER]
+    for second in range(1000, 1013):  # a row each second, written ~0.9 s into it
+        total = sum(count for at, count in reports if at <= second + 0.9)
+        lines.append(_history_row(second, "Aggregated", "5", total, total // 100))
+    (tmp_path / "run_stats_history.csv").write_text("\n".join(lines) + "\n")
+    per_second = [row["rps"] for row in read_history(tmp_path / "run")]
+    assert per_second[4:10] == [300.0, 0.0, 300.0, 300.0, 0.0, 300.0]  # the spikes
+    history = read_history(tmp_path / "run", WORKER_REPORT_S)
+    assert [row["rps"] for row in history] == [
+        0.0, 300.0, 150.0, *[200.0] * 10  # the first rows: since the first one
+    ]  # fmt: skip
+    assert [row["failures_per_s"] for row in history][3:] == [2.0] * 10
+    # Each row's own completions, which the stall check reads: 0 between reports.
+    assert [row["completed"] for row in history][4:7] == [300.0, 0.0, 300.0]
+
+
 def test_read_history_of_a_run_without_history_is_empty(tmp_path):
     from load_tests.locust_run import read_history
 
@@ -425,6 +450,8 @@ for ms in (10, 20, 30, 40, 50):
     env.stats.log_request("POST", "v2-json b1", ms, 100)
 env.stats.log_request("POST", "v2-json b8", 200, 100)
 env.stats.log_error("POST", "v2-json b8", "HTTP 500: boom")
+env.stats.log_request("POST", "v2-json b64", 40, 100)
+env.stats.log_request("grpc", "v2-grpc b8", 40, 100)
 events.quit.fire(exit_code=1)  # what locust's shutdown fires last, after runner.quit()
 """
 
@@ -437,11 +464,21 @@ def test_the_locustfile_writes_the_final_stats_when_locust_quits(tmp_path):
     final = read_final_stats(path)
     assert final["exit_code"] == 1
     rows = {row["name"]: row for row in final["stats"]}
-    assert list(rows) == ["v2-json b1", "v2-json b8", "Aggregated"]
+    # By protocol, then batch size as a number (b64 sorted before b8 as text).
+    assert list(rows) == ["v2-grpc b8", "v2-json b1", "v2-json b8", "v2-json b64", "Aggregated"]
     total = rows["Aggregated"]
-    assert (total["requests"], total["failures"]) == (6, 1)
+    assert (total["requests"], total["failures"]) == (8, 1)
     assert (total["p50_ms"], total["p99_ms"], total["max_ms"]) == (40.0, 200.0, 200.0)
     assert rows["v2-json b1"]["p50_ms"] == 30.0 and rows["v2-json b1"]["avg_ms"] == 30.0
+    # Rows sent and rows/s of each protocol and batch size; the total sums them.
+    sizes = {"v2-grpc b8": 8, "v2-json b1": 1, "v2-json b8": 8, "v2-json b64": 64}
+    assert {name: rows[name]["rows"] for name in sizes} == {
+        "v2-grpc b8": 8, "v2-json b1": 5, "v2-json b8": 8, "v2-json b64": 64
+    }  # fmt: skip
+    assert total["rows"] == 85
+    for name, size in sizes.items():
+        assert rows[name]["rows_per_s"] == round(rows[name]["rps"] * size, 2) > 0
+    assert total["rows_per_s"] == round(sum(rows[n]["rps"] * k for n, k in sizes.items()), 2)
     assert final["errors"] == [
         {"name": "v2-json b8", "method": "POST", "error": "HTTP 500: boom", "count": 1}
     ]
@@ -1115,15 +1152,18 @@ from locust.env import Environment
 from load_tests import locustfile as lf
 
 
-def v2(rows, data=None):
+def v2(rows, data=None, unknown=1):
     data = [0.5] * rows if data is None else data
-    return json.dumps({"model_name": "m", "model_version": "1", "outputs": [
-        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1], "data": data}]}).encode()
+    parameters = {} if unknown is None else {"fallback_ids": 0, "unknown_ids": unknown}
+    return json.dumps({"model_name": "m", "model_version": "1", "parameters": parameters,
+        "outputs": [{"name": "prediction", "datatype": "FP32", "shape": [rows, 1],
+                     "data": data}]}).encode()
 
 
 def binary(rows, cut=0):
-    head = json.dumps({"model_name": "m", "outputs": [{"name": "prediction", "datatype": "FP32",
-        "shape": [rows, 1], "parameters": {"binary_data_size": 4 * rows}}]}).encode()
+    head = json.dumps({"model_name": "m", "parameters": {"unknown_ids": 0}, "outputs": [
+        {"name": "prediction", "datatype": "FP32", "shape": [rows, 1],
+         "parameters": {"binary_data_size": 4 * rows}}]}).encode()
     return head + struct.pack(f"<{rows}f", *[0.25] * rows)[: 4 * rows - cut], len(head)
 
 
@@ -1133,10 +1173,18 @@ ANSWERS = {  # path -> (body, Inference-Header-Content-Length or None)
     "/v2/nan": (v2(2, [0.5, None]), None),  # how orjson (the server's) writes a NaN
     "/v2/empty": (b"", None),
     "/v2/no-outputs": (b'{"model_name": "m", "outputs": []}', None),
+    "/v2/all-unknown": (v2(2, unknown=5), None),  # 5 IDs sent (below), all unknown
+    "/v2/no-unknown-ids": (v2(2, unknown=None), None),
+    "/v2/too-many-unknown": (v2(2, unknown=6), None),
+    "/v2/negative-unknown": (v2(2, unknown=-1), None),
+    "/v2/text-unknown": (v2(2, unknown="3"), None),
     "/bin/ok": binary(2),
     "/bin/cut": binary(2, cut=3),
-    "/v1/ok": (b'{"predictions": [[0.5], [0.5]]}', None),
+    "/v1/ok": (b'{"predictions": [[0.5], [0.5]], "unknown_ids": 0}', None),
     "/v1/none": (b'{"predictions": []}', None),
+    "/v1/no-unknown-ids": (b'{"predictions": [[0.5], [0.5]], "fallback_ids": 0}', None),
+    "/ts/ok": (v2(2, unknown=None), None),  # TorchServe promises no unknown_ids
+    "/ts/too-many-unknown": (v2(2, unknown=6), None),  # but one it sends is checked
 }
 
 
@@ -1166,11 +1214,13 @@ env.events.request.add_listener(
 session = FastHttpSession(
     base_url=f"http://127.0.0.1:{server.server_port}", request_event=env.events.request, user=None
 )
-users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser}
+users = {"/v2": lf.KServeJsonUser, "/bin": lf.KServeBinaryUser, "/v1": lf.FriendlyJsonUser,
+         "/ts": lf.TorchServeJsonUser}
 for path in ANSWERS:
     user = users["/" + path.split("/")[1]]
     with session.post(path, data=b"{}", name=path, catch_response=True) as response:
-        lf._check(response, user.label, 2, lambda r: user.answer(user, r))
+        lf._check(response, user.label, 2, lambda r: user.answer(user, r), ids_sent=5,
+                  unknown_ids_promised=user.promises_unknown_ids)
 
 # The gRPC user: its client decodes the answer, the user checks the rows.
 import numpy as np
@@ -1178,10 +1228,11 @@ from types import SimpleNamespace
 from load_tests import traffic
 
 grpc_user = lf.GrpcUser(env)
-payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)})
+payload = traffic.Payload(3, b"", arrays={"x": np.zeros(3, np.int64)}, ids=3)
 grpc_user.pool = SimpleNamespace(pick=lambda: payload)
-for rows in ([[0.5], [0.5], [0.5]], [[0.5], [0.5]]):
-    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32))
+for rows, parameters in (([[0.5]] * 3, {"unknown_ids": 3}), ([[0.5]] * 3, {}),
+                         ([[0.5]] * 3, {"unknown_ids": 4}), ([[0.5], [0.5]], {})):
+    answer = SimpleNamespace(predictions=np.asarray(rows, np.float32), parameters=parameters)
     grpc_user.client = SimpleNamespace(infer=lambda arrays, answer=answer: answer)
     grpc_user.infer()
 
@@ -1203,11 +1254,16 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
     """The users counted every 200 as a success: an empty body, a missing row or a NaN passed
     as a fast request. Each answer is now decoded (JSON, binary outputs by the response's
     Inference-Header-Content-Length, the friendly route's predictions; gRPC's by the client)
-    and must hold one finite prediction per row sent."""
+    and must hold one finite prediction per row sent, and, where the protocol promises it
+    (recserve's v2 and friendly answers, not TorchServe's), an integer ``unknown_ids`` within
+    [0, the IDs sent]: a server that stopped counting unknown IDs passed unseen."""
     seen = last_json_line(run_python(_WRONG_ANSWERS))
     short_grpc = "wrong answer: 2 prediction rows (shape [2, 1]) for a request of 3 rows"
-    assert seen[-6:] == [
+    wrong = "v2-json: HTTP 200 with a wrong answer: "
+    assert seen[-8:] == [
         ["v2-grpc b3", None],
+        ["v2-grpc b3", "wrong answer: the answer has no unknown_ids"],
+        ["v2-grpc b3", "wrong answer: unknown_ids 4 is outside [0, 3] (the IDs sent)"],
         ["v2-grpc b3", short_grpc],
         ["v2-json b2", "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape "
                        "[1, 1]) for a request of 2 rows"],
@@ -1215,7 +1271,7 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
         ["v2-json b2", None],  # RECSERVE_LT_CHECK_ANSWERS=0: the status alone
         ["v2-grpc b3", None],
     ]  # fmt: skip
-    assert dict(seen[:-6]) == {
+    assert dict(seen[:-8]) == {
         "/v2/ok": None,
         "/v2/short": "v2-json: HTTP 200 with a wrong answer: 1 prediction rows (shape [1, 1]) "
         "for a request of 2 rows",
@@ -1224,13 +1280,69 @@ def test_a_200_with_a_wrong_or_empty_answer_counts_as_a_failure():
         "JSON: Input is a zero-length, empty document: line 1 column 1 (char 0)",
         "/v2/no-outputs": "v2-json: HTTP 200 with a wrong answer: the server answered without "
         "outputs",
+        "/v2/all-unknown": None,
+        "/v2/no-unknown-ids": wrong + "the answer has no unknown_ids",
+        "/v2/too-many-unknown": wrong + "unknown_ids 6 is outside [0, 5] (the IDs sent)",
+        "/v2/negative-unknown": wrong + "unknown_ids -1 is outside [0, 5] (the IDs sent)",
+        "/v2/text-unknown": wrong + "unknown_ids '3' is not an integer",
         "/bin/ok": None,
         "/bin/cut": "v2-binary: HTTP 200 with a wrong answer: output 'prediction': 5 bytes do "
         "not hold a FP32 tensor of shape [2, 1]",
         "/v1/ok": None,
         "/v1/none": "v1-predict: HTTP 200 with a wrong answer: 0 prediction rows (shape [0, 1]) "
         "for a request of 2 rows",
+        "/v1/no-unknown-ids": "v1-predict: HTTP 200 with a wrong answer: the answer has no "
+        "unknown_ids",
+        "/ts/ok": None,
+        "/ts/too-many-unknown": "torchserve-json: HTTP 200 with a wrong answer: unknown_ids 6 "
+        "is outside [0, 5] (the IDs sent)",
     }
+
+
+def test_unknown_ids_must_be_a_count_of_the_ids_sent():
+    """An answer's unknown_ids: an integer within [0, IDs sent]; absent, a problem only where
+    the protocol promises it; with raw rows (the IDs are the preprocessor's) the lower bound
+    alone. Each payload knows its ID occurrences: every ID slot's, jagged ones' lists too."""
+    from load_tests import traffic
+
+    check = traffic.unknown_ids_problem
+    assert check({"unknown_ids": 0}, 5, True) is None
+    assert check({"unknown_ids": 5}, 5, True) is None
+    assert check({"unknown_ids": 6}, 5, True) == "unknown_ids 6 is outside [0, 5] (the IDs sent)"
+    assert check({"unknown_ids": -1}, None, True) == (
+        "unknown_ids -1 is outside [0, ?] (the IDs sent)"
+    )
+    assert check({"unknown_ids": 10**6}, None, True) is None  # raw rows: no upper bound known
+    assert check({"unknown_ids": True}, 5, True) == "unknown_ids True is not an integer"
+    assert check({"unknown_ids": 1.0}, 5, False) == "unknown_ids 1.0 is not an integer"
+    assert check({}, 5, True) == "the answer has no unknown_ids"
+    assert check({"fallback_ids": 0}, 5, False) is None
+    inputs = traffic.ModelInputs.from_metadata({"inputs": [
+        {"name": "user", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "UINT64", "shape": [-1]},
+        {"name": "history.lengths", "datatype": "INT64", "shape": [-1]},
+        {"name": "dense", "datatype": "FP32", "shape": [-1, 3]},
+    ]})  # fmt: skip
+    profile = traffic.TrafficProfile(batch_sizes=(8,), batch_weights=(1.0,), seed=4)
+    generator = traffic.TrafficGenerator(inputs, profile)
+    for kind in traffic.PAYLOAD_KINDS:
+        for payload in traffic.PayloadPool(generator, kind, per_size=3).by_size[8]:
+            if kind == "friendly":
+                rows = json.loads(payload.body)["instances"]
+                sent = sum(1 + len(row["history"]) for row in rows)
+            elif kind == "json":
+                tensors = {t["name"]: t["shape"][0] for t in json.loads(payload.body)["inputs"]}
+                sent = tensors["user"] + tensors["history"]
+            elif kind == "binary":
+                head = json.loads(payload.body[: payload.header_length])["inputs"]
+                sizes = {t["name"]: t["parameters"]["binary_data_size"] // 8 for t in head}
+                sent = sizes["user"] + sizes["history"]
+            else:
+                assert payload.arrays is not None
+                sent = len(payload.arrays["user"]) + len(payload.arrays["history"])
+            assert payload.ids == sent > 8, kind
+    rows_pool = traffic.PayloadPool(generator, "friendly", per_size=2, rows=[{"age": "39"}])
+    assert {p.ids for p in rows_pool.by_size[8]} == {None}
 
 
 def test_non_finite_or_missing_predictions_are_a_wrong_answer():
@@ -1314,6 +1426,8 @@ def test_read_stats_from_the_csv_takes_each_percentile_from_its_own_column(tmp_p
             "p99_ms": 14.0,
             "avg_ms": 6.04,
             "max_ms": 90.0,
+            "rows": 10503,
+            "rows_per_s": 700.26,
         }
     ]
 
@@ -1331,15 +1445,36 @@ def test_final_stats_written_before_the_run_started_are_an_earlier_runs(tmp_path
         assert (final == document, problems == []) == (mine, mine), written
 
 
+def test_rows_come_from_the_batch_size_each_request_name_carries():
+    from load_tests.locust_run import add_rows, batch_size_of
+
+    assert [batch_size_of(n) for n in ("v2-json b64", "torchserve-binary b1", "v2-grpc b8")] == [
+        64, 1, 8
+    ]  # fmt: skip
+    assert [batch_size_of(n) for n in ("Aggregated", "v2-json bx", " b8", "v2-json")] == [None] * 4
+    # A name without a batch size (not the locustfile's): its rows are unknown, and the total's.
+    rows = add_rows([{"name": "custom", "requests": 3, "rps": 1.0},
+                     {"name": "v2-json b8", "requests": 2, "rps": 1.0},
+                     {"name": "Aggregated", "requests": 5, "rps": 2.0}])  # fmt: skip
+    assert [(r["rows"], r["rows_per_s"]) for r in rows] == [(None, None), (16, 8.0), (None, None)]
+
+
 def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
+    """Each protocol and batch size has its own row, with its rows/s (the all row mixes them,
+    and had no rows/s): the same rows in summary.csv, summary.md and summary.json."""
+    from load_tests.locust_run import add_rows
     from load_tests.report import write_summary
 
-    rows = [
+    rows = add_rows([
+        {"name": "v2-grpc b8", "requests": 100, "failures": 0, "rps": 5.0, "p50_ms": 2.0,
+         "p95_ms": 4.0, "p99_ms": 6.0, "avg_ms": 2.5},
         {"name": "v2-json b1", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
          "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
-        {"name": "Aggregated", "requests": 900, "failures": 2, "rps": 45.04, "p50_ms": 3.0,
+        {"name": "v2-json b64", "requests": 10, "failures": 0, "rps": 0.5, "p50_ms": None,
+         "p95_ms": None, "p99_ms": None, "avg_ms": 0.0},
+        {"name": "Aggregated", "requests": 1010, "failures": 2, "rps": 50.55, "p50_ms": 3.0,
          "p95_ms": 7.5, "p99_ms": 12.0, "avg_ms": 4.0},
-    ]  # fmt: skip
+    ])  # fmt: skip
     result = {
         "stats": rows, "model": "adult", "inputs": "json", "checkpoint": "/c", "tier": "local",
         "users": 4, "classes": ["KServeJsonUser"], "seconds": 20.0, "batches": "1", "seed": 7,
@@ -1348,9 +1483,11 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
     }  # fmt: skip
     write_summary(tmp_path, result)
     assert (tmp_path / "summary.csv").read_text().splitlines() == [
-        "name,requests,failures,rps,p50_ms,p95_ms,p99_ms",
-        "v2-json b1,900,2,45.04,3.0,7.5,12.0",
-        "Aggregated,900,2,45.04,3.0,7.5,12.0",
+        "name,requests,failures,rps,rows,rows_per_s,p50_ms,p95_ms,p99_ms",
+        "v2-grpc b8,100,0,5.0,800,40.0,2.0,4.0,6.0",
+        "v2-json b1,900,2,45.04,900,45.04,3.0,7.5,12.0",
+        "v2-json b64,10,0,0.5,640,32.0,,,",
+        "Aggregated,1010,2,50.55,2340,117.04,3.0,7.5,12.0",  # 40 + 45.04 + 32 rows/s
     ]
     markdown = (tmp_path / "summary.md").read_text().splitlines()
     assert "- verdict: **FAIL** (2 failures)" in markdown
@@ -1358,10 +1495,17 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "- req/s: requests over the time from the start of the load to its last request; "
         "percentiles from locust's histogram of the response times, kept to 2 significant digits"
     ) in markdown
-    table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|") + 1 :][:2]
+    assert (
+        "- each request row is one protocol (route) and batch size (`v2-json b8`: KServe v2 "
+        "JSON, 8 rows); rows/s: its req/s times its batch size. **all** mixes them: its req/s "
+        "and percentiles are over every request, its rows/s the sum of the rows' rows/s"
+    ) in markdown
+    table = markdown[markdown.index("|---|---:|---:|---:|---:|---:|---:|---:|") + 1 :][:4]
     assert table == [
-        "| v2-json b1 | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
-        "| **all** | 900 | 2 | 45.0 | 3 | 7.5 | 12 |",
+        "| v2-grpc b8 | 100 | 0 | 5.0 | 40.0 | 2 | 4 | 6 |",
+        "| v2-json b1 | 900 | 2 | 45.0 | 45.0 | 3 | 7.5 | 12 |",
+        "| v2-json b64 | 10 | 0 | 0.5 | 32.0 | - | - | - |",
+        "| **all** | 1010 | 2 | 50.5 | 117.0 | 3 | 7.5 | 12 |",
     ]
     assert json.loads((tmp_path / "summary.json").read_text())["stats"] == rows
     write_summary(tmp_path, {**result, "spawn_rate": 0.5})  # a ramp-up of ~8 s of the 20
@@ -1370,6 +1514,15 @@ def test_the_summary_lists_every_row_in_csv_and_markdown(tmp_path):
         "percentiles from locust's histogram of the response times, kept to 2 significant "
         "digits; both include the ramp-up to 4 users at 0.5/s"
     ) in (tmp_path / "summary.md").read_text().splitlines()
+    assert "- warm-up: none (`--warmup-seconds 0`)" in markdown
+    warmup = {"seconds": 3.0, "requests": 812, "failures": 0, "locust_exit_code": 0,
+              "problems": []}  # fmt: skip
+    write_summary(tmp_path, {**result, "warmup": warmup})
+    assert (
+        "- warm-up: 3 s before the load, 812 requests (0 failed), in none of the numbers below "
+        "(`locust_warmup_*`)"
+    ) in (tmp_path / "summary.md").read_text().splitlines()
+    assert json.loads((tmp_path / "summary.json").read_text())["warmup"] == warmup
 
 
 # --------------------------------------------------------------------------- traffic: exact
@@ -1693,6 +1846,8 @@ _BOUNDED = "bounded runs only: at most 1000 users, 3600 s, 120 minutes"
         (["--soak", "--minutes", "120.5"], _BOUNDED),
         (["--spawn-rate", "0"], "--spawn-rate must be > 0 users per second, got 0.0"),
         (["--locust-processes", "65"], "--locust-processes must be in 1..64, got 65"),
+        (["--warmup-seconds", "-1"], "--warmup-seconds must be within 0..120, got -1"),
+        (["--warmup-seconds", "121"], "--warmup-seconds must be within 0..120, got 121"),
         (["--rss-interval", "0"], "--rss-interval must be in (0, 60] seconds, got 0.0"),
         (["--rss-interval", "60.5"], "--rss-interval must be in (0, 60] seconds, got 60.5"),
         (["--unknown-share", "1"], "--unknown-share must be in [0, 1), got 1.0"),
@@ -1853,6 +2008,43 @@ def test_a_locust_still_running_past_its_deadline_is_stopped_and_fails_the_run()
     assert done.returncode == 0
 
 
+_FAKE_LOCUST = """
+import json, os, sys, time
+stats = [{"name": "v2-json b1", "requests": 40, "failures": int(sys.argv[1]), "rps": 40.0},
+         {"name": "Aggregated", "requests": 40, "failures": int(sys.argv[1]), "rps": 40.0}]
+with open(os.environ["RECSERVE_LT_FINAL_STATS"], "w") as handle:
+    json.dump({"exit_code": 0, "written_unix": time.time(), "stats": stats}, handle)
+"""
+
+
+def test_the_warm_up_is_a_locust_run_of_its_own_whose_failures_fail_the_run(tmp_path):
+    """run.py had no warm-up: the first seconds of a cold server were in the summary. The
+    warm-up is a locust run of its own (its own files), run to its end; what it sent is
+    reported apart, and a request it saw fail is still a problem."""
+    from load_tests.locust_run import LocustRun
+    from load_tests.run import WARMUP_S, _warm_up, parse_args
+
+    common = ["--synthetic", "--out", str(tmp_path)]
+    assert parse_args(common).warmup_seconds == WARMUP_S == 3
+    assert parse_args([*common, "--warmup-seconds", "0"]).warmup_seconds == 0
+
+    class FakeLocust(LocustRun):
+        failures = 0
+
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", _FAKE_LOCUST, str(self.failures)]
+
+    run = FakeLocust(users=1, spawn_rate=1, seconds=1.0, classes=[], host="http://127.0.0.1:1",
+                     csv_prefix=tmp_path / "locust_warmup", log_path=tmp_path / "warmup.log",
+                     env={})  # fmt: skip
+    warmup = _warm_up(run, {})
+    assert warmup == {"seconds": 1.0, "requests": 40, "failures": 0, "locust_exit_code": 0,
+                      "problems": []}  # fmt: skip
+    assert (tmp_path / "locust_warmup_final.json").exists()  # its own files
+    FakeLocust.failures = 2
+    assert _warm_up(run, {})["problems"] == ["2 failed requests"]
+
+
 def test_torn_or_foreign_final_stats_are_absent(tmp_path):
     from load_tests.locust_run import read_final_stats
 
@@ -1996,7 +2188,7 @@ def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
     }  # fmt: skip
     write_summary(tmp_path, result)
     lines = (tmp_path / "summary.md").read_text().splitlines()
-    assert "| **all** | 0 | 0 | 0.0 | - | - | - |" in lines
+    assert "| **all** | 0 | 0 | 0.0 | - | - | - | - |" in lines
     assert "- serve flags: `--workers 2`" in lines
     soak = lines[lines.index("## Soak") :]
     assert soak[2:6] == [
@@ -2008,7 +2200,7 @@ def test_the_summary_of_a_soak_lists_the_reload_and_each_process(tmp_path):
         "(grows 90 MB/min)",
         "- series: `rss.csv`",
     ]
-    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,"
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1] == "Aggregated,0,0,0.0,,,,,"
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
@@ -2523,7 +2715,7 @@ def test_a_summary_that_cannot_be_rendered_leaves_no_partial_report(tmp_path):
         "summary.csv", "summary.json", "summary.md",
     ]  # fmt: skip
     table = (tmp_path / "summary.csv").read_text().splitlines()
-    assert table[1] == "Aggregated,10,0,5.0,3.0,4.0,5.0"
+    assert table[1] == "Aggregated,10,0,5.0,,,3.0,4.0,5.0"  # no rows: not named
 
 
 _PREBUILT = """
