@@ -15,6 +15,12 @@ Batch sizes 1 and 64 (``--batch-sizes``); 16 different batches of real test rows
 Each slice interleaves every (batch size, mode) pair, ``--rounds`` times; rps is the median over
 rounds, latency percentiles pool every request. Ratios are served / in-process.
 
+Per served mode it also reports CPU microseconds per request of the server process
+(``/proc/PID/stat``) and of this process (the client threads, ``time.process_time``), pooled
+over the rounds: client and server share the machine's cores, and these say which of the two
+a mode's rate is bound by (the server's CPU per request over HTTP vs gRPC, say) where rps alone
+cannot.
+
 Run: ``python benchmarks/serve_throughput.py [--checkpoint DIR] [--seconds 3] [--rounds 2]
 [--clients 8]``.
 Clients and server share the machine's cores (and the client threads one GIL).
@@ -115,6 +121,27 @@ class Stats:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     rps_per_round: list[float] = field(default_factory=list)
+    #: CPU seconds of the server process and of this one (the clients) during the slices.
+    server_cpu: float = 0.0
+    client_cpu: float = 0.0
+
+
+def cpu_seconds_of_stat(stat: str, ticks_per_second: int) -> float:
+    """User + system CPU seconds from the text of ``/proc/PID/stat`` (fields 14 and 15; the
+    command name, field 2, is in parentheses and may hold spaces and parentheses itself)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / ticks_per_second
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread) so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return cpu_seconds_of_stat(stat.read(), os.sysconf("SC_CLK_TCK"))
+
+
+def per_request_us(cpu_seconds: float, requests: int) -> float:
+    """CPU microseconds per request; NaN when no request was made."""
+    return cpu_seconds / requests * 1e6 if requests else float("nan")
 
 
 def _http_client(
@@ -341,7 +368,7 @@ def benchmark(argv: list[str] | None = None) -> None:
             checkpoint, Path(scratch) / "serve.log", args.server_threads, args.max_queue_delay_ms
         )
         try:
-            results = measure(args, model, http_address, grpc_target)
+            results = measure(args, model, http_address, grpc_target, process.pid)
         finally:
             os.kill(process.pid, signal.SIGTERM)
             try:
@@ -357,6 +384,7 @@ def measure(
     model: LoadedModel,
     http_address: tuple[str, int],
     grpc_target: str,
+    server_pid: int,
 ) -> dict[tuple[int, str], Stats]:
     payloads: dict[int, dict[str, list[Any]]] = {}
     for batch_size in args.batch_sizes:
@@ -379,9 +407,14 @@ def measure(
         data = payloads[batch_size][mode]
         if mode == "in-process":
             return run_in_process(model, data, seconds)
+        server_before, client_before = process_cpu_seconds(server_pid), time.process_time()
         if mode == "http":
-            return run_clients(http_address, _http_client, data, batch_size, args.clients, seconds)
-        return run_clients(grpc_target, _grpc_client, data, batch_size, args.clients, seconds)
+            local = run_clients(http_address, _http_client, data, batch_size, args.clients, seconds)
+        else:
+            local = run_clients(grpc_target, _grpc_client, data, batch_size, args.clients, seconds)
+        local.server_cpu = process_cpu_seconds(server_pid) - server_before
+        local.client_cpu = time.process_time() - client_before
+        return local
 
     for batch_size in args.batch_sizes:  # warm-up: connections, TorchScript, caches
         for mode in modes:
@@ -395,6 +428,8 @@ def measure(
                 total.errors += local.errors
                 total.seconds += local.seconds
                 total.latencies.extend(local.latencies)
+                total.server_cpu += local.server_cpu
+                total.client_cpu += local.client_cpu
                 total.rps_per_round.append(local.requests / local.seconds)
                 print(
                     f"round {round_index + 1}/{args.rounds} batch {batch_size:>3} {mode:>10}: "
@@ -404,10 +439,14 @@ def measure(
     return results
 
 
+def _cpu_cell(us: float | None) -> str:
+    return f"{'-':>13}" if us is None else f"{us:>13.0f}"
+
+
 def report(
     args: argparse.Namespace, checkpoint: Path, results: dict[tuple[int, str], Stats]
 ) -> None:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (batch_size, mode), stats in results.items():
         rps = statistics.median(stats.rps_per_round)
         base = statistics.median(results[(batch_size, "in-process")].rps_per_round)
@@ -425,18 +464,28 @@ def report(
                 "errors": stats.errors,
                 "rps_vs_in_process": rps / base,
                 "p50_vs_in_process": percentile(stats.latencies, 50) / base_p50,
+                # Served modes only (the in-process baseline has no server).
+                "server_cpu_us_per_request": per_request_us(stats.server_cpu, stats.requests)
+                if mode != "in-process"
+                else None,
+                "client_cpu_us_per_request": per_request_us(stats.client_cpu, stats.requests)
+                if mode != "in-process"
+                else None,
             }
         )
     header = (
         f"{'batch':>5} {'mode':>10} {'clients':>7} {'rps':>9} {'samples/s':>10} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'errors':>6} {'rps/inproc':>10} {'p50/inproc':>10}"
+        f"{'p99 ms':>8} {'errors':>6} {'rps/inproc':>10} {'p50/inproc':>10} "
+        f"{'server us/req':>13} {'client us/req':>13}"
     )
     print(header)
     for r in rows:
         print(
             f"{r['batch_size']:>5} {r['mode']:>10} {r['clients']:>7} {r['rps']:>9.1f} "
             f"{r['samples_per_s']:>10.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} "
-            f"{r['errors']:>6} {r['rps_vs_in_process']:>10.3f} {r['p50_vs_in_process']:>10.1f}"
+            f"{r['errors']:>6} {r['rps_vs_in_process']:>10.3f} {r['p50_vs_in_process']:>10.1f} "
+            f"{_cpu_cell(r['server_cpu_us_per_request'])} "
+            f"{_cpu_cell(r['client_cpu_us_per_request'])}"
         )
     print(
         json.dumps(

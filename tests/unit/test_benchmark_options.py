@@ -205,15 +205,17 @@ def test_serve_throughput_reports_median_rps_and_pooled_latencies(capsys):
     import argparse
     import json
 
-    def stats(rps: list[float], latencies_s: list[float], errors: int = 0):
+    def stats(rps: list[float], latencies_s: list[float], errors: int = 0, cpu=(0.0, 0.0)):
         return serve_throughput.Stats(
             requests=len(latencies_s), errors=errors, seconds=1.0, latencies=latencies_s,
-            rps_per_round=rps,
+            rps_per_round=rps, server_cpu=cpu[0], client_cpu=cpu[1],
         )  # fmt: skip
 
     results = {
         (1, "in-process"): stats([100.0, 300.0, 200.0], [0.001, 0.002, 0.003]),
-        (1, "http"): stats([50.0, 40.0, 90.0], [0.010, 0.020, 0.030, 0.040, 0.050], errors=1),
+        (1, "http"): stats(
+            [50.0, 40.0, 90.0], [0.010, 0.020, 0.030, 0.040, 0.050], errors=1, cpu=(0.25, 0.1)
+        ),
     }
     args = argparse.Namespace(seconds=3.0, rounds=3, clients=8, server_threads=1,
                               max_queue_delay_ms=2.0)  # fmt: skip
@@ -230,6 +232,11 @@ def test_serve_throughput_reports_median_rps_and_pooled_latencies(capsys):
     assert http["rps_vs_in_process"] == 0.25  # median 50 over median 200
     assert http["p50_ms"] == pytest.approx(30.0) and http["p99_ms"] == pytest.approx(49.6)
     assert http["p50_vs_in_process"] == pytest.approx(15.0)  # 30 ms over 2 ms
+    # CPU per request pooled over the rounds: 0.25 s of the server, 0.1 s of the clients, 5
+    # requests. The in-process baseline has no server.
+    assert http["server_cpu_us_per_request"] == pytest.approx(50_000.0)
+    assert http["client_cpu_us_per_request"] == pytest.approx(20_000.0)
+    assert base["server_cpu_us_per_request"] is base["client_cpu_us_per_request"] is None
 
 
 def test_embedding_tier_summary_rates_and_cpu_per_call():
@@ -239,3 +246,12 @@ def test_embedding_tier_summary_rates_and_cpu_per_call():
     assert summary["ids_per_s"] == 26 * 64 * 25 and summary["samples_per_s"] == 64 * 25
     assert summary["p50_ms"] == pytest.approx(10.0) and summary["p99_ms"] == pytest.approx(61.0)
     assert summary["cpu_ms_per_call"] == {"client": 10.0, "worker": 20.0}
+
+
+def test_serve_throughput_reads_cpu_seconds_past_a_command_name_with_parentheses():
+    """Fields 14 and 15 of /proc/PID/stat (utime, stime) in clock ticks: the command name,
+    in parentheses, may hold ") " itself and must not shift the fields."""
+    stat = "4242 (py) (x) 1) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 3 0"
+    assert serve_throughput.cpu_seconds_of_stat(stat, 100) == 3.25
+    assert serve_throughput.per_request_us(0.5, 1000) == 500.0
+    assert serve_throughput.per_request_us(0.5, 0) != serve_throughput.per_request_us(0.5, 0)
