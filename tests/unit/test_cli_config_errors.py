@@ -1,7 +1,7 @@
-"""Bad command-line values, environment variables and config files: each test but the one of
-"shipped configs" fails without its fix. Bad flags, variables and config files end in one line naming the
-flag, variable or file, the key and the value, before anything expensive starts (a model
-load, torchrun, a bind), never in a traceback, a hang or gigabytes of memory."""
+"""Bad flags, environment variables and config files end in one line naming the flag,
+variable or file, the key and the value, before anything expensive starts (a model load,
+torchrun, a bind), never in a traceback, a hang or gigabytes of memory. Each test but the
+one of "shipped configs" fails without its fix."""
 
 from __future__ import annotations
 
