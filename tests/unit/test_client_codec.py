@@ -961,7 +961,11 @@ def test_client_refuses_credentials_in_the_url():
         )
     with pytest.raises(InvalidArgumentError) as caught:
         parse_url("http://ann:s3cret@h:1", tls_names=("--tls-ca", "--tls-cert", "--tls-key"))
-    assert caught.value.message.endswith("URL with --tls-cert and --tls-key)")
+    assert caught.value.message == (
+        "server URL 'http://ann:***@h:1' has credentials (user:password@): they are never sent, "
+        "and the server takes no credentials in the URL; remove them (to authenticate a "
+        "client, use mutual TLS: an https:// or grpcs:// URL with --tls-cert and --tls-key)"
+    )
     for bad, message in (  # other faults come first, the password redacted
         ("ftp://ann:s3cret@h", "server URL 'ftp://ann:***@h': scheme must be http, https, grpc "
          "or grpcs, got 'ftp'"),

@@ -294,7 +294,11 @@ def test_a_staleness_above_the_workers_forward_buffer_is_refused():
     tier = InProcessEmbeddingTier(CONFIG, capacity=100, forward_buffer_size=2)
     with pytest.raises(InvalidArgumentError) as refused:
         sgd_ctx(embedding_staleness=3, embedding_tier=tier)
-    assert "forward_buffer_size 2 (the given tier)" in refused.value.message
+    assert refused.value.message == (
+        "embedding_staleness 3 is above the embedding worker's forward_buffer_size 2 (the given "
+        "tier): lookups would expire before their gradients come back; lower "
+        "embedding_staleness or raise forward_buffer_size"
+    )
     with sgd_ctx(embedding_staleness=2, embedding_tier=tier) as ctx:  # as many as it keeps
         train_steps(ctx, 4)
         assert ctx.step == 4
