@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from embedding_store.config import (
     load_global_config,
 )
 from embedding_store.grpc_common import LIVENESS_SERVICE
+from tests.scripts import load_script
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -158,11 +158,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def load_healthcheck_module():
-    path = DEPLOY / "scripts" / "healthcheck.py"
-    spec = importlib.util.spec_from_file_location("recserve_deploy_healthcheck", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DEPLOY / "scripts" / "healthcheck.py", "recserve_deploy_healthcheck")
 
 
 # --------------------------------------------------------------------------- Kubernetes

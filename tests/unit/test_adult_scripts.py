@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,21 +22,24 @@ from examples.adult_income.hparams import AdultHParams
 
 
 def _main_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """train.main's argparse error (exit status 2) for ``argv``: its stderr."""
+    """train.main's argparse error (exit status 2) for ``argv``: the message of its last
+    line, after ``PROG: error: ``."""
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv)
     assert exit_info.value.code == 2
-    return capsys.readouterr().err
+    prog, sep, message = capsys.readouterr().err.strip().splitlines()[-1].partition(": error: ")
+    assert sep, prog
+    return message
 
 
 def test_eval_only_needs_resume_from(capsys: pytest.CaptureFixture[str]) -> None:
     err = _main_error(capsys, ["--eval-only", "--device", "cpu"])
-    assert "--eval-only needs --resume-from" in err
+    assert err == "--eval-only needs --resume-from (there is nothing trained to evaluate)"
 
 
 def test_checkpoint_on_stop_needs_checkpoint_dir(capsys: pytest.CaptureFixture[str]) -> None:
     err = _main_error(capsys, ["--checkpoint-on-stop", "--device", "cpu"])
-    assert "--checkpoint-on-stop needs --checkpoint-dir (where to write it)" in err
+    assert err == "--checkpoint-on-stop needs --checkpoint-dir (where to write it)"
 
 
 @pytest.mark.parametrize(
@@ -56,14 +60,14 @@ def test_checkpoint_on_stop_needs_checkpoint_dir(capsys: pytest.CaptureFixture[s
 def test_sizes_counts_and_seed_are_checked_before_training(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    assert message in _main_error(capsys, [*argv, "--device", "cpu"])
+    assert _main_error(capsys, [*argv, "--device", "cpu"]) == message
 
 
 def test_clip_grad_norm_is_checked_and_reaches_train_ctx(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     err = _main_error(capsys, ["--clip-grad-norm", "0", "--device", "cpu"])
-    assert "argument --clip-grad-norm: expected a number > 0, got '0'" in err
+    assert err == "argument --clip-grad-norm: expected a number > 0, got '0'"
 
     class BuiltError(Exception):
         """Raised in TrainCtx's place: what main passed is all this test needs."""
@@ -91,7 +95,7 @@ def test_cuda_refused_where_there_is_none(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = _main_error(capsys, ["--device", "cuda"])
-    assert "--device cuda: CUDA is not available on this machine" in err
+    assert err == "--device cuda: CUDA is not available on this machine"
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])
@@ -103,11 +107,11 @@ def test_a_process_without_a_gpu_of_its_own_is_refused(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "2")
     err = _main_error(capsys, ["--device", device])
-    assert (
+    assert err == (
         f"--device {device}: this process (LOCAL_RANK 2) has no GPU of its own: this machine "
         "has 2; start at most that many processes per node (--nproc-per-node), or pass "
         "--device cpu"
-    ) in err
+    )
 
 
 def test_checkpoint_dir_checked_before_training(
@@ -118,17 +122,23 @@ def test_checkpoint_dir_checked_before_training(
     occupied.mkdir()
     (occupied / "notes.txt").write_text("mine")
     err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(occupied)])
-    assert f"--checkpoint-dir: checkpoint directory {occupied} already exists" in err
+    assert err == (
+        f"--checkpoint-dir: checkpoint directory {occupied} already exists; refusing to "
+        "overwrite it (--overwrite, or overwrite=True, replaces it)"
+    )
     # Not a checkpoint: even --overwrite does not replace it.
     err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(occupied), "--overwrite"])
-    assert "is not a recserve checkpoint" in err
+    assert err == (
+        f"--checkpoint-dir: {occupied} exists and is not a recserve checkpoint (no DONE marker): "
+        "refusing to replace it; choose another directory"
+    )
     assert (occupied / "notes.txt").read_text() == "mine"
     # The nearest existing parent is a file: nothing can be staged there.
     blocker = tmp_path / "blocker"
     blocker.write_text("")
     target = blocker / "run" / "checkpoint"
     err = _main_error(capsys, ["--device", "cpu", "--checkpoint-dir", str(target)])
-    assert f"--checkpoint-dir {target}: cannot write in {blocker}" in err
+    assert err == f"--checkpoint-dir {target}: cannot write in {blocker} (Not a directory)"
 
 
 # ------------------------------------------------------------------------------------------
@@ -330,8 +340,46 @@ def _checkpoint_contents(directory: Path) -> dict[str, object]:
     return contents
 
 
+def _ignore_sigterm(signum: int, frame: object) -> None:  # the SIGTERM, if main handled none
+    pass
+
+
+@pytest.fixture
+def stoppable_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Set-up for several reproducible train.main runs in one process, some stopped by a
+    SIGTERM: no torchrun variables, the data sets encoded once for all the runs (half of a
+    run's time otherwise), SIGTERM ignored where main handles none, and torch's thread count
+    (main sets 1) and the SIGTERM handler restored after. Yields the runs' common arguments."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
+    threads = torch.get_num_threads()
+    previous = signal.signal(signal.SIGTERM, _ignore_sigterm)
+    try:
+        yield ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)
+
+
+def _sigterm_in_step_11(patch: pytest.MonkeyPatch) -> None:
+    """SIGTERM raised in the 11th step (the 3rd batch of 8 in epoch 1), after its backward."""
+    backward = train.TrainCtx.backward
+
+    def signalled_backward(ctx: train.TrainCtx, loss: torch.Tensor) -> torch.Tensor:
+        scaled = backward(ctx, loss)
+        if ctx.step == 11:
+            signal.raise_signal(signal.SIGTERM)
+        return scaled
+
+    patch.setattr(train.TrainCtx, "backward", signalled_backward)
+
+
 def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupted_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    stoppable_runs: list[str],
 ) -> None:
     """SIGTERM in the 11th step (the 3rd batch of 8 in epoch 1): the run ends after that
     step and exits 143; with --checkpoint-on-stop its checkpoint says where it stood, and a
@@ -339,117 +387,82 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
     order as one uninterrupted run (a SIGTERM used to kill the run with no checkpoint, and a
     resume could only restart an epoch). Without the flag nothing is written: deploy/ serves
     a --checkpoint-dir as soon as it is there."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    common = ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
-    # The data sets encoded once for the three runs (half of a run's time otherwise).
-    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
-    backward = train.TrainCtx.backward
-
-    def signalled_backward(ctx: train.TrainCtx, loss: torch.Tensor) -> torch.Tensor:
-        scaled = backward(ctx, loss)
-        if ctx.step == 11:
-            signal.raise_signal(signal.SIGTERM)
-        return scaled
-
-    threads = torch.get_num_threads()  # main() sets 1
-
-    def ignore(signum: int, frame: object) -> None:  # the SIGTERM, if main handled none
-        pass
-
-    previous = signal.signal(signal.SIGTERM, ignore)
-    try:
-        straight, stopped, resumed, unwritten = (
-            tmp_path / name for name in ("straight", "stopped", "resumed", "unwritten")
+    common = stoppable_runs
+    straight, stopped, resumed, unwritten = (
+        tmp_path / name for name in ("straight", "stopped", "resumed", "unwritten")
+    )
+    assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
+    with monkeypatch.context() as patch:
+        _sigterm_in_step_11(patch)
+        assert train.main([*common, "--checkpoint-dir", str(unwritten)]) == 143
+        assert not unwritten.exists()
+        assert capsys.readouterr().err.endswith(
+            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) "
+            f"done): nothing written, {unwritten} is as it was (--checkpoint-on-stop "
+            "writes the checkpoint first)\n"
         )
-        assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
-        with monkeypatch.context() as patch:
-            patch.setattr(train.TrainCtx, "backward", signalled_backward)
-            assert train.main([*common, "--checkpoint-dir", str(unwritten)]) == 143
-            assert not unwritten.exists()
-            assert capsys.readouterr().err.endswith(
-                "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) "
-                f"done): nothing written, {unwritten} is as it was (--checkpoint-on-stop "
-                "writes the checkpoint first)\n"
-            )
-            on_stop = [*common, "--checkpoint-dir", str(stopped), "--checkpoint-on-stop"]
-            assert train.main(on_stop) == 143
-        assert signal.getsignal(signal.SIGTERM) is ignore  # main's handler only while it runs
-        manifest = json.loads((stopped / "manifest.json").read_text())
-        err = capsys.readouterr().err
-        assert err.endswith(
-            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
-            f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
-            f"{stopped} goes on from there\n"
-        )
-        assert manifest["step"] == 11
-        assert manifest["train_state"]["epochs_done"] == 1
-        assert manifest["train_state"]["batches_done"] == 3
-        assert (
-            train.main([*common, "--resume-from", str(stopped), "--checkpoint-dir", str(resumed)])
-            == 0
-        )
-        assert json.loads((resumed / "manifest.json").read_text())["step"] == 16
-        assert _checkpoint_contents(resumed) == _checkpoint_contents(straight)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        torch.set_num_threads(threads)
+        on_stop = [*common, "--checkpoint-dir", str(stopped), "--checkpoint-on-stop"]
+        assert train.main(on_stop) == 143
+    # main's handler only while it runs:
+    assert signal.getsignal(signal.SIGTERM) is _ignore_sigterm
+    manifest = json.loads((stopped / "manifest.json").read_text())
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
+        f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
+        f"{stopped} goes on from there\n"
+    )
+    assert manifest["step"] == 11
+    assert manifest["train_state"]["epochs_done"] == 1
+    assert manifest["train_state"]["batches_done"] == 3
+    assert (
+        train.main([*common, "--resume-from", str(stopped), "--checkpoint-dir", str(resumed)]) == 0
+    )
+    assert json.loads((resumed / "manifest.json").read_text())["step"] == 16
+    assert _checkpoint_contents(resumed) == _checkpoint_contents(straight)
 
 
 def test_a_stop_checkpoint_dir_takes_the_stop_and_the_same_command_resumes_from_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    stoppable_runs: list[str],
 ) -> None:
     """--stop-checkpoint-dir (deploy/k8s/train-job.yaml): a SIGTERM's checkpoint goes there,
     never to --checkpoint-dir (which deploy/ serves once it is there); the same command run
     again resumes from it, writes --checkpoint-dir as one uninterrupted run would, and
     removes the spent stop checkpoint, so a later run starts over."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    common = ["--reproducible", "--epochs", "2", "--batch-size", "4096", "--device", "cpu"]
-    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
-    backward = train.TrainCtx.backward
-
-    def signalled_backward(ctx: train.TrainCtx, loss: torch.Tensor) -> torch.Tensor:
-        scaled = backward(ctx, loss)
-        if ctx.step == 11:
-            signal.raise_signal(signal.SIGTERM)
-        return scaled
-
-    threads = torch.get_num_threads()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    try:
-        straight, served, stop = (tmp_path / name for name in ("straight", "served", "stop"))
-        assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
-        job = [*common, "--checkpoint-dir", str(served), "--overwrite", "--checkpoint-on-stop"]
-        job += ["--stop-checkpoint-dir", str(stop)]
-        with monkeypatch.context() as patch:
-            patch.setattr(train.TrainCtx, "backward", signalled_backward)
-            assert train.main(job) == 143
-        assert not served.exists()
-        manifest = json.loads((stop / "manifest.json").read_text())
-        assert (manifest["step"], manifest["train_state"]["batches_done"]) == (11, 3)
-        assert capsys.readouterr().err.endswith(
-            "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
-            f"checkpoint {stop} (version {manifest['version']}) holds them; this command, run "
-            "again, goes on from there\n"
-        )
-        # Run again: resumed from the stop, finished, the stop checkpoint removed.
-        assert train.main(job) == 0
-        assert json.loads((served / "manifest.json").read_text())["step"] == 16
-        assert _checkpoint_contents(served) == _checkpoint_contents(straight)
-        assert not stop.exists()
-        assert capsys.readouterr().err.endswith(
-            f"removed {stop}: the run it stopped has finished\n"
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        torch.set_num_threads(threads)
+    common = stoppable_runs
+    straight, served, stop = (tmp_path / name for name in ("straight", "served", "stop"))
+    assert train.main([*common, "--checkpoint-dir", str(straight)]) == 0
+    job = [*common, "--checkpoint-dir", str(served), "--overwrite", "--checkpoint-on-stop"]
+    job += ["--stop-checkpoint-dir", str(stop)]
+    with monkeypatch.context() as patch:
+        _sigterm_in_step_11(patch)
+        assert train.main(job) == 143
+    assert not served.exists()
+    manifest = json.loads((stop / "manifest.json").read_text())
+    assert (manifest["step"], manifest["train_state"]["batches_done"]) == (11, 3)
+    assert capsys.readouterr().err.endswith(
+        "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
+        f"checkpoint {stop} (version {manifest['version']}) holds them; this command, run "
+        "again, goes on from there\n"
+    )
+    # Run again: resumed from the stop, finished, the stop checkpoint removed.
+    assert train.main(job) == 0
+    assert json.loads((served / "manifest.json").read_text())["step"] == 16
+    assert _checkpoint_contents(served) == _checkpoint_contents(straight)
+    assert not stop.exists()
+    assert capsys.readouterr().err.endswith(f"removed {stop}: the run it stopped has finished\n")
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--stop-checkpoint-dir", "s"], "--stop-checkpoint-dir needs --checkpoint-on-stop"),
+        (
+            ["--stop-checkpoint-dir", "s"],
+            "--stop-checkpoint-dir needs --checkpoint-on-stop (what writes there)",
+        ),
         (
             ["--checkpoint-on-stop", "--checkpoint-dir", "c", "--stop-checkpoint-dir", "c"],
             "--stop-checkpoint-dir must differ from --checkpoint-dir",
@@ -460,7 +473,7 @@ def test_stop_checkpoint_dir_refusals(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
 ) -> None:
     argv = [str(tmp_path / a) if a in ("s", "c") else a for a in argv]
-    assert message in _main_error(capsys, [*argv, "--device", "cpu"])
+    assert _main_error(capsys, [*argv, "--device", "cpu"]) == message
 
 
 def test_a_stop_checkpoint_and_resume_from_are_one_too_many(
@@ -472,9 +485,15 @@ def test_a_stop_checkpoint_and_resume_from_are_one_too_many(
     argv = ["--checkpoint-on-stop", "--checkpoint-dir", str(tmp_path / "c")]
     argv += ["--stop-checkpoint-dir", str(stop), "--resume-from", str(tmp_path / "r")]
     err = _main_error(capsys, [*argv, "--device", "cpu"])
-    assert f"--stop-checkpoint-dir {stop} holds a stopped run's checkpoint" in err
+    assert err == (
+        f"--resume-from {tmp_path / 'r'}: --stop-checkpoint-dir {stop} holds a stopped run's "
+        "checkpoint, which this run would resume from; pass one"
+    )
     # Something there that is not a checkpoint is never replaced.
     (stop / "DONE").unlink()
     (stop / "notes.txt").write_text("mine")
     err = _main_error(capsys, [*argv[:-2], "--device", "cpu"])
-    assert "--stop-checkpoint-dir: " in err and "is not a recserve checkpoint" in err
+    assert err == (
+        f"--stop-checkpoint-dir: {stop} exists and is not a recserve checkpoint (no DONE "
+        "marker): refusing to replace it; choose another directory"
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import threading
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from embedding_store.cli_types import (
     positive_float,
 )
 from embedding_store.errors import InvalidArgumentError
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,13 +183,7 @@ def test_load_test_durations_must_be_finite_before_anything_starts(capsys, argv,
 # --------------------------------------------------------------------------- benchmarks
 @functools.cache
 def _embedding_core_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "embedding_core_benchmark", ROOT / "benchmarks" / "embedding_core.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path("benchmarks/embedding_core.py"), "embedding_core_benchmark")
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ connections); a 400 goes out once; timeouts are honored (and not retried).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import math
 import socket
@@ -23,6 +24,7 @@ import pytest
 
 from clients import AsyncRecserveClient, RecserveClient
 from clients._proto import METHODS, SERVICE_NAME, V2
+from clients.retry import RetryPolicy
 from embedding_store.batch import Batch, IDTypeFeatureWithSingleID, NonIDTypeFeature
 from embedding_store.errors import (
     CapacityError,
@@ -712,11 +714,16 @@ def test_calls_after_close_raise_the_same_error_on_every_client(scheme):
     asyncio.run(closed_async())
 
 
-def _wait_for_requests(server, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while server.requests < count and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(0.02)  # its answer on the way back
+@dataclasses.dataclass(frozen=True)
+class _SignallingPolicy(RetryPolicy):
+    """A RetryPolicy whose every wait is ``backoff_max`` s, and that sets ``waiting`` as one
+    begins (the attempt before it has failed)."""
+
+    waiting: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def delay(self, attempt: int) -> float:
+        self.waiting.set()
+        return self.backoff_max
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
@@ -731,10 +738,14 @@ def test_a_retry_after_the_client_was_closed_is_not_sent(fake_http, fake_grpc, s
     server = (
         fake_http([(503, 0.0)]) if scheme == "http" else fake_grpc([grpc.StatusCode.UNAVAILABLE])
     )
-    options = {"model_name": "m", "retries": 2, "backoff": (0.4, 0.4)}
+    # The retry waits 0.3 s from `waiting`: close() comes well within that.
+    policy = _SignallingPolicy(2, 0.3, 0.3)
+    waiting = policy.waiting
+    options = {"model_name": "m", "retries": 2}
     outcome: list[object] = []
     if flavour == "sync":
         client = RecserveClient(server.url, **options)
+        client.policy = policy
 
         def call() -> None:
             try:
@@ -744,16 +755,17 @@ def test_a_retry_after_the_client_was_closed_is_not_sent(fake_http, fake_grpc, s
 
         caller = threading.Thread(target=call)
         caller.start()
-        _wait_for_requests(server, 1)  # the first attempt failed: the retry waits 0.2 s+
+        assert waiting.wait(5), "no retry"
         client.close()
         caller.join(5)
     else:
         async_client = AsyncRecserveClient(server.url, **options)
+        async_client.policy = policy
         client = async_client  # for the message below
 
         async def main() -> None:
             task = asyncio.create_task(async_client.predict(_batch()))
-            await asyncio.to_thread(_wait_for_requests, server, 1)
+            assert await asyncio.to_thread(waiting.wait, 5), "no retry"
             await async_client.close()
             try:
                 outcome.append(await task)
@@ -1115,8 +1127,6 @@ def test_async_http_close_shuts_its_thread_pool_down():
 
 
 def test_a_scalar_backoff_is_the_minimum_and_the_default_maximum_or_itself():
-    from clients.retry import RetryPolicy
-
     assert _scripted_client(ScriptedTransport([]), backoff=0.2).policy == RetryPolicy(3, 0.2, 1.0)
     assert _scripted_client(ScriptedTransport([]), backoff=3).policy == RetryPolicy(3, 3.0, 3.0)
 

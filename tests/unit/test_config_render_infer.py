@@ -4,7 +4,6 @@ reports every problem as one line (exit 1; 2 for bad arguments), never a traceba
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from pathlib import Path
 
@@ -12,20 +11,14 @@ import pytest
 import yaml
 
 from embedding_store.config import load_global_config
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 PROG = "render_infer_config.py"
 
 
 @functools.cache
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "render_infer_config", ROOT / "deploy" / "scripts" / "render_infer_config.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path("deploy/scripts/render_infer_config.py"), "render_infer_config")
 
 
 def _render(capsys, *argv: str) -> tuple[int, str, str]:

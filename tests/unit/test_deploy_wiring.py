@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import re
 import shlex
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from embedding_store.cli import build_parser
 from embedding_store.config import load_global_config
 from embedding_store.grpc_common import LIVENESS_SERVICE
 from serving.commands import check_arguments
+from tests.scripts import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
@@ -211,14 +211,6 @@ def image_env() -> dict[str, str]:
                 key, _, value = word.partition("=")
                 values[key] = value
     return values
-
-
-def load_script(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @functools.cache

@@ -364,19 +364,18 @@ def test_summary_numbers_and_sections():
         "nan",
         "3",
     ]
-    report = {
-        "created_at": "now",
-        "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
-        "data": ["a.csv"],
-        "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
-        **eval_report.metrics(np.array([0.0, 1.0]), np.array([0.25, 0.75])),
-        "bad_rows": [],
-        "compare": None,
-    }
-    text = eval_report.summary_markdown(report)
-    assert "| AUC | 1.000000 |" in text and "| log loss | " in text
-    assert "skipped rows (first ones)" not in text and "parity" not in text
-    assert "unknown-ID ratio" not in text
+    # log loss -ln(0.75); each prediction 0.25 from its label: calibration error 0.25. No
+    # bad rows, comparison or unknown IDs: no section of theirs.
+    assert eval_report.summary_markdown(_tiny_report_fields()) == (
+        "# recserve eval report\n\n"
+        "- created: now\n- model: checkpoint ck (version v1)\n- data: a.csv\n\n"
+        "| metric | value |\n| --- | --- |\n"
+        "| rows scored | 2 |\n| positives | 1 |\n| skipped rows | 0 |\n"
+        "| AUC | 1.000000 |\n| log loss | 0.287682 |\n"
+        "| expected calibration error | 0.250000 |\n\n"
+        "- rank-based (exact), on the predictions\n\n"
+        "![ROC](roc.png)\n\n![calibration](calibration.png)\n"
+    )
 
 
 def test_a_directory_where_an_output_file_goes_is_refused_before_anything_is_written(tmp_path):
@@ -394,20 +393,27 @@ def test_a_directory_where_an_output_file_goes_is_refused_before_anything_is_wri
     assert entered == [] and [p.name for p in tmp_path.iterdir()] == ["out.csv"]
 
 
-def _tiny_report(target: Path, *, overwrite: bool) -> None:
-    labels, predictions = np.array([0.0, 1.0]), np.array([0.25, 0.75])
-    report = {
+TINY_LABELS, TINY_PREDICTIONS = np.array([0.0, 1.0]), np.array([0.25, 0.75])
+
+
+def _tiny_report_fields() -> dict:
+    """The report of a checkpoint's two predictions TINY_PREDICTIONS of TINY_LABELS."""
+    return {
         "created_at": "now",
         "model": {"checkpoint": "ck", "checkpoint_version": "v1"},
         "data": ["a.csv"],
         "counts": {"rows": 2, "positives": 1, "skipped_rows": 0},
-        **eval_report.metrics(labels, predictions),
+        **eval_report.metrics(TINY_LABELS, TINY_PREDICTIONS),
         "bad_rows": [],
         "compare": None,
     }
+
+
+def _tiny_report(target: Path, *, overwrite: bool) -> None:
+    labels, predictions = TINY_LABELS, TINY_PREDICTIONS
     eval_report.write_report(
         target,
-        report,
+        _tiny_report_fields(),
         labels=labels,
         predictions=predictions,
         ranking_scores=predictions,

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -887,20 +888,16 @@ def test_the_fast_path_reads_a_body_message_without_more_body_as_the_last() -> N
     np.testing.assert_allclose(predictions, expected_predictions(USERS, AGES).ravel(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("refused_by_protocol", [False, True])
-def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: bool) -> None:
-    """A disconnect before the body is complete is a cancelled request, reported to the
-    core, unless the HTTP protocol cut the request short and counted it itself (it marks
-    the request's cycle, whose method ``receive`` is, with REFUSED_MARK)."""
+def _gone_mid_body(app: Any, scope: dict, first: bytes, refused_by_protocol: bool) -> list[dict]:
+    """The messages ``app`` sends for a request whose client sent ``first`` (more to come)
+    and then disconnected; ``refused_by_protocol`` marks the request's cycle, whose method
+    ``receive`` is, with REFUSED_MARK, as the HTTP protocol does for a request it cut short."""
     from serving.http_fast_path import REFUSED_MARK
-
-    counting = _CountingCore()
-    app = InferFastPath(create_app(counting))
 
     class Cycle:
         def __init__(self) -> None:
             self.messages = [
-                {"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+                {"type": "http.request", "body": first, "more_body": True},
                 {"type": "http.disconnect"},
             ]
             setattr(self, REFUSED_MARK, refused_by_protocol)
@@ -913,8 +910,19 @@ def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: b
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v2/models/tiny/infer", "headers": []}
     asyncio.run(app(scope, Cycle().receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("refused_by_protocol", [False, True])
+def test_a_client_gone_mid_body_is_counted_cancelled_once(refused_by_protocol: bool) -> None:
+    """A disconnect before the body is complete is a cancelled request, reported to the
+    core, unless the HTTP protocol cut the request short and counted it itself (it marks
+    the request's cycle, whose method ``receive`` is, with REFUSED_MARK)."""
+    counting = _CountingCore()
+    app = InferFastPath(create_app(counting))
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/tiny/infer", "headers": []}
+    sent = _gone_mid_body(app, scope, b'{"inputs": [', refused_by_protocol)
     assert sent[0]["status"] == 400
     assert orjson.loads(sent[1]["body"]) == {
         "error": "the client disconnected before sending its body"
@@ -933,27 +941,7 @@ def test_a_client_gone_mid_body_on_the_asgi_routes_is_counted_cancelled_not_as_a
     client that disconnects before its body is in as cancelled, once, as the fast path does:
     Starlette's ClientDisconnect was counted as outcome "error" and logged as a 500 with its
     traceback. A request the HTTP protocol cut short (a 408) is counted there only."""
-    from serving.http_fast_path import REFUSED_MARK
-
     counting = _CountingCore()
-    app = create_app(counting)
-
-    class Cycle:
-        def __init__(self) -> None:
-            self.messages = [
-                {"type": "http.request", "body": b'{"instances": [', "more_body": True},
-                {"type": "http.disconnect"},
-            ]
-            setattr(self, REFUSED_MARK, refused_by_protocol)
-
-        async def receive(self) -> dict:
-            return self.messages.pop(0)
-
-    sent: list[dict] = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
     scope = {
         "type": "http",
         "http_version": "1.1",
@@ -968,7 +956,7 @@ def test_a_client_gone_mid_body_on_the_asgi_routes_is_counted_cancelled_not_as_a
         "server": ("127.0.0.1", 8000),
     }
     with caplog.at_level(logging.ERROR):
-        asyncio.run(app(scope, Cycle().receive, send))
+        sent = _gone_mid_body(create_app(counting), scope, b'{"instances": [', refused_by_protocol)
     assert sent[0]["status"] == 400
     assert orjson.loads(sent[1]["body"]) == {
         "error": "the client disconnected before sending its body"

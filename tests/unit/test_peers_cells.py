@@ -109,8 +109,9 @@ def test_a_report_that_cannot_be_rendered_leaves_the_earlier_one_whole(tmp_path)
     }
     broken = _measurement("recserve:one", "64", 1500.0, 30.0)
     broken.samples_per_s = None  # type: ignore[assignment]  # the tables format it with :.0f
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError) as failed:
         peers_report.report(tmp_path, [broken], {"one": ""}, {})
+    assert str(failed.value) == "unsupported format string passed to NoneType.__format__"
     assert {name: (tmp_path / name).read_text() for name in before} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(before)  # no temporaries
 

@@ -1,7 +1,7 @@
-"""Config and command-line bugs found by a hunt: each test but the last of "shipped configs"
-fails without its fix. Bad flags, variables and config files end in one line naming the
-flag, variable or file, the key and the value, before anything expensive starts (a model
-load, torchrun, a bind), never in a traceback, a hang or gigabytes of memory."""
+"""Bad flags, environment variables and config files end in one line naming the flag,
+variable or file, the key and the value, before anything expensive starts (a model load,
+torchrun, a bind), never in a traceback, a hang or gigabytes of memory. Each test but the
+one of "shipped configs" fails without its fix."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from embedding_store import cli
 from embedding_store.errors import UnavailableError
 from embedding_store.grpc_common import bind_tier_port
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDING_CONFIG = ROOT / "examples" / "configs" / "embedding_config.yml"
@@ -520,17 +521,6 @@ def test_a_config_given_by_its_variable_is_named_with_it(tmp_path, monkeypatch) 
 
 
 # --------------------------------------------------------------------------- deploy scripts
-def _healthcheck_module():
-    import importlib.util
-
-    path = ROOT / "deploy" / "scripts" / "healthcheck.py"
-    spec = importlib.util.spec_from_file_location("recserve_healthcheck_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -545,7 +535,7 @@ def _healthcheck_module():
     ],
 )  # fmt: skip
 def test_healthcheck_seconds_are_finite(capsys, argv, message) -> None:
-    health = _healthcheck_module()
+    health = load_script(Path("deploy/scripts/healthcheck.py"), "recserve_healthcheck")
     with pytest.raises(SystemExit) as exited:
         health.parse_args(["tcp://127.0.0.1:1", *argv])
     assert exited.value.code == 2

@@ -1,5 +1,6 @@
-"""Config and command-line bugs found by a second hunt. Each test named for a refusal fails
-without its fix; the tests of what is taken pin the valid values beside them.
+"""Flag values (empty paths, tier addresses, addresses given twice, flags with no effect) and
+config files Python cannot read. Each test named for a refusal fails without its fix; the
+tests of what is taken pin the valid values beside them.
 
 An unset shell variable turns ``--flag "$VAR"`` into ``--flag ""``: a path flag then named
 the working directory (``Path("") == Path(".")``), a config flag failed with
