@@ -217,6 +217,12 @@ def infer_protocol(
     busy_app = _refusal_app(503, too_many_bytes)
 
     class InferHttpToolsProtocol(HttpToolsProtocol):
+        #: The body bytes this server's connections hold now (read it, never write it): for
+        #: operators' debugging and for tests that must know the budget is taken.
+        @staticmethod
+        def body_bytes_in_flight() -> int:
+            return budget.used
+
         # ------------------------------------------------------------ connection guards
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)

@@ -43,6 +43,7 @@ class Served:
     service: PredictionService
     http: str  # "127.0.0.1:port"
     grpc_port: int
+    body_bytes_in_flight: Callable[[], int]  # what the HTTP server's body budget holds now
 
     def count(self, protocol: str, outcome: str, model: str = MODEL) -> float | None:
         labels = {
@@ -73,6 +74,7 @@ def serve(service: PredictionService, **caps: Any) -> Iterator[Served]:
         lifespan="off",
         http=infer_protocol(fast_path.handler, SMALL_BODY_BYTES, read_timeout=READ_TIMEOUT, **caps),
     )
+    protocol = config.http
     http_server = uvicorn.Server(config)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -86,7 +88,7 @@ def serve(service: PredictionService, **caps: Any) -> Iterator[Served]:
     assert http_server.started
     host, port = listener.getsockname()
     try:
-        yield Served(service, f"{host}:{port}", grpc_port)
+        yield Served(service, f"{host}:{port}", grpc_port, protocol.body_bytes_in_flight)
     finally:
         health.shutdown()
         grpc_server.stop(None)
@@ -222,7 +224,9 @@ def test_friendly_requests_the_http_layer_cuts_short_are_counted_by_what_they_go
                     b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
                     % (predict, MAX_BODY_BYTES)
                 )
-                time.sleep(0.1)  # one read for the server: the budget is taken
+                _wait_until(
+                    lambda: served.body_bytes_in_flight() == MAX_BODY_BYTES, 5, "the budget taken"
+                )
                 assert request(served.http, "POST", predict.decode(), b"{}")[0] == 503
             # The request holding the budget is left halfway too.
             _wait_until(lambda: served.count("http", "cancelled") == 2, 5, "the second one")
@@ -247,7 +251,9 @@ def test_an_infer_request_over_the_body_budget_is_counted_as_unavailable(adult_c
                 b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
                 % (infer.encode(), MAX_BODY_BYTES)
             )
-            time.sleep(0.1)  # one read for the server
+            _wait_until(
+                lambda: served.body_bytes_in_flight() == MAX_BODY_BYTES, 5, "the budget taken"
+            )
             status, body = request(served.http, "POST", infer, b"{}")
         assert status == 503 and "--max-body-bytes-in-flight" in json.loads(body)["error"]
         assert served.count("http", "UnavailableError") == 1

@@ -2773,15 +2773,17 @@ events.init.fire(environment=env, runner=env.runner, web_ui=None)
 readies = []
 
 
-def ready(worker):
-    gevent.sleep(0.3)  # building its pools
+def ready(worker, building_s):
+    gevent.sleep(building_s)  # building its pools
     readies.append(time.time())
     handlers[lf.POOLS_READY](environment=env, msg=SimpleNamespace(node_id=worker))
 
 
 cleared = time.time()  # locust clears the stats just before test_start
 env.stats.total.start_time = cleared
-gevent.spawn(lambda: [ready(worker) for worker in sys.argv[2:]])  # one after the other
+# "NAME:SECONDS": each worker ready SECONDS after the one before it
+workers = [(name, float(s)) for name, s in (w.split(":") for w in sys.argv[2:])]
+gevent.spawn(lambda: [ready(worker, building_s) for worker, building_s in workers])
 events.test_start.fire(environment=env)
 returned = time.time()
 last = readies[-1] if readies else cleared
@@ -2816,7 +2818,9 @@ def test_the_pools_are_built_before_the_run_starts(tmp_path):
 
 @pytest.mark.parametrize(
     ("wait_s", "workers", "ready", "waited"),
-    [(5.0, ["w1", "w2"], 2, 0.6), (0.5, ["w1", "w2"], 1, 0.5)],
+    # Margins of 0.7 s or more either side of the wait's end: a loaded CI machine's
+    # scheduling must not move a worker's readiness across it.
+    [(5.0, ["w1:0.3", "w2:0.3"], 2, 0.6), (1.0, ["w1:0.3", "w2:1.4"], 1, 1.0)],
 )
 def test_the_master_starts_the_load_once_its_workers_pools_are_built(
     wait_s, workers, ready, waited
@@ -2824,7 +2828,8 @@ def test_the_master_starts_the_load_once_its_workers_pools_are_built(
     """locust's master cleared its stats (its req/s clock) and sent the load while each
     worker still built its pools: a 5 s run of 2 processes read 582 req/s of a server
     answering ~730 (789 with this). It now waits until every worker said its pools are
-    built (here after 0.3 and 0.6 s), at most POOLS_WAIT_S, and restarts the clock."""
+    built (here after 0.3 and 0.6 s, or 0.3 and 1.7 s against a 1 s limit), at most
+    POOLS_WAIT_S, and restarts the clock."""
     out = last_json_line(run_python(_MASTER_WAITS, str(wait_s), *workers))
     assert waited - 0.02 <= out.pop("waited") < waited + 0.4  # a busy machine's slack
     assert out == {"handlers": ["recserve_pools_ready"], "ready": ready, "after_the_last": True}
