@@ -180,6 +180,8 @@ def test_eval_outputs_must_not_be_the_checkpoint_or_a_part_of_it(checkpoint, tmp
         ("--report", tmp_path / "p.csv", copy),
         ("--report", tmp_path / "p.csv", copy / "manifest.json"),
         ("--out", copy / "embeddings" / "shard_00000" / "p.csv", None),
+        # The random number generators' file too (replaced, a resume failed its checksum).
+        ("--out", copy / "rng_state.safetensors", None),
     ):
         target = report if report is not None else out
         options = EvalOptions(
