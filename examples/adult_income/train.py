@@ -413,7 +413,8 @@ def _main(argv: list[str] | None, sigterm: _SigtermOnceFinished | None) -> int:
                 elif manifest is not None:
                     saved = (
                         f"checkpoint {args.checkpoint_dir} (version {manifest.version}) holds "
-                        f"them; --resume-from {args.checkpoint_dir} goes on from there"
+                        f"them; --resume-from {args.checkpoint_dir} goes on from there (with "
+                        f"--overwrite to write the finished run to {args.checkpoint_dir} too)"
                     )
                 elif args.checkpoint_dir is not None:
                     saved = (

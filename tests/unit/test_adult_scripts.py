@@ -380,7 +380,8 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
         assert err.endswith(
             "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
             f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
-            f"{stopped} goes on from there\n"
+            f"{stopped} goes on from there (with --overwrite to write the finished run to "
+            f"{stopped} too)\n"
         )
         assert manifest["step"] == 11
         assert manifest["train_state"]["epochs_done"] == 1
