@@ -208,8 +208,11 @@ def format_inspect(info: dict[str, Any]) -> str:
     )
     if info["kind"] == MODEL:
         lines.append("  dense files")
+        width = max((len(name) for name in info["dense_files"]), default=0)
         for name, meta in info["dense_files"].items():
-            lines.append(f"    {name:<14} {meta['bytes']:>12} bytes  sha256 {meta['sha256'][:16]}…")
+            lines.append(
+                f"    {name:<{width}} {meta['bytes']:>12} bytes  sha256 {meta['sha256'][:16]}…"
+            )
         lines.append(
             f"  dense model    {info['dense_parameter_count']} parameters in "
             f"{len(info['dense_parameters'])} tensors"

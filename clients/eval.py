@@ -190,7 +190,7 @@ def _checkpoint_part(checkpoint: Path, output: Path) -> bool:
     if model not in resolved.parents:
         return False
     parts = {mc.MANIFEST_NAME, mc.DONE_MARKER, mc.EMBEDDINGS_DIR, mc.DENSE_FILE, mc.JIT_FILE}
-    parts |= {mc.OPTIMIZER_FILE, mc.SCALER_FILE}
+    parts |= {mc.OPTIMIZER_FILE, mc.SCALER_FILE, mc.RNG_FILE}
     return resolved.relative_to(model).parts[0] in parts
 
 

@@ -59,8 +59,9 @@ class _WorkerCollector(Collector):
         )
         yield counter(
             "unknown_ids",
-            "IDs answered with zeros: unknown to eval/infer lookups, or not admitted by train "
-            "lookups (per distinct ID of a lookup).",
+            "ID occurrences answered with zeros: unknown to eval/infer lookups, or not admitted "
+            "by train lookups (an ID repeated in a lookup counts each time, although its shard "
+            "is asked for it once).",
             stats.unknown_ids,
         )
         yield counter(

@@ -1,7 +1,8 @@
-"""The report of a load run in ``--out``: ``summary.md``, ``summary.csv`` (requests, failures,
-rps, rows, rows/s, p50, p95, p99 per request name, i.e. per protocol and batch size, and
-aggregated), ``summary.json`` (the same rows under ``stats``) and ``latency.png`` (latency
-percentiles over a trailing ~10 s window and throughput over time, plus RSS in soak mode).
+"""The report of a load run in ``--out``: ``summary.md`` (the CSV's columns less rows),
+``summary.csv`` (requests, failures, rps, rows, rows/s, p50, p95, p99 per request name, i.e.
+per protocol and batch size, and aggregated), ``summary.json`` (the same rows under
+``stats``) and ``latency.png`` (latency percentiles over a trailing ~10 s window and
+throughput over time, plus RSS in soak mode).
 
 Each file is written whole or not at all (a temporary file in ``--out``, then a rename): a
 reader never sees half a report. ``latency.png`` needs matplotlib, which the ``load`` extra

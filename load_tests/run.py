@@ -151,7 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path("load-test-out"),
         help="folder for summary.csv/.md, the latency plot, locust CSVs and server logs",
     )
-    parser.add_argument("--users", type=int, default=4, help="concurrent locust users")
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=4,
+        help="concurrent locust users (default 4; at least one per --user-classes class)",
+    )
     parser.add_argument(
         "--spawn-rate", type=finite_float, default=None, help="users/s (default: all at once)"
     )
@@ -164,7 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--user-classes",
         default="binary,json,friendly,grpc",
-        help=f"comma-separated, from {', '.join(USER_CLASSES)} (each runs once)",
+        help=f"comma-separated, from {', '.join(USER_CLASSES)} (each runs once; default "
+        "binary,json,friendly,grpc)",
     )
     parser.add_argument("--batches", default="1:6,8:3,64:1", help="batch mix SIZE:WEIGHT,...")
     parser.add_argument(

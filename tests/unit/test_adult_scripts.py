@@ -410,7 +410,8 @@ def test_sigterm_checkpoints_after_the_step_and_a_resume_equals_the_uninterrupte
     assert err.endswith(
         "stopped by SIGTERM after 11 step(s) on rank 0 (1 epoch(s) and 3 batch(es) done): "
         f"checkpoint {stopped} (version {manifest['version']}) holds them; --resume-from "
-        f"{stopped} goes on from there\n"
+        f"{stopped} goes on from there (with --overwrite to write the finished run to "
+        f"{stopped} too)\n"
     )
     assert manifest["step"] == 11
     assert manifest["train_state"]["epochs_done"] == 1
@@ -454,6 +455,47 @@ def test_a_stop_checkpoint_dir_takes_the_stop_and_the_same_command_resumes_from_
     assert _checkpoint_contents(served) == _checkpoint_contents(straight)
     assert not stop.exists()
     assert capsys.readouterr().err.endswith(f"removed {stop}: the run it stopped has finished\n")
+
+
+def test_a_sigterm_once_the_run_finished_is_no_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM after the final checkpoint was written and the AUC printed (a pod deleted as
+    the run ends), while the process winds down (TrainCtx's exit, the process group, the
+    interpreter's teardown: ~0.3 s), is no stop: the rank used to die of it (the default
+    handler was back), so `recserve train` said "stopped by SIGTERM" and exited 143 for a
+    complete run. The handler in place before main stands in for the default one here."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(train.features, "read_encoded", functools.cache(features.read_encoded))
+    shutdown = train.distributed.shutdown_distributed
+
+    def signalled_shutdown() -> None:
+        signal.raise_signal(signal.SIGTERM)
+        shutdown()
+
+    monkeypatch.setattr(train.distributed, "shutdown_distributed", signalled_shutdown)
+    got: list[int] = []
+
+    def default(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    threads = torch.get_num_threads()
+    previous = signal.signal(signal.SIGTERM, default)
+    try:
+        argv = ["--epochs", "1", "--batch-size", "4096", "--device", "cpu"]
+        assert train.main([*argv, "--checkpoint-dir", str(tmp_path / "a")]) == 0
+        assert got == []
+        assert signal.getsignal(signal.SIGTERM) is default  # restored for an in-process caller
+        # Run as the script: ignored through the interpreter's teardown too (which puts the
+        # default back in place of a Python handler).
+        argv += ["--checkpoint-dir", str(tmp_path / "b")]
+        assert train.main(argv, keep_finished_sigterm=True) == 0
+        assert got == []
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,8 @@ def test_eval_outputs_must_not_be_the_checkpoint_or_a_part_of_it(checkpoint, tmp
         ("--report", tmp_path / "p.csv", copy),
         ("--report", tmp_path / "p.csv", copy / "manifest.json"),
         ("--out", copy / "embeddings" / "shard_00000" / "p.csv", None),
+        # The random number generators' file too (replaced, a resume failed its checksum).
+        ("--out", copy / "rng_state.safetensors", None),
     ):
         target = report if report is not None else out
         options = EvalOptions(
@@ -414,6 +416,13 @@ def test_inspect_text_and_json(checkpoint):
         checkpoint_inspect.inspect(checkpoint, load_code=True)
     )
     assert "  forward        forward(" in loaded
+    # The dense files' sizes line up, rng_state.safetensors' too (longer than the column was).
+    files = {**info["dense_files"], "rng_state.safetensors": {"bytes": 5184, "sha256": "ab" * 32}}
+    lines = checkpoint_inspect.format_inspect({**info, "dense_files": files}).splitlines()
+    start = lines.index("  dense files") + 1
+    listed = lines[start : start + len(files)]
+    assert [line.split()[0] for line in listed] == list(files)
+    assert len({line.index(" bytes  sha256") for line in listed}) == 1, listed
 
 
 class _CodeOnLoad(torch.nn.Module):

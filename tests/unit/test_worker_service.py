@@ -741,6 +741,13 @@ def test_metrics_count_lookups_ids_pushes_and_rpc_errors(make_tier):
     assert value("recserve_worker_ids_looked_up_total", mode="train") == 12
     assert value("recserve_worker_ids_looked_up_total", mode="eval") == 6
     assert value("recserve_worker_unknown_ids_total") == 6
+    # Its help says what it counts: occurrences (6), not distinct IDs (5) as it used to say.
+    helps = {family.name: family.documentation for family in text_string_to_metric_families(text)}
+    assert helps["recserve_worker_unknown_ids"] == (
+        "ID occurrences answered with zeros: unknown to eval/infer lookups, or not admitted by "
+        "train lookups (an ID repeated in a lookup counts each time, although its shard is "
+        "asked for it once)."
+    )
     assert value("recserve_worker_gradient_batches_pushed_total") == 2
     assert value("recserve_worker_gradient_rows_pushed_total") == 4 + 5
     assert value("recserve_worker_nonfinite_gradient_rows_skipped_total") == 1
