@@ -15,6 +15,7 @@ import stat
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
@@ -65,11 +66,28 @@ def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
         function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise InvalidArgumentError(f"cannot import preprocessor {spec!r}: {error}") from None
+    except Exception as error:
+        # The module itself raised on import (its SyntaxError, NameError, a failed config
+        # read): a bare traceback that named neither the flag nor the spec otherwise.
+        raise InvalidArgumentError(
+            f"cannot import preprocessor {spec!r}: importing {module_name!r} raised "
+            f"{_raised_where(error)}"
+        ) from None
     if not callable(function):  # else every friendly request failed with a TypeError
         raise InvalidArgumentError(
             f"--preprocessor {spec!r} is not a function: got a {type(function).__name__}"
         )
     return cast("Callable[[list[Mapping[str, Any]]], Batch]", function)
+
+
+def _raised_where(error: Exception) -> str:
+    """``Type: message (FILE, line N)`` for an error raised while importing a module: where
+    in the module it was raised (its innermost frame), as a traceback would have said."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, SyntaxError):  # its message names the file and line already
+        return text
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
 
 
 class PredictionServer:

@@ -115,6 +115,15 @@ def _cannot_serve_yet(tier: object, status: TierStatus) -> str | None:
     return (f"embedding worker {worker}: " if worker else "embedding ") + "; ".join(waiting)
 
 
+def _refusal(error: KeyError | TypeError | ValueError) -> str:
+    """Why a preprocessor refused the instances, for the client. A KeyError's message is the
+    bare key (``'age'``): most often an instance without the field the preprocessor reads,
+    so it is named so; an error without a message is named by its type."""
+    if isinstance(error, KeyError) and len(error.args) == 1:
+        return f"missing key {error.args[0]!r} (the preprocessor raised KeyError)"
+    return str(error) or f"the preprocessor raised {type(error).__name__}"  # none said why
+
+
 class PredictionService:
     """Implements :class:`serving.core.PredictionCore` for one model name."""
 
@@ -543,7 +552,7 @@ class PredictionService:
                 # operator whose own preprocessor is at fault (recserve --log-level debug).
                 log.debug("the preprocessor refused %d instance(s)", len(instances), exc_info=True)
                 raise InvalidArgumentError(
-                    f"instances could not be preprocessed: {error}"
+                    f"instances could not be preprocessed: {_refusal(error)}"
                 ) from None
             if not isinstance(batch, Batch):
                 # The preprocessor's bug, not the client's: a 500, its message in the log.

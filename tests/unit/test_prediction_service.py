@@ -1626,3 +1626,23 @@ def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
         assert "\nrecserve_split_batches_total 2.0\n" in scraped
     finally:
         serving.stop()
+
+
+def test_a_preprocessor_s_key_error_names_the_missing_key(checkpoints, make_service):
+    """A KeyError's message is the bare key: the client read "instances could not be
+    preprocessed: 'user'", which said nothing of a missing field. An error without a
+    message is named by its type (the client read nothing after the colon)."""
+
+    def no_message(rows):
+        raise ValueError
+
+    expected = {
+        lambda rows: _rows_to_batch([{"item": 1}]): "instances could not be preprocessed: "
+        "missing key 'user' (the preprocessor raised KeyError)",
+        no_message: "instances could not be preprocessed: the preprocessor raised ValueError",
+    }
+    for preprocessor, message in expected.items():
+        service = make_service(_load(checkpoints[0]), preprocessor=preprocessor)
+        with pytest.raises(InvalidArgumentError) as raised:
+            service.predict_instances(NAME, _rows(2), protocol="http")
+        assert raised.value.message == message

@@ -685,6 +685,32 @@ def test_a_preprocessor_that_cannot_be_imported_is_named():
             server.load_preprocessor(spec)
 
 
+def test_a_preprocessor_whose_import_raises_is_named_with_where(tmp_path, monkeypatch):
+    """A module that raises on import (not an ImportError) stopped `recserve serve` with a
+    bare traceback that named neither --preprocessor nor its value."""
+    from embedding_store.errors import InvalidArgumentError
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raising_pre_h87.py").write_text("x = 1\nraise RuntimeError('no config')\n")
+    (tmp_path / "broken_pre_h87.py").write_text("def f(:\n")
+    expected = {
+        "raising_pre_h87:f": "cannot import preprocessor 'raising_pre_h87:f': importing "
+        f"'raising_pre_h87' raised RuntimeError: no config ({Path.cwd() / 'raising_pre_h87.py'}, "
+        "line 2)",
+        "broken_pre_h87:f": "cannot import preprocessor 'broken_pre_h87:f': importing "
+        "'broken_pre_h87' raised SyntaxError: invalid syntax (broken_pre_h87.py, line 1)",
+    }
+    try:
+        for spec, message in expected.items():
+            with pytest.raises(InvalidArgumentError) as raised:
+                server.load_preprocessor(spec)
+            assert raised.value.message == message
+    finally:
+        for name in ("raising_pre_h87", "broken_pre_h87"):
+            sys.modules.pop(name, None)
+
+
 def test_a_stop_turns_readiness_off_before_draining():
     """Load balancers must see NOT_SERVING while in-flight requests drain, not after."""
     events: list[str] = []
