@@ -257,7 +257,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--preprocessor",
         default=None,
         help="MODULE:FUNCTION turning friendly JSON instances (raw rows) into a Batch, e.g. "
-        "examples.adult_income.preprocess:instances_to_batch",
+        "examples.adult_income.preprocess:instances_to_batch; called once per request from "
+        "several threads at once: it must be thread-safe",
     )
     parser.set_defaults(handler=_serve, parser=parser)
 
