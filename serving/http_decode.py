@@ -116,7 +116,15 @@ def parse_json(body: bytes | memoryview, what: str = "request body") -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as error:
-        raise InvalidArgumentError(f"{what} is not valid JSON: {error}") from None
+        # Python's json.dumps writes NaN and Infinity (allow_nan=True): orjson's "unexpected
+        # character" / "no digit after sign" did not say that these words are the fault.
+        at = error.doc[error.pos : error.pos + 8] if isinstance(error.doc, str) else ""
+        hint = (
+            " (NaN and Infinity are not JSON numbers; every value must be finite)"
+            if at.startswith(("NaN", "Infinity"))
+            else ""
+        )
+        raise InvalidArgumentError(f"{what} is not valid JSON: {error}{hint}") from None
 
 
 def decode_body(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:

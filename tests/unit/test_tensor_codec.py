@@ -285,6 +285,27 @@ def test_a_binary_body_without_its_header_length_says_what_is_missing():
         http_decode.decode_http_request(body, None)
 
 
+@pytest.mark.parametrize(
+    ("decode", "body", "message"),
+    [
+        (http_decode.decode_instances, b'{"instances": [{"age": NaN}]}',
+         "unexpected character, expected a JSON value: line 1 column 24 (char 23)"),
+        (http_decode.decode_http_request,
+         b'{"inputs": [{"name": "age", "shape": [1], "datatype": "FP32",\n"data": [-Infinity]}]}',
+         "no digit after sign: line 2 column 11 (char 72)"),
+    ],
+)  # fmt: skip
+def test_nan_and_infinity_in_a_body_are_named_as_the_fault(decode, body, message):
+    """Python's json.dumps writes NaN and Infinity; orjson's message ("unexpected
+    character") did not say that they are what JSON lacks."""
+    with pytest.raises(InvalidArgumentError) as raised:
+        decode(body)
+    assert raised.value.message == (
+        f"request body is not valid JSON: {message} (NaN and Infinity are not JSON numbers; "
+        "every value must be finite)"
+    )
+
+
 def test_http_response_json_and_binary_outputs():
     prediction = _prediction(
         prediction=np.array([[0.25], [0.75]], np.float32), scores=np.array([1, 2], np.int64)
