@@ -549,7 +549,7 @@ class PredictionService:
                 raise
             except (KeyError, TypeError, ValueError) as error:
                 # The client's rows, most likely (a 400); the traceback at debug level for an
-                # operator whose own preprocessor is at fault (recserve --log-level debug).
+                # operator whose own preprocessor is at fault (recserve --log-level DEBUG serve).
                 log.debug("the preprocessor refused %d instance(s)", len(instances), exc_info=True)
                 raise InvalidArgumentError(
                     f"instances could not be preprocessed: {_refusal(error)}"
