@@ -29,7 +29,12 @@ from embedding_store.batch import (
     IDTypeFeatureWithSingleID,
     NonIDTypeFeature,
 )
-from embedding_store.errors import ConfigError, InvalidArgumentError, RecserveError
+from embedding_store.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    RecserveError,
+    summary_with_origin,
+)
 from embedding_store.signature import FeatureSignature
 
 __all__ = ["GenericEncoder", "PreprocessorEncoder", "import_function", "stable_id"]
@@ -57,6 +62,13 @@ def import_function(spec: str, source: str) -> Callable[[list[dict[str, Any]]], 
         function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ConfigError(f"{source}: preprocessor: cannot import {spec!r}: {error}") from None
+    except Exception as error:
+        # The module raised on import (its SyntaxError, NameError...): a bare traceback that
+        # named neither the mapping nor the spec otherwise.
+        raise ConfigError(
+            f"{source}: preprocessor: cannot import {spec!r}: importing {module_name!r} raised "
+            f"{summary_with_origin(error)}"
+        ) from None
     if not callable(function):
         raise ConfigError(f"{source}: preprocessor: {spec!r} is not callable")
     return function

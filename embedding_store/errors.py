@@ -9,6 +9,8 @@ the peer at fault. Tracebacks go to logs only.
 
 from __future__ import annotations
 
+import traceback
+
 
 class RecserveError(Exception):
     """Base of all recserve errors. Unexpected failures map to 500 / INTERNAL."""
@@ -114,6 +116,17 @@ def error_summary(error: BaseException) -> str:
     reason = lines[-1].strip()[:300] if lines else ""
     kind = f"{type(error).__name__}: "
     return f"{kind}{reason.removeprefix(kind)}"
+
+
+def summary_with_origin(error: BaseException) -> str:
+    """:func:`error_summary` and where it was raised, ``(FILE, line N)`` (its innermost
+    frame, as a traceback's last line says): e.g. for a user's module that raised on import.
+    A SyntaxError names its file and line already."""
+    text = error_summary(error)
+    if isinstance(error, SyntaxError):
+        return text
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
 
 
 def http_status_of(error: BaseException) -> int:

@@ -15,7 +15,6 @@ import stat
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
@@ -30,6 +29,7 @@ from embedding_store.errors import (
     PermissionDeniedError,
     RecserveError,
     UnavailableError,
+    summary_with_origin,
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
@@ -71,23 +71,13 @@ def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
         # read): a bare traceback that named neither the flag nor the spec otherwise.
         raise InvalidArgumentError(
             f"cannot import preprocessor {spec!r}: importing {module_name!r} raised "
-            f"{_raised_where(error)}"
+            f"{summary_with_origin(error)}"
         ) from None
     if not callable(function):  # else every friendly request failed with a TypeError
         raise InvalidArgumentError(
             f"--preprocessor {spec!r} is not a function: got a {type(function).__name__}"
         )
     return cast("Callable[[list[Mapping[str, Any]]], Batch]", function)
-
-
-def _raised_where(error: Exception) -> str:
-    """``Type: message (FILE, line N)`` for an error raised while importing a module: where
-    in the module it was raised (its innermost frame), as a traceback would have said."""
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, SyntaxError):  # its message names the file and line already
-        return text
-    frames = traceback.extract_tb(error.__traceback__)
-    return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
 
 
 class PredictionServer:

@@ -685,27 +685,37 @@ def test_a_preprocessor_that_cannot_be_imported_is_named():
             server.load_preprocessor(spec)
 
 
-def test_a_preprocessor_whose_import_raises_is_named_with_where(tmp_path, monkeypatch):
-    """A module that raises on import (not an ImportError) stopped `recserve serve` with a
-    bare traceback that named neither --preprocessor nor its value."""
+@pytest.mark.parametrize(
+    ("load", "prefix"),
+    [
+        (server.load_preprocessor, "cannot import preprocessor '{spec}'"),
+        (_eval_import, "mapping.yaml: preprocessor: cannot import '{spec}'"),
+    ],
+)
+def test_a_preprocessor_whose_import_raises_is_named_with_where(
+    load, prefix, tmp_path, monkeypatch
+):
+    """A module that raises on import (not an ImportError) stopped `recserve serve` (and
+    `recserve eval --mapping`) with a bare traceback that named neither the flag (the
+    mapping) nor its value."""
     from embedding_store.errors import InvalidArgumentError
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "raising_pre_h87.py").write_text("x = 1\nraise RuntimeError('no config')\n")
     (tmp_path / "broken_pre_h87.py").write_text("def f(:\n")
+    where = Path.cwd() / "raising_pre_h87.py"
     expected = {
-        "raising_pre_h87:f": "cannot import preprocessor 'raising_pre_h87:f': importing "
-        f"'raising_pre_h87' raised RuntimeError: no config ({Path.cwd() / 'raising_pre_h87.py'}, "
-        "line 2)",
-        "broken_pre_h87:f": "cannot import preprocessor 'broken_pre_h87:f': importing "
-        "'broken_pre_h87' raised SyntaxError: invalid syntax (broken_pre_h87.py, line 1)",
+        "raising_pre_h87:f": f"importing 'raising_pre_h87' raised RuntimeError: no config "
+        f"({where}, line 2)",
+        "broken_pre_h87:f": "importing 'broken_pre_h87' raised SyntaxError: invalid syntax "
+        "(broken_pre_h87.py, line 1)",
     }
     try:
-        for spec, message in expected.items():
+        for spec, reason in expected.items():
             with pytest.raises(InvalidArgumentError) as raised:
-                server.load_preprocessor(spec)
-            assert raised.value.message == message
+                load(spec)
+            assert raised.value.message == f"{prefix.format(spec=spec)}: {reason}"
     finally:
         for name in ("raising_pre_h87", "broken_pre_h87"):
             sys.modules.pop(name, None)
