@@ -116,6 +116,14 @@ def parse_json(body: bytes | memoryview, what: str = "request body") -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as error:
+        if not error.doc:  # orjson could not decode the bytes: "surrogates not allowed" at 0
+            try:
+                bytes(body).decode("utf-8")
+            except UnicodeDecodeError as bad:
+                raise InvalidArgumentError(
+                    f"{what} is not valid UTF-8: byte {bad.start} is 0x{bad.object[bad.start]:02x} "
+                    "(JSON is UTF-8 text)"
+                ) from None
         # Python's json.dumps writes NaN and Infinity (allow_nan=True): orjson's "unexpected
         # character" / "no digit after sign" did not say that these words are the fault.
         at = error.doc[error.pos : error.pos + 8] if isinstance(error.doc, str) else ""

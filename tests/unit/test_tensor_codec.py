@@ -306,6 +306,17 @@ def test_nan_and_infinity_in_a_body_are_named_as_the_fault(decode, body, message
     )
 
 
+def test_a_body_that_is_not_utf8_names_its_first_bad_byte():
+    """orjson said "str is not valid UTF-8: surrogates not allowed: line 1 column 1 (char 0)"
+    for a Latin-1 body: no surrogate, and the wrong place."""
+    body = '{"instances": [{"city": "Málaga"}]}'.encode("latin-1")
+    with pytest.raises(InvalidArgumentError) as raised:
+        http_decode.decode_instances(body)
+    assert raised.value.message == (
+        "request body is not valid UTF-8: byte 26 is 0xe1 (JSON is UTF-8 text)"
+    )
+
+
 def test_http_response_json_and_binary_outputs():
     prediction = _prediction(
         prediction=np.array([[0.25], [0.75]], np.float32), scores=np.array([1, 2], np.int64)
