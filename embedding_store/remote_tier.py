@@ -554,12 +554,21 @@ class RemoteShardTier:
                     f"{status.capacity}"
                 )
         _raise_if_caller_gone(caller_gone, f"load of {target}", "no shard changed")
-        # Each shard reads the checkpoint itself (its own files, or every file when the count
-        # differs, keeping the rows it owns) and swaps them in only once all are read: never a
-        # clear() followed by a stream that a failure or a killed worker cuts short.
-        self._each(
-            lambda c: c.load(str(target), caller_gone=caller_gone), self._checkpoint_executor
-        )
+        # The shards' rows change from here: a backward for a lookup made before (or while
+        # they load) would apply gradients computed against the old rows to the loaded ones.
+        # Refused (worker.take_forward_context says why), before and after the shards load.
+        reason = f"the load of embedding checkpoint {target}"
+        self.worker.invalidate_forward_contexts(reason)
+        try:
+            # Each shard reads the checkpoint itself (its own files, or every file when the
+            # count differs, keeping the rows it owns) and swaps them in only once all are
+            # read: never a clear() followed by a stream that a failure or a killed worker
+            # cuts short.
+            self._each(
+                lambda c: c.load(str(target), caller_gone=caller_gone), self._checkpoint_executor
+            )
+        finally:
+            self.worker.invalidate_forward_contexts(reason)
         progress("load", total, total)
         return manifest
 

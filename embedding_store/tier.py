@@ -176,6 +176,11 @@ class InProcessEmbeddingTier:
         self, directory: str | os.PathLike, *, progress: ProgressCallback | None = None
     ) -> checkpoint_manifest.EmbeddingManifest:
         manifest = checkpoint_load.load_embeddings(directory, self.shards, self.embedding_config)
+        # Rows replaced: a backward for a lookup made before would apply gradients computed
+        # against the old rows to the loaded ones (a failed load changed none: kept).
+        self.worker.invalidate_forward_contexts(
+            f"the load of embedding checkpoint {os.path.abspath(directory)}"
+        )
         if progress:
             progress("load", len(self.shards), len(self.shards))
         return manifest

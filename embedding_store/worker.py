@@ -42,7 +42,12 @@ from numba import njit
 
 from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleID
 from embedding_store.config import EmbeddingConfig, SlotConfig
-from embedding_store.errors import BatchValidationError, InvalidArgumentError, NotFoundError
+from embedding_store.errors import (
+    BatchValidationError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from embedding_store.hashing import shard_of, splitmix64
 from embedding_store.hashmap import IdIndex
 from embedding_store.interfaces import ParameterServer
@@ -156,6 +161,10 @@ class EmbeddingWorker:
         self._executor = executor
         self._pending: OrderedDict[int, tuple[_GroupPlan, ...]] = OrderedDict()
         self._pending_lock = threading.Lock()
+        # Contexts dropped by invalidate_forward_contexts (a checkpoint load replaced their
+        # rows), by ref, with why: their backward is refused saying so, not "expired". At
+        # most forward_buffer_size of them, oldest forgotten first.
+        self._invalidated: OrderedDict[int, str] = OrderedDict()
         self._refs = itertools.count(1)
         self.expired_forward_contexts = 0
         self.nonfinite_rows_skipped = 0
@@ -334,6 +343,13 @@ class EmbeddingWorker:
                 if grads is not None:
                     check_gradients(plans, grads)
                 del self._pending[ref]
+            invalidated = self._invalidated.pop(ref, None) if plans is None else None
+        if invalidated is not None:
+            raise FailedPreconditionError(
+                f"forward context {ref} was taken before {invalidated} replaced the rows it "
+                "looked up: its gradients were computed against the old rows and are not "
+                "applied (look the batch up again)"
+            )
         if plans is None:
             raise NotFoundError(
                 f"no forward context {ref}: it was already used or expired "
@@ -399,6 +415,21 @@ class EmbeddingWorker:
         expired or unknown) are ignored. Returns how many were dropped."""
         with self._pending_lock:
             return sum(self._pending.pop(int(ref), None) is not None for ref in refs)
+
+    def invalidate_forward_contexts(self, reason: str) -> int:
+        """Drop every forward context in the buffer because ``reason`` (e.g. "the load of
+        embedding checkpoint /ckpt") replaced the rows they looked up: a later backward for
+        one of them raises FailedPreconditionError naming ``reason`` instead of applying
+        gradients computed against the old rows to the new rows of the same IDs. Returns
+        how many were dropped (not counted as expired)."""
+        with self._pending_lock:
+            for ref in self._pending:
+                self._invalidated[ref] = reason
+            dropped = len(self._pending)
+            self._pending.clear()
+            while len(self._invalidated) > self.forward_buffer_size:
+                self._invalidated.popitem(last=False)
+        return dropped
 
     @property
     def pending_backward(self) -> int:

@@ -43,6 +43,31 @@ def locust_installed() -> bool:
     return importlib.util.find_spec("locust") is not None
 
 
+def checked_host(url: str, where: str = "--host") -> str:
+    """``url``, the HTTP base URL of the server under load (given as ``where``: locust's
+    ``--host``, or a variable), once checked as the client library checks a server URL
+    (:func:`clients.client.parse_url`: a host, a valid port, no ``user:password@`` part);
+    it must also be ``http://`` or ``https://`` with the scheme written out (locust and
+    urllib take nothing else). ValueError naming ``where`` otherwise: locust sent every
+    request to such a URL and counted each failure, or sent credentials that recserve
+    takes no notice of."""
+    from clients.client import parse_url
+    from embedding_store.errors import InvalidArgumentError
+
+    try:
+        endpoint = parse_url(url)
+    except InvalidArgumentError as error:
+        raise ValueError(f"{where}: {error.message}") from None
+    if endpoint.protocol != "http":
+        raise ValueError(
+            f"{where} {endpoint.url!r}: the server's HTTP URL is needed (http:// or https://); "
+            "GrpcUser's gRPC address goes in RECSERVE_LT_GRPC=HOST:PORT"
+        )
+    if "://" not in url:
+        raise ValueError(f"{where} {endpoint.url!r}: write the scheme out: http://{url.strip()}")
+    return url
+
+
 #: Files that one locust run writes next to its ``--csv`` prefix.
 LOCUST_OUTPUTS = (
     "_stats.csv",
@@ -69,6 +94,9 @@ class LocustRun:
     #: so a second such run on the machine, or anything else on 5557, stopped it).
     master_port: int = 0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        checked_host(self.host)  # the locustfile checks it too, when locust is run by hand
 
     @property
     def final_stats_path(self) -> Path:

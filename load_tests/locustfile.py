@@ -40,6 +40,10 @@ Settings (environment):
 
 An empty variable is an unset one; a value that is not what the variable takes (a number that
 does not parse or is out of range) stops locust with an error naming the variable and value.
+``--host`` and ``RECSERVE_LT_METADATA_URL`` are checked as the client library checks a server
+URL (``clients.client.parse_url``: a host, a valid port, no ``user:password@``), and must be
+``http://`` or ``https://`` URLs: another stops locust before any user starts, with an error
+naming the flag or variable (``load_tests.locust_run.checked_host``).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
 from clients.types import PredictResult
 from embedding_store.errors import RecserveError
 from load_tests import traffic
-from load_tests.locust_run import add_rows, batch_size_of
+from load_tests.locust_run import add_rows, batch_size_of, checked_host
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
@@ -225,8 +229,23 @@ def final_stats(
     }
 
 
+def check_urls(host: str | None) -> None:
+    """Exit (status 1) with an error naming the flag or variable when locust's ``--host``
+    or ``RECSERVE_LT_METADATA_URL`` is not a server URL the client library would take
+    (:func:`load_tests.locust_run.checked_host`): before any user starts, not as one failed
+    request after another."""
+    metadata_url = os.environ.get("RECSERVE_LT_METADATA_URL")
+    for where, url in (("--host", host), ("RECSERVE_LT_METADATA_URL", metadata_url)):
+        if url and url.strip():  # an empty variable is an unset one
+            try:
+                checked_host(url, where)
+            except ValueError as error:
+                sys.exit(f"error: {error}")
+
+
 @events.init.add_listener
 def _remember_environment(environment: Environment, **_kwargs: Any) -> None:
+    check_urls(environment.host)
     _environments[:] = [environment]
     runner = environment.runner
     if isinstance(runner, MasterRunner):

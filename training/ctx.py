@@ -640,6 +640,9 @@ class TrainCtx(EmbeddingCtx):
         # The embedding leaves of the last forward() left without backward(): a loss that
         # reaches them (gradient accumulation over several forwards) is refused.
         self._abandoned: list[torch.Tensor] = []
+        # The checkpoint a load_checkpoint() read while the last forward() waited for its
+        # backward(): that backward is refused (see _forget_forward_before_load).
+        self._loaded_since_forward: str | None = None
         self.step = 0
         self.signature: FeatureSignature | None = None  # recorded from the first batch
         self.nonfinite_embedding_steps = 0
@@ -816,6 +819,7 @@ class TrainCtx(EmbeddingCtx):
                 "use eval_ctx(ctx) to score unlabeled batches"
             )
         self._raise_backward_error()
+        self._loaded_since_forward = None
         if self.signature is not None:
             # Also its dtypes: a float for an integer feature only as a whole number in
             # range, converted to the recorded dtype (non_id_dtypes), never cut (3.7 -> 3).
@@ -886,6 +890,14 @@ class TrainCtx(EmbeddingCtx):
             # (at once with embedding_staleness=1) never ended.
             raise FailedPreconditionError("TrainCtx is not entered; use it as a context manager")
         if self._pending is None:
+            loaded, self._loaded_since_forward = self._loaded_since_forward, None
+            if loaded is not None:
+                raise FailedPreconditionError(
+                    f"backward(): the last forward() was taken before load_checkpoint({loaded}) "
+                    "replaced the dense weights and embedding rows it used: its gradients "
+                    "belong to the old ones; nothing was applied (call forward() on the "
+                    "batch again)"
+                )
             raise FailedPreconditionError("backward() called without a forward() before it")
         ref, names, leaves = self._pending
         self._pending = None
@@ -1086,10 +1098,15 @@ class TrainCtx(EmbeddingCtx):
         The torch random number generators this rank had when the checkpoint was written
         (see :meth:`dump_checkpoint`) are put back; a checkpoint without them (written before
         they were kept) or from another number of ranks resumes all the same, its generators
-        as the loop seeded them, with a logged note."""
+        as the loop seeded them, with a logged note.
+
+        A forward() still waiting for its backward() is given up: its gradients belong to
+        the weights and rows the load replaces, and that backward() raises
+        FailedPreconditionError naming the checkpoint, with nothing applied."""
         from training.checkpoint import load_checkpoint, read_manifest, read_rng_states
 
         self.wait_for_embedding_updates()
+        self._forget_forward_before_load(directory)
         # No rank's late updates may land on the loaded embeddings.
         distributed.checkpoint_barrier()
         failure: BaseException | None = None
@@ -1123,6 +1140,27 @@ class TrainCtx(EmbeddingCtx):
         self.signature = manifest.signature or self.signature
         self._restore_rng_state(manifest, rng_states)
         return manifest
+
+    def _forget_forward_before_load(self, directory: str | os.PathLike) -> None:
+        """Give up the last forward() if it still waits for its backward(): the load
+        replaces the dense weights and the embedding rows its output came from, and its
+        gradients, computed against the old ones, would move the loaded ones (the rows of
+        the same IDs). Its backward() is refused naming the checkpoint; its slot and its
+        context on the worker are given back as for a forward left without backward (on
+        every rank: each has its own, and a remote tier's load only invalidates those of
+        the worker it went through)."""
+        if self._pending is None:
+            return
+        ref, _, leaves = self._pending
+        self._pending = None
+        self._abandoned = leaves  # a later loss that still reaches them is refused too
+        for leaf in leaves:
+            leaf.grad = None
+        drop = getattr(self.embedding_tier, "drop_forward_contexts", None)
+        if drop is not None:
+            drop([ref])
+        self._in_flight.release()
+        self._loaded_since_forward = os.fspath(directory)
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         """This rank's torch generator states by kind (``model_checkpoint.RNG_KINDS``):

@@ -159,6 +159,63 @@ def graceful_sigterm() -> Iterator[TrainingStop]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class FinishedRun:
+    """What :func:`sigterm_ignored_once_finished` yields: :meth:`finish` says the run is
+    complete (final checkpoint written, result printed), from which on a SIGTERM is no stop."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def finish(self) -> None:
+        """The run is complete: a SIGTERM from here on is ignored (see
+        :func:`sigterm_ignored_once_finished`)."""
+        self.finished = True
+
+
+@contextlib.contextmanager
+def sigterm_ignored_once_finished(*, keep: bool = True) -> Iterator[FinishedRun]:
+    """A SIGTERM handler for a whole training script (around :func:`graceful_sigterm` and
+    the TrainCtx): until ``run.finish()`` it does what the handler in place before did (the
+    default: the process ends, status -15); after it, a SIGTERM is ignored. A pod deleted as
+    the run ends, or torchrun passing a SIGTERM on, would otherwise kill a rank while it
+    writes its last lines, leaves TrainCtx or shuts the interpreter down (~0.3 s), and
+    ``recserve train`` report a complete run as "stopped by SIGTERM" (exit 143). Call
+    ``run.finish()`` inside the :func:`graceful_sigterm` block once the final checkpoint is
+    written (that block's handler until it ends, then this one). A SIGTERM sent because the
+    torchrun launcher is gone (:func:`exit_with_launcher`) still ends the process.
+
+    Leaving the block, a finished run with ``keep`` (the default, for a script that ends
+    after it) keeps ignoring SIGTERM (SIG_IGN: the interpreter's teardown puts the default
+    back in place of a Python handler, and a SIGTERM after the atexit calls still ended the
+    process). A program the script starts after that inherits the ignored SIGTERM (exec
+    keeps it): start such programs within the block. Otherwise (``keep=False``: a caller
+    that goes on in the same process, a test; or a run not finished) the previous handler
+    is put back. From another thread than the main one (where Python runs handlers) it
+    installs nothing."""
+    run = FinishedRun()
+    if threading.current_thread() is not threading.main_thread():
+        yield run
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None:  # a handler not installed from Python: taken for the default
+        previous = signal.SIG_DFL
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if run.finished and not launcher_gone():
+            return
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield run
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if keep and run.finished else previous)
+
+
 def stop_agreed(request: StopRequest, every: int = STOP_AGREE_EVERY) -> bool:
     """Whether to stop after this step (every rank calls it after every step): when any
     rank got SIGTERM, every rank stops at the same step (torchrun signals the ranks one by

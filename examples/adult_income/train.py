@@ -35,11 +35,9 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 # Run as a script: make the repository root importable (examples.adult_income.*).
@@ -201,47 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _SigtermOnceFinished:
-    """SIGTERM for the whole of main: as the handler in place before (the default: the
-    process ends) until the run has finished (final checkpoint written, result printed),
-    then ignored, so a SIGTERM while the process winds down (TrainCtx's exit, the process
-    group, the interpreter's teardown: ~0.3 s) leaves a complete run's exit status 0, which
-    `recserve train` reports as a completed run, not as a stop (exit 143). A SIGTERM from
-    :func:`training.distributed.exit_with_launcher` (the launcher is gone) still ends the
-    process. :func:`training.distributed.graceful_sigterm` takes over while training."""
-
-    def __init__(self) -> None:
-        self.finished = False
-        self.previous = signal.getsignal(signal.SIGTERM)
-
-    def handler(self, signum: int, frame: FrameType | None) -> None:
-        if self.finished and not distributed.launcher_gone():
-            return
-        if callable(self.previous):
-            self.previous(signum, frame)
-        elif self.previous != signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def main(argv: list[str] | None = None, *, keep_finished_sigterm: bool = False) -> int:
-    """The script; ``keep_finished_sigterm`` (run as a script): a finished run's process
-    ignores SIGTERM after main returns too (SIG_IGN: the interpreter's teardown puts the
-    default back in place of a Python handler, and a SIGTERM 10 ms after the atexit calls
-    still ended a rank with -15), where an in-process caller gets its own handler back.
-    See :class:`_SigtermOnceFinished`."""
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv, None)
-    sigterm = _SigtermOnceFinished()
-    signal.signal(signal.SIGTERM, sigterm.handler)
-    try:
-        return _main(argv, sigterm)
-    finally:
-        finished = keep_finished_sigterm and sigterm.finished
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if finished else sigterm.previous)
+    """The script. SIGTERM for the whole of it: a stop while training (graceful_sigterm),
+    ignored once the run has finished (final checkpoint written, result printed), so that a
+    SIGTERM while the process winds down leaves a complete run's exit status 0
+    (:func:`training.distributed.sigterm_ignored_once_finished`). ``keep_finished_sigterm``
+    (run as a script): a finished run's process ignores SIGTERM after main returns too,
+    where an in-process caller gets its own handler back."""
+    with distributed.sigterm_ignored_once_finished(keep=keep_finished_sigterm) as run:
+        return _main(argv, run)
 
 
-def _main(argv: list[str] | None, sigterm: _SigtermOnceFinished | None) -> int:
+def _main(argv: list[str] | None, run: distributed.FinishedRun) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -398,10 +367,10 @@ def _main(argv: list[str] | None, sigterm: _SigtermOnceFinished | None) -> int:
             # would resume from it instead of starting over.
             shutil.rmtree(stop_dir)
             print(f"removed {stop_dir}: the run it stopped has finished", file=sys.stderr)
-        if not stopped and sigterm is not None:
-            # graceful_sigterm's handler until the block ends, then this one's: a SIGTERM
-            # from here on is no stop (the run ends with status 0 all the same).
-            sigterm.finished = True
+        if not stopped:
+            # graceful_sigterm's handler until the block ends, then main's: a SIGTERM from
+            # here on is no stop (the run ends with status 0 all the same).
+            run.finish()
         if stopped:
             if distributed.rank() == 0:
                 where = f"{position[0]} epoch(s) and {position[1]} batch(es) done"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embedding_store.errors import NotFoundError, RecserveError
+from embedding_store.errors import FailedPreconditionError, NotFoundError, RecserveError
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import SGD, Adam
 from embedding_store.tier import InProcessEmbeddingTier
@@ -117,3 +117,25 @@ def test_an_id_twice_in_a_batch_gets_one_adam_step_with_the_summed_gradient(num_
         ]
     # [m (DIM) | v (DIM) | t] per row: m = 0.5 g, v = 0.25 g^2, t = 1
     assert sorted(states) == [[1.5] * DIM + [2.25] * DIM + [1.0], [2.0] * DIM + [4.0] * DIM + [1.0]]
+
+
+def test_a_backward_for_a_lookup_made_before_a_load_is_refused(tmp_path):
+    """Its gradients, computed against the rows the load replaced, moved the loaded rows of
+    the same IDs."""
+    ids = list(range(6))
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=SGD(lr=1.0)) as tier:
+        tier.lookup(user_batch(ids), train=True)
+        tier.dump(tmp_path / "ckpt")
+        loaded = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+        stale = tier.lookup(user_batch(ids), train=True)
+        tier.load(tmp_path / "ckpt")
+        with pytest.raises(FailedPreconditionError) as refused:
+            tier.backward(stale.ref, ones(len(ids)))
+        assert refused.value.message == (
+            f"forward context {stale.ref} was taken before the load of embedding checkpoint "
+            f"{tmp_path / 'ckpt'} replaced the rows it looked up: its gradients were computed "
+            "against the old rows and are not applied (look the batch up again)"
+        )
+        after = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+        torch.testing.assert_close(after, loaded, rtol=0, atol=0)
+        assert tier.status().pending_backward == 0

@@ -1383,6 +1383,83 @@ def test_a_user_without_a_host_or_metadata_variables_is_told_what_to_set():
     assert "--host, RECSERVE_LT_METADATA_URL or RECSERVE_LT_METADATA_FILE" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (
+            "http://ann:s3cret@127.0.0.1:8000",
+            "--host: server URL 'http://ann:***@127.0.0.1:8000' has credentials "
+            "(user:password@): they are never sent, and the server takes no credentials in the "
+            "URL; remove them (to authenticate a client, use mutual TLS: an https:// or "
+            "grpcs:// URL with tls_cert and tls_key)",
+        ),
+        (
+            "http://127.0.0.1:99999",
+            "--host: server URL 'http://127.0.0.1:99999' has an invalid port",
+        ),
+        (
+            "ftp://127.0.0.1:8000",
+            "--host: server URL 'ftp://127.0.0.1:8000': scheme must be http, https, grpc or "
+            "grpcs, got 'ftp'",
+        ),
+        (
+            "grpc://127.0.0.1:8001",
+            "--host 'grpc://127.0.0.1:8001': the server's HTTP URL is needed (http:// or "
+            "https://); GrpcUser's gRPC address goes in RECSERVE_LT_GRPC=HOST:PORT",
+        ),
+        (
+            "127.0.0.1:8000",
+            "--host 'http://127.0.0.1:8000': write the scheme out: http://127.0.0.1:8000",
+        ),
+    ],
+)
+def test_a_load_tests_target_url_is_checked_as_the_client_checks_it(url, message, tmp_path):
+    """locust's --host went to locust unchecked: credentials (which locust sends as Basic
+    auth, and recserve ignores), a bad port or scheme failed request after request. run.py's
+    LocustRun refuses it before locust starts."""
+    from load_tests.locust_run import LocustRun, checked_host
+
+    with pytest.raises(ValueError) as refused:
+        checked_host(url)
+    assert str(refused.value) == message
+    with pytest.raises(ValueError) as refused:
+        LocustRun(1, 1.0, 1.0, ["KServeJsonUser"], url, tmp_path / "l", tmp_path / "log", {})
+    assert str(refused.value) == message
+    assert checked_host("https://127.0.0.1:8443/prefix/") == "https://127.0.0.1:8443/prefix/"
+
+
+_BAD_HOST = """
+import os, sys
+from locust import events
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+env = Environment(user_classes=[lf.KServeJsonUser], events=events, host=sys.argv[1])
+events.init.fire(environment=env, runner=env.create_local_runner(), web_ui=None)
+print("started")
+"""
+
+
+def test_the_locustfile_refuses_a_bad_host_or_metadata_url_before_any_user_starts():
+    """Run by hand (locust -f load_tests/locustfile.py --host ...), not through run.py."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECSERVE_LT_")}
+    result = run_python(_BAD_HOST, "http://127.0.0.1:0x50", env=env, returncode=1)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --host: server URL 'http://127.0.0.1:0x50' has an invalid port"
+    )
+    assert "started" not in result.stdout
+    env["RECSERVE_LT_METADATA_URL"] = "http://ann:pw@127.0.0.1:8000"
+    result = run_python(_BAD_HOST, "http://127.0.0.1:8000", env=env, returncode=1)
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: RECSERVE_LT_METADATA_URL: server URL 'http://ann:***@127.0.0.1:8000' has "
+            "credentials (user:password@)"
+        )
+    )
+
+
 def test_the_watcher_reload_waits_for_two_of_its_looks():
     """A --watch-seconds of 300 could never reload within a fixed 120 s."""
     from load_tests.checkpoint_reload import watcher_reload_timeout

@@ -473,6 +473,37 @@ def test_a_backward_after_the_ctx_exited_is_refused_not_left_waiting():
     assert outcome == ["TrainCtx is not entered; use it as a context manager"]
 
 
+def test_a_backward_for_a_forward_taken_before_load_checkpoint_is_refused(tmp_path):
+    """Its gradients (of the old dense weights and rows) moved the loaded weights and the
+    loaded rows of the same IDs. Nothing is applied; training goes on from the checkpoint."""
+    batch = make_batch(7)
+    with new_ctx(staleness=2) as ctx:
+        train_steps(ctx, 2)
+        ctx.dump_checkpoint(tmp_path / "ckpt", with_jit_model=False)
+        loaded_weight = ctx.dense_model.linear.weight.detach().clone()
+        loaded_rows = ctx.embedding_tier.lookup(batch, train=False).slots[0].embeddings
+        train_steps(ctx, 1, offset=2)
+        output, labels = ctx.forward(batch)
+        ctx.load_checkpoint(tmp_path / "ckpt")
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(output, labels[0])
+        with pytest.raises(FailedPreconditionError) as refused:
+            ctx.backward(loss)
+        assert refused.value.message == (
+            f"backward(): the last forward() was taken before load_checkpoint({tmp_path / 'ckpt'}) "
+            "replaced the dense weights and embedding rows it used: its gradients belong to "
+            "the old ones; nothing was applied (call forward() on the batch again)"
+        )
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 2
+        assert torch.equal(ctx.dense_model.linear.weight, loaded_weight)
+        rows = ctx.embedding_tier.lookup(batch, train=False).slots[0].embeddings
+        assert torch.equal(rows, loaded_rows)
+        assert ctx.embedding_tier.status().pending_backward == 0
+        train_steps(ctx, 2, offset=2)  # its staleness slot was given back
+        ctx.wait_for_embedding_updates()
+        assert ctx.step == 4 and ctx._in_flight._value == 2
+
+
 class SlowTier(InProcessEmbeddingTier):
     """An in-process tier whose embedding updates take a while to apply."""
 

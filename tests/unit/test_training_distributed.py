@@ -142,6 +142,54 @@ def test_sigterm_from_a_gone_launcher_still_ends_the_rank_at_once(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_sigterm_once_the_run_finished_is_ignored_through_the_exit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sigterm_ignored_once_finished: a SIGTERM while a finished script winds down (a pod
+    deleted as the run ends) killed it with -15, and `recserve train` reported a complete
+    run as stopped (exit 143). Before run.finish() the handler in place before runs (a
+    Python one stands in for the default here); after it, a SIGTERM is ignored, and the
+    script keeps ignoring it once the block ends (SIG_IGN, which the interpreter's teardown
+    leaves in place); a SIGTERM from a gone launcher still ends the process."""
+    got: list[int] = []
+
+    def before(signum: int, frame: object) -> None:
+        got.append(signum)
+
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(distributed.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    monkeypatch.setattr(distributed, "_watching", [os.getppid()])  # the launcher is there
+    outer = signal.signal(signal.SIGTERM, before)
+    try:
+        with distributed.sigterm_ignored_once_finished() as run:
+            signal.raise_signal(signal.SIGTERM)
+            assert got == [signal.SIGTERM]  # not finished: the handler before's
+            with distributed.graceful_sigterm() as stop:
+                run.finish()
+            assert not stop.requested
+            signal.raise_signal(signal.SIGTERM)
+            assert got == [signal.SIGTERM] and killed == []
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        signal.signal(signal.SIGTERM, before)
+        with distributed.sigterm_ignored_once_finished(keep=False) as run:
+            run.finish()
+        assert signal.getsignal(signal.SIGTERM) is before  # an in-process caller's own back
+        with distributed.sigterm_ignored_once_finished():
+            pass  # not finished: the handler before is put back
+        assert signal.getsignal(signal.SIGTERM) is before
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with distributed.sigterm_ignored_once_finished(keep=False) as run:
+            run.finish()
+            monkeypatch.setattr(distributed, "_watching", [os.getppid() + 1])  # gone
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler)
+            handler(signal.SIGTERM, None)
+            assert killed == [(os.getpid(), signal.SIGTERM)]
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # so the kill ends it
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+
+
 def test_stop_agreed_stops_every_rank_when_one_got_sigterm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -36,6 +36,7 @@ from embedding_store.batch import Batch, IDTypeFeature, IDTypeFeatureWithSingleI
 from embedding_store.config import embedding_config_from_mapping
 from embedding_store.errors import (
     CheckpointError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
@@ -796,6 +797,50 @@ def test_reshard_load_over_capacity_changes_no_shard(make_tier, tmp_path):
         tier.load(tmp_path / "ckpt")
     assert [f.shard.size() for f in fakes] == rows_before
     assert [f.clears for f in fakes] == [0, 0, 0]
+
+
+def _refused_after_load(ref: int, directory) -> str:
+    return (
+        f"forward context {ref} was taken before the load of embedding checkpoint "
+        f"{directory} replaced the rows it looked up: its gradients were computed against "
+        "the old rows and are not applied (look the batch up again)"
+    )
+
+
+def test_a_backward_for_a_lookup_made_before_or_during_a_load_is_refused(make_tier, tmp_path):
+    """Its gradients, computed against the rows the load replaced, moved the loaded rows of
+    the same IDs. A load that fails before any shard changes keeps the lookups valid."""
+    ids = [1, 2, 3, 4]
+    loaded = _trained_checkpoint(make_tier, tmp_path / "ckpt", ids)
+    tier, fakes = make_tier(2)
+    kept = tier.lookup(user_batch(ids), train=True)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        tier.load(tmp_path / "missing")
+    tier.backward(kept.ref, ones(len(ids)))  # no shard changed: the lookup kept its context
+    tier.flush()
+    before = tier.lookup(user_batch(ids), train=True)
+    entered, release = hold_all(fakes, "on_load")
+    loading = threading.Thread(target=tier.load, args=(tmp_path / "ckpt",), daemon=True)
+    loading.start()
+    assert all(event.wait(WAIT) for event in entered)
+    during = tier.lookup(user_batch(ids), train=True)  # the old rows, while the shards read
+    for event in release:
+        event.set()
+    loading.join(WAIT)
+    assert not loading.is_alive()
+    for lookup in (before, during):
+        with pytest.raises(FailedPreconditionError) as refused:
+            tier.backward(lookup.ref, ones(len(ids)))
+        assert refused.value.message == _refused_after_load(lookup.ref, tmp_path / "ckpt")
+    tier.flush()
+    got = tier.lookup(user_batch(ids), train=False).slots[0].embeddings.numpy()
+    np.testing.assert_array_equal(got, loaded)
+    assert tier.status().pending_backward == 0
+    after = tier.lookup(user_batch(ids), train=True)  # a lookup after the load trains
+    tier.backward(after.ref, ones(len(ids)))
+    tier.flush()
+    got = tier.lookup(user_batch(ids), train=False).slots[0].embeddings.numpy()
+    np.testing.assert_array_equal(got, loaded - 1.0)
 
 
 def test_load_of_an_empty_directory_is_invalid_argument(make_tier):
