@@ -31,6 +31,7 @@ from embedding_store.errors import (
     NotFoundError,
     RecserveError,
     UnavailableError,
+    summary_with_origin,
 )
 from embedding_store.gc_tuning import collect_released_objects, freeze_long_lived_objects
 from embedding_store.tier import DownReasons, InProcessEmbeddingTier
@@ -124,6 +125,59 @@ def _refusal(error: KeyError | TypeError | ValueError) -> str:
     return str(error) or f"the preprocessor raised {type(error).__name__}"  # none said why
 
 
+#: How often each origin of a preprocessor's refusal (exception type, file, line) is logged
+#: with its traceback: a bug in the operator's preprocessor shows in the default log, while
+#: a client sending bad rows in a loop adds one warning per origin per interval.
+PREPROCESSOR_ERROR_LOG_SECONDS = 300.0
+
+
+class OriginLogLimiter:
+    """Rate limit for log lines about exceptions: :meth:`admit` says whether an exception from
+    this origin (its type, and the file and line of the innermost frame that raised it) is to
+    be logged now, at most once per ``interval`` seconds per origin, with how many from that
+    origin were left out since the last logged one. Thread-safe (the preprocessor runs in
+    worker threads); remembers at most ``max_origins`` origins (origins are code lines, so
+    few; the least recently logged is forgotten past that)."""
+
+    def __init__(
+        self,
+        interval: float,
+        *,
+        max_origins: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval = interval
+        self._max_origins = max_origins
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._logged: dict[tuple[str, str, int], tuple[float, int]] = {}  # -> (when, left out)
+
+    @staticmethod
+    def origin(error: BaseException) -> tuple[str, str, int]:
+        """(type name, file, line) of the innermost frame of ``error``'s traceback."""
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None:
+            return type(error).__qualname__, "?", 0
+        return type(error).__qualname__, tb.tb_frame.f_code.co_filename, tb.tb_lineno
+
+    def admit(self, error: BaseException) -> int | None:
+        """None when ``error``'s origin was logged less than ``interval`` seconds ago (it is
+        counted); otherwise how many from that origin were left out since (0 the first time):
+        the caller logs it."""
+        key, now = self.origin(error), self._clock()
+        with self._lock:
+            last = self._logged.get(key)
+            if last is not None and now - last[0] < self.interval:
+                self._logged[key] = (last[0], last[1] + 1)
+                return None
+            if last is None and len(self._logged) >= self._max_origins:
+                del self._logged[min(self._logged, key=lambda k: self._logged[k][0])]
+            self._logged[key] = (now, 0)
+            return 0 if last is None else last[1]
+
+
 class PredictionService:
     """Implements :class:`serving.core.PredictionCore` for one model name."""
 
@@ -198,6 +252,7 @@ class PredictionService:
         # those that answer with default vectors (--fallback-policy default). Requests that
         # reach a shard that cannot serve fail naming it instead. Start-up waits for the tier.
         self._tier_down = DownReasons()
+        self._preprocessor_errors = OriginLogLimiter(PREPROCESSOR_ERROR_LOG_SECONDS)
         self.metrics.track(self.metrics.tier_serving, lambda: 1.0 if self.tier_serving else 0.0)
         # Shards whose rows are another checkpoint's than the model's (index -> version).
         self._foreign_versions: dict[int, str] = {}
@@ -548,9 +603,22 @@ class PredictionService:
             except RecserveError:
                 raise
             except (KeyError, TypeError, ValueError) as error:
-                # The client's rows, most likely (a 400); the traceback at debug level for an
-                # operator whose own preprocessor is at fault (recserve --log-level DEBUG serve).
-                log.debug("the preprocessor refused %d instance(s)", len(instances), exc_info=True)
+                # The client's rows, most likely (a 400); but the operator's own preprocessor
+                # may be at fault (a TypeError in its code), so its traceback is logged as a
+                # warning, once per origin per interval: a client looping on bad rows cannot
+                # flood the log.
+                left_out = self._preprocessor_errors.admit(error)
+                if left_out is not None:
+                    log.warning(
+                        "the preprocessor refused %d instance(s): %s (a client's bad rows or "
+                        "the preprocessor's bug; logged once per %g s per origin, %d more from "
+                        "this origin since)",
+                        len(instances),
+                        summary_with_origin(error),
+                        self._preprocessor_errors.interval,
+                        left_out,
+                        exc_info=True,
+                    )
                 raise InvalidArgumentError(
                     f"instances could not be preprocessed: {_refusal(error)}"
                 ) from None

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -687,8 +688,57 @@ def test_what_a_preprocessor_gets_wrong_is_the_request_s_fault(checkpoints, make
         with pytest.raises(InvalidArgumentError, match=expected[name]):
             service.predict_instances(NAME, _rows(2), protocol="http")
     logged = [r for r in caplog.records if r.name == "serving.service"]
-    assert [r.getMessage() for r in logged] == ["the preprocessor refused 2 instance(s)"]
-    assert logged[0].levelno == logging.DEBUG and logged[0].exc_info[0] is ValueError
+    assert len(logged) == 1 and logged[0].exc_info[0] is ValueError
+    frame = traceback.extract_tb(logged[0].exc_info[2])[-1]
+    assert logged[0].levelno == logging.WARNING  # a bug in the operator's code shows by default
+    assert logged[0].getMessage() == (
+        "the preprocessor refused 2 instance(s): ValueError: could not convert string to "
+        f"float: 'x' ({frame.filename}, line {frame.lineno}) (a client's bad rows or the "
+        "preprocessor's bug; logged once per 300 s per origin, 0 more from this origin since)"
+    )
+
+
+def test_preprocessor_refusals_are_logged_once_per_interval_per_origin(
+    checkpoints, make_service, caplog
+):
+    """A client looping on bad rows must not flood the log: one warning per origin (type,
+    file, line) per interval, the next one says how many were left out."""
+    now = [1000.0]
+    service = make_service(
+        _load(checkpoints[0]),
+        preprocessor=lambda rows: _rows_to_batch([{**row, "dense": "x"} for row in rows]),
+    )
+    service._preprocessor_errors = service_module.OriginLogLimiter(60.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="serving.service")
+    for step in (0.0, 30.0, 29.0, 1.0):  # at 1000, 1030, 1059 (left out), 1060 (logged)
+        now[0] += step
+        with pytest.raises(InvalidArgumentError):
+            service.predict_instances(NAME, _rows(2), protocol="http")
+    logged = [r.getMessage() for r in caplog.records if r.name == "serving.service"]
+    assert [message.rsplit("; ", 1)[1] for message in logged] == [
+        "logged once per 60 s per origin, 0 more from this origin since)",
+        "logged once per 60 s per origin, 2 more from this origin since)",
+    ]
+
+
+def test_the_origin_log_limiter_keys_by_type_file_and_line_and_forgets_the_oldest():
+    now = [0.0]
+    limiter = service_module.OriginLogLimiter(10.0, max_origins=2, clock=lambda: now[0])
+
+    def raised(kind: type[Exception], line: int) -> Exception:
+        try:
+            exec(compile("\n" * (line - 1) + "raise kind('x')", "user.py", "exec"))
+        except Exception as error:
+            return error
+        raise AssertionError("nothing raised")
+
+    assert limiter.origin(raised(TypeError, 3)) == ("TypeError", "user.py", 3)
+    assert limiter.admit(raised(TypeError, 3)) == 0
+    assert limiter.admit(raised(TypeError, 3)) is None  # same origin, within the interval
+    assert limiter.admit(raised(ValueError, 3)) == 0  # another type
+    now[0] = 1.0
+    assert limiter.admit(raised(TypeError, 4)) == 0  # another line: TypeError@3 forgotten
+    assert limiter.admit(raised(TypeError, 3)) == 0  # (its left-out count with it)
 
 
 def test_a_preprocessor_that_drops_adds_or_returns_no_batch_is_its_own_bug(
