@@ -46,7 +46,7 @@ from embedding_store.grpc_common import answered_in_http1
 from embedding_store.initializer import InitializationConfig
 from embedding_store.optimizers import Optimizer, optimizer_from_dict
 from embedding_store.ps_client import RemoteParameterServer, ShardStatus
-from embedding_store.tier import ProgressCallback, TierStatus
+from embedding_store.tier import CLEAR_REASON, ProgressCallback, TierStatus
 from embedding_store.worker import (
     BackwardStats,
     EmbeddingWorker,
@@ -413,7 +413,14 @@ class RemoteShardTier:
 
     def clear(self) -> None:
         self._wait_for_gradients("clear")
-        self._each(lambda c: c.clear())
+        # Rows dropped, as by a load: a backward for a lookup made before (or while the
+        # shards clear) would move the fresh rows by stale gradients; refused, before and
+        # after (worker.take_forward_context says why).
+        self.worker.invalidate_forward_contexts(CLEAR_REASON)
+        try:
+            self._each(lambda c: c.clear())
+        finally:
+            self.worker.invalidate_forward_contexts(CLEAR_REASON)
 
     def _tracked(self, progress: ProgressCallback | None) -> ProgressCallback:
         """A progress callback that records the fraction for :meth:`status`, then calls

@@ -30,6 +30,10 @@ from embedding_store.tier_types import (
 )
 from embedding_store.worker import EmbeddingWorker
 
+#: Why a forward context taken before a tier's clear() is refused its backward (worker's
+#: take_forward_context: "forward context N was taken before REASON replaced the rows ...").
+CLEAR_REASON = "a clear of the embedding tier"
+
 
 class DownReasons:
     """Why a peer checked in the background (the embedding tier, a worker's shards) is not
@@ -186,8 +190,14 @@ class InProcessEmbeddingTier:
         return manifest
 
     def clear(self) -> None:
-        for shard in self.shards:
-            shard.clear()
+        try:
+            for shard in self.shards:
+                shard.clear()
+        finally:
+            # Rows dropped (new ones initialized at the next lookup), as by a load: a backward
+            # for a lookup made before would move the fresh rows by stale gradients. Also when
+            # a shard failed: the ones before it were cleared.
+            self.worker.invalidate_forward_contexts(CLEAR_REASON)
 
     def status(self) -> TierStatus:
         return TierStatus(

@@ -119,6 +119,26 @@ def test_an_id_twice_in_a_batch_gets_one_adam_step_with_the_summed_gradient(num_
     assert sorted(states) == [[1.5] * DIM + [2.25] * DIM + [1.0], [2.0] * DIM + [4.0] * DIM + [1.0]]
 
 
+def test_a_backward_for_a_lookup_made_before_a_clear_is_refused():
+    """Its gradients, computed against the cleared rows, moved the fresh rows of the same
+    IDs (initialized again at the next lookup)."""
+    ids = list(range(6))
+    with InProcessEmbeddingTier(CONFIG, num_shards=2, optimizer=SGD(lr=1.0)) as tier:
+        stale = tier.lookup(user_batch(ids), train=True)
+        tier.clear()
+        fresh = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+        with pytest.raises(FailedPreconditionError) as refused:
+            tier.backward(stale.ref, ones(len(ids)))
+        assert refused.value.message == (
+            f"forward context {stale.ref} was taken before a clear of the embedding tier "
+            "replaced the rows it looked up: its gradients were computed against the old rows "
+            "and are not applied (look the batch up again)"
+        )
+        after = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+        torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+        assert tier.status().pending_backward == 0
+
+
 def test_a_backward_for_a_lookup_made_before_a_load_is_refused(tmp_path):
     """Its gradients, computed against the rows the load replaced, moved the loaded rows of
     the same IDs."""

@@ -807,6 +807,27 @@ def _refused_after_load(ref: int, directory) -> str:
     )
 
 
+def test_a_backward_for_a_lookup_made_before_a_clear_is_refused(make_tier):
+    """As after a load: its gradients would move the fresh rows of the same IDs."""
+    ids = [1, 2, 3, 4]
+    tier, fakes = make_tier(2)
+    stale = tier.lookup(user_batch(ids), train=True)
+    tier.clear()
+    assert [f.clears for f in fakes] == [1, 1]
+    fresh = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+    with pytest.raises(FailedPreconditionError) as refused:
+        tier.backward(stale.ref, ones(len(ids)))
+    assert refused.value.message == (
+        f"forward context {stale.ref} was taken before a clear of the embedding tier "
+        "replaced the rows it looked up: its gradients were computed against the old rows "
+        "and are not applied (look the batch up again)"
+    )
+    tier.flush()
+    after = tier.lookup(user_batch(ids), train=False).slots[0].embeddings
+    torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+    assert tier.status().pending_backward == 0
+
+
 def test_a_backward_for_a_lookup_made_before_or_during_a_load_is_refused(make_tier, tmp_path):
     """Its gradients, computed against the rows the load replaced, moved the loaded rows of
     the same IDs. A load that fails before any shard changes keeps the lookups valid."""
