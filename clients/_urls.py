@@ -45,19 +45,28 @@ def redact_userinfo(text: str, url: str) -> str:
 
 
 def refuse_credentials(
-    netloc: str, what: str, cert_key: tuple[str, str], tls_urls: str = "https:// or grpcs://"
+    netloc: str,
+    what: str,
+    cert_key: tuple[str, str],
+    tls_urls: str = "https:// or grpcs://",
+    *,
+    reason: str | None = None,
 ) -> None:
     """InvalidArgumentError when ``netloc`` (a URL's ``urlsplit(...).netloc``) has a
     ``user[:password]@`` part: no client sends it (urllib3 drops it, gRPC takes it as part of
     the host name, urllib tries to resolve it), and the server takes no credentials in the URL,
     so such a URL would silently never authenticate. ``what`` names the URL (``server URL
     'http://ann:***@h:8000'``: already redacted); ``cert_key`` the options of a client
-    certificate (mutual TLS: how a client authenticates), for a URL of ``tls_urls``."""
+    certificate (mutual TLS: how a client authenticates), for a URL of ``tls_urls``.
+    ``reason``, when given, replaces what follows "has credentials (user:password@): " for
+    a caller whose client does send them or has no certificate options (the load tests)."""
     if "@" not in netloc:
         return
     cert, key = cert_key
-    raise InvalidArgumentError(
-        f"{what} has credentials (user:password@): they are never sent, and the server "
-        f"takes no credentials in the URL; remove them (to authenticate a client, use mutual "
-        f"TLS: an {tls_urls} URL with {cert} and {key})"
-    )
+    if reason is None:
+        reason = (
+            "they are never sent, and the server takes no credentials in the URL; remove "
+            f"them (to authenticate a client, use mutual TLS: an {tls_urls} URL with {cert} "
+            f"and {key})"
+        )
+    raise InvalidArgumentError(f"{what} has credentials (user:password@): {reason}")

@@ -75,11 +75,18 @@ class Endpoint:
     tls: bool = False
 
 
-def parse_url(url: str, *, tls_names: tuple[str, str, str] = LIBRARY_NAMES) -> Endpoint:
+def parse_url(
+    url: str,
+    *,
+    tls_names: tuple[str, str, str] = LIBRARY_NAMES,
+    credentials_reason: str | None = None,
+) -> Endpoint:
     """``http://host:port[/prefix]``, ``https://...``, ``grpc://host:port`` or
     ``grpcs://host:port`` (gRPC over TLS) (a bare ``host:port`` means HTTP). A
     ``user:password@`` part is refused: it would never be sent (``tls_names``: how the
-    refusal names the client-certificate options, the library's or a CLI's flags)."""
+    refusal names the client-certificate options, the library's or a CLI's flags;
+    ``credentials_reason``: the refusal's reason in place of that wording, for a caller
+    whose own client is not this library's, as the load tests' locust)."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError(f"server URL must be a non-empty string, got {url!r}")
     text = url.strip()
@@ -112,7 +119,9 @@ def parse_url(url: str, *, tls_names: tuple[str, str, str] = LIBRARY_NAMES) -> E
             f"server URL {shown!r}: scheme must be http, https, grpc or grpcs, got {parts.scheme!r}"
         )
     # Last, once the URL is otherwise valid: a wrong scheme or port is the first thing to fix.
-    refuse_credentials(parts.netloc, f"server URL {endpoint.url!r}", tls_names[1:])
+    refuse_credentials(
+        parts.netloc, f"server URL {endpoint.url!r}", tls_names[1:], reason=credentials_reason
+    )
     return endpoint
 
 

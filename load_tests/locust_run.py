@@ -43,6 +43,15 @@ def locust_installed() -> bool:
     return importlib.util.find_spec("locust") is not None
 
 
+#: Why the load tests refuse a ``user:password@`` part in a target URL (the client
+#: library's wording says they are never sent and points to its certificate options: locust's
+#: HTTP users would send them as Basic auth, and the load tests have no certificate option).
+CREDENTIALS_REASON = (
+    "the load tests' HTTP users would send them as Basic auth, and the server takes no "
+    "credentials in the URL; remove them (the load tests have no client-certificate option)"
+)
+
+
 def checked_host(url: str, where: str = "--host") -> str:
     """``url``, the HTTP base URL of the server under load (given as ``where``: locust's
     ``--host``, or a variable), once checked as the client library checks a server URL
@@ -55,7 +64,7 @@ def checked_host(url: str, where: str = "--host") -> str:
     from embedding_store.errors import InvalidArgumentError
 
     try:
-        endpoint = parse_url(url)
+        endpoint = parse_url(url, credentials_reason=CREDENTIALS_REASON)
     except InvalidArgumentError as error:
         raise ValueError(f"{where}: {error.message}") from None
     if endpoint.protocol != "http":
@@ -66,6 +75,34 @@ def checked_host(url: str, where: str = "--host") -> str:
     if "://" not in url:
         raise ValueError(f"{where} {endpoint.url!r}: write the scheme out: http://{url.strip()}")
     return url
+
+
+def checked_grpc_target(target: str, where: str = "RECSERVE_LT_GRPC") -> str:
+    """``target``, the gRPC ``HOST:PORT`` of the server under load (given as ``where``), once
+    checked as the client library checks ``grpc://HOST:PORT`` (:func:`clients.client.parse_url`:
+    a host, a port, no path, no ``user:password@``), which is what the gRPC users connect
+    to. ValueError naming ``where`` otherwise: every user failed at its start, one after
+    another, with the client's error."""
+    from clients._urls import redact_url
+    from clients.client import parse_url
+    from embedding_store.errors import InvalidArgumentError
+
+    text = target.strip()
+    if "://" in text:
+        raise ValueError(
+            f"{where} {redact_url(text)!r}: give HOST:PORT without a scheme (the gRPC users "
+            "connect to grpc://HOST:PORT; they have no TLS option)"
+        )
+    try:
+        parse_url(
+            f"grpc://{text}",
+            credentials_reason="the gRPC users would not send them, and the server takes no "
+            "credentials in the URL; remove them (the load tests have no client-certificate "
+            "option)",
+        )
+    except InvalidArgumentError as error:
+        raise ValueError(f"{where}: {error.message}") from None
+    return text
 
 
 #: Files that one locust run writes next to its ``--csv`` prefix.

@@ -43,7 +43,9 @@ does not parse or is out of range) stops locust with an error naming the variabl
 ``--host`` and ``RECSERVE_LT_METADATA_URL`` are checked as the client library checks a server
 URL (``clients.client.parse_url``: a host, a valid port, no ``user:password@``), and must be
 ``http://`` or ``https://`` URLs: another stops locust before any user starts, with an error
-naming the flag or variable (``load_tests.locust_run.checked_host``).
+naming the flag or variable (``load_tests.locust_run.checked_host``). So is
+``RECSERVE_LT_GRPC``, as ``grpc://HOST:PORT`` (no scheme of its own, a port, no path, no
+``user:password@``: ``load_tests.locust_run.checked_grpc_target``).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from clients.codec import HEADER_LENGTH, decode_http_infer, decode_rows_response
 from clients.types import PredictResult
 from embedding_store.errors import RecserveError
 from load_tests import traffic
-from load_tests.locust_run import add_rows, batch_size_of, checked_host
+from load_tests.locust_run import add_rows, batch_size_of, checked_grpc_target, checked_host
 
 MODEL = os.environ.get("RECSERVE_LT_MODEL", "model")
 WAIT = traffic.env_number("RECSERVE_LT_WAIT", 0.0, float, lambda s: s >= 0, "seconds >= 0")
@@ -232,15 +234,19 @@ def final_stats(
 def check_urls(host: str | None) -> None:
     """Exit (status 1) with an error naming the flag or variable when locust's ``--host``
     or ``RECSERVE_LT_METADATA_URL`` is not a server URL the client library would take
-    (:func:`load_tests.locust_run.checked_host`): before any user starts, not as one failed
-    request after another."""
+    (:func:`load_tests.locust_run.checked_host`), or ``RECSERVE_LT_GRPC`` not a gRPC
+    ``HOST:PORT`` (:func:`load_tests.locust_run.checked_grpc_target`): before any user
+    starts, not as one failed request (or user start) after another."""
     metadata_url = os.environ.get("RECSERVE_LT_METADATA_URL")
-    for where, url in (("--host", host), ("RECSERVE_LT_METADATA_URL", metadata_url)):
-        if url and url.strip():  # an empty variable is an unset one
-            try:
+    grpc_target = os.environ.get("RECSERVE_LT_GRPC")
+    try:
+        for where, url in (("--host", host), ("RECSERVE_LT_METADATA_URL", metadata_url)):
+            if url and url.strip():  # an empty variable is an unset one
                 checked_host(url, where)
-            except ValueError as error:
-                sys.exit(f"error: {error}")
+        if grpc_target and grpc_target.strip():
+            checked_grpc_target(grpc_target, "RECSERVE_LT_GRPC")
+    except ValueError as error:
+        sys.exit(f"error: {error}")
 
 
 @events.init.add_listener

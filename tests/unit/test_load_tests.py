@@ -1389,9 +1389,9 @@ def test_a_user_without_a_host_or_metadata_variables_is_told_what_to_set():
         (
             "http://ann:s3cret@127.0.0.1:8000",
             "--host: server URL 'http://ann:***@127.0.0.1:8000' has credentials "
-            "(user:password@): they are never sent, and the server takes no credentials in the "
-            "URL; remove them (to authenticate a client, use mutual TLS: an https:// or "
-            "grpcs:// URL with tls_cert and tls_key)",
+            "(user:password@): the load tests' HTTP users would send them as Basic auth, and "
+            "the server takes no credentials in the URL; remove them (the load tests have no "
+            "client-certificate option)",
         ),
         (
             "http://127.0.0.1:99999",
@@ -1428,6 +1428,42 @@ def test_a_load_tests_target_url_is_checked_as_the_client_checks_it(url, message
     assert checked_host("https://127.0.0.1:8443/prefix/") == "https://127.0.0.1:8443/prefix/"
 
 
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (
+            "ann:s3cret@127.0.0.1:8001",
+            "RECSERVE_LT_GRPC: server URL 'grpc://ann:***@127.0.0.1:8001' has credentials "
+            "(user:password@): the gRPC users would not send them, and the server takes no "
+            "credentials in the URL; remove them (the load tests have no client-certificate "
+            "option)",
+        ),
+        ("127.0.0.1", "RECSERVE_LT_GRPC: gRPC server URL 'grpc://127.0.0.1' needs a port"),
+        (
+            "127.0.0.1:99999",
+            "RECSERVE_LT_GRPC: server URL 'grpc://127.0.0.1:99999' has an invalid port",
+        ),
+        (
+            "127.0.0.1:8001/v2",
+            "RECSERVE_LT_GRPC: gRPC server URL 'grpc://127.0.0.1:8001/v2' cannot have a path",
+        ),
+        (
+            "grpcs://ann:pw@127.0.0.1:8001",
+            "RECSERVE_LT_GRPC 'grpcs://ann:***@127.0.0.1:8001': give HOST:PORT without a "
+            "scheme (the gRPC users connect to grpc://HOST:PORT; they have no TLS option)",
+        ),
+    ],
+)
+def test_the_load_tests_grpc_target_is_checked_as_the_client_checks_it(target, message):
+    """RECSERVE_LT_GRPC went to every GrpcUser unchecked: each failed at its start."""
+    from load_tests.locust_run import checked_grpc_target
+
+    with pytest.raises(ValueError) as refused:
+        checked_grpc_target(target)
+    assert str(refused.value) == message
+    assert checked_grpc_target(" 127.0.0.1:8001 ") == "127.0.0.1:8001"
+
+
 _BAD_HOST = """
 import os, sys
 from locust import events
@@ -1458,6 +1494,13 @@ def test_the_locustfile_refuses_a_bad_host_or_metadata_url_before_any_user_start
             "credentials (user:password@)"
         )
     )
+    del env["RECSERVE_LT_METADATA_URL"]
+    env["RECSERVE_LT_GRPC"] = "127.0.0.1"
+    result = run_python(_BAD_HOST, "http://127.0.0.1:8000", env=env, returncode=1)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: RECSERVE_LT_GRPC: gRPC server URL 'grpc://127.0.0.1' needs a port"
+    )
+    assert "started" not in result.stdout
 
 
 def test_the_watcher_reload_waits_for_two_of_its_looks():
