@@ -15,6 +15,7 @@ import hmac
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -141,6 +142,15 @@ def format_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def announce(line: str) -> None:
+    """Write ``line`` and its newline to stdout in one write, then flush. Launchers read a
+    process's stdout and stderr from one file: ``print`` writes the text and the newline
+    apart when stdout is unbuffered (``PYTHONUNBUFFERED``), and a log line written between
+    them made ``listening on 127.0.0.1:37251`` read as port 372512026."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- a shared token

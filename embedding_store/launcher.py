@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from embedding_store.initializer import InitializationConfig
     from embedding_store.optimizers import Optimizer
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+#: A whole line only: a port read before its line ended could be cut short (or run on into
+#: a log line written after it).
+_LISTENING = re.compile(r"listening on (\S+):(\d+)\r?\n")
 
 
 @dataclass

@@ -47,6 +47,7 @@ from embedding_store.grpc_common import (
     LIVENESS_SERVICE,
     add_health_servicer,
     add_servicer,
+    announce,
     bind_tier_port,
     format_address,
     server_interceptors,
@@ -461,12 +462,11 @@ def serve_parameter_server(
     space_out_young_collections()
     try:
         if process.metrics_port is not None:
-            print(
+            announce(
                 f"parameter server {process.name} metrics on "
-                f"http://{format_address(process.options.host, process.metrics_port)}/metrics",
-                flush=True,
+                f"http://{format_address(process.options.host, process.metrics_port)}/metrics"
             )
-        print(f"parameter server {process.name} listening on {process.address}", flush=True)
+        announce(f"parameter server {process.name} listening on {process.address}")
         if on_started is not None:
             on_started(process)
         while not process.stop_requested:

@@ -40,6 +40,7 @@ from embedding_store.grpc_common import (
     WORKER_SERVICE,
     add_health_servicer,
     add_servicer,
+    announce,
     answered_in_http1,
     bind_tier_port,
     format_address,
@@ -329,10 +330,9 @@ def serve_embedding_worker(
             bound = bind_tier_port(server, format_address(host, port))
             if metrics_port is not None:
                 metrics_httpd = start_metrics_server(metrics, host, metrics_port)
-                print(
+                announce(
                     f"embedding worker metrics on "
-                    f"http://{format_address(host, metrics_httpd.server_port)}/metrics",
-                    flush=True,
+                    f"http://{format_address(host, metrics_httpd.server_port)}/metrics"
                 )
             server.start()
             # Before SERVING (health says NOT_SERVING meanwhile, liveness SERVING): a fresh
@@ -344,7 +344,7 @@ def serve_embedding_worker(
             raise
         freeze_long_lived_objects()  # see embedding_store.gc_tuning: no ~100 ms full collections
         space_out_young_collections()
-        print(f"embedding worker listening on {format_address(host, bound)}", flush=True)
+        announce(f"embedding worker listening on {format_address(host, bound)}")
         return _serve(
             tier,
             server,
