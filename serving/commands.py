@@ -24,6 +24,16 @@ from serving.tls import server_tls, tls_flags_problem
 log = logging.getLogger(__name__)
 
 
+def onednn_min_rows(text: str) -> int | None:
+    """``--onednn-min-rows``: ``auto`` (None: measured at load) or an integer >= 0."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error}, or auto") from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -130,11 +140,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--onednn-min-rows",
-        type=non_negative_int,
-        default=256,
+        type=onednn_min_rows,
+        default=None,
+        metavar="N|auto",
         help="merged batches of at least N rows run the dense model's linear layers as oneDNN "
-        "kernels (prepacked weights, fused ReLU), once they match the model as loaded; faster "
-        "from ~256 rows, slower for small batches (0: off; default 256)",
+        "kernels (prepacked weights, fused ReLU), once they match the model as loaded; auto "
+        "(the default) times both models at load and picks 32, 64 or 128 where oneDNN is "
+        "clearly faster on this CPU, else 256 (0: off)",
     )
     parser.add_argument(
         "--max-body-bytes",

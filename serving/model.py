@@ -10,7 +10,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -281,8 +281,9 @@ class LoadedModel:
     ) -> torch.Tensor:
         """``large`` on chunks of the sizes :func:`onednn_linear.chunk_sizes` allows (the
         largest that fits, in turn), the loaded model on the rest: fewer than ``min_rows``
-        rows, or fewer than a step's worth (64) past a chunk below the largest size. A
-        threshold under 64 thus never runs its smallest chunk over and over on what is left
+        rows, or fewer than 16. A chunk below 1024 rows leaves under a step (64 rows from
+        256, 16 below), so a batch takes at most two chunks past its 1024-row ones, and a
+        threshold under 16 never runs its smallest chunk over and over on what is left
         (``--onednn-min-rows 1`` made 63 one-row calls of a 63-row batch, ~100x the loaded
         model's time).
 
@@ -293,7 +294,6 @@ class LoadedModel:
         rows: 268 us at 256 rows, 245 us at 1024)."""
         outputs = []
         start = 0
-        largest = onednn_linear.chunk_sizes(min_rows)[-1]
         while rows - start >= min_rows:
             size = onednn_linear.chunk_size(min_rows, rows - start)
             outputs.append(
@@ -303,29 +303,32 @@ class LoadedModel:
                 )
             )
             start += size
-            if size < largest:
-                break  # what is left is under a step (64 rows): one call of the loaded model
+            if rows - start < onednn_linear.SMALL_ROW_STEP:
+                break  # under 16 rows left: one call of the loaded model
         if start < rows:
             outputs.append(
                 self.dense([t[start:] for t in non_ids], [t[start:] for t in embeddings])
             )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def use_onednn_for_large_batches(self, min_rows: int) -> bool:
+    def use_onednn_for_large_batches(self, min_rows: int | None) -> bool:
         """Run merged batches of at least ``min_rows`` rows on the dense model rewritten for
         oneDNN (:mod:`serving.onednn_linear`), in chunks of the sizes
         :func:`onednn_linear.chunk_sizes` gives, once it answers as the loaded model does on
         random inputs: on a chunk and a remainder, and on every chunk size (which also builds
-        every kernel it will need, so that none is built while serving). Returns whether it
-        is in use; when it is not, a log line says why and every batch runs the model as
+        every kernel it will need, so that none is built while serving). ``None``: the
+        threshold is measured here (:func:`onednn_linear.choose_min_rows`). Returns whether
+        it is in use; when it is not, a log line says why and every batch runs the model as
         loaded."""
-        if min_rows <= 0:
+        if min_rows is not None and min_rows <= 0:
             return False
         if not onednn_linear.onednn_available():
             log.info("model %s: this torch build has no oneDNN linear kernels", self.name)
             return False
         try:
-            rewritten, layers = onednn_linear.rewrite_linear_layers(self.dense, min_rows)
+            rewritten, layers = onednn_linear.rewrite_linear_layers(
+                self.dense, min_rows or onednn_linear.DEFAULT_MIN_ROWS
+            )
         except RuntimeError as error:
             log.warning(
                 "model %s: the dense model cannot be rewritten for oneDNN: %s", self.name, error
@@ -334,6 +337,17 @@ class LoadedModel:
         if layers == 0:
             log.info("model %s: the dense model has no linear layers to run on oneDNN", self.name)
             return False
+        how = "given"
+        if min_rows is None:
+            try:
+                min_rows, ratios = self._choose_onednn_min_rows(rewritten)
+            except Exception as error:  # either model failing: the checks below say which
+                min_rows, ratios = onednn_linear.DEFAULT_MIN_ROWS, {}
+                log.debug("model %s: timing the oneDNN dense model failed: %s", self.name, error)
+            how = "measured at load: oneDNN / loaded time " + (
+                ", ".join(f"{ratio:.2f} at {rows} rows" for rows, ratio in ratios.items())
+                or "not measured"
+            )
         # One chunk; two chunks and a remainder (a model whose rows depend on each other
         # answers differently); then each chunk size on its own.
         checks = [(min_rows, True), (2 * min_rows + 37, True)]
@@ -372,12 +386,29 @@ class LoadedModel:
         self.large_batch_dense = rewritten
         self.large_batch_rows = min_rows
         log.info(
-            "model %s: %d linear layers run as oneDNN kernels for batches of >= %d rows",
+            "model %s: %d linear layers run as oneDNN kernels for batches of >= %d rows (%s)",
             self.name,
             layers,
             min_rows,
+            how,
         )
         return True
+
+    def _choose_onednn_min_rows(
+        self, rewritten: torch.jit.ScriptModule
+    ) -> tuple[int, dict[int, float]]:
+        """``--onednn-min-rows auto``: the threshold from which the rewritten model is clearly
+        faster than the loaded one on this machine (:func:`onednn_linear.choose_min_rows`),
+        timed on random inputs shaped as served."""
+        inputs = {rows: self._random_dense_inputs(rows) for rows in onednn_linear.AUTO_PROBE_ROWS}
+
+        def run(module: torch.jit.ScriptModule) -> Callable[[int], object]:
+            return lambda rows: module(*inputs[rows])
+
+        with torch.inference_mode():
+            return onednn_linear.choose_min_rows(
+                run(self.dense), run(rewritten), onednn_linear.AUTO_PROBE_ROWS
+            )
 
     def _random_dense_inputs(
         self, rows: int, seed: int = 0
@@ -594,7 +625,7 @@ def load_model(
     fallback_policy: str = "fail",
     lookup_timeout: float = 5.0,
     warm_up: bool = True,
-    onednn_min_rows: int = 256,
+    onednn_min_rows: int | None = None,
     startup_timeout: float = 60.0,
 ) -> LoadedModel:
     """Load and verify a checkpoint: dense TorchScript + embeddings (in-process, or already
@@ -602,7 +633,8 @@ def load_model(
     read-only shards with the worker core in this process when ``embedding_ps`` are given).
 
     Merged batches of at least ``onednn_min_rows`` rows run the dense model rewritten for oneDNN
-    when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off).
+    when it gives the same outputs (:meth:`LoadedModel.use_onednn_for_large_batches`; 0: off;
+    None: a threshold measured at load).
     A remote embedding worker, or the remote shards, get ``startup_timeout`` seconds to
     report SERVING (the worker's shards too, unless ``fallback_policy`` is ``"default"``)."""
     if embedding_workers and embedding_ps:

@@ -35,7 +35,8 @@ class ServeOptions:
     startup_timeout: float = 60.0  # how long a remote worker (or the shards) may take to serve
     fallback_policy: str = "fail"
     output_transform: str = "identity"
-    onednn_min_rows: int = 256  # merged batches this large run the oneDNN dense model (0: off)
+    # Merged batches this large run the oneDNN dense model (0: off; None: measured at load).
+    onednn_min_rows: int | None = None
     max_body_bytes: int = 64 * 1024 * 1024
     max_decompressed_bytes: int = 8 * 1024 * 1024  # a gzip/deflate body, inflated
     read_timeout_seconds: float = 60.0  # seconds a request may take to arrive, from its first byte

@@ -152,11 +152,17 @@ def test_chunk_sizes_are_few_and_step_from_the_threshold():
     assert onednn_linear.chunk_sizes(256) == (
         256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024
     )  # fmt: skip
-    assert onednn_linear.chunk_sizes(16) == tuple(range(16, 1025, 64))  # 16 sizes: 16 .. 976
+    # below 256 rows, steps of 16 from the threshold; from 256, the steps of 64 above
+    assert onednn_linear.chunk_sizes(32) == (
+        32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240,
+        256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024,
+    )  # fmt: skip
+    assert onednn_linear.chunk_sizes(100)[:4] == (100, 116, 132, 148)
+    assert onednn_linear.chunk_sizes(100)[8:11] == (228, 244, 256)
     assert onednn_linear.chunk_sizes(300)[:3] == (300, 364, 428)
     assert onednn_linear.chunk_sizes(300)[-1] == 940 + 64  # 1004: the last step under 1024
     assert onednn_linear.chunk_sizes(2000) == (2000,)  # a threshold past the largest chunk
-    assert len(onednn_linear.chunk_sizes(1)) == 16  # few kernels, however low the threshold
+    assert len(onednn_linear.chunk_sizes(1)) == 29  # few kernels, however low the threshold
 
 
 @pytest.mark.parametrize(
@@ -170,9 +176,11 @@ def test_chunk_sizes_are_few_and_step_from_the_threshold():
         (256, 5000, 1024),
         (300, 1000, 940),
         (300, 2000, 1004),
-        (16, 40, 16),
-        (16, 100, 80),
-        (16, 5000, 976),
+        (16, 40, 32),
+        (16, 100, 96),
+        (16, 300, 256),
+        (16, 5000, 1024),
+        (100, 130, 116),
         (2000, 2500, 2000),
     ],
 )
@@ -253,11 +261,13 @@ def test_batches_from_the_threshold_up_run_the_rewritten_model(checkpoint, caplo
             np.testing.assert_allclose(with_onednn, loaded, rtol=1e-5, atol=1e-5)
 
         # which module ran on which rows: one answering 7.0 stands in for the rewritten model;
-        # it takes the largest chunks of 16 + k * 64 rows (up to 1024) that fit, in turn, the
-        # loaded model the rest: after a chunk below the largest, under 64 rows are left, and
-        # they go to the loaded model in one call (1050 = 976 + 16 + 58)
+        # it takes the largest chunks that fit (16 + k * 16 rows below 256, 256 + k * 64 up to
+        # 1024), in turn, the loaded model the rest, under 16 rows, in one call
+        # (1050 = 1024 + 16 + 10; 700 = 640 + 48 + 12)
         model.large_batch_dense = torch.jit.script(Constant(7.0))
-        cases = ((1, 0), (15, 0), (16, 16), (40, 16), (48, 16), (100, 80), (1050, 992))
+        cases = (
+            (1, 0), (15, 0), (16, 16), (40, 32), (48, 48), (100, 96), (700, 688), (1050, 1040)
+        )  # fmt: skip
         for rows, rewritten_rows in cases:
             batch, lookup = _random_batch(model, rows)
             output = model.forward(batch, lookup)
@@ -456,9 +466,11 @@ def test_every_chunk_size_is_checked_and_built_at_load_and_only_those_run(checkp
 @pytest.mark.parametrize(
     ("min_rows", "rows", "calls"),
     [
-        (1, 63, [1]),  # was 63 one-row calls: ~100x the loaded model's time
-        (1, 1087, [961, 65]),  # was 961, 65 and 61 one-row calls
-        (16, 1087, [976, 80]),  # was 976, 80 and 16
+        (1, 63, [49]),  # was 63 one-row calls: ~100x the loaded model's time
+        (1, 15, [1]),  # under 16 rows left after a chunk: the loaded model's
+        (1, 1087, [1024, 49]),  # was 961, 65 and 61 one-row calls
+        (16, 1087, [1024, 48]),  # was 976, 80 and 16
+        (32, 1100, [1024, 64]),
         (64, 1100, [1024, 64]),
         (256, 3000, [1024, 1024, 896]),
         (1000, 2500, [1000, 1000]),
@@ -493,5 +505,117 @@ def test_a_batch_of_whole_chunks_never_calls_the_loaded_model_on_no_rows(checkpo
             assert model.forward(batch, lookup).shape == (rows, 1)
         assert large.rows == [16, 80, 16]
         assert loaded.rows == [4]
+    finally:
+        model.close()
+
+
+# ------------------------------------------------------------------ --onednn-min-rows auto
+class FakeClock:
+    """A clock that only the fake models below move: each call costs what its table says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def model(self, cost_per_rows: dict[int, float], slow_calls: int = 0):
+        calls = {"n": 0}
+
+        def run(rows: int) -> None:
+            calls["n"] += 1
+            # The first calls may be slow (a kernel being built, the machine busy): the
+            # fastest timed call is what counts.
+            self.now += cost_per_rows[rows] * (50 if calls["n"] <= slow_calls else 1)
+
+        return run
+
+
+@pytest.mark.parametrize(
+    ("rewritten_costs", "expected"),
+    [
+        ({32: 0.7, 64: 0.6, 128: 0.5}, 32),  # clearly faster everywhere (Zen 5 EPYC)
+        ({32: 0.9, 64: 0.6, 128: 0.5}, 64),  # not clearly at 32 (0.9 * 1.25 > 1)
+        ({32: 0.7, 64: 0.9, 128: 0.5}, 128),  # a larger probe not clearly faster: from above it
+        ({32: 0.7, 64: 0.6, 128: 0.81}, 256),  # not clearly at the largest probe: the default
+        ({32: 1.1, 64: 1.05, 128: 0.95}, 256),  # about even or slower (Zen 4 EPYC at 64 rows)
+        ({32: 0.85, 64: 0.79, 128: 0.79}, 64),  # 1 / AUTO_MIN_SPEEDUP is 0.8
+    ],
+)
+def test_auto_picks_the_smallest_probe_from_which_onednn_is_clearly_faster(
+    rewritten_costs, expected
+):
+    clock = FakeClock()
+    loaded = clock.model({32: 1.0, 64: 1.0, 128: 1.0}, slow_calls=3)
+    rewritten = clock.model(rewritten_costs, slow_calls=2)
+    chosen, ratios = onednn_linear.choose_min_rows(loaded, rewritten, (32, 64, 128), clock)
+    assert chosen == expected
+    assert ratios == pytest.approx(rewritten_costs)
+
+
+def test_auto_at_load_uses_the_measured_threshold_and_says_so(checkpoint, monkeypatch, caplog):
+    measured: list[tuple[int, ...]] = []
+
+    def choose(loaded, rewritten, probes, clock=None):
+        for rows in probes:  # both models really run on inputs of those sizes
+            assert loaded(rows).shape == rewritten(rows).shape == (rows, 1)
+        measured.append(tuple(probes))
+        return 64, {32: 0.9, 64: 0.6, 128: 0.5}
+
+    monkeypatch.setattr(onednn_linear, "choose_min_rows", choose)
+    with caplog.at_level(logging.INFO, logger="serving.model"):
+        model = load_model(checkpoint, name="m", warm_up=False)  # the default: auto
+    try:
+        assert measured == [onednn_linear.AUTO_PROBE_ROWS]
+        assert model.large_batch_rows == 64
+        assert (
+            "model m: 4 linear layers run as oneDNN kernels for batches of >= 64 rows "
+            "(measured at load: oneDNN / loaded time 0.90 at 32 rows, 0.60 at 64 rows, 0.50 at "
+            "128 rows)"
+        ) in caplog.text
+        recording = Recording(model.large_batch_dense)
+        model.large_batch_dense = recording
+        for rows in (63, 64, 150):
+            batch, lookup = _random_batch(model, rows)
+            model.forward(batch, lookup)
+        assert recording.rows == [64, 144]  # 150 = 144 + 6 on the loaded model
+    finally:
+        model.close()
+
+
+def test_auto_falls_back_to_the_default_threshold_when_timing_fails(
+    checkpoint, monkeypatch, caplog
+):
+    def failing(*args, **kwargs):
+        raise RuntimeError("no clock")
+
+    monkeypatch.setattr(onednn_linear, "choose_min_rows", failing)
+    with caplog.at_level(logging.INFO, logger="serving.model"):
+        model = load_model(checkpoint, name="m", warm_up=False)
+    try:
+        assert model.large_batch_rows == onednn_linear.DEFAULT_MIN_ROWS == 256
+        assert "batches of >= 256 rows (measured at load: oneDNN / loaded time not measured)" in (
+            caplog.text
+        )
+    finally:
+        model.close()
+
+
+def test_auto_on_this_machine_picks_a_probe_or_the_default_and_answers_as_loaded(
+    checkpoint, caplog
+):
+    with caplog.at_level(logging.INFO, logger="serving.model"):
+        model = load_model(checkpoint, name="m", warm_up=False)
+    try:
+        assert model.large_batch_rows in (*onednn_linear.AUTO_PROBE_ROWS, 256)
+        assert "(measured at load: oneDNN / loaded time " in caplog.text
+        for rows in (31, 32, 100, 300):
+            batch, lookup = _random_batch(model, rows)
+            with_onednn = model.forward(batch, lookup)
+            rewritten, model.large_batch_dense = model.large_batch_dense, None
+            np.testing.assert_allclose(
+                with_onednn, model.forward(batch, lookup), rtol=1e-5, atol=1e-5
+            )
+            model.large_batch_dense = rewritten
     finally:
         model.close()

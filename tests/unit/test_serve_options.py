@@ -377,3 +377,16 @@ def test_the_open_files_limit_is_raised_for_the_caps(monkeypatch, limits, needed
         )
     else:
         assert warning is None
+
+
+def test_onednn_min_rows_takes_auto_or_an_integer(capsys):
+    assert _parse().onednn_min_rows is None  # auto: measured at load
+    assert _parse("--onednn-min-rows", "auto").onednn_min_rows is None
+    assert _parse("--onednn-min-rows", "AUTO").onednn_min_rows is None
+    assert _parse("--onednn-min-rows", "0").onednn_min_rows == 0
+    assert _parse("--onednn-min-rows", "64").onednn_min_rows == 64
+    with pytest.raises(SystemExit):
+        _parse("--onednn-min-rows", "fast")
+    err = capsys.readouterr().err
+    assert "argument --onednn-min-rows: expected an integer" in err
+    assert ", or auto" in err
