@@ -212,7 +212,8 @@ EQUAL_STEPS_SCRIPT = textwrap.dedent(
 # collectives wait (0.3 s, set once the ranks have met: a start-up that short could fail on a
 # loaded machine). Each rank has its own in-process tier (no cluster needed: only rank 0's is
 # written and loaded). Each rank's torch generator is seeded otherwise and moved on after the
-# dump: the load puts each rank's own state back ("True").
+# dump: the load puts each rank's own state back ("True"). Its output goes to ``slow/`` in the
+# directory given last; it runs last in its run (the 0.3 s wait stays set to the end).
 SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -229,7 +230,8 @@ SLOW_CHECKPOINT_SCRIPT = textwrap.dedent(
     from training import checkpoint, distributed
     from training.ctx import TrainCtx
 
-    out = Path(sys.argv[1])
+    out = Path(sys.argv[-1]) / "slow"
+    out.mkdir(exist_ok=True)
     config = embedding_config_from_mapping({"slots_config": {"user": {"dim": 2}}})
     write, load = checkpoint.write_checkpoint, checkpoint.load_checkpoint
 
@@ -382,12 +384,15 @@ def run_on_two_ranks(cluster, tmp_path: Path, name: str, source: str) -> tuple[P
 
 @pytest.fixture(scope="module")
 def two_rank_run(cluster, tmp_path_factory) -> tuple[Path, str]:
-    """ONE_STEP_SCRIPT, then EQUAL_STEPS_SCRIPT, in one ``recserve train --nproc-per-node 2``
-    run (a launcher and two ranks take seconds to start; the second part's TrainCtx joins
-    the process group the first made): (output directory, the run's log)."""
+    """ONE_STEP_SCRIPT, then EQUAL_STEPS_SCRIPT, then SLOW_CHECKPOINT_SCRIPT, in one
+    ``recserve train --nproc-per-node 2`` run (a launcher and two ranks take seconds to
+    start; each later part's TrainCtx joins the process group the first made, and the last
+    one's short collectives timeout is set after the others ran): (output directory, the
+    run's log)."""
     shutdown = "distributed.shutdown_distributed()\n"
-    assert ONE_STEP_SCRIPT.endswith(shutdown)
-    script = ONE_STEP_SCRIPT.removesuffix(shutdown) + EQUAL_STEPS_SCRIPT
+    parts = (ONE_STEP_SCRIPT, EQUAL_STEPS_SCRIPT, SLOW_CHECKPOINT_SCRIPT)
+    assert all(part.endswith(shutdown) for part in parts)
+    script = "".join(part.removesuffix(shutdown) for part in parts) + shutdown
     return run_on_two_ranks(cluster, tmp_path_factory.mktemp("two-ranks"), "two_ranks", script)
 
 
@@ -431,21 +436,14 @@ def test_ranks_with_unequal_batches_stop_together_and_fail_a_checkpoint_together
     assert results[1][1].startswith("CheckpointError: rank 0 failed to write checkpoint")
 
 
-def test_ranks_wait_for_a_checkpoint_longer_than_the_process_groups_timeout(tmp_path):
+def test_ranks_wait_for_a_checkpoint_longer_than_the_process_groups_timeout(two_rank_run):
     """Rank 0 writing (then loading) a checkpoint for longer than DDPOption.timeout_seconds:
     the other rank used to give up in its all-reduce ("Timed out waiting 300000ms") and the
     job died in the middle of a checkpoint that was going well (a large remote tier dumps for
     longer than the default 300 s). It waits, and both agree on the step. The checkpoint
-    holds each rank's own torch generator state, which each gets back."""
-    script = tmp_path / "slow_checkpoint.py"
-    script.write_text(SLOW_CHECKPOINT_SCRIPT)
-    torchrun = [sys.executable, "-m", "training.torchrun", "--standalone", "--nproc-per-node=2"]
-    run_in_session(
-        [*torchrun, str(script), str(tmp_path)],
-        tmp_path / "slow_checkpoint.log",
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this tree's training package
-    )
+    holds each rank's own torch generator state, which each gets back. (The last part of the
+    shared two-rank run: a run of its own spent seconds starting two ranks again.)"""
+    tmp_path = two_rank_run[0] / "slow"
     assert [(tmp_path / f"rank-{r}.txt").read_text() for r in range(2)] == [
         "7 7 True",
         "7 7 True",
