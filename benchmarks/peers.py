@@ -170,12 +170,30 @@ def encodings_argument(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("peers-out"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("peers-out"),
+        help="folder for peers.md/.csv/.json, logs and the checkpoints built here "
+        "(default peers-out)",
+    )
     parser.add_argument(
         "--models", default="adult,synthetic", help=f"a comma list of {', '.join(MODELS)}"
     )
-    parser.add_argument("--adult-checkpoint", type=Path, default=None)
-    parser.add_argument("--synthetic-checkpoint", type=Path, default=None)
+    parser.add_argument(
+        "--adult-checkpoint",
+        type=Path,
+        default=None,
+        help="the Adult checkpoint to serve (default: train one into OUT/checkpoints/adult "
+        "unless it is there)",
+    )
+    parser.add_argument(
+        "--synthetic-checkpoint",
+        type=Path,
+        default=None,
+        help="the synthetic checkpoint to serve (default: build one into "
+        "OUT/checkpoints/synthetic unless it is there)",
+    )
     parser.add_argument(
         "--batches",
         type=batches_argument,
@@ -191,8 +209,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a cell whose requests draw their batch size from SIZE:WEIGHT,... (repeatable); "
         "1:6,8:3,64:1 is the load tests' default profile",
     )
-    parser.add_argument("--users", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument(
+        "--users", type=int, default=32, help="concurrent locust users, 1..512 (default 32)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=25.0,
+        help="length of each measured run, at most 600 (default 25)",
+    )
     parser.add_argument(
         "--warmup-seconds",
         type=float,
@@ -220,11 +245,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help='recserve flag set NAME="FLAGS" (repeatable); default: default=""',
     )
-    parser.add_argument("--ts-venv", type=Path, default=Path("/work/ts-venv"))
-    parser.add_argument("--ts-workers", type=int, default=2)
-    parser.add_argument("--ts-batch-size", type=int, default=16)
-    parser.add_argument("--ts-max-batch-delay-ms", type=int, default=5)
-    parser.add_argument("--skip-torchserve", action="store_true")
+    parser.add_argument(
+        "--ts-venv",
+        type=Path,
+        default=Path("/work/ts-venv"),
+        help="virtual environment with TorchServe 0.12 (bin/torchserve; default /work/ts-venv)",
+    )
+    parser.add_argument(
+        "--ts-workers", type=int, default=2, help="TorchServe workers per model (default 2)"
+    )
+    parser.add_argument(
+        "--ts-batch-size", type=int, default=16, help="TorchServe's batch size (default 16)"
+    )
+    parser.add_argument(
+        "--ts-max-batch-delay-ms",
+        type=int,
+        default=5,
+        help="TorchServe's max batch delay in ms (default 5)",
+    )
+    parser.add_argument(
+        "--skip-torchserve",
+        action="store_true",
+        help="measure recserve (and the reference servers) only",
+    )
     parser.add_argument(
         "--ceiling-workers",
         type=int,

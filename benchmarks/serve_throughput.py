@@ -325,9 +325,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seconds", type=positive_float, default=3.0, help="per mode, batch and round"
     )
-    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        help="rounds over every mode and batch (default 2)",
+    )
     parser.add_argument("--clients", type=positive_int, default=8, help="concurrent client threads")
-    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--batch-sizes",
+        type=positive_int,
+        nargs="+",
+        default=[1, 64],
+        help="rows per request, one measurement each (default 1 64)",
+    )
     parser.add_argument(
         "--server-threads", type=positive_int, default=1, help="torch threads (both)"
     )

@@ -277,9 +277,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     would measure nothing (0 rounds, steps or test batches: a ratio of nothing, found only
     after every trainer ran) or that TrainCtx refuses (staleness 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=positive_int, default=1024)
-    parser.add_argument("--rounds", type=positive_int, default=10)
-    parser.add_argument("--steps-per-round", type=positive_int, default=30)
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=1024, help="samples per step (default 1024)"
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=10, help="rounds over every trainer (default 10)"
+    )
+    parser.add_argument(
+        "--steps-per-round",
+        type=positive_int,
+        default=30,
+        help="timed steps of each trainer per round (default 30)",
+    )
     parser.add_argument(
         "--warmup", type=non_negative_int, default=3, help="untimed steps per trainer"
     )
@@ -292,7 +301,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--train-batches", type=positive_int, default=128, help="distinct batches, cycled"
     )
-    parser.add_argument("--test-batches", type=positive_int, default=8)
+    parser.add_argument(
+        "--test-batches",
+        type=positive_int,
+        default=8,
+        help="held-out batches for the log loss and AUC (default 8)",
+    )
     parser.add_argument(
         "--threads", type=non_negative_int, default=0, help="torch threads (0: default)"
     )

@@ -143,13 +143,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tier",
         choices=["embedded", "remote"],
         default="embedded",
-        help="embedded: one server process; remote: 2 PS shards + 1 embedding worker + server",
+        help="embedded: one server process; remote: 2 PS shards + 1 embedding worker + server "
+        "(default embedded)",
     )
     parser.add_argument(
         "--out",
         type=Path,
         default=Path("load-test-out"),
-        help="folder for summary.csv/.md, the latency plot, locust CSVs and server logs",
+        help="folder for summary.csv/.md, the latency plot, locust CSVs and server logs "
+        "(default load-test-out)",
     )
     parser.add_argument(
         "--users",
@@ -172,9 +174,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated, from {', '.join(USER_CLASSES)} (each runs once; default "
         "binary,json,friendly,grpc)",
     )
-    parser.add_argument("--batches", default="1:6,8:3,64:1", help="batch mix SIZE:WEIGHT,...")
     parser.add_argument(
-        "--unknown-share", type=finite_float, default=0.02, help="share of IDs the model never saw"
+        "--batches",
+        default="1:6,8:3,64:1",
+        help="batch mix SIZE:WEIGHT,... (default 1:6,8:3,64:1)",
+    )
+    parser.add_argument(
+        "--unknown-share",
+        type=finite_float,
+        default=0.02,
+        help="share of IDs the model never saw (default 0.02)",
     )
     parser.add_argument(
         "--seed",
@@ -183,7 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="traffic seed (RECSERVE_LT_SEED), to repeat a run's requests; default: random, "
         "reported in the summary",
     )
-    parser.add_argument("--model-name", default="model", help="served model name")
+    parser.add_argument("--model-name", default="model", help="served model name (default model)")
     parser.add_argument(
         "--serve-args", default="", help='extra `recserve serve` flags, e.g. "--max-batch-size 64"'
     )
@@ -195,7 +204,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"with a --preprocessor (default with {ADULT_PREPROCESSOR}: {ADULT_ROWS.name})",
     )
     parser.add_argument(
-        "--locust-processes", type=int, default=1, help="locust worker processes (--processes)"
+        "--locust-processes",
+        type=int,
+        default=1,
+        help="locust worker processes (--processes; default 1)",
     )
     parser.add_argument(
         "--warmup-seconds",
@@ -209,7 +221,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--minutes", type=finite_float, default=None, help="soak duration (default 10; --soak only)"
     )
-    parser.add_argument("--rss-interval", type=finite_float, default=None, help="seconds (soak)")
+    parser.add_argument(
+        "--rss-interval",
+        type=finite_float,
+        default=None,
+        help="seconds between RSS samples of the stack's processes, in (0, 60] (default: 1; "
+        "with --soak its length / 200, within 0.25..5)",
+    )
     args = parser.parse_args(argv)
     if args.soak and args.seconds is not None:
         parser.error("--soak runs for --minutes; --seconds is the length of a load run")

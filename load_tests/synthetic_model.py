@@ -155,10 +155,19 @@ def build_synthetic_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    parser.add_argument("--vocab", type=int, default=10_000, help="IDs per slot")
-    parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--vocab", type=int, default=10_000, help="IDs per slot (default %(default)s)"
+    )
+    parser.add_argument(
+        "--dim", type=int, default=16, help="embedding width of every slot (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the weights, the new rows and the training batches (default %(default)s)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint at --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()

@@ -99,7 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-data-loaders",
         type=positive_int,
         default=None,
-        help="data loaders streaming batches (an integer > 0)",
+        help="how many data loaders stream batches: what the script's StreamingDataset "
+        "waits for unless the script passes num_loaders itself (an integer > 0; without "
+        "it, 1)",
     )
     train.add_argument(
         "--shutdown-timeout",

@@ -186,7 +186,13 @@ def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET")
-    parser.add_argument("--wait", type=_seconds(False), default=0.0, metavar="SECONDS")
+    parser.add_argument(
+        "--wait",
+        type=_seconds(False),
+        default=0.0,
+        metavar="SECONDS",
+        help="retry until every target is healthy or this time is up (default 0: check once)",
+    )
     parser.add_argument("--timeout", type=_seconds(True), default=3.0, help="per check (s)")
     parser.add_argument(
         "--service",

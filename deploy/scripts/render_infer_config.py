@@ -67,10 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     """Render and write the config; 0 on success, 1 (one line on stderr) on failure."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--embedding-checkpoint", required=True, type=_directory_name, metavar="DIR"
+        "--embedding-checkpoint",
+        required=True,
+        type=_directory_name,
+        metavar="DIR",
+        help="the embedding checkpoint the shards load (written as an absolute path)",
     )
-    parser.add_argument("--out", required=True, type=Path, metavar="FILE")
-    parser.add_argument("--base", type=Path, default=DEFAULT_BASE, metavar="FILE")
+    parser.add_argument(
+        "--out", required=True, type=Path, metavar="FILE", help="the config file to write"
+    )
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=DEFAULT_BASE,
+        metavar="FILE",
+        help="the global config the rest is taken from (default "
+        "deploy/configs/global_config.infer.yml)",
+    )
     args = parser.parse_args(argv)
     if not str(args.out).strip() or args.out.is_dir():
         parser.error(f"argument --out: expected a file path, got {str(args.out)!r}")

@@ -23,9 +23,24 @@ from training.data import DataCtx
 def main() -> int:
     defaults = AdultHParams()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=non_negative_int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument(
+        "--epochs",
+        type=non_negative_int,
+        default=defaults.epochs,
+        help="passes over the training set (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=defaults.batch_size,
+        help="samples per batch sent (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=defaults.seed,
+        help="seeds each epoch's data order (default %(default)s)",
+    )
     args = parser.parse_args()
     train = features.read_encoded(features.TRAIN_PATH)
     with DataCtx() as ctx:

@@ -103,10 +103,21 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _abort)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "quickstart")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=ROOT / "runs" / "quickstart",
+        help="where the checkpoint and the server's log go (default runs/quickstart)",
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=2, help="training epochs (default %(default)s)"
+    )
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="the server's HTTP port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--grpc-port", type=int, default=8001, help="the server's gRPC port (default %(default)s)"
+    )
     parser.add_argument("--exit", action="store_true", help="stop the server after the demo")
     args = parser.parse_args()
     checkpoint = args.workdir / "checkpoint"

@@ -151,9 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="epochs in all: with --resume-from, training goes on from the epochs the "
         "checkpoint has done, in the same data order as one uninterrupted run",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
-    parser.add_argument("--embedding-staleness", type=positive_int, default=4)
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=defaults.batch_size,
+        help="samples per batch; each rank trains one batch per step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=defaults.seed,
+        help="seeds the model, the new embedding rows and the data order (default %(default)s)",
+    )
+    parser.add_argument(
+        "--embedding-staleness",
+        type=positive_int,
+        default=4,
+        help="batches looked up before their embedding gradients are applied (TrainCtx's "
+        "embedding_staleness; 1: synchronous; default %(default)s)",
+    )
     parser.add_argument(
         "--reproducible", action="store_true", help="staleness 1 and a fixed data order"
     )
@@ -167,7 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         "without it nothing is clipped",
     )
     parser.add_argument("--streaming", action="store_true", help="batches from data loaders")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="write the trained model's checkpoint here (what recserve serve loads); "
+        "without it nothing is written",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an old checkpoint")
     parser.add_argument(
         "--checkpoint-on-stop",
@@ -188,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--resume-from", type=Path, default=None, help="load this checkpoint")
     parser.add_argument("--eval-only", action="store_true", help="with --resume-from: no training")
-    parser.add_argument("--metrics-out", type=Path, default=None)
+    parser.add_argument(
+        "--metrics-out",
+        type=Path,
+        default=None,
+        help="write the run's test AUC, steps and settings here as JSON (rank 0)",
+    )
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

@@ -110,8 +110,19 @@ def train_and_evaluate(
 def main(argv: list[str] | None = None) -> None:
     defaults = AdultHParams()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--embedding-dim", type=int, default=None)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="one training run per seed (default 0 1 2)",
+    )
+    parser.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=None,
+        help="every slot's embedding width (default: the example's, from features.py)",
+    )
     for field in dataclasses.fields(AdultHParams):
         if field.name == "seed":
             continue
@@ -119,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(defaults, field.name)
         if isinstance(value, bool):
             raise TypeError(f"no flag for boolean field {field.name}")
+        shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+        help_text = f"AdultHParams.{field.name} (default {shown})"
         if isinstance(value, tuple):
-            parser.add_argument(flag, type=int, nargs="+", default=list(value))
+            parser.add_argument(flag, type=int, nargs="+", default=list(value), help=help_text)
         else:
-            parser.add_argument(flag, type=type(value), default=value)
-    parser.add_argument("--quiet", action="store_true")
+            parser.add_argument(flag, type=type(value), default=value, help=help_text)
+    parser.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()

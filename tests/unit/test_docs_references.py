@@ -11,10 +11,12 @@ test_docs_commands.py, whose command checks these complete.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import re
 import typing
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -170,12 +172,17 @@ def test_deploy_metric_tables_match_the_code(monkeypatch: pytest.MonkeyPatch) ->
     assert not wrong, wrong
 
 
-def _code_text() -> str:
-    """The source of the product packages, examples, deploy scripts, load tests, benchmarks."""
+def _code_paths() -> list[Path]:
+    """The product packages, examples, deploy scripts, load tests and benchmarks."""
     folders = ("embedding_store", "serving", "training", "clients", "examples", "load_tests")
     paths = [p for f in folders for p in (ROOT / f).rglob("*.py")]
-    paths += [*(ROOT / "deploy" / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
-    return "\n".join(p.read_text(encoding="utf-8") for p in paths)
+    scripts = [*(ROOT / "deploy" / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    return [*paths, *scripts]
+
+
+def _code_text() -> str:
+    """The source of the product packages, examples, deploy scripts, load tests, benchmarks."""
+    return "\n".join(p.read_text(encoding="utf-8") for p in _code_paths())
 
 
 def test_every_environment_variable_the_docs_name_is_read() -> None:
@@ -508,3 +515,42 @@ def test_every_python_name_the_help_texts_give_exists() -> None:
         except (ImportError, AttributeError) as error:
             missing.append(f"{name}: {error}")
     assert not missing, missing
+
+
+def _options_without_help(source: str) -> list[tuple[int, str]]:
+    """(line, flag) of each ``add_argument`` call in ``source`` that adds an option (not a
+    positional) and gives it no ``help=``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "add_argument" or not node.args:
+            continue
+        first = node.args[0]
+        literal = first.value if isinstance(first, ast.Constant) else None
+        if isinstance(literal, str) and not literal.startswith("-"):
+            continue  # a positional: the usage line and its metavar say what it is
+        given = {k.arg: k.value for k in node.keywords}
+        action = given.get("action")
+        if isinstance(action, ast.Constant) and action.value == "version":
+            continue  # argparse's own help: "show program's version number and exit"
+        if "help" not in given:
+            found.append((node.lineno, literal if isinstance(literal, str) else ast.unparse(first)))
+    return found
+
+
+def test_every_flag_has_a_help_text() -> None:
+    """`--help` is where a flag's meaning and default are looked up: every option of
+    `recserve` and of the scripts the docs run (examples, deploy scripts, load tests,
+    benchmarks) has a help text (peers.py's --ts-workers, train.py's --batch-size and
+    quickstart.py's ports had none)."""
+    missing = [
+        f"{path.relative_to(ROOT)}:{line} {flag}"
+        for path, source in ((p, p.read_text(encoding="utf-8")) for p in _code_paths())
+        if "add_argument" in source  # parse only the files that build a command line
+        for line, flag in _options_without_help(source)
+    ]
+    assert not missing, missing
+    assert _options_without_help('p.add_argument("--x", default=1)\np.add_argument("dir")') == [
+        (1, "--x")
+    ]
