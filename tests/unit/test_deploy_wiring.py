@@ -568,6 +568,27 @@ def _compose_mount_of(mounts: dict[str, bool], path: str) -> bool | None:
     return mounts[max(targets, key=len)] if targets else None
 
 
+def test_compose_containers_run_with_the_restrictions_of_the_pods() -> None:
+    """Every recserve pod runs read-only, capabilities dropped, without privilege escalation;
+    the compose containers of the same image do too, with the caches of the image's ENV on a
+    tmpfs: a process that writes elsewhere fails on one Docker host, not first on a cluster."""
+    for name, workload in workloads().items():
+        context = recserve_container(workload).get("securityContext", {})
+        assert context.get("readOnlyRootFilesystem") is True, name
+        assert context.get("allowPrivilegeEscalation") is False, name
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], name
+    env = image_env()
+    for name, service in compose()["services"].items():
+        if service.get("image", "").split(":")[0] != IMAGE:
+            continue
+        assert service.get("read_only") is True, name
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        tmpfs = [entry.split(":")[0] for entry in service.get("tmpfs", [])]
+        for cache in (env["NUMBA_CACHE_DIR"], env["XDG_CACHE_HOME"]):
+            assert any(inside(cache, mount) for mount in tmpfs), f"{name}: {cache}"
+
+
 def test_compose_trainer_command_parses_and_writes_where_the_server_reads() -> None:
     services = compose()["services"]
     trainer = services["trainer"]
