@@ -904,6 +904,25 @@ def test_image_exposes_every_port_of_the_conventions_and_ships_every_package() -
         assert packages <= kept, f"{dockerfile}: {sorted(packages - kept)} left out"
 
 
+def test_image_build_checks_the_installed_packages_not_the_sources_in_app() -> None:
+    """The build's import check runs in WORKDIR /app, where ``python -c`` would find the
+    copied sources first and pass on an install that lacks a package: it runs with ``-P``
+    (no working directory on sys.path), imports every installed package, and pip's in-tree
+    build leftovers (a second, stale copy of the sources) are removed."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    (include,) = re.findall(r"^include = \[(.*)\]$", pyproject, re.M)
+    packages = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (DEPLOY / "docker" / dockerfile).read_text().replace("\\\n", " ")
+        (run,) = [line for line in text.splitlines() if line.startswith("RUN pip install /app")]
+        steps = [shlex.split(step) for step in run[len("RUN ") :].split("&&")]
+        (check,) = [s for s in steps if s[0] == "python" and "-c" in s]
+        assert "-P" in check[: check.index("-c")], f"{dockerfile}: {check}"
+        imported = re.findall(r"^import ([\w, ]+);", check[check.index("-c") + 1])
+        assert packages <= {p.strip() for p in imported[0].split(",")}, dockerfile
+        assert ["rm", "-rf", "/app/build", "/app/*.egg-info"] in steps, dockerfile
+
+
 def test_k8s_replicated_workloads_have_a_disruption_budget_and_spread() -> None:
     """A workload of several pods (or autoscaled) that a node drain could empty at once: a
     PodDisruptionBudget limits the evictions, and a spreading rule keeps its pods apart."""
