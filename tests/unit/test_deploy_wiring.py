@@ -568,6 +568,27 @@ def _compose_mount_of(mounts: dict[str, bool], path: str) -> bool | None:
     return mounts[max(targets, key=len)] if targets else None
 
 
+def test_compose_containers_run_with_the_restrictions_of_the_pods() -> None:
+    """Every recserve pod runs read-only, capabilities dropped, without privilege escalation;
+    the compose containers of the same image do too, with the caches of the image's ENV on a
+    tmpfs: a process that writes elsewhere fails on one Docker host, not first on a cluster."""
+    for name, workload in workloads().items():
+        context = recserve_container(workload).get("securityContext", {})
+        assert context.get("readOnlyRootFilesystem") is True, name
+        assert context.get("allowPrivilegeEscalation") is False, name
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], name
+    env = image_env()
+    for name, service in compose()["services"].items():
+        if service.get("image", "").split(":")[0] != IMAGE:
+            continue
+        assert service.get("read_only") is True, name
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        tmpfs = [entry.split(":")[0] for entry in service.get("tmpfs", [])]
+        for cache in (env["NUMBA_CACHE_DIR"], env["XDG_CACHE_HOME"]):
+            assert any(inside(cache, mount) for mount in tmpfs), f"{name}: {cache}"
+
+
 def test_compose_trainer_command_parses_and_writes_where_the_server_reads() -> None:
     services = compose()["services"]
     trainer = services["trainer"]
@@ -881,6 +902,25 @@ def test_image_exposes_every_port_of_the_conventions_and_ships_every_package() -
         ignore = (DEPLOY / "docker" / f"{dockerfile}.dockerignore").read_text().splitlines()
         kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
         assert packages <= kept, f"{dockerfile}: {sorted(packages - kept)} left out"
+
+
+def test_image_build_checks_the_installed_packages_not_the_sources_in_app() -> None:
+    """The build's import check runs in WORKDIR /app, where ``python -c`` would find the
+    copied sources first and pass on an install that lacks a package: it runs with ``-P``
+    (no working directory on sys.path), imports every installed package, and pip's in-tree
+    build leftovers (a second, stale copy of the sources) are removed."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    (include,) = re.findall(r"^include = \[(.*)\]$", pyproject, re.M)
+    packages = {p.strip().strip('"').rstrip("*") for p in include.split(",")}
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (DEPLOY / "docker" / dockerfile).read_text().replace("\\\n", " ")
+        (run,) = [line for line in text.splitlines() if line.startswith("RUN pip install /app")]
+        steps = [shlex.split(step) for step in run[len("RUN ") :].split("&&")]
+        (check,) = [s for s in steps if s[0] == "python" and "-c" in s]
+        assert "-P" in check[: check.index("-c")], f"{dockerfile}: {check}"
+        imported = re.findall(r"^import ([\w, ]+);", check[check.index("-c") + 1])
+        assert packages <= {p.strip() for p in imported[0].split(",")}, dockerfile
+        assert ["rm", "-rf", "/app/build", "/app/*.egg-info"] in steps, dockerfile
 
 
 def test_k8s_replicated_workloads_have_a_disruption_budget_and_spread() -> None:

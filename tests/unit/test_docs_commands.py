@@ -40,8 +40,11 @@ EXTERNAL_FLAGS = {
     "--gpus",  # docker run
     "--ipc",  # docker run
     "--key",  # kubectl create secret tls
+    "--network",  # docker build
+    "--no-build",  # docker compose up
     "--patch-file",  # kubectl patch
     "--replicas",  # kubectl scale
+    "--rm",  # docker run
     "--shm-size",  # docker run
     "--type",  # kubectl patch
 }
