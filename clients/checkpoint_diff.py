@@ -1,5 +1,7 @@
 """``recserve checkpoint diff``: what differs between two checkpoints of the same kind, per ID
 space (rows added, removed and changed, optimizer state) and per dense tensor, and its text.
+The other files of a model checkpoint (``jit_dense.pt``, ``opt.pt``, ``scaler.pt`` and the
+random number generators' ``rng_state.safetensors``) are compared by checksum.
 
 Both checkpoints are verified first. ``diff`` reads the embedding rows of both checkpoints
 into memory: plan memory for tables of that size.
@@ -161,10 +163,13 @@ def _diff_dense(a: Path, b: Path) -> dict[str, Any]:
 
 
 #: Dense files a diff compares by checksum (besides dense.pt's tensors, compared by value).
+#: The random number generators' states count: a run resumed from either checkpoint draws
+#: other random numbers (dropout) when they differ, even with every weight the same.
 _CHECKSUMMED = (
     model_checkpoint.JIT_FILE,
     model_checkpoint.OPTIMIZER_FILE,
     model_checkpoint.SCALER_FILE,
+    model_checkpoint.RNG_FILE,
 )
 
 
@@ -185,7 +190,9 @@ def diff(
     ``identical`` is True only when nothing differs: rows, optimizer state and the embedding
     config (and its optimizer); for model checkpoints also the dense tensors, the feature
     signature, and by checksum ``jit_dense.pt`` (the TorchScript code serving runs, which can
-    change while ``dense.pt`` does not), ``opt.pt`` and ``scaler.pt``."""
+    change while ``dense.pt`` does not), ``opt.pt``, ``scaler.pt`` and
+    ``rng_state.safetensors`` (each training rank's random number generators; one
+    checkpoint with the file and one without differ too)."""
     a, b = Path(directory_a), Path(directory_b)
     # NaN or Inf weights are no problem here: finding the rows that went bad between two
     # checkpoints is what diff is for (every other check stands).
@@ -215,8 +222,8 @@ def diff(
             or (
                 all(t["status"] == "same" for t in dense["tensors"])
                 and dense["signature_identical"]
-                # The TorchScript code, the dense optimizer's state and the loss scale:
-                # compared by checksum.
+                # The TorchScript code, the dense optimizer's state, the loss scale and
+                # the random number generators: compared by checksum.
                 and all(dense["files_identical"].get(name, True) for name in _CHECKSUMMED)
             )
         )

@@ -44,7 +44,7 @@ from clients.eval_mapping import FeatureMapping, LabelMapping, default_mapping, 
 from clients.eval_output import PredictionWriter, Progress
 from clients.eval_parity import Parity
 from clients.eval_readers import RowChunk, check_data_file, iter_chunks, where_of
-from clients.eval_scorers import InProcessScorer, ServerScorer
+from clients.eval_scorers import InProcessScorer, ServerScorer, check_server_options
 from embedding_store.cli_types import MAX_FLOAT_VALUE as MAX_TIMEOUT_SECONDS
 from embedding_store.errors import InvalidArgumentError
 
@@ -119,6 +119,10 @@ def _check_options(o: EvalOptions) -> None:
     tls = [flag for flag, value in zip(CLI_NAMES, (o.tls_ca, o.tls_cert, o.tls_key)) if value]
     if tls and o.url is None:
         raise InvalidArgumentError(f"{', '.join(tls)} given without --url: they are for a server")
+    if o.url is not None:
+        # The URL and the TLS files before anything expensive: a wrong --tls-* path used to
+        # be found only once the --compare checkpoint had loaded.
+        check_server_options(o.url, o.tls_ca, o.tls_cert, o.tls_key)
     if o.output_transform not in OUTPUT_TRANSFORMS:
         raise InvalidArgumentError(
             f"--output-transform must be one of {OUTPUT_TRANSFORMS}, got {o.output_transform!r}"

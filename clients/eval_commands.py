@@ -228,7 +228,15 @@ def _register_checkpoint(subparsers: argparse._SubParsersAction) -> None:
     reshard.add_argument("--overwrite", action="store_true", help="replace an existing DIR2")
     reshard.set_defaults(handler=_reshard)
 
-    diff = actions.add_parser("diff", help="rows added/removed/changed per slot; dense diffs")
+    diff = actions.add_parser(
+        "diff",
+        help="rows added/removed/changed per slot; dense diffs",
+        description="What differs between two checkpoints of the same kind (both verified "
+        "first): per ID space the rows added, removed and changed and their optimizer state; "
+        "the embedding config; per dense tensor of dense.pt the largest difference; the "
+        "feature signature; and by checksum jit_dense.pt, opt.pt, scaler.pt and "
+        "rng_state.safetensors (the training ranks' random number generators).",
+    )
     diff.add_argument("directory_a", type=non_empty_path, metavar="DIR1")
     diff.add_argument("directory_b", type=non_empty_path, metavar="DIR2")
     diff.add_argument(

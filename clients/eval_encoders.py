@@ -30,6 +30,7 @@ from embedding_store.batch import (
     NonIDTypeFeature,
 )
 from embedding_store.errors import (
+    PREPROCESSOR_INPUT_ERRORS,
     ConfigError,
     InvalidArgumentError,
     RecserveError,
@@ -40,7 +41,9 @@ from embedding_store.signature import FeatureSignature
 __all__ = ["GenericEncoder", "PreprocessorEncoder", "import_function", "stable_id"]
 
 _ROW_PREFIX = re.compile(r"^row \d+:\s*")
-_ENCODE_ERRORS = (ValueError, KeyError, TypeError, ArithmeticError, IndexError, RecserveError)
+#: A row's own fault: what the generic encoder raises for it, and what a preprocessor raises
+#: on rows that do not fit it (``recserve serve`` answers a 400 for the same).
+_ENCODE_ERRORS: tuple[type[Exception], ...] = (*PREPROCESSOR_INPUT_ERRORS, RecserveError)
 
 
 def _reason(error: BaseException) -> str:

@@ -47,7 +47,13 @@ from embedding_store.errors import (
 )
 from embedding_store.signature import FeatureSignature, IdFeatureSpec, NonIdFeatureSpec
 
-__all__ = ["InProcessScorer", "Scores", "ServerScorer", "signature_from_metadata"]
+__all__ = [
+    "InProcessScorer",
+    "Scores",
+    "ServerScorer",
+    "check_server_options",
+    "signature_from_metadata",
+]
 
 PROTOCOLS = ("v2", "friendly")
 FRIENDLY_WITHOUT_PREPROCESSOR = (
@@ -133,6 +139,29 @@ def _normalize_url(url: str) -> str:
     return url
 
 
+def check_server_options(
+    url: str,
+    tls_ca: Path | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> tuple[str, ssl.SSLContext | None]:
+    """``--url`` as requests use it and the SSL context of the ``--tls-*`` files (None for
+    a plaintext URL), checked without a request: a malformed URL, or a TLS file that is
+    missing, unreadable or not PEM, or a key that does not match its certificate, fails
+    here (InvalidArgumentError naming the flag and the file). ``recserve eval`` checks them
+    before anything expensive (a ``--compare`` run's checkpoint load)."""
+    normalized = _normalize_url(url)
+    tls = client_tls(
+        normalized.startswith("https://"),
+        redact_url(normalized),
+        tls_ca,
+        tls_cert,
+        tls_key,
+        names=CLI_NAMES,
+    )
+    return normalized, tls.ssl_context() if tls else None
+
+
 class _HTTPConnection(http.client.HTTPConnection):
     response_class = DeadlineHTTPResponse
 
@@ -215,11 +244,8 @@ class ServerScorer:
     ) -> None:
         if protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.url = _normalize_url(url)  # requests go here
-        tls = client_tls(
-            self.url.startswith("https://"), self.shown, tls_ca, tls_cert, tls_key, names=CLI_NAMES
-        )
-        self._ssl_context = tls.ssl_context() if tls else None
+        # self.url: requests go here.
+        self.url, self._ssl_context = check_server_options(url, tls_ca, tls_cert, tls_key)
         self.model = model
         self.protocol = protocol
         self.timeout = timeout

@@ -109,6 +109,22 @@ class DeadlineExceededError(RecserveError):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
+#: What a user's preprocessor (``recserve serve --preprocessor``, the preprocessor of
+#: ``recserve eval``'s mapping) raises when the rows it was given do not fit it: a missing
+#: field (KeyError), a list too short (IndexError), a value of the wrong type or form
+#: (TypeError, ValueError), a number out of range (OverflowError and the other
+#: ArithmeticErrors). Taken for the rows' fault, alike in both: ``serve`` answers 400
+#: (:class:`InvalidArgumentError`), ``eval`` reports bad rows. Any other exception is the
+#: preprocessor's own failure: a 500 from ``serve``, fatal to ``eval``.
+PREPROCESSOR_INPUT_ERRORS: tuple[type[Exception], ...] = (
+    KeyError,
+    IndexError,
+    TypeError,
+    ValueError,
+    ArithmeticError,
+)
+
+
 def error_summary(error: BaseException) -> str:
     """``"Type: last line"`` of an error: TorchScript errors carry the script's traceback,
     which is for the log, not for a client or a one-line CLI error."""

@@ -24,9 +24,13 @@ class ParameterServer(Protocol):
         """
         ...
 
-    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def update(self, ids: np.ndarray, grads: np.ndarray, *, generation: int | None = None) -> int:
         """Apply the configured optimizer: ``ids`` uint64 [n] unique, ``grads`` float32 [n, dim].
 
         Returns the number of rows updated (IDs evicted meanwhile are skipped).
+        ``generation``: the shard's ``last_generation`` after the train lookup that the
+        gradients were computed against (a worker passes it only to shards that report
+        one); a shard whose rows a load or clear replaced since refuses them
+        (FailedPreconditionError).
         """
         ...

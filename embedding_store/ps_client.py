@@ -272,6 +272,13 @@ class RemoteParameterServer:
         ``LookupResponse.missing`` and only said how many (:attr:`last_misses` > 0)."""
         return getattr(self._local, "missing", None)
 
+    @property
+    def last_generation(self) -> int | None:
+        """The shard's row generation that this thread's last train lookup was answered at
+        (``LookupResponse.generation``), for :meth:`update`; None when the shard did not say
+        (an eval lookup, a shard that predates the field)."""
+        return getattr(self._local, "generation", None)
+
     def lookup_with_misses(
         self, ids: np.ndarray, dim: int, *, train: bool
     ) -> tuple[np.ndarray, int]:
@@ -293,15 +300,19 @@ class RemoteParameterServer:
         rows = rows.copy()  # writable, like an in-process shard's answer
         self._local.misses = int(response.misses)
         self._local.missing = missing
+        # 0: an eval lookup, or a shard that predates LookupResponse.generation.
+        self._local.generation = int(response.generation) or None
         return rows, int(response.misses)
 
     def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
         """Rows of ``ids`` (uint64 [n]) -> float32 [n, dim] (see :meth:`last_misses`)."""
         return self.lookup_with_misses(ids, dim, train=train)[0]
 
-    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def update(self, ids: np.ndarray, grads: np.ndarray, *, generation: int | None = None) -> int:
         """Apply the shard's optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32
-        [n, dim]; returns the rows updated."""
+        [n, dim]; returns the rows updated. ``generation``: the :attr:`last_generation` of
+        the lookup the gradients were computed after: the shard refuses them
+        (FailedPreconditionError) when a load or clear replaced the rows since."""
         ids = _check_ids(ids)
         if not isinstance(grads, np.ndarray) or grads.dtype != np.float32 or grads.ndim != 2:
             raise InvalidArgumentError(
@@ -316,6 +327,7 @@ class RemoteParameterServer:
             ids=pack_u64(ids),
             grads=pack_f32(grads),
             dim=_check_dim(grads.shape[1]),
+            generation=generation or 0,
             **self._replica,
         )
         # Sent again only while it cannot leave this process (the shard restarting) or the

@@ -83,6 +83,12 @@ class _ShardCollector(Collector):
         yield counter(
             "skipped_updates", "Update IDs the shard no longer held.", stats.skipped_updates
         )
+        yield counter(
+            "stale_updates",
+            "Update rows refused: computed against rows that a load or clear of the shard "
+            "replaced since their lookup (through another worker).",
+            stats.stale_updates,
+        )
         yield gauge("rows", "Rows held, all dims together.", stats.rows)
         yield gauge("capacity", "Row capacity of the shard.", stats.capacity)
         yield gauge(

@@ -362,6 +362,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             rows=pack_f32(rows),
             misses=misses,
             missing=encode_missing(self.shard.last_missing),
+            # A train lookup's: its gradients come back with it (UpdateRequest.generation).
+            generation=(self.shard.last_generation or 0) if request.train else 0,
         )
 
     @rpc_errors
@@ -374,7 +376,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._require_replica(request.replica_index, request.replica_size)
         if not self.shard.read_only:  # a read-only shard refuses updates for good, not for now
             self._require_loaded()
-        return pb.UpdateResponse(rows_updated=self.shard.update(ids, grads))
+        # Refused (FAILED_PRECONDITION) when a load or clear replaced the rows since the
+        # lookup whose generation it names (through any worker); 0: not said.
+        rows = self.shard.update(ids, grads, generation=request.generation or None)
+        return pb.UpdateResponse(rows_updated=rows)
 
     @rpc_errors
     @observed

@@ -41,6 +41,16 @@ pooling (the rows are summed straight from the weight array, never copied out). 
 whole, from a checkpoint (:meth:`~EmbeddingShard.replace_rows`), so what it serves is always
 one checkpoint's rows.
 
+Generations. A load (:meth:`EmbeddingShard.replace_rows`) or a :meth:`~EmbeddingShard.clear`
+replaces rows that train lookups may have read and whose gradients are still on their way
+(from any worker: one worker drops its own forward contexts when a load or clear goes
+through it, but cannot reach the others'). The shard counts such replacements in its
+``generation`` (1 at start; it moves on only when train lookups read rows since the last
+one, so a restarted shard's start-up load keeps 1), tells each train lookup its generation
+(:attr:`EmbeddingShard.last_generation`), and :meth:`EmbeddingShard.update` refuses
+gradients said to be computed at an older generation (``FailedPreconditionError``, counted
+in ``stale_updates``) instead of applying them to the new rows of the same IDs.
+
 Threads. Every public method holds one ``threading.Lock``; the numba kernels release the GIL.
 """
 
@@ -73,7 +83,9 @@ class ShardStats:
     imports); ``rows_loaded``: rows put in whole from checkpoints (``replace_rows``), counted
     apart so that a read-only shard's inserts stay 0. ``rejected_admissions``: unknown IDs of
     train lookups not admitted (per occurrence). ``skipped_updates``: IDs of ``update`` calls
-    the shard no longer holds.
+    the shard no longer holds. ``stale_updates``: rows of ``update`` calls refused because a
+    load or clear replaced the rows since their lookup (see "Generations" in the module
+    docstring).
     """
 
     rows: int
@@ -89,6 +101,7 @@ class ShardStats:
     eval_lookups: int
     eval_ids_looked_up: int
     rows_loaded: int = 0
+    stale_updates: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,6 +279,11 @@ class EmbeddingShard:
         self._skipped = 0
         self._checkpoint_version = ""
         self._modified = False  # rows changed since start or the last replace_rows
+        self._stale_updates = 0
+        # See "Generations" in the module docstring. _handed_out: a train lookup read rows
+        # at this generation (its gradients may still come).
+        self._generation = 1
+        self._handed_out = False
 
     # ------------------------------------------------------------------ properties
 
@@ -301,6 +319,12 @@ class EmbeddingShard:
         a checkpoint's rows as loaded."""
         return self._modified
 
+    @property
+    def generation(self) -> int:
+        """How many times a load or clear replaced rows that train lookups had read, plus 1
+        (see "Generations" in the module docstring)."""
+        return self._generation
+
     def size(self) -> int:
         """Rows held, all dims together."""
         return self._rows
@@ -326,6 +350,7 @@ class EmbeddingShard:
                 eval_lookups=self._eval_lookups,
                 eval_ids_looked_up=self._eval_ids_looked_up,
                 rows_loaded=self._rows_loaded,
+                stale_updates=self._stale_updates,
             )
 
     # ------------------------------------------------------------------ configuration
@@ -476,6 +501,20 @@ class EmbeddingShard:
         it into a count of ID occurrences, and splits it by sample."""
         return getattr(self._local, "missing", None)
 
+    @property
+    def last_generation(self) -> int | None:
+        """The shard's :attr:`generation` when this thread's last train lookup on this shard
+        read its rows (None before any): what the gradients computed against them are to be
+        sent with (:meth:`update`'s ``generation``)."""
+        return getattr(self._local, "generation", None)
+
+    def _replaced(self) -> None:
+        """Rows were replaced (a load, a clear): a new generation if train lookups read rows
+        of the current one. The caller holds ``_lock``."""
+        if self._handed_out:
+            self._generation += 1
+            self._handed_out = False
+
     def _missed(self, missing: np.ndarray | None, count: int) -> None:
         """Record this thread's last lookup's misses: ``count`` IDs, at ``missing`` (bool
         [n]; None only when ``count`` is 0)."""
@@ -557,6 +596,9 @@ class EmbeddingShard:
             self._misses += misses
             self._missed(missing, misses)
             return table, rows
+        # Its rows go out for training: their gradients are to come with this generation.
+        self._handed_out = True
+        self._local.generation = self._generation
         table = self._table(dim, n)
         base = self._clock
         self._clock += n
@@ -583,10 +625,14 @@ class EmbeddingShard:
         rows[miss] = self._insert(table, miss_ids, base + miss, fill=True)
         return table, rows
 
-    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def update(self, ids: np.ndarray, grads: np.ndarray, *, generation: int | None = None) -> int:
         """Apply the optimizer to ``ids`` (uint64 [n], unique) with ``grads`` float32 [n, dim].
 
         Returns the number of rows updated; IDs no longer held are skipped and counted.
+        ``generation``: the :attr:`last_generation` of the train lookup the gradients were
+        computed after (None: not said, applied as ever). When a load or clear has replaced
+        the rows since (an older generation than the shard's), nothing is applied:
+        FailedPreconditionError, the rows counted in ``stale_updates``.
         """
         if self._read_only:
             raise FailedPreconditionError("this shard is read-only: updates are refused")
@@ -608,6 +654,14 @@ class EmbeddingShard:
                     "no optimizer configured; call configure(optimizer=...)"
                 )
             n = ids.shape[0]
+            if generation is not None and generation < self._generation:
+                self._stale_updates += n
+                raise FailedPreconditionError(
+                    f"gradients for {n} rows (dim {grads.shape[1]}) were computed against rows "
+                    f"that a load or clear of this shard has replaced since (their lookup's "
+                    f"generation {generation}, the shard's {self._generation}): not applied "
+                    "(look the batch up again)"
+                )
             table = self._tables.get(grads.shape[1])
             if table is None or n == 0:
                 self._skipped += n
@@ -633,6 +687,7 @@ class EmbeddingShard:
             self._rows = 0
             self._checkpoint_version = ""
             self._modified = True
+            self._replaced()
 
     # ------------------------------------------------------------------ bulk transfer
 
@@ -793,6 +848,7 @@ class EmbeddingShard:
             self._rows_loaded += self._rows
             self._checkpoint_version = checkpoint_version
             self._modified = False
+            self._replaced()
 
     def _fits(self, state_of: SGD | Adagrad | Adam, dim: int) -> bool:
         """Whether state kept for ``state_of`` is state of the shard's optimizer for rows of

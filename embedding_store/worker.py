@@ -100,6 +100,10 @@ class _GroupPlan:
     [num_bags]; ``bag_offsets`` int64 [num_bags] (torch, for ``embedding_bag``);
     ``id_weights`` float32 [n] or None (``1/sqrt(n)`` pooling weights); ``one_id_per_bag``:
     every bag holds exactly one ID (bag i is ``ids[i]``: single-ID summation slots).
+    ``generations``: after a train lookup, each shard's row generation when it answered (by
+    replica; None where the shard did not say or was not asked), sent back with the
+    gradients so that a shard whose rows a load or clear replaced since refuses them; None
+    when no shard said.
     """
 
     dim: int
@@ -110,6 +114,7 @@ class _GroupPlan:
     id_weights: torch.Tensor | None
     num_bags: int
     one_id_per_bag: bool = False
+    generations: tuple[int | None, ...] | None = None
 
 
 #: What a train lookup keeps for its backward pass: the plan of each dim group (opaque).
@@ -194,9 +199,12 @@ class EmbeddingWorker:
         plans = self._plan(features)
         outputs: dict[str, SlotOutput] = {}
         unknown = _UnknownTally(features[0].batch_size if features else 0)
+        kept: list[_GroupPlan] = []  # the plans, with the generations the shards said
         for plan in plans:
-            _slot_outputs(plan, self._pool(plan, train=train, unknown=unknown), outputs)
-        ref = self._remember(plans) if train else None
+            pooled, generations = self._pool(plan, train=train, unknown=unknown)
+            _slot_outputs(plan, pooled, outputs)
+            kept.append(plan if generations is None else replace(plan, generations=generations))
+        ref = self._remember(tuple(kept)) if train else None
         return LookupResult(
             slots=tuple(outputs[f.name] for f in features),
             ref=ref,
@@ -204,61 +212,73 @@ class EmbeddingWorker:
             unknown_per_sample=unknown.per_sample,
         )
 
-    def _pool(self, plan: _GroupPlan, *, train: bool, unknown: _UnknownTally) -> torch.Tensor:
-        """Pooled rows of one dim group: float32 [num_bags, dim]; counts the ID occurrences
-        answered with zeros into ``unknown``."""
+    def _pool(
+        self, plan: _GroupPlan, *, train: bool, unknown: _UnknownTally
+    ) -> tuple[torch.Tensor, tuple[int | None, ...] | None]:
+        """Pooled rows of one dim group: float32 [num_bags, dim], and (train lookups) each
+        shard's row generation (see :attr:`_GroupPlan.generations`); counts the ID
+        occurrences answered with zeros into ``unknown``."""
+        generations: tuple[int | None, ...] | None
         if self._pooling_shard is not None and not self.deduplicate:
             weights = None if plan.id_weights is None else plan.id_weights.numpy()
-            pooled = self._pooling_shard.lookup_pooled(
+            sums = self._pooling_shard.lookup_pooled(
                 plan.ids, plan.dim, plan.bag_offsets.numpy(), weights, train=train
             )
             misses = self._pooling_shard.last_misses
             if misses:
                 unknown.add(plan, self._pooling_shard.last_missing, misses)
-            return torch.from_numpy(pooled)
+            generations = (self._pooling_shard.last_generation,) if train else None
+            return torch.from_numpy(sums), generations
         if self.deduplicate:
             unique, inverse = _unique(plan.ids)
-            rows, missing, misses = self._gather(unique, plan.dim, train=train)
+            rows, missing, misses, generations = self._gather(unique, plan.dim, train=train)
             if misses:
                 # Per distinct ID -> per occurrence: the inverse index picks each
                 # occurrence's flag (an ID asked once for 3 occurrences counts 3 times).
                 occurrences = None if missing is None else missing[inverse.numpy()]
                 unknown.add(plan, occurrences, misses)
         else:
-            rows, missing, misses = self._gather(plan.ids, plan.dim, train=train)
+            rows, missing, misses, generations = self._gather(plan.ids, plan.dim, train=train)
             if misses:
                 unknown.add(plan, missing, misses)
             inverse = torch.arange(len(plan.ids))
-        return torch.nn.functional.embedding_bag(
+        pooled = torch.nn.functional.embedding_bag(
             inverse,
             rows,
             plan.bag_offsets,
             mode="sum",
             per_sample_weights=plan.id_weights,
         )
+        return pooled, generations
 
     def _gather(
         self, ids: np.ndarray, dim: int, *, train: bool
-    ) -> tuple[torch.Tensor, np.ndarray | None, int]:
-        """Rows of ``ids`` (uint64 [n]) from their owning shards, and which of them were
-        answered with zeros: (float32 [n, dim], bool [n] or None, how many).
+    ) -> tuple[torch.Tensor, np.ndarray | None, int, tuple[int | None, ...] | None]:
+        """Rows of ``ids`` (uint64 [n]) from their owning shards, which of them were
+        answered with zeros, and (train lookups) each shard's row generation: (float32
+        [n, dim], bool [n] or None, how many, generations by replica or None).
 
         The flags are None when none was, or when a shard told only how many (one that
         predates ``LookupResponse.missing``, or a stand-in without ``last_missing``); the
-        count is then what the shards said."""
+        count is then what the shards said. The generations are None when no shard said
+        one (eval lookups; shards that predate it, stand-ins without ``last_generation``)."""
         num_shards = len(self.shards)
         if num_shards == 1:
             shard = self.shards[0]
             rows = shard.lookup(ids, dim, train=train)
             count = getattr(shard, "last_misses", 0)
             flags = _checked_missing(getattr(shard, "last_missing", None), len(ids), count)
-            return torch.from_numpy(_as_rows(rows, len(ids), dim)), flags, count
+            generation = getattr(shard, "last_generation", None) if train else None
+            alone = None if generation is None else (generation,)
+            return torch.from_numpy(_as_rows(rows, len(ids), dim)), flags, count, alone
         owner = shard_of(ids, num_shards)
         gathered = np.empty((len(ids), dim), dtype=np.float32)
         lock = threading.Lock()
         misses = 0
         missing: np.ndarray | None = None  # bool [n], made once a shard flags a miss
         flagless = False  # a shard told only how many
+        # Per replica; each fetch writes only its own.
+        shard_generations: list[int | None] = [None] * num_shards
 
         def fetch(shard_index: int) -> None:
             nonlocal misses, missing, flagless
@@ -266,6 +286,8 @@ class EmbeddingWorker:
             if len(picked):
                 shard = self.shards[shard_index]
                 rows = shard.lookup(ids[picked], dim, train=train)
+                if train:  # per thread, as last_misses: read in the thread that asked
+                    shard_generations[shard_index] = getattr(shard, "last_generation", None)
                 # last_misses and last_missing are per thread: read in the thread that asked.
                 missed = getattr(shard, "last_misses", 0)
                 if missed:
@@ -283,7 +305,9 @@ class EmbeddingWorker:
                 gathered[picked] = _as_rows(rows, len(picked), dim)
 
         self._for_each_shard(fetch)
-        return torch.from_numpy(gathered), None if flagless else missing, misses
+        said = any(g is not None for g in shard_generations)
+        generations = tuple(shard_generations) if said else None
+        return torch.from_numpy(gathered), None if flagless else missing, misses, generations
 
     def _for_each_shard(self, task: Callable[[int], None]) -> None:
         """Run ``task(shard_index)`` for every shard: shards 1.. on the executor, shard 0 on
@@ -378,26 +402,47 @@ class EmbeddingWorker:
                 plan, bag_grads = _only_slots(plan, present, bag_grads)
             unique, unique_grads, finite = _scatter_to_unique(plan, bag_grads.numpy())
             skipped += len(finite) - int(np.count_nonzero(finite))
-            pushed += self._push(unique[finite], unique_grads[finite])
+            pushed += self._push(unique[finite], unique_grads[finite], plan.generations)
         self.nonfinite_rows_skipped += skipped
         return BackwardStats(rows_pushed=pushed, nonfinite_rows_skipped=skipped)
 
-    def _push(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def _push(
+        self, ids: np.ndarray, grads: np.ndarray, generations: tuple[int | None, ...] | None
+    ) -> int:
+        """Send each shard the summed gradients of the rows it owns, with the generation its
+        lookup said (:attr:`_GroupPlan.generations`): a shard whose rows a load or clear
+        replaced since (through any worker) refuses them, FailedPreconditionError."""
         if len(ids) == 0:
             return 0
         num_shards = len(self.shards)
         if num_shards == 1:
-            self.shards[0].update(ids, grads)
+            self._update(0, ids, grads, generations)
             return len(ids)
         owner = shard_of(ids, num_shards)
 
         def push(shard_index: int) -> None:
             picked = np.flatnonzero(owner == shard_index)
             if len(picked):
-                self.shards[shard_index].update(ids[picked], np.ascontiguousarray(grads[picked]))
+                self._update(
+                    shard_index, ids[picked], np.ascontiguousarray(grads[picked]), generations
+                )
 
         self._for_each_shard(push)
         return len(ids)
+
+    def _update(
+        self,
+        shard_index: int,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        generations: tuple[int | None, ...] | None,
+    ) -> None:
+        shard = self.shards[shard_index]
+        generation = None if generations is None else generations[shard_index]
+        if generation is None:  # not said: shards and stand-ins that predate generations
+            shard.update(ids, grads)
+        else:
+            shard.update(ids, grads, generation=generation)
 
     def _remember(self, plans: tuple[_GroupPlan, ...]) -> int:
         ref = next(self._refs)
@@ -933,7 +978,7 @@ class _ZerosShard:
     def lookup(self, ids: np.ndarray, dim: int, *, train: bool) -> np.ndarray:
         return np.zeros((ids.shape[0], dim), dtype=np.float32)
 
-    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def update(self, ids: np.ndarray, grads: np.ndarray, *, generation: int | None = None) -> int:
         return int(ids.shape[0])
 
 

@@ -238,15 +238,23 @@ def check_urls(host: str | None) -> None:
     ``HOST:PORT`` (:func:`load_tests.locust_run.checked_grpc_target`): before any user
     starts, not as one failed request (or user start) after another."""
     metadata_url = os.environ.get("RECSERVE_LT_METADATA_URL")
-    grpc_target = os.environ.get("RECSERVE_LT_GRPC")
     try:
         for where, url in (("--host", host), ("RECSERVE_LT_METADATA_URL", metadata_url)):
             if url and url.strip():  # an empty variable is an unset one
                 checked_host(url, where)
-        if grpc_target and grpc_target.strip():
-            checked_grpc_target(grpc_target, "RECSERVE_LT_GRPC")
+        grpc_target()
     except ValueError as error:
         sys.exit(f"error: {error}")
+
+
+def grpc_target() -> str | None:
+    """``RECSERVE_LT_GRPC``, the gRPC ``HOST:PORT`` the :class:`GrpcUser` connects to,
+    stripped and checked (:func:`load_tests.locust_run.checked_grpc_target`; ValueError
+    naming the variable); None when unset or blank (an empty variable is an unset one).
+    The start-up check and the users read it here alike: a user that took it unstripped
+    connected to ``grpc:// HOST:PORT``, which the check had passed."""
+    target = os.environ.get("RECSERVE_LT_GRPC", "").strip()
+    return checked_grpc_target(target, "RECSERVE_LT_GRPC") if target else None
 
 
 @events.init.add_listener
@@ -489,8 +497,8 @@ class GrpcUser(User):
     def on_start(self) -> None:
         from clients import RecserveClient
 
-        target = os.environ.get("RECSERVE_LT_GRPC")
-        if not target:
+        target = grpc_target()
+        if target is None:
             raise RuntimeError("GrpcUser needs RECSERVE_LT_GRPC=HOST:PORT")
         self.pool = payload_pool("grpc", self.host, _process_index(self))
         self.client = RecserveClient(f"grpc://{target}", model_name=MODEL, timeout=10.0, retries=0)

@@ -474,6 +474,12 @@ def _serve(args: argparse.Namespace) -> int:
     if options.workers > 1:  # the supervisor: it never loads torch or the model itself
         from serving.processes import serve_processes
 
+        if options.preprocessor:
+            # Imported once here, before any process starts (each imports it again for its
+            # own use): a bad --preprocessor was reported once per process, N times over.
+            from serving.preprocessor import load_preprocessor
+
+            load_preprocessor(options.preprocessor)
         return serve_processes(options)
     from serving.server import serve
 

@@ -15,27 +15,25 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from embedding_store import model_checkpoint
 from embedding_store.errors import (
     FailedPreconditionError,
-    InvalidArgumentError,
     PermissionDeniedError,
     RecserveError,
     UnavailableError,
-    summary_with_origin,
 )
 from embedding_store.gc_tuning import freeze_long_lived_objects, space_out_young_collections
 from embedding_store.stop_signal import StopRequest, stop_when_parent_exits
 from serving.metrics import CONTENT_TYPE, RELOAD_OUTCOMES
 from serving.model import LoadedModel, load_model
 from serving.options import ServeOptions
+from serving.preprocessor import load_preprocessor
 from serving.processes import _address_family, serve_processes
 from serving.service import PredictionService
 from serving.tls import reloading_server_tls
@@ -44,40 +42,9 @@ if TYPE_CHECKING:
     import grpc
     from fastapi import FastAPI
 
-    from embedding_store.batch import Batch
     from serving.grpc_frontend import GrpcHealth
 
 log = logging.getLogger(__name__)
-
-
-def load_preprocessor(spec: str) -> Callable[[list[Mapping[str, Any]]], Batch]:
-    """Import ``module:function`` (e.g. ``examples.adult_income.preprocess:instances_to_batch``)."""
-    import importlib
-
-    if os.getcwd() not in sys.path:
-        # Modules of the current folder (as uvicorn's --app-dir), but after the standard
-        # library and installed packages: a server started in a folder others can write to
-        # (/tmp) must not import their json.py or uvloop.py in place of the real ones.
-        sys.path.append(os.getcwd())
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise InvalidArgumentError(f"--preprocessor must be MODULE:FUNCTION, got {spec!r}")
-    try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise InvalidArgumentError(f"cannot import preprocessor {spec!r}: {error}") from None
-    except Exception as error:
-        # The module itself raised on import (its SyntaxError, NameError, a failed config
-        # read): a bare traceback that named neither the flag nor the spec otherwise.
-        raise InvalidArgumentError(
-            f"cannot import preprocessor {spec!r}: importing {module_name!r} raised "
-            f"{summary_with_origin(error)}"
-        ) from None
-    if not callable(function):  # else every friendly request failed with a TypeError
-        raise InvalidArgumentError(
-            f"--preprocessor {spec!r} is not a function: got a {type(function).__name__}"
-        )
-    return cast("Callable[[list[Mapping[str, Any]]], Batch]", function)
 
 
 class PredictionServer:

@@ -24,6 +24,7 @@ import numpy as np
 from embedding_store import __version__
 from embedding_store.batch import Batch
 from embedding_store.errors import (
+    PREPROCESSOR_INPUT_ERRORS,
     CheckpointError,
     DeadlineExceededError,
     InvalidArgumentError,
@@ -116,7 +117,7 @@ def _cannot_serve_yet(tier: object, status: TierStatus) -> str | None:
     return (f"embedding worker {worker}: " if worker else "embedding ") + "; ".join(waiting)
 
 
-def _refusal(error: KeyError | TypeError | ValueError) -> str:
+def _refusal(error: Exception) -> str:
     """Why a preprocessor refused the instances, for the client. A KeyError's message is the
     bare key (``'age'``): most often an instance without the field the preprocessor reads,
     so it is named so; an error without a message is named by its type."""
@@ -602,9 +603,10 @@ class PredictionService:
                 batch = self._preprocessor(list(instances))
             except RecserveError:
                 raise
-            except (KeyError, TypeError, ValueError) as error:
-                # The client's rows, most likely (a 400); but the operator's own preprocessor
-                # may be at fault (a TypeError in its code), so its traceback is logged as a
+            except PREPROCESSOR_INPUT_ERRORS as error:
+                # The client's rows, most likely (a 400, as recserve eval counts them bad
+                # rows); but the operator's own preprocessor may be at fault (a TypeError in
+                # its code), so its traceback is logged as a
                 # warning, once per origin per interval: a client looping on bad rows cannot
                 # flood the log.
                 left_out = self._preprocessor_errors.admit(error)

@@ -117,28 +117,32 @@ class LookupRequest(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., dim: _Optional[int] = ..., train: bool = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("rows", "misses", "missing")
+    __slots__ = ("rows", "misses", "missing", "generation")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rows: bytes
     misses: int
     missing: bytes
-    def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ..., missing: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, rows: _Optional[bytes] = ..., misses: _Optional[int] = ..., missing: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("ids", "grads", "dim", "replica_index", "replica_size")
+    __slots__ = ("ids", "grads", "dim", "replica_index", "replica_size", "generation")
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLICA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     grads: bytes
     dim: int
     replica_index: int
     replica_size: int
-    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dim: _Optional[int] = ..., replica_index: _Optional[int] = ..., replica_size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("rows_updated",)

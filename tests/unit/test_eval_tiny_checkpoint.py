@@ -1005,6 +1005,25 @@ def test_diff_counts_another_loss_scale_as_a_difference(tmp_path):
     assert "    scaler.pt" in checkpoint_diff.format_diff(result)
 
 
+def test_diff_counts_other_random_number_generator_states_as_a_difference(tmp_path):
+    """rng_state.safetensors (each rank's generators) was left out of `identical`: two
+    checkpoints whose resumed runs draw other random numbers (dropout) were "identical"."""
+    states = [[{"cpu": torch.Generator().manual_seed(seed).get_state()}] for seed in (1, 2)]
+    a = _rows_checkpoint(tmp_path / "a", CONFIG, {"user": USERS}, rng_states=states[0])
+    b = _rows_checkpoint(tmp_path / "b", CONFIG, {"user": USERS}, rng_states=states[1])
+    same = _rows_checkpoint(tmp_path / "same", CONFIG, {"user": USERS}, rng_states=states[0])
+    none = _rows_checkpoint(tmp_path / "none", CONFIG, {"user": USERS})
+    assert checkpoint_diff.diff(a, same)["identical"]
+    result = checkpoint_diff.diff(a, b)
+    assert result["dense"]["files_identical"] == {"dense.pt": True, "rng_state.safetensors": False}
+    assert {t["status"] for t in result["dense"]["tensors"]} == {"same"}
+    assert not result["identical"]
+    text = checkpoint_diff.format_diff(result)
+    assert "    rng_state.safetensors          differs (compared by checksum)" in text
+    assert text.endswith("\n  checkpoints differ")
+    assert not checkpoint_diff.diff(a, none)["identical"]  # one kept its generators, one not
+
+
 class TinyPlus(Tiny):
     def __init__(self) -> None:
         super().__init__()

@@ -1503,6 +1503,38 @@ def test_the_locustfile_refuses_a_bad_host_or_metadata_url_before_any_user_start
     assert "started" not in result.stdout
 
 
+_GRPC_TARGETS = """
+import os
+from types import SimpleNamespace
+from locust.env import Environment
+from load_tests import locustfile as lf
+
+lf.payload_pool = lambda *args: SimpleNamespace()
+for value in (" 127.0.0.1:8001 ", " "):
+    os.environ["RECSERVE_LT_GRPC"] = value
+    lf.check_urls(None)  # the start-up check passes both: stripped, then blank is unset
+    user = lf.GrpcUser(Environment())
+    try:
+        user.on_start()
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}")
+    else:
+        print(user.client.url)
+        user.on_stop()
+"""
+
+
+def test_a_grpc_user_reads_its_target_as_the_start_up_check_does():
+    """The start-up check stripped RECSERVE_LT_GRPC, the users did not: a space around
+    HOST:PORT passed the check, then every GrpcUser connected to "grpc:// HOST:PORT"; a
+    blank variable, unset to the check, made each user fail on an empty address."""
+    result = run_python(_GRPC_TARGETS)
+    assert result.stdout.splitlines() == [
+        "grpc://127.0.0.1:8001",
+        "RuntimeError: GrpcUser needs RECSERVE_LT_GRPC=HOST:PORT",
+    ]
+
+
 def test_the_watcher_reload_waits_for_two_of_its_looks():
     """A --watch-seconds of 300 could never reload within a fixed 120 s."""
     from load_tests.checkpoint_reload import watcher_reload_timeout

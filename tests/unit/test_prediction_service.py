@@ -1678,6 +1678,36 @@ def test_on_a_real_server_only_the_request_that_breaks_the_model_fails(
         serving.stop()
 
 
+def test_a_preprocessor_s_index_or_overflow_error_is_the_rows_fault_as_in_eval(
+    checkpoints, make_service
+):
+    """An IndexError or OverflowError that the preprocessor raised on the request's rows was
+    a 500 from recserve serve, while recserve eval counted the same rows as bad rows: both
+    now take them for the rows' fault (a 400; bad rows), as a KeyError or ValueError."""
+    from clients.eval_encoders import PreprocessorEncoder
+
+    def short_list(rows):
+        return _rows_to_batch([{**row, "user": [7][row["user"] + 1]} for row in rows])
+
+    def overflow(rows):
+        return _rows_to_batch([{**row, "user": int(float("inf"))} for row in rows])
+
+    reasons = {
+        short_list: ("IndexError", "list index out of range"),
+        overflow: ("OverflowError", "cannot convert float infinity to integer"),
+    }
+    for preprocessor, (kind, reason) in reasons.items():
+        service = make_service(_load(checkpoints[0]), preprocessor=preprocessor)
+        with pytest.raises(InvalidArgumentError) as raised:
+            service.predict_instances(NAME, _rows(2), protocol="http")
+        assert raised.value.message == f"instances could not be preprocessed: {reason}"
+        bad_row = f"the preprocessor raised {kind}: {reason}"
+        assert PreprocessorEncoder(preprocessor).encode(_rows(2)) == (
+            None,
+            [(0, bad_row), (1, bad_row)],
+        )
+
+
 def test_a_preprocessor_s_key_error_names_the_missing_key(checkpoints, make_service):
     """A KeyError's message is the bare key: the client read "instances could not be
     preprocessed: 'user'", which said nothing of a missing field. An error without a

@@ -721,6 +721,26 @@ def test_a_preprocessor_whose_import_raises_is_named_with_where(
             sys.modules.pop(name, None)
 
 
+def test_a_workers_server_reports_a_bad_preprocessor_once_before_starting_processes(
+    monkeypatch, capsys
+):
+    """recserve serve --workers 2 started its processes, and each failed importing the
+    preprocessor with the same error: printed once per process. The supervisor imports it
+    first, and refuses before it reserves ports or starts a process."""
+    from embedding_store.cli import main
+    from serving import processes
+
+    started: list[ServeOptions] = []
+    monkeypatch.setattr(processes, "serve_processes", lambda options: started.append(options))
+    spec = "no_such_module_h87:f"
+    code = main(["serve", "--checkpoint", "nowhere", "--workers", "2", "--preprocessor", spec])
+    assert (code, started) == (1, [])
+    assert capsys.readouterr().err == (
+        f"recserve serve: error: cannot import preprocessor '{spec}': No module named "
+        "'no_such_module_h87'\n"
+    )
+
+
 def test_a_stop_turns_readiness_off_before_draining():
     """Load balancers must see NOT_SERVING while in-flight requests drain, not after."""
     events: list[str] = []

@@ -483,6 +483,36 @@ def test_eval_names_every_tls_flag_given_without_url(tmp_path, given, flags):
     assert error.value.message == f"{flags} given without --url: they are for a server"
 
 
+@pytest.mark.parametrize("flag", ["--tls-ca", "--tls-key"])
+def test_eval_checks_the_tls_files_before_it_loads_the_checkpoint(flag, tls, tmp_path, monkeypatch):
+    """eval --compare loaded the checkpoint before it read the server's TLS files: a
+    mistyped --tls-* path was found only after the model load."""
+    from clients import eval as eval_module
+
+    def no_load(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the checkpoint loaded before the TLS files were checked")
+
+    monkeypatch.setattr(eval_module, "InProcessScorer", no_load)
+    data = tmp_path / "rows.csv"
+    data.write_text("user\n1\n")
+    missing = tmp_path / "missing.pem"
+    files = {"tls_ca": missing}
+    if flag == "--tls-key":
+        files = {"tls_cert": tls.cert, "tls_key": missing}
+    options = EvalOptions(
+        data=(data,),
+        out=tmp_path / "out.csv",
+        checkpoint=tmp_path / "checkpoint",
+        url="https://127.0.0.1:1",
+        compare=True,
+        **files,
+    )
+    with pytest.raises(InvalidArgumentError) as error:
+        run_eval(options)
+    assert error.value.message == f"{flag} {missing}: cannot read it: No such file or directory"
+    assert not (tmp_path / "out.csv").exists()
+
+
 def test_eval_refuses_tls_flags_for_a_plaintext_server(tls):
     """Checked when the scorer is made, before any request."""
     with pytest.raises(InvalidArgumentError) as error:
